@@ -1,0 +1,3 @@
+"""radixlm: a fast runtime for structured language-model programs."""
+
+__version__ = "0.1.0"

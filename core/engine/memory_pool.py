@@ -1,0 +1,90 @@
+"""KV memory: a token-granular KV pool with its slot allocator, and the request-to-token table.
+
+Slot 0 of the KV pool is never handed out: padded positions (CUDA-graph batches, dummy rows) write
+there, so a real request's KV is never overwritten by padding.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from radixlm.core.errors import OutOfMemoryError
+
+
+class KVPool:
+    """Per-layer key and value buffers of shape [num_slots + 1, num_kv_heads, head_dim]."""
+
+    def __init__(
+        self,
+        num_slots: int,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        self.num_slots = num_slots
+        shape = (num_slots + 1, num_kv_heads, head_dim)
+        self.k_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+
+    @staticmethod
+    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+class SlotAllocator:
+    """Hands out KV slots 1..num_slots. Free slots are kept on the host as a stack of ints."""
+
+    def __init__(self, num_slots: int) -> None:
+        self.num_slots = num_slots
+        self._free: list[int] = []
+        self.reset()
+
+    def reset(self) -> None:
+        self._free = list(range(self.num_slots, 0, -1))
+
+    def available(self) -> int:
+        return len(self._free)
+
+    def alloc(self, n: int) -> list[int] | None:
+        """n slots, or None when fewer than n are free (the caller evicts or retracts, then retries)."""
+        if n > len(self._free):
+            return None
+        if n == 0:
+            return []
+        taken = self._free[-n:]
+        del self._free[-n:]
+        taken.reverse()
+        return taken
+
+    def free(self, slots: list[int]) -> None:
+        self._free.extend(slots)
+
+    def free_set(self) -> set[int]:
+        return set(self._free)
+
+
+class ReqToTokenPool:
+    """Table [max_requests, max_context_len]: row r, column i = KV slot of position i of request r."""
+
+    def __init__(self, max_requests: int, max_context_len: int, device: torch.device | str) -> None:
+        self.table = torch.zeros((max_requests, max_context_len), dtype=torch.int32, device=device)
+        self._free_rows = list(range(max_requests - 1, -1, -1))
+
+    def available(self) -> int:
+        return len(self._free_rows)
+
+    def alloc(self) -> int:
+        if not self._free_rows:
+            raise OutOfMemoryError("no free request row; lower max_running_requests pressure")
+        return self._free_rows.pop()
+
+    def free(self, row: int) -> None:
+        self._free_rows.append(row)
+
+    def write(self, row: int, start: int, slots: list[int]) -> None:
+        if slots:
+            self.table[row, start : start + len(slots)] = torch.tensor(slots, dtype=torch.int32).to(
+                self.table.device, non_blocking=True
+            )

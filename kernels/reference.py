@@ -1,0 +1,115 @@
+"""Pure-torch reference twins of every kernel.
+
+The CPU path runs these; the Triton kernels are tested against them. Shapes follow one convention:
+KV pools are per-layer tensors ``[num_slots, num_kv_heads, head_dim]``; ``req_to_token[r, i]`` is the
+KV slot holding position ``i`` of request row ``r``. Attention reads all keys and values (the cached
+prefix and the new tokens alike) through that table, so new tokens must be stored before attending.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm computed in fp32, returned in the input dtype."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (xf * weight.float()).to(x.dtype)
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns (rms_norm(x + residual), x + residual): the residual stream and its normalized form."""
+    summed = x + residual
+    return rms_norm(summed, weight, eps), summed
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``gate_up`` holds [gate | up] along the last dim; returns silu(gate) * up."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
+
+
+def apply_rotary(
+    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Neox-style (rotate-half) rotary embedding, as Llama/Mistral/Qwen2 checkpoints in HF format use.
+
+    q: [T, H, D], k: [T, KH, D], positions: [T], cos_sin_cache: [max_pos, D] holding [cos | sin] halves.
+    """
+    cos, sin = cos_sin_cache[positions].chunk(2, dim=-1)  # [T, D/2] each
+    cos = cos.unsqueeze(1)
+    sin = sin.unsqueeze(1)
+
+    def rotate(x: torch.Tensor) -> torch.Tensor:
+        x1, x2 = x.float().chunk(2, dim=-1)
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+    return rotate(q), rotate(k)
+
+
+def store_kv(
+    k_buffer: torch.Tensor, v_buffer: torch.Tensor, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> None:
+    """Writes the new tokens' keys and values into their pool slots."""
+    k_buffer[loc] = k.to(k_buffer.dtype)
+    v_buffer[loc] = v.to(v_buffer.dtype)
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, sm_scale: float):
+    """q: [Lq, H, D]; k, v: [Lk, KH, D] with H a multiple of KH (GQA); mask: [Lq, Lk] bool, True = keep."""
+    group = q.shape[1] // k.shape[1]
+    k = k.float().repeat_interleave(group, dim=1)
+    v = v.float().repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.float(), k) * sm_scale
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+
+
+def extend_attention(
+    q: torch.Tensor,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    extend_lens: torch.Tensor,
+    sm_scale: float,
+) -> torch.Tensor:
+    """Causal attention of each request's new tokens over its whole sequence (prefix + new tokens).
+
+    q: [sum(extend_lens), H, D], packed request after request. Request b's new tokens sit at positions
+    ``seq_lens[b] - extend_lens[b] .. seq_lens[b] - 1``. Returns [sum(extend_lens), H, D] in q's dtype.
+    """
+    out = torch.empty_like(q)
+    start = 0
+    for row, seq_len, ext in zip(req_pool_indices.tolist(), seq_lens.tolist(), extend_lens.tolist()):
+        slots = req_to_token[row, :seq_len].long()
+        prefix = seq_len - ext
+        q_pos = torch.arange(prefix, seq_len, device=q.device)
+        mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]
+        out[start : start + ext] = _attend(
+            q[start : start + ext], k_buffer[slots], v_buffer[slots], mask, sm_scale
+        ).to(q.dtype)
+        start += ext
+    return out
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    sm_scale: float,
+) -> torch.Tensor:
+    """One query per request over its whole sequence. q: [B, H, D]; returns [B, H, D]."""
+    out = torch.empty_like(q)
+    for b, (row, seq_len) in enumerate(zip(req_pool_indices.tolist(), seq_lens.tolist())):
+        slots = req_to_token[row, :seq_len].long()
+        out[b] = _attend(q[b : b + 1], k_buffer[slots], v_buffer[slots], None, sm_scale)[0].to(q.dtype)
+    return out
