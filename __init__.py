@@ -1,3 +1,5 @@
 """radixlm: a fast runtime for structured language-model programs."""
 
 __version__ = "0.1.0"
+
+from radixlm.core.engine.engine import Engine  # noqa: E402

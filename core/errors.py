@@ -24,3 +24,7 @@ class OutOfMemoryError(RadixLMError, RuntimeError):
 
 class EngineShutdownError(RadixLMError, RuntimeError):
     """The engine was shut down before the request finished."""
+
+
+class QueueFullError(RadixLMError, RuntimeError):
+    """The engine's bounded queue is full; retry later (the server answers 503 with retry-after)."""

@@ -1,0 +1,30 @@
+"""The attention-backend interface: store the new tokens' KV into their pool slots, then attend.
+
+One backend serves every kernel set: `ops` is kernels.reference (pure torch, the CPU path) or the
+Triton kernels on CUDA, with identical signatures.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import torch
+
+from radixlm.core.engine.forward_batch import ForwardBatch
+
+
+class AttentionBackend:
+    def __init__(self, ops: ModuleType) -> None:
+        self.ops = ops
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, fb: ForwardBatch):
+        k_buf, v_buf = fb.kv_pool.k_buffers[layer_id], fb.kv_pool.v_buffers[layer_id]
+        self.ops.store_kv(k_buf, v_buf, fb.out_cache_loc, k, v)
+        scale = q.shape[-1] ** -0.5
+        if fb.is_decode:
+            return self.ops.decode_attention(
+                q, k_buf, v_buf, fb.req_to_token, fb.req_pool_indices, fb.seq_lens, scale
+            )
+        return self.ops.extend_attention(
+            q, k_buf, v_buf, fb.req_to_token, fb.req_pool_indices, fb.seq_lens, fb.extend_lens, scale
+        )

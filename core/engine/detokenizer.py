@@ -1,0 +1,76 @@
+"""Incremental detokenization that never emits broken UTF-8 and finds stop strings split across tokens."""
+
+from __future__ import annotations
+
+# Decoding restarts from a few tokens back so that tokenizers whose pieces depend on their left
+# neighbour (SentencePiece spaces, byte-level multi-byte characters) decode the same as in one go.
+_CONTEXT_TOKENS = 6
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer, skip_special_tokens: bool, stop: list[str], no_stop_trim: bool) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.stop = stop
+        self.no_stop_trim = no_stop_trim
+        self.ids: list[int] = []
+        self.text = ""  # stable decoded text so far (complete characters only)
+        self.prefix_offset = 0  # ids[prefix_offset:read_offset] decode to the tail of self.text
+        self.read_offset = 0
+        self.emitted = 0  # characters already handed to a stream consumer
+        self.matched_stop: str | None = None
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def add(self, token_id: int) -> str | None:
+        """Feeds one token. Returns the matched stop string when one now appears in the text, else None."""
+        self.ids.append(token_id)
+        return self._advance(final=False)
+
+    def flush(self) -> None:
+        """At the end of the output: whatever bytes are still pending are decoded as they are."""
+        if self.matched_stop is None and self.read_offset < len(self.ids):
+            self._advance(final=True)
+
+    def _advance(self, final: bool) -> str | None:
+        prefix_text = self._decode(self.ids[self.prefix_offset : self.read_offset])
+        full = self._decode(self.ids[self.prefix_offset :])
+        if not final and (full.endswith("\ufffd") or len(full) <= len(prefix_text)):
+            return None  # an incomplete UTF-8 sequence (or nothing visible yet): wait for more tokens
+        searched_from = max(0, len(self.text) - max((len(s) for s in self.stop), default=0) + 1)
+        self.text += full[len(prefix_text) :]
+        self.read_offset = len(self.ids)
+        self.prefix_offset = max(0, self.read_offset - _CONTEXT_TOKENS)
+        return self._find_stop(searched_from)
+
+    def _find_stop(self, start: int) -> str | None:
+        best: tuple[int, str] | None = None
+        for s in self.stop:
+            pos = self.text.find(s, start)
+            if pos >= 0 and (best is None or pos < best[0]):
+                best = (pos, s)
+        if best is None:
+            return None
+        pos, s = best
+        self.matched_stop = s
+        self.text = self.text[: pos + len(s)] if self.no_stop_trim else self.text[:pos]
+        return s
+
+    def take_new_text(self, final: bool) -> str:
+        """Text not yet streamed. Unless final, holds back a tail that may be the start of a stop string."""
+        end = len(self.text)
+        if not final and self.stop:
+            end -= self._stop_prefix_overlap()
+        chunk = self.text[self.emitted : end] if end > self.emitted else ""
+        self.emitted = max(self.emitted, end)
+        return chunk
+
+    def _stop_prefix_overlap(self) -> int:
+        longest = 0
+        for s in self.stop:
+            for k in range(min(len(s) - 1, len(self.text)), longest, -1):
+                if self.text.endswith(s[:k]):
+                    longest = k
+                    break
+        return longest

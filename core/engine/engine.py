@@ -1,0 +1,326 @@
+"""`radixlm.Engine`: the request front end. It tokenizes and validates, hands plain messages to the
+scheduler thread, and streams results back, with the shape of SGLang's offline engine."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import uuid
+from typing import Any, AsyncIterator, Iterator
+
+from radixlm.core.engine.model_runner import ModelRunner
+from radixlm.core.engine.options import EngineOptions
+from radixlm.core.engine.request import GenerateInput
+from radixlm.core.engine.sampling_params import SamplingParams
+from radixlm.core.engine.scheduler import AbortMsg, CallMsg, Scheduler
+from radixlm.core.errors import EngineShutdownError, InvalidRequestError, QueueFullError
+from radixlm.core.models.config import ModelConfig
+from radixlm.core.models.loader import load_tokenizer
+
+logger = logging.getLogger("radixlm")
+
+Output = dict[str, Any]
+
+
+class Engine:
+    """An in-process inference engine.
+
+    >>> with Engine() as engine:  # no model path: the embedded tiny model (random weights)
+    ...     out = engine.generate("Hello", {"max_new_tokens": 8, "temperature": 0})
+    """
+
+    def __init__(self, model_path: str | None = None, **options: Any) -> None:
+        self.options = EngineOptions.from_kwargs(options)
+        _configure_logging(self.options.log_level)
+        if model_path is None:
+            from radixlm.core.models.tiny_checkpoint import default_model_path
+
+            model_path = default_model_path()
+            default_name = "radixlm-default-tiny"
+        else:
+            default_name = model_path.rstrip("/").split("/")[-1]
+        self.model_path = model_path
+        self.served_model_name = self.options.served_model_name or default_name
+        self.model_config = ModelConfig.from_dir(model_path)
+        self.tokenizer = load_tokenizer(model_path)
+        eos = list(self.model_config.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None and self.tokenizer.eos_token_id not in eos:
+            eos.append(self.tokenizer.eos_token_id)
+        self.eos_token_ids = eos
+        self.vocab_size = self.model_config.vocab_size
+        self.context_len = self.model_config.context_len
+        self._runner = ModelRunner(model_path, self.model_config, self.options)
+        self._scheduler = Scheduler(self._runner, self.options, self.tokenizer, eos)
+        self.kv_pool_size = self._runner.num_slots
+        self._thread = threading.Thread(target=self._scheduler.run_forever, name="radixlm-scheduler", daemon=True)
+        self._thread.start()
+        self._in_flight = 0
+        self._in_flight_lock = threading.Lock()
+        self._closed = False
+        logger.info("engine ready: %s on %s (%s)", self.served_model_name, self.options.device, self.options.dtype)
+
+    # ---- lifecycle -------------------------------------------------------------------------
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._scheduler.stop()
+        self._thread.join(timeout=30)
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()
+
+    def __del__(self) -> None:
+        try:
+            self.shutdown()
+        except Exception:
+            pass
+
+    # ---- generation ------------------------------------------------------------------------
+
+    def generate(
+        self,
+        prompt: str | list[str] | None = None,
+        sampling_params: dict | list[dict] | None = None,
+        input_ids: list[int] | list[list[int]] | None = None,
+        return_logprob: bool = False,
+        logprob_start_len: int | None = None,
+        top_logprobs_num: int = 0,
+        stream: bool = False,
+        rid: str | list[str] | None = None,
+    ) -> Output | list[Output] | Iterator[Output]:
+        inputs, single = self._prepare(prompt, sampling_params, input_ids, return_logprob, logprob_start_len,
+                                       top_logprobs_num, stream, rid)
+        if stream:
+            return self._stream_sync(inputs[0])
+        results: list[queue.Queue] = []
+        for inp in inputs:
+            box: queue.Queue = queue.Queue(maxsize=1)
+            inp.sink = box.put
+            results.append(box)
+        self._submit(inputs)
+        outs = [self._wait(box) for box in results]
+        return outs[0] if single else outs
+
+    async def async_generate(
+        self,
+        prompt: str | list[str] | None = None,
+        sampling_params: dict | list[dict] | None = None,
+        input_ids: list[int] | list[list[int]] | None = None,
+        return_logprob: bool = False,
+        logprob_start_len: int | None = None,
+        top_logprobs_num: int = 0,
+        stream: bool = False,
+        rid: str | list[str] | None = None,
+    ) -> Output | list[Output] | AsyncIterator[Output]:
+        inputs, single = self._prepare(prompt, sampling_params, input_ids, return_logprob, logprob_start_len,
+                                       top_logprobs_num, stream, rid)
+        if stream:
+            return self._stream_async(inputs[0])
+        loop = asyncio.get_running_loop()
+        futures = []
+        for inp in inputs:
+            fut = loop.create_future()
+            inp.sink = lambda out, fut=fut: loop.call_soon_threadsafe(_set_result, fut, out)
+            futures.append(fut)
+        self._submit(inputs)
+        try:
+            outs = list(await asyncio.gather(*futures))
+        except asyncio.CancelledError:
+            for inp in inputs:
+                self.abort_request(inp.rid)
+            raise
+        return outs[0] if single else outs
+
+    def _stream_sync(self, inp: GenerateInput) -> Iterator[Output]:
+        chunks: queue.Queue = queue.Queue()
+        inp.sink = chunks.put
+        self._submit([inp])
+
+        def iterate() -> Iterator[Output]:
+            done = False
+            try:
+                while not done:
+                    chunk = self._wait(chunks)
+                    done = chunk["meta_info"]["finish_reason"] is not None
+                    yield chunk
+            finally:
+                if not done:  # the consumer stopped early: free the request's memory
+                    self.abort_request(inp.rid)
+
+        return iterate()
+
+    async def _stream_async(self, inp: GenerateInput) -> AsyncIterator[Output]:
+        loop = asyncio.get_running_loop()
+        chunks: asyncio.Queue = asyncio.Queue()
+        inp.sink = lambda out: loop.call_soon_threadsafe(chunks.put_nowait, out)
+        self._submit([inp])
+        done = False
+        try:
+            while not done:
+                chunk = await chunks.get()
+                done = chunk["meta_info"]["finish_reason"] is not None
+                yield chunk
+        finally:
+            if not done:
+                self.abort_request(inp.rid)
+
+    def abort_request(self, rid: str) -> None:
+        if not self._closed:
+            self._scheduler.inbox.put(AbortMsg(rid))
+
+    # ---- cache, stats, checks ------------------------------------------------------------------
+
+    def flush_cache(self) -> bool:
+        """Drops every cached prefix. Returns False (and drops nothing) while requests are in flight."""
+        return self._call(lambda s: s.flush_cache())
+
+    def get_stats(self) -> dict[str, Any]:
+        stats = self._call(lambda s: s.get_stats())
+        stats["in_flight"] = self._in_flight
+        return stats
+
+    def check_invariants(self) -> None:
+        """Debug check: every KV slot is exactly one of free, cached-evictable, cached-locked, owned."""
+        self._call(lambda s: s.check_invariants())
+
+    def _call(self, fn: Any) -> Any:
+        if self._closed:
+            raise EngineShutdownError("the engine has been shut down")
+        msg = CallMsg(fn)
+        self._scheduler.inbox.put(msg)
+        ok, value = msg.reply.get()
+        if not ok:
+            raise value
+        return value
+
+    # ---- input handling ------------------------------------------------------------------------
+
+    def _prepare(self, prompt, sampling_params, input_ids, return_logprob, logprob_start_len,
+                 top_logprobs_num, stream, rid) -> tuple[list[GenerateInput], bool]:
+        if self._closed:
+            raise EngineShutdownError("the engine has been shut down")
+        if (prompt is None) == (input_ids is None):
+            raise InvalidRequestError("give exactly one of prompt and input_ids", "prompt")
+        if prompt is not None:
+            single = isinstance(prompt, str)
+            prompts = [prompt] if single else prompt
+            if not isinstance(prompts, list) or not all(isinstance(p, str) for p in prompts):
+                raise InvalidRequestError("prompt must be a string or a list of strings", "prompt")
+            id_lists = [self.tokenizer(p)["input_ids"] for p in prompts]
+        else:
+            single = bool(input_ids) and all(isinstance(t, int) for t in input_ids)
+            id_lists = [input_ids] if single else input_ids
+            if not isinstance(id_lists, list) or not all(isinstance(ids, list) for ids in id_lists):
+                raise InvalidRequestError("input_ids must be a list of ints or a list of lists of ints", "input_ids")
+        if not id_lists:
+            raise InvalidRequestError("the prompt list is empty", "prompt")
+        if isinstance(sampling_params, list):
+            if len(sampling_params) != len(id_lists):
+                raise InvalidRequestError(
+                    f"{len(sampling_params)} sampling_params for {len(id_lists)} prompts", "sampling_params")
+            params = [SamplingParams.from_dict(sp) for sp in sampling_params]
+        else:
+            params = [SamplingParams.from_dict(sampling_params)] * len(id_lists)
+        if not isinstance(top_logprobs_num, int) or not 0 <= top_logprobs_num <= 20:
+            raise InvalidRequestError("top_logprobs_num must be an integer in [0, 20]", "top_logprobs_num")
+        if logprob_start_len is not None and (not isinstance(logprob_start_len, int) or logprob_start_len < -1):
+            raise InvalidRequestError("logprob_start_len must be an integer >= -1", "logprob_start_len")
+        if logprob_start_len == -1:
+            logprob_start_len = None
+        rids = self._rids(rid, len(id_lists), single)
+        inputs: list[GenerateInput] = []
+        for ids, sp, r in zip(id_lists, params, rids):
+            self._validate_ids(ids, sp)
+            constraint = self._build_constraint(sp)
+            for i in range(sp.n):
+                copy = sp
+                if sp.n > 1:
+                    copy = SamplingParams.from_dict({**sp.to_dict(), "n": 1,
+                                                     "seed": None if sp.seed is None else sp.seed + i})
+                inputs.append(GenerateInput(
+                    rid=r if sp.n == 1 else f"{r}-{i}", input_ids=list(ids), sampling_params=copy,
+                    return_logprob=return_logprob, logprob_start_len=logprob_start_len,
+                    top_logprobs_num=top_logprobs_num, stream=stream,
+                    constraint=constraint if i == 0 else self._build_constraint(sp)))
+        if stream and len(inputs) != 1:
+            raise InvalidRequestError("stream=True takes a single prompt with n=1", "stream")
+        return inputs, single and len(inputs) == 1
+
+    def _rids(self, rid, count: int, single: bool) -> list[str]:
+        if rid is None:
+            return [uuid.uuid4().hex for _ in range(count)]
+        rids = [rid] if isinstance(rid, str) else rid
+        if not isinstance(rids, list) or len(rids) != count or not all(isinstance(r, str) for r in rids):
+            raise InvalidRequestError("rid must be a string per prompt", "rid")
+        return rids
+
+    def _validate_ids(self, ids: list[int], sp: SamplingParams) -> None:
+        if not ids:
+            raise InvalidRequestError("the prompt is empty (no tokens)", "prompt")
+        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < self.vocab_size for t in ids):
+            raise InvalidRequestError(f"input_ids must be token ids in [0, {self.vocab_size})", "input_ids")
+        needed = len(ids) + (1 if sp.max_new_tokens > 0 else 0)
+        if needed > self.context_len:
+            raise InvalidRequestError(
+                f"the prompt has {len(ids)} tokens; this model's context is {self.context_len} tokens", "prompt")
+        if needed > self.kv_pool_size:
+            raise InvalidRequestError(
+                f"the prompt has {len(ids)} tokens; the KV pool holds only {self.kv_pool_size}", "prompt")
+
+    def _build_constraint(self, sp: SamplingParams):
+        if sp.regex is None and sp.json_schema is None and sp.choices is None:
+            return None
+        raise InvalidRequestError("constrained decoding (regex, json_schema, choices) is not available yet",
+                                  "regex" if sp.regex is not None else "json_schema" if sp.json_schema else "choices")
+
+    def _submit(self, inputs: list[GenerateInput]) -> None:
+        bound = self.options.max_queued_requests
+        with self._in_flight_lock:
+            if bound is not None and self._in_flight + len(inputs) > bound + self.options.max_running_requests:
+                raise QueueFullError(f"the request queue is full ({bound} waiting); retry later")
+            self._in_flight += len(inputs)
+        for inp in inputs:
+            inp.sink = _counting_sink(inp.sink, self._request_done)
+            self._scheduler.inbox.put(inp)
+
+    def _request_done(self) -> None:
+        with self._in_flight_lock:
+            self._in_flight -= 1
+
+    def _wait(self, box: queue.Queue) -> Output:
+        while True:
+            try:
+                return box.get(timeout=1.0)
+            except queue.Empty:
+                if not self._thread.is_alive():
+                    raise EngineShutdownError("the engine stopped before the request finished") from None
+
+
+def _counting_sink(sink, on_final):
+    def wrapped(out: Output) -> None:
+        if out["meta_info"]["finish_reason"] is not None:
+            on_final()
+        sink(out)
+
+    return wrapped
+
+
+def _set_result(fut: asyncio.Future, out: Output) -> None:
+    if not fut.done():
+        fut.set_result(out)
+
+
+def _configure_logging(level: str) -> None:
+    root = logging.getLogger("radixlm")
+    root.setLevel(level.upper())
+    if not root.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s radixlm %(levelname)s %(message)s"))
+        root.addHandler(handler)

@@ -1,0 +1,27 @@
+"""The tensors one model forward needs, built by the model runner from a scheduled batch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from radixlm.core.engine.attention_backend import AttentionBackend
+    from radixlm.core.engine.memory_pool import KVPool
+
+
+@dataclass
+class ForwardBatch:
+    is_decode: bool
+    input_ids: torch.Tensor  # [T] new tokens, request after request
+    positions: torch.Tensor  # [T]
+    out_cache_loc: torch.Tensor  # [T] KV slot of each new token
+    req_pool_indices: torch.Tensor  # [B] request-to-token rows
+    seq_lens: torch.Tensor  # [B] total length after this step
+    extend_lens: torch.Tensor  # [B] new tokens per request (all 1 when decoding)
+    req_to_token: torch.Tensor
+    kv_pool: "KVPool"
+    attn_backend: "AttentionBackend"
+    cos_sin_cache: torch.Tensor

@@ -1,0 +1,76 @@
+"""Engine options, named as SGLang's server arguments where those exist. Unknown options are errors."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from radixlm.core.engine.schedule_policy import POLICIES
+from radixlm.core.errors import InvalidRequestError
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
+
+
+@dataclass
+class EngineOptions:
+    dtype: str = "auto"  # auto: bf16 on CUDA, fp32 on CPU
+    device: str | None = None  # None: cuda if available, else cpu
+    schedule_policy: str = "lpm"
+    # A waiting request passed over this many times by better-matching ones goes first.
+    schedule_fairness_bound: int = 32
+    chunked_prefill_size: int = 8192  # max new tokens per prefill step; -1 disables chunking
+    max_running_requests: int | None = None
+    max_total_tokens: int | None = None  # KV pool size in tokens; default from mem_fraction_static
+    mem_fraction_static: float = 0.9
+    disable_radix_cache: bool = False
+    disable_jump_forward: bool = False
+    random_seed: int = 0
+    log_level: str = "warning"
+    served_model_name: str | None = None
+    max_queued_requests: int | None = None  # bounded waiting queue (the server answers 503 beyond it)
+    debug_check_invariants: bool = False  # verify the KV slot invariant after every step (slow)
+
+    @classmethod
+    def from_kwargs(cls, kwargs: dict[str, Any]) -> "EngineOptions":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise InvalidRequestError(f"unknown Engine option(s) {unknown}; known: {sorted(known)}", unknown[0])
+        opts = cls(**kwargs)
+        opts._resolve()
+        return opts
+
+    def _resolve(self) -> None:
+        if self.device is None:
+            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        if self.dtype == "auto":
+            self.dtype = "bfloat16" if self.device.startswith("cuda") else "float32"
+        if self.dtype not in _DTYPES:
+            raise InvalidRequestError(f"dtype must be one of {sorted(_DTYPES)} or 'auto' (got {self.dtype!r})", "dtype")
+        if self.schedule_policy not in POLICIES:
+            raise InvalidRequestError(f"schedule_policy must be one of {POLICIES} (got {self.schedule_policy!r})",
+                                      "schedule_policy")
+        if self.max_running_requests is None:
+            self.max_running_requests = 512 if self.device.startswith("cuda") else 64
+        for name in ("max_running_requests", "schedule_fairness_bound"):
+            if getattr(self, name) < 1:
+                raise InvalidRequestError(f"{name} must be >= 1", name)
+        if self.max_total_tokens is not None and self.max_total_tokens < 16:
+            raise InvalidRequestError("max_total_tokens must be >= 16", "max_total_tokens")
+        if self.chunked_prefill_size is None or self.chunked_prefill_size <= 0:
+            self.chunked_prefill_size = -1
+        elif self.chunked_prefill_size < 1:
+            raise InvalidRequestError("chunked_prefill_size must be positive or -1", "chunked_prefill_size")
+        if not 0.0 < self.mem_fraction_static < 1.0:
+            raise InvalidRequestError("mem_fraction_static must be in (0, 1)", "mem_fraction_static")
+        if self.log_level.upper() not in logging.getLevelNamesMapping():
+            raise InvalidRequestError(f"unknown log_level {self.log_level!r}", "log_level")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _DTYPES[self.dtype]

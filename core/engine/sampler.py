@@ -1,0 +1,112 @@
+"""Turns next-token logits into tokens: penalties, biases, constraint masks, temperature, top-k/p, min-p.
+
+Logprobs reported to users are those of the model's raw distribution (log-softmax of the logits
+before any penalty, mask or temperature), as SGLang and HF report them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from radixlm.core.engine.request import Req
+
+
+@dataclass
+class SampleResult:
+    token_ids: list[int]
+    logprobs: list[float] | None  # raw logprob of each sampled token
+    top_logprobs: list[list[tuple[float, int, None]]] | None
+
+
+def top_logprob_entries(logprobs: torch.Tensor, k: int) -> list[tuple[float, int, None]]:
+    values, ids = logprobs.topk(k)
+    return [(float(v), int(i), None) for v, i in zip(values.tolist(), ids.tolist())]
+
+
+class Sampler:
+    def __init__(self, vocab_size: int, eos_token_ids: list[int], generator: torch.Generator) -> None:
+        self.vocab_size = vocab_size
+        self.eos_token_ids = eos_token_ids
+        self.generator = generator
+
+    def sample(self, logits: torch.Tensor, reqs: list[Req], masks: list[torch.Tensor | None]) -> SampleResult:
+        """logits: [B, V] fp32, one row per request; masks: per-request allowed-token masks or None."""
+        logits = logits[:, : self.vocab_size]
+        want_logprobs = any(r.inp.return_logprob for r in reqs)
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
+        logits = self._adjust(logits.clone(), reqs, masks)
+        tokens = self._choose(logits, reqs)
+        token_list = tokens.tolist()
+        if raw_logprobs is None:
+            return SampleResult(token_list, None, None)
+        chosen = raw_logprobs.gather(1, tokens.view(-1, 1)).squeeze(1).tolist()
+        tops = [
+            top_logprob_entries(raw_logprobs[i], r.inp.top_logprobs_num) if r.inp.top_logprobs_num else None
+            for i, r in enumerate(reqs)
+        ]
+        return SampleResult(token_list, chosen, tops)
+
+    def _adjust(self, logits: torch.Tensor, reqs: list[Req], masks: list[torch.Tensor | None]) -> torch.Tensor:
+        for i, req in enumerate(reqs):
+            p = req.params
+            row = logits[i]
+            if p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty:
+                self._penalize(row, req)
+            if p.logit_bias:
+                ids = torch.tensor(list(p.logit_bias), device=row.device)
+                row[ids] += torch.tensor(list(p.logit_bias.values()), device=row.device)
+            if len(req.output_ids) < p.min_new_tokens:
+                banned = [t for t in (*self.eos_token_ids, *p.stop_token_ids) if t < self.vocab_size]
+                row[banned] = float("-inf")
+            if masks[i] is not None:
+                row.masked_fill_(~masks[i].to(row.device), float("-inf"))
+        return logits
+
+    @staticmethod
+    def _penalize(row: torch.Tensor, req: Req) -> None:
+        p = req.params
+        if p.repetition_penalty != 1.0:
+            seen = torch.tensor(sorted(set(req.fill_ids)), device=row.device)
+            vals = row[seen]
+            row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+        if req.output_ids and (p.frequency_penalty or p.presence_penalty):
+            counts = torch.bincount(torch.tensor(req.output_ids, device=row.device), minlength=row.numel())
+            counts = counts[: row.numel()].to(row.dtype)
+            row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
+
+    def _choose(self, logits: torch.Tensor, reqs: list[Req]) -> torch.Tensor:
+        greedy = torch.tensor([r.params.is_greedy for r in reqs], device=logits.device)
+        out = logits.argmax(dim=-1)
+        if bool(greedy.all()):
+            return out
+        temps = torch.tensor([max(r.params.temperature, 1e-5) for r in reqs], device=logits.device)
+        probs = torch.softmax(logits / temps[:, None], dim=-1)
+        probs = self._filter(probs, reqs)
+        for i, req in enumerate(reqs):
+            if not req.params.is_greedy:
+                gen = req.generator or self.generator
+                out[i] = torch.multinomial(probs[i], 1, generator=gen)[0]
+        return out
+
+    @staticmethod
+    def _filter(probs: torch.Tensor, reqs: list[Req]) -> torch.Tensor:
+        """top-k, then top-p, then min-p, each relative to the distribution it receives."""
+        top_k = [r.params.top_k for r in reqs]
+        top_p = [r.params.top_p for r in reqs]
+        min_p = [r.params.min_p for r in reqs]
+        if all(k == -1 for k in top_k) and all(p >= 1.0 for p in top_p) and all(m <= 0 for m in min_p):
+            return probs
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        vocab = probs.shape[-1]
+        ks = torch.tensor([k if k > 0 else vocab for k in top_k], device=probs.device)
+        rank = torch.arange(vocab, device=probs.device)[None, :]
+        sorted_probs = sorted_probs.masked_fill(rank >= ks[:, None], 0.0)
+        cum = sorted_probs.cumsum(-1)
+        ps = torch.tensor(top_p, device=probs.device)[:, None]
+        # keep a token if the mass before it is < top_p (the first token is always kept)
+        sorted_probs = sorted_probs.masked_fill((cum - sorted_probs) >= ps * cum[:, -1:], 0.0)
+        mins = torch.tensor(min_p, device=probs.device)[:, None] * sorted_probs[:, :1]
+        sorted_probs = sorted_probs.masked_fill(sorted_probs < mins, 0.0)
+        return torch.zeros_like(probs).scatter_(1, order, sorted_probs)

@@ -1,0 +1,472 @@
+"""The scheduler loop: owns the waiting queue, the running batch, the radix cache and the model runner.
+
+Each step it either prefills (new requests, or the next chunk of a long prompt) or decodes one token
+for every running request; new prefills join the running batch as soon as they finish (continuous
+batching). When KV memory runs short it evicts cached prefixes, then retracts running requests,
+which later resume from where they were with identical greedy output. It talks to front ends only
+through `inbox` messages and the per-request `sink` callbacks.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from radixlm.core.engine.detokenizer import IncrementalDetokenizer
+from radixlm.core.engine.memory_pool import SlotAllocator
+from radixlm.core.engine.model_runner import BatchInput, ModelRunner
+from radixlm.core.engine.options import EngineOptions
+from radixlm.core.engine.radix_cache import RadixCache
+from radixlm.core.engine.request import GenerateInput, Req, Status
+from radixlm.core.engine.sampler import Sampler, top_logprob_entries
+from radixlm.core.engine.schedule_policy import SchedulePolicy
+from radixlm.core.engine.stats import EngineStats
+
+logger = logging.getLogger("radixlm")
+
+# A waiting request whose new tokens share at least this many leading tokens with a request already
+# in this prefill batch waits one step, so it reuses that prefix from the cache instead of recomputing
+# it alongside (what makes a batch of prompts with a shared prefix compute the prefix once).
+IN_BATCH_SHARED_PREFIX = 16
+
+
+@dataclass
+class AbortMsg:
+    rid: str
+
+
+@dataclass
+class CallMsg:
+    """Runs `fn(scheduler)` on the scheduler thread and hands back its result (flush, stats, checks)."""
+
+    fn: Callable[["Scheduler"], Any]
+    reply: "queue.Queue[tuple[bool, Any]]" = field(default_factory=lambda: queue.Queue(maxsize=1))
+
+
+@dataclass
+class _Extend:
+    req: Req
+    start: int  # first position computed in this step
+    length: int  # new tokens in this step
+    finishes_prompt: bool  # the chunk reaches the end of fill_ids: sample the next token after it
+
+
+class Scheduler:
+    def __init__(self, runner: ModelRunner, opts: EngineOptions, tokenizer, eos_token_ids: list[int]) -> None:
+        self.runner = runner
+        self.opts = opts
+        self.tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids
+        self.context_len = runner.cfg.context_len
+        self.allocator = SlotAllocator(runner.num_slots)
+        self.tree = RadixCache(self.allocator, disable=opts.disable_radix_cache)
+        self.policy = SchedulePolicy(opts.schedule_policy, opts.schedule_fairness_bound, self.tree, opts.random_seed)
+        self.generator = torch.Generator(device=runner.device).manual_seed(opts.random_seed)
+        self.sampler = Sampler(runner.cfg.vocab_size, eos_token_ids, self.generator)
+        self.inbox: "queue.Queue[GenerateInput | AbortMsg | CallMsg | None]" = queue.Queue()
+        self.waiting: list[Req] = []
+        self.running: list[Req] = []
+        self.chunked: Req | None = None  # a request midway through a chunked prefill
+        self.stats = EngineStats()
+        self._arrivals = 0
+        self._stop = threading.Event()
+
+    # ---- the loop --------------------------------------------------------------------------
+
+    def run_forever(self) -> None:
+        while not self._stop.is_set():
+            self._drain_inbox(block=not (self.waiting or self.running or self.chunked))
+            if self._stop.is_set():
+                break
+            try:
+                self.step()
+            except Exception as exc:  # a bug must not take the engine down with every other request
+                logger.exception("scheduler step failed; aborting the requests in flight")
+                self._abort_all(f"internal error: {exc}")
+        self._abort_all("engine shut down")
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.inbox.put(None)
+
+    def step(self) -> None:
+        extends = self._schedule_prefill()
+        if extends:
+            self._run_extend(extends)
+        elif self.running:
+            self._run_decode()
+        if self.opts.debug_check_invariants:
+            self.check_invariants()
+
+    def _drain_inbox(self, block: bool) -> None:
+        while True:
+            try:
+                msg = self.inbox.get(block=block, timeout=0.5 if block else None)
+            except queue.Empty:
+                return
+            block = False
+            if msg is None:
+                return
+            if isinstance(msg, GenerateInput):
+                self._add_request(msg)
+            elif isinstance(msg, AbortMsg):
+                self._abort(msg.rid, "aborted by request")
+            elif isinstance(msg, CallMsg):
+                try:
+                    msg.reply.put((True, msg.fn(self)))
+                except Exception as exc:
+                    msg.reply.put((False, exc))
+
+    def _add_request(self, inp: GenerateInput) -> None:
+        p = inp.sampling_params
+        req = Req(inp=inp, detok=IncrementalDetokenizer(self.tokenizer, p.skip_special_tokens, p.stop, p.no_stop_trim),
+                  arrival=self._arrivals)
+        self._arrivals += 1
+        if p.seed is not None:
+            req.generator = torch.Generator(device=self.runner.device).manual_seed(p.seed)
+        self.stats.requests_total += 1
+        self.waiting.append(req)
+
+    # ---- prefill ---------------------------------------------------------------------------
+
+    def _schedule_prefill(self) -> list[_Extend]:
+        budget = self.opts.chunked_prefill_size if self.opts.chunked_prefill_size > 0 else 1 << 62
+        extends: list[_Extend] = []
+        if self.chunked is not None:
+            req, self.chunked = self.chunked, None
+            ext = self._plan_extend(req, budget)
+            if ext is None:
+                self.chunked = req
+                return []
+            extends.append(ext)
+            budget -= ext.length
+        if not self.waiting or budget <= 0 or self.chunked is not None:
+            return extends
+        slots_left = self.opts.max_running_requests - len(self.running) - len(extends)
+        in_batch: list[list[int]] = []
+        taken: set[int] = set()
+        for req in self.policy.order(self.waiting):
+            if slots_left <= 0 or budget <= 0:
+                break
+            if self.runner.req_to_token.available() == 0:
+                break
+            if self._shares_with_batch(req, in_batch):
+                continue
+            ext = self._plan_extend(req, budget)
+            if ext is None:
+                break  # out of memory: later requests must not overtake this one
+            taken.add(id(req))
+            extends.append(ext)
+            in_batch.append(req.fill_ids)
+            budget -= ext.length
+            slots_left -= 1
+            if not ext.finishes_prompt:
+                self.chunked = req
+                break
+        if extends:
+            for req in self.waiting:
+                if id(req) not in taken:
+                    req.passed_over += 1
+            self.waiting = [r for r in self.waiting if id(r) not in taken]
+        return extends
+
+    def _shares_with_batch(self, req: Req, in_batch: list[list[int]]) -> bool:
+        if self.tree.disable or not in_batch:
+            return False
+        ids = req.fill_ids
+        cached = len(self.tree.match_prefix(ids)[0])
+        for other in in_batch:
+            n = min(len(ids), len(other))
+            shared = 0
+            while shared < n and ids[shared] == other[shared]:
+                shared += 1
+            if shared - cached >= IN_BATCH_SHARED_PREFIX:
+                return True
+        return False
+
+    def _plan_extend(self, req: Req, budget: int) -> _Extend | None:
+        """Matches the request's prefix, allocates KV for its next chunk, and fills its table row.
+        Returns None (with nothing held) when memory does not allow it now."""
+        fill = req.fill_ids
+        if req.row is None:
+            # The last token is always computed (its logits give the next token); input logprobs
+            # need the logits of every position from the first wanted one.
+            limit = len(fill) - 1
+            start = req.input_logprob_start()
+            if start is not None:
+                limit = min(limit, max(start - 1, 0))
+            slots, node = self.tree.match_prefix(fill[:limit])
+            self.tree.inc_lock_ref(node)
+            length = min(len(fill) - len(slots), budget)
+            new = self._alloc(length)
+            if new is None:
+                self.tree.dec_lock_ref(node)
+                return None
+            req.row = self.runner.req_to_token.alloc()
+            req.slots, req.cached_len, req.last_node = list(slots), len(slots), node
+            if req.cached_tokens is None:
+                req.cached_tokens = len(slots)
+                self.stats.cached_tokens_total += len(slots)
+                self.stats.prompt_tokens_total += len(req.inp.input_ids)
+            self.runner.req_to_token.write(req.row, 0, slots)
+        else:
+            length = min(len(fill) - req.kv_len, budget)
+            new = self._alloc(length)
+            if new is None:
+                return None
+        start = req.kv_len
+        self.runner.req_to_token.write(req.row, start, new)
+        req.slots.extend(new)
+        req.status = Status.RUNNING
+        return _Extend(req, start, length, finishes_prompt=start + length == len(fill))
+
+    def _alloc(self, n: int) -> list[int] | None:
+        slots = self.allocator.alloc(n)
+        if slots is None:
+            self.tree.evict(n - self.allocator.available())
+            slots = self.allocator.alloc(n)
+        return slots
+
+    def _run_extend(self, extends: list[_Extend]) -> None:
+        batch = BatchInput(False, [], [], [], [], [], [], [])
+        # Per request: which rows of this step's logits it uses (input logprob rows, then sampling row).
+        logit_use: list[tuple[int, int, int]] = []  # (first logit index, first position, count)
+        for ext in extends:
+            req, base = ext.req, len(batch.input_ids)
+            end = ext.start + ext.length
+            batch.input_ids.extend(req.fill_ids[ext.start:end])
+            batch.positions.extend(range(ext.start, end))
+            batch.out_cache_loc.extend(req.slots[ext.start:end])
+            batch.rows.append(req.row)
+            batch.seq_lens.append(end)
+            batch.extend_lens.append(ext.length)
+            # Logits are needed from the first input-logprob position on, and at the last prompt
+            # position when the prompt completes (it gives the next token).
+            lp_start = req.input_logprob_start()
+            first = end if lp_start is None else min(max(lp_start - 1, ext.start), end)
+            if ext.finishes_prompt:
+                first = min(first, end - 1)
+            logit_use.append((len(batch.logit_rows), first, end - first))
+            batch.logit_rows.extend(range(base + first - ext.start, base + end - ext.start))
+        self.stats.prefill_tokens_total += len(batch.input_ids)
+        logits = self.runner.forward(batch)
+
+        to_sample: list[tuple[Req, int]] = []
+        for ext, (row0, first, count) in zip(extends, logit_use):
+            req = ext.req
+            if req.input_logprob_start() is not None and count:
+                self._record_input_logprobs(req, logits[row0 : row0 + count], first)
+            if not ext.finishes_prompt:
+                self._cache_prefix(req)
+                continue
+            req.prefill_done = True
+            if len(req.output_ids) >= req.params.max_new_tokens:
+                self._finish(req, "length", None)  # max_new_tokens == 0: prefill (scoring) only
+                continue
+            self._cache_prefix(req)
+            to_sample.append((req, row0 + count - 1))
+            self.running.append(req)
+        if to_sample:
+            rows = torch.tensor([i for _, i in to_sample], device=logits.device)
+            self._sample_and_advance([r for r, _ in to_sample], logits[rows])
+
+    def _record_input_logprobs(self, req: Req, logits: torch.Tensor, first_pos: int) -> None:
+        """logits[j] is the distribution after position first_pos + j, i.e. over token first_pos + j + 1."""
+        prompt = req.inp.input_ids
+        start = req.input_logprob_start()
+        if start == 0 and not req.input_token_logprobs:
+            req.input_token_logprobs.append((None, prompt[0], None))
+            req.input_top_logprobs.append(None)
+        logprobs = torch.log_softmax(logits, dim=-1)
+        for j in range(logits.shape[0]):
+            target = first_pos + j + 1
+            if target >= len(prompt) or target < start:
+                continue
+            req.input_token_logprobs.append((float(logprobs[j, prompt[target]]), prompt[target], None))
+            k = req.inp.top_logprobs_num
+            req.input_top_logprobs.append(top_logprob_entries(logprobs[j], k) if k else None)
+
+    def _cache_prefix(self, req: Req) -> None:
+        """Caches what the request has computed so far, so its next chunk and other requests reuse it
+        while it is still running."""
+        if self.tree.disable:
+            return
+        slots, node = self.tree.cache_unfinished(req.fill_ids[: req.kv_len], req.slots, req.cached_len, req.last_node)
+        req.slots, req.cached_len, req.last_node = list(slots), len(slots), node
+        self.runner.req_to_token.write(req.row, 0, slots)
+
+    # ---- decode ----------------------------------------------------------------------------
+
+    def _run_decode(self) -> None:
+        self._ensure_decode_memory()
+        if not self.running:
+            return
+        new_slots = self.allocator.alloc(len(self.running))
+        assert new_slots is not None
+        batch = BatchInput(True, [], [], new_slots, [], [], [1] * len(self.running), list(range(len(self.running))))
+        for req, slot in zip(self.running, new_slots):
+            pos = req.seq_len - 1
+            self.runner.req_to_token.write(req.row, pos, [slot])
+            req.slots.append(slot)
+            batch.input_ids.append(req.output_ids[-1])
+            batch.positions.append(pos)
+            batch.rows.append(req.row)
+            batch.seq_lens.append(pos + 1)
+        logits = self.runner.forward(batch)
+        self._sample_and_advance(list(self.running), logits)
+
+    def _ensure_decode_memory(self) -> None:
+        """Every running request needs one new slot. Evict cached prefixes first, then retract the
+        requests that arrived last until the rest fit."""
+        need = len(self.running)
+        if self.allocator.available() < need:
+            self.tree.evict(need - self.allocator.available())
+        while self.allocator.available() < len(self.running) and len(self.running) > 1:
+            victim = max(self.running, key=lambda r: r.arrival)
+            self._retract(victim)
+            if self.allocator.available() < len(self.running):
+                self.tree.evict(len(self.running) - self.allocator.available())
+        if self.running and self.allocator.available() < len(self.running):
+            req = self.running[0]
+            self._finish(req, "abort", None, error=f"KV pool of {self.allocator.num_slots} tokens cannot hold this request")
+
+    def _retract(self, req: Req) -> None:
+        logger.info("retracting request %s (%d tokens) to free KV memory", req.rid, req.seq_len)
+        self.running.remove(req)
+        self._release(req)
+        req.status = Status.WAITING
+        self.stats.retractions_total += 1
+        self.waiting.insert(0, req)
+
+    def _release(self, req: Req) -> None:
+        """Gives the request's KV to the radix cache (evictable) and its table row back."""
+        if req.row is None:
+            return
+        self.tree.cache_finished(req.fill_ids[: req.kv_len], req.slots, req.cached_len, req.last_node)
+        self.runner.req_to_token.free(req.row)
+        req.row, req.slots, req.cached_len, req.last_node = None, [], 0, None
+
+    # ---- sampling and finishing --------------------------------------------------------------
+
+    def _sample_and_advance(self, reqs: list[Req], logits: torch.Tensor) -> None:
+        masks = [None] * len(reqs)
+        result = self.sampler.sample(logits, reqs, masks)
+        now = time.monotonic()
+        for i, req in enumerate(reqs):
+            token = result.token_ids[i]
+            req.output_ids.append(token)
+            self.stats.generated_tokens_total += 1
+            if req.first_token_time is None:
+                req.first_token_time = now
+            if req.inp.return_logprob:
+                req.output_token_logprobs.append((result.logprobs[i], token, None))
+                req.output_top_logprobs.append(result.top_logprobs[i])
+            self._check_finish(req, token)
+            if req.finished:
+                continue
+            if req.inp.stream:
+                self._emit(req, final=False)
+
+    def _check_finish(self, req: Req, token: int) -> None:
+        p = req.params
+        if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
+            self._finish(req, "stop", token)
+            return
+        matched = req.detok.add(token)
+        if matched is not None and len(req.output_ids) >= p.min_new_tokens:
+            self._finish(req, "stop", matched)
+        elif len(req.output_ids) >= p.max_new_tokens or req.seq_len >= self.context_len:
+            self._finish(req, "length", None)
+
+    def _finish(self, req: Req, kind: str, matched: str | int | None, error: str | None = None) -> None:
+        req.finish_type, req.finish_matched = kind, matched
+        req.detok.flush()
+        if req in self.running:
+            self.running.remove(req)
+        if req in self.waiting:
+            self.waiting.remove(req)
+        if self.chunked is req:
+            self.chunked = None
+        self._release(req)
+        req.status = Status.FINISHED
+        self.stats.record_finish(req)
+        self._emit(req, final=True, error=error)
+
+    def _emit(self, req: Req, final: bool, error: str | None = None) -> None:
+        if req.inp.sink is None:
+            return
+        text = req.detok.take_new_text(final) if req.inp.stream else req.detok.text
+        ids = req.output_ids[req.streamed_ids :] if req.inp.stream else list(req.output_ids)
+        if req.inp.stream and not text and not final and len(ids) == 0:
+            return
+        out_lp = req.output_token_logprobs[req.streamed_logprobs :] if req.inp.stream else req.output_token_logprobs
+        out_top = req.output_top_logprobs[req.streamed_logprobs :] if req.inp.stream else req.output_top_logprobs
+        req.streamed_ids = len(req.output_ids)
+        req.streamed_logprobs = len(req.output_token_logprobs)
+        meta: dict[str, Any] = {
+            "id": req.rid,
+            "prompt_tokens": len(req.inp.input_ids),
+            "completion_tokens": len(req.output_ids),
+            "cached_tokens": req.cached_tokens or 0,
+            "finish_reason": {"type": req.finish_type, "matched": req.finish_matched} if final else None,
+        }
+        if req.inp.return_logprob:
+            meta["input_token_logprobs"] = list(req.input_token_logprobs)
+            meta["input_top_logprobs"] = list(req.input_top_logprobs)
+            meta["output_token_logprobs"] = list(out_lp)
+            meta["output_top_logprobs"] = list(out_top)
+        if final and req.first_token_time is not None:
+            meta["e2e_latency"] = time.monotonic() - req.created
+        if error is not None:
+            meta["error"] = error
+        req.inp.sink({"text": text, "output_ids": ids, "meta_info": meta})
+
+    # ---- aborts, flush, stats, invariants ------------------------------------------------------
+
+    def _abort(self, rid: str, why: str) -> None:
+        for req in [*self.waiting, *self.running, *([self.chunked] if self.chunked else [])]:
+            if req.rid == rid and not req.finished:
+                self._finish(req, "abort", None, error=why)
+
+    def _abort_all(self, why: str) -> None:
+        for req in [*self.waiting, *self.running, *([self.chunked] if self.chunked else [])]:
+            if not req.finished:
+                try:
+                    self._finish(req, "abort", None, error=why)
+                except Exception:  # a broken request must not keep the others from being answered
+                    logger.exception("could not finish request %s cleanly", req.rid)
+                    self.running = [r for r in self.running if r is not req]
+                    self.waiting = [r for r in self.waiting if r is not req]
+                    if self.chunked is req:
+                        self.chunked = None
+
+    def flush_cache(self) -> bool:
+        if self.running or self.waiting or self.chunked:
+            return False
+        self.tree.reset()
+        return True
+
+    def get_stats(self) -> dict[str, Any]:
+        cached = self.tree.total_size()
+        return self.stats.snapshot(
+            kv_slots_total=self.allocator.num_slots,
+            kv_slots_free=self.allocator.available(),
+            kv_slots_cached=cached,
+            kv_slots_cached_evictable=self.tree.evictable_size(),
+            running=len(self.running) + (1 if self.chunked else 0),
+            waiting=len(self.waiting),
+        )
+
+    def check_invariants(self) -> None:
+        owned: set[int] = set()
+        for req in [*self.running, *([self.chunked] if self.chunked else [])]:
+            mine = req.slots[req.cached_len :]
+            assert not owned.intersection(mine), f"request {req.rid} shares owned slots"
+            owned.update(mine)
+        self.tree.check_invariants(owned)

@@ -1,0 +1,41 @@
+"""Counters a user can read: cache hit rate, tokens, latencies."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from radixlm.core.engine.request import Req
+
+
+@dataclass
+class EngineStats:
+    requests_total: int = 0
+    finished_total: int = 0
+    aborted_total: int = 0
+    prompt_tokens_total: int = 0  # prompt tokens of requests when first scheduled
+    cached_tokens_total: int = 0  # of those, tokens served from the radix cache
+    prefill_tokens_total: int = 0  # tokens actually computed by prefill steps (incl. recomputation)
+    generated_tokens_total: int = 0
+    retractions_total: int = 0
+    e2e_latency_sum: float = 0.0
+    ttft_sum: float = 0.0
+    started: float = field(default_factory=time.monotonic)
+
+    def record_finish(self, req: "Req") -> None:
+        self.finished_total += 1
+        if req.finish_type == "abort":
+            self.aborted_total += 1
+        now = time.monotonic()
+        self.e2e_latency_sum += now - req.created
+        if req.first_token_time is not None:
+            self.ttft_sum += req.first_token_time - req.created
+
+    def snapshot(self, **gauges: Any) -> dict[str, Any]:
+        out = {k: v for k, v in self.__dict__.items() if k != "started"}
+        out["cache_hit_rate"] = self.cached_tokens_total / self.prompt_tokens_total if self.prompt_tokens_total else 0.0
+        out["uptime_s"] = time.monotonic() - self.started
+        out.update(gauges)
+        return out

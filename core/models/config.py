@@ -1,0 +1,124 @@
+"""What radixlm needs from a checkpoint's config.json, checked against what it supports."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from radixlm.core.errors import UnsupportedModelError
+
+# HF architecture name -> model family. All three share one implementation (core.models.llama).
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+}
+
+
+@dataclass
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    context_len: int
+    bos_token_id: int | None
+    eos_token_ids: list[int]
+
+    @classmethod
+    def from_dir(cls, path: str) -> "ModelConfig":
+        with open(os.path.join(path, "config.json")) as f:
+            cfg = json.load(f)
+        archs = cfg.get("architectures") or [cfg.get("model_type", "<missing>")]
+        arch = archs[0]
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise UnsupportedModelError(
+                f"architecture {arch!r} is not supported; supported: {sorted(SUPPORTED_ARCHITECTURES)}"
+            )
+        num_heads = cfg["num_attention_heads"]
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_heads
+        max_pos = cfg.get("max_position_embeddings", 2048)
+        # A sliding window shorter than the context changes attention; cap the context to it so that
+        # full attention stays exact instead of silently diverging from the checkpoint's behaviour.
+        window = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
+        context_len = min(max_pos, window) if window else max_pos
+        rope_scaling = cfg.get("rope_scaling") or cfg.get("rope_parameters")
+        if rope_scaling is not None:
+            kind = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
+            if kind not in ("default", "llama3", "linear"):
+                raise UnsupportedModelError(f"rope scaling type {kind!r} is not supported (default, llama3, linear)")
+            if kind == "default":
+                rope_scaling = None
+        eos = _generation_eos(path)
+        if eos is None:
+            eos = cfg.get("eos_token_id")
+        eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
+        return cls(
+            architecture=arch,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
+            head_dim=head_dim,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=float(cfg.get("rope_theta") or (rope_scaling or {}).get("rope_theta") or 10000.0),
+            rope_scaling=rope_scaling,
+            max_position_embeddings=max_pos,
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=SUPPORTED_ARCHITECTURES[arch] == "qwen2" or bool(cfg.get("attention_bias", False)),
+            context_len=context_len,
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+        )
+
+    def rope_cos_sin_cache(self, device: torch.device | str) -> torch.Tensor:
+        """[context_len, head_dim] fp32 holding [cos | sin] of every position, with llama3/linear scaling."""
+        dim = self.head_dim
+        inv_freq = 1.0 / (self.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+        positions = torch.arange(self.context_len, dtype=torch.float64)
+        scaling = self.rope_scaling or {}
+        kind = scaling.get("rope_type", scaling.get("type"))
+        if kind == "linear":
+            positions = positions / scaling["factor"]
+        elif kind == "llama3":
+            inv_freq = _llama3_inv_freq(inv_freq, scaling)
+        freqs = torch.outer(positions, inv_freq)
+        return torch.cat((freqs.cos(), freqs.sin()), dim=-1).float().to(device)
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict[str, Any]) -> torch.Tensor:
+    """Llama 3.1's frequency-dependent scaling: long wavelengths slowed by `factor`, short ones kept,
+    a smooth blend in between."""
+    factor, low, high = s["factor"], s.get("low_freq_factor", 1.0), s.get("high_freq_factor", 4.0)
+    old_ctx = s["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (old_ctx / wavelen - low) / (high - low)
+    blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    out = torch.where(wavelen > old_ctx / low, inv_freq / factor, inv_freq)
+    middle = (wavelen <= old_ctx / low) & (wavelen >= old_ctx / high)
+    return torch.where(middle, blended, out)
+
+
+def _generation_eos(path: str) -> int | list[int] | None:
+    gen_path = os.path.join(path, "generation_config.json")
+    if not os.path.exists(gen_path):
+        return None
+    with open(gen_path) as f:
+        return json.load(f).get("eos_token_id")

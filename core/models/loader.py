@@ -1,0 +1,92 @@
+"""Loads a local HF-format checkpoint directory: config, safetensors weights (single or sharded), tokenizer."""
+
+from __future__ import annotations
+
+import glob
+import json
+import logging
+import os
+from types import ModuleType
+
+import torch
+from safetensors import safe_open
+from tqdm.auto import tqdm
+
+from radixlm.core.errors import UnsupportedModelError
+from radixlm.core.models.config import ModelConfig
+from radixlm.core.models.llama import LlamaForCausalLM
+
+logger = logging.getLogger("radixlm")
+
+
+def _weight_files(path: str) -> list[str]:
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            shards = sorted(set(json.load(f)["weight_map"].values()))
+        return [os.path.join(path, s) for s in shards]
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        raise UnsupportedModelError(f"no *.safetensors weights in {path} (only safetensors checkpoints load)")
+    return files
+
+
+def load_model(
+    path: str, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, ops: ModuleType
+) -> LlamaForCausalLM:
+    """Builds the model on the meta device, then fills each parameter straight from the shards."""
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg, ops)
+    model = model.to_empty(device=device).to(dtype)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    params = dict(model.named_parameters(remove_duplicate=False))
+    loaded: set[str] = set()
+    files = _weight_files(path)
+    with tqdm(total=len(files), desc="Loading weights", unit="shard") as bar:
+        for file in files:
+            with safe_open(file, framework="pt", device="cpu") as f:
+                for hf_name in f.keys():
+                    mapped = model.weight_name_map(hf_name)
+                    if mapped is None:
+                        continue
+                    name, shard = mapped
+                    if name not in params:
+                        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+                            continue
+                        raise UnsupportedModelError(f"unexpected weight {hf_name!r} in {file}")
+                    _copy_into(model, params[name], name, shard, f.get_tensor(hf_name))
+                    loaded.add(name if shard is None else f"{name}#{shard}")
+            bar.update(1)
+    expected = set()
+    for name in params:
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        if ".qkv_proj." in name or ".gate_up_proj." in name:
+            expected.update(f"{name}#{i}" for i in range(len(model.fused_shard_sizes(name))))
+        else:
+            expected.add(name)
+    missing = sorted(expected - loaded)
+    if missing:
+        raise UnsupportedModelError(f"checkpoint {path} lacks weights: {missing[:5]}{'...' if len(missing) > 5 else ''}")
+    model.eval()
+    return model
+
+
+def _copy_into(model: LlamaForCausalLM, param: torch.Tensor, name: str, shard: int | None, w: torch.Tensor):
+    with torch.no_grad():
+        if shard is None:
+            param.copy_(w)
+            return
+        sizes = model.fused_shard_sizes(name)
+        start = sum(sizes[:shard])
+        param[start : start + sizes[shard]].copy_(w)
+
+
+def load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(path)
+    if not getattr(tok, "is_fast", False):
+        logger.warning("tokenizer at %s is not a fast tokenizer; detokenization will be slower", path)
+    return tok
