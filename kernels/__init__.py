@@ -1,17 +1,49 @@
 """radixlm.kernels: Triton kernels, each with a pure-torch reference twin (kernels.reference).
 
 `get_ops(device)` returns the kernel set for a device; every set has the same function names and
-signatures, so the engine never asks which one it holds.
+signatures (OP_NAMES), so the engine never asks which one it holds. CUDA devices get the Triton set
+when the `triton` package is installed, unless RADIXLM_DISABLE_TRITON=1; everything else gets the
+references.
 """
 
 from __future__ import annotations
 
+import importlib.util
+import os
 from types import ModuleType
 
 import torch
 
 from radixlm.kernels import reference
 
+OP_NAMES = (
+    "apply_rotary",
+    "apply_token_bitmask",
+    "decode_attention",
+    "extend_attention",
+    "fused_add_rms_norm",
+    "pack_token_mask",
+    "rms_norm",
+    "silu_and_mul",
+    "store_kv",
+)
+
+
+def triton_enabled(device: torch.device | str) -> bool:
+    """Whether get_ops(device) hands out the Triton kernels."""
+    device = torch.device(device)
+    return (
+        device.type == "cuda"
+        and os.environ.get("RADIXLM_DISABLE_TRITON", "0") != "1"
+        and torch.cuda.is_available()
+        and importlib.util.find_spec("triton") is not None
+    )
+
 
 def get_ops(device: torch.device | str) -> ModuleType:
+    if triton_enabled(device):
+        # Imported only here: the kernels are decorated at import, and CPU-only runs never need them.
+        from radixlm.kernels import triton as triton_ops
+
+        return triton_ops
     return reference

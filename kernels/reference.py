@@ -113,3 +113,26 @@ def decode_attention(
         slots = req_to_token[row, :seq_len].long()
         out[b] = _attend(q[b : b + 1], k_buffer[slots], v_buffer[slots], None, sm_scale)[0].to(q.dtype)
     return out
+
+
+def pack_token_mask(allowed: torch.Tensor) -> torch.Tensor:
+    """Bool [..., V] (True = allowed) -> int32 bitmask [..., ceil(V / 32)]: bit j of word w is token 32w + j.
+
+    A vocabulary of 128k tokens packs into 16 KiB per row instead of 128 KiB of bools, which is what
+    crosses to the device each constrained step.
+    """
+    vocab = allowed.shape[-1]
+    padded = torch.nn.functional.pad(allowed.to(torch.int64), (0, -vocab % 32))
+    words = (padded.unflatten(-1, (-1, 32)) << torch.arange(32, device=allowed.device)).sum(-1)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """In place: logits[b, v] = -inf where bit v % 32 of bitmask[b, v // 32] is 0 (token v not allowed).
+
+    logits: [B, V]; bitmask: int32 [B, W] with 32 * W >= V (see ``pack_token_mask``).
+    """
+    vocab = logits.shape[-1]
+    bits = (bitmask.unsqueeze(-1) >> torch.arange(32, device=bitmask.device, dtype=torch.int32)) & 1
+    allowed = bits.flatten(-2)[..., :vocab].bool()
+    logits.masked_fill_(~allowed, float("-inf"))

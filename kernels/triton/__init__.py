@@ -1,0 +1,14 @@
+"""radixlm.kernels.triton: the Triton kernel set, name for name and signature for signature the same as
+radixlm.kernels.reference (see radixlm.kernels.OP_NAMES). Importing it needs the `triton` package.
+"""
+
+from radixlm.kernels.reference import pack_token_mask
+from radixlm.kernels.triton.attention import decode_attention, extend_attention
+from radixlm.kernels.triton.elementwise import (
+    apply_rotary,
+    fused_add_rms_norm,
+    rms_norm,
+    silu_and_mul,
+    store_kv,
+)
+from radixlm.kernels.triton.sampling import apply_token_bitmask

@@ -1,0 +1,356 @@
+"""Paged attention over the token-granular KV pool: extend (prefill with a cached prefix) and decode.
+
+Both read every key and value through ``req_to_token`` (row ``req_pool_indices[b]``, column = position),
+so the new tokens must already be in the pool (``store_kv``) when these run. Twins:
+``reference.extend_attention`` and ``reference.decode_attention``.
+
+Softmax runs in base 2: scores are scaled by ``sm_scale * log2(e)`` so ``exp2`` replaces ``exp``.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+_LOG2E = 1.4426950408889634
+
+
+class AttnConfig(NamedTuple):
+    """Launch shape: rows of queries per program (extend only), keys per loop step, warps, stages."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    # fp32 inputs are the test path: exact fp32 products instead of the tf32 default.
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _block_d(head_dim: int) -> int:
+    return max(16, triton.next_power_of_2(head_dim))
+
+
+def extend_config(head_dim: int, device: torch.device) -> AttnConfig:
+    if device.type != "cuda":
+        return AttnConfig(16, 16, 4, 1)  # interpreter: small blocks so tiny tests cross block edges
+    if _block_d(head_dim) <= 64:
+        return AttnConfig(128, 64, 4, 3)
+    if _block_d(head_dim) <= 128:
+        return AttnConfig(128, 64, 8, 2)
+    return AttnConfig(64, 32, 8, 2)
+
+
+def decode_config(head_dim: int, device: torch.device) -> AttnConfig:
+    # block_m is unused by decode: a program's rows are one KV head's query group.
+    if device.type != "cuda":
+        return AttnConfig(0, 16, 4, 1)
+    if _block_d(head_dim) <= 128:
+        return AttnConfig(0, 64, 4, 2)
+    return AttnConfig(0, 32, 4, 2)
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def default_num_kv_splits(batch: int, num_kv_heads: int, device: torch.device) -> int:
+    """Enough (request, KV head, split) programs to fill the GPU about four times over.
+
+    Depends only on the batch shape, never on sequence lengths, so it needs no device sync and a
+    captured CUDA graph for a batch size stays valid for any lengths.
+    """
+    if device.type != "cuda":
+        return 2
+    sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+    return max(1, min(32, math.ceil(4 * sms / max(1, batch * num_kv_heads))))
+
+
+@triton.jit
+def _attend_keys(
+    q, m_i, l_i, acc,
+    K, V, token_row_ptr, kv_head,
+    stride_rc, stride_ks, stride_kh, stride_kd, stride_vs, stride_vh, stride_vd,
+    lo, hi, q_pos, scale_log2,
+    CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """Online-softmax accumulation of the keys at positions [lo, hi) into (m_i, l_i, acc).
+
+    With CAUSAL, key position p is visible to query row i only when p <= q_pos[i].
+    """
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+    for start in range(lo, hi, BLOCK_N):
+        pos = start + offs_n
+        n_mask = pos < hi
+        slot = tl.load(token_row_ptr + pos * stride_rc, mask=n_mask, other=0).to(tl.int64)
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k = tl.load(
+            K + slot[:, None] * stride_ks + kv_head * stride_kh + offs_d[None, :] * stride_kd,
+            mask=kv_mask, other=0.0,
+        )
+        scores = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION) * scale_log2
+        keep = n_mask[None, :]
+        if CAUSAL:
+            keep = keep & (pos[None, :] <= q_pos[:, None])
+        scores = tl.where(keep, scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(scores - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(
+            V + slot[:, None] * stride_vs + kv_head * stride_vh + offs_d[None, :] * stride_vd,
+            mask=kv_mask, other=0.0,
+        )
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=PRECISION)
+        m_i = m_new
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _extend_kernel(
+    Q, K, V, O, ReqToToken, ReqPoolIndices, SeqLens, ExtendLens, ExtendStartLoc,
+    scale_log2,
+    stride_qt, stride_qh, stride_qd,
+    stride_ot, stride_oh, stride_od,
+    stride_ks, stride_kh, stride_kd,
+    stride_vs, stride_vh, stride_vd,
+    stride_rr, stride_rc,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+):
+    # Heads vary fastest so the query heads sharing a KV head run side by side and share it in L2.
+    head = tl.program_id(0)
+    req = tl.program_id(1)
+    m_block = tl.program_id(2)
+    extend_len = tl.load(ExtendLens + req).to(tl.int32)
+    if m_block * BLOCK_M >= extend_len:
+        return
+    seq_len = tl.load(SeqLens + req).to(tl.int32)
+    prefix_len = seq_len - extend_len
+    q_start = tl.load(ExtendStartLoc + req).to(tl.int64)
+    row = tl.load(ReqPoolIndices + req).to(tl.int64)
+    kv_head = head // GROUP
+
+    offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    m_mask = offs_m < extend_len
+    qd_mask = m_mask[:, None] & (offs_d < HEAD_DIM)[None, :]
+    q = tl.load(
+        Q + (q_start + offs_m)[:, None] * stride_qt + head * stride_qh + offs_d[None, :] * stride_qd,
+        mask=qd_mask, other=0.0,
+    )
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    token_row_ptr = ReqToToken + row * stride_rr
+    q_pos = prefix_len + offs_m
+
+    # Keys before this block's first query are visible to all its rows: no causal mask there.
+    diag_start = prefix_len + m_block * BLOCK_M
+    m_i, l_i, acc = _attend_keys(
+        q, m_i, l_i, acc, K, V, token_row_ptr, kv_head,
+        stride_rc, stride_ks, stride_kh, stride_kd, stride_vs, stride_vh, stride_vd,
+        0, diag_start, q_pos, scale_log2,
+        False, HEAD_DIM, BLOCK_D, BLOCK_N, PRECISION,
+    )
+    diag_end = prefix_len + tl.minimum((m_block + 1) * BLOCK_M, extend_len)
+    m_i, l_i, acc = _attend_keys(
+        q, m_i, l_i, acc, K, V, token_row_ptr, kv_head,
+        stride_rc, stride_ks, stride_kh, stride_kd, stride_vs, stride_vh, stride_vd,
+        diag_start, diag_end, q_pos, scale_log2,
+        True, HEAD_DIM, BLOCK_D, BLOCK_N, PRECISION,
+    )
+    out = acc / l_i[:, None]
+    tl.store(
+        O + (q_start + offs_m)[:, None] * stride_ot + head * stride_oh + offs_d[None, :] * stride_od,
+        out.to(O.dtype.element_ty), mask=qd_mask,
+    )
+
+
+def extend_attention(
+    q: torch.Tensor,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    extend_lens: torch.Tensor,
+    sm_scale: float,
+    extend_start_loc: torch.Tensor | None = None,
+    max_extend_len: int | None = None,
+    *,
+    config: AttnConfig | None = None,
+) -> torch.Tensor:
+    """Causal attention of each request's new tokens over its prefix and new tokens, in one launch.
+
+    Same contract as ``reference.extend_attention``. ``extend_start_loc`` (offset of each request's
+    first query in ``q``) and ``max_extend_len`` may be passed when the caller has them; otherwise
+    they are derived from ``extend_lens`` (the max costs one device-to-host sync).
+    """
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    batch = extend_lens.shape[0]
+    if batch == 0 or q.shape[0] == 0:
+        return out
+    if extend_start_loc is None:
+        extend_start_loc = torch.cumsum(extend_lens, 0) - extend_lens
+    if max_extend_len is None:
+        max_extend_len = int(extend_lens.max())
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    cfg = config or extend_config(head_dim, q.device)
+    grid = (num_heads, batch, triton.cdiv(max_extend_len, cfg.block_m))
+    _extend_kernel[grid](
+        q, k_buffer, v_buffer, out, req_to_token, req_pool_indices, seq_lens, extend_lens,
+        extend_start_loc,
+        sm_scale * _LOG2E,
+        *q.stride(), *out.stride(), *k_buffer.stride(), *v_buffer.stride(), *req_to_token.stride(),
+        GROUP=num_heads // k_buffer.shape[1], HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, PRECISION=_dot_precision(q.dtype),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return out
+
+
+@triton.jit
+def _decode_split_kernel(
+    Q, K, V, PartOut, PartLse, ReqToToken, ReqPoolIndices, SeqLens,
+    scale_log2, num_splits,
+    stride_qb, stride_qh, stride_qd,
+    stride_ks, stride_kh, stride_kd,
+    stride_vs, stride_vh, stride_vd,
+    stride_rr, stride_rc,
+    stride_pb, stride_ph, stride_ps, stride_pd,
+    stride_lb, stride_lh, stride_ls,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """Stage 1: one KV head's whole query group against one split of one request's keys."""
+    req = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(SeqLens + req).to(tl.int32)
+    row = tl.load(ReqPoolIndices + req).to(tl.int64)
+    # Splits are whole multiples of BLOCK_N so no split wastes a partial block; trailing ones may be empty.
+    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    lo = split * split_len
+    hi = tl.minimum(lo + split_len, seq_len)
+
+    offs_g = tl.arange(0, BLOCK_H)
+    heads = kv_head * GROUP + offs_g
+    offs_d = tl.arange(0, BLOCK_D)
+    hd_mask = (offs_g < GROUP)[:, None] & (offs_d < HEAD_DIM)[None, :]
+    q = tl.load(
+        Q + req * stride_qb + heads[:, None] * stride_qh + offs_d[None, :] * stride_qd,
+        mask=hd_mask, other=0.0,
+    )
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    m_i, l_i, acc = _attend_keys(
+        q, m_i, l_i, acc, K, V, ReqToToken + row * stride_rr, kv_head,
+        stride_rc, stride_ks, stride_kh, stride_kd, stride_vs, stride_vh, stride_vd,
+        lo, hi, offs_g, scale_log2,
+        False, HEAD_DIM, BLOCK_D, BLOCK_N, PRECISION,
+    )
+    # An empty split stores zeros with log-sum-exp -inf, which the reduce weighs as nothing.
+    nonempty = l_i > 0
+    part = acc / tl.where(nonempty, l_i, 1.0)[:, None]
+    lse = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), float("-inf"))
+    tl.store(
+        PartOut + req * stride_pb + heads[:, None] * stride_ph + split * stride_ps
+        + offs_d[None, :] * stride_pd,
+        part, mask=hd_mask,
+    )
+    tl.store(PartLse + req * stride_lb + heads * stride_lh + split * stride_ls, lse, mask=offs_g < GROUP)
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    PartOut, PartLse, O, num_splits,
+    stride_pb, stride_ph, stride_ps, stride_pd,
+    stride_lb, stride_lh, stride_ls,
+    stride_ob, stride_oh, stride_od,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    """Stage 2: merge the splits of one (request, head) by their log-sum-exps."""
+    req = tl.program_id(0)
+    head = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    s_mask = offs_s < num_splits
+    sd_mask = s_mask[:, None] & (offs_d < HEAD_DIM)[None, :]
+    lse = tl.load(
+        PartLse + req * stride_lb + head * stride_lh + offs_s * stride_ls, mask=s_mask, other=float("-inf")
+    )
+    parts = tl.load(
+        PartOut + req * stride_pb + head * stride_ph + offs_s[:, None] * stride_ps
+        + offs_d[None, :] * stride_pd,
+        mask=sd_mask, other=0.0,
+    )
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)  # all splits empty (seq_len 0): output zeros
+    w = tl.where(lse == float("-inf"), 0.0, tl.exp2(lse - m))
+    total = tl.sum(w, 0)
+    out = tl.sum(w[:, None] * parts, 0) / tl.where(total > 0, total, 1.0)
+    tl.store(
+        O + req * stride_ob + head * stride_oh + offs_d * stride_od,
+        out.to(O.dtype.element_ty), mask=offs_d < HEAD_DIM,
+    )
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    sm_scale: float,
+    num_kv_splits: int | None = None,
+    *,
+    config: AttnConfig | None = None,
+) -> torch.Tensor:
+    """Flash-decoding: one query per request over its paged KV, split along the keys, then merged.
+
+    Same contract as ``reference.decode_attention``. Each stage-1 program loads one KV head once for
+    its whole query group (GQA). ``num_kv_splits`` defaults to a value that depends on the batch
+    shape only (see ``default_num_kv_splits``).
+    """
+    batch, num_heads, head_dim = q.shape
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if batch == 0:
+        return out
+    num_kv_heads = k_buffer.shape[1]
+    group = num_heads // num_kv_heads
+    splits = num_kv_splits or default_num_kv_splits(batch, num_kv_heads, q.device)
+    cfg = config or decode_config(head_dim, q.device)
+    block_d = _block_d(head_dim)
+    part_out = torch.empty((batch, num_heads, splits, head_dim), dtype=torch.float32, device=q.device)
+    part_lse = torch.empty((batch, num_heads, splits), dtype=torch.float32, device=q.device)
+    _decode_split_kernel[(batch, num_kv_heads, splits)](
+        q, k_buffer, v_buffer, part_out, part_lse, req_to_token, req_pool_indices, seq_lens,
+        sm_scale * _LOG2E, splits,
+        *q.stride(), *k_buffer.stride(), *v_buffer.stride(), *req_to_token.stride(),
+        *part_out.stride(), *part_lse.stride(),
+        GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d,
+        BLOCK_H=max(16, triton.next_power_of_2(group)),  # tl.dot needs at least 16 rows
+        BLOCK_N=cfg.block_n, PRECISION=_dot_precision(q.dtype),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    _decode_reduce_kernel[(batch, num_heads)](
+        part_out, part_lse, out, splits,
+        *part_out.stride(), *part_lse.stride(), *out.stride(),
+        HEAD_DIM=head_dim, BLOCK_D=block_d,
+        BLOCK_S=triton.next_power_of_2(splits), num_warps=4,
+    )
+    return out

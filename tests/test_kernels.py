@@ -1,0 +1,245 @@
+"""Every Triton kernel against its pure-torch twin (radixlm.kernels.reference).
+
+On CPU the kernels run under Triton's interpreter (TRITON_INTERPRET=1, set here if the environment
+did not); on a GPU machine the same tests run them natively. The interpreter runs every program in
+Python, so shapes are tiny but chosen to cross block edges: the CPU launch shapes use 16-row query
+blocks and 16-key steps. Notes on the interpreter: it cannot run a bfloat16 `tl.dot` (it multiplies
+the raw bit patterns, triton-lang/triton#11584), so the attention kernels are checked here in fp32
+and fp16, and in bf16 by benchmarks/gpu_check_kernels.py on the GPU.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import zlib
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+pytest.importorskip("triton")
+
+from radixlm import kernels  # noqa: E402
+from radixlm.kernels import reference as ref  # noqa: E402
+from radixlm.kernels import triton as tri  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
+TOL = {
+    torch.float32: dict(atol=1e-4, rtol=1e-4),
+    torch.float16: dict(atol=2e-3, rtol=2e-3),
+    torch.bfloat16: dict(atol=1e-2, rtol=1.6e-2),
+}
+
+
+@pytest.fixture(autouse=True)
+def _seed(request):
+    # Fresh inputs per test, reproducible per test id.
+    torch.manual_seed(zlib.crc32(request.node.name.encode()))
+
+
+def randn(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return torch.randn(*shape, device=DEVICE).to(dtype)
+
+
+class PagedBatch:
+    """A KV pool filled with random values everywhere, and requests whose positions map to shuffled
+    slots (never slot 0) in shuffled rows of a request-to-token table whose unused cells hold other
+    valid slot ids, so any read of a wrong position or slot changes the answer."""
+
+    def __init__(self, seq_lens: list[int], num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                 index_dtype: torch.dtype) -> None:
+        batch, total = len(seq_lens), sum(seq_lens)
+        num_slots = total + 9
+        self.k_buffer = randn(num_slots + 1, num_kv_heads, head_dim, dtype=dtype)
+        self.v_buffer = randn(num_slots + 1, num_kv_heads, head_dim, dtype=dtype)
+        slots = torch.randperm(num_slots)[:total] + 1
+        num_rows, width = batch + 3, max(seq_lens, default=0) + 5
+        self.req_to_token = torch.randint(1, num_slots + 1, (num_rows, width), dtype=torch.int32)
+        self.req_pool_indices = torch.randperm(num_rows)[:batch]
+        start = 0
+        for row, seq_len in zip(self.req_pool_indices.tolist(), seq_lens):
+            self.req_to_token[row, :seq_len] = slots[start : start + seq_len].to(torch.int32)
+            start += seq_len
+        self.req_to_token = self.req_to_token.to(DEVICE, index_dtype)
+        self.req_pool_indices = self.req_pool_indices.to(DEVICE, index_dtype)
+        self.seq_lens = torch.tensor(seq_lens, device=DEVICE, dtype=index_dtype)
+
+    def tables(self) -> tuple[torch.Tensor, ...]:
+        return self.k_buffer, self.v_buffer, self.req_to_token, self.req_pool_indices, self.seq_lens
+
+
+def assert_same_rounding(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    """Bit-equal, except bf16 under the interpreter, whose fp32 -> bf16 cast truncates where the GPU and
+    torch round to nearest even: there, one bf16 ulp."""
+    if expected.dtype == torch.bfloat16 and DEVICE == "cpu":
+        torch.testing.assert_close(actual, expected, atol=0, rtol=2**-7)
+    else:
+        assert torch.equal(actual, expected)
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape
+    assert torch.isfinite(actual).all()
+    torch.testing.assert_close(actual, expected, **TOL[expected.dtype])
+
+
+# ----------------------------------------------------------------------------------- attention
+
+# (num_heads, num_kv_heads, head_dim): GQA ratios 1, 4, 8; one head_dim not a power of two.
+GQA_SHAPES = [(2, 2, 64), (4, 1, 64), (8, 1, 40)]
+
+
+@pytest.mark.parametrize("heads", GQA_SHAPES, ids=lambda s: f"H{s[0]}-KH{s[1]}-D{s[2]}")
+def test_extend_attention_fp32(heads):
+    num_heads, num_kv_heads, head_dim = heads
+    # Ragged: no prefix and 2 query blocks; a prefix spanning 2 key blocks; a prefix ending mid-block.
+    prefix_lens, extend_lens = [0, 21, 5], [20, 3, 17]
+    seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
+    batch = PagedBatch(seq_lens, num_kv_heads, head_dim, torch.float32, torch.int32)
+    q = randn(sum(extend_lens), num_heads, head_dim)
+    ext = torch.tensor(extend_lens, device=DEVICE, dtype=torch.int32)
+    scale = head_dim**-0.5
+    expected = ref.extend_attention(q, *batch.tables(), ext, scale)
+    assert_close(tri.extend_attention(q, *batch.tables(), ext, scale), expected)
+
+
+def test_extend_attention_fp16_int64_strided_q_and_precomputed_starts():
+    num_heads, num_kv_heads, head_dim = 4, 1, 64
+    prefix_lens, extend_lens = [16, 0], [18, 1]
+    seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
+    batch = PagedBatch(seq_lens, num_kv_heads, head_dim, torch.float16, torch.int64)
+    # q sliced out of a fused QKV projection output, as the model produces it.
+    qkv = randn(sum(extend_lens), (num_heads + 2 * num_kv_heads) * head_dim, dtype=torch.float16)
+    q = qkv[:, : num_heads * head_dim].view(-1, num_heads, head_dim)
+    ext = torch.tensor(extend_lens, device=DEVICE, dtype=torch.int64)
+    starts = torch.tensor([0, extend_lens[0]], device=DEVICE, dtype=torch.int64)
+    expected = ref.extend_attention(q, *batch.tables(), ext, 0.125)
+    out = tri.extend_attention(q, *batch.tables(), ext, 0.125, extend_start_loc=starts, max_extend_len=18)
+    assert_close(out, expected)
+
+
+@pytest.mark.parametrize("heads", GQA_SHAPES, ids=lambda s: f"H{s[0]}-KH{s[1]}-D{s[2]}")
+def test_decode_attention_split_kv_fp32(heads):
+    num_heads, num_kv_heads, head_dim = heads
+    # 3 splits: length 40 spans all three (16 + 16 + 8 keys); 17 leaves the third empty; 1 and 0 leave
+    # two or three empty (0 is a padding row: the reference gives zeros).
+    seq_lens = [40, 1, 17, 0]
+    batch = PagedBatch(seq_lens, num_kv_heads, head_dim, torch.float32, torch.int32)
+    q = randn(len(seq_lens), num_heads, head_dim)
+    expected = ref.decode_attention(q, *batch.tables(), head_dim**-0.5)
+    assert_close(tri.decode_attention(q, *batch.tables(), head_dim**-0.5, num_kv_splits=3), expected)
+
+
+def test_decode_attention_fp16_int64_default_splits():
+    num_heads, num_kv_heads, head_dim = 8, 2, 64
+    seq_lens = [33, 7]
+    batch = PagedBatch(seq_lens, num_kv_heads, head_dim, torch.float16, torch.int64)
+    q = randn(len(seq_lens), num_heads, head_dim, dtype=torch.float16)
+    expected = ref.decode_attention(q, *batch.tables(), 0.125)
+    assert_close(tri.decode_attention(q, *batch.tables(), 0.125), expected)
+
+
+# ------------------------------------------------------------------------------- element-wise
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+@pytest.mark.parametrize(
+    "src_dtype, pool_dtype",
+    [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.float32, torch.float16)],
+    ids=str,
+)
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64], ids=str)
+def test_store_kv_writes_only_its_slots(src_dtype, pool_dtype, index_dtype):
+    num_tokens, num_kv_heads, head_dim = 5, 3, 24
+    # k and v as strided views of a fused QKV output.
+    qkv = randn(num_tokens, 4 * num_kv_heads * head_dim, dtype=src_dtype)
+    k = qkv[:, num_kv_heads * head_dim : 2 * num_kv_heads * head_dim].view(-1, num_kv_heads, head_dim)
+    v = qkv[:, 2 * num_kv_heads * head_dim : 3 * num_kv_heads * head_dim].view(-1, num_kv_heads, head_dim)
+    loc = (torch.randperm(12)[:num_tokens] + 1).to(DEVICE, index_dtype)
+    k_buf = randn(13, num_kv_heads, head_dim, dtype=pool_dtype)
+    v_buf = randn(13, num_kv_heads, head_dim, dtype=pool_dtype)
+    k_exp, v_exp = k_buf.clone(), v_buf.clone()
+    ref.store_kv(k_exp, v_exp, loc, k, v)
+    tri.store_kv(k_buf, v_buf, loc, k, v)
+    assert torch.equal(k_buf, k_exp) and torch.equal(v_buf, v_exp)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_rms_norm(dtype):
+    x = randn(2, 3, 48, dtype=dtype)  # 48: not a power of two
+    weight = randn(48)
+    assert_close(tri.rms_norm(x, weight, 1e-6), ref.rms_norm(x, weight, 1e-6))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_fused_add_rms_norm(dtype):
+    x, residual = randn(5, 80, dtype=dtype), randn(5, 80, dtype=dtype)
+    weight = randn(80, dtype=dtype)
+    out, summed = tri.fused_add_rms_norm(x, residual, weight, 1e-5)
+    exp_out, exp_summed = ref.fused_add_rms_norm(x, residual, weight, 1e-5)
+    assert_same_rounding(summed, exp_summed)
+    assert_close(out, exp_out)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_silu_and_mul(dtype):
+    gate_up = randn(2, 3, 2 * 40, dtype=dtype) * 3
+    assert_close(tri.silu_and_mul(gate_up), ref.silu_and_mul(gate_up))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_apply_rotary_strided_qk_shuffled_positions(dtype):
+    num_tokens, num_heads, num_kv_heads, head_dim, max_pos = 6, 4, 2, 32, 50
+    qkv = randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, dtype=dtype)
+    q = qkv[:, : num_heads * head_dim].view(-1, num_heads, head_dim)
+    k = qkv[:, num_heads * head_dim : (num_heads + num_kv_heads) * head_dim].view(-1, num_kv_heads, head_dim)
+    # Any angles at all: the kernel only reads the precomputed cache (llama3 scaling is in the angles).
+    angles = torch.rand(max_pos, head_dim // 2, device=DEVICE, dtype=torch.float64) * 100
+    cache = torch.cat((angles.cos(), angles.sin()), dim=-1).float()
+    positions = torch.randperm(max_pos)[:num_tokens].to(DEVICE)
+    q_out, k_out = tri.apply_rotary(q, k, positions, cache)
+    q_exp, k_exp = ref.apply_rotary(q, k, positions, cache)
+    assert_close(q_out, q_exp)
+    assert_close(k_out, k_exp)
+
+
+# ----------------------------------------------------------------------------------- sampling
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_apply_token_bitmask(dtype):
+    vocab = 4100  # crosses a 4096-token block; not a multiple of 32
+    allowed = torch.rand(3, vocab, device=DEVICE) < 0.3
+    allowed[1] = True
+    allowed[2, -31:] = True  # sets the sign bit of the last words
+    bitmask = ref.pack_token_mask(allowed)
+    assert bitmask.dtype == torch.int32 and bitmask.shape == (3, (vocab + 31) // 32)
+    logits = randn(3, vocab, dtype=dtype)
+    expected = logits.masked_fill(~allowed, float("-inf"))  # the bool mask itself is the oracle
+    ref_logits = logits.clone()
+    ref.apply_token_bitmask(ref_logits, bitmask)
+    tri.apply_token_bitmask(logits, bitmask)
+    assert torch.equal(ref_logits, expected)
+    assert torch.equal(logits, expected)
+
+
+# ----------------------------------------------------------------------------------- dispatch
+
+def test_both_sets_expose_every_op_with_the_reference_signature():
+    for name in kernels.OP_NAMES:
+        ref_params = list(inspect.signature(getattr(ref, name)).parameters)
+        tri_params = list(inspect.signature(getattr(tri, name)).parameters)
+        # The Triton versions may only append optional parameters.
+        assert tri_params[: len(ref_params)] == ref_params, name
+        for extra in tri_params[len(ref_params):]:
+            assert inspect.signature(getattr(tri, name)).parameters[extra].default is not inspect.Parameter.empty
+
+
+def test_get_ops_dispatch(monkeypatch):
+    assert kernels.get_ops("cpu") is ref
+    monkeypatch.setenv("RADIXLM_DISABLE_TRITON", "1")
+    assert kernels.get_ops("cuda") is ref
+    monkeypatch.delenv("RADIXLM_DISABLE_TRITON")
+    assert kernels.get_ops("cuda") is (tri if torch.cuda.is_available() else ref)
