@@ -1,0 +1,7 @@
+"""`python -m radixlm.server [flags]` is `radixlm serve [flags]`."""
+
+import sys
+
+from radixlm.cli import main
+
+sys.exit(main(["serve", *sys.argv[1:]]))

@@ -1,0 +1,243 @@
+"""The one place the server calls engine.async_generate, shared by the OpenAI and native endpoints.
+
+It makes sure that a request never outlives its client: a non-streaming call whose client disconnects
+is cancelled (the engine aborts it and frees its KV), and a stream that stops early, for any reason,
+aborts every branch that has not finished. Streams with several branches (n > 1, or several prompts)
+are opened as one engine stream per branch and merged, each chunk tagged with its branch index.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Awaitable, Callable
+
+import anyio
+from starlette.requests import Request
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from radixlm.server.errors import APIError
+from radixlm.server.metrics import Metrics
+
+Output = dict[str, Any]
+
+
+class ClientGone(Exception):
+    """The client disconnected before its result was ready; there is no one to answer."""
+
+
+@dataclass
+class Branch:
+    """One engine request of a stream: its prompt (text or ids) and sampling params with n == 1."""
+
+    sampling_params: dict[str, Any]
+    prompt: str | None = None
+    input_ids: list[int] | None = None
+    rid: str = field(default_factory=lambda: uuid.uuid4().hex)
+    return_logprob: bool = False
+    logprob_start_len: int | None = None
+    top_logprobs_num: int = 0
+
+
+def as_list(result: Output | list[Output]) -> list[Output]:
+    return result if isinstance(result, list) else [result]
+
+
+async def _wait_for_disconnect(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+class EngineClient:
+    """Calls the engine on behalf of HTTP handlers, recording metrics and honouring disconnects."""
+
+    def __init__(self, engine: Any, metrics: Metrics) -> None:
+        self.engine = engine
+        self.metrics = metrics
+        self.inflight = 0  # HTTP generation requests admitted and not finished
+        self._tasks: set[asyncio.Task] = set()  # engine calls awaited by a handler
+        self._stream_rids: set[str] = set()  # branches of open streams that have not finished
+
+    async def _unless_disconnected(self, request: Request, work: Awaitable[Any]) -> Any:
+        """Runs `work`; if the client disconnects first (or the handler is cancelled), cancels it, which
+        makes the engine abort the request and free its KV. abort_all() cancels it too."""
+        task = asyncio.ensure_future(work)
+        watcher = asyncio.ensure_future(_wait_for_disconnect(request.receive))
+        self._tasks.add(task)
+        try:
+            await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watcher.cancel()
+            self._tasks.discard(task)
+            if not task.done():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+        if task.cancelled():
+            if watcher.done() and not watcher.cancelled():
+                raise ClientGone()
+            raise APIError(503, "The request was aborted (server shutting down or abort_request)", code="aborted")
+        return task.result()
+
+    async def generate(self, request: Request, **kwargs: Any) -> Output | list[Output]:
+        """A non-streaming call, with the engine's arguments; returns what the engine returns."""
+        start = time.monotonic()
+        self.inflight += 1
+        try:
+            result = await self._unless_disconnected(request, self.engine.async_generate(**kwargs))
+        finally:
+            self.inflight -= 1
+        for out in as_list(result):
+            self.metrics.record_output(out["meta_info"])
+        self.metrics.observe_latency(time.monotonic() - start, None)
+        return result
+
+    async def open_stream(self, request: Request, branches: list[Branch]) -> "MergedStream":
+        """Opens one engine stream per branch and waits for the first chunk of each, so that invalid
+        input and a full queue surface as HTTP errors before any response byte is sent."""
+        stream = MergedStream(self, branches)
+        self.inflight += 1
+        try:
+            await self._unless_disconnected(request, stream.start())
+        except BaseException:
+            await stream.close()
+            raise
+        return stream
+
+    def abort(self, rid: str) -> None:
+        """Aborts an engine request, and the branches `{rid}-{i}` of a stream opened with that rid."""
+        self.engine.abort_request(rid)
+        for live in list(self._stream_rids):
+            if live.startswith(f"{rid}-") and live[len(rid) + 1:].isdigit():
+                self.engine.abort_request(live)
+
+    def abort_all(self) -> None:
+        """Aborts everything in flight: open streams end with finish_reason 'abort', waiting non-streaming
+        calls answer 503."""
+        for rid in list(self._stream_rids):
+            self.engine.abort_request(rid)
+        for task in list(self._tasks):
+            task.cancel()
+
+
+class MergedStream:
+    """The chunks of several engine streams as (branch index, chunk), in arrival order."""
+
+    def __init__(self, client: EngineClient, branches: list[Branch]) -> None:
+        self.client = client
+        self.branches = branches
+        self.finished = [False] * len(branches)
+        self._iters: list[AsyncIterator[Output]] = []
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._pumps: list[asyncio.Task] = []
+        self._first: list[Output] = []
+        self._closed = False
+        self._start = time.monotonic()
+        self._ttft: float | None = None
+
+    async def start(self) -> None:
+        for b in self.branches:
+            it = await self.client.engine.async_generate(
+                prompt=b.prompt, input_ids=b.input_ids, sampling_params=b.sampling_params, stream=True,
+                rid=b.rid, return_logprob=b.return_logprob, logprob_start_len=b.logprob_start_len,
+                top_logprobs_num=b.top_logprobs_num)
+            self._iters.append(it)
+            self.client._stream_rids.add(b.rid)
+        # The engine submits a stream's request on its first iteration: pull one chunk from each
+        # (from all of them even when one fails, so that no generator is left mid-step when closed).
+        firsts = await asyncio.gather(*(it.__anext__() for it in self._iters), return_exceptions=True)
+        for first in firsts:
+            if isinstance(first, BaseException):
+                raise first
+        self._first = list(firsts)
+
+    async def __aiter__(self) -> AsyncIterator[tuple[int, Output]]:
+        for i, chunk in enumerate(self._first):
+            yield self._note(i, chunk)
+        self._pumps = [asyncio.ensure_future(self._pump(i, it))
+                       for i, it in enumerate(self._iters) if not self.finished[i]]
+        remaining = len(self._pumps)
+        while remaining:
+            i, chunk = await self._queue.get()
+            if isinstance(chunk, BaseException):
+                raise chunk
+            if chunk is None:
+                remaining -= 1
+                continue
+            yield self._note(i, chunk)
+        self.client.metrics.observe_latency(time.monotonic() - self._start, self._ttft)
+
+    async def _pump(self, i: int, it: AsyncIterator[Output]) -> None:
+        try:
+            async for chunk in it:
+                await self._queue.put((i, chunk))
+        except Exception as exc:  # re-raised by the consumer
+            await self._queue.put((i, exc))
+        await self._queue.put((i, None))
+
+    def _note(self, i: int, chunk: Output) -> tuple[int, Output]:
+        if self._ttft is None and chunk.get("output_ids"):
+            self._ttft = time.monotonic() - self._start
+        meta = chunk["meta_info"]
+        if meta["finish_reason"] is not None:
+            self.finished[i] = True
+            self.client._stream_rids.discard(self.branches[i].rid)
+            self.client.metrics.record_output(meta)
+        return i, chunk
+
+    async def close(self) -> None:
+        """Stops the pumps and aborts every branch that has not finished (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        self.client.inflight -= 1
+        for task in self._pumps:
+            task.cancel()
+        await asyncio.gather(*self._pumps, return_exceptions=True)
+        for it in self._iters:
+            await it.aclose()
+        for b, done in zip(self.branches, self.finished):
+            self.client._stream_rids.discard(b.rid)
+            if not done:
+                self.client.engine.abort_request(b.rid)
+
+
+class EventStreamResponse(StreamingResponse):
+    """Server-sent events that end when either side does, and always run `on_close` afterwards, so a
+    client that disconnects mid-stream gets its requests aborted whatever the ASGI server version."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, content: AsyncIterator[bytes], on_close: Callable[[], Awaitable[None]]) -> None:
+        super().__init__(content, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            async with anyio.create_task_group() as tg:
+
+                async def stream() -> None:
+                    try:
+                        await self.stream_response(send)
+                    except OSError:
+                        pass  # the client went away while we were sending
+                    tg.cancel_scope.cancel()
+
+                async def watch() -> None:
+                    await _wait_for_disconnect(receive)
+                    tg.cancel_scope.cancel()
+
+                tg.start_soon(stream)
+                tg.start_soon(watch)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.body_iterator.aclose()  # type: ignore[attr-defined]
+                await self.on_close()
+
+
+def sse(payload: bytes | str) -> bytes:
+    """One server-sent event."""
+    data = payload.encode() if isinstance(payload, str) else payload
+    return b"data: " + data + b"\n\n"

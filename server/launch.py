@@ -1,0 +1,72 @@
+"""Running the server: an engine, the app, and uvicorn with a clean shutdown on SIGINT/SIGTERM.
+
+On the first signal the server stops accepting connections, aborts every request in flight (streams end
+with finish_reason "abort"), waits for the responses to close, shuts the engine down and returns; the
+process then exits with status 0. A second SIGINT forces the exit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import signal
+import threading
+from typing import Any, Iterator
+
+import uvicorn
+
+from radixlm.server.app import ServerArgs, begin_shutdown, create_app
+
+logger = logging.getLogger("radixlm.server")
+
+
+class _Server(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config) -> None:
+        super().__init__(config)
+        self.url: str | None = None
+
+    async def startup(self, sockets: Any = None) -> None:
+        await super().startup(sockets)
+        if self.started and self.servers and self.servers[0].sockets:
+            host, port = self.servers[0].sockets[0].getsockname()[:2]
+            self.url = f"http://{host}:{port}"
+            logger.info("radixlm server listening on %s (OpenAI base_url %s/v1)", self.url, self.url)
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        if not self.should_exit:
+            begin_shutdown(self.config.app)
+        super().handle_exit(sig, frame)
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        # uvicorn's own version re-raises the signal after shutting down, which would turn a clean stop
+        # into a KeyboardInterrupt or a kill; this one just shuts down.
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+
+def serve(model_path: str | None = None, args: ServerArgs | None = None, **engine_options: Any) -> None:
+    """Starts an engine and serves it until SIGINT/SIGTERM."""
+    from radixlm import Engine
+
+    args = args or ServerArgs()
+    if logger.level == logging.NOTSET:
+        logger.setLevel(logging.INFO)
+    if not logging.getLogger("radixlm").handlers and not logger.handlers:
+        logging.basicConfig(format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    engine = Engine(model_path, **engine_options)
+    try:
+        app = create_app(engine, args)
+        config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
+                                timeout_graceful_shutdown=10, lifespan="on")
+        _Server(config).run()
+    finally:
+        engine.shutdown()
+        logger.info("radixlm server stopped")

@@ -1,0 +1,484 @@
+"""OpenAI-compatible endpoints: /v1/chat/completions, /v1/completions, /v1/models.
+
+Each handler validates the body (openai_protocol), turns it into engine arguments (token ids and a
+sampling-params dict with SGLang's names), runs it through EngineClient, and shapes the outputs as
+OpenAI's responses or server-sent chunks.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, AsyncIterator
+
+import jinja2
+import jsonschema
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from radixlm.core.engine.sampling_params import SamplingParams
+from radixlm.server import tools as toolcalls
+from radixlm.server.body import parse_body
+from radixlm.server.errors import APIError, bad_request, error_body
+from radixlm.server.generation import Branch, EngineClient, EventStreamResponse, MergedStream, as_list, sse
+from radixlm.server.openai_protocol import (ChatCompletionRequest, CompletionRequest, Message,
+                                            NamedToolChoice, SamplingFields)
+
+# Logprobs of impossible tokens are -inf, which JSON cannot carry; OpenAI-compatible servers send this.
+_MIN_LOGPROB = -9999.0
+# chat_template_kwargs may not override what the server itself passes to the template.
+_RESERVED_TEMPLATE_ARGS = {"conversation", "messages", "tools", "documents", "chat_template", "tokenize",
+                           "add_generation_prompt", "continue_final_message", "return_dict", "padding",
+                           "truncation", "max_length", "return_tensors", "return_assistant_tokens_mask",
+                           "tokenizer_kwargs"}
+
+
+@dataclass
+class ToolMode:
+    """How a chat request's output becomes tool calls: kind is 'none', 'auto', 'required' or 'named'."""
+
+    kind: str
+    tools: list
+    name: str | None = None
+
+
+def _finish_reason(meta: dict[str, Any]) -> str | None:
+    reason = meta.get("finish_reason")
+    return None if reason is None else reason["type"]
+
+
+def _usage(finals: list[dict[str, Any]], n: int) -> dict[str, Any]:
+    """OpenAI counts each prompt once however many choices it has; outputs come n per prompt."""
+    prompts = finals[::n]
+    prompt_tokens = sum(m["prompt_tokens"] for m in prompts)
+    completion_tokens = sum(m["completion_tokens"] for m in finals)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": sum(m["cached_tokens"] for m in prompts)}}
+
+
+def _check_aborted(meta: dict[str, Any]) -> None:
+    if _finish_reason(meta) == "abort":
+        raise APIError(500, f"The request was aborted: {meta.get('error', 'unknown reason')}", code="aborted")
+
+
+def _branch_params(params: dict[str, Any]) -> list[dict[str, Any]]:
+    """The n single-output sampling params of a streamed request, seeded as the engine seeds n > 1."""
+    n = params.get("n", 1)
+    if n == 1:
+        return [params]
+    seed = params.get("seed")
+    return [{**params, "n": 1, "seed": None if seed is None else seed + i} for i in range(n)]
+
+
+class OpenAIAPI:
+    def __init__(self, engine: Any, client: EngineClient) -> None:
+        self.engine = engine
+        self.client = client
+        self.tokenizer = engine.tokenizer
+        self._token_text: dict[int, str] = {}
+
+    # ---- /v1/models -------------------------------------------------------------------------
+
+    def _model_card(self) -> dict[str, Any]:
+        return {"id": self.engine.served_model_name, "object": "model", "created": 0, "owned_by": "radixlm",
+                "root": self.engine.model_path, "max_model_len": self.engine.context_len}
+
+    async def list_models(self, request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [self._model_card()]})
+
+    async def retrieve_model(self, request: Request) -> Response:
+        if request.path_params["model"] != self.engine.served_model_name:
+            raise APIError(404, f"The model `{request.path_params['model']}` does not exist.", "model",
+                           "model_not_found")
+        return JSONResponse(self._model_card())
+
+    # ---- shared request translation ---------------------------------------------------------------
+
+    def _check_common(self, req: SamplingFields) -> None:
+        if req.model is not None and req.model not in (self.engine.served_model_name, self.engine.model_path):
+            raise bad_request(f"The model `{req.model}` does not exist; this server serves "
+                              f"`{self.engine.served_model_name}`.", "model", "model_not_found")
+        if req.stream_options is not None and not req.stream:
+            raise bad_request("stream_options is only allowed when stream is true", "stream_options")
+
+    def _sampling_params(self, req: SamplingFields, max_new_tokens: int) -> dict[str, Any]:
+        params: dict[str, Any] = {"max_new_tokens": max_new_tokens, "n": req.n}
+        for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty", "stop", "stop_token_ids", "ignore_eos", "skip_special_tokens",
+                     "no_stop_trim", "seed", "regex"):
+            value = getattr(req, name)
+            if value is not None:
+                params[name] = value
+        if req.min_tokens is not None:
+            params["min_new_tokens"] = req.min_tokens
+        if req.logit_bias:
+            params["logit_bias"] = self._logit_bias(req.logit_bias)
+        if req.json_schema is not None:
+            params["json_schema"] = self._checked_schema(req.json_schema, "json_schema")
+        return params
+
+    def _logit_bias(self, bias: dict[str, float]) -> dict[int, float]:
+        out = {}
+        for key, value in bias.items():
+            if not key.isdigit() or int(key) >= self.engine.vocab_size:
+                raise bad_request(f"logit_bias key {key!r} is not a token id in [0, {self.engine.vocab_size})",
+                                  "logit_bias")
+            if not -100.0 <= value <= 100.0:
+                raise bad_request(f"logit_bias value {value} for token {key} is outside [-100, 100]", "logit_bias")
+            out[int(key)] = value
+        return out
+
+    @staticmethod
+    def _checked_schema(schema: str | dict[str, Any], param: str) -> dict[str, Any]:
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except ValueError as exc:
+                raise bad_request(f"{param} is not valid JSON: {exc}", param) from None
+        if not isinstance(schema, dict):
+            raise bad_request(f"{param} must be a JSON object", param)
+        try:
+            jsonschema.validators.validator_for(schema).check_schema(schema)
+        except jsonschema.SchemaError as exc:
+            raise bad_request(f"{param} is not a valid JSON schema: {exc.message}", param) from None
+        return schema
+
+    def _max_new_tokens(self, requested: int | None, prompt_len: int, prompt_param: str) -> int:
+        room = self.engine.context_len - prompt_len
+        if room < 1:
+            raise bad_request(f"This model's maximum context length is {self.engine.context_len} tokens; "
+                              f"the prompt has {prompt_len} tokens.", prompt_param, "context_length_exceeded")
+        if requested is None:
+            return room
+        if requested > room:
+            raise bad_request(f"This model's maximum context length is {self.engine.context_len} tokens; "
+                              f"you requested {prompt_len + requested} tokens ({prompt_len} in the prompt, "
+                              f"{requested} for the completion).", "max_tokens", "context_length_exceeded")
+        return requested
+
+    def _text(self, token_id: int) -> str:
+        text = self._token_text.get(token_id)
+        if text is None:
+            text = self._token_text[token_id] = self.tokenizer.decode([token_id])
+        return text
+
+    # ---- /v1/chat/completions -----------------------------------------------------------------
+
+    async def chat_completions(self, request: Request) -> Response:
+        req = await parse_body(request, ChatCompletionRequest)
+        self._check_common(req)
+        mode = self._tool_mode(req)
+        input_ids = self._render_chat(req, mode)
+        requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        params = self._sampling_params(req, self._max_new_tokens(requested, len(input_ids), "messages"))
+        self._add_chat_constraint(req, mode, params)
+        if req.top_logprobs is not None and not req.logprobs:
+            raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
+        top_n = req.top_logprobs or 0
+        SamplingParams.from_dict(params)  # fail with a 400 here rather than per branch
+        if req.stream:
+            branches = [Branch(sp, input_ids=input_ids, rid=f"chatcmpl-{uuid.uuid4().hex}",
+                               return_logprob=req.logprobs, top_logprobs_num=top_n)
+                        for sp in _branch_params(params)]
+            stream = await self.client.open_stream(request, branches)
+            return EventStreamResponse(self._chat_events(req, mode, stream, top_n), stream.close)
+        outputs = as_list(await self.client.generate(request, input_ids=input_ids, sampling_params=params,
+                                                     return_logprob=req.logprobs, top_logprobs_num=top_n))
+        choices = []
+        for i, out in enumerate(outputs):
+            meta = out["meta_info"]
+            _check_aborted(meta)
+            content, calls = self._tool_calls(mode, out["text"])
+            finish = "tool_calls" if calls else _finish_reason(meta)
+            message: dict[str, Any] = {"role": "assistant", "content": content}
+            if calls:
+                message["tool_calls"] = calls
+            choice = {"index": i, "message": message, "finish_reason": finish,
+                      "matched_stop": meta["finish_reason"].get("matched"), "logprobs": None}
+            if req.logprobs:
+                choice["logprobs"] = self._chat_logprobs(meta, top_n)
+            choices.append(choice)
+        return JSONResponse({
+            "id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
+            "model": self.engine.served_model_name, "choices": choices,
+            "usage": _usage([o["meta_info"] for o in outputs], req.n), "system_fingerprint": None,
+        })
+
+    def _tool_mode(self, req: ChatCompletionRequest) -> ToolMode:
+        choice = req.tool_choice
+        tools = req.tools or []
+        if choice is None:
+            return ToolMode("auto" if tools else "none", tools)
+        if choice == "none":
+            return ToolMode("none", tools)
+        if not tools:
+            raise bad_request("tool_choice is only allowed when tools are specified", "tool_choice")
+        if isinstance(choice, NamedToolChoice):
+            if choice.function.name not in {t.function.name for t in tools}:
+                raise bad_request(f"tool_choice names the function {choice.function.name!r}, which is not "
+                                  f"among the tools", "tool_choice")
+            return ToolMode("named", tools, choice.function.name)
+        return ToolMode(choice, tools)
+
+    def _add_chat_constraint(self, req: ChatCompletionRequest, mode: ToolMode, params: dict[str, Any]) -> None:
+        schema = None
+        fmt = req.response_format
+        if fmt is not None and fmt.type == "json_object":
+            schema = {"type": "object"}
+        elif fmt is not None and fmt.type == "json_schema":
+            if fmt.json_schema is None:
+                raise bad_request("response_format of type json_schema needs a json_schema", "response_format")
+            schema = self._checked_schema(fmt.json_schema.schema_, "response_format")
+        if mode.kind in ("named", "required"):
+            if schema is not None:
+                raise bad_request("a forced tool_choice cannot be combined with a JSON response_format",
+                                  "tool_choice")
+            if mode.kind == "named":
+                tool = next(t for t in mode.tools if t.function.name == mode.name)
+                schema = self._checked_schema(tool.function.parameters, "tools")
+            else:
+                for tool in mode.tools:
+                    self._checked_schema(tool.function.parameters, "tools")
+                schema = toolcalls.required_schema(mode.tools)
+        if schema is not None:
+            if "json_schema" in params or "regex" in params:
+                raise bad_request("give at most one of response_format, a forced tool_choice, regex and "
+                                  "json_schema", "response_format")
+            params["json_schema"] = schema
+
+    def _render_chat(self, req: ChatCompletionRequest, mode: ToolMode) -> list[int]:
+        if self.tokenizer.chat_template is None:
+            raise bad_request("this model has no chat template; use /v1/completions", "messages")
+        if req.continue_final_message and req.add_generation_prompt:
+            raise bad_request("continue_final_message needs add_generation_prompt set to false",
+                              "continue_final_message")
+        if req.continue_final_message and req.messages[-1].role != "assistant":
+            raise bad_request("continue_final_message needs the last message to be an assistant message",
+                              "continue_final_message")
+        extra = dict(req.chat_template_kwargs or {})
+        clash = sorted(_RESERVED_TEMPLATE_ARGS & set(extra))
+        if clash:
+            raise bad_request(f"chat_template_kwargs may not set {clash}", "chat_template_kwargs")
+        tools = toolcalls.template_tools(mode.tools) if mode.kind != "none" and mode.tools else None
+        try:
+            text = self.tokenizer.apply_chat_template(
+                _template_messages(req.messages), tools=tools, tokenize=False,
+                add_generation_prompt=req.add_generation_prompt,
+                continue_final_message=req.continue_final_message, **extra)
+        except (jinja2.TemplateError, ValueError, TypeError) as exc:
+            raise bad_request(f"could not render the chat template: {exc}", "messages") from None
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def _tool_calls(self, mode: ToolMode, text: str) -> tuple[str | None, list[dict[str, Any]]]:
+        if mode.kind == "named":
+            return None, [toolcalls.tool_call(mode.name, text)]
+        if mode.kind == "required":
+            calls = toolcalls.parse_required(text)
+            return (None, calls) if calls else (text, [])
+        if mode.kind == "auto":
+            return toolcalls.parse_auto(text, mode.tools)
+        return text, []
+
+    def _logprob_entry(self, lp: float | None, token_id: int) -> dict[str, Any]:
+        text = self._text(token_id)
+        return {"token": text, "logprob": max(lp, _MIN_LOGPROB) if lp is not None else None,
+                "bytes": list(text.encode("utf-8"))}
+
+    def _chat_logprobs(self, meta: dict[str, Any], top_n: int) -> dict[str, Any]:
+        tops = meta.get("output_top_logprobs") or []
+        content = []
+        for i, (lp, token_id, _) in enumerate(meta.get("output_token_logprobs", [])):
+            entry = self._logprob_entry(lp, token_id)
+            top = tops[i] if i < len(tops) and tops[i] else []
+            entry["top_logprobs"] = [self._logprob_entry(t_lp, t_id) for t_lp, t_id, _ in top[:top_n]]
+            content.append(entry)
+        return {"content": content, "refusal": None}
+
+    async def _chat_events(self, req: ChatCompletionRequest, mode: ToolMode, stream: MergedStream,
+                           top_n: int) -> AsyncIterator[bytes]:
+        rid, created, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), self.engine.served_model_name
+        include_usage = req.stream_options is not None and req.stream_options.include_usage
+
+        def chunk(index: int, delta: dict[str, Any], finish: str | None = None, logprobs: Any = None) -> bytes:
+            body = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+                    "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
+            if include_usage:
+                body["usage"] = None
+            return sse(json.dumps(body))
+
+        # Tool-call modes other than 'named' need the whole text to decide what it is: buffer it.
+        buffered = mode.kind in ("auto", "required") and bool(mode.tools)
+        texts = [""] * len(stream.branches)
+        finals: list[dict[str, Any] | None] = [None] * len(stream.branches)
+        for i in range(len(stream.branches)):
+            yield chunk(i, {"role": "assistant", "content": ""})
+            if mode.kind == "named":
+                call = toolcalls.tool_call(mode.name, "")
+                yield chunk(i, {"tool_calls": [{"index": 0, **call}]})
+        async for i, out in stream:
+            meta = out["meta_info"]
+            logprobs = self._chat_logprobs(meta, top_n) if req.logprobs else None
+            if out["text"] or (logprobs and logprobs["content"]):
+                if buffered:
+                    texts[i] += out["text"]
+                elif mode.kind == "named":
+                    yield chunk(i, {"tool_calls": [{"index": 0, "function": {"arguments": out["text"]}}]},
+                                logprobs=logprobs)
+                else:
+                    yield chunk(i, {"content": out["text"]}, logprobs=logprobs)
+            if meta["finish_reason"] is None:
+                continue
+            finals[i] = meta
+            finish = _finish_reason(meta)
+            if buffered:
+                content, calls = self._tool_calls(mode, texts[i])
+                if calls:
+                    finish = "tool_calls"
+                    yield chunk(i, {"tool_calls": [{"index": k, **c} for k, c in enumerate(calls)]})
+                elif content:
+                    yield chunk(i, {"content": content})
+            elif mode.kind == "named":
+                finish = "tool_calls"
+            if finish == "abort" and meta.get("error"):
+                yield sse(json.dumps(error_body(500, f"The request was aborted: {meta['error']}", code="aborted")))
+            yield chunk(i, {}, finish)
+        if include_usage:
+            yield sse(json.dumps({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+                                  "choices": [], "usage": _usage(finals, req.n)}))
+        yield sse("[DONE]")
+
+    # ---- /v1/completions ----------------------------------------------------------------------
+
+    async def completions(self, request: Request) -> Response:
+        req = await parse_body(request, CompletionRequest)
+        self._check_common(req)
+        if req.suffix is not None:
+            raise bad_request("suffix is not supported", "suffix")
+        if req.best_of is not None and req.best_of != req.n:
+            raise bad_request("best_of must equal n (best-of ranking is not supported)", "best_of")
+        prompts = self._completion_prompts(req.prompt)
+        max_tokens = 16 if req.max_tokens is None else req.max_tokens
+        if max_tokens == 0 and not req.echo:
+            raise bad_request("max_tokens may be 0 only with echo", "max_tokens")
+        longest = max(len(ids) for _, ids in prompts)
+        params = self._sampling_params(req, self._max_new_tokens(max_tokens, longest, "prompt"))
+        SamplingParams.from_dict(params)
+        want_logprobs = req.logprobs is not None
+        logprob_args = {"return_logprob": want_logprobs, "top_logprobs_num": req.logprobs or 0,
+                        "logprob_start_len": 0 if (want_logprobs and req.echo) else None}
+        if req.stream:
+            branches = [Branch(sp, input_ids=ids, rid=f"cmpl-{uuid.uuid4().hex}", **logprob_args)
+                        for _, ids in prompts for sp in _branch_params(params)]
+            stream = await self.client.open_stream(request, branches)
+            return EventStreamResponse(self._completion_events(req, prompts, stream), stream.close)
+        outputs = as_list(await self.client.generate(request, input_ids=[ids for _, ids in prompts],
+                                                     sampling_params=params, **logprob_args))
+        choices = []
+        for i, out in enumerate(outputs):
+            meta = out["meta_info"]
+            _check_aborted(meta)
+            prompt_text = prompts[i // req.n][0]
+            text = prompt_text + out["text"] if req.echo else out["text"]
+            logprobs = self._completion_logprobs(meta, req.echo, 0) if want_logprobs else None
+            choices.append({"index": i, "text": text, "logprobs": logprobs, "finish_reason": _finish_reason(meta),
+                            "matched_stop": meta["finish_reason"].get("matched")})
+        return JSONResponse({
+            "id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+            "model": self.engine.served_model_name, "choices": choices,
+            "usage": _usage([o["meta_info"] for o in outputs], req.n), "system_fingerprint": None,
+        })
+
+    def _completion_prompts(self, prompt: str | list) -> list[tuple[str, list[int]]]:
+        """(text, token ids) per prompt, whichever of the four forms it came in."""
+        if isinstance(prompt, str):
+            prompt = [prompt]
+        if not prompt:
+            raise bad_request("prompt is empty", "prompt")
+        if isinstance(prompt[0], int):
+            prompt = [prompt]
+        out = []
+        for p in prompt:
+            if isinstance(p, str):
+                ids = self.tokenizer(p)["input_ids"]
+                text = p
+            else:
+                if not all(0 <= t < self.engine.vocab_size for t in p):
+                    raise bad_request(f"prompt token ids must be in [0, {self.engine.vocab_size})", "prompt")
+                ids, text = p, self.tokenizer.decode(p)
+            if not ids:
+                raise bad_request("prompt is empty (no tokens)", "prompt")
+            out.append((text, ids))
+        return out
+
+    def _completion_logprobs(self, meta: dict[str, Any], with_input: bool, offset: int) -> dict[str, Any]:
+        """OpenAI's legacy logprobs object; text offsets count from `offset` characters."""
+        entries = list(meta.get("output_token_logprobs", []))
+        tops = list(meta.get("output_top_logprobs") or [None] * len(entries))
+        if with_input:
+            entries = list(meta.get("input_token_logprobs", [])) + entries
+            tops = list(meta.get("input_top_logprobs") or [None] * (len(entries) - len(tops))) + tops
+        tokens, token_logprobs, top_logprobs, text_offset = [], [], [], []
+        for (lp, token_id, _), top in zip(entries, tops):
+            text = self._text(token_id)
+            tokens.append(text)
+            token_logprobs.append(None if lp is None else max(lp, _MIN_LOGPROB))
+            top_logprobs.append({self._text(t_id): max(t_lp, _MIN_LOGPROB) for t_lp, t_id, _ in top}
+                                if top else (None if lp is None else {}))
+            text_offset.append(offset)
+            offset += len(text)
+        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
+                "text_offset": text_offset}
+
+    async def _completion_events(self, req: CompletionRequest, prompts: list[tuple[str, list[int]]],
+                                 stream: MergedStream) -> AsyncIterator[bytes]:
+        rid, created, model = f"cmpl-{uuid.uuid4().hex}", int(time.time()), self.engine.served_model_name
+        include_usage = req.stream_options is not None and req.stream_options.include_usage
+        offsets = [0] * len(stream.branches)
+        started = [False] * len(stream.branches)
+        finals: list[dict[str, Any] | None] = [None] * len(stream.branches)
+        async for i, out in stream:
+            meta = out["meta_info"]
+            text = out["text"]
+            with_input = req.echo and not started[i]
+            if with_input:
+                text = prompts[i // req.n][0] + text
+            started[i] = True
+            logprobs = None
+            if req.logprobs is not None:
+                logprobs = self._completion_logprobs(meta, with_input, offsets[i])
+                offsets[i] += sum(len(t) for t in logprobs["tokens"])
+            finish = _finish_reason(meta)
+            if finish is not None:
+                finals[i] = meta
+            if text or logprobs and logprobs["tokens"] or finish is not None:
+                body = {"id": rid, "object": "text_completion", "created": created, "model": model,
+                        "choices": [{"index": i, "text": text, "logprobs": logprobs, "finish_reason": finish}]}
+                if include_usage:
+                    body["usage"] = None
+                yield sse(json.dumps(body))
+            if finish == "abort" and meta.get("error"):
+                yield sse(json.dumps(error_body(500, f"The request was aborted: {meta['error']}", code="aborted")))
+        if include_usage:
+            yield sse(json.dumps({"id": rid, "object": "text_completion", "created": created, "model": model,
+                                  "choices": [], "usage": _usage(finals, req.n)}))
+        yield sse("[DONE]")
+
+
+def _template_messages(messages: list[Message]) -> list[dict[str, Any]]:
+    """Messages as chat templates expect them: text parts joined, tool-call arguments as objects (most
+    templates render `arguments` with tojson, which would double-encode a JSON string)."""
+    out = []
+    for m in messages:
+        msg = m.model_dump(exclude_none=True)
+        if isinstance(m.content, list):
+            msg["content"] = "".join(p.text for p in m.content)
+        for call in msg.get("tool_calls", []):
+            try:
+                call["function"]["arguments"] = json.loads(call["function"]["arguments"])
+            except ValueError:
+                pass  # not JSON: the template gets the string as sent
+        out.append(msg)
+    return out

@@ -1,0 +1,123 @@
+"""Helpers for the server tests: the real app on a free loopback port, served by uvicorn in a thread.
+
+One server per checkpoint is shared by every server test module of a session (starting an engine is
+the slow part); it stops when the session ends.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from typing import Any
+
+import httpx
+import uvicorn
+
+from radixlm import Engine
+from radixlm.server import ServerArgs, create_app
+
+
+class LiveServer:
+    def __init__(self, engine: Engine, api_key: str | None = None) -> None:
+        self.engine = engine
+        self.app = create_app(engine, ServerArgs(port=0, api_key=api_key))
+        config = uvicorn.Config(self.app, host="127.0.0.1", port=0, log_level="warning", lifespan="on")
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, name="test-uvicorn", daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 60
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError("the test server did not start")
+            time.sleep(0.02)
+        port = self.server.servers[0].sockets[0].getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}"
+
+    @property
+    def model(self) -> str:
+        return self.engine.served_model_name
+
+    def client(self, **kwargs: Any) -> httpx.Client:
+        return httpx.Client(base_url=self.url, timeout=120, **kwargs)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+
+
+_servers: dict[str, LiveServer] = {}
+
+
+def shared_server(model_path: str) -> LiveServer:
+    if model_path not in _servers:
+        _servers[model_path] = LiveServer(Engine(model_path))
+    return _servers[model_path]
+
+
+@atexit.register
+def _stop_all() -> None:
+    for live in _servers.values():
+        live.stop()
+        live.engine.shutdown()
+
+
+def wait_idle(live: LiveServer, timeout: float = 30) -> dict[str, Any]:
+    """Waits until the engine runs nothing; returns its stats."""
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = live.engine.get_stats()
+        if stats["running"] == 0 and stats["waiting"] == 0 and stats["in_flight"] == 0:
+            return stats
+        if time.monotonic() > deadline:
+            raise AssertionError(f"engine still busy after {timeout}s: {stats}")
+        time.sleep(0.05)
+
+
+def render_chat(engine: Engine, messages: list[dict[str, Any]], **kwargs: Any) -> list[int]:
+    """The oracle prompt: the tokenizer's chat template, rendered and encoded independently."""
+    text = engine.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs)
+    return engine.tokenizer.encode(text, add_special_tokens=False)
+
+
+class ServerProcess:
+    """`radixlm serve` in a subprocess on a free port (read back from its log line)."""
+
+    def __init__(self, *flags: str) -> None:
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        self.proc = subprocess.Popen([sys.executable, "-m", "radixlm.server", "--port", "0", *flags],
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        self.log: list[str] = []
+        self.url: str | None = None
+        found = threading.Event()
+
+        def read() -> None:
+            assert self.proc.stdout is not None
+            for line in self.proc.stdout:
+                self.log.append(line)
+                match = re.search(r"listening on (http://\S+?) ", line)
+                if match:
+                    self.url = match.group(1)
+                    found.set()
+
+        self.reader = threading.Thread(target=read, daemon=True)
+        self.reader.start()
+        if not found.wait(180):
+            self.proc.kill()
+            raise RuntimeError("server process did not start:\n" + "".join(self.log))
+
+    def signal(self, sig: int = signal.SIGTERM) -> int:
+        self.proc.send_signal(sig)
+        code = self.proc.wait(timeout=60)
+        self.reader.join(timeout=10)
+        return code
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
