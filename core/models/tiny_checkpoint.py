@@ -162,16 +162,35 @@ Caf\u00e9, na\u00efve, r\u00e9sum\u00e9, \u00fcber, ni\u00f1o, \u00c5ngstr\u00f6
 """
 
 
-def build_tokenizer(out_dir: str) -> None:
+# Qwen2's split of text into pre-tokens (cl100k-style: digits one at a time, punctuation apart).
+QWEN2_PRETOKENIZE_REGEX = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
+
+
+def build_tokenizer(out_dir: str, *, qwen2_style: bool = False) -> None:
     """Train the byte-level BPE tokenizer on TRAINING_TEXT and save it into out_dir (created if needed)
     as tokenizer.json, tokenizer_config.json and special_tokens_map.json, loadable with
     `transformers.AutoTokenizer.from_pretrained(out_dir)`. Deterministic: same text, same bytes.
-    Plain encoding adds no special tokens; the chat template starts with the bos token."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    Plain encoding adds no special tokens; the chat template starts with the bos token.
+
+    qwen2_style: NFC-normalize and pre-tokenize as Qwen2 does. transformers 5 rebuilds the tokenizer
+    of every checkpoint whose model_type is qwen2 that way, so Qwen2 checkpoints need it for their
+    tokenizer.json and AutoTokenizer to agree."""
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
     tokenizer = Tokenizer(models.BPE())
-    # add_prefix_space=False: encode(text) must decode back to exactly text.
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    if qwen2_style:
+        tokenizer.normalizer = normalizers.NFC()
+        tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(QWEN2_PRETOKENIZE_REGEX), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
+    else:
+        # add_prefix_space=False: encode(text) must decode back to exactly text.
+        tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=VOCAB_SIZE - len(SPECIAL_TOKENS),
@@ -195,6 +214,8 @@ def build_tokenizer(out_dir: str) -> None:
     tokenizer_config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         **special_map,
+        # No unknown token (every byte has one); explicit, or Qwen2Tokenizer adds <|endoftext|>.
+        "unk_token": None,
         "add_bos_token": False,
         "add_eos_token": False,
         "clean_up_tokenization_spaces": False,
@@ -274,7 +295,7 @@ def _write_checkpoint(
         raise ValueError(f"unknown arch {arch!r}; expected one of {sorted(families)}")
     config_cls, model_cls = families[arch]
 
-    build_tokenizer(str(out))
+    build_tokenizer(str(out), qwen2_style=arch == "qwen2")
     tokenizer = PreTrainedTokenizerFast.from_pretrained(str(out))
     bos_id, eos_id, pad_id = tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id
     im_end_id = tokenizer.convert_tokens_to_ids(IM_END)
