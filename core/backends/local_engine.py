@@ -1,0 +1,42 @@
+"""The in-process backend: programs run on a `radixlm.Engine` in the same Python process."""
+
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+from radixlm.core.backends.native import NativeGenerateBackend
+from radixlm.core.program.chat_template import chat_template_from_tokenizer
+
+
+class EngineBackend(NativeGenerateBackend):
+    def __init__(self, engine: Any) -> None:
+        super().__init__()
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self.chat_template = chat_template_from_tokenizer(self.tokenizer) or self.chat_template
+
+    def _generate(self, request: dict[str, Any]) -> Any:
+        return self.engine.generate(**_engine_arguments(request))
+
+    def _generate_stream(self, request: dict[str, Any]) -> Iterator[dict[str, Any]]:
+        return self.engine.generate(**_engine_arguments(request), stream=True)
+
+    def get_model_name(self) -> str:
+        return self.engine.served_model_name
+
+    def flush_cache(self) -> bool:
+        return self.engine.flush_cache()
+
+    def get_server_info(self) -> dict[str, Any]:
+        return self.engine.get_stats()
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+
+
+def _engine_arguments(request: dict[str, Any]) -> dict[str, Any]:
+    """Native request fields -> Engine.generate keywords (the Engine calls the text `prompt`)."""
+    arguments = dict(request)
+    if "text" in arguments:
+        arguments["prompt"] = arguments.pop("text")
+    return arguments

@@ -1,0 +1,130 @@
+"""`sgl.OpenAI`: programs on an OpenAI-style API (OpenAI itself, or any compatible server such as
+radixlm's own), through the official `openai` client.
+
+An API keeps no KV state between calls, so every gen resends the whole prompt; programs declared
+with `@function(num_api_spec_tokens=N)` save calls by API speculative execution
+(core/program/speculative.py). `token_usage` counts what the calls cost.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Iterator
+
+from radixlm.core.backends.base import BaseBackend
+from radixlm.core.errors import InvalidRequestError
+from radixlm.core.program.chat_template import ChatTemplate, get_chat_template, get_chat_template_by_model_path
+from radixlm.core.program.errors import ProgramError
+
+if TYPE_CHECKING:
+    from radixlm.core.program.choices import ChoicesDecision, ChoicesSamplingMethod
+    from radixlm.core.program.interpreter import StreamExecutor
+    from radixlm.core.program.ir import GenParams
+
+# OpenAI models that only have the completions API; every other name is taken for a chat model.
+INSTRUCT_MODEL_NAMES = ("gpt-3.5-turbo-instruct", "davinci-002", "babbage-002")
+
+
+@dataclass
+class TokenUsage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    requests: int = 0
+
+    def reset(self) -> None:
+        self.prompt_tokens = self.completion_tokens = self.requests = 0
+
+
+class OpenAI(BaseBackend):
+    supports_api_speculation = True
+
+    def __init__(self, model_name: str, base_url: str | None = None, api_key: str | None = None,
+                 is_chat_model: bool | None = None, chat_template: str | ChatTemplate | None = None,
+                 **client_kwargs: Any) -> None:
+        super().__init__()
+        import openai
+
+        api_key = api_key or os.environ.get("OPENAI_API_KEY") or "EMPTY"
+        self.client = openai.OpenAI(base_url=base_url, api_key=api_key, **client_kwargs)
+        self.model_name = model_name
+        self.is_chat_model = model_name not in INSTRUCT_MODEL_NAMES if is_chat_model is None else is_chat_model
+        self.supports_vision = self.is_chat_model
+        if isinstance(chat_template, str):
+            self.chat_template = get_chat_template(chat_template)
+        else:
+            self.chat_template = chat_template or get_chat_template_by_model_path(model_name)
+        self.token_usage = TokenUsage()
+        self._usage_lock = threading.Lock()
+
+    def get_model_name(self) -> str:
+        return self.model_name
+
+    # ----- calls -----
+
+    def _arguments(self, s: "StreamExecutor", params: "GenParams") -> dict[str, Any]:
+        if params.constraint()[0]:
+            raise InvalidRequestError("regex, json_schema and dtype gens need constrained decoding, which the "
+                                      "OpenAI API does not offer; use a radixlm Engine or RuntimeEndpoint", "regex")
+        arguments = {"model": self.model_name, **params.openai_kwargs()}
+        if self.is_chat_model:
+            arguments["messages"] = self._messages(s)
+        else:
+            arguments["prompt"] = s.text_
+        return arguments
+
+    def _messages(self, s: "StreamExecutor") -> list[dict[str, Any]]:
+        """The conversation so far. A chat model writes whole assistant messages, so a gen must be
+        inside an assistant role; text the program already put in that message is sent as a final
+        assistant message for the model to continue."""
+        if s.cur_role != "assistant":
+            raise ProgramError("a chat model generates only inside an assistant role: wrap the gen in "
+                               "sgl.assistant(...) / `with s.assistant():`")
+        messages = list(s.messages_)
+        partial = s.text_[s.cur_role_begin_pos:]
+        if partial:
+            messages.append({"role": "assistant", "content": partial})
+        return messages
+
+    def _count(self, usage: Any) -> None:
+        with self._usage_lock:
+            self.token_usage.requests += 1
+            if usage is not None:
+                self.token_usage.prompt_tokens += usage.prompt_tokens
+                self.token_usage.completion_tokens += usage.completion_tokens
+
+    def generate(self, s: "StreamExecutor", params: "GenParams") -> tuple[str, dict[str, Any]]:
+        arguments = self._arguments(s, params)
+        if self.is_chat_model:
+            response = self.client.chat.completions.create(**arguments)
+            text = response.choices[0].message.content or ""
+        else:
+            response = self.client.completions.create(**arguments)
+            text = response.choices[0].text
+        self._count(response.usage)
+        usage = response.usage
+        return text, {"finish_reason": response.choices[0].finish_reason,
+                      "prompt_tokens": usage.prompt_tokens if usage else None,
+                      "completion_tokens": usage.completion_tokens if usage else None}
+
+    def generate_stream(self, s: "StreamExecutor", params: "GenParams") -> Iterator[tuple[str, dict[str, Any]]]:
+        arguments = self._arguments(s, params)
+        arguments.update(stream=True, stream_options={"include_usage": True})
+        create = self.client.chat.completions.create if self.is_chat_model else self.client.completions.create
+        usage = None
+        for chunk in create(**arguments):
+            if chunk.usage is not None:
+                usage = chunk.usage
+            if not chunk.choices:
+                continue
+            choice = chunk.choices[0]
+            text = (choice.delta.content if self.is_chat_model else choice.text) or ""
+            if text or choice.finish_reason:
+                yield text, {"finish_reason": choice.finish_reason}
+        self._count(usage)
+
+    def select(self, s: "StreamExecutor", choices: list[str], temperature: float,
+               choices_method: "ChoicesSamplingMethod") -> "ChoicesDecision":
+        raise ProgramError("select needs token logprobs of the choices, which the OpenAI backend does not "
+                           "compute; use a radixlm Engine or RuntimeEndpoint, or gen with a stop instead")
