@@ -471,9 +471,14 @@ def _template_messages(messages: list[Message]) -> list[dict[str, Any]]:
     """Messages as chat templates expect them: text parts joined, tool-call arguments as objects (most
     templates render `arguments` with tojson, which would double-encode a JSON string)."""
     out = []
-    for m in messages:
+    for i, m in enumerate(messages):
         msg = m.model_dump(exclude_none=True)
         if isinstance(m.content, list):
+            for part in m.content:
+                if part.type != "text" or part.text is None:
+                    raise bad_request(f"messages[{i}]: content parts of type {part.type!r} are not supported "
+                                      "(text-only model); send parts of type 'text' with a 'text' field",
+                                      "messages")
             msg["content"] = "".join(p.text for p in m.content)
         for call in msg.get("tool_calls", []):
             try:

@@ -17,9 +17,9 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
-class TextPart(_Strict):
-    type: Literal["text"]
-    text: str
+class ContentPart(_Strict):
+    type: str
+    text: str | None = None
 
 
 class FunctionCall(_Strict):
@@ -35,8 +35,9 @@ class ToolCall(_Strict):
 
 class Message(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    # Content parts other than text (images, audio) are rejected: the models served are text-only.
-    content: str | list[TextPart] | None = None
+    # Content parts other than text (images, audio) are rejected when the prompt is rendered: the
+    # models served are text-only.
+    content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
