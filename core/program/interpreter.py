@@ -546,6 +546,7 @@ class ProgramState:
         self.set_var(name, value)
 
     def __contains__(self, name: Any) -> bool:
+        self.stream_executor.sync()
         return name in self.stream_executor.variables
 
     def __repr__(self) -> str:
