@@ -112,6 +112,17 @@ def test_openai_backend_completion_and_chat(runtime) -> None:
     assert completion.token_usage.requests == 1
     assert completion.token_usage.prompt_tokens == expected["meta_info"]["prompt_tokens"]
 
+    # select on a completion model: one echo+logprobs call scores all choices; the decision agrees
+    # with the native endpoint's, which scores token ids through /generate
+    @sgl.function
+    def verdict(s, statement):
+        s += "Statement: " + statement + "\nAnswer:" + sgl.select("v", [" True", " False", " Unknown at all"])
+
+    usage_before = completion.token_usage.requests
+    picked = verdict.run(statement="Rome is in Italy.", backend=completion)["v"]
+    assert completion.token_usage.requests == usage_before + 1
+    assert picked == verdict.run(statement="Rome is in Italy.", backend=runtime)["v"]
+
     chat = sgl.OpenAI(MODEL, base_url=runtime.url + "/v1")
 
     @sgl.function

@@ -126,5 +126,27 @@ class OpenAI(BaseBackend):
 
     def select(self, s: "StreamExecutor", choices: list[str], temperature: float,
                choices_method: "ChoicesSamplingMethod") -> "ChoicesDecision":
-        raise ProgramError("select needs token logprobs of the choices, which the OpenAI backend does not "
-                           "compute; use a radixlm Engine or RuntimeEndpoint, or gen with a stop instead")
+        """Completion models: one call scores every choice (echo of prompt + choice with logprobs,
+        no new tokens); the choice's tokens are those that end past the prompt's text."""
+        if self.is_chat_model:
+            raise ProgramError("select needs prompt logprobs, which chat APIs do not return; use a "
+                               "completion model (is_chat_model=False) or a radixlm Engine/RuntimeEndpoint")
+        if temperature > 1e-5:
+            raise InvalidRequestError("select picks the best choice (temperature 0); sampling among choices "
+                                      "is not supported", "temperature")
+        if choices_method.requires_unconditional_logprobs:
+            raise ProgramError(f"{choices_method!r} needs logprobs of the choices' token ids alone, which an "
+                               "OpenAI-style API does not expose; use a radixlm Engine or RuntimeEndpoint")
+        response = self.client.completions.create(model=self.model_name, prompt=[s.text_ + c for c in choices],
+                                                  max_tokens=0, echo=True, logprobs=0, temperature=0)
+        self._count(response.usage)
+        start = len(s.text_)
+        scored = []
+        for choice in sorted(response.choices, key=lambda c: c.index):
+            lp = choice.logprobs
+            scored.append([(logprob, None, token) for token, logprob, offset in
+                           zip(lp.tokens, lp.token_logprobs, lp.text_offset)
+                           if offset + len(token) > start and logprob is not None])
+        return choices_method(choices=choices,
+                              normalized_prompt_logprobs=[sum(e[0] for e in row) / len(row) for row in scored],
+                              input_token_logprobs=scored, output_token_logprobs=[[] for _ in choices])
