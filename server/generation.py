@@ -9,6 +9,9 @@ are opened as one engine stream per branch and merged, each chunk tagged with it
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
+import logging
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -19,10 +22,11 @@ from starlette.requests import Request
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from radixlm.server.errors import APIError
+from radixlm.server.errors import APIError, error_body
 from radixlm.server.metrics import Metrics
 
 Output = dict[str, Any]
+logger = logging.getLogger("radixlm.server")
 
 
 class ClientGone(Exception):
@@ -223,6 +227,12 @@ class EventStreamResponse(StreamingResponse):
                         await self.stream_response(send)
                     except OSError:
                         pass  # the client went away while we were sending
+                    except Exception as exc:  # the engine failed mid-stream: say so, end the stream properly
+                        logger.exception("stream failed")
+                        body = error_body(500, f"Generation failed: {type(exc).__name__}: {exc}")
+                        with contextlib.suppress(OSError):
+                            await send({"type": "http.response.body", "more_body": False,
+                                        "body": sse(json.dumps(body)) + sse("[DONE]")})
                     tg.cancel_scope.cancel()
 
                 async def watch() -> None:

@@ -91,7 +91,8 @@ class Metrics:
 
         with self._lock:
             metric("requests_total", "counter", "Generation requests by endpoint and HTTP status.",
-                   [f'requests_total{{endpoint="{e}",status="{s}"}} {n}' for (e, s), n in sorted(self.requests.items())])
+                   [f'requests_total{{endpoint="{e}",status="{s}"}} {n}'
+                    for (e, s), n in sorted(self.requests.items())])
             metric("prompt_tokens_total", "counter", "Prompt tokens of finished requests.",
                    [f"prompt_tokens_total {self.prompt_tokens}"])
             metric("generation_tokens_total", "counter", "Generated tokens of finished requests.",

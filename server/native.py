@@ -78,7 +78,8 @@ class NativeAPI:
         """One single-output engine stream per (prompt, sample), rids and seeds as the engine names
         and seeds the samples of a request with n > 1."""
         if req.text is not None:
-            prompts: list[dict[str, Any]] = [{"prompt": t} for t in ([req.text] if isinstance(req.text, str) else req.text)]
+            texts = [req.text] if isinstance(req.text, str) else req.text
+            prompts: list[dict[str, Any]] = [{"prompt": t} for t in texts]
         else:
             flat = not req.input_ids or isinstance(req.input_ids[0], int)
             prompts = [{"input_ids": ids} for ids in ([req.input_ids] if flat else req.input_ids)]

@@ -242,7 +242,7 @@ class OpenAIAPI:
             else:
                 for tool in mode.tools:
                     self._checked_schema(tool.function.parameters, "tools")
-                schema = toolcalls.required_schema(mode.tools)
+                schema = toolcalls.required_schema(mode.tools, parallel=req.parallel_tool_calls is not False)
         if schema is not None:
             if "json_schema" in params or "regex" in params:
                 raise bad_request("give at most one of response_format, a forced tool_choice, regex and "

@@ -25,8 +25,8 @@ def new_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
-def required_schema(tools: list[Tool]) -> dict[str, Any]:
-    """Schema of a non-empty JSON array of calls to the declared tools."""
+def required_schema(tools: list[Tool], parallel: bool = True) -> dict[str, Any]:
+    """Schema of a non-empty JSON array of calls to the declared tools (exactly one unless parallel)."""
     calls = [
         {
             "type": "object",
@@ -36,7 +36,10 @@ def required_schema(tools: list[Tool]) -> dict[str, Any]:
         }
         for t in tools
     ]
-    return {"type": "array", "items": calls[0] if len(calls) == 1 else {"anyOf": calls}, "minItems": 1}
+    schema = {"type": "array", "items": calls[0] if len(calls) == 1 else {"anyOf": calls}, "minItems": 1}
+    if not parallel:
+        schema["maxItems"] = 1
+    return schema
 
 
 def tool_call(name: str, arguments: Any) -> dict[str, Any]:

@@ -5,13 +5,11 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
-import sys
 import threading
-import time
 
 import pytest
 
+from radixlm import cli
 from server_harness import shared_server, wait_idle
 
 
@@ -46,7 +44,8 @@ def test_generate_single_and_batch_match_engine(client, live):
     batch = client.post("/generate", json={"text": ["The fox", "A cache"], "sampling_params": GREEDY}).json()
     assert [b["text"] for b in batch] == [e["text"] for e in expected]
     ids = [live.engine.tokenizer(t)["input_ids"] for t in ("The fox", "A cache")]
-    by_ids = client.post("/generate", json={"input_ids": ids, "sampling_params": [GREEDY, {**GREEDY, "max_new_tokens": 3}]}).json()
+    by_ids = client.post("/generate", json={"input_ids": ids,
+                                            "sampling_params": [GREEDY, {**GREEDY, "max_new_tokens": 3}]}).json()
     assert by_ids[0]["text"] == expected[0]["text"]
     assert by_ids[1]["output_ids"] == expected[1]["output_ids"][:3]
     one = client.post("/generate", json={"input_ids": ids[0], "sampling_params": GREEDY}).json()
@@ -175,13 +174,14 @@ def test_openapi_lists_every_route(client, live):
     assert "messages" in spec["components"]["schemas"][chat["$ref"].rsplit("/", 1)[1]]["properties"]
 
 
-def test_cli_help():
-    out = subprocess.run([sys.executable, "-m", "radixlm.server", "--help"], capture_output=True, text=True,
-                         timeout=120)
-    assert out.returncode == 0
+def test_cli_help_and_bad_flag(capsys):
+    with pytest.raises(SystemExit) as exit_help:
+        cli.main(["serve", "--help"])
+    assert exit_help.value.code == 0
+    usage = capsys.readouterr().out
     for flag in ("--model-path", "--host", "--port", "--api-key", "--max-running-requests", "--schedule-policy",
                  "--disable-radix-cache", "--max-queued-requests"):
-        assert flag in out.stdout
-    bad = subprocess.run([sys.executable, "-m", "radixlm.cli", "serve", "--max-running-requests", "x"],
-                         capture_output=True, text=True, timeout=120)
-    assert bad.returncode == 2 and "invalid int value" in bad.stderr
+        assert flag in usage
+    with pytest.raises(SystemExit) as exit_bad:
+        cli.main(["serve", "--max-running-requests", "x"])
+    assert exit_bad.value.code == 2 and "invalid int value" in capsys.readouterr().err

@@ -15,7 +15,7 @@ import openai
 import pytest
 import torch
 
-from server_harness import render_chat, shared_server
+from server_harness import constrained_available, render_chat, shared_server
 from radixlm.server import tools as toolcalls
 from radixlm.server.openai_protocol import Tool
 
@@ -35,16 +35,6 @@ def client(live):
 def engine_greedy(live, ids, max_new_tokens, **params):
     return live.engine.generate(input_ids=ids, sampling_params={"max_new_tokens": max_new_tokens,
                                                                  "temperature": 0.0, **params})
-
-
-def constrained_available(live) -> bool:
-    try:
-        live.engine.generate(input_ids=[1], sampling_params={"max_new_tokens": 1, "regex": "a"})
-    except ValueError as exc:
-        if "not available" in str(exc):
-            return False
-        raise
-    return True
 
 
 def test_models(client, live):
@@ -281,7 +271,8 @@ def test_tool_call_parsing():
     assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Paris"}
     content, calls = toolcalls.parse_auto('{"name": "get_weather", "parameters": {"city": "Oslo"}}', tools)
     assert content is None and json.loads(calls[0]["function"]["arguments"]) == {"city": "Oslo"}
-    assert toolcalls.parse_auto('{"name": "other", "arguments": {}}', tools) == ('{"name": "other", "arguments": {}}', [])
+    unknown = '{"name": "other", "arguments": {}}'
+    assert toolcalls.parse_auto(unknown, tools) == (unknown, [])
     assert toolcalls.parse_auto("plain text", tools) == ("plain text", [])
     calls = toolcalls.parse_required('[{"name": "get_weather", "arguments": {"city": "Rome"}}]')
     assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Rome"}
