@@ -1,0 +1,116 @@
+"""Compiles every Triton kernel for Hopper (sm_90) without a GPU and prints what the compiler made.
+
+    python benchmarks/compile_check_kernels.py [--dtype bf16] [--head-dim 128]
+
+For each kernel at Llama-3-8B shapes: shared memory, registers, stack bytes (spills), and counts of the
+SASS instructions that tell whether the Hopper habits took: HGMMA (warpgroup matrix ops) or HMMA
+(older mma), LDGSTS (cp.async, software pipelining), LDG.E.128 (16-byte loads), LDL/STL (local memory,
+i.e. spills). Arguments get the specialization the runtime gives them: unit inner strides become
+constants, pointers and other strides are taken as 16-divisible. Needs only the triton package (its
+bundled ptxas and cuobjdump); run it where TRITON_INTERPRET is unset.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from radixlm.kernels.triton import attention, elementwise, sampling
+
+INDEX_PTRS = {"ReqToToken", "ReqPoolIndices", "SeqLens", "ExtendLens", "ExtendStartLoc", "Loc", "Positions"}
+FP32_PTRS = {"PartOut", "PartLse", "CosSin"}
+FLOAT_ARGS = {"scale_log2", "eps"}
+UNALIGNED_INTS = {"num_splits"}  # sizes of real models (4096, 14336, 128256) are 16-divisible
+SASS_OPS = ("HGMMA", "HMMA", "LDGSTS", "LDG.E.128", "LDL", "STL")
+
+
+def compile_for_hopper(kernel, constexprs: dict, dtype: str, index: str, num_warps: int, num_stages: int):
+    signature, consts, attrs = {}, dict(constexprs), {}
+    for i, name in enumerate(kernel.arg_names):
+        if name in consts:
+            signature[name] = "constexpr"
+        elif name[0].isupper():  # pointer arguments are capitalized in these kernels
+            if name == "Bitmask":
+                signature[name] = "*i32"
+            else:
+                signature[name] = f"*{index}" if name in INDEX_PTRS else "*fp32" if name in FP32_PTRS else f"*{dtype}"
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif name in FLOAT_ARGS:
+            signature[name] = "fp32"
+        elif re.fullmatch(r"stride_\w*[dc]", name):  # innermost strides are 1 at run time
+            signature[name], consts[name] = "constexpr", 1
+        else:
+            signature[name] = "i32"
+            if name not in UNALIGNED_INTS:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    src = ASTSource(kernel, signature, constexprs=consts, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, "num_stages": num_stages})
+
+
+def report(label: str, compiled, num_warps: int, num_stages: int) -> None:
+    tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    with tempfile.NamedTemporaryFile("wb", suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        usage = subprocess.run([os.path.join(tools, "cuobjdump"), "-res-usage", f.name], capture_output=True, text=True).stdout
+        sass = subprocess.run([os.path.join(tools, "cuobjdump"), "-sass", f.name], capture_output=True, text=True).stdout
+    regs = re.search(r"REG:(\d+)", usage)
+    stack = re.search(r"STACK:(\d+)", usage)
+    counts = " ".join(f"{op}={len(re.findall(re.escape(op) + r'[ .]', sass))}" for op in SASS_OPS)
+    print(f"{label:34s} warps={num_warps} stages={num_stages} smem={compiled.metadata.shared:6d} "
+          f"regs={regs.group(1) if regs else '?':>3s} stack={stack.group(1) if stack else '?':>3s}  {counts}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
+    p.add_argument("--index", choices=["i32", "i64"], default="i32")
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--hidden", type=int, default=4096)
+    args = p.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        print("unset TRITON_INTERPRET: this compiles the kernels, it does not interpret them", file=sys.stderr)
+        return 2
+    cuda = type("CudaDevice", (), {"type": "cuda"})()  # the launch-shape tables only look at .type
+    d, block_d = args.head_dim, max(16, triton.next_power_of_2(args.head_dim))
+    group = args.heads // args.kv_heads
+    precision = "ieee" if args.dtype == "fp32" else "tf32"
+    ext, dec = attention.extend_config(d, cuda), attention.decode_config(d, cuda)
+    jobs = [
+        ("extend_attention", attention._extend_kernel, ext.num_warps, ext.num_stages,
+         dict(GROUP=group, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=ext.block_m, BLOCK_N=ext.block_n, PRECISION=precision)),
+        ("decode_attention (split)", attention._decode_split_kernel, dec.num_warps, dec.num_stages,
+         dict(GROUP=group, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_H=max(16, triton.next_power_of_2(group)),
+              BLOCK_N=dec.block_n, PRECISION=precision)),
+        ("decode_attention (reduce)", attention._decode_reduce_kernel, 4, 3,
+         dict(HEAD_DIM=d, BLOCK_D=block_d, BLOCK_S=4)),
+        ("store_kv", elementwise._store_kv_kernel, 4, 3,
+         dict(NUM_KV_HEADS=args.kv_heads, HEAD_DIM=d, BLOCK_H=triton.next_power_of_2(args.kv_heads), BLOCK_D=block_d)),
+        ("rms_norm", elementwise._rms_norm_kernel, elementwise._row_warps(triton.next_power_of_2(args.hidden)), 3,
+         dict(HAS_RESIDUAL=False, BLOCK=triton.next_power_of_2(args.hidden))),
+        ("fused_add_rms_norm", elementwise._rms_norm_kernel, elementwise._row_warps(triton.next_power_of_2(args.hidden)), 3,
+         dict(HAS_RESIDUAL=True, BLOCK=triton.next_power_of_2(args.hidden))),
+        ("silu_and_mul", elementwise._silu_and_mul_kernel, 4, 3, dict(BLOCK=1024)),
+        ("apply_rotary", elementwise._rotary_kernel, 4, 3,
+         dict(NUM_HEADS=args.heads, NUM_KV_HEADS=args.kv_heads, HALF=d // 2, BLOCK_H=triton.next_power_of_2(args.heads),
+              BLOCK_KH=triton.next_power_of_2(args.kv_heads), BLOCK_HALF=triton.next_power_of_2(d // 2))),
+        ("apply_token_bitmask", sampling._token_bitmask_kernel, 8, 3, dict(BLOCK=4096)),
+    ]
+    print(f"triton {triton.__version__}, sm_90, {args.dtype}, {args.index} indices, head_dim {d}, GQA {group}")
+    for label, kernel, warps, stages, constexprs in jobs:
+        report(label, compile_for_hopper(kernel, constexprs, args.dtype, args.index, warps, stages), warps, stages)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
