@@ -238,3 +238,24 @@ def test_speculative_execution_chat_model(runtime) -> None:
     assert prompt_tokens == backend.token_usage.prompt_tokens
     assert state["name"] == spoken[3:p1] and state["birthday"] == spoken[p1 + 2:p2]
     assert state.messages()[-1] == {"role": "assistant", "content": spoken[:p2 + 2].lstrip()}
+
+
+def test_speculated_gens_keep_their_max_tokens(runtime) -> None:
+    backend = sgl.OpenAI(MODEL, base_url=runtime.url + "/v1", is_chat_model=False)
+    prompt = "Construct a character.\nName:"
+    client = openai.OpenAI(base_url=runtime.url + "/v1", api_key="EMPTY")
+    choice = client.completions.create(model=MODEL, prompt=prompt, max_tokens=32, temperature=0, logprobs=0).choices[0]
+    tokens = choice.logprobs.tokens
+    assert "".join(tokens).startswith(choice.text)  # token texts spell the output: boundaries are known
+    ends = [sum(len(t) for t in tokens[:i + 1]) for i in range(len(tokens))]
+    [(p1, sep1)] = _separators(choice.text, ends[3], 1)  # a stop string the model writes after 4+ tokens
+
+    def program(s):
+        s += prompt + sgl.gen("name", stop=sep1, max_tokens=2) + sep1 + sgl.gen("job", max_tokens=4)
+
+    spec, plain = sgl.function(num_api_spec_tokens=32)(program), sgl.function(program)
+    state = spec.run(temperature=0, backend=backend)
+    reference = plain.run(temperature=0, backend=backend)
+    # a normal call stops after 2 tokens, before the stop string: so must the speculated gen
+    assert state["name"] == reference["name"] == choice.text[:ends[1]]
+    assert state.text() == reference.text()

@@ -15,7 +15,7 @@ from radixlm.core.backends.base import BaseBackend
 from radixlm.core.program.chat_template import chat_template_from_tokenizer, get_chat_template
 from radixlm.core.program.compiler import CompiledFunction
 from radixlm.core.program.ir import REGEX_INT, Constant, Fork, GenParams, GetForkItem, Select
-from radixlm.core.program.speculative import TurnItem, cut_at_stop, match_turn
+from radixlm.core.program.speculative import TurnItem, cap_tokens, cut_at_stop, match_turn, token_ends
 
 
 # ----- IR and parameters -----
@@ -96,6 +96,19 @@ def test_cut_at_stop() -> None:
     assert cut_at_stop("abc", ["\n"], complete=True) == "abc"
     assert cut_at_stop("abc", ["\n"], complete=False) is None
     assert cut_at_stop("a.b\nc", ["\n", "."], complete=False) == "a"
+
+
+def test_token_boundaries_cap_speculated_gens() -> None:
+    meta = {"output_token_logprobs": [(-0.1, None, " An"), (-0.2, None, "n"), (-0.3, None, "\nJ"), (-0.1, None, "ob")]}
+    ends = token_ends(" Ann\nJob", meta)
+    assert ends == [3, 4, 6, 8]
+    assert token_ends("something else", meta) is None
+    assert token_ends(" Ann", meta) == [3, 4]  # trailing tokens the text leaves out (an EOS)
+    # " Ann" needs its 2 tokens plus the one that starts the stop "\n": 3 tokens
+    assert cap_tokens(" Ann\nJob", " Ann", ends, 3) == " Ann"
+    assert cap_tokens(" Ann\nJob", " Ann", ends, 2) == " Ann"  # the call ends by length, same text
+    assert cap_tokens(" Ann\nJob", " Ann", ends, 1) == " An"
+    assert cap_tokens(" Ann\nJob", " Ann", None, 1) == " Ann"  # boundaries unknown: the stop decides
 
 
 def test_match_turn() -> None:

@@ -70,8 +70,14 @@ class OpenAI(BaseBackend):
         arguments = {"model": self.model_name, **params.openai_kwargs()}
         if self.is_chat_model:
             arguments["messages"] = self._messages(s)
+            if params.return_logprob:
+                arguments["logprobs"] = True
+                if params.top_logprobs_num:
+                    arguments["top_logprobs"] = params.top_logprobs_num
         else:
             arguments["prompt"] = s.text_
+            if params.return_logprob:
+                arguments["logprobs"] = params.top_logprobs_num or 0
         return arguments
 
     def _messages(self, s: "StreamExecutor") -> list[dict[str, Any]]:
@@ -98,15 +104,22 @@ class OpenAI(BaseBackend):
         arguments = self._arguments(s, params)
         if self.is_chat_model:
             response = self.client.chat.completions.create(**arguments)
-            text = response.choices[0].message.content or ""
+            choice = response.choices[0]
+            text = choice.message.content or ""
+            tokens = [(t.logprob, t.token) for t in choice.logprobs.content or []] if choice.logprobs else None
         else:
             response = self.client.completions.create(**arguments)
-            text = response.choices[0].text
+            choice = response.choices[0]
+            text = choice.text
+            tokens = list(zip(choice.logprobs.token_logprobs, choice.logprobs.tokens)) if choice.logprobs else None
         self._count(response.usage)
         usage = response.usage
-        return text, {"finish_reason": response.choices[0].finish_reason,
-                      "prompt_tokens": usage.prompt_tokens if usage else None,
-                      "completion_tokens": usage.completion_tokens if usage else None}
+        meta: dict[str, Any] = {"finish_reason": choice.finish_reason,
+                                "prompt_tokens": usage.prompt_tokens if usage else None,
+                                "completion_tokens": usage.completion_tokens if usage else None}
+        if tokens is not None:
+            meta["output_token_logprobs"] = [(lp, None, token) for lp, token in tokens]
+        return text, meta
 
     def generate_stream(self, s: "StreamExecutor", params: "GenParams") -> Iterator[tuple[str, dict[str, Any]]]:
         arguments = self._arguments(s, params)

@@ -80,6 +80,9 @@ class StreamExecutor:
         self._fork_points: dict[int, threading.Event] = {}
         self._fork_snapshots: dict[int, dict[str, Any]] = {}
         self._changed = threading.Condition()
+        # With stream=True: the pieces of text and of each variable, in order, for text_iter.
+        self._text_pieces: list[str] = []
+        self._var_pieces: dict[Any, list[str]] = {}
         self._ended = False
         self._queue: queue.Queue = queue.Queue()
         self._worker = threading.Thread(target=self._work, daemon=True, name=f"radixlm-stream-{self.sid[:8]}")
@@ -158,28 +161,27 @@ class StreamExecutor:
     # ----- streaming reads -----
 
     def iter_text(self, var_name: Any = None) -> Iterator[str]:
-        """Yields the new text of the state (or of one variable) as it is produced."""
-        def current() -> str:
-            if var_name is None:
-                return self.text_
-            value = self.variables.get(var_name, "")
-            return value if isinstance(value, str) else ""
+        """Yields the state's text (or one variable) piece by piece as it is produced: every
+        appended text and every streamed chunk of a gen is one piece."""
+        pieces = self._text_pieces if var_name is None else self._var_pieces.setdefault(var_name, [])
 
         def done() -> bool:
-            if var_name is None:
-                return self.is_finished
+            if self.is_finished or (var_name is not None and self.error_ is not None):
+                return True
             event = self._var_events.get(var_name)
-            return self.is_finished or self.error_ is not None or (event is not None and event.is_set())
+            return var_name is not None and event is not None and event.is_set()
 
         sent = 0
         while True:
             with self._changed:
-                self._changed.wait_for(lambda: len(current()) > sent or done())
-                chunk, finished = current()[sent:], done()
-            sent += len(chunk)
-            if chunk:
-                yield chunk
-            if finished and sent >= len(current()):
+                self._changed.wait_for(lambda: len(pieces) > sent or done())
+                new, finished = pieces[sent:], done()
+            sent += len(new)
+            yield from (piece for piece in new if piece)
+            if finished and sent >= len(pieces):
+                value = self.variables.get(var_name)
+                if var_name is not None and sent == 0 and isinstance(value, str) and value:
+                    yield value  # a variable set at once (a select, a var_scope)
                 return
 
     # ----- the worker's side -----
@@ -277,7 +279,10 @@ class StreamExecutor:
             return
         if self.speculation is not None:
             self.speculation.consume_text(value)
-        self.text_ += value
+        with self._changed:
+            self.text_ += value
+            if self.stream:
+                self._text_pieces.append(value)
 
     def _image(self, path: str) -> None:
         if not self.backend.supports_vision:
@@ -356,6 +361,8 @@ class StreamExecutor:
         for chunk, meta in self.backend.generate_stream(self, params):
             with self._changed:
                 self.text_ += chunk
+                self._text_pieces.append(chunk)
+                self._var_pieces.setdefault(name, []).append(chunk)
                 self.variables[name] += chunk
                 self.meta_info[name] = meta
                 self._changed.notify_all()

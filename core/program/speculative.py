@@ -11,8 +11,9 @@ Completion models: matching happens as the program runs (`CompletionSpeculation`
 Chat models: an assistant turn is one message, so its pieces are collected until the turn ends and
 then filled from one call (`speculate_turn`).
 
-A gen served from speculated text ends at its stop string; its own max_tokens is not re-checked
-(that would need the API model's tokenizer).
+The speculative call asks for token logprobs, whose token texts give the token boundaries of the
+speculated text; a gen served from it is then cut after its own max_tokens tokens, as a normal call
+would be. (Where the API returns no usable token texts, a gen simply ends at its stop string.)
 """
 
 from __future__ import annotations
@@ -61,6 +62,31 @@ def cut_at_stop(text: str, stops: list[str], complete: bool) -> str | None:
     return text if complete else None
 
 
+def token_ends(text: str, meta: dict[str, Any]) -> list[int] | None:
+    """Character offsets in `text` where its tokens end, from the call's token logprobs; None when
+    the API gave none or its token texts do not spell `text` (byte pieces of a character). Tokens
+    after the text (an end-of-text token, which the text leaves out) are ignored."""
+    tokens = [entry[2] for entry in meta.get("output_token_logprobs") or []]
+    ends, end = [], 0
+    for token in tokens:
+        if end == len(text):
+            break
+        end += len(token)
+        ends.append(end)
+    return ends if ends and "".join(tokens[:len(ends)]) == text else None
+
+
+def cap_tokens(text: str, value: str, ends: list[int] | None, max_tokens: int | None) -> str:
+    """`value`, a prefix of `text` (whose tokens end at `ends`), as a normal call limited to
+    max_tokens would return it: a call needs the tokens inside the value, plus the one that starts
+    the stop string when the value ends before the text does."""
+    if ends is None or not max_tokens:
+        return value
+    inside = [e for e in ends if 0 < e <= len(value)]
+    needed = len(inside) + (1 if len(value) < len(text) else 0)
+    return text[:inside[max_tokens - 1]] if needed > max_tokens else value
+
+
 def _finished_by_itself(meta: dict[str, Any]) -> bool:
     reason = meta.get("finish_reason")
     if isinstance(reason, dict):
@@ -73,6 +99,7 @@ class CompletionSpeculation:
 
     def __init__(self) -> None:
         self.text: str | None = None  # what the model is expected to write next; None: nothing
+        self.ends: list[int] | None = None  # where its tokens end (character offsets), if known
         self.complete = False  # the model ended the speculated text itself (EOS)
         self.key: tuple | None = None
 
@@ -82,6 +109,8 @@ class CompletionSpeculation:
             return
         if self.text.startswith(value):
             self.text = self.text[len(value):]
+            if self.ends is not None:
+                self.ends = [e - len(value) for e in self.ends if e > len(value)]
         else:
             self.text = None
 
@@ -96,8 +125,9 @@ class CompletionSpeculation:
         if self.text is None or self.key != _sampling_key(params):
             n = executor.num_api_spec_tokens or 0
             spec_params = dataclasses.replace(params, max_new_tokens=max(params.max_new_tokens or 0, n),
-                                              stop=[], stop_token_ids=[])
+                                              stop=[], stop_token_ids=[], return_logprob=True)
             self.text, fresh_meta = backend.generate(executor, spec_params)
+            self.ends = token_ends(self.text, fresh_meta)
             self.key = _sampling_key(params)
             self.complete = _finished_by_itself(fresh_meta)
         value = cut_at_stop(self.text, params.stop_list(), self.complete)
@@ -106,26 +136,31 @@ class CompletionSpeculation:
         if value is None:
             self.text = None
             return backend.generate(executor, params)
-        return value, {**(fresh_meta or {}), "speculative": True}
+        value = cap_tokens(self.text, value, self.ends, params.max_new_tokens)
+        return value, {"finish_reason": (fresh_meta or {}).get("finish_reason"), "speculative": True}
 
 
-def match_turn(items: list[TurnItem], output: str, complete: bool, key: tuple) -> list[str | None]:
-    """Per item, its value taken from the speculated turn `output`, up to the first piece that does
-    not match (None from there on)."""
+def match_turn(items: list[TurnItem], output: str, complete: bool, key: tuple,
+               ends: list[int] | None = None) -> list[str | None]:
+    """Per item, its value taken from the speculated turn `output` (whose tokens end at `ends`),
+    up to the first piece that does not match (None from there on)."""
     values: list[str | None] = [None] * len(items)
-    rest = output
+    done = 0  # characters of output matched so far
     for i, item in enumerate(items):
+        rest = output[done:]
         if item.is_text:
             if not rest.startswith(item.text):
                 break
-            values[i], rest = item.text, rest[len(item.text):]
+            values[i], done = item.text, done + len(item.text)
             continue
         if item.params.constraint()[0] or item.params.min_new_tokens or _sampling_key(item.params) != key:
             break
         value = cut_at_stop(rest, item.params.stop_list(), complete)
         if value is None:
             break
-        values[i], rest = value, rest[len(value):]
+        local_ends = None if ends is None else [e - done for e in ends if e > done]
+        value = cap_tokens(rest, value, local_ends, item.params.max_new_tokens)
+        values[i], done = value, done + len(value)
     return values
 
 
@@ -135,6 +170,7 @@ def speculate_turn(executor: "StreamExecutor", items: list[TurnItem]) -> list[st
     if not gens:
         return [None] * len(items)
     spec_params = dataclasses.replace(gens[0].params, max_new_tokens=executor.num_api_spec_tokens,
-                                      stop=[], stop_token_ids=[])
+                                      stop=[], stop_token_ids=[], return_logprob=True)
     output, meta = executor.backend.generate(executor, spec_params)
-    return match_turn(items, output, _finished_by_itself(meta), _sampling_key(gens[0].params))
+    return match_turn(items, output, _finished_by_itself(meta), _sampling_key(gens[0].params),
+                      token_ends(output, meta))
