@@ -94,6 +94,7 @@ def _launch_rms_norm(
     y = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)
     summed = r2 = None
     if residual is not None:
+        assert residual.dtype == x.dtype, "x and residual must share a dtype (the sum is stored in it)"
         r2 = _rows(residual)
         summed = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)
     if n_rows:
