@@ -57,11 +57,12 @@ def serve(model_path: str | None = None, args: ServerArgs | None = None, **engin
     from radixlm import Engine
 
     args = args or ServerArgs()
-    if logger.level == logging.NOTSET:
-        logger.setLevel(logging.INFO)
-    if not logging.getLogger("radixlm").handlers and not logger.handlers:
-        logging.basicConfig(format="%(asctime)s %(name)s %(levelname)s %(message)s")
     engine = Engine(model_path, **engine_options)
+    # The URL and start/stop lines are shown whatever the engine's log level; they go through the
+    # engine's "radixlm" handler when it has one.
+    logger.setLevel(logging.INFO)
+    if not (logger.handlers or logging.getLogger("radixlm").handlers or logging.getLogger().handlers):
+        logger.addHandler(logging.StreamHandler())
     try:
         app = create_app(engine, args)
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
