@@ -259,3 +259,28 @@ def test_speculated_gens_keep_their_max_tokens(runtime) -> None:
     # a normal call stops after 2 tokens, before the stop string: so must the speculated gen
     assert state["name"] == reference["name"] == choice.text[:ends[1]]
     assert state.text() == reference.text()
+
+
+def test_chat_speculation_falls_back_for_the_unmatched_pieces(runtime) -> None:
+    backend = sgl.OpenAI(MODEL, base_url=runtime.url + "/v1")
+    history = [{"role": "user", "content": "Construct a character: Name, Job."}]
+    client = openai.OpenAI(base_url=runtime.url + "/v1", api_key="EMPTY")
+    spoken = client.chat.completions.create(model=MODEL, messages=history, max_tokens=16,
+                                            temperature=0).choices[0].message.content
+    [(p1, sep1)] = _separators(spoken, 0, 1)
+    odd = "\u2603 not what the model says \u2603"
+
+    @sgl.function(num_api_spec_tokens=16)
+    def character(s):
+        s += sgl.user("Construct a character: Name, Job.")
+        s += sgl.assistant(sgl.gen("name", stop=sep1) + odd + sgl.gen("job", stop="\n", max_tokens=4))
+
+    state = character.run(temperature=0, backend=backend)
+    assert state.error() is None
+    assert backend.token_usage.requests == 2  # the speculative call, then a normal call for "job"
+    assert state["name"] == spoken[:p1]
+    # the normal call continues the turn: the text so far goes as a final assistant message
+    partial = history + [{"role": "assistant", "content": spoken[:p1] + odd}]
+    expected = client.chat.completions.create(model=MODEL, messages=partial, max_tokens=4, stop=["\n"],
+                                              temperature=0).choices[0].message.content
+    assert state["job"] == expected
