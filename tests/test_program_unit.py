@@ -276,3 +276,18 @@ def test_var_scope_roles_and_state_api() -> None:
         state["nothing"]
     with pytest.raises(TypeError):
         prog.run(backend=backend, unknown_argument=1)
+
+
+def test_bind_and_batch_of_positional_arguments() -> None:
+    backend = ScriptedBackend()
+
+    @sgl.function
+    def greet(s, greeting, name):
+        s += greeting + ", " + name + sgl.gen("g", max_tokens=1)
+
+    hello = greet.bind(greeting="Hello")
+    assert hello.run(name="Ann", backend=backend).text() == "Hello, Ann<out>"
+    states = greet.run_batch([("Hi", "Bo"), ("Yo", "Cy")], backend=backend, progress_bar=True, num_threads=2)
+    assert [s.text() for s in states] == ["Hi, Bo<out>", "Yo, Cy<out>"]
+    with pytest.raises(TypeError):
+        greet.bind(nobody="x")

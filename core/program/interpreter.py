@@ -15,6 +15,7 @@ import contextlib
 import queue
 import threading
 import uuid
+import weakref
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from radixlm.core.program import speculative
@@ -625,8 +626,14 @@ def resolve_backend(backend: Any) -> "BaseBackend":
         return backend.endpoint
     if hasattr(backend, "generate") and hasattr(backend, "tokenizer"):  # a radixlm.Engine
         from radixlm.core.backends.local_engine import EngineBackend
-        return EngineBackend(backend)
+        if backend not in _engine_backends:
+            _engine_backends[backend] = EngineBackend(backend)
+        return _engine_backends[backend]
     raise TypeError(f"not a backend: {backend!r}")
+
+
+# One backend per engine, so `run(backend=engine)` does not recover its chat template every time.
+_engine_backends: "weakref.WeakKeyDictionary[Any, BaseBackend]" = weakref.WeakKeyDictionary()
 
 
 def new_state(backend: "BaseBackend", arguments: dict[str, Any], defaults: GenParams, stream: bool,
