@@ -1,0 +1,369 @@
+"""Python regex -> minimal byte-level DFA.
+
+Python's own parser (`re._parser`) reads the pattern, so the syntax and the meaning of every class are
+exactly Python's. From the parse tree on everything is ours: a Thompson NFA over UTF-8 bytes, subset
+construction over byte equivalence classes, dead-state removal, and Moore partition refinement.
+
+The DFA accepts the UTF-8 encodings of exactly the strings `re.fullmatch(pattern, s)` accepts. Non-greedy
+quantifiers accept the same strings as greedy ones. Constructs that are not regular (backreferences,
+lookaround, conditionals) or that change the language in ways an automaton cannot follow (possessive
+quantifiers, atomic groups, word boundaries, anchors away from the ends) raise ValueError naming them.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import numpy as np
+
+from radixlm.core.constrained import charsets
+
+try:  # Python >= 3.11
+    from re import _constants as sre_c, _parser as sre_p
+except ImportError:  # pragma: no cover - Python 3.10
+    import sre_constants as sre_c
+    import sre_parse as sre_p
+
+MAX_NFA_STATES = 400_000
+MAX_DFA_STATES = 200_000
+
+_POSSESSIVE = getattr(sre_c, "POSSESSIVE_REPEAT", None)
+_ATOMIC = getattr(sre_c, "ATOMIC_GROUP", None)
+_CATEGORY_SOURCE = {
+    sre_c.CATEGORY_DIGIT: r"\d", sre_c.CATEGORY_NOT_DIGIT: r"\D",
+    sre_c.CATEGORY_SPACE: r"\s", sre_c.CATEGORY_NOT_SPACE: r"\S",
+    sre_c.CATEGORY_WORD: r"\w", sre_c.CATEGORY_NOT_WORD: r"\W",
+}
+# Flags that change which characters a class matches; passed to `re` when Python computes a class.
+_CLASS_FLAGS = re.IGNORECASE | re.ASCII | re.DOTALL
+
+
+@dataclass(frozen=True)
+class ByteDFA:
+    """A minimal DFA over bytes. State 0 is the start; every state can still reach an accepting one."""
+
+    transitions: np.ndarray  # int32 [num_states, 256]; -1 where the byte leads nowhere
+    accepting: np.ndarray  # bool [num_states]
+
+    @property
+    def num_states(self) -> int:
+        return int(self.accepting.shape[0])
+
+    def walk(self, data: bytes, state: int = 0) -> int:
+        """The state after `data` from `state`, or -1 if `data` leaves the language."""
+        trans = self.transitions
+        for b in data:
+            state = int(trans[state, b])
+            if state < 0:
+                return -1
+        return state
+
+    def fullmatch(self, text: str) -> bool:
+        end = self.walk(text.encode())
+        return end >= 0 and bool(self.accepting[end])
+
+
+def regex_to_dfa(pattern: str) -> ByteDFA:
+    """Compiles a Python regex (fullmatch semantics) to a minimal byte-level DFA; ValueError if unsupported."""
+    if not isinstance(pattern, str):
+        raise ValueError(f"regex must be a string, got {type(pattern).__name__}")
+    try:
+        tree = sre_p.parse(pattern)
+    except re.error as e:
+        raise ValueError(f"invalid regex {pattern!r}: {e}") from None
+    nfa = _NFA()
+    start, accept = nfa.compile(tree, tree.state.flags, at_start=True, at_end=True)
+    trans, accepting = _determinize(nfa, start, accept)
+    return _minimize(trans, accepting, nfa.byte_classes(), pattern)
+
+
+def char_set_ranges(op, av, flags: int) -> charsets.Ranges:
+    """The code points a one-character parse node (LITERAL, NOT_LITERAL, ANY, IN) matches under `flags`."""
+    if op is sre_c.ANY:
+        return charsets.ALL if flags & re.DOTALL else charsets.complement(((10, 10),))
+    if op is sre_c.LITERAL or op is sre_c.NOT_LITERAL:
+        items = [(sre_c.LITERAL, av)] if op is sre_c.LITERAL else [(sre_c.NEGATE, None), (sre_c.LITERAL, av)]
+    else:
+        items = av
+    simple = not flags & (re.IGNORECASE | re.ASCII) and all(o is not sre_c.CATEGORY for o, _ in items)
+    if not simple:
+        return charsets.ranges_matching(_class_source(items), flags & _CLASS_FLAGS)
+    negate, ranges = False, []
+    for o, a in items:
+        if o is sre_c.NEGATE:
+            negate = True
+        elif o is sre_c.LITERAL:
+            ranges.append((a, a))
+        elif o is sre_c.RANGE:
+            ranges.append(a)
+        else:
+            raise ValueError(f"unsupported item {o} in a character class")
+    return charsets.complement(ranges) if negate else charsets.normalize(ranges)
+
+
+def _class_source(items) -> str:
+    """Rebuilds a bracket expression from parsed class items, so Python can evaluate it under flags."""
+    parts = []
+    for o, a in items:
+        if o is sre_c.NEGATE:
+            parts.insert(0, "^")
+        elif o is sre_c.LITERAL:
+            parts.append(f"\\U{a:08x}")
+        elif o is sre_c.RANGE:
+            parts.append(f"\\U{a[0]:08x}-\\U{a[1]:08x}")
+        elif o is sre_c.CATEGORY:
+            parts.append(_CATEGORY_SOURCE[a])
+        else:
+            raise ValueError(f"unsupported item {o} in a character class")
+    return "[" + "".join(parts) + "]"
+
+
+def unsupported_construct(op, av) -> str | None:
+    """The name of a construct a finite automaton cannot express, or None."""
+    if op is sre_c.GROUPREF:
+        return "backreference"
+    if op is sre_c.GROUPREF_EXISTS:
+        return "conditional group (?(id)yes|no)"
+    if op is sre_c.ASSERT:
+        return "lookahead (?=...)" if av[0] == 1 else "lookbehind (?<=...)"
+    if op is sre_c.ASSERT_NOT:
+        return "negative lookahead (?!...)" if av[0] == 1 else "negative lookbehind (?<!...)"
+    if _POSSESSIVE is not None and op is _POSSESSIVE:
+        return "possessive quantifier (*+, ++, ?+, {m,n}+)"
+    if _ATOMIC is not None and op is _ATOMIC:
+        return "atomic group (?>...)"
+    return None
+
+
+class _NFA:
+    """Thompson NFA over bytes: per state, epsilon targets and (lo, hi, target) byte-range edges."""
+
+    def __init__(self) -> None:
+        self.eps: list[list[int]] = []
+        self.edges: list[list[tuple[int, int, int]]] = []
+
+    def new(self) -> int:
+        if len(self.eps) >= MAX_NFA_STATES:
+            raise ValueError(f"regex too large: its automaton exceeds {MAX_NFA_STATES} states "
+                             "(large counted repetitions of wide character classes are the usual cause)")
+        self.eps.append([])
+        self.edges.append([])
+        return len(self.eps) - 1
+
+    def compile(self, seq, flags: int, at_start: bool, at_end: bool) -> tuple[int, int]:
+        """Fragment (start, end) for a sequence of parse nodes. at_start / at_end: whether the sequence
+        necessarily begins at the start / ends at the end of the whole match (where ^ and $ are no-ops)."""
+        items = list(seq)
+        start = cur = self.new()
+        for i, (op, av) in enumerate(items):
+            first = at_start and all(o is sre_c.AT for o, _ in items[:i])
+            last = at_end and all(o is sre_c.AT for o, _ in items[i + 1:])
+            s, e = self._node(op, av, flags, first, last)
+            self.eps[cur].append(s)
+            cur = e
+        return start, cur
+
+    def _node(self, op, av, flags: int, at_start: bool, at_end: bool) -> tuple[int, int]:
+        if op in (sre_c.LITERAL, sre_c.NOT_LITERAL, sre_c.ANY, sre_c.IN):
+            return self._chars(char_set_ranges(op, av, flags))
+        if op is sre_c.SUBPATTERN:
+            _group, add_flags, del_flags, sub = av
+            return self.compile(sub, (flags | add_flags) & ~del_flags, at_start, at_end)
+        if op is sre_c.BRANCH:
+            start, end = self.new(), self.new()
+            for alt in av[1]:
+                s, e = self.compile(alt, flags, at_start, at_end)
+                self.eps[start].append(s)
+                self.eps[e].append(end)
+            return start, end
+        if op in (sre_c.MAX_REPEAT, sre_c.MIN_REPEAT):
+            return self._repeat(av[0], av[1], av[2], flags)
+        if op is sre_c.AT:
+            return self._anchor(av, at_start, at_end)
+        name = unsupported_construct(op, av)
+        raise ValueError(f"unsupported regex construct: {name or op}")
+
+    def _anchor(self, av, at_start: bool, at_end: bool) -> tuple[int, int]:
+        if av in (sre_c.AT_BEGINNING, sre_c.AT_BEGINNING_STRING) and at_start:
+            s = self.new()
+            return s, s
+        if av in (sre_c.AT_END, sre_c.AT_END_STRING) and at_end:
+            s = self.new()
+            return s, s
+        names = {sre_c.AT_BOUNDARY: r"word boundary \b", sre_c.AT_NON_BOUNDARY: r"non-boundary \B"}
+        raise ValueError(f"unsupported regex construct: {names.get(av, f'anchor {av} away from the pattern ends')}")
+
+    def _repeat(self, lo: int, hi: int, sub, flags: int) -> tuple[int, int]:
+        start = cur = self.new()
+        for _ in range(lo):
+            s, e = self.compile(sub, flags, False, False)
+            self.eps[cur].append(s)
+            cur = e
+        if hi == sre_c.MAXREPEAT:
+            loop = self.new()
+            self.eps[cur].append(loop)
+            s, e = self.compile(sub, flags, False, False)
+            self.eps[loop].append(s)
+            self.eps[e].append(loop)
+            return start, loop
+        end = self.new()
+        for _ in range(hi - lo):
+            self.eps[cur].append(end)
+            s, e = self.compile(sub, flags, False, False)
+            self.eps[cur].append(s)
+            cur = e
+        self.eps[cur].append(end)
+        return start, end
+
+    def _chars(self, ranges: charsets.Ranges) -> tuple[int, int]:
+        """A fragment for one character of `ranges`: a trie over its UTF-8 byte-range sequences."""
+        start, end = self.new(), self.new()
+        inner: dict[tuple, int] = {}
+        for seq in charsets.utf8_sequences(ranges):
+            cur = start
+            for k, (lo, hi) in enumerate(seq):
+                if k == len(seq) - 1:
+                    self.edges[cur].append((lo, hi, end))
+                    break
+                nxt = inner.get(seq[: k + 1])
+                if nxt is None:
+                    nxt = inner[seq[: k + 1]] = self.new()
+                    self.edges[cur].append((lo, hi, nxt))
+                cur = nxt
+        return start, end
+
+    def byte_classes(self) -> np.ndarray:
+        """uint8/int [256]: bytes no edge tells apart share a class (class ids in byte order)."""
+        cuts = np.zeros(257, dtype=bool)
+        cuts[0] = True
+        for edges in self.edges:
+            for lo, hi, _ in edges:
+                cuts[lo] = cuts[hi + 1] = True
+        return (np.cumsum(cuts[:256]) - 1).astype(np.int64)
+
+
+def _determinize(nfa: _NFA, start: int, accept: int) -> tuple[np.ndarray, np.ndarray]:
+    """Subset construction over byte classes. Returns transitions [n, K] (-1 = none) and accepting [n]."""
+    classes = nfa.byte_classes()
+    num_classes = int(classes[-1]) + 1
+    cedges = [[(int(classes[lo]), int(classes[hi]), t) for lo, hi, t in edges] for edges in nfa.edges]
+    eps, closures = nfa.eps, {}
+
+    def closure(targets: frozenset[int]) -> frozenset[int]:
+        found = closures.get(targets)
+        if found is None:
+            seen, stack = set(targets), list(targets)
+            while stack:
+                for t in eps[stack.pop()]:
+                    if t not in seen:
+                        seen.add(t)
+                        stack.append(t)
+            # Only states with byte edges (and the accept state) tell subsets apart.
+            found = closures[targets] = frozenset(s for s in seen if cedges[s] or s == accept)
+        return found
+
+    first = closure(frozenset([start]))
+    ids, sets, rows = {first: 0}, [first], []
+    while len(rows) < len(sets):
+        row = [-1] * num_classes
+        edges = [e for s in sets[len(rows)] for e in cedges[s]]
+        points = sorted({lo for lo, _, _ in edges} | {hi + 1 for _, hi, _ in edges})
+        for a, b in zip(points, points[1:]):
+            targets = frozenset(t for lo, hi, t in edges if lo <= a <= hi)
+            if not targets:
+                continue
+            subset = closure(targets)
+            j = ids.get(subset)
+            if j is None:
+                if len(sets) >= MAX_DFA_STATES:
+                    raise ValueError(f"regex too large: its DFA exceeds {MAX_DFA_STATES} states")
+                j = ids[subset] = len(sets)
+                sets.append(subset)
+            row[a:b] = [j] * (b - a)
+        rows.append(row)
+    trans = np.array(rows, dtype=np.int32).reshape(len(rows), num_classes)
+    accepting = np.array([accept in s for s in sets], dtype=bool)
+    return trans, accepting
+
+
+def _live_states(trans: np.ndarray, accepting: np.ndarray) -> np.ndarray:
+    """bool [n]: states from which an accepting state is reachable (reverse BFS on the edge list)."""
+    src, cls = np.nonzero(trans >= 0)
+    dst = trans[src, cls]
+    order = np.argsort(dst, kind="stable")
+    src, dst = src[order], dst[order]
+    ptr = np.searchsorted(dst, np.arange(trans.shape[0] + 1))
+    live = accepting.copy()
+    frontier = np.flatnonzero(live)
+    while frontier.size:
+        counts = ptr[frontier + 1] - ptr[frontier]
+        starts = np.repeat(ptr[frontier], counts)
+        offsets = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
+        preds = np.unique(src[starts + offsets])
+        frontier = preds[~live[preds]]
+        live[frontier] = True
+    return live
+
+
+def _refine(trans: np.ndarray, accepting: np.ndarray, exact: bool) -> np.ndarray:
+    """Moore partition refinement: block id per state of the coarsest partition respecting transitions.
+
+    The per-round signature (own block, successor blocks) is hashed to one uint64 so a round is a 1-D
+    unique; `exact` uses the rows themselves (the fallback should a hash collision ever show up)."""
+    n, k = trans.shape
+    rng = np.random.default_rng(0x5EED)
+    weights = rng.integers(1, 2**63, size=k + 1, dtype=np.uint64) | np.uint64(1)
+    block = accepting.astype(np.int64)
+    num_blocks = len(np.unique(block))
+    while True:
+        succ = np.where(trans >= 0, block[np.maximum(trans, 0)], -1) + 1
+        sig = np.concatenate([block[:, None], succ], axis=1)
+        if exact:
+            _, new_block = np.unique(sig, axis=0, return_inverse=True)
+        else:
+            hashed = (sig.astype(np.uint64) * weights).sum(axis=1, dtype=np.uint64)
+            _, new_block = np.unique(hashed, return_inverse=True)
+        new_block = new_block.reshape(-1)
+        new_num = int(new_block.max()) + 1 if n else 0
+        block = new_block
+        if new_num == num_blocks:
+            return block
+        num_blocks = new_num
+
+
+def _minimize(trans: np.ndarray, accepting: np.ndarray, classes: np.ndarray, pattern: str) -> ByteDFA:
+    live = _live_states(trans, accepting)
+    if not live[0]:
+        raise ValueError(f"regex {pattern!r} matches no string")
+    keep = np.flatnonzero(live)
+    renum = np.full(trans.shape[0], -1, dtype=np.int32)
+    renum[keep] = np.arange(len(keep), dtype=np.int32)
+    trans = np.where(trans >= 0, renum[np.maximum(trans, 0)], -1)[keep]
+    accepting = accepting[keep]
+
+    block = _refine(trans, accepting, exact=False)
+    rep = np.zeros(int(block.max()) + 1, dtype=np.int64)
+    rep[block[::-1]] = np.arange(len(block))[::-1]  # first state of each block
+    succ_block = np.where(trans >= 0, block[np.maximum(trans, 0)], -1)
+    if not np.array_equal(succ_block, succ_block[rep[block]]):  # a hash collision merged two states
+        block = _refine(trans, accepting, exact=True)
+        rep = np.zeros(int(block.max()) + 1, dtype=np.int64)
+        rep[block[::-1]] = np.arange(len(block))[::-1]
+        succ_block = np.where(trans >= 0, block[np.maximum(trans, 0)], -1)
+    small = succ_block[rep]  # [num_blocks, K] transitions between blocks
+    small_accepting = accepting[rep]
+
+    # Renumber in breadth-first order from the start so state ids are deterministic and start is 0.
+    order, seen = [int(block[0])], {int(block[0])}
+    for b in order:
+        for t in small[b]:
+            t = int(t)
+            if t >= 0 and t not in seen:
+                seen.add(t)
+                order.append(t)
+    final = np.full(len(rep), -1, dtype=np.int32)
+    final[order] = np.arange(len(order), dtype=np.int32)
+    small = np.where(small >= 0, final[np.maximum(small, 0)], -1)[order]
+    by_byte = np.ascontiguousarray(small[:, classes], dtype=np.int32)
+    return ByteDFA(transitions=by_byte, accepting=small_accepting[order].copy())

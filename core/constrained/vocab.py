@@ -1,0 +1,196 @@
+"""What each token id of a tokenizer writes, as bytes, and a byte trie over the whole vocabulary.
+
+Supported token spellings: byte-level BPE (GPT-2's byte-to-unicode alphabet: Llama 3, Qwen2, GPT-2) and
+SentencePiece style (`▁` for a space, `<0xNN>` byte-fallback tokens: Llama 2, Mistral). Special tokens
+write nothing (b"") and so are never allowed by a constraint; EOS is handled apart by the index.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import re
+import weakref
+from dataclasses import dataclass, field
+
+import numpy as np
+
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+@functools.lru_cache(maxsize=1)
+def _unicode_to_byte() -> dict[str, int]:
+    """Inverse of GPT-2's bytes_to_unicode: printable bytes map to themselves, the rest to U+0100 on."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
+    mapping, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            mapping[chr(b)] = b
+        else:
+            mapping[chr(256 + extra)] = b
+            extra += 1
+    return mapping
+
+
+def _decoder_kinds(tokenizer_backend) -> set[str]:
+    """Types named anywhere in the backend's decoder (and the `▁` replacement, if any)."""
+    decoder = getattr(tokenizer_backend, "decoder", None)
+    if decoder is None:
+        return set()
+    kinds: set[str] = set()
+
+    def visit(node) -> None:
+        if isinstance(node, dict):
+            if "type" in node:
+                kinds.add(node["type"])
+            if node.get("type") == "Replace" and node.get("pattern", {}).get("String") == "▁":
+                kinds.add("ReplaceMetaspace")
+            for v in node.values():
+                visit(v)
+        elif isinstance(node, list):
+            for v in node:
+                visit(v)
+
+    visit(json.loads(decoder.__getstate__()))
+    return kinds
+
+
+def token_bytes_of(tokenizer) -> tuple[list[bytes], set[int]]:
+    """(bytes per token id, special token ids) for an HF fast tokenizer or a `tokenizers.Tokenizer`."""
+    backend = getattr(tokenizer, "backend_tokenizer", tokenizer)
+    if not hasattr(backend, "get_vocab") or not hasattr(backend, "get_added_tokens_decoder"):
+        raise ValueError(f"constrained decoding needs a fast (Rust-backed) tokenizer, got {type(tokenizer).__name__}")
+    vocab: dict[str, int] = backend.get_vocab(with_added_tokens=True)
+    added = backend.get_added_tokens_decoder()
+    special = {i for i, tok in added.items() if tok.special}
+    special |= set(getattr(tokenizer, "all_special_ids", []) or [])
+    kinds = _decoder_kinds(backend)
+    byte_level = "ByteLevel" in kinds
+    byte_fallback = "ByteFallback" in kinds
+    metaspace = "Metaspace" in kinds or "ReplaceMetaspace" in kinds
+    u2b = _unicode_to_byte()
+
+    out = [b""] * (max(vocab.values()) + 1)
+    for text, i in vocab.items():
+        if i in special:
+            continue
+        if i in added:  # added tokens are written as they are, outside the byte-level alphabet
+            out[i] = added[i].content.encode()
+        elif byte_level:
+            out[i] = bytes(u2b[c] for c in text) if all(c in u2b for c in text) else text.encode()
+        elif byte_fallback and (m := _BYTE_FALLBACK.fullmatch(text)):
+            out[i] = bytes([int(m.group(1), 16)])
+        elif metaspace:
+            out[i] = text.replace("▁", " ").encode()
+        else:
+            out[i] = text.encode()
+    return out, special
+
+
+@dataclass(eq=False)
+class TokenTrie:
+    """The vocabulary's byte strings as a trie stored level by level (depth d = the d-th byte).
+
+    Level d's nodes are the distinct d-byte prefixes, in lexicographic order, so the children of one
+    node of level d-1 are contiguous: children of node p are level-d nodes child_ptr[d][p]:child_ptr[d][p+1].
+    Token ids whose bytes end at a level-d node q: end_tokens[d][end_ptr[d][q]:end_ptr[d][q+1]].
+    Index 0 of each list is a placeholder for the root level.
+    """
+
+    byte: list[np.ndarray]
+    child_ptr: list[np.ndarray]
+    end_ptr: list[np.ndarray]
+    end_tokens: list[np.ndarray]
+    first_byte_weight: np.ndarray  # [256]: how many nodes lie under each first byte
+
+    @property
+    def num_nodes(self) -> int:
+        return int(self.first_byte_weight.sum())
+
+    @property
+    def depth(self) -> int:
+        return len(self.byte) - 1
+
+    @classmethod
+    def build(cls, token_bytes: list[bytes]) -> "TokenTrie":
+        ids = [i for i, b in enumerate(token_bytes) if b]
+        ids.sort(key=token_bytes.__getitem__)
+        n = len(ids)
+        lens = np.fromiter((len(token_bytes[i]) for i in ids), dtype=np.int64, count=n)
+        width = int(lens.max())
+        flat = np.frombuffer(b"".join(token_bytes[i] for i in ids), dtype=np.uint8)
+        rows = np.repeat(np.arange(n), lens)
+        cols = np.arange(len(flat)) - np.repeat(np.cumsum(lens) - lens, lens)
+        mat = np.zeros((n, width), dtype=np.uint8)
+        mat[rows, cols] = flat
+        # Longest common prefix with the previous token in sorted order (-1 for the first).
+        same = mat[1:] == mat[:-1]
+        first_diff = np.where(same.all(axis=1), width, np.argmin(same, axis=1))
+        lcp = np.concatenate([[-1], np.minimum(first_diff, np.minimum(lens[1:], lens[:-1]))])
+        token_ids = np.asarray(ids, dtype=np.int32)
+
+        byte, child_ptr, end_ptr, end_tokens = [np.zeros(0, np.uint8)], [np.zeros(1, np.int64)], [np.zeros(2, np.int64)], [np.zeros(0, np.int32)]
+        prev_node = np.zeros(n, dtype=np.int64)  # every token's node at level d-1 (root at level 0)
+        prev_count = 1
+        weight = np.zeros(256, dtype=np.int64)
+        for d in range(1, width + 1):
+            has = lens >= d
+            new = has & (lcp < d)
+            node = np.cumsum(new) - 1  # valid where `has`
+            starts = np.flatnonzero(new)
+            byte.append(mat[starts, d - 1].copy())
+            weight += np.bincount(mat[starts, 0], minlength=256)
+            child_ptr.append(np.searchsorted(prev_node[starts], np.arange(prev_count + 1)))
+            ending = np.flatnonzero(lens == d)
+            owner = node[ending]  # sorted, since tokens are
+            end_ptr.append(np.searchsorted(owner, np.arange(len(starts) + 1)))
+            end_tokens.append(token_ids[ending])
+            prev_node = np.where(has, node, 0)
+            prev_count = len(starts)
+        return cls(byte, child_ptr, end_ptr, end_tokens, weight)
+
+
+@dataclass(eq=False)
+class TokenVocab:
+    """A tokenizer's vocabulary as the index needs it; one per (tokenizer, EOS ids), cached."""
+
+    token_bytes: list[bytes]
+    special_ids: frozenset[int]
+    eos_ids: tuple[int, ...]
+    fingerprint: str
+    _trie: TokenTrie | None = field(default=None, repr=False)
+
+    @property
+    def size(self) -> int:
+        return len(self.token_bytes)
+
+    @property
+    def trie(self) -> TokenTrie:
+        if self._trie is None:
+            self._trie = TokenTrie.build(self.token_bytes)
+        return self._trie
+
+
+_vocabs: "weakref.WeakKeyDictionary[object, dict[tuple[int, ...], TokenVocab]]" = weakref.WeakKeyDictionary()
+
+
+def vocab_of(tokenizer, eos_token_ids: tuple[int, ...] | list[int] | None = None) -> TokenVocab:
+    """The TokenVocab of `tokenizer` (EOS ids default to the tokenizer's eos_token_id), cached per tokenizer."""
+    if eos_token_ids is None:
+        eos = getattr(tokenizer, "eos_token_id", None)
+        if eos is None:
+            raise ValueError("the tokenizer has no eos_token_id; pass eos_token_ids")
+        eos_token_ids = (eos,)
+    eos_ids = tuple(sorted({int(i) for i in eos_token_ids}))
+    per_tokenizer = _vocabs.setdefault(tokenizer, {})
+    found = per_tokenizer.get(eos_ids)
+    if found is None:
+        token_bytes, special = token_bytes_of(tokenizer)
+        digest = hashlib.sha256()
+        for b in token_bytes:
+            digest.update(len(b).to_bytes(4, "little"))
+            digest.update(b)
+        digest.update(repr(eos_ids).encode())
+        found = per_tokenizer[eos_ids] = TokenVocab(token_bytes, frozenset(special), eos_ids, digest.hexdigest())
+    return found

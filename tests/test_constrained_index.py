@@ -1,0 +1,252 @@
+"""The token index: equal to outlines-core's Index, to a per-token brute force, and to the tokenizer's own
+decoding; its caches; the batch mask helper."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import outlines_core
+import pytest
+import torch
+
+from radixlm.core.constrained import apply_token_masks, build_constraint, get_index, json_schema_to_regex
+from radixlm.core.constrained.index import cache_dir, clear_memory_cache
+from radixlm.core.constrained.masks import unpack_bitmask
+from radixlm.core.constrained.testing import qwen2_tokenizer, random_walk
+from radixlm.core.constrained.vocab import token_bytes_of, vocab_of
+
+# Regexes on which the two dialects agree: no \d, \w, \s, \b (Unicode tables differ), and no accepting
+# state that a longer match could leave through a non-accepting one. outlines-core builds its index with
+# leftmost-first match semantics, which in such states drops those continuations: after "Par" in
+# (Paris|Par|Parma|Pa) it forbids "ma", after "0" in a JSON number it forbids ".", after "α" in [α-ω]+ a
+# token holding only the first byte of the next letter. Python's fullmatch allows all of them.
+SHARED_DIALECT = [
+    r"((25[0-5]|2[0-4][0-9]|1[0-9]{2}|[1-9]?[0-9])\.){3}(25[0-5]|2[0-4][0-9]|1[0-9]{2}|[1-9]?[0-9])",
+    r"(19|20)[0-9][0-9]-(0[1-9]|1[0-2])-(0[1-9]|[12][0-9]|3[01])",
+    r"[a-zA-Z0-9._%+-]+@[a-zA-Z0-9-]+\.(com|org|net)",
+    r'\{"name": "[^"]{1,10}", "age": [0-9]{1,3}\}',
+    r'"([^"\\]|\\.)*"',
+    r"(Paris|London|Lisbon|Porto)",
+    r"[α-ω]{1,3}!",
+    r"a[^!]{0,3}z!",
+    r"-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?;",
+    r"(true|false|null)",
+    r"[\U0001F600-\U0001F64F]{1,2} ok",
+    r"[^a-z]{2}",
+    r"\[([0-9]+(, [0-9]+)*)?\]",
+    json_schema_to_regex({"type": "object", "properties": {"id": {"type": "integer"}, "tags": {
+        "type": "array", "items": {"type": "string", "maxLength": 3}, "maxItems": 2}}, "required": ["id"]}),
+]
+QWEN_SHARED_DIALECT = [SHARED_DIALECT[i] for i in (0, 1, 4, 5, 6, 10, 12)]
+
+
+@pytest.fixture(scope="module")
+def tiny_tokenizer(tmp_path_factory):
+    from transformers import PreTrainedTokenizerFast
+
+    from radixlm.core.models.tiny_checkpoint import build_tokenizer
+
+    path = tmp_path_factory.mktemp("tok")
+    build_tokenizer(str(path))
+    return PreTrainedTokenizerFast.from_pretrained(str(path))
+
+
+@pytest.fixture(autouse=True)
+def private_cache(tmp_path_factory, monkeypatch):
+    """Index files go to a temporary cache directory, so the tests build what they check."""
+    monkeypatch.setenv("RADIXLM_CACHE", str(tmp_path_factory.getbasetemp() / "radixlm-cache"))
+
+
+def _sentencepiece_tokenizer(byte_fallback: bool):
+    """A small Llama-2-style tokenizer: `▁` for spaces, <0xNN> byte-fallback tokens, Strip decoder."""
+    from tokenizers import Tokenizer, decoders, models, normalizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    if byte_fallback:
+        vocab |= {f"<0x{i:02X}>": 3 + i for i in range(256)}
+    pieces = list("▁abcdefghijklmnopqrstuvwxyz.,0123456789") + ["▁t", "he", "▁the", "▁a", "▁c", "at", "▁cat"]
+    for p in pieces:
+        vocab.setdefault(p, len(vocab))
+    merges = [("▁", "t"), ("h", "e"), ("▁t", "he"), ("▁", "a"), ("▁", "c"), ("a", "t"), ("▁c", "at")]
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=merges, byte_fallback=byte_fallback, unk_token="<unk>"))
+    backend.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    backend.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                         decoders.Strip(" ", 1, 0)])
+    return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+
+
+def _compare_with_outlines(pattern: str, tokenizer) -> int:
+    """Pairs our states with outlines-core's by following the same tokens from both initial states and
+    asserts equal allowed-token sets (EOS included) in every pair. Returns the number of states compared."""
+    vocab = vocab_of(tokenizer)
+    ours = get_index(pattern, vocab)
+    eos = vocab.eos_ids[0]
+    by_bytes: dict[bytes, list[int]] = {}
+    for i, b in enumerate(vocab.token_bytes):
+        if b and i != eos:
+            by_bytes.setdefault(b, []).append(i)
+    theirs = outlines_core.Index(pattern, outlines_core.Vocabulary(eos, by_bytes))
+    transitions = theirs.get_transitions()
+    ours_of = {theirs.get_initial_state(): 0}
+    queue = [theirs.get_initial_state()]
+    while queue:
+        t_state = queue.pop()
+        o_state = ours_of[t_state]
+        t_moves = transitions.get(t_state, {})
+        expected = set(t_moves)
+        got = set(ours.allowed_tokens(o_state).tolist()) | ({eos} if ours.is_accepting(o_state) else set())
+        assert got == expected, (pattern, sorted(got ^ expected)[:10])
+        assert ours.is_accepting(o_state) == theirs.is_final_state(t_state)
+        for token, t_next in t_moves.items():
+            if token != eos and t_next not in ours_of:
+                ours_of[t_next] = ours.next_state(o_state, token)
+                queue.append(t_next)
+    return len(ours_of)
+
+
+@pytest.mark.parametrize("pattern", SHARED_DIALECT)
+def test_equals_outlines_core_index(pattern, tiny_tokenizer):
+    assert _compare_with_outlines(pattern, tiny_tokenizer) > 1
+
+
+@pytest.mark.parametrize("pattern", QWEN_SHARED_DIALECT)
+def test_equals_outlines_core_index_qwen_vocab(pattern):
+    assert _compare_with_outlines(pattern, qwen2_tokenizer()) > 1
+
+
+@pytest.mark.parametrize("pattern", SHARED_DIALECT + [r"\w+ \d", r"(?i)straße"])
+def test_equals_per_token_brute_force(pattern, tiny_tokenizer):
+    """Every state's allowed set is what walking each token's bytes through the DFA one by one gives."""
+    vocab = vocab_of(tiny_tokenizer)
+    index = get_index(pattern, vocab)
+    for state in range(index.num_states):
+        brute = [t for t, b in enumerate(vocab.token_bytes) if b and index.dfa.walk(b, state) >= 0]
+        np.testing.assert_array_equal(index.allowed_tokens(state), brute)
+        for t in brute[:: max(1, len(brute) // 20)]:
+            assert index.next_state(state, t) == index.dfa.walk(vocab.token_bytes[t], state)
+
+
+def test_token_bytes_match_decoding_byte_level(tiny_tokenizer):
+    for tokenizer in (tiny_tokenizer, qwen2_tokenizer()):
+        token_bytes, special = token_bytes_of(tokenizer)
+        assert tokenizer.eos_token_id in special and all(token_bytes[i] == b"" for i in special)
+        rng = np.random.default_rng(0)
+        sample = rng.choice(len(token_bytes), size=min(3000, len(token_bytes)), replace=False)
+        ids = [int(i) for i in sample if i not in special]
+        for i in ids:
+            try:
+                text = token_bytes[i].decode()
+            except UnicodeDecodeError:  # a piece of a multi-byte character
+                continue
+            assert tokenizer.decode([int(i)]) == text, i
+        # Whole sequences, partial characters included, decode to the joined bytes.
+        for _ in range(50):
+            seq = [int(i) for i in rng.choice(ids, size=8)]
+            joined = b"".join(token_bytes[i] for i in seq).decode(errors="replace")
+            assert tokenizer.decode(seq, clean_up_tokenization_spaces=False) == joined
+
+
+def test_sentencepiece_style_vocab():
+    tokenizer = _sentencepiece_tokenizer(byte_fallback=True)
+    token_bytes, special = token_bytes_of(tokenizer)
+    ids = tokenizer.convert_tokens_to_ids(["▁the", "<0x0A>", "<0xE2>", "a", "</s>", "<s>"])
+    assert [token_bytes[i] for i in ids] == [b" the", b"\n", b"\xe2", b"a", b"", b""]
+    assert set(ids[-2:]) <= special
+    rng = np.random.default_rng(0)
+    pattern = r"( the| cat|\n|é){1,4}"
+    for _ in range(100):
+        c = build_constraint("regex", pattern, tokenizer)
+        ids = random_walk(c, rng)
+        joined = b"".join(token_bytes[i] for i in ids).decode()
+        assert re.fullmatch(pattern, joined)
+        # The tokenizer's decoder strips the one leading space; otherwise it writes the same text.
+        assert tokenizer.decode(ids) == (joined[1:] if joined.startswith(" ") else joined)
+
+
+def test_pattern_the_vocabulary_cannot_spell_raises():
+    tokenizer = _sentencepiece_tokenizer(byte_fallback=False)  # no 'é' and no byte tokens
+    with pytest.raises(ValueError, match="no sequence of this tokenizer's tokens"):
+        build_constraint("regex", r"é+", tokenizer)
+    # A branch it cannot spell is dropped; the rest still works.
+    c = build_constraint("regex", r"(é|cat)", tokenizer)
+    assert c.forced_text() is None and c.index.allowed_tokens(0).size > 0
+
+
+def test_special_tokens_never_allowed_eos_only_when_accepting(tiny_tokenizer):
+    vocab_size = len(tiny_tokenizer)
+    special = set(tiny_tokenizer.all_special_ids)
+    eos = tiny_tokenizer.eos_token_id
+    index = get_index(r"(.|\n){0,3}", vocab_of(tiny_tokenizer))  # allows every non-special token
+    for state in range(index.num_states):
+        mask = index.mask(state, vocab_size).numpy()
+        assert not mask[list(special - {eos})].any()
+        assert mask[eos] == index.is_accepting(state)
+
+
+def test_packed_mask_equals_bool_mask_with_padded_vocab(tiny_tokenizer):
+    index = get_index(r"[a-c]+[0-9]{2}", vocab_of(tiny_tokenizer))
+    for vocab_size in (len(tiny_tokenizer), len(tiny_tokenizer) + 24, 1003):
+        for state in range(index.num_states):
+            as_bool = index.mask(state, vocab_size)
+            packed = index.mask(state, vocab_size, packed=True)
+            assert packed.dtype == torch.int32 and packed.shape == (-(-vocab_size // 32),)
+            assert torch.equal(unpack_bitmask(packed, vocab_size), as_bool)
+
+
+def test_wide_states_use_dense_rows():
+    """Inside a string most of a 151k vocabulary is allowed: such states are stored as bit rows."""
+    tokenizer = qwen2_tokenizer()
+    index = get_index(r'"[^"]*"', vocab_of(tokenizer))
+    inside = index.next_state(0, tokenizer.convert_tokens_to_ids('"'))
+    assert index.dense_row[inside] >= 0 and index.dense_row[0] < 0
+    allowed = index.allowed_tokens(inside)
+    assert len(allowed) > 140_000
+    assert not index.is_allowed(inside, tokenizer.eos_token_id)
+
+
+def test_disk_and_memory_cache(tiny_tokenizer):
+    vocab = vocab_of(tiny_tokenizer)
+    pattern = r"cache[0-9]{2}(x|y)"
+    clear_memory_cache()
+    first = get_index(pattern, vocab)
+    assert get_index(pattern, vocab) is first  # memory
+    files = list((cache_dir() / "constrained").glob("*.npz"))
+    assert files
+    clear_memory_cache()
+    loaded = get_index(pattern, vocab)  # disk
+    assert loaded is not first
+    for name, array in first.to_arrays().items():
+        np.testing.assert_array_equal(loaded.to_arrays()[name], array)
+    for path in files:  # a damaged file is rebuilt, not trusted
+        path.write_bytes(b"not an npz")
+    clear_memory_cache()
+    rebuilt = get_index(pattern, vocab)
+    np.testing.assert_array_equal(rebuilt.tokens, first.tokens)
+
+
+def _reference_masked(logits: torch.Tensor, masks: list) -> torch.Tensor:
+    out = logits.clone()
+    for i, m in enumerate(masks):
+        if m is not None:
+            for t in range(logits.shape[1]):
+                if not bool(m[t]):
+                    out[i, t] = float("-inf")
+    return out
+
+
+@pytest.mark.parametrize("rows", [[True, False, True, False], [True] * 3, [False, False], [True] * 10 + [False]])
+@pytest.mark.parametrize("packed", [False, True])
+def test_apply_token_masks(rows, packed, tiny_tokenizer):
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    vocab_size = len(tiny_tokenizer) + 8
+    index = get_index(r"[a-z]{1,3}[0-9]", vocab_of(tiny_tokenizer))
+    states = [i % index.num_states for i in range(len(rows))]
+    bool_masks = [index.mask(s, vocab_size) if on else None for s, on in zip(states, rows)]
+    masks = [index.mask(s, vocab_size, packed=True) if on and packed else m
+             for s, on, m in zip(states, rows, bool_masks)]
+    logits = torch.randn(len(rows), vocab_size)
+    expected = _reference_masked(logits, bool_masks)
+    got = apply_token_masks(logits.clone().to(device), masks).cpu()
+    assert torch.equal(got, expected)

@@ -1,0 +1,282 @@
+"""JSON schema constraints: every random walk must json.loads and validate with `jsonschema`."""
+
+from __future__ import annotations
+
+import datetime
+import enum
+import json
+import re
+import urllib.parse
+import uuid
+from typing import Literal, Optional
+
+import jsonschema
+import numpy as np
+import pydantic
+import pytest
+
+from radixlm.core.constrained import build_constraint, json_schema_to_regex, regex_to_dfa
+from radixlm.core.constrained.json_schema import int_range_regex, number_range_regex
+from radixlm.core.constrained.testing import qwen2_tokenizer, random_walk
+
+STR = {"type": "string"}
+INT = {"type": "integer"}
+
+
+class Color(str, enum.Enum):
+    red = "red"
+    green = "green"
+
+
+class Address(pydantic.BaseModel):
+    street: str
+    zip_code: int = pydantic.Field(ge=0, le=99999)
+
+
+class Person(pydantic.BaseModel):
+    name: str = pydantic.Field(min_length=1, max_length=12)
+    age: int = pydantic.Field(ge=0, le=150)
+    color: Color
+    kind: Literal["a", "b"]
+    nickname: Optional[str] = None
+    addresses: list[Address] = pydantic.Field(max_length=2)
+
+
+SCHEMAS = [
+    {"type": "object", "properties": {"name": STR, "age": INT}, "required": ["name", "age"]},
+    {"type": "object", "properties": {"s": STR, "i": INT, "n": {"type": "number"}, "b": {"type": "boolean"},
+                                      "z": {"type": "null"}}, "required": ["s", "i", "n", "b", "z"]},
+    {"type": "string", "enum": ["red", "green", "blue", "dark \"red\""]},
+    {"const": {"version": 2, "tags": ["x", "y"]}},
+    {"type": "object", "properties": {"user": {"type": "object", "properties": {"id": INT, "email": STR},
+                                               "required": ["id"]}}, "required": ["user"]},
+    {"type": "array", "items": INT, "minItems": 2, "maxItems": 4},
+    {"type": "array", "items": {"type": "object", "properties": {"x": INT, "y": INT}, "required": ["x", "y"]},
+     "maxItems": 3},
+    {"type": "string", "minLength": 3, "maxLength": 6},
+    {"type": "string", "pattern": r"^\(\d{3}\) \d{3}-\d{4}$"},
+    {"type": "string", "format": "date"},
+    {"type": "string", "format": "time"},
+    {"type": "string", "format": "date-time"},
+    {"type": "string", "format": "uuid"},
+    {"type": "string", "format": "email"},
+    {"type": "string", "format": "uri"},
+    {"type": "integer", "minimum": -40, "maximum": 1234},
+    {"type": "integer", "exclusiveMinimum": -1000, "exclusiveMaximum": -7},
+    {"type": "number", "minimum": -5, "maximum": 12},
+    {"type": "object", "properties": {"flag": {"type": "boolean"}, "nothing": {"type": "null"}},
+     "required": ["flag", "nothing"], "additionalProperties": False},
+    {"anyOf": [STR, INT]},
+    {"oneOf": [
+        {"type": "object", "properties": {"kind": {"const": "circle"}, "r": {"type": "number"}},
+         "required": ["kind", "r"], "additionalProperties": False},
+        {"type": "object", "properties": {"kind": {"const": "square"}, "side": INT},
+         "required": ["kind", "side"], "additionalProperties": False}]},
+    {"allOf": [{"type": "object", "properties": {"a": INT}, "required": ["a"]},
+               {"properties": {"b": STR}, "required": ["b"]}]},
+    {"$defs": {"pt": {"type": "object", "properties": {"x": INT, "y": INT}, "required": ["x", "y"]}},
+     "type": "object", "properties": {"from": {"$ref": "#/$defs/pt"}, "to": {"$ref": "#/$defs/pt"}},
+     "required": ["from", "to"]},
+    {"$defs": {"node": {"type": "object", "properties": {"v": INT, "children": {
+        "type": "array", "items": {"$ref": "#/$defs/node"}, "maxItems": 2}}, "required": ["v", "children"]}},
+     "$ref": "#/$defs/node"},
+    {"type": "object", "properties": {"note": {"type": "string", "nullable": True, "maxLength": 5}},
+     "required": ["note"]},
+    {"type": ["string", "null"], "maxLength": 4},
+    {"type": "object", "properties": {"a": INT, "b": STR, "c": {"type": "boolean"}, "d": INT},
+     "required": ["b", "d"]},
+    {"type": "object", "properties": {"a": INT, "b": STR, "c": {"type": "boolean"}}},
+    {"type": "object", "additionalProperties": False},
+    {"type": "object", "additionalProperties": INT},
+    {"type": "array", "prefixItems": [STR, INT, {"type": "boolean"}], "items": False},
+    {"enum": [1, 2.5, None, True, "x", {"k": [1, 2]}, [3]]},
+    {"type": "object", "properties": {"naïve key": STR, "ключ": {"enum": ["é", "日本", "a\\b"]}},
+     "required": ["naïve key", "ключ"]},
+    {"type": "string", "pattern": r'^[a"\\\n]{1,4}$'},
+    Person,
+    {},
+    {"type": "array", "items": {"type": "array", "items": {"type": "array", "items": INT, "maxItems": 2},
+                                "maxItems": 2}, "maxItems": 2},
+    {"type": "object", "properties": {"id": {"type": "string", "format": "uuid"},
+                                      "at": {"type": "string", "format": "date-time"},
+                                      "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}}},
+     "required": ["id", "at", "tags"]},
+    True,
+]
+
+# Formats the validator's format checker skips without extra packages (date-time, time, uri) are checked
+# here, the others a second time.
+def _check_formats(instance, schema) -> None:
+    if isinstance(schema, dict) and isinstance(instance, str):
+        fmt = schema.get("format")
+        if fmt == "date-time":
+            parsed = datetime.datetime.fromisoformat(instance.replace("Z", "+00:00"))
+            assert parsed.tzinfo is not None
+        elif fmt == "date":
+            datetime.date.fromisoformat(instance)
+        elif fmt == "time":
+            assert datetime.time.fromisoformat(instance.replace("Z", "+00:00")).tzinfo is not None
+        elif fmt == "uuid":
+            uuid.UUID(instance)
+        elif fmt == "uri":
+            parts = urllib.parse.urlsplit(instance)
+            assert parts.scheme and parts.netloc, instance
+        elif fmt == "email":
+            local, _, domain = instance.rpartition("@")
+            assert local and "." in domain and not domain.startswith("."), instance
+
+
+def _schema_dict(schema):
+    """The schema as jsonschema reads it: a pydantic model's JSON schema; OpenAPI's `nullable: true`
+    (which jsonschema does not know) spelled as anyOf [schema, null]."""
+    if isinstance(schema, type):
+        return schema.model_json_schema()
+    if isinstance(schema, list):
+        return [_schema_dict(v) for v in schema]
+    if isinstance(schema, dict):
+        out = {k: _schema_dict(v) for k, v in schema.items() if k != "nullable"}
+        return {"anyOf": [out, {"type": "null"}]} if schema.get("nullable") is True else out
+    return schema
+
+
+def _validate(text: str, schema) -> None:
+    instance = json.loads(text)
+    as_dict = _schema_dict(schema)
+    validator = jsonschema.validators.validator_for(as_dict)
+    validator(as_dict, format_checker=validator.FORMAT_CHECKER).validate(instance)
+    if isinstance(as_dict, dict):
+        _check_formats(instance, as_dict)
+        for name, sub in (as_dict.get("properties") or {}).items():
+            if isinstance(instance, dict) and name in instance:
+                _check_formats(instance[name], sub)
+
+
+@pytest.fixture(scope="module")
+def tiny_tokenizer(tmp_path_factory):
+    from transformers import PreTrainedTokenizerFast
+
+    from radixlm.core.models.tiny_checkpoint import build_tokenizer
+
+    path = tmp_path_factory.mktemp("tok")
+    build_tokenizer(str(path))
+    return PreTrainedTokenizerFast.from_pretrained(str(path))
+
+
+def test_enough_schemas():
+    assert len(SCHEMAS) >= 30
+
+
+@pytest.mark.parametrize("index", range(len(SCHEMAS)))
+def test_random_walks_validate(index, tiny_tokenizer):
+    schema = SCHEMAS[index]
+    rng = np.random.default_rng(index)
+    for _ in range(120):
+        constraint = build_constraint("json_schema", schema, tiny_tokenizer)
+        ids = random_walk(constraint, rng, max_tokens=40)
+        text = tiny_tokenizer.decode(ids, clean_up_tokenization_spaces=False)
+        _validate(text, schema)
+
+
+@pytest.mark.parametrize("index", [0, 6, 11, 20, 23, 32, 34])
+def test_random_walks_validate_qwen_vocab(index):
+    tokenizer = qwen2_tokenizer()
+    schema = SCHEMAS[index]
+    rng = np.random.default_rng(index)
+    for _ in range(20):
+        constraint = build_constraint("json_schema", schema, tokenizer)
+        text = tokenizer.decode(random_walk(constraint, rng, max_tokens=24))
+        _validate(text, schema)
+
+
+def test_whitespace_pattern(tiny_tokenizer):
+    schema = {"type": "object", "properties": {"a": {"type": "array", "items": INT}}, "required": ["a"]}
+    compact = json_schema_to_regex(schema)
+    assert re.fullmatch(compact, '{"a":[1,2]}') and not re.fullmatch(compact, '{"a": [1, 2]}')
+    spaced = json_schema_to_regex(schema, whitespace_pattern=r"[ \n]{0,2}")
+    assert re.fullmatch(spaced, '{ "a" : [1,\n 2] }')
+    rng = np.random.default_rng(1)
+    for _ in range(50):
+        c = build_constraint("json_schema", schema, tiny_tokenizer, whitespace_pattern=r"[ \n]{0,2}")
+        _validate(tiny_tokenizer.decode(random_walk(c, rng), clean_up_tokenization_spaces=False), schema)
+
+
+def test_optional_properties_keep_order_and_commas():
+    regex = json_schema_to_regex({"type": "object", "properties": {"a": INT, "b": INT, "c": INT},
+                                  "required": ["b"]})
+    good = ['{"b":1}', '{"a":1,"b":2}', '{"b":1,"c":2}', '{"a":1,"b":2,"c":3}']
+    bad = ['{}', '{"a":1}', '{"b":1,"a":2}', '{,"b":1}', '{"b":1,}', '{"a":1"b":2}']
+    assert all(re.fullmatch(regex, s) for s in good)
+    assert not any(re.fullmatch(regex, s) for s in bad)
+
+
+@pytest.mark.parametrize("lo, hi", [(None, None), (0, None), (-5, None), (None, 0), (None, -3), (-40, 1234),
+                                    (7, 7), (-1000, -8), (0, 9), (10, 99), (5, 10050), (-99, 99)])
+def test_integer_ranges_exactly(lo, hi):
+    pattern = re.compile(int_range_regex(lo, hi)) if (lo, hi) != (None, None) else None
+    for n in list(range(-1200, 1300)) + [10049, 10050, 10051, 123456, -123456]:
+        expected = (lo is None or n >= lo) and (hi is None or n <= hi)
+        if pattern is not None:
+            assert bool(pattern.fullmatch(str(n))) == expected, n
+    if pattern is not None:
+        assert not any(pattern.fullmatch(s) for s in ("-0", "01", "+1", "", "1.0"))
+
+
+@pytest.mark.parametrize("lo, hi", [(-5, 12), (0, None), (None, 3), (-2, -1)])
+def test_number_ranges(lo, hi):
+    pattern = re.compile(number_range_regex(lo, hi))
+    for s in ["-6", "-5.5", "-5", "-4.99", "-0.5", "0", "0.25", "3", "3.0", "3.5", "11.9", "12", "12.5", "-1.5", "-1"]:
+        if pattern.fullmatch(s):
+            x = float(s)
+            assert (lo is None or x >= lo) and (hi is None or x <= hi), s
+
+
+@pytest.mark.parametrize("schema, problem", [
+    ("{not json", "not valid JSON"),
+    (42, "must be an object or a boolean"),
+    ({"not": {"type": "string"}}, "'not'"),
+    ({"type": "array", "uniqueItems": True}, "uniqueItems"),
+    ({"$ref": "http://example.com/s.json"}, "only local $ref"),
+    ({"$ref": "#/$defs/missing"}, "does not resolve"),
+    ({"type": "date"}, "unknown JSON schema type"),
+    ({"type": "string", "pattern": "(?=a)a"}, "lookahead"),
+    ({"type": "string", "pattern": "a+", "maxLength": 3}, "pattern"),
+    ({"type": "number", "minimum": 0.5}, "whole numbers"),
+    ({"$defs": {"n": {"type": "object", "properties": {"next": {"$ref": "#/$defs/n"}}, "required": ["next"]}},
+      "$ref": "#/$defs/n"}, "admits no value"),
+    ({"type": "integer", "minimum": 5, "maximum": 4}, "admits no value"),
+    ({"enum": []}, "enum"),
+])
+def test_invalid_or_unsupported_schema_raises_naming_it(schema, problem, tiny_tokenizer):
+    with pytest.raises(ValueError, match=re.escape(problem)):
+        build_constraint("json_schema", schema, tiny_tokenizer)
+
+
+def test_invalid_whitespace_pattern_raises(tiny_tokenizer):
+    with pytest.raises(ValueError, match="whitespace_pattern"):
+        build_constraint("json_schema", {"type": "object"}, tiny_tokenizer, whitespace_pattern="(")
+
+
+def test_schema_regex_accepts_known_good_documents():
+    """Documents written by hand (and by pydantic) are in the language, so the regex is not too narrow."""
+    cases = [
+        (SCHEMAS[0], {"name": "x", "age": -3}),
+        (SCHEMAS[11], "2024-02-29T23:59:59.123456+05:30"),
+        (SCHEMAS[9], "2000-02-29"),
+        (SCHEMAS[14], "https://example.com/a/b?c=d#e"),
+        (SCHEMAS[23], {"v": 1, "children": [{"v": 2, "children": []}]}),
+        (Person, Person(name="Al", age=3, color=Color.red, kind="a", addresses=[
+            Address(street="Main \"St\"", zip_code=12345)]).model_dump(mode="json")),
+    ]
+    for schema, doc in cases:
+        dfa = regex_to_dfa(json_schema_to_regex(schema))
+        assert dfa.fullmatch(json.dumps(doc, separators=(",", ":"), ensure_ascii=False)), doc
+    date = regex_to_dfa(json_schema_to_regex(SCHEMAS[9]))
+    for bad in ("2023-02-29", "1900-02-29", "2024-04-31", "0000-01-01", "2024-13-01"):
+        assert not date.fullmatch(json.dumps(bad)), bad
+    assert date.fullmatch('"2000-02-29"') and date.fullmatch('"2024-12-31"')
+
+
+def test_schema_given_as_string_dict_or_model_gives_one_regex():
+    as_dict = Person.model_json_schema()
+    assert json_schema_to_regex(as_dict) == json_schema_to_regex(json.dumps(as_dict)) == json_schema_to_regex(Person)
+

@@ -1,0 +1,245 @@
+"""Regex constraints: Python's `re` is the oracle for the DFA and for every random token walk."""
+
+from __future__ import annotations
+
+import random
+import re
+import zlib
+
+import numpy as np
+import pytest
+
+from radixlm.core.constrained import build_constraint, regex_to_dfa
+from radixlm.core.constrained.testing import qwen2_tokenizer, random_walk
+
+REGEXES = [
+    # IP addresses
+    r"((25[0-5]|2[0-4][0-9]|1[0-9]{2}|[1-9]?[0-9])\.){3}(25[0-5]|2[0-4][0-9]|1[0-9]{2}|[1-9]?[0-9])",
+    r"(\d{1,3}\.){3}\d{1,3}",
+    r"([0-9a-fA-F]{1,4}:){7}[0-9a-fA-F]{1,4}",
+    r"(([0-9a-fA-F]{1,4}:){1,7}:|:(:[0-9a-fA-F]{1,4}){1,7}|([0-9a-fA-F]{1,4}:){1,6}:[0-9a-fA-F]{1,4})",
+    # dates and times
+    r"\d{4}-\d{2}-\d{2}",
+    r"(19|20)\d\d-(0[1-9]|1[0-2])-(0[1-9]|[12][0-9]|3[01])",
+    r"([01]?[0-9]|2[0-3]):[0-5][0-9](:[0-5][0-9])?",
+    r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d+)?(Z|[+-]\d\d:\d\d)",
+    # emails, URLs, identifiers
+    r"[a-zA-Z0-9._%+-]+@[a-zA-Z0-9.-]+\.[a-zA-Z]{2,}",
+    r"\w+([.-]?\w+)*@\w+([.-]?\w+)*(\.\w{2,3})+",
+    r"https?://[a-z0-9.-]+\.[a-z]{2,6}(/[a-zA-Z0-9._~-]*)*",
+    r"[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}",
+    r"([0-9A-F]{2}:){5}[0-9A-F]{2}",
+    r"[A-Za-z_][A-Za-z0-9_]*",
+    r"(0|[1-9]\d*)\.(0|[1-9]\d*)\.(0|[1-9]\d*)(-[0-9A-Za-z-]+(\.[0-9A-Za-z-]+)*)?",
+    # numbers
+    r"-?\d+",
+    r"[+-]?(\d+(\.\d*)?|\.\d+)([eE][+-]?\d+)?",
+    r"-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?",
+    r"0[xX][0-9a-fA-F]+",
+    r"\$\d{1,3}(,\d{3})*(\.\d{2})?",
+    r"(100|[1-9]?[0-9])(\.[0-9]{1,2})?%",
+    r"\d{5}(-\d{4})?",
+    r"\d{4}( \d{4}){3}",
+    r"\(\d{3}\) \d{3}-\d{4}",
+    r"#([0-9a-fA-F]{3}){1,2}",
+    r"[01]{8}",
+    r"M{0,3}(CM|CD|D?C{0,3})(XC|XL|L?X{0,3})(IX|IV|V?I{0,3})",
+    # JSON fragments
+    r'\{"name": "[^"]{1,20}", "age": [0-9]{1,3}\}',
+    r"\[(\d+(, \d+)*)?\]",
+    r'"([^"\\]|\\.)*"',
+    r"(true|false|null)",
+    r'"(name|age|city)": ("[a-z]*"|\d+)',
+    r'\{("[a-z]{1,8}": (\d+|"[^"\\]{0,6}")(, )?){1,3}\}',
+    # unicode classes
+    r"[α-ω]+",
+    r"[\u4e00-\u9fff]{1,5}",
+    r"[\U0001F600-\U0001F64F]+ ok",
+    r"[àâçéèêëîïôûùüÿñæœ]+",
+    r"\w+",
+    r"a\s+b",
+    r"\S{1,10}",
+    r"\D{2,5}",
+    r"[Α-Ωα-ω]{2}\d{2}",
+    r"[а-яА-ЯёЁ]+( [а-яА-ЯёЁ]+)?",
+    # alternations of literals
+    r"(apple|banana|cherry|date|elderberry)",
+    r"(Paris|Par|Parma|Pa)",
+    r"(Yes|No)\.",
+    r"The quick brown fox jumps over the lazy dog\.",
+    # operators, flags, anchors
+    r"(?i)hello world",
+    r"(?s)a.b",
+    r"a.{0,5}z",
+    r"colou?r",
+    r"(ab){2,4}",
+    r"((a|b)c)+d",
+    r"a.*?b",
+    r"^\d+$",
+    r"a\tb\\c\.",
+    r"[^aeiou\s]{3,8}",
+    r"[KQRBN]?[a-h]?[1-8]?x?[a-h][1-8](=[QRBN])?[+#]?",
+    r"(- [a-z ]{1,10}\n){1,3}",
+    r'("[^"]*"|[^,\n]*)(,("[^"]*"|[^,\n]*)){2}',
+    r"(abc)?",
+    r"[\x41-\x5a]{3}",
+    r"[A-Z][a-z]+( [a-z]+){2,6}\.",
+]
+
+# A subset walked with the real 151k vocabulary as well.
+QWEN_REGEXES = [REGEXES[i] for i in (0, 3, 5, 8, 17, 27, 33, 35, 36, 43, 46, 57)]
+
+
+@pytest.fixture(scope="module")
+def tiny_tokenizer(tmp_path_factory):
+    from transformers import PreTrainedTokenizerFast
+
+    from radixlm.core.models.tiny_checkpoint import build_tokenizer
+
+    path = tmp_path_factory.mktemp("tok")
+    build_tokenizer(str(path))
+    return PreTrainedTokenizerFast.from_pretrained(str(path))
+
+
+def test_enough_regexes():
+    assert len(REGEXES) >= 50 and len(set(REGEXES)) == len(REGEXES)
+
+
+def _alphabet(pattern: str) -> str:
+    """Characters a fuzzed string is made of: the pattern's own characters plus some others."""
+    return "".join(sorted(set(pattern) | set("aZ09 .-_:\n\"\\é中😀αя٣"))).replace("\x00", "")
+
+
+@pytest.mark.parametrize("pattern", REGEXES)
+def test_dfa_agrees_with_re(pattern):
+    """Random strings (and mutations of strings that match) are accepted iff re.fullmatch accepts them."""
+    dfa = regex_to_dfa(pattern)
+    rng = random.Random(pattern)
+    alphabet = _alphabet(pattern)
+    compiled = re.compile(pattern)
+    for _ in range(400):
+        s = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 12)))
+        assert dfa.fullmatch(s) == bool(compiled.fullmatch(s)), s
+
+
+@pytest.mark.parametrize("pattern", REGEXES)
+def test_random_walks_fullmatch(pattern, tiny_tokenizer):
+    """Hundreds of random token walks through the constraint all decode to a full match."""
+    rng = np.random.default_rng(zlib.crc32(pattern.encode()))
+    vocab_size = len(tiny_tokenizer)
+    eos = tiny_tokenizer.eos_token_id
+    for i in range(200):
+        constraint = build_constraint("regex", pattern, tiny_tokenizer)
+        ids = random_walk(constraint, rng)
+        text = tiny_tokenizer.decode(ids, clean_up_tokenization_spaces=False)
+        assert re.fullmatch(pattern, text), (text, ids)
+        if i % 20 == 0:  # the mask says the same as the index, EOS exactly where accepting
+            mask = constraint.allowed_token_mask(vocab_size).numpy()
+            assert mask[eos]
+            expected = np.zeros(vocab_size, dtype=bool)
+            expected[constraint.index.allowed_tokens(constraint.state)] = True
+            expected[eos] = True
+            np.testing.assert_array_equal(mask, expected)
+
+
+@pytest.mark.parametrize("pattern", QWEN_REGEXES)
+def test_random_walks_fullmatch_qwen_vocab(pattern):
+    tokenizer = qwen2_tokenizer()
+    rng = np.random.default_rng(zlib.crc32(pattern.encode()))
+    for _ in range(30):
+        constraint = build_constraint("regex", pattern, tokenizer)
+        ids = random_walk(constraint, rng, max_tokens=24)
+        text = tokenizer.decode(ids)
+        assert re.fullmatch(pattern, text), (text, ids)
+
+
+def test_eos_only_in_accepting_states(tiny_tokenizer):
+    eos = tiny_tokenizer.eos_token_id
+    c = build_constraint("regex", r"ab(c)?", tiny_tokenizer)
+    assert not c.allowed_token_mask(len(tiny_tokenizer))[eos]
+    with pytest.raises(ValueError, match="EOS"):
+        c.advance(eos)
+    c.rollback_to_text("ab")
+    assert c.allowed_token_mask(len(tiny_tokenizer))[eos] and not c.is_finished()
+    c.rollback_to_text("abc")
+    assert c.is_finished()  # nothing but the end can follow
+    mask = c.allowed_token_mask(len(tiny_tokenizer))
+    assert mask.sum() == 1 and mask[eos]
+    c.advance(eos)
+    assert c.is_finished()
+
+
+def test_disallowed_token_raises(tiny_tokenizer):
+    c = build_constraint("regex", r"[0-9]+", tiny_tokenizer)
+    letter = tiny_tokenizer.convert_tokens_to_ids("a")
+    assert not c.allowed_token_mask(len(tiny_tokenizer))[letter]
+    with pytest.raises(ValueError, match="not allowed"):
+        c.advance(letter)
+
+
+@pytest.mark.parametrize("pattern, construct", [
+    (r"(a)\1", "backreference"),
+    (r"(?P<x>a)(?P=x)", "backreference"),
+    (r"a(?=b)", "lookahead"),
+    (r"a(?!b)", "negative lookahead"),
+    (r"(?<=a)b", "lookbehind"),
+    (r"(?<!a)b", "negative lookbehind"),
+    (r"(a)?(?(1)b|c)", "conditional"),
+    (r"\bword\b", "word boundary"),
+    (r"a++", "possessive"),
+    (r"(?>ab)", "atomic group"),
+    (r"a^b", "anchor"),
+    (r"a(b", "invalid regex"),
+    (r"[^\x00-\U0010ffff]", "matches no string"),
+])
+def test_unsupported_or_invalid_regex_raises_naming_it(pattern, construct, tiny_tokenizer):
+    with pytest.raises(ValueError, match=re.escape(construct)):
+        build_constraint("regex", pattern, tiny_tokenizer)
+
+
+def test_choices_are_literal_alternatives(tiny_tokenizer):
+    choices = ["a+b", "(x)", "Paris", "Par", "日本"]
+    rng = np.random.default_rng(0)
+    seen = set()
+    for _ in range(100):
+        c = build_constraint("choices", choices, tiny_tokenizer)
+        text = tiny_tokenizer.decode(random_walk(c, rng), clean_up_tokenization_spaces=False)
+        assert text in choices
+        seen.add(text)
+    assert seen == set(choices)
+    for bad in ([], "abc", [1, 2], None):
+        with pytest.raises(ValueError, match="choices"):
+            build_constraint("choices", bad, tiny_tokenizer)
+    with pytest.raises(ValueError, match="unknown constraint kind"):
+        build_constraint("grammar", "x", tiny_tokenizer)
+
+
+def test_forced_text_is_the_compressed_edge(tiny_tokenizer):
+    """forced_text is the longest string the pattern fixes from the current state (jump-forward)."""
+    c = build_constraint("regex", r'\{"name": "[a-z]+", "age": [0-9]+\}', tiny_tokenizer)
+    assert c.forced_text() == '{"name": "'
+    c.rollback_to_text('{"name": "bo')
+    assert c.forced_text() is None  # a letter or the closing quote
+    c.rollback_to_text('{"name": "bob"')
+    assert c.forced_text() == ', "age": '
+    c.rollback_to_text('{"name": "bob", "age": 4')
+    assert c.forced_text() is None
+    c.rollback_to_text('{"name": "bob", "age": 42}')
+    assert c.is_finished() and c.forced_text() is None
+    # The forced string stops before a character whose bytes are not all fixed.
+    c = build_constraint("regex", r"ab(é|è)", tiny_tokenizer)
+    assert c.forced_text() == "ab"
+    c = build_constraint("regex", r"(?i)x", tiny_tokenizer)
+    assert c.forced_text() is None
+
+
+def test_rollback_to_text_after_advancing(tiny_tokenizer):
+    c = build_constraint("regex", r"(ab|cd)+", tiny_tokenizer)
+    for t in tiny_tokenizer.encode("abcdab"):
+        c.advance(t)
+    c.rollback_to_text("abc")  # back into the middle of the output
+    assert c.forced_text() == "d"
+    c.rollback_to_text("abcdcd")
+    assert c.index.is_accepting(c.state)
+    with pytest.raises(ValueError, match="does not follow"):
+        c.rollback_to_text("abx")
