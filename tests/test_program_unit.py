@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import threading
+import time
 
 import pytest
 
@@ -291,3 +292,19 @@ def test_bind_and_batch_of_positional_arguments() -> None:
     assert [s.text() for s in states] == ["Hi, Bo<out>", "Yo, Cy<out>"]
     with pytest.raises(TypeError):
         greet.bind(nobody="x")
+
+
+def test_a_read_waits_for_the_last_gen_of_a_name() -> None:
+    class Counting(ScriptedBackend):
+        def generate(self, s, params):
+            super().generate(s, params)
+            time.sleep(0.05 if len(self.prompts) == 1 else 0)  # the first call is the slow one
+            return f"<{len(self.prompts)}>", {}
+
+    @sgl.function
+    def twice(s):
+        for _ in range(3):
+            s += sgl.gen("x", max_tokens=1)
+
+    state = twice.run(backend=Counting())
+    assert state["x"] == "<3>" and state.text() == "<1><2><3>"

@@ -76,7 +76,9 @@ class StreamExecutor:
         self.speculation = speculative.CompletionSpeculation() if use_spec else None
         self.spec_turn: list[speculative.TurnItem] | None = None
 
-        self._var_events: dict[Any, threading.Event] = {}
+        # Per variable name, how many queued expressions will still set it (a loop may gen the
+        # same name again): a read waits until none is left.
+        self._pending: dict[Any, int] = {}
         self._scope_starts: dict[str, int] = {}
         self._fork_points: dict[int, threading.Event] = {}
         self._fork_snapshots: dict[int, dict[str, Any]] = {}
@@ -104,24 +106,27 @@ class StreamExecutor:
             self._ended = True
             self._queue.put(_END)
 
+    def _wait_for(self, name: Any, timeout: float | None = None) -> bool:
+        with self._changed:
+            return self._changed.wait_for(lambda: not self._pending.get(name) or self.error_ is not None,
+                                          timeout)
+
     def get_var(self, name: Any) -> Any:
-        event = self._var_events.get(name)
-        if event is not None:
-            event.wait()
+        if name in self._pending:
+            self._wait_for(name)
         elif name not in self.variables:
             self.sync()  # a pending join may be about to create it
+        if self._pending.get(name) or (name not in self.variables and self.error_ is not None):
+            raise ProgramError(f"variable {name!r} was not produced: {self.error_!r}") from self.error_
         if name in self.variables:
             return self.variables[name]
-        if self.error_ is not None:
-            raise ProgramError(f"variable {name!r} was not produced: {self.error_!r}") from self.error_
         raise KeyError(f"the program has no variable {name!r}")
 
     def set_var(self, name: Any, value: Any) -> None:
         self.variables[name] = value
 
     def get_meta_info(self, name: Any, timeout: float | None = None) -> Any:
-        event = self._var_events.get(name)
-        if event is not None and not event.wait(timeout):
+        if not self._wait_for(name, timeout):
             raise TimeoutError(f"timed out waiting for variable {name!r}")
         return self.meta_info.get(name)
 
@@ -169,8 +174,7 @@ class StreamExecutor:
         def done() -> bool:
             if self.is_finished or (var_name is not None and self.error_ is not None):
                 return True
-            event = self._var_events.get(var_name)
-            return var_name is not None and event is not None and event.is_set()
+            return var_name is not None and var_name in self._pending and not self._pending[var_name]
 
         sent = 0
         while True:
@@ -213,7 +217,7 @@ class StreamExecutor:
             self._changed.notify_all()
 
     def _release_waiters(self) -> None:
-        for event in list(self._var_events.values()) + list(self._fork_points.values()):
+        for event in list(self._fork_points.values()):
             event.set()
         self._notify()
 
@@ -222,17 +226,18 @@ class StreamExecutor:
             for item in expr.exprs:
                 self._register_outputs(item)
         elif isinstance(expr, (Gen, Select, VarScopeEnd)):
-            self._var_events[expr.name] = threading.Event()
+            with self._changed:
+                self._pending[expr.name] = self._pending.get(expr.name, 0) + 1
         elif isinstance(expr, Fork):
             self._fork_points[expr.node_id] = threading.Event()
 
     def _set_var(self, name: Any, value: Any, meta: Any = None) -> None:
-        self.variables[name] = value
-        self.meta_info[name] = meta
-        event = self._var_events.get(name)
-        if event is not None:
-            event.set()
-        self._notify()
+        with self._changed:
+            self.variables[name] = value
+            self.meta_info[name] = meta
+            if self._pending.get(name):
+                self._pending[name] -= 1
+            self._changed.notify_all()
 
     def _execute(self, expr: Expr | str) -> None:
         expr = as_expr(expr)
