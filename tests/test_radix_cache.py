@@ -3,10 +3,12 @@ independent model (a dict from every cached token prefix to the slot of its last
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
@@ -35,6 +37,16 @@ def tree_contents(cache: RadixCache) -> dict[tuple[int, ...], int]:
                 p = p + (tok,)
                 out[p] = slot
             stack.append((child, p))
+    return out
+
+
+def unlocked_leaves(cache: RadixCache) -> list[TreeNode]:
+    out, stack = [], [cache.root]
+    while stack:
+        node = stack.pop()
+        stack.extend(node.children.values())
+        if node is not cache.root and not node.children and node.lock_ref == 0:
+            out.append(node)
     return out
 
 
@@ -131,6 +143,15 @@ def test_eviction_is_lru_among_leaves():
     assert cache.evict(5) == 0
     assert alloc.available() == 32 and cache.total_size() == 0
     cache.check_invariants(set())
+
+
+def test_insert_counts_as_use_for_lru():
+    alloc, cache = new_cache()
+    a = insert_fresh(alloc, cache, [0, 0])
+    b = insert_fresh(alloc, cache, [1, 1])
+    insert_fresh(alloc, cache, [0, 0])  # a finished request re-caches a: it is now the newest
+    assert cache.evict(1) == 2
+    assert set(b) <= alloc.free_set() and tree_contents(cache) == {(0,): a[0], (0, 0): a[1]}
 
 
 def test_parent_becomes_leaf_when_its_last_child_is_evicted():
@@ -334,9 +355,15 @@ def test_evict_scales_to_many_leaves():
     assert alloc.available() == n
 
 
+def test_docs_example_runs():
+    doc = Path(__file__).resolve().parent.parent / "docs" / "radix_cache.md"
+    (code,) = re.findall(r"```python\n(.*?)```", doc.read_text(), re.S)
+    exec(compile(code, str(doc), "exec"), {})
+
+
 # ---- stateful: random request lifecycles against a dict model ------------------------------
 
-NUM_SLOTS = 64
+NUM_SLOTS = 32
 VOCAB = 3
 tokens_st = st.lists(st.integers(0, VOCAB - 1), max_size=12)
 
@@ -380,15 +407,23 @@ class RadixCacheMachine(RuleBasedStateMachine):
     def evict(self, n: int) -> None:
         before = self.alloc.free_set()
         evictable = self.cache.evictable_size()
+        leaves = unlocked_leaves(self.cache)
         freed = self.cache.evict(n)
         newly_free = self.alloc.free_set() - before
         assert freed == len(newly_free)
         assert freed >= n or freed == evictable, "stopped early with evictable tokens left"
+        # LRU: every leaf that went was used no later than every leaf that stayed.
+        kept = {id(leaf) for leaf in unlocked_leaves(self.cache)}
+        gone_times = [leaf.last_access for leaf in leaves if id(leaf) not in kept]
+        kept_times = [leaf.last_access for leaf in leaves if id(leaf) in kept]
+        if gone_times and kept_times:
+            assert max(gone_times) <= min(kept_times)
         self.model = {p: s for p, s in self.model.items() if s not in newly_free}
 
     def alloc_or_evict(self, n: int) -> list[int] | None:
         slots = self.alloc.alloc(n)
         if slots is None:
+            event("allocation needed eviction")
             self.evict(n - self.alloc.available())
             slots = self.alloc.alloc(n)
         return slots
@@ -403,6 +438,7 @@ class RadixCacheMachine(RuleBasedStateMachine):
         self.cache.inc_lock_ref(node)
         own = self.alloc_or_evict(len(tokens) - len(prefix))
         if own is None:  # does not fit even after evicting: the scheduler would not admit it
+            event("request did not fit")
             self.cache.dec_lock_ref(node)
             return
         self.reqs[self.next_id] = Request(tokens, prefix + own, len(prefix), node)
@@ -424,6 +460,7 @@ class RadixCacheMachine(RuleBasedStateMachine):
         k = data.draw(st.integers(req.cached_len, len(req.tokens)), label="chunk end")
         present = self.model_insert(req.tokens[:k], req.slots[:k])
         duplicates = req.slots[req.cached_len : present]
+        event(f"chunk freed duplicates: {bool(duplicates)}")
         row, node = self.cache.cache_unfinished(
             req.tokens[:k], req.slots[:k], req.cached_len, req.last_node
         )
@@ -439,6 +476,7 @@ class RadixCacheMachine(RuleBasedStateMachine):
     def finish(self, data: st.DataObject) -> None:
         req = self.reqs.pop(self.pick(data))
         present = self.model_insert(req.tokens, req.slots)
+        event(f"finish freed duplicates: {present > req.cached_len}")
         self.cache.cache_finished(req.tokens, req.slots, req.cached_len, req.last_node)
         assert set(req.slots[req.cached_len : present]) <= self.alloc.free_set()
 
