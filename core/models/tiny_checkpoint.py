@@ -363,8 +363,8 @@ def default_model_path() -> str:
     logger.warning(
         "No model path given: using radixlm's embedded default model at %s. It is a tiny Llama with "
         "RANDOM weights, so the text it generates is meaningless; it exists only to try the runtime "
-        "out. Pass the path of a real HF checkpoint to use a real model, e.g. "
-        "Engine(model_path='/path/to/model').",
+        "out. Pass the path of a real HF checkpoint to use a real model: "
+        "Engine(model_path='/path/to/model') or `radixlm serve --model-path /path/to/model`.",
         path,
     )
     return str(path)
