@@ -427,7 +427,9 @@ def test_gen_int_and_every_dtype(engine) -> None:
     int(state["int_res"])
     float(state["float_res"])
     assert state["bool_res"] in ("True", "False")
-    assert re.fullmatch(r"\"[\w\d\s]*\"?", state["str_res"])
+    # a quoted string; cut short by max_tokens it is a prefix of one
+    closed = state.get_meta_info("str_res")["finish_reason"]["type"] == "stop"
+    assert re.fullmatch(r"\"[\w\d\s]*\"" if closed else r"\"[\w\d\s]*", state["str_res"])
 
 
 def test_json_from_regex_gens(engine) -> None:
