@@ -132,6 +132,8 @@ class Scheduler:
             req.generator = torch.Generator(device=self.runner.device).manual_seed(p.seed)
         self.stats.requests_total += 1
         self.waiting.append(req)
+        if inp.constraint is not None:
+            self._jump_forward(req)  # text forced from the very start goes in with the prompt
 
     # ---- prefill ---------------------------------------------------------------------------
 
@@ -146,6 +148,8 @@ class Scheduler:
                 return []
             extends.append(ext)
             budget -= ext.length
+            if not ext.finishes_prompt:
+                self.chunked = req
         if not self.waiting or budget <= 0 or self.chunked is not None:
             return extends
         slots_left = self.opts.max_running_requests - len(self.running) - len(extends)
@@ -355,7 +359,7 @@ class Scheduler:
     # ---- sampling and finishing --------------------------------------------------------------
 
     def _sample_and_advance(self, reqs: list[Req], logits: torch.Tensor) -> None:
-        masks = [None] * len(reqs)
+        masks = self._constraint_masks(reqs)
         result = self.sampler.sample(logits, reqs, masks)
         now = time.monotonic()
         for i, req in enumerate(reqs):
@@ -367,11 +371,59 @@ class Scheduler:
             if req.inp.return_logprob:
                 req.output_token_logprobs.append((result.logprobs[i], token, None))
                 req.output_top_logprobs.append(result.top_logprobs[i])
+            if req.inp.constraint is not None:
+                req.inp.constraint.advance(token)
             self._check_finish(req, token)
             if req.finished:
                 continue
+            if req.inp.constraint is not None:
+                self._after_constrained_token(req)
+                if req.finished:
+                    continue
             if req.inp.stream:
                 self._emit(req, final=False)
+
+    # ---- constrained decoding (the TokenConstraint of core.engine.constraint) ---------------------
+
+    def _constraint_masks(self, reqs: list[Req]) -> list[torch.Tensor | None]:
+        packed = self.runner.device.type == "cuda"  # bit-packed masks: a small copy, unpacked on the GPU
+        return [r.inp.constraint.allowed_token_mask(self.sampler.vocab_size, packed) if r.inp.constraint else None
+                for r in reqs]
+
+    def _after_constrained_token(self, req: Req) -> None:
+        """Finishes the request when its constraint allows nothing but the end; otherwise jumps forward
+        over forced text, after which the request takes an extend step to compute the jumped tokens."""
+        if req.inp.constraint.is_finished():
+            self._finish(req, "stop", None)
+        elif self._jump_forward(req) and not req.finished:
+            self.running.remove(req)
+            req.status = Status.WAITING
+            self.waiting.insert(0, req)  # keeps its KV; _plan_extend allocates only for the new tokens
+
+    def _jump_forward(self, req: Req) -> bool:
+        """Appends the text the constraint forces next as canonical tokens (re-tokenizing the newest
+        token with it when that token has no KV yet). True if tokens were appended."""
+        c = req.inp.constraint
+        if c is None or self.opts.disable_jump_forward or req.params.disable_jump_forward:
+            return False
+        p = req.params
+        decoded = req.detok.read_offset == len(req.detok.ids)
+        max_replace = min(len(req.fill_ids) - req.kv_len, len(req.output_ids)) if decoded else 0
+        room = min(p.max_new_tokens - len(req.output_ids), self.context_len - req.seq_len - 1)
+        plan = c.jump_forward(req.output_ids, self.tokenizer, max_replace=max_replace, max_new_tokens=room)
+        if plan is None:
+            return False
+        replaced, tokens = plan
+        del req.output_ids[len(req.output_ids) - replaced :]
+        req.output_ids.extend(tokens)
+        matched = req.detok.replace_tail(replaced, tokens)
+        if matched is not None:
+            self._finish(req, "stop", matched)
+        elif c.is_finished():
+            self._finish(req, "stop", None)
+        elif len(req.output_ids) >= p.max_new_tokens:
+            self._finish(req, "length", None)
+        return True
 
     def _check_finish(self, req: Req, token: int) -> None:
         p = req.params
@@ -465,7 +517,8 @@ class Scheduler:
 
     def check_invariants(self) -> None:
         owned: set[int] = set()
-        for req in [*self.running, *([self.chunked] if self.chunked else [])]:
+        jumped = [r for r in self.waiting if r.row is not None]  # waiting to compute jump-forward tokens
+        for req in [*self.running, *([self.chunked] if self.chunked else []), *jumped]:
             mine = req.slots[req.cached_len :]
             assert not owned.intersection(mine), f"request {req.rid} shares owned slots"
             owned.update(mine)
