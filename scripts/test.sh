@@ -1,10 +1,7 @@
 #!/usr/bin/env bash
-# Sets up a virtual environment (CPU torch from the local wheel cache) and runs the whole test suite.
+# Sets up, then runs the whole test suite (Triton kernels run in the interpreter on CPU).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-python3 -m venv .venv
+bash scripts/setup.sh dev,server,openai,langchain,dspy
 . .venv/bin/activate
-pip install -q --upgrade pip
-pip install -q torch==2.13.0
-pip install -q -e '.[dev,server,openai,langchain,dspy]'
 TRITON_INTERPRET=1 python -m pytest tests "$@"

@@ -1,0 +1,55 @@
+"""Incremental detokenization: never broken UTF-8, same text as decoding in one go, stop strings found
+across token boundaries."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from transformers import AutoTokenizer
+
+from radixlm.core.engine.detokenizer import IncrementalDetokenizer
+
+
+@pytest.fixture(scope="module")
+def tok(tokenizer_path):
+    return AutoTokenizer.from_pretrained(tokenizer_path)
+
+
+TEXTS = st.text(alphabet=st.sampled_from(list("ab ,.\n") + ["é", "中", "文", "🙂", "ß", "\u0301"]), max_size=40)
+
+
+@settings(max_examples=60, deadline=None)
+@given(text=TEXTS)
+def test_streamed_pieces_are_valid_and_add_up(tok, text):
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    detok = IncrementalDetokenizer(tok, skip_special_tokens=True, stop=[], no_stop_trim=False)
+    pieces = []
+    for t in ids:
+        detok.add(t)
+        pieces.append(detok.take_new_text(final=False))
+    detok.flush()
+    pieces.append(detok.take_new_text(final=True))
+    assert all("\ufffd" not in p for p in pieces)
+    assert "".join(pieces) == tok.decode(ids, skip_special_tokens=True) == text
+
+
+@settings(max_examples=60, deadline=None)
+@given(text=TEXTS, start=st.integers(0, 30), length=st.integers(1, 5))
+def test_stop_string_found_wherever_it_falls(tok, text, start, length):
+    stop = text[start : start + length]
+    if not stop:
+        return
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    detok = IncrementalDetokenizer(tok, skip_special_tokens=True, stop=[stop], no_stop_trim=False)
+    streamed = []
+    for t in ids:
+        matched = detok.add(t)
+        streamed.append(detok.take_new_text(final=matched is not None))
+        if matched:
+            break
+    detok.flush()
+    streamed.append(detok.take_new_text(final=True))
+    assert detok.matched_stop == stop
+    assert detok.text == text[: text.index(stop)]
+    assert "".join(streamed) == detok.text  # nothing past the stop string was ever streamed
