@@ -49,10 +49,14 @@ class TreeNode:
         )
 
 
-def _common_prefix_len(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
+def _shared_len(edge: list[int], key: list[int], pos: int) -> int:
+    """How many leading tokens of `edge` equal key[pos:]. Slices only as long as the edge, so a
+    walk copies O(len(key)) in all; the whole-edge compare runs in C, the common case."""
+    if key[pos : pos + len(edge)] == edge:
+        return len(edge)
+    n = min(len(edge), len(key) - pos)
     i = 0
-    while i < n and a[i] == b[i]:
+    while i < n and edge[i] == key[pos + i]:
         i += 1
     return i
 
@@ -109,7 +113,7 @@ class RadixCache:
             child = node.children.get(key[pos])
             if child is None:
                 break
-            shared = _common_prefix_len(child.key, key[pos:])
+            shared = _shared_len(child.key, key, pos)
             self._touch(child)
             if shared < len(child.key):
                 # The match ends inside this edge: split it so the returned node covers the prefix.
@@ -138,7 +142,7 @@ class RadixCache:
                 node.children[key[pos]] = leaf
                 self._evictable_size += len(leaf.key)
                 break
-            shared = _common_prefix_len(child.key, key[pos:])
+            shared = _shared_len(child.key, key, pos)
             self._touch(child)
             if shared < len(child.key):
                 child = self._split(child, shared)
