@@ -42,20 +42,11 @@ QWEN_SHARED_DIALECT = [SHARED_DIALECT[i] for i in (0, 1, 4, 5, 6, 10, 12)]
 
 
 @pytest.fixture(scope="module")
-def tiny_tokenizer(tmp_path_factory):
+def tiny_tokenizer(tokenizer_path):
+    """The test checkpoints' byte-level BPE tokenizer (1000 tokens)."""
     from transformers import PreTrainedTokenizerFast
 
-    from radixlm.core.models.tiny_checkpoint import build_tokenizer
-
-    path = tmp_path_factory.mktemp("tok")
-    build_tokenizer(str(path))
-    return PreTrainedTokenizerFast.from_pretrained(str(path))
-
-
-@pytest.fixture(autouse=True)
-def private_cache(tmp_path_factory, monkeypatch):
-    """Index files go to a temporary cache directory, so the tests build what they check."""
-    monkeypatch.setenv("RADIXLM_CACHE", str(tmp_path_factory.getbasetemp() / "radixlm-cache"))
+    return PreTrainedTokenizerFast.from_pretrained(tokenizer_path)
 
 
 def _sentencepiece_tokenizer(byte_fallback: bool):

@@ -152,14 +152,11 @@ def _validate(text: str, schema) -> None:
 
 
 @pytest.fixture(scope="module")
-def tiny_tokenizer(tmp_path_factory):
+def tiny_tokenizer(tokenizer_path):
+    """The test checkpoints' byte-level BPE tokenizer (1000 tokens)."""
     from transformers import PreTrainedTokenizerFast
 
-    from radixlm.core.models.tiny_checkpoint import build_tokenizer
-
-    path = tmp_path_factory.mktemp("tok")
-    build_tokenizer(str(path))
-    return PreTrainedTokenizerFast.from_pretrained(str(path))
+    return PreTrainedTokenizerFast.from_pretrained(tokenizer_path)
 
 
 def test_enough_schemas():

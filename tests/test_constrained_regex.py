@@ -91,14 +91,11 @@ QWEN_REGEXES = [REGEXES[i] for i in (0, 3, 5, 8, 17, 27, 33, 35, 36, 43, 46, 57)
 
 
 @pytest.fixture(scope="module")
-def tiny_tokenizer(tmp_path_factory):
+def tiny_tokenizer(tokenizer_path):
+    """The test checkpoints' byte-level BPE tokenizer (1000 tokens)."""
     from transformers import PreTrainedTokenizerFast
 
-    from radixlm.core.models.tiny_checkpoint import build_tokenizer
-
-    path = tmp_path_factory.mktemp("tok")
-    build_tokenizer(str(path))
-    return PreTrainedTokenizerFast.from_pretrained(str(path))
+    return PreTrainedTokenizerFast.from_pretrained(tokenizer_path)
 
 
 def test_enough_regexes():
@@ -153,15 +150,20 @@ def test_random_walks_fullmatch_qwen_vocab(pattern):
         assert re.fullmatch(pattern, text), (text, ids)
 
 
+def _feed(constraint, tokenizer, text: str) -> None:
+    for t in tokenizer.encode(text, add_special_tokens=False):
+        constraint.advance(t)
+
+
 def test_eos_only_in_accepting_states(tiny_tokenizer):
     eos = tiny_tokenizer.eos_token_id
     c = build_constraint("regex", r"ab(c)?", tiny_tokenizer)
     assert not c.allowed_token_mask(len(tiny_tokenizer))[eos]
     with pytest.raises(ValueError, match="EOS"):
         c.advance(eos)
-    c.rollback_to_text("ab")
+    _feed(c, tiny_tokenizer, "ab")
     assert c.allowed_token_mask(len(tiny_tokenizer))[eos] and not c.is_finished()
-    c.rollback_to_text("abc")
+    _feed(c, tiny_tokenizer, "c")
     assert c.is_finished()  # nothing but the end can follow
     mask = c.allowed_token_mask(len(tiny_tokenizer))
     assert mask.sum() == 1 and mask[eos]
@@ -218,13 +220,13 @@ def test_forced_text_is_the_compressed_edge(tiny_tokenizer):
     """forced_text is the longest string the pattern fixes from the current state (jump-forward)."""
     c = build_constraint("regex", r'\{"name": "[a-z]+", "age": [0-9]+\}', tiny_tokenizer)
     assert c.forced_text() == '{"name": "'
-    c.rollback_to_text('{"name": "bo')
+    _feed(c, tiny_tokenizer, '{"name": "bo')
     assert c.forced_text() is None  # a letter or the closing quote
-    c.rollback_to_text('{"name": "bob"')
+    _feed(c, tiny_tokenizer, 'b"')
     assert c.forced_text() == ', "age": '
-    c.rollback_to_text('{"name": "bob", "age": 4')
+    _feed(c, tiny_tokenizer, ', "age": 4')
     assert c.forced_text() is None
-    c.rollback_to_text('{"name": "bob", "age": 42}')
+    _feed(c, tiny_tokenizer, "2}")
     assert c.is_finished() and c.forced_text() is None
     # The forced string stops before a character whose bytes are not all fixed.
     c = build_constraint("regex", r"ab(é|è)", tiny_tokenizer)
@@ -233,13 +235,71 @@ def test_forced_text_is_the_compressed_edge(tiny_tokenizer):
     assert c.forced_text() is None
 
 
-def test_rollback_to_text_after_advancing(tiny_tokenizer):
-    c = build_constraint("regex", r"(ab|cd)+", tiny_tokenizer)
-    for t in tiny_tokenizer.encode("abcdab"):
+def _jump(c, tokenizer, output: list[int], **kw) -> list[int]:
+    """Applies a jump-forward plan to `output` as the engine does; returns the new output."""
+    plan = c.jump_forward(output, tokenizer, **kw)
+    assert plan is not None
+    k, tokens = plan
+    return output[: len(output) - k] + tokens
+
+
+def test_jump_forward_appends_canonical_tokens_and_holds_back_the_last_piece(tiny_tokenizer):
+    tok = tiny_tokenizer
+    pattern = r'\{"name": "[a-z]+", "age": [0-9]+\}'
+    c = build_constraint("regex", pattern, tok)
+    out = _jump(c, tok, [])
+    text = tok.decode(out)
+    # '{"name": "' minus its last pre-tokenizer piece (' "', which could merge with the name's first letters)
+    assert text == '{"name":' and out == tok.encode(text, add_special_tokens=False)
+    assert c.forced_text() == ' "'
+    assert c.jump_forward(out, tok) is None  # what is left is only the held-back piece
+    for t in tok.encode(' "bob"', add_special_tokens=False):
         c.advance(t)
-    c.rollback_to_text("abc")  # back into the middle of the output
-    assert c.forced_text() == "d"
-    c.rollback_to_text("abcdcd")
-    assert c.index.is_accepting(c.state)
-    with pytest.raises(ValueError, match="does not follow"):
-        c.rollback_to_text("abx")
+        out.append(t)
+    out = _jump(c, tok, out)
+    assert tok.decode(out) == '{"name": "bob", "age":'
+    # The pattern's end is reached by the forced text: nothing is held back, the constraint finishes.
+    for t in tok.encode(" 42", add_special_tokens=False):
+        c.advance(t)
+        out.append(t)
+    assert c.jump_forward(out, tok) is None  # a digit or the closing brace: nothing forced
+    c2 = build_constraint("regex", r"[0-9]+ items\.", tok)
+    out2 = []
+    for t in tok.encode("12 ", add_special_tokens=False):
+        c2.advance(t)
+        out2.append(t)
+    out2 = _jump(c2, tok, out2, max_replace=1)
+    assert tok.decode(out2) == "12 items." and c2.is_finished()
+    # Re-tokenizing the boundary: the last token ' ' and the forced 'items.' become ' items' + '.'.
+    assert out2 == tok.encode("12 items.", add_special_tokens=False)
+
+
+def test_jump_forward_respects_max_new_tokens(tiny_tokenizer):
+    c = build_constraint("regex", r"The quick brown fox jumps over the lazy dog\.", tiny_tokenizer)
+    out = _jump(c, tiny_tokenizer, [], max_new_tokens=2)
+    assert len(out) == 2
+    assert tiny_tokenizer.decode(out) == "The quick brown fox jumps over the lazy dog."[: len(tiny_tokenizer.decode(out))]
+    assert c.jump_forward(out, tiny_tokenizer, max_new_tokens=0) is None
+
+
+def test_jump_forward_random_walks_stay_valid(tiny_tokenizer):
+    """Random walks that take every jump-forward offered still fully match."""
+    rng = np.random.default_rng(7)
+    for pattern in [r'\{"name": "[a-z]{1,8}", "age": [0-9]{1,3}, "tags": \["(red|green)"(, "(red|green)")*\]\}',
+                    r"(Paris|London) is in (France|England)\.", r"\d{4}-\d\d-\d\dT\d\d:00:00Z"]:
+        for _ in range(100):
+            c = build_constraint("regex", pattern, tiny_tokenizer)
+            out: list[int] = []
+            while not c.is_finished():
+                plan = c.jump_forward(out, tiny_tokenizer)
+                if plan is not None:
+                    k, tokens = plan
+                    out = out[: len(out) - k] + tokens
+                    continue
+                if c.index.is_accepting(c.state) and rng.random() < 0.3:
+                    break
+                allowed = c.index.allowed_tokens(c.state)
+                t = int(allowed[rng.integers(len(allowed))])
+                c.advance(t)
+                out.append(t)
+            assert re.fullmatch(pattern, tiny_tokenizer.decode(out, clean_up_tokenization_spaces=False))

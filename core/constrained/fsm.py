@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import bisect
 import re
 from typing import Any
 
@@ -23,10 +22,7 @@ class FSMConstraint:
         self._token_bytes = index.token_bytes
         self.state = 0
         self._finished = False  # EOS was fed
-        self._written = bytearray()  # the output's bytes so far
-        # (bytes written, state) after each step, for rollback_to_text
-        self._marks_len: list[int] = [0]
-        self._marks_state: list[int] = [0]
+        self._states = [0]  # the state before the first token and after each one fed since
 
     def allowed_token_mask(self, vocab_size: int, packed: bool = False) -> torch.Tensor:
         """bool [vocab_size] (or packed int32 words, see TokenIndex.mask); EOS only where accepting.
@@ -45,9 +41,7 @@ class FSMConstraint:
         if nxt < 0:
             raise ValueError(f"token {token_id} ({self._token_bytes[token_id]!r}) is not allowed here")
         self.state = nxt
-        self._written += self._token_bytes[token_id]
-        self._marks_len.append(len(self._written))
-        self._marks_state.append(nxt)
+        self._states.append(nxt)
 
     def is_finished(self) -> bool:
         return self._finished or self.index.is_terminal(self.state)
@@ -57,24 +51,81 @@ class FSMConstraint:
             return None
         return self.index.fsm.forced_text(self.state)
 
-    def rollback_to_text(self, text: str) -> None:
-        """Moves to the state after `text`, the whole output so far (it may differ from what was fed in
-        its tail, e.g. after jump-forward re-tokenized it). ValueError if `text` leaves the pattern."""
-        data = text.encode()
-        common = 0
-        limit = min(len(data), len(self._written))
-        while common < limit and data[common] == self._written[common]:
-            common += 1
-        k = bisect.bisect_right(self._marks_len, common) - 1  # last step boundary inside the common prefix
-        base_len, base_state = self._marks_len[k], self._marks_state[k]
-        state = self.index.dfa.walk(data[base_len:], base_state)
-        if state < 0:
-            raise ValueError(f"text {text!r} does not follow the constraint")
-        del self._marks_len[k + 1:], self._marks_state[k + 1:]
-        if len(data) > base_len:
-            self._marks_len.append(len(data))
-            self._marks_state.append(state)
-        self.state, self._written, self._finished = state, bytearray(data), False
+    def jump_forward(self, output_ids: list[int], tokenizer: Any, max_replace: int = 1,
+                     max_new_tokens: int | None = None) -> tuple[int, list[int]] | None:
+        """Plans and takes a jump-forward: when the pattern forces text next, returns (k, tokens) meaning
+        "replace the last k output tokens by `tokens`", and moves the constraint past `tokens`.
+
+        The forced text is tokenized together with the last output tokens that form whole characters
+        (at most `max_replace` of them: those the caller can still change), so that tokens merging
+        across the boundary come out as the tokenizer's canonical ones. Trailing tokens that could merge
+        with what the model writes next (the last pre-tokenizer piece) are held back, unless the pattern
+        ends after the forced text. The output grows by at most `max_new_tokens` tokens. None when there
+        is nothing to jump, or the tokenizer does not spell the text back byte for byte."""
+        forced = self.forced_text()
+        if not forced or (max_new_tokens is not None and max_new_tokens <= 0):
+            return None
+        tb = self._token_bytes
+        k, tail = 0, b""
+        for n in range(1, min(max_replace, len(output_ids), len(self._states) - 1) + 1):
+            candidate = b"".join(tb[t] for t in output_ids[-n:])
+            if _is_whole_characters(candidate):
+                k, tail = n, candidate
+                break
+        text = tail.decode() + forced
+        full = list(tokenizer.encode(text, add_special_tokens=False))
+        if any(not 0 <= t < len(tb) for t in full) or b"".join(tb[t] for t in full) != text.encode():
+            return None  # a normalizer changed the text, or a tokenizer without byte tokens lost some
+        same = 0  # leading re-tokenized tokens equal to the ones already there need no replacing
+        while same < min(k, len(full)) and full[same] == output_ids[len(output_ids) - k + same]:
+            same += 1
+        k, new = k - same, full[same:]
+        edge, end = self.index.fsm.edge(self.state)
+        if not (edge == forced.encode() and self.index.is_terminal(end)):
+            offset = sum(len(tb[t]) for t in full[:same])
+            new = new[:_stable_prefix_len(tokenizer, text, [tb[t] for t in new], offset)]
+        if max_new_tokens is not None:
+            new = new[: max_new_tokens + k]
+        replaced = sum(len(tb[t]) for t in output_ids[len(output_ids) - k:]) if k else 0
+        if sum(len(tb[t]) for t in new) <= replaced:
+            return None  # nothing beyond the replaced tokens survives the hold-back
+        state = self._states[-1 - k]
+        for t in new:
+            state = self.index.next_state(state, t)
+            if state < 0:
+                return None
+        del self._states[len(self._states) - k:]
+        self.state = self._states[-1]
+        for t in new:
+            self.advance(t)
+        return k, new
+
+
+def _is_whole_characters(data: bytes) -> bool:
+    try:
+        data.decode()
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
+def _stable_prefix_len(tokenizer: Any, text: str, pieces: list[bytes], offset: int) -> int:
+    """How many of the tokens `pieces` (which spell text[offset bytes:]) lie before the last pre-tokenizer
+    piece of `text`: the ones no following text can change. Without a pre-tokenizer, all but the last."""
+    pre = getattr(getattr(tokenizer, "backend_tokenizer", tokenizer), "pre_tokenizer", None)
+    if pre is None:
+        return len(pieces) - 1
+    splits = pre.pre_tokenize_str(text)
+    if not splits:
+        return 0
+    boundary = len(text[: splits[-1][1][0]].encode())
+    count, pos = 0, offset
+    for piece in pieces:
+        pos += len(piece)
+        if pos > boundary:
+            break
+        count += 1
+    return count
 
 
 def constraint_regex(kind: str, spec: Any, whitespace_pattern: str | None = None) -> str:

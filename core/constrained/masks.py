@@ -23,30 +23,28 @@ def unpack_bitmask(packed: torch.Tensor, vocab_size: int) -> torch.Tensor:
 def apply_token_masks(logits: torch.Tensor, masks: Sequence[torch.Tensor | None]) -> torch.Tensor:
     """Sets logits[i, t] = -inf wherever masks[i] forbids t; rows whose mask is None are left alone.
 
-    A mask is bool [V] (True = allowed) or packed int32 [ceil(V / 32)] (see TokenIndex.mask). On a GPU,
-    pass packed masks: one small host-to-device copy, unpacked and applied on the device. In place;
-    returns `logits`."""
+    A mask is bool [V] (True = allowed) or packed int32 [ceil(V / 32)] (see TokenIndex.mask); one batch
+    uses one kind. On a GPU pass packed masks: one small host-to-device copy, unpacked on the device.
+    A row left with no finite logit (a penalty or bias had banned every allowed token) gets 0 on its
+    allowed tokens, so sampling still picks an allowed one. In place; returns `logits`."""
     if len(masks) != logits.shape[0]:
         raise ValueError(f"{len(masks)} masks for {logits.shape[0]} rows of logits")
     rows = [i for i, m in enumerate(masks) if m is not None]
     if not rows:
         return logits
-    vocab_size = logits.shape[1]
-    if logits.device.type == "cpu" and len(rows) <= 8 and all(masks[i].dtype == torch.bool for i in rows):
-        # A few rows: one pass each, no stacking copy.
-        neg_inf = logits.new_tensor(float("-inf"))
-        for i in rows:
-            row = logits[i]
-            torch.where(masks[i], row, neg_inf, out=row)
-        return logits
-    packed = [masks[i] for i in rows if masks[i].dtype != torch.bool]
-    if packed and len(packed) != len(rows):
+    kinds = {masks[i].dtype == torch.bool for i in rows}
+    if len(kinds) != 1:
         raise ValueError("masks of one batch must be all bool or all packed")
     stacked = torch.stack([masks[i] for i in rows]).to(logits.device, non_blocking=True)
-    allowed = unpack_bitmask(stacked, vocab_size) if packed else stacked
-    if len(rows) == logits.shape[0]:
-        logits.masked_fill_(~allowed, float("-inf"))
+    allowed = stacked if kinds == {True} else unpack_bitmask(stacked, logits.shape[1])
+    whole = len(rows) == logits.shape[0]
+    index = None if whole else torch.tensor(rows, device=logits.device)
+    sub = logits if whole else logits[index]
+    sub = sub.masked_fill(~allowed, float("-inf"))
+    stuck = torch.isneginf(sub).all(dim=-1, keepdim=True)
+    sub = torch.where(stuck & allowed, torch.zeros((), dtype=sub.dtype, device=sub.device), sub)
+    if whole:
+        logits.copy_(sub)
     else:
-        index = torch.tensor(rows, device=logits.device)
-        logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
+        logits[index] = sub
     return logits

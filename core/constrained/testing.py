@@ -30,6 +30,7 @@ def qwen2_tokenizer():
     from transformers import PreTrainedTokenizerFast
 
     path = cache_dir() / "qwen2-tiktoken-tokenizer.json"
+    backend = None
     if not path.exists():
         from tokenizers import normalizers
         from transformers.convert_slow_tokenizer import TikTokenConverter
@@ -45,9 +46,9 @@ def qwen2_tokenizer():
         os.close(fd)
         backend.save(tmp)
         os.replace(tmp, path)
+    source = {"tokenizer_object": backend} if backend is not None else {"tokenizer_file": str(path)}
     return PreTrainedTokenizerFast(
-        tokenizer_file=str(path), eos_token="<|endoftext|>", pad_token="<|endoftext|>",
-        clean_up_tokenization_spaces=False,
+        **source, eos_token="<|endoftext|>", pad_token="<|endoftext|>", clean_up_tokenization_spaces=False
     )
 
 

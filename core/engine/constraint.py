@@ -2,34 +2,39 @@
 
 A request with a constraint carries one `TokenConstraint` object. Each step the scheduler asks it for
 the tokens allowed next, the sampler masks everything else out, and the sampled token is fed back.
-Where the constraint has a single path ahead, `forced_text` returns it and the scheduler may append
-it in one extend step (jump-forward) instead of decoding it token by token.
+Where the constraint has a single path ahead, `jump_forward` re-tokenizes the forced text and the
+scheduler appends it in one extend step instead of decoding it token by token.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
 
 class TokenConstraint(Protocol):
-    def allowed_token_mask(self, vocab_size: int) -> torch.Tensor:
-        """Bool tensor [vocab_size] (CPU), True where the token may come next (EOS only where accepting)."""
+    def allowed_token_mask(self, vocab_size: int, packed: bool = False) -> torch.Tensor:
+        """True where the token may come next (EOS only where the output may end): bool [vocab_size], or
+        with `packed` int32 [ceil(vocab_size / 32)], bit i % 32 of word i // 32. Shared: do not write."""
 
     def advance(self, token_id: int) -> None:
-        """Feeds the sampled (or jump-forward) token."""
+        """Feeds the sampled token (ValueError if it is not allowed)."""
 
     def is_finished(self) -> bool:
         """True once nothing but the end of the output can follow."""
 
     def forced_text(self) -> str | None:
-        """The string the constraint forces from here (jump-forward), or None."""
+        """The string the constraint forces from here, or None."""
 
-    def rollback_to_text(self, text: str) -> None:
-        """Resets the state to the one reached after `text` (used after jump-forward re-tokenization)."""
+    def jump_forward(self, output_ids: list[int], tokenizer: Any, max_replace: int = 1,
+                     max_new_tokens: int | None = None) -> tuple[int, list[int]] | None:
+        """When text is forced: (k, tokens) = replace the last k (<= max_replace) output tokens by
+        `tokens`, canonically tokenized, trailing tokens that could merge with what follows held back;
+        the constraint has already moved past them. None when there is nothing to jump."""
 
 
 class ConstraintFactory(Protocol):
-    def __call__(self, kind: str, spec: str | list[str], tokenizer: object) -> TokenConstraint:
+    def __call__(self, kind: str, spec: Any, tokenizer: object, *,
+                 eos_token_ids: list[int] | None = None) -> TokenConstraint:
         """Builds a constraint for kind in ('regex', 'json_schema', 'choices'); invalid spec raises ValueError."""

@@ -28,6 +28,23 @@ class IncrementalDetokenizer:
         self.ids.append(token_id)
         return self._advance(final=False)
 
+    def replace_tail(self, count: int, new_ids: list[int]) -> str | None:
+        """Replaces the last `count` ids (fully decoded) by `new_ids`, which write the same text and more
+        (jump-forward re-tokenized the boundary). Returns a matched stop string, as `add` does."""
+        if count:
+            start = max(0, len(self.ids) - count - _CONTEXT_TOKENS)
+            before = self._decode(self.ids[start : len(self.ids) - count])
+            tail = self._decode(self.ids[start:])[len(before) :]
+            self.text = self.text[: len(self.text) - len(tail)]
+            del self.ids[len(self.ids) - count :]
+            self.read_offset = len(self.ids)
+            self.prefix_offset = max(0, self.read_offset - _CONTEXT_TOKENS)
+        for token_id in new_ids:
+            matched = self.add(token_id)
+            if matched is not None:
+                return matched
+        return None
+
     def flush(self) -> None:
         """At the end of the output: whatever bytes are still pending are decoded as they are."""
         if self.matched_stop is None and self.read_offset < len(self.ids):

@@ -275,10 +275,17 @@ class Engine:
                 f"the prompt has {len(ids)} tokens; the KV pool holds only {self.kv_pool_size}", "prompt")
 
     def _build_constraint(self, sp: SamplingParams):
-        if sp.regex is None and sp.json_schema is None and sp.choices is None:
+        """The request's constraint (core.constrained), built here on the caller's thread so that a bad
+        pattern or schema fails before anything is queued, and index building never stalls the scheduler."""
+        kind = next((k for k in ("regex", "json_schema", "choices") if getattr(sp, k) is not None), None)
+        if kind is None:
             return None
-        raise InvalidRequestError("constrained decoding (regex, json_schema, choices) is not available yet",
-                                  "regex" if sp.regex is not None else "json_schema" if sp.json_schema else "choices")
+        from radixlm.core.constrained import build_constraint
+
+        try:
+            return build_constraint(kind, getattr(sp, kind), self.tokenizer, eos_token_ids=self.eos_token_ids)
+        except ValueError as e:
+            raise InvalidRequestError(f"invalid {kind}: {e}", kind) from None
 
     def _submit(self, inputs: list[GenerateInput]) -> None:
         bound = self.options.max_queued_requests

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from radixlm.core.constrained.masks import apply_token_masks
 from radixlm.core.engine.request import Req
 
 
@@ -60,9 +61,7 @@ class Sampler:
             if len(req.output_ids) < p.min_new_tokens:
                 banned = [t for t in (*self.eos_token_ids, *p.stop_token_ids) if t < self.vocab_size]
                 row[banned] = float("-inf")
-            if masks[i] is not None:
-                row.masked_fill_(~masks[i].to(row.device), float("-inf"))
-        return logits
+        return apply_token_masks(logits, masks)
 
     @staticmethod
     def _penalize(row: torch.Tensor, req: Req) -> None:
