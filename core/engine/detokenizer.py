@@ -23,10 +23,11 @@ class IncrementalDetokenizer:
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
-    def add(self, token_id: int) -> str | None:
-        """Feeds one token. Returns the matched stop string when one now appears in the text, else None."""
+    def add(self, token_id: int, check_stop: bool = True) -> str | None:
+        """Feeds one token. Returns the matched stop string when one now appears in the text, else None.
+        With check_stop False (before min_new_tokens) stop strings are not looked for."""
         self.ids.append(token_id)
-        return self._advance(final=False)
+        return self._advance(final=False, check_stop=check_stop)
 
     def replace_tail(self, count: int, new_ids: list[int]) -> str | None:
         """Replaces the last `count` ids (fully decoded) by `new_ids`, which write the same text and more
@@ -50,7 +51,7 @@ class IncrementalDetokenizer:
         if self.matched_stop is None and self.read_offset < len(self.ids):
             self._advance(final=True)
 
-    def _advance(self, final: bool) -> str | None:
+    def _advance(self, final: bool, check_stop: bool = True) -> str | None:
         prefix_text = self._decode(self.ids[self.prefix_offset : self.read_offset])
         full = self._decode(self.ids[self.prefix_offset :])
         if not final and (full.endswith("\ufffd") or len(full) <= len(prefix_text)):
@@ -59,7 +60,7 @@ class IncrementalDetokenizer:
         self.text += full[len(prefix_text) :]
         self.read_offset = len(self.ids)
         self.prefix_offset = max(0, self.read_offset - _CONTEXT_TOKENS)
-        return self._find_stop(searched_from)
+        return self._find_stop(searched_from) if check_stop else None
 
     def _find_stop(self, start: int) -> str | None:
         best: tuple[int, str] | None = None

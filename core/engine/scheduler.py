@@ -430,8 +430,8 @@ class Scheduler:
         if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
             self._finish(req, "stop", token)
             return
-        matched = req.detok.add(token)
-        if matched is not None and len(req.output_ids) >= p.min_new_tokens:
+        matched = req.detok.add(token, check_stop=len(req.output_ids) >= p.min_new_tokens)
+        if matched is not None:
             self._finish(req, "stop", matched)
         elif len(req.output_ids) >= p.max_new_tokens or req.seq_len >= self.context_len:
             self._finish(req, "length", None)
