@@ -515,7 +515,7 @@ class RadixCacheMachine(RuleBasedStateMachine):
 
 
 RadixCacheMachine.TestCase.settings = settings(
-    max_examples=200,
+    max_examples=150,
     stateful_step_count=50,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
