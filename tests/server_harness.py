@@ -85,17 +85,6 @@ def render_chat(engine: Engine, messages: list[dict[str, Any]], **kwargs: Any) -
     return engine.tokenizer.encode(text, add_special_tokens=False)
 
 
-def constrained_available(live: LiveServer) -> bool:
-    """Whether the engine accepts regex / json_schema yet (the constrained-decoding issue)."""
-    try:
-        live.engine.generate(input_ids=[1], sampling_params={"max_new_tokens": 1, "regex": "a"})
-    except ValueError as exc:
-        if "not available" in str(exc):
-            return False
-        raise
-    return True
-
-
 class ServerProcess:
     """`radixlm serve` in a subprocess on a free port (read back from its log line)."""
 

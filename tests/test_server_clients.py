@@ -1,14 +1,16 @@
 """Third-party clients against the real server: LangChain's ChatOpenAI (invoke, stream, batch) and DSPy's
 dspy.LM("openai/<model>", api_base=...) with dspy.Predict. The oracle is the engine's own greedy output
-on the prompt rendered independently with the chat template."""
+on the prompt rendered independently with the chat template. The tiny model's weights are random, so
+DSPy's field-marker format is forced with the server's `regex` extra (constrained decoding)."""
 
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 
-from server_harness import constrained_available, render_chat, shared_server
+from server_harness import render_chat, shared_server
 
 # LiteLLM (under DSPy) would otherwise fetch its model price list from the network at import.
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
@@ -39,32 +41,23 @@ def test_langchain_chat_openai(live):
     assert reply.usage_metadata["output_tokens"] == reply.response_metadata["token_usage"]["completion_tokens"]
     assert reply.usage_metadata["input_tokens"] == len(render_chat(live.engine, oracle))
     assert "".join(chunk.content for chunk in llm.stream(conversation)) == expected
+    get_weather = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                   "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8}},
+                                  "required": ["city"], "additionalProperties": False}}}
+    call = llm.bind_tools([get_weather], tool_choice="get_weather").invoke("Weather in Paris?").tool_calls[0]
+    assert call["name"] == "get_weather" and isinstance(call["args"]["city"], str)
     questions = ["One", "Two", "Three"]
     replies = llm.batch(questions)
     assert [r.content for r in replies] == [greedy(live, [{"role": "user", "content": q}], 8) for q in questions]
 
 
-def test_dspy_lm_and_predict(live):
+def test_dspy_lm(live):
     import dspy
 
     lm = dspy.LM(f"openai/{live.model}", api_base=live.url + "/v1", api_key="unused", cache=False,
                  temperature=0.0, max_tokens=8, num_retries=0)
     expected = greedy(live, [{"role": "user", "content": "Hello there"}], 8)
     assert lm("Hello there") == [expected]
-
-    # The tiny model's weights are random, so it cannot follow DSPy's field-marker format by itself;
-    # a minimal adapter that takes the whole reply as the single output field lets dspy.Predict run
-    # end to end (prompt built by DSPy, sent through LiteLLM, answer parsed back).
-    class WholeReplyAdapter(dspy.ChatAdapter):
-        def parse(self, signature, completion):
-            (field,) = signature.output_fields
-            return {field: completion}
-
-    with dspy.context(lm=lm, adapter=WholeReplyAdapter()):
-        prediction = dspy.Predict("question -> answer")(question="What is 2 + 2?")
-    sent = lm.history[-1]["messages"]
-    assert any("What is 2 + 2?" in m["content"] for m in sent)
-    assert prediction.answer == greedy(live, sent, 8)
 
 
 def test_dspy_predict_with_chat_adapter_and_regex(live):
@@ -74,12 +67,7 @@ def test_dspy_predict_with_chat_adapter_and_regex(live):
     answer_format = r"\[\[ ## answer ## \]\]\n[a-z]{1,12}\n\n\[\[ ## completed ## \]\]"
     lm = dspy.LM(f"openai/{live.model}", api_base=live.url + "/v1", api_key="unused", cache=False,
                  temperature=0.0, max_tokens=60, num_retries=0, extra_body={"regex": answer_format})
-    predict = dspy.Predict("question -> answer")
     with dspy.context(lm=lm, adapter=dspy.ChatAdapter()):
-        if not constrained_available(live):
-            # Until constrained decoding lands the server refuses `regex` with a 400 that reaches DSPy.
-            with pytest.raises(Exception, match="not available yet"):
-                predict(question="What is 2 + 2?")
-            return
-        prediction = predict(question="What is 2 + 2?")
-    assert prediction.answer.isalpha() and prediction.answer.islower()
+        prediction = dspy.Predict("question -> answer")(question="What is 2 + 2?")
+    assert re.fullmatch("[a-z]{1,12}", prediction.answer)
+    assert "What is 2 + 2?" in lm.history[-1]["messages"][-1]["content"]

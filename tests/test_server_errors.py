@@ -78,6 +78,14 @@ CASES = [
     ("invalid json schema", "POST", CHAT, chat(response_format={"type": "json_schema", "json_schema": {
         "name": "x", "schema": {"type": 12}}}), 400, "response_format"),
     ("json_schema extra not json", "POST", CHAT, chat(json_schema="{nope"), 400, "json_schema"),
+    ("invalid regex", "POST", CHAT, chat(regex="(["), 400, "regex"),
+    ("unsupported schema keyword", "POST", CHAT, chat(json_schema={"type": "object", "not": {}}), 400, "json_schema"),
+    ("regex and json_schema together", "POST", CHAT, chat(regex="a", json_schema={"type": "object"}), 400,
+     "json_schema"),
+    ("forced tool with json response_format", "POST", CHAT, chat(
+        tools=[{"type": "function", "function": {"name": "a"}}], tool_choice="required",
+        response_format={"type": "json_object"}), 400, "tool_choice"),
+    ("generate invalid regex", "POST", GEN, {"text": "a", "sampling_params": {"regex": "a{2,1}"}}, 400, "regex"),
     ("tool_choice without tools", "POST", CHAT, chat(tool_choice="required"), 400, "tool_choice"),
     ("tool_choice names a missing tool", "POST", CHAT, chat(
         tools=[{"type": "function", "function": {"name": "a"}}],

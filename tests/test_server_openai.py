@@ -15,7 +15,7 @@ import openai
 import pytest
 import torch
 
-from server_harness import constrained_available, render_chat, shared_server
+from server_harness import render_chat, shared_server
 from radixlm.server import tools as toolcalls
 from radixlm.server.openai_protocol import Tool
 
@@ -227,28 +227,62 @@ def test_json_schema_response_format(client, live):
     kwargs = dict(model=live.model, messages=MESSAGES, max_tokens=60, temperature=0,
                   response_format={"type": "json_schema", "json_schema": {"name": "c", "schema": schema,
                                                                           "strict": True}})
-    if not constrained_available(live):
-        # Until constrained decoding lands the engine refuses the constraint; the server says so clearly.
-        with pytest.raises(openai.BadRequestError, match="not available yet"):
-            client.chat.completions.create(**kwargs)
-        return
     content = client.chat.completions.create(**kwargs).choices[0].message.content
     jsonschema.validate(json.loads(content), schema)
+    streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(**kwargs, stream=True)
+                       if c.choices)
+    jsonschema.validate(json.loads(streamed), schema)
+    regex = client.chat.completions.create(model=live.model, messages=MESSAGES, max_tokens=20, temperature=0.9,
+                                           seed=5, extra_body={"regex": "(red|green|blue)!"})
+    assert regex.choices[0].message.content in ("red!", "green!", "blue!")
 
 
-def test_forced_tool_choice(client, live):
-    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": {
         "type": "object", "properties": {"city": {"type": "string", "maxLength": 10}}, "required": ["city"],
-        "additionalProperties": False}}}]
-    kwargs = dict(model=live.model, messages=MESSAGES, max_tokens=60, temperature=0, tools=tools,
+        "additionalProperties": False}}},
+    {"type": "function", "function": {"name": "get_time", "parameters": {
+        "type": "object", "properties": {"utc": {"type": "boolean"}}, "required": ["utc"]}}},
+]
+
+
+def streamed_tool_calls(stream):
+    calls, finish = {}, None
+    for chunk in stream:
+        for c in chunk.choices:
+            for delta in c.delta.tool_calls or []:
+                entry = calls.setdefault(delta.index, {"name": "", "arguments": ""})
+                entry["name"] += delta.function.name or ""
+                entry["arguments"] += delta.function.arguments or ""
+            finish = c.finish_reason or finish
+    return [calls[i] for i in sorted(calls)], finish
+
+
+def test_forced_tool_choice_named(client, live):
+    kwargs = dict(model=live.model, messages=MESSAGES, max_tokens=60, temperature=0, tools=TOOLS,
                   tool_choice={"type": "function", "function": {"name": "get_weather"}})
-    if not constrained_available(live):
-        with pytest.raises(openai.BadRequestError, match="not available yet"):
-            client.chat.completions.create(**kwargs)
-        return
-    msg = client.chat.completions.create(**kwargs).choices[0].message
-    assert msg.tool_calls[0].function.name == "get_weather"
-    jsonschema.validate(json.loads(msg.tool_calls[0].function.arguments), tools[0]["function"]["parameters"])
+    resp = client.chat.completions.create(**kwargs)
+    msg = resp.choices[0].message
+    assert msg.content is None and resp.choices[0].finish_reason == "tool_calls"
+    assert len(msg.tool_calls) == 1 and msg.tool_calls[0].function.name == "get_weather"
+    assert msg.tool_calls[0].id.startswith("call_") and msg.tool_calls[0].type == "function"
+    jsonschema.validate(json.loads(msg.tool_calls[0].function.arguments), TOOLS[0]["function"]["parameters"])
+    calls, finish = streamed_tool_calls(client.chat.completions.create(**kwargs, stream=True))
+    assert finish == "tool_calls"
+    assert calls == [{"name": "get_weather", "arguments": msg.tool_calls[0].function.arguments}]
+
+
+def test_forced_tool_choice_required(client, live):
+    kwargs = dict(model=live.model, messages=MESSAGES, max_tokens=80, temperature=0.7, seed=2, tools=TOOLS,
+                  tool_choice="required", parallel_tool_calls=False)
+    resp = client.chat.completions.create(**kwargs)
+    msg = resp.choices[0].message
+    assert resp.choices[0].finish_reason == "tool_calls" and len(msg.tool_calls) == 1
+    call = msg.tool_calls[0].function
+    schema = next(t["function"]["parameters"] for t in TOOLS if t["function"]["name"] == call.name)
+    jsonschema.validate(json.loads(call.arguments), schema)
+    calls, finish = streamed_tool_calls(client.chat.completions.create(**kwargs, stream=True))
+    assert finish == "tool_calls" and calls == [{"name": call.name, "arguments": call.arguments}]
 
 
 def test_auto_tools_render_into_prompt(client, live):
