@@ -314,3 +314,16 @@ def test_tool_call_parsing():
     jsonschema.validate([{"name": "get_weather", "arguments": {}}], schema)
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate([], schema)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_n_branches_share_prompt_kv(client, live, stream):
+    messages = [{"role": "user", "content": f"stream={stream} " + "tokens to share " * 40}]
+    prompt_len = len(render_chat(live.engine, messages))
+    before = live.engine.get_stats()
+    reply = client.chat.completions.create(model=live.model, messages=messages, max_tokens=3, n=4, stream=stream)
+    if stream:
+        list(reply)
+    after = live.engine.get_stats()
+    assert after["prefill_tokens_total"] - before["prefill_tokens_total"] < 2 * prompt_len  # computed once
+    assert after["cached_tokens_total"] - before["cached_tokens_total"] >= 3 * (prompt_len - 1)
