@@ -1,0 +1,145 @@
+"""LangChain messages in, LangChain messages out.
+
+In: messages become the dicts chat templates take (OpenAI's shape), and the model's own chat template
+renders them, with the tools, into the prompt text, exactly as `radixlm serve` renders a
+/v1/chat/completions request. Out: a reply (text and the engine's meta_info) becomes an AIMessage or
+AIMessageChunk with tool calls, usage (cache reads included) and response metadata.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from langchain_core.messages import (
+    AIMessage, AIMessageChunk, BaseMessage, ChatMessage, FunctionMessage, HumanMessage, SystemMessage,
+    ToolMessage,
+)
+from langchain_core.messages.ai import InputTokenDetails, UsageMetadata
+
+from radixlm.adapters.langchain.tools import ParsedCalls, template_tool_calls
+
+# Content blocks of an assistant message that are not its text: the tool calls are rendered from
+# `tool_calls`, reasoning is not part of the prompt.
+_AI_NON_TEXT_BLOCKS = {"tool_use", "tool_call", "tool_call_chunk", "server_tool_call", "thinking",
+                       "redacted_thinking", "reasoning"}
+
+
+def _role(message: BaseMessage) -> str:
+    if isinstance(message, SystemMessage):
+        return "system"
+    if isinstance(message, HumanMessage):
+        return "user"
+    if isinstance(message, AIMessage):
+        return "assistant"
+    if isinstance(message, (ToolMessage, FunctionMessage)):
+        return "tool"
+    if isinstance(message, ChatMessage):
+        return {"human": "user", "ai": "assistant", "developer": "system"}.get(message.role, message.role)
+    raise ValueError(f"unsupported message type {type(message).__name__}")
+
+
+def _text(message: BaseMessage, role: str) -> str:
+    if isinstance(message.content, str):
+        return message.content
+    parts = []
+    for block in message.content:
+        if isinstance(block, str):
+            parts.append(block)
+        elif block.get("type") == "text":
+            parts.append(block.get("text", ""))
+        elif not (role == "assistant" and block.get("type") in _AI_NON_TEXT_BLOCKS):
+            raise ValueError(f"content blocks of type {block.get('type')!r} are not supported: radixlm serves "
+                             "text-only models (send text blocks)")
+    return "".join(parts)
+
+
+def template_messages(messages: list[BaseMessage]) -> list[dict[str, Any]]:
+    """LangChain messages as chat-template messages."""
+    out = []
+    for message in messages:
+        role = _role(message)
+        entry: dict[str, Any] = {"role": role, "content": _text(message, role)}
+        if isinstance(message, AIMessage) and message.tool_calls:
+            entry["tool_calls"] = template_tool_calls(message.tool_calls)
+        if isinstance(message, ToolMessage):
+            entry["tool_call_id"] = message.tool_call_id
+        if message.name:
+            entry["name"] = message.name
+        out.append(entry)
+    return out
+
+
+class ChatRenderer:
+    """Renders conversations with a tokenizer's chat template into prompt text for the engine."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError("the model's tokenizer has no chat template, which ChatSGLang needs")
+        self.tokenizer = tokenizer
+        # The engine tokenizes prompt text with the tokenizer's special tokens; a template that writes
+        # the BOS as text as well would double it.
+        bos = tokenizer.bos_token
+        ids = tokenizer("a")["input_ids"]
+        self._bos_to_strip = bos if bos and ids and ids[0] == tokenizer.bos_token_id else None
+
+    def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:
+        text = self.tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False,
+                                                  add_generation_prompt=True)
+        if self._bos_to_strip:
+            text = text.removeprefix(self._bos_to_strip)
+        return text
+
+    def count_tokens(self, text: str) -> int:
+        return len(self.tokenizer(text)["input_ids"])
+
+    def logprobs(self, meta: dict[str, Any], top_n: int) -> dict[str, Any]:
+        """The output token logprobs in OpenAI's chat shape."""
+        def entry(lp: float, token_id: int) -> dict[str, Any]:
+            token = self.tokenizer.decode([token_id])
+            return {"token": token, "logprob": lp, "bytes": list(token.encode("utf-8"))}
+
+        tops = meta.get("output_top_logprobs") or []
+        content = []
+        for i, (lp, token_id, _) in enumerate(meta.get("output_token_logprobs") or []):
+            item = entry(lp, token_id)
+            top = tops[i] if i < len(tops) and tops[i] else []
+            item["top_logprobs"] = [entry(t_lp, t_id) for t_lp, t_id, _ in top[:top_n]]
+            content.append(item)
+        return {"content": content}
+
+
+def usage_metadata(meta: dict[str, Any]) -> UsageMetadata:
+    prompt, completion = meta["prompt_tokens"], meta["completion_tokens"]
+    return UsageMetadata(input_tokens=prompt, output_tokens=completion, total_tokens=prompt + completion,
+                         input_token_details=InputTokenDetails(cache_read=meta.get("cached_tokens", 0)))
+
+
+def response_metadata(meta: dict[str, Any], model_name: str, parsed: ParsedCalls) -> dict[str, Any]:
+    reason = (meta.get("finish_reason") or {}).get("type")
+    if reason == "abort":
+        raise RuntimeError(f"the request was aborted: {meta.get('error', 'engine shutdown or abort')}")
+    if parsed.calls and reason == "stop":
+        reason = "tool_calls"
+    return {"model_name": model_name, "finish_reason": reason, "model_provider": "radixlm"}
+
+
+def ai_message(parsed: ParsedCalls, meta: dict[str, Any], model_name: str,
+               logprobs: dict[str, Any] | None = None) -> AIMessage:
+    metadata = response_metadata(meta, model_name, parsed)
+    if logprobs is not None:
+        metadata["logprobs"] = logprobs
+    return AIMessage(content=parsed.content, tool_calls=parsed.calls, invalid_tool_calls=parsed.invalid,
+                     usage_metadata=usage_metadata(meta), response_metadata=metadata)
+
+
+def final_chunk(parsed: ParsedCalls | None, meta: dict[str, Any], model_name: str) -> AIMessageChunk:
+    """The last chunk of a stream: usage and response metadata (sent once, so that adding chunks up
+    does not repeat them), and the tool calls of a reply that was held back to be parsed whole."""
+    parsed = parsed or ParsedCalls("")
+    chunks = [{"name": c["name"], "args": json.dumps(c["args"], ensure_ascii=False), "id": c["id"], "index": i, "type": "tool_call_chunk"}
+              for i, c in enumerate(parsed.calls)]
+    chunks += [{"name": c["name"], "args": c["args"], "id": c["id"], "index": len(chunks) + i,
+                "type": "tool_call_chunk"} for i, c in enumerate(parsed.invalid)]
+    return AIMessageChunk(content=parsed.content, tool_call_chunks=chunks, usage_metadata=usage_metadata(meta),
+                          response_metadata=response_metadata(meta, model_name, parsed), chunk_position="last")
