@@ -144,6 +144,10 @@ def test_stop_token_ids_and_min_new_tokens(engine):
     assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": ids[4]}
     forced = engine.generate("Once upon a time", {**params, "stop_token_ids": [ids[0]], "min_new_tokens": 5})
     assert len(forced["output_ids"]) >= 5 and ids[0] not in forced["output_ids"][:5]
+    # a stop string the output reaches before min_new_tokens does not end (or cut) it
+    text = engine.generate("Once upon a time", params)["text"]
+    early = engine.generate("Once upon a time", {**params, "stop": [text[:2]], "min_new_tokens": 10})
+    assert len(early["output_ids"]) >= 10 and early["text"].startswith(text[:2])
 
 
 def test_seeded_sampling_is_reproducible(engine):
