@@ -241,3 +241,17 @@ def test_apply_token_masks(rows, packed, tiny_tokenizer):
     expected = _reference_masked(logits, bool_masks)
     got = apply_token_masks(logits.clone().to(device), masks).cpu()
     assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_apply_token_masks_row_with_every_allowed_token_banned(packed, tiny_tokenizer):
+    """A bias that put -inf on every allowed token must not leave a row nothing can be sampled from."""
+    vocab_size = len(tiny_tokenizer)
+    index = get_index(r"[0-9]", vocab_of(tiny_tokenizer))
+    mask = index.mask(0, vocab_size, packed=packed)
+    allowed = index.mask(0, vocab_size)
+    logits = torch.randn(2, vocab_size)
+    logits[0, allowed] = float("-inf")
+    apply_token_masks(logits, [mask, None])
+    assert torch.equal(logits[0] == 0, allowed) and torch.isneginf(logits[0][~allowed]).all()
+    assert torch.isfinite(logits[1]).all()

@@ -22,6 +22,7 @@ class CompressedFSM:
         self._byte = np.where(singular, only_byte, -1).tolist()
         self._next = dfa.transitions[np.arange(dfa.num_states), only_byte].tolist()
         self._edges: dict[int, tuple[bytes, int]] = {}
+        self._texts: dict[int, str | None] = {}
 
     def edge(self, state: int) -> tuple[bytes, int]:
         """(forced bytes from `state`, the state after them); (b"", state) when the next byte is free."""
@@ -41,11 +42,14 @@ class CompressedFSM:
 
     def forced_text(self, state: int) -> str | None:
         """The forced string from `state`, cut to whole UTF-8 characters; None if there is none."""
-        data = self.edge(state)[0]
+        if state in self._texts:
+            return self._texts[state]
+        data, text = self.edge(state)[0], None
         for cut in range(len(data), max(len(data) - 4, 0), -1):
             try:
-                text = data[:cut].decode()
+                text = data[:cut].decode() or None
+                break
             except UnicodeDecodeError:
                 continue
-            return text or None
-        return None
+        self._texts[state] = text
+        return text

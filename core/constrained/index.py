@@ -67,6 +67,10 @@ class TokenIndex:
         self._row = dense_row.tolist()
         self._masks: OrderedDict[tuple[int, int, bool], torch.Tensor] = OrderedDict()
         self._lock = threading.Lock()
+        # Per visited state, Python-level views for the per-token hot path (advance): the allowed set
+        # (bytes of the packed bit row, or a frozenset of ids) and the DFA row as a list.
+        self._allowed: dict[int, bytes | frozenset[int]] = {}
+        self._trans_rows: dict[int, list[int]] = {}
 
     @property
     def num_states(self) -> int:
@@ -92,20 +96,29 @@ class TokenIndex:
 
     def is_allowed(self, state: int, token_id: int) -> bool:
         """Whether `token_id` (not EOS) may follow in `state`."""
-        if not 0 <= token_id < self.vocab_size:
-            return False
-        row = self._row[state]
-        if row >= 0:
-            return bool(self.dense_bits[row, token_id >> 3] >> (token_id & 7) & 1)
-        lo, hi = self._ptr[state], self._ptr[state + 1]
-        pos = lo + int(np.searchsorted(self.tokens[lo:hi], token_id))
-        return pos < hi and int(self.tokens[pos]) == token_id
+        allowed = self._allowed.get(state)
+        if allowed is None:
+            row = self._row[state]
+            if row >= 0:
+                allowed = self.dense_bits[row].tobytes()
+            else:
+                allowed = frozenset(self.tokens[self._ptr[state]:self._ptr[state + 1]].tolist())
+            self._allowed[state] = allowed
+        if isinstance(allowed, bytes):
+            return 0 <= token_id < self.vocab_size and bool(allowed[token_id >> 3] >> (token_id & 7) & 1)
+        return token_id in allowed
 
     def next_state(self, state: int, token_id: int) -> int:
         """The state after `token_id` from `state`, or -1 if it is not allowed there (EOS included)."""
         if not self.is_allowed(state, token_id):
             return -1
-        return self.dfa.walk(self.token_bytes[token_id], state)
+        rows = self._trans_rows
+        for b in self.token_bytes[token_id]:
+            row = rows.get(state)
+            if row is None:
+                row = rows[state] = self.dfa.transitions[state].tolist()
+            state = row[b]
+        return state
 
     def mask(self, state: int, vocab_size: int, packed: bool = False) -> torch.Tensor:
         """Allowed next tokens of `state` over `vocab_size` ids (the model's logits width), cached:

@@ -23,28 +23,38 @@ def unpack_bitmask(packed: torch.Tensor, vocab_size: int) -> torch.Tensor:
 def apply_token_masks(logits: torch.Tensor, masks: Sequence[torch.Tensor | None]) -> torch.Tensor:
     """Sets logits[i, t] = -inf wherever masks[i] forbids t; rows whose mask is None are left alone.
 
-    A mask is bool [V] (True = allowed) or packed int32 [ceil(V / 32)] (see TokenIndex.mask); one batch
-    uses one kind. On a GPU pass packed masks: one small host-to-device copy, unpacked on the device.
-    A row left with no finite logit (a penalty or bias had banned every allowed token) gets 0 on its
-    allowed tokens, so sampling still picks an allowed one. In place; returns `logits`."""
+    A mask is bool [V] (True = allowed) or packed int32 [ceil(V / 32)] (see TokenIndex.mask). On the CPU
+    each row is masked in place (no [B, V] temporaries); on a GPU the batch's masks go over in one copy,
+    packed ones 32x smaller, and are unpacked and applied there. A row left with no finite logit (a
+    penalty or bias had banned every allowed token) gets 0 on its allowed tokens, so sampling still
+    picks an allowed one. In place; returns `logits`."""
     if len(masks) != logits.shape[0]:
         raise ValueError(f"{len(masks)} masks for {logits.shape[0]} rows of logits")
     rows = [i for i, m in enumerate(masks) if m is not None]
     if not rows:
         return logits
-    kinds = {masks[i].dtype == torch.bool for i in rows}
-    if len(kinds) != 1:
+    vocab_size = logits.shape[1]
+    neg_inf = torch.full((), float("-inf"), dtype=logits.dtype, device=logits.device)
+    zero = torch.zeros((), dtype=logits.dtype, device=logits.device)
+    if logits.device.type == "cpu":
+        for i in rows:
+            mask = masks[i]
+            allowed = mask if mask.dtype == torch.bool else unpack_bitmask(mask, vocab_size)
+            row = logits[i]
+            torch.where(allowed, row, neg_inf, out=row)
+            if float(row.amax()) == float("-inf"):
+                torch.where(allowed, zero, neg_inf, out=row)
+        return logits
+    if len({masks[i].dtype == torch.bool for i in rows}) != 1:
         raise ValueError("masks of one batch must be all bool or all packed")
     stacked = torch.stack([masks[i] for i in rows]).to(logits.device, non_blocking=True)
-    allowed = stacked if kinds == {True} else unpack_bitmask(stacked, logits.shape[1])
+    allowed = stacked if stacked.dtype == torch.bool else unpack_bitmask(stacked, vocab_size)
     whole = len(rows) == logits.shape[0]
     index = None if whole else torch.tensor(rows, device=logits.device)
     sub = logits if whole else logits[index]
-    sub = sub.masked_fill(~allowed, float("-inf"))
-    stuck = torch.isneginf(sub).all(dim=-1, keepdim=True)
-    sub = torch.where(stuck & allowed, torch.zeros((), dtype=sub.dtype, device=sub.device), sub)
-    if whole:
-        logits.copy_(sub)
-    else:
+    torch.where(allowed, sub, neg_inf, out=sub)
+    stuck = sub.amax(dim=-1, keepdim=True) == float("-inf")
+    torch.where(stuck & allowed, zero, sub, out=sub)
+    if not whole:
         logits[index] = sub
     return logits

