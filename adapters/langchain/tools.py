@@ -20,6 +20,9 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+# Keywords whose value maps names to subschemas, and keywords whose value holds no subschema.
+_SCHEMA_MAPS = {"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"}
+_NOT_SCHEMAS = {"enum", "const", "default", "examples", "required", "title", "description"}
 _TAGGED = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 
 
@@ -78,7 +81,13 @@ def forced_schema(mode: ToolMode) -> dict[str, Any] | None:
 
 
 def _parameters(tool: dict[str, Any]) -> dict[str, Any]:
-    return tool["function"].get("parameters") or {"type": "object", "properties": {}}
+    """A tool's parameters as its arguments must follow them: objects hold only the declared properties
+    (as in OpenAI's strict mode; otherwise a no-argument tool, `"properties": {}`, would accept any keys)."""
+    def close(node: dict[str, Any]) -> None:
+        if "properties" in node and "additionalProperties" not in node:
+            node["additionalProperties"] = False
+
+    return _rewrite(tool["function"].get("parameters") or {"type": "object", "properties": {}}, close)
 
 
 def bound_strings(schema: Any, max_length: int) -> Any:
@@ -86,6 +95,17 @@ def bound_strings(schema: Any, max_length: int) -> Any:
     maxLength `max_length`. Every output the bounded schema allows is valid under the original one; it
     keeps constrained output short enough to finish within max_tokens on models that rarely close a
     string by themselves (small or random-weight ones)."""
+    def bound(node: dict[str, Any]) -> None:
+        types = node.get("type")
+        is_string = types == "string" or (isinstance(types, list) and "string" in types)
+        if is_string and not {"maxLength", "pattern", "format", "enum", "const"} & set(node):
+            node["maxLength"] = max_length
+
+    return _rewrite(schema, bound)
+
+
+def _rewrite(schema: Any, change: Any) -> Any:
+    """A deep copy of a JSON schema with `change` applied to every subschema (dict) in it."""
     schema = copy.deepcopy(schema)
 
     def visit(node: Any) -> None:
@@ -93,12 +113,12 @@ def bound_strings(schema: Any, max_length: int) -> Any:
             for item in node:
                 visit(item)
         elif isinstance(node, dict):
-            types = node.get("type")
-            is_string = types == "string" or (isinstance(types, list) and "string" in types)
-            if is_string and not {"maxLength", "pattern", "format", "enum", "const"} & set(node):
-                node["maxLength"] = max_length
+            change(node)
             for key, value in node.items():
-                if key not in ("enum", "const", "default", "examples"):
+                if key in _SCHEMA_MAPS and isinstance(value, dict):
+                    for subschema in value.values():
+                        visit(subschema)
+                elif key not in _NOT_SCHEMAS:
                     visit(value)
 
     visit(schema)
