@@ -47,10 +47,14 @@ def _serve_parser(sub: Any) -> argparse.ArgumentParser:
 
 
 def _run_serve(ns: argparse.Namespace) -> int:
+    from radixlm.core.engine.tp_worker import launched_rank, run_launched_rank
     from radixlm.server.app import ServerArgs
     from radixlm.server.launch import serve
 
     options = {k: v for k, v in vars(ns).items() if k not in _SERVER_FLAGS and k != "command"}
+    if launched_rank():  # under torchrun, ranks 1.. follow rank 0's engine (docs/scale_out.md)
+        run_launched_rank(ns.model_path, **options)
+        return 0
     serve(ns.model_path, ServerArgs(host=ns.host, port=ns.port, api_key=ns.api_key), **options)
     return 0
 

@@ -51,9 +51,16 @@ class Engine:
         self.eos_token_ids = eos
         self.vocab_size = self.model_config.vocab_size
         self.context_len = self.model_config.context_len
-        self._runner = ModelRunner(model_path, self.model_config, self.options)
-        self._scheduler = Scheduler(self._runner, self.options, self.tokenizer, eos)
-        self.kv_pool_size = self._runner.num_slots
+        if self.options.tp_size > 1 or self.options.dp_size > 1:
+            # Tensor-parallel ranks or data-parallel workers behind the same inbox (docs/scale_out.md).
+            from radixlm.core.engine.dp_router import build_scheduler
+
+            self._scheduler, self.kv_pool_size = build_scheduler(model_path, self.model_config, self.options,
+                                                                 self.tokenizer, eos)
+        else:
+            self._runner = ModelRunner(model_path, self.model_config, self.options)
+            self._scheduler = Scheduler(self._runner, self.options, self.tokenizer, eos)
+            self.kv_pool_size = self._runner.num_slots
         self._thread = threading.Thread(target=self._scheduler.run_forever, name="radixlm-scheduler", daemon=True)
         self._thread.start()
         self._in_flight = 0

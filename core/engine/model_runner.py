@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -14,6 +15,9 @@ from radixlm.core.engine.memory_pool import KVPool, ReqToTokenPool
 from radixlm.core.engine.options import EngineOptions
 from radixlm.core.models.config import ModelConfig
 from radixlm.core.models.loader import load_model
+
+if TYPE_CHECKING:
+    from radixlm.core.models.parallel import TensorParallel
 
 logger = logging.getLogger("radixlm")
 
@@ -33,15 +37,19 @@ class BatchInput:
 
 
 class ModelRunner:
-    def __init__(self, model_path: str, cfg: ModelConfig, opts: EngineOptions) -> None:
+    def __init__(self, model_path: str, cfg: ModelConfig, opts: EngineOptions,
+                 tp: "TensorParallel | None" = None) -> None:
+        """With `tp` (core.models.parallel), cfg is tp.local_config() and this runner is one rank's."""
         self.cfg = cfg
         self.device = torch.device(opts.device)
         self.dtype = opts.torch_dtype
         self.ops = kernels.get_ops(self.device)
-        self.model = load_model(model_path, cfg, self.dtype, self.device, self.ops)
+        self.model = load_model(model_path, cfg, self.dtype, self.device, self.ops, tp=tp)
         self.attn_backend = AttentionBackend(self.ops)
         self.cos_sin_cache = cfg.rope_cos_sin_cache(self.device)
         self.num_slots = self._kv_pool_size(opts)
+        if tp is not None:  # every rank must index the same slots
+            self.num_slots = tp.min_across_ranks(self.num_slots)
         self.kv_pool = KVPool(self.num_slots, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.dtype, self.device)
         self.req_to_token = ReqToTokenPool(opts.max_running_requests + 1, cfg.context_len + 1, self.device)
         logger.info(

@@ -34,6 +34,8 @@ class EngineOptions:
     served_model_name: str | None = None
     max_queued_requests: int | None = None  # bounded waiting queue (the server answers 503 beyond it)
     debug_check_invariants: bool = False  # verify the KV slot invariant after every step (slow)
+    tp_size: int = 1  # tensor-parallel ranks, one process each (docs/scale_out.md)
+    dp_size: int = 1  # data-parallel engine workers behind one cache-aware router (docs/scale_out.md)
 
     @classmethod
     def from_kwargs(cls, kwargs: dict[str, Any]) -> "EngineOptions":
@@ -57,9 +59,11 @@ class EngineOptions:
                                       "schedule_policy")
         if self.max_running_requests is None:
             self.max_running_requests = 512 if self.device.startswith("cuda") else 64
-        for name in ("max_running_requests", "schedule_fairness_bound"):
+        for name in ("max_running_requests", "schedule_fairness_bound", "tp_size", "dp_size"):
             if getattr(self, name) < 1:
                 raise InvalidRequestError(f"{name} must be >= 1", name)
+        if self.tp_size > 1 and self.dp_size > 1:
+            raise InvalidRequestError("tp_size > 1 and dp_size > 1 together are not supported yet", "dp_size")
         if self.max_total_tokens is not None and self.max_total_tokens < 16:
             raise InvalidRequestError("max_total_tokens must be >= 16", "max_total_tokens")
         if self.chunked_prefill_size is None or self.chunked_prefill_size <= 0:

@@ -7,6 +7,7 @@ import json
 import logging
 import os
 from types import ModuleType
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors import safe_open
@@ -15,6 +16,9 @@ from tqdm.auto import tqdm
 from radixlm.core.errors import UnsupportedModelError
 from radixlm.core.models.config import ModelConfig
 from radixlm.core.models.llama import LlamaForCausalLM
+
+if TYPE_CHECKING:
+    from radixlm.core.models.parallel import TensorParallel
 
 logger = logging.getLogger("radixlm")
 
@@ -32,11 +36,15 @@ def _weight_files(path: str) -> list[str]:
 
 
 def load_model(
-    path: str, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, ops: ModuleType
+    path: str, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, ops: ModuleType,
+    tp: "TensorParallel | None" = None,
 ) -> LlamaForCausalLM:
-    """Builds the model on the meta device, then fills each parameter straight from the shards."""
+    """Builds the model on the meta device, then fills each parameter straight from the shards.
+    With `tp` (cfg is then tp.local_config()), the model holds this rank's share of every layer."""
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg, ops)
+        if tp is not None:
+            tp.shard_model(model)
     model = model.to_empty(device=device).to(dtype)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
@@ -55,7 +63,10 @@ def load_model(
                         if name == "lm_head.weight" and cfg.tie_word_embeddings:
                             continue
                         raise UnsupportedModelError(f"unexpected weight {hf_name!r} in {file}")
-                    _copy_into(model, params[name], name, shard, f.get_tensor(hf_name))
+                    if tp is not None:
+                        tp.load_weight(model, name, shard, f.get_tensor(hf_name))
+                    else:
+                        _copy_into(model, params[name], name, shard, f.get_tensor(hf_name))
                     loaded.add(name if shard is None else f"{name}#{shard}")
             bar.update(1)
     expected = set()
