@@ -11,6 +11,7 @@ import functools
 import hashlib
 import json
 import re
+import threading
 import weakref
 from dataclasses import dataclass, field
 
@@ -173,6 +174,7 @@ class TokenVocab:
 
 
 _vocabs: "weakref.WeakKeyDictionary[object, dict[tuple[int, ...], TokenVocab]]" = weakref.WeakKeyDictionary()
+_vocabs_lock = threading.Lock()  # front ends build constraints from several threads
 
 
 def vocab_of(tokenizer, eos_token_ids: tuple[int, ...] | list[int] | None = None) -> TokenVocab:
@@ -183,14 +185,15 @@ def vocab_of(tokenizer, eos_token_ids: tuple[int, ...] | list[int] | None = None
             raise ValueError("the tokenizer has no eos_token_id; pass eos_token_ids")
         eos_token_ids = (eos,)
     eos_ids = tuple(sorted({int(i) for i in eos_token_ids}))
-    per_tokenizer = _vocabs.setdefault(tokenizer, {})
-    found = per_tokenizer.get(eos_ids)
-    if found is None:
-        token_bytes, special = token_bytes_of(tokenizer)
-        digest = hashlib.sha256()
-        for b in token_bytes:
-            digest.update(len(b).to_bytes(4, "little"))
-            digest.update(b)
-        digest.update(repr(eos_ids).encode())
-        found = per_tokenizer[eos_ids] = TokenVocab(token_bytes, frozenset(special), eos_ids, digest.hexdigest())
+    with _vocabs_lock:
+        per_tokenizer = _vocabs.setdefault(tokenizer, {})
+        found = per_tokenizer.get(eos_ids)
+        if found is None:
+            token_bytes, special = token_bytes_of(tokenizer)
+            digest = hashlib.sha256()
+            for b in token_bytes:
+                digest.update(len(b).to_bytes(4, "little"))
+                digest.update(b)
+            digest.update(repr(eos_ids).encode())
+            found = per_tokenizer[eos_ids] = TokenVocab(token_bytes, frozenset(special), eos_ids, digest.hexdigest())
     return found
