@@ -10,8 +10,8 @@ the format is enforced.
   `[[ ## completed ## ]]`. A str value is free text that cannot contain `[[` (so it cannot open a
   field of its own) and starts with a visible character; bool is True or False; a Literal or an Enum
   is one of its values as the prompt spells them; anything else is JSON valid under pydantic's schema
-  for the annotation (numbers, lists, dicts, models).
-- JSONAdapter: one JSON object holding every output field, in signature order.
+  for the annotation (numbers, lists, dicts, models), spaced as DSPy writes it or compact.
+- JSONAdapter: one compact JSON object holding every output field, in signature order.
 - ReAct's `next_tool_name` / `next_tool_args` pair is constrained jointly when the tools are known:
   the arguments follow the chosen tool's argument schema, so the tool can be called with them.
 
@@ -52,6 +52,8 @@ _CHAT_END = re.escape("[[ ## completed ## ]]")
 # One unit of free text: any character but `[`, or `[` followed by anything but `[`.
 _TEXT_UNIT = r"(?:[^\[]|\[[^\[])"
 _TEXT_FIRST = r"(?:[^\[\s]|\[[^\[\s])"
+# ChatAdapter writes JSON values with json.dumps's separators (", ", ": "): allow one optional space.
+_JSON_SPACE = " ?"
 
 
 def free_text_regex(max_chars: int | None) -> str:
@@ -74,9 +76,9 @@ def bound_schema(schema: Any, max_chars: int | None) -> Any:
     """A copy of a JSON schema where every value has a bounded length, for a model that would not end
     one by itself: free strings (no maxLength, enum, const, pattern or format) get at most `max_chars`
     characters, arrays at most `max_chars` items, unbounded integers at most `max_chars` digits (15 at
-    most), and unbounded numbers become such integers (a JSON number's fraction cannot be bounded).
-    Every instance of the copy is an instance of the original. Open objects (no properties) are left
-    as they are."""
+    most), unbounded numbers become such integers (a JSON number's fraction cannot be bounded), and
+    open objects (no properties: any keys, any number of them) become empty objects. Every instance of
+    the copy is an instance of the original."""
     if max_chars is None or not isinstance(schema, (dict, list)):
         return schema
     if isinstance(schema, list):
@@ -93,6 +95,8 @@ def bound_schema(schema: Any, max_chars: int | None) -> Any:
                                                          "exclusiveMaximum", "multipleOf"} & set(schema)):
         largest = 10 ** min(max_chars, 15) - 1
         out.update(type="integer", minimum=-largest, maximum=largest)
+    elif kind == "object" and not schema.get("properties") and not schema.get("required"):
+        out["additionalProperties"] = False
     return out
 
 
@@ -117,7 +121,7 @@ def _chat_value_regex(annotation: Any, max_chars: int | None) -> str:
         return "(?:" + "|".join(re.escape(str(v)) for v in get_args(annotation)) + ")"
     if isinstance(annotation, enum.EnumMeta):
         return "(?:" + "|".join(re.escape(str(m.value)) for m in annotation) + ")"
-    return json_schema_to_regex(_annotation_schema(annotation, max_chars))
+    return json_schema_to_regex(_annotation_schema(annotation, max_chars), whitespace_pattern=_JSON_SPACE)
 
 
 def _has_tool_pair(names: list[str], tools: dict[str, Any] | None) -> bool:
@@ -139,7 +143,7 @@ def chat_regex(signature: Any, max_field_chars: int | None = None, tools: dict[s
         name = names[i]
         if joint and name == TOOL_NAME_FIELD:
             choices = [re.escape(tool_name) + _CHAT_SEPARATOR + _chat_header(TOOL_ARGS_FIELD)
-                       + json_schema_to_regex(_tool_args_schema(tool, max_field_chars))
+                       + json_schema_to_regex(_tool_args_schema(tool, max_field_chars), whitespace_pattern=_JSON_SPACE)
                        for tool_name, tool in tools.items()]
             parts.append(_chat_header(name) + "(?:" + "|".join(choices) + ")")
             i += 2
