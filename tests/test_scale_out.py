@@ -184,6 +184,7 @@ class _HeldWorker:
     def __init__(self, slots: int) -> None:
         self.inbox: queue.Queue = queue.Queue()
         self.allocator = SimpleNamespace(num_slots=slots)
+        self.runner = SimpleNamespace(device="cpu")
         self._stopped = threading.Event()
 
     def run_forever(self) -> None:

@@ -35,7 +35,7 @@ from radixlm.core.engine.model_runner import ModelRunner
 from radixlm.core.engine.options import EngineOptions
 from radixlm.core.engine.request import GenerateInput
 from radixlm.core.engine.scheduler import AbortMsg, CallMsg, Scheduler
-from radixlm.core.engine.tp_worker import rank_device, start_tensor_parallel
+from radixlm.core.engine.tp_worker import device_scope, rank_device, start_tensor_parallel
 from radixlm.core.models.config import ModelConfig
 
 logger = logging.getLogger("radixlm")
@@ -51,7 +51,8 @@ def build_scheduler(model_path: str, cfg: ModelConfig, opts: EngineOptions, toke
     workers = []
     for i in range(opts.dp_size):
         w_opts = dataclasses.replace(opts, device=rank_device(opts.device, i), random_seed=opts.random_seed + i)
-        workers.append(Scheduler(ModelRunner(model_path, cfg, w_opts), w_opts, tokenizer, eos_token_ids))
+        with device_scope(w_opts.device):
+            workers.append(Scheduler(ModelRunner(model_path, cfg, w_opts), w_opts, tokenizer, eos_token_ids))
     router = DataParallelRouter(workers, cache_aware=not opts.disable_radix_cache)
     return router, min(w.allocator.num_slots for w in workers)
 
@@ -176,6 +177,11 @@ def choose_worker(matched: list[int], loads: list[int], abs_slack: int = 4, rel_
 # ---- the router ----------------------------------------------------------------------------------
 
 
+def _serve(worker: Scheduler) -> None:
+    with device_scope(worker.runner.device):
+        worker.run_forever()
+
+
 class DataParallelRouter:
     """Stands where one scheduler would behind the Engine: an inbox, run_forever, stop, and the calls the
     Engine makes through CallMsg (flush_cache, get_stats, check_invariants), answered for all workers."""
@@ -190,7 +196,7 @@ class DataParallelRouter:
         self.loads = [0] * len(workers)
         self._owner: dict[str, int] = {}  # rid -> worker, while in flight
         self._lock = threading.Lock()  # tree, loads and owners: the router thread routes, workers finish
-        self._threads = [threading.Thread(target=w.run_forever, name=f"radixlm-dp{i}", daemon=True)
+        self._threads = [threading.Thread(target=_serve, args=(w,), name=f"radixlm-dp{i}", daemon=True)
                          for i, w in enumerate(workers)]
         for t in self._threads:
             t.start()

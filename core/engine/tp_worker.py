@@ -16,6 +16,7 @@ every process already is a rank: rank 0 builds the Engine (or runs `radixlm serv
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -48,6 +49,13 @@ def rank_device(device: str, index: int) -> str:
     if d.type != "cuda":
         return device
     return f"cuda:{(d.index or 0) + index}"
+
+
+def device_scope(device: torch.device | str) -> contextlib.AbstractContextManager:
+    """Makes a CUDA device the calling thread's current one for a while (Triton launches its kernels on
+    the current device, which every new thread starts at cuda:0); nothing for a CPU device."""
+    device = torch.device(device)
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def launched_rank() -> int | None:
@@ -88,9 +96,12 @@ def start_tensor_parallel(model_path: str, cfg: ModelConfig, opts: EngineOptions
         if procs:
             _wait_until_started(init["store"], procs)
         tp, rank_opts = _join_group(0, size, cfg, opts, **init)
-        runner = ModelRunner(model_path, tp.local_config(), rank_opts, tp)
+        with device_scope(rank_opts.device):
+            runner = ModelRunner(model_path, tp.local_config(), rank_opts, tp)
     except BaseException:
-        _stop(procs)
+        if dist.is_initialized():  # closing our end lets the ranks waiting on us fail and exit
+            dist.destroy_process_group()
+        _stop(procs, wait_s=0)  # they may be blocked on rank 0 for good: no use waiting
         raise
     logger.info("tensor parallel: %d ranks (%s)", size, dist.get_backend())
     return TensorParallelScheduler(_Rank0Runner(runner, tp, procs), rank_opts, tokenizer, eos_token_ids)
@@ -101,7 +112,8 @@ class TensorParallelScheduler(Scheduler):
 
     def run_forever(self) -> None:
         try:
-            super().run_forever()
+            with device_scope(self.runner.device):
+                super().run_forever()
         finally:
             self.runner.close()
 
@@ -161,11 +173,13 @@ def _wait_until_started(store: Any, procs: list[Any]) -> None:
             time.sleep(0.1)
 
 
-def _stop(procs: list[Any]) -> None:
+def _stop(procs: list[Any], wait_s: float = 30) -> None:
+    """Waits up to wait_s for each rank process to exit, then terminates it."""
     for p in procs:
-        p.join(timeout=30)
+        p.join(timeout=wait_s)
         if p.is_alive():
-            logger.warning("tensor-parallel process %s did not exit; terminating it", p.name)
+            if wait_s:
+                logger.warning("tensor-parallel process %s did not exit; terminating it", p.name)
             p.terminate()
             p.join(timeout=5)
 
@@ -179,10 +193,8 @@ def _join_group(rank: int, size: int, cfg: ModelConfig, opts: EngineOptions,
     per-step broadcast, which waits as long as the engine is idle."""
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     rank_opts = dataclasses.replace(opts, device=rank_device(opts.device, local_rank))
-    cuda = torch.device(rank_opts.device).type == "cuda"
-    if cuda:
-        torch.cuda.set_device(rank_opts.device)
-    dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=size, **init)
+    backend = "nccl" if torch.device(rank_opts.device).type == "cuda" else "gloo"
+    dist.init_process_group(backend, rank=rank, world_size=size, **init)
     cpu_group = dist.new_group(backend="gloo", timeout=_IDLE_TIMEOUT)
     return TensorParallel(rank, size, cfg, group=None, cpu_group=cpu_group), rank_opts
 
@@ -192,16 +204,17 @@ def _follow_rank0(rank: int, size: int, model_path: str, opts: EngineOptions, **
     cfg = ModelConfig.from_dir(model_path)
     tp, rank_opts = _join_group(rank, size, cfg, opts, **init)
     try:
-        runner = ModelRunner(model_path, tp.local_config(), rank_opts, tp)
-        while True:
-            msg: list[Any] = [None]
-            dist.broadcast_object_list(msg, src=0, group=tp.cpu_group)
-            if msg[0] is None:
-                break
-            writes, batch = msg[0]
-            for row, start, slots in writes:
-                runner.req_to_token.write(row, start, slots)
-            runner.forward(batch)
+        with device_scope(rank_opts.device):
+            runner = ModelRunner(model_path, tp.local_config(), rank_opts, tp)
+            while True:
+                msg: list[Any] = [None]
+                dist.broadcast_object_list(msg, src=0, group=tp.cpu_group)
+                if msg[0] is None:
+                    break
+                writes, batch = msg[0]
+                for row, start, slots in writes:
+                    runner.req_to_token.write(row, start, slots)
+                runner.forward(batch)
     finally:
         dist.destroy_process_group()
 
