@@ -17,11 +17,13 @@ Model calls after the first stage (a second model later in the chain) run as ord
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass, field
 from typing import Any
 
 from langchain_core.runnables import Runnable, RunnableBinding, RunnableConfig, RunnableParallel, RunnableSequence
+from langchain_core.runnables.base import coerce_to_runnable
 from langchain_core.runnables.config import get_config_list, run_in_executor
 
 from radixlm.adapters.langchain.chat_model import ChatSGLang
@@ -95,21 +97,23 @@ class LangChainProgram(Runnable[Any, Any]):
     """A runnable translated into a radixlm program. Use it like the runnable it came from (invoke,
     batch, ...); `str(program)` shows the program."""
 
-    def __init__(self, source: Runnable) -> None:
+    def __init__(self, source: Runnable | dict[str, Any]) -> None:
+        source = coerce_to_runnable(source)  # a dict of runnables is a RunnableParallel
         self.source = source
         steps = _steps(source)
+        # The stage: one model call (`model`), or a RunnableParallel with model calls (`branches`).
+        self.model: ModelCall | None = None
+        self.branches: dict[str, Branch] | None = None
         for i, step in enumerate(steps):
-            if _model_call(step) is not None:
-                self.before, self.after = steps[:i], steps[i + 1:]
-                self.branches: dict[str, Branch] | None = None
-                self.single = _branch(step)
+            self.before, self.after = steps[:i], steps[i + 1:]
+            self.model = _model_call(step)
+            if self.model is not None:
                 return
             if isinstance(step, RunnableParallel):
-                branches = {key: _branch(r) for key, r in step.steps__.items()}
-                if any(b.model is not None for b in branches.values()):
-                    self.before, self.after = steps[:i], steps[i + 1:]
-                    self.branches = branches
+                self.branches = {key: _branch(r) for key, r in step.steps__.items()}
+                if any(b.model is not None for b in self.branches.values()):
                     return
+                self.branches = None
         raise ValueError(f"{type(source).__name__} has no ChatSGLang call (alone or in a RunnableParallel) "
                          "to translate")
 
@@ -118,13 +122,18 @@ class LangChainProgram(Runnable[Any, Any]):
     def calls(self, stage_input: Any, config: RunnableConfig | None = None) -> dict[str, ChatCall]:
         """The model calls of the stage, by branch ("output" for a single call), for the stage's input
         (what the steps before the stage produced)."""
-        if self.branches is None:
-            return {"output": self.single.model.call(stage_input)}
+        if self.model is not None:
+            return {"output": self.model.call(stage_input)}
         return {key: b.model.call(_run(b.before, stage_input, config))
                 for key, b in self.branches.items() if b.model is not None}
 
+    def _models(self) -> list[ChatSGLang]:
+        if self.model is not None:
+            return [self.model.llm]
+        return [b.model.llm for b in self.branches.values() if b.model is not None]
+
     def _backend(self) -> Any:
-        models = [b.model.llm for b in self.branches.values() if b.model is not None]
+        models = self._models()
         backends = {id(m.connection().backend): m.connection().backend for m in models}
         if len(backends) != 1:
             raise ValueError("RunnableParallel branches run as one fork/join program only when their ChatSGLang "
@@ -143,9 +152,8 @@ class LangChainProgram(Runnable[Any, Any]):
                                       "return_exceptions is not supported")
         configs = get_config_list(config, len(inputs))
         stage_inputs = _run_batch(self.before, list(inputs), configs)
-        if self.branches is None:
-            outputs = self.single.model.step.batch(stage_inputs, configs, **kwargs)
-            outputs = _run_batch(self.single.after, outputs, configs)
+        if self.model is not None:
+            outputs = self.model.step.batch(stage_inputs, configs, **kwargs)  # ChatSGLang.batch: one program
         else:
             outputs = self._fork_join(stage_inputs, configs)
         return _run_batch(self.after, outputs, configs)
@@ -186,16 +194,19 @@ class LangChainProgram(Runnable[Any, Any]):
         if self.before:
             lines.insert(0, f"# input prepared by: {' | '.join(type(s).__name__ for s in self.before)}")
         prefix = _cut_placeholder(shared_prefix([c.prompt for c in calls.values()]))
+        # Every gen also stops at the chat template's end-of-turn marker (the interpreter adds it).
+        template_stops = list(self._models()[0].connection().backend.get_chat_template().stop_str)
+        gens = {name: _gen(name, call.params, template_stops) for name, call in calls.items()}
         if len(calls) == 1:
             (name, call), = calls.items()
             lines.append(f"    s += {_text(call.prompt)}")
-            lines.append(f"    s += {_gen(name, call.params)}")
+            lines.append(f"    s += {gens[name]}")
         else:
             lines.append(f"    s += {_text(prefix)}")
             lines.append(f"    forks = s.fork({len(calls)})")
             for i, (name, call) in enumerate(calls.items()):
                 rest = call.prompt[len(prefix):]
-                lines.append(f"    forks[{i}] += {_text(rest) + ' + ' if rest else ''}{_gen(name, call.params)}")
+                lines.append(f"    forks[{i}] += {_text(rest) + ' + ' if rest else ''}{gens[name]}")
             lines.append("    forks.join()")
         if self.after:
             lines.append(f"# output then goes through: {' | '.join(type(s).__name__ for s in self.after)}")
@@ -205,7 +216,7 @@ class LangChainProgram(Runnable[Any, Any]):
         return f"LangChainProgram({type(self.source).__name__})"
 
 
-def to_program(runnable: Runnable) -> LangChainProgram:
+def to_program(runnable: Runnable | dict[str, Any]) -> LangChainProgram:
     """The radixlm program of a LangChain runnable whose model calls are ChatSGLang's: a runnable that
     runs it (invoke/batch/...), shown by `print(...)`. A chain `prompt | ChatSGLang(...) | parser` runs
     batches as one shared-prefix program; a RunnableParallel of such chains on one engine runs as
@@ -234,8 +245,10 @@ def _text(text: str) -> str:
     return " + ".join(parts) or '""'
 
 
-def _gen(name: str, params: GenParams) -> str:
+def _gen(name: str, params: GenParams, template_stops: list[str]) -> str:
     shown = []
+    params = dataclasses.replace(params, stop=params.stop_list() + [s for s in template_stops
+                                                                      if s not in params.stop_list()])
     for key in ("max_new_tokens", "temperature", "top_p", "top_k", "min_p", "frequency_penalty",
                 "presence_penalty", "stop", "return_logprob", "top_logprobs_num", "json_schema"):
         value = getattr(params, key)
