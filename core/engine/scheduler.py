@@ -26,7 +26,7 @@ from radixlm.core.engine.radix_cache import RadixCache
 from radixlm.core.engine.request import GenerateInput, Req, Status
 from radixlm.core.engine.sampler import Sampler, top_logprob_entries
 from radixlm.core.engine.schedule_policy import SchedulePolicy
-from radixlm.core.engine.stats import EngineStats
+from radixlm.core.engine.stats import EngineStats, TimedRadixCache
 
 logger = logging.getLogger("radixlm")
 
@@ -65,7 +65,8 @@ class Scheduler:
         self.eos_token_ids = eos_token_ids
         self.context_len = runner.cfg.context_len
         self.allocator = SlotAllocator(runner.num_slots)
-        self.tree = RadixCache(self.allocator, disable=opts.disable_radix_cache)
+        self.stats = EngineStats()
+        self.tree = TimedRadixCache(RadixCache(self.allocator, disable=opts.disable_radix_cache), self.stats)
         self.policy = SchedulePolicy(opts.schedule_policy, opts.schedule_fairness_bound, self.tree, opts.random_seed)
         self.generator = torch.Generator(device=runner.device).manual_seed(opts.random_seed)
         self.sampler = Sampler(runner.cfg.vocab_size, eos_token_ids, self.generator)
@@ -73,7 +74,6 @@ class Scheduler:
         self.waiting: list[Req] = []
         self.running: list[Req] = []
         self.chunked: Req | None = None  # a request midway through a chunked prefill
-        self.stats = EngineStats()
         self._arrivals = 0
         self._stop = threading.Event()
 

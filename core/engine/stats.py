@@ -1,12 +1,13 @@
-"""Counters a user can read: cache hit rate, tokens, latencies."""
+"""Counters a user can read: cache hit rate, tokens, latencies, radix cache bookkeeping time."""
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 if TYPE_CHECKING:
+    from radixlm.core.engine.radix_cache import RadixCache
     from radixlm.core.engine.request import Req
 
 
@@ -20,6 +21,7 @@ class EngineStats:
     prefill_tokens_total: int = 0  # tokens actually computed by prefill steps (incl. recomputation)
     generated_tokens_total: int = 0
     retractions_total: int = 0
+    radix_cache_time_s: float = 0.0  # scheduler time in radix cache match/insert/evict/lock calls
     e2e_latency_sum: float = 0.0
     ttft_sum: float = 0.0
     started: float = field(default_factory=time.monotonic)
@@ -39,3 +41,33 @@ class EngineStats:
         out["uptime_s"] = time.monotonic() - self.started
         out.update(gauges)
         return out
+
+
+class TimedRadixCache:
+    """The scheduler's view of a RadixCache: its bookkeeping calls (match, insert, evict, lock and
+    unlock, caching a request's tokens) add their wall time to `stats.radix_cache_time_s`; everything
+    else passes through. Calls the tree makes to itself are not counted twice."""
+
+    _TIMED = ("match_prefix", "insert", "evict", "inc_lock_ref", "dec_lock_ref", "cache_finished",
+              "cache_unfinished")
+
+    def __init__(self, tree: "RadixCache", stats: EngineStats) -> None:
+        self._tree = tree
+        self._stats = stats
+        for name in self._TIMED:  # bound once here: a timed call costs two clock reads, no lookup
+            setattr(self, name, self._timed(getattr(tree, name)))
+
+    def _timed(self, method: Callable[..., Any]) -> Callable[..., Any]:
+        stats, clock = self._stats, time.perf_counter
+
+        def call(*args: Any) -> Any:
+            start = clock()
+            try:
+                return method(*args)
+            finally:
+                stats.radix_cache_time_s += clock() - start
+
+        return call
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._tree, name)

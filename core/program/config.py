@@ -12,6 +12,9 @@ class GlobalConfig:
     default_backend: Any = None
     # run_batch sends the batch's common prefix (found by tracing) once before running the batch.
     enable_precache_with_tracing: bool = True
+    # A fork sends the state's text once (a prefill-only request) before its branches start.
+    # Together with the switch above, these are the frontend's prefix hints; off only for ablations.
+    enable_fork_precache: bool = True
 
 
 global_config = GlobalConfig()

@@ -15,11 +15,11 @@ import contextlib
 import queue
 import threading
 import uuid
-import weakref
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from radixlm.core.program import speculative
 from radixlm.core.program.chat_template import ChatTemplate
+from radixlm.core.program.config import global_config
 from radixlm.core.program.errors import ProgramError
 from radixlm.core.program.ir import (
     CommitLazy, ConcateAndAppend, Constant, Expr, ExprList, Fork, Gen, GenParams, Image,
@@ -397,7 +397,7 @@ class StreamExecutor:
     # ----- fork / join -----
 
     def _fork_point(self, fork: Fork) -> None:
-        if fork.number > 1 and (self.text_ or fork.hoisted_text):
+        if fork.number > 1 and (self.text_ or fork.hoisted_text) and global_config.enable_fork_precache:
             # Co-design with the radix cache: prefill the shared prefix once, before the branches.
             self.backend.commit_lazy_operations(self, extra_text=fork.hoisted_text)
         self._fork_snapshots[fork.node_id] = {
@@ -620,7 +620,6 @@ class ProgramStateGroup:
 def resolve_backend(backend: Any) -> "BaseBackend":
     """The backend object for what a user passed: a backend, a radixlm.Engine, or a Runtime."""
     from radixlm.core.backends.base import BaseBackend
-    from radixlm.core.program.config import global_config
 
     backend = backend if backend is not None else global_config.default_backend
     if backend is None:
@@ -631,14 +630,14 @@ def resolve_backend(backend: Any) -> "BaseBackend":
         return backend.endpoint
     if hasattr(backend, "generate") and hasattr(backend, "tokenizer"):  # a radixlm.Engine
         from radixlm.core.backends.local_engine import EngineBackend
-        if backend not in _engine_backends:
-            _engine_backends[backend] = EngineBackend(backend)
-        return _engine_backends[backend]
+        # One backend per engine, so `run(backend=engine)` does not recover its chat template every
+        # time. It is kept on the engine itself: that cycle is freed with the engine, whereas a
+        # weak-keyed table would keep every engine alive through its backend's reference to it.
+        cached = vars(backend).get("_program_backend")
+        if cached is None:
+            cached = backend._program_backend = EngineBackend(backend)
+        return cached
     raise TypeError(f"not a backend: {backend!r}")
-
-
-# One backend per engine, so `run(backend=engine)` does not recover its chat template every time.
-_engine_backends: "weakref.WeakKeyDictionary[Any, BaseBackend]" = weakref.WeakKeyDictionary()
 
 
 def new_state(backend: "BaseBackend", arguments: dict[str, Any], defaults: GenParams, stream: bool,
