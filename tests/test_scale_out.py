@@ -71,11 +71,10 @@ def _assert_same_greedy_run(got: list[dict], ref: list[dict]) -> None:
         assert lp == pytest.approx(lp_ref, abs=1e-4)
 
 
-@pytest.mark.parametrize("ckpt", ["mistral_ckpt", "qwen2_mqa_ckpt"])  # KV heads split / replicated
-def test_tp2_in_spawned_processes_matches_tp1(ckpt: str, request: pytest.FixtureRequest) -> None:
-    path = request.getfixturevalue(ckpt)
-    ref, _ = _two_waves(path)
-    got, stats = _two_waves(path, tp_size=2)
+def test_tp2_in_spawned_processes_matches_tp1(qwen2_mqa_ckpt: str) -> None:
+    """qkv bias, tied (vocab-parallel) embeddings, and one KV head replicated on both ranks."""
+    ref, _ = _two_waves(qwen2_mqa_ckpt)
+    got, stats = _two_waves(qwen2_mqa_ckpt, tp_size=2)
     _assert_same_greedy_run(got, ref)
     assert stats["kv_slots_free"] == stats["kv_slots_total"] == ENGINE["max_total_tokens"]
     assert stats["kv_slots_cached"] == 0
@@ -100,19 +99,23 @@ else:
 """
 
 
-def test_tp2_under_torchrun_matches_tp1(llama_ckpt: str, tmp_path) -> None:
+def test_tp2_under_torchrun_matches_tp1(mistral_ckpt: str, tmp_path) -> None:
+    """Grouped-query attention (8 query heads on 2 KV heads): each rank holds 4 query heads and 1 KV head."""
     script = tmp_path / "tp_run.py"
     script.write_text(_TORCHRUN_SCRIPT)
     out_path = tmp_path / "out.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script),
-           llama_ckpt, str(out_path), json.dumps(ENGINE), json.dumps(WAVE1), json.dumps(GREEDY)]
+           mistral_ckpt, str(out_path), json.dumps(ENGINE), json.dumps(WAVE1), json.dumps(GREEDY)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out_path.read_text())
-    with radixlm.Engine(llama_ckpt, **ENGINE) as engine:
+    with radixlm.Engine(mistral_ckpt, **ENGINE) as engine:
         ref = engine.generate(input_ids=WAVE1, sampling_params=GREEDY, return_logprob=True)
     assert [o["output_ids"] for o in result["outs"]] == [o["output_ids"] for o in ref]
     assert [o["meta_info"]["cached_tokens"] for o in result["outs"]] == [o["meta_info"]["cached_tokens"] for o in ref]
+    for o, r in zip(result["outs"], ref):
+        lp = [x[0] for x in o["meta_info"]["output_token_logprobs"]]
+        assert lp == pytest.approx([x[0] for x in r["meta_info"]["output_token_logprobs"]], abs=1e-4)
     assert result["free"] == result["total"]
 
 
