@@ -26,7 +26,6 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import itertools
-import logging
 import queue
 import threading
 from typing import Any
@@ -37,8 +36,6 @@ from radixlm.core.engine.request import GenerateInput
 from radixlm.core.engine.scheduler import AbortMsg, CallMsg, Scheduler
 from radixlm.core.engine.tp_worker import device_scope, rank_device, start_tensor_parallel
 from radixlm.core.models.config import ModelConfig
-
-logger = logging.getLogger("radixlm")
 
 
 def build_scheduler(model_path: str, cfg: ModelConfig, opts: EngineOptions, tokenizer: Any,
@@ -71,6 +68,9 @@ class _Node:
 
 
 def _shared_len(edge: list[int], key: list[int], pos: int) -> int:
+    """Leading tokens of `edge` equal to key[pos:]; a whole-edge match (the common case) compares in C."""
+    if key[pos : pos + len(edge)] == edge:
+        return len(edge)
     n = min(len(edge), len(key) - pos)
     i = 0
     while i < n and edge[i] == key[pos + i]:
