@@ -335,6 +335,7 @@ def test_model_path_starts_one_shared_engine(live: Any) -> None:
         CONVERSATION).content
 
 
+@pytest.mark.filterwarnings("ignore:The function `load` is in beta")
 def test_serialization_round_trip(monkeypatch: pytest.MonkeyPatch) -> None:
     llm = ChatSGLang(base_url="http://127.0.0.1:9", api_key="sekret", model="m", temperature=0.5, max_tokens=7)
     dumped = dumpd(llm)

@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterator, Literal, Sequence
 from langchain_core.callbacks import CallbackManagerForLLMRun
 from langchain_core.language_models import BaseChatModel, LanguageModelInput
 from langchain_core.language_models.chat_models import LangSmithParams
-from langchain_core.messages import AIMessageChunk, BaseMessage
+from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage
 from langchain_core.output_parsers import JsonOutputParser, PydanticOutputParser
 from langchain_core.output_parsers.openai_tools import JsonOutputKeyToolsParser, PydanticToolsParser
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
@@ -202,7 +202,7 @@ class ChatSGLang(BaseChatModel):
             raise ValueError(f"the prompt fills the model's context of {conn.context_len} tokens")
         return room
 
-    def to_message(self, call: ChatCall, text: str, meta: dict[str, Any]) -> Any:
+    def to_message(self, call: ChatCall, text: str, meta: dict[str, Any]) -> AIMessage:
         """The AIMessage for a call's reply."""
         logprobs = None
         if call.top_logprobs is not None:
