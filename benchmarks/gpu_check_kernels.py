@@ -120,9 +120,9 @@ class Checker:
         ms = self.time_ms(fn)
         rate = []
         if bytes_moved:
-            rate.append(f"{bytes_moved / ms / 1e9:.0f} GB/s ({bytes_moved / ms / 1e9 / (COPY_BW / 1e12):.0f}% of copy)")
+            rate.append(f"{bytes_moved / ms / 1e6:.0f} GB/s ({100 * bytes_moved / ms * 1e3 / COPY_BW:.0f}% of copy)")
         if flops:
-            rate.append(f"{flops / ms / 1e9:.1f} TFLOP/s ({flops / ms / 1e9 / (MATMUL_RATE / 1e12):.0f}% of mm)")
+            rate.append(f"{flops / ms / 1e9:.1f} TFLOP/s ({100 * flops / ms * 1e3 / MATMUL_RATE:.0f}% of mm)")
         self.rows.append(Row(kernel, case, max_err, rel_err, ok, ms, ", ".join(rate)))
         print(f"{kernel:22s} {case:38s} max {max_err:.2e} rel {rel_err:.2e} {'ok' if ok else 'MISMATCH'}"
               f" {ms:10.4f} ms {', '.join(rate)}", flush=True)

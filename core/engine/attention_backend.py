@@ -6,6 +6,7 @@ Triton kernels on CUDA, with identical signatures.
 
 from __future__ import annotations
 
+import inspect
 from types import ModuleType
 
 import torch
@@ -16,6 +17,9 @@ from radixlm.core.engine.forward_batch import ForwardBatch
 class AttentionBackend:
     def __init__(self, ops: ModuleType) -> None:
         self.ops = ops
+        # The Triton extend kernel takes the batch layout precomputed (an optional trailing parameter
+        # the reference lacks); passing it saves a device sync per layer.
+        self._extend_takes_layout = "max_extend_len" in inspect.signature(ops.extend_attention).parameters
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, fb: ForwardBatch):
         k_buf, v_buf = fb.kv_pool.k_buffers[layer_id], fb.kv_pool.v_buffers[layer_id]
@@ -25,6 +29,7 @@ class AttentionBackend:
             return self.ops.decode_attention(
                 q, k_buf, v_buf, fb.req_to_token, fb.req_pool_indices, fb.seq_lens, scale
             )
-        return self.ops.extend_attention(
-            q, k_buf, v_buf, fb.req_to_token, fb.req_pool_indices, fb.seq_lens, fb.extend_lens, scale
-        )
+        args = (q, k_buf, v_buf, fb.req_to_token, fb.req_pool_indices, fb.seq_lens, fb.extend_lens, scale)
+        if self._extend_takes_layout and fb.max_extend_len is not None:
+            return self.ops.extend_attention(*args, fb.extend_start_loc, fb.max_extend_len)
+        return self.ops.extend_attention(*args)

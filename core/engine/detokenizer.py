@@ -8,7 +8,12 @@ _CONTEXT_TOKENS = 6
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer, skip_special_tokens: bool, stop: list[str], no_stop_trim: bool) -> None:
+    def __init__(self, tokenizer, skip_special_tokens: bool, stop: list[str], no_stop_trim: bool,
+                 lazy: bool = False) -> None:
+        """lazy: nobody reads the text before the end and there are no stop strings to find, so `add`
+        only records ids and `flush` decodes the whole output once (two tokenizer calls per token saved)."""
+        assert not (lazy and stop), "stop strings are found incrementally"
+        self.lazy = lazy
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.stop = stop
@@ -27,6 +32,8 @@ class IncrementalDetokenizer:
         """Feeds one token. Returns the matched stop string when one now appears in the text, else None.
         With check_stop False (before min_new_tokens) stop strings are not looked for."""
         self.ids.append(token_id)
+        if self.lazy:
+            return None
         return self._advance(final=False, check_stop=check_stop)
 
     def replace_tail(self, count: int, new_ids: list[int]) -> str | None:

@@ -25,3 +25,7 @@ class ForwardBatch:
     kv_pool: "KVPool"
     attn_backend: "AttentionBackend"
     cos_sin_cache: torch.Tensor
+    # Extend only, when known on the host: offsets of each request's first new token, and the
+    # longest extend (kernels that size their grid by it then need no device sync).
+    extend_start_loc: torch.Tensor | None = None
+    max_extend_len: int | None = None

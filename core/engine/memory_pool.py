@@ -66,11 +66,20 @@ class SlotAllocator:
 
 
 class ReqToTokenPool:
-    """Table [max_requests, max_context_len]: row r, column i = KV slot of position i of request r."""
+    """Table [max_requests + 1, max_context_len]: row r, column i = KV slot of position i of request r.
+
+    The last row (`padding_row`) is never handed out: padded batch rows (CUDA graphs) point at it.
+    Writes are queued on the host and applied by `flush()` in one indexed assignment (one host-to-device
+    copy for the whole step instead of one per request); the model runner flushes before every forward.
+    """
 
     def __init__(self, max_requests: int, max_context_len: int, device: torch.device | str) -> None:
-        self.table = torch.zeros((max_requests, max_context_len), dtype=torch.int32, device=device)
+        self.device = torch.device(device)
+        self.table = torch.zeros((max_requests + 1, max_context_len), dtype=torch.int32, device=device)
+        self.padding_row = max_requests
         self._free_rows = list(range(max_requests - 1, -1, -1))
+        self._pending: list[tuple[int, int, list[int]]] = []
+        self._pending_rows: set[int] = set()
 
     def available(self) -> int:
         return len(self._free_rows)
@@ -84,7 +93,29 @@ class ReqToTokenPool:
         self._free_rows.append(row)
 
     def write(self, row: int, start: int, slots: list[int]) -> None:
-        if slots:
-            self.table[row, start : start + len(slots)] = torch.tensor(slots, dtype=torch.int32).to(
-                self.table.device, non_blocking=True
-            )
+        """Queues table[row, start : start + len(slots)] = slots (applied by the next flush)."""
+        if not slots:
+            return
+        if row in self._pending_rows:
+            # One indexed assignment has no order among duplicate cells: the earlier write goes first.
+            self.flush()
+        self._pending.append((row, start, list(slots)))
+        self._pending_rows.add(row)
+
+    def flush(self) -> None:
+        """Applies the queued writes: one host-to-device copy and one scatter, no device sync."""
+        if not self._pending:
+            return
+        pending, self._pending = self._pending, []
+        self._pending_rows.clear()
+        k = len(pending)
+        header = [r for r, _, _ in pending] + [s for _, s, _ in pending] + [len(v) for _, _, v in pending]
+        values = [slot for _, _, v in pending for slot in v]
+        host = torch.tensor(header + values, dtype=torch.int64, pin_memory=self.device.type == "cuda")
+        packed = host.to(self.device, non_blocking=True)
+        rows, starts, lens, slots = packed[:k], packed[k : 2 * k], packed[2 * k : 3 * k], packed[3 * k :]
+        total = len(values)
+        # Column of each value: its start plus its offset within its own write.
+        first = torch.cumsum(lens, 0) - lens
+        cols = torch.arange(total, device=self.device) + torch.repeat_interleave(starts - first, lens, output_size=total)
+        self.table[torch.repeat_interleave(rows, lens, output_size=total), cols] = slots.to(torch.int32)

@@ -1,7 +1,14 @@
-"""Executes batches: owns the model, the KV pool and the request-to-token table. Decides nothing."""
+"""Executes batches: owns the model, the KV pool and the request-to-token table. Decides nothing.
+
+On CUDA the weights are bf16 (EngineOptions.dtype "auto"), kernels are the Triton set, a step's index
+tensors cross to the device in one non-blocking copy from pinned memory, and decode replays CUDA graphs
+captured for a ladder of batch sizes (core.engine.cuda_graph_runner). On CPU the same code runs the
+torch reference kernels eagerly.
+"""
 
 from __future__ import annotations
 
+import itertools
 import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -21,10 +28,20 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("radixlm")
 
+# Headroom on the GPU beyond the estimated activations: cuBLAS workspaces, allocator rounding, Triton.
+_CUDA_SLACK_BYTES = 1 << 30
+# Bytes per logit of the decode sampler's temporaries at most (fp32 copies, softmax, sort values and
+# int64 order, cumulative sum) — what max_running_requests x vocab costs in the worst sampling step.
+_SAMPLER_BYTES_PER_LOGIT = 32
+
 
 @dataclass
 class BatchInput:
-    """One step's work in host lists, as the scheduler hands it over."""
+    """One step's work in host lists, as the scheduler hands it over.
+
+    For a decode batch the runner itself records each request's new slot in the request-to-token table
+    (table[rows[i], positions[i]] = out_cache_loc[i]); extend batches find their slots already written
+    by the scheduler (ReqToTokenPool.write)."""
 
     is_decode: bool
     input_ids: list[int]
@@ -44,7 +61,7 @@ class ModelRunner:
         self.device = torch.device(opts.device)
         self.dtype = opts.torch_dtype
         self.ops = kernels.get_ops(self.device)
-        self.model = load_model(model_path, cfg, self.dtype, self.device, self.ops, tp=tp)
+        self.model = load_model(model_path, cfg, self.dtype, self.device, self.ops, opts.load_format, tp=tp)
         self.attn_backend = AttentionBackend(self.ops)
         self.cos_sin_cache = cfg.rope_cos_sin_cache(self.device)
         self.num_slots = self._kv_pool_size(opts)
@@ -52,6 +69,7 @@ class ModelRunner:
             self.num_slots = tp.min_across_ranks(self.num_slots)
         self.kv_pool = KVPool(self.num_slots, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.dtype, self.device)
         self.req_to_token = ReqToTokenPool(opts.max_running_requests + 1, cfg.context_len + 1, self.device)
+        self._pin = self.device.type == "cuda"
         logger.info(
             "KV pool: %d token slots (%.1f MiB), %d request rows, context %d",
             self.num_slots,
@@ -59,6 +77,15 @@ class ModelRunner:
             opts.max_running_requests + 1,
             cfg.context_len,
         )
+        self.graph_runner = None
+        if self.device.type == "cuda" and not opts.disable_cuda_graph:
+            from radixlm.core.engine.cuda_graph_runner import DecodeGraphRunner
+
+            try:
+                self.graph_runner = DecodeGraphRunner(self, opts.cuda_graph_max_bs)
+            except Exception:  # a capture failure costs speed, not service: decode runs eagerly
+                logger.exception("CUDA graph capture failed; decoding without CUDA graphs")
+                torch.cuda.synchronize(self.device)
 
     def _kv_bytes_per_token(self) -> int:
         c = self.cfg
@@ -70,42 +97,74 @@ class ModelRunner:
         per_token = self._kv_bytes_per_token()
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
-            # The static share (weights already loaded + KV) stays within the fraction; activations
-            # and CUDA graphs live in the rest.
-            budget = total * opts.mem_fraction_static - (total - free)
+            # Everything static and transient stays within the fraction: what is in use now (context,
+            # weights), the KV pool, and the activations, sampler temporaries and CUDA graphs to come.
+            budget = total * opts.mem_fraction_static - (total - free) - self._activation_reserve(opts)
         else:
             budget = _host_available_bytes() * opts.mem_fraction_static * 0.25
         # On CPU there is no point holding more than every running request could use at once.
         ceiling = opts.max_running_requests * self.cfg.context_len
         return max(256, min(int(budget // per_token), ceiling))
 
+    def _activation_reserve(self, opts: EngineOptions) -> int:
+        """Bytes the forward passes and the sampler may hold at their peak, beside weights and KV."""
+        c = self.cfg
+        elt = torch.empty((), dtype=self.dtype).element_size()
+        q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        # Live tensors of one layer per token, counted generously: hidden, residual and normed copies,
+        # qkv and its rotated q/k, attention output, gate_up and its product.
+        per_token = elt * (4 * c.hidden_size + 2 * (q + 2 * kv) + q + 3 * c.intermediate_size)
+        chunk = opts.chunked_prefill_size if opts.chunked_prefill_size > 0 else c.context_len
+        prefill = chunk * per_token
+        sampler = opts.max_running_requests * c.vocab_size * _SAMPLER_BYTES_PER_LOGIT
+        return prefill + sampler + _CUDA_SLACK_BYTES
+
     @torch.inference_mode()
     def forward(self, batch: BatchInput) -> torch.Tensor:
-        """Runs one step; returns fp32 logits [len(batch.logit_rows), vocab]."""
-        dev = self.device
-
-        def tensor(values: list[int]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.int64).to(dev, non_blocking=True)
-
-        fb = ForwardBatch(
-            is_decode=batch.is_decode,
-            input_ids=tensor(batch.input_ids),
-            positions=tensor(batch.positions),
-            out_cache_loc=tensor(batch.out_cache_loc),
-            req_pool_indices=tensor(batch.rows),
-            seq_lens=tensor(batch.seq_lens),
-            extend_lens=tensor(batch.extend_lens),
-            req_to_token=self.req_to_token.table,
-            kv_pool=self.kv_pool,
-            attn_backend=self.attn_backend,
-            cos_sin_cache=self.cos_sin_cache,
-        )
+        """Runs one step; returns fp32 logits [len(batch.logit_rows), vocab], valid until the next step."""
+        self.req_to_token.flush()
+        n = len(batch.rows)
+        if batch.is_decode and self.graph_runner is not None and n <= self.graph_runner.max_bs:
+            return self.graph_runner.run(batch)
+        fb, logit_index = self._forward_batch(batch)
+        if batch.is_decode:
+            self.record_decode_slots(fb)
         hidden = self.model(fb)
         if not batch.logit_rows:
             return hidden.new_empty((0, self.cfg.vocab_size), dtype=torch.float32)
         if len(batch.logit_rows) != hidden.shape[0]:
-            hidden = hidden[tensor(batch.logit_rows)]
+            hidden = hidden[logit_index]
         return self.model.compute_logits(hidden)
+
+    def record_decode_slots(self, fb: ForwardBatch) -> None:
+        """table[row, position] = slot for each decoded token: one scatter on the device."""
+        self.req_to_token.table[fb.req_pool_indices, fb.positions] = fb.out_cache_loc.to(torch.int32)
+
+    def _forward_batch(self, batch: BatchInput) -> tuple[ForwardBatch, torch.Tensor]:
+        """The step's index tensors (and the logit rows' index), packed into one pinned host tensor and
+        moved in one copy."""
+        starts = [0, *itertools.accumulate(batch.extend_lens)][:-1]
+        parts = (batch.input_ids, batch.positions, batch.out_cache_loc, batch.rows, batch.seq_lens,
+                 batch.extend_lens, starts, batch.logit_rows)
+        host = torch.tensor(list(itertools.chain.from_iterable(parts)), dtype=torch.int64, pin_memory=self._pin)
+        views = host.to(self.device, non_blocking=True).split([len(p) for p in parts])
+        ids, positions, loc, rows, seq_lens, extend_lens, starts_t, logit_index = views
+        fb = ForwardBatch(
+            is_decode=batch.is_decode,
+            input_ids=ids,
+            positions=positions,
+            out_cache_loc=loc,
+            req_pool_indices=rows,
+            seq_lens=seq_lens,
+            extend_lens=extend_lens,
+            req_to_token=self.req_to_token.table,
+            kv_pool=self.kv_pool,
+            attn_backend=self.attn_backend,
+            cos_sin_cache=self.cos_sin_cache,
+            extend_start_loc=starts_t,
+            max_extend_len=max(batch.extend_lens, default=0),
+        )
+        return fb, logit_index
 
 
 def _host_available_bytes() -> int:

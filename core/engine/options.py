@@ -34,6 +34,9 @@ class EngineOptions:
     served_model_name: str | None = None
     max_queued_requests: int | None = None  # bounded waiting queue (the server answers 503 beyond it)
     debug_check_invariants: bool = False  # verify the KV slot invariant after every step (slow)
+    disable_cuda_graph: bool = False  # CUDA only: run decode eagerly instead of replaying captured graphs
+    cuda_graph_max_bs: int | None = None  # largest decode batch captured; default min(max_running_requests, 512)
+    load_format: str = "auto"  # "auto": safetensors from model_path; "dummy": random weights (benchmarks)
     tp_size: int = 1  # tensor-parallel ranks, one process each (docs/scale_out.md)
     dp_size: int = 1  # data-parallel engine workers behind one cache-aware router (docs/scale_out.md)
 
@@ -64,6 +67,12 @@ class EngineOptions:
                 raise InvalidRequestError(f"{name} must be >= 1", name)
         if self.tp_size > 1 and self.dp_size > 1:
             raise InvalidRequestError("tp_size > 1 and dp_size > 1 together are not supported yet", "dp_size")
+        if self.cuda_graph_max_bs is None:
+            self.cuda_graph_max_bs = min(self.max_running_requests, 512)
+        if self.cuda_graph_max_bs < 1:
+            raise InvalidRequestError("cuda_graph_max_bs must be >= 1", "cuda_graph_max_bs")
+        if self.load_format not in ("auto", "dummy"):
+            raise InvalidRequestError(f"load_format must be 'auto' or 'dummy' (got {self.load_format!r})", "load_format")
         if self.max_total_tokens is not None and self.max_total_tokens < 16:
             raise InvalidRequestError("max_total_tokens must be >= 16", "max_total_tokens")
         if self.chunked_prefill_size is None or self.chunked_prefill_size <= 0:

@@ -36,7 +36,7 @@ class GenerateInput:
     sink: Callable[[dict[str, Any]], None] | None = None
 
 
-@dataclass
+@dataclass(eq=False)  # a request is an entity: `in` / `remove` on the scheduler's lists compare identity
 class Req:
     inp: GenerateInput
     detok: IncrementalDetokenizer

@@ -37,7 +37,8 @@ class Sampler:
         logits = logits[:, : self.vocab_size]
         want_logprobs = any(r.inp.return_logprob for r in reqs)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
-        logits = self._adjust(logits.clone(), reqs, masks)
+        if self._needs_adjust(reqs, masks):
+            logits = self._adjust(logits.clone(), reqs, masks)
         tokens = self._choose(logits, reqs)
         token_list = tokens.tolist()
         if raw_logprobs is None:
@@ -48,6 +49,16 @@ class Sampler:
             for i, r in enumerate(reqs)
         ]
         return SampleResult(token_list, chosen, tops)
+
+    @staticmethod
+    def _needs_adjust(reqs: list[Req], masks: list[torch.Tensor | None]) -> bool:
+        """False on the common path (no penalty, bias, min_new_tokens ban or mask): no per-request work."""
+        for req, mask in zip(reqs, masks):
+            p = req.params
+            if (mask is not None or p.logit_bias or len(req.output_ids) < p.min_new_tokens
+                    or p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty):
+                return True
+        return False
 
     def _adjust(self, logits: torch.Tensor, reqs: list[Req], masks: list[torch.Tensor | None]) -> torch.Tensor:
         for i, req in enumerate(reqs):
@@ -76,36 +87,49 @@ class Sampler:
             row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
 
     def _choose(self, logits: torch.Tensor, reqs: list[Req]) -> torch.Tensor:
-        greedy = torch.tensor([r.params.is_greedy for r in reqs], device=logits.device)
+        """Greedy rows take the argmax; the others sample, all at once from the shared generator, except
+        requests with their own seed, which draw from theirs."""
         out = logits.argmax(dim=-1)
-        if bool(greedy.all()):
+        sampled = [i for i, r in enumerate(reqs) if not r.params.is_greedy]
+        if not sampled:
             return out
-        temps = torch.tensor([max(r.params.temperature, 1e-5) for r in reqs], device=logits.device)
-        probs = torch.softmax(logits / temps[:, None], dim=-1)
-        probs = self._filter(probs, reqs)
-        for i, req in enumerate(reqs):
-            if not req.params.is_greedy:
-                gen = req.generator or self.generator
-                out[i] = torch.multinomial(probs[i], 1, generator=gen)[0]
+        dev = logits.device
+        sub = [reqs[i] for i in sampled]
+        whole = len(sampled) == len(reqs)
+        index = None if whole else _device_tensor(sampled, torch.int64, dev)
+        temps = _device_tensor([max(r.params.temperature, 1e-5) for r in sub], torch.float32, dev)
+        probs = torch.softmax((logits if whole else logits[index]) / temps[:, None], dim=-1)
+        probs = self._filter(probs, sub)
+        picks = torch.multinomial(probs, 1, generator=self.generator).squeeze(1)
+        for j, req in enumerate(sub):
+            if req.generator is not None:
+                picks[j] = torch.multinomial(probs[j], 1, generator=req.generator)[0]
+        if whole:
+            return picks
+        out[index] = picks
         return out
 
     @staticmethod
     def _filter(probs: torch.Tensor, reqs: list[Req]) -> torch.Tensor:
-        """top-k, then top-p, then min-p, each relative to the distribution it receives."""
-        top_k = [r.params.top_k for r in reqs]
-        top_p = [r.params.top_p for r in reqs]
-        min_p = [r.params.min_p for r in reqs]
-        if all(k == -1 for k in top_k) and all(p >= 1.0 for p in top_p) and all(m <= 0 for m in min_p):
+        """top-k, then top-p, then min-p, each relative to the distribution it receives; batched."""
+        params = [r.params for r in reqs]
+        if all(p.top_k == -1 and p.top_p >= 1.0 and p.min_p <= 0 for p in params):
             return probs
-        sorted_probs, order = probs.sort(dim=-1, descending=True)
         vocab = probs.shape[-1]
-        ks = torch.tensor([k if k > 0 else vocab for k in top_k], device=probs.device)
+        table = _device_tensor([[p.top_k if p.top_k > 0 else vocab, p.top_p, p.min_p] for p in params],
+                               torch.float32, probs.device)
+        ks, ps, mins = table[:, 0:1], table[:, 1:2], table[:, 2:3]
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
         rank = torch.arange(vocab, device=probs.device)[None, :]
-        sorted_probs = sorted_probs.masked_fill(rank >= ks[:, None], 0.0)
+        sorted_probs = sorted_probs.masked_fill(rank >= ks, 0.0)
         cum = sorted_probs.cumsum(-1)
-        ps = torch.tensor(top_p, device=probs.device)[:, None]
         # keep a token if the mass before it is < top_p (the first token is always kept)
         sorted_probs = sorted_probs.masked_fill((cum - sorted_probs) >= ps * cum[:, -1:], 0.0)
-        mins = torch.tensor(min_p, device=probs.device)[:, None] * sorted_probs[:, :1]
-        sorted_probs = sorted_probs.masked_fill(sorted_probs < mins, 0.0)
+        sorted_probs = sorted_probs.masked_fill(sorted_probs < mins * sorted_probs[:, :1], 0.0)
         return torch.zeros_like(probs).scatter_(1, order, sorted_probs)
+
+
+def _device_tensor(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small host list on the device in one non-blocking copy (from pinned memory on CUDA)."""
+    host = torch.tensor(values, dtype=dtype, pin_memory=device.type == "cuda")
+    return host.to(device, non_blocking=True)

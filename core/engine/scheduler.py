@@ -125,8 +125,10 @@ class Scheduler:
 
     def _add_request(self, inp: GenerateInput) -> None:
         p = inp.sampling_params
-        req = Req(inp=inp, detok=IncrementalDetokenizer(self.tokenizer, p.skip_special_tokens, p.stop, p.no_stop_trim),
-                  arrival=self._arrivals)
+        # Text is decoded token by token only where something reads it early: streams, stop strings, constraints.
+        lazy = not (inp.stream or p.stop or inp.constraint is not None)
+        detok = IncrementalDetokenizer(self.tokenizer, p.skip_special_tokens, p.stop, p.no_stop_trim, lazy=lazy)
+        req = Req(inp=inp, detok=detok, arrival=self._arrivals)
         self._arrivals += 1
         if p.seed is not None:
             req.generator = torch.Generator(device=self.runner.device).manual_seed(p.seed)
@@ -314,9 +316,8 @@ class Scheduler:
         new_slots = self.allocator.alloc(len(self.running))
         assert new_slots is not None
         batch = BatchInput(True, [], [], new_slots, [], [], [1] * len(self.running), list(range(len(self.running))))
-        for req, slot in zip(self.running, new_slots):
+        for req, slot in zip(self.running, new_slots):  # the runner records the slots in req_to_token
             pos = req.seq_len - 1
-            self.runner.req_to_token.write(req.row, pos, [slot])
             req.slots.append(slot)
             batch.input_ids.append(req.output_ids[-1])
             batch.positions.append(pos)

@@ -37,17 +37,22 @@ def _weight_files(path: str) -> list[str]:
 
 def load_model(
     path: str, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, ops: ModuleType,
-    tp: "TensorParallel | None" = None,
+    load_format: str = "auto", tp: "TensorParallel | None" = None,
 ) -> LlamaForCausalLM:
-    """Builds the model on the meta device, then fills each parameter straight from the shards.
+    """Builds the model on the meta device, then fills each parameter straight from the shards
+    (load_format "auto") or with random values made on the device ("dummy": no files read).
     With `tp` (cfg is then tp.local_config()), the model holds this rank's share of every layer."""
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg, ops)
         if tp is not None:
             tp.shard_model(model)
-    model = model.to_empty(device=device).to(dtype)
+    # dtype first, on meta: the device then holds the weights once, in their final dtype.
+    model = model.to(dtype).to_empty(device=device)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
+    if load_format == "dummy":
+        _init_dummy(model)
+        return model.eval()
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded: set[str] = set()
     files = _weight_files(path)
@@ -82,6 +87,19 @@ def load_model(
         raise UnsupportedModelError(f"checkpoint {path} lacks weights: {missing[:5]}{'...' if len(missing) > 5 else ''}")
     model.eval()
     return model
+
+
+def _init_dummy(model: LlamaForCausalLM, seed: int = 0) -> None:
+    """Random weights in the scale of a trained model: N(0, 0.02) matrices, unit norms, zero biases."""
+    gen = torch.Generator(device=model.lm_head.weight.device).manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+            elif name.endswith(".bias"):
+                param.zero_()
+            else:
+                param.normal_(0.0, 0.02, generator=gen)
 
 
 def _copy_into(model: LlamaForCausalLM, param: torch.Tensor, name: str, shard: int | None, w: torch.Tensor):

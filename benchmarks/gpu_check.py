@@ -1,0 +1,259 @@
+"""The GPU check of the CUDA path, in one run: kernels at real sizes, the engine against HF transformers
+on a tiny model (fp32 and bf16), and decode with CUDA graphs against decode without.
+
+    python3 benchmarks/gpu_check.py [--sweep] [--tune] [--out gpu_check.json]   # on the H200; exit 1 on failure
+
+1. Kernels: benchmarks/gpu_check_kernels.py (Llama-3-8B shapes, bf16, against the fp32 references).
+2. Engine vs HF, on a tiny Llama built in-process (core.models.tiny_checkpoint; 2 layers, 4 heads,
+   2 KV heads, head_dim 16), on prompts of 3 to ~1500 tokens decoded together (the long one spans
+   several decode KV splits). The oracle is HF transformers in fp32, greedy by hand (argmax of the
+   last logits, no generation processors), with the top-1/top-2 logit margin of every step.
+   - fp32 engine: greedy tokens equal the oracle's; prompt logprobs (top 5 per position) within 1e-3.
+   - bf16 engine: prompt logprobs within twice HF-bf16's own error against the oracle (+0.01); greedy
+     tokens equal the oracle's until a step whose oracle margin is under twice our measured logprob
+     error (a near tie bf16 may break either way), which is reported, not failed.
+3. CUDA graphs: the same batches with graphs on and off (batch sizes that pad to a captured size and
+   one larger than the largest): fp32 tokens must be equal; bf16 agreement is reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+_HERE = Path(__file__).resolve().parent
+
+
+def _load(name: str, path: Path):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+# Imports radixlm from the checkout when it is not installed (the GPU machine).
+kernel_check = _load("gpu_check_kernels", _HERE / "gpu_check_kernels.py")
+
+import radixlm  # noqa: E402
+from radixlm.core.models.config import ModelConfig  # noqa: E402
+from radixlm.core.models.tiny_checkpoint import build_checkpoint  # noqa: E402
+
+NEW_TOKENS = 24
+GRAPH_MAX_BS = 16
+# "cuda", or "cpu" for a smoke run of this script's logic (--cpu-smoke: no graphs, no kernels).
+DEVICE = "cuda"
+
+
+def prompts_for(vocab: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    lens = [3, 17, 64, 200, 1500]
+    return [torch.randint(0, vocab - 8, (n,), generator=g).tolist() for n in lens]
+
+
+class Oracle:
+    """HF transformers in fp32: greedy decoding by hand with every step's top-1/top-2 margin, and
+    prompt logprobs."""
+
+    def __init__(self, ckpt: str, dtype: torch.dtype) -> None:
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=dtype).to(DEVICE).eval()
+
+    @torch.inference_mode()
+    def logits(self, ids: list[int]) -> torch.Tensor:
+        return self.model(torch.tensor([ids], device=DEVICE)).logits[0].float()
+
+    def greedy(self, prompt: list[int], n: int) -> tuple[list[int], list[float]]:
+        ids, margins = list(prompt), []
+        for _ in range(n):
+            top = self.logits(ids)[-1].topk(2)
+            margins.append(float(top.values[0] - top.values[1]))
+            ids.append(int(top.indices[0]))
+        return ids[len(prompt):], margins
+
+
+def logprob_error(ours: list, oracle_logits: torch.Tensor) -> tuple[float, int]:
+    """Max |our logprob - oracle logprob| over our top-5 tokens of every prompt position, and the
+    number of positions whose top-1 token differs."""
+    lsm = torch.log_softmax(oracle_logits, dim=-1)
+    err, top1_diff = 0.0, 0
+    for i, entries in enumerate(ours):
+        if entries is None:
+            continue
+        row = lsm[i - 1]
+        for lp, tok, _ in entries:
+            err = max(err, abs(lp - float(row[tok])))
+        top1_diff += int(entries[0][1] != int(row.argmax()))
+    return err, top1_diff
+
+
+def hf_logprob_error(model, prompt: list[int], oracle_logits: torch.Tensor) -> float:
+    with torch.inference_mode():
+        lsm = torch.log_softmax(model(torch.tensor([prompt], device=DEVICE)).logits[0].float(), dim=-1)
+    ref = torch.log_softmax(oracle_logits, dim=-1)
+    top = lsm.topk(5, dim=-1).indices
+    return float((lsm.gather(1, top) - ref.gather(1, top)).abs().max())
+
+
+def new_engine(ckpt: str, dtype: str, **opts: Any) -> radixlm.Engine:
+    return radixlm.Engine(ckpt, dtype=dtype, device=DEVICE, max_total_tokens=16384, cuda_graph_max_bs=GRAPH_MAX_BS,
+                          log_level="warning", **opts)
+
+
+def uses_graphs(engine: radixlm.Engine) -> bool:
+    return engine._runner.graph_runner is not None or DEVICE == "cpu"
+
+
+GREEDY = {"max_new_tokens": NEW_TOKENS, "temperature": 0.0, "ignore_eos": True}
+
+
+def greedy_tokens(engine: radixlm.Engine, prompts: list[list[int]]) -> list[list[int]]:
+    return [o["output_ids"] for o in engine.generate(input_ids=prompts, sampling_params=GREEDY)]
+
+
+def prompt_top_logprobs(engine: radixlm.Engine, prompts: list[list[int]]) -> list[list]:
+    scored = engine.generate(input_ids=prompts, sampling_params={**GREEDY, "max_new_tokens": 1}, return_logprob=True,
+                             logprob_start_len=0, top_logprobs_num=5)
+    return [o["meta_info"]["input_top_logprobs"] for o in scored]
+
+
+def first_divergence(a: list[int], b: list[int]) -> int | None:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+
+
+def check_engine_vs_hf(ckpt: str, report: dict[str, Any]) -> bool:
+    oracle = Oracle(ckpt, torch.float32)
+    prompts = prompts_for(oracle.model.config.vocab_size)
+    expected = [oracle.greedy(p, NEW_TOKENS) for p in prompts]
+    prompt_logits = [oracle.logits(p) for p in prompts]
+    ok = True
+    for dtype in ("float32", "bfloat16"):
+        with new_engine(ckpt, dtype) as engine:
+            tokens, top_lps, graphs = greedy_tokens(engine, prompts), prompt_top_logprobs(engine, prompts), \
+                uses_graphs(engine)
+        errs = [logprob_error(lp, lg) for lp, lg in zip(top_lps, prompt_logits)]
+        lp_err = max(e for e, _ in errs)
+        rows = []
+        for p, got, (want, margins) in zip(prompts, tokens, expected):
+            at = first_divergence(got, want)
+            rows.append({"prompt_len": len(p), "equal_tokens": NEW_TOKENS if at is None else at,
+                         "margin_at_divergence": None if at is None else margins[at],
+                         "min_margin": min(margins)})
+        entry: dict[str, Any] = {"cuda_graphs": graphs, "logprob_max_err": lp_err,
+                                 "top1_differs_at_positions": sum(d for _, d in errs), "greedy": rows}
+        if dtype == "float32":
+            passed = lp_err <= 1e-3 and all(r["equal_tokens"] == NEW_TOKENS for r in rows)
+        else:
+            hf_bf16 = Oracle(ckpt, torch.bfloat16).model
+            hf_err = max(hf_logprob_error(hf_bf16, p, lg) for p, lg in zip(prompts, prompt_logits))
+            entry["hf_bf16_logprob_max_err"] = hf_err
+            tie = 2 * lp_err
+            near_ties = [r for r in rows if r["margin_at_divergence"] is not None and r["margin_at_divergence"] < tie]
+            real = [r for r in rows if r["margin_at_divergence"] is not None and r["margin_at_divergence"] >= tie]
+            entry["diverged_at_near_tie"] = len(near_ties)
+            passed = lp_err <= 2 * hf_err + 1e-2 and not real
+        entry["ok"] = passed and graphs
+        ok = ok and entry["ok"]
+        report[f"engine_vs_hf_{dtype}"] = entry
+        print(f"engine vs HF ({dtype}): {'ok' if entry['ok'] else 'FAIL'}  logprob err {lp_err:.2e}"
+              + (f" (HF bf16 {entry['hf_bf16_logprob_max_err']:.2e})" if dtype == "bfloat16" else "")
+              + f"; greedy equal tokens per prompt {[r['equal_tokens'] for r in rows]} of {NEW_TOKENS}"
+              + f"; CUDA graphs {graphs}", flush=True)
+    return ok
+
+
+def check_graphs(ckpt: str, report: dict[str, Any]) -> bool:
+    vocab = ModelConfig.from_dir(ckpt).vocab_size
+    g = torch.Generator().manual_seed(1)
+    ok = True
+    for dtype in ("float32", "bfloat16"):
+        results = {}
+        with new_engine(ckpt, dtype) as with_graphs, new_engine(ckpt, dtype, disable_cuda_graph=True) as without:
+            graphs = uses_graphs(with_graphs)
+            for batch in (1, 3, 5, 13, GRAPH_MAX_BS + 4):  # 5 and 13 pad to 8 and 16; the last runs eagerly
+                lens = torch.randint(2, 300, (batch,), generator=g).tolist()
+                prompts = [torch.randint(0, vocab - 8, (n,), generator=g).tolist() for n in lens]
+                on, off = greedy_tokens(with_graphs, prompts), greedy_tokens(without, prompts)
+                equal = sum(a == b for a, b in zip(on, off))
+                results[batch] = {"equal_requests": equal, "of": batch, "cuda_graphs": graphs}
+        passed = all(r["cuda_graphs"] for r in results.values())
+        if dtype == "float32":
+            passed = passed and all(r["equal_requests"] == r["of"] for r in results.values())
+        report[f"graphs_on_off_{dtype}"] = {"ok": passed, "batches": results}
+        ok = ok and passed
+        print(f"CUDA graphs on vs off ({dtype}): {'ok' if passed else 'FAIL'} "
+              + ", ".join(f"B={b}: {r['equal_requests']}/{r['of']} equal" for b, r in results.items()), flush=True)
+    return ok
+
+
+def tune_attention(report: dict[str, Any]) -> bool:
+    """Launch shapes of the attention kernels on the benchmarks' own shapes (bf16, Llama-3-8B heads):
+    prefill 16 x 1024, ragged extends with prefixes, and decode batches like the throughput run's."""
+    from radixlm.kernels.triton.attention import AttnConfig
+
+    args = kernel_check.parse_args([])
+    checker = kernel_check.Checker(args)
+    g = torch.Generator().manual_seed(5)
+    ragged = torch.randint(64, 1024, (48,), generator=g).tolist()
+    prefixes = torch.randint(0, 1024, (48,), generator=g).tolist()
+    long_decode = torch.randint(128, 1536, (256,), generator=g).tolist()
+    for cfg in [None, AttnConfig(128, 64, 8, 2), AttnConfig(64, 64, 4, 3), AttnConfig(64, 32, 4, 2),
+                AttnConfig(128, 32, 4, 3)]:
+        checker.extend(f"16 x 1024 cfg {tuple(cfg) if cfg else 'default'}", [0] * 16, [1024] * 16, config=cfg)
+        checker.extend(f"48 ragged+prefix cfg {tuple(cfg) if cfg else 'default'}", prefixes, ragged, config=cfg)
+    for cfg in [None, AttnConfig(0, 64, 4, 3), AttnConfig(0, 128, 4, 3), AttnConfig(0, 32, 4, 3),
+                AttnConfig(0, 128, 8, 3)]:
+        checker.decode(f"B=256 L=128..1536 cfg {tuple(cfg) if cfg else 'default'}", long_decode, config=cfg)
+        checker.decode(f"B=1 L=288 cfg {tuple(cfg) if cfg else 'default'}", [288], config=cfg)
+    report["attention_tuning"] = [r.__dict__ for r in checker.rows]
+    return all(r.ok for r in checker.rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sweep", action="store_true", help="also time alternative attention launch shapes")
+    p.add_argument("--skip-kernels", action="store_true")
+    p.add_argument("--tune", action="store_true", help="time attention launch shapes on the benchmarks' shapes")
+    p.add_argument("--out", help="write the engine checks' results as JSON here")
+    p.add_argument("--cpu-smoke", action="store_true", help="run the engine checks on the CPU (script logic only)")
+    args = p.parse_args(argv)
+    global DEVICE
+    if args.cpu_smoke:
+        DEVICE, args.skip_kernels = "cpu", True
+    elif not torch.cuda.is_available():
+        print("no CUDA device: run on the GPU machine (or --cpu-smoke)", file=sys.stderr)
+        return 2
+    report: dict[str, Any] = {"device": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu", "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+    ok = True
+    if not args.skip_kernels:
+        print("== kernels at real sizes", flush=True)
+        code = kernel_check.main(["--sweep"] if args.sweep else [])
+        report["kernels_ok"] = code == 0
+        ok = ok and code == 0
+    if args.tune:
+        print("== attention launch shapes on the benchmark shapes", flush=True)
+        ok = tune_attention(report) and ok
+    ckpt = build_checkpoint(tempfile.mkdtemp(prefix="radixlm-gpu-check-") + "/tiny", "llama")
+    print("== engine vs HF transformers (tiny Llama)", flush=True)
+    ok = check_engine_vs_hf(ckpt, report) and ok
+    print("== CUDA graphs on vs off", flush=True)
+    ok = check_graphs(ckpt, report) and ok
+    report["ok"] = ok
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=2)
+    print(f"\nGPU check: {'all ok' if ok else 'FAILED'}", flush=True)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,226 @@
+"""The CPU-checkable pieces of the CUDA path: batched request-to-token writes, the padded static-buffer
+decode that CUDA graphs replay, the vectorized sampler, lazy detokenization and random ("dummy") weights.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+import radixlm
+from radixlm.core.engine.cuda_graph_runner import DecodeGraphRunner, batch_size_ladder
+from radixlm.core.engine.detokenizer import IncrementalDetokenizer
+from radixlm.core.engine.memory_pool import ReqToTokenPool
+from radixlm.core.engine.model_runner import BatchInput, ModelRunner
+from radixlm.core.engine.options import EngineOptions
+from radixlm.core.engine.request import GenerateInput, Req
+from radixlm.core.engine.sampler import Sampler
+from radixlm.core.engine.sampling_params import SamplingParams
+from radixlm.core.models.config import ModelConfig
+
+
+# ---- request-to-token table ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_batched_table_writes_match_sequential_assignment(seed):
+    rng = random.Random(seed)
+    rows, width = 6, 40
+    pool = ReqToTokenPool(rows, width, "cpu")
+    expected = torch.zeros(rows + 1, width, dtype=torch.int32)
+    for _ in range(60):
+        row = rng.randrange(rows)
+        start = rng.randrange(width)
+        slots = [rng.randrange(1, 10_000) for _ in range(rng.randrange(0, width - start + 1))]
+        pool.write(row, start, slots)  # rewrites of a queued row must land in order
+        expected[row, start : start + len(slots)] = torch.tensor(slots, dtype=torch.int32)
+        if rng.random() < 0.2:
+            pool.flush()
+    pool.flush()
+    assert torch.equal(pool.table, expected)
+    assert pool.padding_row == rows and pool.available() == rows  # the padding row is never handed out
+
+
+# ---- the padded decode path of the CUDA graphs --------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def runner(llama_ckpt):
+    opts = EngineOptions.from_kwargs({"device": "cpu", "max_total_tokens": 512, "max_running_requests": 8})
+    return ModelRunner(llama_ckpt, ModelConfig.from_dir(llama_ckpt), opts)
+
+
+def test_padded_static_decode_matches_eager(runner):
+    """n=5 requests run as a padded batch of 8 on the static buffers: same logits as the eager step,
+    and the padding rows write only the reserved KV slot 0 and the table's padding row."""
+    gen = torch.Generator().manual_seed(0)
+    lens = [3, 9, 1, 14, 6]
+    rows = [4, 0, 7, 2, 5]
+    slot_iter = iter(torch.randperm(300, generator=gen)[: sum(lens) + len(lens)].add(1).tolist())
+    prefill = BatchInput(False, [], [], [], rows, lens, lens, [])
+    for row, n in zip(rows, lens):
+        slots = [next(slot_iter) for _ in range(n)]
+        runner.req_to_token.write(row, 0, slots)
+        prefill.input_ids += torch.randint(0, 900, (n,), generator=gen).tolist()
+        prefill.positions += list(range(n))
+        prefill.out_cache_loc += slots
+    runner.forward(prefill)
+    decode = BatchInput(True, torch.randint(0, 900, (5,), generator=gen).tolist(), list(lens),
+                        [next(slot_iter) for _ in lens], rows, [n + 1 for n in lens], [1] * 5, list(range(5)))
+    eager = runner.forward(decode).clone()
+    k_before = [k.clone() for k in runner.kv_pool.k_buffers]
+    table_before = runner.req_to_token.table.clone()
+
+    graphs = DecodeGraphRunner(runner, max_bs=16, capture=False)
+    assert graphs.sizes == [1, 2, 3, 4, 8, 16]
+    padded = graphs.run(decode)
+    assert padded.shape == eager.shape
+    torch.testing.assert_close(padded, eager, rtol=1e-5, atol=1e-5)
+    new_slots = torch.tensor(decode.out_cache_loc)
+    others = torch.ones(runner.kv_pool.k_buffers[0].shape[0], dtype=torch.bool)
+    others[0] = others[new_slots] = False
+    for before, after in zip(k_before, runner.kv_pool.k_buffers):
+        assert torch.equal(before[others], after[others])  # no other slot is touched
+        torch.testing.assert_close(after[new_slots], before[new_slots])  # the new tokens' KV, recomputed
+    changed = (runner.req_to_token.table != table_before).nonzero().tolist()
+    assert all(r == runner.req_to_token.padding_row for r, _ in changed)
+    # the decode step recorded each new slot in the table
+    for row, pos, slot in zip(rows, lens, decode.out_cache_loc):
+        assert int(runner.req_to_token.table[row, pos]) == slot
+
+
+def test_batch_size_ladder():
+    ladder = batch_size_ladder(512)
+    assert ladder[:4] == [1, 2, 3, 4] and ladder[-1] == 512 and ladder == sorted(set(ladder))
+    assert all(b / a <= 2 for a, b in zip(ladder, ladder[1:]))  # padding never doubles a batch
+    assert batch_size_ladder(6) == [1, 2, 3, 4, 6]
+
+
+# ---- the vectorized sampler ---------------------------------------------------------------------------------
+
+
+def make_req(**params) -> Req:
+    sp = SamplingParams.from_dict(params)
+    req = Req(inp=GenerateInput(rid="r", input_ids=[1, 2], sampling_params=sp), detok=None, arrival=0)
+    if sp.seed is not None:
+        req.generator = torch.Generator().manual_seed(sp.seed)
+    return req
+
+
+def filtered_by_definition(probs: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
+    """One row, the textbook way: keep the k most likely, then the smallest prefix (by probability)
+    whose mass before each kept token is < top_p, then those >= min_p x the top probability."""
+    order = sorted(range(probs.numel()), key=lambda t: -float(probs[t]))
+    kept = order[:top_k] if top_k > 0 else order
+    mass, total, nucleus = 0.0, sum(float(probs[t]) for t in kept), []
+    for t in kept:
+        if mass >= top_p * total:
+            break
+        nucleus.append(t)
+        mass += float(probs[t])
+    top = float(probs[nucleus[0]])
+    out = torch.zeros_like(probs)
+    for t in nucleus:
+        if float(probs[t]) >= min_p * top:
+            out[t] = probs[t]
+    return out
+
+
+def test_batched_filter_matches_per_request_definition():
+    gen = torch.Generator().manual_seed(3)
+    settings = [dict(top_k=5), dict(top_p=0.7), dict(min_p=0.2), dict(top_k=12, top_p=0.5, min_p=0.05),
+                dict(), dict(top_k=1000)]
+    probs = torch.softmax(torch.randn(len(settings), 50, generator=gen) * 3, dim=-1)
+    reqs = [make_req(temperature=1.0, **s) for s in settings]
+    got = Sampler._filter(probs, reqs)
+    for i, s in enumerate(settings):
+        want = filtered_by_definition(probs[i], s.get("top_k", -1), s.get("top_p", 1.0), s.get("min_p", 0.0))
+        torch.testing.assert_close(got[i], want)
+
+
+def test_vectorized_sampling_draws_from_the_filtered_distribution():
+    sampler = Sampler(vocab_size=8, eos_token_ids=[], generator=torch.Generator().manual_seed(0))
+    logits = torch.tensor([[2.0, 1.5, 1.0, 0.5, 0.0, -1.0, -2.0, -3.0]])
+    n = 6000
+    reqs = [make_req(temperature=0.7, top_k=4, top_p=0.95) for _ in range(n)]
+    tokens = sampler.sample(logits.repeat(n, 1), reqs, [None] * n).token_ids
+    probs = torch.softmax(logits / 0.7, dim=-1)
+    want = filtered_by_definition(probs[0], 4, 0.95, 0.0)
+    want = want / want.sum()
+    freq = torch.bincount(torch.tensor(tokens), minlength=8).float() / n
+    assert freq[want == 0].sum() == 0  # nothing outside the support
+    assert torch.allclose(freq, want, atol=0.025)
+
+
+def test_greedy_rows_and_seeded_rows_in_a_mixed_batch():
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randn(6, 30, generator=gen)
+    mixed = [make_req(temperature=0), make_req(temperature=1.0, seed=7), make_req(temperature=0.5),
+             make_req(top_k=1, temperature=1.0), make_req(temperature=1.0, seed=7), make_req(temperature=0)]
+    sampler = Sampler(vocab_size=30, eos_token_ids=[], generator=torch.Generator().manual_seed(0))
+    tokens = sampler.sample(logits, mixed, [None] * 6).token_ids
+    greedy = logits.argmax(-1).tolist()
+    assert [tokens[i] for i in (0, 3, 5)] == [greedy[i] for i in (0, 3, 5)]
+    # a seeded request draws from its own generator: the same token alone as in any batch
+    for i in (1, 4):
+        alone = Sampler(30, [], torch.Generator().manual_seed(99)).sample(
+            logits[i : i + 1], [make_req(temperature=1.0, seed=7)], [None]).token_ids[0]
+        assert tokens[i] == alone
+
+
+def test_adjustments_still_apply_next_to_the_fast_path():
+    """A batch where one request has a bias takes the full path; the others are unaffected."""
+    logits = torch.zeros(3, 10)
+    logits[:, 2] = 1.0
+    reqs = [make_req(temperature=0), make_req(temperature=0, logit_bias={7: 5.0}), make_req(temperature=0)]
+    tokens = Sampler(10, [], torch.Generator()).sample(logits, reqs, [None] * 3).token_ids
+    assert tokens == [2, 7, 2]
+    assert not Sampler._needs_adjust([reqs[0], reqs[2]], [None, None])
+
+
+# ---- lazy detokenization, dummy weights, options ---------------------------------------------------------------
+
+
+def test_lazy_detokenizer_matches_incremental(tokenizer_path):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_path)
+    rng = random.Random(0)
+    for _ in range(5):
+        ids = [rng.randrange(len(tok)) for _ in range(rng.randrange(1, 60))]
+        eager = IncrementalDetokenizer(tok, True, [], False)
+        lazy = IncrementalDetokenizer(tok, True, [], False, lazy=True)
+        for t in ids:
+            assert lazy.add(t) is None
+            eager.add(t)
+        eager.flush()
+        lazy.flush()
+        assert lazy.text == eager.text == tok.decode(ids, skip_special_tokens=True)
+
+
+def test_dummy_weights_load_without_files(llama_ckpt, tmp_path):
+    import shutil
+
+    # only config and tokenizer: "dummy" reads no weights
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(f"{llama_ckpt}/{name}", tmp_path / name)
+    with radixlm.Engine(str(tmp_path), load_format="dummy", max_total_tokens=256, device="cpu") as e:
+        out = e.generate(input_ids=[1, 2, 3], sampling_params={"max_new_tokens": 4, "temperature": 0,
+                                                                "ignore_eos": True})
+        assert len(out["output_ids"]) == 4
+        weights = dict(e._runner.model.named_parameters())
+        assert torch.equal(weights["norm.weight"], torch.ones_like(weights["norm.weight"]))
+        assert 0.015 < float(weights["layers.0.mlp.down_proj.weight"].detach().std()) < 0.025
+
+
+def test_new_options_are_validated():
+    from radixlm.core.errors import InvalidRequestError
+
+    opts = EngineOptions.from_kwargs({"device": "cpu", "max_running_requests": 40})
+    assert opts.disable_cuda_graph is False and opts.cuda_graph_max_bs == 40 and opts.load_format == "auto"
+    with pytest.raises(InvalidRequestError):
+        EngineOptions.from_kwargs({"device": "cpu", "load_format": "pt"})
+    with pytest.raises(InvalidRequestError):
+        EngineOptions.from_kwargs({"device": "cpu", "cuda_graph_max_bs": 0})
