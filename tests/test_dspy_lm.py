@@ -25,8 +25,9 @@ from radixlm import Engine  # noqa: E402
 from radixlm.adapters.dspy import SGLangLM  # noqa: E402
 from server_harness import shared_server  # noqa: E402
 
-# DSPy 3.4 warns that BaseLM.forward() subclasses are deprecated (see docs/dspy.md).
-pytestmark = pytest.mark.filterwarnings("ignore:Implementing custom LMs:DeprecationWarning")
+# DSPy 3.4 warns that BaseLM.forward() subclasses and messages= dicts are deprecated (see docs/dspy.md).
+pytestmark = [pytest.mark.filterwarnings("ignore:Implementing custom LMs:DeprecationWarning"),
+              pytest.mark.filterwarnings("ignore:Passing OpenAI-style message:DeprecationWarning")]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -139,6 +140,8 @@ def test_unsupported_requests_are_refused(engine):
         lm(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}])
     with pytest.raises(ValueError, match="at most one of"):
         lm("x", regex="a", json_schema={"type": "string"})
+    with pytest.raises(ValueError, match="needs logprobs"):
+        lm("x", top_logprobs=2)
     with pytest.raises(ValueError, match="temperature"):
         lm("x", temperature=-1.0)
     with pytest.raises(ValueError, match="invalid regex"):  # the engine's own validation

@@ -25,7 +25,10 @@ os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # LiteLLM (under 
 import dspy  # noqa: E402
 
 from radixlm import Engine  # noqa: E402
-from radixlm.adapters.dspy import LMCall, SGLangLM, build_tree, chat_regex, format_for_call, json_schema, run_program  # noqa: E402
+from radixlm.adapters.dspy import (  # noqa: E402
+    LMCall, SGLangLM, build_tree, chat_regex, format_for_call, json_schema, run_program,
+)
+from radixlm.core.program.interpreter import resolve_backend  # noqa: E402
 from radixlm.core.program.ir import GenParams  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:Implementing custom LMs:DeprecationWarning")
@@ -254,7 +257,7 @@ def test_program_computes_the_shared_prefix_once(engine):
                                                       tokenize=False, add_generation_prompt=True),
                               add_special_tokens=False)) for call in calls]
     before = engine.get_stats()["prefill_tokens_total"]
-    results = run_program(engine_backend(engine), calls, build_tree(calls))
+    results = run_program(resolve_backend(engine), calls, build_tree(calls))
     computed = engine.get_stats()["prefill_tokens_total"] - before
     for result, prompt_tokens in zip(results, prompts):
         (sample,) = result
@@ -263,12 +266,6 @@ def test_program_computes_the_shared_prefix_once(engine):
     # The prefix once, plus each call's own part; sending the calls alone would compute sum(prompts).
     assert computed <= prefix + sum(p - prefix for p in prompts)
     assert sum(prompts) - computed >= 3 * prefix
-
-
-def engine_backend(engine):
-    from radixlm.core.program.interpreter import resolve_backend
-
-    return resolve_backend(engine)
 
 
 def test_example_program_runs(engine, capsys):

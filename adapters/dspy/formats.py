@@ -15,8 +15,9 @@ the format is enforced.
 - ReAct's `next_tool_name` / `next_tool_args` pair is constrained jointly when the tools are known:
   the arguments follow the chosen tool's argument schema, so the tool can be called with them.
 
-`max_field_chars` bounds each free-text value and JSON string (a random-weight model never ends one by
-itself); None leaves their length to the model.
+`max_field_chars` bounds the length of every value (free text, JSON strings, arrays, numbers: see
+`bound_schema`), for a model that never ends one by itself (a random-weight one); None leaves it to the
+model.
 
 `format_for_call` finds the format of an LM call made by a dspy.Predict through ChatAdapter or
 JSONAdapter: the calling Predict is the innermost module in `dspy.settings.caller_modules`, and the

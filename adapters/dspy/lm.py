@@ -128,6 +128,8 @@ class SGLangLM(dspy.BaseLM):
         params = GenParams(max_new_tokens=self.context_len if max_tokens is None else max_tokens,
                            **{name: options[name] for name in _SAME if name in options},
                            **{new: options[old] for old, new in _RENAMED.items() if old in options})
+        if "top_logprobs" in options and not options.get("logprobs"):
+            raise ValueError("top_logprobs needs logprobs=True")
         if options.get("logprobs"):
             params.return_logprob = True
             params.return_text_in_logprobs = True
