@@ -13,6 +13,8 @@ import json
 import os
 import re
 import runpy
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Literal
 
@@ -28,6 +30,7 @@ from radixlm import Engine  # noqa: E402
 from radixlm.adapters.dspy import (  # noqa: E402
     LMCall, SGLangLM, build_tree, chat_regex, format_for_call, json_schema, run_program,
 )
+from radixlm.adapters.dspy.program import CallBatcher, Sample  # noqa: E402
 from radixlm.core.program.interpreter import resolve_backend  # noqa: E402
 from radixlm.core.program.ir import GenParams  # noqa: E402
 
@@ -243,6 +246,32 @@ def test_build_tree_is_the_prefix_tree_of_the_messages():
     assert [c.messages for c in tree.children[0].children][:1] == [[demo]]
     text = tree.describe(calls)
     assert "fork(2)" in text and "assistant: fork(2) -> gen(call 2" in text
+
+
+def test_call_batcher_groups_concurrent_calls_and_keeps_errors_apart():
+    groups = []
+
+    def run(calls):  # echoes each call's text; a call saying "bad" fails alone
+        groups.append(len(calls))
+        return [ValueError("bad call") if c.messages[0][1] == "bad" else [Sample(c.messages[0][1], {})]
+                for c in calls]
+
+    batcher = CallBatcher(run, window_s=0.2)
+    assert batcher.submit(LMCall([("user", "alone")], GenParams()))[0].text == "alone"
+    assert groups == [1]  # the main thread, nothing in flight: it ran at once
+    start = threading.Barrier(6)
+
+    def call(text):
+        start.wait()
+        try:
+            return batcher.submit(LMCall([("user", text)], GenParams()))[0].text
+        except ValueError as error:
+            return str(error)
+
+    texts = ["a", "b", "bad", "c", "d", "e"]
+    with ThreadPoolExecutor(6) as pool:
+        assert list(pool.map(call, texts)) == ["a", "b", "bad call", "c", "d", "e"]
+    assert groups == [1, 6]  # the six concurrent calls ran as one group
 
 
 def test_program_computes_the_shared_prefix_once(engine):

@@ -75,8 +75,9 @@ class SGLangLM(dspy.BaseLM):
 
             base_url = base_url.rstrip("/").removesuffix("/v1")
             backend = RuntimeEndpoint(base_url, api_key=api_key, chat_template_name=chat_template)
-            names = (backend.model_info.get("served_model_name"), backend.model_info.get("model_path"))
-            self.context_len = backend.model_info["context_len"]
+            info = backend.model_info
+            names = (info.get("served_model_name") or info.get("model_path"), info.get("model_path"))
+            self.context_len = info.get("context_len")  # SGLang servers do not report it
         if model is not None and model not in names:
             raise ValueError(f"the model {model!r} is not served here; this backend serves {names[0]!r}")
         super().__init__(model=model or names[0], model_type="chat", temperature=temperature,
@@ -124,8 +125,10 @@ class SGLangLM(dspy.BaseLM):
         return await asyncio.to_thread(self.forward, prompt, messages, **kwargs)
 
     def _gen_params(self, options: dict[str, Any], messages: list[dict[str, Any]]) -> GenParams:
-        max_tokens = options.get("max_completion_tokens", options.get("max_tokens"))
-        params = GenParams(max_new_tokens=self.context_len if max_tokens is None else max_tokens,
+        max_tokens = options.get("max_completion_tokens", options.get("max_tokens", self.context_len))
+        if max_tokens is None:
+            raise ValueError("this server does not report its context length: pass max_tokens")
+        params = GenParams(max_new_tokens=max_tokens,
                            **{name: options[name] for name in _SAME if name in options},
                            **{new: options[old] for old, new in _RENAMED.items() if old in options})
         if "top_logprobs" in options and not options.get("logprobs"):
