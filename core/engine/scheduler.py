@@ -55,6 +55,7 @@ class _Extend:
     start: int  # first position computed in this step
     length: int  # new tokens in this step
     finishes_prompt: bool  # the chunk reaches the end of fill_ids: sample the next token after it
+    rides_along: bool = False  # a running request decoding its next token inside this extend step
 
 
 class Scheduler:
@@ -98,6 +99,10 @@ class Scheduler:
     def step(self) -> None:
         extends = self._schedule_prefill()
         if extends:
+            if self.running and all(e.req.output_ids for e in extends):
+                # Only continuations (jump-forward text, resumed requests): a few tokens, so the running
+                # requests decode in the same step instead of stalling behind it.
+                extends += self._ride_along()
             self._run_extend(extends)
         elif self.running:
             self._run_decode()
@@ -181,6 +186,17 @@ class Scheduler:
                     req.passed_over += 1
             self.waiting = [r for r in self.waiting if id(r) not in taken]
         return extends
+
+    def _ride_along(self) -> list[_Extend]:
+        """Running requests as one-token extends, for as many as memory allows now."""
+        rides = []
+        for req in self.running:
+            ext = self._plan_extend(req, 1)
+            if ext is None:
+                break
+            ext.rides_along = True
+            rides.append(ext)
+        return rides
 
     def _shares_with_batch(self, req: Req, in_batch: list[list[int]]) -> bool:
         if self.tree.disable or not in_batch:
@@ -271,13 +287,14 @@ class Scheduler:
             if not ext.finishes_prompt:
                 self._cache_prefix(req)
                 continue
-            req.prefill_done = True
-            if len(req.output_ids) >= req.params.max_new_tokens:
-                self._finish(req, "length", None)  # max_new_tokens == 0: prefill (scoring) only
-                continue
-            self._cache_prefix(req)
+            if not ext.rides_along:
+                req.prefill_done = True
+                if len(req.output_ids) >= req.params.max_new_tokens:
+                    self._finish(req, "length", None)  # max_new_tokens == 0: prefill (scoring) only
+                    continue
+                self._cache_prefix(req)
+                self.running.append(req)
             to_sample.append((req, row0 + count - 1))
-            self.running.append(req)
         if to_sample:
             rows = torch.tensor([i for _, i in to_sample], device=logits.device)
             self._sample_and_advance([r for r, _ in to_sample], logits[rows])
