@@ -145,12 +145,12 @@ def bench_masks(tokenizer, batch: int, device: str, seed: int = 0) -> dict:
     return result
 
 
-def bench_e2e(model_path: str | None, batches: list[int], max_new_tokens: int) -> list[dict]:
+def bench_e2e(model_path: str | None, batches: list[int], max_new_tokens: int, **options) -> list[dict]:
     import radixlm
 
     rows = []
     schema = json.dumps(E2E_SCHEMA)
-    with radixlm.Engine(model_path) as engine:
+    with radixlm.Engine(model_path, **options) as engine:
         engine.generate(["warm up"] * 2, {"json_schema": schema, "max_new_tokens": 8})
         for batch, jump in [(b, j) for b in batches for j in (False, True)]:
             prompts = [f"Write one user record as JSON. Record {i}:" for i in range(batch)]
@@ -179,6 +179,8 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--e2e", action="store_true")
     parser.add_argument("--model-path", default=None)
+    parser.add_argument("--model", default=None, choices=["tiny", "llama3-8b-shape"],
+                        help="a model built as bench_engine.py builds it (overrides --model-path)")
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
@@ -195,7 +197,17 @@ def main() -> None:
     for batch in (1, 64):
         print(json.dumps({"mask_overhead": bench_masks(tokenizer, batch, args.device)}, indent=1))
     if args.e2e:
-        print(json.dumps({"e2e": bench_e2e(args.model_path, args.batch, args.max_new_tokens)}, indent=1))
+        model_path, options = args.model_path, {}
+        if args.model:
+            import os
+            import sys
+            import tempfile
+
+            sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+            from bench_engine import make_model_dir
+
+            model_path, options = make_model_dir(args.model, tempfile.mkdtemp(prefix="radixlm-bench-"))
+        print(json.dumps({"e2e": bench_e2e(model_path, args.batch, args.max_new_tokens, **options)}, indent=1))
 
 
 if __name__ == "__main__":
