@@ -58,8 +58,11 @@ ENGINE_OPTIONS = {"radixlm": {}, "no_frontend_hints": {}, "no_radix_cache": {"di
 PRESETS = {
     "tiny": {"size": "tiny", "engine": {}, "hf_max_batch": 32, "hf_max_batch_tokens": 1 << 16,
              "latency_repeats": 1, "time_limit_s": None},
-    "llama3-8b-shape": {"size": "gpu", "engine": {"chunked_prefill_size": 16384}, "hf_max_batch": 64,
-                        "hf_max_batch_tokens": 1 << 17, "latency_repeats": 1, "time_limit_s": 320},
+    # CUDA graphs up to 128 decoding requests (the gpu sizes decode at most ~120 at once; larger batches
+    # decode eagerly): fewer captures for each of the three engines.
+    "llama3-8b-shape": {"size": "gpu", "engine": {"chunked_prefill_size": 16384, "cuda_graph_max_bs": 128},
+                        "hf_max_batch": 64, "hf_max_batch_tokens": 1 << 17, "latency_repeats": 1,
+                        "time_limit_s": 320},
 }
 
 
@@ -101,13 +104,12 @@ class Runner:
             walls = []
             for i in range(self.args.repeats):  # counters and requests are those of the first run
                 flush(backend)
-                before = engine_stats()
+                counters = engine_stats()
                 start = time.perf_counter()
                 workload.run_batch(backend, batch)
                 walls.append(time.perf_counter() - start)
                 if i == 0:
-                    after = engine_stats()
-                    requests = backend.take_requests()
+                    before, after, requests = counters, engine_stats(), backend.take_requests()
             backend.take_requests()
             wall = statistics.median(walls)
             out: dict[str, Any] = {"throughput": {
@@ -157,33 +159,40 @@ def flush(backend: Any) -> None:
 def engine_stats(engine: Any) -> Any:
     keys = ("prompt_tokens_total", "cached_tokens_total", "prefill_tokens_total", "generated_tokens_total",
             "radix_cache_time_s", "retractions_total")
-    return lambda: {k: engine.get_stats()[k] for k in keys}
+
+    def read() -> dict[str, Any]:
+        stats = engine.get_stats()
+        return {k: stats[k] for k in keys}
+
+    return read
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     preset = PRESETS[args.model]
+    size = args.size or preset["size"]
     for key in ("hf_max_batch", "hf_max_batch_tokens", "latency_repeats", "time_limit_s"):
         if getattr(args, key) is None:
             setattr(args, key, preset[key])
     systems = [s for s in SYSTEMS if s in (args.systems or SYSTEMS)]
-    names = [n for n in (args.workloads or WORKLOADS)]
+    names = list(args.workloads or WORKLOADS)
     unknown = [n for n in names if n not in WORKLOADS]
     if unknown:
         raise SystemExit(f"unknown workload(s) {unknown}; known: {list(WORKLOADS)}")
     missing = {n: [m for m in WORKLOADS[n].requires if importlib.util.find_spec(m) is None] for n in names}
     names = [n for n in names if not missing[n]]
-    counts = instance_counts(args, preset["size"])
-    batches = {n: WORKLOADS[n].make_args(counts[n], WORKLOADS[n].sizes[preset["size"]], random.Random(f"{n}:{args.seed}"))
+    counts = instance_counts(args, size)
+    batches = {n: WORKLOADS[n].make_args(counts[n], WORKLOADS[n].sizes[size], random.Random(f"{n}:{args.seed}"))
                for n in names}
     device = torch.device("cuda" if torch.cuda.is_available() and not args.cpu else "cpu")
     results: dict[str, Any] = {
         "model": args.model, "command": "python " + " ".join(sys.argv), "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "machine": machine(device), "systems": systems,
-        "settings": {k: getattr(args, k) for k in ("hf_max_batch", "hf_max_batch_tokens", "hf_window_ms", "repeats",
-                                                     "latency_repeats", "time_limit_s", "seed", "scale")},
+        "settings": {"size": size, **{k: getattr(args, k) for k in (
+            "hf_max_batch", "hf_max_batch_tokens", "hf_window_ms", "repeats", "latency_repeats", "time_limit_s",
+            "seed", "scale")}},
         "skipped_workloads": {n: f"needs {m}" for n, m in missing.items() if m},
         "workloads": {n: {"description": WORKLOADS[n].description, "prefix_heavy": WORKLOADS[n].prefix_heavy,
-                          "instances": counts[n], "sizes": WORKLOADS[n].sizes[preset["size"]], "systems": {}}
+                          "instances": counts[n], "sizes": WORKLOADS[n].sizes[size], "systems": {}}
                       for n in names},
         "engines": {},
     }
@@ -194,24 +203,28 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for system in systems:
         if system in ENGINE_OPTIONS:
             groups.setdefault(json.dumps(ENGINE_OPTIONS[system], sort_keys=True), []).append(system)
+    # The peer runs on the weights of the second engine (no_radix_cache) once that engine is gone: the
+    # targets compare radixlm with both, so they come before the fcfs ablation should time run out.
     hf_pending = "hf_transformers" in systems
+    hf_after = min(1, len(groups) - 1)
     for i, (options, members) in enumerate(groups.items()):
         t0 = time.perf_counter()
         engine = radixlm.Engine(model_dir, device=device.type, log_level="error",
                                 mem_fraction_static=args.mem_fraction_static, **preset["engine"], **extra,
                                 **json.loads(options))
-        results["engines"][",".join(members)] = {"init_s": time.perf_counter() - t0, "kv_pool_tokens": engine.kv_pool_size,
-                                                 "options": json.loads(options)}
+        results["engines"][",".join(members)] = {"init_s": time.perf_counter() - t0, "options": json.loads(options),
+                                                 "kv_pool_tokens": engine.kv_pool_size}
         log(f"engine for {members} up in {time.perf_counter() - t0:.1f} s, KV pool {engine.kv_pool_size} tokens")
         backend = RecordingEngine(engine)
         if i == 0:
             runner.warm_up(backend, names)
         for name in names:
             for system in members:
-                results["workloads"][name]["systems"][system] = runner.measure(system, name, backend, engine_stats(engine))
+                entry = runner.measure(system, name, backend, engine_stats(engine))
+                results["workloads"][name]["systems"][system] = entry
         weights = release_weights(engine)
         del engine, backend
-        if hf_pending:  # the peer runs second, on this engine's weights, once its KV pool is freed
+        if hf_pending and i == hf_after:
             hf_pending = False
             run_hf(args, runner, results, names, weights, model_dir, device)
         del weights
@@ -364,8 +377,9 @@ def plot(results: dict[str, Any], out_dir: str, stem: str) -> list[str]:
     names = list(results["workloads"])
     systems = results["systems"]
     paths = []
-    for metric, key, title in (("throughput", "programs_per_s", "throughput relative to the best system (higher is better)"),
-                               ("latency", "seconds", "latency relative to the best system (lower is better)")):
+    for metric, key, title in (
+            ("throughput", "programs_per_s", "throughput relative to the best system (higher is better)"),
+            ("latency", "seconds", "latency relative to the best system (lower is better)")):
         fig, ax = plt.subplots(figsize=(max(8.0, 1.1 * len(names)), 3.6))
         width = 0.8 / len(systems)
         for j, system in enumerate(systems):
@@ -384,7 +398,7 @@ def plot(results: dict[str, Any], out_dir: str, stem: str) -> list[str]:
         ax.legend(fontsize=7, ncol=len(systems), loc="upper center", bbox_to_anchor=(0.5, -0.35))
         fig.tight_layout()
         path = str(Path(out_dir) / f"{stem}_{metric}.png")
-        fig.savefig(path, dpi=120)
+        fig.savefig(path, dpi=120, bbox_inches="tight")
         plt.close(fig)
         paths.append(path)
     return paths
@@ -393,6 +407,7 @@ def plot(results: dict[str, Any], out_dir: str, stem: str) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", choices=sorted(PRESETS), default="tiny")
+    p.add_argument("--size", choices=("tiny", "gpu"), help="workload size preset (default: the model's)")
     p.add_argument("--workloads", nargs="+", help=f"default: all of {list(WORKLOADS)}")
     p.add_argument("--systems", nargs="+", choices=SYSTEMS, help="default: all")
     p.add_argument("--instances", nargs="+", metavar="NAME=N", help="instances of a workload (default: its preset's)")

@@ -20,7 +20,7 @@ RADIXLM_SYSTEMS = SYSTEMS[:4]
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> dict:
     out = tmp_path_factory.mktemp("workloads") / "results.json"
-    proc = subprocess.run([sys.executable, str(BENCHMARKS / "bench_workloads.py"), "--model", "tiny", "--cpu",
+    proc = subprocess.run([sys.executable, str(BENCHMARKS / "bench_workloads.py"), "--model", "tiny", "--cpu", "--repeats", "2",
                            "--out", str(out)], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return json.loads(out.read_text())

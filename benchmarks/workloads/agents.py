@@ -50,7 +50,7 @@ REACT = program_workload(
     "react", "ReAct agent: long shared instruction, multi-step history growing by outputs and observations",
     react,
     sizes={"tiny": {"demos": 1, "steps": 2, "observation_sentences": 1, "thought_tokens": 4, "action_tokens": 3},
-           "gpu": {"demos": 2, "steps": 3, "observation_sentences": 2, "thought_tokens": 32, "action_tokens": 12}},
+           "gpu": {"demos": 2, "steps": 3, "observation_sentences": 2, "thought_tokens": 24, "action_tokens": 8}},
     instances={"tiny": 4, "gpu": 8}, make_args=react_args)
 
 
@@ -88,5 +88,5 @@ GENERATIVE_AGENTS = program_workload(
     sizes={"tiny": {"agents": 2, "world_sentences": 3, "profile_sentences": 2, "short_tokens": 2,
                     "reply_tokens": 4},
            "gpu": {"agents": 4, "world_sentences": 12, "profile_sentences": 10, "short_tokens": 2,
-                   "reply_tokens": 24}},
+                   "reply_tokens": 16}},
     instances={"tiny": 6, "gpu": 24}, make_args=generative_agents_args)

@@ -44,7 +44,7 @@ def tree_of_thought_args(n: int, size: dict[str, Any], rng: random.Random) -> li
 TREE_OF_THOUGHT = program_workload(
     "tree_of_thought", "Tree-of-thought: two levels of nested forks, select at the leaves", tree_of_thought,
     sizes={"tiny": {"instruction_sentences": 2, "question_sentences": 1, "breadth": 2, "thought_tokens": 4},
-           "gpu": {"instruction_sentences": 4, "question_sentences": 2, "breadth": 3, "thought_tokens": 32}},
+           "gpu": {"instruction_sentences": 4, "question_sentences": 2, "breadth": 3, "thought_tokens": 24}},
     instances={"tiny": 3, "gpu": 4}, make_args=tree_of_thought_args)
 
 
@@ -71,7 +71,7 @@ SKELETON_OF_THOUGHT = program_workload(
     "skeleton_of_thought", "Skeleton-of-thought: a skeleton, then one fork per point, joined",
     skeleton_of_thought,
     sizes={"tiny": {"instruction_sentences": 2, "points": 3, "skeleton_tokens": 6, "point_tokens": 5},
-           "gpu": {"instruction_sentences": 10, "points": 5, "skeleton_tokens": 48, "point_tokens": 64}},
+           "gpu": {"instruction_sentences": 10, "points": 5, "skeleton_tokens": 32, "point_tokens": 48}},
     instances={"tiny": 4, "gpu": 24}, make_args=skeleton_of_thought_args)
 
 
@@ -99,5 +99,5 @@ LLM_JUDGE = program_workload(
     "llm_judge", "LLM judge: a fork per dimension over a shared question and answer, then a merge",
     llm_judge,
     sizes={"tiny": {"instruction_sentences": 2, "answer_sentences": 3, "dimensions": 3, "explanation_tokens": 4},
-           "gpu": {"instruction_sentences": 8, "answer_sentences": 8, "dimensions": 6, "explanation_tokens": 32}},
+           "gpu": {"instruction_sentences": 8, "answer_sentences": 8, "dimensions": 6, "explanation_tokens": 24}},
     instances={"tiny": 4, "gpu": 10}, make_args=llm_judge_args)

@@ -36,5 +36,5 @@ CHAT_SHORT = program_workload(
 CHAT_LONG = program_workload(
     "chat_long", "Multi-turn chat, long answers", multi_turn_chat,
     sizes={"tiny": {"system_sentences": 3, "question_sentences": 1, "turns": 2, "answer_tokens": 12},
-           "gpu": {"system_sentences": 8, "question_sentences": 8, "turns": 3, "answer_tokens": 96}},
+           "gpu": {"system_sentences": 8, "question_sentences": 8, "turns": 2, "answer_tokens": 64}},
     instances={"tiny": 3, "gpu": 24}, make_args=_chat_args)

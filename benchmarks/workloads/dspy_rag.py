@@ -90,7 +90,7 @@ DSPY_RAG = Workload(
     "dspy_rag", "DSPy RAG pipeline through SGLangLM: shared instructions and demos, retrieved context",
     sizes={"tiny": {"corpus": 12, "passage_sentences": 1, "demos": 2, "k": 2, "max_tokens": 48,
                     "max_field_chars": 12},
-           "gpu": {"corpus": 64, "passage_sentences": 3, "demos": 3, "k": 3, "max_tokens": 192,
-                   "max_field_chars": 160}},
+           "gpu": {"corpus": 64, "passage_sentences": 3, "demos": 3, "k": 3, "max_tokens": 128,
+                   "max_field_chars": 64}},
     instances={"tiny": 3, "gpu": 32}, make_args=make_args, run_one=run_one, run_batch=run_batch,
     requires=["dspy"])

@@ -53,5 +53,5 @@ JSON_DECODING = program_workload(
     "json_decoding", "JSON decoding: shared instruction, per-document prefix, constant text between regex fields",
     json_decode,
     sizes={"tiny": {"document_sentences": 2, "field_tokens": 12},
-           "gpu": {"document_sentences": 12, "field_tokens": 16}},
+           "gpu": {"document_sentences": 12, "field_tokens": 12}},
     instances={"tiny": 4, "gpu": 12}, make_args=json_args)
