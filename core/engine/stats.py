@@ -60,10 +60,10 @@ class TimedRadixCache:
     def _timed(self, method: Callable[..., Any]) -> Callable[..., Any]:
         stats, clock = self._stats, time.perf_counter
 
-        def call(*args: Any) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
             start = clock()
             try:
-                return method(*args)
+                return method(*args, **kwargs)
             finally:
                 stats.radix_cache_time_s += clock() - start
 
