@@ -32,6 +32,7 @@ from typing import Any
 
 from radixlm.core.engine.model_runner import ModelRunner
 from radixlm.core.engine.options import EngineOptions
+from radixlm.core.engine.radix_cache import shared_len
 from radixlm.core.engine.request import GenerateInput
 from radixlm.core.engine.scheduler import AbortMsg, CallMsg, Scheduler
 from radixlm.core.engine.tp_worker import device_scope, rank_device, start_tensor_parallel
@@ -67,17 +68,6 @@ class _Node:
         self.workers: dict[int, int] = {}  # worker -> tick of its last use of this node
 
 
-def _shared_len(edge: list[int], key: list[int], pos: int) -> int:
-    """Leading tokens of `edge` equal to key[pos:]; a whole-edge match (the common case) compares in C."""
-    if key[pos : pos + len(edge)] == edge:
-        return len(edge)
-    n = min(len(edge), len(key) - pos)
-    i = 0
-    while i < n and edge[i] == key[pos + i]:
-        i += 1
-    return i
-
-
 class MetaRadixTree:
     """Which token prefixes each of `num_workers` workers holds. A worker that holds a node holds all of
     its ancestors, so the deepest node on a path marked with w gives w's matched length."""
@@ -100,7 +90,7 @@ class MetaRadixTree:
             child = node.children.get(ids[pos])
             if child is None:
                 break
-            shared = _shared_len(child.key, ids, pos)
+            shared = shared_len(child.key, ids, pos)
             for w in child.workers:
                 matched[w] = pos + shared
             if shared < len(child.key):
@@ -117,7 +107,7 @@ class MetaRadixTree:
             if child is None:
                 child = _Node(ids[pos:], node)
                 node.children[ids[pos]] = child
-            shared = _shared_len(child.key, ids, pos)
+            shared = shared_len(child.key, ids, pos)
             if shared < len(child.key):
                 child = self._split(child, shared)
             if worker not in child.workers:

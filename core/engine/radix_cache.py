@@ -49,7 +49,7 @@ class TreeNode:
         )
 
 
-def _shared_len(edge: list[int], key: list[int], pos: int) -> int:
+def shared_len(edge: list[int], key: list[int], pos: int = 0) -> int:
     """How many leading tokens of `edge` equal key[pos:]. Slices only as long as the edge, so a
     walk copies O(len(key)) in all; the whole-edge compare runs in C, the common case."""
     if key[pos : pos + len(edge)] == edge:
@@ -113,7 +113,7 @@ class RadixCache:
             child = node.children.get(key[pos])
             if child is None:
                 break
-            shared = _shared_len(child.key, key, pos)
+            shared = shared_len(child.key, key, pos)
             self._touch(child)
             if shared < len(child.key):
                 # The match ends inside this edge: split it so the returned node covers the prefix.
@@ -142,7 +142,7 @@ class RadixCache:
                 node.children[key[pos]] = leaf
                 self._evictable_size += len(leaf.key)
                 break
-            shared = _shared_len(child.key, key, pos)
+            shared = shared_len(child.key, key, pos)
             self._touch(child)
             if shared < len(child.key):
                 child = self._split(child, shared)

@@ -22,7 +22,7 @@ from radixlm.core.engine.detokenizer import IncrementalDetokenizer
 from radixlm.core.engine.memory_pool import SlotAllocator
 from radixlm.core.engine.model_runner import BatchInput, ModelRunner
 from radixlm.core.engine.options import EngineOptions
-from radixlm.core.engine.radix_cache import RadixCache
+from radixlm.core.engine.radix_cache import RadixCache, shared_len
 from radixlm.core.engine.request import GenerateInput, Req, Status
 from radixlm.core.engine.sampler import Sampler, top_logprob_entries
 from radixlm.core.engine.schedule_policy import SchedulePolicy
@@ -203,14 +203,7 @@ class Scheduler:
             return False
         ids = req.fill_ids
         cached = len(self.tree.match_prefix(ids)[0])
-        for other in in_batch:
-            n = min(len(ids), len(other))
-            shared = 0
-            while shared < n and ids[shared] == other[shared]:
-                shared += 1
-            if shared - cached >= IN_BATCH_SHARED_PREFIX:
-                return True
-        return False
+        return any(shared_len(other, ids) - cached >= IN_BATCH_SHARED_PREFIX for other in in_batch)
 
     def _plan_extend(self, req: Req, budget: int) -> _Extend | None:
         """Matches the request's prefix, allocates KV for its next chunk, and fills its table row.
