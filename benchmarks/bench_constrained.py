@@ -123,7 +123,7 @@ def bench_masks(tokenizer, batch: int, device: str, seed: int = 0) -> dict:
             for i in live:
                 masks[i] = constraints[i].allowed_token_mask(vocab_size, packed)
             t1 = time.perf_counter()
-            apply_token_masks(logits, masks)
+            apply_token_masks(logits, masks, rescue_banned_rows=False)  # as the engine calls it without biases
             if device.startswith("cuda"):
                 torch.cuda.synchronize()
             t2 = time.perf_counter()
@@ -143,6 +143,14 @@ def bench_masks(tokenizer, batch: int, device: str, seed: int = 0) -> dict:
                         "constraint_us": float(np.median(fetch + advance)),
                         "constraint_mean_us": float(np.mean(fetch + advance))}
     return result
+
+
+def _is_json(text: str) -> bool:
+    try:
+        json.loads(text)
+        return True
+    except ValueError:
+        return False
 
 
 def bench_e2e(model_path: str | None, batches: list[int], max_new_tokens: int, **options) -> list[dict]:
@@ -169,6 +177,7 @@ def bench_e2e(model_path: str | None, batches: list[int], max_new_tokens: int, *
                 "output_tokens": tokens, "decode_steps": after["generated_tokens_total"] - before["generated_tokens_total"],
                 "tokens_per_s": tokens / wall,
                 "finished_stop": sum(o["meta_info"]["finish_reason"]["type"] == "stop" for o in outs),
+                "valid_json": sum(_is_json(o["text"]) for o in outs),
             })
     return rows
 

@@ -229,7 +229,8 @@ def _reference_masked(logits: torch.Tensor, masks: list) -> torch.Tensor:
 
 @pytest.mark.parametrize("rows", [[True, False, True, False], [True] * 3, [False, False], [True] * 10 + [False]])
 @pytest.mark.parametrize("packed", [False, True])
-def test_apply_token_masks(rows, packed, tiny_tokenizer):
+@pytest.mark.parametrize("rescue", [True, False])
+def test_apply_token_masks(rows, packed, rescue, tiny_tokenizer):
     device = "cuda" if torch.cuda.is_available() else "cpu"
     vocab_size = len(tiny_tokenizer) + 8
     index = get_index(r"[a-z]{1,3}[0-9]", vocab_of(tiny_tokenizer))
@@ -239,7 +240,7 @@ def test_apply_token_masks(rows, packed, tiny_tokenizer):
              for s, on, m in zip(states, rows, bool_masks)]
     logits = torch.randn(len(rows), vocab_size)
     expected = _reference_masked(logits, bool_masks)
-    got = apply_token_masks(logits.clone().to(device), masks).cpu()
+    got = apply_token_masks(logits.clone().to(device), masks, rescue_banned_rows=rescue).cpu()
     assert torch.equal(got, expected)
 
 

@@ -20,14 +20,17 @@ def unpack_bitmask(packed: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return ((packed[..., word] >> bit) & 1).bool()
 
 
-def apply_token_masks(logits: torch.Tensor, masks: Sequence[torch.Tensor | None]) -> torch.Tensor:
+def apply_token_masks(
+    logits: torch.Tensor, masks: Sequence[torch.Tensor | None], rescue_banned_rows: bool = True
+) -> torch.Tensor:
     """Sets logits[i, t] = -inf wherever masks[i] forbids t; rows whose mask is None are left alone.
 
     A mask is bool [V] (True = allowed) or packed int32 [ceil(V / 32)] (see TokenIndex.mask). On the CPU
     each row is masked in place (no [B, V] temporaries); on a GPU the batch's masks go over in one copy,
     packed ones 32x smaller, and are unpacked and applied there. A row left with no finite logit (a
     penalty or bias had banned every allowed token) gets 0 on its allowed tokens, so sampling still
-    picks an allowed one. In place; returns `logits`."""
+    picks an allowed one; callers that banned nothing themselves pass rescue_banned_rows=False, which on
+    a GPU with packed masks applies the whole batch in one kernel. In place; returns `logits`."""
     if len(masks) != logits.shape[0]:
         raise ValueError(f"{len(masks)} masks for {logits.shape[0]} rows of logits")
     rows = [i for i, m in enumerate(masks) if m is not None]
@@ -47,6 +50,14 @@ def apply_token_masks(logits: torch.Tensor, masks: Sequence[torch.Tensor | None]
         return logits
     if len({masks[i].dtype == torch.bool for i in rows}) != 1:
         raise ValueError("masks of one batch must be all bool or all packed")
+    if not rescue_banned_rows and masks[rows[0]].dtype == torch.int32:
+        # One [B, words] bitmask (unconstrained rows all ones), one small copy, one kernel.
+        host = torch.full((logits.shape[0], masks[rows[0]].shape[0]), -1, dtype=torch.int32)
+        host[rows] = torch.stack([masks[i] for i in rows])
+        from radixlm.kernels import get_ops
+
+        get_ops(logits.device).apply_token_bitmask(logits, host.to(logits.device, non_blocking=True))
+        return logits
     stacked = torch.stack([masks[i] for i in rows]).to(logits.device, non_blocking=True)
     allowed = stacked if stacked.dtype == torch.bool else unpack_bitmask(stacked, vocab_size)
     whole = len(rows) == logits.shape[0]

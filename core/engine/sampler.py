@@ -61,18 +61,21 @@ class Sampler:
         return False
 
     def _adjust(self, logits: torch.Tensor, reqs: list[Req], masks: list[torch.Tensor | None]) -> torch.Tensor:
+        banned_some = False  # a bias or a min_new_tokens ban may leave a constrained row with nothing allowed
         for i, req in enumerate(reqs):
             p = req.params
             row = logits[i]
             if p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty:
                 self._penalize(row, req)
             if p.logit_bias:
+                banned_some = True
                 ids = torch.tensor(list(p.logit_bias), device=row.device)
                 row[ids] += torch.tensor(list(p.logit_bias.values()), device=row.device)
             if len(req.output_ids) < p.min_new_tokens:
                 banned = [t for t in (*self.eos_token_ids, *p.stop_token_ids) if t < self.vocab_size]
                 row[banned] = float("-inf")
-        return apply_token_masks(logits, masks)
+                banned_some = True
+        return apply_token_masks(logits, masks, rescue_banned_rows=banned_some)
 
     @staticmethod
     def _penalize(row: torch.Tensor, req: Req) -> None:
