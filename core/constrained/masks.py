@@ -7,6 +7,8 @@ from collections.abc import Sequence
 
 import torch
 
+from radixlm.kernels import get_ops
+
 
 @functools.lru_cache(maxsize=8)
 def _bit_positions(vocab_size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -54,8 +56,6 @@ def apply_token_masks(
         # One [B, words] bitmask (unconstrained rows all ones), one small copy, one kernel.
         host = torch.full((logits.shape[0], masks[rows[0]].shape[0]), -1, dtype=torch.int32)
         host[rows] = torch.stack([masks[i] for i in rows])
-        from radixlm.kernels import get_ops
-
         get_ops(logits.device).apply_token_bitmask(logits, host.to(logits.device, non_blocking=True))
         return logits
     stacked = torch.stack([masks[i] for i in rows]).to(logits.device, non_blocking=True)
