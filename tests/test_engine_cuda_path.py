@@ -103,10 +103,7 @@ def test_batch_size_ladder():
 
 def make_req(**params) -> Req:
     sp = SamplingParams.from_dict(params)
-    req = Req(inp=GenerateInput(rid="r", input_ids=[1, 2], sampling_params=sp), detok=None, arrival=0)
-    if sp.seed is not None:
-        req.generator = torch.Generator().manual_seed(sp.seed)
-    return req
+    return Req(inp=GenerateInput(rid="r", input_ids=[1, 2], sampling_params=sp), detok=None, arrival=0)
 
 
 def filtered_by_definition(probs: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
@@ -163,11 +160,33 @@ def test_greedy_rows_and_seeded_rows_in_a_mixed_batch():
     tokens = sampler.sample(logits, mixed, [None] * 6).token_ids
     greedy = logits.argmax(-1).tolist()
     assert [tokens[i] for i in (0, 3, 5)] == [greedy[i] for i in (0, 3, 5)]
-    # a seeded request draws from its own generator: the same token alone as in any batch
+    # a seeded request draws from its own seed: the same token alone as in any batch
     for i in (1, 4):
         alone = Sampler(30, [], torch.Generator().manual_seed(99)).sample(
             logits[i : i + 1], [make_req(temperature=1.0, seed=7)], [None]).token_ids[0]
         assert tokens[i] == alone
+
+
+def test_seeded_draws_follow_the_distribution_and_vary_by_position():
+    """Seeded rows sample through a hash of (seed, position): across seeds the draws must follow the
+    filtered softmax like any sample, and one seed must not repeat the same draw at every position."""
+    logits = torch.tensor([[2.0, 1.5, 1.0, 0.5, 0.0, -1.0, -2.0, -3.0]])
+    n = 6000
+    reqs = [make_req(temperature=0.8, top_k=6, seed=s) for s in range(n)]
+    tokens = Sampler(8, [], torch.Generator()).sample(logits.repeat(n, 1), reqs, [None] * n).token_ids
+    want = filtered_by_definition(torch.softmax(logits / 0.8, dim=-1)[0], 6, 1.0, 0.0)
+    want = want / want.sum()
+    freq = torch.bincount(torch.tensor(tokens), minlength=8).float() / n
+    assert freq[want == 0].sum() == 0
+    assert torch.allclose(freq, want, atol=0.025)
+    one = make_req(temperature=1.0, seed=11)
+    flat = torch.zeros(1, 8)
+    draws = []
+    for _ in range(400):  # the request's position advances as its output grows
+        draws.append(Sampler(8, [], torch.Generator()).sample(flat, [one], [None]).token_ids[0])
+        one.output_ids.append(draws[-1])
+    freq = torch.bincount(torch.tensor(draws), minlength=8).float() / len(draws)
+    assert torch.allclose(freq, torch.full((8,), 1 / 8), atol=0.07)
 
 
 def test_adjustments_still_apply_next_to_the_fast_path():

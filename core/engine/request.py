@@ -7,8 +7,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-import torch
-
 from radixlm.core.engine.constraint import TokenConstraint
 from radixlm.core.engine.detokenizer import IncrementalDetokenizer
 from radixlm.core.engine.sampling_params import SamplingParams
@@ -53,7 +51,6 @@ class Req:
     cached_tokens: int | None = None
     prefill_done: bool = False  # the prompt's logits (for input logprobs) have been taken once
     passed_over: int = 0  # scheduling rounds this request was eligible but not taken (fairness)
-    generator: torch.Generator | None = None
     finish_type: str | None = None
     finish_matched: str | int | None = None
     # Logprob results: lists of (logprob, token_id, None) and top-k lists.

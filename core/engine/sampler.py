@@ -90,12 +90,13 @@ class Sampler:
             row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
 
     def _choose(self, logits: torch.Tensor, reqs: list[Req]) -> torch.Tensor:
-        """Greedy rows take the argmax; the others sample, all at once from the shared generator, except
-        requests with their own seed, which draw from theirs."""
-        out = logits.argmax(dim=-1)
+        """Greedy rows take the argmax. The others sample all at once by the exponential race: the
+        argmax of p / E with E ~ Exp(1) per token is a draw from p. E comes from the shared generator,
+        or, for a request with its own seed, from a hash of (seed, output position, token id), so that
+        a seeded request draws the same tokens in any batch without a generator of its own per row."""
         sampled = [i for i, r in enumerate(reqs) if not r.params.is_greedy]
         if not sampled:
-            return out
+            return logits.argmax(dim=-1)
         dev = logits.device
         sub = [reqs[i] for i in sampled]
         whole = len(sampled) == len(reqs)
@@ -103,14 +104,29 @@ class Sampler:
         temps = _device_tensor([max(r.params.temperature, 1e-5) for r in sub], torch.float32, dev)
         probs = torch.softmax((logits if whole else logits[index]) / temps[:, None], dim=-1)
         probs = self._filter(probs, sub)
-        picks = torch.multinomial(probs, 1, generator=self.generator).squeeze(1)
-        for j, req in enumerate(sub):
-            if req.generator is not None:
-                picks[j] = torch.multinomial(probs[j], 1, generator=req.generator)[0]
+        picks = (probs / self._exponential_noise(probs, sub)).argmax(dim=-1)
         if whole:
             return picks
+        out = logits.argmax(dim=-1)
         out[index] = picks
         return out
+
+    def _exponential_noise(self, probs: torch.Tensor, reqs: list[Req]) -> torch.Tensor:
+        """Exp(1) noise of probs' shape: seeded rows from their hash, the rest from the shared generator."""
+        seeded = [j for j, r in enumerate(reqs) if r.params.seed is not None]
+        if not seeded:
+            return self._generator_noise(probs)
+        keys = [_row_key(reqs[j].params.seed, len(reqs[j].output_ids)) for j in seeded]
+        hashed = -torch.log(_hash_uniform(_device_tensor(keys, torch.int64, probs.device), probs.shape[1]))
+        if len(seeded) == len(reqs):
+            return hashed
+        noise = self._generator_noise(probs)
+        noise[_device_tensor(seeded, torch.int64, probs.device)] = hashed
+        return noise
+
+    def _generator_noise(self, probs: torch.Tensor) -> torch.Tensor:
+        # Floored: a zero draw would turn a banned token's 0 / 0 into a NaN that argmax picks.
+        return torch.empty_like(probs).exponential_(generator=self.generator).clamp_(min=1e-30)
 
     @staticmethod
     def _filter(probs: torch.Tensor, reqs: list[Req]) -> torch.Tensor:
@@ -130,6 +146,28 @@ class Sampler:
         sorted_probs = sorted_probs.masked_fill((cum - sorted_probs) >= ps * cum[:, -1:], 0.0)
         sorted_probs = sorted_probs.masked_fill(sorted_probs < mins * sorted_probs[:, :1], 0.0)
         return torch.zeros_like(probs).scatter_(1, order, sorted_probs)
+
+
+_M32 = 0xFFFFFFFF
+
+
+def _row_key(seed: int, position: int) -> int:
+    """A 32-bit key for one seeded draw: splitmix64's finalizer over (seed, position), on the host."""
+    x = (seed * 0x9E3779B97F4A7C15 + position * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return (x ^ (x >> 31)) & _M32
+
+
+def _hash_uniform(keys: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Uniform (0, 1) floats [len(keys), vocab], a pure function of (key, token id): a 32-bit integer
+    hash in int64 arithmetic (every product stays below 2**63)."""
+    ids = torch.arange(vocab, device=keys.device, dtype=torch.int64)
+    x = (keys[:, None] + ids[None, :] * 0x9E3779B1) & _M32
+    for _ in range(2):
+        x = ((x ^ (x >> 16)) * 0x045D9F3B) & _M32
+    x = x ^ (x >> 16)
+    return ((x >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
 
 
 def _device_tensor(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -140,8 +140,6 @@ class Scheduler:
         detok = IncrementalDetokenizer(self.tokenizer, p.skip_special_tokens, p.stop, p.no_stop_trim, lazy=lazy)
         req = Req(inp=inp, detok=detok, arrival=self._arrivals)
         self._arrivals += 1
-        if p.seed is not None:
-            req.generator = torch.Generator(device=self.runner.device).manual_seed(p.seed)
         self.stats.requests_total += 1
         self.waiting.append(req)
         if inp.constraint is not None:

@@ -1,0 +1,149 @@
+"""Where a generate call's time goes, step by step: decode and extend steps timed inside the scheduler,
+optionally with torch.profiler's per-op table over a window of steps.
+
+    python benchmarks/profile_steps.py                                   # tiny model, every case, batch 1 and 16
+    python benchmarks/profile_steps.py --model llama3-8b-shape --batch 1 64 --profile json_jump
+
+Cases (each the same prompts, temperature 1 with a seed per request so runs repeat):
+    plain       no constraint, ignore_eos, as many tokens as the json case produced on average
+    json        bench_constrained.E2E_SCHEMA, jump-forward off
+    json_jump   the same with jump-forward on
+Per case and batch: steps of each kind (decode = a graph-replayed or eager decode step; extend = an
+extend step, `+ride` when running requests decoded inside it), their median and total milliseconds,
+and the wall time. Each step ends in a host sync (the sampled tokens), so step times are exact.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections import defaultdict
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import torch  # noqa: E402
+
+from bench_constrained import E2E_SCHEMA  # noqa: E402
+from bench_engine import make_model_dir  # noqa: E402  (also makes radixlm importable from a checkout)
+
+import radixlm  # noqa: E402
+from radixlm.core.engine import scheduler as scheduler_module  # noqa: E402
+
+CASES = ("plain", "json", "json_jump")
+
+
+class StepTimer:
+    """Wraps the scheduler's decode and extend steps with wall-clock timers."""
+
+    def __init__(self) -> None:
+        self.steps: list[tuple[str, float]] = []
+        self.profile_window: tuple[int, int] | None = None  # (first step, number of steps) to profile
+        self.profiler: torch.profiler.profile | None = None
+        cls = scheduler_module.Scheduler
+        decode, extend = cls._run_decode, cls._run_extend
+        timer = self
+
+        def timed_decode(sched) -> None:
+            timer._timed("decode", lambda: decode(sched))
+
+        def timed_extend(sched, extends) -> None:
+            kind = "extend+ride" if any(e.rides_along for e in extends) else "extend"
+            timer._timed(kind, lambda: extend(sched, extends))
+
+        cls._run_decode, cls._run_extend = timed_decode, timed_extend
+
+    def _timed(self, kind: str, run) -> None:
+        if self.profile_window and len(self.steps) == self.profile_window[0]:
+            self.profiler = torch.profiler.profile(activities=_activities(), record_shapes=False)
+            self.profiler.__enter__()
+        start = time.perf_counter()
+        run()
+        self.steps.append((kind, time.perf_counter() - start))
+        if self.profiler is not None and len(self.steps) == sum(self.profile_window):
+            self.profiler.__exit__(None, None, None)
+
+    def take(self) -> list[tuple[str, float]]:
+        steps, self.steps = self.steps, []
+        return steps
+
+
+def _activities() -> list:
+    acts = [torch.profiler.ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        acts.append(torch.profiler.ProfilerActivity.CUDA)
+    return acts
+
+
+def params_for(case: str, batch: int, max_new_tokens: int, plain_tokens: int) -> list[dict]:
+    schema = json.dumps(E2E_SCHEMA)
+    out = []
+    for i in range(batch):
+        p = {"temperature": 1.0, "seed": i, "max_new_tokens": max_new_tokens}
+        if case == "plain":
+            p.update(max_new_tokens=plain_tokens, ignore_eos=True)
+        else:
+            p.update(json_schema=schema, disable_jump_forward=case == "json")
+        out.append(p)
+    return out
+
+
+def summarize(steps: list[tuple[str, float]]) -> dict:
+    by_kind: dict[str, list[float]] = defaultdict(list)
+    for kind, dt in steps:
+        by_kind[kind].append(dt * 1e3)
+    return {kind: {"steps": len(v), "median_ms": round(statistics.median(v), 3), "total_ms": round(sum(v), 1)}
+            for kind, v in sorted(by_kind.items())}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="tiny", choices=["tiny", "llama3-8b-shape"])
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 16])
+    parser.add_argument("--cases", nargs="+", default=list(CASES), choices=CASES)
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=2, help="runs per cell; the table shows the last")
+    parser.add_argument("--profile", nargs="*", default=[], choices=CASES,
+                        help="cases to run once more under torch.profiler (op table printed)")
+    parser.add_argument("--profile-steps", type=int, default=20)
+    args = parser.parse_args()
+
+    path, options = make_model_dir(args.model, tempfile.mkdtemp(prefix="radixlm-prof-"))
+    timer = StepTimer()
+    with radixlm.Engine(path, **options) as engine:
+        for batch in args.batch:
+            prompts = [f"Write one user record as JSON. Record {i}:" for i in range(batch)]
+            plain_tokens = args.max_new_tokens
+            for case in args.cases:
+                for _ in range(args.repeats):
+                    engine.flush_cache()
+                    timer.take()
+                    t = time.perf_counter()
+                    outs = engine.generate(prompts, params_for(case, batch, args.max_new_tokens, plain_tokens))
+                    wall = time.perf_counter() - t
+                    steps = timer.take()
+                tokens = [len(o["output_ids"]) for o in outs]
+                if case == "json":
+                    plain_tokens = max(1, round(statistics.mean(tokens)))
+                print(json.dumps({"case": case, "batch": batch, "wall_ms": round(wall * 1e3, 1),
+                                  "output_tokens": sum(tokens), "steps": len(steps), **summarize(steps)}), flush=True)
+                if case in args.profile:
+                    engine.flush_cache()
+                    timer.profile_window = (4, args.profile_steps)
+                    engine.generate(prompts, params_for(case, batch, args.max_new_tokens, plain_tokens))
+                    timer.take()
+                    prof, timer.profiler, timer.profile_window = timer.profiler, None, None
+                    if prof is not None:
+                        key = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+                        print(f"## torch.profiler, {case}, batch {batch}, {args.profile_steps} steps, by {key}")
+                        print(prof.key_averages().table(sort_by=key, row_limit=18, max_name_column_width=60))
+                        print(f"## by self_cpu_time_total")
+                        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18,
+                                                        max_name_column_width=60), flush=True)
+
+
+if __name__ == "__main__":
+    main()
