@@ -1,29 +1,24 @@
 """Tool calling for ChatSGLang: what `tool_choice` asks for, the JSON schema that constrained decoding
 enforces for it, and how the generated text becomes LangChain tool calls.
 
-The formats are the ones radixlm's OpenAI-compatible server uses (server/tools.py), so a model behaves
-the same behind ChatSGLang and behind ChatOpenAI pointed at `radixlm serve`:
-- a named tool: the output is constrained to that function's `parameters`; all of it is its arguments;
-- "any"/"required": the output is constrained to a JSON array of {"name", "arguments"} objects naming
-  declared tools (exactly one unless parallel calls are allowed);
-- "auto": the tools are in the prompt and the text is parsed afterwards for `<tool_call>{...}</tool_call>`
-  blocks (Hermes, Qwen 2.5) or a bare {"name", "arguments"|"parameters"} object or list (Llama 3).
-(The server's module works on its pydantic request models; this one on LangChain's OpenAI-style dicts.)
+The formats are core/tool_calls.py's, which radixlm's OpenAI-compatible server uses too, so a model
+behaves the same behind ChatSGLang and behind ChatOpenAI pointed at `radixlm serve`. What is LangChain's
+own is here: tool_choice as LangChain users give it ("any", True, a name), arguments closed to the
+declared properties, and calls as LangChain tool calls (arguments decoded, bad ones in invalid_tool_calls).
 """
 
 from __future__ import annotations
 
 import copy
 import json
-import re
-import uuid
 from dataclasses import dataclass, field
 from typing import Any
+
+from radixlm.core.tool_calls import Call, call_array_schema, find_calls, new_call_id, parse_call_array
 
 # Keywords whose value maps names to subschemas, and keywords whose value holds no subschema.
 _SCHEMA_MAPS = {"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"}
 _NOT_SCHEMAS = {"enum", "const", "default", "examples", "required", "title", "description"}
-_TAGGED = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 
 
 @dataclass
@@ -69,15 +64,7 @@ def forced_schema(mode: ToolMode) -> dict[str, Any] | None:
         return _parameters(next(t for t in mode.tools if t["function"]["name"] == mode.name))
     if mode.kind != "required":
         return None
-    calls = [{"type": "object",
-              "properties": {"name": {"enum": [t["function"]["name"]]}, "arguments": _parameters(t)},
-              "required": ["name", "arguments"], "additionalProperties": False}
-             for t in mode.tools]
-    schema: dict[str, Any] = {"type": "array", "items": calls[0] if len(calls) == 1 else {"anyOf": calls},
-                              "minItems": 1}
-    if not mode.parallel:
-        schema["maxItems"] = 1
-    return schema
+    return call_array_schema([(t["function"]["name"], _parameters(t)) for t in mode.tools], mode.parallel)
 
 
 def _parameters(tool: dict[str, Any]) -> dict[str, Any]:
@@ -125,10 +112,6 @@ def _rewrite(schema: Any, change: Any) -> Any:
     return schema
 
 
-def new_call_id() -> str:
-    return f"call_{uuid.uuid4().hex[:24]}"
-
-
 @dataclass
 class ParsedCalls:
     """What a reply amounts to: text content, well-formed tool calls, and calls that did not parse
@@ -141,51 +124,22 @@ class ParsedCalls:
 
 def parse_reply(mode: ToolMode, text: str) -> ParsedCalls:
     if mode.kind == "named":
-        return _parse_arguments(mode.name or "", text)
+        return _collect("", [Call(mode.name or "", text)])
     if mode.kind == "required":
         try:
-            calls = json.loads(text)
+            calls = parse_call_array(text)
         except ValueError as error:
-            return ParsedCalls("", invalid=[_invalid(None, text, f"not a complete JSON array of calls: {error}")])
-        if not isinstance(calls, list) or not all(isinstance(c, dict) and "name" in c for c in calls):
-            return ParsedCalls("", invalid=[_invalid(None, text, "not a JSON array of {name, arguments} calls")])
-        return _collect("", [(c["name"], c.get("arguments", {})) for c in calls])
+            return ParsedCalls("", invalid=[_invalid(None, text, str(error))])
+        return _collect("", calls)
     if mode.kind == "auto":
-        return _parse_auto(text, set(mode.names))
+        found = find_calls(text, mode.names)
+        return ParsedCalls(text) if found is None else _collect(*found)
     return ParsedCalls(text)
 
 
-def _parse_arguments(name: str, text: str) -> ParsedCalls:
-    return _collect("", [(name, text)])
-
-
-def _parse_auto(text: str, names: set[str]) -> ParsedCalls:
-    tagged = _TAGGED.findall(text)
-    if tagged:
-        content = _TAGGED.sub("", text).strip()
-        blocks = []
-        for block in tagged:
-            try:
-                blocks.append(json.loads(block))
-            except ValueError:
-                return ParsedCalls(text)  # a malformed block: leave the text as the model wrote it
-    else:
-        stripped = text.strip()
-        if not stripped.startswith(("{", "[")):
-            return ParsedCalls(text)
-        try:
-            parsed = json.loads(stripped)
-        except ValueError:
-            return ParsedCalls(text)
-        blocks, content = (parsed if isinstance(parsed, list) else [parsed]), ""
-    if not all(isinstance(b, dict) and b.get("name") in names for b in blocks):
-        return ParsedCalls(text)
-    return _collect(content, [(b["name"], b.get("arguments", b.get("parameters", {}))) for b in blocks])
-
-
-def _collect(content: str, calls: list[tuple[str, Any]]) -> ParsedCalls:
-    """Tool calls from (name, arguments) pairs; arguments given as text (a constrained output, or a
-    model that writes them as a JSON string) must be a complete JSON object."""
+def _collect(content: str, calls: list[Call]) -> ParsedCalls:
+    """LangChain tool calls; arguments given as text (a constrained output, or a model that writes them
+    as a JSON string) must be a complete JSON object."""
     parsed = ParsedCalls(content)
     for name, args in calls:
         if isinstance(args, str):
