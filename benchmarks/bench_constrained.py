@@ -16,7 +16,10 @@
    logits (a pass over V floats per row; one kernel for the batch on a GPU).
 3. --e2e: decoding latency and throughput of JSON outputs (E2E_SCHEMA: bounded strings, so that a
    random model's outputs end too) with and without jump-forward through the Engine (the embedded tiny
-   model by default), at temperature 1 with fixed seeds, for each --batch size.
+   model by default), at temperature 1 with fixed seeds, for each --batch size, --repeats times each
+   (median and spread), beside `plain`: the same requests unconstrained, each held to the token count
+   it had under JSON. The JSON run's median decode step minus plain's, per request, is the mask's
+   whole cost inside the decode loop (mask_overhead_us_per_request_step).
 """
 
 from __future__ import annotations
@@ -153,33 +156,70 @@ def _is_json(text: str) -> bool:
         return False
 
 
-def bench_e2e(model_path: str | None, batches: list[int], max_new_tokens: int, **options) -> list[dict]:
+def bench_e2e(model_path: str | None, batches: list[int], max_new_tokens: int, repeats: int = 3,
+              **options) -> list[dict]:
+    """Per batch size, three runs of the same prompts, each `repeats` times in turn: JSON with
+    jump-forward off and on, and `plain`: no constraint, each request producing exactly as many tokens
+    as it did in the JSON run (ignore_eos), so that plain and JSON decode the same batch shapes and
+    their decode-step difference is the mask's cost in the loop."""
     import radixlm
+    from profile_steps import StepTimer
 
+    timer = StepTimer()
     rows = []
     schema = json.dumps(E2E_SCHEMA)
     with radixlm.Engine(model_path, **options) as engine:
         engine.generate(["warm up"] * 2, {"json_schema": schema, "max_new_tokens": 8})
-        for batch, jump in [(b, j) for b in batches for j in (False, True)]:
+        for batch in batches:
             prompts = [f"Write one user record as JSON. Record {i}:" for i in range(batch)]
-            params = [{"json_schema": schema, "temperature": 1.0, "max_new_tokens": max_new_tokens, "seed": i,
-                       "disable_jump_forward": not jump} for i in range(batch)]
-            engine.flush_cache()
-            before = engine.get_stats()
-            t = time.perf_counter()
-            outs = engine.generate(prompts, params)
-            wall = time.perf_counter() - t
-            after = engine.get_stats()
-            tokens = sum(len(o["output_ids"]) for o in outs)
-            rows.append({
-                "jump_forward": jump, "batch": batch, "wall_s": wall,
-                "mean_latency_s": statistics.mean(o["meta_info"]["e2e_latency"] for o in outs),
-                "output_tokens": tokens, "decode_steps": after["generated_tokens_total"] - before["generated_tokens_total"],
-                "tokens_per_s": tokens / wall,
-                "finished_stop": sum(o["meta_info"]["finish_reason"]["type"] == "stop" for o in outs),
-                "valid_json": sum(_is_json(o["text"]) for o in outs),
-            })
+            base = [{"temperature": 1.0, "max_new_tokens": max_new_tokens, "seed": i} for i in range(batch)]
+            runs = {"json": [{**p, "json_schema": schema, "disable_jump_forward": True} for p in base],
+                    "json_jump": [{**p, "json_schema": schema} for p in base]}
+            results: dict[str, list[dict]] = {name: [] for name in ("json", "json_jump", "plain")}
+            for _ in range(repeats):
+                for name in ("json", "json_jump", "plain"):
+                    if name == "plain" and "plain" not in runs:
+                        lengths = [len(o["output_ids"]) for o in results["json"][0]["outs"]]
+                        runs["plain"] = [{**p, "max_new_tokens": n, "ignore_eos": True} for p, n in zip(base, lengths)]
+                    results[name].append(_timed_run(engine, timer, prompts, runs[name]))
+            summary = {name: _summary(name, batch, r) for name, r in results.items()}
+            for row in summary.values():
+                row["wall_vs_json"] = row["wall_s"] / summary["json"]["wall_s"]
+            summary["json"]["mask_overhead_us_per_request_step"] = (
+                summary["json"]["decode_step_median_ms"] - summary["plain"]["decode_step_median_ms"]) * 1e3 / batch
+            rows += summary.values()
     return rows
+
+
+def _timed_run(engine, timer, prompts: list[str], params: list[dict]) -> dict:
+    engine.flush_cache()
+    before = engine.get_stats()
+    timer.take()
+    t = time.perf_counter()
+    outs = engine.generate(prompts, params)
+    wall = time.perf_counter() - t
+    steps = timer.take()
+    after = engine.get_stats()
+    return {"outs": outs, "wall": wall, "steps": steps,
+            "decode_steps": after["generated_tokens_total"] - before["generated_tokens_total"]}
+
+
+def _summary(name: str, batch: int, runs: list[dict]) -> dict:
+    """Median over repeats (with the spread); token counts of the first run (fixed seeds repeat them)."""
+    walls = [r["wall"] for r in runs]
+    mid = sorted(runs, key=lambda r: r["wall"])[len(runs) // 2]
+    outs = mid["outs"]
+    tokens = sum(len(o["output_ids"]) for o in outs)
+    decode = [dt for r in runs for kind, dt in r["steps"] if kind == "decode"]
+    return {
+        "run": name, "batch": batch, "wall_s": statistics.median(walls), "wall_min_s": min(walls),
+        "wall_max_s": max(walls), "mean_latency_s": statistics.mean(o["meta_info"]["e2e_latency"] for o in outs),
+        "output_tokens": tokens, "decode_steps": mid["decode_steps"], "forward_steps": len(mid["steps"]),
+        "tokens_per_s": tokens / statistics.median(walls),
+        "decode_step_median_ms": statistics.median(decode) * 1e3 if decode else None,
+        "finished_stop": sum(o["meta_info"]["finish_reason"]["type"] == "stop" for o in outs),
+        "valid_json": sum(_is_json(o["text"]) for o in outs),
+    }
 
 
 def main() -> None:
@@ -216,7 +256,8 @@ def main() -> None:
             from bench_engine import make_model_dir
 
             model_path, options = make_model_dir(args.model, tempfile.mkdtemp(prefix="radixlm-bench-"))
-        print(json.dumps({"e2e": bench_e2e(model_path, args.batch, args.max_new_tokens, **options)}, indent=1))
+        rows = bench_e2e(model_path, args.batch, args.max_new_tokens, args.repeats, **options)
+        print(json.dumps({"e2e": rows}, indent=1))
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 """The GPU check of the CUDA path, in one run: kernels at real sizes, the engine against HF transformers
-on a tiny model (fp32 and bf16), and decode with CUDA graphs against decode without.
+on a tiny model (fp32 and bf16), and decode and short extends with CUDA graphs against without.
 
     python3 benchmarks/gpu_check.py [--sweep] [--tune] [--out gpu_check.json]   # on the H200; exit 1 on failure
 
@@ -13,7 +13,8 @@ on a tiny model (fp32 and bf16), and decode with CUDA graphs against decode with
      tokens equal the oracle's until a step whose oracle margin is under twice our measured logprob
      error (a near tie bf16 may break either way), which is reported, not failed.
 3. CUDA graphs: the same batches with graphs on and off (batch sizes that pad to a captured size and
-   one larger than the largest): fp32 tokens must be equal; bf16 agreement is reported.
+   one larger than the largest; prefills under 512 tokens and continuations past a cached prefix
+   replay extend graphs): fp32 tokens must be equal; bf16 agreement is reported.
 """
 
 from __future__ import annotations
@@ -110,7 +111,8 @@ def new_engine(ckpt: str, dtype: str, **opts: Any) -> radixlm.Engine:
 
 
 def uses_graphs(engine: radixlm.Engine) -> bool:
-    return engine._runner.graph_runner is not None or DEVICE == "cpu"
+    runner = engine._runner
+    return (runner.graph_runner is not None and runner.extend_graphs is not None) or DEVICE == "cpu"
 
 
 GREEDY = {"max_new_tokens": NEW_TOKENS, "temperature": 0.0, "ignore_eos": True}
@@ -179,12 +181,20 @@ def check_graphs(ckpt: str, report: dict[str, Any]) -> bool:
         results = {}
         with new_engine(ckpt, dtype) as with_graphs, new_engine(ckpt, dtype, disable_cuda_graph=True) as without:
             graphs = uses_graphs(with_graphs)
-            for batch in (1, 3, 5, 13, GRAPH_MAX_BS + 4):  # 5 and 13 pad to 8 and 16; the last runs eagerly
-                lens = torch.randint(2, 300, (batch,), generator=g).tolist()
-                prompts = [torch.randint(0, vocab - 8, (n,), generator=g).tolist() for n in lens]
+            earlier: list[list[int]] = []
+            for batch in (1, 3, 5, 13, GRAPH_MAX_BS + 4, "continuations"):
+                # 5 and 13 pad to 8 and 16; GRAPH_MAX_BS + 4 decodes eagerly. Prompts under 512 tokens
+                # prefill through the extend graphs; continuations of earlier prompts extend a few
+                # tokens past a cached prefix, as jump-forward and multi-turn programs do.
+                if batch == "continuations":
+                    prompts = [p + torch.randint(0, vocab - 8, (5,), generator=g).tolist() for p in earlier[:24]]
+                else:
+                    lens = torch.randint(2, 300, (batch,), generator=g).tolist()
+                    prompts = [torch.randint(0, vocab - 8, (n,), generator=g).tolist() for n in lens]
+                    earlier += prompts
                 on, off = greedy_tokens(with_graphs, prompts), greedy_tokens(without, prompts)
                 equal = sum(a == b for a, b in zip(on, off))
-                results[batch] = {"equal_requests": equal, "of": batch, "cuda_graphs": graphs}
+                results[batch] = {"equal_requests": equal, "of": len(prompts), "cuda_graphs": graphs}
         passed = all(r["cuda_graphs"] for r in results.values())
         if dtype == "float32":
             passed = passed and all(r["equal_requests"] == r["of"] for r in results.values())

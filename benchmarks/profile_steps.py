@@ -109,6 +109,8 @@ def main() -> None:
     parser.add_argument("--profile", nargs="*", default=[], choices=CASES,
                         help="cases to run once more under torch.profiler (op table printed)")
     parser.add_argument("--profile-steps", type=int, default=20)
+    parser.add_argument("--jump-gather-steps", type=int, nargs="+", default=[scheduler_module.JUMP_GATHER_STEPS],
+                        help="json_jump once per value: decode steps jump-forward continuations may wait to gather")
     args = parser.parse_args()
 
     path, options = make_model_dir(args.model, tempfile.mkdtemp(prefix="radixlm-prof-"))
@@ -117,7 +119,9 @@ def main() -> None:
         for batch in args.batch:
             prompts = [f"Write one user record as JSON. Record {i}:" for i in range(batch)]
             plain_tokens = args.max_new_tokens
-            for case in args.cases:
+            for case, gather in [(c, g) for c in args.cases for g in (args.jump_gather_steps if c == "json_jump" else [None])]:
+                if gather is not None:
+                    scheduler_module.JUMP_GATHER_STEPS = gather
                 for _ in range(args.repeats):
                     engine.flush_cache()
                     timer.take()
@@ -128,7 +132,7 @@ def main() -> None:
                 tokens = [len(o["output_ids"]) for o in outs]
                 if case == "json":
                     plain_tokens = max(1, round(statistics.mean(tokens)))
-                print(json.dumps({"case": case, "batch": batch, "wall_ms": round(wall * 1e3, 1),
+                print(json.dumps({"case": case, "jump_gather_steps": gather, "batch": batch, "wall_ms": round(wall * 1e3, 1),
                                   "output_tokens": sum(tokens), "steps": len(steps), **summarize(steps)}), flush=True)
                 if case in args.profile:
                     engine.flush_cache()
@@ -140,7 +144,7 @@ def main() -> None:
                         key = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
                         print(f"## torch.profiler, {case}, batch {batch}, {args.profile_steps} steps, by {key}")
                         print(prof.key_averages().table(sort_by=key, row_limit=18, max_name_column_width=60))
-                        print(f"## by self_cpu_time_total")
+                        print("## by self_cpu_time_total")
                         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18,
                                                         max_name_column_width=60), flush=True)
 

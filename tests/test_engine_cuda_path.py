@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import radixlm
-from radixlm.core.engine.cuda_graph_runner import DecodeGraphRunner, batch_size_ladder
+from radixlm.core.engine.cuda_graph_runner import (DecodeGraphRunner, ExtendGraphRunner, batch_size_ladder,
+                                                   extend_buckets)
 from radixlm.core.engine.detokenizer import IncrementalDetokenizer
 from radixlm.core.engine.memory_pool import ReqToTokenPool
 from radixlm.core.engine.model_runner import BatchInput, ModelRunner
@@ -89,6 +90,86 @@ def test_padded_static_decode_matches_eager(runner):
     # the decode step recorded each new slot in the table
     for row, pos, slot in zip(rows, lens, decode.out_cache_loc):
         assert int(runner.req_to_token.table[row, pos]) == slot
+
+
+def _extend_batch(runner, gen, rows, prefix_lens, new_lens, slot_iter, logits_at_last=True):
+    """An extend over requests whose prefixes already have KV (written by an eager prefill first)."""
+    if any(prefix_lens):
+        pre = BatchInput(False, [], [], [], [], [], [], [])
+        for row, p in zip(rows, prefix_lens):
+            if p:
+                slots = [next(slot_iter) for _ in range(p)]
+                runner.req_to_token.write(row, 0, slots)
+                pre.input_ids += torch.randint(0, 900, (p,), generator=gen).tolist()
+                pre.positions += list(range(p))
+                pre.out_cache_loc += slots
+                pre.rows.append(row)
+                pre.seq_lens.append(p)
+                pre.extend_lens.append(p)
+        runner.forward(pre)
+    batch = BatchInput(False, [], [], [], list(rows), [], list(new_lens), [])
+    for row, p, n in zip(rows, prefix_lens, new_lens):
+        slots = [next(slot_iter) for _ in range(n)]
+        runner.req_to_token.write(row, p, slots)
+        batch.input_ids += torch.randint(0, 900, (n,), generator=gen).tolist()
+        batch.positions += list(range(p, p + n))
+        batch.out_cache_loc += slots
+        batch.seq_lens.append(p + n)
+        if logits_at_last:
+            batch.logit_rows.append(len(batch.input_ids) - 1)
+    return batch
+
+
+@pytest.mark.parametrize("case", [
+    ([0, 5, 2], [4, 1, 9]),  # a fresh prompt, a one-token ride-along, a continuation: 14 tokens, 3 requests
+    ([7], [1]),
+    ([3, 0, 6, 1, 2], [1, 1, 1, 12, 1]),
+])
+def test_padded_static_extend_matches_eager(runner, case):
+    """Extends run on the padded static buffers of the extend graphs give the eager step's logits, and
+    the padding touches nothing but KV slot 0."""
+    prefix_lens, new_lens = case
+    gen = torch.Generator().manual_seed(sum(new_lens))
+    rows = [6, 1, 3, 0, 5][: len(new_lens)]
+    slot_iter = iter(torch.randperm(400, generator=gen)[:120].add(1).tolist())
+    batch = _extend_batch(runner, gen, rows, prefix_lens, new_lens, slot_iter)
+    k_before = [k.clone() for k in runner.kv_pool.k_buffers]
+    eager = runner.forward(batch).clone()
+    k_eager = [k.clone() for k in runner.kv_pool.k_buffers]
+    for k, before in zip(runner.kv_pool.k_buffers, k_before):
+        k.copy_(before)
+    graphs = ExtendGraphRunner(runner, max_bs=8, max_tokens=64, capture=False)
+    key = graphs.bucket_for(batch)
+    assert key is not None and key[0] >= len(rows) and key[1] >= len(batch.input_ids)
+    padded = graphs.run(batch, key)
+    torch.testing.assert_close(padded, eager, rtol=1e-5, atol=1e-5)
+    for after, want in zip(runner.kv_pool.k_buffers, k_eager):
+        torch.testing.assert_close(after[1:], want[1:])  # only the reserved slot 0 may differ
+
+
+def test_extend_graphs_take_only_what_they_can_replay(runner):
+    gen = torch.Generator().manual_seed(9)
+    slot_iter = iter(torch.randperm(400, generator=gen)[:200].add(1).tolist())
+    graphs = ExtendGraphRunner(runner, max_bs=4, max_tokens=32, capture=False)
+    assert graphs.bucket_for(_extend_batch(runner, gen, [0, 1], [0, 0], [3, 4], slot_iter)) == (2, 16, 15)
+    assert graphs.bucket_for(_extend_batch(runner, gen, [0], [0], [40], slot_iter)) is None  # too many tokens
+    assert graphs.bucket_for(_extend_batch(runner, gen, list(range(5)), [0] * 5, [1] * 5, slot_iter)) is None
+    wants_prompt_logits = _extend_batch(runner, gen, [2], [0], [6], slot_iter)
+    wants_prompt_logits.logit_rows = [3, 4, 5]  # input logprobs: not the last token only
+    assert graphs.bucket_for(wants_prompt_logits) is None
+    # a chunk that wants no logits at all (a middle chunk of a long prompt) still replays
+    middle = _extend_batch(runner, gen, [3], [0], [10], slot_iter, logits_at_last=False)
+    key = graphs.bucket_for(middle)
+    assert key is not None and graphs.run(middle, key).shape[0] == 0
+
+
+def test_extend_buckets_bound_the_longest_extend():
+    buckets = extend_buckets(256, 512)
+    assert (1, 16, 16) in buckets and (256, 512, 384) in buckets
+    for bs, tokens, longest in buckets:
+        # a batch taking this bucket has more requests than the next smaller count, each >= 1 token
+        smaller = max([b for b, t, _ in buckets if t == tokens and b < bs], default=0)
+        assert longest == tokens - smaller and bs <= tokens
 
 
 def test_batch_size_ladder():

@@ -77,15 +77,23 @@ class ModelRunner:
             opts.max_running_requests + 1,
             cfg.context_len,
         )
-        self.graph_runner = None
+        self.graph_runner = self.extend_graphs = None
         if self.device.type == "cuda" and not opts.disable_cuda_graph:
-            from radixlm.core.engine.cuda_graph_runner import DecodeGraphRunner
+            self._capture_graphs(opts)
 
-            try:
-                self.graph_runner = DecodeGraphRunner(self, opts.cuda_graph_max_bs)
-            except Exception:  # a capture failure costs speed, not service: decode runs eagerly
-                logger.exception("CUDA graph capture failed; decoding without CUDA graphs")
-                torch.cuda.synchronize(self.device)
+    def _capture_graphs(self, opts: EngineOptions) -> None:
+        from radixlm.core.engine.cuda_graph_runner import DecodeGraphRunner, ExtendGraphRunner
+
+        pool = torch.cuda.graph_pool_handle()  # shared: steps never run concurrently
+        try:
+            self.graph_runner = DecodeGraphRunner(self, opts.cuda_graph_max_bs, pool=pool)
+            if opts.cuda_graph_max_extend_tokens:
+                self.extend_graphs = ExtendGraphRunner(self, min(opts.cuda_graph_max_bs, 256),
+                                                       opts.cuda_graph_max_extend_tokens, pool=pool)
+        except Exception:  # a capture failure costs speed, not service: what failed runs eagerly
+            logger.exception("CUDA graph capture failed; running %s eagerly",
+                             "extends" if self.graph_runner else "every step")
+            torch.cuda.synchronize(self.device)
 
     def _kv_bytes_per_token(self) -> int:
         c = self.cfg
@@ -126,6 +134,10 @@ class ModelRunner:
         n = len(batch.rows)
         if batch.is_decode and self.graph_runner is not None and n <= self.graph_runner.max_bs:
             return self.graph_runner.run(batch)
+        if not batch.is_decode and self.extend_graphs is not None:
+            key = self.extend_graphs.bucket_for(batch)
+            if key is not None:
+                return self.extend_graphs.run(batch, key)
         fb, logit_index = self._forward_batch(batch)
         if batch.is_decode:
             self.record_decode_slots(fb)

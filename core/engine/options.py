@@ -36,6 +36,9 @@ class EngineOptions:
     debug_check_invariants: bool = False  # verify the KV slot invariant after every step (slow)
     disable_cuda_graph: bool = False  # CUDA only: run decode eagerly instead of replaying captured graphs
     cuda_graph_max_bs: int | None = None  # largest decode batch captured; default min(max_running_requests, 512)
+    # Extends of at most this many tokens (and min(cuda_graph_max_bs, 256) requests) replay captured
+    # graphs: the short extends the radix cache and jump-forward leave; 0 runs every extend eagerly.
+    cuda_graph_max_extend_tokens: int = 512
     load_format: str = "auto"  # "auto": safetensors from model_path; "dummy": random weights (benchmarks)
     tp_size: int = 1  # tensor-parallel ranks, one process each (docs/scale_out.md)
     dp_size: int = 1  # data-parallel engine workers behind one cache-aware router (docs/scale_out.md)
@@ -71,6 +74,8 @@ class EngineOptions:
             self.cuda_graph_max_bs = min(self.max_running_requests, 512)
         if self.cuda_graph_max_bs < 1:
             raise InvalidRequestError("cuda_graph_max_bs must be >= 1", "cuda_graph_max_bs")
+        if self.cuda_graph_max_extend_tokens < 0:
+            raise InvalidRequestError("cuda_graph_max_extend_tokens must be >= 0", "cuda_graph_max_extend_tokens")
         if self.load_format not in ("auto", "dummy"):
             raise InvalidRequestError(f"load_format must be 'auto' or 'dummy' (got {self.load_format!r})", "load_format")
         if self.max_total_tokens is not None and self.max_total_tokens < 16:
