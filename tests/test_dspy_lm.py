@@ -1,6 +1,6 @@
-"""SGLangLM as a dspy.BaseLM: OpenAI-shaped responses, usage with cached tokens, n, sampling
-parameters, constrained structured outputs, logprobs, async and threaded calls, history, and the
-server (base_url) path.
+"""SGLangLM as a dspy.LM with a custom engine (DSPy 3.4's contract, no deprecation warning): lm15
+responses, usage with cached tokens, n, sampling parameters, constrained structured outputs, logprobs,
+async and threaded calls, history, and the server (base_url) path.
 
 Oracles: the engine's own greedy output on the prompt rendered independently with the tokenizer's chat
 template; `jsonschema` and `re` for constrained output; the engine's own logprobs."""
@@ -11,6 +11,7 @@ import asyncio
 import json
 import os
 import re
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 
 import jsonschema
@@ -21,13 +22,14 @@ os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # LiteLLM (under 
 
 import dspy  # noqa: E402
 
+from dspy.lm15 import Config, Message, Request, Response  # noqa: E402
+
 from radixlm import Engine  # noqa: E402
 from radixlm.adapters.dspy import SGLangLM  # noqa: E402
 from server_harness import shared_server  # noqa: E402
 
-# DSPy 3.4 warns that BaseLM.forward() subclasses and messages= dicts are deprecated (see docs/dspy.md).
-pytestmark = [pytest.mark.filterwarnings("ignore:Implementing custom LMs:DeprecationWarning"),
-              pytest.mark.filterwarnings("ignore:Passing OpenAI-style message:DeprecationWarning")]
+# DSPy 3.4 deprecates passing OpenAI-style messages= dicts to any LM; these tests still call lm(messages=...).
+pytestmark = pytest.mark.filterwarnings("ignore:Passing OpenAI-style message:DeprecationWarning")
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -51,17 +53,16 @@ def greedy(engine, messages, max_new_tokens, **params) -> str:
                            sampling_params={"max_new_tokens": max_new_tokens, "temperature": 0.0, **params})["text"]
 
 
-def test_prompt_call_is_the_engine_greedy_output_with_openai_shape(engine):
+def test_prompt_call_is_the_engine_greedy_output_as_an_lm15_response(engine):
     lm = SGLangLM(engine=engine, temperature=0.0, max_tokens=8)
     assert lm.model == engine.served_model_name and lm.model_type == "chat"
     expected = greedy(engine, [{"role": "user", "content": "Hello there"}], 8)
     assert lm("Hello there") == [expected]
     entry = lm.history[-1]
-    response = entry["response"]
-    assert response["object"] == "chat.completion" and response["model"] == lm.model
-    choice = response["choices"][0]
-    assert choice["message"] == {"role": "assistant", "content": expected}
-    assert choice["finish_reason"] == "length"
+    response = entry["response"]  # what the engine answered, as DSPy records it
+    assert isinstance(response, Response) and response.model == lm.model
+    assert response.message.role == "assistant" and response.text == expected
+    assert response.finish_reason == "length"
     usage = entry["usage"]
     prompt_tokens = len(render(engine, [{"role": "user", "content": "Hello there"}]))
     assert usage["prompt_tokens"] == prompt_tokens and usage["completion_tokens"] == 8
@@ -70,6 +71,19 @@ def test_prompt_call_is_the_engine_greedy_output_with_openai_shape(engine):
     # The same prompt again: everything but the last prompt token comes from the radix cache.
     lm("Hello there")
     assert lm.history[-1]["usage"]["prompt_tokens_details"]["cached_tokens"] >= prompt_tokens - 1
+
+
+def test_no_deprecation_warning_on_any_path(engine):
+    # DSPy 3.4 warns on every call of an LM that implements BaseLM.forward/aforward; SGLangLM gives
+    # dspy.LM an engine instead, on the direct, async and module paths alike.
+    lm = SGLangLM(engine=engine, temperature=0.0, max_tokens=80, max_field_chars=4)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        lm("Hello")
+        asyncio.run(lm.acall("Hello"))
+        with dspy.context(lm=lm):
+            assert dspy.Predict("question -> answer")(question="Why?").answer
+    assert [str(w.message) for w in caught if issubclass(w.category, DeprecationWarning)] == []
 
 
 def test_messages_and_per_call_parameters(engine):
@@ -83,7 +97,7 @@ def test_messages_and_per_call_parameters(engine):
     out = lm(messages=messages, temperature=0.0, max_tokens=12, stop=[stop])
     assert out == [greedy(engine, plain, 12, stop=[stop])]
     assert out[0] == first[:first.index(stop)]
-    assert lm.history[-1]["response"]["choices"][0]["finish_reason"] == "stop"
+    assert lm.history[-1]["response"].finish_reason == "stop"
 
 
 def test_n_samples_share_the_prompt(engine):
@@ -91,12 +105,14 @@ def test_n_samples_share_the_prompt(engine):
     messages = [{"role": "user", "content": "Tell me three things"}]
     outs = lm(messages=messages, n=3, temperature=1.0)
     assert len(outs) == 3 and all(isinstance(o, str) for o in outs)
+    assert len(set(outs)) > 1  # three samples, not one answer thrice
     usage = lm.history[-1]["usage"]
     prompt_tokens = len(render(engine, messages))
-    assert usage["prompt_tokens"] == prompt_tokens  # counted once, as OpenAI does
+    # DSPy 3.4 asks a custom engine for n answers as n requests, one after another, and sums their usage.
+    assert usage["prompt_tokens"] == 3 * prompt_tokens
     assert 3 <= usage["completion_tokens"] <= 18  # a sample may end early, on the end-of-turn token
-    # The fork pre-filled the prompt once; the samples found it in the radix cache.
-    assert usage["prompt_tokens_details"]["cached_tokens"] >= prompt_tokens - 1
+    # The second and third requests found the whole prompt in the radix cache.
+    assert usage["prompt_tokens_details"]["cached_tokens"] >= 2 * (prompt_tokens - 1)
     with pytest.raises(ValueError, match="n must be a positive integer"):
         lm("x", n=0)
 
@@ -104,7 +120,7 @@ def test_n_samples_share_the_prompt(engine):
 def test_structured_outputs_by_constrained_decoding(engine):
     lm = SGLangLM(engine=engine, temperature=0.0, max_tokens=120, max_field_chars=12)
     assert lm.supports_response_schema and "response_format" in lm.supported_params
-    assert {"regex", "json_schema"} <= lm.supported_params
+    assert not {"regex", "json_schema"} & lm.supported_params  # Request extensions, not call parameters
 
     class City(pydantic.BaseModel):
         name: str
@@ -121,31 +137,49 @@ def test_structured_outputs_by_constrained_decoding(engine):
     out = lm("Tag it.", response_format={"type": "json_schema", "json_schema": {"name": "t", "schema": schema}})[0]
     jsonschema.validate(json.loads(out), schema)
     assert isinstance(json.loads(lm("Any object.", response_format={"type": "json_object"})[0]), dict)
-    assert re.fullmatch(r"[a-z]{2,6}-[0-9]{3}", lm("An id.", regex=r"[a-z]{2,6}-[0-9]{3}")[0])
+    # The engine's own regex / json_schema: DSPy carries them only in an explicit Request's extensions.
+    request = Request(model=lm.model, messages=(Message.user("An id."),),
+                      config=Config(max_tokens=20, extensions={"regex": r"[a-z]{2,6}-[0-9]{3}"}))
+    assert re.fullmatch(r"[a-z]{2,6}-[0-9]{3}", lm(request).text)
+    request = Request(model=lm.model, messages=(Message.user("Tag it."),),
+                      config=Config(max_tokens=120, extensions={"json_schema": schema}))
+    jsonschema.validate(json.loads(lm(request).text), schema)
     assert lm("Plain.", response_format={"type": "text"}, max_tokens=3) == [
         greedy(engine, [{"role": "user", "content": "Plain."}], 3)]
 
 
 def test_unsupported_requests_are_refused(engine):
     lm = SGLangLM(engine=engine, max_tokens=4)
-    with pytest.raises(ValueError, match="does not support"):
+
+    def request(**extensions):
+        return Request(model=lm.model, messages=(Message.user("x"),), config=Config(extensions=extensions))
+
+    # Refused by the engine: DSPy raises them as its LMError kinds, the engine's error as the cause.
+    with pytest.raises(dspy.LMUnsupportedFeatureError, match="does not support"):
         lm("x", tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}])
+    with pytest.raises(dspy.LMUnsupportedFeatureError, match="does not support"):
+        lm("x", seed=3)
+    with pytest.raises(dspy.LMUnsupportedFeatureError, match="text content only"):
+        lm(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/a.png"}}]}])
+    with pytest.raises(dspy.LMInvalidRequestError, match="at most one of"):
+        lm(request(regex="a", json_schema={"type": "string"}))
+    with pytest.raises(dspy.LMInvalidRequestError, match="invalid regex"):  # the engine's own validation
+        lm(request(regex="(unclosed"))
+    # Refused by DSPy before the engine is asked, or by the constructor.
+    with pytest.raises(dspy.LMUnsupportedFeatureError, match="'regex' cannot be carried"):
+        lm("x", regex="a")
+    with pytest.raises(ValueError, match="requires logprobs"):
+        lm("x", top_logprobs=2)
+    with pytest.raises(ValueError, match="temperature"):
+        lm("x", temperature=-1.0)
     with pytest.raises(ValueError, match="does not support"):
         SGLangLM(engine=engine, seed=3)
+    with pytest.raises(ValueError, match="explicit dspy.lm15.Request"):
+        SGLangLM(engine=engine, regex="a")
     with pytest.raises(ValueError, match="exactly one of"):
         SGLangLM()
     with pytest.raises(ValueError, match="not served here"):
         SGLangLM(engine=engine, model="some-other-model")
-    with pytest.raises(ValueError, match="text content only"):
-        lm(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}])
-    with pytest.raises(ValueError, match="at most one of"):
-        lm("x", regex="a", json_schema={"type": "string"})
-    with pytest.raises(ValueError, match="needs logprobs"):
-        lm("x", top_logprobs=2)
-    with pytest.raises(ValueError, match="temperature"):
-        lm("x", temperature=-1.0)
-    with pytest.raises(ValueError, match="invalid regex"):  # the engine's own validation
-        lm("x", regex="(unclosed")
     assert lm("still serving", temperature=0.0) == [greedy(engine, [{"role": "user", "content": "still serving"}], 4)]
 
 

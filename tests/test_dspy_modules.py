@@ -34,8 +34,6 @@ from radixlm.adapters.dspy.program import CallBatcher, Sample  # noqa: E402
 from radixlm.core.program.interpreter import resolve_backend  # noqa: E402
 from radixlm.core.program.ir import GenParams  # noqa: E402
 
-pytestmark = pytest.mark.filterwarnings("ignore:Implementing custom LMs:DeprecationWarning")
-
 ADAPTERS = [pytest.param(dspy.ChatAdapter, id="chat"), pytest.param(dspy.JSONAdapter, id="json")]
 
 
@@ -79,7 +77,7 @@ SAMPLE = dict(text="hello world\nsecond [line]", count=12, ok=True, label="no", 
 
 
 def raw_reply(entry: dict[str, Any]) -> str:
-    return entry["response"]["choices"][0]["message"]["content"]
+    return entry["response"].text
 
 
 def assert_reply_format(adapter: type, signature: Any, reply: str) -> None:

@@ -85,11 +85,11 @@ def test_tool_call_has_openai_shape():
     assert tool_call("add", '{"a": 1,').get("function")["arguments"] == '{"a": 1,'  # text is kept as written
 
 
-JSON_VALUES = st.recursive(st.none() | st.booleans() | st.integers() | st.text(max_size=5),
-                           lambda inner: st.lists(inner, max_size=2) | st.dictionaries(st.text(max_size=3), inner, max_size=2),
-                           max_leaves=4)
-CALLS = st.lists(st.tuples(st.sampled_from(sorted(PARAMETERS)), st.dictionaries(st.text(max_size=4), JSON_VALUES,
-                                                                                max_size=3)), min_size=1, max_size=3)
+JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.text(max_size=5),
+    lambda inner: st.lists(inner, max_size=2) | st.dictionaries(st.text(max_size=3), inner, max_size=2), max_leaves=4)
+ARGUMENTS = st.dictionaries(st.text(max_size=4), JSON_VALUES, max_size=3)
+CALLS = st.lists(st.tuples(st.sampled_from(sorted(PARAMETERS)), ARGUMENTS), min_size=1, max_size=3)
 
 
 @settings(max_examples=60, deadline=None)

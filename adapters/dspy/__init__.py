@@ -1,4 +1,4 @@
-"""radixlm.adapters.dspy: `SGLangLM`, a dspy.BaseLM on radixlm, whose calls run as fork/join programs
+"""radixlm.adapters.dspy: `SGLangLM`, a dspy.LM on radixlm, whose calls run as fork/join programs
 (program.py) with replies constrained to the calling DSPy adapter's format (formats.py). See docs/dspy.md."""
 
 from radixlm.adapters.dspy.formats import chat_regex, format_for_call, json_schema

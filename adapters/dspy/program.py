@@ -1,8 +1,8 @@
 """DSPy LM calls as one fork/join program.
 
-The calls that a DSPy module makes together (`Module.batch`, `dspy.Parallel`, `n` samples) share a
-prefix: the same instructions and demos, a different input at the end. They become one program of
-the program model (core.program), shaped as the prefix tree of their messages:
+The calls that a DSPy module makes together (`Module.batch`, `dspy.Parallel`) share a prefix: the
+same instructions and demos, a different input at the end. They become one program of the program
+model (core.program), shaped as the prefix tree of their messages:
 
     root stream: the messages every call starts with (system prompt, demos)
     fork(k):     one branch per next message that differs
