@@ -270,6 +270,33 @@ def test_seeded_draws_follow_the_distribution_and_vary_by_position():
     assert torch.allclose(freq, torch.full((8,), 1 / 8), atol=0.07)
 
 
+def test_seeded_noise_is_never_zero():
+    """-log(u) must stay > 0 for every 32-bit hash value: a zero would make a banned token's 0 / 0 a NaN,
+    which argmax picks (a constrained request then samples a forbidden token)."""
+    from radixlm.core.engine.sampler import unit_interval
+
+    extremes = torch.tensor([0, 1, 511, 512, (1 << 32) - 513, (1 << 32) - 1], dtype=torch.int64)
+    u = unit_interval(extremes)
+    assert bool((u > 0).all() and (u < 1).all()) and bool((-torch.log(u) > 0).all())
+
+
+def test_masked_sampling_never_leaves_the_mask():
+    """A batch of seeded and unseeded rows with most of a large vocabulary banned, over many draws."""
+    vocab, rows = 50_000, 8
+    gen = torch.Generator().manual_seed(5)
+    sampler = Sampler(vocab, [], torch.Generator().manual_seed(0))
+    allowed = torch.zeros(rows, vocab, dtype=torch.bool)
+    for i in range(rows):
+        allowed[i, torch.randperm(vocab, generator=gen)[:3]] = True
+    reqs = [make_req(temperature=1.5, seed=i if i % 2 else None) for i in range(rows)]
+    for step in range(60):
+        logits = torch.randn(rows, vocab, generator=gen) * 4
+        tokens = sampler.sample(logits, reqs, list(allowed)).token_ids
+        assert all(bool(allowed[i, t]) for i, t in enumerate(tokens)), step
+        for r, t in zip(reqs, tokens):
+            r.output_ids.append(t)
+
+
 def test_adjustments_still_apply_next_to_the_fast_path():
     """A batch where one request has a bias takes the full path; the others are unaffected."""
     logits = torch.zeros(3, 10)

@@ -166,8 +166,13 @@ def _hash_uniform(keys: torch.Tensor, vocab: int) -> torch.Tensor:
     x = (keys[:, None] + ids[None, :] * 0x9E3779B1) & _M32
     for _ in range(2):
         x = ((x ^ (x >> 16)) * 0x045D9F3B) & _M32
-    x = x ^ (x >> 16)
-    return ((x >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+    return unit_interval(x ^ (x >> 16))
+
+
+def unit_interval(bits: torch.Tensor) -> torch.Tensor:
+    """32-bit integers to float32 in (0, 1), both ends excluded: the top 23 bits, centred. (With 24
+    bits the largest value rounds up to 1.0, whose -log is a zero noise: 0 / 0 for a banned token.)"""
+    return ((bits >> 9).to(torch.float32) + 0.5) * (1.0 / (1 << 23))
 
 
 def _device_tensor(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
