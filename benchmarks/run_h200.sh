@@ -8,6 +8,8 @@
 #   RUN_GPU_CHECK=0 RUN_ENGINE_BENCH=0 RUN_WORKLOADS=1 \
 #     CONSTRAINED_ARGS="--model llama3-8b-shape --batch 1 64 --max-new-tokens 128" bash benchmarks/run_h200.sh
 #                                   # the fourth run: constrained e2e on the 8B shape + the paper workloads
+#   RUN_GPU_CHECK=0 RUN_ENGINE_BENCH=0 RUN_CONSTRAINED=0 RUN_WORKLOADS=1 bash benchmarks/run_h200.sh
+#                                   # the paper workloads alone, under 8 minutes (carry .whl for dspy_rag)
 #
 # Each step has its own time limit (seconds, overridable) so that one hang cannot eat the others.
 set -u -o pipefail
@@ -17,6 +19,13 @@ mkdir -p "$OUT"
 # The repository root is the package radixlm: make it importable without installing.
 mkdir -p /tmp/p && ln -sfn "$PWD" /tmp/p/radixlm
 export PYTHONPATH=/tmp/p${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+# Python packages the image lacks (DSPy and the dependencies it imports, for the dspy_rag workload),
+# carried as wheels in .whl (docs/benchmarks.md says which): installed to /tmp/site, which PYTHONPATH
+# puts before the image's site-packages.
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site:$PYTHONPATH
+fi
 # Pre-built tokenizer files the constrained benchmark would otherwise build from packages absent there.
 if [ -d .gpu_carry ]; then export RADIXLM_CACHE=$PWD/.gpu_carry; fi
 
@@ -24,6 +33,7 @@ if [ -d .gpu_carry ]; then export RADIXLM_CACHE=$PWD/.gpu_carry; fi
   date -u
   nvidia-smi --query-gpu=name,memory.total,memory.used,clocks.sm,clocks.mem,power.draw,temperature.gpu --format=csv
   python3 -c 'import torch, triton, transformers; print("torch", torch.__version__, "triton", triton.__version__, "transformers", transformers.__version__)'
+  python3 -c 'import dspy; print("dspy", dspy.__version__, "from", dspy.__file__)' || echo "no dspy: dspy_rag is skipped"
   nproc
 } 2>&1 | tee "$OUT/env.txt"
 
@@ -47,9 +57,13 @@ if [ "${RUN_CONSTRAINED:-1}" = 1 ] && [ -f benchmarks/bench_constrained.py ]; th
   echo "bench_constrained exit ${PIPESTATUS[0]}" | tee -a "$OUT/env.txt"
 fi
 if [ "${RUN_WORKLOADS:-0}" = 1 ]; then
-  timeout "${WORKLOADS_S:-400}" python3 benchmarks/bench_workloads.py --model llama3-8b-shape \
-    --time-limit-s "${WORKLOADS_LIMIT_S:-300}" --out "$OUT/workloads.json" --markdown "$OUT/workloads.md" \
-    --plot-dir "$OUT" 2>&1 | tee "$OUT/workloads.log"
+  # The preset stops starting measurements 455 s after the script starts (WORKLOADS_LIMIT_S overrides)
+  # and rewrites workloads.json and .md after each, so the hard stop at WORKLOADS_S loses at most the
+  # measurement in progress and the charts.
+  # shellcheck disable=SC2086  # WORKLOADS_ARGS is a list of flags
+  timeout "${WORKLOADS_S:-480}" python3 benchmarks/bench_workloads.py --model llama3-8b-shape \
+    ${WORKLOADS_LIMIT_S:+--time-limit-s "$WORKLOADS_LIMIT_S"} ${WORKLOADS_ARGS:-} --out "$OUT/workloads.json" \
+    --markdown "$OUT/workloads.md" --plot-dir "$OUT" 2>&1 | tee "$OUT/workloads.log"
   echo "bench_workloads exit ${PIPESTATUS[0]}" | tee -a "$OUT/env.txt"
 fi
 nvidia-smi --query-gpu=clocks.sm,clocks.mem,power.draw,temperature.gpu --format=csv 2>&1 | tee -a "$OUT/env.txt"

@@ -1,6 +1,8 @@
 """benchmarks/bench_workloads.py in its CPU mode (--model tiny), the mode CI runs: every paper workload
-on every system, the result file's structure, and the cache hit rate against the optimal one; plus
-the optimal-hit-rate replay against a brute-force count."""
+on every system, the result file's structure, the cache hit rate against the optimal one, the batch
+counts (requests in flight, decode batches) against the engine's limits and counters, and the model-free
+profile against the requests the engine saw; the time limit and the 8B preset's estimate without a
+GPU; plus the optimal-hit-rate replay against a brute-force count."""
 
 from __future__ import annotations
 
@@ -44,10 +46,12 @@ def test_every_workload_runs_on_every_system(results):
     assert set(results["workloads"]) == expected and not results["skipped_workloads"]
     for name, w in results["workloads"].items():
         assert set(w["systems"]) == set(SYSTEMS), name
+        assert 0 < w["hf_instances"] <= w["instances"], name
         for system, entry in w["systems"].items():
-            assert "error" not in entry and "skipped" not in entry, (name, system, entry)
+            for part in ("throughput", "latency"):
+                assert "error" not in entry[part] and "skipped" not in entry[part], (name, system, entry)
             t = entry["throughput"]
-            assert t["instances"] == w["instances"] > 0
+            assert t["instances"] == (w["hf_instances"] if system == "hf_transformers" else w["instances"]) > 0
             assert t["programs_per_s"] == pytest.approx(t["instances"] / t["seconds"])
             assert t["requests"] >= t["instances"] and t["prompt_tokens"] > 0
             assert entry["latency"]["seconds"] > 0
@@ -73,6 +77,62 @@ def test_cache_hit_rate_is_near_optimal_on_prefix_heavy_workloads(results):
         assert counters["cached_tokens_total"] == ours["cached_tokens"], name
         assert counters["prompt_tokens_total"] == ours["prompt_tokens"], name
         assert w["systems"]["no_radix_cache"]["cache"]["hit_rate"] == 0, name
+
+
+def test_batch_counts_agree_with_the_engine(results):
+    for name, w in results["workloads"].items():
+        for system in SYSTEMS:
+            t = w["systems"][system]["throughput"]
+            flight = t["in_flight"]
+            # every program is in flight at once, and no more requests than the run sent
+            assert 1 <= flight["peak"] <= t["requests"], (name, system, flight)
+            assert 0 < flight["mean"] <= flight["peak"], (name, system, flight)
+            if system == "hf_transformers":
+                continue
+            f, limit = t["forwards"], results["engines"][system]["max_running_requests"]
+            # a request decoding in the engine is inside its generate call: in flight at the interface
+            assert f["peak_decode_batch"] <= min(flight["peak"], limit), (name, system, f)
+            # every decode row samples one token; extend steps sample the rest
+            assert f["decode_rows"] <= t["counters"]["generated_tokens_total"], (name, system, f)
+            assert f["prefill_tokens"] == t["counters"]["prefill_tokens_total"], (name, system, f)
+            if f["decode_steps"]:
+                assert f["mean_decode_batch"] == pytest.approx(f["decode_rows"] / f["decode_steps"])
+
+
+def test_profile_sees_the_requests_the_engine_saw(results):
+    # The model-free profile runs the first min(8, n) instances together: a run of those n instances
+    # sends the same requests per instance, plus run_batch's one prefix hint.
+    for name, w in results["workloads"].items():
+        if name == "dspy_rag":  # DSPy's adapter cannot parse the stand-in's empty replies
+            assert name not in results["profiles"]
+            continue
+        p, t = results["profiles"][name], w["systems"]["radixlm"]["throughput"]
+        assert abs(p["requests"] * t["instances"] - t["requests"]) <= 1, (name, p, t["requests"])
+        assert p["in_flight"] >= 1 and p["depth"] >= 0 and p["output_tokens"] >= 0, (name, p)
+
+
+def test_time_limit_skips_and_estimate_without_a_gpu(tmp_path):
+    """The 8B preset on the CPU: the profiles and the estimate are made, then every measurement is past
+    the limit, so no engine starts and the results file still says what was skipped."""
+    out = tmp_path / "results.json"
+    proc = subprocess.run([sys.executable, str(BENCHMARKS / "bench_workloads.py"), "--model", "llama3-8b-shape",
+                           "--cpu", "--workloads", "mmlu", "hellaswag", "--time-limit-s", "0", "--out", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    r = json.loads(out.read_text())
+    assert r["engines"] == {}
+    for name in ("mmlu", "hellaswag"):
+        systems = r["workloads"][name]["systems"]
+        assert systems["radixlm"]["throughput"] == {"skipped": "time limit"}
+        assert systems["hf_transformers"]["latency"]["skipped"].startswith("not asked")  # off in this preset
+        cells = r["estimate"]["cells"][name]
+        assert set(cells) == set(SYSTEMS)
+        assert all(v > 0 for c in cells.values() for v in c.values())
+    # prefix sharing: without the cache the engine computes more
+    mmlu = r["estimate"]["cells"]["mmlu"]
+    assert mmlu["no_radix_cache"]["throughput"] > mmlu["radixlm"]["throughput"]
+    assert r["estimate"]["total_s"] > sum(step["seconds"] for step in r["estimate"]["steps"])
+    assert "estimate, in run order: radixlm" in proc.stdout
 
 
 def test_bookkeeping_time_is_measured(results):

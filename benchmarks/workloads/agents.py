@@ -51,7 +51,7 @@ REACT = program_workload(
     react,
     sizes={"tiny": {"demos": 1, "steps": 2, "observation_sentences": 1, "thought_tokens": 4, "action_tokens": 3},
            "gpu": {"demos": 2, "steps": 3, "observation_sentences": 2, "thought_tokens": 24, "action_tokens": 8}},
-    instances={"tiny": 4, "gpu": 8}, make_args=react_args)
+    instances={"tiny": 4, "gpu": 128}, hf_instances={"gpu": 8}, make_args=react_args)
 
 
 @sgl.function
@@ -89,4 +89,5 @@ GENERATIVE_AGENTS = program_workload(
                     "reply_tokens": 4},
            "gpu": {"agents": 4, "world_sentences": 12, "profile_sentences": 10, "short_tokens": 2,
                    "reply_tokens": 16}},
-    instances={"tiny": 6, "gpu": 24}, make_args=generative_agents_args)
+    instances={"tiny": 6, "gpu": 128}, hf_instances={"gpu": 24},
+    make_args=generative_agents_args)

@@ -45,7 +45,7 @@ TREE_OF_THOUGHT = program_workload(
     "tree_of_thought", "Tree-of-thought: two levels of nested forks, select at the leaves", tree_of_thought,
     sizes={"tiny": {"instruction_sentences": 2, "question_sentences": 1, "breadth": 2, "thought_tokens": 4},
            "gpu": {"instruction_sentences": 4, "question_sentences": 2, "breadth": 3, "thought_tokens": 24}},
-    instances={"tiny": 3, "gpu": 4}, make_args=tree_of_thought_args)
+    instances={"tiny": 3, "gpu": 32}, hf_instances={"gpu": 4}, make_args=tree_of_thought_args)
 
 
 @sgl.function
@@ -72,7 +72,7 @@ SKELETON_OF_THOUGHT = program_workload(
     skeleton_of_thought,
     sizes={"tiny": {"instruction_sentences": 2, "points": 3, "skeleton_tokens": 6, "point_tokens": 5},
            "gpu": {"instruction_sentences": 10, "points": 5, "skeleton_tokens": 32, "point_tokens": 48}},
-    instances={"tiny": 4, "gpu": 24}, make_args=skeleton_of_thought_args)
+    instances={"tiny": 4, "gpu": 52}, hf_instances={"gpu": 12}, make_args=skeleton_of_thought_args)
 
 
 @sgl.function
@@ -100,4 +100,4 @@ LLM_JUDGE = program_workload(
     llm_judge,
     sizes={"tiny": {"instruction_sentences": 2, "answer_sentences": 3, "dimensions": 3, "explanation_tokens": 4},
            "gpu": {"instruction_sentences": 8, "answer_sentences": 8, "dimensions": 6, "explanation_tokens": 24}},
-    instances={"tiny": 4, "gpu": 10}, make_args=llm_judge_args)
+    instances={"tiny": 4, "gpu": 44}, hf_instances={"gpu": 10}, make_args=llm_judge_args)

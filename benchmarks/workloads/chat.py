@@ -31,10 +31,10 @@ CHAT_SHORT = program_workload(
     "chat_short", "Multi-turn chat, short answers", multi_turn_chat,
     sizes={"tiny": {"system_sentences": 3, "question_sentences": 1, "turns": 3, "answer_tokens": 3},
            "gpu": {"system_sentences": 8, "question_sentences": 8, "turns": 4, "answer_tokens": 8}},
-    instances={"tiny": 4, "gpu": 20}, make_args=_chat_args)
+    instances={"tiny": 4, "gpu": 256}, hf_instances={"gpu": 20}, make_args=_chat_args)
 
 CHAT_LONG = program_workload(
     "chat_long", "Multi-turn chat, long answers", multi_turn_chat,
     sizes={"tiny": {"system_sentences": 3, "question_sentences": 1, "turns": 2, "answer_tokens": 12},
            "gpu": {"system_sentences": 8, "question_sentences": 8, "turns": 2, "answer_tokens": 64}},
-    instances={"tiny": 3, "gpu": 24}, make_args=_chat_args)
+    instances={"tiny": 3, "gpu": 256}, hf_instances={"gpu": 24}, make_args=_chat_args)

@@ -51,12 +51,16 @@ class Workload:
     `make_args(n, size, rng)` builds the arguments of n program instances for the size preset `size`
     (a dict of lengths). `run_one(backend, args)` runs one instance to completion; `run_batch(backend,
     batch)` runs all of them at once (run_batch with every program in flight). Both take any object
-    the program model accepts as a backend: a radixlm.Engine or an engine-shaped peer."""
+    the program model accepts as a backend: a radixlm.Engine or an engine-shaped peer.
+
+    `instances` sizes the radixlm systems' throughput runs; `hf_instances` the HF peer's, which runs
+    the first that many of the same instances (a preset missing there: all of them)."""
 
     name: str
     description: str
     sizes: dict[str, dict[str, Any]]  # preset name ("tiny", "gpu") -> lengths
     instances: dict[str, int]  # preset name -> default number of program instances
+    hf_instances: dict[str, int]  # preset name -> instances the HF peer runs (missing: all)
     make_args: Callable[[int, dict[str, Any], random.Random], list[dict[str, Any]]]
     run_one: Callable[[Any, dict[str, Any]], Any]
     run_batch: Callable[[Any, list[dict[str, Any]]], list[Any]]
@@ -65,7 +69,7 @@ class Workload:
 
 
 def program_workload(name: str, description: str, program: Any, sizes: dict[str, dict[str, Any]],
-                     instances: dict[str, int],
+                     instances: dict[str, int], hf_instances: dict[str, int],
                      make_args: Callable[[int, dict[str, Any], random.Random], list[dict[str, Any]]],
                      prefix_heavy: bool = True) -> Workload:
     """A workload that is one @sgl.function, run with run / run_batch."""
@@ -82,7 +86,7 @@ def program_workload(name: str, description: str, program: Any, sizes: dict[str,
             _raise_error(state)
         return states
 
-    return Workload(name, description, sizes, instances, make_args, run_one, run_batch, prefix_heavy)
+    return Workload(name, description, sizes, instances, hf_instances, make_args, run_one, run_batch, prefix_heavy)
 
 
 def _raise_error(state: Any) -> None:

@@ -27,4 +27,4 @@ CONTROL = program_workload(
     "control", "Control: no sharing, random prompt and output lengths", control,
     sizes={"tiny": {"prompt_words": (10, 60), "output_tokens": (4, 12)},
            "gpu": {"prompt_words": (100, 600), "output_tokens": (16, 96)}},
-    instances={"tiny": 8, "gpu": 64}, make_args=control_args, prefix_heavy=False)
+    instances={"tiny": 8, "gpu": 256}, hf_instances={"gpu": 64}, make_args=control_args, prefix_heavy=False)

@@ -92,5 +92,5 @@ DSPY_RAG = Workload(
                     "max_field_chars": 12},
            "gpu": {"corpus": 64, "passage_sentences": 3, "demos": 3, "k": 3, "max_tokens": 128,
                    "max_field_chars": 64}},
-    instances={"tiny": 3, "gpu": 32}, make_args=make_args, run_one=run_one, run_batch=run_batch,
-    requires=["dspy"])
+    instances={"tiny": 3, "gpu": 128}, hf_instances={"gpu": 32}, make_args=make_args, run_one=run_one,
+    run_batch=run_batch, requires=["dspy"])

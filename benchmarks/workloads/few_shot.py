@@ -45,7 +45,7 @@ MMLU = program_workload(
     "mmlu", "MMLU 5-shot: per-subject five-example prefix, one output token", mmlu,
     sizes={"tiny": {"subjects": 2, "question_words": 6, "option_words": 3},
            "gpu": {"subjects": 4, "question_words": 32, "option_words": 6}},
-    instances={"tiny": 8, "gpu": 64}, make_args=mmlu_args)
+    instances={"tiny": 8, "gpu": 256}, hf_instances={"gpu": 64}, make_args=mmlu_args)
 
 
 @sgl.function
@@ -72,4 +72,4 @@ HELLASWAG = program_workload(
     "hellaswag", "HellaSwag 20-shot: one shared 20-example prefix, select over 4 endings", hellaswag,
     sizes={"tiny": {"context_sentences": 1, "context_words": 6, "ending_words": 4},
            "gpu": {"context_sentences": 2, "context_words": 10, "ending_words": 8}},
-    instances={"tiny": 4, "gpu": 16}, make_args=hellaswag_args)
+    instances={"tiny": 4, "gpu": 64}, hf_instances={"gpu": 16}, make_args=hellaswag_args)

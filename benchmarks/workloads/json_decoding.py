@@ -54,4 +54,4 @@ JSON_DECODING = program_workload(
     json_decode,
     sizes={"tiny": {"document_sentences": 2, "field_tokens": 12},
            "gpu": {"document_sentences": 12, "field_tokens": 12}},
-    instances={"tiny": 4, "gpu": 12}, make_args=json_args)
+    instances={"tiny": 4, "gpu": 128}, hf_instances={"gpu": 12}, make_args=json_args)

@@ -1,10 +1,13 @@
 """Records what a run sends to an engine, and the cache hit rate the run could have had at best.
 
 `RecordingEngine` wraps an Engine (or an engine-shaped peer) and keeps every generate call with its
-outputs, in arrival order. `optimal_hit_rate` replays those requests through a plain trie, written
-here independently of the radix cache: with unlimited memory and every shared prefix computed exactly
-once, a request can reuse the longest prefix of its prompt that an earlier request computed (its
-prompt and all but its last generated token, whose KV is never computed). As in the engine, the last
+outputs, in arrival order, and counts the requests in flight (inside a generate call: a call with a
+list of prompts counts one per prompt): the peak, and the time-weighted mean.
+
+`optimal_hit_rate` replays the recorded requests through a plain trie, written here independently
+of the radix cache: with unlimited memory and every shared prefix computed exactly once, a request
+can reuse the longest prefix of its prompt that an earlier request computed (its prompt and all but
+its last generated token, whose KV is never computed). As in the engine, the last
 prompt token is always computed (its logits give the first output token), and so is every prompt
 position whose logprob was asked for (select scores choices from them).
 """
@@ -13,6 +16,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,16 +37,45 @@ class RecordingEngine:
         self._order = itertools.count()
         self._lock = threading.Lock()
         self._calls: list[tuple[int, dict[str, Any], Any]] = []
+        self._in_flight = 0
+        self._peak = 0
+        self._area = 0.0  # integral of the in-flight count over time, since the last take
+        self._since = self._changed = time.perf_counter()
 
     def generate(self, prompt: Any = None, sampling_params: Any = None, input_ids: Any = None,
                  return_logprob: bool = False, logprob_start_len: int | None = None, **kwargs: Any) -> Any:
         order = next(self._order)  # arrival order (itertools.count is atomic under the GIL)
-        out = self._engine.generate(prompt=prompt, sampling_params=sampling_params, input_ids=input_ids,
-                                    return_logprob=return_logprob, logprob_start_len=logprob_start_len, **kwargs)
+        if prompt is not None:
+            count = len(prompt) if isinstance(prompt, list) else 1
+        else:
+            count = len(input_ids) if input_ids and isinstance(input_ids[0], list) else 1
+        self._add_in_flight(count)
+        try:
+            out = self._engine.generate(prompt=prompt, sampling_params=sampling_params, input_ids=input_ids,
+                                        return_logprob=return_logprob, logprob_start_len=logprob_start_len, **kwargs)
+        finally:
+            self._add_in_flight(-count)
         call = {"prompt": prompt, "input_ids": input_ids,
                 "logprob_start_len": (logprob_start_len or 0) if return_logprob else None}
         with self._lock:
             self._calls.append((order, call, out))
+        return out
+
+    def _add_in_flight(self, delta: int) -> None:
+        with self._lock:
+            now = time.perf_counter()
+            self._area += self._in_flight * (now - self._changed)
+            self._changed = now
+            self._in_flight += delta
+            self._peak = max(self._peak, self._in_flight)
+
+    def take_in_flight(self) -> dict[str, float]:
+        """Requests in flight since the last take: the peak, and the mean over the time since then."""
+        with self._lock:
+            now = time.perf_counter()
+            area = self._area + self._in_flight * (now - self._changed)
+            out = {"peak": self._peak, "mean": area / (now - self._since) if now > self._since else 0.0}
+            self._peak, self._area, self._since, self._changed = self._in_flight, 0.0, now, now
         return out
 
     def take_requests(self) -> list[Request]:
@@ -64,6 +97,16 @@ class RecordingEngine:
                 requests.append(Request(list(ids), list(o["output_ids"]), call["logprob_start_len"],
                                         o["meta_info"]["cached_tokens"]))
         return requests
+
+    def take_counts(self) -> dict[str, int]:
+        """What take_requests would count (requests, prompt, output and cached tokens), from the replies
+        alone: no token ids, so nothing to tokenize again."""
+        with self._lock:
+            calls, self._calls = self._calls, []
+        outs = [o for _, _, out in calls for o in (out if isinstance(out, list) else [out])]
+        return {"requests": len(outs), "prompt_tokens": sum(o["meta_info"]["prompt_tokens"] for o in outs),
+                "output_tokens": sum(len(o["output_ids"]) for o in outs),
+                "cached_tokens": sum(o["meta_info"]["cached_tokens"] for o in outs)}
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._engine, name)
