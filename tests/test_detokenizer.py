@@ -53,3 +53,24 @@ def test_stop_string_found_wherever_it_falls(tok, text, start, length):
     assert detok.matched_stop == stop
     assert detok.text == text[: text.index(stop)]
     assert "".join(streamed) == detok.text  # nothing past the stop string was ever streamed
+
+
+@settings(max_examples=80, deadline=None)
+@given(text=TEXTS, skip=st.booleans())
+def test_backend_fast_path_equals_transformers(tok, text, skip):
+    """The Rust-backend encode/decode used per token must give transformers' own results, special
+    tokens included."""
+    from radixlm.core.models.tokenizer_fast_path import decoder_for, encoder_for
+
+    specials = [t for t in (tok.bos_token_id, tok.eos_token_id) if t is not None]
+    assert encoder_for(tok)(text) == tok.encode(text, add_special_tokens=False)
+    ids = specials[:1] + tok.encode(text, add_special_tokens=False) + specials[-1:]
+    assert decoder_for(tok)(ids, skip) == tok.decode(ids, skip_special_tokens=skip)
+
+
+def test_fast_path_steps_aside_when_transformers_would_clean_up(tok):
+    from radixlm.core.models.tokenizer_fast_path import decoder_for
+
+    tok2 = AutoTokenizer.from_pretrained(tok.name_or_path, clean_up_tokenization_spaces=True)
+    ids = tok2.encode("a , b .", add_special_tokens=False)
+    assert decoder_for(tok2)(ids, True) == tok2.decode(ids, skip_special_tokens=True)

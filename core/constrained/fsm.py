@@ -10,6 +10,7 @@ import torch
 from radixlm.core.constrained.index import TokenIndex, get_index
 from radixlm.core.constrained.json_schema import json_schema_to_regex
 from radixlm.core.constrained.vocab import vocab_of
+from radixlm.core.models.tokenizer_fast_path import encoder_for
 
 KINDS = ("regex", "json_schema", "choices")
 
@@ -73,7 +74,7 @@ class FSMConstraint:
                 k, tail = n, candidate
                 break
         text = tail.decode() + forced
-        full = list(tokenizer.encode(text, add_special_tokens=False))
+        full = encoder_for(tokenizer)(text)
         if any(not 0 <= t < len(tb) for t in full) or b"".join(tb[t] for t in full) != text.encode():
             return None  # a normalizer changed the text, or a tokenizer without byte tokens lost some
         same = 0  # leading re-tokenized tokens equal to the ones already there need no replacing

@@ -54,11 +54,13 @@ def apply_token_masks(
         raise ValueError("masks of one batch must be all bool or all packed")
     if not rescue_banned_rows and masks[rows[0]].dtype == torch.int32:
         # One [B, words] bitmask (unconstrained rows all ones), one small copy, one kernel.
-        host = torch.full((logits.shape[0], masks[rows[0]].shape[0]), -1, dtype=torch.int32)
+        # Pinned, so the copy stays asynchronous: from pageable memory CUDA may first wait for the
+        # stream, i.e. for the forward pass this step's sampling is queued behind.
+        host = torch.full((logits.shape[0], masks[rows[0]].shape[0]), -1, dtype=torch.int32, pin_memory=True)
         host[rows] = torch.stack([masks[i] for i in rows])
         get_ops(logits.device).apply_token_bitmask(logits, host.to(logits.device, non_blocking=True))
         return logits
-    stacked = torch.stack([masks[i] for i in rows]).to(logits.device, non_blocking=True)
+    stacked = torch.stack([masks[i] for i in rows]).pin_memory().to(logits.device, non_blocking=True)
     allowed = stacked if stacked.dtype == torch.bool else unpack_bitmask(stacked, vocab_size)
     whole = len(rows) == logits.shape[0]
     index = None if whole else torch.tensor(rows, device=logits.device)

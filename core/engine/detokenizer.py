@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from radixlm.core.models.tokenizer_fast_path import decoder_for
+
 # Decoding restarts from a few tokens back so that tokenizers whose pieces depend on their left
 # neighbour (SentencePiece spaces, byte-level multi-byte characters) decode the same as in one go.
 _CONTEXT_TOKENS = 6
@@ -14,7 +16,7 @@ class IncrementalDetokenizer:
         only records ids and `flush` decodes the whole output once (two tokenizer calls per token saved)."""
         assert not (lazy and stop), "stop strings are found incrementally"
         self.lazy = lazy
-        self.tokenizer = tokenizer
+        self._decoder = decoder_for(tokenizer)
         self.skip_special_tokens = skip_special_tokens
         self.stop = stop
         self.no_stop_trim = no_stop_trim
@@ -26,7 +28,7 @@ class IncrementalDetokenizer:
         self.matched_stop: str | None = None
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+        return self._decoder(ids, self.skip_special_tokens)
 
     def add(self, token_id: int, check_stop: bool = True) -> str | None:
         """Feeds one token. Returns the matched stop string when one now appears in the text, else None.
