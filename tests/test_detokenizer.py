@@ -74,3 +74,18 @@ def test_fast_path_steps_aside_when_transformers_would_clean_up(tok):
     tok2 = AutoTokenizer.from_pretrained(tok.name_or_path, clean_up_tokenization_spaces=True)
     ids = tok2.encode("a , b .", add_special_tokens=False)
     assert decoder_for(tok2)(ids, True) == tok2.decode(ids, skip_special_tokens=True)
+
+
+def test_lazy_replace_tail_ends_with_the_text_of_the_final_ids(tok):
+    """Jump-forward on a lazy detokenizer (constrained, not streamed): the replaced ids are all that
+    counts, and the text at the end is that of the final ids, as with the incremental one."""
+    first = tok.encode('{"name": "a', add_special_tokens=False)
+    for lazy in (True, False):
+        detok = IncrementalDetokenizer(tok, skip_special_tokens=True, stop=[], no_stop_trim=False, lazy=lazy)
+        for t in first:
+            detok.add(t)
+        new = tok.encode(tok.decode(first[-1:]) + '", "age": ', add_special_tokens=False)
+        assert detok.replace_tail(1, new) is None
+        detok.flush()
+        assert detok.ids == first[:-1] + new
+        assert detok.text == tok.decode(first[:-1] + new, skip_special_tokens=True)

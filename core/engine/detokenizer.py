@@ -41,6 +41,10 @@ class IncrementalDetokenizer:
     def replace_tail(self, count: int, new_ids: list[int]) -> str | None:
         """Replaces the last `count` ids (fully decoded) by `new_ids`, which write the same text and more
         (jump-forward re-tokenized the boundary). Returns a matched stop string, as `add` does."""
+        if self.lazy:  # nothing decoded yet: the ids are all there is
+            del self.ids[len(self.ids) - count :]
+            self.ids.extend(new_ids)
+            return None
         if count:
             start = max(0, len(self.ids) - count - _CONTEXT_TOKENS)
             before = self._decode(self.ids[start : len(self.ids) - count])

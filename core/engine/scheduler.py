@@ -135,8 +135,8 @@ class Scheduler:
 
     def _add_request(self, inp: GenerateInput) -> None:
         p = inp.sampling_params
-        # Text is decoded token by token only where something reads it early: streams, stop strings, constraints.
-        lazy = not (inp.stream or p.stop or inp.constraint is not None)
+        # Text is decoded token by token only where something reads it early: streams and stop strings.
+        lazy = not (inp.stream or p.stop)
         detok = IncrementalDetokenizer(self.tokenizer, p.skip_special_tokens, p.stop, p.no_stop_trim, lazy=lazy)
         req = Req(inp=inp, detok=detok, arrival=self._arrivals)
         self._arrivals += 1
@@ -435,7 +435,7 @@ class Scheduler:
         if c is None or self.opts.disable_jump_forward or req.params.disable_jump_forward:
             return False
         p = req.params
-        decoded = req.detok.read_offset == len(req.detok.ids)
+        decoded = req.detok.lazy or req.detok.read_offset == len(req.detok.ids)
         max_replace = min(len(req.fill_ids) - req.kv_len, len(req.output_ids)) if decoded else 0
         room = min(p.max_new_tokens - len(req.output_ids), self.context_len - req.seq_len - 1)
         plan = c.jump_forward(req.output_ids, self.tokenizer, max_replace=max_replace, max_new_tokens=room)
