@@ -250,7 +250,8 @@ class Runner:
             log(f"{head} {e['seconds']:.3f} s{guess}")
             return
         line = (f"{head} {e['programs_per_s']:9.2f} programs/s in {e['seconds']:.2f} s{guess}, "
-                f"{e['instances']} instances, in flight peak {e['in_flight']['peak']} mean {e['in_flight']['mean']:.0f}")
+                f"{e['instances']} instances, in flight peak {e['in_flight']['peak']} "
+                f"mean {e['in_flight']['mean']:.0f}")
         if "forwards" in e:
             f = e["forwards"]
             line += f", decode batch peak {f['peak_decode_batch']} mean {f['mean_decode_batch']:.0f}"
@@ -430,11 +431,14 @@ def plan(systems: list[str], hf_latency: bool) -> list[tuple[str, tuple[str, ...
 
 
 def log_estimate(estimate: dict[str, Any], elapsed: float, limit: float | None, profile_start: float) -> None:
-    steps = ", ".join(f"{step['system']} {'+'.join(step['parts'])} {step['seconds']:.0f} s" for step in estimate["steps"])
+    steps = ", ".join(f"{step['system']} {'+'.join(step['parts'])} {step['seconds']:.0f} s"
+                      for step in estimate["steps"])
     end = elapsed + estimate["total_s"]
     verdict = ""
     if limit is not None:
-        verdict = f" against a {limit:.0f} s limit" + (": the last measurements would be skipped" if end > limit else "")
+        verdict = f" against a {limit:.0f} s limit"
+        if end > limit:
+            verdict += ": the last measurements would be skipped"
     log(f"estimate, in run order: {steps}; engine starts {estimate['engine_starts_s']:.0f} s, warm-up "
         f"{estimate['warm_up_s']:.0f} s; profiling took {time.perf_counter() - profile_start:.1f} s; "
         f"done at ~{end:.0f} s{verdict}")
@@ -547,7 +551,8 @@ def markdown(results: dict[str, Any]) -> str:
         limits = {s: _get(results, "engines", s, "max_running_requests") for s in engines}
         lines += ["", "**Batch fill** of the throughput runs: requests in flight at the engine's interface (peak / "
                       "time-mean) and rows per decode step in the engine (peak / mean); the engines' decode batch "
-                      "limit (max_running_requests): " + ", ".join(f"{SHORT[s]} {limits[s]}" for s in engines) + ".",
+                      "limit (max_running_requests): "
+                      + ", ".join(f"{SHORT[s]} {limits[s]}" for s in engines if limits[s]) + ".",
                   "", "| workload | " + " | ".join(f"{SHORT[s]}: in flight | {SHORT[s]}: decode batch" for s in engines)
                   + " |", "|---|" + "---|---|" * len(engines)]
         for name, w in results["workloads"].items():

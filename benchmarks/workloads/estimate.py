@@ -1,7 +1,7 @@
 """Before any device time: what each workload will send, and about how long each measurement will take.
 
-`profile_workload` runs a workload's first 4 and first 8 instances together, then its first alone,
-on `NullEngine`: an engine-shaped stand-in that answers every call with max_new_tokens placeholder
+`profile_workload` runs a workload's first k/2 and first k instances together (k = min(8, instances)),
+then its first alone, on `NullEngine`: an engine-shaped stand-in that answers every call with max_new_tokens placeholder
 tokens that decode to no text (as the random 8B model's tokens mostly do with the small tokenizer),
 after sleeping one time unit per call plus one per generated token, so that calls overlap as on an
 engine and one instance's wall time counts the steps on its critical path. From the recorded
@@ -72,7 +72,8 @@ class NullEngine:
 
     def generate(self, prompt: Any = None, sampling_params: Any = None, input_ids: Any = None,
                  return_logprob: bool = False, logprob_start_len: int | None = None, **kwargs: Any) -> Any:
-        single = isinstance(prompt, str) or (input_ids is not None and bool(input_ids) and isinstance(input_ids[0], int))
+        single = isinstance(prompt, str) or (input_ids is not None and bool(input_ids)
+                                            and isinstance(input_ids[0], int))
         if prompt is not None:
             id_lists = [self.tokenizer(p)["input_ids"] for p in ([prompt] if single else prompt)]
         else:
@@ -100,10 +101,10 @@ class NullEngine:
 
 
 def profile_workload(workload: Workload, batch: list[dict[str, Any]], tokenizer: Any) -> Profile:
-    """The workload's shape: its first instance alone (critical path, requests in flight), then its
-    first k/2 and first k together, k = min(8, instances) (per-instance averages; the tokens an ideal
-    cache computes for each further instance, past prefixes shared by a few groups such as MMLU's
-    subjects)."""
+    """The workload's shape: its first k/2 and first k instances together, k = min(8, instances)
+    (per-instance averages; the tokens an ideal cache computes for each further instance, past the
+    prefixes shared by a few groups such as MMLU's subjects), then its first alone (the critical path,
+    the requests in flight)."""
     engine = NullEngine(tokenizer, unit_s=0.0)
     backend = RecordingEngine(engine)
     k = min(8, len(batch))
