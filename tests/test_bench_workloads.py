@@ -108,7 +108,8 @@ def test_profile_sees_the_requests_the_engine_saw(results):
             continue
         p, t = results["profiles"][name], w["systems"]["radixlm"]["throughput"]
         assert abs(p["requests"] * t["instances"] - t["requests"]) <= 1, (name, p, t["requests"])
-        assert p["in_flight"] >= 1 and p["depth"] >= 0 and p["output_tokens"] >= 0, (name, p)
+        assert p["in_flight"] >= 1, (name, p)
+    assert results["profiles"]["hellaswag"]["in_flight"] == 4  # select scores its 4 endings in one call
 
 
 def test_time_limit_skips_and_estimate_without_a_gpu(tmp_path):
