@@ -38,7 +38,7 @@ logger = logging.getLogger("radixlm")
 _FIELDS = 5  # input_ids, positions, out_cache_loc, rows, seq_lens
 _TOKEN_FIELDS = 3  # extend: input_ids, positions, out_cache_loc (each T long) ...
 _REQ_FIELDS = 5  # ... then rows, seq_lens, extend_lens, extend_start_loc, logit_index (each bs long)
-EXTEND_TOKEN_BUCKETS = (16, 32, 64, 128, 256, 512, 1024)
+EXTEND_TOKEN_BUCKETS = (16, 32, 48, 64, 80, 96, 128, 160, 192, 256, 320, 384, 512, 768, 1024)
 
 
 def batch_size_ladder(max_bs: int) -> list[int]:
