@@ -24,6 +24,7 @@ OP_NAMES = (
     "fused_add_rms_norm",
     "pack_token_mask",
     "rms_norm",
+    "seeded_exponential",
     "silu_and_mul",
     "store_kv",
 )

@@ -136,3 +136,23 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
     bits = (bitmask.unsqueeze(-1) >> torch.arange(32, device=bitmask.device, dtype=torch.int32)) & 1
     allowed = bits.flatten(-2)[..., :vocab].bool()
     logits.masked_fill_(~allowed, float("-inf"))
+
+
+_M32 = 0xFFFFFFFF
+
+
+def seeded_exponential(keys: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Exp(1) noise float32 [len(keys), vocab], a pure function of (key, token id): a 32-bit integer
+    hash of key + id * golden ratio, in int64 arithmetic (every product stays below 2**63), made a
+    uniform in (0, 1) by ``unit_interval`` and then -log. keys: int64 [S], each in [0, 2**32)."""
+    ids = torch.arange(vocab, device=keys.device, dtype=torch.int64)
+    x = (keys[:, None] + ids[None, :] * 0x9E3779B1) & _M32
+    for _ in range(2):
+        x = ((x ^ (x >> 16)) * 0x045D9F3B) & _M32
+    return -torch.log(unit_interval(x ^ (x >> 16)))
+
+
+def unit_interval(bits: torch.Tensor) -> torch.Tensor:
+    """32-bit integers to float32 in (0, 1), both ends excluded: the top 23 bits, centred. (With 24
+    bits the largest value rounds up to 1.0, whose -log is a zero noise: 0 / 0 for a banned token.)"""
+    return ((bits >> 9).to(torch.float32) + 0.5) * (1.0 / (1 << 23))

@@ -273,7 +273,7 @@ def test_seeded_draws_follow_the_distribution_and_vary_by_position():
 def test_seeded_noise_is_never_zero():
     """-log(u) must stay > 0 for every 32-bit hash value: a zero would make a banned token's 0 / 0 a NaN,
     which argmax picks (a constrained request then samples a forbidden token)."""
-    from radixlm.core.engine.sampler import unit_interval
+    from radixlm.kernels.reference import unit_interval
 
     extremes = torch.tensor([0, 1, 511, 512, (1 << 32) - 513, (1 << 32) - 1], dtype=torch.int64)
     u = unit_interval(extremes)

@@ -225,6 +225,19 @@ def test_apply_token_bitmask(dtype):
     assert torch.equal(logits, expected)
 
 
+def test_seeded_exponential():
+    keys = torch.tensor([0, 1, 12345, (1 << 32) - 1, 987654321], dtype=torch.int64, device=DEVICE)
+    vocab = 5000  # crosses the 2048-token blocks
+    want = ref.seeded_exponential(keys, vocab)
+    got = tri.seeded_exponential(keys, vocab)
+    assert got.shape == want.shape == (5, vocab) and bool((want > 0).all())
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+    # Exp(1): mean 1, P(E > 1) = 1/e; independent of the key's neighbours
+    assert abs(float(want.mean()) - 1.0) < 0.02
+    assert abs(float((want > 1).float().mean()) - 0.3679) < 0.01
+    assert float(torch.corrcoef(want[1:3])[0, 1]).__abs__() < 0.05
+
+
 # ----------------------------------------------------------------------------------- dispatch
 
 def test_both_sets_expose_every_op_with_the_reference_signature():

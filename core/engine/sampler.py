@@ -12,6 +12,7 @@ import torch
 
 from radixlm.core.constrained.masks import apply_token_masks
 from radixlm.core.engine.request import Req
+from radixlm.kernels import get_ops
 
 
 @dataclass
@@ -117,7 +118,8 @@ class Sampler:
         if not seeded:
             return self._generator_noise(probs)
         keys = [_row_key(reqs[j].params.seed, len(reqs[j].output_ids)) for j in seeded]
-        hashed = -torch.log(_hash_uniform(_device_tensor(keys, torch.int64, probs.device), probs.shape[1]))
+        hashed = get_ops(probs.device).seeded_exponential(_device_tensor(keys, torch.int64, probs.device),
+                                                          probs.shape[1])
         if len(seeded) == len(reqs):
             return hashed
         noise = self._generator_noise(probs)
@@ -157,22 +159,6 @@ def _row_key(seed: int, position: int) -> int:
     x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
     x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
     return (x ^ (x >> 31)) & _M32
-
-
-def _hash_uniform(keys: torch.Tensor, vocab: int) -> torch.Tensor:
-    """Uniform (0, 1) floats [len(keys), vocab], a pure function of (key, token id): a 32-bit integer
-    hash in int64 arithmetic (every product stays below 2**63)."""
-    ids = torch.arange(vocab, device=keys.device, dtype=torch.int64)
-    x = (keys[:, None] + ids[None, :] * 0x9E3779B1) & _M32
-    for _ in range(2):
-        x = ((x ^ (x >> 16)) * 0x045D9F3B) & _M32
-    return unit_interval(x ^ (x >> 16))
-
-
-def unit_interval(bits: torch.Tensor) -> torch.Tensor:
-    """32-bit integers to float32 in (0, 1), both ends excluded: the top 23 bits, centred. (With 24
-    bits the largest value rounds up to 1.0, whose -log is a zero noise: 0 / 0 for a banned token.)"""
-    return ((bits >> 9).to(torch.float32) + 0.5) * (1.0 / (1 << 23))
 
 
 def _device_tensor(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

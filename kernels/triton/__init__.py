@@ -11,4 +11,4 @@ from radixlm.kernels.triton.elementwise import (
     silu_and_mul,
     store_kv,
 )
-from radixlm.kernels.triton.sampling import apply_token_bitmask
+from radixlm.kernels.triton.sampling import apply_token_bitmask, seeded_exponential
