@@ -111,6 +111,20 @@ def instance_counts(items: list[str] | None, defaults: dict[str, int]) -> dict[s
     return counts
 
 
+def engine_overrides(items: list[str] | None) -> dict[str, Any]:
+    """KEY=VALUE engine options over the preset's; a VALUE that parses as JSON is taken as such."""
+    out: dict[str, Any] = {}
+    for item in items or []:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise SystemExit(f"--engine-options takes KEY=VALUE; got {item!r}")
+        try:
+            out[key] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key] = value
+    return out
+
+
 class ForwardCounter:
     """Counts an engine's model forwards: decode steps and their rows, prefill (extend) steps and their
     tokens. An instance attribute over ModelRunner.forward (as bench_engine's breakdown does); it only
@@ -337,7 +351,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     batches = {n: WORKLOADS[n].make_args(counts[n], WORKLOADS[n].sizes[size], random.Random(f"{n}:{args.seed}"))
                for n in names}
     device = torch.device("cuda" if torch.cuda.is_available() and not args.cpu else "cpu")
-    engine_options = {**preset["engine"], "mem_fraction_static": args.mem_fraction_static}
+    engine_options = {**preset["engine"], "mem_fraction_static": args.mem_fraction_static,
+                      **engine_overrides(args.engine_options)}
     results: dict[str, Any] = {
         "model": args.model, "command": "python " + " ".join(sys.argv), "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "machine": machine(device), "systems": systems,
@@ -655,6 +670,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hf-latency", action=argparse.BooleanOptionalAction,
                    help="measure HF's latency runs, last of all (default: the preset's; off for the 8B shape)")
     p.add_argument("--mem-fraction-static", type=float, default=0.85)
+    p.add_argument("--engine-options", nargs="+", metavar="KEY=VALUE",
+                   help="Engine options over the preset's for every radixlm system, e.g. max_running_requests=512 "
+                        "cuda_graph_max_bs=512 or cuda_graph_max_extend_tokens=0")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--cpu", action="store_true", help="run on the CPU even when a GPU is present")
     p.add_argument("--out", help="write the results as JSON here")
