@@ -22,7 +22,7 @@ from radixlm.core.engine.detokenizer import IncrementalDetokenizer
 from radixlm.core.engine.memory_pool import SlotAllocator
 from radixlm.core.engine.model_runner import BatchInput, ModelRunner
 from radixlm.core.engine.options import EngineOptions
-from radixlm.core.engine.radix_cache import RadixCache, shared_len
+from radixlm.core.engine.radix_cache import RadixCache
 from radixlm.core.engine.request import GenerateInput, Req, Status
 from radixlm.core.engine.sampler import Sampler, top_logprob_entries
 from radixlm.core.engine.schedule_policy import SchedulePolicy
@@ -219,8 +219,11 @@ class Scheduler:
         if self.tree.disable or not in_batch:
             return False
         ids = req.fill_ids
-        cached = len(self.tree.match_prefix(ids)[0])
-        return any(shared_len(other, ids) - cached >= IN_BATCH_SHARED_PREFIX for other in in_batch)
+        # Shares >= IN_BATCH_SHARED_PREFIX tokens past its cached prefix with a request in the batch:
+        # a slice comparison (in C) instead of walking every pair token by token.
+        need = len(self.tree.match_prefix(ids)[0]) + IN_BATCH_SHARED_PREFIX
+        head = ids[:need]
+        return len(head) == need and any(other[:need] == head for other in in_batch)
 
     def _plan_extend(self, req: Req, budget: int) -> _Extend | None:
         """Matches the request's prefix, allocates KV for its next chunk, and fills its table row.
