@@ -8,7 +8,7 @@
    throughput workload of bench_engine.py cut to --requests) for tp=1 and tp=2.
 3. dp=2 against dp=1 on a prefix-heavy program workload (MMLU 5-shot, every instance in flight at once):
    programs/s and cache hit rate.
-Each part prints its result as one JSON line as soon as it has it.
+Each part runs in a process of its own and prints its result as one JSON line as soon as it has it.
 """
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import subprocess
+import sys
 import tempfile
 import time
 
@@ -89,26 +91,47 @@ def dp_workload(dp: int, path: str, opts: dict, instances: int) -> None:
                             "cache_hit_rate": cached / prompt})
 
 
+STEPS = ("correctness", "tp1", "tp2", "dp1", "dp2")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--requests", type=int, default=400, help="throughput requests per tp size")
     p.add_argument("--instances", type=int, default=512, help="MMLU instances per dp size")
+    p.add_argument("--steps", nargs="+", default=list(STEPS), choices=STEPS)
+    p.add_argument("--step", choices=STEPS, help=argparse.SUPPRESS)  # one step, in a child process
     p.add_argument("--out")
     args = p.parse_args()
+    if args.step:
+        run_step(args.step, args)
+        return
     print(f"# {time.strftime('%Y-%m-%d %H:%M:%S %Z')}, {torch.cuda.device_count()} x "
           f"{torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu'}", flush=True)
-    steps = [check_correctness]
-    path, opts = make_model_dir("llama3-8b-shape", tempfile.mkdtemp(prefix="radixlm-8b-"))
-    steps += [lambda tp=tp: llama_8b(tp, path, opts, args.requests) for tp in (1, 2)]
-    steps += [lambda dp=dp: dp_workload(dp, path, opts, args.instances) for dp in (1, 2)]
-    for step in steps:
-        try:
-            step()
-        except Exception as error:  # one failing part must not cost the others
-            report(f"error_{len(RESULTS)}", {"error": repr(error)})
+    # Each step in its own process: a tensor-parallel engine needs a process of its own, and every
+    # step starts from an empty GPU.
+    for step in args.steps:
+        child = subprocess.run([sys.executable, __file__, "--step", step, "--requests", str(args.requests),
+                                "--instances", str(args.instances)], capture_output=True, text=True)
+        lines = [line for line in child.stdout.splitlines() if line.startswith("{")]
+        for line in lines:
+            print(line, flush=True)
+            RESULTS.update(json.loads(line))
+        if child.returncode or not lines:
+            report(f"error_{step}", {"returncode": child.returncode, "stderr_tail": child.stderr[-1500:]})
         if args.out:
             with open(args.out, "w") as f:
                 json.dump(RESULTS, f, indent=1)
+
+
+def run_step(step: str, args: argparse.Namespace) -> None:
+    if step == "correctness":
+        check_correctness()
+        return
+    path, opts = make_model_dir("llama3-8b-shape", tempfile.mkdtemp(prefix="radixlm-8b-"))
+    if step.startswith("tp"):
+        llama_8b(int(step[2:]), path, opts, args.requests)
+    else:
+        dp_workload(int(step[2:]), path, opts, args.instances)
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
@@ -38,6 +39,7 @@ logger = logging.getLogger("radixlm")
 _FIELDS = 5  # input_ids, positions, out_cache_loc, rows, seq_lens
 _TOKEN_FIELDS = 3  # extend: input_ids, positions, out_cache_loc (each T long) ...
 _REQ_FIELDS = 5  # ... then rows, seq_lens, extend_lens, extend_start_loc, logit_index (each bs long)
+_CAPTURE_LOCK = threading.Lock()  # one capture at a time per process (data-parallel workers start together)
 EXTEND_TOKEN_BUCKETS = (16, 32, 48, 64, 80, 96, 128, 160, 192, 256, 320, 384, 512, 768, 1024)
 
 
@@ -63,15 +65,18 @@ def _capture(runner: "ModelRunner", keys: Iterable, prepare: Callable, forward: 
     its blocks); each after an eager warm-up, so that Triton compiles and cuBLAS picks its kernels
     outside the capture."""
     graphs = {}
-    for key in keys:
-        prepare(key)
-        forward(key)
-        torch.cuda.synchronize(runner.device)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
+    with _CAPTURE_LOCK:
+        for key in keys:
+            prepare(key)
             forward(key)
-        graphs[key] = graph
-    torch.cuda.synchronize(runner.device)
+            torch.cuda.synchronize(runner.device)
+            graph = torch.cuda.CUDAGraph()
+            # thread_local: data-parallel workers are threads of one process, and another thread's
+            # CUDA calls must not invalidate this capture (nor this capture fail theirs).
+            with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+                forward(key)
+            graphs[key] = graph
+        torch.cuda.synchronize(runner.device)
     return graphs
 
 
