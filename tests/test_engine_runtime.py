@@ -246,3 +246,20 @@ def test_default_model_runs_without_a_path():
         out = e.generate("Hello", {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True})
     assert out["meta_info"]["completion_tokens"] == 4
     assert os.path.isdir(e.model_path)
+
+
+def test_shutdown_releases_weights_and_kv_pool(llama_ckpt):
+    """After shutdown nothing of the engine holds its weights or KV pool any more, so their memory goes
+    back to the process for the next engine (on a GPU: the next engine's KV pool is sized from it)."""
+    import gc
+    import weakref
+
+    engine = radixlm.Engine(llama_ckpt, max_total_tokens=512)
+    assert engine.generate("hi", {"max_new_tokens": 2, "temperature": 0})["output_ids"]
+    kv = weakref.ref(engine._runner.kv_pool.k_buffers[0])
+    weight = weakref.ref(engine._runner.model.lm_head.weight)
+    engine.shutdown()
+    gc.collect()
+    assert kv() is None and weight() is None
+    with pytest.raises(Exception, match="shut"):
+        engine.generate("hi", {"max_new_tokens": 2})

@@ -76,6 +76,9 @@ class Engine:
         self._closed = True
         self._scheduler.stop()
         self._thread.join(timeout=30)
+        runner = getattr(self, "_runner", None)
+        if runner is not None and not self._thread.is_alive():
+            runner.release()
 
     def __enter__(self) -> "Engine":
         return self

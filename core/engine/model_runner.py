@@ -8,6 +8,7 @@ torch reference kernels eagerly.
 
 from __future__ import annotations
 
+import gc
 import itertools
 import logging
 from dataclasses import dataclass
@@ -95,6 +96,15 @@ class ModelRunner:
                              "extends" if self.graph_runner else "every step")
             torch.cuda.synchronize(self.device)
 
+    def release(self) -> None:
+        """Drops the weights, the KV pool and the CUDA graphs once the engine has shut down, so that
+        their device memory returns to the process (a later engine sizes its KV pool from what is free)."""
+        self.graph_runner = self.extend_graphs = None
+        self.model = self.kv_pool = None
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
     def _kv_bytes_per_token(self) -> int:
         c = self.cfg
         return KVPool.bytes_per_token(c.num_layers, c.num_kv_heads, c.head_dim, self.dtype)
@@ -104,6 +114,9 @@ class ModelRunner:
             return opts.max_total_tokens
         per_token = self._kv_bytes_per_token()
         if self.device.type == "cuda":
+            # Memory an earlier engine of this process left unreachable or cached counts as free.
+            gc.collect()
+            torch.cuda.empty_cache()
             free, total = torch.cuda.mem_get_info(self.device)
             # Everything static and transient stays within the fraction: what is in use now (context,
             # weights), the KV pool, and the activations, sampler temporaries and CUDA graphs to come.
