@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from .common import Workload
+from .common import Workload, generate_inputs
 from .recorder import RecordingEngine, optimal_cached_tokens
 
 UNIT_S = 0.003  # NullEngine's time unit: one per call and one per generated token
@@ -72,13 +72,7 @@ class NullEngine:
 
     def generate(self, prompt: Any = None, sampling_params: Any = None, input_ids: Any = None,
                  return_logprob: bool = False, logprob_start_len: int | None = None, **kwargs: Any) -> Any:
-        single = isinstance(prompt, str) or (input_ids is not None and bool(input_ids)
-                                            and isinstance(input_ids[0], int))
-        if prompt is not None:
-            id_lists = [self.tokenizer(p)["input_ids"] for p in ([prompt] if single else prompt)]
-        else:
-            id_lists = [input_ids] if single else input_ids
-        params = sampling_params if isinstance(sampling_params, list) else [sampling_params or {}] * len(id_lists)
+        single, id_lists, params = generate_inputs(self.tokenizer, prompt, input_ids, sampling_params)
         outs = []
         for ids, p in zip(id_lists, params):
             n = p.get("max_new_tokens", 128)

@@ -30,6 +30,8 @@ from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList,
 from radixlm.core.constrained import apply_token_masks, build_constraint
 from radixlm.core.engine.sampling_params import SamplingParams
 
+from .common import generate_inputs
+
 
 @dataclass
 class _Job:
@@ -70,13 +72,7 @@ class HFEngine:
                  stream: bool = False, rid: Any = None) -> Any:
         if stream or top_logprobs_num:
             raise NotImplementedError("the HF driver does not stream or return top logprobs")
-        single = isinstance(prompt, str) or (input_ids is not None and bool(input_ids)
-                                            and isinstance(input_ids[0], int))
-        if prompt is not None:
-            id_lists = [self.tokenizer(p)["input_ids"] for p in ([prompt] if single else prompt)]
-        else:
-            id_lists = [input_ids] if single else input_ids
-        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(id_lists)
+        single, id_lists, params = generate_inputs(self.tokenizer, prompt, input_ids, sampling_params)
         jobs = []
         for ids, sp in zip(id_lists, params):
             p = SamplingParams.from_dict(sp)
