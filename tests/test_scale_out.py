@@ -14,6 +14,7 @@ import threading
 from types import SimpleNamespace
 
 import pytest
+import torch.distributed
 
 import radixlm
 from radixlm.core.engine.dp_router import DataParallelRouter, MetaRadixTree
@@ -78,6 +79,8 @@ def test_tp2_in_spawned_processes_matches_tp1(qwen2_mqa_ckpt: str) -> None:
     _assert_same_greedy_run(got, ref)
     assert stats["kv_slots_free"] == stats["kv_slots_total"] == ENGINE["max_total_tokens"]
     assert stats["kv_slots_cached"] == 0
+    # shutdown left the process group: another tensor-parallel engine may start in this process
+    assert not torch.distributed.is_initialized()
 
 
 _TORCHRUN_SCRIPT = """

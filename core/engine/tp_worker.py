@@ -157,8 +157,10 @@ class _Rank0Runner:
             dist.broadcast_object_list([None], src=0, group=self._tp.cpu_group)
         except Exception:  # a rank already gone: nothing to tell it
             logger.warning("could not tell the tensor-parallel ranks to stop", exc_info=True)
-        _stop(self._procs)
+        # Our end of the group goes first: tearing an NCCL communicator down may wait on the peers doing
+        # the same, so waiting for the ranks to exit before it could stall until _stop terminates them.
         dist.destroy_process_group()
+        _stop(self._procs)
 
 
 def _wait_until_started(store: Any, procs: list[Any]) -> None:
