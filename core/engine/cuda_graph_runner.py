@@ -210,9 +210,9 @@ class ExtendGraphRunner:
         if any(i not in last for i in batch.logit_rows):
             return None
         longest = max(batch.extend_lens)
-        fits = [k for k in self.buckets if k[0] >= n and k[1] >= tokens and k[2] >= longest]
         # the bucket's request count is the smallest that holds n (its extend bound assumes it)
-        fits = [k for k in fits if k[0] == min(f[0] for f in fits)]
+        bs = min(k[0] for k in self.buckets if k[0] >= n)
+        fits = [k for k in self.buckets if k[0] == bs and k[1] >= tokens and k[2] >= longest]
         return min(fits, key=lambda k: k[1]) if fits else None
 
     def run(self, batch: "BatchInput", key: tuple[int, int, int]) -> torch.Tensor:

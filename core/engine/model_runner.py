@@ -101,9 +101,7 @@ class ModelRunner:
         their device memory returns to the process (a later engine sizes its KV pool from what is free)."""
         self.graph_runner = self.extend_graphs = None
         self.model = self.kv_pool = None
-        gc.collect()
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
+        _return_unused_memory(self.device)
 
     def _kv_bytes_per_token(self) -> int:
         c = self.cfg
@@ -114,9 +112,7 @@ class ModelRunner:
             return opts.max_total_tokens
         per_token = self._kv_bytes_per_token()
         if self.device.type == "cuda":
-            # Memory an earlier engine of this process left unreachable or cached counts as free.
-            gc.collect()
-            torch.cuda.empty_cache()
+            _return_unused_memory(self.device)  # what an earlier engine of this process left counts as free
             free, total = torch.cuda.mem_get_info(self.device)
             # Everything static and transient stays within the fraction: what is in use now (context,
             # weights), the KV pool, and the activations, sampler temporaries and CUDA graphs to come.
@@ -190,6 +186,13 @@ class ModelRunner:
             max_extend_len=max(batch.extend_lens, default=0),
         )
         return fb, logit_index
+
+
+def _return_unused_memory(device: torch.device) -> None:
+    """Collects unreachable tensors and gives the caching allocator's free blocks back to the device."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def _host_available_bytes() -> int:

@@ -150,15 +150,12 @@ class Sampler:
         return torch.zeros_like(probs).scatter_(1, order, sorted_probs)
 
 
-_M32 = 0xFFFFFFFF
-
-
 def _row_key(seed: int, position: int) -> int:
     """A 32-bit key for one seeded draw: splitmix64's finalizer over (seed, position), on the host."""
     x = (seed * 0x9E3779B97F4A7C15 + position * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
     x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
     x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
-    return (x ^ (x >> 31)) & _M32
+    return (x ^ (x >> 31)) & 0xFFFFFFFF
 
 
 def _device_tensor(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
