@@ -205,7 +205,7 @@ def _timed_run(engine, timer, prompts: list[str], params: list[dict]) -> dict:
 
 
 def _summary(name: str, batch: int, runs: list[dict]) -> dict:
-    """Median over repeats (with the spread); token counts of the first run (fixed seeds repeat them)."""
+    """Median over repeats (with the spread); token counts of the median run (fixed seeds repeat them)."""
     walls = [r["wall"] for r in runs]
     mid = sorted(runs, key=lambda r: r["wall"])[len(runs) // 2]
     outs = mid["outs"]
