@@ -14,6 +14,10 @@ class InvalidRequestError(RadixLMError, ValueError):
         self.param = param
 
 
+class TooComplexError(InvalidRequestError):
+    """Preparing the request (tokenizing, compiling its constraint) ran past the engine's time budget."""
+
+
 class UnsupportedModelError(RadixLMError, ValueError):
     """The checkpoint's architecture or configuration is not one radixlm can run."""
 

@@ -9,7 +9,6 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
 from starlette.applications import Starlette
-from starlette.concurrency import run_in_threadpool
 from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
@@ -99,8 +98,7 @@ def create_app(engine: Any, args: ServerArgs | None = None) -> Starlette:
     spec = openapi_document()
 
     async def metrics_endpoint(request: Request) -> Response:
-        stats = await run_in_threadpool(engine.get_stats)
-        return PlainTextResponse(metrics.render(stats, client.inflight),
+        return PlainTextResponse(metrics.render(engine.stats_snapshot(), client.inflight),
                                  media_type="text/plain; version=0.0.4; charset=utf-8")
 
     async def openapi_endpoint(request: Request) -> Response:

@@ -50,6 +50,14 @@ def as_list(result: Output | list[Output]) -> list[Output]:
     return result if isinstance(result, list) else [result]
 
 
+def raise_if_failed(meta: dict[str, Any]) -> None:
+    """An output the engine ended by a failure (not an abort someone asked for) becomes an HTTP error."""
+    reason = meta.get("finish_reason") or {}
+    status = reason.get("status_code")
+    if status is not None:
+        raise APIError(status, meta.get("error") or "generation failed", code="generation_failed")
+
+
 async def _wait_for_disconnect(receive: Receive) -> None:
     while (await receive())["type"] != "http.disconnect":
         pass
@@ -101,6 +109,7 @@ class EngineClient:
     async def open_stream(self, request: Request, branches: list[Branch]) -> "MergedStream":
         """Opens one engine stream per branch and waits for the first chunk of each, so that invalid
         input and a full queue surface as HTTP errors before any response byte is sent."""
+        self.engine.check_fan_out(len(branches))
         stream = MergedStream(self, branches)
         self.inflight += 1
         try:
@@ -229,7 +238,7 @@ class EventStreamResponse(StreamingResponse):
                         pass  # the client went away while we were sending
                     except Exception as exc:  # the engine failed mid-stream: say so, end the stream properly
                         logger.exception("stream failed")
-                        body = error_body(500, f"Generation failed: {type(exc).__name__}: {exc}")
+                        body = error_body(500, "Generation failed (a server error; the server log has the details)")
                         with contextlib.suppress(OSError):
                             await send({"type": "http.response.body", "more_body": False,
                                         "body": sse(json.dumps(body)) + sse("[DONE]")})

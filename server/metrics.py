@@ -23,6 +23,15 @@ _ENGINE_GAUGES = {
 }
 
 
+# Engine counters exported as counters: stats key -> (metric name, help). The engine counts every abort
+# (a disconnect aborts the request the client left), which the HTTP side alone cannot see.
+_ENGINE_COUNTERS = {
+    "aborted_total": ("aborted_requests_total",
+                      "Requests that finished by abort (disconnects, abort_request, shutdown, failures)."),
+    "retractions_total": ("retractions_total", "Running requests retracted to free KV memory (resumed later)."),
+}
+
+
 class Histogram:
     def __init__(self, buckets: tuple[float, ...] = _LATENCY_BUCKETS) -> None:
         self.buckets = buckets
@@ -57,7 +66,6 @@ class Metrics:
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.cached_tokens = 0
-        self.aborted = 0
         self.e2e_latency = Histogram()
         self.time_to_first_token = Histogram()
 
@@ -72,8 +80,6 @@ class Metrics:
                 self.prompt_tokens += meta_info.get("prompt_tokens", 0)
                 self.cached_tokens += meta_info.get("cached_tokens", 0)
             self.generation_tokens += meta_info.get("completion_tokens", 0)
-            if (meta_info.get("finish_reason") or {}).get("type") == "abort":
-                self.aborted += 1
 
     def observe_latency(self, e2e: float, ttft: float | None) -> None:
         with self._lock:
@@ -99,12 +105,14 @@ class Metrics:
                    [f"generation_tokens_total {self.generation_tokens}"])
             metric("cached_tokens_total", "counter", "Prompt tokens served from the radix cache.",
                    [f"cached_tokens_total {self.cached_tokens}"])
-            metric("aborted_requests_total", "counter", "Outputs that finished by abort (disconnects, shutdown).",
-                   [f"aborted_requests_total {self.aborted}"])
             metric("e2e_request_latency_seconds", "histogram", "Time from arrival to the last token.",
                    self.e2e_latency.lines("e2e_request_latency_seconds"))
             metric("time_to_first_token_seconds", "histogram", "Time from arrival to the first streamed token.",
                    self.time_to_first_token.lines("time_to_first_token_seconds"))
+        for key, (name, help_text) in _ENGINE_COUNTERS.items():
+            value = engine_stats.get(key)
+            if isinstance(value, int):
+                metric(name, "counter", help_text, [f"{name} {value}"])
         metric("inflight_requests", "gauge", "HTTP generation requests admitted and not finished.",
                [f"inflight_requests {inflight}"])
         for key, (name, help_text) in _ENGINE_GAUGES.items():

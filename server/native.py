@@ -23,7 +23,8 @@ import radixlm
 from radixlm.core.engine.sampling_params import SamplingParams
 from radixlm.server.body import parse_body
 from radixlm.server.errors import APIError, bad_request, error_body
-from radixlm.server.generation import Branch, EngineClient, EventStreamResponse, MergedStream, as_list, sse
+from radixlm.server.generation import (Branch, EngineClient, EventStreamResponse, MergedStream, as_list,
+                                       raise_if_failed, sse)
 
 _LOGPROB_KEYS = ("input_token_logprobs", "output_token_logprobs")
 _TOP_KEYS = ("input_top_logprobs", "output_top_logprobs")
@@ -69,6 +70,8 @@ class NativeAPI:
             return EventStreamResponse(self._events(req, stream, batch=len(branches) > 1), stream.close)
         result = await self.client.generate(request, prompt=req.text, input_ids=req.input_ids,
                                             sampling_params=req.sampling_params, rid=req.rid, **logprob_args)
+        for out in as_list(result):
+            raise_if_failed(out["meta_info"])
         if req.return_text_in_logprobs:
             for out in as_list(result):
                 self._add_token_text(out["meta_info"])
@@ -139,6 +142,10 @@ class NativeAPI:
     async def health(self, request: Request) -> Response:
         if self.closing:
             raise APIError(503, "The server is shutting down")
+        stalled = self.engine.stalled_for()
+        if stalled > self.engine.options.stall_timeout:
+            raise APIError(503, f"The engine has made no progress for {stalled:.0f} s with requests pending "
+                                f"(stall_timeout {self.engine.options.stall_timeout:g} s)", code="engine_stalled")
         return Response(status_code=200)
 
     async def health_generate(self, request: Request) -> Response:
@@ -161,7 +168,7 @@ class NativeAPI:
         })
 
     async def get_server_info(self, request: Request) -> Response:
-        stats = await run_in_threadpool(self.engine.get_stats)
+        stats = self.engine.stats_snapshot()
         host, port = request.scope.get("server") or (None, None)
         return JSONResponse({
             **self.server_info, "host": host, "port": port, **dataclasses.asdict(self.engine.options),

@@ -22,7 +22,8 @@ from radixlm.core.engine.sampling_params import SamplingParams
 from radixlm.server import tools as toolcalls
 from radixlm.server.body import parse_body
 from radixlm.server.errors import APIError, bad_request, error_body
-from radixlm.server.generation import Branch, EngineClient, EventStreamResponse, MergedStream, as_list, sse
+from radixlm.server.generation import (Branch, EngineClient, EventStreamResponse, MergedStream, as_list,
+                                       raise_if_failed, sse)
 from radixlm.server.openai_protocol import (ChatCompletionRequest, CompletionRequest, Message,
                                             NamedToolChoice, SamplingFields)
 
@@ -60,6 +61,7 @@ def _usage(finals: list[dict[str, Any]], n: int) -> dict[str, Any]:
 
 
 def _check_aborted(meta: dict[str, Any]) -> None:
+    raise_if_failed(meta)
     if _finish_reason(meta) == "abort":
         raise APIError(500, f"The request was aborted: {meta.get('error', 'unknown reason')}", code="aborted")
 
@@ -115,21 +117,10 @@ class OpenAIAPI:
         if req.min_tokens is not None:
             params["min_new_tokens"] = req.min_tokens
         if req.logit_bias:
-            params["logit_bias"] = self._logit_bias(req.logit_bias)
+            params["logit_bias"] = req.logit_bias  # the engine checks keys and values, as for /generate
         if req.json_schema is not None:
             params["json_schema"] = self._checked_schema(req.json_schema, "json_schema")
         return params
-
-    def _logit_bias(self, bias: dict[str, float]) -> dict[int, float]:
-        out = {}
-        for key, value in bias.items():
-            if not key.isdigit() or int(key) >= self.engine.vocab_size:
-                raise bad_request(f"logit_bias key {key!r} is not a token id in [0, {self.engine.vocab_size})",
-                                  "logit_bias")
-            if not -100.0 <= value <= 100.0:
-                raise bad_request(f"logit_bias value {value} for token {key} is outside [-100, 100]", "logit_bias")
-            out[int(key)] = value
-        return out
 
     @staticmethod
     def _checked_schema(schema: str | dict[str, Any], param: str) -> dict[str, Any]:
@@ -144,6 +135,8 @@ class OpenAIAPI:
             jsonschema.validators.validator_for(schema).check_schema(schema)
         except jsonschema.SchemaError as exc:
             raise bad_request(f"{param} is not a valid JSON schema: {exc.message}", param) from None
+        except RecursionError:
+            raise bad_request(f"{param} is nested too deeply", param) from None
         return schema
 
     def _max_new_tokens(self, requested: int | None, prompt_len: int, prompt_param: str) -> int:
@@ -171,7 +164,7 @@ class OpenAIAPI:
         req = await parse_body(request, ChatCompletionRequest)
         self._check_common(req)
         mode = self._tool_mode(req)
-        input_ids = self._render_chat(req, mode)
+        input_ids = await self.engine.offload(self._render_chat, req, mode)
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         params = self._sampling_params(req, self._max_new_tokens(requested, len(input_ids), "messages"))
         self._add_chat_constraint(req, mode, params)
@@ -258,6 +251,7 @@ class OpenAIAPI:
         if req.continue_final_message and req.messages[-1].role != "assistant":
             raise bad_request("continue_final_message needs the last message to be an assistant message",
                               "continue_final_message")
+        self.engine.check_prompt_size(sum(_content_bytes(m) for m in req.messages), "messages")
         extra = dict(req.chat_template_kwargs or {})
         clash = sorted(_RESERVED_TEMPLATE_ARGS & set(extra))
         if clash:
@@ -270,6 +264,9 @@ class OpenAIAPI:
                 continue_final_message=req.continue_final_message, **extra)
         except (jinja2.TemplateError, ValueError, TypeError) as exc:
             raise bad_request(f"could not render the chat template: {exc}", "messages") from None
+        except RecursionError:
+            raise bad_request("could not render the chat template: the messages are nested too deeply",
+                              "messages") from None
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def _tool_calls(self, mode: ToolMode, text: str) -> tuple[str | None, list[dict[str, Any]]]:
@@ -359,7 +356,8 @@ class OpenAIAPI:
             raise bad_request("suffix is not supported", "suffix")
         if req.best_of is not None and req.best_of != req.n:
             raise bad_request("best_of must equal n (best-of ranking is not supported)", "best_of")
-        prompts = self._completion_prompts(req.prompt)
+        prompts = await self.engine.offload(self._completion_prompts, req.prompt)
+        self.engine.check_fan_out(len(prompts) * req.n)
         max_tokens = 16 if req.max_tokens is None else req.max_tokens
         if max_tokens == 0 and not req.echo:
             raise bad_request("max_tokens may be 0 only with echo", "max_tokens")
@@ -400,8 +398,10 @@ class OpenAIAPI:
         if isinstance(prompt[0], int):
             prompt = [prompt]
         out = []
+        self.engine.check_fan_out(len(prompt))
         for p in prompt:
             if isinstance(p, str):
+                self.engine.check_prompt_size(len(p.encode("utf-8", "surrogatepass")))
                 ids = self.tokenizer(p)["input_ids"]
                 text = p
             else:
@@ -467,6 +467,12 @@ class OpenAIAPI:
         yield sse("[DONE]")
 
 
+def _content_bytes(message: Message) -> int:
+    """UTF-8 bytes of a message's text, which the rendered prompt holds at least once."""
+    parts = [message.content] if isinstance(message.content, str) else [p.text for p in message.content or []]
+    return sum(len(p.encode("utf-8", "surrogatepass")) for p in parts if p)
+
+
 def _template_messages(messages: list[Message]) -> list[dict[str, Any]]:
     """Messages as chat templates expect them: text parts joined, tool-call arguments as objects (most
     templates render `arguments` with tojson, which would double-encode a JSON string)."""
@@ -485,5 +491,7 @@ def _template_messages(messages: list[Message]) -> list[dict[str, Any]]:
                 call["function"]["arguments"] = json.loads(call["function"]["arguments"])
             except ValueError:
                 pass  # not JSON: the template gets the string as sent
+            except RecursionError:
+                raise bad_request(f"messages[{i}]: tool call arguments are nested too deeply", "messages") from None
         out.append(msg)
     return out

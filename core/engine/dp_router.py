@@ -269,7 +269,20 @@ class DataParallelRouter:
     def get_stats(self) -> dict[str, Any]:
         """Counters and gauges summed over workers, the hit rate recomputed; per-worker stats under
         "dp_workers" and the router's loads under "dp_in_flight"."""
-        per_worker = [self._call(w, lambda s: s.get_stats()) for w in self.workers]
+        return self._combine([self._call(w, lambda s: s.get_stats()) for w in self.workers])
+
+    @property
+    def snapshot(self) -> dict[str, Any]:
+        """The workers' published statistics, combined (as Scheduler.snapshot: read without waiting)."""
+        per_worker = [w.snapshot for w in self.workers]
+        return self._combine(per_worker) if all(per_worker) else {}
+
+    @property
+    def last_progress(self) -> float:
+        """When the slowest worker's loop last got anything done."""
+        return min(w.last_progress for w in self.workers)
+
+    def _combine(self, per_worker: list[dict[str, Any]]) -> dict[str, Any]:
         total: dict[str, Any] = {}
         for key, value in per_worker[0].items():
             if isinstance(value, (int, float)) and not isinstance(value, bool):

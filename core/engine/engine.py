@@ -4,9 +4,12 @@ scheduler thread, and streams results back, with the shape of SGLang's offline e
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import contextvars
 import logging
 import queue
 import threading
+import time
 import uuid
 from typing import Any, AsyncIterator, Iterator
 
@@ -15,13 +18,16 @@ from radixlm.core.engine.options import EngineOptions
 from radixlm.core.engine.request import GenerateInput
 from radixlm.core.engine.sampling_params import SamplingParams
 from radixlm.core.engine.scheduler import AbortMsg, CallMsg, Scheduler
-from radixlm.core.errors import EngineShutdownError, InvalidRequestError, QueueFullError
+from radixlm.core.errors import EngineShutdownError, InvalidRequestError, QueueFullError, TooComplexError
 from radixlm.core.models.config import ModelConfig
 from radixlm.core.models.loader import load_tokenizer
 
 logger = logging.getLogger("radixlm")
 
 Output = dict[str, Any]
+
+# When the current preparation's budget runs out (set by Engine._timed for the work it runs).
+_deadline: contextvars.ContextVar[float | None] = contextvars.ContextVar("radixlm_prepare_deadline", default=None)
 
 
 class Engine:
@@ -50,7 +56,6 @@ class Engine:
             eos.append(self.tokenizer.eos_token_id)
         self.eos_token_ids = eos
         self.vocab_size = self.model_config.vocab_size
-        self.context_len = self.model_config.context_len
         if self.options.tp_size > 1 or self.options.dp_size > 1:
             # Tensor-parallel ranks or data-parallel workers behind the same inbox (docs/scale_out.md).
             from radixlm.core.engine.dp_router import build_scheduler
@@ -61,12 +66,28 @@ class Engine:
             self._runner = ModelRunner(model_path, self.model_config, self.options)
             self._scheduler = Scheduler(self._runner, self.options, self.tokenizer, eos)
             self.kv_pool_size = self._runner.num_slots
+        # What one request may use in all: the model's context, or less when the KV pool holds less, so
+        # that nothing is admitted that could never finish (also /v1/models' max_model_len).
+        self.context_len = min(self.model_config.context_len, self.kv_pool_size)
+        # A prompt longer than this many UTF-8 bytes has more tokens than the context holds whatever
+        # they are: refused before it is tokenized.
+        self.max_prompt_bytes = self.context_len * _longest_token_bytes(self.tokenizer)
+        # Tokenizing and compiling constraints run here, off the caller's thread (the server's event
+        # loop) and under a time budget; compiles have their own threads so that a slow one never
+        # holds up plain prompts.
+        self._tokenize_pool = concurrent.futures.ThreadPoolExecutor(self.options.prepare_workers,
+                                                                    thread_name_prefix="radixlm-tokenize")
+        self._compile_pool = concurrent.futures.ThreadPoolExecutor(self.options.prepare_workers,
+                                                                   thread_name_prefix="radixlm-compile")
         self._thread = threading.Thread(target=self._scheduler.run_forever, name="radixlm-scheduler", daemon=True)
         self._thread.start()
         self._in_flight = 0
+        self._live_rids: set[str] = set()  # ids of requests submitted and not finished (under the lock)
         self._in_flight_lock = threading.Lock()
         self._closed = False
-        logger.info("engine ready: %s on %s (%s)", self.served_model_name, self.options.device, self.options.dtype)
+        logger.info("engine ready: %s on %s (%s); context %d tokens (model %d, KV pool %d)",
+                    self.served_model_name, self.options.device, self.options.dtype, self.context_len,
+                    self.model_config.context_len, self.kv_pool_size)
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -75,6 +96,8 @@ class Engine:
             return
         self._closed = True
         self._scheduler.stop()
+        for pool in (self._tokenize_pool, self._compile_pool):
+            pool.shutdown(wait=False, cancel_futures=True)
         self._thread.join(timeout=30)
         runner = getattr(self, "_runner", None)
         if runner is not None and not self._thread.is_alive():
@@ -105,8 +128,8 @@ class Engine:
         stream: bool = False,
         rid: str | list[str] | None = None,
     ) -> Output | list[Output] | Iterator[Output]:
-        inputs, single = self._prepare(prompt, sampling_params, input_ids, return_logprob, logprob_start_len,
-                                       top_logprobs_num, stream, rid)
+        args = (prompt, sampling_params, input_ids, return_logprob, logprob_start_len, top_logprobs_num, stream, rid)
+        inputs, single = self._within_budget(self._tokenize_pool.submit(self._timed, self._prepare, *args), "request")
         if stream:
             return self._stream_sync(inputs[0])
         results: list[queue.Queue] = []
@@ -129,8 +152,8 @@ class Engine:
         stream: bool = False,
         rid: str | list[str] | None = None,
     ) -> Output | list[Output] | AsyncIterator[Output]:
-        inputs, single = self._prepare(prompt, sampling_params, input_ids, return_logprob, logprob_start_len,
-                                       top_logprobs_num, stream, rid)
+        args = (prompt, sampling_params, input_ids, return_logprob, logprob_start_len, top_logprobs_num, stream, rid)
+        inputs, single = await self.offload(self._prepare, *args)
         if stream:
             return self._stream_async(inputs[0])
         loop = asyncio.get_running_loop()
@@ -192,9 +215,24 @@ class Engine:
         return self._call(lambda s: s.flush_cache())
 
     def get_stats(self) -> dict[str, Any]:
+        """Exact statistics, read on the scheduler thread (waits for the current step)."""
         stats = self._call(lambda s: s.get_stats())
         stats["in_flight"] = self._in_flight
         return stats
+
+    def stats_snapshot(self) -> dict[str, Any]:
+        """The statistics the scheduler loop published after its latest iteration; never waits for it
+        (what /metrics and /get_server_info read, so that they answer while a step runs long)."""
+        stats = dict(self._scheduler.snapshot)
+        stats["in_flight"] = self._in_flight
+        return stats
+
+    def stalled_for(self) -> float:
+        """Seconds the scheduler loop has gone without progress while requests are in flight (0 when it
+        is idle or keeping up). /health answers 503 past `stall_timeout`."""
+        if self._in_flight == 0:
+            return 0.0
+        return max(0.0, time.monotonic() - self._scheduler.last_progress)
 
     def check_invariants(self) -> None:
         """Debug check: every KV slot is exactly one of free, cached-evictable, cached-locked, owned."""
@@ -212,6 +250,54 @@ class Engine:
 
     # ---- input handling ------------------------------------------------------------------------
 
+    async def offload(self, fn: Any, *args: Any) -> Any:
+        """Runs `fn(*args)` (tokenizing, templating: preparation of a request) on the engine's worker
+        threads under the `prepare_timeout` budget, so that an event loop keeps serving meanwhile."""
+        future = self._tokenize_pool.submit(self._timed, fn, *args)
+        try:
+            return await asyncio.wait_for(asyncio.wrap_future(future), self.options.prepare_timeout)
+        except asyncio.TimeoutError:
+            raise self._over_budget("request") from None
+
+    def _timed(self, fn: Any, *args: Any) -> Any:
+        """fn(*args), or TooComplexError if the preparation budget ran out while it waited or ran."""
+        deadline = time.monotonic() + self.options.prepare_timeout
+        token = _deadline.set(deadline) if _deadline.get() is None else None
+        try:
+            return fn(*args)
+        finally:
+            if token is not None:
+                _deadline.reset(token)
+
+    def _within_budget(self, future: concurrent.futures.Future, what: str) -> Any:
+        """The future's result, or TooComplexError once the preparation budget is spent (the work goes
+        on in its thread, but nothing waits for it)."""
+        deadline = _deadline.get()
+        timeout = self.options.prepare_timeout if deadline is None else max(0.0, deadline - time.monotonic())
+        try:
+            return future.result(timeout=timeout)
+        except concurrent.futures.TimeoutError:
+            future.cancel()
+            raise self._over_budget(what) from None
+
+    def _over_budget(self, what: str) -> TooComplexError:
+        return TooComplexError(f"the {what} is too complex: preparing it took longer than the budget of "
+                               f"{self.options.prepare_timeout:g} s (prepare_timeout)", what)
+
+    def check_prompt_size(self, size_bytes: int, param: str = "prompt") -> None:
+        """Refuses, before tokenizing, a prompt of more UTF-8 bytes than the context can hold as tokens."""
+        if size_bytes > self.max_prompt_bytes:
+            raise InvalidRequestError(
+                f"the prompt is {size_bytes} bytes: more tokens than this model's context of {self.context_len} "
+                f"could hold (the limit is {self.max_prompt_bytes} bytes)", param)
+
+    def check_fan_out(self, count: int) -> None:
+        """Refuses a call that would make more engine requests (prompts x n) than max_requests_per_call."""
+        if count > self.options.max_requests_per_call:
+            raise InvalidRequestError(
+                f"the request makes {count} generations (prompts x n); the limit is "
+                f"{self.options.max_requests_per_call} (max_requests_per_call)", "n")
+
     def _prepare(self, prompt, sampling_params, input_ids, return_logprob, logprob_start_len,
                  top_logprobs_num, stream, rid) -> tuple[list[GenerateInput], bool]:
         if self._closed:
@@ -223,6 +309,9 @@ class Engine:
             prompts = [prompt] if single else prompt
             if not isinstance(prompts, list) or not all(isinstance(p, str) for p in prompts):
                 raise InvalidRequestError("prompt must be a string or a list of strings", "prompt")
+            self.check_fan_out(len(prompts))
+            for p in prompts:
+                self.check_prompt_size(len(p.encode("utf-8", "surrogatepass")))
             id_lists = [self.tokenizer(p)["input_ids"] for p in prompts]
         else:
             single = bool(input_ids) and all(isinstance(t, int) for t in input_ids)
@@ -238,6 +327,7 @@ class Engine:
             params = [SamplingParams.from_dict(sp) for sp in sampling_params]
         else:
             params = [SamplingParams.from_dict(sampling_params)] * len(id_lists)
+        self.check_fan_out(sum(sp.n for sp in params))
         if not isinstance(top_logprobs_num, int) or not 0 <= top_logprobs_num <= 20:
             raise InvalidRequestError("top_logprobs_num must be an integer in [0, 20]", "top_logprobs_num")
         if logprob_start_len is not None and (not isinstance(logprob_start_len, int) or logprob_start_len < -1):
@@ -279,10 +369,12 @@ class Engine:
         needed = len(ids) + (1 if sp.max_new_tokens > 0 else 0)
         if needed > self.context_len:
             raise InvalidRequestError(
-                f"the prompt has {len(ids)} tokens; this model's context is {self.context_len} tokens", "prompt")
-        if needed > self.kv_pool_size:
+                f"the prompt has {len(ids)} tokens; this server's context is {self.context_len} tokens", "prompt")
+        if len(ids) + sp.max_new_tokens > self.context_len:
             raise InvalidRequestError(
-                f"the prompt has {len(ids)} tokens; the KV pool holds only {self.kv_pool_size}", "prompt")
+                f"the prompt has {len(ids)} tokens and max_new_tokens is {sp.max_new_tokens}: more than this "
+                f"server's context of {self.context_len} tokens", "max_new_tokens")
+        sp.check_vocab(self.vocab_size)
 
     def _build_constraint(self, sp: SamplingParams):
         """The request's constraint (core.constrained), built here on the caller's thread so that a bad
@@ -292,24 +384,38 @@ class Engine:
             return None
         from radixlm.core.constrained import build_constraint
 
+        future = self._compile_pool.submit(build_constraint, kind, getattr(sp, kind), self.tokenizer,
+                                           eos_token_ids=self.eos_token_ids)
         try:
-            return build_constraint(kind, getattr(sp, kind), self.tokenizer, eos_token_ids=self.eos_token_ids)
+            return self._within_budget(future, kind)
+        except RecursionError:
+            raise InvalidRequestError(f"invalid {kind}: nested too deeply", kind) from None
+        except TooComplexError:
+            raise
         except ValueError as e:
             raise InvalidRequestError(f"invalid {kind}: {e}", kind) from None
 
     def _submit(self, inputs: list[GenerateInput]) -> None:
         bound = self.options.max_queued_requests
+        rids = [inp.rid for inp in inputs]
         with self._in_flight_lock:
             if bound is not None and self._in_flight + len(inputs) > bound + self.options.max_running_requests:
                 raise QueueFullError(f"the request queue is full ({bound} waiting); retry later")
+            clash = next((r for r in rids if r in self._live_rids), None)
+            if clash is None and len(set(rids)) < len(rids):
+                clash = next(r for r in rids if rids.count(r) > 1)
+            if clash is not None:
+                raise InvalidRequestError(f"request id {clash!r} is already in use by a request in flight", "rid")
             self._in_flight += len(inputs)
+            self._live_rids.update(rids)
         for inp in inputs:
-            inp.sink = _counting_sink(inp.sink, self._request_done)
+            inp.sink = _counting_sink(inp.sink, lambda rid=inp.rid: self._request_done(rid))
             self._scheduler.inbox.put(inp)
 
-    def _request_done(self) -> None:
+    def _request_done(self, rid: str) -> None:
         with self._in_flight_lock:
             self._in_flight -= 1
+            self._live_rids.discard(rid)
 
     def _wait(self, box: queue.Queue) -> Output:
         while True:
@@ -318,6 +424,12 @@ class Engine:
             except queue.Empty:
                 if not self._thread.is_alive():
                     raise EngineShutdownError("the engine stopped before the request finished") from None
+
+
+def _longest_token_bytes(tokenizer: Any) -> int:
+    """An upper bound on the UTF-8 bytes one token stands for: its longest vocabulary entry (byte-level
+    and SentencePiece entries spell each byte with one character of at least one byte)."""
+    return max(len(piece.encode("utf-8")) for piece in tokenizer.get_vocab())
 
 
 def _counting_sink(sink, on_final):

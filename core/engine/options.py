@@ -32,7 +32,17 @@ class EngineOptions:
     random_seed: int = 0
     log_level: str = "warning"
     served_model_name: str | None = None
-    max_queued_requests: int | None = None  # bounded waiting queue (the server answers 503 beyond it)
+    # Requests waiting beyond the running batch; past it, submitting raises QueueFullError (the server
+    # answers 503 with Retry-After). None: unbounded.
+    max_queued_requests: int | None = 4096
+    max_requests_per_call: int = 1024  # engine requests (prompts x n) one generate call or HTTP request may make
+    # Seconds one request's preparation (tokenizing, chat template, constraint compilation) may take
+    # before it is refused as too complex; it runs on `prepare_workers` threads (and as many for compiles).
+    prepare_timeout: float = 10.0
+    prepare_workers: int = 2
+    # Seconds the scheduler loop may go without progress while requests are in flight before /health
+    # answers 503.
+    stall_timeout: float = 60.0
     debug_check_invariants: bool = False  # verify the KV slot invariant after every step (slow)
     disable_cuda_graph: bool = False  # CUDA only: run decode eagerly instead of replaying captured graphs
     cuda_graph_max_bs: int | None = None  # largest decode batch captured; default min(max_running_requests, 512)
@@ -65,7 +75,8 @@ class EngineOptions:
                                       "schedule_policy")
         if self.max_running_requests is None:
             self.max_running_requests = 512 if self.device.startswith("cuda") else 64
-        for name in ("max_running_requests", "schedule_fairness_bound", "tp_size", "dp_size"):
+        for name in ("max_running_requests", "schedule_fairness_bound", "tp_size", "dp_size", "max_requests_per_call",
+                     "prepare_workers"):
             if getattr(self, name) < 1:
                 raise InvalidRequestError(f"{name} must be >= 1", name)
         if self.tp_size > 1 and self.dp_size > 1:
@@ -86,6 +97,11 @@ class EngineOptions:
             raise InvalidRequestError("chunked_prefill_size must be positive or -1", "chunked_prefill_size")
         if not 0.0 < self.mem_fraction_static < 1.0:
             raise InvalidRequestError("mem_fraction_static must be in (0, 1)", "mem_fraction_static")
+        if self.max_queued_requests is not None and self.max_queued_requests < 0:
+            raise InvalidRequestError("max_queued_requests must be >= 0 (or None: unbounded)", "max_queued_requests")
+        for name in ("prepare_timeout", "stall_timeout"):
+            if not getattr(self, name) > 0:
+                raise InvalidRequestError(f"{name} must be > 0 seconds", name)
         if self.log_level.upper() not in logging.getLevelNamesMapping():
             raise InvalidRequestError(f"unknown log_level {self.log_level!r}", "log_level")
 

@@ -53,6 +53,8 @@ class Req:
     passed_over: int = 0  # scheduling rounds this request was eligible but not taken (fairness)
     finish_type: str | None = None
     finish_matched: str | int | None = None
+    error: str | None = None  # why it ended early, for its client
+    error_status: int | None = None  # set when it ended by a failure: the HTTP status its client gets
     # Logprob results: lists of (logprob, token_id, None) and top-k lists.
     input_token_logprobs: list = field(default_factory=list)
     input_top_logprobs: list = field(default_factory=list)

@@ -40,6 +40,8 @@ class Sampler:
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
         if self._needs_adjust(reqs, masks):
             logits = self._adjust(logits.clone(), reqs, masks)
+            if bool(torch.isnan(logits).any()):
+                raise ValueError("a request's adjusted logits are not numbers")
         tokens = self._choose(logits, reqs)
         token_list = tokens.tolist()
         if raw_logprobs is None:
@@ -105,6 +107,10 @@ class Sampler:
         temps = _device_tensor([max(r.params.temperature, 1e-5) for r in sub], torch.float32, dev)
         probs = torch.softmax((logits if whole else logits[index]) / temps[:, None], dim=-1)
         probs = self._filter(probs, sub)
+        # A row with nothing to draw from (not-a-number values, or all zero) would pick garbage: refuse,
+        # so that the scheduler finds the request at fault (checked once per batch, where it syncs anyway).
+        if not bool((probs.sum(dim=-1) > 0).all()):
+            raise ValueError("a request's sampling distribution is empty or not a number")
         picks = (probs / self._exponential_noise(probs, sub)).argmax(dim=-1)
         if whole:
             return picks

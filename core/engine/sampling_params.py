@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,7 +28,7 @@ class SamplingParams:
     no_stop_trim: bool = False
     n: int = 1
     seed: int | None = None
-    # Additive biases on the logits, token id -> bias (OpenAI's logit_bias).
+    # Additive biases on the logits, token id -> bias in [-100, 100] (OpenAI's logit_bias).
     logit_bias: dict[int, float] = field(default_factory=dict)
     # Constrained decoding (core.constrained); at most one of them.
     regex: str | None = None
@@ -75,6 +76,8 @@ class SamplingParams:
         for name in ("temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty",
                      "repetition_penalty"):
             check_type(name, (int, float))
+            if not math.isfinite(getattr(self, name)):
+                raise bad(name, "must be a finite number")
         for name in ("ignore_eos", "skip_special_tokens", "no_stop_trim", "disable_jump_forward"):
             check_type(name, (bool,))
         if self.seed is not None:
@@ -110,9 +113,13 @@ class SamplingParams:
         if not isinstance(self.logit_bias, dict):
             raise bad("logit_bias", "must map token ids to numbers")
         try:
-            self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
-        except (TypeError, ValueError):
-            raise bad("logit_bias", "must map token ids to numbers") from None
+            self.logit_bias = {_token_id(k): float(v) for k, v in self.logit_bias.items()}
+        except (TypeError, ValueError, OverflowError):
+            raise bad("logit_bias", "must map token ids (integers >= 0) to numbers") from None
+        for token, bias in self.logit_bias.items():
+            if not -100.0 <= bias <= 100.0:  # also false for NaN
+                raise InvalidRequestError(f"logit_bias value {bias} for token {token} is outside [-100, 100]",
+                                          "logit_bias")
         constraints = [n for n in ("regex", "json_schema", "choices") if getattr(self, n) is not None]
         if len(constraints) > 1:
             raise InvalidRequestError(f"at most one of regex, json_schema, choices (got {constraints})",
@@ -127,9 +134,27 @@ class SamplingParams:
         ):
             raise bad("choices", "must be a non-empty list of strings")
 
+    def check_vocab(self, vocab_size: int) -> None:
+        """logit_bias names the model's tokens (checked once the model is known)."""
+        bad = next((t for t in self.logit_bias if t >= vocab_size), None)
+        if bad is not None:
+            raise InvalidRequestError(f"logit_bias key {bad} is not a token id in [0, {vocab_size})", "logit_bias")
+
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def _token_id(key: Any) -> int:
+    """A logit_bias key as a token id: an int, or a string of digits (JSON object keys are strings)."""
+    if isinstance(key, bool) or not isinstance(key, (int, str)):
+        raise TypeError(key)
+    if isinstance(key, str) and not (key.isascii() and key.isdigit()):
+        raise ValueError(key)
+    token = int(key)
+    if token < 0:
+        raise ValueError(key)
+    return token

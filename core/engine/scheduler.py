@@ -24,7 +24,7 @@ from radixlm.core.engine.model_runner import BatchInput, ModelRunner
 from radixlm.core.engine.options import EngineOptions
 from radixlm.core.engine.radix_cache import RadixCache
 from radixlm.core.engine.request import GenerateInput, Req, Status
-from radixlm.core.engine.sampler import Sampler, top_logprob_entries
+from radixlm.core.engine.sampler import SampleResult, Sampler, top_logprob_entries
 from radixlm.core.engine.schedule_policy import SchedulePolicy
 from radixlm.core.engine.stats import EngineStats, TimedRadixCache
 
@@ -68,7 +68,9 @@ class Scheduler:
         self.opts = opts
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
-        self.context_len = runner.cfg.context_len
+        # What one request may use in all (the Engine admits nothing longer): the model's context, or the
+        # KV pool when that is smaller.
+        self.context_len = min(runner.cfg.context_len, runner.num_slots)
         self.allocator = SlotAllocator(runner.num_slots)
         self.stats = EngineStats()
         self.tree = TimedRadixCache(RadixCache(self.allocator, disable=opts.disable_radix_cache), self.stats)
@@ -79,6 +81,12 @@ class Scheduler:
         self.waiting: list[Req] = []
         self.running: list[Req] = []
         self.chunked: Req | None = None  # a request midway through a chunked prefill
+        self.live: dict[str, Req] = {}  # rid -> request not finished: aborts find theirs in O(1)
+        self._waiting_has_finished = False  # finished requests left in `waiting`, dropped in one pass
+        # Read by other threads without waiting for the loop: when it last got anything done, and the
+        # statistics as of then (replaced whole, never mutated).
+        self.last_progress = time.monotonic()
+        self.snapshot: dict[str, Any] = {}
         self._arrivals = 0
         self._jump_wait = 0  # decode steps jump-forward continuations have been left waiting
         self._stop = threading.Event()
@@ -86,22 +94,30 @@ class Scheduler:
     # ---- the loop --------------------------------------------------------------------------
 
     def run_forever(self) -> None:
+        self._publish()
         while not self._stop.is_set():
             self._drain_inbox(block=not (self.waiting or self.running or self.chunked))
             if self._stop.is_set():
                 break
             try:
                 self.step()
-            except Exception as exc:  # a bug must not take the engine down with every other request
+            except Exception:  # a failure of the batch itself (not of one request's own work)
                 logger.exception("scheduler step failed; aborting the requests in flight")
-                self._abort_all(f"internal error: {exc}")
+                self._abort_all("internal server error (the server log has the details)", status_code=500)
+            self._publish()
         self._abort_all("engine shut down")
+        self._publish()
+
+    def _publish(self) -> None:
+        self.snapshot = self.get_stats()
+        self.last_progress = time.monotonic()
 
     def stop(self) -> None:
         self._stop.set()
         self.inbox.put(None)
 
     def step(self) -> None:
+        self._sweep_waiting()
         extends = self._schedule_prefill()
         if extends:
             if self.running and all(e.req.output_ids for e in extends):
@@ -121,6 +137,7 @@ class Scheduler:
             except queue.Empty:
                 return
             block = False
+            self.last_progress = time.monotonic()
             if msg is None:
                 return
             if isinstance(msg, GenerateInput):
@@ -142,8 +159,20 @@ class Scheduler:
         self._arrivals += 1
         self.stats.requests_total += 1
         self.waiting.append(req)
+        if inp.rid in self.live:  # the Engine refuses these; a front end that does not must not hijack one
+            self._finish(req, "abort", None, error=f"request id {inp.rid!r} is already in use", status_code=400)
+            return
+        self.live[inp.rid] = req
         if inp.constraint is not None:
-            self._jump_forward(req)  # text forced from the very start goes in with the prompt
+            try:
+                self._jump_forward(req)  # text forced from the very start goes in with the prompt
+            except Exception:
+                self._fail(req, "constraining")
+
+    def _sweep_waiting(self) -> None:
+        if self._waiting_has_finished:
+            self.waiting = [r for r in self.waiting if not r.finished]
+            self._waiting_has_finished = False
 
     # ---- prefill ---------------------------------------------------------------------------
 
@@ -296,7 +325,12 @@ class Scheduler:
         for ext, (row0, first, count) in zip(extends, logit_use):
             req = ext.req
             if req.input_logprob_start() is not None and count:
-                self._record_input_logprobs(req, logits[row0 : row0 + count], first)
+                try:
+                    self._record_input_logprobs(req, logits[row0 : row0 + count], first)
+                except Exception:
+                    self._fail(req, "computing logprobs")
+            if req.finished:
+                continue
             if not ext.finishes_prompt:
                 self._cache_prefix(req)
                 continue
@@ -390,36 +424,73 @@ class Scheduler:
     # ---- sampling and finishing --------------------------------------------------------------
 
     def _sample_and_advance(self, reqs: list[Req], logits: torch.Tensor) -> None:
+        """Samples each request's next token and moves it on. A failure in one request's own work (its
+        constraint, its sampling values, its detokenizer) ends that request alone (`_fail`)."""
         masks = self._constraint_masks(reqs)
-        result = self.sampler.sample(logits, reqs, masks)
+        if any(r.finished for r in reqs):
+            keep = [i for i, r in enumerate(reqs) if not r.finished]
+            reqs, masks = [reqs[i] for i in keep], [masks[i] for i in keep]
+            logits = logits[torch.tensor(keep, device=logits.device)]
+        if not reqs:
+            return
+        try:
+            results = [self.sampler.sample(logits, reqs, masks)]
+            rows = [(results[0], i) for i in range(len(reqs))]
+        except Exception:  # find the request(s) at fault: sample each alone
+            logger.warning("sampling a batch of %d failed; sampling its requests one by one", len(reqs))
+            rows = [self._sample_alone(req, logits[i : i + 1], mask) for i, (req, mask) in enumerate(zip(reqs, masks))]
         now = time.monotonic()
-        for i, req in enumerate(reqs):
-            token = result.token_ids[i]
-            req.output_ids.append(token)
-            self.stats.generated_tokens_total += 1
-            if req.first_token_time is None:
-                req.first_token_time = now
-            if req.inp.return_logprob:
-                req.output_token_logprobs.append((result.logprobs[i], token, None))
-                req.output_top_logprobs.append(result.top_logprobs[i])
-            if req.inp.constraint is not None:
-                req.inp.constraint.advance(token)
-            self._check_finish(req, token)
-            if req.finished:
+        for req, row in zip(reqs, rows):
+            if row is None:
                 continue
-            if req.inp.constraint is not None:
-                self._after_constrained_token(req)
+            result, i = row
+            stage = "constraining"
+            try:
+                token = result.token_ids[i]
+                req.output_ids.append(token)
+                self.stats.generated_tokens_total += 1
+                if req.first_token_time is None:
+                    req.first_token_time = now
+                if req.inp.return_logprob:
+                    req.output_token_logprobs.append((result.logprobs[i], token, None))
+                    req.output_top_logprobs.append(result.top_logprobs[i])
+                if req.inp.constraint is not None:
+                    req.inp.constraint.advance(token)
+                stage = "detokenizing"
+                self._check_finish(req, token)
                 if req.finished:
                     continue
-            if req.inp.stream:
-                self._emit(req, final=False)
+                if req.inp.constraint is not None:
+                    stage = "constraining"
+                    self._after_constrained_token(req)
+                    if req.finished:
+                        continue
+                if req.inp.stream:
+                    stage = "detokenizing"
+                    self._emit(req, final=False)
+            except Exception:
+                self._fail(req, stage)
+
+    def _sample_alone(self, req: Req, logits: torch.Tensor, mask: torch.Tensor | None) -> tuple[SampleResult, int] | None:
+        try:
+            return self.sampler.sample(logits, [req], [mask]), 0
+        except Exception:
+            self._fail(req, "sampling")
+            return None
 
     # ---- constrained decoding (the TokenConstraint of core.engine.constraint) ---------------------
 
     def _constraint_masks(self, reqs: list[Req]) -> list[torch.Tensor | None]:
         packed = self.runner.device.type == "cuda"  # bit-packed masks: a small copy, unpacked on the GPU
-        return [r.inp.constraint.allowed_token_mask(self.sampler.vocab_size, packed) if r.inp.constraint else None
-                for r in reqs]
+        masks: list[torch.Tensor | None] = []
+        for r in reqs:
+            try:
+                masks.append(r.inp.constraint.allowed_token_mask(self.sampler.vocab_size, packed)
+                             if r.inp.constraint else None)
+            except Exception:
+                self._fail(r, "constraining")
+                masks.append(None)
+        return masks
 
     def _after_constrained_token(self, req: Req) -> None:
         """Finishes the request when its constraint allows nothing but the end; otherwise jumps forward
@@ -467,21 +538,38 @@ class Scheduler:
         elif len(req.output_ids) >= p.max_new_tokens or req.seq_len >= self.context_len:
             self._finish(req, "length", None)
 
-    def _finish(self, req: Req, kind: str, matched: str | int | None, error: str | None = None) -> None:
+    def _finish(self, req: Req, kind: str, matched: str | int | None, error: str | None = None,
+                status_code: int | None = None) -> None:
+        """Ends the request, gives its KV to the cache and sends its final output. An `error` goes to the
+        client; with a `status_code` (a failure rather than an abort) the server answers with that status."""
         req.finish_type, req.finish_matched = kind, matched
-        req.detok.flush()
-        if req in self.running:
+        req.error, req.error_status = error, status_code
+        try:
+            req.detok.flush()
+        except Exception:  # the output ends with what was decoded so far
+            logger.exception("request %s: decoding the end of the output failed", req.rid)
+        if req.status is Status.WAITING:
+            self._waiting_has_finished = True  # removed before the next step: O(1) per abort
+        elif req in self.running:
             self.running.remove(req)
-        if req in self.waiting:
-            self.waiting.remove(req)
         if self.chunked is req:
             self.chunked = None
+        if self.live.get(req.rid) is req:
+            del self.live[req.rid]
         self._release(req)
         req.status = Status.FINISHED
         self.stats.record_finish(req)
-        self._emit(req, final=True, error=error)
+        self._emit(req, final=True)
 
-    def _emit(self, req: Req, final: bool, error: str | None = None) -> None:
+    def _fail(self, req: Req, stage: str) -> None:
+        """Ends one request whose own work raised; the others go on. Its client gets an error naming the
+        stage, never the exception's text (that goes to the log)."""
+        logger.exception("request %s failed while %s; ending it alone", req.rid, stage)
+        if not req.finished:
+            self._finish(req, "abort", None, error=f"generation failed while {stage} (a server error; the "
+                                                   "server log has the details)", status_code=500)
+
+    def _emit(self, req: Req, final: bool) -> None:
         if req.inp.sink is None:
             return
         text = req.detok.take_new_text(final) if req.inp.stream else req.detok.text
@@ -499,6 +587,8 @@ class Scheduler:
             "cached_tokens": req.cached_tokens or 0,
             "finish_reason": {"type": req.finish_type, "matched": req.finish_matched} if final else None,
         }
+        if final and req.error_status is not None:
+            meta["finish_reason"]["status_code"] = req.error_status
         if req.inp.return_logprob:
             meta["input_token_logprobs"] = list(req.input_token_logprobs)
             meta["input_top_logprobs"] = list(req.input_top_logprobs)
@@ -506,22 +596,25 @@ class Scheduler:
             meta["output_top_logprobs"] = list(out_top)
         if final and req.first_token_time is not None:
             meta["e2e_latency"] = time.monotonic() - req.created
-        if error is not None:
-            meta["error"] = error
-        req.inp.sink({"text": text, "output_ids": ids, "meta_info": meta})
+        if final and req.error is not None:
+            meta["error"] = req.error
+        try:
+            req.inp.sink({"text": text, "output_ids": ids, "meta_info": meta})
+        except Exception:  # the receiver's failure is its own; nobody else's output may depend on it
+            logger.exception("request %s: delivering its output failed", req.rid)
 
     # ---- aborts, flush, stats, invariants ------------------------------------------------------
 
     def _abort(self, rid: str, why: str) -> None:
-        for req in [*self.waiting, *self.running, *([self.chunked] if self.chunked else [])]:
-            if req.rid == rid and not req.finished:
-                self._finish(req, "abort", None, error=why)
+        req = self.live.get(rid)
+        if req is not None:
+            self._finish(req, "abort", None, error=why)
 
-    def _abort_all(self, why: str) -> None:
+    def _abort_all(self, why: str, status_code: int | None = None) -> None:
         for req in [*self.waiting, *self.running, *([self.chunked] if self.chunked else [])]:
             if not req.finished:
                 try:
-                    self._finish(req, "abort", None, error=why)
+                    self._finish(req, "abort", None, error=why, status_code=status_code)
                 except Exception:  # a broken request must not keep the others from being answered
                     logger.exception("could not finish request %s cleanly", req.rid)
                     self.running = [r for r in self.running if r is not req]
@@ -530,12 +623,14 @@ class Scheduler:
                         self.chunked = None
 
     def flush_cache(self) -> bool:
+        self._sweep_waiting()
         if self.running or self.waiting or self.chunked:
             return False
         self.tree.reset()
         return True
 
     def get_stats(self) -> dict[str, Any]:
+        self._sweep_waiting()
         cached = self.tree.total_size()
         return self.stats.snapshot(
             kv_slots_total=self.allocator.num_slots,
