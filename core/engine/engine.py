@@ -26,7 +26,9 @@ logger = logging.getLogger("radixlm")
 
 Output = dict[str, Any]
 
-# When the current preparation's budget runs out (set by Engine._timed for the work it runs).
+# When the current preparation's budget runs out (set by Engine._timed for the work it runs). Waits for
+# a whole preparation allow a little more, so that the step that ran out (a compile) names itself.
+_OUTER_GRACE = 1.0
 _deadline: contextvars.ContextVar[float | None] = contextvars.ContextVar("radixlm_prepare_deadline", default=None)
 
 
@@ -129,7 +131,8 @@ class Engine:
         rid: str | list[str] | None = None,
     ) -> Output | list[Output] | Iterator[Output]:
         args = (prompt, sampling_params, input_ids, return_logprob, logprob_start_len, top_logprobs_num, stream, rid)
-        inputs, single = self._within_budget(self._tokenize_pool.submit(self._timed, self._prepare, *args), "request")
+        inputs, single = self._within_budget(self._tokenize_pool.submit(self._timed, self._prepare, *args), "request",
+                                             grace=_OUTER_GRACE)
         if stream:
             return self._stream_sync(inputs[0])
         results: list[queue.Queue] = []
@@ -255,7 +258,7 @@ class Engine:
         threads under the `prepare_timeout` budget, so that an event loop keeps serving meanwhile."""
         future = self._tokenize_pool.submit(self._timed, fn, *args)
         try:
-            return await asyncio.wait_for(asyncio.wrap_future(future), self.options.prepare_timeout)
+            return await asyncio.wait_for(asyncio.wrap_future(future), self.options.prepare_timeout + _OUTER_GRACE)
         except asyncio.TimeoutError:
             raise self._over_budget("request") from None
 
@@ -269,11 +272,12 @@ class Engine:
             if token is not None:
                 _deadline.reset(token)
 
-    def _within_budget(self, future: concurrent.futures.Future, what: str) -> Any:
-        """The future's result, or TooComplexError once the preparation budget is spent (the work goes
-        on in its thread, but nothing waits for it)."""
+    def _within_budget(self, future: concurrent.futures.Future, what: str, grace: float = 0.0) -> Any:
+        """The future's result, or TooComplexError once the preparation budget (+ grace) is spent (the
+        work goes on in its thread, but nothing waits for it)."""
         deadline = _deadline.get()
         timeout = self.options.prepare_timeout if deadline is None else max(0.0, deadline - time.monotonic())
+        timeout += grace
         try:
             return future.result(timeout=timeout)
         except concurrent.futures.TimeoutError:

@@ -146,9 +146,11 @@ class Scheduler:
                 self._abort(msg.rid, "aborted by request")
             elif isinstance(msg, CallMsg):
                 try:
-                    msg.reply.put((True, msg.fn(self)))
+                    value = (True, msg.fn(self))
                 except Exception as exc:
-                    msg.reply.put((False, exc))
+                    value = (False, exc)
+                self._publish()  # what the caller reads next (a flush, say) shows in the snapshot
+                msg.reply.put(value)
 
     def _add_request(self, inp: GenerateInput) -> None:
         p = inp.sampling_params
