@@ -129,6 +129,8 @@ class OpenAIAPI:
                 schema = json.loads(schema)
             except ValueError as exc:
                 raise bad_request(f"{param} is not valid JSON: {exc}", param) from None
+            except RecursionError:
+                raise bad_request(f"{param} is nested too deeply", param) from None
         if not isinstance(schema, dict):
             raise bad_request(f"{param} must be a JSON object", param)
         try:
