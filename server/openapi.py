@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from pydantic import BaseModel
@@ -27,8 +28,8 @@ _ENDPOINTS: dict[str, dict[str, tuple[str, type[BaseModel] | None, dict[str, Any
     "/get_model_info": {"get": ("Model path, context length, vocabulary", None, {"description": "Model info"})},
     "/get_server_info": {"get": ("Server and engine options, engine statistics (KV slots, cache hit rate)",
                                  None, {"description": "Server info"})},
-    "/flush_cache": {"post": ("Drops every cached prefix (400 while requests run)", None,
-                              {"description": "Flushed"})},
+    "/flush_cache": {method: ("Drops every cached prefix (400 while requests run)", None, {"description": "Flushed"})
+                     for method in ("get", "post")},
     "/abort_request": {"post": ("Aborts a request by rid, or all with abort_all", AbortRequest,
                                 {"description": "Aborted"})},
     "/metrics": {"get": ("Prometheus metrics", None, {"description": "Prometheus text format",
@@ -49,6 +50,10 @@ def openapi_document() -> dict[str, Any]:
         paths[path] = {}
         for method, (summary, model, success) in methods.items():
             op: dict[str, Any] = {"summary": summary, "responses": {"200": success, "4XX": _ERROR, "5XX": _ERROR}}
+            names = re.findall(r"{(\w+)}", path)
+            if names:
+                op["parameters"] = [{"name": n, "in": "path", "required": True, "schema": {"type": "string"}}
+                                    for n in names]
             if model is not None:
                 schema = model.model_json_schema(ref_template="#/components/schemas/{model}", by_alias=True)
                 schemas.update(schema.pop("$defs", {}))

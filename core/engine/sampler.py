@@ -150,8 +150,9 @@ class Sampler:
         rank = torch.arange(vocab, device=probs.device)[None, :]
         sorted_probs = sorted_probs.masked_fill(rank >= ks, 0.0)
         cum = sorted_probs.cumsum(-1)
-        # keep a token if the mass before it is < top_p (the first token is always kept)
-        sorted_probs = sorted_probs.masked_fill((cum - sorted_probs) >= ps * cum[:, -1:], 0.0)
+        # keep a token if the mass before it is < top_p; the first token always (a top_p that rounds to 0
+        # would drop it too)
+        sorted_probs = sorted_probs.masked_fill(((cum - sorted_probs) >= ps * cum[:, -1:]) & (rank > 0), 0.0)
         sorted_probs = sorted_probs.masked_fill(sorted_probs < mins * sorted_probs[:, :1], 0.0)
         return torch.zeros_like(probs).scatter_(1, order, sorted_probs)
 
