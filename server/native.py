@@ -91,13 +91,15 @@ class NativeAPI:
         params = req.sampling_params if isinstance(req.sampling_params, list) else [req.sampling_params] * len(prompts)
         if len(params) != len(prompts):
             raise bad_request(f"{len(params)} sampling_params for {len(prompts)} prompts", "sampling_params")
+        self.engine.check_fan_out(len(prompts))  # before any per-prompt work
+        counts = [SamplingParams.from_dict(sp).n for sp in params]
+        self.engine.check_fan_out(sum(counts))
         rids = [req.rid] if isinstance(req.rid, str) else req.rid
         if rids is not None and len(rids) != len(prompts):
             raise bad_request("rid must be a string per prompt", "rid")
         branches = []
-        for k, (prompt, sp) in enumerate(zip(prompts, params)):
+        for k, (prompt, sp, n) in enumerate(zip(prompts, params, counts)):
             sp = dict(sp or {})
-            n = SamplingParams.from_dict(sp).n
             for i in range(n):
                 one = sp if n == 1 else {**sp, "n": 1, "seed": None if sp.get("seed") is None else sp["seed"] + i}
                 rid = {} if rids is None else {"rid": rids[k] if n == 1 else f"{rids[k]}-{i}"}

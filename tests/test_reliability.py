@@ -105,6 +105,7 @@ class _RaisingConstraint:
 
 def _one(engine, params: dict, prompt: str = "fault") -> list:
     inputs, _ = engine._prepare(prompt, params, None, False, None, 0, False, None)
+    engine._attach_constraints(inputs)
     return inputs
 
 

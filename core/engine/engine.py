@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextvars
 import logging
 import queue
 import threading
@@ -25,11 +24,6 @@ from radixlm.core.models.loader import load_tokenizer
 logger = logging.getLogger("radixlm")
 
 Output = dict[str, Any]
-
-# When the current preparation's budget runs out (set by Engine._timed for the work it runs). Waits for
-# a whole preparation allow a little more, so that the step that ran out (a compile) names itself.
-_OUTER_GRACE = 1.0
-_deadline: contextvars.ContextVar[float | None] = contextvars.ContextVar("radixlm_prepare_deadline", default=None)
 
 
 class Engine:
@@ -131,8 +125,10 @@ class Engine:
         rid: str | list[str] | None = None,
     ) -> Output | list[Output] | Iterator[Output]:
         args = (prompt, sampling_params, input_ids, return_logprob, logprob_start_len, top_logprobs_num, stream, rid)
-        inputs, single = self._within_budget(self._tokenize_pool.submit(self._timed, self._prepare, *args), "request",
-                                             grace=_OUTER_GRACE)
+        inputs, single = self._within_budget(self._tokenize_pool.submit(self._prepare, *args), "request")
+        kind = _constraint_kind(inputs)
+        if kind is not None:
+            self._within_budget(self._compile_pool.submit(self._attach_constraints, inputs), kind)
         if stream:
             return self._stream_sync(inputs[0])
         results: list[queue.Queue] = []
@@ -157,6 +153,9 @@ class Engine:
     ) -> Output | list[Output] | AsyncIterator[Output]:
         args = (prompt, sampling_params, input_ids, return_logprob, logprob_start_len, top_logprobs_num, stream, rid)
         inputs, single = await self.offload(self._prepare, *args)
+        kind = _constraint_kind(inputs)
+        if kind is not None:
+            await self._within_budget_async(self._compile_pool.submit(self._attach_constraints, inputs), kind)
         if stream:
             return self._stream_async(inputs[0])
         loop = asyncio.get_running_loop()
@@ -256,32 +255,21 @@ class Engine:
     async def offload(self, fn: Any, *args: Any) -> Any:
         """Runs `fn(*args)` (tokenizing, templating: preparation of a request) on the engine's worker
         threads under the `prepare_timeout` budget, so that an event loop keeps serving meanwhile."""
-        future = self._tokenize_pool.submit(self._timed, fn, *args)
-        try:
-            return await asyncio.wait_for(asyncio.wrap_future(future), self.options.prepare_timeout + _OUTER_GRACE)
-        except asyncio.TimeoutError:
-            raise self._over_budget("request") from None
+        return await self._within_budget_async(self._tokenize_pool.submit(fn, *args), "request")
 
-    def _timed(self, fn: Any, *args: Any) -> Any:
-        """fn(*args), or TooComplexError if the preparation budget ran out while it waited or ran."""
-        deadline = time.monotonic() + self.options.prepare_timeout
-        token = _deadline.set(deadline) if _deadline.get() is None else None
+    def _within_budget(self, future: concurrent.futures.Future, what: str) -> Any:
+        """The future's result, or TooComplexError once `prepare_timeout` is spent (the work goes on in
+        its thread, but nothing waits for it)."""
         try:
-            return fn(*args)
-        finally:
-            if token is not None:
-                _deadline.reset(token)
-
-    def _within_budget(self, future: concurrent.futures.Future, what: str, grace: float = 0.0) -> Any:
-        """The future's result, or TooComplexError once the preparation budget (+ grace) is spent (the
-        work goes on in its thread, but nothing waits for it)."""
-        deadline = _deadline.get()
-        timeout = self.options.prepare_timeout if deadline is None else max(0.0, deadline - time.monotonic())
-        timeout += grace
-        try:
-            return future.result(timeout=timeout)
+            return future.result(timeout=self.options.prepare_timeout)
         except concurrent.futures.TimeoutError:
             future.cancel()
+            raise self._over_budget(what) from None
+
+    async def _within_budget_async(self, future: concurrent.futures.Future, what: str) -> Any:
+        try:
+            return await asyncio.wait_for(asyncio.wrap_future(future), self.options.prepare_timeout)
+        except asyncio.TimeoutError:
             raise self._over_budget(what) from None
 
     def _over_budget(self, what: str) -> TooComplexError:
@@ -322,6 +310,7 @@ class Engine:
             id_lists = [input_ids] if single else input_ids
             if not isinstance(id_lists, list) or not all(isinstance(ids, list) for ids in id_lists):
                 raise InvalidRequestError("input_ids must be a list of ints or a list of lists of ints", "input_ids")
+            self.check_fan_out(len(id_lists))
         if not id_lists:
             raise InvalidRequestError("the prompt list is empty", "prompt")
         if isinstance(sampling_params, list):
@@ -342,7 +331,6 @@ class Engine:
         inputs: list[GenerateInput] = []
         for ids, sp, r in zip(id_lists, params, rids):
             self._validate_ids(ids, sp)
-            constraint = self._build_constraint(sp)
             for i in range(sp.n):
                 copy = sp
                 if sp.n > 1:
@@ -351,8 +339,7 @@ class Engine:
                 inputs.append(GenerateInput(
                     rid=r if sp.n == 1 else f"{r}-{i}", input_ids=list(ids), sampling_params=copy,
                     return_logprob=return_logprob, logprob_start_len=logprob_start_len,
-                    top_logprobs_num=top_logprobs_num, stream=stream,
-                    constraint=constraint if i == 0 else self._build_constraint(sp)))
+                    top_logprobs_num=top_logprobs_num, stream=stream))
         if stream and len(inputs) != 1:
             raise InvalidRequestError("stream=True takes a single prompt with n=1", "stream")
         return inputs, single and len(inputs) == 1
@@ -380,24 +367,24 @@ class Engine:
                 f"server's context of {self.context_len} tokens", "max_new_tokens")
         sp.check_vocab(self.vocab_size)
 
-    def _build_constraint(self, sp: SamplingParams):
-        """The request's constraint (core.constrained), built here on the caller's thread so that a bad
-        pattern or schema fails before anything is queued, and index building never stalls the scheduler."""
-        kind = next((k for k in ("regex", "json_schema", "choices") if getattr(sp, k) is not None), None)
-        if kind is None:
-            return None
+    def _attach_constraints(self, inputs: list[GenerateInput]) -> None:
+        """Gives each constrained input its own constraint (core.constrained), on a compile thread, so that
+        a bad pattern or schema fails before anything is queued and index building never stalls the
+        scheduler (the index is built once and cached; the n samples of a request share it)."""
         from radixlm.core.constrained import build_constraint
 
-        future = self._compile_pool.submit(build_constraint, kind, getattr(sp, kind), self.tokenizer,
-                                           eos_token_ids=self.eos_token_ids)
-        try:
-            return self._within_budget(future, kind)
-        except RecursionError:
-            raise InvalidRequestError(f"invalid {kind}: nested too deeply", kind) from None
-        except TooComplexError:
-            raise
-        except ValueError as e:
-            raise InvalidRequestError(f"invalid {kind}: {e}", kind) from None
+        for inp in inputs:
+            sp = inp.sampling_params
+            kind = next((k for k in _CONSTRAINT_KINDS if getattr(sp, k) is not None), None)
+            if kind is None:
+                continue
+            try:
+                inp.constraint = build_constraint(kind, getattr(sp, kind), self.tokenizer,
+                                                  eos_token_ids=self.eos_token_ids)
+            except RecursionError:
+                raise InvalidRequestError(f"invalid {kind}: nested too deeply", kind) from None
+            except ValueError as e:
+                raise InvalidRequestError(f"invalid {kind}: {e}", kind) from None
 
     def _submit(self, inputs: list[GenerateInput]) -> None:
         bound = self.options.max_queued_requests
@@ -428,6 +415,14 @@ class Engine:
             except queue.Empty:
                 if not self._thread.is_alive():
                     raise EngineShutdownError("the engine stopped before the request finished") from None
+
+
+_CONSTRAINT_KINDS = ("regex", "json_schema", "choices")
+
+
+def _constraint_kind(inputs: list[GenerateInput]) -> str | None:
+    """The first constraint kind among the inputs (what a too-complex error names), or None."""
+    return next((k for inp in inputs for k in _CONSTRAINT_KINDS if getattr(inp.sampling_params, k) is not None), None)
 
 
 def _longest_token_bytes(tokenizer: Any) -> int:
