@@ -125,7 +125,7 @@ class Engine:
         rid: str | list[str] | None = None,
     ) -> Output | list[Output] | Iterator[Output]:
         args = (prompt, sampling_params, input_ids, return_logprob, logprob_start_len, top_logprobs_num, stream, rid)
-        inputs, single = self._within_budget(self._tokenize_pool.submit(self._prepare, *args), "request")
+        inputs, single = self._prepare(*args)  # on the caller's own thread
         kind = _constraint_kind(inputs)
         if kind is not None:
             self._within_budget(self._compile_pool.submit(self._attach_constraints, inputs), kind)
@@ -152,7 +152,10 @@ class Engine:
         rid: str | list[str] | None = None,
     ) -> Output | list[Output] | AsyncIterator[Output]:
         args = (prompt, sampling_params, input_ids, return_logprob, logprob_start_len, top_logprobs_num, stream, rid)
-        inputs, single = await self.offload(self._prepare, *args)
+        if _is_small(prompt, input_ids):  # microseconds of work: less than a hop to a worker, and keeps arrival order
+            inputs, single = self._prepare(*args)
+        else:
+            inputs, single = await self.offload(self._prepare, *args)
         kind = _constraint_kind(inputs)
         if kind is not None:
             await self._within_budget_async(self._compile_pool.submit(self._attach_constraints, inputs), kind)
@@ -418,6 +421,19 @@ class Engine:
 
 
 _CONSTRAINT_KINDS = ("regex", "json_schema", "choices")
+# Prompts up to this many characters (or token ids) in all are prepared on the event loop itself.
+_SMALL_PROMPT = 4096
+
+
+def _is_small(prompt: Any, input_ids: Any) -> bool:
+    if isinstance(prompt, str):
+        return len(prompt) <= _SMALL_PROMPT
+    if isinstance(prompt, list):
+        return len(prompt) <= _SMALL_PROMPT and sum(len(p) if isinstance(p, str) else 1 for p in prompt) <= _SMALL_PROMPT
+    if isinstance(input_ids, list):
+        return len(input_ids) <= _SMALL_PROMPT and sum(
+            len(ids) if isinstance(ids, list) else 1 for ids in input_ids) <= _SMALL_PROMPT
+    return True
 
 
 def _constraint_kind(inputs: list[GenerateInput]) -> str | None:

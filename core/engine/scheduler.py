@@ -436,8 +436,8 @@ class Scheduler:
         if not reqs:
             return
         try:
-            results = [self.sampler.sample(logits, reqs, masks)]
-            rows = [(results[0], i) for i in range(len(reqs))]
+            result = self.sampler.sample(logits, reqs, masks)
+            rows: list[tuple[SampleResult, int] | None] = [(result, i) for i in range(len(reqs))]
         except Exception:  # find the request(s) at fault: sample each alone
             logger.warning("sampling a batch of %d failed; sampling its requests one by one", len(reqs))
             rows = [self._sample_alone(req, logits[i : i + 1], mask) for i, (req, mask) in enumerate(zip(reqs, masks))]
