@@ -45,9 +45,10 @@ HIDDEN, INTERMEDIATE, HEADS, KV_HEADS = 256, 512, 4, 2
 K_QUANT_SCALES = {Q.Q2_K: (80, 82), Q.Q3_K: (108,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}
 
 
-def _random_tensor(rng: np.random.Generator, rows: int, cols: int, qtype: Q, std: float = 0.05) -> np.ndarray:
+def _random_tensor(rng: np.random.Generator, rows: int, cols: int, qtype: Q, std: float = 0.2) -> np.ndarray:
     """(rows, cols) weights of about `std` stored as `qtype`: gguf quantizes the simple types; K-quant
-    blocks are random bytes whose f16 scales are then set so the weights come out at `std`."""
+    blocks are random bytes whose f16 scales are then set so the weights come out at `std`. 0.2, as in
+    tiny_checkpoint: logits spread over a few units, so greedy picks are not near-ties."""
     block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
     blocks = rng.integers(0, 256, (rows * cols // block_size, type_size), dtype=np.uint8)
     if qtype not in K_QUANT_SCALES:
