@@ -24,7 +24,9 @@ from radixlm.core.errors import UnsupportedModelError
 from radixlm.core.models.config import ModelConfig
 from radixlm.core.models.gguf_checkpoint import find_gguf
 from radixlm.core.models.loader import load_tokenizer
-from radixlm.core.models.tiny_checkpoint import BOS_TOKEN, CHAT_TEMPLATE, EOS_TOKEN, IM_END, SPECIAL_TOKENS, VOCAB_SIZE, build_tokenizer
+from radixlm.core.models.tiny_checkpoint import (
+    BOS_TOKEN, CHAT_TEMPLATE, EOS_TOKEN, IM_END, SPECIAL_TOKENS, VOCAB_SIZE, build_tokenizer,
+)
 
 # The ggml type of each tensor of the two tiny models: together they hold every type below, K-quants
 # included. K-quant rows are 256 wide, hence hidden 256 and intermediate 512.

@@ -86,10 +86,10 @@ class GGUFCheckpoint:
 
     def __init__(self, path: str) -> None:
         self.path = path
-        with open(path, "rb") as f:
-            # Copy-on-write: numpy views of it are writable (torch wants that) and the file is never touched.
-            self._buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
         try:
+            with open(path, "rb") as f:
+                # Copy-on-write: numpy views of it are writable (torch wants that); the file is never touched.
+                self._buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
             self.metadata, self.tensors = _parse_header(self._buf)
         except (struct.error, ValueError, UnicodeDecodeError) as e:
             raise UnsupportedModelError(f"{path} is not a readable GGUF file: {e}") from e
@@ -147,7 +147,9 @@ class GGUFCheckpoint:
         if _ROPE_FREQS in self.tensors:
             factors = self._dequantize(self.tensors[_ROPE_FREQS]).flatten().tolist()
             if len(factors) != head_dim // 2:
-                raise UnsupportedModelError(f"{self.path}: {_ROPE_FREQS} holds {len(factors)} factors, not {head_dim // 2}")
+                raise UnsupportedModelError(
+                    f"{self.path}: {_ROPE_FREQS} holds {len(factors)} factors, not {head_dim // 2}"
+                )
             return {"rope_type": "freq_factors", "factors": factors}
         kind = self._key("rope.scaling.type", "none")
         factor = self._key("rope.scaling.factor", None)
@@ -248,7 +250,7 @@ def _parse_header(buf: mmap.mmap) -> tuple[dict[str, Any], dict[str, TensorInfo]
         try:
             qtype = gguf.GGMLQuantizationType(qtype)
         except ValueError:
-            raise UnsupportedModelError(f"GGUF tensor {name!r} has ggml type {qtype}, unknown to gguf") from None
+            raise ValueError(f"tensor {name!r} has ggml type {qtype}, unknown to gguf {version('gguf')}") from None
         block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
         nbytes = prod(shape) // block_size * type_size
         if data_start + offset + nbytes > len(buf):
