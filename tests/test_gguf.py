@@ -227,15 +227,15 @@ def test_config_and_tokenizer_match_transformers(tiny_gguf):
 
 # ---- the real model ----------------------------------------------------------------------------
 
-SMOLLM2_PROMPTS = [
-    "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n",
-    "<|im_start|>user\nWhat is the capital of Germany?<|im_end|>\n<|im_start|>assistant\n",
-    "The three primary colors are",
-]
+SMOLLM2_CHATS = ["What is the capital of France?", "What is the capital of Italy?"]
 
 
 def test_smollm2_matches_transformers(smollm2_gguf):
-    _assert_matches_oracle(smollm2_gguf, GGUFOracle(smollm2_gguf), SMOLLM2_PROMPTS, max_new=10)
+    oracle = GGUFOracle(smollm2_gguf)
+    # chat turns rendered by the file's template (which adds SmolLM2's default system prompt), and plain text
+    prompts = [oracle.tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
+                                              add_generation_prompt=True) for q in SMOLLM2_CHATS]
+    _assert_matches_oracle(smollm2_gguf, oracle, [*prompts, "The three primary colors are"], max_new=10)
 
 
 # ---- errors ------------------------------------------------------------------------------------
