@@ -18,6 +18,7 @@ SUPPORTED_ARCHITECTURES = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
 }
+MODEL_TYPES = {family: arch for arch, family in SUPPORTED_ARCHITECTURES.items()}
 
 # transformers' config-class defaults for the fields a config.json may leave out (tested against the
 # classes themselves). Qwen2 ignores `sliding_window` unless `use_sliding_window`; Mistral always uses it.
@@ -62,8 +63,8 @@ class ModelConfig:
         """Reads a config.json as transformers' own config classes do, written by transformers 4
         (top-level `rope_theta`, `rope_scaling`) or 5 (`rope_parameters` holding both), with the
         class defaults for what a file leaves out."""
-        archs = cfg.get("architectures") or [cfg.get("model_type", "<missing>")]
-        arch = archs[0]
+        # Configs saved without `architectures` (a bare config.save_pretrained) name only the model type.
+        arch = (cfg.get("architectures") or [MODEL_TYPES.get(cfg.get("model_type"), cfg.get("model_type"))])[0]
         if arch not in SUPPORTED_ARCHITECTURES:
             raise UnsupportedModelError(
                 f"architecture {arch!r} is not supported; supported: {sorted(SUPPORTED_ARCHITECTURES)}"
