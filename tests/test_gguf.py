@@ -24,7 +24,7 @@ from radixlm.core.errors import UnsupportedModelError
 from radixlm.core.models.config import ModelConfig
 from radixlm.core.models.gguf_checkpoint import find_gguf
 from radixlm.core.models.loader import load_tokenizer
-from radixlm.core.models.tiny_checkpoint import (
+from radixlm.core.testing import (
     BOS_TOKEN, CHAT_TEMPLATE, EOS_TOKEN, IM_END, SPECIAL_TOKENS, VOCAB_SIZE, build_tokenizer,
 )
 
@@ -52,7 +52,7 @@ K_QUANT_SCALES = {Q.Q2_K: (80, 82), Q.Q3_K: (108,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 
 def _random_tensor(rng: np.random.Generator, rows: int, cols: int, qtype: Q, std: float = 0.2) -> np.ndarray:
     """(rows, cols) weights of about `std` stored as `qtype`: gguf quantizes the simple types; K-quant
     blocks are random bytes whose f16 scales are then set so the weights come out at `std`. 0.2, as in
-    tiny_checkpoint: logits spread over a few units, so greedy picks are not near-ties."""
+    radixlm.core.testing: logits spread over a few units, so greedy picks are not near-ties."""
     block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
     blocks = rng.integers(0, 256, (rows * cols // block_size, type_size), dtype=np.uint8)
     if qtype not in K_QUANT_SCALES:
