@@ -86,7 +86,10 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, ops: ModuleType) -> None:
         super().__init__()
         self.config = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # Given an (uninitialised) weight, Embedding skips its random init, which on the meta device
+        # imports torch._dynamo (seconds of start-up) for values the checkpoint replaces anyway.
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
+                                         _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, ops) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
