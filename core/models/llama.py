@@ -2,7 +2,7 @@
 
 One implementation serves all three: they differ only in config (GQA ratio, qkv bias, tied
 embeddings, rope scaling). Q/K/V and gate/up projections are fused into single matmuls at load time.
-Kernels come from an `ops` namespace (kernels.reference on CPU, Triton on CUDA), attention from an
+Kernels come from an `ops` namespace (kernels.cpu on CPU, Triton on CUDA), attention from an
 attention backend that knows the batch layout.
 """
 
