@@ -9,6 +9,7 @@ import dataclasses
 import importlib.metadata
 import json
 import os
+from collections.abc import Callable
 
 import gguf
 import numpy as np
@@ -71,11 +72,12 @@ def _random_tensor(rng: np.random.Generator, rows: int, cols: int, qtype: Q, std
 
 def write_gguf(path: str, arch: str, *, seed: int, tie: bool, general_arch: str | None = None,
                layer_types: list[dict[str, Q]] | None = None,
-               extra_tensors: dict[str, np.ndarray] | None = None) -> str:
+               extra_tensors: dict[str, np.ndarray] | None = None,
+               extra_metadata: Callable[[gguf.GGUFWriter], None] | None = None) -> str:
     """A 2-layer random `arch` ("llama" or "qwen2") GGUF at path, with the tiny byte-level BPE tokenizer
     and ChatML template in its metadata, as llama.cpp's converter would write it. `general_arch`
     overrides the architecture the file states, `layer_types` the ggml types of LAYER_TYPES[arch];
-    `extra_tensors` (float32) are added as they are."""
+    `extra_tensors` (float32) are added as they are, and `extra_metadata(writer)` adds keys."""
     layer_types = layer_types or LAYER_TYPES[arch]
     tok_dir = path + ".tokenizer"
     build_tokenizer(tok_dir, qwen2_style=arch == "qwen2")
@@ -127,6 +129,8 @@ def write_gguf(path: str, arch: str, *, seed: int, tie: bool, general_arch: str 
         w.add_tensor("output.weight", _random_tensor(rng, len(tokens), HIDDEN, Q.Q6_K, std=0.5), raw_dtype=Q.Q6_K)
     for name, array in (extra_tensors or {}).items():
         w.add_tensor(name, array)
+    if extra_metadata is not None:
+        extra_metadata(w)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -289,6 +293,20 @@ def test_rope_freqs_tensor_is_llama3_rope_scaling(gguf_root):
     torch.testing.assert_close(ours.rope_cos_sin_cache("cpu"), hf_style.rope_cos_sin_cache("cpu"), atol=1e-4, rtol=0)
     with radixlm.Engine(path, max_total_tokens=256) as engine:  # and it loads: rope_freqs is not a weight
         assert len(engine.generate("Hello", {**GREEDY, "max_new_tokens": 3})["output_ids"]) == 3
+
+
+def test_rope_scaling_metadata(gguf_root):
+    """llama.cpp's linear rope scaling is HF's `linear` (positions divided by the factor); YaRN is refused."""
+    def scaling(kind: gguf.RopeScalingType, factor: float) -> Callable[[gguf.GGUFWriter], None]:
+        return lambda w: (w.add_rope_scaling_type(kind), w.add_rope_scaling_factor(factor))
+
+    linear = write_gguf(os.path.join(gguf_root, "linear.gguf"), "llama", seed=0, tie=True,
+                        extra_metadata=scaling(gguf.RopeScalingType.LINEAR, 4.0))
+    assert ModelConfig.from_dir(linear).rope_scaling == {"rope_type": "linear", "factor": 4.0}
+    yarn = write_gguf(os.path.join(gguf_root, "yarn.gguf"), "llama", seed=0, tie=True,
+                      extra_metadata=scaling(gguf.RopeScalingType.YARN, 4.0))
+    with pytest.raises(UnsupportedModelError, match="rope scaling type 'yarn' is not supported"):
+        ModelConfig.from_dir(yarn)
 
 
 def test_folder_with_two_gguf_files(tmp_path):
