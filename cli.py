@@ -37,7 +37,8 @@ def _serve_parser(sub: Any) -> argparse.ArgumentParser:
     p = sub.add_parser("serve", help="serve a model over HTTP (OpenAI-compatible and SGLang-native endpoints)",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model-path", default=None,
-                   help="HF-format checkpoint directory; omitted: the embedded tiny random-weight model")
+                   help="HF-format checkpoint folder, .gguf file or hub id (org/name); omitted: the "
+                        "embedded default model, SmolLM2-135M-Instruct")
     p.add_argument("--host", default="127.0.0.1", help="interface to listen on (loopback by default)")
     p.add_argument("--port", type=int, default=30000, help="port to listen on (0: any free port)")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every endpoint "

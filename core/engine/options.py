@@ -25,7 +25,9 @@ class EngineOptions:
     schedule_fairness_bound: int = 32
     chunked_prefill_size: int = 8192  # max new tokens per prefill step; -1 disables chunking
     max_running_requests: int | None = None
-    max_total_tokens: int | None = None  # KV pool size in tokens; default from mem_fraction_static
+    # KV pool size in tokens; default: from mem_fraction_static on CUDA; on CPU at most twice the weights' bytes
+    # (at least 256 MiB) within a quarter of mem_fraction_static of the available RAM (docs/benchmarks.md)
+    max_total_tokens: int | None = None
     mem_fraction_static: float = 0.9
     disable_radix_cache: bool = False
     disable_jump_forward: bool = False
