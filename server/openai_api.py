@@ -8,6 +8,7 @@ OpenAI's responses or server-sent chunks.
 from __future__ import annotations
 
 import json
+import logging
 import time
 import uuid
 from dataclasses import dataclass
@@ -26,6 +27,7 @@ from radixlm.server.generation import Branch, EngineClient, EventStreamResponse,
 from radixlm.server.openai_protocol import (ChatCompletionRequest, CompletionRequest, Message,
                                             NamedToolChoice, SamplingFields)
 
+logger = logging.getLogger("radixlm.server")
 # Logprobs of impossible tokens are -inf, which JSON cannot carry; OpenAI-compatible servers send this.
 _MIN_LOGPROB = -9999.0
 # chat_template_kwargs may not override what the server itself passes to the template.
@@ -79,6 +81,7 @@ class OpenAIAPI:
         self.client = client
         self.tokenizer = engine.tokenizer
         self._token_text: dict[int, str] = {}
+        self._warned_model = False
 
     # ---- /v1/models -------------------------------------------------------------------------
 
@@ -98,9 +101,12 @@ class OpenAIAPI:
     # ---- shared request translation ---------------------------------------------------------------
 
     def _check_common(self, req: SamplingFields) -> None:
-        if req.model is not None and req.model not in (self.engine.served_model_name, self.engine.model_path):
-            raise bad_request(f"The model `{req.model}` does not exist; this server serves "
-                              f"`{self.engine.served_model_name}`.", "model", "model_not_found")
+        if req.model not in (None, self.engine.served_model_name, self.engine.model_path) and not self._warned_model:
+            # As SGLang does: one model is served whatever name the client sends (ChatOpenAI's default
+            # "gpt-3.5-turbo", say); the responses carry the served name.
+            self._warned_model = True
+            logger.warning("request for model %r answered by the served model %r (logged once)", req.model,
+                           self.engine.served_model_name)
         if req.stream_options is not None and not req.stream:
             raise bad_request("stream_options is only allowed when stream is true", "stream_options")
 

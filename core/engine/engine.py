@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import queue
 import threading
 import uuid
@@ -44,13 +45,21 @@ class Engine:
         self.model_path = model_path
         self.served_model_name = self.options.served_model_name or default_name
         self.model_config = ModelConfig.from_dir(model_path)
-        self.tokenizer = load_tokenizer(model_path)
+        self.tokenizer = load_tokenizer(self.options.tokenizer_path or model_path,
+                                        trust_remote_code=self.options.trust_remote_code)
+        if self.options.chat_template is not None:
+            self.tokenizer.chat_template = _chat_template_text(self.options.chat_template)
         eos = list(self.model_config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None and self.tokenizer.eos_token_id not in eos:
             eos.append(self.tokenizer.eos_token_id)
         self.eos_token_ids = eos
         self.vocab_size = self.model_config.vocab_size
         self.context_len = self.model_config.context_len
+        if self.options.context_length is not None:
+            if self.options.context_length > self.context_len:
+                raise InvalidRequestError(f"context_length {self.options.context_length} exceeds the model's "
+                                          f"{self.context_len} tokens", "context_length")
+            self.context_len = self.options.context_length
         if self.options.tp_size > 1 or self.options.dp_size > 1:
             # Tensor-parallel ranks or data-parallel workers behind the same inbox (docs/scale_out.md).
             from radixlm.core.engine.dp_router import build_scheduler
@@ -332,6 +341,16 @@ def _counting_sink(sink, on_final):
 def _set_result(fut: asyncio.Future, out: Output) -> None:
     if not fut.done():
         fut.set_result(out)
+
+
+def _chat_template_text(template: str) -> str:
+    """--chat-template is a file holding a Jinja template, or the template itself."""
+    if os.path.isfile(template):
+        with open(template, encoding="utf-8") as f:
+            return f.read()
+    if "{{" in template or "{%" in template:
+        return template
+    raise InvalidRequestError(f"chat_template {template!r} is neither a file nor a Jinja template", "chat_template")
 
 
 def _configure_logging(level: str) -> None:
