@@ -62,7 +62,8 @@ def _serve_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("model", nargs="?", default=None, metavar="MODEL",
                    help="model directory, GGUF file or hub id (vLLM style; same as --model-path)")
     p.add_argument("--model-path", "--model", dest="model_path", default=None,
-                   help="model directory, GGUF file or hub id; default: the embedded default model")
+                   help="model directory, GGUF file or hub id (org/name); default: the embedded default "
+                        "model, SmolLM2-135M-Instruct")
     _add_option_flags(p.add_argument_group("server options"), ServerArgs)
     _add_option_flags(p.add_argument_group("engine options (radixlm.Engine keyword arguments)"), EngineOptions)
     return p
@@ -76,15 +77,6 @@ def _split(ns: argparse.Namespace) -> tuple[str | None, ServerArgs, dict[str, An
     server_fields = {f.name for f in dataclasses.fields(ServerArgs)}
     server = ServerArgs(**{k: v for k, v in values.items() if k in server_fields})
     return positional or flag, server, {k: v for k, v in values.items() if k not in server_fields}
-
-
-def _resolve_model(path: str | None) -> str | None:
-    if path is None:
-        return None
-    # TODO(lead): switch to radixlm.core.models.hub.resolve_model_path(path) once it lands (hub ids).
-    if not os.path.exists(path):
-        raise UsageError(f"model path {path!r} does not exist")
-    return path
 
 
 def _check_port(host: str, port: int) -> None:
@@ -114,7 +106,7 @@ def _check_device(device: str | None) -> None:
         raise UsageError(f"--device {device}: only {torch.cuda.device_count()} CUDA device(s) present")
 
 
-def _preflight(model_path: str | None, server: ServerArgs, engine_options: dict[str, Any]) -> str | None:
+def _preflight(model_path: str | None, server: ServerArgs, engine_options: dict[str, Any]) -> None:
     """The checks that need no model, cheapest first."""
     _check_port(server.host, server.port)
     if (server.ssl_keyfile is None) != (server.ssl_certfile is None):
@@ -123,9 +115,11 @@ def _preflight(model_path: str | None, server: ServerArgs, engine_options: dict[
         path = getattr(server, name)
         if path is not None and not os.path.isfile(path):
             raise UsageError(f"--{name.replace('_', '-')} {path!r}: no such file")
-    model_path = _resolve_model(model_path)
     _check_device(engine_options.get("device"))
-    return model_path
+    if model_path is not None:  # a hub id is looked up (cache first) here, before anything loads
+        from radixlm.core.models.hub import resolve_model_path
+
+        resolve_model_path(model_path)
 
 
 def _run_serve(ns: argparse.Namespace) -> int:
@@ -135,7 +129,7 @@ def _run_serve(ns: argparse.Namespace) -> int:
 
         run_launched_rank(model_path, **options)
         return 0
-    model_path = _preflight(model_path, server, options)
+    _preflight(model_path, server, options)
     from radixlm.server.launch import serve
 
     serve(model_path, server, **options)

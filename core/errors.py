@@ -28,3 +28,7 @@ class EngineShutdownError(RadixLMError, RuntimeError):
 
 class QueueFullError(RadixLMError, RuntimeError):
     """The engine's bounded queue is full; retry later (the server answers 503 with retry-after)."""
+
+
+class ModelNotFoundError(RadixLMError, FileNotFoundError):
+    """The model path is neither a local file or folder nor a hub id that resolves (cache or download)."""

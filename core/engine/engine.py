@@ -18,6 +18,7 @@ from radixlm.core.engine.sampling_params import SamplingParams
 from radixlm.core.engine.scheduler import AbortMsg, CallMsg, Scheduler
 from radixlm.core.errors import EngineShutdownError, InvalidRequestError, QueueFullError
 from radixlm.core.models.config import ModelConfig
+from radixlm.core.models.hub import locate_model
 from radixlm.core.models.loader import load_tokenizer
 
 logger = logging.getLogger("radixlm")
@@ -28,20 +29,14 @@ Output = dict[str, Any]
 class Engine:
     """An in-process inference engine.
 
-    >>> with Engine() as engine:  # no model path: the embedded tiny model (random weights)
+    >>> with Engine() as engine:  # no model path: the embedded default model (SmolLM2-135M-Instruct)
     ...     out = engine.generate("Hello", {"max_new_tokens": 8, "temperature": 0})
     """
 
     def __init__(self, model_path: str | None = None, **options: Any) -> None:
         self.options = EngineOptions.from_kwargs(options)
         _configure_logging(self.options.log_level)
-        if model_path is None:
-            from radixlm.core.models.tiny_checkpoint import default_model_path
-
-            model_path = default_model_path()
-            default_name = "radixlm-default-tiny"
-        else:
-            default_name = model_path.rstrip("/").split("/")[-1]
+        model_path, default_name = locate_model(model_path)
         self.model_path = model_path
         self.served_model_name = self.options.served_model_name or default_name
         self.model_config = ModelConfig.from_dir(model_path)

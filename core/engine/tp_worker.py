@@ -33,6 +33,7 @@ from radixlm.core.engine.options import EngineOptions
 from radixlm.core.engine.scheduler import Scheduler
 from radixlm.core.errors import InvalidRequestError
 from radixlm.core.models.config import ModelConfig
+from radixlm.core.models.hub import locate_model
 from radixlm.core.models.parallel import TensorParallel
 
 logger = logging.getLogger("radixlm")
@@ -233,8 +234,5 @@ def run_launched_rank(model_path: str | None = None, **options: Any) -> None:
     size = int(os.environ["WORLD_SIZE"])
     if opts.tp_size != size:
         raise InvalidRequestError(f"tp_size ({opts.tp_size}) must equal WORLD_SIZE ({size})", "tp_size")
-    if model_path is None:
-        from radixlm.core.models.tiny_checkpoint import default_model_path
-
-        model_path = default_model_path()
+    model_path, _ = locate_model(model_path)
     _follow_rank0(rank, size, model_path, opts, init_method="env://")
