@@ -25,6 +25,7 @@ from radixlm.server.generation import ClientGone, EngineClient
 from radixlm.server.metrics import CONTENT_TYPE, Metrics, Throughput, kv_tokens_used
 from radixlm.server.native import NativeAPI
 from radixlm.server.openai_api import OpenAIAPI
+from radixlm.server.responses_api import ResponsesAPI
 from radixlm.server.openapi import openapi_document
 
 # Paths anyone may call even when an API key is set (probes and scrapers), as in SGLang.
@@ -103,6 +104,7 @@ def create_app(engine: Any, args: ServerArgs | None = None) -> Starlette:
     metrics = Metrics(engine.served_model_name)
     client = EngineClient(engine, metrics, args.log_requests)
     openai = OpenAIAPI(engine, client)
+    responses = ResponsesAPI(openai, client, args.max_stored_responses)
     native = NativeAPI(engine, client, {"api_key_set": bool(args.api_key)})
     spec = openapi_document()
 
@@ -116,6 +118,8 @@ def create_app(engine: Any, args: ServerArgs | None = None) -> Starlette:
     routes = [
         Route("/v1/chat/completions", openai.chat_completions, methods=["POST"]),
         Route("/v1/completions", openai.completions, methods=["POST"]),
+        Route("/v1/responses", responses.create, methods=["POST"]),
+        Route("/v1/responses/{response_id}", responses.retrieve, methods=["GET"]),
         Route("/v1/models", openai.list_models, methods=["GET"]),
         Route("/v1/models/{model:path}", openai.retrieve_model, methods=["GET"]),
         Route("/generate", native.generate, methods=["POST"]),
