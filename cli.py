@@ -54,6 +54,19 @@ def _add_option_flags(group: Any, options_class: type) -> None:
             group.add_argument(*names, type=base, metavar=base.__name__.upper(), **kwargs)
 
 
+def options_table() -> str:
+    """The flags of `radixlm serve` as the Markdown table in docs/server.md (a test keeps them equal)."""
+    rows = ["| flag | default | meaning |", "|---|---|---|",
+            "| `MODEL`, `--model-path`, `--model` | SmolLM2-135M-Instruct | model directory, GGUF file or hub id |"]
+    for cls in (ServerArgs, EngineOptions):
+        for f in dataclasses.fields(cls):
+            names = ", ".join(f"`{n}`" for n in ["--" + f.name.replace("_", "-"), *f.metadata["aliases"]])
+            default = "" if f.default is None else f"`{f.default}`" if f.default != "" else '`""`'
+            choices = f" (one of {', '.join(f.metadata['choices'])})" if f.metadata["choices"] else ""
+            rows.append(f"| {names} | {default} | {f.metadata['help']}{choices} |")
+    return "\n".join(rows) + "\n"
+
+
 def _serve_parser(sub: Any) -> argparse.ArgumentParser:
     p = sub.add_parser("serve", help="serve a model over HTTP (OpenAI-compatible and SGLang-native endpoints)",
                        description="Serve a model over HTTP: the OpenAI API under /v1 and SGLang's native "

@@ -5,6 +5,7 @@ template, stream interval, CORS)."""
 from __future__ import annotations
 
 import dataclasses
+import pathlib
 import socket
 import subprocess
 import sys
@@ -138,3 +139,8 @@ def test_cors_preflight(llama_ckpt):
         r = client.options("/v1/chat/completions", headers={"Origin": "https://app.example",
                                                             "Access-Control-Request-Method": "POST"})
         assert "access-control-allow-origin" not in r.headers
+
+
+def test_docs_table_is_generated_from_the_options():
+    docs = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "server.md").read_text()
+    assert cli.options_table() in docs, "regenerate docs/server.md's flag table with radixlm.cli.options_table()"
