@@ -19,6 +19,7 @@ import jsonschema
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from radixlm.core.chat_render import render_chat
 from radixlm.core.engine.sampling_params import SamplingParams
 from radixlm.server import tools as toolcalls
 from radixlm.server.body import parse_body
@@ -275,8 +276,8 @@ class OpenAIAPI:
             raise bad_request(f"chat_template_kwargs may not set {clash}", "chat_template_kwargs")
         tools = toolcalls.template_tools(mode.tools) if mode.kind != "none" and mode.tools else None
         try:
-            text = self.tokenizer.apply_chat_template(
-                _template_messages(req.messages), tools=tools, tokenize=False,
+            text = render_chat(
+                self.tokenizer, _template_messages(req.messages), tools,
                 add_generation_prompt=req.add_generation_prompt,
                 continue_final_message=req.continue_final_message, **extra)
         except (jinja2.TemplateError, ValueError, TypeError) as exc:

@@ -19,7 +19,7 @@ from langchain_tests.integration_tests import ChatModelIntegrationTests
 from langchain_tests.unit_tests import ChatModelUnitTests
 
 from radixlm.adapters.langchain import ChatSGLang
-from radixlm.core.models.tiny_checkpoint import default_model_path
+from radixlm.core.testing import tiny_model_path
 from server_harness import shared_server
 
 # The integration suite mixes sync and async tests; pytest-asyncio runs the async ones (strict mode).
@@ -49,7 +49,7 @@ def skipped(reason: str) -> Any:
 
 def live() -> Any:
     """The tiny default model's engine, served on a free loopback port; shared by the langchain tests."""
-    return shared_server(default_model_path())
+    return shared_server(tiny_model_path())
 
 
 class TestUnit(ChatModelUnitTests):

@@ -53,6 +53,12 @@ class ModelConfig:
 
     @classmethod
     def from_dir(cls, path: str) -> "ModelConfig":
+        """The config of the checkpoint at path: an HF folder's config.json, or a GGUF file's metadata."""
+        from radixlm.core.models.gguf_checkpoint import GGUFCheckpoint, find_gguf  # it imports this module
+
+        gguf_path = find_gguf(path)
+        if gguf_path is not None:
+            return GGUFCheckpoint(gguf_path).model_config()
         with open(os.path.join(path, "config.json")) as f:
             cfg = json.load(f)
         eos = _generation_eos(path)
