@@ -25,8 +25,8 @@ from radixlm.server.generation import ClientGone, EngineClient
 from radixlm.server.metrics import CONTENT_TYPE, Metrics, Throughput, kv_tokens_used
 from radixlm.server.native import NativeAPI
 from radixlm.server.openai_api import OpenAIAPI
-from radixlm.server.responses_api import ResponsesAPI
 from radixlm.server.openapi import openapi_document
+from radixlm.server.responses_api import ResponsesAPI
 
 # Paths anyone may call even when an API key is set (probes and scrapers), as in SGLang.
 _OPEN_PATHS = ("/health", "/health_generate", "/metrics")
