@@ -100,7 +100,7 @@ def _check(response: "httpx.Response") -> None:
 
 
 def _try_load_tokenizer(path: str | None) -> Any:
-    if not path or not os.path.isdir(path):
+    if not path or not os.path.exists(path):  # a folder or a .gguf file on this machine
         return None
     from radixlm.core.models.loader import load_tokenizer
     try:
