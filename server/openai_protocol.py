@@ -143,14 +143,10 @@ class ResponseText(_Strict):
     format: ResponseTextFormat = Field(default_factory=ResponseTextFormat)
 
 
-class ResponseTool(_Strict):
+class ResponseTool(FunctionDef):
     """A function tool in the Responses API's flat shape (other tool types are refused)."""
 
     type: Literal["function"]
-    name: str = Field(pattern=r"^[a-zA-Z0-9_.-]{1,64}$")
-    description: str | None = None
-    parameters: dict[str, Any] = Field(default_factory=lambda: {"type": "object", "properties": {}})
-    strict: bool | None = None
 
 
 class ResponseNamedToolChoice(_Strict):
