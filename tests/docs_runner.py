@@ -1,9 +1,10 @@
-"""Runs the python blocks of one document for test_docs_snippets.py, in this one process:
-`python docs_runner.py BLOCKS.json RESULTS.json`.
+"""Runs the documents' python blocks for test_docs_snippets.py, in this one process (so torch and the
+model load once, not once per document): `python docs_runner.py BLOCKS.json RESULTS.json`.
 
 Each block runs in a fresh namespace (a `# docs-test: continues` block: in the names the earlier blocks
-of the document left), under a time limit. `radixlm.Engine(...)` is shared between blocks with the same
-arguments, so a document's examples load their model once; the engines are shut down at the end.
+of its document left), under a time limit. `radixlm.Engine(...)` is shared between blocks with the same
+arguments (a block's `with` or shutdown() leaves it to the next); the engines are shut down at the end.
+Results are written after every block, keyed `doc#index`, so a crash still reports the blocks before.
 """
 
 from __future__ import annotations
@@ -47,14 +48,17 @@ def main(blocks_path: str, results_path: str) -> None:
         raise BlockTimeout("the block ran past its time limit")
 
     signal.signal(signal.SIGALRM, on_alarm)
+    doc = None
     for block in blocks:
+        if block["doc"] != doc:
+            doc, names = block["doc"], {}
         scope = dict(names) if block["continues"] else {"__name__": "__main__"}
         signal.alarm(block["timeout"])
         try:
             exec(compile(block["code"], f"<{block['doc']} block {block['index']}>", "exec"), scope)
-            results[str(block["index"])] = None
+            results[f"{doc}#{block['index']}"] = None
         except BaseException:  # noqa: BLE001  (reported, then the next block runs)
-            results[str(block["index"])] = traceback.format_exc()[-3000:]
+            results[f"{doc}#{block['index']}"] = traceback.format_exc()[-3000:]
         finally:
             signal.alarm(0)
         names.update(scope)

@@ -1,9 +1,9 @@
 """Every ```python block of README.md and docs/*.md runs on the embedded default model.
 
-The blocks of one document run in one subprocess (tests/docs_runner.py), each in a fresh namespace
-with a time limit, sharing the engines they create with the same arguments, so a document loads its
-model once. Blocks that talk to a server at 127.0.0.1:30000 get one shared `radixlm serve` (on a free
-port, substituted into the block). A block says in its first lines when it cannot run here:
+The blocks run in one subprocess (tests/docs_runner.py), each in a fresh namespace with a time limit,
+sharing the engines they create with the same arguments, so torch and the model load once (a process
+per document cost about 10 s of CPU each, most of the test). Blocks that talk to a server at
+127.0.0.1:30000 get one shared `radixlm serve` (on a free port, substituted into the block). A block says in its first lines when it cannot run here:
 `# docs-test: needs-gpu`, `# docs-test: needs-network` (or a model this machine lacks), or
 `# docs-test: outline` (a signature or shape listing, not a program); `# docs-test: continues` runs it
 with the names the document's earlier blocks defined, as a reader would.
@@ -52,38 +52,30 @@ BLOCKS = _blocks()
 
 
 @pytest.fixture(scope="module")
-def doc_results(tmp_path_factory):
-    """doc -> {block index: traceback or None}, running each document once, when first asked."""
-    results: dict[str, dict[str, str | None]] = {}
-    server: list[ServerProcess] = []
-
-    def run(doc: str) -> dict[str, str | None]:
-        if doc not in results:
-            blocks = [b for b in BLOCKS if b["doc"] == doc and not b["skip"]]
-            if any(SERVER in b["code"] for b in blocks) and not server:
-                server.append(ServerProcess())
-            if server:
-                address = server[0].url.removeprefix("http://")
-                blocks = [{**b, "code": b["code"].replace(SERVER, address)} for b in blocks]
-            folder = tmp_path_factory.mktemp("docs")
-            (folder / "blocks.json").write_text(json.dumps(blocks))
-            proc = subprocess.run([sys.executable, str(ROOT / "tests" / "docs_runner.py"), "blocks.json",
-                                   "results.json"], cwd=folder, capture_output=True, text=True,
-                                  timeout=BLOCK_TIMEOUT_S * max(len(blocks), 1) + 60,
-                                  env=dict(os.environ, PYTHONUNBUFFERED="1"))
-            found = json.loads((folder / "results.json").read_text()) if (folder / "results.json").exists() else {}
-            results[doc] = {str(b["index"]): found.get(str(b["index"]), f"no result (runner exit {proc.returncode}):"
-                                                                         f"\n{proc.stderr[-3000:]}") for b in blocks}
-        return results[doc]
-
-    yield run
-    for s in server:
-        s.kill()
+def results(tmp_path_factory) -> dict[str, str | None]:
+    """Maps "doc#index" to a traceback or None, for every block not marked to be skipped, from one run."""
+    blocks = [b for b in BLOCKS if not b["skip"]]
+    server = ServerProcess() if any(SERVER in b["code"] for b in blocks) else None
+    try:
+        if server is not None:
+            address = server.url.removeprefix("http://")
+            blocks = [{**b, "code": b["code"].replace(SERVER, address)} for b in blocks]
+        folder = tmp_path_factory.mktemp("docs")
+        (folder / "blocks.json").write_text(json.dumps(blocks))
+        proc = subprocess.run([sys.executable, str(ROOT / "tests" / "docs_runner.py"), "blocks.json",
+                               "results.json"], cwd=folder, capture_output=True, text=True,
+                              timeout=BLOCK_TIMEOUT_S * len(blocks) + 60, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    finally:
+        if server is not None:
+            server.kill()
+    found = json.loads((folder / "results.json").read_text()) if (folder / "results.json").exists() else {}
+    missing = f"no result (runner exit {proc.returncode}):\n{proc.stderr[-3000:]}"
+    return {f"{b['doc']}#{b['index']}": found.get(f"{b['doc']}#{b['index']}", missing) for b in blocks}
 
 
 @pytest.mark.parametrize("block", BLOCKS, ids=[f"{b['doc']}#{b['index']}" for b in BLOCKS])
-def test_docs_block_runs(block, doc_results):
+def test_docs_block_runs(block, results):
     if block["skip"]:
         pytest.skip(f"marked {block['skip']}")
-    error = doc_results(block["doc"])[str(block["index"])]
+    error = results[f"{block['doc']}#{block['index']}"]
     assert error is None, f"{block['doc']} block {block['index']} failed:\n{block['code']}\n{error}"
