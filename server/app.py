@@ -109,8 +109,7 @@ def create_app(engine: Any, args: ServerArgs | None = None) -> Starlette:
     spec = openapi_document()
 
     async def metrics_endpoint(request: Request) -> Response:
-        stats = await run_in_threadpool(engine.get_stats)
-        return Response(metrics.render(stats), media_type=CONTENT_TYPE)
+        return Response(metrics.render(await engine_stats(engine)), media_type=CONTENT_TYPE)
 
     async def openapi_endpoint(request: Request) -> Response:
         return JSONResponse(spec)
@@ -142,7 +141,11 @@ def create_app(engine: Any, args: ServerArgs | None = None) -> Starlette:
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         app.state.loop = asyncio.get_running_loop()
-        ticker = asyncio.ensure_future(_log_load(engine, args.log_interval)) if args.log_interval > 0 else None
+        ticker = None
+        if args.log_interval > 0:
+            throughput = Throughput()
+            throughput.update((await engine_stats(engine))["generated_tokens_total"])  # the starting point
+            ticker = asyncio.ensure_future(_log_load(engine, args.log_interval, throughput))
         try:
             yield
         finally:
@@ -158,14 +161,18 @@ def create_app(engine: Any, args: ServerArgs | None = None) -> Starlette:
     return app
 
 
-async def _log_load(engine: Any, interval: float) -> None:
-    """Every `interval` seconds while the engine is busy, one line with its load (SGLang logs the same
-    numbers per decode interval)."""
-    throughput = Throughput()
+async def engine_stats(engine: Any) -> dict[str, Any]:
+    """The engine's statistics, for /metrics and the load log."""
+    return await run_in_threadpool(engine.get_stats)
+
+
+async def _log_load(engine: Any, interval: float, throughput: Throughput) -> None:
+    """Every `interval` seconds in which the engine was busy, one line with its load (SGLang logs the
+    same numbers per decode interval)."""
     while True:
         await asyncio.sleep(interval)
         try:
-            stats = await run_in_threadpool(engine.get_stats)
+            stats = await engine_stats(engine)
         except EngineShutdownError:
             return
         gen = throughput.update(stats["generated_tokens_total"])

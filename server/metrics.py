@@ -2,8 +2,8 @@
 SGLang has the series and as vLLM's otherwise; every series carries a `model_name` label.
 
 Per-request series (token counts, latencies, finishes) are recorded from each finished output's
-meta_info by the server; engine series (queue lengths, KV usage, cache hit rate, retractions,
-throughput) are read from `engine.get_stats()` at scrape time. Everything lives in the server process,
+meta_info by the server; engine series (queue lengths, KV usage, cache hit rate, aborts, retractions,
+throughput) are read from the engine's stats at scrape time. Everything lives in the server process,
 in the app's own registry (so that several apps in one process do not collide); when the scheduler
 moves to its own process its stats still arrive through get_stats, so no multiprocess mode is needed.
 """
@@ -80,10 +80,13 @@ class _EngineCollector:
                     s["cache_hit_rate"])
         yield gauge("gen_throughput", "The generation throughput (token/s) since the previous scrape.",
                     self.gen_throughput)
-        retracted = CounterMetricFamily(PREFIX + "num_retracted_requests", "Total number of retracted requests.",
-                                        labels=["model_name"])
-        retracted.add_metric([self.model_name], s["retractions_total"])
-        yield retracted
+        # Counted by the engine: it sees every abort, disconnects included, which the HTTP side cannot.
+        for name, doc, key in (("num_retracted_requests", "Total number of retracted requests.", "retractions_total"),
+                               ("num_aborted_requests", "Number of requests aborted (disconnects, abort_request, "
+                                                        "shutdown).", "aborted_total")):
+            counter = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
+            counter.add_metric([self.model_name], s[key])
+            yield counter
 
 
 class Metrics:
@@ -107,7 +110,6 @@ class Metrics:
             model_name)
         self.cached_tokens = counter("cached_tokens", "Number of cached prompt tokens.").labels(model_name)
         self.num_requests = counter("num_requests", "Number of requests processed.").labels(model_name)
-        self.num_aborted = counter("num_aborted_requests", "Number of requests aborted.").labels(model_name)
         self.finished = counter("request_success", "Finished requests by finish reason (vLLM's name).",
                                 ("finished_reason",))
         self.ttft = histogram("time_to_first_token_seconds", "Histogram of time to first token in seconds.",
@@ -143,8 +145,6 @@ class Metrics:
         self.num_requests.inc()
         reason = (meta.get("finish_reason") or {}).get("type", "unknown")
         self.finished.labels(self.model_name, reason).inc()
-        if reason == "abort":
-            self.num_aborted.inc()
         if "queue_time" in meta:
             self.queue_time.observe(meta["queue_time"])
         ttft, e2e = meta.get("ttft"), meta.get("e2e_latency")
