@@ -9,6 +9,7 @@ import os
 import queue
 import threading
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, AsyncIterator, Iterator
 
 from radixlm.core.engine.model_runner import ModelRunner
@@ -40,14 +41,6 @@ class Engine:
         self.model_path = model_path
         self.served_model_name = self.options.served_model_name or default_name
         self.model_config = ModelConfig.from_dir(model_path)
-        self.tokenizer = load_tokenizer(self.options.tokenizer_path or model_path,
-                                        trust_remote_code=self.options.trust_remote_code)
-        if self.options.chat_template is not None:
-            self.tokenizer.chat_template = _chat_template_text(self.options.chat_template)
-        eos = list(self.model_config.eos_token_ids)
-        if self.tokenizer.eos_token_id is not None and self.tokenizer.eos_token_id not in eos:
-            eos.append(self.tokenizer.eos_token_id)
-        self.eos_token_ids = eos
         self.vocab_size = self.model_config.vocab_size
         self.context_len = self.model_config.context_len
         if self.options.context_length is not None:
@@ -55,6 +48,20 @@ class Engine:
                 raise InvalidRequestError(f"context_length {self.options.context_length} exceeds the model's "
                                           f"{self.context_len} tokens", "context_length")
             self.context_len = self.options.context_length
+        # The tokenizer loads on a thread while the weights load: it is mostly imports, which hold the
+        # GIL, and they mostly dequantize and copy, which release it; on two cores the two overlap.
+        with ThreadPoolExecutor(1, thread_name_prefix="radixlm-tokenizer") as pool:
+            tokenizer = pool.submit(load_tokenizer, self.options.tokenizer_path or model_path,
+                                    trust_remote_code=self.options.trust_remote_code)
+            if self.options.tp_size == 1 and self.options.dp_size == 1:
+                self._runner = ModelRunner(model_path, self.model_config, self.options)
+            self.tokenizer = tokenizer.result()
+        if self.options.chat_template is not None:
+            self.tokenizer.chat_template = _chat_template_text(self.options.chat_template)
+        eos = list(self.model_config.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None and self.tokenizer.eos_token_id not in eos:
+            eos.append(self.tokenizer.eos_token_id)
+        self.eos_token_ids = eos
         if self.options.tp_size > 1 or self.options.dp_size > 1:
             # Tensor-parallel ranks or data-parallel workers behind the same inbox (docs/scale_out.md).
             from radixlm.core.engine.dp_router import build_scheduler
@@ -62,7 +69,6 @@ class Engine:
             self._scheduler, self.kv_pool_size = build_scheduler(model_path, self.model_config, self.options,
                                                                  self.tokenizer, eos)
         else:
-            self._runner = ModelRunner(model_path, self.model_config, self.options)
             self._scheduler = Scheduler(self._runner, self.options, self.tokenizer, eos)
             self.kv_pool_size = self._runner.num_slots
         self._thread = threading.Thread(target=self._scheduler.run_forever, name="radixlm-scheduler", daemon=True)

@@ -54,7 +54,9 @@ class EngineOptions:
         "chunking", aliases=("--max-prefill-tokens", "--max-num-batched-tokens"))
     max_running_requests: int | None = option(None, "most requests decoded together; default 512 on CUDA, "
                                               "64 on CPU", aliases=("--max-num-seqs",))
-    max_total_tokens: int | None = option(None, "KV pool size in tokens; default: from mem_fraction_static")
+    max_total_tokens: int | None = option(
+        None, "KV pool size in tokens; default: from mem_fraction_static on CUDA; on CPU at most twice the "
+        "weights' bytes (at least 256 MiB) within a quarter of mem_fraction_static of the available RAM")
     mem_fraction_static: float = option(0.9, "fraction of GPU memory for weights and the KV pool",
                                         aliases=("--gpu-memory-utilization",))
     disable_radix_cache: bool = option(False, "do not reuse cached prefixes across requests")

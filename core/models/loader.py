@@ -66,8 +66,7 @@ def load_model(
         model = LlamaForCausalLM(cfg, ops)
         if tp is not None:
             tp.shard_model(model)
-    # dtype first, on meta: the device then holds the weights once, in their final dtype.
-    model = model.to(dtype).to_empty(device=device)
+    _materialize(model, dtype, device)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     if load_format == "dummy":
@@ -102,6 +101,16 @@ def load_model(
         raise UnsupportedModelError(f"checkpoint {path} lacks weights: {missing[:5]}{'...' if len(missing) > 5 else ''}")
     model.eval()
     return model
+
+
+def _materialize(model: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> None:
+    """Gives every meta parameter uninitialised storage on `device`, in `dtype` (so the device holds the
+    weights once, in their final dtype). Module.to_empty would do it through torch's Python reference
+    of empty_like, whose first call imports sympy: a second of start-up."""
+    for module in model.modules():
+        for name, param in module.named_parameters(recurse=False):
+            empty = torch.empty(param.shape, dtype=dtype, device=device)
+            setattr(module, name, torch.nn.Parameter(empty, requires_grad=param.requires_grad))
 
 
 def _init_dummy(model: LlamaForCausalLM, seed: int = 0) -> None:
