@@ -36,13 +36,19 @@ access_log = logging.getLogger("radixlm.server.access")
 logger = logging.getLogger("radixlm.server")
 
 
+def _route_path(scope: Scope) -> str:
+    """The path the routes see: without the --root-path prefix that uvicorn puts in front of it."""
+    path, root = scope["path"], scope.get("root_path", "")
+    return path[len(root):] if root and path.startswith(root) else path
+
+
 class _APIKeyMiddleware:
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
         self.expected = f"Bearer {api_key}".encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in _OPEN_PATHS:
+        if scope["type"] != "http" or _route_path(scope) in _OPEN_PATHS:
             await self.app(scope, receive, send)
             return
         given = dict(scope["headers"]).get(b"authorization", b"")
@@ -74,8 +80,8 @@ class _AccessLogMiddleware:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
-                if scope["path"] in _COUNTED_PATHS:
-                    self.metrics.count_request(scope["path"], status)
+                if _route_path(scope) in _COUNTED_PATHS:
+                    self.metrics.count_request(_route_path(scope), status)
             await send(message)
 
         try:

@@ -30,7 +30,7 @@ class _Server(uvicorn.Server):
         if self.started and self.servers and self.servers[0].sockets:
             host, port = self.servers[0].sockets[0].getsockname()[:2]
             scheme = "https" if self.config.ssl_keyfile else "http"
-            self.url = f"{scheme}://{host}:{port}{self.config.root_path}"
+            self.url = f"{scheme}://{host}:{port}"
             logger.info("radixlm server listening on %s (OpenAI base_url %s/v1)", self.url, self.url)
 
     def handle_exit(self, sig: int, frame: Any) -> None:

@@ -6,18 +6,23 @@ from __future__ import annotations
 
 import dataclasses
 import pathlib
+import re
+import shutil
 import socket
+import ssl
 import subprocess
 import sys
 import time
 
+import httpx
 import pytest
 from starlette.testclient import TestClient
 
 from radixlm import Engine, cli
 from radixlm.core.engine.options import EngineOptions
+from radixlm.core.testing import tiny_model_path
 from radixlm.server import ServerArgs, create_app
-from server_harness import shared_server
+from server_harness import ServerProcess, shared_server
 
 
 def run_cli(*args: str, timeout: float = 60) -> tuple[subprocess.CompletedProcess, float]:
@@ -144,3 +149,32 @@ def test_cors_preflight(llama_ckpt):
 def test_docs_table_is_generated_from_the_options():
     docs = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "server.md").read_text()
     assert cli.options_table() in docs, "regenerate docs/server.md's flag table with radixlm.cli.options_table()"
+
+
+def test_serve_https_root_path_api_key_and_request_log(tmp_path):
+    """`radixlm serve MODEL` as a user runs it: TLS, a proxy prefix, an API key, the request log."""
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is needed to make a test certificate")
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out",
+                    str(cert), "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"], check=True, capture_output=True)
+    server = ServerProcess(tiny_model_path(), "--served-model-name", "tiny", "--ssl-keyfile", str(key),
+                           "--ssl-certfile", str(cert), "--root-path", "/api", "--api-key", "k", "--log-requests")
+    try:
+        assert server.url.startswith("https://")
+        with httpx.Client(base_url=server.url, verify=ssl.create_default_context(cafile=str(cert)),
+                          timeout=60) as client:
+            assert client.get("/health").status_code == 200  # open path, behind the prefix too
+            assert client.get("/v1/models").status_code == 401
+            models = client.get("/v1/models", headers={"Authorization": "Bearer k"}).json()
+            assert models["data"][0]["id"] == "tiny"
+            r = client.post("/v1/completions", headers={"Authorization": "Bearer k"},
+                            json={"model": "whatever", "prompt": "Hi", "max_tokens": 3})
+            assert r.status_code == 200 and r.json()["model"] == "tiny"
+            metrics = client.get("/metrics").text
+        assert 'radixlm:http_requests_total{endpoint="/v1/completions",model_name="tiny",status="200"} 1.0' in metrics
+    finally:
+        server.signal()
+    log = "".join(server.log)
+    assert '"POST /api/v1/completions" 200' in log, log  # the access log shows the path as requested
+    assert re.search(r"request \w+: prompt \d+ \(cached 0\), completion 3 tokens, ttft [0-9.]+s", log), log
