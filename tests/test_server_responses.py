@@ -152,3 +152,12 @@ def test_chat_openai_any_model_and_responses_api(live):
     assert reply.usage_metadata["output_tokens"] <= 5
     chunks = list(llm.stream("Hello"))
     assert "".join(c.text for c in chunks) == reply.text
+
+    def get_weather(city: str) -> str:
+        """The weather in a city."""
+        return "sunny"
+
+    called = ChatOpenAI(model=live.model, use_responses_api=True, **{**base, "max_tokens": 40}).bind_tools(
+        [get_weather], tool_choice="get_weather").invoke("Weather in Paris?")
+    assert [c["name"] for c in called.tool_calls] == ["get_weather"]
+    assert isinstance(called.tool_calls[0]["args"].get("city"), str)
