@@ -37,18 +37,18 @@ def _add_option_flags(group: Any, options_class: type) -> None:
     so the dataclass's own defaults apply."""
     hints = typing.get_type_hints(options_class)
     for f in dataclasses.fields(options_class):
-        meta = f.metadata
-        names = ["--" + f.name.replace("_", "-"), *meta["aliases"]]
+        meta = f.metadata  # a field declared without option() still gets a flag (test_cli asks for its help)
+        names = ["--" + f.name.replace("_", "-"), *meta.get("aliases", ())]
         kind = hints[f.name]
         base = next((a for a in typing.get_args(kind) if a is not type(None)), kind)
         shown = f.default not in (None, "", False) and base is not bool
         kwargs: dict[str, Any] = {"dest": f.name, "default": argparse.SUPPRESS,
-                                  "help": meta["help"] + (f" (default: {f.default})" if shown else "")}
+                                  "help": meta.get("help", "") + (f" (default: {f.default})" if shown else "")}
         if base is bool:
             group.add_argument(*names, action=argparse.BooleanOptionalAction, **kwargs)
         elif typing.get_origin(base) is list:
             group.add_argument(*names, nargs="+", metavar="VALUE", **kwargs)
-        elif meta["choices"]:
+        elif meta.get("choices"):
             group.add_argument(*names, type=base, choices=meta["choices"], **kwargs)
         else:
             group.add_argument(*names, type=base, metavar=base.__name__.upper(), **kwargs)
@@ -60,10 +60,10 @@ def options_table() -> str:
             "| `MODEL`, `--model-path`, `--model` | SmolLM2-135M-Instruct | model directory, GGUF file or hub id |"]
     for cls in (ServerArgs, EngineOptions):
         for f in dataclasses.fields(cls):
-            names = ", ".join(f"`{n}`" for n in ["--" + f.name.replace("_", "-"), *f.metadata["aliases"]])
+            names = ", ".join(f"`{n}`" for n in ["--" + f.name.replace("_", "-"), *f.metadata.get("aliases", ())])
             default = "" if f.default is None else f"`{f.default}`" if f.default != "" else '`""`'
-            choices = f" (one of {', '.join(f.metadata['choices'])})" if f.metadata["choices"] else ""
-            rows.append(f"| {names} | {default} | {f.metadata['help']}{choices} |")
+            choices = f" (one of {', '.join(f.metadata['choices'])})" if f.metadata.get("choices") else ""
+            rows.append(f"| {names} | {default} | {f.metadata.get('help', '')}{choices} |")
     return "\n".join(rows) + "\n"
 
 

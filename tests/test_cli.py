@@ -43,10 +43,10 @@ def test_help_documents_every_flag(capsys):
     usage = " ".join(capsys.readouterr().out.split())
     for cls in (ServerArgs, EngineOptions):
         for f in dataclasses.fields(cls):
-            assert len(f.metadata["help"]) > 10, f.name
+            assert len(f.metadata.get("help", "")) > 10, f"{f.name}: declare it with option(default, help)"
             assert "--" + f.name.replace("_", "-") in usage, f.name
             assert " ".join(f.metadata["help"].split()[:4]) in usage, f.name
-            for alias in f.metadata["aliases"]:
+            for alias in f.metadata.get("aliases", ()):
                 assert alias in usage, alias
     assert "{lpm,dfs-weight,fcfs,lof,random}" in usage  # choices shown
 
