@@ -101,7 +101,7 @@ class ServerProcess:
             assert self.proc.stdout is not None
             for line in self.proc.stdout:
                 self.log.append(line)
-                match = re.search(r"listening on (http://\S+?) ", line)
+                match = re.search(r"listening on (https?://\S+?) ", line)
                 if match:
                     self.url = match.group(1)
                     found.set()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import os
 import queue
 import threading
 import time
@@ -43,13 +44,22 @@ class Engine:
         self.served_model_name = self.options.served_model_name or default_name
         self.model_config = ModelConfig.from_dir(model_path)
         self.vocab_size = self.model_config.vocab_size
+        self.context_len = self.model_config.context_len
+        if self.options.context_length is not None:
+            if self.options.context_length > self.context_len:
+                raise InvalidRequestError(f"context_length {self.options.context_length} exceeds the model's "
+                                          f"{self.context_len} tokens", "context_length")
+            self.context_len = self.options.context_length
         # The tokenizer loads on a thread while the weights load: it is mostly imports, which hold the
         # GIL, and they mostly dequantize and copy, which release it; on two cores the two overlap.
         with ThreadPoolExecutor(1, thread_name_prefix="radixlm-tokenizer") as pool:
-            tokenizer = pool.submit(load_tokenizer, model_path)
+            tokenizer = pool.submit(load_tokenizer, self.options.tokenizer_path or model_path,
+                                    trust_remote_code=self.options.trust_remote_code)
             if self.options.tp_size == 1 and self.options.dp_size == 1:
                 self._runner = ModelRunner(model_path, self.model_config, self.options)
             self.tokenizer = tokenizer.result()
+        if self.options.chat_template is not None:
+            self.tokenizer.chat_template = _chat_template_text(self.options.chat_template)
         eos = list(self.model_config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None and self.tokenizer.eos_token_id not in eos:
             eos.append(self.tokenizer.eos_token_id)
@@ -65,7 +75,7 @@ class Engine:
             self.kv_pool_size = self._runner.num_slots
         # What one request may use in all: the model's context, or less when the KV pool holds less, so
         # that nothing is admitted that could never finish (also /v1/models' max_model_len).
-        self.context_len = min(self.model_config.context_len, self.kv_pool_size)
+        self.context_len = min(self.context_len, self.kv_pool_size)
         # A prompt longer than this many UTF-8 bytes has more tokens than the context holds whatever
         # they are: refused before it is tokenized.
         self.max_prompt_bytes = self.context_len * _longest_token_bytes(self.tokenizer)
@@ -229,7 +239,10 @@ class Engine:
     def stats_snapshot(self) -> dict[str, Any]:
         """The statistics the scheduler loop published after its latest iteration; never waits for it
         (what /metrics and /get_server_info read, so that they answer while a step runs long)."""
-        stats = dict(self._scheduler.snapshot)
+        published = self._scheduler.snapshot
+        if not published:  # the loop has not published yet (just started)
+            return self.get_stats()
+        stats = dict(published)
         stats["in_flight"] = self._in_flight
         return stats
 
@@ -460,6 +473,16 @@ def _counting_sink(sink, on_final):
 def _set_result(fut: asyncio.Future, out: Output) -> None:
     if not fut.done():
         fut.set_result(out)
+
+
+def _chat_template_text(template: str) -> str:
+    """--chat-template is a file holding a Jinja template, or the template itself."""
+    if os.path.isfile(template):
+        with open(template, encoding="utf-8") as f:
+            return f.read()
+    if "{{" in template or "{%" in template:
+        return template
+    raise InvalidRequestError(f"chat_template {template!r} is neither a file nor a Jinja template", "chat_template")
 
 
 def _configure_logging(level: str) -> None:

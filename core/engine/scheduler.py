@@ -68,9 +68,9 @@ class Scheduler:
         self.opts = opts
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
-        # What one request may use in all (the Engine admits nothing longer): the model's context, or the
-        # KV pool when that is smaller.
-        self.context_len = min(runner.cfg.context_len, runner.num_slots)
+        # What one request may use in all (the Engine admits nothing longer): the model's context (or the
+        # context_length option), or the KV pool when that is smaller.
+        self.context_len = min(opts.context_length or runner.cfg.context_len, runner.num_slots)
         self.allocator = SlotAllocator(runner.num_slots)
         self.stats = EngineStats()
         self.tree = TimedRadixCache(RadixCache(self.allocator, disable=opts.disable_radix_cache), self.stats)
@@ -276,8 +276,9 @@ class Scheduler:
                 return None
             req.row = self.runner.req_to_token.alloc()
             req.slots, req.cached_len, req.last_node = list(slots), len(slots), node
-            if req.cached_tokens is None:
+            if req.cached_tokens is None:  # first scheduled
                 req.cached_tokens = len(slots)
+                req.scheduled_time = time.monotonic()
                 self.stats.cached_tokens_total += len(slots)
                 self.stats.prompt_tokens_total += len(req.inp.input_ids)
             self.runner.req_to_token.write(req.row, 0, slots)
@@ -467,7 +468,7 @@ class Scheduler:
                     self._after_constrained_token(req)
                     if req.finished:
                         continue
-                if req.inp.stream:
+                if req.inp.stream and len(req.output_ids) - req.streamed_ids >= self.opts.stream_interval:
                     stage = "detokenizing"
                     self._emit(req, final=False)
             except Exception:
@@ -598,6 +599,9 @@ class Scheduler:
             meta["output_top_logprobs"] = list(out_top)
         if final and req.first_token_time is not None:
             meta["e2e_latency"] = time.monotonic() - req.created
+            meta["ttft"] = req.first_token_time - req.created
+        if final and req.scheduled_time is not None:
+            meta["queue_time"] = req.scheduled_time - req.created
         if final and req.error is not None:
             meta["error"] = req.error
         try:
