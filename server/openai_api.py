@@ -169,7 +169,7 @@ class OpenAIAPI:
 
     # ---- /v1/chat/completions -----------------------------------------------------------------
 
-    def prepare_chat(self, req: ChatCompletionRequest) -> tuple[ToolMode, list[int], dict[str, Any]]:
+    async def prepare_chat(self, req: ChatCompletionRequest) -> tuple[ToolMode, list[int], dict[str, Any]]:
         """A chat request's tool mode, prompt token ids and sampling params (the Responses API's too)."""
         self._check_common(req)
         mode = self._tool_mode(req)
@@ -184,7 +184,7 @@ class OpenAIAPI:
         req = await parse_body(request, ChatCompletionRequest)
         if req.top_logprobs is not None and not req.logprobs:
             raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
-        mode, input_ids, params = self.prepare_chat(req)
+        mode, input_ids, params = await self.prepare_chat(req)
         top_n = req.top_logprobs or 0
         if req.stream:
             branches = [Branch(sp, input_ids=input_ids, rid=f"chatcmpl-{uuid.uuid4().hex}",

@@ -138,7 +138,7 @@ class ResponsesAPI:
             history = stored.messages
         conversation = history + input_messages(body.input)
         system = [{"role": "system", "content": body.instructions}] if body.instructions else []
-        mode, input_ids, params = self.openai.prepare_chat(_chat_request(body, system + conversation))
+        mode, input_ids, params = await self.openai.prepare_chat(_chat_request(body, system + conversation))
         resp_id = _new_id("resp")
         if body.stream:
             stream = await self.client.open_stream(request, [Branch(params, input_ids=input_ids, rid=resp_id)])
