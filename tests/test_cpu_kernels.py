@@ -94,3 +94,24 @@ def test_groups_cover_every_request_once_and_bound_the_padding():
     # Equal decodes of similar length batch as one; a far longer context goes alone.
     assert cpu._groups([1] * 16, [100 + i for i in range(16)]) == [list(range(15, -1, -1))]
     assert len(cpu._groups([1] * 17, [100] * 16 + [50_000])) == 2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_norms_and_rotary_match_reference(dtype):
+    x, residual = torch.randn(5, 80).to(dtype), torch.randn(5, 80).to(dtype)
+    weight = torch.randn(80).to(dtype)
+    _check(cpu.rms_norm(x, weight, 1e-5), reference.rms_norm(x, weight, 1e-5))
+    out, summed = cpu.fused_add_rms_norm(x, residual, weight, 1e-5)
+    exp_out, exp_summed = reference.fused_add_rms_norm(x, residual, weight, 1e-5)
+    assert torch.equal(summed, exp_summed)
+    _check(out, exp_out)
+    # q and k as strided views of a fused QKV output, at shuffled positions.
+    num_tokens, num_heads, num_kv_heads, head_dim = 6, 4, 2, 32
+    qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim).to(dtype)
+    q = qkv[:, : num_heads * head_dim].view(-1, num_heads, head_dim)
+    k = qkv[:, num_heads * head_dim : (num_heads + num_kv_heads) * head_dim].view(-1, num_kv_heads, head_dim)
+    angles = torch.rand(50, head_dim // 2, dtype=torch.float64) * 100
+    cache = torch.cat((angles.cos(), angles.sin()), dim=-1).float()
+    positions = torch.randperm(50)[:num_tokens]
+    for got, want in zip(cpu.apply_rotary(q, k, positions, cache), reference.apply_rotary(q, k, positions, cache)):
+        _check(got, want)
