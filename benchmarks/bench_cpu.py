@@ -247,7 +247,8 @@ def main() -> None:
                 outputs[name, b] = run(prompts[:b])
                 times.setdefault((name, b), []).append(time.perf_counter() - start)
                 assert all(len(o) == args.new_tokens for o in outputs[name, b]), name
-        print(f"round {r + 1}/{args.rounds} done, load {os.getloadavg()}", flush=True)
+                print(f"round {r + 1}: {name} batch {b}: {b * args.new_tokens / times[name, b][-1]:.1f} tok/s, "
+                      f"load {os.getloadavg()[0]:.1f}", flush=True)
 
     results: dict[str, Any] = {"machine": info | {"load_avg_end": os.getloadavg()}, "tokens_per_s": {}}
     for (name, b), ts in times.items():

@@ -24,12 +24,20 @@ from radixlm.kernels.reference import (  # noqa: F401  (re-exported: this set's 
     pack_token_mask,
     seeded_exponential,
     silu_and_mul,
-    store_kv,
 )
 
 # A group may hold this many padded (query, key) pairs beyond twice its real ones: small requests
 # batch together even when their lengths differ, where a separate call would cost more than the padding.
 _PADDING_SLACK = 1 << 14
+
+
+def store_kv(
+    k_buffer: torch.Tensor, v_buffer: torch.Tensor, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> None:
+    """reference.store_kv with index_copy_, which copies a few rows on the calling thread where indexed
+    assignment starts a parallel region (on a busy 2-core machine, 20x slower)."""
+    k_buffer.index_copy_(0, loc, k.to(k_buffer.dtype))
+    v_buffer.index_copy_(0, loc, v.to(v_buffer.dtype))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
