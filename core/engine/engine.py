@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import queue
 import threading
 import uuid
@@ -42,13 +43,21 @@ class Engine:
         self.model_config = ModelConfig.from_dir(model_path)
         self.vocab_size = self.model_config.vocab_size
         self.context_len = self.model_config.context_len
+        if self.options.context_length is not None:
+            if self.options.context_length > self.context_len:
+                raise InvalidRequestError(f"context_length {self.options.context_length} exceeds the model's "
+                                          f"{self.context_len} tokens", "context_length")
+            self.context_len = self.options.context_length
         # The tokenizer loads on a thread while the weights load: it is mostly imports, which hold the
         # GIL, and they mostly dequantize and copy, which release it; on two cores the two overlap.
         with ThreadPoolExecutor(1, thread_name_prefix="radixlm-tokenizer") as pool:
-            tokenizer = pool.submit(load_tokenizer, model_path)
+            tokenizer = pool.submit(load_tokenizer, self.options.tokenizer_path or model_path,
+                                    trust_remote_code=self.options.trust_remote_code)
             if self.options.tp_size == 1 and self.options.dp_size == 1:
                 self._runner = ModelRunner(model_path, self.model_config, self.options)
             self.tokenizer = tokenizer.result()
+        if self.options.chat_template is not None:
+            self.tokenizer.chat_template = _chat_template_text(self.options.chat_template)
         eos = list(self.model_config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None and self.tokenizer.eos_token_id not in eos:
             eos.append(self.tokenizer.eos_token_id)
@@ -333,6 +342,16 @@ def _counting_sink(sink, on_final):
 def _set_result(fut: asyncio.Future, out: Output) -> None:
     if not fut.done():
         fut.set_result(out)
+
+
+def _chat_template_text(template: str) -> str:
+    """--chat-template is a file holding a Jinja template, or the template itself."""
+    if os.path.isfile(template):
+        with open(template, encoding="utf-8") as f:
+            return f.read()
+    if "{{" in template or "{%" in template:
+        return template
+    raise InvalidRequestError(f"chat_template {template!r} is neither a file nor a Jinja template", "chat_template")
 
 
 def _configure_logging(level: str) -> None:

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from radixlm.core.engine.launcher import launched_rank  # noqa: F401  (part of this module's API)
 from radixlm.core.engine.model_runner import BatchInput, ModelRunner
 from radixlm.core.engine.options import EngineOptions
 from radixlm.core.engine.scheduler import Scheduler
@@ -57,13 +58,6 @@ def device_scope(device: torch.device | str) -> contextlib.AbstractContextManage
     the current device, which every new thread starts at cuda:0); nothing for a CPU device."""
     device = torch.device(device)
     return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
-
-
-def launched_rank() -> int | None:
-    """This process's rank when a launcher such as torchrun started several processes, else None."""
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and "RANK" in os.environ:
-        return int(os.environ["RANK"])
-    return None
 
 
 # ---- rank 0 (the Engine's process) -------------------------------------------------------------

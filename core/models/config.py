@@ -109,7 +109,8 @@ class ModelConfig:
         )
 
     def rope_cos_sin_cache(self, device: torch.device | str) -> torch.Tensor:
-        """[context_len, head_dim] fp32 holding [cos | sin] of every position, with llama3/linear scaling."""
+        """[context_len, head_dim] fp32 holding [cos | sin] of every position, with llama3/linear scaling
+        or per-frequency divisors ("freq_factors")."""
         dim = self.head_dim
         inv_freq = 1.0 / (self.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
         positions = torch.arange(self.context_len, dtype=torch.float64)
@@ -119,6 +120,8 @@ class ModelConfig:
             positions = positions / scaling["factor"]
         elif kind == "llama3":
             inv_freq = _llama3_inv_freq(inv_freq, scaling)
+        elif kind == "freq_factors":  # a GGUF's rope_freqs tensor: llama.cpp's precomputed llama3 scaling
+            inv_freq = inv_freq / torch.tensor(scaling["factors"], dtype=torch.float64)
         freqs = torch.outer(positions, inv_freq)
         return torch.cat((freqs.cos(), freqs.sin()), dim=-1).float().to(device)
 

@@ -86,8 +86,8 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, ops: ModuleType) -> None:
         super().__init__()
         self.config = cfg
-        # Given an (uninitialised) weight, Embedding skips its random init, which on the meta device
-        # imports torch._dynamo (seconds of start-up) for values the checkpoint replaces anyway.
+        # Given an uninitialised weight: Embedding's own N(0, 1) init, run on the meta device where the
+        # loader builds models, imports torch._dynamo (1.5-4 s of startup) and is overwritten anyway.
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
                                          _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, ops) for i in range(cfg.num_layers))

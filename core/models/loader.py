@@ -136,11 +136,12 @@ def _copy_into(model: LlamaForCausalLM, param: torch.Tensor, name: str, shard: i
         param[start : start + sizes[shard]].copy_(w)
 
 
-def load_tokenizer(path: str):
+def load_tokenizer(path: str, trust_remote_code: bool = False):
     from transformers import AutoTokenizer
 
     gguf_path = find_gguf(path)
-    tok = load_gguf_tokenizer(gguf_path) if gguf_path is not None else AutoTokenizer.from_pretrained(path)
+    tok = (load_gguf_tokenizer(gguf_path) if gguf_path is not None
+           else AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code))
     if not getattr(tok, "is_fast", False):
         logger.warning("tokenizer at %s is not a fast tokenizer; detokenization will be slower", path)
     return tok
