@@ -75,7 +75,7 @@ class _Group:
 
     token: torch.Tensor | None
     slots: torch.Tensor  # [n * max_len]
-    mask: torch.Tensor  # [n, 1, max_ext, max_len]
+    mask: torch.Tensor | None  # [n, 1, max_ext, max_len]; None: every query sees every key
     q_valid: torch.Tensor | None  # [n, max_ext], extends only: which padded query rows are real
     n: int
     max_len: int
@@ -109,12 +109,13 @@ def plan_attention(
         if whole:
             group.sort()
         planned.append(_plan_group(req_to_token, req_pool_indices, seq_lens, group, [starts[i] for i in group],
-                                   [ext_list[i] for i in group], max(seq_list[i] for i in group), whole))
+                                   [ext_list[i] for i in group], min(seq_list[i] for i in group),
+                                   max(seq_list[i] for i in group), whole))
     return AttentionPlan(planned, 0 in seq_list)
 
 
 def _plan_group(req_to_token, req_pool_indices, seq_lens, group: list[int], starts: list[int], ext: list[int],
-                max_len: int, whole: bool) -> _Group:
+                min_len: int, max_len: int, whole: bool) -> _Group:
     device, n, max_ext = req_to_token.device, len(group), max(ext)
     index = torch.tensor(group, device=device)
     rows, lens = req_pool_indices[index], seq_lens[index]
@@ -125,7 +126,9 @@ def _plan_group(req_to_token, req_pool_indices, seq_lens, group: list[int], star
     slots = torch.where(key_valid, req_to_token[rows, :max_len], 0).reshape(-1)
     if max_ext == 1:
         token = None if whole else torch.tensor(starts, device=device)
-        return _Group(token, slots, key_valid[:, None, None, :], None, n, max_len)
+        # Equal lengths (always so at batch 1) need no mask, and SDPA without one is cheaper.
+        mask = None if min_len == max_len else key_valid[:, None, None, :]
+        return _Group(token, slots, mask, None, n, max_len)
     ext_t = torch.tensor(ext, device=device)
     q_pos = torch.arange(max_ext, device=device)
     q_valid = q_pos[None, :] < ext_t[:, None]  # [n, max_ext]

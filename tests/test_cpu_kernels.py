@@ -47,16 +47,20 @@ def test_extend_attention_matches_reference(case, heads, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("heads", GQA_SHAPES, ids=lambda s: f"H{s[0]}-KH{s[1]}-D{s[2]}")
-def test_decode_attention_matches_reference(heads, dtype):
+@pytest.mark.parametrize("seq_lens", [
+    [40, 1, 17, 0, 9000, 33],  # ragged, one context far longer (its own group), a padding row of length 0
+    [37, 37, 37],  # equal lengths: one group, no mask
+    [12],
+], ids=["ragged", "equal", "one"])
+def test_decode_attention_matches_reference(seq_lens, heads, dtype):
     num_heads, num_kv_heads, head_dim = heads
-    # Ragged, one context far longer than the rest (its own group), and a padding row of length 0,
-    # which the reference answers with zeros.
-    seq_lens = [40, 1, 17, 0, 9000, 33]
     batch = PagedBatch(seq_lens, num_kv_heads, head_dim, dtype, torch.int64)
     q = torch.randn(len(seq_lens), num_heads, head_dim).to(dtype)
     expected = reference.decode_attention(q, *batch.tables(), 0.125)
     _check(cpu.decode_attention(q, *batch.tables(), 0.125), expected)
-    assert len(cpu._groups([1] * len(seq_lens), seq_lens)) > 1
+    plan = cpu.plan_attention(*batch.tables()[2:], None)
+    assert (len(plan.groups) > 1) == (max(seq_lens) > 100)
+    assert (plan.groups[0].mask is None) == (len(set(seq_lens)) == 1)
 
 
 def test_padding_reads_only_slot_zero():
