@@ -151,16 +151,19 @@ def _same_until_eos(ours: list[int], theirs: list[int], eos: set[int]) -> bool:
 
 
 def startup(model: str, runs: int) -> dict[str, float]:
-    """Fresh processes: seconds to `import radixlm`, and from the `Engine()` call to the first token."""
+    """Fresh processes: seconds to `import radixlm`, and from the `Engine()` call to the first token, in
+    wall time and in CPU time of all the process's threads (on a busy machine the wall time mostly
+    measures the wait for a core; the CPU time does not)."""
     code = (
         "import json, time\n"
         "t0 = time.perf_counter()\n"
         "import radixlm\n"
-        "t1 = time.perf_counter()\n"
+        "t1, c1 = time.perf_counter(), time.process_time()\n"
         f"engine = radixlm.Engine({model!r})\n"
         "engine.generate('Hello', {'max_new_tokens': 1, 'temperature': 0})\n"
-        "t2 = time.perf_counter()\n"
-        "print(json.dumps({'import_s': t1 - t0, 'engine_to_first_token_s': t2 - t1}))\n"
+        "t2, c2 = time.perf_counter(), time.process_time()\n"
+        "print(json.dumps({'import_s': t1 - t0, 'engine_to_first_token_s': t2 - t1,\n"
+        "                  'engine_to_first_token_cpu_s': c2 - c1}))\n"
         "engine.shutdown()\n"
     )
     results = []
@@ -247,7 +250,8 @@ def main() -> None:
                 outputs[name, b] = run(prompts[:b])
                 times.setdefault((name, b), []).append(time.perf_counter() - start)
                 assert all(len(o) == args.new_tokens for o in outputs[name, b]), name
-        print(f"round {r + 1}/{args.rounds} done, load {os.getloadavg()}", flush=True)
+                print(f"round {r + 1}: {name} batch {b}: {b * args.new_tokens / times[name, b][-1]:.1f} tok/s, "
+                      f"load {os.getloadavg()[0]:.1f}", flush=True)
 
     results: dict[str, Any] = {"machine": info | {"load_avg_end": os.getloadavg()}, "tokens_per_s": {}}
     for (name, b), ts in times.items():

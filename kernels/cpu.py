@@ -4,29 +4,140 @@ Attention gathers each request's keys and values through the request-to-token ta
 ``[n, KH, L, D]`` tensors and runs one `scaled_dot_product_attention` over the batch, with a mask for
 the padding and for causality, instead of the references' loop over requests. Requests whose shapes
 differ a lot (a long prefill beside decoding requests, one long context among short ones) go in
-separate groups, so padding never costs more than about twice the real work. Every other op is the
-reference's own. tests/test_cpu_kernels.py checks these against the references.
+separate groups, so padding never costs more than about twice the real work. That layout (groups, KV
+slots, masks) is the same for every layer: `plan_attention` makes it once per forward and the
+attention ops take it as their optional `plan`. RMSNorm is torch's fused op and the rotary embedding
+takes fewer ops than the reference's; the rest are the references' own. On the CPU a decode step is
+hundreds of small ops, so their count is what this set saves. tests/test_cpu_kernels.py checks every
+op here against its reference.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from radixlm.kernels.reference import (  # noqa: F401  (re-exported: this set's ops of the same name)
-    apply_rotary,
     apply_token_bitmask,
-    fused_add_rms_norm,
     pack_token_mask,
-    rms_norm,
     seeded_exponential,
     silu_and_mul,
-    store_kv,
 )
 
 # A group may hold this many padded (query, key) pairs beyond twice its real ones: small requests
 # batch together even when their lengths differ, where a separate call would cost more than the padding.
 _PADDING_SLACK = 1 << 14
+
+
+def store_kv(
+    k_buffer: torch.Tensor, v_buffer: torch.Tensor, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> None:
+    """reference.store_kv with index_copy_, which copies a few rows on the calling thread where indexed
+    assignment starts a parallel region (on a busy 2-core machine, 20x slower)."""
+    k_buffer.index_copy_(0, loc, k.to(k_buffer.dtype))
+    v_buffer.index_copy_(0, loc, v.to(v_buffer.dtype))
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """reference.rms_norm as torch's fused op (computed in fp32, returned in x's dtype)."""
+    return F.rms_norm(x, weight.shape, weight, eps)
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    summed = x + residual
+    return rms_norm(summed, weight, eps), summed
+
+
+def apply_rotary(
+    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """reference.apply_rotary as x * [cos | cos] + [x2 | x1] * [-sin | sin]: the same products and
+    sums, in half the ops."""
+    cos, sin = cos_sin_cache[positions].unsqueeze(1).chunk(2, dim=-1)
+    cos2, sin2 = torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
+
+    def rotate(x: torch.Tensor) -> torch.Tensor:
+        x1, x2 = x.chunk(2, dim=-1)
+        return (x * cos2 + torch.cat((x2, x1), dim=-1) * sin2).to(x.dtype)
+
+    return rotate(q), rotate(k)
+
+
+@dataclass
+class _Group:
+    """Requests attended in one call: their KV slots padded to max_len (padding reads slot 0) and the
+    mask of what each query sees. `token`: the rows of q they own, None when the group is the whole
+    batch in order (decode: q and the output are used as they are)."""
+
+    token: torch.Tensor | None
+    slots: torch.Tensor  # [n * max_len]
+    mask: torch.Tensor | None  # [n, 1, max_ext, max_len]; None: every query sees every key
+    q_valid: torch.Tensor | None  # [n, max_ext], extends only: which padded query rows are real
+    n: int
+    max_len: int
+
+
+@dataclass
+class AttentionPlan:
+    """The batch layout every layer's attention shares (see `plan_attention`)."""
+
+    groups: list[_Group]
+    has_empty: bool  # some request has length 0 (a padding row): its output rows are zeros
+
+
+def plan_attention(
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    extend_lens: torch.Tensor | None,
+) -> AttentionPlan:
+    """The groups, KV slots and masks of a batch; extend_lens None means decode (one query each)."""
+    seq_list = seq_lens.tolist()
+    ext_list = [1] * len(seq_list) if extend_lens is None else extend_lens.tolist()
+    starts, total = [], 0
+    for e in ext_list:
+        starts.append(total)
+        total += e
+    groups = _groups(ext_list, seq_list)
+    whole = extend_lens is None and len(groups) == 1 and len(groups[0]) == len(seq_list)
+    planned = []
+    for group in groups:
+        if whole:
+            group.sort()
+        planned.append(_plan_group(req_to_token, req_pool_indices, seq_lens, group, [starts[i] for i in group],
+                                   [ext_list[i] for i in group], min(seq_list[i] for i in group),
+                                   max(seq_list[i] for i in group), whole))
+    return AttentionPlan(planned, 0 in seq_list)
+
+
+def _plan_group(req_to_token, req_pool_indices, seq_lens, group: list[int], starts: list[int], ext: list[int],
+                min_len: int, max_len: int, whole: bool) -> _Group:
+    device, n, max_ext = req_to_token.device, len(group), max(ext)
+    index = torch.tensor(group, device=device)
+    rows, lens = req_pool_indices[index], seq_lens[index]
+    key_pos = torch.arange(max_len, device=device)
+    key_valid = key_pos[None, :] < lens[:, None]  # [n, max_len]
+    # Padding keys read slot 0, which always holds finite values, so that masked keys cannot turn the
+    # weighted sum into NaN (0 * inf).
+    slots = torch.where(key_valid, req_to_token[rows, :max_len], 0).reshape(-1)
+    if max_ext == 1:
+        token = None if whole else torch.tensor(starts, device=device)
+        # Equal lengths (always so at batch 1) need no mask, and SDPA without one is cheaper.
+        mask = None if min_len == max_len else key_valid[:, None, None, :]
+        return _Group(token, slots, mask, None, n, max_len)
+    ext_t = torch.tensor(ext, device=device)
+    q_pos = torch.arange(max_ext, device=device)
+    q_valid = q_pos[None, :] < ext_t[:, None]  # [n, max_ext]
+    token = (torch.tensor(starts, device=device)[:, None] + q_pos[None, :])[q_valid]
+    # Query i of request b sits at position seq_len - ext + i and sees the keys up to it. Padding
+    # queries (i >= ext) see the whole sequence, so no row is empty; their outputs are dropped.
+    limit = (lens - ext_t)[:, None] + q_pos[None, :]  # [n, max_ext]
+    mask = (key_pos[None, None, :] <= limit[:, :, None]) & key_valid[:, None, :]
+    return _Group(token, slots, mask[:, None], q_valid, n, max_len)
 
 
 def extend_attention(
@@ -38,10 +149,12 @@ def extend_attention(
     seq_lens: torch.Tensor,
     extend_lens: torch.Tensor,
     sm_scale: float,
+    plan: AttentionPlan | None = None,
 ) -> torch.Tensor:
     """reference.extend_attention, batched: q [sum(extend_lens), H, D] packed request after request."""
-    return _paged_attention(q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens,
-                            extend_lens.tolist(), sm_scale)
+    if plan is None:
+        plan = plan_attention(req_to_token, req_pool_indices, seq_lens, extend_lens)
+    return _attend(q, k_buffer, v_buffer, sm_scale, plan)
 
 
 def decode_attention(
@@ -52,26 +165,40 @@ def decode_attention(
     req_pool_indices: torch.Tensor,
     seq_lens: torch.Tensor,
     sm_scale: float,
+    plan: AttentionPlan | None = None,
 ) -> torch.Tensor:
     """reference.decode_attention, batched: q [B, H, D], one query per request."""
-    return _paged_attention(q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens,
-                            [1] * q.shape[0], sm_scale)
+    if plan is None:
+        plan = plan_attention(req_to_token, req_pool_indices, seq_lens, None)
+    return _attend(q, k_buffer, v_buffer, sm_scale, plan)
 
 
-def _paged_attention(q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens,
-                     extend_lens: list[int], sm_scale: float) -> torch.Tensor:
-    seq_list = seq_lens.tolist()
-    starts, total = [], 0
-    for e in extend_lens:
-        starts.append(total)
-        total += e
-    # Rows of an empty request (a padding row of seq_len 0) stay zero, as in the reference.
-    out = torch.zeros_like(q) if 0 in seq_list else torch.empty_like(q)
-    for group in _groups(extend_lens, seq_list):
-        _attend_group(q, out, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, sm_scale,
-                      group, [starts[i] for i in group], [extend_lens[i] for i in group],
-                      max(seq_list[i] for i in group))
+def _attend(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, sm_scale: float,
+            plan: AttentionPlan) -> torch.Tensor:
+    if len(plan.groups) == 1 and plan.groups[0].token is None:
+        return _attend_group(q, k_buffer, v_buffer, sm_scale, plan.groups[0])
+    out = torch.zeros_like(q) if plan.has_empty else torch.empty_like(q)
+    for group in plan.groups:
+        if group.q_valid is None:
+            out[group.token] = _attend_group(q[group.token], k_buffer, v_buffer, sm_scale, group)
+        else:
+            q_pad = q.new_zeros(*group.q_valid.shape, *q.shape[1:])
+            q_pad[group.q_valid] = q[group.token]
+            out[group.token] = _attend_group(q_pad, k_buffer, v_buffer, sm_scale, group)[group.q_valid]
     return out
+
+
+def _attend_group(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, sm_scale: float,
+                  group: _Group) -> torch.Tensor:
+    """q [n, H, D] (one query per request) or [n, max_ext, H, D] -> the same shape, attended over the
+    group's keys and values (GQA: each KV head serves H / KH query heads)."""
+    shape = (group.n, group.max_len, *k_buffer.shape[1:])
+    k = k_buffer.index_select(0, group.slots).view(shape).transpose(1, 2)
+    v = v_buffer.index_select(0, group.slots).view(shape).transpose(1, 2)
+    queries = q.unsqueeze(1) if group.q_valid is None else q  # [n, max_ext, H, D]
+    out = F.scaled_dot_product_attention(queries.transpose(1, 2), k, v, attn_mask=group.mask, scale=sm_scale,
+                                         enable_gqa=True)
+    return out.transpose(1, 2).reshape(q.shape)
 
 
 def _groups(extend_lens: list[int], seq_lens: list[int]) -> list[list[int]]:
@@ -92,39 +219,3 @@ def _groups(extend_lens: list[int], seq_lens: list[int]) -> list[list[int]]:
             groups.append([i])
             longest_ext, longest_seq, real = extend_lens[i], seq_lens[i], extend_lens[i] * seq_lens[i]
     return groups
-
-
-def _attend_group(q, out, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, sm_scale,
-                  group: list[int], starts: list[int], ext: list[int], max_len: int) -> None:
-    """Attention of one group's new tokens, padded to [n, H, max_ext, D] queries over [n, KH, max_len, D]
-    keys; writes its rows of `out`."""
-    device, n, max_ext = q.device, len(group), max(ext)
-    index = torch.tensor(group, device=device)
-    rows, lens = req_pool_indices[index], seq_lens[index]
-    key_pos = torch.arange(max_len, device=device)
-    key_valid = key_pos[None, :] < lens[:, None]  # [n, max_len]
-    # Padding keys read slot 0, which always holds finite values, so that masked keys cannot turn the
-    # weighted sum into NaN (0 * inf).
-    slots = torch.where(key_valid, req_to_token[rows, :max_len], 0).reshape(-1)
-    k = k_buffer.index_select(0, slots).view(n, max_len, *k_buffer.shape[1:]).transpose(1, 2)
-    v = v_buffer.index_select(0, slots).view(n, max_len, *v_buffer.shape[1:]).transpose(1, 2)
-    if max_ext == 1:
-        token = torch.tensor(starts, device=device)
-        mask = key_valid[:, None, None, :]
-        o = F.scaled_dot_product_attention(q[token].unsqueeze(2), k, v, attn_mask=mask,
-                                           scale=sm_scale, enable_gqa=True)
-        out[token] = o.squeeze(2)
-        return
-    ext_t = torch.tensor(ext, device=device)
-    q_pos = torch.arange(max_ext, device=device)
-    q_valid = q_pos[None, :] < ext_t[:, None]  # [n, max_ext]
-    token = (torch.tensor(starts, device=device)[:, None] + q_pos[None, :])[q_valid]
-    q_pad = q.new_zeros(n, max_ext, *q.shape[1:])
-    q_pad[q_valid] = q[token]
-    # Query i of request b sits at position seq_len - ext + i and sees keys up to it. Padding queries
-    # see the whole sequence (never an empty row); their outputs are dropped.
-    limit = (lens - ext_t)[:, None] + q_pos[None, :]  # [n, max_ext]
-    mask = (key_pos[None, None, :] <= limit[:, :, None]) & key_valid[:, None, :]
-    o = F.scaled_dot_product_attention(q_pad.transpose(1, 2), k, v, attn_mask=mask[:, None],
-                                       scale=sm_scale, enable_gqa=True)
-    out[token] = o.transpose(1, 2)[q_valid]

@@ -13,6 +13,7 @@ import radixlm
 from radixlm.core.constrained import build_constraint, json_schema_to_regex, regex_to_dfa
 from radixlm.core.constrained.vocab import vocab_of
 from radixlm.core.errors import InvalidRequestError
+from radixlm.core.testing import tiny_model_path
 from test_constrained_json import SCHEMAS, _schema_dict
 from test_constrained_regex import REGEXES
 
@@ -22,7 +23,7 @@ MAX_NEW = 64
 
 @pytest.fixture(scope="module")
 def engine():
-    with radixlm.Engine(debug_check_invariants=True) as e:
+    with radixlm.Engine(tiny_model_path(), debug_check_invariants=True) as e:  # a random model: the harshest sampler
         yield e
 
 
@@ -173,7 +174,7 @@ def test_jump_forward_saves_decode_steps_on_fixed_keys(engine, capsys):
 
 
 def test_engine_option_disables_jump_forward():
-    with radixlm.Engine(disable_jump_forward=True) as e:
+    with radixlm.Engine(tiny_model_path(), disable_jump_forward=True) as e:
         steps, tokens, outs = _decode_steps(e, {"json_schema": json.dumps(FIXED_KEYS), "temperature": 1.0,
                                                 "max_new_tokens": 128}, 4)
     assert steps == tokens

@@ -47,16 +47,20 @@ def test_extend_attention_matches_reference(case, heads, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("heads", GQA_SHAPES, ids=lambda s: f"H{s[0]}-KH{s[1]}-D{s[2]}")
-def test_decode_attention_matches_reference(heads, dtype):
+@pytest.mark.parametrize("seq_lens", [
+    [40, 1, 17, 0, 9000, 33],  # ragged, one context far longer (its own group), a padding row of length 0
+    [37, 37, 37],  # equal lengths: one group, no mask
+    [12],
+], ids=["ragged", "equal", "one"])
+def test_decode_attention_matches_reference(seq_lens, heads, dtype):
     num_heads, num_kv_heads, head_dim = heads
-    # Ragged, one context far longer than the rest (its own group), and a padding row of length 0,
-    # which the reference answers with zeros.
-    seq_lens = [40, 1, 17, 0, 9000, 33]
     batch = PagedBatch(seq_lens, num_kv_heads, head_dim, dtype, torch.int64)
     q = torch.randn(len(seq_lens), num_heads, head_dim).to(dtype)
     expected = reference.decode_attention(q, *batch.tables(), 0.125)
     _check(cpu.decode_attention(q, *batch.tables(), 0.125), expected)
-    assert len(cpu._groups([1] * len(seq_lens), seq_lens)) > 1
+    plan = cpu.plan_attention(*batch.tables()[2:], None)
+    assert (len(plan.groups) > 1) == (max(seq_lens) > 100)
+    assert (plan.groups[0].mask is None) == (len(set(seq_lens)) == 1)
 
 
 def test_padding_reads_only_slot_zero():
@@ -94,3 +98,37 @@ def test_groups_cover_every_request_once_and_bound_the_padding():
     # Equal decodes of similar length batch as one; a far longer context goes alone.
     assert cpu._groups([1] * 16, [100 + i for i in range(16)]) == [list(range(15, -1, -1))]
     assert len(cpu._groups([1] * 17, [100] * 16 + [50_000])) == 2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_norms_and_rotary_match_reference(dtype):
+    x, residual = torch.randn(5, 80).to(dtype), torch.randn(5, 80).to(dtype)
+    weight = torch.randn(80).to(dtype)
+    _check(cpu.rms_norm(x, weight, 1e-5), reference.rms_norm(x, weight, 1e-5))
+    out, summed = cpu.fused_add_rms_norm(x, residual, weight, 1e-5)
+    exp_out, exp_summed = reference.fused_add_rms_norm(x, residual, weight, 1e-5)
+    assert torch.equal(summed, exp_summed)
+    _check(out, exp_out)
+    # q and k as strided views of a fused QKV output, at shuffled positions.
+    num_tokens, num_heads, num_kv_heads, head_dim = 6, 4, 2, 32
+    qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim).to(dtype)
+    q = qkv[:, : num_heads * head_dim].view(-1, num_heads, head_dim)
+    k = qkv[:, num_heads * head_dim : (num_heads + num_kv_heads) * head_dim].view(-1, num_kv_heads, head_dim)
+    angles = torch.rand(50, head_dim // 2, dtype=torch.float64) * 100
+    cache = torch.cat((angles.cos(), angles.sin()), dim=-1).float()
+    positions = torch.randperm(50)[:num_tokens]
+    for got, want in zip(cpu.apply_rotary(q, k, positions, cache), reference.apply_rotary(q, k, positions, cache)):
+        _check(got, want)
+
+
+@pytest.mark.parametrize("src_dtype, pool_dtype", [(torch.float32, torch.float32), (torch.float32, torch.bfloat16)],
+                         ids=str)
+def test_store_kv_matches_reference(src_dtype, pool_dtype):
+    qkv = torch.randn(5, 4 * 3 * 24).to(src_dtype)  # k and v as strided views of a fused QKV output
+    k, v = qkv[:, 72:144].view(-1, 3, 24), qkv[:, 144:216].view(-1, 3, 24)
+    loc = torch.randperm(12)[:5] + 1
+    k_buf, v_buf = torch.randn(13, 3, 24).to(pool_dtype), torch.randn(13, 3, 24).to(pool_dtype)
+    k_exp, v_exp = k_buf.clone(), v_buf.clone()
+    reference.store_kv(k_exp, v_exp, loc, k, v)
+    cpu.store_kv(k_buf, v_buf, loc, k, v)
+    assert torch.equal(k_buf, k_exp) and torch.equal(v_buf, v_exp)

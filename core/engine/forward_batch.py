@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -29,3 +29,6 @@ class ForwardBatch:
     # longest extend (kernels that size their grid by it then need no device sync).
     extend_start_loc: torch.Tensor | None = None
     max_extend_len: int | None = None
+    # The attention kernels' layout of this batch, where their set plans one (kernels.cpu): made by the
+    # attention backend at the first layer, reused by the others.
+    attn_plan: Any = None
