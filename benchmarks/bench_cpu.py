@@ -34,6 +34,7 @@ import time
 from typing import Any, Callable
 
 import torch
+from machine_info import cpu_name
 
 QUESTIONS = [
     "What is the capital of France?", "Name three primary colors.", "What is 12 times 7?",
@@ -174,13 +175,7 @@ def startup(model: str, runs: int) -> dict[str, float]:
 
 
 def machine() -> dict[str, Any]:
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return {"cpu": cpu, "cores": os.cpu_count(), "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
+    return {"cpu": cpu_name(), "cores": os.cpu_count(), "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
             "python": platform.python_version(), "date_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime())}
 
 

@@ -26,7 +26,6 @@ import argparse
 import datetime
 import logging
 import os
-import platform
 import statistics
 import threading
 import time
@@ -43,6 +42,7 @@ import uvicorn  # noqa: E402
 import radixlm  # noqa: E402
 from radixlm.adapters.dspy import SGLangLM, chat_regex  # noqa: E402
 from radixlm.server import ServerArgs, create_app  # noqa: E402
+from machine_info import cpu_name  # noqa: E402
 
 DEMOS = [
     dspy.Example(question="What is the boiling point of water at sea level in Celsius?",
@@ -112,12 +112,7 @@ def measure(engine: Any, lm: Any, module: dspy.Module, questions: list[str], rep
 
 
 def machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
+    cpu = cpu_name()
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU"
     return (f"{os.cpu_count()} x {cpu}, {device}, torch {torch.__version__}, dspy {dspy.__version__}, "
