@@ -28,3 +28,8 @@ class EngineShutdownError(RadixLMError, RuntimeError):
 
 class QueueFullError(RadixLMError, RuntimeError):
     """The engine's bounded queue is full; retry later (the server answers 503 with retry-after)."""
+
+
+class GrammarBudgetError(InvalidRequestError):
+    """Compiling or running a constraint's grammar would pass a budget (compile time, automaton states,
+    parser configurations); the budgets are options of core.constrained.grammar_compiler.GrammarBudget."""

@@ -7,6 +7,8 @@ from typing import Any
 
 import torch
 
+from radixlm.core.constrained.grammar_compiler import DEFAULT_BUDGET, GrammarBudget
+from radixlm.core.constrained.grammar_index_cache import get_grammar_index
 from radixlm.core.constrained.index import TokenIndex, get_index
 from radixlm.core.constrained.json_schema import json_schema_to_regex
 from radixlm.core.constrained.vocab import vocab_of
@@ -50,7 +52,7 @@ class FSMConstraint:
     def forced_text(self) -> str | None:
         if self.is_finished():
             return None
-        return self.index.fsm.forced_text(self.state)
+        return self.index.forced_text(self.state)
 
     def jump_forward(self, output_ids: list[int], tokenizer: Any, max_replace: int = 1,
                      max_new_tokens: int | None = None) -> tuple[int, list[int]] | None:
@@ -81,7 +83,7 @@ class FSMConstraint:
         while same < min(k, len(full)) and full[same] == output_ids[len(output_ids) - k + same]:
             same += 1
         k, new = k - same, full[same:]
-        edge, end = self.index.fsm.edge(self.state)
+        edge, end = self.index.edge(self.state)
         if not (edge == forced.encode() and self.index.is_terminal(end)):
             offset = sum(len(tb[t]) for t in full[:same])
             new = new[:_stable_prefix_len(tokenizer, text, [tb[t] for t in new], offset)]
@@ -144,12 +146,24 @@ def constraint_regex(kind: str, spec: Any, whitespace_pattern: str | None = None
     raise ValueError(f"unknown constraint kind {kind!r}; expected one of {KINDS}")
 
 
+BACKENDS = ("grammar", "regex-dfa", "llguidance")
+
+
 def build_constraint(kind: str, spec: Any, tokenizer: object, *, eos_token_ids: list[int] | None = None,
-                     whitespace_pattern: str | None = None) -> FSMConstraint:
+                     whitespace_pattern: str | None = None, backend: str = "grammar",
+                     budget: GrammarBudget = DEFAULT_BUDGET) -> FSMConstraint:
     """A fresh constraint for one request. kind: 'regex' (a Python regex, fullmatch semantics),
     'json_schema' (a JSON string, dict or pydantic model class) or 'choices' (a list of strings).
-    EOS ids default to the tokenizer's eos_token_id. Invalid input raises ValueError naming the problem;
-    the token index is built (or found in the cache) before this returns."""
-    pattern = constraint_regex(kind, spec, whitespace_pattern)
+    EOS ids default to the tokenizer's eos_token_id. Invalid input raises ValueError naming the problem,
+    GrammarBudgetError past a budget. backend: 'grammar' (the grammar engine, pda.py), 'regex-dfa' (the
+    whole-pattern DFA and its eager token index) or 'llguidance' (the optional PyPI package)."""
     vocab = vocab_of(tokenizer, eos_token_ids)
-    return FSMConstraint(get_index(pattern, vocab))
+    if backend == "grammar":
+        return FSMConstraint(get_grammar_index(kind, spec, vocab, whitespace_pattern, budget))
+    if backend == "regex-dfa":
+        return FSMConstraint(get_index(constraint_regex(kind, spec, whitespace_pattern), vocab))
+    if backend == "llguidance":
+        from radixlm.core.constrained.llguidance_backend import build_llguidance_constraint
+
+        return build_llguidance_constraint(kind, spec, tokenizer, vocab, whitespace_pattern)
+    raise ValueError(f"unknown grammar backend {backend!r}; expected one of {BACKENDS}")

@@ -86,6 +86,13 @@ class TokenIndex:
         """Accepting with no token allowed: only the end of the output can follow."""
         return self._accepting[state] and self._row[state] < 0 and self._ptr[state] == self._ptr[state + 1]
 
+    def edge(self, state: int) -> tuple[bytes, int]:
+        """(forced bytes from `state`, the state after them); see CompressedFSM.edge."""
+        return self.fsm.edge(state)
+
+    def forced_text(self, state: int) -> str | None:
+        return self.fsm.forced_text(state)
+
     def allowed_tokens(self, state: int) -> np.ndarray:
         """Sorted ids of the tokens allowed from `state`, EOS excluded."""
         row = self._row[state]

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from radixlm.core.constrained import charsets
+from radixlm.core.errors import GrammarBudgetError
 
 try:  # Python >= 3.11
     from re import _constants as sre_c, _parser as sre_p
@@ -64,17 +65,18 @@ class ByteDFA:
         return end >= 0 and bool(self.accepting[end])
 
 
-def regex_to_dfa(pattern: str) -> ByteDFA:
-    """Compiles a Python regex (fullmatch semantics) to a minimal byte-level DFA; ValueError if unsupported."""
+def regex_to_dfa(pattern: str, max_states: int = MAX_DFA_STATES) -> ByteDFA:
+    """Compiles a Python regex (fullmatch semantics) to a minimal byte-level DFA; ValueError if unsupported,
+    GrammarBudgetError (a ValueError) if its automaton would exceed `max_states` states."""
     if not isinstance(pattern, str):
         raise ValueError(f"regex must be a string, got {type(pattern).__name__}")
     try:
         tree = sre_p.parse(pattern)
     except re.error as e:
         raise ValueError(f"invalid regex {pattern!r}: {e}") from None
-    nfa = _NFA()
+    nfa = _NFA(2 * max_states)
     start, accept = nfa.compile(tree, tree.state.flags, at_start=True, at_end=True)
-    trans, accepting = _determinize(nfa, start, accept)
+    trans, accepting = _determinize(nfa, start, accept, max_states)
     return _minimize(trans, accepting, nfa.byte_classes(), pattern)
 
 
@@ -139,13 +141,14 @@ def unsupported_construct(op, av) -> str | None:
 class _NFA:
     """Thompson NFA over bytes: per state, epsilon targets and (lo, hi, target) byte-range edges."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_states: int = MAX_NFA_STATES) -> None:
+        self.max_states = max_states
         self.eps: list[list[int]] = []
         self.edges: list[list[tuple[int, int, int]]] = []
 
     def new(self) -> int:
-        if len(self.eps) >= MAX_NFA_STATES:
-            raise ValueError(f"regex too large: its automaton exceeds {MAX_NFA_STATES} states "
+        if len(self.eps) >= self.max_states:
+            raise GrammarBudgetError(f"regex too large: its automaton exceeds {self.max_states} states "
                              "(large counted repetitions of wide character classes are the usual cause)")
         self.eps.append([])
         self.edges.append([])
@@ -243,7 +246,7 @@ class _NFA:
         return (np.cumsum(cuts[:256]) - 1).astype(np.int64)
 
 
-def _determinize(nfa: _NFA, start: int, accept: int) -> tuple[np.ndarray, np.ndarray]:
+def _determinize(nfa: _NFA, start: int, accept: int, max_states: int) -> tuple[np.ndarray, np.ndarray]:
     """Subset construction over byte classes. Returns transitions [n, K] (-1 = none) and accepting [n]."""
     classes = nfa.byte_classes()
     num_classes = int(classes[-1]) + 1
@@ -276,8 +279,8 @@ def _determinize(nfa: _NFA, start: int, accept: int) -> tuple[np.ndarray, np.nda
             subset = closure(targets)
             j = ids.get(subset)
             if j is None:
-                if len(sets) >= MAX_DFA_STATES:
-                    raise ValueError(f"regex too large: its DFA exceeds {MAX_DFA_STATES} states")
+                if len(sets) >= max_states:
+                    raise GrammarBudgetError(f"regex too large: its DFA exceeds {max_states} states")
                 j = ids[subset] = len(sets)
                 sets.append(subset)
             row[a:b] = [j] * (b - a)
@@ -367,3 +370,30 @@ def _minimize(trans: np.ndarray, accepting: np.ndarray, classes: np.ndarray, pat
     small = np.where(small >= 0, final[np.maximum(small, 0)], -1)[order]
     by_byte = np.ascontiguousarray(small[:, classes], dtype=np.int32)
     return ByteDFA(transitions=by_byte, accepting=small_accepting[order].copy())
+
+
+def dfa_difference(a: ByteDFA, b: ByteDFA, max_states: int = MAX_DFA_STATES) -> ByteDFA | None:
+    """The minimal DFA of L(a) minus L(b) (product construction), or None if that language is empty."""
+    dead_b = b.num_states  # b's missing transitions go to an extra rejecting sink
+    tb = np.vstack([np.where(b.transitions >= 0, b.transitions, dead_b), np.full((1, 256), dead_b)])
+    acc_b = np.append(b.accepting, False)
+    ids, pairs, rows = {(0, 0): 0}, [(0, 0)], []
+    while len(rows) < len(pairs):
+        sa, sb = pairs[len(rows)]
+        na, nb = a.transitions[sa], tb[sb]
+        row = np.full(256, -1, dtype=np.int32)
+        for byte in np.flatnonzero(na >= 0).tolist():
+            key = (int(na[byte]), int(nb[byte]))
+            j = ids.get(key)
+            if j is None:
+                if len(pairs) >= max_states:
+                    raise GrammarBudgetError(f"automaton too large: over {max_states} states")
+                j = ids[key] = len(pairs)
+                pairs.append(key)
+            row[byte] = j
+        rows.append(row)
+    accepting = np.array([bool(a.accepting[x]) and not acc_b[y] for x, y in pairs])
+    try:
+        return _minimize(np.stack(rows), accepting, np.arange(256), "difference")
+    except ValueError:
+        return None
