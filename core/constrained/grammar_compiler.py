@@ -88,7 +88,7 @@ def compile_grammar(grammar: Grammar, budget: GrammarBudget = DEFAULT_BUDGET) ->
     _prune(rules, terminals)
     start = rule_ids[grammar.start]
     if not rules[start].accepting or not _reaches_accept(rules[start]):
-        raise ValueError("the grammar admits no output (contradictory constraints, or recursion without a way to stop)")
+        raise ValueError("the grammar admits no value (contradictory constraints, or recursion without a way to stop)")
     _check_left_recursion(rules, terminals)
     return CompiledGrammar(terminals, builder.terminal_names, rules, start, budget)
 

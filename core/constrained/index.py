@@ -93,6 +93,10 @@ class TokenIndex:
     def forced_text(self, state: int) -> str | None:
         return self.fsm.forced_text(state)
 
+    def byte_successors(self, state: int) -> list[int]:
+        """The state after each byte from `state` (-1: the byte is not allowed)."""
+        return self.dfa.transitions[state].tolist()
+
     def allowed_tokens(self, state: int) -> np.ndarray:
         """Sorted ids of the tokens allowed from `state`, EOS excluded."""
         row = self._row[state]

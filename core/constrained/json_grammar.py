@@ -168,7 +168,7 @@ class _Converter(js._Converter):
         out = []
         for t in types:
             if t not in handlers:
-                raise SchemaError(f"{ptr}/type: unknown type {t!r}")
+                raise SchemaError(f"{ptr}/type: unknown JSON schema type {t!r}")
             out.append(handlers[t](schema, ptr))
         return alt(*out) if out else NOTHING
 

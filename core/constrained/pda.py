@@ -201,6 +201,10 @@ class GrammarIndex:
     def forced_text(self, state: int) -> str | None:
         return whole_characters(self.edge(state)[0])
 
+    def byte_successors(self, state: int) -> list[int]:
+        """The configuration after each byte from `state` (-1: the byte is not allowed)."""
+        return self._row(state)
+
     def allowed_tokens(self, state: int) -> np.ndarray:
         """Sorted ids of the tokens allowed from `state`, EOS excluded."""
         return np.flatnonzero(self._walk(state)).astype(np.int32)
