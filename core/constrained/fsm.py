@@ -159,7 +159,10 @@ def build_constraint(kind: str, spec: Any, tokenizer: object, *, eos_token_ids: 
     whole-pattern DFA and its eager token index) or 'llguidance' (the optional PyPI package)."""
     vocab = vocab_of(tokenizer, eos_token_ids)
     if backend == "grammar":
-        return FSMConstraint(get_grammar_index(kind, spec, vocab, whitespace_pattern, budget))
+        index = get_grammar_index(kind, spec, vocab, whitespace_pattern, budget)
+        if not index.is_accepting(index.start) and not len(index.allowed_tokens(index.start)):
+            raise ValueError(f"no sequence of this tokenizer's tokens matches the {kind} {spec!r}")
+        return FSMConstraint(index)
     if backend == "regex-dfa":
         return FSMConstraint(get_index(constraint_regex(kind, spec, whitespace_pattern), vocab))
     if backend == "llguidance":

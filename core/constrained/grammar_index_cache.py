@@ -9,7 +9,7 @@ from collections import OrderedDict
 from typing import Any
 
 from radixlm.core.constrained.grammar import Grammar, choices_grammar, regex_grammar
-from radixlm.core.constrained.grammar_compiler import GrammarBudget, compile_grammar
+from radixlm.core.constrained.grammar_compiler import DEFAULT_BUDGET, GrammarBudget, compile_grammar, terminal_dfa
 from radixlm.core.constrained.json_grammar import json_schema_to_grammar
 from radixlm.core.constrained.pda import GrammarIndex
 from radixlm.core.constrained.vocab import TokenVocab
@@ -24,7 +24,10 @@ def grammar_of(kind: str, spec: Any, whitespace_pattern: str | None = None,
                budget: GrammarBudget | None = None) -> Grammar:
     """The grammar a constraint of `kind` enforces; ValueError naming the problem if `spec` is invalid."""
     if kind == "regex":
-        return regex_grammar(spec)
+        grammar = regex_grammar(spec)
+        if terminal_dfa(spec, (budget or DEFAULT_BUDGET).max_terminal_states) is None:
+            raise ValueError(f"regex {spec!r} matches no string")
+        return grammar
     if kind == "json_schema":
         return json_schema_to_grammar(spec, whitespace_pattern, **({"budget": budget} if budget else {}))
     if kind == "choices":

@@ -207,7 +207,9 @@ class GrammarIndex:
 
     def allowed_tokens(self, state: int) -> np.ndarray:
         """Sorted ids of the tokens allowed from `state`, EOS excluded."""
-        return np.flatnonzero(self._walk(state)).astype(np.int32)
+        allowed = self.mask(state, self.vocab_size).numpy().copy()
+        allowed[self.eos_ids[self.eos_ids < self.vocab_size]] = False
+        return np.flatnonzero(allowed).astype(np.int32)
 
     def mask(self, state: int, vocab_size: int, packed: bool = False) -> torch.Tensor:
         """Allowed next tokens over `vocab_size` ids, cached (see TokenIndex.mask): bool, or packed int32
