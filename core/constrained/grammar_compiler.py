@@ -68,8 +68,8 @@ def terminal_dfa(regex: str, max_states: int) -> ByteDFA | None:
     """The minimal DFA of a terminal regex, or None if it matches nothing (cached)."""
     try:
         return regex_to_dfa(regex, max_states=max_states)
-    except GrammarBudgetError:
-        raise
+    except GrammarBudgetError as e:
+        raise GrammarBudgetError(f"{e} (GrammarBudget.max_terminal_states)") from None
     except ValueError as e:
         if "matches no string" in str(e):
             return None

@@ -15,7 +15,7 @@ from radixlm.core.engine.options import EngineOptions
 from radixlm.core.engine.request import GenerateInput
 from radixlm.core.engine.sampling_params import SamplingParams
 from radixlm.core.engine.scheduler import AbortMsg, CallMsg, Scheduler
-from radixlm.core.errors import EngineShutdownError, InvalidRequestError, QueueFullError
+from radixlm.core.errors import EngineShutdownError, GrammarBudgetError, InvalidRequestError, QueueFullError
 from radixlm.core.models.config import ModelConfig
 from radixlm.core.models.loader import load_tokenizer
 
@@ -290,10 +290,15 @@ class Engine:
         kind = next((k for k in ("regex", "json_schema", "choices") if getattr(sp, k) is not None), None)
         if kind is None:
             return None
-        from radixlm.core.constrained import build_constraint
+        from radixlm.core.constrained import GrammarBudget, build_constraint
 
         try:
-            return build_constraint(kind, getattr(sp, kind), self.tokenizer, eos_token_ids=self.eos_token_ids)
+            budget = GrammarBudget(max_compile_seconds=self.options.grammar_max_compile_seconds,
+                                   max_configs=self.options.grammar_max_configs)
+            return build_constraint(kind, getattr(sp, kind), self.tokenizer, eos_token_ids=self.eos_token_ids,
+                                    backend=self.options.grammar_backend, budget=budget)
+        except GrammarBudgetError as e:
+            raise GrammarBudgetError(f"invalid {kind}: {e}", kind) from None
         except ValueError as e:
             raise InvalidRequestError(f"invalid {kind}: {e}", kind) from None
 

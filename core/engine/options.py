@@ -29,6 +29,11 @@ class EngineOptions:
     mem_fraction_static: float = 0.9
     disable_radix_cache: bool = False
     disable_jump_forward: bool = False
+    # Constrained decoding (docs/constrained.md): "grammar" (ours), "regex-dfa" (the whole-pattern DFA),
+    # or "llguidance" (the optional PyPI package); per-constraint budgets past which a request gets 400.
+    grammar_backend: str = "grammar"
+    grammar_max_compile_seconds: float = 2.0
+    grammar_max_configs: int = 200_000
     random_seed: int = 0
     log_level: str = "warning"
     served_model_name: str | None = None
@@ -76,6 +81,9 @@ class EngineOptions:
             raise InvalidRequestError("cuda_graph_max_bs must be >= 1", "cuda_graph_max_bs")
         if self.cuda_graph_max_extend_tokens < 0:
             raise InvalidRequestError("cuda_graph_max_extend_tokens must be >= 0", "cuda_graph_max_extend_tokens")
+        if self.grammar_backend not in ("grammar", "regex-dfa", "llguidance"):
+            raise InvalidRequestError("grammar_backend must be 'grammar', 'regex-dfa' or 'llguidance' "
+                                      f"(got {self.grammar_backend!r})", "grammar_backend")
         if self.load_format not in ("auto", "dummy"):
             raise InvalidRequestError(f"load_format must be 'auto' or 'dummy' (got {self.load_format!r})", "load_format")
         if self.max_total_tokens is not None and self.max_total_tokens < 16:
