@@ -178,6 +178,38 @@ class _Converter(js._Converter):
         except ValueError as e:
             raise SchemaError(f"{ptr}/$ref: {e}") from None
 
+    def _resolve(self, ref: str) -> Any:
+        """Local JSON pointers, and `#name` refs to a schema with `"$anchor": "name"`."""
+        if ref.startswith("#") and len(ref) > 1 and not ref.startswith("#/"):
+            found = _find_anchor(self.root, ref[1:])
+            if found is None:
+                raise ValueError(f"$ref {ref!r} does not resolve")
+            return found
+        return super()._resolve(ref)
+
+    def _merge(self, schemas: list[Any], refs: tuple) -> dict | bool:
+        """allOf merged; a part's additionalProperties also constrains the properties that only other
+        parts list (it does not look into them), so those carry it along before the merge."""
+        parts = [self._deref(s, refs)[0] for s in schemas]
+        closing = [p for p in parts if isinstance(p, dict) and p.get("additionalProperties", True) is not True]
+        if closing:
+            adjusted = []
+            for part in parts:
+                if isinstance(part, dict) and isinstance(part.get("properties"), dict):
+                    props = dict(part["properties"])
+                    for c in closing:
+                        if c is part:
+                            continue
+                        for name in props:
+                            patterns = c.get("patternProperties") or {}
+                            if name not in (c.get("properties") or {}) and not any(
+                                    _pattern_matches(p, name) for p in patterns):
+                                props[name] = {"allOf": [props[name], c["additionalProperties"]]}
+                    part = dict(part, properties=props)
+                adjusted.append(part)
+            parts = adjusted
+        return super()._merge(parts, refs)
+
     def _literal(self, value: Any, schema: dict, ptr: str) -> Expr:
         """A constant; dropped (NOTHING) when the schema's type excludes it."""
         types = schema.get("type")
@@ -287,6 +319,9 @@ class _Converter(js._Converter):
         members: list[tuple[Expr, bool]] = []
         for name in names:
             sub = props.get(name, True if extra is not False else False)
+            matching = [ps for pattern, ps in patterns.items() if _pattern_matches(pattern, name, ptr)]
+            if matching:  # patternProperties apply to listed properties too
+                sub = {"allOf": [sub, *matching]}
             key_ptr = f"{ptr}/properties/{_escape(name)}"
             value = self.value(sub, key_ptr)
             members.append((seq(self._key(name), self._shared(value, key_ptr)), name in required))
@@ -440,6 +475,30 @@ class _Converter(js._Converter):
         return {"types": types, "consts": consts, "required": set(schema.get("required") or []),
                 "props": set(props) | set(schema.get("required") or []), "closed": closed and not schema.get("patternProperties"),
                 "prop_consts": {k: _const_of(v) for k, v in props.items() if _const_of(v) is not None}}
+
+
+def _pattern_matches(pattern: str, name: str, ptr: str = "#") -> bool:
+    """ECMA-262 search of `pattern` in a property name (Python's `re` with ASCII classes)."""
+    try:
+        return re.search(pattern, name, re.ASCII) is not None
+    except re.error as e:
+        raise SchemaError(f"{ptr}/patternProperties: invalid pattern {pattern!r}: {e}") from None
+
+
+def _find_anchor(node: Any, name: str) -> Any:
+    if isinstance(node, dict):
+        if node.get("$anchor") == name:
+            return node
+        children = node.values()
+    elif isinstance(node, list):
+        children = node
+    else:
+        return None
+    for child in children:
+        found = _find_anchor(child, name)
+        if found is not None:
+            return found
+    return None
 
 
 def _const_of(schema: Any) -> list | None:

@@ -30,12 +30,14 @@ import torch
 from radixlm.core.constrained.compressed_fsm import whole_characters
 from radixlm.core.constrained.grammar_compiler import CompiledGrammar, terminal_tables
 from radixlm.core.constrained.index import _expand
-from radixlm.core.constrained.vocab import TokenVocab
+from radixlm.core.constrained.terminal_tokens import state_tokens
+from radixlm.core.constrained.vocab import TokenTrie, TokenVocab
 from radixlm.core.errors import GrammarBudgetError
 
 END = (-1, 0, -1)  # the item "the output may end here"
 MASK_CACHE_SIZE = 1024
 MAX_FORCED_BYTES = 4096
+DENSE_RATIO = 8  # a level is walked densely when over 1/8 of the previous level's nodes are alive
 
 
 class GrammarIndex:
@@ -43,9 +45,9 @@ class GrammarIndex:
 
     def __init__(self, grammar: CompiledGrammar, vocab: TokenVocab) -> None:
         self.grammar = grammar
+        self.vocab = vocab
         self.token_bytes = vocab.token_bytes
         self.vocab_size = vocab.size
-        self.trie = vocab.trie
         self.eos_ids = np.asarray(vocab.eos_ids, dtype=np.int64)
         self._eos_set = frozenset(vocab.eos_ids)
         self._max_configs = grammar.budget.max_configs
@@ -237,27 +239,58 @@ class GrammarIndex:
             return tensor
 
     def _walk(self, state: int) -> np.ndarray:
-        """bool [vocab]: the tokens whose bytes all lead somewhere from `state`. All tokens at once, one
-        trie level per step; rows of the configurations the walk reaches are built on the way."""
-        trie = self.trie
+        """bool [vocab]: the tokens whose bytes all lead somewhere from `state`: for each item, the
+        tokens that stay inside its terminal (shared per terminal state, terminal_tokens.py), and those
+        of the uncertain ones that the configuration's continuations take."""
+        packed = np.zeros(-(-self.vocab_size // 8), dtype=np.uint8)
         out = np.zeros(self.vocab_size, dtype=bool)
-        cur = np.array([state], dtype=np.int64)
+        for t, q in dict.fromkeys((t, q) for t, q, _ in self._items[state]):
+            classes = state_tokens(self.grammar.terminal_names[t], self.grammar.terminals[t], q, self.vocab)
+            packed |= classes.inside
+            if classes.uncertain is not None:
+                out |= self._walk_trie(state, classes.uncertain)
+        out |= np.unpackbits(packed, bitorder="little", count=self.vocab_size).astype(bool)
+        return out
+
+    def _walk_trie(self, state: int, trie: TokenTrie) -> np.ndarray:
+        """bool [vocab]: the tokens of `trie` whose bytes all lead somewhere from `state`. All at once,
+        one trie level per step; rows of the configurations the walk reaches are built on the way. A
+        level where many nodes are alive is stepped densely (every node of the level through its
+        parent's configuration), one with few alive sparsely (only the children of live nodes)."""
+        parents, ends = trie.level_arrays()
+        out = np.zeros(self.vocab_size, dtype=bool)
+        cur = np.array([state], dtype=np.int64)  # the configuration at each live node
         nodes = np.zeros(1, dtype=np.int64)
         with self._lock:
             for d in range(1, trie.depth + 1):
                 ptr = trie.child_ptr[d]
-                parent, child = _expand(ptr[nodes], ptr[nodes + 1] - ptr[nodes])
-                if not len(child):
+                level_size = len(parents[d])
+                if not level_size:
                     break
-                src = cur[parent]
-                for c in np.unique(src[~self._built[src]]).tolist():
+                dense = len(nodes) * DENSE_RATIO > len(ptr) - 1
+                for c in np.unique(cur[~self._built[cur]]).tolist():
                     self._row(c)
-                nxt = self._table[src, trie.byte[d][child]]
-                keep = nxt >= 0
-                cur, nodes = nxt[keep].astype(np.int64), child[keep]
+                if dense:
+                    at_parent = np.full(len(ptr) - 1, -1, dtype=np.int64)
+                    at_parent[nodes] = cur
+                    src = at_parent[parents[d]]
+                    nxt = self._table[np.maximum(src, 0), trie.byte[d]]
+                    nxt[src < 0] = -1
+                    nodes = np.flatnonzero(nxt >= 0)
+                    cur = nxt[nodes].astype(np.int64)
+                else:
+                    parent, child = _expand(ptr[nodes], ptr[nodes + 1] - ptr[nodes])
+                    nxt = self._table[cur[parent], trie.byte[d][child]]
+                    keep = nxt >= 0
+                    cur, nodes = nxt[keep].astype(np.int64), child[keep]
                 if not len(nodes):
                     break
                 eptr = trie.end_ptr[d]
-                _, idx = _expand(eptr[nodes], eptr[nodes + 1] - eptr[nodes])
-                out[trie.end_tokens[d][idx]] = True
+                if dense:
+                    alive = np.zeros(level_size, dtype=bool)
+                    alive[nodes] = True
+                    out[trie.end_tokens[d][alive[ends[d]]]] = True
+                else:
+                    _, idx = _expand(eptr[nodes], eptr[nodes + 1] - eptr[nodes])
+                    out[trie.end_tokens[d][idx]] = True
         return out
