@@ -64,6 +64,14 @@ CASES = [
                       "required": ["v"]}}, "$ref": "#/$defs/t"},
      [{"v": 1, "kids": [{"v": 2, "kids": [{"v": 3, "kids": [{"v": 4, "kids": [{"v": 5}]}]}]}]}], [{"kids": []}]),
     ({"type": "integer", "multipleOf": 1, "minimum": 3}, [3, 40], [2]),
+    ({"type": "array", "items": INT, "contains": {"minimum": 5}}, [[5], [1, 7, 2]], [[], [1, 2]]),
+    ({"type": "object", "properties": {"a": INT}, "unevaluatedProperties": {"type": "boolean"}},
+     [{"a": 1, "b": True}], [{"b": 1}]),
+    ({"type": "object", "properties": {"ab": INT, "abc": INT}, "propertyNames": {"maxLength": 2},
+      "additionalProperties": False}, [{"ab": 1}], [{"abc": 1}]),
+    ({"if": {"properties": {"k": {"const": 1}}}, "then": {"required": ["v"]}, "type": "object",
+      "properties": {"k": INT, "v": STR}}, [{"k": 1, "v": "x"}], [{"k": 1}]),
+    ({"allOf": [{"prefixItems": [{}, {}]}], "items": {"type": "boolean"}, "type": "array"}, [[True, False]], [[1, True]]),
     ({"oneOf": [{"type": "object", "properties": {"k": {"const": "a"}, "x": INT}, "required": ["k", "x"]},
                 {"type": "object", "properties": {"k": {"const": "b"}, "y": STR}, "required": ["k", "y"]}]},
      [{"k": "a", "x": 1}, {"k": "b", "y": "s"}], [{"k": "a", "y": "s"}]),
@@ -109,7 +117,7 @@ def test_oneof_that_may_overlap_is_refused_with_its_pointer(tiny_tokenizer):
 
 
 @pytest.mark.parametrize("schema, where", [
-    ({"items": {"contains": INT}}, "#/items/contains"),
+    ({"items": {"contains": INT, "maxItems": 3}}, "#/items/contains"),
     ({"$defs": {"a": {"dependentRequired": {"x": ["y"]}}}, "$ref": "#/$defs/a"}, "#/$defs/a/dependentRequired"),
     ({"properties": {"a/b": {"type": "number", "multipleOf": 0.5}}}, "#/properties/a~1b/multipleOf"),
 ])

@@ -59,10 +59,8 @@ _IGNORED = {
     "format", "$vocabulary", "$dynamicAnchor", "x-", "externalDocs", "xml", "example",
 }
 _REFUSED = {
-    "if": "if/then/else", "dependentRequired": "dependentRequired", "dependentSchemas": "dependentSchemas",
-    "dependencies": "dependencies", "propertyNames": "propertyNames", "contains": "contains",
-    "unevaluatedProperties": "unevaluatedProperties", "unevaluatedItems": "unevaluatedItems",
-    "$dynamicRef": "$dynamicRef", "$recursiveRef": "$recursiveRef",
+    "dependentRequired": "dependentRequired", "dependentSchemas": "dependentSchemas",
+    "dependencies": "dependencies", "$dynamicRef": "$dynamicRef", "$recursiveRef": "$recursiveRef",
 }
 
 
@@ -132,6 +130,10 @@ class _Converter(js._Converter):
         for key in schema:
             if key in _REFUSED:
                 raise SchemaError(f"{ptr}/{key}: keyword {_REFUSED[key]!r} is not supported")
+        if "if" in schema:  # generated through its `if` branch: instances of if and then (a sound subset)
+            rest = {k: v for k, v in schema.items() if k not in ("if", "then", "else")}
+            return self.value({"allOf": [rest, schema["if"], schema.get("then", True)]}, ptr)
+        schema = {k: v for k, v in schema.items() if k not in ("then", "else")}
         if "allOf" in schema:
             try:
                 merged = self._merge(schema["allOf"] + [{k: v for k, v in schema.items() if k != "allOf"}], ())
@@ -189,7 +191,8 @@ class _Converter(js._Converter):
 
     def _merge(self, schemas: list[Any], refs: tuple) -> dict | bool:
         """allOf merged; a part's additionalProperties also constrains the properties that only other
-        parts list (it does not look into them), so those carry it along before the merge."""
+        parts list (it does not look into them), and its items the other parts' extra prefix items, so
+        those carry it along before the merge."""
         parts = [self._deref(s, refs)[0] for s in schemas]
         closing = [p for p in parts if isinstance(p, dict) and p.get("additionalProperties", True) is not True]
         if closing:
@@ -206,6 +209,20 @@ class _Converter(js._Converter):
                                     _pattern_matches(p, name) for p in patterns):
                                 props[name] = {"allOf": [props[name], c["additionalProperties"]]}
                     part = dict(part, properties=props)
+                adjusted.append(part)
+            parts = adjusted
+        covering = [p for p in parts if isinstance(p, dict) and isinstance(p.get("items", True), (dict, bool))
+                    and p.get("items", True) is not True]
+        if covering:  # likewise a part's items covers the other parts' prefix items past its own prefix
+            adjusted = []
+            for part in parts:
+                if isinstance(part, dict) and isinstance(part.get("prefixItems"), list):
+                    prefix = list(part["prefixItems"])
+                    for c in covering:
+                        if c is not part:
+                            for j in range(len(c.get("prefixItems") or []), len(prefix)):
+                                prefix[j] = {"allOf": [prefix[j], c["items"]]}
+                    part = dict(part, prefixItems=prefix)
                 adjusted.append(part)
             parts = adjusted
         return super()._merge(parts, refs)
@@ -313,9 +330,19 @@ class _Converter(js._Converter):
         patterns = schema.get("patternProperties") or {}
         if not isinstance(patterns, dict):
             raise SchemaError(f"{ptr}/patternProperties: must be an object")
-        extra = schema.get("additionalProperties", not props and not patterns and not required)
+        # Keys no other keyword evaluates fall to unevaluatedProperties.
+        extra = schema.get("additionalProperties",
+                           schema.get("unevaluatedProperties", not props and not patterns and not required))
         lo, hi = schema.get("minProperties", 0), schema.get("maxProperties")
         names = list(props) + [r for r in required if r not in props]
+        key_filter = schema.get("propertyNames", True)
+        if key_filter is not True:
+            names = self._property_names(names, key_filter, required, ptr)
+            if names is None:
+                return NOTHING
+            if extra is not False or patterns:
+                raise SchemaError(f"{ptr}/propertyNames: propertyNames with keys beyond the listed properties "
+                                  "is not supported")
         members: list[tuple[Expr, bool]] = []
         for name in names:
             sub = props.get(name, True if extra is not False else False)
@@ -344,6 +371,22 @@ class _Converter(js._Converter):
                 value = self._any() if extra is True else self.value(extra, f"{ptr}/additionalProperties")
                 extras.append(seq(key, self._punct(":"), self._shared(value, f"{ptr}/additionalProperties")))
         return seq(self._punct("{"), self._members(members, extras, lo, hi, ptr), self._punct("}"))
+
+    @staticmethod
+    def _property_names(names: list[str], rule: Any, required: list[str], ptr: str) -> list[str] | None:
+        """The listed names `propertyNames` allows (None if it rejects a required one)."""
+        if rule is False:
+            keep = []
+        elif isinstance(rule, dict) and set(rule) - _IGNORED <= {"pattern", "maxLength", "minLength", "enum", "const"}:
+            def ok(name: str) -> bool:
+                return (len(name) <= rule.get("maxLength", len(name)) and len(name) >= rule.get("minLength", 0)
+                        and ("pattern" not in rule or _pattern_matches(rule["pattern"], name, ptr))
+                        and ("enum" not in rule or name in rule["enum"])
+                        and ("const" not in rule or name == rule["const"]))
+            keep = [n for n in names if ok(n)]
+        else:
+            raise SchemaError(f"{ptr}/propertyNames: only pattern, lengths, enum and const are supported")
+        return None if any(r not in keep for r in required) else keep
 
     def _members(self, members: list[tuple[Expr, bool]], extras: list[Expr], lo: int, hi: int | None,
                  ptr: str) -> Expr:
@@ -403,9 +446,12 @@ class _Converter(js._Converter):
             if lo > 1:
                 raise SchemaError(f"{ptr}/uniqueItems: uniqueItems with minItems > 1 is not supported")
             hi = 1 if hi is None else min(hi, 1)
-        items, prefix = schema.get("items", True), schema.get("prefixItems")
+        # Items past the prefix that `items` does not cover are the unevaluated ones.
+        items, prefix = schema.get("items", schema.get("unevaluatedItems", True)), schema.get("prefixItems")
         if isinstance(items, list):  # draft 4-2019 tuple form
             prefix, items = items, schema.get("additionalItems", True)
+        if "contains" in schema and schema.get("minContains", 1) != 0:
+            return self._contains(schema, items, prefix, lo, hi, ptr)
         parts = [self._shared(self.value(p, f"{ptr}/prefixItems/{i}"), f"{ptr}/prefixItems/{i}")
                  for i, p in enumerate(prefix or [])]
         rest = self._shared(self.value(items, f"{ptr}/items"), f"{ptr}/items") if items is not False else NOTHING
@@ -417,6 +463,16 @@ class _Converter(js._Converter):
             more = Repeat(seq(self._punct(","), rest), max(lo - 1, 0), None if hi is None else hi - 1)
             body = seq(rest, more) if lo else opt(seq(rest, more))
         return seq(self._punct("["), body, self._punct("]"))
+
+    def _contains(self, schema: dict, items: Any, prefix: Any, lo: int, hi: int | None, ptr: str) -> Expr:
+        """[item, ..., match, item, ...]: at least one item also valid under `contains`."""
+        if prefix or hi is not None or lo > 1 or "maxContains" in schema or schema.get("minContains", 1) != 1:
+            raise SchemaError(f"{ptr}/contains: contains with prefixItems, maxItems, minItems > 1 or "
+                              "min/maxContains is not supported")
+        item = self._shared(self.value(items, f"{ptr}/items"), f"{ptr}/items")
+        match = self._shared(self.value({"allOf": [items, schema["contains"]]}, f"{ptr}/contains"), f"{ptr}/contains")
+        comma = self._punct(",")
+        return seq(self._punct("["), Repeat(seq(item, comma)), match, Repeat(seq(comma, item)), self._punct("]"))
 
     def _prefix_body(self, parts: list[Expr], rest: Expr, lo: int, hi: int | None) -> Expr:
         comma = self._punct(",")
