@@ -58,6 +58,16 @@ def state_tokens(key: str, dfa: ByteDFA, state: int, vocab: TokenVocab) -> State
     return found
 
 
+_nonempty_cache: dict[str, np.ndarray] = {}
+
+
+def _nonempty(vocab: TokenVocab) -> np.ndarray:
+    found = _nonempty_cache.get(vocab.fingerprint)
+    if found is None:
+        found = _nonempty_cache[vocab.fingerprint] = np.fromiter(map(len, vocab.token_bytes), np.int64) > 0
+    return found
+
+
 def _classify(dfa: ByteDFA, state: int, vocab: TokenVocab) -> tuple[np.ndarray, np.ndarray]:
     """(bool [vocab]: tokens alive in the DFA through their last byte, ids of the tokens strictly below
     a trie node where the DFA accepts). Level by level, following live nodes and nodes below an exit."""
@@ -67,11 +77,10 @@ def _classify(dfa: ByteDFA, state: int, vocab: TokenVocab) -> tuple[np.ndarray, 
     uncertain: list[np.ndarray] = []
     nodes, cur = np.zeros(1, dtype=np.int64), np.array([state], dtype=np.int64)
     below = np.zeros(0, dtype=np.int64)  # nodes of the previous level at or under an exit node
-    if accepting[state]:
-        below = np.zeros(1, dtype=np.int64)  # the root: every token may leave the terminal at once
+    everything = bool(accepting[state])  # the terminal may end before any byte: every token is uncertain
     for d in range(1, trie.depth + 1):
         ptr, eptr = trie.child_ptr[d], trie.end_ptr[d]
-        if len(below):
+        if len(below) and not everything:
             _, below = _expand(ptr[below], ptr[below + 1] - ptr[below])
             _, idx = _expand(eptr[below], eptr[below + 1] - eptr[below])
             uncertain.append(trie.end_tokens[d][idx])
@@ -83,9 +92,13 @@ def _classify(dfa: ByteDFA, state: int, vocab: TokenVocab) -> tuple[np.ndarray, 
             _, idx = _expand(eptr[nodes], eptr[nodes + 1] - eptr[nodes])
             inside[trie.end_tokens[d][idx]] = True
             exits = nodes[accepting[cur]]
-            if len(exits):
+            if len(exits) and not everything:
                 below = np.union1d(below, exits)
+                # Candidates are walked anyway: past a quarter of a level, take them all.
+                everything = len(below) * FULL_TRIE_FRACTION > len(trie.byte[d])
         if not len(nodes) and not len(below):
             break
+    if everything:
+        return inside, np.flatnonzero(~inside & _nonempty(vocab))
     ids = np.unique(np.concatenate(uncertain)) if uncertain else np.zeros(0, dtype=np.int64)
     return inside, ids[~inside[ids]]
