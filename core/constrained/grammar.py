@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Union
 
-from radixlm.core.constrained.regex_dfa import ByteDFA
+from radixlm.core.constrained.regex_dfa import ByteDFA, literal_dfa
 
 
 @dataclass(frozen=True)
@@ -66,8 +66,8 @@ class Grammar:
 
 
 def lit(text: str) -> Terminal:
-    """A terminal matching exactly `text`."""
-    return Terminal(regex=re.escape(text))
+    """A terminal matching exactly `text` (its DFA built directly: keys and punctuation are many)."""
+    return Terminal(regex=re.escape(text), dfa=literal_dfa(text.encode()))
 
 
 def seq(*items: Expr) -> Expr:

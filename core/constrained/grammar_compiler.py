@@ -236,14 +236,9 @@ def _reaches_accept(rule: RuleAutomaton) -> bool:
 
 def _prune(rules: list[RuleAutomaton], terminals: list[ByteDFA | None]) -> None:
     """Drops edges on symbols that can never be completed (empty terminals, rules that cannot finish)
-    and the states that can then no longer finish, until nothing changes."""
+    and the states that can then no longer finish."""
     productive = [False] * len(rules)
-    changed = True
-    while changed:
-        changed = False
-        for r, rule in enumerate(rules):
-            if not productive[r] and _can_finish(rule, terminals, productive)[0]:
-                productive[r] = changed = True
+    _fixpoint(rules, productive, lambda r: _can_finish(rules[r], terminals, productive)[0])
     for rule in rules:
         live = _can_finish(rule, terminals, productive)
         rule.edges = [[(sym, t) for sym, t in row if live[t] and _usable(sym, terminals, productive)] if live[s] else []
@@ -251,19 +246,41 @@ def _prune(rules: list[RuleAutomaton], terminals: list[ByteDFA | None]) -> None:
         rule.accepting = [a and live[s] for s, a in enumerate(rule.accepting)]
 
 
+def _fixpoint(rules: list[RuleAutomaton], flags: list[bool], test) -> None:
+    """Sets flags[r] for every rule `test(r)` holds of, rechecking a rule's callers whenever it turns true
+    (the test of a rule depends on the flags of the rules it calls)."""
+    callers: list[set[int]] = [set() for _ in rules]
+    for r, rule in enumerate(rules):
+        for row in rule.edges:
+            for sym, _ in row:
+                if sym % 2:
+                    callers[sym >> 1].add(r)
+    work = list(range(len(rules)))
+    while work:
+        r = work.pop()
+        if not flags[r] and test(r):
+            flags[r] = True
+            work.extend(callers[r])
+
+
 def _usable(symbol: int, terminals: list[ByteDFA | None], productive: list[bool]) -> bool:
     return terminals[symbol >> 1] is not None if symbol % 2 == 0 else productive[symbol >> 1]
 
 
 def _can_finish(rule: RuleAutomaton, terminals: list[ByteDFA | None], productive: list[bool]) -> list[bool]:
-    """Per state: whether an accepting state is reachable over usable symbols."""
+    """Per state: whether an accepting state is reachable over usable symbols (backwards from them)."""
+    preds: list[list[int]] = [[] for _ in rule.edges]
+    for s, row in enumerate(rule.edges):
+        for sym, t in row:
+            if _usable(sym, terminals, productive):
+                preds[t].append(s)
     live = list(rule.accepting)
-    changed = True
-    while changed:
-        changed = False
-        for s, row in enumerate(rule.edges):
-            if not live[s] and any(live[t] and _usable(sym, terminals, productive) for sym, t in row):
-                live[s] = changed = True
+    stack = [s for s, a in enumerate(live) if a]
+    while stack:
+        for p in preds[stack.pop()]:
+            if not live[p]:
+                live[p] = True
+                stack.append(p)
     return live
 
 
@@ -282,12 +299,7 @@ def _check_left_recursion(rules: list[RuleAutomaton], terminals: list[ByteDFA | 
                     stack.append(t)
         return seen
 
-    changed = True
-    while changed:
-        changed = False
-        for r, rule in enumerate(rules):
-            if not nullable[r] and any(rule.accepting[s] for s in null_reach(rule)):
-                nullable[r] = changed = True
+    _fixpoint(rules, nullable, lambda r: any(rules[r].accepting[s] for s in null_reach(rules[r])))
     calls = [{sym >> 1 for s in null_reach(rule) for sym, _ in rule.edges[s] if sym % 2} for rule in rules]
     state = [0] * len(rules)  # 0 unvisited, 1 on the path, 2 done
 

@@ -24,7 +24,7 @@ from typing import Any
 from radixlm.core.constrained import json_schema as js
 from radixlm.core.constrained.grammar import EMPTY, Alt, Expr, Grammar, Ref, Repeat, Terminal, alt, lit, opt, seq
 from radixlm.core.constrained.grammar_compiler import DEFAULT_BUDGET, GrammarBudget, terminal_dfa
-from radixlm.core.constrained.regex_dfa import dfa_difference
+from radixlm.core.constrained.regex_dfa import dfa_difference, literals_dfa
 
 CHAR = Terminal(regex=js.STRING_CHAR)
 STRING = Terminal(regex=js.STRING)
@@ -132,7 +132,7 @@ class _Converter(js._Converter):
                 raise SchemaError(f"{ptr}/{key}: keyword {_REFUSED[key]!r} is not supported")
         if "if" in schema:  # generated through its `if` branch: instances of if and then (a sound subset)
             rest = {k: v for k, v in schema.items() if k not in ("if", "then", "else")}
-            return self.value({"allOf": [rest, schema["if"], schema.get("then", True)]}, ptr)
+            return self.value({"allOf": [schema["if"], schema.get("then", True), rest]}, ptr)
         schema = {k: v for k, v in schema.items() if k not in ("then", "else")}
         if "allOf" in schema:
             try:
@@ -194,6 +194,10 @@ class _Converter(js._Converter):
         parts list (it does not look into them), and its items the other parts' extra prefix items, so
         those carry it along before the merge."""
         parts = [self._deref(s, refs)[0] for s in schemas]
+        # The last part is the parent: its unevaluated* keywords see the evaluations of every part. Any
+        # other part's see only its own, which (stricter, so still sound) is what additionalProperties
+        # and items mean.
+        parts = [_own_evaluations_only(p) for p in parts[:-1]] + parts[-1:]
         closing = [p for p in parts if isinstance(p, dict) and p.get("additionalProperties", True) is not True]
         if closing:
             adjusted = []
@@ -353,20 +357,20 @@ class _Converter(js._Converter):
             value = self.value(sub, key_ptr)
             members.append((seq(self._key(name), self._shared(value, key_ptr)), name in required))
         extras: list[Expr] = []  # one '"key":value' alternative per kind of extra key
-        listed = [self._key_regex(n) for n in names]
+        listed = [json.dumps(n, ensure_ascii=False) for n in names]
         for i, (pattern, sub) in enumerate(patterns.items()):
             try:
                 body = ecma_string_pattern(pattern)
             except ValueError as e:
                 raise SchemaError(f"{ptr}/patternProperties: {e}") from None
             others = [f'"{ecma_string_pattern(p)}"' for j, p in enumerate(patterns) if j != i]
-            key = self._key_terminal(f'"{body}"', listed + others, f"{ptr}/patternProperties")
+            key = self._key_terminal(f'"{body}"', listed, others)
             if key is not None:
                 p2 = f"{ptr}/patternProperties/{_escape(pattern)}"
                 extras.append(seq(key, self._punct(":"), self._shared(self.value(sub, p2), p2)))
         if extra is not False:
             others = [f'"{ecma_string_pattern(p)}"' for p in patterns]
-            key = self._key_terminal(js.STRING, listed + others, f"{ptr}/additionalProperties")
+            key = self._key_terminal(js.STRING, listed, others)
             if key is not None:
                 value = self._any() if extra is True else self.value(extra, f"{ptr}/additionalProperties")
                 extras.append(seq(key, self._punct(":"), self._shared(value, f"{ptr}/additionalProperties")))
@@ -421,20 +425,20 @@ class _Converter(js._Converter):
         text = json.dumps(name, ensure_ascii=False)
         return lit(text + ":") if not self.ws_term else seq(lit(text), self._punct(":"))
 
-    @staticmethod
-    def _key_regex(name: str) -> str:
-        return re.escape(json.dumps(name, ensure_ascii=False))
-
-    def _key_terminal(self, regex: str, excluded: list[str], ptr: str) -> Terminal | None:
-        """Keys matching `regex` but none of `excluded` (listed names, other patterns); None if none."""
+    def _key_terminal(self, regex: str, names: list[str], patterns: list[str]) -> Terminal | None:
+        """Keys matching `regex` but none of the listed `names` (JSON-quoted) nor other `patterns`
+        (regexes); None if no key is left."""
         budget = self.budget.max_terminal_states
         dfa = terminal_dfa(regex, budget)
+        if dfa is not None and names:
+            dfa = dfa_difference(dfa, literals_dfa([n.encode() for n in names]), budget)
+        for pattern in patterns:
+            if dfa is not None:
+                other = terminal_dfa(pattern, budget)
+                dfa = dfa_difference(dfa, other, budget) if other is not None else dfa
         if dfa is None:
             return None
-        if excluded:
-            dfa = dfa_difference(dfa, terminal_dfa("|".join(f"(?:{e})" for e in excluded), budget), budget)
-            if dfa is None:
-                return None
+        excluded = names + patterns
         return Terminal(key=f"key:{regex}\0" + "\0".join(excluded), dfa=dfa)
 
     # ---- arrays ------------------------------------------------------------------------------------
@@ -450,6 +454,8 @@ class _Converter(js._Converter):
         items, prefix = schema.get("items", schema.get("unevaluatedItems", True)), schema.get("prefixItems")
         if isinstance(items, list):  # draft 4-2019 tuple form
             prefix, items = items, schema.get("additionalItems", True)
+        if "maxContains" in schema and "contains" in schema:
+            raise SchemaError(f"{ptr}/maxContains: maxContains is not supported")
         if "contains" in schema and schema.get("minContains", 1) != 0:
             return self._contains(schema, items, prefix, lo, hi, ptr)
         parts = [self._shared(self.value(p, f"{ptr}/prefixItems/{i}"), f"{ptr}/prefixItems/{i}")
@@ -531,6 +537,20 @@ class _Converter(js._Converter):
         return {"types": types, "consts": consts, "required": set(schema.get("required") or []),
                 "props": set(props) | set(schema.get("required") or []), "closed": closed and not schema.get("patternProperties"),
                 "prop_consts": {k: _const_of(v) for k, v in props.items() if _const_of(v) is not None}}
+
+
+def _own_evaluations_only(schema: Any) -> Any:
+    """unevaluatedProperties / unevaluatedItems as additionalProperties / items (where those are absent)."""
+    if not isinstance(schema, dict) or not ({"unevaluatedProperties", "unevaluatedItems"} & set(schema)):
+        return schema
+    out = {k: v for k, v in schema.items() if k not in ("unevaluatedProperties", "unevaluatedItems")}
+    if "unevaluatedProperties" in schema:
+        out.setdefault("additionalProperties", schema["unevaluatedProperties"])
+    if "unevaluatedItems" in schema and "contains" not in schema:
+        out.setdefault("items", schema["unevaluatedItems"])
+    elif "unevaluatedItems" in schema:
+        out["unevaluatedItems"] = schema["unevaluatedItems"]
+    return out
 
 
 def _pattern_matches(pattern: str, name: str, ptr: str = "#") -> bool:

@@ -12,6 +12,7 @@ quantifiers, atomic groups, word boundaries, anchors away from the ends) raise V
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 
@@ -65,6 +66,38 @@ class ByteDFA:
         return end >= 0 and bool(self.accepting[end])
 
 
+@functools.lru_cache(maxsize=4096)
+def literal_dfa(data: bytes) -> ByteDFA:
+    """The minimal DFA of exactly `data` (a chain), without going through a regex (cached)."""
+    n = len(data)
+    trans = np.full((n + 1, 256), -1, dtype=np.int32)
+    trans[np.arange(n), np.frombuffer(data, dtype=np.uint8)] = np.arange(1, n + 1, dtype=np.int32)
+    accepting = np.zeros(n + 1, dtype=bool)
+    accepting[n] = True
+    return ByteDFA(transitions=trans, accepting=accepting)
+
+
+def literals_dfa(words: list[bytes]) -> ByteDFA:
+    """A DFA (the trie; not minimal) of exactly the strings `words`, without going through a regex."""
+    children: list[dict[int, int]] = [{}]
+    ends = [False]
+    for word in words:
+        node = 0
+        for b in word:
+            nxt = children[node].get(b)
+            if nxt is None:
+                nxt = children[node][b] = len(children)
+                children.append({})
+                ends.append(False)
+            node = nxt
+        ends[node] = True
+    trans = np.full((len(children), 256), -1, dtype=np.int32)
+    for node, row in enumerate(children):
+        if row:
+            trans[node, list(row)] = list(row.values())
+    return ByteDFA(transitions=trans, accepting=np.array(ends, dtype=bool))
+
+
 def regex_to_dfa(pattern: str, max_states: int = MAX_DFA_STATES) -> ByteDFA:
     """Compiles a Python regex (fullmatch semantics) to a minimal byte-level DFA; ValueError if unsupported,
     GrammarBudgetError (a ValueError) if its automaton would exceed `max_states` states."""
@@ -88,7 +121,8 @@ def char_set_ranges(op, av, flags: int) -> charsets.Ranges:
         items = [(sre_c.LITERAL, av)] if op is sre_c.LITERAL else [(sre_c.NEGATE, None), (sre_c.LITERAL, av)]
     else:
         items = av
-    simple = not flags & (re.IGNORECASE | re.ASCII) and all(o is not sre_c.CATEGORY for o, _ in items)
+    ascii_only = flags & re.ASCII and not flags & re.IGNORECASE  # categories are known ASCII sets
+    simple = not flags & re.IGNORECASE and (ascii_only or all(o is not sre_c.CATEGORY for o, _ in items))
     if not simple:
         return charsets.ranges_matching(_class_source(items), flags & _CLASS_FLAGS)
     negate, ranges = False, []
@@ -99,9 +133,23 @@ def char_set_ranges(op, av, flags: int) -> charsets.Ranges:
             ranges.append((a, a))
         elif o is sre_c.RANGE:
             ranges.append(a)
+        elif o is sre_c.CATEGORY and a in _ASCII_CATEGORIES:
+            positive, inverted = _ASCII_CATEGORIES[a]
+            ranges.extend(charsets.complement(positive) if inverted else positive)
         else:
             raise ValueError(f"unsupported item {o} in a character class")
     return charsets.complement(ranges) if negate else charsets.normalize(ranges)
+
+
+_ASCII_DIGIT = ((48, 57),)
+_ASCII_WORD = ((48, 57), (65, 90), (95, 95), (97, 122))
+_ASCII_SPACE = ((9, 13), (32, 32))
+# Category -> (its ASCII ranges, whether the category is their complement), under re.ASCII.
+_ASCII_CATEGORIES = {
+    sre_c.CATEGORY_DIGIT: (_ASCII_DIGIT, False), sre_c.CATEGORY_NOT_DIGIT: (_ASCII_DIGIT, True),
+    sre_c.CATEGORY_WORD: (_ASCII_WORD, False), sre_c.CATEGORY_NOT_WORD: (_ASCII_WORD, True),
+    sre_c.CATEGORY_SPACE: (_ASCII_SPACE, False), sre_c.CATEGORY_NOT_SPACE: (_ASCII_SPACE, True),
+}
 
 
 def _class_source(items) -> str:
@@ -381,17 +429,23 @@ def dfa_difference(a: ByteDFA, b: ByteDFA, max_states: int = MAX_DFA_STATES) -> 
     while len(rows) < len(pairs):
         sa, sb = pairs[len(rows)]
         na, nb = a.transitions[sa], tb[sb]
-        row = np.full(256, -1, dtype=np.int32)
-        for byte in np.flatnonzero(na >= 0).tolist():
-            key = (int(na[byte]), int(nb[byte]))
+        live = na >= 0
+        codes = np.where(live, na.astype(np.int64) * (dead_b + 1) + nb, -1)
+        targets, inverse = np.unique(codes, return_inverse=True)
+        mapped = []
+        for code in targets.tolist():  # a handful of distinct successor pairs per row
+            if code < 0:
+                mapped.append(-1)
+                continue
+            key = divmod(code, dead_b + 1)
             j = ids.get(key)
             if j is None:
                 if len(pairs) >= max_states:
                     raise GrammarBudgetError(f"automaton too large: over {max_states} states")
                 j = ids[key] = len(pairs)
                 pairs.append(key)
-            row[byte] = j
-        rows.append(row)
+            mapped.append(j)
+        rows.append(np.asarray(mapped, dtype=np.int32)[inverse.reshape(-1)])
     accepting = np.array([bool(a.accepting[x]) and not acc_b[y] for x, y in pairs])
     try:
         return _minimize(np.stack(rows), accepting, np.arange(256), "difference")
