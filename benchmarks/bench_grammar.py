@@ -14,9 +14,10 @@ kubernetes-validate (file refs to `_definitions.json` bundled into `#/$defs`), a
 models of function-calling tools (with instances). Schemas needing remote refs stay in the corpus and
 count as refused.
 
-Per engine (one process each, so the max RSS is its own): coverage (schemas compiled), cold compile
-time p50/p99/max (ours: caches cleared per schema; regex-dfa: in a child process with a timeout and a
-memory cap, its index saved to a fresh disk cache and loaded back for the walks), then every instance
+Per engine (one process each, so the max RSS is its own): coverage (schemas compiled), compile time
+p50/p99/max of schemas never seen (ours: its per-schema cache cleared each time; `--cold` also clears
+the process-wide terminal caches that schemas share; regex-dfa: in a child process with a timeout and
+a memory cap, its index saved to a fresh disk cache and loaded back for the walks), then every instance
 written compactly (keys in schema order where the schema lists properties) and tokenized canonically is
 walked token by token: the mask is computed (packed bits, timed: that is mask µs/token, first visits
 included), the token must be in it, and EOS must be allowed at the end. Valid accepted / invalid
@@ -161,17 +162,20 @@ def _ordered(instance, schema):
 # ---- the engines -----------------------------------------------------------------------------------------
 
 class Engine:
-    def __init__(self, name: str, tokenizer) -> None:
+    def __init__(self, name: str, tokenizer, cold: bool) -> None:
         self.name = name
         self.tokenizer = tokenizer
+        self.cold = cold
 
     def compile(self, schema):
         from radixlm.core.constrained import build_constraint
-        from radixlm.core.constrained import grammar_compiler, grammar_index_cache
+        from radixlm.core.constrained import grammar_compiler, grammar_index_cache, terminal_tokens
 
-        if self.name == "grammar":
+        if self.name == "grammar":  # a schema never seen: its compiled grammar is not cached
             grammar_index_cache._cache.clear()
-            grammar_compiler.terminal_dfa.cache_clear()
+            if self.cold:  # nor any terminal (JSON strings, numbers, ...) or its token classes
+                grammar_compiler.terminal_dfa.cache_clear()
+                terminal_tokens._cache.clear()
         return build_constraint("json_schema", schema, self.tokenizer, backend=self.name)
 
 
@@ -205,7 +209,7 @@ def _compile_regex_dfa_isolated(schema, tokenizer):
     return value, None
 
 
-def run(engine_name: str, suite_dir: str, limit: int | None) -> dict:
+def run(engine_name: str, suite_dir: str, limit: int | None, cold: bool) -> dict:
     from radixlm.core.constrained.testing import qwen2_tokenizer
 
     tokenizer = qwen2_tokenizer()
@@ -221,12 +225,12 @@ def run(engine_name: str, suite_dir: str, limit: int | None) -> dict:
         from radixlm.core.constrained.llguidance_backend import _ll_tokenizer
 
         _ll_tokenizer(tokenizer, vocab)
-    engine = Engine(engine_name, tokenizer)
+    engine = Engine(engine_name, tokenizer, cold)
     rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     cases = corpus(suite_dir)[:limit]
     compile_s, refused, mask_us = [], {}, []
     valid_total = valid_ok = invalid_total = invalid_ok = 0
-    invalid_accepted_names = []
+    invalid_accepted_names, valid_rejected_names = [], []
     for case in cases:
         schema = case["schema"]
         try:
@@ -261,6 +265,8 @@ def run(engine_name: str, suite_dir: str, limit: int | None) -> dict:
             if valid:
                 valid_total += 1
                 valid_ok += accepted
+                if not accepted:
+                    valid_rejected_names.append(f"{case['name']}: {text[:80]}")
             else:
                 invalid_total += 1
                 invalid_ok += accepted
@@ -273,7 +279,7 @@ def run(engine_name: str, suite_dir: str, limit: int | None) -> dict:
         "engine": engine_name, "schemas": len(cases), "compiled": len(compile_s), "refused": refused,
         "compile_ms": {"p50": pct(ms, 50), "p90": pct(ms, 90), "p99": pct(ms, 99), "max": max(ms) if ms else None},
         "valid": [valid_ok, valid_total], "invalid_accepted": [invalid_ok, invalid_total],
-        "invalid_accepted_examples": invalid_accepted_names[:20],
+        "invalid_accepted_examples": invalid_accepted_names[:20], "valid_rejected_examples": valid_rejected_names,
         "mask_us": {"mean": statistics.fmean(mask_us) if mask_us else None, "p50": pct(mask_us, 50),
                     "p99": pct(mask_us, 99), "max": max(mask_us) if mask_us else None, "tokens": len(mask_us)},
         "max_rss_mb": {"before_corpus": rss_before / 1024, "after": rss_after / 1024},
@@ -293,7 +299,7 @@ def _fresh(engine: Engine, schema):
 def report() -> str:
     rows = ["| engine | compiled | compile p50 / p90 / p99 / max (ms) | valid accepted | invalid accepted "
             "| mask µs/token mean / p50 / p99 | max RSS MB (before corpus → after) |", "|---|---|---|---|---|---|---|"]
-    for name in ("grammar", "llguidance", "regex-dfa"):
+    for name in ("grammar", "grammar-cold", "llguidance", "regex-dfa"):
         path = RESULTS / f"{name}.json"
         if not path.exists():
             continue
@@ -313,16 +319,18 @@ def main() -> None:
     parser.add_argument("--engine", choices=["grammar", "llguidance", "regex-dfa"])
     parser.add_argument("--limit", type=int, default=None, help="only the first N schemas")
     parser.add_argument("--report", action="store_true")
+    parser.add_argument("--cold", action="store_true", help="grammar: clear the terminal caches per schema too")
     args = parser.parse_args()
     if args.report:
         print(report())
         return
     if not args.suite or not args.engine:
         parser.error("--suite and --engine are needed (or --report)")
-    result = run(args.engine, args.suite, args.limit)
+    result = run(args.engine, args.suite, args.limit, args.cold)
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / f"{args.engine}.json").write_text(json.dumps(result, indent=1))
-    print(json.dumps({k: v for k, v in result.items() if k not in ("refused", "invalid_accepted_examples")}, indent=1))
+    name = args.engine + ("-cold" if args.cold else "")
+    (RESULTS / f"{name}.json").write_text(json.dumps(dict(result, engine=name), indent=1))
+    print(json.dumps({k: v for k, v in result.items() if k not in ("refused", "invalid_accepted_examples", "valid_rejected_examples")}, indent=1))
 
 
 if __name__ == "__main__":

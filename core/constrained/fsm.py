@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
+import numpy as np
 import torch
 
 from radixlm.core.constrained.grammar_compiler import DEFAULT_BUDGET, GrammarBudget
@@ -160,7 +161,8 @@ def build_constraint(kind: str, spec: Any, tokenizer: object, *, eos_token_ids: 
     vocab = vocab_of(tokenizer, eos_token_ids)
     if backend == "grammar":
         index = get_grammar_index(kind, spec, vocab, whitespace_pattern, budget)
-        if not index.is_accepting(index.start) and not len(index.allowed_tokens(index.start)):
+        first = np.flatnonzero(np.asarray(index.byte_successors(index.start)) >= 0)
+        if not index.is_accepting(index.start) and not np.isin(first, vocab.trie.byte[1]).any():
             raise ValueError(f"no sequence of this tokenizer's tokens matches the {kind} {spec!r}")
         return FSMConstraint(index)
     if backend == "regex-dfa":
