@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from radixlm.core.constrained.compressed_fsm import CompressedFSM
+from radixlm.core.constrained.masks import MaskCache
 from radixlm.core.constrained.regex_dfa import ByteDFA, regex_to_dfa
 from radixlm.core.constrained.vocab import TokenTrie, TokenVocab
 
@@ -65,8 +66,7 @@ class TokenIndex:
         self._accepting = dfa.accepting.tolist()
         self._ptr = state_ptr.tolist()
         self._row = dense_row.tolist()
-        self._masks: OrderedDict[tuple[int, int, bool], torch.Tensor] = OrderedDict()
-        self._lock = threading.Lock()
+        self._masks = MaskCache(MASK_CACHE_SIZE)
         # Per visited state, Python-level views for the per-token hot path (advance): the allowed set
         # (bytes of the packed bit row, or a frozenset of ids) and the DFA row as a list.
         self._allowed: dict[int, bytes | frozenset[int]] = {}
@@ -132,15 +132,11 @@ class TokenIndex:
         return state
 
     def mask(self, state: int, vocab_size: int, packed: bool = False) -> torch.Tensor:
-        """Allowed next tokens of `state` over `vocab_size` ids (the model's logits width), cached:
-        bool [vocab_size], or packed int32 [ceil(vocab_size / 32)] with token i at bit i % 32 of word
-        i // 32. The tensor is shared between requests: never write to it."""
-        key = (state, vocab_size, packed)
-        with self._lock:
-            found = self._masks.get(key)
-            if found is not None:
-                self._masks.move_to_end(key)
-                return found
+        """Allowed next tokens of `state` over `vocab_size` ids (the model's logits width), cached: see
+        MaskCache. The tensor is shared between requests: never write to it."""
+        return self._masks.get(state, vocab_size, packed, lambda width: self._allowed_bits(state, width))
+
+    def _allowed_bits(self, state: int, vocab_size: int) -> np.ndarray:
         words = -(-vocab_size // 32)
         row = self._row[state]
         if row >= 0:
@@ -155,15 +151,7 @@ class TokenIndex:
             allowed[toks[toks < vocab_size]] = 1
         if self._accepting[state]:
             allowed[self.eos_ids[self.eos_ids < vocab_size]] = 1
-        if packed:
-            tensor = torch.from_numpy(np.packbits(allowed, bitorder="little").view(np.int32))
-        else:
-            tensor = torch.from_numpy(allowed[:vocab_size].astype(bool))
-        with self._lock:
-            self._masks[key] = tensor
-            if len(self._masks) > MASK_CACHE_SIZE:
-                self._masks.popitem(last=False)
-        return tensor
+        return allowed
 
     def to_arrays(self) -> dict[str, np.ndarray]:
         return {"transitions": self.dfa.transitions, "accepting": self.dfa.accepting, "eos_ids": self.eos_ids,

@@ -22,7 +22,6 @@ This object offers the interface FSMConstraint (fsm.py) drives, so both engines 
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
 
 import numpy as np
 import torch
@@ -30,6 +29,7 @@ import torch
 from radixlm.core.constrained.compressed_fsm import whole_characters
 from radixlm.core.constrained.grammar_compiler import CompiledGrammar, terminal_tables
 from radixlm.core.constrained.index import _expand
+from radixlm.core.constrained.masks import MaskCache
 from radixlm.core.constrained.terminal_tokens import state_tokens
 from radixlm.core.constrained.vocab import TokenTrie, TokenVocab
 from radixlm.core.errors import GrammarBudgetError
@@ -65,7 +65,7 @@ class GrammarIndex:
         self._table = np.full((64, 256), -1, dtype=np.int32)
         self._built = np.zeros(64, dtype=bool)
         self._edges: dict[int, tuple[bytes, int]] = {}
-        self._masks: OrderedDict[tuple[int, int, bool], torch.Tensor] = OrderedDict()
+        self._masks = MaskCache(MASK_CACHE_SIZE)
         self._lock = threading.RLock()
         self.start = self._intern(self._follow(self._cont(grammar.start, 0, -1)))
 
@@ -214,29 +214,19 @@ class GrammarIndex:
         return np.flatnonzero(allowed).astype(np.int32)
 
     def mask(self, state: int, vocab_size: int, packed: bool = False) -> torch.Tensor:
-        """Allowed next tokens over `vocab_size` ids, cached (see TokenIndex.mask): bool, or packed int32
-        words. Shared between requests: never write to it."""
-        key = (state, vocab_size, packed)
+        """Allowed next tokens over `vocab_size` ids, cached (see MaskCache): bool, or packed int32 words.
+        Shared between requests: never write to it."""
+        return self._masks.get(state, vocab_size, packed, lambda width: self._allowed_bits(state, width))
+
+    def _allowed_bits(self, state: int, vocab_size: int) -> np.ndarray:
+        allowed = np.zeros(-(-vocab_size // 32) * 32, dtype=np.uint8)
         with self._lock:
-            found = self._masks.get(key)
-            if found is not None:
-                self._masks.move_to_end(key)
-                return found
-            words = -(-vocab_size // 32)
-            allowed = np.zeros(words * 32, dtype=np.uint8)
             walked = self._walk(state)
-            n = min(vocab_size, len(walked))
-            allowed[:n] = walked[:n]
-            if self._can_end[state]:
-                allowed[self.eos_ids[self.eos_ids < vocab_size]] = 1
-            if packed:
-                tensor = torch.from_numpy(np.packbits(allowed, bitorder="little").view(np.int32))
-            else:
-                tensor = torch.from_numpy(allowed[:vocab_size].astype(bool))
-            self._masks[key] = tensor
-            if len(self._masks) > MASK_CACHE_SIZE:
-                self._masks.popitem(last=False)
-            return tensor
+        n = min(vocab_size, len(walked))
+        allowed[:n] = walked[:n]
+        if self._can_end[state]:
+            allowed[self.eos_ids[self.eos_ids < vocab_size]] = 1
+        return allowed
 
     def _walk(self, state: int) -> np.ndarray:
         """bool [vocab]: the tokens whose bytes all lead somewhere from `state`: for each item, the
