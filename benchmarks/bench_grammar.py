@@ -273,10 +273,16 @@ def run(engine_name: str, suite_dir: str, limit: int | None, cold: bool) -> dict
                 if accepted:
                     invalid_accepted_names.append(f"{case['name']}: {text[:80]}")
     rss_after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    sources: dict[str, list[int]] = {}
+    for case in cases:
+        counts = sources.setdefault(case["name"].split("/")[0], [0, 0])
+        counts[0] += case["name"] not in refused
+        counts[1] += 1
     ms = sorted(s * 1e3 for s in compile_s)
     pct = lambda xs, q: float(np.percentile(xs, q)) if xs else float("nan")  # noqa: E731
     return {
         "engine": engine_name, "schemas": len(cases), "compiled": len(compile_s), "refused": refused,
+        "compiled_by_source": sources,
         "compile_ms": {"p50": pct(ms, 50), "p90": pct(ms, 90), "p99": pct(ms, 99), "max": max(ms) if ms else None},
         "valid": [valid_ok, valid_total], "invalid_accepted": [invalid_ok, invalid_total],
         "invalid_accepted_examples": invalid_accepted_names[:20], "valid_rejected_examples": valid_rejected_names,
@@ -297,16 +303,21 @@ def _fresh(engine: Engine, schema):
 
 
 def report() -> str:
-    rows = ["| engine | compiled | compile p50 / p90 / p99 / max (ms) | valid accepted | invalid accepted "
-            "| mask µs/token mean / p50 / p99 | max RSS MB (before corpus → after) |", "|---|---|---|---|---|---|---|"]
-    for name in ("grammar", "grammar-cold", "llguidance", "regex-dfa"):
-        path = RESULTS / f"{name}.json"
-        if not path.exists():
-            continue
-        r = json.load(open(path))
+    rows = ["| engine | compiled (suite / check-jsonschema / k8s / tools) | compile p50 / p90 / p99 / max (ms) "
+            "| valid accepted | invalid accepted | mask µs/token mean / p50 / p99 | max RSS MB (before corpus → after) |",
+            "|---|---|---|---|---|---|---|"]
+    results = {n: json.load(open(RESULTS / f"{n}.json")) for n in ("grammar", "grammar-cold", "llguidance", "regex-dfa")
+               if (RESULTS / f"{n}.json").exists()}
+    totals = next(({k: v[1] for k, v in r["compiled_by_source"].items()} for r in results.values()
+                   if "compiled_by_source" in r), {})
+    for name, r in results.items():
+        if "compiled_by_source" not in r:  # a result from before the per-source counts: from its refusals
+            refused = [n.split("/")[0] for n in r["refused"]]
+            r["compiled_by_source"] = {k: [t - refused.count(k), t] for k, t in totals.items()}
         c, m = r["compile_ms"], r["mask_us"]
         v, i = r["valid"], r["invalid_accepted"]
-        rows.append(f"| {name} | {r['compiled']} / {r['schemas']} | {c['p50']:.1f} / {c['p90']:.1f} / {c['p99']:.1f} / "
+        by = " / ".join(f"{a}/{b}" for a, b in r.get("compiled_by_source", {}).values())
+        rows.append(f"| {name} | {r['compiled']} / {r['schemas']} ({by}) | {c['p50']:.1f} / {c['p90']:.1f} / {c['p99']:.1f} / "
                     f"{c['max']:.0f} | {v[0]} / {v[1]} ({100 * v[0] / max(v[1], 1):.1f} %) | {i[0]} / {i[1]} | "
                     f"{m['mean']:.0f} / {m['p50']:.1f} / {m['p99']:.0f} | {r['max_rss_mb']['before_corpus']:.0f} → "
                     f"{r['max_rss_mb']['after']:.0f} |")

@@ -46,6 +46,9 @@ def _accepts(constraint, text: str) -> bool:
 # Schemas the regex-DFA converter refused or got wrong, each with documents the schema accepts and rejects.
 CASES = [
     ({"oneOf": [INT, STR]}, [1, "a"], [1.5, None]),
+    ({"oneOf": [{"type": ["string", "null"]}, {"type": ["number", "null"]}]}, ["a", 1.5, 2], [None, True]),
+    ({"allOf": [{"anyOf": [INT, STR]}, {"oneOf": [{"type": "integer", "minimum": 5},
+                                                  {"type": "string", "maxLength": 2}]}]}, [7, "ab"], [3, "abc"]),
     ({"type": "object", "properties": {"a": INT}, "additionalProperties": STR},
      [{"a": 1, "x": "y"}, {"b": "c"}, {}], [{"a": "1"}, {"x": 1}]),
     ({"type": "object", "patternProperties": {"^x-": INT}, "additionalProperties": False},

@@ -150,7 +150,7 @@ class _Converter(js._Converter):
             rest = {k: v for k, v in schema.items() if k != key and k not in _IGNORED}
             subs = [{"allOf": [b, rest]} if rest else b for b in branches]
             if key == "oneOf":
-                self._check_exclusive(subs, f"{ptr}/oneOf")
+                subs = self._exclusive(subs, f"{ptr}/oneOf")
             return alt(*(self.value(s, f"{ptr}/{key}/{i}") for i, s in enumerate(subs)))
         if schema.get("nullable") is True:
             return alt(self.value({k: v for k, v in schema.items() if k != "nullable"}, ptr), NULL)
@@ -193,7 +193,21 @@ class _Converter(js._Converter):
         """allOf merged; a part's additionalProperties also constrains the properties that only other
         parts list (it does not look into them), and its items the other parts' extra prefix items, so
         those carry it along before the merge."""
-        parts = [self._deref(s, refs)[0] for s in schemas]
+        parts = [_known_keywords(self._deref(s, refs)[0]) for s in schemas]
+        choosing = [p for p in parts if isinstance(p, dict) and ("anyOf" in p or "oneOf" in p)]
+        if len(choosing) > 1 or choosing and "anyOf" in choosing[0] and "oneOf" in choosing[0]:
+            # Several choices in one allOf: distribute over the first one's branches (each branch an
+            # in-place part of its schema, so it goes first and the parent stays last).
+            first = choosing[0]
+            key = "oneOf" if "oneOf" in first else "anyOf"
+            index = parts.index(first)
+            rest = {k: v for k, v in first.items() if k != key}
+            alternatives = []
+            for branch in first[key]:
+                new = list(parts)
+                new[index] = rest
+                alternatives.append({"allOf": [branch, *new]})
+            return {key: alternatives}
         # The last part is the parent: its unevaluated* keywords see the evaluations of every part. Any
         # other part's see only its own, which (stricter, so still sound) is what additionalProperties
         # and items mean.
@@ -500,14 +514,29 @@ class _Converter(js._Converter):
         return body
 
     # ---- oneOf -------------------------------------------------------------------------------------
-    def _check_exclusive(self, branches: list[Any], ptr: str) -> None:
+    def _exclusive(self, branches: list[Any], ptr: str) -> list[Any]:
+        """oneOf's branches, each generating only values no other branch accepts. When the branches
+        do not exclude each other as they are, each is kept to the types no other branch allows (a
+        number type is dropped if another branch allows integers); a branch left with none is dropped."""
         sigs = [self._signature(b) for b in branches]
+        if _pairwise_exclusive(sigs):
+            return branches
+        kept, kept_sigs = [], []
+        for i, (branch, sig) in enumerate(zip(branches, sigs)):
+            others = set().union(*(s["types"] for j, s in enumerate(sigs) if j != i))
+            types = {t for t in sig["types"] if t not in others and not (t == "number" and "integer" in others)}
+            if types:
+                kept.append({"allOf": [branch, {"type": sorted(types - {"integer"} if "number" in types else types)}]})
+                kept_sigs.append(dict(sig, types=types | ({"integer"} if "number" in types else set())))
+        if kept and _pairwise_exclusive(kept_sigs):
+            return kept
         for i in range(len(sigs)):
             for j in range(i + 1, len(sigs)):
                 if not (_excludes(sigs[i], sigs[j]) and _excludes(sigs[j], sigs[i])):
                     raise SchemaError(f"{ptr}: branches {i} and {j} may both match one value; oneOf is supported "
                                       "only when its branches exclude each other (types, constants, or required "
                                       "properties)")
+        return branches
 
     def _signature(self, schema: Any) -> dict:
         """What a branch's outputs look like, as far as telling branches apart needs."""
@@ -537,6 +566,24 @@ class _Converter(js._Converter):
         return {"types": types, "consts": consts, "required": set(schema.get("required") or []),
                 "props": set(props) | set(schema.get("required") or []), "closed": closed and not schema.get("patternProperties"),
                 "prop_consts": {k: _const_of(v) for k, v in props.items() if _const_of(v) is not None}}
+
+
+# The keywords that constrain values (JSON Schema 2020-12 and earlier drafts, OpenAPI's nullable);
+# anything else is an annotation (description, markdownDescription, x-..., ...) and is ignored.
+_KNOWN = {
+    "type", "enum", "const", "properties", "required", "additionalProperties", "patternProperties",
+    "minProperties", "maxProperties", "propertyNames", "unevaluatedProperties", "unevaluatedItems", "items",
+    "prefixItems", "additionalItems", "minItems", "maxItems", "contains", "minContains", "maxContains",
+    "uniqueItems", "minLength", "maxLength", "pattern", "format", "minimum", "maximum", "exclusiveMinimum",
+    "exclusiveMaximum", "multipleOf", "anyOf", "oneOf", "allOf", "not", "if", "then", "else", "$ref",
+    "nullable", "dependentRequired", "dependentSchemas", "dependencies", "$dynamicRef", "$recursiveRef",
+}
+
+
+def _known_keywords(schema: Any) -> Any:
+    if not isinstance(schema, dict) or all(k in _KNOWN for k in schema):
+        return schema
+    return {k: v for k, v in schema.items() if k in _KNOWN}
 
 
 def _own_evaluations_only(schema: Any) -> Any:
@@ -575,6 +622,10 @@ def _find_anchor(node: Any, name: str) -> Any:
         if found is not None:
             return found
     return None
+
+
+def _pairwise_exclusive(sigs: list[dict]) -> bool:
+    return all(_excludes(a, b) and _excludes(b, a) for i, a in enumerate(sigs) for b in sigs[i + 1:])
 
 
 def _const_of(schema: Any) -> list | None:
