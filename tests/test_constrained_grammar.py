@@ -155,6 +155,9 @@ def test_budgets_raise_grammar_budget_error(tiny_tokenizer):
     with pytest.raises(GrammarBudgetError, match="max_terminal_states"):
         build_constraint("regex", r"[a-z]{1,300}[0-9]{1,300}", tiny_tokenizer,
                          budget=GrammarBudget(max_terminal_states=500))
+    big = {"type": "object", "properties": {f"p{i}": {"type": "array", "items": STR} for i in range(300)}}
+    with pytest.raises(GrammarBudgetError, match="max_compile_seconds"):
+        build_constraint("json_schema", big, tiny_tokenizer, budget=GrammarBudget(max_compile_seconds=0.001))
     c = build_constraint("json_schema", {"type": "array", "items": INT}, tiny_tokenizer,
                          budget=GrammarBudget(max_configs=6))
     with pytest.raises(GrammarBudgetError, match="max_configs"):

@@ -52,7 +52,9 @@ class CompiledGrammar:
     budget: GrammarBudget
 
 
-class _Deadline:
+class Deadline:
+    """The end of a constraint's compile-time budget (conversion and compilation together)."""
+
     def __init__(self, budget: GrammarBudget) -> None:
         self.budget = budget
         self.end = time.monotonic() + budget.max_compile_seconds
@@ -76,8 +78,9 @@ def terminal_dfa(regex: str, max_states: int) -> ByteDFA | None:
         raise
 
 
-def compile_grammar(grammar: Grammar, budget: GrammarBudget = DEFAULT_BUDGET) -> CompiledGrammar:
-    deadline = _Deadline(budget)
+def compile_grammar(grammar: Grammar, budget: GrammarBudget = DEFAULT_BUDGET,
+                    deadline: Deadline | None = None) -> CompiledGrammar:
+    deadline = deadline or Deadline(budget)
     builder = _Builder(grammar, budget, deadline)
     rule_ids = {name: i for i, name in enumerate(grammar.rules)}
     rules = []
@@ -96,7 +99,7 @@ def compile_grammar(grammar: Grammar, budget: GrammarBudget = DEFAULT_BUDGET) ->
 class _Builder:
     """Thompson construction over symbols, then subset construction, one rule at a time."""
 
-    def __init__(self, grammar: Grammar, budget: GrammarBudget, deadline: _Deadline) -> None:
+    def __init__(self, grammar: Grammar, budget: GrammarBudget, deadline: Deadline) -> None:
         self.grammar = grammar
         self.budget = budget
         self.deadline = deadline

@@ -9,7 +9,8 @@ from collections import OrderedDict
 from typing import Any
 
 from radixlm.core.constrained.grammar import Grammar, choices_grammar, regex_grammar
-from radixlm.core.constrained.grammar_compiler import DEFAULT_BUDGET, GrammarBudget, compile_grammar, terminal_dfa
+from radixlm.core.constrained.grammar_compiler import (DEFAULT_BUDGET, Deadline, GrammarBudget, compile_grammar,
+                                                      terminal_dfa)
 from radixlm.core.constrained.json_grammar import json_schema_to_grammar
 from radixlm.core.constrained.pda import GrammarIndex
 from radixlm.core.constrained.vocab import TokenVocab
@@ -21,7 +22,7 @@ _lock = threading.Lock()
 
 
 def grammar_of(kind: str, spec: Any, whitespace_pattern: str | None = None,
-               budget: GrammarBudget | None = None) -> Grammar:
+               budget: GrammarBudget | None = None, deadline: Deadline | None = None) -> Grammar:
     """The grammar a constraint of `kind` enforces; ValueError naming the problem if `spec` is invalid."""
     if kind == "regex":
         grammar = regex_grammar(spec)
@@ -29,7 +30,7 @@ def grammar_of(kind: str, spec: Any, whitespace_pattern: str | None = None,
             raise ValueError(f"regex {spec!r} matches no string")
         return grammar
     if kind == "json_schema":
-        return json_schema_to_grammar(spec, whitespace_pattern, **({"budget": budget} if budget else {}))
+        return json_schema_to_grammar(spec, whitespace_pattern, budget or DEFAULT_BUDGET, deadline)
     if kind == "choices":
         return choices_grammar(spec)
     raise ValueError(f"unknown constraint kind {kind!r}; expected one of ('regex', 'json_schema', 'choices')")
@@ -54,7 +55,9 @@ def get_grammar_index(kind: str, spec: Any, vocab: TokenVocab, whitespace_patter
             _cache.move_to_end(key)
             return found
     # A fresh index once the shared one has used half its budget: old requests keep theirs.
-    index = GrammarIndex(compile_grammar(grammar_of(kind, spec, whitespace_pattern, budget), budget), vocab)
+    deadline = Deadline(budget)  # one budget for converting and compiling together
+    grammar = grammar_of(kind, spec, whitespace_pattern, budget, deadline)
+    index = GrammarIndex(compile_grammar(grammar, budget, deadline), vocab)
     with _lock:
         _cache[key] = index
         if len(_cache) > CACHE_SIZE:

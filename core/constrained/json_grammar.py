@@ -23,7 +23,7 @@ from typing import Any
 
 from radixlm.core.constrained import json_schema as js
 from radixlm.core.constrained.grammar import EMPTY, Alt, Expr, Grammar, Ref, Repeat, Terminal, alt, lit, opt, seq
-from radixlm.core.constrained.grammar_compiler import DEFAULT_BUDGET, GrammarBudget, terminal_dfa
+from radixlm.core.constrained.grammar_compiler import DEFAULT_BUDGET, Deadline, GrammarBudget, terminal_dfa
 from radixlm.core.constrained.regex_dfa import dfa_difference, literals_dfa
 
 CHAR = Terminal(regex=js.STRING_CHAR)
@@ -69,7 +69,7 @@ class SchemaError(ValueError):
 
 
 def json_schema_to_grammar(schema: Any, whitespace_pattern: str | None = None,
-                           budget: GrammarBudget = DEFAULT_BUDGET) -> Grammar:
+                           budget: GrammarBudget = DEFAULT_BUDGET, deadline: Deadline | None = None) -> Grammar:
     """The grammar of compact JSON documents valid under `schema` (a JSON string, dict, bool or pydantic
     model class). ValueError naming the keyword and where (JSON pointer) for whatever is refused."""
     root = js._load_schema(schema)
@@ -78,7 +78,7 @@ def json_schema_to_grammar(schema: Any, whitespace_pattern: str | None = None,
             re.compile(whitespace_pattern)
         except re.error as e:
             raise ValueError(f"invalid whitespace_pattern {whitespace_pattern!r}: {e}") from None
-    conv = _Converter(root, whitespace_pattern or "", budget)
+    conv = _Converter(root, whitespace_pattern or "", budget, deadline or Deadline(budget))
     conv.rules["start"] = conv.value(root, "#")
     return Grammar(conv.rules, "start")
 
@@ -86,9 +86,10 @@ def json_schema_to_grammar(schema: Any, whitespace_pattern: str | None = None,
 class _Converter(js._Converter):
     """Reuses the regex converter's $ref resolution, allOf merging and ref expansion (for merges)."""
 
-    def __init__(self, root: Any, ws: str, budget: GrammarBudget) -> None:
+    def __init__(self, root: Any, ws: str, budget: GrammarBudget, deadline: Deadline) -> None:
         super().__init__(root, ws, js.DEFAULT_MAX_RECURSION)
         self.budget = budget
+        self.deadline = deadline
         self.rules: dict[str, Expr] = {}
         self.ref_rules: dict[str, str] = {}
         self.ws_term = Terminal(regex=f"(?:{ws})") if ws else None
@@ -108,6 +109,7 @@ class _Converter(js._Converter):
 
     # ---- the conversion ----------------------------------------------------------------------------
     def value(self, schema: Any, ptr: str) -> Expr:
+        self.deadline.check()
         if isinstance(schema, dict) and "$ref" in schema:
             ref = schema["$ref"]
             if not isinstance(ref, str):
