@@ -21,7 +21,8 @@ a memory cap, its index saved to a fresh disk cache and loaded back for the walk
 written compactly (keys in schema order where the schema lists properties) and tokenized canonically is
 walked token by token: the mask is computed (packed bits, timed: that is mask µs/token, first visits
 included), the token must be in it, and EOS must be allowed at the end. Valid accepted / invalid
-accepted count those walks.
+accepted count those walks. Then the same walks again ("same outputs again": a schema used again, as
+tool and response schemas are, with whatever each engine keeps between requests).
 """
 
 from __future__ import annotations
@@ -228,7 +229,7 @@ def run(engine_name: str, suite_dir: str, limit: int | None, cold: bool) -> dict
     engine = Engine(engine_name, tokenizer, cold)
     rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     cases = corpus(suite_dir)[:limit]
-    compile_s, refused, mask_us = [], {}, []
+    compile_s, refused, mask_us, mask_again_us = [], {}, [], []
     valid_total = valid_ok = invalid_total = invalid_ok = 0
     invalid_accepted_names, valid_rejected_names = [], []
     for case in cases:
@@ -248,20 +249,10 @@ def run(engine_name: str, suite_dir: str, limit: int | None, cold: bool) -> dict
             refused[case["name"]] = f"{type(e).__name__}: {e}"[:200]
             continue
         compile_s.append(seconds)
-        for instance, valid in [(v, True) for v in case["valid"]] + [(v, False) for v in case["invalid"]]:
+        walks = [(v, True) for v in case["valid"]] + [(v, False) for v in case["invalid"]]
+        for instance, valid in walks:
             text = json.dumps(_ordered(instance, schema), separators=(",", ":"), ensure_ascii=False)
-            ids = tokenizer.encode(text)
-            constraint = engine.compile(schema) if engine_name != "grammar" else _fresh(engine, schema)
-            accepted = True
-            for t in ids + [eos]:
-                start = time.perf_counter()
-                mask = constraint.allowed_token_mask(vocab_size, packed=True)
-                mask_us.append((time.perf_counter() - start) * 1e6)
-                if not (int(mask[t // 32]) >> (t % 32)) & 1:
-                    accepted = False
-                    break
-                if t != eos:
-                    constraint.advance(t)
+            accepted = _walk(engine, schema, tokenizer.encode(text) + [eos], eos, vocab_size, mask_us)
             if valid:
                 valid_total += 1
                 valid_ok += accepted
@@ -272,6 +263,9 @@ def run(engine_name: str, suite_dir: str, limit: int | None, cold: bool) -> dict
                 invalid_ok += accepted
                 if accepted:
                     invalid_accepted_names.append(f"{case['name']}: {text[:80]}")
+        for instance, _ in walks:  # the same outputs again: what a schema used again costs
+            text = json.dumps(_ordered(instance, schema), separators=(",", ":"), ensure_ascii=False)
+            _walk(engine, schema, tokenizer.encode(text) + [eos], eos, vocab_size, mask_again_us)
     rss_after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     sources: dict[str, list[int]] = {}
     for case in cases:
@@ -288,11 +282,27 @@ def run(engine_name: str, suite_dir: str, limit: int | None, cold: bool) -> dict
         "invalid_accepted_examples": invalid_accepted_names[:20], "valid_rejected_examples": valid_rejected_names,
         "mask_us": {"mean": statistics.fmean(mask_us) if mask_us else None, "p50": pct(mask_us, 50),
                     "p99": pct(mask_us, 99), "max": max(mask_us) if mask_us else None, "tokens": len(mask_us)},
+        "mask_again_us": {"mean": statistics.fmean(mask_again_us) if mask_again_us else None,
+                          "p50": pct(mask_again_us, 50), "p99": pct(mask_again_us, 99)},
         "max_rss_mb": {"before_corpus": rss_before / 1024, "after": rss_after / 1024},
         "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores (shared)",
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "vocab": vocab_size,
     }
+
+
+def _walk(engine: Engine, schema, ids: list[int], eos: int, vocab_size: int, times: list[float]) -> bool:
+    """Whether the constraint allows `ids` (ending in EOS) token by token; each mask's time goes to `times`."""
+    constraint = engine.compile(schema) if engine.name != "grammar" else _fresh(engine, schema)
+    for t in ids:
+        start = time.perf_counter()
+        mask = constraint.allowed_token_mask(vocab_size, packed=True)
+        times.append((time.perf_counter() - start) * 1e6)
+        if not (int(mask[t // 32]) >> (t % 32)) & 1:
+            return False
+        if t != eos:
+            constraint.advance(t)
+    return True
 
 
 def _fresh(engine: Engine, schema):
@@ -304,8 +314,8 @@ def _fresh(engine: Engine, schema):
 
 def report() -> str:
     rows = ["| engine | compiled (suite / check-jsonschema / k8s / tools) | compile p50 / p90 / p99 / max (ms) "
-            "| valid accepted | invalid accepted | mask µs/token mean / p50 / p99 | max RSS MB (before corpus → after) |",
-            "|---|---|---|---|---|---|---|"]
+            "| valid accepted | invalid accepted | mask µs/token mean / p50 / p99 | same outputs again | "
+            "max RSS MB (before corpus → after) |", "|---|---|---|---|---|---|---|---|"]
     results = {n: json.load(open(RESULTS / f"{n}.json")) for n in ("grammar", "grammar-cold", "llguidance", "regex-dfa")
                if (RESULTS / f"{n}.json").exists()}
     totals = next(({k: v[1] for k, v in r["compiled_by_source"].items()} for r in results.values()
@@ -316,10 +326,12 @@ def report() -> str:
             r["compiled_by_source"] = {k: [t - refused.count(k), t] for k, t in totals.items()}
         c, m = r["compile_ms"], r["mask_us"]
         v, i = r["valid"], r["invalid_accepted"]
+        a = r.get("mask_again_us")
+        again = f"{a['mean']:.0f} / {a['p50']:.1f} / {a['p99']:.0f}" if a else "–"
         by = " / ".join(f"{a}/{b}" for a, b in r.get("compiled_by_source", {}).values())
         rows.append(f"| {name} | {r['compiled']} / {r['schemas']} ({by}) | {c['p50']:.1f} / {c['p90']:.1f} / {c['p99']:.1f} / "
                     f"{c['max']:.0f} | {v[0]} / {v[1]} ({100 * v[0] / max(v[1], 1):.1f} %) | {i[0]} / {i[1]} | "
-                    f"{m['mean']:.0f} / {m['p50']:.1f} / {m['p99']:.0f} | {r['max_rss_mb']['before_corpus']:.0f} → "
+                    f"{m['mean']:.0f} / {m['p50']:.1f} / {m['p99']:.0f} | {again} | {r['max_rss_mb']['before_corpus']:.0f} → "
                     f"{r['max_rss_mb']['after']:.0f} |")
     return "\n".join(rows)
 
