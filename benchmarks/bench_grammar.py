@@ -44,7 +44,9 @@ from pathlib import Path
 
 import numpy as np
 
-RESULTS = Path(__file__).with_name("bench_grammar_results")
+from radixlm.core.constrained.index import cache_dir
+
+RESULTS = cache_dir() / "bench_grammar"  # one JSON per engine run; --report reads them
 COMPILE_TIMEOUT_S = 20.0
 CHILD_MEMORY_BYTES = 8 << 30
 K8S_SAMPLE = 40
@@ -350,7 +352,7 @@ def main() -> None:
     if not args.suite or not args.engine:
         parser.error("--suite and --engine are needed (or --report)")
     result = run(args.engine, args.suite, args.limit, args.cold)
-    RESULTS.mkdir(exist_ok=True)
+    RESULTS.mkdir(parents=True, exist_ok=True)
     name = args.engine + ("-cold" if args.cold else "")
     (RESULTS / f"{name}.json").write_text(json.dumps(dict(result, engine=name), indent=1))
     print(json.dumps({k: v for k, v in result.items() if k not in ("refused", "invalid_accepted_examples", "valid_rejected_examples")}, indent=1))
