@@ -158,12 +158,15 @@ def test_budgets_raise_grammar_budget_error(tiny_tokenizer):
     big = {"type": "object", "properties": {f"p{i}": {"type": "array", "items": STR} for i in range(300)}}
     with pytest.raises(GrammarBudgetError, match="max_compile_seconds"):
         build_constraint("json_schema", big, tiny_tokenizer, budget=GrammarBudget(max_compile_seconds=0.001))
-    c = build_constraint("json_schema", {"type": "array", "items": INT}, tiny_tokenizer,
-                         budget=GrammarBudget(max_configs=6))
-    with pytest.raises(GrammarBudgetError, match="max_configs"):
-        for t in tiny_tokenizer.encode("[1,22,333,4444]"):
-            c.allowed_token_mask(len(tiny_tokenizer))
-            c.advance(t)
+    # Past half of max_configs a shared index is not handed to new requests (running ones keep theirs).
+    budget = GrammarBudget(max_configs=12)
+    c = build_constraint("json_schema", {"type": "array", "items": INT}, tiny_tokenizer, budget=budget)
+    assert build_constraint("json_schema", {"type": "array", "items": INT}, tiny_tokenizer, budget=budget).index is c.index
+    for t in tiny_tokenizer.encode("[1,22,333,4444]"):
+        c.allowed_token_mask(len(tiny_tokenizer))
+        c.advance(t)
+    assert c.index.num_states >= 6
+    assert build_constraint("json_schema", {"type": "array", "items": INT}, tiny_tokenizer, budget=budget).index is not c.index
 
 
 def test_left_recursion_is_refused():

@@ -23,12 +23,13 @@ from radixlm.core.errors import GrammarBudgetError
 
 @dataclass(frozen=True)
 class GrammarBudget:
-    """Limits on what one constraint may cost; past any of them GrammarBudgetError (HTTP 400)."""
+    """Limits on what one constraint may cost; past a compile budget GrammarBudgetError (HTTP 400)."""
 
     max_compile_seconds: float = 2.0  # converting and compiling (terminal DFAs included)
     max_terminal_states: int = 20_000  # states of one terminal's DFA
     max_rule_states: int = 200_000  # states of all rule automata together
-    max_configs: int = 200_000  # parser configurations one compiled grammar keeps (~1.2 KB each)
+    # Parser configurations (~1.2 KB each) one shared index holds before new requests get a fresh one.
+    max_configs: int = 200_000
 
 
 DEFAULT_BUDGET = GrammarBudget()

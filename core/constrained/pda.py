@@ -7,12 +7,15 @@ of items the bytes so far allow (every way of parsing them at once, as an Earley
 item whose terminal may end here brings in the first items of what follows it. Configurations are
 interned to ids; from each one, its 256 successors are computed on first use and kept (a row of one
 table), so after warm-up a byte costs one lookup and the grammar behaves like a DFA over the states
-generation actually reaches, built as they are reached, within GrammarBudget.max_configs.
+generation actually reaches, built as they are reached.
 
 Token masks. All tokens walk from a configuration at once over the vocabulary trie, one trie level per
 numpy step, as the regex index does (index.py), building the rows the walk reaches. Masks are cached
 per configuration; outputs of one schema revisit the same configurations (inside a string, every
-character leads back to the same one), so most steps are a cache hit.
+character leads back to the same one), so most steps are a cache hit. The tables only grow while
+requests run (by at most a few configurations per byte of output); the spec cache
+(grammar_index_cache.py) hands new requests a fresh index once one passes half of
+GrammarBudget.max_configs, so a running request is never failed for it and memory stays bounded.
 
 Jump-forward. A configuration that cannot end and that exactly one byte leaves is singular; a chain of
 singular configurations spells forced text (the compressed FSM of the SGLang paper, on the grammar).
@@ -32,7 +35,6 @@ from radixlm.core.constrained.index import _expand
 from radixlm.core.constrained.masks import MaskCache
 from radixlm.core.constrained.terminal_tokens import state_tokens
 from radixlm.core.constrained.vocab import TokenTrie, TokenVocab
-from radixlm.core.errors import GrammarBudgetError
 
 END = (-1, 0, -1)  # the item "the output may end here"
 MASK_CACHE_SIZE = 1024
@@ -50,7 +52,6 @@ class GrammarIndex:
         self.vocab_size = vocab.size
         self.eos_ids = np.asarray(vocab.eos_ids, dtype=np.int64)
         self._eos_set = frozenset(vocab.eos_ids)
-        self._max_configs = grammar.budget.max_configs
         self._trans, self._acc = terminal_tables(grammar)
         self._rule_edges = [r.edges for r in grammar.rules]
         self._rule_acc = [r.accepting for r in grammar.rules]
@@ -114,9 +115,6 @@ class GrammarIndex:
         if found is not None:
             return found
         c = len(self._items)
-        if c >= self._max_configs:
-            raise GrammarBudgetError(f"the constraint reached {self._max_configs} parser configurations "
-                                     "(GrammarBudget.max_configs)")
         self._config_ids[items] = c
         self._items.append(tuple(sorted(i for i in items if i[0] >= 0)))
         self._can_end.append(END in items)
