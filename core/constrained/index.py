@@ -37,7 +37,7 @@ def cache_dir() -> Path:
     return Path(os.environ.get("RADIXLM_CACHE") or Path.home() / ".cache" / "radixlm")
 
 
-def _expand(starts: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def expand_ranges(starts: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """For ranges [starts[i], starts[i] + counts[i]): (owner i of each element, the element)."""
     owner = np.repeat(np.arange(len(starts)), counts)
     return owner, np.repeat(starts - np.cumsum(counts) + counts, counts) + np.arange(int(counts.sum()))
@@ -179,12 +179,12 @@ def _sparse_walk(dfa: ByteDFA, trie: TokenTrie, states: np.ndarray) -> tuple[np.
         if not len(cur):
             break
         ptr = trie.child_ptr[d]
-        pair, child = _expand(ptr[node], ptr[node + 1] - ptr[node])
+        pair, child = expand_ranges(ptr[node], ptr[node + 1] - ptr[node])
         nxt = trans[cur[pair], trie.byte[d][child]]
         keep = nxt >= 0
         start, cur, node = start[pair[keep]], nxt[keep], child[keep]
         eptr = trie.end_ptr[d]
-        owner, idx = _expand(eptr[node], eptr[node + 1] - eptr[node])
+        owner, idx = expand_ranges(eptr[node], eptr[node + 1] - eptr[node])
         if len(idx):
             found.append((start[owner], trie.end_tokens[d][idx], cur[owner]))
     if not found:
@@ -206,14 +206,14 @@ def _dense_walk(trans_by_byte: np.ndarray, stuck_ext: np.ndarray, trie: TokenTri
     cols = np.zeros(1, dtype=np.int64)  # alive nodes of the previous level (the root)
     for d in range(1, trie.depth + 1):
         ptr = trie.child_ptr[d]
-        parent, child = _expand(ptr[cols], ptr[cols + 1] - ptr[cols])
+        parent, child = expand_ranges(ptr[cols], ptr[cols + 1] - ptr[cols])
         nxt = np.take(trans_by_byte, cur[parent] + (trie.byte[d][child].astype(np.int32) * stride)[:, None])
         alive = np.flatnonzero((nxt != dead).any(axis=1))
         cur, cols = nxt[alive], child[alive]
         if not len(cols):
             break
         eptr = trie.end_ptr[d]
-        owner, idx = _expand(eptr[cols], eptr[cols + 1] - eptr[cols])
+        owner, idx = expand_ranges(eptr[cols], eptr[cols + 1] - eptr[cols])
         if len(idx):
             out[trie.end_tokens[d][idx]] = ~stuck_ext[cur[owner]]
     return out

@@ -31,7 +31,7 @@ import torch
 
 from radixlm.core.constrained.compressed_fsm import whole_characters
 from radixlm.core.constrained.grammar_compiler import CompiledGrammar, terminal_tables
-from radixlm.core.constrained.index import _expand
+from radixlm.core.constrained.index import expand_ranges
 from radixlm.core.constrained.masks import MaskCache
 from radixlm.core.constrained.terminal_tokens import state_tokens
 from radixlm.core.constrained.vocab import TokenTrie, TokenVocab
@@ -267,7 +267,7 @@ class GrammarIndex:
                     nodes = np.flatnonzero(nxt >= 0)
                     cur = nxt[nodes].astype(np.int64)
                 else:
-                    parent, child = _expand(ptr[nodes], ptr[nodes + 1] - ptr[nodes])
+                    parent, child = expand_ranges(ptr[nodes], ptr[nodes + 1] - ptr[nodes])
                     nxt = self._table[cur[parent], trie.byte[d][child]]
                     keep = nxt >= 0
                     cur, nodes = nxt[keep].astype(np.int64), child[keep]
@@ -279,6 +279,6 @@ class GrammarIndex:
                     alive[nodes] = True
                     out[trie.end_tokens[d][alive[ends[d]]]] = True
                 else:
-                    _, idx = _expand(eptr[nodes], eptr[nodes + 1] - eptr[nodes])
+                    _, idx = expand_ranges(eptr[nodes], eptr[nodes + 1] - eptr[nodes])
                     out[trie.end_tokens[d][idx]] = True
         return out

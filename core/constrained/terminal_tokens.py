@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from radixlm.core.constrained.index import _expand
+from radixlm.core.constrained.index import expand_ranges
 from radixlm.core.constrained.regex_dfa import ByteDFA
 from radixlm.core.constrained.vocab import TokenTrie, TokenVocab
 
@@ -81,15 +81,15 @@ def _classify(dfa: ByteDFA, state: int, vocab: TokenVocab) -> tuple[np.ndarray, 
     for d in range(1, trie.depth + 1):
         ptr, eptr = trie.child_ptr[d], trie.end_ptr[d]
         if len(below) and not everything:
-            _, below = _expand(ptr[below], ptr[below + 1] - ptr[below])
-            _, idx = _expand(eptr[below], eptr[below + 1] - eptr[below])
+            _, below = expand_ranges(ptr[below], ptr[below + 1] - ptr[below])
+            _, idx = expand_ranges(eptr[below], eptr[below + 1] - eptr[below])
             uncertain.append(trie.end_tokens[d][idx])
         if len(nodes):
-            parent, child = _expand(ptr[nodes], ptr[nodes + 1] - ptr[nodes])
+            parent, child = expand_ranges(ptr[nodes], ptr[nodes + 1] - ptr[nodes])
             nxt = trans[cur[parent], trie.byte[d][child]]
             keep = nxt >= 0
             nodes, cur = child[keep], nxt[keep].astype(np.int64)
-            _, idx = _expand(eptr[nodes], eptr[nodes + 1] - eptr[nodes])
+            _, idx = expand_ranges(eptr[nodes], eptr[nodes + 1] - eptr[nodes])
             inside[trie.end_tokens[d][idx]] = True
             exits = nodes[accepting[cur]]
             if len(exits) and not everything:
