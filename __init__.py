@@ -1,6 +1,27 @@
 """radixlm: a fast runtime for structured language-model programs."""
 
+from typing import Any
+
 __version__ = "0.1.0"
 
-from radixlm.core.engine.engine import Engine  # noqa: E402
-from radixlm.adapters.native import *  # noqa: E402,F401,F403  (the SGLang frontend language: `import radixlm as sgl`)
+
+def __getattr__(name: str) -> Any:
+    # `radixlm.Engine` and the SGLang frontend language (`import radixlm as sgl; sgl.gen(...)`) are
+    # imported on first use, so that the command line answers --help and its pre-load checks at once
+    # instead of after importing torch.
+    if name == "Engine":
+        from radixlm.core.engine.engine import Engine
+
+        return Engine
+    if not name.startswith("__"):
+        import radixlm.adapters.native as native
+
+        if name in native.__all__:
+            return getattr(native, name)
+    raise AttributeError(f"module 'radixlm' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    import radixlm.adapters.native as native
+
+    return sorted([*globals(), "Engine", *native.__all__])

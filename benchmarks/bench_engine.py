@@ -7,7 +7,7 @@ with HF transformers `generate` on the same weights and workloads as the peer, i
 Models: `llama3-8b-shape` is Llama-3-8B's shape (hidden 4096, 32 layers, 32 heads, 8 KV heads,
 intermediate 14336, vocab 128256) with random bf16 weights made on the device (load_format "dummy":
 nothing is downloaded or read); its tokenizer is the small local one, so prompts are random token
-ids. `tiny` is the 2-layer test checkpoint (core.models.tiny_checkpoint). The HF peer is
+ids. `tiny` is the 2-layer test checkpoint (core.testing). The HF peer is
 transformers' LlamaForCausalLM whose parameters are views of radixlm's (fused QKV and gate-up split
 back), so both run exactly the same weights; it runs after radixlm's engine has been shut down and its
 KV pool freed.
@@ -65,7 +65,7 @@ def _import_radixlm_from_checkout() -> None:
 _import_radixlm_from_checkout()
 
 import radixlm  # noqa: E402
-from radixlm.core.models.tiny_checkpoint import build_checkpoint, build_tokenizer  # noqa: E402
+from radixlm.core.testing import build_checkpoint, build_tokenizer  # noqa: E402
 
 LLAMA3_8B_SHAPE = {
     "architectures": ["LlamaForCausalLM"],

@@ -2,7 +2,7 @@
 
     pip download --no-deps --no-binary :all: jsonschema -d /tmp/js && tar xzf /tmp/js/jsonschema-*.tar.gz -C /tmp/js
     pip install -e '.[dev,grammar-bench]'
-    python benchmarks/bench_grammar.py --suite /tmp/js/jsonschema-*/json/tests/draft2020-12 --engine grammar
+    python benchmarks/bench_grammar.py --suite /tmp/js/jsonschema-*/json/tests/draft2020-12 --engine radixlm
     python benchmarks/bench_grammar.py --suite ... --engine llguidance
     python benchmarks/bench_grammar.py --suite ... --engine regex-dfa
     python benchmarks/bench_grammar.py --report          # the markdown table of the three runs
@@ -174,7 +174,7 @@ class Engine:
         from radixlm.core.constrained import build_constraint
         from radixlm.core.constrained import grammar_compiler, grammar_index_cache, terminal_tokens
 
-        if self.name == "grammar":  # a schema never seen: its compiled grammar is not cached
+        if self.name == "radixlm":  # a schema never seen: its compiled grammar is not cached
             grammar_index_cache._cache.clear()
             if self.cold:  # nor any terminal (JSON strings, numbers, ...) or its token classes
                 grammar_compiler.terminal_dfa.cache_clear()
@@ -295,7 +295,7 @@ def run(engine_name: str, suite_dir: str, limit: int | None, cold: bool) -> dict
 
 def _walk(engine: Engine, schema, ids: list[int], eos: int, vocab_size: int, times: list[float]) -> bool:
     """Whether the constraint allows `ids` (ending in EOS) token by token; each mask's time goes to `times`."""
-    constraint = engine.compile(schema) if engine.name != "grammar" else _fresh(engine, schema)
+    constraint = engine.compile(schema) if engine.name != "radixlm" else _fresh(engine, schema)
     for t in ids:
         start = time.perf_counter()
         mask = constraint.allowed_token_mask(vocab_size, packed=True)
@@ -311,14 +311,14 @@ def _fresh(engine: Engine, schema):
     """Our engine's constraint for one more instance: the compiled grammar (and its masks) reused."""
     from radixlm.core.constrained import build_constraint
 
-    return build_constraint("json_schema", schema, engine.tokenizer, backend="grammar")
+    return build_constraint("json_schema", schema, engine.tokenizer, backend="radixlm")
 
 
 def report() -> str:
     rows = ["| engine | compiled (suite / check-jsonschema / k8s / tools) | compile p50 / p90 / p99 / max (ms) "
             "| valid accepted | invalid accepted | mask µs/token mean / p50 / p99 | same outputs again | "
             "max RSS MB (before corpus → after) |", "|---|---|---|---|---|---|---|---|"]
-    results = {n: json.load(open(RESULTS / f"{n}.json")) for n in ("grammar", "grammar-cold", "llguidance", "regex-dfa")
+    results = {n: json.load(open(RESULTS / f"{n}.json")) for n in ("radixlm", "radixlm-cold", "llguidance", "regex-dfa")
                if (RESULTS / f"{n}.json").exists()}
     totals = next(({k: v[1] for k, v in r["compiled_by_source"].items()} for r in results.values()
                    if "compiled_by_source" in r), {})
@@ -341,10 +341,10 @@ def report() -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--suite", help="the JSON-Schema-Test-Suite's tests/draft2020-12 folder")
-    parser.add_argument("--engine", choices=["grammar", "llguidance", "regex-dfa"])
+    parser.add_argument("--engine", choices=["radixlm", "llguidance", "regex-dfa"])
     parser.add_argument("--limit", type=int, default=None, help="only the first N schemas")
     parser.add_argument("--report", action="store_true")
-    parser.add_argument("--cold", action="store_true", help="grammar: clear the terminal caches per schema too")
+    parser.add_argument("--cold", action="store_true", help="radixlm: clear the terminal caches per schema too")
     args = parser.parse_args()
     if args.report:
         print(report())

@@ -4,7 +4,7 @@ on a tiny model (fp32 and bf16), and decode and short extends with CUDA graphs a
     python3 benchmarks/gpu_check.py [--sweep] [--tune] [--out gpu_check.json]   # on the H200; exit 1 on failure
 
 1. Kernels: benchmarks/gpu_check_kernels.py (Llama-3-8B shapes, bf16, against the fp32 references).
-2. Engine vs HF, on a tiny Llama built in-process (core.models.tiny_checkpoint; 2 layers, 4 heads,
+2. Engine vs HF, on a tiny Llama built in-process (core.testing; 2 layers, 4 heads,
    2 KV heads, head_dim 16), on prompts of 3 to ~1500 tokens decoded together (the long one spans
    several decode KV splits). The oracle is HF transformers in fp32, greedy by hand (argmax of the
    last logits, no generation processors), with the top-1/top-2 logit margin of every step.
@@ -46,7 +46,7 @@ kernel_check = _load("gpu_check_kernels", _HERE / "gpu_check_kernels.py")
 
 import radixlm  # noqa: E402
 from radixlm.core.models.config import ModelConfig  # noqa: E402
-from radixlm.core.models.tiny_checkpoint import build_checkpoint  # noqa: E402
+from radixlm.core.testing import build_checkpoint  # noqa: E402
 
 NEW_TOKENS = 24
 GRAPH_MAX_BS = 16

@@ -31,5 +31,9 @@ class QueueFullError(RadixLMError, RuntimeError):
 
 
 class GrammarBudgetError(InvalidRequestError):
-    """Compiling or running a constraint's grammar would pass a budget (compile time, automaton states,
-    parser configurations); the budgets are options of core.constrained.grammar_compiler.GrammarBudget."""
+    """Compiling a constraint's grammar would pass a budget (compile time, automaton states); the budgets
+    are options of core.constrained.grammar_compiler.GrammarBudget."""
+
+
+class ModelNotFoundError(RadixLMError, FileNotFoundError):
+    """The model path is neither a local file or folder nor a hub id that resolves (cache or download)."""

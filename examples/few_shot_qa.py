@@ -1,8 +1,7 @@
 """Few-shot question answering: one program, run alone and as a batch that shares its prefix.
 
-    python examples/few_shot_qa.py                          # the embedded tiny model (random weights:
-                                                            # the answers are noise, the mechanics are real)
-    python examples/few_shot_qa.py --model-path /path/to/hf-model
+    python examples/few_shot_qa.py                          # the embedded SmolLM2-135M-Instruct
+    python examples/few_shot_qa.py --model-path PATH_OR_HUB_ID
 
 The same file runs on SGLang with `import sglang as sgl`.
 """
@@ -31,14 +30,14 @@ QUESTIONS = ["What is the capital of Japan?", "What is the capital of the United
 
 def main(argv: list[str] | None = None, backend: Any = None) -> list[Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model-path", default=None, help="HF checkpoint directory (default: embedded tiny model)")
+    parser.add_argument("--model-path", default=None, help="checkpoint folder, .gguf file or hub id (default: SmolLM2-135M-Instruct)")
     args = parser.parse_args(argv)
     engine = None
     if backend is None:
         backend = engine = sgl.Engine(args.model_path)
     sgl.set_default_backend(backend)
     try:
-        state = few_shot_qa.run(question="What is the capital of the United States?", temperature=0)
+        state = few_shot_qa.run(question="What is the capital of Spain?", temperature=0)
         print(f"answer: {state['answer']!r}")
         # The batch's common prefix (the few-shot examples) is found by tracing and prefilled once.
         states = few_shot_qa.run_batch([{"question": q} for q in QUESTIONS], temperature=0)

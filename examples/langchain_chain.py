@@ -1,8 +1,7 @@
 """A LangChain chain on radixlm: a shared system prompt, run as a batch and as parallel branches.
 
-    python examples/langchain_chain.py                          # the embedded tiny model (random weights:
-                                                                # the answers are noise, the mechanics are real)
-    python examples/langchain_chain.py --model-path /path/to/hf-model
+    python examples/langchain_chain.py                          # the embedded SmolLM2-135M-Instruct
+    python examples/langchain_chain.py --model-path PATH_OR_HUB_ID
     python examples/langchain_chain.py --base-url http://127.0.0.1:30000   # a running `radixlm serve`
 
 The chain is plain LangChain (`prompt | model | parser`); only the model is radixlm's ChatSGLang. Its
@@ -33,7 +32,7 @@ RATE = ChatPromptTemplate.from_messages([("system", SYSTEM), ("human", "Rate thi
 
 def main(argv: list[str] | None = None, engine: Any = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model-path", default=None, help="HF checkpoint directory (default: embedded tiny model)")
+    parser.add_argument("--model-path", default=None, help="checkpoint folder, .gguf file or hub id (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--base-url", default=None, help="a radixlm server instead of an in-process engine")
     args = parser.parse_args(argv)
     if engine is not None:

@@ -2,8 +2,9 @@
 
 `get_ops(device)` returns the kernel set for a device; every set has the same function names and
 signatures (OP_NAMES), so the engine never asks which one it holds. CUDA devices get the Triton set
-when the `triton` package is installed, unless RADIXLM_DISABLE_TRITON=1; everything else gets the
-references.
+when the `triton` package is installed, unless RADIXLM_DISABLE_TRITON=1; everything else gets
+kernels.cpu (pure torch, batched attention; the references' other ops). The references themselves are
+the oracle both sets are tested against.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from types import ModuleType
 
 import torch
 
-from radixlm.kernels import reference
+from radixlm.kernels import cpu
 
 OP_NAMES = (
     "apply_rotary",
@@ -47,4 +48,4 @@ def get_ops(device: torch.device | str) -> ModuleType:
         from radixlm.kernels import triton as triton_ops
 
         return triton_ops
-    return reference
+    return cpu

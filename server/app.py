@@ -5,36 +5,41 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-from dataclasses import dataclass
+import logging
+import time
 from typing import Any, AsyncIterator
 
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
-from starlette.responses import JSONResponse, PlainTextResponse, Response
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from radixlm.core.errors import EngineShutdownError, QueueFullError
+from radixlm.server.args import ServerArgs
 from radixlm.server.errors import EXCEPTION_HANDLERS, APIError, error_body, error_response
 from radixlm.server.generation import ClientGone, EngineClient
-from radixlm.server.metrics import Metrics
+from radixlm.server.metrics import CONTENT_TYPE, Metrics, Throughput, kv_tokens_used
 from radixlm.server.native import NativeAPI
 from radixlm.server.openai_api import OpenAIAPI
 from radixlm.server.openapi import openapi_document
+from radixlm.server.responses_api import ResponsesAPI
 
 # Paths anyone may call even when an API key is set (probes and scrapers), as in SGLang.
 _OPEN_PATHS = ("/health", "/health_generate", "/metrics")
-# Generation endpoints counted in radixlm_requests_total.
-_COUNTED_PATHS = ("/v1/chat/completions", "/v1/completions", "/generate")
+# Generation endpoints counted in radixlm:http_requests_total.
+_COUNTED_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/generate")
+access_log = logging.getLogger("radixlm.server.access")
+logger = logging.getLogger("radixlm.server")
 
 
-@dataclass
-class ServerArgs:
-    host: str = "127.0.0.1"
-    port: int = 30000
-    api_key: str | None = None
+def _route_path(scope: Scope) -> str:
+    """The path the routes see: without the --root-path prefix that uvicorn puts in front of it."""
+    path, root = scope["path"], scope.get("root_path", "")
+    return path[len(root):] if root and path.startswith(root) else path
 
 
 class _APIKeyMiddleware:
@@ -43,7 +48,7 @@ class _APIKeyMiddleware:
         self.expected = f"Bearer {api_key}".encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in _OPEN_PATHS:
+        if scope["type"] != "http" or _route_path(scope) in _OPEN_PATHS:
             await self.app(scope, receive, send)
             return
         given = dict(scope["headers"]).get(b"authorization", b"")
@@ -57,24 +62,34 @@ class _APIKeyMiddleware:
         await self.app(scope, receive, send)
 
 
-class _CountingMiddleware:
-    """Counts generation requests by path and response status."""
+class _AccessLogMiddleware:
+    """One log line per HTTP request (method, path, status, latency), and the count of generation
+    requests by path and status for the metrics."""
 
     def __init__(self, app: ASGIApp, metrics: Metrics) -> None:
         self.app = app
         self.metrics = metrics
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] not in _COUNTED_PATHS:
+        if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        start, status = time.monotonic(), 0
 
-        async def counting_send(message: Message) -> None:
+        async def observing_send(message: Message) -> None:
+            nonlocal status
             if message["type"] == "http.response.start":
-                self.metrics.count_request(scope["path"], message["status"])
+                status = message["status"]
+                if _route_path(scope) in _COUNTED_PATHS:
+                    self.metrics.count_request(_route_path(scope), status)
             await send(message)
 
-        await self.app(scope, receive, counting_send)
+        try:
+            await self.app(scope, receive, observing_send)
+        finally:
+            client = scope.get("client") or ("-", 0)
+            access_log.info('%s:%s "%s %s" %s %.3fs', client[0], client[1], scope["method"], scope["path"],
+                            status or "-", time.monotonic() - start)
 
 
 async def _queue_full(request: Request, exc: Exception) -> Response:
@@ -92,16 +107,15 @@ async def _client_gone(request: Request, exc: Exception) -> Response:
 def create_app(engine: Any, args: ServerArgs | None = None) -> Starlette:
     """The app serving `engine`. The caller owns the engine (and shuts it down after the server)."""
     args = args or ServerArgs()
-    metrics = Metrics()
-    client = EngineClient(engine, metrics)
+    metrics = Metrics(engine.served_model_name)
+    client = EngineClient(engine, metrics, args.log_requests)
     openai = OpenAIAPI(engine, client)
+    responses = ResponsesAPI(openai, client, args.max_stored_responses)
     native = NativeAPI(engine, client, {"api_key_set": bool(args.api_key)})
     spec = openapi_document()
 
     async def metrics_endpoint(request: Request) -> Response:
-        stats = await run_in_threadpool(engine.get_stats)
-        return PlainTextResponse(metrics.render(stats, client.inflight),
-                                 media_type="text/plain; version=0.0.4; charset=utf-8")
+        return Response(metrics.render(await engine_stats(engine)), media_type=CONTENT_TYPE)
 
     async def openapi_endpoint(request: Request) -> Response:
         return JSONResponse(spec)
@@ -109,6 +123,8 @@ def create_app(engine: Any, args: ServerArgs | None = None) -> Starlette:
     routes = [
         Route("/v1/chat/completions", openai.chat_completions, methods=["POST"]),
         Route("/v1/completions", openai.completions, methods=["POST"]),
+        Route("/v1/responses", responses.create, methods=["POST"]),
+        Route("/v1/responses/{response_id}", responses.retrieve, methods=["GET"]),
         Route("/v1/models", openai.list_models, methods=["GET"]),
         Route("/v1/models/{model:path}", openai.retrieve_model, methods=["GET"]),
         Route("/generate", native.generate, methods=["POST"]),
@@ -121,14 +137,26 @@ def create_app(engine: Any, args: ServerArgs | None = None) -> Starlette:
         Route("/metrics", metrics_endpoint, methods=["GET"]),
         Route("/openapi.json", openapi_endpoint, methods=["GET"]),
     ]
-    middleware = [Middleware(_CountingMiddleware, metrics=metrics)]
+    middleware = [Middleware(_AccessLogMiddleware, metrics=metrics)]
+    if args.allowed_origins:  # outside the API-key check: browsers send preflights without credentials
+        middleware.insert(0, Middleware(CORSMiddleware, allow_origins=args.allowed_origins, allow_methods=["*"],
+                                        allow_headers=["*"], allow_credentials=True))
     if args.api_key:
         middleware.append(Middleware(_APIKeyMiddleware, api_key=args.api_key))
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         app.state.loop = asyncio.get_running_loop()
-        yield
+        ticker = None
+        if args.log_interval > 0:
+            throughput = Throughput()
+            throughput.update((await engine_stats(engine))["generated_tokens_total"])  # the starting point
+            ticker = asyncio.ensure_future(_log_load(engine, args.log_interval, throughput))
+        try:
+            yield
+        finally:
+            if ticker is not None:
+                ticker.cancel()
 
     handlers = {**EXCEPTION_HANDLERS, QueueFullError: _queue_full, EngineShutdownError: _engine_down,
                 ClientGone: _client_gone}
@@ -137,6 +165,28 @@ def create_app(engine: Any, args: ServerArgs | None = None) -> Starlette:
     app.state.native = native
     app.state.metrics = metrics
     return app
+
+
+async def engine_stats(engine: Any) -> dict[str, Any]:
+    """The engine's statistics, for /metrics and the load log."""
+    return await run_in_threadpool(engine.get_stats)
+
+
+async def _log_load(engine: Any, interval: float, throughput: Throughput) -> None:
+    """Every `interval` seconds in which the engine was busy, one line with its load (SGLang logs the
+    same numbers per decode interval)."""
+    while True:
+        await asyncio.sleep(interval)
+        try:
+            stats = await engine_stats(engine)
+        except EngineShutdownError:
+            return
+        gen = throughput.update(stats["generated_tokens_total"])
+        if stats["running"] or stats["waiting"] or gen:
+            logger.info("load: #running-req %d, #queue-req %d, #token %d (token usage %.2f), cache hit rate "
+                        "%.1f%%, gen throughput %.1f token/s", stats["running"], stats["waiting"],
+                        kv_tokens_used(stats), kv_tokens_used(stats) / max(stats["kv_slots_total"], 1),
+                        100 * stats["cache_hit_rate"], gen)
 
 
 def begin_shutdown(app: Starlette) -> None:

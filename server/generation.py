@@ -58,9 +58,10 @@ async def _wait_for_disconnect(receive: Receive) -> None:
 class EngineClient:
     """Calls the engine on behalf of HTTP handlers, recording metrics and honouring disconnects."""
 
-    def __init__(self, engine: Any, metrics: Metrics) -> None:
+    def __init__(self, engine: Any, metrics: Metrics, log_requests: bool = False) -> None:
         self.engine = engine
         self.metrics = metrics
+        self.log_requests = log_requests
         self.inflight = 0  # HTTP generation requests admitted and not finished
         self._tasks: set[asyncio.Task] = set()  # engine calls awaited by a handler
         self._stream_rids: set[str] = set()  # branches of open streams that have not finished
@@ -87,16 +88,24 @@ class EngineClient:
 
     async def generate(self, request: Request, **kwargs: Any) -> Output | list[Output]:
         """A non-streaming call, with the engine's arguments; returns what the engine returns."""
-        start = time.monotonic()
         self.inflight += 1
         try:
             result = await self._unless_disconnected(request, self.engine.async_generate(**kwargs))
         finally:
             self.inflight -= 1
         for out in as_list(result):
-            self.metrics.record_output(out["meta_info"])
-        self.metrics.observe_latency(time.monotonic() - start, None)
+            self.finished(out["meta_info"])
         return result
+
+    def finished(self, meta: dict[str, Any]) -> None:
+        """Records one finished engine request in the metrics, and logs it with --log-requests."""
+        self.metrics.record_output(meta)
+        if self.log_requests:
+            ttft, e2e = meta.get("ttft"), meta.get("e2e_latency")
+            logger.info("request %s: prompt %d (cached %d), completion %d tokens, ttft %s, e2e %s, finish %s",
+                        meta["id"], meta["prompt_tokens"], meta["cached_tokens"], meta["completion_tokens"],
+                        "-" if ttft is None else f"{ttft:.3f}s", "-" if e2e is None else f"{e2e:.3f}s",
+                        meta["finish_reason"]["type"])
 
     async def open_stream(self, request: Request, branches: list[Branch]) -> "MergedStream":
         """Opens one engine stream per branch and waits for the first chunk of each, so that invalid
@@ -138,8 +147,7 @@ class MergedStream:
         self._pumps: list[asyncio.Task] = []
         self._first: list[Output] = []
         self._closed = False
-        self._start = time.monotonic()
-        self._ttft: float | None = None
+        self._last_chunk = [0.0] * len(branches)  # when each branch last sent tokens
 
     async def start(self) -> None:
         for b in self.branches:
@@ -171,7 +179,6 @@ class MergedStream:
                 remaining -= 1
                 continue
             yield self._note(i, chunk)
-        self.client.metrics.observe_latency(time.monotonic() - self._start, self._ttft)
 
     async def _pump(self, i: int, it: AsyncIterator[Output]) -> None:
         try:
@@ -182,13 +189,17 @@ class MergedStream:
         await self._queue.put((i, None))
 
     def _note(self, i: int, chunk: Output) -> tuple[int, Output]:
-        if self._ttft is None and chunk.get("output_ids"):
-            self._ttft = time.monotonic() - self._start
+        new_tokens = len(chunk.get("output_ids") or ())
+        if new_tokens:
+            now = time.monotonic()
+            if self._last_chunk[i]:
+                self.client.metrics.observe_stream_chunk(now - self._last_chunk[i], new_tokens)
+            self._last_chunk[i] = now
         meta = chunk["meta_info"]
         if meta["finish_reason"] is not None:
             self.finished[i] = True
             self.client._stream_rids.discard(self.branches[i].rid)
-            self.client.metrics.record_output(meta)
+            self.client.finished(meta)
         return i, chunk
 
     async def close(self) -> None:

@@ -29,7 +29,8 @@ class _Server(uvicorn.Server):
         await super().startup(sockets)
         if self.started and self.servers and self.servers[0].sockets:
             host, port = self.servers[0].sockets[0].getsockname()[:2]
-            self.url = f"http://{host}:{port}"
+            scheme = "https" if self.config.ssl_keyfile else "http"
+            self.url = f"{scheme}://{host}:{port}"
             logger.info("radixlm server listening on %s (OpenAI base_url %s/v1)", self.url, self.url)
 
     def handle_exit(self, sig: int, frame: Any) -> None:
@@ -65,8 +66,10 @@ def serve(model_path: str | None = None, args: ServerArgs | None = None, **engin
         logger.addHandler(logging.StreamHandler())
     try:
         app = create_app(engine, args)
-        config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
-                                timeout_graceful_shutdown=10, lifespan="on")
+        config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+                                timeout_graceful_shutdown=10, lifespan="on", root_path=args.root_path,
+                                ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,
+                                access_log=False)  # the app logs each request itself (radixlm.server.access)
         _Server(config).run()
     finally:
         engine.shutdown()

@@ -1,114 +1,166 @@
-"""Prometheus text-format metrics: request and token counters, latency histograms, and the engine's
-gauges (cache hit rate, queue lengths, KV slots) read fresh at scrape time."""
+"""Prometheus metrics through `prometheus_client`, named as SGLang's (`sglang:X` is `radixlm:X`) where
+SGLang has the series and as vLLM's otherwise; every series carries a `model_name` label.
+
+Per-request series (token counts, latencies, finishes) are recorded from each finished output's
+meta_info by the server; engine series (queue lengths, KV usage, cache hit rate, aborts, retractions,
+throughput) are read from the engine's stats at scrape time. Everything lives in the server process,
+in the app's own registry (so that several apps in one process do not collide); when the scheduler
+moves to its own process its stats still arrive through get_stats, so no multiprocess mode is needed.
+"""
 
 from __future__ import annotations
 
-import bisect
-import math
-import threading
-from collections import defaultdict
-from typing import Any
+import time
+from typing import Any, Iterator
 
-_PREFIX = "radixlm_"
-_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+import prometheus_client
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-# Engine stats exported as gauges: stats key -> (metric name, help).
-_ENGINE_GAUGES = {
-    "cache_hit_rate": ("cache_hit_rate", "Fraction of prompt tokens served from the radix cache."),
-    "running": ("num_running_reqs", "Requests in the running batch."),
-    "waiting": ("num_queue_reqs", "Requests waiting in the scheduler queue."),
-    "kv_slots_total": ("kv_slots_total", "KV cache slots in the pool."),
-    "kv_slots_free": ("kv_slots_free", "KV cache slots that are free."),
-    "kv_slots_cached": ("kv_slots_cached", "KV cache slots held by the radix cache."),
-}
+PREFIX = "radixlm:"
+CONTENT_TYPE = prometheus_client.CONTENT_TYPE_LATEST
+# Each counter's *_created series doubles the output for nothing a dashboard uses.
+prometheus_client.disable_created_metrics()
+
+# Bucket bounds as SGLang's defaults, so dashboards and quantiles line up.
+_TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.2, 0.4, 0.6, 0.8, 1, 2, 4, 6, 8, 10, 20, 40, 60, 80, 100, 200, 400)
+_E2E_BUCKETS = (0.1, 0.2, 0.4, 0.6, 0.8, 1, 2, 4, 6, 8, 10, 20, 40, 60, 80, 100, 200, 400, 600, 1200, 1800, 2400)
+_ITL_BUCKETS = (0.002, 0.004, 0.006, 0.008, 0.01, 0.015, 0.02, 0.025, 0.03, 0.035, 0.04, 0.06, 0.08, 0.1,
+                0.2, 0.4, 0.6, 0.8, 1, 2, 4, 6, 8)
+_QUEUE_BUCKETS = (0.0, 0.01, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600)
+_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
 
 
-class Histogram:
-    def __init__(self, buckets: tuple[float, ...] = _LATENCY_BUCKETS) -> None:
-        self.buckets = buckets
-        self.counts = [0] * len(buckets)
-        self.total = 0
-        self.sum = 0.0
+class Throughput:
+    """Generated tokens per second between two readings of the engine's counter."""
 
-    def observe(self, value: float) -> None:
-        i = bisect.bisect_left(self.buckets, value)
-        if i < len(self.counts):
-            self.counts[i] += 1
-        self.total += 1
-        self.sum += value
+    def __init__(self) -> None:
+        self._last: tuple[float, int] | None = None
 
-    def lines(self, name: str) -> list[str]:
-        out, cumulative = [], 0
-        for bound, count in zip(self.buckets, self.counts):
-            cumulative += count
-            out.append(f'{name}_bucket{{le="{bound}"}} {cumulative}')
-        out.append(f'{name}_bucket{{le="+Inf"}} {self.total}')
-        out.append(f"{name}_sum {self.sum}")
-        out.append(f"{name}_count {self.total}")
-        return out
+    def update(self, generated_tokens_total: int) -> float:
+        now = time.monotonic()
+        last, self._last = self._last, (now, generated_tokens_total)
+        if last is None or now <= last[0]:
+            return 0.0
+        return (generated_tokens_total - last[1]) / (now - last[0])
+
+
+def kv_tokens_used(stats: dict[str, Any]) -> int:
+    """KV slots held by running requests (and the cached prefixes they lock)."""
+    return stats["kv_slots_total"] - stats["kv_slots_free"] - stats.get("kv_slots_cached_evictable", 0)
+
+
+class _EngineCollector:
+    """The engine's stats snapshot taken at scrape time, as gauges and counters."""
+
+    def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
+        self.stats: dict[str, Any] = {}
+        self.gen_throughput = 0.0
+
+    def collect(self) -> Iterator[Metric]:
+        s = self.stats
+        if not s:
+            return
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            g = GaugeMetricFamily(PREFIX + name, doc, labels=["model_name"])
+            g.add_metric([self.model_name], value)
+            return g
+
+        used, total = kv_tokens_used(s), s["kv_slots_total"]
+        yield gauge("num_running_reqs", "The number of running requests.", s["running"])
+        yield gauge("num_queue_reqs", "The number of requests in the waiting queue.", s["waiting"])
+        yield gauge("num_used_tokens", "KV cache tokens held by running requests.", used)
+        yield gauge("max_total_num_tokens", "Maximum total number of tokens in the KV cache pool.", total)
+        yield gauge("token_usage", "Fraction of the KV cache pool held by running requests.",
+                    used / total if total else 0.0)
+        yield gauge("num_cached_tokens", "KV cache tokens held by the radix cache.", s["kv_slots_cached"])
+        yield gauge("cache_hit_rate", "The prefix cache hit rate (cached / prompt tokens, since start).",
+                    s["cache_hit_rate"])
+        yield gauge("gen_throughput", "The generation throughput (token/s) since the previous scrape.",
+                    self.gen_throughput)
+        # Counted by the engine: it sees every abort, disconnects included, which the HTTP side cannot.
+        for name, doc, key in (("num_retracted_requests", "Total number of retracted requests.", "retractions_total"),
+                               ("num_aborted_requests", "Number of requests aborted (disconnects, abort_request, "
+                                                        "shutdown).", "aborted_total")):
+            counter = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
+            counter.add_metric([self.model_name], s[key])
+            yield counter
 
 
 class Metrics:
-    """Counters updated by the request handlers; rendered with the engine's gauges on scrape."""
+    """The server's registry: request series recorded as outputs finish, engine series read on scrape."""
 
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self.requests: dict[tuple[str, int], int] = defaultdict(int)  # (endpoint, status) -> count
-        self.prompt_tokens = 0
-        self.generation_tokens = 0
-        self.cached_tokens = 0
-        self.aborted = 0
-        self.e2e_latency = Histogram()
-        self.time_to_first_token = Histogram()
+    def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
+        self.registry = CollectorRegistry()
+        r, labels = self.registry, ["model_name"]
+
+        def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
+            return Counter(PREFIX + name, doc, labels + list(extra), registry=r)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Any:
+            return Histogram(PREFIX + name, doc, labels, buckets=buckets, registry=r).labels(model_name)
+
+        self.http_requests = counter("http_requests", "HTTP generation requests by endpoint and status.",
+                                     ("endpoint", "status"))
+        self.prompt_tokens = counter("prompt_tokens", "Number of prefill tokens processed.").labels(model_name)
+        self.generation_tokens = counter("generation_tokens", "Number of generation tokens processed.").labels(
+            model_name)
+        self.cached_tokens = counter("cached_tokens", "Number of cached prompt tokens.").labels(model_name)
+        self.num_requests = counter("num_requests", "Number of requests processed.").labels(model_name)
+        self.finished = counter("request_success", "Finished requests by finish reason (vLLM's name).",
+                                ("finished_reason",))
+        self.ttft = histogram("time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+                              _TTFT_BUCKETS)
+        self.itl = histogram("inter_token_latency_seconds",
+                             "Histogram of inter-token latency in seconds (streamed requests, one per chunk).",
+                             _ITL_BUCKETS)
+        self.tpot = histogram("time_per_output_token_seconds",
+                              "Histogram of a request's mean time per output token after the first, in seconds.",
+                              _ITL_BUCKETS)
+        self.e2e = histogram("e2e_request_latency_seconds", "Histogram of end-to-end request latency in seconds.",
+                             _E2E_BUCKETS)
+        self.queue_time = histogram("queue_time_seconds", "Histogram of queueing time in seconds.", _QUEUE_BUCKETS)
+        self.prompt_len = histogram("prompt_tokens_histogram", "Histogram of prompt token length.", _TOKEN_BUCKETS)
+        self.generation_len = histogram("generation_tokens_histogram", "Histogram of generation token length.",
+                                        _TOKEN_BUCKETS)
+        self.engine = _EngineCollector(model_name)
+        r.register(self.engine)
+        self._throughput = Throughput()
 
     def count_request(self, endpoint: str, status: int) -> None:
-        with self._lock:
-            self.requests[(endpoint, status)] += 1
+        self.http_requests.labels(self.model_name, endpoint, str(status)).inc()
 
-    def record_output(self, meta_info: dict[str, Any], count_prompt: bool = True) -> None:
-        """Token counts of one finished output (its prompt counted once, even for n branches)."""
-        with self._lock:
-            if count_prompt:
-                self.prompt_tokens += meta_info.get("prompt_tokens", 0)
-                self.cached_tokens += meta_info.get("cached_tokens", 0)
-            self.generation_tokens += meta_info.get("completion_tokens", 0)
-            if (meta_info.get("finish_reason") or {}).get("type") == "abort":
-                self.aborted += 1
+    def record_output(self, meta: dict[str, Any], count_prompt: bool = True) -> None:
+        """One finished engine request (its prompt counted once, even for the n branches of one prompt)."""
+        completion = meta.get("completion_tokens", 0)
+        if count_prompt:
+            self.prompt_tokens.inc(meta.get("prompt_tokens", 0))
+            self.cached_tokens.inc(meta.get("cached_tokens", 0))
+            self.prompt_len.observe(meta.get("prompt_tokens", 0))
+        self.generation_tokens.inc(completion)
+        self.generation_len.observe(completion)
+        self.num_requests.inc()
+        reason = (meta.get("finish_reason") or {}).get("type", "unknown")
+        self.finished.labels(self.model_name, reason).inc()
+        if "queue_time" in meta:
+            self.queue_time.observe(meta["queue_time"])
+        ttft, e2e = meta.get("ttft"), meta.get("e2e_latency")
+        if ttft is not None:
+            self.ttft.observe(ttft)
+        if e2e is not None:
+            self.e2e.observe(e2e)
+        if ttft is not None and e2e is not None and completion > 1:
+            self.tpot.observe((e2e - ttft) / (completion - 1))
 
-    def observe_latency(self, e2e: float, ttft: float | None) -> None:
-        with self._lock:
-            self.e2e_latency.observe(e2e)
-            if ttft is not None:
-                self.time_to_first_token.observe(ttft)
+    def observe_stream_chunk(self, interval: float, new_tokens: int) -> None:
+        """A streamed chunk `interval` seconds after the previous one of its request: its tokens' mean gap."""
+        if new_tokens > 0:
+            self.itl.observe(interval / new_tokens)
 
-    def render(self, engine_stats: dict[str, Any], inflight: int) -> str:
-        lines: list[str] = []
-
-        def metric(name: str, kind: str, help_text: str, samples: list[str]) -> None:
-            lines.append(f"# HELP {_PREFIX}{name} {help_text}")
-            lines.append(f"# TYPE {_PREFIX}{name} {kind}")
-            lines.extend(f"{_PREFIX}{s}" for s in samples)
-
-        with self._lock:
-            metric("requests_total", "counter", "Generation requests by endpoint and HTTP status.",
-                   [f'requests_total{{endpoint="{e}",status="{s}"}} {n}'
-                    for (e, s), n in sorted(self.requests.items())])
-            metric("prompt_tokens_total", "counter", "Prompt tokens of finished requests.",
-                   [f"prompt_tokens_total {self.prompt_tokens}"])
-            metric("generation_tokens_total", "counter", "Generated tokens of finished requests.",
-                   [f"generation_tokens_total {self.generation_tokens}"])
-            metric("cached_tokens_total", "counter", "Prompt tokens served from the radix cache.",
-                   [f"cached_tokens_total {self.cached_tokens}"])
-            metric("aborted_requests_total", "counter", "Outputs that finished by abort (disconnects, shutdown).",
-                   [f"aborted_requests_total {self.aborted}"])
-            metric("e2e_request_latency_seconds", "histogram", "Time from arrival to the last token.",
-                   self.e2e_latency.lines("e2e_request_latency_seconds"))
-            metric("time_to_first_token_seconds", "histogram", "Time from arrival to the first streamed token.",
-                   self.time_to_first_token.lines("time_to_first_token_seconds"))
-        metric("inflight_requests", "gauge", "HTTP generation requests admitted and not finished.",
-               [f"inflight_requests {inflight}"])
-        for key, (name, help_text) in _ENGINE_GAUGES.items():
-            value = engine_stats.get(key)
-            if isinstance(value, (int, float)) and not math.isnan(value):
-                metric(name, "gauge", help_text, [f"{name} {value}"])
-        return "\n".join(lines) + "\n"
+    def render(self, engine_stats: dict[str, Any]) -> bytes:
+        self.engine.stats = engine_stats
+        self.engine.gen_throughput = self._throughput.update(engine_stats["generated_tokens_total"])
+        return prometheus_client.generate_latest(self.registry)

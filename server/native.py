@@ -154,7 +154,8 @@ class NativeAPI:
 
     async def get_model_info(self, request: Request) -> Response:
         return JSONResponse({
-            "model_path": self.engine.model_path, "tokenizer_path": self.engine.model_path,
+            "model_path": self.engine.model_path,
+            "tokenizer_path": self.engine.options.tokenizer_path or self.engine.model_path,
             "served_model_name": self.engine.served_model_name, "is_generation": True,
             "context_len": self.engine.context_len, "vocab_size": self.engine.vocab_size,
             "eos_token_ids": self.engine.eos_token_ids,

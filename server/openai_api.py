@@ -8,6 +8,7 @@ OpenAI's responses or server-sent chunks.
 from __future__ import annotations
 
 import json
+import logging
 import time
 import uuid
 from dataclasses import dataclass
@@ -18,6 +19,7 @@ import jsonschema
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from radixlm.core.chat_render import render_chat
 from radixlm.core.engine.sampling_params import SamplingParams
 from radixlm.server import tools as toolcalls
 from radixlm.server.body import parse_body
@@ -26,6 +28,7 @@ from radixlm.server.generation import Branch, EngineClient, EventStreamResponse,
 from radixlm.server.openai_protocol import (ChatCompletionRequest, CompletionRequest, Message,
                                             NamedToolChoice, SamplingFields)
 
+logger = logging.getLogger("radixlm.server")
 # Logprobs of impossible tokens are -inf, which JSON cannot carry; OpenAI-compatible servers send this.
 _MIN_LOGPROB = -9999.0
 # chat_template_kwargs may not override what the server itself passes to the template.
@@ -59,7 +62,7 @@ def _usage(finals: list[dict[str, Any]], n: int) -> dict[str, Any]:
             "prompt_tokens_details": {"cached_tokens": sum(m["cached_tokens"] for m in prompts)}}
 
 
-def _check_aborted(meta: dict[str, Any]) -> None:
+def check_aborted(meta: dict[str, Any]) -> None:
     if _finish_reason(meta) == "abort":
         raise APIError(500, f"The request was aborted: {meta.get('error', 'unknown reason')}", code="aborted")
 
@@ -79,6 +82,7 @@ class OpenAIAPI:
         self.client = client
         self.tokenizer = engine.tokenizer
         self._token_text: dict[int, str] = {}
+        self._warned_model = False
 
     # ---- /v1/models -------------------------------------------------------------------------
 
@@ -98,9 +102,12 @@ class OpenAIAPI:
     # ---- shared request translation ---------------------------------------------------------------
 
     def _check_common(self, req: SamplingFields) -> None:
-        if req.model is not None and req.model not in (self.engine.served_model_name, self.engine.model_path):
-            raise bad_request(f"The model `{req.model}` does not exist; this server serves "
-                              f"`{self.engine.served_model_name}`.", "model", "model_not_found")
+        if req.model not in (None, self.engine.served_model_name, self.engine.model_path) and not self._warned_model:
+            # As SGLang does: one model is served whatever name the client sends (ChatOpenAI's default
+            # "gpt-3.5-turbo", say); the responses carry the served name.
+            self._warned_model = True
+            logger.warning("request for model %r answered by the served model %r (logged once)", req.model,
+                           self.engine.served_model_name)
         if req.stream_options is not None and not req.stream:
             raise bad_request("stream_options is only allowed when stream is true", "stream_options")
 
@@ -167,18 +174,23 @@ class OpenAIAPI:
 
     # ---- /v1/chat/completions -----------------------------------------------------------------
 
-    async def chat_completions(self, request: Request) -> Response:
-        req = await parse_body(request, ChatCompletionRequest)
+    def prepare_chat(self, req: ChatCompletionRequest) -> tuple[ToolMode, list[int], dict[str, Any]]:
+        """A chat request's tool mode, prompt token ids and sampling params (the Responses API's too)."""
         self._check_common(req)
         mode = self._tool_mode(req)
         input_ids = self._render_chat(req, mode)
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         params = self._sampling_params(req, self._max_new_tokens(requested, len(input_ids), "messages"))
         self._add_chat_constraint(req, mode, params)
+        SamplingParams.from_dict(params)  # fail with a 400 here rather than per branch
+        return mode, input_ids, params
+
+    async def chat_completions(self, request: Request) -> Response:
+        req = await parse_body(request, ChatCompletionRequest)
         if req.top_logprobs is not None and not req.logprobs:
             raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
+        mode, input_ids, params = self.prepare_chat(req)
         top_n = req.top_logprobs or 0
-        SamplingParams.from_dict(params)  # fail with a 400 here rather than per branch
         if req.stream:
             branches = [Branch(sp, input_ids=input_ids, rid=f"chatcmpl-{uuid.uuid4().hex}",
                                return_logprob=req.logprobs, top_logprobs_num=top_n)
@@ -190,8 +202,8 @@ class OpenAIAPI:
         choices = []
         for i, out in enumerate(outputs):
             meta = out["meta_info"]
-            _check_aborted(meta)
-            content, calls = self._tool_calls(mode, out["text"])
+            check_aborted(meta)
+            content, calls = self.tool_calls(mode, out["text"])
             finish = "tool_calls" if calls else _finish_reason(meta)
             message: dict[str, Any] = {"role": "assistant", "content": content}
             if calls:
@@ -264,15 +276,15 @@ class OpenAIAPI:
             raise bad_request(f"chat_template_kwargs may not set {clash}", "chat_template_kwargs")
         tools = toolcalls.template_tools(mode.tools) if mode.kind != "none" and mode.tools else None
         try:
-            text = self.tokenizer.apply_chat_template(
-                _template_messages(req.messages), tools=tools, tokenize=False,
+            text = render_chat(
+                self.tokenizer, _template_messages(req.messages), tools,
                 add_generation_prompt=req.add_generation_prompt,
                 continue_final_message=req.continue_final_message, **extra)
         except (jinja2.TemplateError, ValueError, TypeError) as exc:
             raise bad_request(f"could not render the chat template: {exc}", "messages") from None
         return self.tokenizer.encode(text, add_special_tokens=False)
 
-    def _tool_calls(self, mode: ToolMode, text: str) -> tuple[str | None, list[dict[str, Any]]]:
+    def tool_calls(self, mode: ToolMode, text: str) -> tuple[str | None, list[dict[str, Any]]]:
         if mode.kind == "named":
             return None, [toolcalls.tool_call(mode.name, text)]
         if mode.kind == "required":
@@ -334,7 +346,7 @@ class OpenAIAPI:
             finals[i] = meta
             finish = _finish_reason(meta)
             if buffered:
-                content, calls = self._tool_calls(mode, texts[i])
+                content, calls = self.tool_calls(mode, texts[i])
                 if calls:
                     finish = "tool_calls"
                     yield chunk(i, {"tool_calls": [{"index": k, **c} for k, c in enumerate(calls)]})
@@ -379,7 +391,7 @@ class OpenAIAPI:
         choices = []
         for i, out in enumerate(outputs):
             meta = out["meta_info"]
-            _check_aborted(meta)
+            check_aborted(meta)
             prompt_text = prompts[i // req.n][0]
             text = prompt_text + out["text"] if req.echo else out["text"]
             logprobs = self._completion_logprobs(meta, req.echo, 0) if want_logprobs else None

@@ -129,3 +129,52 @@ class CompletionRequest(SamplingFields):
     echo: bool = False
     best_of: int | None = Field(None, ge=1, le=128)
     suffix: str | None = None
+
+
+class ResponseTextFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"] = "text"
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseText(_Strict):
+    format: ResponseTextFormat = Field(default_factory=ResponseTextFormat)
+
+
+class ResponseTool(FunctionDef):
+    """A function tool in the Responses API's flat shape (other tool types are refused)."""
+
+    type: Literal["function"]
+
+
+class ResponseNamedToolChoice(_Strict):
+    type: Literal["function"]
+    name: str
+
+
+class ResponsesRequest(_Strict):
+    """POST /v1/responses. `input` items are checked when they are turned into chat messages."""
+
+    model: str | None = None
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    previous_response_id: str | None = None
+    max_output_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    tools: list[ResponseTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | ResponseNamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    text: ResponseText | None = None
+    stream: bool = False
+    store: bool = True
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    # Extras, as on chat completions.
+    seed: int | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    stop: str | list[str] | None = None

@@ -8,7 +8,7 @@ from pydantic import BaseModel
 
 import radixlm
 from radixlm.server.native import AbortRequest, GenerateRequest
-from radixlm.server.openai_protocol import ChatCompletionRequest, CompletionRequest
+from radixlm.server.openai_protocol import ChatCompletionRequest, CompletionRequest, ResponsesRequest
 
 _ERROR = {"description": "Error", "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
 _JSON_OR_STREAM = {"description": "The result, or server-sent events when stream is true",
@@ -18,6 +18,9 @@ _JSON_OR_STREAM = {"description": "The result, or server-sent events when stream
 _ENDPOINTS: dict[str, dict[str, tuple[str, type[BaseModel] | None, dict[str, Any]]]] = {
     "/v1/chat/completions": {"post": ("OpenAI chat completion", ChatCompletionRequest, _JSON_OR_STREAM)},
     "/v1/completions": {"post": ("OpenAI (legacy) text completion", CompletionRequest, _JSON_OR_STREAM)},
+    "/v1/responses": {"post": ("OpenAI Responses API (text, tools, text.format, previous_response_id)",
+                               ResponsesRequest, _JSON_OR_STREAM)},
+    "/v1/responses/{response_id}": {"get": ("A stored response", None, {"description": "Response object"})},
     "/v1/models": {"get": ("Lists the served model", None, {"description": "Model list"})},
     "/v1/models/{model}": {"get": ("Describes the served model", None, {"description": "Model card"})},
     "/generate": {"post": ("SGLang native generation (text or input_ids, single or batch)", GenerateRequest,

@@ -54,7 +54,8 @@ class LiveServer:
 _servers: dict[str, LiveServer] = {}
 
 
-def shared_server(model_path: str) -> LiveServer:
+def shared_server(model_path: str | None) -> LiveServer:
+    """One engine and server per model path (None: the default model), shared by the tests that ask for it."""
     if model_path not in _servers:
         _servers[model_path] = LiveServer(Engine(model_path))
     return _servers[model_path]
@@ -100,7 +101,7 @@ class ServerProcess:
             assert self.proc.stdout is not None
             for line in self.proc.stdout:
                 self.log.append(line)
-                match = re.search(r"listening on (http://\S+?) ", line)
+                match = re.search(r"listening on (https?://\S+?) ", line)
                 if match:
                     self.url = match.group(1)
                     found.set()

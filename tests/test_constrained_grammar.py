@@ -159,14 +159,13 @@ def test_budgets_raise_grammar_budget_error(tiny_tokenizer):
     with pytest.raises(GrammarBudgetError, match="max_compile_seconds"):
         build_constraint("json_schema", big, tiny_tokenizer, budget=GrammarBudget(max_compile_seconds=0.001))
     # Past half of max_configs a shared index is not handed to new requests (running ones keep theirs).
-    budget = GrammarBudget(max_configs=12)
-    c = build_constraint("json_schema", {"type": "array", "items": INT}, tiny_tokenizer, budget=budget)
-    assert build_constraint("json_schema", {"type": "array", "items": INT}, tiny_tokenizer, budget=budget).index is c.index
-    for t in tiny_tokenizer.encode("[1,22,333,4444]"):
-        c.allowed_token_mask(len(tiny_tokenizer))
+    budget, schema = GrammarBudget(max_configs=400), {"type": "string", "maxLength": 300}
+    c = build_constraint("json_schema", schema, tiny_tokenizer, budget=budget)
+    assert build_constraint("json_schema", schema, tiny_tokenizer, budget=budget).index is c.index
+    for t in tiny_tokenizer.encode('"' + "x" * 250):  # a new configuration per character
         c.advance(t)
-    assert c.index.num_states >= 6
-    assert build_constraint("json_schema", {"type": "array", "items": INT}, tiny_tokenizer, budget=budget).index is not c.index
+    assert c.index.num_states >= 200
+    assert build_constraint("json_schema", schema, tiny_tokenizer, budget=budget).index is not c.index
 
 
 def test_left_recursion_is_refused():

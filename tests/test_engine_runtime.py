@@ -242,10 +242,10 @@ def test_unsupported_architecture_names_it(llama_ckpt, tmp_path):
 
 
 def test_default_model_runs_without_a_path():
-    with radixlm.Engine() as e:
+    with radixlm.Engine(max_total_tokens=1024) as e:
         out = e.generate("Hello", {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True})
     assert out["meta_info"]["completion_tokens"] == 4
-    assert os.path.isdir(e.model_path)
+    assert e.model_path.endswith("SmolLM2-135M-Instruct.Q4_1.gguf") and os.path.isfile(e.model_path)
 
 
 def test_shutdown_releases_weights_and_kv_pool(llama_ckpt):

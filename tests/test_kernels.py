@@ -21,7 +21,10 @@ import torch  # noqa: E402
 
 pytest.importorskip("triton")
 
+from paged_kv import PagedBatch  # noqa: E402
+
 from radixlm import kernels  # noqa: E402
+from radixlm.kernels import cpu as cpu_ops  # noqa: E402
 from radixlm.kernels import reference as ref  # noqa: E402
 from radixlm.kernels import triton as tri  # noqa: E402
 
@@ -41,33 +44,6 @@ def _seed(request):
 
 def randn(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     return torch.randn(*shape, device=DEVICE).to(dtype)
-
-
-class PagedBatch:
-    """A KV pool filled with random values everywhere, and requests whose positions map to shuffled
-    slots (never slot 0) in shuffled rows of a request-to-token table whose unused cells hold other
-    valid slot ids, so any read of a wrong position or slot changes the answer."""
-
-    def __init__(self, seq_lens: list[int], num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                 index_dtype: torch.dtype) -> None:
-        batch, total = len(seq_lens), sum(seq_lens)
-        num_slots = total + 9
-        self.k_buffer = randn(num_slots + 1, num_kv_heads, head_dim, dtype=dtype)
-        self.v_buffer = randn(num_slots + 1, num_kv_heads, head_dim, dtype=dtype)
-        slots = torch.randperm(num_slots)[:total] + 1
-        num_rows, width = batch + 3, max(seq_lens, default=0) + 5
-        self.req_to_token = torch.randint(1, num_slots + 1, (num_rows, width), dtype=torch.int32)
-        self.req_pool_indices = torch.randperm(num_rows)[:batch]
-        start = 0
-        for row, seq_len in zip(self.req_pool_indices.tolist(), seq_lens):
-            self.req_to_token[row, :seq_len] = slots[start : start + seq_len].to(torch.int32)
-            start += seq_len
-        self.req_to_token = self.req_to_token.to(DEVICE, index_dtype)
-        self.req_pool_indices = self.req_pool_indices.to(DEVICE, index_dtype)
-        self.seq_lens = torch.tensor(seq_lens, device=DEVICE, dtype=index_dtype)
-
-    def tables(self) -> tuple[torch.Tensor, ...]:
-        return self.k_buffer, self.v_buffer, self.req_to_token, self.req_pool_indices, self.seq_lens
 
 
 def assert_same_rounding(actual: torch.Tensor, expected: torch.Tensor) -> None:
@@ -97,7 +73,7 @@ def test_extend_attention_fp32(heads):
     # Ragged: no prefix and 2 query blocks; a prefix spanning 2 key blocks; a prefix ending mid-block.
     prefix_lens, extend_lens = [0, 21, 5], [20, 3, 17]
     seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
-    batch = PagedBatch(seq_lens, num_kv_heads, head_dim, torch.float32, torch.int32)
+    batch = PagedBatch(seq_lens, num_kv_heads, head_dim, torch.float32, torch.int32, DEVICE)
     q = randn(sum(extend_lens), num_heads, head_dim)
     ext = torch.tensor(extend_lens, device=DEVICE, dtype=torch.int32)
     scale = head_dim**-0.5
@@ -109,7 +85,7 @@ def test_extend_attention_fp16_int64_strided_q_and_precomputed_starts():
     num_heads, num_kv_heads, head_dim = 4, 1, 64
     prefix_lens, extend_lens = [16, 0], [18, 1]
     seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
-    batch = PagedBatch(seq_lens, num_kv_heads, head_dim, torch.float16, torch.int64)
+    batch = PagedBatch(seq_lens, num_kv_heads, head_dim, torch.float16, torch.int64, DEVICE)
     # q sliced out of a fused QKV projection output, as the model produces it.
     qkv = randn(sum(extend_lens), (num_heads + 2 * num_kv_heads) * head_dim, dtype=torch.float16)
     q = qkv[:, : num_heads * head_dim].view(-1, num_heads, head_dim)
@@ -126,7 +102,7 @@ def test_decode_attention_split_kv_fp32(heads):
     # 3 splits: length 40 spans all three (16 + 16 + 8 keys); 17 leaves the third empty; 1 and 0 leave
     # two or three empty (0 is a padding row: the reference gives zeros).
     seq_lens = [40, 1, 17, 0]
-    batch = PagedBatch(seq_lens, num_kv_heads, head_dim, torch.float32, torch.int32)
+    batch = PagedBatch(seq_lens, num_kv_heads, head_dim, torch.float32, torch.int32, DEVICE)
     q = randn(len(seq_lens), num_heads, head_dim)
     expected = ref.decode_attention(q, *batch.tables(), head_dim**-0.5)
     assert_close(tri.decode_attention(q, *batch.tables(), head_dim**-0.5, num_kv_splits=3), expected)
@@ -135,7 +111,7 @@ def test_decode_attention_split_kv_fp32(heads):
 def test_decode_attention_fp16_int64_default_splits():
     num_heads, num_kv_heads, head_dim = 8, 2, 64
     seq_lens = [33, 7]
-    batch = PagedBatch(seq_lens, num_kv_heads, head_dim, torch.float16, torch.int64)
+    batch = PagedBatch(seq_lens, num_kv_heads, head_dim, torch.float16, torch.int64, DEVICE)
     q = randn(len(seq_lens), num_heads, head_dim, dtype=torch.float16)
     expected = ref.decode_attention(q, *batch.tables(), 0.125)
     assert_close(tri.decode_attention(q, *batch.tables(), 0.125), expected)
@@ -240,9 +216,10 @@ def test_seeded_exponential():
 
 # ----------------------------------------------------------------------------------- dispatch
 
-def test_both_sets_expose_every_op_with_the_reference_signature():
+def test_every_set_exposes_every_op_with_the_reference_signature():
     for name in kernels.OP_NAMES:
         ref_params = list(inspect.signature(getattr(ref, name)).parameters)
+        assert list(inspect.signature(getattr(cpu_ops, name)).parameters) == ref_params, name
         tri_params = list(inspect.signature(getattr(tri, name)).parameters)
         # The Triton versions may only append optional parameters.
         assert tri_params[: len(ref_params)] == ref_params, name
@@ -251,8 +228,8 @@ def test_both_sets_expose_every_op_with_the_reference_signature():
 
 
 def test_get_ops_dispatch(monkeypatch):
-    assert kernels.get_ops("cpu") is ref
+    assert kernels.get_ops("cpu") is cpu_ops
     monkeypatch.setenv("RADIXLM_DISABLE_TRITON", "1")
-    assert kernels.get_ops("cuda") is ref
+    assert kernels.get_ops("cuda") is cpu_ops
     monkeypatch.delenv("RADIXLM_DISABLE_TRITON")
-    assert kernels.get_ops("cuda") is (tri if torch.cuda.is_available() else ref)
+    assert kernels.get_ops("cuda") is (tri if torch.cuda.is_available() else cpu_ops)

@@ -24,7 +24,7 @@ from typing_extensions import TypedDict
 
 from radixlm.adapters.langchain import ChatSGLang
 from radixlm.adapters.langchain.tools import parse_reply, tool_mode
-from radixlm.core.models.tiny_checkpoint import default_model_path
+from radixlm.core.testing import tiny_model_path
 from server_harness import LiveServer, render_chat, shared_server
 
 MAX = 12
@@ -32,7 +32,7 @@ MAX = 12
 
 @pytest.fixture(scope="module")
 def live() -> Any:
-    return shared_server(default_model_path())
+    return shared_server(tiny_model_path())
 
 
 @pytest.fixture
@@ -326,8 +326,8 @@ def test_in_process_timeout(live: Any) -> None:
 
 
 def test_model_path_starts_one_shared_engine(live: Any) -> None:
-    a = ChatSGLang(model_path=default_model_path(), temperature=0, max_tokens=MAX)
-    b = ChatSGLang(model_path=default_model_path(), temperature=1)
+    a = ChatSGLang(model_path=tiny_model_path(), temperature=0, max_tokens=MAX)
+    b = ChatSGLang(model_path=tiny_model_path(), temperature=1)
     assert a.connection().backend is b.connection().backend
     assert a.connection().backend.engine is not live.engine
     # Same checkpoint, another engine: the same greedy reply.

@@ -16,7 +16,7 @@ from langchain_core.runnables import RunnableLambda, RunnableParallel
 from pydantic import BaseModel
 
 from radixlm.adapters.langchain import ChatSGLang, LangChainProgram, to_program
-from radixlm.core.models.tiny_checkpoint import default_model_path
+from radixlm.core.testing import tiny_model_path
 from server_harness import render_chat, shared_server, wait_idle
 
 SYSTEM = "You are a careful assistant who explains how a radix-tree KV cache shares prompt prefixes. " * 4
@@ -25,7 +25,7 @@ MAX = 6
 
 @pytest.fixture(scope="module")
 def live() -> Any:
-    return shared_server(default_model_path())
+    return shared_server(tiny_model_path())
 
 
 @pytest.fixture

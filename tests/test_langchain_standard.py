@@ -1,12 +1,11 @@
 """langchain-tests' standard suites (pinned in pyproject's dev extra) against ChatSGLang: the unit suite,
-and the integration suite twice, on the embedded tiny model in-process and through radixlm's server on a
-loopback port (the same engine behind both).
+and the integration suite twice, on the embedded default model (SmolLM2-135M-Instruct) in-process and
+through radixlm's server on a loopback port (the same engine behind both).
 
-The model has random weights, so the suites run it the way such a model can meet them: greedy,
-max_tokens=48 (room for a forced tool call or a two-field JSON object in its 1000-token vocabulary),
-JSON strings bounded to 8 characters (max_string_length; a random model rarely closes a string by
-itself) and forced tool choices limited to one call (parallel_tool_calls=False). The tests that need
-the model to understand its prompt are skipped with the reason; docs/langchain.md lists them.
+Greedy, with room for a forced tool call or a two-field JSON object (max_tokens=64) and JSON strings
+bounded to 32 characters (max_string_length: a small model's greedy strings can loop), forced tool
+choices limited to one call (parallel_tool_calls=False). The tests a 135M model cannot pass are run as
+expected failures with the reason; docs/langchain.md lists them.
 """
 
 from __future__ import annotations
@@ -14,29 +13,32 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from langchain_core.language_models import BaseChatModel
 from langchain_core.messages import AIMessage
 from langchain_tests.integration_tests import ChatModelIntegrationTests
 from langchain_tests.unit_tests import ChatModelUnitTests
 
 from radixlm.adapters.langchain import ChatSGLang
-from radixlm.core.models.tiny_checkpoint import default_model_path
 from server_harness import shared_server
 
 # The integration suite mixes sync and async tests; pytest-asyncio runs the async ones (strict mode).
 pytestmark = pytest.mark.filterwarnings("ignore:The test <Function .* is marked with '@pytest.mark.asyncio'")
 
-NEEDS_UNDERSTANDING = "a random-weight model does not understand its prompt: "
-SKIP_REASONS = {
-    "test_tool_calling": NEEDS_UNDERSTANDING + "decoding forces a call of magic_function with an integer "
-                         "argument in (-1000, 1000), but the test wants the 3 the question asks for",
-    "test_tool_calling_async": NEEDS_UNDERSTANDING + "as test_tool_calling (the argument must be 3)",
-    "test_agent_loop": NEEDS_UNDERSTANDING + "with tool_choice 'auto' the model itself must decide to call "
-                       "get_weather",
-    "test_unicode_tool_call_integration": NEEDS_UNDERSTANDING + "the customer name in the forced call must "
-                                          "copy the Chinese/Japanese name from the prompt",
-    "test_json_mode": NEEDS_UNDERSTANDING + "json_mode enforces a JSON object; its keys ('setup', 'punchline') "
-                      "must come from the model following the instructions",
+TOO_SMALL = "SmolLM2-135M-Instruct is too small to follow this prompt: "
+XFAIL_REASONS = {
+    "test_tool_calling": TOO_SMALL + "the call of magic_function is forced, but the model writes 1, 100 or 123 "
+                         "as its argument instead of copying the 3 the question asks about",
+    "test_tool_calling_async": TOO_SMALL + "as test_tool_calling (the argument must be 3)",
+    "test_agent_loop": TOO_SMALL + "with tool_choice 'auto' it answers the weather question in prose instead "
+                       "of calling get_weather",
+    "test_json_mode": TOO_SMALL + "json_mode enforces a JSON object, but the keys 'setup' and 'punchline' must "
+                      "come from following the instructions, and the model nests them",
 }
+
+
+def too_small(test: Any) -> Any:
+    """Runs a standard test as an expected failure (langchain-tests accepts an override with an xfail reason)."""
+    return pytest.mark.xfail(reason=XFAIL_REASONS[test.__name__], strict=False)(test)
 
 
 def skipped(reason: str) -> Any:
@@ -48,8 +50,8 @@ def skipped(reason: str) -> Any:
 
 
 def live() -> Any:
-    """The tiny default model's engine, served on a free loopback port; shared by the langchain tests."""
-    return shared_server(default_model_path())
+    """The default model's engine, served on a free loopback port; shared by the langchain tests."""
+    return shared_server(None)
 
 
 class TestUnit(ChatModelUnitTests):
@@ -60,7 +62,7 @@ class TestUnit(ChatModelUnitTests):
     @property
     def chat_model_params(self) -> dict[str, Any]:
         # Nothing listens there: construction, binding and tracing metadata must not connect.
-        return {"base_url": "http://127.0.0.1:9", "model": "default-tiny-llama-v1"}
+        return {"base_url": "http://127.0.0.1:9", "model": "SmolLM2-135M-Instruct"}
 
     @property
     def init_from_env_params(self) -> tuple[dict[str, str], dict[str, Any], dict[str, Any]]:
@@ -87,7 +89,7 @@ class _Integration(ChatModelIntegrationTests):
 
     @property
     def chat_model_params(self) -> dict[str, Any]:
-        return {**self.target, "temperature": 0, "max_tokens": 48, "max_string_length": 8,
+        return {**self.target, "temperature": 0, "max_tokens": 64, "max_string_length": 32,
                 "parallel_tool_calls": False}
 
     @property
@@ -108,7 +110,7 @@ class _Integration(ChatModelIntegrationTests):
         return {"invoke": ["cache_read_input"], "stream": ["cache_read_input"]}
 
     def invoke_with_cache_read_input(self, *, stream: bool = False) -> AIMessage:
-        llm = self.chat_model_class(**self.chat_model_params)
+        llm = self.chat_model_class(**{**self.chat_model_params, "max_tokens": 8})
         prompt = "Summarize the radix attention paper. " * 8
         llm.invoke(prompt)  # the second call finds the prompt in the radix cache
         if not stream:
@@ -118,26 +120,21 @@ class _Integration(ChatModelIntegrationTests):
             full = chunk if full is None else full + chunk
         return full
 
-    @skipped(SKIP_REASONS["test_tool_calling"])
-    def test_tool_calling(self, model: Any) -> None:
-        """Not run: see the skip reason."""
+    @too_small
+    def test_tool_calling(self, model: BaseChatModel) -> None:
+        super().test_tool_calling(model)
 
-    @skipped(SKIP_REASONS["test_tool_calling_async"])
-    async def test_tool_calling_async(self, model: Any) -> None:
-        """Not run: see the skip reason."""
+    @too_small
+    async def test_tool_calling_async(self, model: BaseChatModel) -> None:
+        await super().test_tool_calling_async(model)
 
-    @skipped(SKIP_REASONS["test_agent_loop"])
-    def test_agent_loop(self, model: Any) -> None:
-        """Not run: see the skip reason."""
+    @too_small
+    def test_agent_loop(self, model: BaseChatModel) -> None:
+        super().test_agent_loop(model)
 
-    @skipped(SKIP_REASONS["test_unicode_tool_call_integration"])
-    def test_unicode_tool_call_integration(self, model: Any, *, tool_choice: str | None = None,
-                                           force_tool_call: bool = True) -> None:
-        """Not run: see the skip reason."""
-
-    @skipped(SKIP_REASONS["test_json_mode"])
-    def test_json_mode(self, model: Any) -> None:
-        """Not run: see the skip reason."""
+    @too_small
+    def test_json_mode(self, model: BaseChatModel) -> None:
+        super().test_json_mode(model)
 
 
 @pytest.mark.asyncio

@@ -12,7 +12,7 @@ import pytest
 
 import radixlm as sgl
 
-MODEL = "radixlm-default-tiny"
+MODEL = "SmolLM2-135M-Instruct"
 
 
 @pytest.fixture(scope="module")

@@ -23,7 +23,7 @@ from radixlm.core.engine.request import GenerateInput
 from radixlm.core.engine.sampling_params import SamplingParams
 from radixlm.core.engine.scheduler import AbortMsg
 from radixlm.core.errors import InvalidRequestError, UnsupportedModelError
-from radixlm.core.models.tiny_checkpoint import build_checkpoint
+from radixlm.core.testing import build_checkpoint
 
 GREEDY = {"max_new_tokens": 10, "temperature": 0, "ignore_eos": True}
 # Small chunks and pool: prompts prefill over several steps, so table writes cross step boundaries.

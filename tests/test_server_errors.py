@@ -56,7 +56,6 @@ CASES = [
     ("max_tokens beyond context", "POST", CHAT, chat(max_tokens=10**6), 400, "max_tokens"),
     ("frequency penalty out of range", "POST", CHAT, chat(frequency_penalty=5), 400, "frequency_penalty"),
     ("seed as string", "POST", CHAT, chat(seed="42"), 400, "seed"),
-    ("unknown model", "POST", CHAT, chat(model="gpt-17"), 400, "model"),
     ("model as number", "POST", CHAT, chat(model=3), 400, "model"),
     ("stream as string", "POST", CHAT, chat(stream="yes"), 400, "stream"),
     ("stream_options without stream", "POST", CHAT, chat(stream_options={"include_usage": True}), 400,

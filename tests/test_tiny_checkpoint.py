@@ -4,7 +4,6 @@ safetensors as oracles) and the embedded default model."""
 from __future__ import annotations
 
 import json
-import logging
 import threading
 import unicodedata
 from pathlib import Path
@@ -17,12 +16,12 @@ from safetensors import safe_open
 from tokenizers import Tokenizer
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from radixlm.core.models.tiny_checkpoint import (
+from radixlm.core.testing import (
     SPECIAL_TOKENS,
     VOCAB_SIZE,
     build_checkpoint,
     build_tokenizer,
-    default_model_path,
+    tiny_model_path,
 )
 
 CHECKPOINTS = ["llama_ckpt", "llama_tied_ckpt", "qwen2_ckpt", "mistral_ckpt", "llama3_rope_ckpt", "sharded_ckpt"]
@@ -262,26 +261,23 @@ def test_build_checkpoint_refuses_a_non_empty_destination(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["taken"]
 
 
-# ---------------------------------------------------------------------------------------- default model
+# ------------------------------------------------------------------------------------------- tiny model
 
 
-def test_default_model_is_built_once_and_reused(tmp_path, monkeypatch, caplog, llama_ckpt):
+def test_tiny_model_is_built_once_and_reused(tmp_path, monkeypatch, llama_ckpt):
     monkeypatch.setenv("RADIXLM_CACHE", str(tmp_path))
-    with caplog.at_level(logging.WARNING, logger="radixlm"):
-        path = default_model_path()
+    path = tiny_model_path()
     assert path == str(tmp_path / "default-tiny-llama-v1")
-    warning = " ".join(r.getMessage() for r in caplog.records if r.name == "radixlm" and r.levelno == logging.WARNING)
-    assert "random weights" in warning.lower() and "meaningless" in warning and "model_path" in warning
 
     stamps = {p.name: p.stat().st_mtime_ns for p in Path(path).iterdir()}
-    assert default_model_path() == path
+    assert tiny_model_path() == path
     assert {p.name: p.stat().st_mtime_ns for p in Path(path).iterdir()} == stamps
-    # The default model is exactly build_checkpoint(arch="llama", seed=0), untied.
+    # The tiny model is exactly build_checkpoint(arch="llama", seed=0), untied.
     default, llama = load_tensors(path), load_tensors(llama_ckpt)
     assert set(default) == set(llama) and all(torch.equal(default[k], llama[k]) for k in llama)
 
 
-def test_racing_builders_of_the_default_model_agree(tmp_path, monkeypatch):
+def test_racing_builders_of_the_tiny_model_agree(tmp_path, monkeypatch):
     # Threads rather than processes, to keep the suite fast: all of them find the model missing
     # and build it, and all but one lose the final atomic rename, which is also what keeps
     # separate processes safe.
@@ -291,7 +287,7 @@ def test_racing_builders_of_the_default_model_agree(tmp_path, monkeypatch):
 
     def build() -> None:
         try:
-            results.append(default_model_path())
+            results.append(tiny_model_path())
         except BaseException as e:  # surfaced by the assertion below
             errors.append(e)
 

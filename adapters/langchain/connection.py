@@ -86,8 +86,8 @@ def server_connection(base_url: str, api_key: str | None, timeout: float | None,
         tokenizer = load_tokenizer(tokenizer_path)
     if tokenizer is None:
         raise ValueError(f"ChatSGLang renders chats with the model's own chat template, so it needs the model's "
-                         f"tokenizer: the server's model path {endpoint.model_info.get('model_path')!r} is not a "
-                         "directory here; pass tokenizer_path=")
+                         f"tokenizer: the server's model path {endpoint.model_info.get('model_path')!r} is not on this "
+                         "machine; pass tokenizer_path=")
     info = endpoint.model_info
     name = info.get("served_model_name") or info["model_path"]
     return Connection(backend=endpoint, renderer=ChatRenderer(tokenizer), context_len=info["context_len"],

@@ -18,6 +18,7 @@ from langchain_core.messages import (
 from langchain_core.messages.ai import InputTokenDetails, UsageMetadata
 
 from radixlm.adapters.langchain.tools import ParsedCalls, template_tool_calls
+from radixlm.core.chat_render import render_chat
 
 # Content blocks of an assistant message that are not its text: the tool calls are rendered from
 # `tool_calls`, reasoning is not part of the prompt.
@@ -84,8 +85,7 @@ class ChatRenderer:
         self._bos_to_strip = bos if bos and ids and ids[0] == tokenizer.bos_token_id else None
 
     def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:
-        text = self.tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False,
-                                                  add_generation_prompt=True)
+        text = render_chat(self.tokenizer, messages, tools, add_generation_prompt=True)
         if self._bos_to_strip:
             text = text.removeprefix(self._bos_to_strip)
         return text

@@ -57,18 +57,17 @@ class RuntimeEndpoint(NativeGenerateBackend):
 
     def _generate_stream(self, request: dict[str, Any]) -> Iterator[dict[str, Any]]:
         """The server streams cumulative text and output logprobs; this yields only what is new."""
+        from httpx_sse import connect_sse
+
         sent_text, sent_logprobs = 0, 0
-        with self._http.stream("POST", "/generate", json={**request, "stream": True}) as response:
-            if response.status_code != 200:
-                response.read()
-                _check(response)
-            for line in response.iter_lines():
-                if not line.startswith("data:"):
-                    continue
-                payload = line[len("data:"):].strip()
-                if payload == "[DONE]":
+        with connect_sse(self._http, "POST", "/generate", json={**request, "stream": True}) as source:
+            if source.response.status_code != 200:
+                source.response.read()
+                _check(source.response)
+            for event in source.iter_sse():
+                if event.data == "[DONE]":
                     return
-                chunk = json.loads(payload)
+                chunk = json.loads(event.data)
                 meta = chunk["meta_info"]
                 text = chunk["text"]
                 if "output_token_logprobs" in meta:
@@ -101,7 +100,7 @@ def _check(response: "httpx.Response") -> None:
 
 
 def _try_load_tokenizer(path: str | None) -> Any:
-    if not path or not os.path.isdir(path):
+    if not path or not os.path.exists(path):  # a checkpoint folder or .gguf file on this machine
         return None
     from radixlm.core.models.loader import load_tokenizer
     try:

@@ -5,12 +5,12 @@ from __future__ import annotations
 import re
 from typing import Any
 
-import numpy as np
 import torch
 
 from radixlm.core.constrained.grammar_compiler import DEFAULT_BUDGET, GrammarBudget
 from radixlm.core.constrained.grammar_index_cache import get_grammar_index
 from radixlm.core.constrained.index import TokenIndex, get_index
+from radixlm.core.constrained.pda import can_finish
 from radixlm.core.constrained.json_schema import json_schema_to_regex
 from radixlm.core.constrained.vocab import vocab_of
 from radixlm.core.models.tokenizer_fast_path import encoder_for
@@ -147,22 +147,23 @@ def constraint_regex(kind: str, spec: Any, whitespace_pattern: str | None = None
     raise ValueError(f"unknown constraint kind {kind!r}; expected one of {KINDS}")
 
 
-BACKENDS = ("grammar", "regex-dfa", "llguidance")
+BACKENDS = ("radixlm", "regex-dfa", "llguidance")
+REACH_CHECK_STATES = 2_000  # configurations a build may explore to find that some output can be written
 
 
 def build_constraint(kind: str, spec: Any, tokenizer: object, *, eos_token_ids: list[int] | None = None,
-                     whitespace_pattern: str | None = None, backend: str = "grammar",
+                     whitespace_pattern: str | None = None, backend: str = "radixlm",
                      budget: GrammarBudget = DEFAULT_BUDGET) -> FSMConstraint:
     """A fresh constraint for one request. kind: 'regex' (a Python regex, fullmatch semantics),
     'json_schema' (a JSON string, dict or pydantic model class) or 'choices' (a list of strings).
     EOS ids default to the tokenizer's eos_token_id. Invalid input raises ValueError naming the problem,
-    GrammarBudgetError past a budget. backend: 'grammar' (the grammar engine, pda.py), 'regex-dfa' (the
+    GrammarBudgetError past a budget. backend: 'radixlm' (the grammar engine, pda.py), 'regex-dfa' (the
     whole-pattern DFA and its eager token index) or 'llguidance' (the optional PyPI package)."""
     vocab = vocab_of(tokenizer, eos_token_ids)
-    if backend == "grammar":
+    if backend == "radixlm":
         index = get_grammar_index(kind, spec, vocab, whitespace_pattern, budget)
-        first = np.flatnonzero(np.asarray(index.byte_successors(index.start)) >= 0)
-        if not index.is_accepting(index.start) and not np.isin(first, vocab.trie.byte[1]).any():
+        if not can_finish(index, index.start, REACH_CHECK_STATES):
+            # No output can be written with the bytes this vocabulary's tokens contain.
             raise ValueError(f"no sequence of this tokenizer's tokens matches the {kind} {spec!r}")
         return FSMConstraint(index)
     if backend == "regex-dfa":

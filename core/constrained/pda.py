@@ -68,6 +68,8 @@ class GrammarIndex:
         self._edges: dict[int, tuple[bytes, int]] = {}
         self._masks = MaskCache(MASK_CACHE_SIZE)
         self._lock = threading.RLock()
+        self._spellable = np.zeros(256, dtype=bool)
+        self._spellable[np.unique(np.frombuffer(b"".join(vocab.token_bytes), dtype=np.uint8))] = True
         self.start = self._intern(self._follow(self._cont(grammar.start, 0, -1)))
 
     # ---- configurations ----------------------------------------------------------------------------
@@ -143,6 +145,7 @@ class GrammarIndex:
                     moved = [(t, q2, k) for (t, _, k), q2 in zip(items, column) if q2 >= 0]
                     targets.append(self._intern(self._close(moved)) if moved else -1)
                 out = np.asarray(targets, dtype=np.int32)[inverse.reshape(-1)]
+                out[~self._spellable] = -1  # bytes no token contains can never be written
             self._table[c] = out
             self._built[c] = True
             live = np.flatnonzero(out >= 0)
@@ -282,3 +285,41 @@ class GrammarIndex:
                     _, idx = expand_ranges(eptr[nodes], eptr[nodes + 1] - eptr[nodes])
                     out[trie.end_tokens[d][idx]] = True
         return out
+
+
+def shortest_bytes_to_accept(index, state: int, max_states: int = 100_000) -> bytes | None:
+    """Breadth first from `state` over `index.byte_successors` to an accepting state: the bytes of the
+    shortest path, or None if none is found within `max_states` states. For either engine's index."""
+    return _search(index, state, max_states)[0]
+
+
+def can_finish(index, state: int, max_states: int) -> bool:
+    """False only when the search ran out of states to visit without reaching an accepting one."""
+    path, exhausted = _search(index, state, max_states)
+    return path is not None or not exhausted
+
+
+def _search(index, state: int, max_states: int) -> tuple[bytes | None, bool]:
+    """(shortest path to acceptance or None, whether every reachable state was visited)."""
+    if index.is_accepting(state):
+        return b"", False
+    back: dict[int, tuple[int, int] | None] = {state: None}
+    frontier = [state]
+    while frontier:
+        if len(back) >= max_states:
+            return None, False
+        nxt = []
+        for s in frontier:
+            for byte, t in enumerate(index.byte_successors(s)):
+                if t < 0 or t in back:
+                    continue
+                back[t] = (s, byte)
+                if index.is_accepting(t):
+                    path = bytearray()
+                    while back[t] is not None:
+                        t, b = back[t]
+                        path.append(b)
+                    return bytes(reversed(path)), False
+                nxt.append(t)
+        frontier = nxt
+    return None, True

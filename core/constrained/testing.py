@@ -16,6 +16,7 @@ import numpy as np
 
 from radixlm.core.constrained.fsm import FSMConstraint
 from radixlm.core.constrained.index import cache_dir
+from radixlm.core.constrained.pda import shortest_bytes_to_accept
 
 QWEN2_PATTERN = (
     r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
@@ -52,30 +53,6 @@ def qwen2_tokenizer():
     )
 
 
-def _bytes_to_accept(index, state: int) -> bytes:
-    """The shortest byte string leading from `state` to an accepting state (breadth-first)."""
-    if index.is_accepting(state):
-        return b""
-    back = {state: None}
-    frontier = [state]
-    while frontier:
-        nxt = []
-        for s in frontier:
-            for byte, t in enumerate(index.byte_successors(s)):
-                if t < 0 or t in back:
-                    continue
-                back[t] = (s, byte)
-                if index.is_accepting(t):
-                    path = bytearray()
-                    while back[t] is not None:
-                        t, b = back[t]
-                        path.append(b)
-                    return bytes(reversed(path))
-                nxt.append(t)
-        frontier = nxt
-    raise AssertionError("no accepting state is reachable")
-
-
 def random_walk(constraint: FSMConstraint, rng: np.random.Generator, max_tokens: int = 48,
                 stop_prob: float = 0.3) -> list[int]:
     """Token ids of one random walk through `constraint` (EOS not included), ending in an accepting state.
@@ -99,7 +76,10 @@ def random_walk(constraint: FSMConstraint, rng: np.random.Generator, max_tokens:
         else:
             if len(ids) > 8 * max_tokens + 200:
                 raise AssertionError("random walk does not reach an accepting state")
-            token = single.get(_bytes_to_accept(index, state)[0], -1)
+            path = shortest_bytes_to_accept(index, state)
+            if path is None:
+                raise AssertionError("no accepting state is reachable")
+            token = single.get(path[0], -1)
             if token < 0 or index.next_state(state, token) < 0:
                 allowed = index.allowed_tokens(state)
                 token = int(allowed[rng.integers(len(allowed))])

@@ -1,6 +1,6 @@
 """The attention-backend interface: store the new tokens' KV into their pool slots, then attend.
 
-One backend serves every kernel set: `ops` is kernels.reference (pure torch, the CPU path) or the
+One backend serves every kernel set: `ops` is kernels.cpu (pure torch, the CPU path) or the
 Triton kernels on CUDA, with identical signatures.
 """
 

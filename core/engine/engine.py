@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import queue
 import threading
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, AsyncIterator, Iterator
 
 from radixlm.core.engine.model_runner import ModelRunner
@@ -17,6 +19,7 @@ from radixlm.core.engine.sampling_params import SamplingParams
 from radixlm.core.engine.scheduler import AbortMsg, CallMsg, Scheduler
 from radixlm.core.errors import EngineShutdownError, GrammarBudgetError, InvalidRequestError, QueueFullError
 from radixlm.core.models.config import ModelConfig
+from radixlm.core.models.hub import locate_model
 from radixlm.core.models.loader import load_tokenizer
 
 logger = logging.getLogger("radixlm")
@@ -27,30 +30,38 @@ Output = dict[str, Any]
 class Engine:
     """An in-process inference engine.
 
-    >>> with Engine() as engine:  # no model path: the embedded tiny model (random weights)
+    >>> with Engine() as engine:  # no model path: the embedded default model (SmolLM2-135M-Instruct)
     ...     out = engine.generate("Hello", {"max_new_tokens": 8, "temperature": 0})
     """
 
     def __init__(self, model_path: str | None = None, **options: Any) -> None:
         self.options = EngineOptions.from_kwargs(options)
         _configure_logging(self.options.log_level)
-        if model_path is None:
-            from radixlm.core.models.tiny_checkpoint import default_model_path
-
-            model_path = default_model_path()
-            default_name = "radixlm-default-tiny"
-        else:
-            default_name = model_path.rstrip("/").split("/")[-1]
+        model_path, default_name = locate_model(model_path)
         self.model_path = model_path
         self.served_model_name = self.options.served_model_name or default_name
         self.model_config = ModelConfig.from_dir(model_path)
-        self.tokenizer = load_tokenizer(model_path)
+        self.vocab_size = self.model_config.vocab_size
+        self.context_len = self.model_config.context_len
+        if self.options.context_length is not None:
+            if self.options.context_length > self.context_len:
+                raise InvalidRequestError(f"context_length {self.options.context_length} exceeds the model's "
+                                          f"{self.context_len} tokens", "context_length")
+            self.context_len = self.options.context_length
+        # The tokenizer loads on a thread while the weights load: it is mostly imports, which hold the
+        # GIL, and they mostly dequantize and copy, which release it; on two cores the two overlap.
+        with ThreadPoolExecutor(1, thread_name_prefix="radixlm-tokenizer") as pool:
+            tokenizer = pool.submit(load_tokenizer, self.options.tokenizer_path or model_path,
+                                    trust_remote_code=self.options.trust_remote_code)
+            if self.options.tp_size == 1 and self.options.dp_size == 1:
+                self._runner = ModelRunner(model_path, self.model_config, self.options)
+            self.tokenizer = tokenizer.result()
+        if self.options.chat_template is not None:
+            self.tokenizer.chat_template = _chat_template_text(self.options.chat_template)
         eos = list(self.model_config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None and self.tokenizer.eos_token_id not in eos:
             eos.append(self.tokenizer.eos_token_id)
         self.eos_token_ids = eos
-        self.vocab_size = self.model_config.vocab_size
-        self.context_len = self.model_config.context_len
         if self.options.tp_size > 1 or self.options.dp_size > 1:
             # Tensor-parallel ranks or data-parallel workers behind the same inbox (docs/scale_out.md).
             from radixlm.core.engine.dp_router import build_scheduler
@@ -58,7 +69,6 @@ class Engine:
             self._scheduler, self.kv_pool_size = build_scheduler(model_path, self.model_config, self.options,
                                                                  self.tokenizer, eos)
         else:
-            self._runner = ModelRunner(model_path, self.model_config, self.options)
             self._scheduler = Scheduler(self._runner, self.options, self.tokenizer, eos)
             self.kv_pool_size = self._runner.num_slots
         self._thread = threading.Thread(target=self._scheduler.run_forever, name="radixlm-scheduler", daemon=True)
@@ -337,6 +347,16 @@ def _counting_sink(sink, on_final):
 def _set_result(fut: asyncio.Future, out: Output) -> None:
     if not fut.done():
         fut.set_result(out)
+
+
+def _chat_template_text(template: str) -> str:
+    """--chat-template is a file holding a Jinja template, or the template itself."""
+    if os.path.isfile(template):
+        with open(template, encoding="utf-8") as f:
+            return f.read()
+    if "{{" in template or "{%" in template:
+        return template
+    raise InvalidRequestError(f"chat_template {template!r} is neither a file nor a Jinja template", "chat_template")
 
 
 def _configure_logging(level: str) -> None:

@@ -1,10 +1,13 @@
 """KV memory: a token-granular KV pool with its slot allocator, and the request-to-token table.
 
 Slot 0 of the KV pool is never handed out: padded positions (CUDA-graph batches, dummy rows) write
-there, so a real request's KV is never overwritten by padding.
+there, so a real request's KV is never overwritten by padding, and padded reads (the CPU kernels'
+masked keys) read it.
 """
 
 from __future__ import annotations
+
+import mmap
 
 import torch
 
@@ -12,7 +15,9 @@ from radixlm.core.errors import OutOfMemoryError
 
 
 class KVPool:
-    """Per-layer key and value buffers of shape [num_slots + 1, num_kv_heads, head_dim]."""
+    """Per-layer key and value buffers of shape [num_slots + 1, num_kv_heads, head_dim], views of one
+    zeroed allocation. On the CPU that allocation is an anonymous memory map: the OS hands its pages out
+    zeroed on first touch, so the pool costs no start-up time and only the RAM that requests fill."""
 
     def __init__(
         self,
@@ -24,9 +29,14 @@ class KVPool:
         device: torch.device | str,
     ) -> None:
         self.num_slots = num_slots
-        shape = (num_slots + 1, num_kv_heads, head_dim)
-        self.k_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        shape = (2, num_layers, num_slots + 1, num_kv_heads, head_dim)
+        if torch.device(device).type == "cpu":
+            nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+            # The tensor keeps the map alive; it is unmapped when the last view is freed.
+            kv = torch.frombuffer(mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE), dtype=dtype).view(shape)
+        else:
+            kv = torch.zeros(shape, dtype=dtype, device=device)
+        self.k_buffers, self.v_buffers = list(kv[0].unbind(0)), list(kv[1].unbind(0))
 
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:

@@ -34,6 +34,8 @@ _CUDA_SLACK_BYTES = 1 << 30
 # Bytes per logit of the decode sampler's temporaries at most (fp32 copies, softmax, sort values and
 # int64 order, cumulative sum) — what max_running_requests x vocab costs in the worst sampling step.
 _SAMPLER_BYTES_PER_LOGIT = 32
+# The least KV pool a CPU engine sizes for by default (lazily backed: unused pages cost no RAM).
+_CPU_KV_MIN_BYTES = 256 << 20
 
 
 @dataclass
@@ -118,7 +120,12 @@ class ModelRunner:
             # weights), the KV pool, and the activations, sampler temporaries and CUDA graphs to come.
             budget = total * opts.mem_fraction_static - (total - free) - self._activation_reserve(opts)
         else:
-            budget = _host_available_bytes() * opts.mem_fraction_static * 0.25
+            # A quarter of the RAM share, and at most twice the weights' bytes (at least
+            # _CPU_KV_MIN_BYTES): a decode step reading a pool that full already spends more time in
+            # attention than in the weights, so more KV would buy cache the CPU cannot use at speed.
+            weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
+            budget = min(_host_available_bytes() * opts.mem_fraction_static * 0.25,
+                         max(2 * weights, _CPU_KV_MIN_BYTES))
         # On CPU there is no point holding more than every running request could use at once.
         ceiling = opts.max_running_requests * self.cfg.context_len
         return max(256, min(int(budget // per_token), ceiling))

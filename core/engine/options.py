@@ -3,50 +3,95 @@
 from __future__ import annotations
 
 import dataclasses
-import logging
-from dataclasses import dataclass
-from typing import Any
-
-import torch
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Sequence
 
 from radixlm.core.engine.schedule_policy import POLICIES
+
+if TYPE_CHECKING:
+    import torch
 from radixlm.core.errors import InvalidRequestError
 
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
+# Names accepted for each torch dtype (torch itself is imported only when an engine starts).
+_DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
+           "float16": "float16", "fp16": "float16", "half": "float16"}
+
+
+def option(default: Any, help: str, *, choices: Sequence[str] | None = None,
+           aliases: Sequence[str] = ()) -> Any:
+    """A documented option field: its help text, allowed values and other spellings (vLLM's) are the
+    one source for the `radixlm serve` flags and the docs."""
+    return field(default=default, metadata={"help": help, "choices": tuple(choices) if choices else None,
+                                            "aliases": tuple(aliases)})
+
+
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
 
 @dataclass
 class EngineOptions:
-    dtype: str = "auto"  # auto: bf16 on CUDA, fp32 on CPU
-    device: str | None = None  # None: cuda if available, else cpu
-    schedule_policy: str = "lpm"
-    # A waiting request passed over this many times by better-matching ones goes first.
-    schedule_fairness_bound: int = 32
-    chunked_prefill_size: int = 8192  # max new tokens per prefill step; -1 disables chunking
-    max_running_requests: int | None = None
-    max_total_tokens: int | None = None  # KV pool size in tokens; default from mem_fraction_static
-    mem_fraction_static: float = 0.9
-    disable_radix_cache: bool = False
-    disable_jump_forward: bool = False
-    # Constrained decoding (docs/constrained.md): "grammar" (ours), "regex-dfa" (the whole-pattern DFA),
-    # or "llguidance" (the optional PyPI package); per-constraint budgets past which a request gets 400.
-    grammar_backend: str = "grammar"
-    grammar_max_compile_seconds: float = 2.0
-    grammar_max_configs: int = 200_000
-    random_seed: int = 0
-    log_level: str = "warning"
-    served_model_name: str | None = None
-    max_queued_requests: int | None = None  # bounded waiting queue (the server answers 503 beyond it)
-    debug_check_invariants: bool = False  # verify the KV slot invariant after every step (slow)
-    disable_cuda_graph: bool = False  # CUDA only: run decode eagerly instead of replaying captured graphs
-    cuda_graph_max_bs: int | None = None  # largest decode batch captured; default min(max_running_requests, 512)
+    """Engine options, named as SGLang's server arguments (vLLM's spellings are CLI aliases)."""
+
+    dtype: str = option("auto", "weight and activation dtype; auto: bfloat16 on CUDA, float32 on CPU",
+                        choices=("auto", *_DTYPES))
+    device: str | None = option(None, "device to run on, e.g. cuda, cuda:1, cpu; default: cuda if available")
+    context_length: int | None = option(
+        None, "the longest prompt plus completion a request may have, in tokens; default: the model's "
+        "(max_position_embeddings, capped by a sliding window); may only be lowered",
+        aliases=("--max-model-len",))
+    tokenizer_path: str | None = option(None, "tokenizer directory or hub id; default: the model's",
+                                        aliases=("--tokenizer",))
+    chat_template: str | None = option(
+        None, "Jinja chat template for /v1/chat/completions: a file path or the template text; default: "
+        "the tokenizer's")
+    trust_remote_code: bool = option(False, "let the tokenizer load custom code shipped with the checkpoint")
+    schedule_policy: str = option("lpm", "order of the waiting queue: lpm (longest cached prefix first), "
+                                  "dfs-weight, fcfs, lof (longest output first), random", choices=POLICIES)
+    schedule_fairness_bound: int = option(
+        32, "a waiting request passed over this many times by better-matching ones goes first")
+    chunked_prefill_size: int = option(
+        8192, "token budget of one prefill step; longer prompts are prefilled in chunks; -1 disables "
+        "chunking", aliases=("--max-prefill-tokens", "--max-num-batched-tokens"))
+    max_running_requests: int | None = option(None, "most requests decoded together; default 512 on CUDA, "
+                                              "64 on CPU", aliases=("--max-num-seqs",))
+    max_total_tokens: int | None = option(
+        None, "KV pool size in tokens; default: from mem_fraction_static on CUDA; on CPU at most twice the "
+        "weights' bytes (at least 256 MiB) within a quarter of mem_fraction_static of the available RAM")
+    mem_fraction_static: float = option(0.9, "fraction of GPU memory for weights and the KV pool",
+                                        aliases=("--gpu-memory-utilization",))
+    disable_radix_cache: bool = option(False, "do not reuse cached prefixes across requests")
+    disable_jump_forward: bool = option(False, "do not jump over text a constraint forces")
+    grammar_backend: str = option(
+        "radixlm", "constrained decoding backend (regex, JSON schema, choices): radixlm (its grammar engine), "
+        "regex-dfa (its previous whole-pattern DFA), llguidance (the optional llguidance package)",
+        choices=("radixlm", "regex-dfa", "llguidance"))
+    grammar_max_compile_seconds: float = option(
+        2.0, "compile-time budget of one constraint (schema conversion and grammar compilation); past it "
+        "the request gets 400")
+    grammar_max_configs: int = option(
+        200_000, "parser configurations (about 1.2 KB each) a schema's shared tables hold before new "
+        "requests get fresh ones")
+    random_seed: int = option(0, "seed of the sampler and the random schedule policy", aliases=("--seed",))
+    stream_interval: int = option(1, "send a streamed chunk every this many tokens (larger: less overhead)")
+    log_level: str = option("warning", "level of the engine's log ('radixlm' logger)", choices=LOG_LEVELS)
+    served_model_name: str | None = option(None, "model name in responses and /v1/models; default: the model "
+                                           "directory's name")
+    max_queued_requests: int | None = option(None, "bounded waiting queue: beyond it the server answers 503; "
+                                             "default: unbounded")
+    debug_check_invariants: bool = option(False, "verify the KV slot invariant after every step (slow)")
+    disable_cuda_graph: bool = option(False, "CUDA only: run decode eagerly instead of replaying captured graphs")
+    cuda_graph_max_bs: int | None = option(None, "largest decode batch captured in a CUDA graph; default "
+                                           "min(max_running_requests, 512)")
     # Extends of at most this many tokens (and min(cuda_graph_max_bs, 256) requests) replay captured
-    # graphs: the short extends the radix cache and jump-forward leave; 0 runs every extend eagerly.
-    cuda_graph_max_extend_tokens: int = 512
-    load_format: str = "auto"  # "auto": safetensors from model_path; "dummy": random weights (benchmarks)
-    tp_size: int = 1  # tensor-parallel ranks, one process each (docs/scale_out.md)
-    dp_size: int = 1  # data-parallel engine workers behind one cache-aware router (docs/scale_out.md)
+    # graphs: the short extends the radix cache and jump-forward leave.
+    cuda_graph_max_extend_tokens: int = option(512, "extends of at most this many tokens replay CUDA graphs; "
+                                               "0 runs every extend eagerly")
+    load_format: str = option("auto", "auto: weights from the model path; dummy: random weights (benchmarks)",
+                              choices=("auto", "dummy"))
+    tp_size: int = option(1, "tensor-parallel ranks, one process each (docs/scale_out.md)",
+                          aliases=("--tensor-parallel-size", "-tp"))
+    dp_size: int = option(1, "data-parallel engine workers behind one cache-aware router (docs/scale_out.md)",
+                          aliases=("--data-parallel-size", "-dp"))
 
     @classmethod
     def from_kwargs(cls, kwargs: dict[str, Any]) -> "EngineOptions":
@@ -59,18 +104,20 @@ class EngineOptions:
         return opts
 
     def _resolve(self) -> None:
+        self.log_level = self.log_level.lower()
+        for f in dataclasses.fields(self):
+            choices, value = f.metadata.get("choices"), getattr(self, f.name)
+            if choices and value not in choices:
+                raise InvalidRequestError(f"{f.name} must be one of {list(choices)} (got {value!r})", f.name)
         if self.device is None:
+            import torch
+
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
         if self.dtype == "auto":
             self.dtype = "bfloat16" if self.device.startswith("cuda") else "float32"
-        if self.dtype not in _DTYPES:
-            raise InvalidRequestError(f"dtype must be one of {sorted(_DTYPES)} or 'auto' (got {self.dtype!r})", "dtype")
-        if self.schedule_policy not in POLICIES:
-            raise InvalidRequestError(f"schedule_policy must be one of {POLICIES} (got {self.schedule_policy!r})",
-                                      "schedule_policy")
         if self.max_running_requests is None:
             self.max_running_requests = 512 if self.device.startswith("cuda") else 64
-        for name in ("max_running_requests", "schedule_fairness_bound", "tp_size", "dp_size"):
+        for name in ("max_running_requests", "schedule_fairness_bound", "tp_size", "dp_size", "stream_interval"):
             if getattr(self, name) < 1:
                 raise InvalidRequestError(f"{name} must be >= 1", name)
         if self.tp_size > 1 and self.dp_size > 1:
@@ -81,11 +128,8 @@ class EngineOptions:
             raise InvalidRequestError("cuda_graph_max_bs must be >= 1", "cuda_graph_max_bs")
         if self.cuda_graph_max_extend_tokens < 0:
             raise InvalidRequestError("cuda_graph_max_extend_tokens must be >= 0", "cuda_graph_max_extend_tokens")
-        if self.grammar_backend not in ("grammar", "regex-dfa", "llguidance"):
-            raise InvalidRequestError("grammar_backend must be 'grammar', 'regex-dfa' or 'llguidance' "
-                                      f"(got {self.grammar_backend!r})", "grammar_backend")
-        if self.load_format not in ("auto", "dummy"):
-            raise InvalidRequestError(f"load_format must be 'auto' or 'dummy' (got {self.load_format!r})", "load_format")
+        if self.context_length is not None and self.context_length < 2:
+            raise InvalidRequestError("context_length must be >= 2", "context_length")
         if self.max_total_tokens is not None and self.max_total_tokens < 16:
             raise InvalidRequestError("max_total_tokens must be >= 16", "max_total_tokens")
         if self.chunked_prefill_size is None or self.chunked_prefill_size <= 0:
@@ -94,9 +138,9 @@ class EngineOptions:
             raise InvalidRequestError("chunked_prefill_size must be positive or -1", "chunked_prefill_size")
         if not 0.0 < self.mem_fraction_static < 1.0:
             raise InvalidRequestError("mem_fraction_static must be in (0, 1)", "mem_fraction_static")
-        if self.log_level.upper() not in logging.getLevelNamesMapping():
-            raise InvalidRequestError(f"unknown log_level {self.log_level!r}", "log_level")
 
     @property
-    def torch_dtype(self) -> torch.dtype:
-        return _DTYPES[self.dtype]
+    def torch_dtype(self) -> "torch.dtype":
+        import torch
+
+        return getattr(torch, _DTYPES[self.dtype])

@@ -61,6 +61,7 @@ class Req:
     streamed_logprobs: int = 0  # output logprob entries already sent in stream chunks
     streamed_ids: int = 0
     created: float = field(default_factory=time.monotonic)
+    scheduled_time: float | None = None  # when first given KV (the end of its queue time)
     first_token_time: float | None = None
 
     @property

@@ -9,9 +9,10 @@ over `fairness_bound` times goes ahead of everything else, oldest first, so none
 from __future__ import annotations
 
 import random
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from radixlm.core.engine.request import Req
+if TYPE_CHECKING:  # only annotations: options.py imports POLICIES without loading torch
+    from radixlm.core.engine.request import Req
 
 POLICIES = ("lpm", "dfs-weight", "fcfs", "lof", "random")
 # Matching every waiting request against the tree each step costs O(queue x prompt); past this queue

@@ -245,8 +245,9 @@ class Scheduler:
                 return None
             req.row = self.runner.req_to_token.alloc()
             req.slots, req.cached_len, req.last_node = list(slots), len(slots), node
-            if req.cached_tokens is None:
+            if req.cached_tokens is None:  # first scheduled
                 req.cached_tokens = len(slots)
+                req.scheduled_time = time.monotonic()
                 self.stats.cached_tokens_total += len(slots)
                 self.stats.prompt_tokens_total += len(req.inp.input_ids)
             self.runner.req_to_token.write(req.row, 0, slots)
@@ -411,7 +412,7 @@ class Scheduler:
                 self._after_constrained_token(req)
                 if req.finished:
                     continue
-            if req.inp.stream:
+            if req.inp.stream and len(req.output_ids) - req.streamed_ids >= self.opts.stream_interval:
                 self._emit(req, final=False)
 
     # ---- constrained decoding (the TokenConstraint of core.engine.constraint) ---------------------
@@ -506,6 +507,9 @@ class Scheduler:
             meta["output_top_logprobs"] = list(out_top)
         if final and req.first_token_time is not None:
             meta["e2e_latency"] = time.monotonic() - req.created
+            meta["ttft"] = req.first_token_time - req.created
+        if final and req.scheduled_time is not None:
+            meta["queue_time"] = req.scheduled_time - req.created
         if error is not None:
             meta["error"] = error
         req.inp.sink({"text": text, "output_ids": ids, "meta_info": meta})

@@ -27,11 +27,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from radixlm.core.engine.launcher import launched_rank  # noqa: F401  (part of this module's API)
 from radixlm.core.engine.model_runner import BatchInput, ModelRunner
 from radixlm.core.engine.options import EngineOptions
 from radixlm.core.engine.scheduler import Scheduler
 from radixlm.core.errors import InvalidRequestError
 from radixlm.core.models.config import ModelConfig
+from radixlm.core.models.hub import locate_model
 from radixlm.core.models.parallel import TensorParallel
 
 logger = logging.getLogger("radixlm")
@@ -56,13 +58,6 @@ def device_scope(device: torch.device | str) -> contextlib.AbstractContextManage
     the current device, which every new thread starts at cuda:0); nothing for a CPU device."""
     device = torch.device(device)
     return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
-
-
-def launched_rank() -> int | None:
-    """This process's rank when a launcher such as torchrun started several processes, else None."""
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and "RANK" in os.environ:
-        return int(os.environ["RANK"])
-    return None
 
 
 # ---- rank 0 (the Engine's process) -------------------------------------------------------------
@@ -239,8 +234,5 @@ def run_launched_rank(model_path: str | None = None, **options: Any) -> None:
     size = int(os.environ["WORLD_SIZE"])
     if opts.tp_size != size:
         raise InvalidRequestError(f"tp_size ({opts.tp_size}) must equal WORLD_SIZE ({size})", "tp_size")
-    if model_path is None:
-        from radixlm.core.models.tiny_checkpoint import default_model_path
-
-        model_path = default_model_path()
+    model_path, _ = locate_model(model_path)
     _follow_rank0(rank, size, model_path, opts, init_method="env://")

@@ -18,6 +18,17 @@ SUPPORTED_ARCHITECTURES = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
 }
+MODEL_TYPES = {family: arch for arch, family in SUPPORTED_ARCHITECTURES.items()}
+
+# transformers' config-class defaults for the fields a config.json may leave out (tested against the
+# classes themselves). Qwen2 ignores `sliding_window` unless `use_sliding_window`; Mistral always uses it.
+FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
+    "llama": {"rms_norm_eps": 1e-6, "max_position_embeddings": 2048, "tie_word_embeddings": False},
+    "mistral": {"rms_norm_eps": 1e-6, "max_position_embeddings": 4096 * 32, "tie_word_embeddings": False,
+                "sliding_window": 4096},
+    "qwen2": {"rms_norm_eps": 1e-6, "max_position_embeddings": 32768, "tie_word_embeddings": False,
+              "use_sliding_window": False},
+}
 
 
 @dataclass
@@ -42,32 +53,41 @@ class ModelConfig:
 
     @classmethod
     def from_dir(cls, path: str) -> "ModelConfig":
+        """The config of the checkpoint at path: an HF folder's config.json, or a GGUF file's metadata."""
+        from radixlm.core.models.gguf_checkpoint import GGUFCheckpoint, find_gguf  # it imports this module
+
+        gguf_path = find_gguf(path)
+        if gguf_path is not None:
+            return GGUFCheckpoint(gguf_path).model_config()
         with open(os.path.join(path, "config.json")) as f:
             cfg = json.load(f)
-        archs = cfg.get("architectures") or [cfg.get("model_type", "<missing>")]
-        arch = archs[0]
+        eos = _generation_eos(path)
+        return cls.from_hf_dict(cfg, cfg.get("eos_token_id") if eos is None else eos)
+
+    @classmethod
+    def from_hf_dict(cls, cfg: dict[str, Any], eos: int | list[int] | None) -> "ModelConfig":
+        """Reads a config.json as transformers' own config classes do, written by transformers 4
+        (top-level `rope_theta`, `rope_scaling`) or 5 (`rope_parameters` holding both), with the
+        class defaults for what a file leaves out."""
+        # Configs saved without `architectures` (a bare config.save_pretrained) name only the model type.
+        arch = (cfg.get("architectures") or [MODEL_TYPES.get(cfg.get("model_type"), cfg.get("model_type"))])[0]
         if arch not in SUPPORTED_ARCHITECTURES:
             raise UnsupportedModelError(
                 f"architecture {arch!r} is not supported; supported: {sorted(SUPPORTED_ARCHITECTURES)}"
             )
+        family = SUPPORTED_ARCHITECTURES[arch]
+        cfg = {**FAMILY_DEFAULTS[family], **cfg}
+        if cfg.get("hidden_act", "silu") != "silu" or cfg.get("mlp_bias"):
+            raise UnsupportedModelError(
+                f"only SiLU MLPs without bias are supported (hidden_act={cfg.get('hidden_act')!r}, "
+                f"mlp_bias={cfg.get('mlp_bias')!r})"
+            )
         num_heads = cfg["num_attention_heads"]
-        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_heads
-        max_pos = cfg.get("max_position_embeddings", 2048)
+        max_pos = cfg["max_position_embeddings"]
         # A sliding window shorter than the context changes attention; cap the context to it so that
         # full attention stays exact instead of silently diverging from the checkpoint's behaviour.
         window = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
-        context_len = min(max_pos, window) if window else max_pos
-        rope_scaling = cfg.get("rope_scaling") or cfg.get("rope_parameters")
-        if rope_scaling is not None:
-            kind = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
-            if kind not in ("default", "llama3", "linear"):
-                raise UnsupportedModelError(f"rope scaling type {kind!r} is not supported (default, llama3, linear)")
-            if kind == "default":
-                rope_scaling = None
-        eos = _generation_eos(path)
-        if eos is None:
-            eos = cfg.get("eos_token_id")
-        eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
+        rope_theta, rope_scaling = _rope(cfg)
         return cls(
             architecture=arch,
             vocab_size=cfg["vocab_size"],
@@ -76,20 +96,21 @@ class ModelConfig:
             num_layers=cfg["num_hidden_layers"],
             num_heads=num_heads,
             num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
-            head_dim=head_dim,
-            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            rope_theta=float(cfg.get("rope_theta") or (rope_scaling or {}).get("rope_theta") or 10000.0),
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
+            rms_norm_eps=cfg["rms_norm_eps"],
+            rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             max_position_embeddings=max_pos,
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            qkv_bias=SUPPORTED_ARCHITECTURES[arch] == "qwen2" or bool(cfg.get("attention_bias", False)),
-            context_len=context_len,
+            tie_word_embeddings=bool(cfg["tie_word_embeddings"]),
+            qkv_bias=family == "qwen2" or bool(cfg.get("attention_bias", False)),
+            context_len=min(max_pos, window) if window else max_pos,
             bos_token_id=cfg.get("bos_token_id"),
-            eos_token_ids=eos_ids,
+            eos_token_ids=[eos] if isinstance(eos, int) else list(eos or []),
         )
 
     def rope_cos_sin_cache(self, device: torch.device | str) -> torch.Tensor:
-        """[context_len, head_dim] fp32 holding [cos | sin] of every position, with llama3/linear scaling."""
+        """[context_len, head_dim] fp32 holding [cos | sin] of every position, with llama3/linear scaling
+        or per-frequency divisors ("freq_factors")."""
         dim = self.head_dim
         inv_freq = 1.0 / (self.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
         positions = torch.arange(self.context_len, dtype=torch.float64)
@@ -99,8 +120,25 @@ class ModelConfig:
             positions = positions / scaling["factor"]
         elif kind == "llama3":
             inv_freq = _llama3_inv_freq(inv_freq, scaling)
+        elif kind == "freq_factors":  # a GGUF's rope_freqs tensor: llama.cpp's precomputed llama3 scaling
+            inv_freq = inv_freq / torch.tensor(scaling["factors"], dtype=torch.float64)
         freqs = torch.outer(positions, inv_freq)
         return torch.cat((freqs.cos(), freqs.sin()), dim=-1).float().to(device)
+
+
+def _rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """(rope base, scaling or None). transformers 5 keeps both in `rope_parameters`; transformers 4
+    has a top-level `rope_theta` and a `rope_scaling` dict (keyed `type` in older files)."""
+    params = cfg.get("rope_parameters") or {}
+    scaling = cfg.get("rope_scaling") or params or None
+    theta = params.get("rope_theta") or cfg.get("rope_theta") or 10000.0
+    if scaling is not None:
+        kind = scaling.get("rope_type", scaling.get("type", "default"))
+        if kind not in ("default", "llama3", "linear"):
+            raise UnsupportedModelError(f"rope scaling type {kind!r} is not supported (default, llama3, linear)")
+        if kind == "default":
+            scaling = None
+    return float(theta), scaling
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict[str, Any]) -> torch.Tensor:

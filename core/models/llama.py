@@ -2,7 +2,7 @@
 
 One implementation serves all three: they differ only in config (GQA ratio, qkv bias, tied
 embeddings, rope scaling). Q/K/V and gate/up projections are fused into single matmuls at load time.
-Kernels come from an `ops` namespace (kernels.reference on CPU, Triton on CUDA), attention from an
+Kernels come from an `ops` namespace (kernels.cpu on CPU, Triton on CUDA), attention from an
 attention backend that knows the batch layout.
 """
 
@@ -86,7 +86,10 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, ops: ModuleType) -> None:
         super().__init__()
         self.config = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # Given an uninitialised weight: Embedding's own N(0, 1) init, run on the meta device where the
+        # loader builds models, imports torch._dynamo (1.5-4 s of startup) and is overwritten anyway.
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
+                                         _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, ops) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)

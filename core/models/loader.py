@@ -1,4 +1,5 @@
-"""Loads a local HF-format checkpoint directory: config, safetensors weights (single or sharded), tokenizer."""
+"""Loads a local checkpoint: an HF-format directory (config, safetensors weights single or sharded,
+tokenizer) or a GGUF file (core.models.gguf_checkpoint). Both yield (HF name, tensor) pairs to one loop."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import glob
 import json
 import logging
 import os
+from collections.abc import Iterator
 from types import ModuleType
 from typing import TYPE_CHECKING
 
@@ -15,6 +17,7 @@ from tqdm.auto import tqdm
 
 from radixlm.core.errors import UnsupportedModelError
 from radixlm.core.models.config import ModelConfig
+from radixlm.core.models.gguf_checkpoint import GGUFCheckpoint, find_gguf, load_gguf_tokenizer
 from radixlm.core.models.llama import LlamaForCausalLM
 
 if TYPE_CHECKING:
@@ -35,19 +38,35 @@ def _weight_files(path: str) -> list[str]:
     return files
 
 
+def checkpoint_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, tensor) of every weight of the checkpoint at path, with a progress bar: the tensors
+    of its safetensors shards, or a GGUF file's tensors dequantized (float32) and renamed."""
+    gguf_path = find_gguf(path)
+    if gguf_path is not None:
+        yield from GGUFCheckpoint(gguf_path).weights()
+        return
+    files = _weight_files(path)
+    with tqdm(total=len(files), desc="Loading weights", unit="shard") as bar:
+        for file in files:
+            with safe_open(file, framework="pt", device="cpu") as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
+            bar.update(1)
+
+
 def load_model(
     path: str, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, ops: ModuleType,
     load_format: str = "auto", tp: "TensorParallel | None" = None,
 ) -> LlamaForCausalLM:
-    """Builds the model on the meta device, then fills each parameter straight from the shards
-    (load_format "auto") or with random values made on the device ("dummy": no files read).
+    """Builds the model on the meta device, then fills each parameter straight from the checkpoint's
+    weights, converted to `dtype` as they are copied (load_format "auto"), or with random values made
+    on the device ("dummy": no files read).
     With `tp` (cfg is then tp.local_config()), the model holds this rank's share of every layer."""
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg, ops)
         if tp is not None:
             tp.shard_model(model)
-    # dtype first, on meta: the device then holds the weights once, in their final dtype.
-    model = model.to(dtype).to_empty(device=device)
+    _materialize(model, dtype, device)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     if load_format == "dummy":
@@ -55,25 +74,20 @@ def load_model(
         return model.eval()
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded: set[str] = set()
-    files = _weight_files(path)
-    with tqdm(total=len(files), desc="Loading weights", unit="shard") as bar:
-        for file in files:
-            with safe_open(file, framework="pt", device="cpu") as f:
-                for hf_name in f.keys():
-                    mapped = model.weight_name_map(hf_name)
-                    if mapped is None:
-                        continue
-                    name, shard = mapped
-                    if name not in params:
-                        if name == "lm_head.weight" and cfg.tie_word_embeddings:
-                            continue
-                        raise UnsupportedModelError(f"unexpected weight {hf_name!r} in {file}")
-                    if tp is not None:
-                        tp.load_weight(model, name, shard, f.get_tensor(hf_name))
-                    else:
-                        _copy_into(model, params[name], name, shard, f.get_tensor(hf_name))
-                    loaded.add(name if shard is None else f"{name}#{shard}")
-            bar.update(1)
+    for hf_name, w in checkpoint_weights(path):
+        mapped = model.weight_name_map(hf_name)
+        if mapped is None:
+            continue
+        name, shard = mapped
+        if name not in params:
+            if name == "lm_head.weight" and cfg.tie_word_embeddings:
+                continue
+            raise UnsupportedModelError(f"unexpected weight {hf_name!r} in {path}")
+        if tp is not None:
+            tp.load_weight(model, name, shard, w)
+        else:
+            _copy_into(model, params[name], name, shard, w)
+        loaded.add(name if shard is None else f"{name}#{shard}")
     expected = set()
     for name in params:
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
@@ -87,6 +101,16 @@ def load_model(
         raise UnsupportedModelError(f"checkpoint {path} lacks weights: {missing[:5]}{'...' if len(missing) > 5 else ''}")
     model.eval()
     return model
+
+
+def _materialize(model: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> None:
+    """Gives every meta parameter uninitialised storage on `device`, in `dtype` (so the device holds the
+    weights once, in their final dtype). Module.to_empty would do it through torch's Python reference
+    of empty_like, whose first call imports sympy: a second of start-up."""
+    for module in model.modules():
+        for name, param in module.named_parameters(recurse=False):
+            empty = torch.empty(param.shape, dtype=dtype, device=device)
+            setattr(module, name, torch.nn.Parameter(empty, requires_grad=param.requires_grad))
 
 
 def _init_dummy(model: LlamaForCausalLM, seed: int = 0) -> None:
@@ -112,10 +136,12 @@ def _copy_into(model: LlamaForCausalLM, param: torch.Tensor, name: str, shard: i
         param[start : start + sizes[shard]].copy_(w)
 
 
-def load_tokenizer(path: str):
+def load_tokenizer(path: str, trust_remote_code: bool = False):
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(path)
+    gguf_path = find_gguf(path)
+    tok = (load_gguf_tokenizer(gguf_path) if gguf_path is not None
+           else AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code))
     if not getattr(tok, "is_fast", False):
         logger.warning("tokenizer at %s is not a fast tokenizer; detokenization will be slower", path)
     return tok

