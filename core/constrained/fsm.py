@@ -162,8 +162,9 @@ def build_constraint(kind: str, spec: Any, tokenizer: object, *, eos_token_ids: 
     vocab = vocab_of(tokenizer, eos_token_ids)
     if backend == "radixlm":
         index = get_grammar_index(kind, spec, vocab, whitespace_pattern, budget)
-        if not can_finish(index, index.start, REACH_CHECK_STATES):
-            # No output can be written with the bytes this vocabulary's tokens contain.
+        if not index.spells_every_byte and not can_finish(index, index.start, REACH_CHECK_STATES):
+            # No output can be written with the bytes this vocabulary's tokens contain. (With every byte
+            # in some token, the compiler's pruning of rules that cannot finish already guarantees one.)
             raise ValueError(f"no sequence of this tokenizer's tokens matches the {kind} {spec!r}")
         return FSMConstraint(index)
     if backend == "regex-dfa":

@@ -68,8 +68,8 @@ class GrammarIndex:
         self._edges: dict[int, tuple[bytes, int]] = {}
         self._masks = MaskCache(MASK_CACHE_SIZE)
         self._lock = threading.RLock()
-        self._spellable = np.zeros(256, dtype=bool)
-        self._spellable[np.unique(np.frombuffer(b"".join(vocab.token_bytes), dtype=np.uint8))] = True
+        self._spellable = _spellable_bytes(vocab)
+        self.spells_every_byte = bool(self._spellable.all())
         self.start = self._intern(self._follow(self._cont(grammar.start, 0, -1)))
 
     # ---- configurations ----------------------------------------------------------------------------
@@ -285,6 +285,19 @@ class GrammarIndex:
                     _, idx = expand_ranges(eptr[nodes], eptr[nodes + 1] - eptr[nodes])
                     out[trie.end_tokens[d][idx]] = True
         return out
+
+
+_spellable_cache: dict[str, np.ndarray] = {}
+
+
+def _spellable_bytes(vocab: TokenVocab) -> np.ndarray:
+    """bool [256]: the bytes some token of `vocab` contains (cached per vocabulary)."""
+    found = _spellable_cache.get(vocab.fingerprint)
+    if found is None:
+        found = np.zeros(256, dtype=bool)
+        found[np.unique(np.frombuffer(b"".join(vocab.token_bytes), dtype=np.uint8))] = True
+        _spellable_cache[vocab.fingerprint] = found
+    return found
 
 
 def shortest_bytes_to_accept(index, state: int, max_states: int = 100_000) -> bytes | None:
