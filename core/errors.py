@@ -34,5 +34,10 @@ class QueueFullError(RadixLMError, RuntimeError):
     """The engine's bounded queue is full; retry later (the server answers 503 with retry-after)."""
 
 
+class GrammarBudgetError(TooComplexError):
+    """Compiling a constraint's grammar would pass a budget (compile time, automaton states); the budgets
+    are options of core.constrained.grammar_compiler.GrammarBudget."""
+
+
 class ModelNotFoundError(RadixLMError, FileNotFoundError):
     """The model path is neither a local file or folder nor a hub id that resolves (cache or download)."""

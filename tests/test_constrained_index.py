@@ -160,8 +160,11 @@ def test_pattern_the_vocabulary_cannot_spell_raises():
     tokenizer = _sentencepiece_tokenizer(byte_fallback=False)  # no 'é' and no byte tokens
     with pytest.raises(ValueError, match="no sequence of this tokenizer's tokens"):
         build_constraint("regex", r"é+", tokenizer)
-    # A branch it cannot spell is dropped; the rest still works.
+    # A branch it cannot spell is dropped; the rest still works. The grammar engine knows no token holds
+    # é's bytes, so "cat" is forced; the regex-DFA path drops the branch token by token only.
     c = build_constraint("regex", r"(é|cat)", tokenizer)
+    assert c.forced_text() == "cat" and c.index.allowed_tokens(c.state).size > 0
+    c = build_constraint("regex", r"(é|cat)", tokenizer, backend="regex-dfa")
     assert c.forced_text() is None and c.index.allowed_tokens(0).size > 0
 
 

@@ -230,8 +230,10 @@ def test_number_ranges(lo, hi):
 @pytest.mark.parametrize("schema, problem", [
     ("{not json", "not valid JSON"),
     (42, "must be an object or a boolean"),
-    ({"not": {"type": "string"}}, "'not'"),
-    ({"type": "array", "uniqueItems": True}, "uniqueItems"),
+    ({"not": {"minLength": 2}}, "#/not: only 'not' of types"),
+    ({"type": "array", "uniqueItems": True, "minItems": 2}, "#/uniqueItems"),
+    ({"properties": {"a": {"dependentRequired": {"x": ["y"]}}}}, "#/properties/a/dependentRequired"),
+    ({"oneOf": [{"type": "string"}, {"type": "string", "maxLength": 3}]}, "#/oneOf: branches 0 and 1"),
     ({"$ref": "http://example.com/s.json"}, "only local $ref"),
     ({"$ref": "#/$defs/missing"}, "does not resolve"),
     ({"type": "date"}, "unknown JSON schema type"),

@@ -44,12 +44,15 @@ class CompressedFSM:
         """The forced string from `state`, cut to whole UTF-8 characters; None if there is none."""
         if state in self._texts:
             return self._texts[state]
-        data, text = self.edge(state)[0], None
-        for cut in range(len(data), max(len(data) - 4, 0), -1):
-            try:
-                text = data[:cut].decode() or None
-                break
-            except UnicodeDecodeError:
-                continue
-        self._texts[state] = text
+        text = self._texts[state] = whole_characters(self.edge(state)[0])
         return text
+
+
+def whole_characters(data: bytes) -> str | None:
+    """`data` cut to whole UTF-8 characters (a forced edge may end inside one), or None if nothing is left."""
+    for cut in range(len(data), max(len(data) - 4, 0), -1):
+        try:
+            return data[:cut].decode() or None
+        except UnicodeDecodeError:
+            continue
+    return None

@@ -7,7 +7,10 @@ from typing import Any
 
 import torch
 
+from radixlm.core.constrained.grammar_compiler import DEFAULT_BUDGET, GrammarBudget
+from radixlm.core.constrained.grammar_index_cache import get_grammar_index
 from radixlm.core.constrained.index import TokenIndex, get_index
+from radixlm.core.constrained.pda import can_finish
 from radixlm.core.constrained.json_schema import json_schema_to_regex
 from radixlm.core.constrained.vocab import vocab_of
 from radixlm.core.models.tokenizer_fast_path import encoder_for
@@ -50,7 +53,7 @@ class FSMConstraint:
     def forced_text(self) -> str | None:
         if self.is_finished():
             return None
-        return self.index.fsm.forced_text(self.state)
+        return self.index.forced_text(self.state)
 
     def jump_forward(self, output_ids: list[int], tokenizer: Any, max_replace: int = 1,
                      max_new_tokens: int | None = None) -> tuple[int, list[int]] | None:
@@ -81,7 +84,7 @@ class FSMConstraint:
         while same < min(k, len(full)) and full[same] == output_ids[len(output_ids) - k + same]:
             same += 1
         k, new = k - same, full[same:]
-        edge, end = self.index.fsm.edge(self.state)
+        edge, end = self.index.edge(self.state)
         if not (edge == forced.encode() and self.index.is_terminal(end)):
             offset = sum(len(tb[t]) for t in full[:same])
             new = new[:_stable_prefix_len(tokenizer, text, [tb[t] for t in new], offset)]
@@ -144,12 +147,30 @@ def constraint_regex(kind: str, spec: Any, whitespace_pattern: str | None = None
     raise ValueError(f"unknown constraint kind {kind!r}; expected one of {KINDS}")
 
 
+BACKENDS = ("radixlm", "regex-dfa", "llguidance")
+REACH_CHECK_STATES = 2_000  # configurations a build may explore to find that some output can be written
+
+
 def build_constraint(kind: str, spec: Any, tokenizer: object, *, eos_token_ids: list[int] | None = None,
-                     whitespace_pattern: str | None = None) -> FSMConstraint:
+                     whitespace_pattern: str | None = None, backend: str = "radixlm",
+                     budget: GrammarBudget = DEFAULT_BUDGET) -> FSMConstraint:
     """A fresh constraint for one request. kind: 'regex' (a Python regex, fullmatch semantics),
     'json_schema' (a JSON string, dict or pydantic model class) or 'choices' (a list of strings).
-    EOS ids default to the tokenizer's eos_token_id. Invalid input raises ValueError naming the problem;
-    the token index is built (or found in the cache) before this returns."""
-    pattern = constraint_regex(kind, spec, whitespace_pattern)
+    EOS ids default to the tokenizer's eos_token_id. Invalid input raises ValueError naming the problem,
+    GrammarBudgetError past a budget. backend: 'radixlm' (the grammar engine, pda.py), 'regex-dfa' (the
+    whole-pattern DFA and its eager token index) or 'llguidance' (the optional PyPI package)."""
     vocab = vocab_of(tokenizer, eos_token_ids)
-    return FSMConstraint(get_index(pattern, vocab))
+    if backend == "radixlm":
+        index = get_grammar_index(kind, spec, vocab, whitespace_pattern, budget)
+        if not index.spells_every_byte and not can_finish(index, index.start, REACH_CHECK_STATES):
+            # No output can be written with the bytes this vocabulary's tokens contain. (With every byte
+            # in some token, the compiler's pruning of rules that cannot finish already guarantees one.)
+            raise ValueError(f"no sequence of this tokenizer's tokens matches the {kind} {spec!r}")
+        return FSMConstraint(index)
+    if backend == "regex-dfa":
+        return FSMConstraint(get_index(constraint_regex(kind, spec, whitespace_pattern), vocab))
+    if backend == "llguidance":
+        from radixlm.core.constrained.llguidance_backend import build_llguidance_constraint
+
+        return build_llguidance_constraint(kind, spec, tokenizer, vocab, whitespace_pattern)
+    raise ValueError(f"unknown grammar backend {backend!r}; expected one of {BACKENDS}")

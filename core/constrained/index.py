@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from radixlm.core.constrained.compressed_fsm import CompressedFSM
+from radixlm.core.constrained.masks import MaskCache
 from radixlm.core.constrained.regex_dfa import ByteDFA, regex_to_dfa
 from radixlm.core.constrained.vocab import TokenTrie, TokenVocab
 
@@ -36,7 +37,7 @@ def cache_dir() -> Path:
     return Path(os.environ.get("RADIXLM_CACHE") or Path.home() / ".cache" / "radixlm")
 
 
-def _expand(starts: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def expand_ranges(starts: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """For ranges [starts[i], starts[i] + counts[i]): (owner i of each element, the element)."""
     owner = np.repeat(np.arange(len(starts)), counts)
     return owner, np.repeat(starts - np.cumsum(counts) + counts, counts) + np.arange(int(counts.sum()))
@@ -65,8 +66,7 @@ class TokenIndex:
         self._accepting = dfa.accepting.tolist()
         self._ptr = state_ptr.tolist()
         self._row = dense_row.tolist()
-        self._masks: OrderedDict[tuple[int, int, bool], torch.Tensor] = OrderedDict()
-        self._lock = threading.Lock()
+        self._masks = MaskCache(MASK_CACHE_SIZE)
         # Per visited state, Python-level views for the per-token hot path (advance): the allowed set
         # (bytes of the packed bit row, or a frozenset of ids) and the DFA row as a list.
         self._allowed: dict[int, bytes | frozenset[int]] = {}
@@ -85,6 +85,17 @@ class TokenIndex:
     def is_terminal(self, state: int) -> bool:
         """Accepting with no token allowed: only the end of the output can follow."""
         return self._accepting[state] and self._row[state] < 0 and self._ptr[state] == self._ptr[state + 1]
+
+    def edge(self, state: int) -> tuple[bytes, int]:
+        """(forced bytes from `state`, the state after them); see CompressedFSM.edge."""
+        return self.fsm.edge(state)
+
+    def forced_text(self, state: int) -> str | None:
+        return self.fsm.forced_text(state)
+
+    def byte_successors(self, state: int) -> list[int]:
+        """The state after each byte from `state` (-1: the byte is not allowed)."""
+        return self.dfa.transitions[state].tolist()
 
     def allowed_tokens(self, state: int) -> np.ndarray:
         """Sorted ids of the tokens allowed from `state`, EOS excluded."""
@@ -121,15 +132,11 @@ class TokenIndex:
         return state
 
     def mask(self, state: int, vocab_size: int, packed: bool = False) -> torch.Tensor:
-        """Allowed next tokens of `state` over `vocab_size` ids (the model's logits width), cached:
-        bool [vocab_size], or packed int32 [ceil(vocab_size / 32)] with token i at bit i % 32 of word
-        i // 32. The tensor is shared between requests: never write to it."""
-        key = (state, vocab_size, packed)
-        with self._lock:
-            found = self._masks.get(key)
-            if found is not None:
-                self._masks.move_to_end(key)
-                return found
+        """Allowed next tokens of `state` over `vocab_size` ids (the model's logits width), cached: see
+        MaskCache. The tensor is shared between requests: never write to it."""
+        return self._masks.get(state, vocab_size, packed, lambda width: self._allowed_bits(state, width))
+
+    def _allowed_bits(self, state: int, vocab_size: int) -> np.ndarray:
         words = -(-vocab_size // 32)
         row = self._row[state]
         if row >= 0:
@@ -144,15 +151,7 @@ class TokenIndex:
             allowed[toks[toks < vocab_size]] = 1
         if self._accepting[state]:
             allowed[self.eos_ids[self.eos_ids < vocab_size]] = 1
-        if packed:
-            tensor = torch.from_numpy(np.packbits(allowed, bitorder="little").view(np.int32))
-        else:
-            tensor = torch.from_numpy(allowed[:vocab_size].astype(bool))
-        with self._lock:
-            self._masks[key] = tensor
-            if len(self._masks) > MASK_CACHE_SIZE:
-                self._masks.popitem(last=False)
-        return tensor
+        return allowed
 
     def to_arrays(self) -> dict[str, np.ndarray]:
         return {"transitions": self.dfa.transitions, "accepting": self.dfa.accepting, "eos_ids": self.eos_ids,
@@ -180,12 +179,12 @@ def _sparse_walk(dfa: ByteDFA, trie: TokenTrie, states: np.ndarray) -> tuple[np.
         if not len(cur):
             break
         ptr = trie.child_ptr[d]
-        pair, child = _expand(ptr[node], ptr[node + 1] - ptr[node])
+        pair, child = expand_ranges(ptr[node], ptr[node + 1] - ptr[node])
         nxt = trans[cur[pair], trie.byte[d][child]]
         keep = nxt >= 0
         start, cur, node = start[pair[keep]], nxt[keep], child[keep]
         eptr = trie.end_ptr[d]
-        owner, idx = _expand(eptr[node], eptr[node + 1] - eptr[node])
+        owner, idx = expand_ranges(eptr[node], eptr[node + 1] - eptr[node])
         if len(idx):
             found.append((start[owner], trie.end_tokens[d][idx], cur[owner]))
     if not found:
@@ -207,14 +206,14 @@ def _dense_walk(trans_by_byte: np.ndarray, stuck_ext: np.ndarray, trie: TokenTri
     cols = np.zeros(1, dtype=np.int64)  # alive nodes of the previous level (the root)
     for d in range(1, trie.depth + 1):
         ptr = trie.child_ptr[d]
-        parent, child = _expand(ptr[cols], ptr[cols + 1] - ptr[cols])
+        parent, child = expand_ranges(ptr[cols], ptr[cols + 1] - ptr[cols])
         nxt = np.take(trans_by_byte, cur[parent] + (trie.byte[d][child].astype(np.int32) * stride)[:, None])
         alive = np.flatnonzero((nxt != dead).any(axis=1))
         cur, cols = nxt[alive], child[alive]
         if not len(cols):
             break
         eptr = trie.end_ptr[d]
-        owner, idx = _expand(eptr[cols], eptr[cols + 1] - eptr[cols])
+        owner, idx = expand_ranges(eptr[cols], eptr[cols + 1] - eptr[cols])
         if len(idx):
             out[trie.end_tokens[d][idx]] = ~stuck_ext[cur[owner]]
     return out

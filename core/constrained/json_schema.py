@@ -461,15 +461,16 @@ def number_range_regex(lo: int | None, hi: int | None) -> str:
 _JSON_SPECIALS: charsets.Ranges = ((0, 0x1F), (0x22, 0x22), (0x5C, 0x5C))
 
 
-def json_string_pattern(pattern: str) -> str:
+def json_string_pattern(pattern: str, ascii_classes: bool = False) -> str:
     """`pattern` (a regex over decoded string content) rewritten over the JSON-escaped content: every
     character set loses quote, backslash and control characters, and matches their escapes instead.
-    Anchors at the ends are dropped (the string's quotes anchor it)."""
+    Anchors at the ends are dropped (the string's quotes anchor it). `ascii_classes`: `\\d \\w \\s`
+    match ASCII only (ECMA-262's `\\d` and `\\w`; its `\\s` is wider, so `\\S` may admit Unicode spaces)."""
     try:
         tree = sre_p.parse(pattern)
     except re.error as e:
         raise ValueError(f"invalid 'pattern' {pattern!r}: {e}") from None
-    return _emit(tree, tree.state.flags, True, True)
+    return _emit(tree, tree.state.flags | (re.ASCII if ascii_classes else 0), True, True)
 
 
 def _emit(seq, flags: int, at_start: bool, at_end: bool) -> str:

@@ -3,11 +3,45 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
 
+import numpy as np
 import torch
 
 from radixlm.kernels import get_ops
+
+
+class MaskCache:
+    """Token masks per automaton state and logits width, least recently used first out. A mask is
+    bool [vocab_size], or packed int32 [ceil(vocab_size / 32)] with token i at bit i % 32 of word
+    i // 32; it is shared between requests: never write to it."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._masks: OrderedDict[tuple[int, int, bool], torch.Tensor] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, state: int, vocab_size: int, packed: bool,
+            allowed: Callable[[int], np.ndarray]) -> torch.Tensor:
+        """The mask of `state`, built on a miss from allowed(vocab_size): uint8 [32 * words], 1 = allowed."""
+        key = (state, vocab_size, packed)
+        with self._lock:
+            found = self._masks.get(key)
+            if found is not None:
+                self._masks.move_to_end(key)
+                return found
+        bits = allowed(vocab_size)
+        if packed:
+            tensor = torch.from_numpy(np.packbits(bits, bitorder="little").view(np.int32))
+        else:
+            tensor = torch.from_numpy(bits[:vocab_size].astype(bool))
+        with self._lock:
+            self._masks[key] = tensor
+            if len(self._masks) > self.size:
+                self._masks.popitem(last=False)
+        return tensor
 
 
 @functools.lru_cache(maxsize=8)

@@ -12,12 +12,14 @@ quantifiers, atomic groups, word boundaries, anchors away from the ends) raise V
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 
 import numpy as np
 
 from radixlm.core.constrained import charsets
+from radixlm.core.errors import GrammarBudgetError
 
 try:  # Python >= 3.11
     from re import _constants as sre_c, _parser as sre_p
@@ -64,17 +66,50 @@ class ByteDFA:
         return end >= 0 and bool(self.accepting[end])
 
 
-def regex_to_dfa(pattern: str) -> ByteDFA:
-    """Compiles a Python regex (fullmatch semantics) to a minimal byte-level DFA; ValueError if unsupported."""
+@functools.lru_cache(maxsize=4096)
+def literal_dfa(data: bytes) -> ByteDFA:
+    """The minimal DFA of exactly `data` (a chain), without going through a regex (cached)."""
+    n = len(data)
+    trans = np.full((n + 1, 256), -1, dtype=np.int32)
+    trans[np.arange(n), np.frombuffer(data, dtype=np.uint8)] = np.arange(1, n + 1, dtype=np.int32)
+    accepting = np.zeros(n + 1, dtype=bool)
+    accepting[n] = True
+    return ByteDFA(transitions=trans, accepting=accepting)
+
+
+def literals_dfa(words: list[bytes]) -> ByteDFA:
+    """A DFA (the trie; not minimal) of exactly the strings `words`, without going through a regex."""
+    children: list[dict[int, int]] = [{}]
+    ends = [False]
+    for word in words:
+        node = 0
+        for b in word:
+            nxt = children[node].get(b)
+            if nxt is None:
+                nxt = children[node][b] = len(children)
+                children.append({})
+                ends.append(False)
+            node = nxt
+        ends[node] = True
+    trans = np.full((len(children), 256), -1, dtype=np.int32)
+    for node, row in enumerate(children):
+        if row:
+            trans[node, list(row)] = list(row.values())
+    return ByteDFA(transitions=trans, accepting=np.array(ends, dtype=bool))
+
+
+def regex_to_dfa(pattern: str, max_states: int = MAX_DFA_STATES) -> ByteDFA:
+    """Compiles a Python regex (fullmatch semantics) to a minimal byte-level DFA; ValueError if unsupported,
+    GrammarBudgetError (a ValueError) if its automaton would exceed `max_states` states."""
     if not isinstance(pattern, str):
         raise ValueError(f"regex must be a string, got {type(pattern).__name__}")
     try:
         tree = sre_p.parse(pattern)
     except re.error as e:
         raise ValueError(f"invalid regex {pattern!r}: {e}") from None
-    nfa = _NFA()
+    nfa = _NFA(2 * max_states)
     start, accept = nfa.compile(tree, tree.state.flags, at_start=True, at_end=True)
-    trans, accepting = _determinize(nfa, start, accept)
+    trans, accepting = _determinize(nfa, start, accept, max_states)
     return _minimize(trans, accepting, nfa.byte_classes(), pattern)
 
 
@@ -86,7 +121,8 @@ def char_set_ranges(op, av, flags: int) -> charsets.Ranges:
         items = [(sre_c.LITERAL, av)] if op is sre_c.LITERAL else [(sre_c.NEGATE, None), (sre_c.LITERAL, av)]
     else:
         items = av
-    simple = not flags & (re.IGNORECASE | re.ASCII) and all(o is not sre_c.CATEGORY for o, _ in items)
+    ascii_only = flags & re.ASCII and not flags & re.IGNORECASE  # categories are known ASCII sets
+    simple = not flags & re.IGNORECASE and (ascii_only or all(o is not sre_c.CATEGORY for o, _ in items))
     if not simple:
         return charsets.ranges_matching(_class_source(items), flags & _CLASS_FLAGS)
     negate, ranges = False, []
@@ -97,9 +133,23 @@ def char_set_ranges(op, av, flags: int) -> charsets.Ranges:
             ranges.append((a, a))
         elif o is sre_c.RANGE:
             ranges.append(a)
+        elif o is sre_c.CATEGORY and a in _ASCII_CATEGORIES:
+            positive, inverted = _ASCII_CATEGORIES[a]
+            ranges.extend(charsets.complement(positive) if inverted else positive)
         else:
             raise ValueError(f"unsupported item {o} in a character class")
     return charsets.complement(ranges) if negate else charsets.normalize(ranges)
+
+
+_ASCII_DIGIT = ((48, 57),)
+_ASCII_WORD = ((48, 57), (65, 90), (95, 95), (97, 122))
+_ASCII_SPACE = ((9, 13), (32, 32))
+# Category -> (its ASCII ranges, whether the category is their complement), under re.ASCII.
+_ASCII_CATEGORIES = {
+    sre_c.CATEGORY_DIGIT: (_ASCII_DIGIT, False), sre_c.CATEGORY_NOT_DIGIT: (_ASCII_DIGIT, True),
+    sre_c.CATEGORY_WORD: (_ASCII_WORD, False), sre_c.CATEGORY_NOT_WORD: (_ASCII_WORD, True),
+    sre_c.CATEGORY_SPACE: (_ASCII_SPACE, False), sre_c.CATEGORY_NOT_SPACE: (_ASCII_SPACE, True),
+}
 
 
 def _class_source(items) -> str:
@@ -139,13 +189,14 @@ def unsupported_construct(op, av) -> str | None:
 class _NFA:
     """Thompson NFA over bytes: per state, epsilon targets and (lo, hi, target) byte-range edges."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_states: int = MAX_NFA_STATES) -> None:
+        self.max_states = max_states
         self.eps: list[list[int]] = []
         self.edges: list[list[tuple[int, int, int]]] = []
 
     def new(self) -> int:
-        if len(self.eps) >= MAX_NFA_STATES:
-            raise ValueError(f"regex too large: its automaton exceeds {MAX_NFA_STATES} states "
+        if len(self.eps) >= self.max_states:
+            raise GrammarBudgetError(f"regex too large: its automaton exceeds {self.max_states} states "
                              "(large counted repetitions of wide character classes are the usual cause)")
         self.eps.append([])
         self.edges.append([])
@@ -243,7 +294,7 @@ class _NFA:
         return (np.cumsum(cuts[:256]) - 1).astype(np.int64)
 
 
-def _determinize(nfa: _NFA, start: int, accept: int) -> tuple[np.ndarray, np.ndarray]:
+def _determinize(nfa: _NFA, start: int, accept: int, max_states: int) -> tuple[np.ndarray, np.ndarray]:
     """Subset construction over byte classes. Returns transitions [n, K] (-1 = none) and accepting [n]."""
     classes = nfa.byte_classes()
     num_classes = int(classes[-1]) + 1
@@ -276,8 +327,8 @@ def _determinize(nfa: _NFA, start: int, accept: int) -> tuple[np.ndarray, np.nda
             subset = closure(targets)
             j = ids.get(subset)
             if j is None:
-                if len(sets) >= MAX_DFA_STATES:
-                    raise ValueError(f"regex too large: its DFA exceeds {MAX_DFA_STATES} states")
+                if len(sets) >= max_states:
+                    raise GrammarBudgetError(f"regex too large: its DFA exceeds {max_states} states")
                 j = ids[subset] = len(sets)
                 sets.append(subset)
             row[a:b] = [j] * (b - a)
@@ -367,3 +418,36 @@ def _minimize(trans: np.ndarray, accepting: np.ndarray, classes: np.ndarray, pat
     small = np.where(small >= 0, final[np.maximum(small, 0)], -1)[order]
     by_byte = np.ascontiguousarray(small[:, classes], dtype=np.int32)
     return ByteDFA(transitions=by_byte, accepting=small_accepting[order].copy())
+
+
+def dfa_difference(a: ByteDFA, b: ByteDFA, max_states: int = MAX_DFA_STATES) -> ByteDFA | None:
+    """The minimal DFA of L(a) minus L(b) (product construction), or None if that language is empty."""
+    dead_b = b.num_states  # b's missing transitions go to an extra rejecting sink
+    tb = np.vstack([np.where(b.transitions >= 0, b.transitions, dead_b), np.full((1, 256), dead_b)])
+    acc_b = np.append(b.accepting, False)
+    ids, pairs, rows = {(0, 0): 0}, [(0, 0)], []
+    while len(rows) < len(pairs):
+        sa, sb = pairs[len(rows)]
+        na, nb = a.transitions[sa], tb[sb]
+        live = na >= 0
+        codes = np.where(live, na.astype(np.int64) * (dead_b + 1) + nb, -1)
+        targets, inverse = np.unique(codes, return_inverse=True)
+        mapped = []
+        for code in targets.tolist():  # a handful of distinct successor pairs per row
+            if code < 0:
+                mapped.append(-1)
+                continue
+            key = divmod(code, dead_b + 1)
+            j = ids.get(key)
+            if j is None:
+                if len(pairs) >= max_states:
+                    raise GrammarBudgetError(f"automaton too large: over {max_states} states")
+                j = ids[key] = len(pairs)
+                pairs.append(key)
+            mapped.append(j)
+        rows.append(np.asarray(mapped, dtype=np.int32)[inverse.reshape(-1)])
+    accepting = np.array([bool(a.accepting[x]) and not acc_b[y] for x, y in pairs])
+    try:
+        return _minimize(np.stack(rows), accepting, np.arange(256), "difference")
+    except ValueError:
+        return None

@@ -15,7 +15,8 @@ from importlib import resources
 import numpy as np
 
 from radixlm.core.constrained.fsm import FSMConstraint
-from radixlm.core.constrained.index import TokenIndex, cache_dir
+from radixlm.core.constrained.index import cache_dir
+from radixlm.core.constrained.pda import shortest_bytes_to_accept
 
 QWEN2_PATTERN = (
     r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
@@ -52,22 +53,6 @@ def qwen2_tokenizer():
     )
 
 
-def _distance_to_accept(index: TokenIndex) -> np.ndarray:
-    """Per DFA state, the fewest bytes that reach an accepting state."""
-    found = getattr(index, "_test_distance", None)
-    if found is None:
-        trans = index.dfa.transitions
-        found = np.where(index.dfa.accepting, 0, np.iinfo(np.int64).max)
-        for step in range(1, index.num_states + 1):
-            succ = np.where(trans >= 0, found[np.maximum(trans, 0)], np.iinfo(np.int64).max).min(axis=1)
-            closer = (succ < np.iinfo(np.int64).max) & (found == np.iinfo(np.int64).max)
-            if not closer.any():
-                break
-            found[closer] = step
-        index._test_distance = found
-    return found
-
-
 def random_walk(constraint: FSMConstraint, rng: np.random.Generator, max_tokens: int = 48,
                 stop_prob: float = 0.3) -> list[int]:
     """Token ids of one random walk through `constraint` (EOS not included), ending in an accepting state.
@@ -91,12 +76,11 @@ def random_walk(constraint: FSMConstraint, rng: np.random.Generator, max_tokens:
         else:
             if len(ids) > 8 * max_tokens + 200:
                 raise AssertionError("random walk does not reach an accepting state")
-            dist = _distance_to_accept(index)
-            row = index.dfa.transitions[state]
-            live = np.flatnonzero(row >= 0)
-            byte = int(live[np.argmin(dist[row[live]])])
-            token = single.get(byte, -1)
-            if token < 0 or not index.is_allowed(state, token):
+            path = shortest_bytes_to_accept(index, state)
+            if path is None:
+                raise AssertionError("no accepting state is reachable")
+            token = single.get(path[0], -1)
+            if token < 0 or index.next_state(state, token) < 0:
                 allowed = index.allowed_tokens(state)
                 token = int(allowed[rng.integers(len(allowed))])
         constraint.advance(token)

@@ -105,17 +105,32 @@ class TokenTrie:
     end_tokens: list[np.ndarray]
     first_byte_weight: np.ndarray  # [256]: how many nodes lie under each first byte
 
+    _levels: tuple | None = field(default=None, repr=False)
+
     @property
     def num_nodes(self) -> int:
         return int(self.first_byte_weight.sum())
+
+    def level_arrays(self) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        """Per level d: the parent (level d-1 node) of each node, and the node each of end_tokens[d]
+        ends at; for walks that visit whole levels at once."""
+        if self._levels is None:
+            parents, ends = [np.zeros(0, np.int64)], [np.zeros(0, np.int64)]
+            for d in range(1, self.depth + 1):
+                ptr, eptr = self.child_ptr[d], self.end_ptr[d]
+                parents.append(np.repeat(np.arange(len(ptr) - 1), np.diff(ptr)))
+                ends.append(np.repeat(np.arange(len(eptr) - 1), np.diff(eptr)))
+            self._levels = (parents, ends)
+        return self._levels
 
     @property
     def depth(self) -> int:
         return len(self.byte) - 1
 
     @classmethod
-    def build(cls, token_bytes: list[bytes]) -> "TokenTrie":
-        ids = [i for i, b in enumerate(token_bytes) if b]
+    def build(cls, token_bytes: list[bytes], ids: list[int] | None = None) -> "TokenTrie":
+        """The trie of all non-empty tokens, or of the tokens `ids` only (ids keep their numbering)."""
+        ids = [i for i, b in enumerate(token_bytes) if b] if ids is None else [i for i in ids if token_bytes[i]]
         ids.sort(key=token_bytes.__getitem__)
         n = len(ids)
         lens = np.fromiter((len(token_bytes[i]) for i in ids), dtype=np.int64, count=n)

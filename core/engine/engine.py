@@ -19,7 +19,9 @@ from radixlm.core.engine.options import EngineOptions
 from radixlm.core.engine.request import GenerateInput
 from radixlm.core.engine.sampling_params import SamplingParams
 from radixlm.core.engine.scheduler import AbortMsg, CallMsg, Scheduler
-from radixlm.core.errors import EngineShutdownError, InvalidRequestError, QueueFullError, TooComplexError
+from radixlm.core.errors import (
+    EngineShutdownError, GrammarBudgetError, InvalidRequestError, QueueFullError, TooComplexError,
+)
 from radixlm.core.models.config import ModelConfig
 from radixlm.core.models.hub import locate_model
 from radixlm.core.models.loader import load_tokenizer
@@ -388,8 +390,10 @@ class Engine:
         """Gives each constrained input its own constraint (core.constrained), on a compile thread, so that
         a bad pattern or schema fails before anything is queued and index building never stalls the
         scheduler (the index is built once and cached; the n samples of a request share it)."""
-        from radixlm.core.constrained import build_constraint
+        from radixlm.core.constrained import GrammarBudget, build_constraint
 
+        budget = GrammarBudget(max_compile_seconds=self.options.grammar_max_compile_seconds,
+                               max_configs=self.options.grammar_max_configs)
         for inp in inputs:
             sp = inp.sampling_params
             kind = next((k for k in _CONSTRAINT_KINDS if getattr(sp, k) is not None), None)
@@ -397,7 +401,10 @@ class Engine:
                 continue
             try:
                 inp.constraint = build_constraint(kind, getattr(sp, kind), self.tokenizer,
-                                                  eos_token_ids=self.eos_token_ids)
+                                                  eos_token_ids=self.eos_token_ids,
+                                                  backend=self.options.grammar_backend, budget=budget)
+            except GrammarBudgetError as e:
+                raise GrammarBudgetError(f"invalid {kind}: {e}", kind) from None
             except RecursionError:
                 raise InvalidRequestError(f"invalid {kind}: nested too deeply", kind) from None
             except ValueError as e:

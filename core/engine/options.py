@@ -61,8 +61,16 @@ class EngineOptions:
                                         aliases=("--gpu-memory-utilization",))
     disable_radix_cache: bool = option(False, "do not reuse cached prefixes across requests")
     disable_jump_forward: bool = option(False, "do not jump over text a constraint forces")
-    grammar_backend: str = option("radixlm", "constrained decoding backend: radixlm's compressed FSM (regex, "
-                                  "JSON schema, choices)", choices=("radixlm",))
+    grammar_backend: str = option(
+        "radixlm", "constrained decoding backend (regex, JSON schema, choices): radixlm (its grammar engine), "
+        "regex-dfa (its previous whole-pattern DFA), llguidance (the optional llguidance package)",
+        choices=("radixlm", "regex-dfa", "llguidance"))
+    grammar_max_compile_seconds: float = option(
+        2.0, "compile-time budget of one constraint (schema conversion and grammar compilation); past it "
+        "the request gets 400")
+    grammar_max_configs: int = option(
+        200_000, "parser configurations (about 1.2 KB each) a schema's shared tables hold before new "
+        "requests get fresh ones")
     random_seed: int = option(0, "seed of the sampler and the random schedule policy", aliases=("--seed",))
     stream_interval: int = option(1, "send a streamed chunk every this many tokens (larger: less overhead)")
     log_level: str = option("warning", "level of the engine's log ('radixlm' logger)", choices=LOG_LEVELS)

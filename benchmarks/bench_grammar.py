@@ -1,0 +1,362 @@
+"""Grammar engines side by side on a public corpus of JSON schemas, with Qwen2's 151k-token vocabulary.
+
+    pip download --no-deps --no-binary :all: jsonschema -d /tmp/js && tar xzf /tmp/js/jsonschema-*.tar.gz -C /tmp/js
+    pip install -e '.[dev,grammar-bench]'
+    python benchmarks/bench_grammar.py --suite /tmp/js/jsonschema-*/json/tests/draft2020-12 --engine radixlm
+    python benchmarks/bench_grammar.py --suite ... --engine llguidance
+    python benchmarks/bench_grammar.py --suite ... --engine regex-dfa
+    python benchmarks/bench_grammar.py --report          # the markdown table of the three runs
+
+Corpus: the JSON-Schema-Test-Suite's draft2020-12 cases (each with its valid and invalid instances; the
+suite ships inside jsonschema's source distribution), the schemas check-jsonschema vendors (GitHub
+workflows, GitLab CI, Renovate, ...), a deterministic sample of Kubernetes schemas from
+kubernetes-validate (file refs to `_definitions.json` bundled into `#/$defs`), and pydantic
+models of function-calling tools (with instances). Schemas needing remote refs stay in the corpus and
+count as refused.
+
+Per engine (one process each, so the max RSS is its own): coverage (schemas compiled), compile time
+p50/p99/max of schemas never seen (ours: its per-schema cache cleared each time; `--cold` also clears
+the process-wide terminal caches that schemas share; regex-dfa: in a child process with a timeout and
+a memory cap, its index saved to a fresh disk cache and loaded back for the walks), then every instance
+written compactly (keys in schema order where the schema lists properties) and tokenized canonically is
+walked token by token: the mask is computed (packed bits, timed: that is mask µs/token, first visits
+included), the token must be in it, and EOS must be allowed at the end. Valid accepted / invalid
+accepted count those walks. Then the same walks again ("same outputs again": a schema used again, as
+tool and response schemas are, with whatever each engine keeps between requests).
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import importlib.metadata
+import json
+import multiprocessing as mp
+import os
+import platform
+import random
+import re
+import resource
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from radixlm.core.constrained.index import cache_dir
+
+RESULTS = cache_dir() / "bench_grammar"  # one JSON per engine run; --report reads them
+COMPILE_TIMEOUT_S = 20.0
+CHILD_MEMORY_BYTES = 8 << 30
+K8S_SAMPLE = 40
+
+
+# ---- the corpus ----------------------------------------------------------------------------------------
+
+def _suite_cases(suite_dir: str) -> list[dict]:
+    out = []
+    for path in sorted(glob.glob(os.path.join(suite_dir, "*.json"))):
+        for group in json.load(open(path)):
+            out.append({"name": f"suite/{Path(path).stem}/{group['description']}", "schema": group["schema"],
+                        "valid": [t["data"] for t in group["tests"] if t["valid"]],
+                        "invalid": [t["data"] for t in group["tests"] if not t["valid"]]})
+    return out
+
+
+def _package_files(package: str, suffix: str) -> list[Path]:
+    return [Path(f.locate()) for f in importlib.metadata.files(package) or [] if str(f).endswith(suffix)]
+
+
+def _vendored_cases() -> list[dict]:
+    return [{"name": f"check-jsonschema/{p.stem}", "schema": json.load(open(p)), "valid": [], "invalid": []}
+            for p in sorted(_package_files("check-jsonschema", ".json"))]
+
+
+def _bundle_k8s(schema, definitions: dict):
+    """File refs to _definitions.json rewritten as local refs, its $defs embedded."""
+    def walk(node):
+        if isinstance(node, dict):
+            return {k: (re.sub(r"^.*_definitions\.json#", "#", v) if k == "$ref" and isinstance(v, str) else walk(v))
+                    for k, v in node.items()}
+        if isinstance(node, list):
+            return [walk(v) for v in node]
+        return node
+    out = walk(schema)
+    if isinstance(out, dict):
+        out = dict(out, **{"$defs": walk(definitions)})
+    return out
+
+
+def _k8s_cases() -> list[dict]:
+    files = _package_files("kubernetes-validate", ".json")
+    versions = sorted({p.parent.name for p in files if p.parent.name.endswith("-local-strict")},
+                      key=lambda v: [int(x) for x in v[1:].split("-")[0].split(".")])
+    latest = [p for p in files if p.parent.name == versions[-1]]
+    definitions = json.load(open(next(p for p in latest if p.name == "_definitions.json")))["$defs"]
+    picks = sorted(p for p in latest if p.name != "_definitions.json" and p.name != "all.json")
+    random.Random(0).shuffle(picks)
+    return [{"name": f"k8s/{p.stem}", "schema": _bundle_k8s(json.load(open(p)), definitions), "valid": [],
+             "invalid": []} for p in sorted(picks[:K8S_SAMPLE])]
+
+
+def _tool_cases() -> list[dict]:
+    from typing import Literal, Optional
+
+    import pydantic
+
+    class GetWeather(pydantic.BaseModel):
+        city: str
+        unit: Literal["celsius", "fahrenheit"] = "celsius"
+        days: int = pydantic.Field(default=1, ge=1, le=14)
+
+    class SearchFlights(pydantic.BaseModel):
+        origin: str = pydantic.Field(pattern=r"^[A-Z]{3}$")
+        destination: str = pydantic.Field(pattern=r"^[A-Z]{3}$")
+        date: str = pydantic.Field(json_schema_extra={"format": "date"})
+        passengers: int = pydantic.Field(ge=1, le=9)
+        cabin: Optional[Literal["economy", "business", "first"]] = None
+
+    class Item(pydantic.BaseModel):
+        sku: str
+        quantity: int = pydantic.Field(ge=1)
+        note: Optional[str] = pydantic.Field(default=None, max_length=80)
+
+    class CreateOrder(pydantic.BaseModel):
+        customer_id: int
+        items: list[Item] = pydantic.Field(min_length=1, max_length=20)
+        express: bool = False
+
+    class SendEmail(pydantic.BaseModel):
+        to: list[str] = pydantic.Field(min_length=1)
+        subject: str = pydantic.Field(max_length=120)
+        body: str
+        cc: list[str] = []
+
+    instances = {
+        GetWeather: [GetWeather(city="Lisbon"), GetWeather(city="Porto", unit="fahrenheit", days=3)],
+        SearchFlights: [SearchFlights(origin="LIS", destination="OPO", date="2026-12-01", passengers=2),
+                        SearchFlights(origin="JFK", destination="SFO", date="2027-01-31", passengers=1, cabin="first")],
+        CreateOrder: [CreateOrder(customer_id=7, items=[Item(sku="A-1", quantity=2, note="gift wrap")])],
+        SendEmail: [SendEmail(to=["a@example.com"], subject="Hi", body="Line 1\nLine \"2\"")],
+    }
+    bad = {GetWeather: [{"city": "x", "unit": "kelvin"}], SearchFlights: [{"origin": "lis", "destination": "OPO",
+                                                                          "date": "2026-12-01", "passengers": 2}],
+           CreateOrder: [{"customer_id": 1, "items": []}], SendEmail: [{"to": [], "subject": "", "body": ""}]}
+    return [{"name": f"tools/{m.__name__}", "schema": m.model_json_schema(),
+             "valid": [i.model_dump(mode="json") for i in insts], "invalid": bad[m]} for m, insts in instances.items()]
+
+
+def corpus(suite_dir: str) -> list[dict]:
+    return _suite_cases(suite_dir) + _vendored_cases() + _k8s_cases() + _tool_cases()
+
+
+def _ordered(instance, schema):
+    """The instance with object keys in the order the schema lists them (the order generation uses)."""
+    if isinstance(instance, dict) and isinstance(schema, dict):
+        props = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
+        keys = [k for k in props if k in instance] + [k for k in instance if k not in props]
+        return {k: _ordered(instance[k], props.get(k, {})) for k in keys}
+    if isinstance(instance, list) and isinstance(schema, dict):
+        return [_ordered(v, schema.get("items", {})) for v in instance]
+    return instance
+
+
+# ---- the engines -----------------------------------------------------------------------------------------
+
+class Engine:
+    def __init__(self, name: str, tokenizer, cold: bool) -> None:
+        self.name = name
+        self.tokenizer = tokenizer
+        self.cold = cold
+
+    def compile(self, schema):
+        from radixlm.core.constrained import build_constraint
+        from radixlm.core.constrained import grammar_compiler, grammar_index_cache, terminal_tokens
+
+        if self.name == "radixlm":  # a schema never seen: its compiled grammar is not cached
+            grammar_index_cache._cache.clear()
+            if self.cold:  # nor any terminal (JSON strings, numbers, ...) or its token classes
+                grammar_compiler.terminal_dfa.cache_clear()
+                terminal_tokens._cache.clear()
+        return build_constraint("json_schema", schema, self.tokenizer, backend=self.name)
+
+
+def _child_compile(schema, tokenizer, conn) -> None:
+    resource.setrlimit(resource.RLIMIT_AS, (CHILD_MEMORY_BYTES, CHILD_MEMORY_BYTES))
+    from radixlm.core.constrained import build_constraint
+
+    try:
+        start = time.perf_counter()
+        build_constraint("json_schema", schema, tokenizer, backend="regex-dfa")
+        conn.send(("ok", time.perf_counter() - start))
+    except MemoryError:
+        conn.send(("memory", "MemoryError"))
+    except Exception as e:  # noqa: BLE001 - every failure is a refusal to report
+        conn.send(("error", f"{type(e).__name__}: {e}"[:200]))
+
+
+def _compile_regex_dfa_isolated(schema, tokenizer):
+    """(seconds, None) or (None, reason): compiled in a forked child (timeout, memory cap)."""
+    parent, child = mp.Pipe(duplex=False)
+    proc = mp.get_context("fork").Process(target=_child_compile, args=(schema, tokenizer, child))
+    proc.start()
+    if not parent.poll(COMPILE_TIMEOUT_S):
+        proc.kill()
+        proc.join()
+        return None, f"timeout > {COMPILE_TIMEOUT_S:.0f} s"
+    status, value = parent.recv()
+    proc.join()
+    if status != "ok":
+        return None, value
+    return value, None
+
+
+def run(engine_name: str, suite_dir: str, limit: int | None, cold: bool) -> dict:
+    from radixlm.core.constrained.testing import qwen2_tokenizer
+
+    tokenizer = qwen2_tokenizer()
+    if engine_name == "regex-dfa":
+        os.environ["RADIXLM_CACHE"] = tempfile.mkdtemp(prefix="bench-grammar-")
+    from radixlm.core.constrained.vocab import vocab_of
+
+    vocab = vocab_of(tokenizer)
+    vocab.trie  # the per-tokenizer setup, once per process for every engine
+    vocab_size = len(tokenizer)
+    eos = tokenizer.eos_token_id
+    if engine_name == "llguidance":
+        from radixlm.core.constrained.llguidance_backend import _ll_tokenizer
+
+        _ll_tokenizer(tokenizer, vocab)
+    engine = Engine(engine_name, tokenizer, cold)
+    rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    cases = corpus(suite_dir)[:limit]
+    compile_s, refused, mask_us, mask_again_us = [], {}, [], []
+    valid_total = valid_ok = invalid_total = invalid_ok = 0
+    invalid_accepted_names, valid_rejected_names = [], []
+    for case in cases:
+        schema = case["schema"]
+        try:
+            if engine_name == "regex-dfa":
+                seconds, reason = _compile_regex_dfa_isolated(schema, tokenizer)
+                if reason is not None:
+                    refused[case["name"]] = reason
+                    continue
+                engine.compile(schema)  # from the disk cache the child filled
+            else:
+                start = time.perf_counter()
+                engine.compile(schema)
+                seconds = time.perf_counter() - start
+        except Exception as e:  # noqa: BLE001 - a refusal, with its reason
+            refused[case["name"]] = f"{type(e).__name__}: {e}"[:200]
+            continue
+        compile_s.append(seconds)
+        walks = [(v, True) for v in case["valid"]] + [(v, False) for v in case["invalid"]]
+        for instance, valid in walks:
+            text = json.dumps(_ordered(instance, schema), separators=(",", ":"), ensure_ascii=False)
+            accepted = _walk(engine, schema, tokenizer.encode(text) + [eos], eos, vocab_size, mask_us)
+            if valid:
+                valid_total += 1
+                valid_ok += accepted
+                if not accepted:
+                    valid_rejected_names.append(f"{case['name']}: {text[:80]}")
+            else:
+                invalid_total += 1
+                invalid_ok += accepted
+                if accepted:
+                    invalid_accepted_names.append(f"{case['name']}: {text[:80]}")
+        for instance, _ in walks:  # the same outputs again: what a schema used again costs
+            text = json.dumps(_ordered(instance, schema), separators=(",", ":"), ensure_ascii=False)
+            _walk(engine, schema, tokenizer.encode(text) + [eos], eos, vocab_size, mask_again_us)
+    rss_after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    sources: dict[str, list[int]] = {}
+    for case in cases:
+        counts = sources.setdefault(case["name"].split("/")[0], [0, 0])
+        counts[0] += case["name"] not in refused
+        counts[1] += 1
+    ms = sorted(s * 1e3 for s in compile_s)
+    pct = lambda xs, q: float(np.percentile(xs, q)) if xs else float("nan")  # noqa: E731
+    return {
+        "engine": engine_name, "schemas": len(cases), "compiled": len(compile_s), "refused": refused,
+        "compiled_by_source": sources,
+        "compile_ms": {"p50": pct(ms, 50), "p90": pct(ms, 90), "p99": pct(ms, 99), "max": max(ms) if ms else None},
+        "valid": [valid_ok, valid_total], "invalid_accepted": [invalid_ok, invalid_total],
+        "invalid_accepted_examples": invalid_accepted_names[:20], "valid_rejected_examples": valid_rejected_names,
+        "mask_us": {"mean": statistics.fmean(mask_us) if mask_us else None, "p50": pct(mask_us, 50),
+                    "p99": pct(mask_us, 99), "max": max(mask_us) if mask_us else None, "tokens": len(mask_us)},
+        "mask_again_us": {"mean": statistics.fmean(mask_again_us) if mask_again_us else None,
+                          "p50": pct(mask_again_us, 50), "p99": pct(mask_again_us, 99)},
+        "max_rss_mb": {"before_corpus": rss_before / 1024, "after": rss_after / 1024},
+        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores (shared)",
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "vocab": vocab_size,
+    }
+
+
+def _walk(engine: Engine, schema, ids: list[int], eos: int, vocab_size: int, times: list[float]) -> bool:
+    """Whether the constraint allows `ids` (ending in EOS) token by token; each mask's time goes to `times`."""
+    constraint = engine.compile(schema) if engine.name != "radixlm" else _fresh(engine, schema)
+    for t in ids:
+        start = time.perf_counter()
+        mask = constraint.allowed_token_mask(vocab_size, packed=True)
+        times.append((time.perf_counter() - start) * 1e6)
+        if not (int(mask[t // 32]) >> (t % 32)) & 1:
+            return False
+        if t != eos:
+            constraint.advance(t)
+    return True
+
+
+def _fresh(engine: Engine, schema):
+    """Our engine's constraint for one more instance: the compiled grammar (and its masks) reused."""
+    from radixlm.core.constrained import build_constraint
+
+    return build_constraint("json_schema", schema, engine.tokenizer, backend="radixlm")
+
+
+def report() -> str:
+    rows = ["| engine | compiled (suite / check-jsonschema / k8s / tools) | compile p50 / p90 / p99 / max (ms) "
+            "| valid accepted | invalid accepted | mask µs/token mean / p50 / p99 | same outputs again | "
+            "max RSS MB (before corpus → after) |", "|---|---|---|---|---|---|---|---|"]
+    results = {n: json.load(open(RESULTS / f"{n}.json")) for n in ("radixlm", "radixlm-cold", "llguidance", "regex-dfa")
+               if (RESULTS / f"{n}.json").exists()}
+    totals = next(({k: v[1] for k, v in r["compiled_by_source"].items()} for r in results.values()
+                   if "compiled_by_source" in r), {})
+    for name, r in results.items():
+        if "compiled_by_source" not in r:  # a result from before the per-source counts: from its refusals
+            refused = [n.split("/")[0] for n in r["refused"]]
+            r["compiled_by_source"] = {k: [t - refused.count(k), t] for k, t in totals.items()}
+        c, m = r["compile_ms"], r["mask_us"]
+        v, i = r["valid"], r["invalid_accepted"]
+        a = r.get("mask_again_us")
+        again = f"{a['mean']:.0f} / {a['p50']:.1f} / {a['p99']:.0f}" if a else "–"
+        by = " / ".join(f"{a}/{b}" for a, b in r.get("compiled_by_source", {}).values())
+        rows.append(f"| {name} | {r['compiled']} / {r['schemas']} ({by}) | {c['p50']:.1f} / {c['p90']:.1f} / {c['p99']:.1f} / "
+                    f"{c['max']:.0f} | {v[0]} / {v[1]} ({100 * v[0] / max(v[1], 1):.1f} %) | {i[0]} / {i[1]} | "
+                    f"{m['mean']:.0f} / {m['p50']:.1f} / {m['p99']:.0f} | {again} | {r['max_rss_mb']['before_corpus']:.0f} → "
+                    f"{r['max_rss_mb']['after']:.0f} |")
+    return "\n".join(rows)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--suite", help="the JSON-Schema-Test-Suite's tests/draft2020-12 folder")
+    parser.add_argument("--engine", choices=["radixlm", "llguidance", "regex-dfa"])
+    parser.add_argument("--limit", type=int, default=None, help="only the first N schemas")
+    parser.add_argument("--report", action="store_true")
+    parser.add_argument("--cold", action="store_true", help="radixlm: clear the terminal caches per schema too")
+    args = parser.parse_args()
+    if args.report:
+        print(report())
+        return
+    if not args.suite or not args.engine:
+        parser.error("--suite and --engine are needed (or --report)")
+    result = run(args.engine, args.suite, args.limit, args.cold)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    name = args.engine + ("-cold" if args.cold else "")
+    (RESULTS / f"{name}.json").write_text(json.dumps(dict(result, engine=name), indent=1))
+    print(json.dumps({k: v for k, v in result.items() if k not in ("refused", "invalid_accepted_examples", "valid_rejected_examples")}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

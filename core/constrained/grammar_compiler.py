@@ -1,0 +1,328 @@
+"""Grammar (grammar.py) -> CompiledGrammar: one byte DFA per terminal, one small automaton per rule.
+
+A rule's automaton reads symbols (terminals and rules), not bytes: Thompson construction over the
+rule's expression, then subset construction. It stays small however large the languages of its
+terminals are, which is what keeps compiling in milliseconds: no byte-level automaton of the whole
+grammar is ever built. Terminal DFAs come from regex_dfa (cached by regex, shared between grammars).
+Rules that can never finish are dropped with every edge into them; a start rule that cannot finish,
+left recursion and any budget overrun raise (GrammarBudgetError for budgets).
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from radixlm.core.constrained.grammar import Alt, Expr, Grammar, Ref, Repeat, Seq, Terminal
+from radixlm.core.constrained.regex_dfa import ByteDFA, regex_to_dfa
+from radixlm.core.errors import GrammarBudgetError
+
+
+@dataclass(frozen=True)
+class GrammarBudget:
+    """Limits on what one constraint may cost; past a compile budget GrammarBudgetError (HTTP 400)."""
+
+    max_compile_seconds: float = 2.0  # converting and compiling (terminal DFAs included)
+    max_terminal_states: int = 20_000  # states of one terminal's DFA
+    max_rule_states: int = 200_000  # states of all rule automata together
+    # Parser configurations (~1.2 KB each) one shared index holds before new requests get a fresh one.
+    max_configs: int = 200_000
+
+
+DEFAULT_BUDGET = GrammarBudget()
+
+
+@dataclass
+class RuleAutomaton:
+    """States 0.. (0 = start); edges[s] = [(symbol, target)], symbol = 2 * terminal or 2 * rule + 1."""
+
+    name: str
+    edges: list[list[tuple[int, int]]]
+    accepting: list[bool]
+
+
+@dataclass
+class CompiledGrammar:
+    terminals: list[ByteDFA]
+    terminal_names: list[str]
+    rules: list[RuleAutomaton]
+    start: int
+    budget: GrammarBudget
+
+
+class Deadline:
+    """The end of a constraint's compile-time budget (conversion and compilation together)."""
+
+    def __init__(self, budget: GrammarBudget) -> None:
+        self.budget = budget
+        self.end = time.monotonic() + budget.max_compile_seconds
+
+    def check(self) -> None:
+        if time.monotonic() > self.end:
+            raise GrammarBudgetError(f"compiling the constraint took over {self.budget.max_compile_seconds} s "
+                                     "(GrammarBudget.max_compile_seconds)")
+
+
+@functools.lru_cache(maxsize=2048)
+def terminal_dfa(regex: str, max_states: int) -> ByteDFA | None:
+    """The minimal DFA of a terminal regex, or None if it matches nothing (cached)."""
+    try:
+        return regex_to_dfa(regex, max_states=max_states)
+    except GrammarBudgetError as e:
+        raise GrammarBudgetError(f"{e} (GrammarBudget.max_terminal_states)") from None
+    except ValueError as e:
+        if "matches no string" in str(e):
+            return None
+        raise
+
+
+def compile_grammar(grammar: Grammar, budget: GrammarBudget = DEFAULT_BUDGET,
+                    deadline: Deadline | None = None) -> CompiledGrammar:
+    deadline = deadline or Deadline(budget)
+    builder = _Builder(grammar, budget, deadline)
+    rule_ids = {name: i for i, name in enumerate(grammar.rules)}
+    rules = []
+    for name, expr in grammar.rules.items():
+        rules.append(builder.rule(name, expr, rule_ids))
+        deadline.check()
+    terminals = builder.terminal_dfas
+    _prune(rules, terminals)
+    start = rule_ids[grammar.start]
+    if not rules[start].accepting or not _reaches_accept(rules[start]):
+        raise ValueError("the grammar admits no value (contradictory constraints, or recursion without a way to stop)")
+    _check_left_recursion(rules, terminals)
+    return CompiledGrammar(terminals, builder.terminal_names, rules, start, budget)
+
+
+class _Builder:
+    """Thompson construction over symbols, then subset construction, one rule at a time."""
+
+    def __init__(self, grammar: Grammar, budget: GrammarBudget, deadline: Deadline) -> None:
+        self.grammar = grammar
+        self.budget = budget
+        self.deadline = deadline
+        self.terminal_ids: dict[str, int] = {}
+        self.terminal_dfas: list[ByteDFA | None] = []
+        self.terminal_names: list[str] = []
+        self.total_states = 0
+
+    def _terminal(self, t: Terminal) -> int:
+        ident = t.ident
+        found = self.terminal_ids.get(ident)
+        if found is None:
+            if t.dfa is not None:
+                dfa = t.dfa
+            elif t.regex is not None:
+                dfa = terminal_dfa(t.regex, self.budget.max_terminal_states)
+            else:
+                raise ValueError("a terminal needs a regex or a DFA")
+            self.deadline.check()
+            found = self.terminal_ids[ident] = len(self.terminal_dfas)
+            self.terminal_dfas.append(dfa)
+            self.terminal_names.append(ident)
+        return found
+
+    def rule(self, name: str, expr: Expr, rule_ids: dict[str, int]) -> RuleAutomaton:
+        self.eps: list[list[int]] = []
+        self.sym: list[list[tuple[int, int]]] = []
+        self.rule_ids = rule_ids
+        start, end = self._frag(expr)
+        return self._determinize(name, start, end)
+
+    def _new(self) -> int:
+        if len(self.eps) + self.total_states >= 2 * self.budget.max_rule_states:
+            raise GrammarBudgetError(f"the grammar's rules exceed {self.budget.max_rule_states} states "
+                                     "(GrammarBudget.max_rule_states)")
+        self.eps.append([])
+        self.sym.append([])
+        return len(self.eps) - 1
+
+    def _frag(self, expr: Expr) -> tuple[int, int]:
+        if isinstance(expr, Terminal):
+            s, e = self._new(), self._new()
+            self.sym[s].append((2 * self._terminal(expr), e))
+            return s, e
+        if isinstance(expr, Ref):
+            if expr.rule not in self.rule_ids:
+                raise ValueError(f"undefined grammar rule {expr.rule!r}")
+            s, e = self._new(), self._new()
+            self.sym[s].append((2 * self.rule_ids[expr.rule] + 1, e))
+            return s, e
+        if isinstance(expr, Seq):
+            start = cur = self._new()
+            for item in expr.items:
+                s, e = self._frag(item)
+                self.eps[cur].append(s)
+                cur = e
+            return start, cur
+        if isinstance(expr, Alt):
+            start, end = self._new(), self._new()
+            for item in expr.items:
+                s, e = self._frag(item)
+                self.eps[start].append(s)
+                self.eps[e].append(end)
+            return start, end
+        if isinstance(expr, Repeat):
+            start = cur = self._new()
+            for _ in range(expr.lo):
+                s, e = self._frag(expr.item)
+                self.eps[cur].append(s)
+                cur = e
+            if expr.hi is None:
+                loop = self._new()
+                self.eps[cur].append(loop)
+                s, e = self._frag(expr.item)
+                self.eps[loop].append(s)
+                self.eps[e].append(loop)
+                return start, loop
+            end = self._new()
+            for _ in range(expr.hi - expr.lo):
+                self.eps[cur].append(end)
+                s, e = self._frag(expr.item)
+                self.eps[cur].append(s)
+                cur = e
+            self.eps[cur].append(end)
+            return start, end
+        raise ValueError(f"not a grammar expression: {expr!r}")
+
+    def _determinize(self, name: str, start: int, end: int) -> RuleAutomaton:
+        eps, sym = self.eps, self.sym
+
+        def closure(states) -> frozenset[int]:
+            seen, stack = set(states), list(states)
+            while stack:
+                for t in eps[stack.pop()]:
+                    if t not in seen:
+                        seen.add(t)
+                        stack.append(t)
+            return frozenset(s for s in seen if sym[s] or s == end)
+
+        first = closure([start])
+        ids, sets, edges = {first: 0}, [first], []
+        while len(edges) < len(sets):
+            by_symbol: dict[int, list[int]] = {}
+            for s in sets[len(edges)]:
+                for symbol, target in sym[s]:
+                    by_symbol.setdefault(symbol, []).append(target)
+            row = []
+            for symbol, targets in by_symbol.items():
+                subset = closure(targets)
+                j = ids.get(subset)
+                if j is None:
+                    j = ids[subset] = len(sets)
+                    sets.append(subset)
+                row.append((symbol, j))
+            edges.append(row)
+            if len(edges) % 1024 == 0:
+                self.deadline.check()
+        self.total_states += len(sets)
+        if self.total_states > self.budget.max_rule_states:
+            raise GrammarBudgetError(f"the grammar's rules exceed {self.budget.max_rule_states} states "
+                                     "(GrammarBudget.max_rule_states)")
+        return RuleAutomaton(name, edges, [end in s for s in sets])
+
+
+def _reaches_accept(rule: RuleAutomaton) -> bool:
+    seen, stack = {0}, [0]
+    while stack:
+        s = stack.pop()
+        if rule.accepting[s]:
+            return True
+        for _, t in rule.edges[s]:
+            if t not in seen:
+                seen.add(t)
+                stack.append(t)
+    return False
+
+
+def _prune(rules: list[RuleAutomaton], terminals: list[ByteDFA | None]) -> None:
+    """Drops edges on symbols that can never be completed (empty terminals, rules that cannot finish)
+    and the states that can then no longer finish."""
+    productive = [False] * len(rules)
+    _fixpoint(rules, productive, lambda r: _can_finish(rules[r], terminals, productive)[0])
+    for rule in rules:
+        live = _can_finish(rule, terminals, productive)
+        rule.edges = [[(sym, t) for sym, t in row if live[t] and _usable(sym, terminals, productive)] if live[s] else []
+                      for s, row in enumerate(rule.edges)]
+        rule.accepting = [a and live[s] for s, a in enumerate(rule.accepting)]
+
+
+def _fixpoint(rules: list[RuleAutomaton], flags: list[bool], test) -> None:
+    """Sets flags[r] for every rule `test(r)` holds of, rechecking a rule's callers whenever it turns true
+    (the test of a rule depends on the flags of the rules it calls)."""
+    callers: list[set[int]] = [set() for _ in rules]
+    for r, rule in enumerate(rules):
+        for row in rule.edges:
+            for sym, _ in row:
+                if sym % 2:
+                    callers[sym >> 1].add(r)
+    work = list(range(len(rules)))
+    while work:
+        r = work.pop()
+        if not flags[r] and test(r):
+            flags[r] = True
+            work.extend(callers[r])
+
+
+def _usable(symbol: int, terminals: list[ByteDFA | None], productive: list[bool]) -> bool:
+    return terminals[symbol >> 1] is not None if symbol % 2 == 0 else productive[symbol >> 1]
+
+
+def _can_finish(rule: RuleAutomaton, terminals: list[ByteDFA | None], productive: list[bool]) -> list[bool]:
+    """Per state: whether an accepting state is reachable over usable symbols (backwards from them)."""
+    preds: list[list[int]] = [[] for _ in rule.edges]
+    for s, row in enumerate(rule.edges):
+        for sym, t in row:
+            if _usable(sym, terminals, productive):
+                preds[t].append(s)
+    live = list(rule.accepting)
+    stack = [s for s, a in enumerate(live) if a]
+    while stack:
+        for p in preds[stack.pop()]:
+            if not live[p]:
+                live[p] = True
+                stack.append(p)
+    return live
+
+
+def _check_left_recursion(rules: list[RuleAutomaton], terminals: list[ByteDFA | None]) -> None:
+    """Raises if a rule can call itself before reading any byte (the parser would never stop expanding)."""
+    nullable = [False] * len(rules)
+
+    def null_reach(rule: RuleAutomaton) -> set[int]:
+        seen, stack = {0}, [0]
+        while stack:
+            s = stack.pop()
+            for sym, t in rule.edges[s]:
+                empty = bool(terminals[sym >> 1].accepting[0]) if sym % 2 == 0 else nullable[sym >> 1]
+                if empty and t not in seen:
+                    seen.add(t)
+                    stack.append(t)
+        return seen
+
+    _fixpoint(rules, nullable, lambda r: any(rules[r].accepting[s] for s in null_reach(rules[r])))
+    calls = [{sym >> 1 for s in null_reach(rule) for sym, _ in rule.edges[s] if sym % 2} for rule in rules]
+    state = [0] * len(rules)  # 0 unvisited, 1 on the path, 2 done
+
+    def visit(r: int) -> None:
+        state[r] = 1
+        for c in calls[r]:
+            if state[c] == 1:
+                raise ValueError(f"left recursion through grammar rule {rules[c].name!r} is not supported")
+            if state[c] == 0:
+                visit(c)
+        state[r] = 2
+
+    for r in range(len(rules)):
+        if state[r] == 0:
+            visit(r)
+
+
+def terminal_tables(grammar: CompiledGrammar) -> tuple[list[np.ndarray], list[list[bool]]]:
+    """Per terminal: its transition table [n, 256] (-1 = none) and accepting flags (empty for None)."""
+    trans = [t.transitions if t is not None else np.zeros((0, 256), np.int32) for t in grammar.terminals]
+    acc = [t.accepting.tolist() if t is not None else [] for t in grammar.terminals]
+    return trans, acc

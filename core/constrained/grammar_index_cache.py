@@ -1,0 +1,65 @@
+"""The compiled grammars of recent constraints, one GrammarIndex per (spec, vocabulary), shared by the
+requests that use the same spec so that their configurations and masks are computed once."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+from typing import Any
+
+from radixlm.core.constrained.grammar import Grammar, choices_grammar, regex_grammar
+from radixlm.core.constrained.grammar_compiler import (DEFAULT_BUDGET, Deadline, GrammarBudget, compile_grammar,
+                                                      terminal_dfa)
+from radixlm.core.constrained.json_grammar import json_schema_to_grammar
+from radixlm.core.constrained.pda import GrammarIndex
+from radixlm.core.constrained.vocab import TokenVocab
+
+CACHE_SIZE = 64
+
+_cache: OrderedDict[tuple, GrammarIndex] = OrderedDict()
+_lock = threading.Lock()
+
+
+def grammar_of(kind: str, spec: Any, whitespace_pattern: str | None = None,
+               budget: GrammarBudget | None = None, deadline: Deadline | None = None) -> Grammar:
+    """The grammar a constraint of `kind` enforces; ValueError naming the problem if `spec` is invalid."""
+    if kind == "regex":
+        grammar = regex_grammar(spec)
+        if terminal_dfa(spec, (budget or DEFAULT_BUDGET).max_terminal_states) is None:
+            raise ValueError(f"regex {spec!r} matches no string")
+        return grammar
+    if kind == "json_schema":
+        return json_schema_to_grammar(spec, whitespace_pattern, budget or DEFAULT_BUDGET, deadline)
+    if kind == "choices":
+        return choices_grammar(spec)
+    raise ValueError(f"unknown constraint kind {kind!r}; expected one of ('regex', 'json_schema', 'choices')")
+
+
+def _spec_key(spec: Any) -> str:
+    if isinstance(spec, type) and hasattr(spec, "model_json_schema"):
+        spec = spec.model_json_schema()
+    try:
+        return json.dumps(spec, sort_keys=True)
+    except (TypeError, ValueError):
+        return repr(spec)
+
+
+def get_grammar_index(kind: str, spec: Any, vocab: TokenVocab, whitespace_pattern: str | None,
+                      budget: GrammarBudget) -> GrammarIndex:
+    """The shared GrammarIndex of (kind, spec, whitespace, budget, vocabulary): cached, else compiled."""
+    key = (kind, _spec_key(spec), whitespace_pattern, budget, vocab.fingerprint)
+    with _lock:
+        found = _cache.get(key)
+        if found is not None and found.num_states < budget.max_configs // 2:
+            _cache.move_to_end(key)
+            return found
+    # A fresh index once the shared one has used half its budget: old requests keep theirs.
+    deadline = Deadline(budget)  # one budget for converting and compiling together
+    grammar = grammar_of(kind, spec, whitespace_pattern, budget, deadline)
+    index = GrammarIndex(compile_grammar(grammar, budget, deadline), vocab)
+    with _lock:
+        _cache[key] = index
+        if len(_cache) > CACHE_SIZE:
+            _cache.popitem(last=False)
+    return index

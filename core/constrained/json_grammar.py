@@ -1,0 +1,712 @@
+"""JSON schema -> a Grammar (grammar.py) whose every output is a compact JSON document valid under it.
+
+Terminals are small regexes (a string, a number, `"key":`, punctuation); `$ref` targets become rules,
+so recursion needs no depth bound and nothing is inlined. An object's optional properties cost one
+small rule each ("the rest of the object after member i"), not a copy of the object per alternative.
+
+Keywords: type, enum, const, properties, required, additionalProperties (false, true or a schema),
+patternProperties, minProperties/maxProperties, items, prefixItems, minItems/maxItems, uniqueItems (an
+approximation that stays sound: at most one item), minLength/maxLength, pattern (ECMA-262 search
+semantics, `\\d` and `\\w` ASCII), format (date, time, date-time, duration, uuid, email, hostname, ipv4,
+ipv6, uri), numeric bounds, multipleOf 1 on integers, anyOf, oneOf (when its branches exclude each
+other: different types, different constants, or objects told apart by their properties), allOf
+(merged), not (of types), $ref (local, recursion allowed), OpenAPI's nullable; annotations ignored.
+Objects with `properties` and no `additionalProperties` get exactly their listed properties (a
+documented strictness). Anything refused raises ValueError naming the keyword and its JSON pointer.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+from radixlm.core.constrained import json_schema as js
+from radixlm.core.constrained.grammar import EMPTY, Alt, Expr, Grammar, Ref, Repeat, Terminal, alt, lit, opt, seq
+from radixlm.core.constrained.grammar_compiler import DEFAULT_BUDGET, Deadline, GrammarBudget, terminal_dfa
+from radixlm.core.constrained.regex_dfa import dfa_difference, literals_dfa
+
+CHAR = Terminal(regex=js.STRING_CHAR)
+STRING = Terminal(regex=js.STRING)
+NUMBER = Terminal(regex=js.NUMBER)
+INTEGER = Terminal(regex=js.INTEGER)
+NULL = lit("null")
+BOOLEAN = Terminal(regex="true|false")
+NOTHING = Alt(())  # no output at all
+
+_IPV4_PART = r"(?:25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])"
+_H16 = r"[0-9A-Fa-f]{1,4}"
+_IPV6 = "|".join([
+    rf"(?:{_H16}:){{7}}{_H16}", rf"(?:{_H16}:){{1,7}}:",
+    *(rf"(?:{_H16}:){{1,{6 - k}}}(?::{_H16}){{1,{k + 1}}}" for k in range(6)),
+    rf":(?::{_H16}){{1,7}}", "::",
+])
+FORMATS = js.FORMATS | {
+    "duration": r"P(?:[0-9]+W|(?=[0-9T])(?:[0-9]+Y)?(?:[0-9]+M)?(?:[0-9]+D)?(?:T(?=[0-9])(?:[0-9]+H)?(?:[0-9]+M)?(?:[0-9]+S)?)?)",
+    "hostname": r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*",
+    "ipv4": rf"{_IPV4_PART}(?:\.{_IPV4_PART}){{3}}",
+    "ipv6": f"(?:{_IPV6})",
+}
+# Lookahead is not regular in our engine: durations are "P", then at least one component.
+FORMATS["duration"] = (r"P(?:[0-9]+W|[0-9]+Y(?:[0-9]+M)?(?:[0-9]+D)?(?:T_TIME)?|[0-9]+M(?:[0-9]+D)?(?:T_TIME)?"
+                       r"|[0-9]+D(?:T_TIME)?|T_TIME)").replace(
+    "T_TIME", r"T(?:[0-9]+H(?:[0-9]+M)?(?:[0-9]+S)?|[0-9]+M(?:[0-9]+S)?|[0-9]+S)")
+
+_TYPES = ("null", "boolean", "object", "array", "string", "number")
+_IGNORED = {
+    "title", "description", "default", "examples", "$schema", "$id", "$anchor", "$comment", "$defs", "definitions",
+    "readOnly", "writeOnly", "deprecated", "contentMediaType", "contentEncoding", "contentSchema", "discriminator",
+    "format", "$vocabulary", "$dynamicAnchor", "x-", "externalDocs", "xml", "example",
+}
+_REFUSED = {
+    "dependentRequired": "dependentRequired", "dependentSchemas": "dependentSchemas",
+    "dependencies": "dependencies", "$dynamicRef": "$dynamicRef", "$recursiveRef": "$recursiveRef",
+}
+
+
+class SchemaError(ValueError):
+    """A schema the converter refuses; the message names the keyword and its JSON pointer."""
+
+
+def json_schema_to_grammar(schema: Any, whitespace_pattern: str | None = None,
+                           budget: GrammarBudget = DEFAULT_BUDGET, deadline: Deadline | None = None) -> Grammar:
+    """The grammar of compact JSON documents valid under `schema` (a JSON string, dict, bool or pydantic
+    model class). ValueError naming the keyword and where (JSON pointer) for whatever is refused."""
+    root = js._load_schema(schema)
+    if whitespace_pattern:
+        try:
+            re.compile(whitespace_pattern)
+        except re.error as e:
+            raise ValueError(f"invalid whitespace_pattern {whitespace_pattern!r}: {e}") from None
+    conv = _Converter(root, whitespace_pattern or "", budget, deadline or Deadline(budget))
+    conv.rules["start"] = conv.value(root, "#")
+    return Grammar(conv.rules, "start")
+
+
+class _Converter(js._Converter):
+    """Reuses the regex converter's $ref resolution, allOf merging and ref expansion (for merges)."""
+
+    def __init__(self, root: Any, ws: str, budget: GrammarBudget, deadline: Deadline) -> None:
+        super().__init__(root, ws, js.DEFAULT_MAX_RECURSION)
+        self.budget = budget
+        self.deadline = deadline
+        self.rules: dict[str, Expr] = {}
+        self.ref_rules: dict[str, str] = {}
+        self.ws_term = Terminal(regex=f"(?:{ws})") if ws else None
+
+    # ---- helpers -------------------------------------------------------------------------------------
+    def _punct(self, text: str) -> Expr:
+        return seq(opt(self.ws_term), lit(text), opt(self.ws_term)) if self.ws_term else lit(text)
+
+    def _rule(self, name: str, expr: Expr) -> Ref:
+        """A rule holding `expr` (so that repetition refers to it instead of copying it)."""
+        if name not in self.rules:
+            self.rules[name] = expr
+        return Ref(name)
+
+    def _shared(self, expr: Expr, ptr: str) -> Expr:
+        return expr if isinstance(expr, (Terminal, Ref)) else self._rule(f"{ptr}@{len(self.rules)}", expr)
+
+    # ---- the conversion ----------------------------------------------------------------------------
+    def value(self, schema: Any, ptr: str) -> Expr:
+        self.deadline.check()
+        if isinstance(schema, dict) and "$ref" in schema:
+            ref = schema["$ref"]
+            if not isinstance(ref, str):
+                raise SchemaError(f"{ptr}/$ref: must be a string")
+            rest = {k: v for k, v in schema.items() if k != "$ref" and k not in _IGNORED}
+            if rest:  # sibling keywords: merged with the target (which is inlined for the merge)
+                return self.value({"allOf": [self._target(ref, ptr), rest]}, ptr)
+            name = self.ref_rules.get(ref)
+            if name is None:
+                name = self.ref_rules[ref] = f"ref:{ref}"
+                self.rules[name] = NOTHING  # placeholder: recursion refers to the rule by name
+                self.rules[name] = self.value(self._target(ref, ptr), ref)
+            return Ref(name)
+        if schema is True or schema == {}:
+            return self._any()
+        if schema is False:
+            return NOTHING
+        if not isinstance(schema, dict):
+            raise SchemaError(f"{ptr}: a JSON schema must be an object or a boolean, got {schema!r}")
+        for key in schema:
+            if key in _REFUSED:
+                raise SchemaError(f"{ptr}/{key}: keyword {_REFUSED[key]!r} is not supported")
+        if "if" in schema:  # generated through its `if` branch: instances of if and then (a sound subset)
+            rest = {k: v for k, v in schema.items() if k not in ("if", "then", "else")}
+            return self.value({"allOf": [schema["if"], schema.get("then", True), rest]}, ptr)
+        schema = {k: v for k, v in schema.items() if k not in ("then", "else")}
+        if "allOf" in schema:
+            try:
+                merged = self._merge(schema["allOf"] + [{k: v for k, v in schema.items() if k != "allOf"}], ())
+            except ValueError as e:
+                raise SchemaError(f"{ptr}/allOf: {e}") from None
+            return self.value(merged, ptr)
+        if "anyOf" in schema or "oneOf" in schema:
+            key = "anyOf" if "anyOf" in schema else "oneOf"
+            if "anyOf" in schema and "oneOf" in schema:
+                raise SchemaError(f"{ptr}: anyOf together with oneOf is not supported")
+            branches = schema[key]
+            if not isinstance(branches, list) or not branches:
+                raise SchemaError(f"{ptr}/{key}: must be a non-empty list")
+            rest = {k: v for k, v in schema.items() if k != key and k not in _IGNORED}
+            subs = [{"allOf": [b, rest]} if rest else b for b in branches]
+            if key == "oneOf":
+                subs = self._exclusive(subs, f"{ptr}/oneOf")
+            return alt(*(self.value(s, f"{ptr}/{key}/{i}") for i, s in enumerate(subs)))
+        if schema.get("nullable") is True:
+            return alt(self.value({k: v for k, v in schema.items() if k != "nullable"}, ptr), NULL)
+        if "const" in schema:
+            return self._literal(schema["const"], schema, ptr)
+        if "enum" in schema:
+            if not isinstance(schema["enum"], list) or not schema["enum"]:
+                raise SchemaError(f"{ptr}/enum: must be a non-empty list")
+            return alt(*(self._literal(v, schema, ptr) for v in schema["enum"]))
+        types = schema.get("type", list(_TYPES))
+        types = [types] if isinstance(types, str) else list(types)
+        if "not" in schema:
+            types = self._without(types, schema["not"], ptr)
+        handlers = {"string": self._string, "integer": self._integer, "number": self._number,
+                    "boolean": lambda s, p: BOOLEAN, "null": lambda s, p: NULL, "object": self._object,
+                    "array": self._array}
+        out = []
+        for t in types:
+            if t not in handlers:
+                raise SchemaError(f"{ptr}/type: unknown JSON schema type {t!r}")
+            out.append(handlers[t](schema, ptr))
+        return alt(*out) if out else NOTHING
+
+    def _target(self, ref: str, ptr: str) -> Any:
+        try:
+            return self._resolve(ref)
+        except ValueError as e:
+            raise SchemaError(f"{ptr}/$ref: {e}") from None
+
+    def _resolve(self, ref: str) -> Any:
+        """Local JSON pointers, and `#name` refs to a schema with `"$anchor": "name"`."""
+        if ref.startswith("#") and len(ref) > 1 and not ref.startswith("#/"):
+            found = _find_anchor(self.root, ref[1:])
+            if found is None:
+                raise ValueError(f"$ref {ref!r} does not resolve")
+            return found
+        return super()._resolve(ref)
+
+    def _merge(self, schemas: list[Any], refs: tuple) -> dict | bool:
+        """allOf merged; a part's additionalProperties also constrains the properties that only other
+        parts list (it does not look into them), and its items the other parts' extra prefix items, so
+        those carry it along before the merge."""
+        parts = [_known_keywords(self._deref(s, refs)[0]) for s in schemas]
+        choosing = [p for p in parts if isinstance(p, dict) and ("anyOf" in p or "oneOf" in p)]
+        if len(choosing) > 1 or choosing and "anyOf" in choosing[0] and "oneOf" in choosing[0]:
+            # Several choices in one allOf: distribute over the first one's branches (each branch an
+            # in-place part of its schema, so it goes first and the parent stays last).
+            first = choosing[0]
+            key = "oneOf" if "oneOf" in first else "anyOf"
+            index = parts.index(first)
+            rest = {k: v for k, v in first.items() if k != key}
+            alternatives = []
+            for branch in first[key]:
+                new = list(parts)
+                new[index] = rest
+                alternatives.append({"allOf": [branch, *new]})
+            return {key: alternatives}
+        # The last part is the parent: its unevaluated* keywords see the evaluations of every part. Any
+        # other part's see only its own, which (stricter, so still sound) is what additionalProperties
+        # and items mean.
+        parts = [_own_evaluations_only(p) for p in parts[:-1]] + parts[-1:]
+        closing = [p for p in parts if isinstance(p, dict) and p.get("additionalProperties", True) is not True]
+        if closing:
+            adjusted = []
+            for part in parts:
+                if isinstance(part, dict) and isinstance(part.get("properties"), dict):
+                    props = dict(part["properties"])
+                    for c in closing:
+                        if c is part:
+                            continue
+                        for name in props:
+                            patterns = c.get("patternProperties") or {}
+                            if name not in (c.get("properties") or {}) and not any(
+                                    _pattern_matches(p, name) for p in patterns):
+                                props[name] = {"allOf": [props[name], c["additionalProperties"]]}
+                    part = dict(part, properties=props)
+                adjusted.append(part)
+            parts = adjusted
+        covering = [p for p in parts if isinstance(p, dict) and isinstance(p.get("items", True), (dict, bool))
+                    and p.get("items", True) is not True]
+        if covering:  # likewise a part's items covers the other parts' prefix items past its own prefix
+            adjusted = []
+            for part in parts:
+                if isinstance(part, dict) and isinstance(part.get("prefixItems"), list):
+                    prefix = list(part["prefixItems"])
+                    for c in covering:
+                        if c is not part:
+                            for j in range(len(c.get("prefixItems") or []), len(prefix)):
+                                prefix[j] = {"allOf": [prefix[j], c["items"]]}
+                    part = dict(part, prefixItems=prefix)
+                adjusted.append(part)
+            parts = adjusted
+        return super()._merge(parts, refs)
+
+    def _literal(self, value: Any, schema: dict, ptr: str) -> Expr:
+        """A constant; dropped (NOTHING) when the schema's type excludes it."""
+        types = schema.get("type")
+        if types is not None:
+            types = {types} if isinstance(types, str) else set(types)
+            kind = _json_type(value)
+            if kind not in types and not (kind == "integer" and "number" in types):
+                return NOTHING
+        return lit(json.dumps(value, separators=(",", ":"), ensure_ascii=False))
+
+    def _without(self, types: list[str], sub: Any, ptr: str) -> list[str]:
+        if sub is True or sub == {}:
+            return []
+        if isinstance(sub, dict) and set(sub) - _IGNORED == {"type"}:
+            excluded = {sub["type"]} if isinstance(sub["type"], str) else set(sub["type"])
+            if "number" in excluded:
+                excluded.add("integer")
+            if "integer" in excluded and "number" in types:
+                raise SchemaError(f"{ptr}/not: excluding integers from numbers is not supported")
+            return [t for t in types if t not in excluded]
+        raise SchemaError(f"{ptr}/not: only 'not' of types is supported")
+
+    def _any(self) -> Ref:
+        if "any" not in self.rules:
+            value = Ref("any")
+            comma = self._punct(",")
+            items = seq(value, Repeat(seq(comma, value)))
+            member = seq(STRING, self._punct(":"), value)
+            members = seq(member, Repeat(seq(comma, member)))
+            self.rules["any"] = alt(STRING, NUMBER, BOOLEAN, NULL,
+                                    seq(self._punct("["), opt(items), self._punct("]")),
+                                    seq(self._punct("{"), opt(members), self._punct("}")))
+        return Ref("any")
+
+    # ---- scalars -----------------------------------------------------------------------------------
+    def _string(self, schema: dict, ptr: str) -> Expr:
+        lo, hi = schema.get("minLength", 0), schema.get("maxLength")
+        if not isinstance(lo, int) or hi is not None and not isinstance(hi, int):
+            raise SchemaError(f"{ptr}/minLength: minLength and maxLength must be integers")
+        if hi is not None and hi < lo:
+            return NOTHING
+        fmt, pattern = schema.get("format"), schema.get("pattern")
+        bounded = "minLength" in schema or "maxLength" in schema
+        if pattern is not None:
+            if bounded:
+                raise SchemaError(f"{ptr}/pattern: 'pattern' together with minLength/maxLength is not supported")
+            try:
+                body = ecma_string_pattern(pattern)
+            except ValueError as e:
+                raise SchemaError(f"{ptr}/pattern: {e}") from None
+            return Terminal(regex=f'"{body}"')
+        if fmt in FORMATS:
+            if bounded:
+                raise SchemaError(f"{ptr}/format: format {fmt!r} together with minLength/maxLength is not supported")
+            return Terminal(regex=f'"{FORMATS[fmt]}"')
+        if not bounded or (lo == 0 and hi is None):
+            return STRING
+        tail = Repeat(CHAR, 0, hi - lo) if hi is not None else Terminal(regex=f"{js.STRING_CHAR}*")
+        return seq(lit('"'), Repeat(CHAR, lo, lo), tail, lit('"')) if lo else seq(lit('"'), tail, lit('"'))
+
+    def _integer(self, schema: dict, ptr: str) -> Expr:
+        step = schema.get("multipleOf")
+        if step is not None and not (isinstance(step, (int, float)) and step > 0 and float(step) == 1.0):
+            raise SchemaError(f"{ptr}/multipleOf: only multipleOf 1 is supported")
+        try:
+            lo, hi = js._int_bounds(schema)
+        except ValueError as e:
+            raise SchemaError(f"{ptr}: {e}") from None
+        if lo is None and hi is None:
+            return INTEGER
+        if lo is not None and hi is not None and lo > hi:
+            return NOTHING
+        return Terminal(regex=js.int_range_regex(lo, hi))
+
+    def _number(self, schema: dict, ptr: str) -> Expr:
+        if "multipleOf" in schema:
+            if float(schema["multipleOf"]) == 1.0:
+                return self._integer(schema, ptr)
+            raise SchemaError(f"{ptr}/multipleOf: multipleOf on numbers is not supported")
+        bounds = [k for k in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum") if k in schema]
+        if not bounds:
+            return NUMBER
+        values = [schema[k] for k in bounds]
+        if any(isinstance(v, bool) or not isinstance(v, (int, float)) or v != int(v) for v in values):
+            raise SchemaError(f"{ptr}/{bounds[0]}: bounds on 'number' are supported when they are whole numbers")
+        if "exclusiveMinimum" in schema or "exclusiveMaximum" in schema:
+            raise SchemaError(f"{ptr}/{bounds[0]}: exclusive bounds on 'number' are not supported (use integer)")
+        lo, hi = js._int_bounds(schema)
+        if lo is not None and hi is not None and lo > hi:
+            return NOTHING
+        return Terminal(regex=js.number_range_regex(lo, hi))
+
+    # ---- objects -----------------------------------------------------------------------------------
+    def _object(self, schema: dict, ptr: str) -> Expr:
+        props = schema.get("properties") or {}
+        if not isinstance(props, dict):
+            raise SchemaError(f"{ptr}/properties: must be an object")
+        required = schema.get("required") or []
+        if not isinstance(required, list) or not all(isinstance(r, str) for r in required):
+            raise SchemaError(f"{ptr}/required: must be a list of strings")
+        patterns = schema.get("patternProperties") or {}
+        if not isinstance(patterns, dict):
+            raise SchemaError(f"{ptr}/patternProperties: must be an object")
+        # Keys no other keyword evaluates fall to unevaluatedProperties.
+        extra = schema.get("additionalProperties",
+                           schema.get("unevaluatedProperties", not props and not patterns and not required))
+        lo, hi = schema.get("minProperties", 0), schema.get("maxProperties")
+        names = list(props) + [r for r in required if r not in props]
+        key_filter = schema.get("propertyNames", True)
+        if key_filter is not True:
+            names = self._property_names(names, key_filter, required, ptr)
+            if names is None:
+                return NOTHING
+            if extra is not False or patterns:
+                raise SchemaError(f"{ptr}/propertyNames: propertyNames with keys beyond the listed properties "
+                                  "is not supported")
+        members: list[tuple[Expr, bool]] = []
+        for name in names:
+            sub = props.get(name, True if extra is not False else False)
+            matching = [ps for pattern, ps in patterns.items() if _pattern_matches(pattern, name, ptr)]
+            if matching:  # patternProperties apply to listed properties too
+                sub = {"allOf": [sub, *matching]}
+            key_ptr = f"{ptr}/properties/{_escape(name)}"
+            value = self.value(sub, key_ptr)
+            members.append((seq(self._key(name), self._shared(value, key_ptr)), name in required))
+        extras: list[Expr] = []  # one '"key":value' alternative per kind of extra key
+        listed = [json.dumps(n, ensure_ascii=False) for n in names]
+        for i, (pattern, sub) in enumerate(patterns.items()):
+            try:
+                body = ecma_string_pattern(pattern)
+            except ValueError as e:
+                raise SchemaError(f"{ptr}/patternProperties: {e}") from None
+            others = [f'"{ecma_string_pattern(p)}"' for j, p in enumerate(patterns) if j != i]
+            key = self._key_terminal(f'"{body}"', listed, others)
+            if key is not None:
+                p2 = f"{ptr}/patternProperties/{_escape(pattern)}"
+                extras.append(seq(key, self._punct(":"), self._shared(self.value(sub, p2), p2)))
+        if extra is not False:
+            others = [f'"{ecma_string_pattern(p)}"' for p in patterns]
+            key = self._key_terminal(js.STRING, listed, others)
+            if key is not None:
+                value = self._any() if extra is True else self.value(extra, f"{ptr}/additionalProperties")
+                extras.append(seq(key, self._punct(":"), self._shared(value, f"{ptr}/additionalProperties")))
+        return seq(self._punct("{"), self._members(members, extras, lo, hi, ptr), self._punct("}"))
+
+    @staticmethod
+    def _property_names(names: list[str], rule: Any, required: list[str], ptr: str) -> list[str] | None:
+        """The listed names `propertyNames` allows (None if it rejects a required one)."""
+        if rule is False:
+            keep = []
+        elif isinstance(rule, dict) and set(rule) - _IGNORED <= {"pattern", "maxLength", "minLength", "enum", "const"}:
+            def ok(name: str) -> bool:
+                return (len(name) <= rule.get("maxLength", len(name)) and len(name) >= rule.get("minLength", 0)
+                        and ("pattern" not in rule or _pattern_matches(rule["pattern"], name, ptr))
+                        and ("enum" not in rule or name in rule["enum"])
+                        and ("const" not in rule or name == rule["const"]))
+            keep = [n for n in names if ok(n)]
+        else:
+            raise SchemaError(f"{ptr}/propertyNames: only pattern, lengths, enum and const are supported")
+        return None if any(r not in keep for r in required) else keep
+
+    def _members(self, members: list[tuple[Expr, bool]], extras: list[Expr], lo: int, hi: int | None,
+                 ptr: str) -> Expr:
+        """The object's body: members in order (optional ones may be left out), then any extras, with
+        commas between, between lo and hi members in all. Rule (i, n) is the rest of the body after i
+        listed members were considered and n written (n counted only as far as the bounds need)."""
+        cap = max(lo, hi if hi is not None else 0, 1)
+        base = f"{ptr}@obj{len(self.rules)}"
+        extra = alt(*extras) if extras else None
+
+        def rest(i: int, n: int) -> Expr:
+            name = f"{base}/{i}/{n}"
+            if name in self.rules:
+                return Ref(name)
+            self.rules[name] = NOTHING
+            comma = self._punct(",") if n else EMPTY
+            nxt = min(n + 1, cap)
+            if i < len(members):
+                member, req = members[i]
+                take = seq(comma, member, rest(i + 1, nxt)) if hi is None or n < hi else NOTHING
+                body = take if req else alt(take, rest(i + 1, n))
+            else:
+                can_stop = n >= lo
+                more = seq(comma, extra, rest(i, nxt)) if extra is not None and (hi is None or n < hi) else NOTHING
+                body = alt(EMPTY, more) if can_stop else more
+            self.rules[name] = body
+            return Ref(name)
+
+        return rest(0, 0)
+
+    def _key(self, name: str) -> Expr:
+        text = json.dumps(name, ensure_ascii=False)
+        return lit(text + ":") if not self.ws_term else seq(lit(text), self._punct(":"))
+
+    def _key_terminal(self, regex: str, names: list[str], patterns: list[str]) -> Terminal | None:
+        """Keys matching `regex` but none of the listed `names` (JSON-quoted) nor other `patterns`
+        (regexes); None if no key is left."""
+        budget = self.budget.max_terminal_states
+        dfa = terminal_dfa(regex, budget)
+        if dfa is not None and names:
+            dfa = dfa_difference(dfa, literals_dfa([n.encode() for n in names]), budget)
+        for pattern in patterns:
+            if dfa is not None:
+                other = terminal_dfa(pattern, budget)
+                dfa = dfa_difference(dfa, other, budget) if other is not None else dfa
+        if dfa is None:
+            return None
+        excluded = names + patterns
+        return Terminal(key=f"key:{regex}\0" + "\0".join(excluded), dfa=dfa)
+
+    # ---- arrays ------------------------------------------------------------------------------------
+    def _array(self, schema: dict, ptr: str) -> Expr:
+        lo, hi = schema.get("minItems", 0), schema.get("maxItems")
+        if not isinstance(lo, int) or hi is not None and not isinstance(hi, int):
+            raise SchemaError(f"{ptr}/minItems: minItems and maxItems must be integers")
+        if schema.get("uniqueItems") is True:  # sound approximation: arrays of at most one item
+            if lo > 1:
+                raise SchemaError(f"{ptr}/uniqueItems: uniqueItems with minItems > 1 is not supported")
+            hi = 1 if hi is None else min(hi, 1)
+        # Items past the prefix that `items` does not cover are the unevaluated ones.
+        items, prefix = schema.get("items", schema.get("unevaluatedItems", True)), schema.get("prefixItems")
+        if isinstance(items, list):  # draft 4-2019 tuple form
+            prefix, items = items, schema.get("additionalItems", True)
+        if "maxContains" in schema and "contains" in schema:
+            raise SchemaError(f"{ptr}/maxContains: maxContains is not supported")
+        if "contains" in schema and schema.get("minContains", 1) != 0:
+            return self._contains(schema, items, prefix, lo, hi, ptr)
+        parts = [self._shared(self.value(p, f"{ptr}/prefixItems/{i}"), f"{ptr}/prefixItems/{i}")
+                 for i, p in enumerate(prefix or [])]
+        rest = self._shared(self.value(items, f"{ptr}/items"), f"{ptr}/items") if items is not False else NOTHING
+        if parts:
+            body = self._prefix_body(parts, rest, lo, hi)
+        elif hi is not None and hi < max(lo, 1):
+            body = EMPTY if lo == 0 else NOTHING
+        else:
+            more = Repeat(seq(self._punct(","), rest), max(lo - 1, 0), None if hi is None else hi - 1)
+            body = seq(rest, more) if lo else opt(seq(rest, more))
+        return seq(self._punct("["), body, self._punct("]"))
+
+    def _contains(self, schema: dict, items: Any, prefix: Any, lo: int, hi: int | None, ptr: str) -> Expr:
+        """[item, ..., match, item, ...]: at least one item also valid under `contains`."""
+        if prefix or hi is not None or lo > 1 or "maxContains" in schema or schema.get("minContains", 1) != 1:
+            raise SchemaError(f"{ptr}/contains: contains with prefixItems, maxItems, minItems > 1 or "
+                              "min/maxContains is not supported")
+        item = self._shared(self.value(items, f"{ptr}/items"), f"{ptr}/items")
+        match = self._shared(self.value({"allOf": [items, schema["contains"]]}, f"{ptr}/contains"), f"{ptr}/contains")
+        comma = self._punct(",")
+        return seq(self._punct("["), Repeat(seq(item, comma)), match, Repeat(seq(comma, item)), self._punct("]"))
+
+    def _prefix_body(self, parts: list[Expr], rest: Expr, lo: int, hi: int | None) -> Expr:
+        comma = self._punct(",")
+        n = len(parts)
+        if hi is not None and hi < n:
+            parts = parts[:hi]
+            n = hi
+        more_lo = max(lo - n, 0)
+        more_hi = None if hi is None else hi - n
+        more = EMPTY if rest is NOTHING or more_hi == 0 else Repeat(seq(comma, rest), more_lo, more_hi)
+        if more is EMPTY and more_lo > 0:
+            return NOTHING
+        body = more
+        for j in range(n - 1, -1, -1):
+            item = seq(comma, parts[j]) if j else parts[j]
+            body = seq(item, body)
+            if j >= lo:  # j items are enough: the rest may be left out
+                body = opt(body)
+        return body
+
+    # ---- oneOf -------------------------------------------------------------------------------------
+    def _exclusive(self, branches: list[Any], ptr: str) -> list[Any]:
+        """oneOf's branches, each generating only values no other branch accepts. When the branches
+        do not exclude each other as they are, each is kept to the types no other branch allows (a
+        number type is dropped if another branch allows integers); a branch left with none is dropped."""
+        sigs = [self._signature(b) for b in branches]
+        if _pairwise_exclusive(sigs):
+            return branches
+        kept, kept_sigs = [], []
+        for i, (branch, sig) in enumerate(zip(branches, sigs)):
+            others = set().union(*(s["types"] for j, s in enumerate(sigs) if j != i))
+            types = {t for t in sig["types"] if t not in others and not (t == "number" and "integer" in others)}
+            if types:
+                kept.append({"allOf": [branch, {"type": sorted(types - {"integer"} if "number" in types else types)}]})
+                kept_sigs.append(dict(sig, types=types | ({"integer"} if "number" in types else set())))
+        if kept and _pairwise_exclusive(kept_sigs):
+            return kept
+        for i in range(len(sigs)):
+            for j in range(i + 1, len(sigs)):
+                if not (_excludes(sigs[i], sigs[j]) and _excludes(sigs[j], sigs[i])):
+                    raise SchemaError(f"{ptr}: branches {i} and {j} may both match one value; oneOf is supported "
+                                      "only when its branches exclude each other (types, constants, or required "
+                                      "properties)")
+        return branches
+
+    def _signature(self, schema: Any) -> dict:
+        """What a branch's outputs look like, as far as telling branches apart needs."""
+        schema, _ = self._deref(schema, ())
+        if isinstance(schema, dict) and "allOf" in schema:
+            schema = self._merge(schema["allOf"] + [{k: v for k, v in schema.items() if k != "allOf"}], ())
+        if not isinstance(schema, dict):
+            return {"types": set(_TYPES) | {"integer"}, "consts": None}
+        consts = None
+        if "const" in schema:
+            consts = [schema["const"]]
+        elif isinstance(schema.get("enum"), list):
+            consts = schema["enum"]
+        if consts is not None:
+            types = {_json_type(c) for c in consts}
+        else:
+            t = schema.get("type", list(_TYPES))
+            types = {t} if isinstance(t, str) else set(t)
+            if "anyOf" in schema or "oneOf" in schema or "not" in schema:
+                types = set(_TYPES)
+        if "number" in types:
+            types.add("integer")
+        if schema.get("nullable") is True:
+            types.add("null")
+        props = schema.get("properties") or {}
+        closed = "additionalProperties" not in schema and bool(props) or schema.get("additionalProperties") is False
+        return {"types": types, "consts": consts, "required": set(schema.get("required") or []),
+                "props": set(props) | set(schema.get("required") or []), "closed": closed and not schema.get("patternProperties"),
+                "prop_consts": {k: _const_of(v) for k, v in props.items() if _const_of(v) is not None}}
+
+
+# The keywords that constrain values (JSON Schema 2020-12 and earlier drafts, OpenAPI's nullable);
+# anything else is an annotation (description, markdownDescription, x-..., ...) and is ignored.
+_KNOWN = {
+    "type", "enum", "const", "properties", "required", "additionalProperties", "patternProperties",
+    "minProperties", "maxProperties", "propertyNames", "unevaluatedProperties", "unevaluatedItems", "items",
+    "prefixItems", "additionalItems", "minItems", "maxItems", "contains", "minContains", "maxContains",
+    "uniqueItems", "minLength", "maxLength", "pattern", "format", "minimum", "maximum", "exclusiveMinimum",
+    "exclusiveMaximum", "multipleOf", "anyOf", "oneOf", "allOf", "not", "if", "then", "else", "$ref",
+    "nullable", "dependentRequired", "dependentSchemas", "dependencies", "$dynamicRef", "$recursiveRef",
+}
+
+
+def _known_keywords(schema: Any) -> Any:
+    if not isinstance(schema, dict) or all(k in _KNOWN for k in schema):
+        return schema
+    return {k: v for k, v in schema.items() if k in _KNOWN}
+
+
+def _own_evaluations_only(schema: Any) -> Any:
+    """unevaluatedProperties / unevaluatedItems as additionalProperties / items (where those are absent)."""
+    if not isinstance(schema, dict) or not ({"unevaluatedProperties", "unevaluatedItems"} & set(schema)):
+        return schema
+    out = {k: v for k, v in schema.items() if k not in ("unevaluatedProperties", "unevaluatedItems")}
+    if "unevaluatedProperties" in schema:
+        out.setdefault("additionalProperties", schema["unevaluatedProperties"])
+    if "unevaluatedItems" in schema and "contains" not in schema:
+        out.setdefault("items", schema["unevaluatedItems"])
+    elif "unevaluatedItems" in schema:
+        out["unevaluatedItems"] = schema["unevaluatedItems"]
+    return out
+
+
+def _pattern_matches(pattern: str, name: str, ptr: str = "#") -> bool:
+    """ECMA-262 search of `pattern` in a property name (Python's `re` with ASCII classes)."""
+    try:
+        return re.search(pattern, name, re.ASCII) is not None
+    except re.error as e:
+        raise SchemaError(f"{ptr}/patternProperties: invalid pattern {pattern!r}: {e}") from None
+
+
+def _find_anchor(node: Any, name: str) -> Any:
+    if isinstance(node, dict):
+        if node.get("$anchor") == name:
+            return node
+        children = node.values()
+    elif isinstance(node, list):
+        children = node
+    else:
+        return None
+    for child in children:
+        found = _find_anchor(child, name)
+        if found is not None:
+            return found
+    return None
+
+
+def _pairwise_exclusive(sigs: list[dict]) -> bool:
+    return all(_excludes(a, b) and _excludes(b, a) for i, a in enumerate(sigs) for b in sigs[i + 1:])
+
+
+def _const_of(schema: Any) -> list | None:
+    if isinstance(schema, dict):
+        if "const" in schema:
+            return [schema["const"]]
+        if isinstance(schema.get("enum"), list):
+            return schema["enum"]
+    return None
+
+
+def _excludes(a: dict, b: dict) -> bool:
+    """Whether every output generated for branch a fails branch b."""
+    if a["consts"] is not None:
+        others = b["consts"]
+        if others is not None:
+            return all(c not in others for c in a["consts"])
+        return all(_json_type(c) not in b["types"] for c in a["consts"])
+    if not (a["types"] & b["types"]):
+        return True
+    if a["types"] & b["types"] - {"object"}:
+        return False
+    # Both may be objects: a's objects fail b when b requires a key a never writes, or a required key of
+    # a holds constants b's schema for that key does not allow.
+    if a.get("closed") and b.get("required", set()) - a.get("props", set()):
+        return True
+    for key, values in a.get("prop_consts", {}).items():
+        other = b.get("prop_consts", {}).get(key)
+        if key in a.get("required", set()) and other is not None and all(v not in other for v in values):
+            return True
+    return False
+
+
+def _json_type(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, int):
+        return "integer"
+    if isinstance(value, float):
+        return "integer" if value.is_integer() else "number"
+    if isinstance(value, str):
+        return "string"
+    return "array" if isinstance(value, list) else "object"
+
+
+def _escape(name: str) -> str:
+    return name.replace("~", "~0").replace("/", "~1")
+
+
+def ecma_string_pattern(pattern: str) -> str:
+    """A JSON schema `pattern` (ECMA-262: a search, `\\d` `\\w` ASCII) as a regex over the JSON-escaped
+    string content, for a full match between the quotes: an end without an anchor accepts any characters
+    there. An end anchored on some alternatives only is treated as anchored (a subset: still sound)."""
+    body = js.json_string_pattern(pattern, ascii_classes=True)
+    tree = list(js.sre_p.parse(pattern))
+    any_chars = f"{js.STRING_CHAR}*"
+    if _anchor(tree, 0) == "none":
+        body = any_chars + body
+    if _anchor(tree, -1) == "none":
+        body = body + any_chars
+    return body
+
+
+_STARTS = (js.sre_c.AT_BEGINNING, js.sre_c.AT_BEGINNING_STRING)
+_ENDS = (js.sre_c.AT_END, js.sre_c.AT_END_STRING)
+
+
+def _anchor(items: list, side: int) -> str:
+    """'all', 'none' or 'mixed': whether the parsed pattern is anchored at its start (side 0) or end (-1)."""
+    if not items:
+        return "none"
+    op, av = items[side]
+    if op is js.sre_c.AT:
+        return "all" if av in (_STARTS if side == 0 else _ENDS) else "none"
+    if op is js.sre_c.SUBPATTERN:
+        return _anchor(list(av[3]), side)
+    if op is js.sre_c.BRANCH:
+        kinds = {_anchor(list(b), side) for b in av[1]}
+        return kinds.pop() if len(kinds) == 1 else "mixed"
+    return "none"

@@ -1,0 +1,338 @@
+"""Running a compiled grammar over a vocabulary: the pushdown automaton, determinized lazily.
+
+Parser state. An *item* (t, q, k) says: terminal t's DFA is in state q, and when t ends the parse goes
+on at continuation k. A continuation is an interned stack frame (rule, rule state, parent continuation)
+(-1 = the end of the output), so stacks are persistent and shared. A *configuration* is the closed set
+of items the bytes so far allow (every way of parsing them at once, as an Earley set would hold): an
+item whose terminal may end here brings in the first items of what follows it. Configurations are
+interned to ids; from each one, its 256 successors are computed on first use and kept (a row of one
+table), so after warm-up a byte costs one lookup and the grammar behaves like a DFA over the states
+generation actually reaches, built as they are reached.
+
+Token masks. All tokens walk from a configuration at once over the vocabulary trie, one trie level per
+numpy step, as the regex index does (index.py), building the rows the walk reaches. Masks are cached
+per configuration; outputs of one schema revisit the same configurations (inside a string, every
+character leads back to the same one), so most steps are a cache hit. The tables only grow while
+requests run (by at most a few configurations per byte of output); the spec cache
+(grammar_index_cache.py) hands new requests a fresh index once one passes half of
+GrammarBudget.max_configs, so a running request is never failed for it and memory stays bounded.
+
+Jump-forward. A configuration that cannot end and that exactly one byte leaves is singular; a chain of
+singular configurations spells forced text (the compressed FSM of the SGLang paper, on the grammar).
+This object offers the interface FSMConstraint (fsm.py) drives, so both engines share jump-forward.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import torch
+
+from radixlm.core.constrained.compressed_fsm import whole_characters
+from radixlm.core.constrained.grammar_compiler import CompiledGrammar, terminal_tables
+from radixlm.core.constrained.index import expand_ranges
+from radixlm.core.constrained.masks import MaskCache
+from radixlm.core.constrained.terminal_tokens import state_tokens
+from radixlm.core.constrained.vocab import TokenTrie, TokenVocab
+
+END = (-1, 0, -1)  # the item "the output may end here"
+MASK_CACHE_SIZE = 1024
+MAX_FORCED_BYTES = 4096
+DENSE_RATIO = 8  # a level is walked densely when over 1/8 of the previous level's nodes are alive
+
+
+class GrammarIndex:
+    """The lazily built automaton of one (compiled grammar, vocabulary) pair; shared by its requests."""
+
+    def __init__(self, grammar: CompiledGrammar, vocab: TokenVocab) -> None:
+        self.grammar = grammar
+        self.vocab = vocab
+        self.token_bytes = vocab.token_bytes
+        self.vocab_size = vocab.size
+        self.eos_ids = np.asarray(vocab.eos_ids, dtype=np.int64)
+        self._eos_set = frozenset(vocab.eos_ids)
+        self._trans, self._acc = terminal_tables(grammar)
+        self._rule_edges = [r.edges for r in grammar.rules]
+        self._rule_acc = [r.accepting for r in grammar.rules]
+        self._conts: dict[tuple[int, int, int], int] = {}
+        self._cont_list: list[tuple[int, int, int]] = []
+        self._follows: dict[int, frozenset] = {}
+        self._config_ids: dict[frozenset, int] = {}
+        self._items: list[tuple] = []  # per configuration: its items with a terminal (END aside)
+        self._can_end: list[bool] = []
+        self._rows: list[list[int] | None] = []  # per configuration: successor per byte (-1 = none)
+        self._single: list[int] = []  # per configuration with a row: the one byte leaving it, else -1
+        self._table = np.full((64, 256), -1, dtype=np.int32)
+        self._built = np.zeros(64, dtype=bool)
+        self._edges: dict[int, tuple[bytes, int]] = {}
+        self._masks = MaskCache(MASK_CACHE_SIZE)
+        self._lock = threading.RLock()
+        self._spellable = _spellable_bytes(vocab)
+        self.spells_every_byte = bool(self._spellable.all())
+        self.start = self._intern(self._follow(self._cont(grammar.start, 0, -1)))
+
+    # ---- configurations ----------------------------------------------------------------------------
+
+    @property
+    def num_states(self) -> int:
+        return len(self._items)
+
+    def _cont(self, rule: int, state: int, parent: int) -> int:
+        if self._rule_acc[rule][state] and not self._rule_edges[rule][state]:
+            return parent  # a call in tail position returns straight to the caller: stacks stay flat
+        key = (rule, state, parent)
+        found = self._conts.get(key)
+        if found is None:
+            found = self._conts[key] = len(self._cont_list)
+            self._cont_list.append(key)
+        return found
+
+    def _follow(self, k: int) -> frozenset:
+        """The items that start where continuation k resumes (closed: nullable terminals and finished
+        rules followed through), END if the output may end there."""
+        found = self._follows.get(k)
+        if found is not None:
+            return found
+        if k < 0:
+            return frozenset((END,))
+        rule, state, parent = self._cont_list[k]
+        out: set = set()
+        for symbol, target in self._rule_edges[rule][state]:
+            after = self._cont(rule, target, parent)
+            if symbol % 2 == 0:
+                t = symbol >> 1
+                out.add((t, 0, after))
+                if self._acc[t][0]:
+                    out |= self._follow(after)
+            else:
+                out |= self._follow(self._cont(symbol >> 1, 0, after))
+        if self._rule_acc[rule][state]:
+            out |= self._follow(parent)
+        found = self._follows[k] = frozenset(out)
+        return found
+
+    def _intern(self, items: frozenset) -> int:
+        found = self._config_ids.get(items)
+        if found is not None:
+            return found
+        c = len(self._items)
+        self._config_ids[items] = c
+        self._items.append(tuple(sorted(i for i in items if i[0] >= 0)))
+        self._can_end.append(END in items)
+        self._rows.append(None)
+        self._single.append(-1)
+        if c >= len(self._built):
+            self._table = np.concatenate([self._table, np.full_like(self._table, -1)])
+            self._built = np.concatenate([self._built, np.zeros_like(self._built)])
+        return c
+
+    def _row(self, c: int) -> list[int]:
+        """Configuration c's successor per byte, built on first use."""
+        row = self._rows[c]
+        if row is not None:
+            return row
+        with self._lock:
+            if self._rows[c] is not None:
+                return self._rows[c]
+            items = self._items[c]
+            out = np.full(256, -1, dtype=np.int32)
+            if items:
+                nxt = np.stack([self._trans[t][q] for t, q, _ in items])  # [items, 256]
+                columns, inverse = np.unique(nxt.T, axis=0, return_inverse=True)
+                targets = []
+                for column in columns.tolist():
+                    moved = [(t, q2, k) for (t, _, k), q2 in zip(items, column) if q2 >= 0]
+                    targets.append(self._intern(self._close(moved)) if moved else -1)
+                out = np.asarray(targets, dtype=np.int32)[inverse.reshape(-1)]
+                out[~self._spellable] = -1  # bytes no token contains can never be written
+            self._table[c] = out
+            self._built[c] = True
+            live = np.flatnonzero(out >= 0)
+            self._single[c] = int(live[0]) if len(live) == 1 and not self._can_end[c] else -1
+            row = self._rows[c] = out.tolist()
+            return row
+
+    def _close(self, items: list) -> frozenset:
+        out = set(items)
+        for t, q, k in items:
+            if self._acc[t][q]:
+                out |= self._follow(k)
+        return frozenset(out)
+
+    # ---- the interface FSMConstraint drives ------------------------------------------------------
+
+    def is_eos(self, token_id: int) -> bool:
+        return token_id in self._eos_set
+
+    def is_accepting(self, state: int) -> bool:
+        return self._can_end[state]
+
+    def is_terminal(self, state: int) -> bool:
+        """The output may end here and no byte may follow."""
+        return self._can_end[state] and max(self._row(state)) < 0
+
+    def next_state(self, state: int, token_id: int) -> int:
+        """The configuration after `token_id`, or -1 if it is not allowed (EOS and special tokens included)."""
+        if not 0 <= token_id < len(self.token_bytes) or token_id in self._eos_set:
+            return -1
+        data = self.token_bytes[token_id]
+        if not data:
+            return -1
+        for b in data:
+            state = self._row(state)[b]
+            if state < 0:
+                return -1
+        return state
+
+    def edge(self, state: int) -> tuple[bytes, int]:
+        """(forced bytes from `state`, the configuration after them); (b"", state) when nothing is forced."""
+        found = self._edges.get(state)
+        if found is not None:
+            return found
+        path, s = bytearray(), state
+        while len(path) < MAX_FORCED_BYTES:
+            row = self._row(s)
+            b = self._single[s]
+            if b < 0:
+                break
+            path.append(b)
+            s = row[b]
+        found = self._edges[state] = (bytes(path), s)
+        return found
+
+    def forced_text(self, state: int) -> str | None:
+        return whole_characters(self.edge(state)[0])
+
+    def byte_successors(self, state: int) -> list[int]:
+        """The configuration after each byte from `state` (-1: the byte is not allowed)."""
+        return self._row(state)
+
+    def allowed_tokens(self, state: int) -> np.ndarray:
+        """Sorted ids of the tokens allowed from `state`, EOS excluded."""
+        allowed = self.mask(state, self.vocab_size).numpy().copy()
+        allowed[self.eos_ids[self.eos_ids < self.vocab_size]] = False
+        return np.flatnonzero(allowed).astype(np.int32)
+
+    def mask(self, state: int, vocab_size: int, packed: bool = False) -> torch.Tensor:
+        """Allowed next tokens over `vocab_size` ids, cached (see MaskCache): bool, or packed int32 words.
+        Shared between requests: never write to it."""
+        return self._masks.get(state, vocab_size, packed, lambda width: self._allowed_bits(state, width))
+
+    def _allowed_bits(self, state: int, vocab_size: int) -> np.ndarray:
+        allowed = np.zeros(-(-vocab_size // 32) * 32, dtype=np.uint8)
+        with self._lock:
+            walked = self._walk(state)
+        n = min(vocab_size, len(walked))
+        allowed[:n] = walked[:n]
+        if self._can_end[state]:
+            allowed[self.eos_ids[self.eos_ids < vocab_size]] = 1
+        return allowed
+
+    def _walk(self, state: int) -> np.ndarray:
+        """bool [vocab]: the tokens whose bytes all lead somewhere from `state`: for each item, the
+        tokens that stay inside its terminal (shared per terminal state, terminal_tokens.py), and those
+        of the uncertain ones that the configuration's continuations take."""
+        packed = np.zeros(-(-self.vocab_size // 8), dtype=np.uint8)
+        out = np.zeros(self.vocab_size, dtype=bool)
+        for t, q in dict.fromkeys((t, q) for t, q, _ in self._items[state]):
+            classes = state_tokens(self.grammar.terminal_names[t], self.grammar.terminals[t], q, self.vocab)
+            packed |= classes.inside
+            if classes.uncertain is not None:
+                out |= self._walk_trie(state, classes.uncertain)
+        out |= np.unpackbits(packed, bitorder="little", count=self.vocab_size).astype(bool)
+        return out
+
+    def _walk_trie(self, state: int, trie: TokenTrie) -> np.ndarray:
+        """bool [vocab]: the tokens of `trie` whose bytes all lead somewhere from `state`. All at once,
+        one trie level per step; rows of the configurations the walk reaches are built on the way. A
+        level where many nodes are alive is stepped densely (every node of the level through its
+        parent's configuration), one with few alive sparsely (only the children of live nodes)."""
+        parents, ends = trie.level_arrays()
+        out = np.zeros(self.vocab_size, dtype=bool)
+        cur = np.array([state], dtype=np.int64)  # the configuration at each live node
+        nodes = np.zeros(1, dtype=np.int64)
+        with self._lock:
+            for d in range(1, trie.depth + 1):
+                ptr = trie.child_ptr[d]
+                level_size = len(parents[d])
+                if not level_size:
+                    break
+                dense = len(nodes) * DENSE_RATIO > len(ptr) - 1
+                for c in np.unique(cur[~self._built[cur]]).tolist():
+                    self._row(c)
+                if dense:
+                    at_parent = np.full(len(ptr) - 1, -1, dtype=np.int64)
+                    at_parent[nodes] = cur
+                    src = at_parent[parents[d]]
+                    nxt = self._table[np.maximum(src, 0), trie.byte[d]]
+                    nxt[src < 0] = -1
+                    nodes = np.flatnonzero(nxt >= 0)
+                    cur = nxt[nodes].astype(np.int64)
+                else:
+                    parent, child = expand_ranges(ptr[nodes], ptr[nodes + 1] - ptr[nodes])
+                    nxt = self._table[cur[parent], trie.byte[d][child]]
+                    keep = nxt >= 0
+                    cur, nodes = nxt[keep].astype(np.int64), child[keep]
+                if not len(nodes):
+                    break
+                eptr = trie.end_ptr[d]
+                if dense:
+                    alive = np.zeros(level_size, dtype=bool)
+                    alive[nodes] = True
+                    out[trie.end_tokens[d][alive[ends[d]]]] = True
+                else:
+                    _, idx = expand_ranges(eptr[nodes], eptr[nodes + 1] - eptr[nodes])
+                    out[trie.end_tokens[d][idx]] = True
+        return out
+
+
+_spellable_cache: dict[str, np.ndarray] = {}
+
+
+def _spellable_bytes(vocab: TokenVocab) -> np.ndarray:
+    """bool [256]: the bytes some token of `vocab` contains (cached per vocabulary)."""
+    found = _spellable_cache.get(vocab.fingerprint)
+    if found is None:
+        found = np.zeros(256, dtype=bool)
+        found[np.unique(np.frombuffer(b"".join(vocab.token_bytes), dtype=np.uint8))] = True
+        _spellable_cache[vocab.fingerprint] = found
+    return found
+
+
+def shortest_bytes_to_accept(index, state: int, max_states: int = 100_000) -> bytes | None:
+    """Breadth first from `state` over `index.byte_successors` to an accepting state: the bytes of the
+    shortest path, or None if none is found within `max_states` states. For either engine's index."""
+    return _search(index, state, max_states)[0]
+
+
+def can_finish(index, state: int, max_states: int) -> bool:
+    """False only when the search ran out of states to visit without reaching an accepting one."""
+    path, exhausted = _search(index, state, max_states)
+    return path is not None or not exhausted
+
+
+def _search(index, state: int, max_states: int) -> tuple[bytes | None, bool]:
+    """(shortest path to acceptance or None, whether every reachable state was visited)."""
+    if index.is_accepting(state):
+        return b"", False
+    back: dict[int, tuple[int, int] | None] = {state: None}
+    frontier = [state]
+    while frontier:
+        if len(back) >= max_states:
+            return None, False
+        nxt = []
+        for s in frontier:
+            for byte, t in enumerate(index.byte_successors(s)):
+                if t < 0 or t in back:
+                    continue
+                back[t] = (s, byte)
+                if index.is_accepting(t):
+                    path = bytearray()
+                    while back[t] is not None:
+                        t, b = back[t]
+                        path.append(b)
+                    return bytes(reversed(path)), False
+                nxt.append(t)
+        frontier = nxt
+    return None, True

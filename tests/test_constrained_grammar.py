@@ -1,0 +1,229 @@
+"""The grammar engine (grammar.py, json_grammar.py, grammar_compiler.py, pda.py) against independent
+oracles: `jsonschema` (with format checks) for what it generates and accepts, Python `re`, and the
+regex-DFA engine's masks."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+
+import jsonschema
+import numpy as np
+import pytest
+
+from radixlm.core.constrained import GrammarBudget, build_constraint, compile_grammar, json_schema_to_grammar
+from radixlm.core.constrained.grammar import Grammar, Ref, Repeat, lit, seq, alt
+from radixlm.core.constrained.testing import random_walk
+from radixlm.core.errors import GrammarBudgetError
+
+INT = {"type": "integer"}
+STR = {"type": "string"}
+
+
+@pytest.fixture(scope="module")
+def tiny_tokenizer(tokenizer_path):
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast.from_pretrained(tokenizer_path)
+
+
+def _validator(schema):
+    cls = jsonschema.validators.validator_for(schema)
+    return cls(schema, format_checker=cls.FORMAT_CHECKER)
+
+
+def _accepts(constraint, text: str) -> bool:
+    """Whether the grammar accepts `text` as a whole output (walked byte by byte, no tokenizer)."""
+    index, state = constraint.index, constraint.index.start
+    for b in text.encode():
+        state = index.byte_successors(state)[b]
+        if state < 0:
+            return False
+    return index.is_accepting(state)
+
+
+# Schemas the regex-DFA converter refused or got wrong, each with documents the schema accepts and rejects.
+CASES = [
+    ({"oneOf": [INT, STR]}, [1, "a"], [1.5, None]),
+    ({"oneOf": [{"type": ["string", "null"]}, {"type": ["number", "null"]}]}, ["a", 1.5, 2], [None, True]),
+    ({"allOf": [{"anyOf": [INT, STR]}, {"oneOf": [{"type": "integer", "minimum": 5},
+                                                  {"type": "string", "maxLength": 2}]}]}, [7, "ab"], [3, "abc"]),
+    ({"type": "object", "properties": {"a": INT}, "additionalProperties": STR},
+     [{"a": 1, "x": "y"}, {"b": "c"}, {}], [{"a": "1"}, {"x": 1}]),
+    ({"type": "object", "patternProperties": {"^x-": INT}, "additionalProperties": False},
+     [{"x-a": 1}, {}], [{"y": 1}, {"x-a": "s"}]),
+    ({"type": "object", "properties": {"a": INT, "b": INT, "c": INT}, "minProperties": 2, "maxProperties": 2},
+     [{"a": 1, "b": 2}, {"a": 1, "c": 2}, {"b": 1, "c": 2}], [{"a": 1}, {"a": 1, "b": 2, "c": 3}]),
+    ({"type": "string", "pattern": r"\d{3}"}, ["123", "a123b"], ["12", "1a2"]),
+    ({"type": "string", "pattern": r"^\w+$"}, ["ab_1"], ["", "a b"]),
+    ({"not": {"type": "string"}, "type": ["string", "integer"]}, [1], ["s"]),
+    ({"type": "string", "format": "ipv4"}, ["192.168.0.1"], ["256.1.1.1", "1.2.3"]),
+    ({"type": "string", "format": "ipv6"}, ["::1", "fe80::1:2", "1:2:3:4:5:6:7:8"], ["1:2", ":::"]),
+    ({"type": "string", "format": "hostname"}, ["example.com", "a-b.c"], ["-a.com", "a..b"]),
+    ({"type": "string", "format": "duration"}, ["P1D", "PT1H30M", "P2W"], ["P", "PT", "1D"]),
+    ({"type": "array", "items": INT, "uniqueItems": True}, [[], [3]], [[1, 1]]),
+    ({"$defs": {"t": {"type": "object", "properties": {"v": INT, "kids": {"type": "array", "items": {"$ref": "#/$defs/t"}}},
+                      "required": ["v"]}}, "$ref": "#/$defs/t"},
+     [{"v": 1, "kids": [{"v": 2, "kids": [{"v": 3, "kids": [{"v": 4, "kids": [{"v": 5}]}]}]}]}], [{"kids": []}]),
+    ({"type": "integer", "multipleOf": 1, "minimum": 3}, [3, 40], [2]),
+    ({"type": "array", "items": INT, "contains": {"minimum": 5}}, [[5], [1, 7, 2]], [[], [1, 2]]),
+    ({"type": "object", "properties": {"a": INT}, "unevaluatedProperties": {"type": "boolean"}},
+     [{"a": 1, "b": True}], [{"b": 1}]),
+    ({"type": "object", "properties": {"ab": INT, "abc": INT}, "propertyNames": {"maxLength": 2},
+      "additionalProperties": False}, [{"ab": 1}], [{"abc": 1}]),
+    ({"if": {"properties": {"k": {"const": 1}}}, "then": {"required": ["v"]}, "type": "object",
+      "properties": {"k": INT, "v": STR}}, [{"k": 1, "v": "x"}], [{"k": 1}]),
+    ({"allOf": [{"prefixItems": [{}, {}]}], "items": {"type": "boolean"}, "type": "array"}, [[True, False]], [[1, True]]),
+    ({"oneOf": [{"type": "object", "properties": {"k": {"const": "a"}, "x": INT}, "required": ["k", "x"]},
+                {"type": "object", "properties": {"k": {"const": "b"}, "y": STR}, "required": ["k", "y"]}]},
+     [{"k": "a", "x": 1}, {"k": "b", "y": "s"}], [{"k": "a", "y": "s"}]),
+]
+
+
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_accepts_valid_rejects_invalid_and_samples_validate(case, tiny_tokenizer):
+    schema, good, bad = CASES[case]
+    validator = _validator(schema)
+    c = build_constraint("json_schema", schema, tiny_tokenizer)
+    for doc in good:
+        assert validator.is_valid(doc), doc  # the oracle agrees with the case table
+        assert _accepts(c, json.dumps(doc, separators=(",", ":"), ensure_ascii=False)), doc
+    for doc in bad:
+        text = json.dumps(doc, separators=(",", ":"), ensure_ascii=False)
+        assert not validator.is_valid(doc), doc
+        assert not _accepts(c, text), doc
+    rng = np.random.default_rng(case)
+    for _ in range(60):  # a uniform random policy: the harshest sampler
+        c = build_constraint("json_schema", schema, tiny_tokenizer)
+        text = tiny_tokenizer.decode(random_walk(c, rng, max_tokens=30), clean_up_tokenization_spaces=False)
+        validator.validate(json.loads(text))
+
+
+def test_pattern_classes_are_ecma_262_ascii(tiny_tokenizer):
+    """JSON schema's `pattern` is ECMA-262: \\d and \\w are ASCII (Python's `re`, and so `jsonschema`,
+    would take Unicode digits); the oracle here is `re` with re.ASCII, searching."""
+    schema = {"type": "string", "pattern": r"^\d+-\w+$"}
+    c = build_constraint("json_schema", schema, tiny_tokenizer)
+    assert _accepts(c, '"12-ab_"') and not _accepts(c, '"١٢-ab"') and not _accepts(c, '"12-é"')
+    rng = np.random.default_rng(0)
+    for _ in range(40):
+        c = build_constraint("json_schema", schema, tiny_tokenizer)
+        text = json.loads(tiny_tokenizer.decode(random_walk(c, rng, max_tokens=20), clean_up_tokenization_spaces=False))
+        assert re.search(r"^\d+-\w+$", text, re.ASCII), text
+
+
+def test_oneof_that_may_overlap_is_refused_with_its_pointer(tiny_tokenizer):
+    schema = {"properties": {"p": {"oneOf": [{"type": "object"}, {"type": "object", "properties": {"a": INT}}]}}}
+    with pytest.raises(ValueError, match=re.escape("#/properties/p/oneOf: branches 0 and 1 may both match")):
+        build_constraint("json_schema", schema, tiny_tokenizer)
+
+
+@pytest.mark.parametrize("schema, where", [
+    ({"items": {"contains": INT, "maxItems": 3}}, "#/items/contains"),
+    ({"$defs": {"a": {"dependentRequired": {"x": ["y"]}}}, "$ref": "#/$defs/a"}, "#/$defs/a/dependentRequired"),
+    ({"properties": {"a/b": {"type": "number", "multipleOf": 0.5}}}, "#/properties/a~1b/multipleOf"),
+])
+def test_refusals_name_keyword_and_json_pointer(schema, where, tiny_tokenizer):
+    with pytest.raises(ValueError, match=re.escape(where)):
+        build_constraint("json_schema", schema, tiny_tokenizer)
+
+
+def test_optional_properties_grow_the_grammar_linearly():
+    """60 optional properties: the regex converter wrote ~n² copies; the grammar holds O(n) rules and
+    compiles in well under a second."""
+    def grammar_size(n):
+        g = json_schema_to_grammar({"type": "object", "properties": {f"p{i}": INT for i in range(n)}})
+        return sum(len(r.edges) for r in compile_grammar(g).rules)
+    assert grammar_size(60) < 2.5 * grammar_size(30)
+    start = time.perf_counter()
+    compile_grammar(json_schema_to_grammar({"type": "object", "properties": {f"p{i}": STR for i in range(200)}}))
+    assert time.perf_counter() - start < 1.0
+
+
+def test_long_max_length_and_many_refs_compile_without_building_a_whole_dfa(tiny_tokenizer):
+    """A `maxLength: 255` string was a 3,573-state DFA (1.5 s); here it is a rule of 257 symbol states."""
+    c = build_constraint("json_schema", {"type": "string", "maxLength": 255}, tiny_tokenizer)
+    assert _accepts(c, json.dumps("x" * 255)) and not _accepts(c, json.dumps("x" * 256))
+    defs = {f"d{i}": {"type": "object", "properties": {"n": {"$ref": f"#/$defs/d{i + 1}"}}} for i in range(300)}
+    defs["d300"] = INT
+    c = build_constraint("json_schema", {"$defs": defs, "$ref": "#/$defs/d0"}, tiny_tokenizer)
+    assert _accepts(c, '{"n":{"n":{}}}')
+
+
+def test_budgets_raise_grammar_budget_error(tiny_tokenizer):
+    with pytest.raises(GrammarBudgetError, match="max_terminal_states"):
+        build_constraint("regex", r"[a-z]{1,300}[0-9]{1,300}", tiny_tokenizer,
+                         budget=GrammarBudget(max_terminal_states=500))
+    big = {"type": "object", "properties": {f"p{i}": {"type": "array", "items": STR} for i in range(300)}}
+    with pytest.raises(GrammarBudgetError, match="max_compile_seconds"):
+        build_constraint("json_schema", big, tiny_tokenizer, budget=GrammarBudget(max_compile_seconds=0.001))
+    # Past half of max_configs a shared index is not handed to new requests (running ones keep theirs).
+    budget, schema = GrammarBudget(max_configs=400), {"type": "string", "maxLength": 300}
+    c = build_constraint("json_schema", schema, tiny_tokenizer, budget=budget)
+    assert build_constraint("json_schema", schema, tiny_tokenizer, budget=budget).index is c.index
+    for t in tiny_tokenizer.encode('"' + "x" * 250):  # a new configuration per character
+        c.advance(t)
+    assert c.index.num_states >= 200
+    assert build_constraint("json_schema", schema, tiny_tokenizer, budget=budget).index is not c.index
+
+
+def test_left_recursion_is_refused():
+    g = Grammar({"e": alt(seq(Ref("e"), lit("+"), lit("1")), lit("1"))}, "e")
+    with pytest.raises(ValueError, match="left recursion"):
+        compile_grammar(g)
+
+
+def test_a_recursive_grammar_counts_brackets(tiny_tokenizer):
+    """Balanced brackets: not regular, so no DFA path could do this."""
+    from radixlm.core.constrained.grammar_index_cache import GrammarIndex
+    from radixlm.core.constrained.vocab import vocab_of
+
+    g = Grammar({"s": Repeat(seq(lit("("), Ref("s"), lit(")")))}, "s")
+    index = GrammarIndex(compile_grammar(g), vocab_of(tiny_tokenizer))
+    from radixlm.core.constrained.fsm import FSMConstraint
+    c = FSMConstraint(index)
+    for text, ok in [("(()())", True), ("((())", False), ("())", False), ("", True)]:
+        assert _accepts(c, text) == ok, text
+
+
+@pytest.mark.parametrize("kind, spec", [
+    ("json_schema", {"type": "object", "properties": {"a": INT, "b": {"type": "array", "items": STR, "maxItems": 3},
+                                                     "c": {"enum": ["x", "yz"]}}, "required": ["a"]}),
+    ("regex", r"(ab|cd)*[0-9]{2,4}"),
+    ("choices", ["yes", "no", "maybe"]),
+])
+def test_masks_equal_the_regex_dfa_engines(kind, spec, tiny_tokenizer):
+    """Where both engines apply, the allowed tokens and the forced text are the same at every step."""
+    rng = np.random.default_rng(0)
+    vocab = len(tiny_tokenizer)
+    for _ in range(15):
+        ours = build_constraint(kind, spec, tiny_tokenizer)
+        ids = random_walk(build_constraint(kind, spec, tiny_tokenizer, backend="regex-dfa"), rng, max_tokens=20)
+        theirs = build_constraint(kind, spec, tiny_tokenizer, backend="regex-dfa")
+        for t in ids:
+            assert np.array_equal(ours.allowed_token_mask(vocab).numpy(), theirs.allowed_token_mask(vocab).numpy())
+            assert ours.forced_text() == theirs.forced_text()
+            ours.advance(t)
+            theirs.advance(t)
+        assert ours.is_finished() == theirs.is_finished()
+
+
+def test_llguidance_backend_behind_the_same_interface(tiny_tokenizer):
+    pytest.importorskip("llguidance")
+    schema = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99},
+                                               "b": {"enum": ["x", "y"]}}, "required": ["a", "b"],
+              "additionalProperties": False}
+    rng = np.random.default_rng(0)
+    vocab = len(tiny_tokenizer)
+    for _ in range(10):
+        c = build_constraint("json_schema", schema, tiny_tokenizer, backend="llguidance")
+        ids = []
+        while not c.is_finished() and len(ids) < 60:
+            allowed = np.flatnonzero(c.allowed_token_mask(vocab).numpy())
+            if tiny_tokenizer.eos_token_id in allowed:
+                break
+            t = int(rng.choice(allowed))
+            c.advance(t)
+            ids.append(t)
+        _validator(schema).validate(json.loads(tiny_tokenizer.decode(ids)))
