@@ -233,6 +233,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    parser.add_argument("--grammar-backends", nargs="+", default=["radixlm"],
+                        help="--e2e once per grammar_backend (e.g. radixlm regex-dfa), side by side")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -256,8 +258,10 @@ def main() -> None:
             from bench_engine import make_model_dir
 
             model_path, options = make_model_dir(args.model, tempfile.mkdtemp(prefix="radixlm-bench-"))
-        rows = bench_e2e(model_path, args.batch, args.max_new_tokens, args.repeats, **options)
-        print(json.dumps({"e2e": rows}, indent=1))
+        for backend in args.grammar_backends:
+            rows = bench_e2e(model_path, args.batch, args.max_new_tokens, args.repeats, grammar_backend=backend,
+                             **options)
+            print(json.dumps({"e2e": rows, "grammar_backend": backend}, indent=1))
 
 
 if __name__ == "__main__":
