@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from radixlm.core.errors import UnsupportedModelError
+from radixlm.core.models.hub import find_gguf
 
 # HF architecture name -> model family. All three share one implementation (core.models.llama).
 SUPPORTED_ARCHITECTURES = {
@@ -54,10 +55,11 @@ class ModelConfig:
     @classmethod
     def from_dir(cls, path: str) -> "ModelConfig":
         """The config of the checkpoint at path: an HF folder's config.json, or a GGUF file's metadata."""
-        from radixlm.core.models.gguf_checkpoint import GGUFCheckpoint, find_gguf  # it imports this module
-
         gguf_path = find_gguf(path)
         if gguf_path is not None:
+            # Imported here: it imports this module, and `gguf` only where a GGUF file is loaded.
+            from radixlm.core.models.gguf_checkpoint import GGUFCheckpoint
+
             return GGUFCheckpoint(gguf_path).model_config()
         with open(os.path.join(path, "config.json")) as f:
             cfg = json.load(f)

@@ -55,20 +55,6 @@ _SCALAR_FORMATS = {
 }
 
 
-def find_gguf(path: str) -> str | None:
-    """The GGUF file that `path` names: path itself if it is a .gguf file, else the one .gguf in the
-    folder `path` when the folder is not an HF checkpoint (no config.json); None if it is not a GGUF
-    checkpoint. A folder with several .gguf files is ambiguous: ValueError naming them."""
-    if os.path.isfile(path):
-        return path if path.endswith(".gguf") else None
-    if not os.path.isdir(path) or os.path.exists(os.path.join(path, "config.json")):
-        return None
-    files = sorted(f for f in os.listdir(path) if f.endswith(".gguf"))
-    if len(files) > 1:
-        raise ValueError(f"{path} holds several GGUF files ({', '.join(files)}); pass the path of the one to load")
-    return os.path.join(path, files[0]) if files else None
-
-
 @dataclass(frozen=True)
 class TensorInfo:
     name: str

@@ -65,6 +65,20 @@ def resolve_model_path(path_or_id: str, revision: str | None = None) -> str:
         ) from None
 
 
+def find_gguf(path: str) -> str | None:
+    """The GGUF file that `path` names: path itself if it is a .gguf file, else the one .gguf in the
+    folder `path` when the folder is not an HF checkpoint (no config.json); None if it is not a GGUF
+    checkpoint. A folder with several .gguf files is ambiguous: ValueError naming them."""
+    if os.path.isfile(path):
+        return path if path.endswith(".gguf") else None
+    if not os.path.isdir(path) or os.path.exists(os.path.join(path, "config.json")):
+        return None
+    files = sorted(f for f in os.listdir(path) if f.endswith(".gguf"))
+    if len(files) > 1:
+        raise ValueError(f"{path} holds several GGUF files ({', '.join(files)}); pass the path of the one to load")
+    return os.path.join(path, files[0]) if files else None
+
+
 def _looks_like_hub_id(text: str) -> bool:
     """`org/name`, `name` or `org/name/file`: no leading slash, dot or tilde, no empty parts."""
     if text.startswith(("/", ".", "~")) or "\\" in text:

@@ -17,7 +17,7 @@ from tqdm.auto import tqdm
 
 from radixlm.core.errors import UnsupportedModelError
 from radixlm.core.models.config import ModelConfig
-from radixlm.core.models.gguf_checkpoint import GGUFCheckpoint, find_gguf, load_gguf_tokenizer
+from radixlm.core.models.hub import find_gguf
 from radixlm.core.models.llama import LlamaForCausalLM
 
 if TYPE_CHECKING:
@@ -43,6 +43,8 @@ def checkpoint_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
     of its safetensors shards, or a GGUF file's tensors dequantized (float32) and renamed."""
     gguf_path = find_gguf(path)
     if gguf_path is not None:
+        from radixlm.core.models.gguf_checkpoint import GGUFCheckpoint  # `gguf` only where a GGUF is loaded
+
         yield from GGUFCheckpoint(gguf_path).weights()
         return
     files = _weight_files(path)
@@ -140,8 +142,12 @@ def load_tokenizer(path: str, trust_remote_code: bool = False):
     from transformers import AutoTokenizer
 
     gguf_path = find_gguf(path)
-    tok = (load_gguf_tokenizer(gguf_path) if gguf_path is not None
-           else AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code))
+    if gguf_path is not None:
+        from radixlm.core.models.gguf_checkpoint import load_gguf_tokenizer
+
+        tok = load_gguf_tokenizer(gguf_path)
+    else:
+        tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     if not getattr(tok, "is_fast", False):
         logger.warning("tokenizer at %s is not a fast tokenizer; detokenization will be slower", path)
     return tok
