@@ -263,3 +263,12 @@ def test_shutdown_releases_weights_and_kv_pool(llama_ckpt):
     assert kv() is None and weight() is None
     with pytest.raises(Exception, match="shut"):
         engine.generate("hi", {"max_new_tokens": 2})
+
+
+def test_unset_max_new_tokens_runs_to_the_end_of_the_context(llama_ckpt):
+    with radixlm.Engine(llama_ckpt, context_length=32, max_total_tokens=256) as e:
+        ids = list(range(5, 15))
+        out = e.generate(input_ids=ids, sampling_params={"max_new_tokens": None, "temperature": 0, "ignore_eos": True})
+        assert out["meta_info"]["completion_tokens"] == 32 - len(ids)
+        with pytest.raises(InvalidRequestError, match="max_new_tokens"):  # an explicit one past it is refused
+            e.generate(input_ids=ids, sampling_params={"max_new_tokens": 23})

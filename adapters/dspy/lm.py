@@ -201,10 +201,8 @@ class ProgramEngine:
         unsupported += sorted(set(extensions) - _EXTENSIONS) + (["tools"] if request.tools else [])
         if unsupported:
             raise UnsupportedFeatureError(f"SGLangLM does not support {unsupported}", feature=unsupported[0])
-        max_tokens = config.max_tokens if config.max_tokens is not None else self.context_len
-        if max_tokens is None:
-            raise InvalidRequestError("this server does not report its context length: pass max_tokens")
-        params = GenParams(max_new_tokens=max_tokens, stop=list(config.stop) or None,
+        # Unset: up to the end of the context, as OpenAI-style servers do (the engine resolves None).
+        params = GenParams(max_new_tokens=config.max_tokens, stop=list(config.stop) or None,
                            min_p=extensions.get("min_p"), min_new_tokens=extensions.get("min_tokens"),
                            **{name: getattr(config, name) for name in _SAME})
         if config.logprobs is not None:

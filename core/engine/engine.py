@@ -4,6 +4,7 @@ scheduler thread, and streams results back, with the shape of SGLang's offline e
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import concurrent.futures
 import logging
 import os
@@ -349,7 +350,7 @@ class Engine:
         rids = self._rids(rid, len(id_lists), single)
         inputs: list[GenerateInput] = []
         for ids, sp, r in zip(id_lists, params, rids):
-            self._validate_ids(ids, sp)
+            sp = self._validate_ids(ids, sp)
             for i in range(sp.n):
                 copy = sp
                 if sp.n > 1:
@@ -371,11 +372,15 @@ class Engine:
             raise InvalidRequestError("rid must be a string per prompt", "rid")
         return rids
 
-    def _validate_ids(self, ids: list[int], sp: SamplingParams) -> None:
+    def _validate_ids(self, ids: list[int], sp: SamplingParams) -> SamplingParams:
+        """Checks a prompt against the vocabulary and the context; returns sp with an unset
+        max_new_tokens resolved to the rest of the context."""
         if not ids:
             raise InvalidRequestError("the prompt is empty (no tokens)", "prompt")
         if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < self.vocab_size for t in ids):
             raise InvalidRequestError(f"input_ids must be token ids in [0, {self.vocab_size})", "input_ids")
+        if sp.max_new_tokens is None:
+            sp = dataclasses.replace(sp, max_new_tokens=max(self.context_len - len(ids), 0))
         needed = len(ids) + (1 if sp.max_new_tokens > 0 else 0)
         if needed > self.context_len:
             raise InvalidRequestError(
@@ -385,6 +390,7 @@ class Engine:
                 f"the prompt has {len(ids)} tokens and max_new_tokens is {sp.max_new_tokens}: more than this "
                 f"server's context of {self.context_len} tokens", "max_new_tokens")
         sp.check_vocab(self.vocab_size)
+        return sp
 
     def _attach_constraints(self, inputs: list[GenerateInput]) -> None:
         """Gives each constrained input its own constraint (core.constrained), on a compile thread, so that

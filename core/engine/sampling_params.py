@@ -12,7 +12,7 @@ from radixlm.core.errors import InvalidRequestError
 
 @dataclass
 class SamplingParams:
-    max_new_tokens: int = 128
+    max_new_tokens: int | None = 128  # None: up to the end of the context (set per prompt by the engine)
     min_new_tokens: int = 0
     temperature: float = 1.0
     top_p: float = 1.0
@@ -71,8 +71,10 @@ class SamplingParams:
             if isinstance(value, bool) and bool not in types or not isinstance(value, types):
                 raise bad(name, f"must be {' or '.join(t.__name__ for t in types)}")
 
-        for name in ("max_new_tokens", "min_new_tokens", "top_k", "n"):
+        for name in ("min_new_tokens", "top_k", "n"):
             check_type(name, (int,))
+        if self.max_new_tokens is not None:
+            check_type("max_new_tokens", (int,))
         for name in ("temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty",
                      "repetition_penalty"):
             check_type(name, (int, float))
@@ -82,11 +84,11 @@ class SamplingParams:
             check_type(name, (bool,))
         if self.seed is not None:
             check_type("seed", (int,))
-        if self.max_new_tokens < 0:
+        if self.max_new_tokens is not None and self.max_new_tokens < 0:
             raise bad("max_new_tokens", "must be >= 0")
         if self.min_new_tokens < 0:
             raise bad("min_new_tokens", "must be >= 0")
-        if self.min_new_tokens > self.max_new_tokens:
+        if self.max_new_tokens is not None and self.min_new_tokens > self.max_new_tokens:
             raise bad("min_new_tokens", f"must be <= max_new_tokens ({self.max_new_tokens})")
         if not 0.0 <= self.temperature:
             raise bad("temperature", "must be >= 0")
