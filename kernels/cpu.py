@@ -35,7 +35,9 @@ def store_kv(
     k_buffer: torch.Tensor, v_buffer: torch.Tensor, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 ) -> None:
     """reference.store_kv with index_copy_, which copies a few rows on the calling thread where indexed
-    assignment starts a parallel region (on a busy 2-core machine, 20x slower)."""
+    assignment starts a parallel region (on a busy 2-core machine, 20x slower). Like the reference, it
+    takes slot indices of any integer dtype (index_copy_ wants int64)."""
+    loc = loc.long()
     k_buffer.index_copy_(0, loc, k.to(k_buffer.dtype))
     v_buffer.index_copy_(0, loc, v.to(v_buffer.dtype))
 

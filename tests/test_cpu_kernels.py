@@ -121,12 +121,13 @@ def test_norms_and_rotary_match_reference(dtype):
         _check(got, want)
 
 
+@pytest.mark.parametrize("loc_dtype", [torch.int64, torch.int32], ids=str)
 @pytest.mark.parametrize("src_dtype, pool_dtype", [(torch.float32, torch.float32), (torch.float32, torch.bfloat16)],
                          ids=str)
-def test_store_kv_matches_reference(src_dtype, pool_dtype):
+def test_store_kv_matches_reference(src_dtype, pool_dtype, loc_dtype):
     qkv = torch.randn(5, 4 * 3 * 24).to(src_dtype)  # k and v as strided views of a fused QKV output
     k, v = qkv[:, 72:144].view(-1, 3, 24), qkv[:, 144:216].view(-1, 3, 24)
-    loc = torch.randperm(12)[:5] + 1
+    loc = (torch.randperm(12)[:5] + 1).to(loc_dtype)
     k_buf, v_buf = torch.randn(13, 3, 24).to(pool_dtype), torch.randn(13, 3, 24).to(pool_dtype)
     k_exp, v_exp = k_buf.clone(), v_buf.clone()
     reference.store_kv(k_exp, v_exp, loc, k, v)
