@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from radixlm.core.constrained.grammar import Alt, Expr, Grammar, Ref, Repeat, Seq, Terminal
-from radixlm.core.constrained.regex_dfa import ByteDFA, regex_to_dfa
+from radixlm.core.constrained.regex_dfa import ByteDFA, epsilon_reachable, regex_to_dfa
 from radixlm.core.errors import GrammarBudgetError
 
 
@@ -192,13 +192,7 @@ class _Builder:
         eps, sym = self.eps, self.sym
 
         def closure(states) -> frozenset[int]:
-            seen, stack = set(states), list(states)
-            while stack:
-                for t in eps[stack.pop()]:
-                    if t not in seen:
-                        seen.add(t)
-                        stack.append(t)
-            return frozenset(s for s in seen if sym[s] or s == end)
+            return frozenset(s for s in epsilon_reachable(states, eps) if sym[s] or s == end)
 
         first = closure([start])
         ids, sets, edges = {first: 0}, [first], []

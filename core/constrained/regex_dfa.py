@@ -98,6 +98,17 @@ def literals_dfa(words: list[bytes]) -> ByteDFA:
     return ByteDFA(transitions=trans, accepting=np.array(ends, dtype=bool))
 
 
+def epsilon_reachable(states, eps: list[list[int]]) -> set[int]:
+    """The states reachable from `states` through epsilon edges (`eps[s]`: s's epsilon targets), them included."""
+    seen, stack = set(states), list(states)
+    while stack:
+        for t in eps[stack.pop()]:
+            if t not in seen:
+                seen.add(t)
+                stack.append(t)
+    return seen
+
+
 def regex_to_dfa(pattern: str, max_states: int = MAX_DFA_STATES) -> ByteDFA:
     """Compiles a Python regex (fullmatch semantics) to a minimal byte-level DFA; ValueError if unsupported,
     GrammarBudgetError (a ValueError) if its automaton would exceed `max_states` states."""
@@ -304,14 +315,9 @@ def _determinize(nfa: _NFA, start: int, accept: int, max_states: int) -> tuple[n
     def closure(targets: frozenset[int]) -> frozenset[int]:
         found = closures.get(targets)
         if found is None:
-            seen, stack = set(targets), list(targets)
-            while stack:
-                for t in eps[stack.pop()]:
-                    if t not in seen:
-                        seen.add(t)
-                        stack.append(t)
             # Only states with byte edges (and the accept state) tell subsets apart.
-            found = closures[targets] = frozenset(s for s in seen if cedges[s] or s == accept)
+            found = closures[targets] = frozenset(
+                s for s in epsilon_reachable(targets, eps) if cedges[s] or s == accept)
         return found
 
     first = closure(frozenset([start]))
