@@ -33,8 +33,10 @@ from typing import Any
 from radixlm.core.engine.model_runner import ModelRunner
 from radixlm.core.engine.options import EngineOptions
 from radixlm.core.engine.radix_cache import shared_len
-from radixlm.core.engine.request import GenerateInput
-from radixlm.core.engine.scheduler import AbortMsg, CallMsg, Scheduler
+from radixlm.core.engine.messages import (
+    Abort, CallReply, CheckInvariants, FlushCache, GenerateOutput, GenerateRequest, GetStats,
+)
+from radixlm.core.engine.scheduler import Scheduler
 from radixlm.core.engine.tp_worker import device_scope, rank_device, start_tensor_parallel
 from radixlm.core.models.config import ModelConfig
 
@@ -172,9 +174,26 @@ def _serve(worker: Scheduler) -> None:
         worker.run_forever()
 
 
+class _WorkerOutbox:
+    """A worker's outbox: its outputs go on to the router's outbox (tagged with the worker), its call
+    replies to the router, which is waiting for them."""
+
+    def __init__(self, router: "DataParallelRouter", worker: int) -> None:
+        self.router, self.worker = router, worker
+        self.replies: "queue.Queue[CallReply]" = queue.Queue()
+
+    def put(self, msg: Any) -> None:
+        if isinstance(msg, GenerateOutput):
+            msg.dp_rank = self.worker
+            self.router._track(msg, self.worker)
+            self.router.outbox.put(msg)
+        elif isinstance(msg, CallReply):
+            self.replies.put(msg)
+
+
 class DataParallelRouter:
-    """Stands where one scheduler would behind the Engine: an inbox, run_forever, stop, and the calls the
-    Engine makes through CallMsg (flush_cache, get_stats, check_invariants), answered for all workers."""
+    """Stands where one scheduler would behind the Engine: an inbox, an outbox, run_forever, stop, and
+    the calls (flush_cache, get_stats, check_invariants), answered for all workers."""
 
     def __init__(self, workers: list[Scheduler], cache_aware: bool = True, abs_slack: int = 4,
                  rel_slack: float = 0.25) -> None:
@@ -182,6 +201,11 @@ class DataParallelRouter:
         self.cache_aware = cache_aware
         self.abs_slack, self.rel_slack = abs_slack, rel_slack
         self.inbox: "queue.Queue[Any]" = queue.Queue()
+        self.outbox: "queue.Queue[Any]" = queue.Queue()
+        self._worker_outboxes = [_WorkerOutbox(self, i) for i in range(len(workers))]
+        for w, box in zip(workers, self._worker_outboxes):
+            w.outbox = box
+        self._sent: dict[str, list[int]] = {}  # rid -> output ids so far (streams send only the new ones)
         self.tree = MetaRadixTree(len(workers), [w.allocator.num_slots for w in workers])
         self.loads = [0] * len(workers)
         self._owner: dict[str, int] = {}  # rid -> worker, while in flight
@@ -196,18 +220,21 @@ class DataParallelRouter:
             msg = self.inbox.get()
             if msg is None:
                 break
-            if isinstance(msg, GenerateInput):
+            if isinstance(msg, GenerateRequest):
                 self._route(msg)
-            elif isinstance(msg, AbortMsg):
+            elif isinstance(msg, Abort):
                 with self._lock:
                     worker = self._owner.get(msg.rid)
                 if worker is not None:
                     self.workers[worker].inbox.put(msg)
-            elif isinstance(msg, CallMsg):
+            elif isinstance(msg, (FlushCache, GetStats, CheckInvariants)):
+                reply = CallReply(msg.call_id)
                 try:
-                    msg.reply.put((True, msg.fn(self)))
+                    reply.value = {FlushCache: self.flush_cache, GetStats: self.get_stats,
+                                   CheckInvariants: self.check_invariants}[type(msg)]()
                 except Exception as exc:
-                    msg.reply.put((False, exc))
+                    reply.error = exc
+                self.outbox.put(reply)
         for w in self.workers:
             w.stop()
         for t in self._threads:
@@ -216,51 +243,47 @@ class DataParallelRouter:
     def stop(self) -> None:
         self.inbox.put(None)
 
-    def _route(self, inp: GenerateInput) -> None:
+    def _route(self, inp: GenerateRequest) -> None:
         with self._lock:
             matched = self.tree.match(inp.input_ids) if self.cache_aware else [0] * len(self.workers)
             worker = choose_worker(matched, self.loads, self.abs_slack, self.rel_slack)
             self.loads[worker] += 1
             self._owner[inp.rid] = worker
+            self._sent[inp.rid] = list(inp.input_ids)
             if self.cache_aware:
                 self.tree.insert(inp.input_ids, worker)
-        inp.sink = self._tracking_sink(inp, worker)
         self.workers[worker].inbox.put(inp)
 
-    def _tracking_sink(self, inp: GenerateInput, worker: int):
-        """Tags outputs with the worker (meta_info["dp_rank"]); on the final one, releases the load and
-        records prompt + output in the meta tree (the worker caches them when the request finishes)."""
-        sink, output_ids = inp.sink, []
+    def _track(self, out: GenerateOutput, worker: int) -> None:
+        """On a worker's thread: on a request's final output, releases the load and records prompt +
+        output in the meta tree (the worker caches them when the request finishes)."""
+        with self._lock:
+            seq = self._sent.get(out.rid)
+            if seq is None:
+                return
+            del seq[len(seq) - out.replaced:]
+            seq.extend(out.output_ids)
+            if out.finish is not None:
+                self.loads[worker] -= 1
+                self._owner.pop(out.rid, None)
+                del self._sent[out.rid]
+                if self.cache_aware:
+                    self.tree.insert(seq, worker)
 
-        def wrapped(out: dict[str, Any]) -> None:
-            out["meta_info"]["dp_rank"] = worker
-            output_ids.extend(out["output_ids"])  # streams send only the new ids
-            if out["meta_info"]["finish_reason"] is not None:
-                with self._lock:
-                    self.loads[worker] -= 1
-                    self._owner.pop(inp.rid, None)
-                    if self.cache_aware:
-                        self.tree.insert(inp.input_ids + output_ids, worker)
-            if sink is not None:
-                sink(out)
+    # ---- calls (they run on the router thread, so nothing is routed meanwhile) ----
 
-        return wrapped
-
-    # ---- calls the Engine makes (they run on the router thread, so nothing is routed meanwhile) ----
-
-    def _call(self, worker: Scheduler, fn: Any) -> Any:
-        msg = CallMsg(fn)
-        worker.inbox.put(msg)
-        ok, value = msg.reply.get()
-        if not ok:
-            raise value
-        return value
+    def _call(self, worker: int, call: Any) -> Any:
+        self.workers[worker].inbox.put(call)
+        reply = self._worker_outboxes[worker].replies.get()
+        if reply.error is not None:
+            raise reply.error
+        return reply.value
 
     def flush_cache(self) -> bool:
         with self._lock:
             if any(self.loads):
                 return False
-        flushed = all([self._call(w, lambda s: s.flush_cache()) for w in self.workers])
+        flushed = all([self._call(w, FlushCache()) for w in range(len(self.workers))])
         if flushed:
             with self._lock:
                 self.tree.reset()
@@ -269,7 +292,7 @@ class DataParallelRouter:
     def get_stats(self) -> dict[str, Any]:
         """Counters and gauges summed over workers, the hit rate recomputed; per-worker stats under
         "dp_workers" and the router's loads under "dp_in_flight"."""
-        return self._combine([self._call(w, lambda s: s.get_stats()) for w in self.workers])
+        return self._combine([self._call(w, GetStats()) for w in range(len(self.workers))])
 
     @property
     def snapshot(self) -> dict[str, Any]:
@@ -296,5 +319,5 @@ class DataParallelRouter:
         return total
 
     def check_invariants(self) -> None:
-        for w in self.workers:
-            self._call(w, lambda s: s.check_invariants())
+        for w in range(len(self.workers)):
+            self._call(w, CheckInvariants())

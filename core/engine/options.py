@@ -100,6 +100,8 @@ class EngineOptions:
                           aliases=("--tensor-parallel-size", "-tp"))
     dp_size: int = option(1, "data-parallel engine workers behind one cache-aware router (docs/scale_out.md)",
                           aliases=("--data-parallel-size", "-dp"))
+    scheduler_process: bool = option(False, "run the scheduler loop (model, KV pool, radix cache) in its own "
+                                     "process; the front end talks to it through messages only (docs/engine.md)")
 
     @classmethod
     def from_kwargs(cls, kwargs: dict[str, Any]) -> "EngineOptions":
@@ -131,6 +133,9 @@ class EngineOptions:
                 raise InvalidRequestError(f"{name} must be >= 1", name)
         if self.tp_size > 1 and self.dp_size > 1:
             raise InvalidRequestError("tp_size > 1 and dp_size > 1 together are not supported yet", "dp_size")
+        if self.scheduler_process and (self.tp_size > 1 or self.dp_size > 1):
+            raise InvalidRequestError("scheduler_process with tp_size or dp_size > 1 is not supported yet",
+                                      "scheduler_process")
         if self.cuda_graph_max_bs is None:
             self.cuda_graph_max_bs = min(self.max_running_requests, 512)
         if self.cuda_graph_max_bs < 1:

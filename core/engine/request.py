@@ -5,10 +5,11 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from radixlm.core.engine.constraint import TokenConstraint
 from radixlm.core.engine.detokenizer import IncrementalDetokenizer
+from radixlm.core.engine.messages import GenerateRequest
 from radixlm.core.engine.sampling_params import SamplingParams
 
 
@@ -18,27 +19,12 @@ class Status(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass
-class GenerateInput:
-    """The message a front end puts on the scheduler's queue: plain data plus where outputs go."""
-
-    rid: str
-    input_ids: list[int]
-    sampling_params: SamplingParams
-    return_logprob: bool = False
-    logprob_start_len: int | None = None
-    top_logprobs_num: int = 0
-    stream: bool = False
-    constraint: TokenConstraint | None = None
-    # Called on the scheduler thread with each output dict (stream chunks, or the one final result).
-    sink: Callable[[dict[str, Any]], None] | None = None
-
-
 @dataclass(eq=False)  # a request is an entity: `in` / `remove` on the scheduler's lists compare identity
 class Req:
-    inp: GenerateInput
-    detok: IncrementalDetokenizer
+    inp: GenerateRequest
+    detok: IncrementalDetokenizer  # finds stop strings (the output text is the front end's)
     arrival: int  # order of arrival, for fcfs and fairness
+    constraint: TokenConstraint | None = None  # built from inp.constraint on arrival
     status: Status = Status.WAITING
     output_ids: list[int] = field(default_factory=list)
     # KV bookkeeping: positions [0, kv_len) have KV in the slots `slots`; the first `cached_len` of
@@ -61,7 +47,8 @@ class Req:
     output_token_logprobs: list = field(default_factory=list)
     output_top_logprobs: list = field(default_factory=list)
     streamed_logprobs: int = 0  # output logprob entries already sent in stream chunks
-    streamed_ids: int = 0
+    streamed_ids: int = 0  # output ids already sent in stream chunks
+    replaced_sent: int = 0  # of those, how many jump-forward replaced since (the next chunk says so)
     created: float = field(default_factory=time.monotonic)
     scheduled_time: float | None = None  # when first given KV (the end of its queue time)
     first_token_time: float | None = None

@@ -3,8 +3,9 @@
 Each step it either prefills (new requests, or the next chunk of a long prompt) or decodes one token
 for every running request; new prefills join the running batch as soon as they finish (continuous
 batching). When KV memory runs short it evicts cached prefixes, then retracts running requests,
-which later resume from where they were with identical greedy output. It talks to front ends only
-through `inbox` messages and the per-request `sink` callbacks.
+which later resume from where they were with identical greedy output. It talks to the front end only
+through messages (core.engine.messages): requests, aborts and calls on `inbox`, outputs and call replies
+on `outbox`.
 """
 
 from __future__ import annotations
@@ -13,17 +14,22 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
-from typing import Any, Callable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
+from radixlm.core.constrained import GrammarBudget, build_constraint
 from radixlm.core.engine.detokenizer import IncrementalDetokenizer
+from radixlm.core.engine.messages import (
+    Abort, CallReply, CheckInvariants, FinishReason, FlushCache, GenerateOutput, GenerateRequest, GetStats,
+    InboxMessage, OutboxMessage, StatsSnapshot,
+)
 from radixlm.core.engine.memory_pool import SlotAllocator
 from radixlm.core.engine.model_runner import BatchInput, ModelRunner
 from radixlm.core.engine.options import EngineOptions
 from radixlm.core.engine.radix_cache import RadixCache
-from radixlm.core.engine.request import GenerateInput, Req, Status
+from radixlm.core.engine.request import Req, Status
 from radixlm.core.engine.sampler import SampleResult, Sampler, top_logprob_entries
 from radixlm.core.engine.schedule_policy import SchedulePolicy
 from radixlm.core.engine.stats import EngineStats, TimedRadixCache
@@ -38,19 +44,6 @@ IN_BATCH_SHARED_PREFIX = 16
 # have waited this many steps.
 JUMP_GATHER_RATIO = 4
 JUMP_GATHER_STEPS = 4
-
-
-@dataclass
-class AbortMsg:
-    rid: str
-
-
-@dataclass
-class CallMsg:
-    """Runs `fn(scheduler)` on the scheduler thread and hands back its result (flush, stats, checks)."""
-
-    fn: Callable[["Scheduler"], Any]
-    reply: "queue.Queue[tuple[bool, Any]]" = field(default_factory=lambda: queue.Queue(maxsize=1))
 
 
 @dataclass
@@ -77,7 +70,13 @@ class Scheduler:
         self.policy = SchedulePolicy(opts.schedule_policy, opts.schedule_fairness_bound, self.tree, opts.random_seed)
         self.generator = torch.Generator(device=runner.device).manual_seed(opts.random_seed)
         self.sampler = Sampler(runner.cfg.vocab_size, eos_token_ids, self.generator)
-        self.inbox: "queue.Queue[GenerateInput | AbortMsg | CallMsg | None]" = queue.Queue()
+        self.inbox: "queue.Queue[InboxMessage]" = queue.Queue()
+        self.outbox: "queue.Queue[OutboxMessage]" = queue.Queue()
+        # In its own process the loop also puts its statistics on the outbox, at most this often (s).
+        self.publish_interval: float | None = None
+        self._published_at = 0.0
+        self._budget = GrammarBudget(max_compile_seconds=opts.grammar_max_compile_seconds,
+                                     max_configs=opts.grammar_max_configs)
         self.waiting: list[Req] = []
         self.running: list[Req] = []
         self.chunked: Req | None = None  # a request midway through a chunked prefill
@@ -108,9 +107,12 @@ class Scheduler:
         self._abort_all("engine shut down")
         self._publish()
 
-    def _publish(self) -> None:
+    def _publish(self, force: bool = False) -> None:
         self.snapshot = self.get_stats()
         self.last_progress = time.monotonic()
+        if self.publish_interval is not None and (force or self.last_progress - self._published_at >= self.publish_interval):
+            self._published_at = self.last_progress
+            self.outbox.put(StatsSnapshot(self.snapshot, self.last_progress))
 
     def stop(self) -> None:
         self._stop.set()
@@ -138,23 +140,34 @@ class Scheduler:
                 return
             block = False
             self.last_progress = time.monotonic()
-            if msg is None:
+            if msg is None:  # stop (what stop() sends; a front end in another process sends it too)
+                self._stop.set()
                 return
-            if isinstance(msg, GenerateInput):
+            if isinstance(msg, GenerateRequest):
                 self._add_request(msg)
-            elif isinstance(msg, AbortMsg):
+            elif isinstance(msg, Abort):
                 self._abort(msg.rid, "aborted by request")
-            elif isinstance(msg, CallMsg):
-                try:
-                    value = (True, msg.fn(self))
-                except Exception as exc:
-                    value = (False, exc)
-                self._publish()  # what the caller reads next (a flush, say) shows in the snapshot
-                msg.reply.put(value)
+            elif isinstance(msg, (FlushCache, GetStats, CheckInvariants)):
+                self._answer(msg)
 
-    def _add_request(self, inp: GenerateInput) -> None:
+    def _answer(self, call: FlushCache | GetStats | CheckInvariants) -> None:
+        reply = CallReply(call.call_id)
+        try:
+            if isinstance(call, FlushCache):
+                reply.value = self.flush_cache()
+            elif isinstance(call, GetStats):
+                reply.value = self.get_stats()
+            else:
+                self.check_invariants()
+        except Exception as exc:
+            reply.error = exc
+        self._publish(force=True)  # what the caller reads next (a flush, say) shows in the snapshot
+        self.outbox.put(reply)
+
+    def _add_request(self, inp: GenerateRequest) -> None:
         p = inp.sampling_params
-        # Text is decoded token by token only where something reads it early: streams and stop strings.
+        # The scheduler decodes only to find stop strings (the output text is the front end's); a stream
+        # decodes as it goes too, so that jump-forward replaces only tokens the front end has decoded.
         lazy = not (inp.stream or p.stop)
         detok = IncrementalDetokenizer(self.tokenizer, p.skip_special_tokens, p.stop, p.no_stop_trim, lazy=lazy)
         req = Req(inp=inp, detok=detok, arrival=self._arrivals)
@@ -167,9 +180,19 @@ class Scheduler:
         self.live[inp.rid] = req
         if inp.constraint is not None:
             try:
+                req.constraint = self._build_constraint(inp)
                 self._jump_forward(req)  # text forced from the very start goes in with the prompt
+            except ValueError as e:  # the front end validated the spec: only another front end gets here
+                self._finish(req, "abort", None, error=f"invalid {inp.constraint.kind}: {e}", status_code=400)
             except Exception:
                 self._fail(req, "constraining")
+
+    def _build_constraint(self, inp: GenerateRequest) -> Any:
+        """The request's live constraint, built from its spec (a cache hit when the front end compiled
+        the same spec in this process to validate it)."""
+        spec = inp.constraint
+        return build_constraint(spec.kind, spec.value(), self.tokenizer, eos_token_ids=self.eos_token_ids,
+                                backend=self.opts.grammar_backend, budget=self._budget)
 
     def _sweep_waiting(self) -> None:
         if self._waiting_has_finished:
@@ -457,13 +480,13 @@ class Scheduler:
                 if req.inp.return_logprob:
                     req.output_token_logprobs.append((result.logprobs[i], token, None))
                     req.output_top_logprobs.append(result.top_logprobs[i])
-                if req.inp.constraint is not None:
-                    req.inp.constraint.advance(token)
+                if req.constraint is not None:
+                    req.constraint.advance(token)
                 stage = "detokenizing"
                 self._check_finish(req, token)
                 if req.finished:
                     continue
-                if req.inp.constraint is not None:
+                if req.constraint is not None:
                     stage = "constraining"
                     self._after_constrained_token(req)
                     if req.finished:
@@ -488,8 +511,8 @@ class Scheduler:
         masks: list[torch.Tensor | None] = []
         for r in reqs:
             try:
-                masks.append(r.inp.constraint.allowed_token_mask(self.sampler.vocab_size, packed)
-                             if r.inp.constraint else None)
+                masks.append(r.constraint.allowed_token_mask(self.sampler.vocab_size, packed)
+                             if r.constraint else None)
             except Exception:
                 self._fail(r, "constraining")
                 masks.append(None)
@@ -498,7 +521,7 @@ class Scheduler:
     def _after_constrained_token(self, req: Req) -> None:
         """Finishes the request when its constraint allows nothing but the end; otherwise jumps forward
         over forced text, after which the request takes an extend step to compute the jumped tokens."""
-        if req.inp.constraint.is_finished():
+        if req.constraint.is_finished():
             self._finish(req, "stop", None)
         elif self._jump_forward(req) and not req.finished:
             self.running.remove(req)
@@ -508,7 +531,7 @@ class Scheduler:
     def _jump_forward(self, req: Req) -> bool:
         """Appends the text the constraint forces next as canonical tokens (re-tokenizing the newest
         token with it when that token has no KV yet). True if tokens were appended."""
-        c = req.inp.constraint
+        c = req.constraint
         if c is None or self.opts.disable_jump_forward or req.params.disable_jump_forward:
             return False
         p = req.params
@@ -519,7 +542,11 @@ class Scheduler:
         if plan is None:
             return False
         replaced, tokens = plan
-        del req.output_ids[len(req.output_ids) - replaced :]
+        kept = len(req.output_ids) - replaced
+        if kept < req.streamed_ids:  # the stream's next output replaces ids it has already sent
+            req.replaced_sent += req.streamed_ids - kept
+            req.streamed_ids = kept
+        del req.output_ids[kept:]
         req.output_ids.extend(tokens)
         matched = req.detok.replace_tail(replaced, tokens)
         if matched is not None:
@@ -547,10 +574,6 @@ class Scheduler:
         client; with a `status_code` (a failure rather than an abort) the server answers with that status."""
         req.finish_type, req.finish_matched = kind, matched
         req.error, req.error_status = error, status_code
-        try:
-            req.detok.flush()
-        except Exception:  # the output ends with what was decoded so far
-            logger.exception("request %s: decoding the end of the output failed", req.rid)
         if req.status is Status.WAITING:
             self._waiting_has_finished = True  # removed before the next step: O(1) per abort
         elif req in self.running:
@@ -573,41 +596,35 @@ class Scheduler:
                                                    "server log has the details)", status_code=500)
 
     def _emit(self, req: Req, final: bool) -> None:
-        if req.inp.sink is None:
+        """Puts the request's next output on the outbox: a stream sends what is new since its last output,
+        otherwise only the final output goes, whole."""
+        if not req.inp.stream and not final:
             return
-        text = req.detok.take_new_text(final) if req.inp.stream else req.detok.text
-        ids = req.output_ids[req.streamed_ids :] if req.inp.stream else list(req.output_ids)
-        if req.inp.stream and not text and not final and len(ids) == 0:
+        start = req.streamed_ids if req.inp.stream else 0
+        ids = req.output_ids[start:]
+        if not final and not ids and not req.replaced_sent:
             return
-        out_lp = req.output_token_logprobs[req.streamed_logprobs :] if req.inp.stream else req.output_token_logprobs
-        out_top = req.output_top_logprobs[req.streamed_logprobs :] if req.inp.stream else req.output_top_logprobs
+        lp_start = req.streamed_logprobs if req.inp.stream else 0
+        out = GenerateOutput(
+            rid=req.rid, output_ids=ids, replaced=req.replaced_sent, prompt_tokens=len(req.inp.input_ids),
+            completion_tokens=len(req.output_ids), cached_tokens=req.cached_tokens or 0)
         req.streamed_ids = len(req.output_ids)
         req.streamed_logprobs = len(req.output_token_logprobs)
-        meta: dict[str, Any] = {
-            "id": req.rid,
-            "prompt_tokens": len(req.inp.input_ids),
-            "completion_tokens": len(req.output_ids),
-            "cached_tokens": req.cached_tokens or 0,
-            "finish_reason": {"type": req.finish_type, "matched": req.finish_matched} if final else None,
-        }
-        if final and req.error_status is not None:
-            meta["finish_reason"]["status_code"] = req.error_status
+        req.replaced_sent = 0
         if req.inp.return_logprob:
-            meta["input_token_logprobs"] = list(req.input_token_logprobs)
-            meta["input_top_logprobs"] = list(req.input_top_logprobs)
-            meta["output_token_logprobs"] = list(out_lp)
-            meta["output_top_logprobs"] = list(out_top)
-        if final and req.first_token_time is not None:
-            meta["e2e_latency"] = time.monotonic() - req.created
-            meta["ttft"] = req.first_token_time - req.created
-        if final and req.scheduled_time is not None:
-            meta["queue_time"] = req.scheduled_time - req.created
-        if final and req.error is not None:
-            meta["error"] = req.error
-        try:
-            req.inp.sink({"text": text, "output_ids": ids, "meta_info": meta})
-        except Exception:  # the receiver's failure is its own; nobody else's output may depend on it
-            logger.exception("request %s: delivering its output failed", req.rid)
+            out.input_token_logprobs = list(req.input_token_logprobs)
+            out.input_top_logprobs = list(req.input_top_logprobs)
+            out.output_token_logprobs = req.output_token_logprobs[lp_start:]
+            out.output_top_logprobs = req.output_top_logprobs[lp_start:]
+        if final:
+            out.finish = FinishReason(req.finish_type, req.finish_matched, req.error, req.error_status)
+            now = time.monotonic()
+            if req.first_token_time is not None:
+                out.e2e_latency = now - req.created
+                out.ttft = req.first_token_time - req.created
+            if req.scheduled_time is not None:
+                out.queue_time = req.scheduled_time - req.created
+        self.outbox.put(out)
 
     # ---- aborts, flush, stats, invariants ------------------------------------------------------
 
