@@ -15,6 +15,7 @@ import pytest
 import radixlm
 from radixlm.core.engine import scheduler as scheduler_module
 from radixlm.core.engine.detokenizer import IncrementalDetokenizer
+from radixlm.core.engine.messages import ConstraintSpec
 from radixlm.core.engine.sampling_params import SamplingParams
 from radixlm.core.errors import InvalidRequestError, TooComplexError
 
@@ -34,14 +35,14 @@ def clean_outputs(engine):
 
 
 def _submit(engine, inputs) -> list[queue.Queue]:
-    """Submits prepared GenerateInputs (faults already injected); each output lands in its own queue."""
-    boxes = []
-    for inp in inputs:
-        box: queue.Queue = queue.Queue()
-        inp.sink = box.put
-        boxes.append(box)
-    engine._submit(inputs)
+    """Submits prepared GenerateRequests (faults already injected); each output lands in its own queue."""
+    boxes = [queue.Queue() for _ in inputs]
+    engine.frontend.submit(inputs, [box.put for box in boxes])
     return boxes
+
+
+def _prepare(engine, prompt, params, input_ids=None, rid=None) -> list:
+    return engine.frontend.prepare(prompt, params, input_ids, False, None, 0, False, rid)[0]
 
 
 def _final(box: queue.Queue) -> dict:
@@ -52,7 +53,7 @@ def _final(box: queue.Queue) -> dict:
 
 
 def _run_with_fault(engine, faulty_inputs) -> tuple[list[dict], list[dict]]:
-    clean_inputs, _ = engine._prepare(CLEAN, GREEDY, None, False, None, 0, False, None)
+    clean_inputs = _prepare(engine, CLEAN, GREEDY)
     # The faulty request goes in the middle of the batch, so that its failure happens mid-step.
     inputs = clean_inputs[:1] + faulty_inputs + clean_inputs[1:]
     boxes = _submit(engine, inputs)
@@ -104,14 +105,18 @@ class _RaisingConstraint:
 
 
 def _one(engine, params: dict, prompt: str = "fault") -> list:
-    inputs, _ = engine._prepare(prompt, params, None, False, None, 0, False, None)
-    engine._attach_constraints(inputs)
+    inputs = _prepare(engine, prompt, params)
+    engine.frontend.check_constraints(inputs)
     return inputs
 
 
-def test_raising_constraint_ends_only_its_request(engine, clean_outputs):
+def test_raising_constraint_ends_only_its_request(engine, clean_outputs, monkeypatch):
+    # The scheduler builds constraints from their specs: this spec builds one that breaks.
+    real_build = scheduler_module.build_constraint
+    monkeypatch.setattr(scheduler_module, "build_constraint", lambda kind, spec, *a, **kw: (
+        _RaisingConstraint(fail_after=3) if spec == "FAULT" else real_build(kind, spec, *a, **kw)))
     faulty = _one(engine, {**GREEDY})
-    faulty[0].constraint = _RaisingConstraint(fail_after=3)
+    faulty[0].constraint = ConstraintSpec("regex", "FAULT")
     others, bad = _run_with_fault(engine, faulty)
     _assert_isolated(engine, clean_outputs, others, bad)
     assert len(bad[0]["output_ids"]) == 3
@@ -147,14 +152,13 @@ def test_detokenizer_error_ends_only_its_request(engine, clean_outputs, monkeypa
 
 def test_a_sink_that_raises_harms_nobody(engine, clean_outputs):
     faulty = _one(engine, GREEDY)
-    clean_inputs, _ = engine._prepare(CLEAN, GREEDY, None, False, None, 0, False, None)
+    clean_inputs = _prepare(engine, CLEAN, GREEDY)
     boxes = _submit(engine, clean_inputs)
 
     def broken_sink(out):
         raise RuntimeError("boom: the receiver broke")
 
-    faulty[0].sink = broken_sink
-    engine._submit(faulty)
+    engine.frontend.submit(faulty, [broken_sink])
     assert [_final(b)["output_ids"] for b in boxes] == clean_outputs
     stats = engine.get_stats()
     assert stats["running"] == stats["waiting"] == 0 and stats["in_flight"] == 0
@@ -250,12 +254,10 @@ def test_aborting_64k_queued_requests_is_fast(llama_ckpt):
     count = 65536
     with radixlm.Engine(llama_ckpt, max_total_tokens=1024, max_running_requests=2, max_queued_requests=None,
                         max_requests_per_call=count) as e:
-        inputs, _ = e._prepare(None, {"max_new_tokens": 500, "ignore_eos": True}, [[1, 2, 3]] * count,
-                               False, None, 0, False, [f"r{i}" for i in range(count)])
+        inputs = _prepare(e, None, {"max_new_tokens": 500, "ignore_eos": True}, [[1, 2, 3]] * count,
+                          [f"r{i}" for i in range(count)])
         done = threading.Semaphore(0)
-        for inp in inputs:
-            inp.sink = lambda out: out["meta_info"]["finish_reason"] is not None and done.release()
-        e._submit(inputs)
+        e.frontend.submit(inputs, [lambda out: out["meta_info"]["finish_reason"] is not None and done.release()] * count)
         deadline = time.monotonic() + 120
         while e.get_stats()["waiting"] < count - 2:  # all queued behind the two running
             assert time.monotonic() < deadline

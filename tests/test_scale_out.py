@@ -18,10 +18,9 @@ import torch.distributed
 
 import radixlm
 from radixlm.core.engine.dp_router import DataParallelRouter, MetaRadixTree
+from radixlm.core.engine.messages import Abort, FinishReason, GenerateOutput, GenerateRequest
 from radixlm.core.engine.options import EngineOptions
-from radixlm.core.engine.request import GenerateInput
 from radixlm.core.engine.sampling_params import SamplingParams
-from radixlm.core.engine.scheduler import AbortMsg
 from radixlm.core.errors import InvalidRequestError, UnsupportedModelError
 from radixlm.core.testing import build_checkpoint
 
@@ -211,10 +210,10 @@ def _routed(workers: list[_HeldWorker]) -> tuple[int, object]:
     raise AssertionError("the router forwarded nothing")
 
 
-def _finish(inp: GenerateInput, output_ids: list[int]) -> dict:
-    out = {"text": "", "output_ids": output_ids, "meta_info": {"finish_reason": {"type": "length"}}}
-    inp.sink(out)
-    return out
+def _finish(router: DataParallelRouter, worker: int, inp: GenerateRequest, output_ids: list[int]) -> GenerateOutput:
+    """The worker finishes the request: its output goes through its outbox to the router's."""
+    router.workers[worker].outbox.put(GenerateOutput(inp.rid, output_ids, finish=FinishReason("length")))
+    return router.outbox.get(timeout=10)
 
 
 def test_router_follows_longest_prefix_within_the_load_bound_on_a_mixed_workload() -> None:
@@ -228,7 +227,7 @@ def test_router_follows_longest_prefix_within_the_load_bound_on_a_mixed_workload
     thread.start()
     prefixes = [[1000 + g] * 12 for g in range(6)]
     loads, sent = [0, 0, 0], [[], [], []]
-    in_flight: list[tuple[int, GenerateInput]] = []
+    in_flight: list[tuple[int, GenerateRequest]] = []
     group_workers: dict[int, set[int]] = {}
     bursts_checked = 0
     for step in range(240):
@@ -238,14 +237,14 @@ def test_router_follows_longest_prefix_within_the_load_bound_on_a_mixed_workload
             bursts_checked += check_spread
         if in_flight and not burst and rng.random() < 0.5:
             worker, inp = in_flight.pop(rng.randrange(len(in_flight)))
-            out = _finish(inp, [rng.randrange(50) for _ in range(3)])
-            assert out["meta_info"]["dp_rank"] == worker
+            out = _finish(router, worker, inp, [rng.randrange(50) for _ in range(3)])
+            assert out.rid == inp.rid and out.dp_rank == worker
             loads[worker] -= 1
-            sent[worker].append(inp.input_ids + out["output_ids"])
+            sent[worker].append(inp.input_ids + out.output_ids)
             continue
         group = rng.randrange(8)  # 6 prefix groups, or (6, 7) an unrelated prompt
         ids = (prefixes[group] if group < 6 else [rng.randrange(50)]) + [rng.randrange(50) for _ in range(4)]
-        inp = GenerateInput(rid=f"r{step}", input_ids=ids, sampling_params=SamplingParams.from_dict({}))
+        inp = GenerateRequest(rid=f"r{step}", input_ids=ids, sampling_params=SamplingParams.from_dict({}))
         matched = [max((_lcp(ids, s) for s in seqs), default=0) for seqs in sent]
         limit = min(loads) + 4 + min(loads) // 4
         router.inbox.put(inp)
@@ -263,8 +262,8 @@ def test_router_follows_longest_prefix_within_the_load_bound_on_a_mixed_workload
     assert bursts_checked >= 1 and len({w for ws in group_workers.values() for w in ws}) == 3
     # aborts go to the worker that holds the request; flushing waits until nothing is in flight
     worker, inp = in_flight[0]
-    router.inbox.put(AbortMsg(inp.rid))
-    assert _routed(workers) == (worker, AbortMsg(inp.rid))
+    router.inbox.put(Abort(inp.rid))
+    assert _routed(workers) == (worker, Abort(inp.rid))
     assert router.flush_cache() is False
     router.stop()
     thread.join(timeout=10)
