@@ -14,7 +14,7 @@ import pytest
 
 import radixlm
 from radixlm.core.engine import scheduler as scheduler_module
-from radixlm.core.engine.detokenizer import IncrementalDetokenizer
+from radixlm.core.tokenizer.detokenizer import IncrementalDetokenizer
 from radixlm.core.engine.messages import ConstraintSpec
 from radixlm.core.engine.sampling_params import SamplingParams
 from radixlm.core.errors import InvalidRequestError, TooComplexError

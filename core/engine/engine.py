@@ -18,7 +18,7 @@ from radixlm.core.engine.scheduler_client import LocalScheduler, SchedulerProces
 from radixlm.core.errors import EngineShutdownError, InvalidRequestError
 from radixlm.core.models.config import ModelConfig
 from radixlm.core.models.hub import locate_model
-from radixlm.core.models.loader import load_tokenizer
+from radixlm.core.tokenizer.loader import load_tokenizer
 
 logger = logging.getLogger("radixlm")
 

@@ -20,7 +20,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Iterator
 
-from radixlm.core.engine.detokenizer import IncrementalDetokenizer
+from radixlm.core.tokenizer.detokenizer import IncrementalDetokenizer
 from radixlm.core.engine.messages import (
     Abort, Call, CallReply, CheckInvariants, ConstraintSpec, FlushCache, GenerateOutput, GenerateRequest,
     GetStats, StatsSnapshot,

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from radixlm.core.constrained import GrammarBudget, build_constraint
-from radixlm.core.engine.detokenizer import IncrementalDetokenizer
+from radixlm.core.tokenizer.detokenizer import IncrementalDetokenizer
 from radixlm.core.engine.messages import (
     Abort, CallReply, CheckInvariants, FinishReason, FlushCache, GenerateOutput, GenerateRequest, GetStats,
     InboxMessage, OutboxMessage, StatsSnapshot,

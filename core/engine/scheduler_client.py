@@ -114,7 +114,7 @@ def _scheduler_main(model_path: str, opts: EngineOptions, inbox: Any, outbox: An
     """The child process: loads the model and runs the loop on the given queues."""
     from radixlm.core.engine.model_runner import ModelRunner
     from radixlm.core.engine.scheduler import Scheduler
-    from radixlm.core.models.loader import load_tokenizer
+    from radixlm.core.tokenizer.loader import load_tokenizer
 
     threading.Thread(target=_exit_with_parent, args=(parent_pid,), name="radixlm-parent-watch", daemon=True).start()
     try:
