@@ -129,11 +129,8 @@ class EngineClient:
         return stream
 
     def abort(self, rid: str) -> None:
-        """Aborts an engine request, and the branches `{rid}-{i}` of a stream opened with that rid."""
+        """Aborts an engine request, or all the samples (`{rid}-{i}`) of one with n > 1."""
         self.engine.abort_request(rid)
-        for live in list(self._stream_rids):
-            if live.startswith(f"{rid}-") and live[len(rid) + 1:].isdigit():
-                self.engine.abort_request(live)
 
     def abort_all(self) -> None:
         """Aborts everything in flight: open streams end with finish_reason 'abort', waiting non-streaming

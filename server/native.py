@@ -20,6 +20,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 
 import radixlm
+from radixlm.core.engine.frontend import branch_params, branch_rid
 from radixlm.core.engine.sampling_params import SamplingParams
 from radixlm.server.body import parse_body
 from radixlm.server.errors import APIError, bad_request, error_body
@@ -92,18 +93,16 @@ class NativeAPI:
         if len(params) != len(prompts):
             raise bad_request(f"{len(params)} sampling_params for {len(prompts)} prompts", "sampling_params")
         self.engine.check_fan_out(len(prompts))  # before any per-prompt work
-        counts = [SamplingParams.from_dict(sp).n for sp in params]
-        self.engine.check_fan_out(sum(counts))
+        parsed = [SamplingParams.from_dict(sp) for sp in params]
+        self.engine.check_fan_out(sum(sp.n for sp in parsed))
         rids = [req.rid] if isinstance(req.rid, str) else req.rid
         if rids is not None and len(rids) != len(prompts):
             raise bad_request("rid must be a string per prompt", "rid")
         branches = []
-        for k, (prompt, sp, n) in enumerate(zip(prompts, params, counts)):
-            sp = dict(sp or {})
-            for i in range(n):
-                one = sp if n == 1 else {**sp, "n": 1, "seed": None if sp.get("seed") is None else sp["seed"] + i}
-                rid = {} if rids is None else {"rid": rids[k] if n == 1 else f"{rids[k]}-{i}"}
-                branches.append(Branch(one, **prompt, **rid, **logprob_args))
+        for k, (prompt, sp) in enumerate(zip(prompts, parsed)):
+            for i, one in enumerate(branch_params(sp)):
+                rid = {} if rids is None else {"rid": branch_rid(rids[k], i, sp.n)}
+                branches.append(Branch(one.to_dict(), **prompt, **rid, **logprob_args))
         return branches
 
     async def _events(self, req: GenerateRequest, stream: MergedStream, batch: bool) -> AsyncIterator[bytes]:

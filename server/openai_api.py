@@ -20,6 +20,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from radixlm.core.chat_render import render_chat
+from radixlm.core.engine.frontend import branch_dicts
 from radixlm.core.engine.sampling_params import SamplingParams
 from radixlm.server import tools as toolcalls
 from radixlm.server.body import parse_body
@@ -67,15 +68,6 @@ def check_aborted(meta: dict[str, Any]) -> None:
     raise_if_failed(meta)
     if _finish_reason(meta) == "abort":
         raise APIError(500, f"The request was aborted: {meta.get('error', 'unknown reason')}", code="aborted")
-
-
-def _branch_params(params: dict[str, Any]) -> list[dict[str, Any]]:
-    """The n single-output sampling params of a streamed request, seeded as the engine seeds n > 1."""
-    n = params.get("n", 1)
-    if n == 1:
-        return [params]
-    seed = params.get("seed")
-    return [{**params, "n": 1, "seed": None if seed is None else seed + i} for i in range(n)]
 
 
 class OpenAIAPI:
@@ -189,7 +181,7 @@ class OpenAIAPI:
         if req.stream:
             branches = [Branch(sp, input_ids=input_ids, rid=f"chatcmpl-{uuid.uuid4().hex}",
                                return_logprob=req.logprobs, top_logprobs_num=top_n)
-                        for sp in _branch_params(params)]
+                        for sp in branch_dicts(params)]
             stream = await self.client.open_stream(request, branches)
             return EventStreamResponse(self._chat_events(req, mode, stream, top_n), stream.close)
         outputs = as_list(await self.client.generate(request, input_ids=input_ids, sampling_params=params,
@@ -281,7 +273,7 @@ class OpenAIAPI:
         except RecursionError:
             raise bad_request("could not render the chat template: the messages are nested too deeply",
                               "messages") from None
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return self.engine.frontend.encode(text, add_special_tokens=False)
 
     def tool_calls(self, mode: ToolMode, text: str) -> tuple[str | None, list[dict[str, Any]]]:
         if mode.kind == "named":
@@ -383,7 +375,7 @@ class OpenAIAPI:
                         "logprob_start_len": 0 if (want_logprobs and req.echo) else None}
         if req.stream:
             branches = [Branch(sp, input_ids=ids, rid=f"cmpl-{uuid.uuid4().hex}", **logprob_args)
-                        for _, ids in prompts for sp in _branch_params(params)]
+                        for _, ids in prompts for sp in branch_dicts(params)]
             stream = await self.client.open_stream(request, branches)
             return EventStreamResponse(self._completion_events(req, prompts, stream), stream.close)
         outputs = as_list(await self.client.generate(request, input_ids=[ids for _, ids in prompts],
@@ -415,8 +407,7 @@ class OpenAIAPI:
         self.engine.check_fan_out(len(prompt))
         for p in prompt:
             if isinstance(p, str):
-                self.engine.check_prompt_size(len(p.encode("utf-8", "surrogatepass")))
-                ids = self.tokenizer(p)["input_ids"]
+                ids = self.engine.frontend.encode_prompt(p)
                 text = p
             else:
                 if not all(0 <= t < self.engine.vocab_size for t in p):

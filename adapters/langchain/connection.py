@@ -29,7 +29,8 @@ class Connection:
 
 
 def engine_connection(engine: Any) -> Connection:
-    return Connection(backend=resolve_backend(engine), renderer=ChatRenderer(engine.tokenizer),
+    backend = resolve_backend(engine)
+    return Connection(backend=backend, renderer=ChatRenderer(engine.tokenizer, backend._encode),
                       context_len=engine.context_len, model_name=engine.served_model_name,
                       model_names=frozenset({engine.served_model_name, engine.model_path}), in_process=True)
 
@@ -83,12 +84,13 @@ def server_connection(base_url: str, api_key: str | None, timeout: float | None,
     tokenizer = endpoint.tokenizer
     if tokenizer_path is not None:
         from radixlm.core.tokenizer.loader import load_tokenizer
-        tokenizer = load_tokenizer(tokenizer_path)
+        tokenizer = endpoint.tokenizer = load_tokenizer(tokenizer_path)
     if tokenizer is None:
         raise ValueError(f"ChatSGLang renders chats with the model's own chat template, so it needs the model's "
                          f"tokenizer: the server's model path {endpoint.model_info.get('model_path')!r} is not on this "
                          "machine; pass tokenizer_path=")
     info = endpoint.model_info
     name = info.get("served_model_name") or info["model_path"]
-    return Connection(backend=endpoint, renderer=ChatRenderer(tokenizer), context_len=info["context_len"],
+    return Connection(backend=endpoint, renderer=ChatRenderer(tokenizer, endpoint._encode),
+                      context_len=info["context_len"],
                       model_name=name, model_names=frozenset({name, info["model_path"]}), in_process=False)

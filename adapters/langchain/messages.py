@@ -9,7 +9,7 @@ AIMessageChunk with tool calls, usage (cache reads included) and response metada
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Callable
 
 from langchain_core.messages import (
     AIMessage, AIMessageChunk, BaseMessage, ChatMessage, FunctionMessage, HumanMessage, SystemMessage,
@@ -74,14 +74,16 @@ def template_messages(messages: list[BaseMessage]) -> list[dict[str, Any]]:
 class ChatRenderer:
     """Renders conversations with a tokenizer's chat template into prompt text for the engine."""
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, encode: Callable[[str], list[int]]) -> None:
+        """encode: prompt text -> ids exactly as the engine tokenizes it (its backend's `_encode`)."""
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError("the model's tokenizer has no chat template, which ChatSGLang needs")
         self.tokenizer = tokenizer
+        self.encode = encode
         # The engine tokenizes prompt text with the tokenizer's special tokens; a template that writes
         # the BOS as text as well would double it.
         bos = tokenizer.bos_token
-        ids = tokenizer("a")["input_ids"]
+        ids = encode("a")
         self._bos_to_strip = bos if bos and ids and ids[0] == tokenizer.bos_token_id else None
 
     def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:
@@ -91,7 +93,7 @@ class ChatRenderer:
         return text
 
     def count_tokens(self, text: str) -> int:
-        return len(self.tokenizer(text)["input_ids"])
+        return len(self.encode(text))
 
     def logprobs(self, meta: dict[str, Any], top_n: int) -> dict[str, Any]:
         """The output token logprobs in OpenAI's chat shape."""

@@ -15,6 +15,9 @@ class EngineBackend(NativeGenerateBackend):
         self.tokenizer = engine.tokenizer
         self.chat_template = chat_template_from_tokenizer(self.tokenizer) or self.chat_template
 
+    def _encode(self, text: str) -> list[int]:
+        return self.engine.frontend.encode(text)
+
     def _generate(self, request: dict[str, Any]) -> Any:
         return self.engine.generate(**_engine_arguments(request))
 

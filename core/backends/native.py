@@ -32,7 +32,8 @@ def _common_prefix_len(a: list[int], b: list[int]) -> int:
 
 class NativeGenerateBackend(BaseBackend):
     """Subclasses provide `_generate(request) -> dict | list[dict]`, `_generate_stream(request)`
-    (chunks holding only new text) and `tokenizer` (the one the engine tokenizes prompts with)."""
+    (chunks holding only new text), `_encode(text)` (prompt ids as the engine makes them) and
+    `tokenizer` (the engine's, for token texts)."""
 
     tokenizer: Any = None
 
@@ -44,7 +45,7 @@ class NativeGenerateBackend(BaseBackend):
 
     def _encode(self, text: str) -> list[int]:
         """Token ids of a prompt, exactly as the engine tokenizes a text prompt."""
-        return self.tokenizer(text)["input_ids"]
+        raise NotImplementedError
 
     # ----- gen -----
 

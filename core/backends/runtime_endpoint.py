@@ -81,7 +81,7 @@ class RuntimeEndpoint(NativeGenerateBackend):
         if self.tokenizer is None:
             raise ProgramError(f"select needs the server's tokenizer, which could not be loaded from "
                                f"{self.model_info.get('tokenizer_path')!r} on this machine")
-        return super()._encode(text)
+        return self.tokenizer(text)["input_ids"]  # the server's tokenizer, loaded here: as its front end does
 
     def flush_cache(self) -> bool:
         return self._http.post("/flush_cache").status_code == 200

@@ -47,6 +47,11 @@ def branch_params(sp: SamplingParams) -> list[SamplingParams]:
     return [dataclasses.replace(sp, n=1, seed=None if sp.seed is None else sp.seed + i) for i in range(sp.n)]
 
 
+def branch_dicts(params: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """`branch_params` for sampling params as dicts (what HTTP handlers hold), validated."""
+    return [sp.to_dict() for sp in branch_params(SamplingParams.from_dict(params))]
+
+
 def branch_rid(rid: str, i: int, n: int) -> str:
     """The request id of sample i of n of request `rid`."""
     return rid if n == 1 else f"{rid}-{i}"
