@@ -16,7 +16,8 @@ from radixlm.core.tokenizer.detokenizer import IncrementalDetokenizer
 from radixlm.core.engine.memory_pool import ReqToTokenPool
 from radixlm.core.engine.model_runner import BatchInput, ModelRunner
 from radixlm.core.engine.options import EngineOptions
-from radixlm.core.engine.request import GenerateInput, Req
+from radixlm.core.engine.messages import GenerateRequest
+from radixlm.core.engine.request import Req
 from radixlm.core.engine.sampler import Sampler
 from radixlm.core.engine.sampling_params import SamplingParams
 from radixlm.core.models.config import ModelConfig
@@ -184,7 +185,7 @@ def test_batch_size_ladder():
 
 def make_req(**params) -> Req:
     sp = SamplingParams.from_dict(params)
-    return Req(inp=GenerateInput(rid="r", input_ids=[1, 2], sampling_params=sp), detok=None, arrival=0)
+    return Req(inp=GenerateRequest(rid="r", input_ids=[1, 2], sampling_params=sp), detok=None, arrival=0)
 
 
 def filtered_by_definition(probs: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.Tensor:

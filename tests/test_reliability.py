@@ -13,7 +13,7 @@ import time
 import pytest
 
 import radixlm
-from radixlm.core.engine import scheduler as scheduler_module
+from radixlm.core.engine.scheduler import loop as scheduler_loop
 from radixlm.core.tokenizer.detokenizer import IncrementalDetokenizer
 from radixlm.core.engine.messages import ConstraintSpec
 from radixlm.core.engine.sampling_params import SamplingParams
@@ -112,8 +112,8 @@ def _one(engine, params: dict, prompt: str = "fault") -> list:
 
 def test_raising_constraint_ends_only_its_request(engine, clean_outputs, monkeypatch):
     # The scheduler builds constraints from their specs: this spec builds one that breaks.
-    real_build = scheduler_module.build_constraint
-    monkeypatch.setattr(scheduler_module, "build_constraint", lambda kind, spec, *a, **kw: (
+    real_build = scheduler_loop.build_constraint
+    monkeypatch.setattr(scheduler_loop, "build_constraint", lambda kind, spec, *a, **kw: (
         _RaisingConstraint(fail_after=3) if spec == "FAULT" else real_build(kind, spec, *a, **kw)))
     faulty = _one(engine, {**GREEDY})
     faulty[0].constraint = ConstraintSpec("regex", "FAULT")
@@ -144,7 +144,7 @@ def test_detokenizer_error_ends_only_its_request(engine, clean_outputs, monkeypa
         cls = Failing if stop == ["FAIL-HERE"] else IncrementalDetokenizer
         return cls(tokenizer, skip, stop, no_stop_trim, lazy=lazy)
 
-    monkeypatch.setattr(scheduler_module, "IncrementalDetokenizer", detokenizer)
+    monkeypatch.setattr(scheduler_loop, "IncrementalDetokenizer", detokenizer)
     faulty = _one(engine, {**GREEDY, "stop": ["FAIL-HERE"]})
     others, bad = _run_with_fault(engine, faulty)
     _assert_isolated(engine, clean_outputs, others, bad)
