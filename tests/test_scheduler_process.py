@@ -79,16 +79,28 @@ def engines(llama_ckpt):
 
 
 def _strip(out: dict) -> dict:
-    """An output without its timings (the only thing that may differ)."""
+    """An output without its timings (which differ run to run)."""
     meta = {k: v for k, v in out["meta_info"].items() if k not in ("e2e_latency", "ttft", "queue_time")}
     return {**out, "meta_info": meta}
+
+
+def _same(a, b) -> bool:
+    """Equal, floats within 1e-5: two processes may sum in another order (their torch thread counts
+    differ), which moves logprobs by about 1e-6 and nothing else."""
+    if isinstance(a, float) and isinstance(b, float):
+        return abs(a - b) <= 1e-5
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    return a == b
 
 
 def test_process_mode_matches_the_thread_engine(engines):
     thread, process = engines
     assert process.kv_pool_size == thread.kv_pool_size and process.context_len == thread.context_len
     batch = dict(prompt=PROMPTS, sampling_params=GREEDY, rid=["a", "b", "c"], return_logprob=True, top_logprobs_num=2)
-    assert [_strip(o) for o in process.generate(**batch)] == [_strip(o) for o in thread.generate(**batch)]
+    assert _same([_strip(o) for o in process.generate(**batch)], [_strip(o) for o in thread.generate(**batch)])
     n2 = dict(prompt="Two samples", sampling_params={**GREEDY, "n": 2}, rid="pair")
     outs = process.generate(**n2)
     assert [o["meta_info"]["id"] for o in outs] == ["pair-0", "pair-1"]

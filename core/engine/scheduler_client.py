@@ -69,8 +69,11 @@ class SchedulerProcess:
         self.snapshot: dict[str, Any] = {}
         self.last_progress = time.monotonic()
         self.kv_pool_size = 0
-        self._proc = ctx.Process(target=_scheduler_main, args=(model_path, opts, self.inbox, self.outbox, os.getpid()),
-                                 name="radixlm-scheduler", daemon=True)
+        # The child computes with as many threads as this process would (the same sums, the same logits).
+        import torch
+
+        args = (model_path, opts, self.inbox, self.outbox, os.getpid(), torch.get_num_threads())
+        self._proc = ctx.Process(target=_scheduler_main, args=args, name="radixlm-scheduler", daemon=True)
         self._proc.start()
 
     @property
@@ -110,8 +113,12 @@ class SchedulerProcess:
             self._proc.join(timeout=5)
 
 
-def _scheduler_main(model_path: str, opts: EngineOptions, inbox: Any, outbox: Any, parent_pid: int) -> None:
+def _scheduler_main(model_path: str, opts: EngineOptions, inbox: Any, outbox: Any, parent_pid: int,
+                    num_threads: int) -> None:
     """The child process: loads the model and runs the loop on the given queues."""
+    import torch
+
+    torch.set_num_threads(num_threads)
     from radixlm.core.engine.model_runner import ModelRunner
     from radixlm.core.engine.scheduler import Scheduler
     from radixlm.core.tokenizer.loader import load_tokenizer
