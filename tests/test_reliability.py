@@ -14,7 +14,7 @@ import pytest
 
 import radixlm
 from radixlm.core.engine.scheduler import loop as scheduler_loop
-from radixlm.core.engine.detokenizer import IncrementalDetokenizer
+from radixlm.core.tokenizer.detokenizer import IncrementalDetokenizer
 from radixlm.core.engine.sampling_params import SamplingParams
 from radixlm.core.errors import InvalidRequestError, TooComplexError
 
