@@ -15,7 +15,6 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from radixlm.core.engine.detokenizer import IncrementalDetokenizer
 from radixlm.core.engine.memory_pool import ReqToTokenPool, SlotAllocator
 from radixlm.core.engine.model_runner import BatchInput
 from radixlm.core.engine.options import EngineOptions
@@ -29,6 +28,7 @@ from radixlm.core.engine.scheduler.memory import KVMemory
 from radixlm.core.engine.scheduler.policy import CACHE_AWARE_QUEUE_LIMIT, SchedulePolicy
 from radixlm.core.engine.scheduler.prefill import IN_BATCH_SHARED_PREFIX, PrefillPlanner
 from radixlm.core.engine.stats import EngineStats
+from radixlm.core.tokenizer.detokenizer import IncrementalDetokenizer
 
 V = 32
 ALPHABET = "abcdefghijklmnopqrstuvwxyz012345"
