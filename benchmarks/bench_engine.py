@@ -218,13 +218,13 @@ def bench_prefill(engine, w, cfg, repeats: int) -> dict[str, Any]:
             times.append(t)
     t = statistics.median(times)
     flops = prefill_flops(cfg, b, n)
-    forward_s = engine._call(lambda s: _forward_only_prefill(s, b, n, cfg.vocab_size, repeats))
+    forward_s = engine.frontend.scheduler.run_paused(lambda s: _forward_only_prefill(s, b, n, cfg.vocab_size, repeats))
     return {"batch": b, "len": n, "seconds": t, "tflops": flops / t / 1e12, "tflop": flops / 1e12,
             "forward_s": forward_s, "forward_tflops": flops / forward_s / 1e12}
 
 
 def _forward_only_prefill(s, batch: int, length: int, vocab: int, repeats: int) -> float:
-    """The model forward alone for the prefill batch (on the scheduler thread, nothing else running):
+    """The model forward alone for the prefill batch (the scheduler loop paused, nothing else running):
     the number comparable to HF's forward, without scheduling, sampling and radix-cache work."""
     from radixlm.core.engine.model_runner import BatchInput
 
@@ -299,7 +299,7 @@ def bench_decode_step(engine, batch: int, iters: int, vocab: int) -> dict[str, A
                 "profile_top": _trim_profile(text.getvalue()),
                 "kernels": _kernel_profile(s, steps=5) if s.runner.device.type == "cuda" else None}
 
-    result = engine._call(measure)
+    result = engine.frontend.scheduler.run_paused(measure)
     for rid in rids:
         engine.abort_request(rid)
     t.join()

@@ -9,7 +9,7 @@ import multiprocessing
 import os
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 from radixlm.core.engine.messages import Ready, StatsSnapshot
 from radixlm.core.engine.options import EngineOptions
@@ -49,6 +49,12 @@ class LocalScheduler:
 
     def observe(self, msg: StatsSnapshot) -> None:
         """A thread's scheduler publishes through its attributes, never on the outbox."""
+
+    def run_paused(self, fn: Callable[[Any], Any]) -> Any:
+        """`fn(scheduler)` on this thread while the loop waits between two iterations: for benchmarks that
+        time steps or the forward alone (a scheduler in its own process has no such door)."""
+        with self.scheduler.turn:
+            return fn(self.scheduler)
 
     def alive(self) -> bool:
         return self._thread.is_alive()

@@ -76,6 +76,9 @@ class Scheduler:
         self.snapshot: dict[str, Any] = {}
         self._arrivals = 0
         self._stop = threading.Event()
+        # Held by the loop for each iteration; LocalScheduler.run_paused takes it to work on the scheduler
+        # between two iterations (benchmarks, in-thread only).
+        self.turn = threading.Lock()
 
     @property
     def outbox(self) -> "queue.Queue[OutboxMessage]":
@@ -99,15 +102,16 @@ class Scheduler:
     def run_forever(self) -> None:
         self._publish()
         while not self._stop.is_set():
-            self._drain_inbox(block=not self.queues.busy())
-            if self._stop.is_set():
-                break
-            try:
-                self.step()
-            except Exception:  # a failure of the batch itself (not of one request's own work)
-                logger.exception("scheduler step failed; aborting the requests in flight")
-                self.queues.abort_all("internal server error (the server log has the details)", status_code=500)
-            self._publish()
+            with self.turn:
+                self._drain_inbox(block=not self.queues.busy())
+                if self._stop.is_set():
+                    break
+                try:
+                    self.step()
+                except Exception:  # a failure of the batch itself (not of one request's own work)
+                    logger.exception("scheduler step failed; aborting the requests in flight")
+                    self.queues.abort_all("internal server error (the server log has the details)", status_code=500)
+                self._publish()
         self.queues.abort_all("engine shut down")
         self._publish()
 
@@ -174,9 +178,10 @@ class Scheduler:
 
     def _add_request(self, inp: GenerateRequest) -> None:
         p = inp.sampling_params
-        # The scheduler decodes only to find stop strings (the output text is the front end's); a stream
-        # decodes as it goes too, so that jump-forward replaces only tokens the front end has decoded.
-        lazy = not (inp.stream or p.stop)
+        # The scheduler decodes only to find stop strings (the output text is the front end's); a
+        # constrained stream decodes as it goes too, so that jump-forward replaces only tokens the front
+        # end has decoded.
+        lazy = not (p.stop or (inp.stream and inp.constraint is not None))
         detok = IncrementalDetokenizer(self.tokenizer, p.skip_special_tokens, p.stop, p.no_stop_trim, lazy=lazy)
         req = Req(inp=inp, detok=detok, arrival=self._arrivals)
         self._arrivals += 1
