@@ -146,7 +146,7 @@ class FrontEnd:
         if kind is not None:
             self._within_budget(self._compile_pool.submit(self.check_constraints, reqs), kind)
         if stream:
-            return self._stream_sync(reqs[0])
+            return self._stream_sync(reqs)
         boxes: list[queue.Queue] = [queue.Queue(maxsize=1) for _ in reqs]
         self.submit(reqs, [box.put for box in boxes])
         outs = [self._wait(box) for box in boxes]
@@ -163,7 +163,7 @@ class FrontEnd:
         if kind is not None:
             await self._within_budget_async(self._compile_pool.submit(self.check_constraints, reqs), kind)
         if stream:
-            return self._stream_async(reqs[0])
+            return self._stream_async(reqs)
         loop = asyncio.get_running_loop()
         futures = [loop.create_future() for _ in reqs]
         self.submit(reqs, [lambda out, fut=fut: loop.call_soon_threadsafe(_set_result, fut, out) for fut in futures])
@@ -175,38 +175,36 @@ class FrontEnd:
             raise
         return outs[0] if single else outs
 
-    def _stream_sync(self, req: GenerateRequest) -> Iterator[Output]:
+    def _stream_sync(self, reqs: list[GenerateRequest]) -> Iterator[Output]:
         chunks: queue.Queue = queue.Queue()
-        self.submit([req], [chunks.put])
+        self.submit(reqs, _indexed_sinks(chunks.put, len(reqs)))
 
         def iterate() -> Iterator[Output]:
-            done = False
+            live = set(range(len(reqs)))
             try:
-                while not done:
+                while live:
                     chunk = self._wait(chunks)
-                    done = chunk["meta_info"]["finish_reason"] is not None
-                    yield chunk
+                    yield _noted(chunk, live, len(reqs))
             finally:
-                if not done:  # the consumer stopped early: free the request's memory
-                    self.abort_request(req.rid)
+                for i in live:  # the consumer stopped early: free the requests' memory
+                    self.abort_request(reqs[i].rid)
 
         return iterate()
 
-    async def _stream_async(self, req: GenerateRequest) -> AsyncIterator[Output]:
+    async def _stream_async(self, reqs: list[GenerateRequest]) -> AsyncIterator[Output]:
         loop = asyncio.get_running_loop()
         chunks: asyncio.Queue = asyncio.Queue()
-        self.submit([req], [lambda out: loop.call_soon_threadsafe(chunks.put_nowait, out)])
-        done = False
+        self.submit(reqs, _indexed_sinks(lambda item: loop.call_soon_threadsafe(chunks.put_nowait, item), len(reqs)))
+        live = set(range(len(reqs)))
         try:
-            while not done:
+            while live:
                 chunk = await chunks.get()
                 if isinstance(chunk, BaseException):
                     raise chunk
-                done = chunk["meta_info"]["finish_reason"] is not None
-                yield chunk
+                yield _noted(chunk, live, len(reqs))
         finally:
-            if not done:
-                self.abort_request(req.rid)
+            for i in live:
+                self.abort_request(reqs[i].rid)
 
     def abort_request(self, rid: str) -> None:
         """Aborts the request `rid`, or all n branches of the request the caller named `rid`."""
@@ -348,8 +346,6 @@ class FrontEnd:
                     rid=branch_rid(r, i, sp.n), input_ids=list(ids), sampling_params=branch,
                     return_logprob=return_logprob, logprob_start_len=logprob_start_len,
                     top_logprobs_num=top_logprobs_num, stream=stream, constraint=constraint))
-        if stream and len(reqs) != 1:
-            raise InvalidRequestError("stream=True takes a single prompt with n=1", "stream")
         return reqs, single and len(reqs) == 1
 
     @staticmethod
@@ -500,6 +496,25 @@ def _branch_parent(rid: str) -> str | None:
     samples (`{rid}-{i}`); None for other ids."""
     parent, _, index = rid.rpartition("-")
     return parent if parent and index.isdigit() else None
+
+
+def _indexed_sinks(put: Callable[[Any], None], count: int) -> list[Sink]:
+    """Sinks that put each output (or the request's exception) on one queue, tagged with the request's
+    index when there are several."""
+    if count == 1:
+        return [put]
+
+    def sink_for(i: int) -> Sink:
+        return lambda out: put(out if isinstance(out, BaseException) else {**out, "index": i})
+
+    return [sink_for(i) for i in range(count)]
+
+
+def _noted(chunk: Output, live: set[int], count: int) -> Output:
+    """Marks the chunk's request finished in `live` when the chunk is its last."""
+    if chunk["meta_info"]["finish_reason"] is not None:
+        live.discard(chunk["index"] if count > 1 else 0)
+    return chunk
 
 
 def _output_dict(out: GenerateOutput, text: str, req: GenerateRequest) -> Output:

@@ -1,0 +1,85 @@
+"""The request front end (core.engine.frontend): streams of batches and n > 1, aborting a request with its
+n samples, and its detokenizer stage. Oracle: the same requests without streaming (whole outputs)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+import radixlm
+from radixlm.core.engine.frontend import branch_params, branch_rid
+from radixlm.core.engine.sampling_params import SamplingParams
+
+GREEDY = {"max_new_tokens": 10, "temperature": 0, "ignore_eos": True}
+PROMPTS = ["The harbour at dawn", "A list of colours:"]
+
+
+@pytest.fixture(scope="module")
+def engine(llama_ckpt):
+    with radixlm.Engine(llama_ckpt, max_total_tokens=4096, debug_check_invariants=True) as e:
+        yield e
+
+
+def _joined(chunks: list[dict], count: int) -> list[tuple[str, list[int]]]:
+    """Each request's text and ids, from its chunks (tagged with "index" when there are several)."""
+    texts, ids = [""] * count, [[] for _ in range(count)]
+    for c in chunks:
+        i = c.get("index", 0)
+        texts[i] += c["text"]
+        ids[i] += c["output_ids"]
+    return list(zip(texts, ids))
+
+
+def test_n_splitting_names_and_seeds_the_samples():
+    sp = SamplingParams.from_dict({"n": 3, "seed": 7})
+    assert [(p.n, p.seed) for p in branch_params(sp)] == [(1, 7), (1, 8), (1, 9)]
+    assert [p.seed for p in branch_params(SamplingParams.from_dict({"n": 2}))] == [None, None]
+    assert branch_rid("req", 1, 3) == "req-1" and branch_rid("req", 0, 1) == "req"
+
+
+def test_a_batch_with_n_streams_as_its_whole_outputs(engine):
+    params = {**GREEDY, "n": 2, "stop": ["zz"]}
+    whole = engine.generate(PROMPTS, params)
+    chunks = list(engine.generate(PROMPTS, params, stream=True))
+    assert sorted({c["index"] for c in chunks}) == [0, 1, 2, 3]
+    assert _joined(chunks, 4) == [(o["text"], o["output_ids"]) for o in whole]
+    finals = [c for c in chunks if c["meta_info"]["finish_reason"] is not None]
+    assert len(finals) == 4 and all(c["meta_info"]["completion_tokens"] == 10 for c in finals)
+
+    async def collect() -> list[dict]:
+        return [c async for c in await engine.async_generate(PROMPTS, params, stream=True)]
+
+    assert _joined(asyncio.run(collect()), 4) == [(o["text"], o["output_ids"]) for o in whole]
+
+
+def test_leaving_a_batch_stream_early_aborts_every_request(engine):
+    it = engine.generate(PROMPTS, {**GREEDY, "max_new_tokens": 500}, stream=True)
+    next(it)
+    it.close()
+    stats = engine.get_stats()
+    assert stats["in_flight"] == 0 and stats["running"] == stats["waiting"] == 0
+
+
+def test_abort_request_ends_all_n_samples(engine):
+    box: list = []
+    t = threading.Thread(target=lambda: box.append(engine.generate(
+        "Many samples", {**GREEDY, "max_new_tokens": 1500, "n": 3}, rid="group")))
+    t.start()
+    while engine.get_stats()["running"] < 3:
+        pass
+    engine.abort_request("group")
+    t.join(60)
+    assert [o["meta_info"]["id"] for o in box[0]] == ["group-0", "group-1", "group-2"]
+    assert all(o["meta_info"]["finish_reason"]["type"] == "abort" for o in box[0])
+
+
+def test_stream_text_is_the_whole_text_with_stop_strings_and_multibyte_tokens(engine):
+    """The front end decodes: chunks hold back a possible stop-string start and add up to the whole text."""
+    for prompt in ("Über die Brücke", "ein 😀 lächeln"):
+        params = {"max_new_tokens": 40, "temperature": 0, "stop": ["e", "\n\n"]}
+        whole = engine.generate(prompt, params)
+        chunks = list(engine.generate(prompt, params, stream=True))
+        assert "".join(c["text"] for c in chunks) == whole["text"]
+        assert chunks[-1]["meta_info"]["finish_reason"] == whole["meta_info"]["finish_reason"]
