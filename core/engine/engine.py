@@ -46,28 +46,33 @@ class Engine:
             self.context_len = self.options.context_length
         self._frontend: FrontEnd | None = None
         process = SchedulerProcess(model_path, self.options) if self.options.scheduler_process else None
-        # The tokenizer loads on a thread while the weights load: it is mostly imports, which hold the
-        # GIL, and they mostly dequantize and copy, which release it; on two cores the two overlap.
-        with ThreadPoolExecutor(1, thread_name_prefix="radixlm-tokenizer") as pool:
-            tokenizer = pool.submit(load_tokenizer, self.options.tokenizer_path or model_path,
-                                    trust_remote_code=self.options.trust_remote_code)
-            if process is None and self.options.tp_size == 1 and self.options.dp_size == 1:
-                self._runner = ModelRunner(model_path, self.model_config, self.options)
-            self.tokenizer = tokenizer.result()
-        if self.options.chat_template is not None:
-            self.tokenizer.chat_template = _chat_template_text(self.options.chat_template)
-        self.eos_token_ids = eos_token_ids_of(self.model_config, self.tokenizer)
-        if process is not None:
-            self.kv_pool_size = process.wait_ready()
+        try:
+            # The tokenizer loads on a thread while the weights load: it is mostly imports, which hold the
+            # GIL, and they mostly dequantize and copy, which release it; on two cores the two overlap.
+            with ThreadPoolExecutor(1, thread_name_prefix="radixlm-tokenizer") as pool:
+                tokenizer = pool.submit(load_tokenizer, self.options.tokenizer_path or model_path,
+                                        trust_remote_code=self.options.trust_remote_code)
+                if process is None and self.options.tp_size == 1 and self.options.dp_size == 1:
+                    self._runner = ModelRunner(model_path, self.model_config, self.options)
+                self.tokenizer = tokenizer.result()
+            if self.options.chat_template is not None:
+                self.tokenizer.chat_template = _chat_template_text(self.options.chat_template)
+            self.eos_token_ids = eos_token_ids_of(self.model_config, self.tokenizer)
+            if process is not None:
+                self.kv_pool_size = process.wait_ready()
             scheduler: Any = process
-        elif self.options.tp_size > 1 or self.options.dp_size > 1:
+        except BaseException:
+            if process is not None:  # no child left behind when the engine does not start
+                process.stop(timeout=5)
+            raise
+        if process is None and (self.options.tp_size > 1 or self.options.dp_size > 1):
             # Tensor-parallel ranks or data-parallel workers behind the same inbox (docs/scale_out.md).
             from radixlm.core.engine.dp_router import build_scheduler
 
             loop, self.kv_pool_size = build_scheduler(model_path, self.model_config, self.options,
                                                       self.tokenizer, self.eos_token_ids)
             scheduler = LocalScheduler(loop)
-        else:
+        elif process is None:
             scheduler = LocalScheduler(Scheduler(self._runner, self.options, self.tokenizer, self.eos_token_ids))
             self.kv_pool_size = self._runner.num_slots
         # What one request may use in all: the model's context, or less when the KV pool holds less, so
