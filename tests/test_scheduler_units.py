@@ -9,7 +9,9 @@ the same function run over plain lists (the oracle).
 
 from __future__ import annotations
 
+import importlib.util
 import threading
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -21,7 +23,7 @@ from radixlm.core.engine.options import EngineOptions
 from radixlm.core.engine.radix_cache import RadixCache
 from radixlm.core.engine.request import GenerateInput, Req
 from radixlm.core.engine.sampling_params import SamplingParams
-from radixlm.core.engine.scheduler import Scheduler
+from radixlm.core.engine.scheduler import AbortMsg, Scheduler
 from radixlm.core.engine.scheduler.constraints import JUMP_GATHER_RATIO, JUMP_GATHER_STEPS, JumpGather, jump_forward
 from radixlm.core.engine.scheduler.finish import Finish, check_finish
 from radixlm.core.engine.scheduler.memory import KVMemory
@@ -364,22 +366,32 @@ def test_jump_continuations_gather_for_a_bounded_number_of_steps():
 # ---- the whole loop ---------------------------------------------------------------------------
 
 
-def run_scheduler(num_slots: int, prompts: list[list[int]], params: list[dict], **opts) -> tuple[Scheduler, list]:
+def run_scheduler(num_slots: int, prompts: list[list[int]], params: list[dict], rids: list[str] | None = None,
+                  on_chunk=None, **opts) -> tuple[Scheduler, list]:
+    """Runs the loop on its thread until every request's final output is in; `on_chunk(scheduler, i, out)`
+    sees the stream chunks (on the scheduler thread)."""
     options = EngineOptions.from_kwargs({"device": "cpu", "debug_check_invariants": True, **opts})
     sched = Scheduler(FakeRunner(num_slots, options.max_running_requests), options, StubTokenizer(), [EOS])
+    rows = sched.runner.req_to_token.available()
     finals: list = [None] * len(prompts)
     done = threading.Event()
 
     def sink_for(i: int):
         def sink(out: dict) -> None:
+            if out["meta_info"]["finish_reason"] is None:
+                on_chunk(sched, i, out)
+                return
             finals[i] = out
             if all(f is not None for f in finals):
                 done.set()
         return sink
 
     for i, (prompt, p) in enumerate(zip(prompts, params)):
+        p = dict(p)
+        stream = p.pop("stream", False)
         sp = SamplingParams.from_dict({"temperature": 0, **p})
-        sched.inbox.put(GenerateInput(f"q{i}", prompt, sp, sink=sink_for(i)))
+        rid = rids[i] if rids else f"q{i}"
+        sched.inbox.put(GenerateInput(rid, prompt, sp, stream=stream, sink=sink_for(i)))
     thread = threading.Thread(target=sched.run_forever)
     thread.start()
     try:
@@ -388,6 +400,7 @@ def run_scheduler(num_slots: int, prompts: list[list[int]], params: list[dict], 
         sched.stop()
         thread.join(10)
     sched.check_invariants()
+    assert sched.runner.req_to_token.available() == rows  # every request-to-token row back
     return sched, finals
 
 
@@ -422,3 +435,31 @@ def test_loop_retracts_under_memory_pressure_and_outputs_stay_the_same():
     for out, prompt in zip(finals, prompts):
         assert out["output_ids"] == oracle(prompt, 24, ignore_eos=True)
     assert sched.flush_cache() and sched.get_stats()["kv_slots_free"] == 64
+
+
+def test_loop_an_abort_and_a_reused_request_id_end_alone_and_free_their_kv():
+    prompts = [[1] * 6, [2] * 6, [3] * 6]
+    params = [{"max_new_tokens": 40, "ignore_eos": True, "stream": True}] + [{"max_new_tokens": 10, "ignore_eos": True}] * 2
+
+    def abort_the_stream(sched: Scheduler, i: int, out: dict) -> None:
+        sched.inbox.put(AbortMsg("a"))
+
+    sched, finals = run_scheduler(256, prompts, params, rids=["a", "b", "b"], on_chunk=abort_the_stream)
+    aborted = finals[0]["meta_info"]
+    assert aborted["finish_reason"]["type"] == "abort" and aborted["error"] == "aborted by request"
+    assert aborted["completion_tokens"] < 40
+    assert finals[1]["output_ids"] == oracle(prompts[1], 10, ignore_eos=True)
+    assert finals[2]["meta_info"]["finish_reason"] == {"type": "abort", "matched": None, "status_code": 400}
+    assert "already in use" in finals[2]["meta_info"]["error"]
+    assert sched.flush_cache() and sched.get_stats()["kv_slots_free"] == 256
+
+
+def test_bench_scheduler_runs_one_step_per_token():
+    """benchmarks/bench_scheduler.py (the scheduler's host cost) at a tiny size: one prefill step, then
+    one decode step per further token."""
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_scheduler.py"
+    spec = importlib.util.spec_from_file_location("bench_scheduler", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    elapsed, cpu, steps = bench.run_once(batch=3, prompt_len=5, new_tokens=4, seed=0)
+    assert steps == 4 and elapsed > 0 and cpu > 0
