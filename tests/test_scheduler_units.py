@@ -29,6 +29,7 @@ from radixlm.core.engine.scheduler.finish import Finish, check_finish
 from radixlm.core.engine.scheduler.memory import KVMemory
 from radixlm.core.engine.scheduler.policy import CACHE_AWARE_QUEUE_LIMIT, SchedulePolicy
 from radixlm.core.engine.scheduler.prefill import IN_BATCH_SHARED_PREFIX, PrefillPlanner
+from radixlm.core.engine.scheduler.queues import RequestQueues
 from radixlm.core.engine.stats import EngineStats
 from radixlm.core.tokenizer.detokenizer import IncrementalDetokenizer
 
@@ -163,6 +164,31 @@ def test_fairness_bound_puts_overdue_requests_first_oldest_first():
     assert rids(policy.order([matched, *starved])) == ["r4", "r5", "r0"]
     starved[0].passed_over = starved[1].passed_over = 2
     assert rids(policy.order([matched, *starved]))[0] == "r0"
+
+
+def test_random_order_is_a_permutation_fixed_by_the_seed():
+    memory = make_memory()
+    reqs = [make_req([i + 1], i) for i in range(12)]
+    orders = [rids(SchedulePolicy("random", 100, memory.tree, seed).order(reqs)) for seed in (1, 1, 2)]
+    assert sorted(orders[0]) == sorted(rids(reqs)) and orders[0] == orders[1] and orders[0] != orders[2]
+
+
+def test_fairness_bound_lets_a_starved_request_in_after_that_many_rounds():
+    """One request runs at a time; every round a new request matching the cache arrives and lpm prefers
+    it, until the unrelated request has been passed over `bound` times."""
+    memory, bound = make_memory(), 3
+    cache(memory, list(range(1, 9)))
+    planner = make_planner(memory, max_running=1, fairness=bound)
+    queues = RequestQueues(memory, EngineStats())
+    queues.add(make_req([30, 30], 0, rid="starved"))
+    taken = []
+    for round_ in range(1, 7):
+        queues.add(make_req(list(range(1, 9)) + [round_], round_))
+        plan = planner.plan(queues.waiting, [], None)
+        queues.take(plan.taken, plan.passed_over)
+        taken.append(plan.taken[0].rid)
+        memory.release(plan.taken[0])
+    assert taken.index("starved") == bound
 
 
 def test_unknown_policy_is_refused_by_name():
