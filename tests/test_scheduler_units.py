@@ -245,6 +245,22 @@ def test_a_request_sharing_a_prefix_with_one_in_the_batch_waits_then_reuses_it()
     assert make_planner(make_memory()).plan([make_req(shared[:4] + [8] * 20, 4), short], [], None).passed_over == []
 
 
+def test_a_request_sharing_the_chunked_prompt_waits_for_its_last_chunk():
+    memory = make_memory(num_slots=256)
+    planner = make_planner(memory, chunk=48)
+    shared = [(5 * i) % 29 + 1 for i in range(80)]
+    long, other = make_req(shared + [1, 1], 0), make_req(shared + [2, 2], 1)
+    plan = planner.plan([long], [], None)
+    assert plan.chunked is long and plan.extends[0].length == 48
+    memory.cache_prefix(long)
+    plan = planner.plan([other], [], long)  # long's last 34 tokens, and 14 tokens of budget left
+    assert [(e.req.rid, e.start, e.length) for e in plan.extends] == [("r0", 48, 34)]
+    assert plan.passed_over == [other] and plan.chunked is None
+    memory.cache_prefix(long)
+    plan = planner.plan([other], [long], None)
+    assert [(e.req.rid, e.start, e.length) for e in plan.extends] == [("r1", 80, 2)]  # all of the prefix reused
+
+
 def test_ride_along_gives_running_requests_one_token_each():
     memory = make_memory()
     planner = make_planner(memory)
