@@ -24,6 +24,7 @@ from radixlm.core.engine.radix_cache import RadixCache
 from radixlm.core.engine.request import GenerateInput, Req
 from radixlm.core.engine.sampling_params import SamplingParams
 from radixlm.core.engine.scheduler import AbortMsg, Scheduler
+from radixlm.core.engine.scheduler.batch import extend_batch
 from radixlm.core.engine.scheduler.constraints import JUMP_GATHER_RATIO, JUMP_GATHER_STEPS, JumpGather, jump_forward
 from radixlm.core.engine.scheduler.finish import Finish, check_finish
 from radixlm.core.engine.scheduler.memory import KVMemory
@@ -259,6 +260,36 @@ def test_a_request_sharing_the_chunked_prompt_waits_for_its_last_chunk():
     memory.cache_prefix(long)
     plan = planner.plan([other], [long], None)
     assert [(e.req.rid, e.start, e.length) for e in plan.extends] == [("r1", 80, 2)]  # all of the prefix reused
+
+
+def test_wanted_input_logprobs_limit_the_prefix_match():
+    """Positions whose prompt logprobs are wanted must be computed, however much of the prompt is cached."""
+    prompt = list(range(1, 13))
+    starts = {}
+    for start in (None, 0, 5):
+        memory = make_memory()
+        cache(memory, prompt)
+        extra = {} if start is None else {"return_logprob": True, "logprob_start_len": start}
+        req = make_req(prompt)
+        req.inp = GenerateInput("r0", prompt, req.params, **extra)
+        (ext,) = make_planner(memory).plan([req], [], None).extends
+        starts[start] = (ext.start, req.cached_tokens)
+    assert starts == {None: (11, 11), 0: (0, 0), 5: (4, 4)}
+
+
+def test_extend_batch_asks_logits_only_where_they_are_used():
+    memory = make_memory()
+    planner = make_planner(memory, chunk=6)
+    plain, scored = make_req([1, 2, 3], 0), make_req([4, 5, 6, 7], 1)
+    scored.inp = GenerateInput("r1", scored.inp.input_ids, scored.params, return_logprob=True, logprob_start_len=2)
+    chunked = make_req([8] * 10, 2)
+    plan = planner.plan([plain, scored], [], None)
+    plan.extends += planner.plan([chunked], [], None).extends
+    batch, use = extend_batch(plan.extends)
+    assert batch.extend_lens == [3, 3, 6] and batch.positions[3:6] == [0, 1, 2]
+    # plain: its last position; scored (3 of 4 prompt tokens fit): positions 1..2 give the logprobs of
+    # tokens 2..3; the unfinished chunk: none.
+    assert batch.logit_rows == [2, 4, 5] and use == [(0, 2, 1), (1, 1, 2), (3, 6, 0)]
 
 
 def test_ride_along_gives_running_requests_one_token_each():
