@@ -512,7 +512,8 @@ def test_loop_retracts_under_memory_pressure_and_outputs_stay_the_same():
 
 def test_loop_an_abort_and_a_reused_request_id_end_alone_and_free_their_kv():
     prompts = [[1] * 6, [2] * 6, [3] * 6]
-    params = [{"max_new_tokens": 40, "ignore_eos": True, "stream": True}] + [{"max_new_tokens": 10, "ignore_eos": True}] * 2
+    params = [{"max_new_tokens": 40, "ignore_eos": True, "stream": True},
+              *[{"max_new_tokens": 10, "ignore_eos": True}] * 2]
 
     def abort_the_stream(sched: Scheduler, i: int, out: dict) -> None:
         sched.inbox.put(AbortMsg("a"))
