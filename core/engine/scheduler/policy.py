@@ -4,6 +4,14 @@ Policies: `lpm` (longest cached prefix first, the paper's cache-aware order), `d
 paper's depth-first order over the radix tree, weighting subtrees by their waiting requests), `fcfs`,
 `lof` (longest output first) and `random`. On top of any policy a fairness bound: a request passed
 over `fairness_bound` times goes ahead of everything else, oldest first, so none waits forever.
+
+The cache-aware orders need each waiting request's cached prefix every step. `PrefixMemo` keeps
+where each request's prompt last matched (a tree node and its depth) and only walks on from there:
+a node stays valid while it is in the tree (a split keeps the lower part's object, and eviction
+detaches it), so a step costs O(tree depth) per waiting request rather than O(prompt), and reading
+the tree leaves it untouched (no LRU refresh, no split), unlike match_prefix. So the cache-aware
+orders hold at any queue length, where they matter most (SGLang falls back to fcfs past 128
+waiting; so did this scheduler, which turned lpm off exactly under the pressure it is for).
 """
 
 from __future__ import annotations
@@ -11,13 +19,57 @@ from __future__ import annotations
 import random
 from typing import TYPE_CHECKING, Any
 
+from radixlm.core.engine.radix_cache import shared_len
+
 if TYPE_CHECKING:  # only annotations: options.py imports POLICIES without loading torch
     from radixlm.core.engine.request import Req
 
 POLICIES = ("lpm", "dfs-weight", "fcfs", "lof", "random")
-# Matching every waiting request against the tree each step costs O(queue x prompt); past this queue
-# length cache-aware policies fall back to fcfs, as SGLang does.
-CACHE_AWARE_QUEUE_LIMIT = 128
+
+
+class PrefixMemo:
+    """Each waiting request's cached prefix length, walked on incrementally from the last match."""
+
+    def __init__(self, tree_cache: Any) -> None:
+        self.tree = tree_cache
+        self._at: dict[int, tuple[Any, int]] = {}  # id(req) -> (deepest fully matched node, its depth)
+
+    def lengths(self, reqs: list[Req]) -> dict[int, tuple[int, Any]]:
+        """id(req) -> (cached prefix length, the deepest node wholly inside it), for every request;
+        forgets requests that are no longer asked about."""
+        out, at = {}, {}
+        root = self.tree.root
+        for r in reqs:
+            if r.output_ids:  # retracted or jump-forward requests: their outputs may change, matched whole
+                ids, (node, depth) = r.fill_ids, (root, 0)
+            else:  # the prompt never changes: walk on from where it last matched
+                ids, (node, depth) = r.inp.input_ids, self._at.get(id(r), (root, 0))
+            if node is not root and not self._attached(node):
+                node, depth = root, 0
+            node, depth, length = self._walk(ids, node, depth)
+            at[id(r)] = (node, depth)
+            out[id(r)] = (length, node)
+        self._at = at
+        return out
+
+    def _attached(self, node: Any) -> bool:
+        while node.parent is not None:
+            if node.parent.children.get(node.key[0]) is not node:
+                return False  # evicted
+            node = node.parent
+        return node is self.tree.root  # not a root dropped by reset()
+
+    @staticmethod
+    def _walk(ids: list[int], node: Any, pos: int) -> tuple[Any, int, int]:
+        while pos < len(ids):
+            child = node.children.get(ids[pos])
+            if child is None:
+                break
+            shared = shared_len(child.key, ids, pos)
+            if shared < len(child.key):
+                return node, pos, pos + shared  # ends inside that edge
+            node, pos = child, pos + shared
+        return node, pos, pos
 
 
 class SchedulePolicy:
@@ -28,6 +80,7 @@ class SchedulePolicy:
         self.fairness_bound = fairness_bound
         self.tree_cache = tree_cache
         self.rng = random.Random(seed)
+        self.memo = PrefixMemo(tree_cache)
 
     def order(self, waiting: list[Req]) -> list[Req]:
         overdue = sorted((r for r in waiting if r.passed_over >= self.fairness_bound), key=lambda r: r.arrival)
@@ -36,8 +89,7 @@ class SchedulePolicy:
 
     def _order(self, reqs: list[Req]) -> list[Req]:
         policy = self.policy
-        cache_aware = policy in ("lpm", "dfs-weight")
-        if cache_aware and (self.tree_cache.disable or len(reqs) > CACHE_AWARE_QUEUE_LIMIT):
+        if policy in ("lpm", "dfs-weight") and self.tree_cache.disable:
             policy = "fcfs"
         if policy == "fcfs":
             return sorted(reqs, key=lambda r: r.arrival)
@@ -47,14 +99,15 @@ class SchedulePolicy:
             shuffled = list(reqs)
             self.rng.shuffle(shuffled)
             return shuffled
-        matches = {id(r): self.tree_cache.match_prefix(r.fill_ids) for r in reqs}
+        matches = self.memo.lengths(reqs)
         if policy == "lpm":
-            return sorted(reqs, key=lambda r: (-len(matches[id(r)][0]), r.arrival))
+            return sorted(reqs, key=lambda r: (-matches[id(r)][0], r.arrival))
         return self._dfs_weight(reqs, {id(r): matches[id(r)][1] for r in reqs})
 
     def _dfs_weight(self, reqs: list[Req], last_nodes: dict[int, Any]) -> list[Req]:
         """Visits the tree depth first, heavier subtrees (more waiting requests under them) first, and
-        emits each node's requests when reached: requests sharing a subtree run back to back."""
+        emits each node's requests after its subtrees: requests sharing a subtree run back to back,
+        deeper matches first, and requests with nothing cached (the root's) come last."""
         at_node: dict[int, list[Req]] = {}
         weight: dict[int, int] = {}
         for r in sorted(reqs, key=lambda r: r.arrival):
@@ -64,11 +117,14 @@ class SchedulePolicy:
                 weight[id(node)] = weight.get(id(node), 0) + 1
                 node = node.parent
         ordered: list[Req] = []
-        stack = [self.tree_cache.root]
+        stack: list[tuple[Any, bool]] = [(self.tree_cache.root, False)]
         while stack:
-            node = stack.pop()
-            ordered.extend(at_node.get(id(node), []))
+            node, visited = stack.pop()
+            if visited:
+                ordered.extend(at_node.get(id(node), []))
+                continue
+            stack.append((node, True))  # its own requests once its subtrees are done
             children = [c for c in node.children.values() if weight.get(id(c), 0) > 0]
             children.sort(key=lambda c: weight[id(c)])  # heaviest popped first
-            stack.extend(children)
+            stack.extend((c, False) for c in children)
         return ordered
