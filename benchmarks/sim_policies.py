@@ -48,7 +48,7 @@ from radixlm.core.engine.model_runner import BatchInput
 from radixlm.core.testing import build_tokenizer
 from radixlm.core.tokenizer.loader import load_tokenizer
 
-KV_POOL_TOKENS = 800_000  # the H200 run's pool for the 8B shape (mem_fraction_static 0.85)
+KV_POOL_TOKENS = 800_000  # the H200 run's pool for the 8B shape (a workload's engine_options may set less)
 SIM_ENGINE = {"chunked_prefill_size": 16384, "max_running_requests": 256}  # bench_workloads' 8B preset
 
 
@@ -131,7 +131,7 @@ def sim_engine(path: str, cost: DeviceCost, time_scale: float, **options: Any) -
     vocab = len(load_tokenizer(path))
 
     def make_runner(model_path: str, cfg: Any, opts: Any) -> SimRunner:
-        made.append(SimRunner(vocab, cfg.context_len, KV_POOL_TOKENS, opts.max_running_requests, cost,
+        made.append(SimRunner(vocab, cfg.context_len, opts.max_total_tokens or KV_POOL_TOKENS, opts.max_running_requests, cost,
                               time_scale))
         return made[0]
 
@@ -153,6 +153,7 @@ def simulate(path: str, name: str, policy: str, instances: int, cost: DeviceCost
              seed: int = 0, **options: Any) -> dict[str, Any]:
     workload = WORKLOADS[name]
     batch = workload.make_args(instances, workload.sizes["gpu"], random.Random(f"{name}:{seed}"))
+    options = {**workload.engine_options.get("gpu", {}), **options}
     with sim_engine(path, cost, time_scale, schedule_policy=policy, **options) as (engine, runner):
         backend = RecordingEngine(engine)
         workload.run_batch(backend, batch[:4])  # as bench_workloads' warm-up, then a flushed cache
@@ -192,7 +193,7 @@ def simulate(path: str, name: str, policy: str, instances: int, cost: DeviceCost
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workloads", nargs="+", default=["hellaswag", "llm_judge", "mmlu", "generative_agents",
-                                                       "skeleton_of_thought"])
+                                                       "skeleton_of_thought", "prefix_pressure"])
     p.add_argument("--policies", nargs="+", default=["lpm", "dfs-weight", "fcfs"])
     p.add_argument("--instances", nargs="+", metavar="NAME=N", help="default: the workload's gpu preset")
     p.add_argument("--time-scale", type=float, default=4.0,

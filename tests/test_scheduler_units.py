@@ -249,7 +249,7 @@ def test_token_budget_chunks_a_long_prompt_and_continues_it():
     plan = planner.plan([a, b, c], [], None)
     assert [(e.req.rid, e.start, e.length, e.finishes_prompt) for e in plan.extends] == [("r0", 0, 5, True),
                                                                                        ("r1", 0, 3, False)]
-    assert plan.taken == [a, b] and plan.chunked is b and plan.passed_over == [c]
+    assert plan.taken == [a, b] and plan.chunked is b and plan.passed_over == []  # c waits behind, not overtaken
     plan = planner.plan([c], [a], b)  # the chunk goes on first; c waits while a chunk is unfinished
     assert [(e.req.rid, e.start, e.length) for e in plan.extends] == [("r1", 3, 8)]
     assert plan.chunked is b and plan.taken == [] and plan.passed_over == []
@@ -264,7 +264,8 @@ def test_running_limit_and_memory_bound_the_plan():
     planner = make_planner(memory, max_running=2, policy="fcfs")
     reqs = [make_req([1, 2, 3], i) for i in range(3)]
     plan = planner.plan(reqs, [make_req([7], 9)], None)  # one running: room for one more
-    assert plan.taken == reqs[:1] and plan.passed_over == reqs[1:]
+    # Waiting behind an earlier arrival is not being passed over (only a later arrival's overtaking counts).
+    assert plan.taken == reqs[:1] and plan.passed_over == []
     big, small = make_req(list(range(20)), 3), make_req([4, 4], 4)
     plan = make_planner(memory, policy="fcfs").plan([big, small], [], None)
     assert plan.extends == [] and plan.taken == []  # big does not fit, and small may not overtake it
@@ -298,7 +299,7 @@ def test_a_request_sharing_the_chunked_prompt_waits_for_its_last_chunk():
     memory.cache_prefix(long)
     plan = planner.plan([other], [], long)  # long's last 34 tokens, and 14 tokens of budget left
     assert [(e.req.rid, e.start, e.length) for e in plan.extends] == [("r0", 48, 34)]
-    assert plan.passed_over == [other] and plan.chunked is None
+    assert plan.passed_over == [] and plan.chunked is None
     memory.cache_prefix(long)
     plan = planner.plan([other], [long], None)
     assert [(e.req.rid, e.start, e.length) for e in plan.extends] == [("r1", 80, 2)]  # all of the prefix reused
