@@ -578,5 +578,10 @@ def test_bench_scheduler_runs_one_step_per_token():
     spec = importlib.util.spec_from_file_location("bench_scheduler", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    elapsed, cpu, steps = bench.run_once(batch=3, prompt_len=5, new_tokens=4, seed=0)
-    assert steps == 4 and elapsed > 0 and cpu > 0
+    elapsed, cpu, steps, busy = bench.run_once(batch=3, prompt_len=5, new_tokens=4, seed=0)
+    assert steps == 4 and elapsed > 0 and cpu > 0 and busy == []
+    # 300 one-token requests, 8 at a time: one step each 8; those leaving 256+ waiting are timed (all
+    # but the first, which has no step before it).
+    _, _, steps, busy = bench.run_once(batch=300, prompt_len=8, new_tokens=1, seed=0, max_running=8,
+                                       shared_prefixes=4)
+    assert steps == 38 and len(busy) == (300 - 256) // 8 - 1
