@@ -36,7 +36,7 @@ from typing import Any, Iterator
 import torch
 
 from bench_engine import LLAMA3_8B_SHAPE
-from bench_workloads import H200_LLAMA3_8B
+from bench_workloads import H200_LLAMA3_8B, engine_overrides, instance_counts
 from workloads import WORKLOADS
 from workloads.estimate import DeviceCost
 from workloads.recorder import RecordingEngine, hit_rates
@@ -150,10 +150,10 @@ def sim_engine(path: str, cost: DeviceCost, time_scale: float, **options: Any) -
 
 
 def simulate(path: str, name: str, policy: str, instances: int, cost: DeviceCost, time_scale: float,
-             seed: int = 0, **options: Any) -> dict[str, Any]:
+             seed: int = 0, size: str = "gpu", **options: Any) -> dict[str, Any]:
     workload = WORKLOADS[name]
-    batch = workload.make_args(instances, workload.sizes["gpu"], random.Random(f"{name}:{seed}"))
-    options = {**workload.engine_options.get("gpu", {}), **options}
+    batch = workload.make_args(instances, workload.sizes[size], random.Random(f"{name}:{seed}"))
+    options = {**workload.engine_options.get(size, {}), **options}
     with sim_engine(path, cost, time_scale, schedule_policy=policy, **options) as (engine, runner):
         backend = RecordingEngine(engine)
         workload.run_batch(backend, batch[:4])  # as bench_workloads' warm-up, then a flushed cache
@@ -202,14 +202,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", help="write every run's results (with its per-step log) as JSON here")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
-    counts = {n: WORKLOADS[n].instances["gpu"] for n in args.workloads}
-    for item in args.instances or []:
-        n, _, k = item.partition("=")
-        counts[n] = int(k)
-    options = {}
-    for item in args.engine_options or []:
-        k, _, v = item.partition("=")
-        options[k] = json.loads(v) if v[:1].isdigit() or v in ("true", "false") else v
+    counts = instance_counts(args.instances, {n: w.instances["gpu"] for n, w in WORKLOADS.items()})
+    options = engine_overrides(args.engine_options)
     results = []
     with tempfile.TemporaryDirectory() as root:
         path = model_dir(root)

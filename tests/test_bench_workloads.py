@@ -42,7 +42,7 @@ def test_every_workload_runs_on_every_system(results):
     assert results["systems"] == SYSTEMS
     assert {"date", "command", "machine", "settings", "engines", "total_s"} <= set(results)
     expected = {"mmlu", "hellaswag", "react", "generative_agents", "tree_of_thought", "skeleton_of_thought",
-                "llm_judge", "json_decoding", "chat_short", "chat_long", "dspy_rag", "control"}
+                "llm_judge", "json_decoding", "chat_short", "chat_long", "dspy_rag", "control", "prefix_pressure"}
     assert set(results["workloads"]) == expected and not results["skipped_workloads"]
     for name, w in results["workloads"].items():
         assert set(w["systems"]) == set(SYSTEMS), name

@@ -196,6 +196,19 @@ def test_dfs_weight_runs_the_heavier_subtree_first_and_keeps_it_together():
     assert rids(order) == ["r1", "r3", "r0", "r2"]
 
 
+def test_dfs_weight_groups_matches_that_end_inside_one_edge():
+    """A cached sequence is one edge until something splits it: requests whose matches end inside it
+    still share its subtree (ordering reads the tree and splits nothing)."""
+    memory = make_memory()
+    cache(memory, [1] * 6)
+    cache(memory, [2] * 6)
+    reqs = [make_req([1, 1, 1, 5], 0), make_req([2, 2, 2, 2, 5], 1), make_req([3], 2), make_req([2, 2, 2, 6], 3),
+            make_req([1, 1, 1, 1, 7], 4), make_req([2, 2, 9], 5)]
+    order = SchedulePolicy("dfs-weight", 100, memory.tree, 0).order(reqs)
+    assert rids(order) == ["r1", "r3", "r5", "r0", "r4", "r2"]
+    assert [n.key for n in memory.tree.root.children.values()] == [[1] * 6, [2] * 6]
+
+
 def test_fairness_bound_puts_overdue_requests_first_oldest_first():
     memory = make_memory()
     cache(memory, [1, 2, 3, 4])

@@ -35,8 +35,9 @@ class PrefixMemo:
         self._at: dict[int, tuple[Any, int]] = {}  # id(req) -> (deepest fully matched node, its depth)
 
     def lengths(self, reqs: list[Req]) -> dict[int, tuple[int, Any]]:
-        """id(req) -> (cached prefix length, the deepest node wholly inside it), for every request;
-        forgets requests that are no longer asked about."""
+        """id(req) -> (cached prefix length, the node whose subtree holds the match's end: the edge it
+        ends inside, else the last node it covers), for every request; forgets requests no longer asked
+        about."""
         out, at = {}, {}
         root = self.tree.root
         for r in reqs:
@@ -46,9 +47,9 @@ class PrefixMemo:
                 ids, (node, depth) = r.inp.input_ids, self._at.get(id(r), (root, 0))
             if node is not root and not self._attached(node):
                 node, depth = root, 0
-            node, depth, length = self._walk(ids, node, depth)
+            node, depth, length, end = self._walk(ids, node, depth)
             at[id(r)] = (node, depth)
-            out[id(r)] = (length, node)
+            out[id(r)] = (length, end)
         self._at = at
         return out
 
@@ -60,16 +61,18 @@ class PrefixMemo:
         return node is self.tree.root  # not a root dropped by reset()
 
     @staticmethod
-    def _walk(ids: list[int], node: Any, pos: int) -> tuple[Any, int, int]:
+    def _walk(ids: list[int], node: Any, pos: int) -> tuple[Any, int, int, Any]:
+        """From `node` at depth `pos`: (the last node wholly matched, its depth, the match's length,
+        the node whose edge the match ends inside or the last node)."""
         while pos < len(ids):
             child = node.children.get(ids[pos])
             if child is None:
                 break
             shared = shared_len(child.key, ids, pos)
             if shared < len(child.key):
-                return node, pos, pos + shared  # ends inside that edge
+                return node, pos, pos + shared, child  # ends inside that edge
             node, pos = child, pos + shared
-        return node, pos, pos
+        return node, pos, pos, node
 
 
 class SchedulePolicy:
