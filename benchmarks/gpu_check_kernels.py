@@ -215,7 +215,8 @@ class Checker:
         a = self.args
         q, k, v, positions, cache = self.rotary_inputs(num_tokens)
         num_slots = 2 * num_tokens
-        k_buf, v_buf = self.randn(num_slots + 1, a.kv_heads, a.head_dim), self.randn(num_slots + 1, a.kv_heads, a.head_dim)
+        k_buf = self.randn(num_slots + 1, a.kv_heads, a.head_dim)
+        v_buf = self.randn(num_slots + 1, a.kv_heads, a.head_dim)
         k_exp, v_exp = k_buf.float(), v_buf.float()
         loc = (torch.randperm(num_slots, device=self.device)[:num_tokens] + 1).to(torch.int32)
         q_exp = ref.apply_rotary_store_kv(q.float(), k.float(), v.float(), positions, cache, k_exp, v_exp, loc)
