@@ -255,8 +255,9 @@ def apply_rotary_store_kv(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
     k_buffer: torch.Tensor, v_buffer: torch.Tensor, loc: torch.Tensor,
 ) -> torch.Tensor:
-    """``apply_rotary`` and ``store_kv`` in one launch: returns the rotated q [T, H, D]; the rotated k and
-    v [T, KH, D] go straight into pool slots loc [T], never to memory in between. One program per token.
+    """``apply_rotary`` and ``store_kv`` in one launch: returns the rotated q [T, H, D]; k, rotated, and v
+    [T, KH, D] go straight into pool slots loc [T] (the rotated k never lands anywhere else). One program
+    per token.
     Twin: ``reference.apply_rotary_store_kv``."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
