@@ -337,6 +337,11 @@ def test_attention_backend_fused_rotary_store_equals_the_composed_ops(is_decode,
         results.append((backend.forward(q, k, v, 0, fb), pool.k_buffers[0], pool.v_buffers[0]))
     (out, k_buf, v_buf), (cpu_out, cpu_k, cpu_v) = results
     assert fused_calls == [1]  # the Triton set took the one-launch path
+    monkeypatch.setenv("RADIXLM_UNFUSED_ROTARY_STORE", "1")  # the benchmarks' ablation: the unfused pair
+    pool = type("Pool", (), {"k_buffers": [batch.k_buffer.clone()], "v_buffers": [batch.v_buffer.clone()]})()
+    fb.kv_pool, fb.attn_backend = pool, AttentionBackend(tri)
+    torch.testing.assert_close(fb.attn_backend.forward(q, k, v, 0, fb), out, atol=0, rtol=0)
+    assert fused_calls == [1] and torch.equal(pool.k_buffers[0], k_buf)
     assert_close(out, cpu_out)
     assert_close(k_buf, cpu_k)
     assert torch.equal(v_buf, cpu_v)

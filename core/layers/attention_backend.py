@@ -8,6 +8,7 @@ Triton kernels on CUDA, with identical signatures.
 from __future__ import annotations
 
 import inspect
+import os
 from types import ModuleType
 
 import torch
@@ -23,8 +24,10 @@ class AttentionBackend:
         self._extend_takes_layout = "max_extend_len" in inspect.signature(ops.extend_attention).parameters
         # The CPU set plans the batch's layout once per forward instead of once per layer.
         self._plan = getattr(ops, "plan_attention", None)
-        # The Triton set rotates and stores in one launch per layer; the CPU set runs its two ops.
-        self._rotary_store_kv = getattr(ops, "apply_rotary_store_kv", None)
+        # The Triton set rotates and stores in one launch per layer; the CPU set runs its two ops, as
+        # does any set under RADIXLM_UNFUSED_ROTARY_STORE=1 (an ablation for benchmarks).
+        unfused = os.environ.get("RADIXLM_UNFUSED_ROTARY_STORE", "0") == "1"
+        self._rotary_store_kv = None if unfused else getattr(ops, "apply_rotary_store_kv", None)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, fb: ForwardBatch):
         """q [T, H, D], k and v [T, KH, D] as projected, before the rotary embedding (fb.positions,
