@@ -32,7 +32,9 @@ class PrefixMemo:
 
     def __init__(self, tree_cache: Any) -> None:
         self.tree = tree_cache
-        self._at: dict[int, tuple[Any, int]] = {}  # id(req) -> (deepest fully matched node, its depth)
+        # id(req) -> (req, deepest fully matched node, its depth); the request itself is kept so that an
+        # id reused by a later request cannot pick up another prompt's match
+        self._at: dict[int, tuple[Any, Any, int]] = {}
 
     def lengths(self, reqs: list[Req]) -> dict[int, tuple[int, Any]]:
         """id(req) -> (cached prefix length, the node whose subtree holds the match's end: the edge it
@@ -41,24 +43,25 @@ class PrefixMemo:
         out, at = {}, {}
         root = self.tree.root
         for r in reqs:
+            ids, node, depth = r.inp.input_ids, root, 0
+            memo = self._at.get(id(r))
             if r.output_ids:  # retracted or jump-forward requests: their outputs may change, matched whole
-                ids, (node, depth) = r.fill_ids, (root, 0)
-            else:  # the prompt never changes: walk on from where it last matched
-                ids, (node, depth) = r.inp.input_ids, self._at.get(id(r), (root, 0))
-            if node is not root and not self._attached(node):
-                node, depth = root, 0
+                ids = r.fill_ids
+            elif memo is not None and memo[0] is r and self._attached(memo[1]):
+                node, depth = memo[1], memo[2]  # the prompt never changes: walk on from its last match
             node, depth, length, end = self._walk(ids, node, depth)
-            at[id(r)] = (node, depth)
+            at[id(r)] = (r, node, depth)
             out[id(r)] = (length, end)
         self._at = at
         return out
 
     def _attached(self, node: Any) -> bool:
+        """Still in the tree: neither evicted nor under a root that reset() dropped."""
         while node.parent is not None:
             if node.parent.children.get(node.key[0]) is not node:
                 return False  # evicted
             node = node.parent
-        return node is self.tree.root  # not a root dropped by reset()
+        return node is self.tree.root
 
     @staticmethod
     def _walk(ids: list[int], node: Any, pos: int) -> tuple[Any, int, int, Any]:
