@@ -330,3 +330,51 @@ def _path(node: TreeNode) -> list[TreeNode]:
 TieredCacheMachine.TestCase.settings = settings(
     max_examples=120, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 test_tiered_cache_stateful = TieredCacheMachine.TestCase
+
+
+# ---- the engine with the tier on and off -----------------------------------------------------
+
+
+def test_engine_greedy_outputs_are_the_same_with_the_host_tier(llama_ckpt):
+    """Returning users whose prefixes (~3x the device pool) spill to host memory and come back: the same
+    greedy tokens as with the tier off, with fewer tokens computed."""
+    import radixlm
+
+    users = [[(u * 37 + i * 11) % 200 + 3 for i in range(60)] for u in range(8)]  # 8 x 60-token histories
+    rounds = [[h + [250 + r] * 4 for h in users] for r in range(2)]
+    params = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
+    results = {}
+    for size_gb in (0.0, 0.001):
+        with radixlm.Engine(llama_ckpt, max_total_tokens=160, hicache_size_gb=size_gb,
+                            debug_check_invariants=True) as engine:
+            outs = [o["output_ids"] for r in rounds for o in engine.generate(input_ids=r, sampling_params=params)]
+            results[size_gb] = outs, engine.get_stats()
+            assert engine.flush_cache()
+            after = engine.get_stats()
+            assert after["kv_slots_free"] == after["kv_slots_total"]
+            assert after["hicache_slots_free"] == after["hicache_slots_total"]
+    (off, off_stats), (on, on_stats) = results[0.0], results[0.001]
+    assert on == off
+    assert off_stats["hicache_host_hit_tokens_total"] == 0 and off_stats["hicache_slots_total"] == 0
+    assert on_stats["hicache_host_hit_tokens_total"] > 0 and on_stats["hicache_bytes_to_host_total"] > 0
+    assert on_stats["hicache_bytes_to_device_total"] > 0 and on_stats["hicache_loads_total"] > 0
+    assert on_stats["prefill_tokens_total"] < off_stats["prefill_tokens_total"]
+    assert (on_stats["hicache_device_hit_tokens_total"] + on_stats["hicache_host_hit_tokens_total"]
+            == on_stats["cached_tokens_total"])
+    # /metrics, read back with prometheus_client's parser
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from radixlm.server.metrics import Metrics
+
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for f in text_string_to_metric_families(Metrics("m").render(on_stats).decode()) for s in f.samples}
+    m = ("model_name", "m")
+    assert samples["radixlm:cache_hit_tokens_total", (m, ("tier", "host"))] == on_stats["hicache_host_hit_tokens_total"]
+    assert samples["radixlm:cache_hit_tokens_total", (m, ("tier", "device"))] == on_stats[
+        "hicache_device_hit_tokens_total"]
+    assert samples["radixlm:hicache_transfer_bytes_total", (("direction", "to_device"), m)] == on_stats[
+        "hicache_bytes_to_device_total"]
+    assert samples["radixlm:hicache_load_wait_seconds_total", (m,)] == on_stats["hicache_load_wait_s"]
+    assert samples["radixlm:hicache_max_total_num_tokens", (m,)] == on_stats["hicache_slots_total"]
+    off_text = Metrics("m").render(off_stats).decode()
+    assert "hicache" not in off_text and "cache_hit_tokens" not in off_text
