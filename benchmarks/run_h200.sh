@@ -10,6 +10,8 @@
 #                                   # the fourth run: constrained e2e on the 8B shape + the paper workloads
 #   RUN_GPU_CHECK=0 RUN_ENGINE_BENCH=0 RUN_CONSTRAINED=0 RUN_WORKLOADS=1 bash benchmarks/run_h200.sh
 #                                   # the paper workloads alone, under 8 minutes (carry .whl for dspy_rag)
+#   RUN_GPU_CHECK=0 RUN_ENGINE_BENCH=0 RUN_CONSTRAINED=0 RUN_HICACHE=1 bash benchmarks/run_h200.sh
+#                                   # the host tier of the radix cache, off vs on (bench_hicache.py)
 #
 # Each step has its own time limit (seconds, overridable) so that one hang cannot eat the others.
 set -u -o pipefail
@@ -65,5 +67,13 @@ if [ "${RUN_WORKLOADS:-0}" = 1 ]; then
     ${WORKLOADS_LIMIT_S:+--time-limit-s "$WORKLOADS_LIMIT_S"} ${WORKLOADS_ARGS:-} --out "$OUT/workloads.json" \
     --markdown "$OUT/workloads.md" --plot-dir "$OUT" 2>&1 | tee "$OUT/workloads.log"
   echo "bench_workloads exit ${PIPESTATUS[0]}" | tee -a "$OUT/env.txt"
+fi
+if [ "${RUN_HICACHE:-0}" = 1 ]; then
+  # The host tier (issue 20): multi-turn chat spilling 3.8x past a 40k-token device pool, tier off vs on;
+  # HICACHE_ARGS="--also-fits" adds the same workload on the default pool (it must not get slower).
+  # shellcheck disable=SC2086  # HICACHE_ARGS is a list of flags
+  timeout "${HICACHE_S:-420}" python3 benchmarks/bench_hicache.py --preset h200 ${HICACHE_ARGS:-} \
+    --out "$OUT/hicache.json" 2>&1 | tee "$OUT/hicache.log"
+  echo "bench_hicache exit ${PIPESTATUS[0]}" | tee -a "$OUT/env.txt"
 fi
 nvidia-smi --query-gpu=clocks.sm,clocks.mem,power.draw,temperature.gpu --format=csv 2>&1 | tee -a "$OUT/env.txt"
