@@ -113,7 +113,7 @@ def summarize(rounds: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def run_config(model_dir: str, extra: dict[str, Any], p: dict[str, Any], device: str, pool_tokens: int | None,
-               hicache_size_gb: float) -> dict[str, Any]:
+               hicache_size_gb: float, label: str) -> dict[str, Any]:
     t0 = time.perf_counter()
     engine = radixlm.Engine(model_dir, device=device, max_total_tokens=pool_tokens, hicache_size_gb=hicache_size_gb,
                             chunked_prefill_size=p["chunked_prefill_size"], log_level="warning", **extra)
@@ -125,6 +125,10 @@ def run_config(model_dir: str, extra: dict[str, Any], p: dict[str, Any], device:
     finally:
         engine.shutdown()
     rounds = result["rounds"]
+    for i, r in enumerate(rounds):
+        print(f"{label}: round {i} {r['seconds']:.2f} s, TTFT p50 {statistics.median(r['ttft']):.3f} s, "
+              f"{r['prefill_tokens_total']} tokens computed, {r['hicache_host_hit_tokens_total']} from the host",
+              flush=True)
     return {
         "device_pool_tokens": stats["kv_slots_total"], "host_pool_tokens": stats["hicache_slots_total"],
         "live_prefix_tokens": result["live_prefix_tokens"], "engine_start_s": start_s,
@@ -178,8 +182,8 @@ def main(argv: list[str] | None = None) -> int:
                                or "cpu", "torch": torch.__version__, "argv": sys.argv[1:] if argv is None else argv}
     scenarios = [("spill", p["pool_tokens"])] + ([("fits", None)] if args.also_fits else [])
     for name, pool in scenarios:
-        off = run_config(model_dir, extra, p, device, pool, 0.0)
-        on = run_config(model_dir, extra, p, device, pool, p["hicache_size_gb"])
+        off, on = (run_config(model_dir, extra, p, device, pool, gb, f"{name}, tier {label}")
+                   for label, gb in (("off", 0.0), ("on", p["hicache_size_gb"])))
         results[name] = {"off": off, "on": on, "compare": compare(off, on)}
         print(table(name, off, on), flush=True)
         if args.out:
