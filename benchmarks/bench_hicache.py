@@ -2,7 +2,8 @@
 several times the device KV pool: throughput and TTFT with the tier off and on, side by side in one run.
 
     python benchmarks/bench_hicache.py --preset h200 --out hicache.json   # Llama-3-8B shape, random weights
-    python benchmarks/bench_hicache.py --preset tiny --cpu                  # CPU, seconds (CI)
+    python benchmarks/bench_hicache.py --preset cpu                         # the default model (SmolLM2-135M)
+    python benchmarks/bench_hicache.py --preset tiny --cpu                  # the test model, seconds (CI)
 
 Workload: `users` chat sessions, each behind one of `agents` long system prompts and with its own long
 first message (a document), take `turns` turns. A round is every user's next turn, in a shuffled order
@@ -44,6 +45,8 @@ PRESETS = {
     "h200": dict(model="llama3-8b-shape", agents=8, system_len=1024, users=96, document_len=1024, message_len=64,
                  output_len=64, turns=4, concurrency=16, pool_tokens=40_000, hicache_size_gb=24.0,
                  chunked_prefill_size=8192),
+    "cpu": dict(model="default", agents=2, system_len=192, users=12, document_len=192, message_len=16, output_len=8,
+                turns=3, concurrency=4, pool_tokens=1536, hicache_size_gb=0.25, chunked_prefill_size=8192),
     "tiny": dict(model="tiny", agents=2, system_len=32, users=8, document_len=40, message_len=4, output_len=4,
                  turns=3, concurrency=3, pool_tokens=200, hicache_size_gb=0.002, chunked_prefill_size=8192),
 }
@@ -112,7 +115,7 @@ def summarize(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def run_config(model_dir: str, extra: dict[str, Any], p: dict[str, Any], device: str, pool_tokens: int | None,
+def run_config(model_dir: str | None, extra: dict[str, Any], p: dict[str, Any], device: str, pool_tokens: int | None,
                hicache_size_gb: float, label: str) -> dict[str, Any]:
     t0 = time.perf_counter()
     engine = radixlm.Engine(model_dir, device=device, max_total_tokens=pool_tokens, hicache_size_gb=hicache_size_gb,
@@ -176,7 +179,8 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(args, key) is not None:
             p[key] = getattr(args, key)
     device = "cuda" if torch.cuda.is_available() and not args.cpu else "cpu"
-    model_dir, extra = make_model_dir(p["model"], tempfile.mkdtemp(prefix="radixlm-hicache-"))
+    model_dir, extra = ((None, {}) if p["model"] == "default"
+                        else make_model_dir(p["model"], tempfile.mkdtemp(prefix="radixlm-hicache-")))
     results: dict[str, Any] = {"preset": args.preset, "params": p, "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
                                "device": torch.cuda.get_device_name() if device == "cuda" else platform.processor()
                                or "cpu", "torch": torch.__version__, "argv": sys.argv[1:] if argv is None else argv}
