@@ -116,10 +116,12 @@ def summarize(rounds: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def run_config(model_dir: str | None, extra: dict[str, Any], p: dict[str, Any], device: str, pool_tokens: int | None,
-               hicache_size_gb: float, label: str) -> dict[str, Any]:
+               policy: str | None, label: str) -> dict[str, Any]:
+    """One engine through the whole workload; `policy` None: the tier off, else its write policy."""
     t0 = time.perf_counter()
-    engine = radixlm.Engine(model_dir, device=device, max_total_tokens=pool_tokens, hicache_size_gb=hicache_size_gb,
-                            chunked_prefill_size=p["chunked_prefill_size"], log_level="warning", **extra)
+    tier = {} if policy is None else {"hicache_size_gb": p["hicache_size_gb"], "hicache_write_policy": policy}
+    engine = radixlm.Engine(model_dir, device=device, max_total_tokens=pool_tokens,
+                            chunked_prefill_size=p["chunked_prefill_size"], log_level="warning", **tier, **extra)
     try:
         start_s = time.perf_counter() - t0
         vocab = engine.model_config.vocab_size
@@ -147,20 +149,25 @@ def compare(off: dict[str, Any], on: dict[str, Any]) -> dict[str, Any]:
             "outputs_equal": f"{same}/{len(off['outputs'])}"}
 
 
-def table(name: str, off: dict[str, Any], on: dict[str, Any]) -> str:
+def table(name: str, off: dict[str, Any], ons: dict[str, dict[str, Any]]) -> str:
+    """Tier off against the tier with each write policy, as a markdown table."""
+    some = next(iter(ons.values()))
     rows = [f"{name}: device pool {off['device_pool_tokens']} tokens, live prefixes {off['live_prefix_tokens']} "
             f"tokens ({off['live_prefix_tokens'] / off['device_pool_tokens']:.1f}x), host tier "
-            f"{on['host_pool_tokens']} tokens", "| returning rounds | tier off | tier on |", "| --- | --- | --- |"]
+            f"{some['host_pool_tokens']} tokens", "| returning rounds | tier off | " + " | ".join(ons) + " |",
+            "| --- " * (2 + len(ons)) + "|"]
     for label, key, fmt in (("total tokens/s", "total_tokens_per_s", "{:.0f}"),
                             ("output tokens/s", "output_tokens_per_s", "{:.0f}"),
                             ("TTFT p50 (s)", "ttft_p50_s", "{:.3f}"), ("TTFT p99 (s)", "ttft_p99_s", "{:.3f}"),
                             ("prefill tokens computed", "prefill_tokens_total", "{}"),
                             ("tokens from the host tier", "hicache_host_hit_tokens_total", "{}"),
                             ("load wait (s, summed)", "hicache_load_wait_s", "{:.3f}")):
-        rows.append(f"| {label} | {fmt.format(off['returning'][key])} | {fmt.format(on['returning'][key])} |")
-    c = compare(off, on)
-    rows.append(f"throughput {c['throughput_x']:.2f}x, TTFT p50 {c['ttft_p50_x_lower']:.2f}x lower, p99 "
-                f"{c['ttft_p99_x_lower']:.2f}x lower; greedy outputs equal {c['outputs_equal']}")
+        cells = [fmt.format(r["returning"][key]) for r in (off, *ons.values())]
+        rows.append(f"| {label} | " + " | ".join(cells) + " |")
+    for policy, on in ons.items():
+        c = compare(off, on)
+        rows.append(f"{policy}: throughput {c['throughput_x']:.2f}x, TTFT p50 {c['ttft_p50_x_lower']:.2f}x lower, "
+                    f"p99 {c['ttft_p99_x_lower']:.2f}x lower; greedy outputs equal {c['outputs_equal']}")
     return "\n".join(rows)
 
 
@@ -173,6 +180,8 @@ def main(argv: list[str] | None = None) -> int:
     for key in ("users", "turns", "concurrency", "pool_tokens"):
         ap.add_argument("--" + key.replace("_", "-"), type=int, help=f"override the preset's {key}")
     ap.add_argument("--hicache-size-gb", type=float, help="override the preset's host tier size")
+    ap.add_argument("--write-policies", nargs="+", default=["write_back"], choices=["write_back", "write_through"],
+                    help="run the tier once with each (hicache_write_policy)")
     args = ap.parse_args(argv)
     p = dict(PRESETS[args.preset])
     for key in ("users", "turns", "concurrency", "pool_tokens", "hicache_size_gb"):
@@ -186,10 +195,11 @@ def main(argv: list[str] | None = None) -> int:
                                or "cpu", "torch": torch.__version__, "argv": sys.argv[1:] if argv is None else argv}
     scenarios = [("spill", p["pool_tokens"])] + ([("fits", None)] if args.also_fits else [])
     for name, pool in scenarios:
-        off, on = (run_config(model_dir, extra, p, device, pool, gb, f"{name}, tier {label}")
-                   for label, gb in (("off", 0.0), ("on", p["hicache_size_gb"])))
-        results[name] = {"off": off, "on": on, "compare": compare(off, on)}
-        print(table(name, off, on), flush=True)
+        off = run_config(model_dir, extra, p, device, pool, None, f"{name}, tier off")
+        ons = {policy: run_config(model_dir, extra, p, device, pool, policy, f"{name}, {policy}")
+               for policy in args.write_policies}
+        results[name] = {"off": off, **ons, "compare": {policy: compare(off, on) for policy, on in ons.items()}}
+        print(table(name, off, ons), flush=True)
         if args.out:
             Path(args.out).write_text(json.dumps(results, indent=1))
     return 0

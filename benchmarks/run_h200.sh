@@ -69,10 +69,11 @@ if [ "${RUN_WORKLOADS:-0}" = 1 ]; then
   echo "bench_workloads exit ${PIPESTATUS[0]}" | tee -a "$OUT/env.txt"
 fi
 if [ "${RUN_HICACHE:-0}" = 1 ]; then
-  # The host tier (issue 20): multi-turn chat spilling 3.8x past a 40k-token device pool, tier off vs on;
-  # HICACHE_ARGS="--also-fits" adds the same workload on the default pool (it must not get slower).
+  # The host tier (issue 20): multi-turn chat spilling 6x past a 40k-token device pool, tier off vs on
+  # (both write policies), then the same workload on the default pool, where it fits (no slower).
   # shellcheck disable=SC2086  # HICACHE_ARGS is a list of flags
-  timeout "${HICACHE_S:-420}" python3 benchmarks/bench_hicache.py --preset h200 ${HICACHE_ARGS:-} \
+  timeout "${HICACHE_S:-540}" python3 benchmarks/bench_hicache.py --preset h200 \
+    ${HICACHE_ARGS:---write-policies write_back write_through --also-fits} \
     --out "$OUT/hicache.json" 2>&1 | tee "$OUT/hicache.log"
   echo "bench_hicache exit ${PIPESTATUS[0]}" | tee -a "$OUT/env.txt"
 fi

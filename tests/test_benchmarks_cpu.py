@@ -67,12 +67,15 @@ def test_hicache_bench_tiny_run(tmp_path):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     out = tmp_path / "hicache.json"
-    assert module.main(["--preset", "tiny", "--cpu", "--out", str(out)]) == 0
+    assert module.main(["--preset", "tiny", "--cpu", "--write-policies", "write_back", "write_through",
+                        "--out", str(out)]) == 0
     r = json.loads(out.read_text())["spill"]
-    off, on = r["off"]["returning"], r["on"]["returning"]
+    off, on, through = r["off"]["returning"], r["write_back"]["returning"], r["write_through"]["returning"]
     p = module.PRESETS["tiny"]
     assert off["requests"] == on["requests"] == p["users"] * (p["turns"] - 1)
     assert r["off"]["live_prefix_tokens"] >= 3 * r["off"]["device_pool_tokens"]
     assert off["hicache_host_hit_tokens_total"] == 0 < on["hicache_host_hit_tokens_total"]
     assert on["prefill_tokens_total"] < off["prefill_tokens_total"] / 2
-    assert r["compare"]["outputs_equal"] == f"{p['users'] * p['turns']}/{p['users'] * p['turns']}"
+    assert through["prefill_tokens_total"] < off["prefill_tokens_total"] / 2
+    for policy in ("write_back", "write_through"):
+        assert r["compare"][policy]["outputs_equal"] == f"{p['users'] * p['turns']}/{p['users'] * p['turns']}"

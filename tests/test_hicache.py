@@ -33,11 +33,11 @@ def kv_of(prefix: list[int]) -> float:
 
 
 class Setup:
-    def __init__(self, device_slots: int, host_slots: int) -> None:
+    def __init__(self, device_slots: int, host_slots: int, write_through: bool = False) -> None:
         self.pool = KVPool(device_slots, LAYERS, HEADS, HEAD_DIM, torch.float32, "cpu")
         self.alloc = SlotAllocator(device_slots)
         self.tier = HostTier(self.pool, HostKVPool(host_slots, self.pool, pin=False))
-        self.cache = RadixCache(self.alloc, host=self.tier)
+        self.cache = RadixCache(self.alloc, host=self.tier, write_through=write_through)
 
     def compute(self, tokens: list[int], slots: list[int], start: int = 0) -> None:
         """Writes the KV of tokens[start:] into slots[start:], as a forward pass would."""
@@ -125,6 +125,18 @@ def test_a_node_on_both_tiers_is_evicted_without_a_copy_and_host_lru_drops_the_o
     # The host holds a and b (8 slots, full); c's eviction must drop the least recently used (b).
     s.cache_new([4, 4, 4, 4])
     assert s.cache.root.children.get(2) is None and s.cache.root.children[1].host_value is not None
+    s.cache.check_invariants(set())
+
+
+def test_write_through_copies_on_insert_and_eviction_copies_nothing():
+    s = Setup(device_slots=8, host_slots=16, write_through=True)
+    a, b = [1, 2, 3, 4, 5, 6], [9, 8, 7, 6, 5, 4]
+    s.cache_new(a)
+    assert s.tier.stats.hicache_writes_total == 1 and s.cache.root.children[1].host_value is not None
+    s.cache_new(b)  # evicts a, which is already on the host
+    assert s.tier.stats.hicache_writes_total == 2
+    assert s.cache.load_prefix(a)
+    s.assert_holds(a, s.cache.match_prefix(a)[0])
     s.cache.check_invariants(set())
 
 
@@ -216,9 +228,11 @@ class Request:
 
 
 class TieredCacheMachine(RuleBasedStateMachine):
+    write_through = False
+
     def __init__(self) -> None:
         super().__init__()
-        self.s = Setup(DEVICE_SLOTS, HOST_SLOTS)
+        self.s = Setup(DEVICE_SLOTS, HOST_SLOTS, self.write_through)
         self.cache = self.s.cache
         self.landings = deferred(self.s.tier)
         self.reqs: dict[int, Request] = {}
@@ -327,9 +341,15 @@ def _path(node: TreeNode) -> list[TreeNode]:
     return out
 
 
-TieredCacheMachine.TestCase.settings = settings(
-    max_examples=120, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+class WriteThroughMachine(TieredCacheMachine):
+    write_through = True
+
+
+for machine in (TieredCacheMachine, WriteThroughMachine):
+    machine.TestCase.settings = settings(
+        max_examples=80, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 test_tiered_cache_stateful = TieredCacheMachine.TestCase
+test_tiered_cache_stateful_write_through = WriteThroughMachine.TestCase
 
 
 # ---- the engine with the tier on and off -----------------------------------------------------
@@ -344,17 +364,20 @@ def test_engine_greedy_outputs_are_the_same_with_the_host_tier(llama_ckpt):
     rounds = [[h + [250 + r] * 4 for h in users] for r in range(2)]
     params = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
     results = {}
-    for size_gb in (0.0, 0.001):
-        with radixlm.Engine(llama_ckpt, max_total_tokens=160, hicache_size_gb=size_gb,
+    for size_gb, policy in ((0.0, "write_back"), (0.001, "write_back"), (0.001, "write_through")):
+        with radixlm.Engine(llama_ckpt, max_total_tokens=160, hicache_size_gb=size_gb, hicache_write_policy=policy,
                             debug_check_invariants=True) as engine:
             outs = [o["output_ids"] for r in rounds for o in engine.generate(input_ids=r, sampling_params=params)]
-            results[size_gb] = outs, engine.get_stats()
+            results[size_gb, policy] = outs, engine.get_stats()
             assert engine.flush_cache()
             after = engine.get_stats()
             assert after["kv_slots_free"] == after["kv_slots_total"]
             assert after["hicache_slots_free"] == after["hicache_slots_total"]
-    (off, off_stats), (on, on_stats) = results[0.0], results[0.001]
-    assert on == off
+    (off, off_stats), (on, on_stats) = results[0.0, "write_back"], results[0.001, "write_back"]
+    through, through_stats = results[0.001, "write_through"]
+    assert on == off and through == off
+    assert through_stats["hicache_host_hit_tokens_total"] > 0
+    assert through_stats["hicache_writes_total"] > on_stats["hicache_writes_total"]  # every new node, evicted or not
     assert off_stats["hicache_host_hit_tokens_total"] == 0 and off_stats["hicache_slots_total"] == 0
     assert on_stats["hicache_host_hit_tokens_total"] > 0 and on_stats["hicache_bytes_to_host_total"] > 0
     assert on_stats["hicache_bytes_to_device_total"] > 0 and on_stats["hicache_loads_total"] > 0

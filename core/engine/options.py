@@ -63,6 +63,9 @@ class EngineOptions:
     hicache_size_gb: float = option(0.0, "GiB of host memory (pinned on CUDA) for a second radix cache tier: "
                                     "KV evicted from the device pool is written there and loaded back on a "
                                     "prefix hit instead of recomputed (docs/engine.md); 0: off")
+    hicache_write_policy: str = option("write_back", "when KV goes to the host tier: write_back (when evicted "
+                                       "from the device) or write_through (as soon as it is cached)",
+                                       choices=("write_back", "write_through"))
     disable_jump_forward: bool = option(False, "do not jump over text a constraint forces")
     grammar_backend: str = option(
         "radixlm", "constrained decoding backend (regex, JSON schema, choices): radixlm (its grammar engine), "

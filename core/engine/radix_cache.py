@@ -88,13 +88,17 @@ class RadixCache:
 
     With `disable=True` nothing is ever cached: matches are empty, inserts keep nothing, and
     finishing a request frees all of its slots. The scheduler runs the same code either way.
-    With `host`, evicted KV moves to host memory and comes back on a hit (the module docstring).
+    With `host`, evicted KV moves to host memory and comes back on a hit (the module docstring); with
+    `write_through` too, every newly cached node is copied to the host at once, so that evicting it
+    later copies nothing.
     """
 
-    def __init__(self, allocator: SlotAllocator, disable: bool = False, host: HostTier | None = None) -> None:
+    def __init__(self, allocator: SlotAllocator, disable: bool = False, host: HostTier | None = None,
+                 write_through: bool = False) -> None:
         self.allocator = allocator
         self.disable = disable
         self.host = None if disable else host
+        self.write_through = write_through and self.host is not None
         self._clock = itertools.count()
         self.root = TreeNode([], [], None, next(self._clock))
         self._evictable_size = 0
@@ -176,6 +180,8 @@ class RadixCache:
                 leaf = TreeNode(key[pos:], value[pos:], node, next(self._clock))
                 node.children[key[pos]] = leaf
                 self._evictable_size += len(leaf.key)
+                if self.write_through:
+                    leaf.host_value = self._copy_to_host(leaf.value)
                 break
             if child.loading is not None:  # rare: the same tokens are landing from the host; let them
                 child.loading.wait()
@@ -256,7 +262,7 @@ class RadixCache:
             _, _, leaf = heapq.heappop(heap)
             assert leaf.value is not None
             if self.host is not None and leaf.host_value is None:
-                leaf.host_value = self._write_back(leaf.value)
+                leaf.host_value = self._copy_to_host(leaf.value)
             self.allocator.free(leaf.value)
             freed += len(leaf.value)
             self._evictable_size -= len(leaf.key)
@@ -295,7 +301,7 @@ class RadixCache:
 
     # ---- the host tier ---------------------------------------------------------------------
 
-    def _write_back(self, slots: list[int]) -> list[int] | None:
+    def _copy_to_host(self, slots: list[int]) -> list[int] | None:
         """Host slots now receiving a copy of device `slots`, or None when the host has no room."""
         assert self.host is not None
         allocator = self.host.allocator

@@ -50,7 +50,8 @@ class Scheduler:
         self.allocator = SlotAllocator(runner.num_slots)
         self.stats = EngineStats()
         self.host_tier = None if opts.disable_radix_cache else HostTier.create(opts.hicache_size_gb, runner.kv_pool)
-        self.tree = TimedRadixCache(RadixCache(self.allocator, disable=opts.disable_radix_cache, host=self.host_tier),
+        self.tree = TimedRadixCache(RadixCache(self.allocator, disable=opts.disable_radix_cache, host=self.host_tier,
+                                               write_through=opts.hicache_write_policy == "write_through"),
                                     self.stats)
         self.memory = KVMemory(self.allocator, self.tree, runner.req_to_token)
         self.queues = RequestQueues(self.memory, self.stats)
