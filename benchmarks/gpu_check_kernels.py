@@ -14,13 +14,11 @@ H200 (copy 4.2 TB/s, bf16 matmul 776 TFLOP/s). Exit code 1 on any mismatch.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import statistics
 import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Callable
 
@@ -28,22 +26,6 @@ if "--tiny" in sys.argv:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import torch  # noqa: E402
-
-
-def _import_radixlm_from_checkout() -> None:
-    """Lets the script run from a bare checkout (the GPU machine), where radixlm is not installed."""
-    if importlib.util.find_spec("radixlm") is not None:
-        return
-    root = Path(__file__).resolve().parents[1]
-    spec = importlib.util.spec_from_file_location(
-        "radixlm", root / "__init__.py", submodule_search_locations=[str(root)]
-    )
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["radixlm"] = module
-    spec.loader.exec_module(module)
-
-
-_import_radixlm_from_checkout()
 
 from radixlm.core.engine.sampler import Sampler  # noqa: E402
 from radixlm.core.engine.sampling_params import SamplingParams  # noqa: E402

@@ -82,10 +82,8 @@ class HostTier:
         self._writes: list[Load] = []  # write-backs in flight, kept until their staging may be freed
 
     @classmethod
-    def create(cls, size_gb: float, device_pool: KVPool) -> HostTier | None:
-        """The tier for the `hicache_size_gb` option (None when 0)."""
-        if size_gb <= 0:
-            return None
+    def create(cls, size_gb: float, device_pool: KVPool) -> HostTier:
+        """The tier for the `hicache_size_gb` option."""
         from radixlm.core.engine.model_runner import _host_available_bytes as host_available_bytes
 
         num_slots = HostKVPool.slots_for(size_gb, device_pool)

@@ -1,7 +1,8 @@
 """The Llama family (Llama 2/3/3.1, Mistral, Qwen2/2.5) over the paged KV pool.
 
 One implementation serves all three: they differ only in config (GQA ratio, qkv bias, tied
-embeddings, rope scaling). Q/K/V and gate/up projections are fused into single matmuls at load time.
+embeddings, rope scaling). Q/K/V and gate/up projections are fused into single matmuls at load time
+(core.models.registry maps the checkpoint's names onto them).
 Kernels come from an `ops` namespace (kernels.cpu on CPU, Triton on CUDA), attention from an
 attention backend that knows the batch layout.
 """
@@ -108,22 +109,3 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
 
-    # HF checkpoint name -> (our parameter, shard index within a fused weight or None)
-    def weight_name_map(self, hf_name: str) -> tuple[str, int | None] | None:
-        name = hf_name.removeprefix("model.")
-        if "rotary_emb.inv_freq" in name:
-            return None
-        for hf, ours, idx in (
-            (".q_proj.", ".qkv_proj.", 0), (".k_proj.", ".qkv_proj.", 1), (".v_proj.", ".qkv_proj.", 2),
-            (".gate_proj.", ".gate_up_proj.", 0), (".up_proj.", ".gate_up_proj.", 1),
-        ):
-            if hf in name:
-                return name.replace(hf, ours), idx
-        return name, None
-
-    def fused_shard_sizes(self, param_name: str) -> list[int]:
-        cfg = self.config
-        if ".qkv_proj." in param_name:
-            q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-            return [q, kv, kv]
-        return [cfg.intermediate_size, cfg.intermediate_size]

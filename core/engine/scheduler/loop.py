@@ -19,7 +19,6 @@ from typing import Any
 
 import torch
 
-from radixlm.core.tokenizer.detokenizer import IncrementalDetokenizer
 from radixlm.core.engine.hicache import HostTier, tier_stats
 from radixlm.core.engine.memory_pool import SlotAllocator
 from radixlm.core.engine.model_runner import ModelRunner
@@ -34,6 +33,7 @@ from radixlm.core.engine.scheduler.policy import SchedulePolicy
 from radixlm.core.engine.scheduler.prefill import PrefillPlanner
 from radixlm.core.engine.scheduler.queues import RequestQueues
 from radixlm.core.engine.stats import EngineStats, TimedRadixCache
+from radixlm.core.tokenizer.detokenizer import IncrementalDetokenizer
 
 logger = logging.getLogger("radixlm")
 
@@ -49,7 +49,8 @@ class Scheduler:
         self.context_len = min(opts.context_length or runner.cfg.context_len, runner.num_slots)
         self.allocator = SlotAllocator(runner.num_slots)
         self.stats = EngineStats()
-        self.host_tier = None if opts.disable_radix_cache else HostTier.create(opts.hicache_size_gb, runner.kv_pool)
+        self.host_tier = (HostTier.create(opts.hicache_size_gb, runner.kv_pool)
+                          if opts.hicache_size_gb > 0 and not opts.disable_radix_cache else None)
         self.tree = TimedRadixCache(RadixCache(self.allocator, disable=opts.disable_radix_cache, host=self.host_tier,
                                                write_through=opts.hicache_write_policy == "write_through"),
                                     self.stats)
