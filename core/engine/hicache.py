@@ -51,10 +51,9 @@ class HostKVPool:
 
 
 @dataclass
-class Load:
-    """One load from host to device slots; done once its copies have landed."""
+class Transfer:
+    """Copies in flight between the tiers (a load, or a write-back); done once they have landed."""
 
-    tokens: int
     started: float = field(default_factory=time.perf_counter)
     event: torch.cuda.Event | None = None
     keep: list[torch.Tensor] = field(default_factory=list)  # staging tensors the copies still use
@@ -69,7 +68,7 @@ class Load:
 
 class HostTier:
     """Moves KV between the device pool and a HostKVPool. `write` is fire-and-forget (ordered before any
-    later copy); `load` returns a Load to poll."""
+    later copy); `load` returns a Transfer to poll."""
 
     def __init__(self, device_pool: KVPool, host_pool: HostKVPool) -> None:
         # Weak: the model runner owns the device pool and frees it at shutdown.
@@ -79,7 +78,7 @@ class HostTier:
         self.device = device_pool.kv.device
         self.cuda = self.device.type == "cuda"
         self.stream = torch.cuda.Stream(self.device) if self.cuda else None
-        self._writes: list[Load] = []  # write-backs in flight, kept until their staging may be freed
+        self._writes: list[Transfer] = []  # write-backs in flight, kept until their staging may be freed
 
     @classmethod
     def create(cls, size_gb: float, device_pool: KVPool) -> HostTier:
@@ -110,7 +109,7 @@ class HostTier:
         self._reap_writes()
         # Gather on the compute stream: the next kernel there may overwrite these slots.
         staged = self.device_kv[:, :, self._index(dev_slots)].permute(2, 0, 1, 3, 4).contiguous()
-        write = Load(len(dev_slots), keep=[staged])
+        write = Transfer(keep=[staged])
         if self.cuda:
             self.stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self.stream):
@@ -123,9 +122,10 @@ class HostTier:
         self.stats.hicache_writes_total += 1
         self.stats.hicache_bytes_to_host_total += len(dev_slots) * self.host.bytes_per_token
 
-    def load(self, host_slots: list[int], dev_slots: list[int]) -> Load:
+    def load(self, host_slots: list[int], dev_slots: list[int]) -> Transfer:
         """Starts copying `host_slots` into `dev_slots`; the device slots hold the KV once it is done."""
-        load = Load(len(dev_slots))
+        self._reap_writes()
+        load = Transfer()
         if self.cuda:
             # The fresh device slots were last read (or written back) on the compute stream.
             self.stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -140,12 +140,12 @@ class HostTier:
         self.stats.hicache_bytes_to_device_total += len(dev_slots) * self.host.bytes_per_token
         return load
 
-    def finished(self, load: Load) -> None:
+    def finished(self, load: Transfer) -> None:
         """Counts a load seen complete and lets its staging go."""
         self.stats.hicache_load_wait_s += time.perf_counter() - load.started
         load.keep.clear()
 
-    def _load_now(self, host_slots: list[int], dev_slots: list[int], load: Load) -> None:
+    def _load_now(self, host_slots: list[int], dev_slots: list[int], load: Transfer) -> None:
         staged = torch.empty((len(host_slots), *self.host.kv.shape[1:]), dtype=self.host.kv.dtype,
                              device=self.device)
         self._copy_runs(host_slots, staged, to_host=False)

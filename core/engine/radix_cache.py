@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Callable
 from radixlm.core.engine.memory_pool import SlotAllocator
 
 if TYPE_CHECKING:
-    from radixlm.core.engine.hicache import HostTier, Load
+    from radixlm.core.engine.hicache import HostTier, Transfer
 
 
 class TreeNode:
@@ -53,7 +53,7 @@ class TreeNode:
         self.key = key
         self.value = value  # None: the KV is in host memory only
         self.host_value: list[int] | None = None
-        self.loading: Load | None = None  # the load filling `value` from `host_value`, while in flight
+        self.loading: Transfer | None = None  # the load filling `value` from `host_value`, while in flight
         self.lock_ref = 0
         self.own_locks = 0
         self.last_access = last_access
@@ -103,7 +103,7 @@ class RadixCache:
         self.root = TreeNode([], [], None, next(self._clock))
         self._evictable_size = 0
         self._protected_size = 0
-        self._loads: list[tuple[Load, TreeNode]] = []  # loads in flight and the deepest node each fills
+        self._loads: list[tuple[Transfer, TreeNode]] = []  # loads in flight and the deepest node each fills
 
     # ---- whole-tree operations -------------------------------------------------------------
 
@@ -570,7 +570,7 @@ class RadixCache:
 
 
 # Marks host-only nodes a load is about to fill, so that making device room for it cannot drop them.
-_RESERVED: Load = object()  # type: ignore[assignment]
+_RESERVED: Transfer = object()  # type: ignore[assignment]
 
 
 def _head(slots: list[int] | None, at: int) -> list[int] | None:
