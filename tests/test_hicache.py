@@ -202,6 +202,20 @@ def test_check_invariants_catches_a_leaked_host_slot():
         s.cache.check_invariants(set())
 
 
+@pytest.mark.parametrize("kwargs, message", [
+    ({"hicache_size_gb": -1}, ">= 0"),
+    ({"hicache_size_gb": 1, "tp_size": 2}, "tp_size"),
+    ({"hicache_size_gb": 1, "disable_radix_cache": True}, "disable_radix_cache"),
+    ({"hicache_size_gb": 1, "hicache_write_policy": "sometimes"}, "write_back"),
+])
+def test_options_are_validated(kwargs, message):
+    from radixlm.core.engine.options import EngineOptions
+
+    with pytest.raises(InvalidRequestError, match=message) as err:
+        EngineOptions.from_kwargs({"device": "cpu", **kwargs})
+    assert err.value.param in ("hicache_size_gb", "hicache_write_policy")
+
+
 def test_size_option_is_validated(tmp_path):
     pool = KVPool(4, LAYERS, HEADS, HEAD_DIM, torch.float32, "cpu")
     with pytest.raises(InvalidRequestError, match="holds no token"):

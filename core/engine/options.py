@@ -155,6 +155,9 @@ class EngineOptions:
             raise InvalidRequestError("hicache_size_gb must be >= 0 (0: no host tier)", "hicache_size_gb")
         if self.hicache_size_gb > 0 and self.tp_size > 1:
             raise InvalidRequestError("hicache_size_gb with tp_size > 1 is not supported yet", "hicache_size_gb")
+        if self.hicache_size_gb > 0 and self.disable_radix_cache:
+            raise InvalidRequestError("hicache_size_gb is a tier of the radix cache, which disable_radix_cache "
+                                      "turns off", "hicache_size_gb")
         if not 0.0 < self.mem_fraction_static < 1.0:
             raise InvalidRequestError("mem_fraction_static must be in (0, 1)", "mem_fraction_static")
         if self.max_queued_requests is not None and self.max_queued_requests < 0:

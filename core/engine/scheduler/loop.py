@@ -49,8 +49,7 @@ class Scheduler:
         self.context_len = min(opts.context_length or runner.cfg.context_len, runner.num_slots)
         self.allocator = SlotAllocator(runner.num_slots)
         self.stats = EngineStats()
-        self.host_tier = (HostTier.create(opts.hicache_size_gb, runner.kv_pool)
-                          if opts.hicache_size_gb > 0 and not opts.disable_radix_cache else None)
+        self.host_tier = HostTier.create(opts.hicache_size_gb, runner.kv_pool) if opts.hicache_size_gb > 0 else None
         self.tree = TimedRadixCache(RadixCache(self.allocator, disable=opts.disable_radix_cache, host=self.host_tier,
                                                write_through=opts.hicache_write_policy == "write_through"),
                                     self.stats)
