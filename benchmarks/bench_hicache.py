@@ -145,7 +145,8 @@ def compare(off: dict[str, Any], on: dict[str, Any]) -> dict[str, Any]:
     a, b = off["returning"], on["returning"]
     same = sum(x == y for x, y in zip(off["outputs"], on["outputs"]))
     return {"throughput_x": b["total_tokens_per_s"] / a["total_tokens_per_s"],
-            "ttft_p50_x_lower": a["ttft_p50_s"] / b["ttft_p50_s"], "ttft_p99_x_lower": a["ttft_p99_s"] / b["ttft_p99_s"],
+            "ttft_p50_x_lower": a["ttft_p50_s"] / b["ttft_p50_s"],
+            "ttft_p99_x_lower": a["ttft_p99_s"] / b["ttft_p99_s"],
             "outputs_equal": f"{same}/{len(off['outputs'])}"}
 
 

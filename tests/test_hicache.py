@@ -216,13 +216,13 @@ def test_options_are_validated(kwargs, message):
     assert err.value.param in ("hicache_size_gb", "hicache_write_policy")
 
 
-def test_size_option_is_validated(tmp_path):
+def test_size_option_is_validated():
     pool = KVPool(4, LAYERS, HEADS, HEAD_DIM, torch.float32, "cpu")
     with pytest.raises(InvalidRequestError, match="holds no token"):
         HostTier.create(1e-12, pool)
     with pytest.raises(InvalidRequestError, match="available memory"):
         HostTier.create(1e9, pool)
-    tier = HostTier.create(64 * HostKVPool.slots_for(1, pool) ** -1, pool)  # 64 tokens' worth
+    tier = HostTier.create(64 / HostKVPool.slots_for(1, pool), pool)  # 64 tokens' worth of GiB
     assert tier is not None and tier.host.num_slots == 64
 
 
