@@ -184,6 +184,32 @@ def test_a_load_in_flight_is_not_matched_until_it_lands():
     assert s.cache.wait_for_load() is False
 
 
+def test_the_planner_admits_a_request_once_its_prefix_has_landed():
+    """The scheduler's hook: a request whose prefix is loading waits in the queue (the others are
+    planned meanwhile), and is planned with the whole prefix cached once the load has landed."""
+    from test_scheduler_units import make_planner, make_req
+
+    from radixlm.core.engine.memory_pool import ReqToTokenPool
+    from radixlm.core.engine.scheduler.memory import KVMemory
+
+    s = Setup(device_slots=16, host_slots=16)
+    landings = deferred(s.tier)
+    a = [1, 2, 3, 4, 5, 6, 7, 8]
+    s.cache_new(a)
+    assert s.cache.evict(1) == 8  # a -> host
+    planner = make_planner(KVMemory(s.alloc, s.cache, ReqToTokenPool(9, 64, "cpu")))
+    returning, other = make_req(a + [9], 0), make_req([20, 21, 22], 1)
+    plan = planner.plan([returning, other], [], None)
+    assert [e.req for e in plan.extends] == [other] and plan.passed_over == [returning]
+    assert len(landings) == 1 and returning.row is None
+    assert not planner.plan([returning], [other], None).extends  # still in flight
+    landings[0].landed = True
+    (ext,) = planner.plan([returning], [other], None).extends
+    assert ext.req is returning and returning.cached_len == 8 and (ext.start, ext.length) == (8, 1)
+    s.assert_holds(a, returning.slots[:8])
+    s.cache.check_invariants(set(returning.slots[8:] + other.slots))
+
+
 def test_reset_waits_for_loads_and_frees_both_tiers():
     s = Setup(device_slots=8, host_slots=8)
     deferred(s.tier)
