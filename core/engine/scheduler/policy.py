@@ -11,7 +11,8 @@ a node stays valid while it is in the tree (a split keeps the lower part's objec
 detaches it), so a step costs O(tree depth) per waiting request rather than O(prompt), and reading
 the tree leaves it untouched (no LRU refresh, no split), unlike match_prefix. So the cache-aware
 orders hold at any queue length, where they matter most (SGLang falls back to fcfs past 128
-waiting; so did this scheduler, which turned lpm off exactly under the pressure it is for).
+waiting; so did this scheduler, which turned lpm off exactly under the pressure it is for). A prefix
+held in the host tier (hicache) counts as cached: loading it back costs less than computing it.
 """
 
 from __future__ import annotations

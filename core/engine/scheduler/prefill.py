@@ -76,6 +76,8 @@ class PrefillPlanner:
                 break
             if self._shares_with_batch(req, in_batch):
                 continue
+            if req.row is None and not self.memory.tree.load_prefix(self.cacheable(req)):
+                continue  # its cached prefix is still coming back from host memory: admitted once it lands
             ext = self.plan_extend(req, budget)
             if ext is None:
                 break  # out of memory: later requests must not overtake this one
@@ -117,18 +119,23 @@ class PrefillPlanner:
         head = ids[:need]
         return len(head) == need and any(other[:need] == head for other in in_batch)
 
+    @staticmethod
+    def cacheable(req: Req) -> list[int]:
+        """The part of a request's tokens that may come from the cache. The last token is always
+        computed (its logits give the next token); input logprobs need the logits of every position
+        from the first wanted one."""
+        limit = len(req.fill_ids) - 1
+        start = req.input_logprob_start()
+        if start is not None:
+            limit = min(limit, max(start - 1, 0))
+        return req.fill_ids[:limit]
+
     def plan_extend(self, req: Req, budget: int) -> Extend | None:
         """Matches the request's prefix, allocates KV for its next chunk, and fills its table row.
         Returns None (with nothing held) when memory does not allow it now."""
         fill, memory, tree = req.fill_ids, self.memory, self.memory.tree
         if req.row is None:
-            # The last token is always computed (its logits give the next token); input logprobs
-            # need the logits of every position from the first wanted one.
-            limit = len(fill) - 1
-            start = req.input_logprob_start()
-            if start is not None:
-                limit = min(limit, max(start - 1, 0))
-            slots, node = tree.match_prefix(fill[:limit])
+            slots, node = tree.match_prefix(self.cacheable(req))
             tree.inc_lock_ref(node)
             length = min(len(fill) - len(slots), budget)
             new = memory.alloc(length)
