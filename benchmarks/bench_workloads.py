@@ -313,7 +313,7 @@ def engine_stats(engine: Any) -> Any:
 
 
 def estimate_run(names: list[str], profiles: dict[str, Profile], counts: dict[str, int], hf_counts: dict[str, int],
-                 steps: list[tuple[str, tuple[str, ...]]], cost: DeviceCost) -> dict[str, Any]:
+                 steps: list[tuple[str, tuple[str, ...]]], cost: DeviceCost, repeats: int = 1) -> dict[str, Any]:
     """Seconds per measurement (a workload without a profile: cost.unprofiled_s each), per step, in all."""
     cells: dict[str, dict[str, dict[str, float]]] = {name: {} for name in names}
     per_step = []
@@ -322,6 +322,7 @@ def estimate_run(names: list[str], profiles: dict[str, Profile], counts: dict[st
             n = hf_counts[name] if system == "hf_transformers" else counts[name]
             guess = (estimate_seconds(profiles[name], n, system, cost) if name in profiles
                      else {part: cost.unprofiled_s for part in PARTS})
+            guess["throughput"] *= repeats  # --repeats throughput runs, each the estimate's
             cells[name].setdefault(system, {}).update({part: guess[part] for part in parts})
         per_step.append({"system": system, "parts": list(parts),
                          "seconds": sum(cells[n][system][part] for n in names for part in parts)})
@@ -386,7 +387,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if preset["cost"] is not None:
         cost = dataclasses.replace(preset["cost"], hf_max_batch=args.hf_max_batch,
                                    max_running=engine_options.get("max_running_requests", 512))
-        results["estimate"] = estimate_run(names, profiles, counts, hf_counts, steps, cost)
+        results["estimate"] = estimate_run(names, profiles, counts, hf_counts, steps, cost, args.repeats)
         log_estimate(results["estimate"], time.perf_counter() - START, args.time_limit_s, t0)
 
     hf_batches = {n: batches[n][: hf_counts[n]] for n in names}
