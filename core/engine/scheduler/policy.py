@@ -117,10 +117,13 @@ class SchedulePolicy:
         deeper matches first, and requests with nothing cached (the root's) come last."""
         at_node: dict[int, list[Req]] = {}
         weight: dict[int, int] = {}
+        kids: dict[int, list[Any]] = {}  # only the children with waiting requests below: O(queue x depth)
         for r in sorted(reqs, key=lambda r: r.arrival):
             node = last_nodes[id(r)]
             at_node.setdefault(id(node), []).append(r)
             while node is not None:
+                if id(node) not in weight and node.parent is not None:
+                    kids.setdefault(id(node.parent), []).append(node)
                 weight[id(node)] = weight.get(id(node), 0) + 1
                 node = node.parent
         ordered: list[Req] = []
@@ -131,7 +134,7 @@ class SchedulePolicy:
                 ordered.extend(at_node.get(id(node), []))
                 continue
             stack.append((node, True))  # its own requests once its subtrees are done
-            children = [c for c in node.children.values() if weight.get(id(c), 0) > 0]
-            children.sort(key=lambda c: weight[id(c)])  # heaviest popped first
+            # Heaviest popped first; among equals, the subtree whose first request arrived first.
+            children = sorted(reversed(kids.get(id(node), [])), key=lambda c: weight[id(c)])
             stack.extend((c, False) for c in children)
         return ordered
