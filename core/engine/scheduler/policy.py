@@ -33,9 +33,10 @@ class PrefixMemo:
 
     def __init__(self, tree_cache: Any) -> None:
         self.tree = tree_cache
-        # id(req) -> (req, deepest fully matched node, its depth); the request itself is kept so that an
-        # id reused by a later request cannot pick up another prompt's match
-        self._at: dict[int, tuple[Any, Any, int]] = {}
+        # id(req) -> (req, deepest fully matched node, its depth, match length, end node, the end edge's
+        # length); the request itself is kept so that an id reused by a later request cannot pick up
+        # another prompt's match
+        self._at: dict[int, tuple[Any, Any, int, int, Any, int]] = {}
 
     def lengths(self, reqs: list[Req]) -> dict[int, tuple[int, Any]]:
         """id(req) -> (cached prefix length, the node whose subtree holds the match's end: the edge it
@@ -49,9 +50,13 @@ class PrefixMemo:
             if r.output_ids:  # retracted or jump-forward requests: their outputs may change, matched whole
                 ids = r.fill_ids
             elif memo is not None and memo[0] is r and self._attached(memo[1]):
-                node, depth = memo[1], memo[2]  # the prompt never changes: walk on from its last match
+                _, node, depth, length, end, end_len = memo  # the prompt never changes: go on from there
+                if end is not node and node.children.get(ids[depth]) is end and len(end.key) == end_len:
+                    # It ended inside an edge that is still there, unsplit: the same tokens, the same match.
+                    at[id(r)], out[id(r)] = memo, (length, end)
+                    continue
             node, depth, length, end = self._walk(ids, node, depth)
-            at[id(r)] = (r, node, depth)
+            at[id(r)] = (r, node, depth, length, end, len(end.key))
             out[id(r)] = (length, end)
         self._at = at
         return out
