@@ -9,7 +9,10 @@ the same function run over plain lists (the oracle).
 
 from __future__ import annotations
 
+import importlib.util
+import random
 import threading
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -19,15 +22,17 @@ from radixlm.core.engine.memory_pool import ReqToTokenPool, SlotAllocator
 from radixlm.core.engine.model_runner import BatchInput
 from radixlm.core.engine.options import EngineOptions
 from radixlm.core.engine.radix_cache import RadixCache
-from radixlm.core.engine.messages import FinishReason, GenerateOutput, GenerateRequest
+from radixlm.core.engine.messages import Abort, FinishReason, GenerateOutput, GenerateRequest
 from radixlm.core.engine.request import Req
 from radixlm.core.engine.sampling_params import SamplingParams
 from radixlm.core.engine.scheduler import Scheduler
+from radixlm.core.engine.scheduler.batch import extend_batch
 from radixlm.core.engine.scheduler.constraints import JUMP_GATHER_RATIO, JUMP_GATHER_STEPS, JumpGather, jump_forward
 from radixlm.core.engine.scheduler.finish import Finish, check_finish
 from radixlm.core.engine.scheduler.memory import KVMemory
-from radixlm.core.engine.scheduler.policy import CACHE_AWARE_QUEUE_LIMIT, SchedulePolicy
+from radixlm.core.engine.scheduler.policy import SchedulePolicy
 from radixlm.core.engine.scheduler.prefill import IN_BATCH_SHARED_PREFIX, PrefillPlanner
+from radixlm.core.engine.scheduler.queues import RequestQueues
 from radixlm.core.engine.stats import EngineStats
 from radixlm.core.tokenizer.detokenizer import IncrementalDetokenizer
 
@@ -133,9 +138,50 @@ def test_lpm_takes_the_longest_cached_prefix_first():
     cache(memory, [7, 8])
     reqs = [make_req([9, 9, 9], 0), make_req([7, 8, 9], 1), make_req([1, 2, 3, 4, 9], 2), make_req([1, 2, 9], 3)]
     assert rids(SchedulePolicy("lpm", 100, memory.tree, 0).order(reqs)) == ["r2", "r1", "r3", "r0"]
-    # Past the queue limit, matching every request costs more than it saves: arrival order.
-    many = [make_req([9], i) for i in range(CACHE_AWARE_QUEUE_LIMIT)] + [make_req([1, 2, 3, 4, 9], 999)]
-    assert SchedulePolicy("lpm", 100, memory.tree, 0).order(many)[0].arrival == 0
+
+
+def lcp(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def test_lpm_at_a_long_queue_follows_the_tree_as_it_grows_and_shrinks():
+    """Hundreds waiting (no fallback to fcfs): the order is the oracle's (longest common prefix with
+    any cached sequence, by plain lists), step after step, while the tree gains sequences, is evicted
+    and reset; ordering reads the tree without changing it (no split, no LRU refresh)."""
+    rng = random.Random(0)
+    memory = make_memory(num_slots=4096)
+    heads = [[rng.randrange(V) for _ in range(24)] for _ in range(6)]
+    reqs = [make_req(heads[i % 6][: rng.randrange(4, 24)] + [rng.randrange(V) for _ in range(6)], i)
+            for i in range(300)]
+    policy = SchedulePolicy("lpm", 1000, memory.tree, 0)
+    cached: list[list[int]] = []
+
+    def check() -> None:
+        def key(r: Req) -> tuple[int, int]:
+            return (-max((lcp(r.inp.input_ids, c) for c in cached), default=0), r.arrival)
+
+        before = [(n.key, n.last_access) for n in memory.tree._nodes()]
+        assert rids(policy.order(reqs)) == rids(sorted(reqs, key=key))
+        assert [(n.key, n.last_access) for n in memory.tree._nodes()] == before
+
+    check()
+    for head in heads[:3]:  # a prefix of a sequence first, then the whole: the walk goes on from its node
+        for part in (head[:10], head):
+            cache(memory, part)
+            cached.append(part)
+            check()
+    memory.tree.evict(memory.tree.evictable_size())  # everything detached: matches start again at the root
+    cached.clear()
+    check()
+    cache(memory, heads[4])
+    cached.append(heads[4])
+    check()
+    memory.tree.reset()
+    cached.clear()
+    check()
 
 
 def test_dfs_weight_runs_the_heavier_subtree_first_and_keeps_it_together():
@@ -146,9 +192,22 @@ def test_dfs_weight_runs_the_heavier_subtree_first_and_keeps_it_together():
     heavy = [make_req([2, 2, 2, 2, 5], 1), make_req([2, 2, 2, 2, 6], 3)]
     fresh = make_req([3, 3], 2)
     order = SchedulePolicy("dfs-weight", 100, memory.tree, 0).order([light, heavy[0], fresh, heavy[1]])
-    # The root's own requests (nothing cached) as it is visited, then the subtree with two waiting
-    # requests, back to back, then the lighter one.
-    assert rids(order) == ["r2", "r1", "r3", "r0"]
+    # The subtree with two waiting requests, back to back, then the lighter one, and the root's own
+    # requests (nothing cached) last.
+    assert rids(order) == ["r1", "r3", "r0", "r2"]
+
+
+def test_dfs_weight_groups_matches_that_end_inside_one_edge():
+    """A cached sequence is one edge until something splits it: requests whose matches end inside it
+    still share its subtree (ordering reads the tree and splits nothing)."""
+    memory = make_memory()
+    cache(memory, [1] * 6)
+    cache(memory, [2] * 6)
+    reqs = [make_req([1, 1, 1, 5], 0), make_req([2, 2, 2, 2, 5], 1), make_req([3], 2), make_req([2, 2, 2, 6], 3),
+            make_req([1, 1, 1, 1, 7], 4), make_req([2, 2, 9], 5)]
+    order = SchedulePolicy("dfs-weight", 100, memory.tree, 0).order(reqs)
+    assert rids(order) == ["r1", "r3", "r5", "r0", "r4", "r2"]
+    assert [n.key for n in memory.tree.root.children.values()] == [[1] * 6, [2] * 6]
 
 
 def test_fairness_bound_puts_overdue_requests_first_oldest_first():
@@ -162,6 +221,31 @@ def test_fairness_bound_puts_overdue_requests_first_oldest_first():
     assert rids(policy.order([matched, *starved])) == ["r4", "r5", "r0"]
     starved[0].passed_over = starved[1].passed_over = 2
     assert rids(policy.order([matched, *starved]))[0] == "r0"
+
+
+def test_random_order_is_a_permutation_fixed_by_the_seed():
+    memory = make_memory()
+    reqs = [make_req([i + 1], i) for i in range(12)]
+    orders = [rids(SchedulePolicy("random", 100, memory.tree, seed).order(reqs)) for seed in (1, 1, 2)]
+    assert sorted(orders[0]) == sorted(rids(reqs)) and orders[0] == orders[1] and orders[0] != orders[2]
+
+
+def test_fairness_bound_lets_a_starved_request_in_after_that_many_rounds():
+    """One request runs at a time; every round a new request matching the cache arrives and lpm prefers
+    it, until the unrelated request has been passed over `bound` times."""
+    memory, bound = make_memory(), 3
+    cache(memory, list(range(1, 9)))
+    planner = make_planner(memory, max_running=1, fairness=bound)
+    queues = RequestQueues(memory, EngineStats())
+    queues.add(make_req([30, 30], 0, rid="starved"))
+    taken = []
+    for round_ in range(1, 7):
+        queues.add(make_req(list(range(1, 9)) + [round_], round_))
+        plan = planner.plan(queues.waiting, [], None)
+        queues.take(plan.taken, plan.passed_over)
+        taken.append(plan.taken[0].rid)
+        memory.release(plan.taken[0])
+    assert taken.index("starved") == bound
 
 
 def test_unknown_policy_is_refused_by_name():
@@ -179,7 +263,7 @@ def test_token_budget_chunks_a_long_prompt_and_continues_it():
     plan = planner.plan([a, b, c], [], None)
     assert [(e.req.rid, e.start, e.length, e.finishes_prompt) for e in plan.extends] == [("r0", 0, 5, True),
                                                                                        ("r1", 0, 3, False)]
-    assert plan.taken == [a, b] and plan.chunked is b and plan.passed_over == [c]
+    assert plan.taken == [a, b] and plan.chunked is b and plan.passed_over == []  # c waits behind, not overtaken
     plan = planner.plan([c], [a], b)  # the chunk goes on first; c waits while a chunk is unfinished
     assert [(e.req.rid, e.start, e.length) for e in plan.extends] == [("r1", 3, 8)]
     assert plan.chunked is b and plan.taken == [] and plan.passed_over == []
@@ -194,7 +278,8 @@ def test_running_limit_and_memory_bound_the_plan():
     planner = make_planner(memory, max_running=2, policy="fcfs")
     reqs = [make_req([1, 2, 3], i) for i in range(3)]
     plan = planner.plan(reqs, [make_req([7], 9)], None)  # one running: room for one more
-    assert plan.taken == reqs[:1] and plan.passed_over == reqs[1:]
+    # Waiting behind an earlier arrival is not being passed over (only a later arrival's overtaking counts).
+    assert plan.taken == reqs[:1] and plan.passed_over == []
     big, small = make_req(list(range(20)), 3), make_req([4, 4], 4)
     plan = make_planner(memory, policy="fcfs").plan([big, small], [], None)
     assert plan.extends == [] and plan.taken == []  # big does not fit, and small may not overtake it
@@ -216,6 +301,52 @@ def test_a_request_sharing_a_prefix_with_one_in_the_batch_waits_then_reuses_it()
     # A shorter overlap does not wait.
     short = make_req(shared[:4] + [9] * 20, 3)
     assert make_planner(make_memory()).plan([make_req(shared[:4] + [8] * 20, 4), short], [], None).passed_over == []
+
+
+def test_a_request_sharing_the_chunked_prompt_waits_for_its_last_chunk():
+    memory = make_memory(num_slots=256)
+    planner = make_planner(memory, chunk=48)
+    shared = [(5 * i) % 29 + 1 for i in range(80)]
+    long, other = make_req(shared + [1, 1], 0), make_req(shared + [2, 2], 1)
+    plan = planner.plan([long], [], None)
+    assert plan.chunked is long and plan.extends[0].length == 48
+    memory.cache_prefix(long)
+    plan = planner.plan([other], [], long)  # long's last 34 tokens, and 14 tokens of budget left
+    assert [(e.req.rid, e.start, e.length) for e in plan.extends] == [("r0", 48, 34)]
+    assert plan.passed_over == [] and plan.chunked is None
+    memory.cache_prefix(long)
+    plan = planner.plan([other], [long], None)
+    assert [(e.req.rid, e.start, e.length) for e in plan.extends] == [("r1", 80, 2)]  # all of the prefix reused
+
+
+def test_wanted_input_logprobs_limit_the_prefix_match():
+    """Positions whose prompt logprobs are wanted must be computed, however much of the prompt is cached."""
+    prompt = list(range(1, 13))
+    starts = {}
+    for start in (None, 0, 5):
+        memory = make_memory()
+        cache(memory, prompt)
+        extra = {} if start is None else {"return_logprob": True, "logprob_start_len": start}
+        req = make_req(prompt)
+        req.inp = GenerateRequest("r0", prompt, req.params, **extra)
+        (ext,) = make_planner(memory).plan([req], [], None).extends
+        starts[start] = (ext.start, req.cached_tokens)
+    assert starts == {None: (11, 11), 0: (0, 0), 5: (4, 4)}
+
+
+def test_extend_batch_asks_logits_only_where_they_are_used():
+    memory = make_memory()
+    planner = make_planner(memory, chunk=6)
+    plain, scored = make_req([1, 2, 3], 0), make_req([4, 5, 6, 7], 1)
+    scored.inp = GenerateRequest("r1", scored.inp.input_ids, scored.params, return_logprob=True, logprob_start_len=2)
+    chunked = make_req([8] * 10, 2)
+    plan = planner.plan([plain, scored], [], None)
+    plan.extends += planner.plan([chunked], [], None).extends
+    batch, use = extend_batch(plan.extends)
+    assert batch.extend_lens == [3, 3, 6] and batch.positions[3:6] == [0, 1, 2]
+    # plain: its last position; scored (3 of 4 prompt tokens fit): positions 1..2 give the logprobs of
+    # tokens 2..3; the unfinished chunk: none.
+    assert batch.logit_rows == [2, 4, 5] and use == [(0, 2, 1), (1, 1, 2), (3, 6, 0)]
 
 
 def test_ride_along_gives_running_requests_one_token_each():
@@ -365,26 +496,37 @@ def test_jump_continuations_gather_for_a_bounded_number_of_steps():
 # ---- the whole loop ---------------------------------------------------------------------------
 
 
-def run_scheduler(num_slots: int, prompts: list[list[int]], params: list[dict], **opts) -> tuple[Scheduler, list]:
-    """Runs the loop on its thread; the final GenerateOutput of each request, in order."""
+def run_scheduler(num_slots: int, prompts: list[list[int]], params: list[dict], rids: list[str] | None = None,
+                  on_chunk=None, **opts) -> tuple[Scheduler, list]:
+    """Runs the loop on its thread until every request's final GenerateOutput is in (returned in order);
+    `on_chunk(scheduler, i, out)` sees the stream chunks as they come out."""
     options = EngineOptions.from_kwargs({"device": "cpu", "debug_check_invariants": True, **opts})
     sched = Scheduler(FakeRunner(num_slots, options.max_running_requests), options, StubTokenizer(), [EOS])
-    finals: dict[str, GenerateOutput] = {}
+    rows = sched.runner.req_to_token.available()
+    finals: list[GenerateOutput | None] = [None] * len(prompts)
     for i, (prompt, p) in enumerate(zip(prompts, params)):
+        p = dict(p)
+        stream = p.pop("stream", False)
         sp = SamplingParams.from_dict({"temperature": 0, **p})
-        sched.inbox.put(GenerateRequest(f"q{i}", prompt, sp))
+        sched.inbox.put(GenerateRequest(rids[i] if rids else f"q{i}", prompt, sp, stream=stream))
     thread = threading.Thread(target=sched.run_forever)
     thread.start()
     try:
-        while len(finals) < len(prompts):
-            out = sched.outbox.get(timeout=60)  # the scheduler did not finish every request: queue.Empty
-            if out.finish is not None:
-                finals[out.rid] = out
+        while not all(f is not None for f in finals):
+            out = sched.outbox.get(timeout=60)  # queue.Empty: the scheduler did not finish every request
+            # A reused id is refused as it arrives, before the request holding it can finish: an output
+            # goes to the latest unfinished request with its id.
+            i = max(i for i, f in enumerate(finals) if f is None and (rids[i] if rids else f"q{i}") == out.rid)
+            if out.finish is None:
+                on_chunk(sched, i, out)
+            else:
+                finals[i] = out
     finally:
         sched.stop()
         thread.join(10)
     sched.check_invariants()
-    return sched, [finals[f"q{i}"] for i in range(len(prompts))]
+    assert sched.runner.req_to_token.available() == rows  # every request-to-token row back
+    return sched, finals
 
 
 def prompts_with_shared_prefixes(count: int) -> list[list[int]]:
@@ -418,3 +560,37 @@ def test_loop_retracts_under_memory_pressure_and_outputs_stay_the_same():
     for out, prompt in zip(finals, prompts):
         assert out.output_ids == oracle(prompt, 24, ignore_eos=True)
     assert sched.flush_cache() and sched.get_stats()["kv_slots_free"] == 64
+
+
+def test_loop_an_abort_and_a_reused_request_id_end_alone_and_free_their_kv():
+    prompts = [[1] * 6, [2] * 6, [3] * 6]
+    params = [{"max_new_tokens": 40, "ignore_eos": True, "stream": True},
+              *[{"max_new_tokens": 10, "ignore_eos": True}] * 2]
+
+    def abort_the_stream(sched: Scheduler, i: int, out: GenerateOutput) -> None:
+        sched.inbox.put(Abort("a"))
+
+    sched, finals = run_scheduler(256, prompts, params, rids=["a", "b", "b"], on_chunk=abort_the_stream)
+    aborted = finals[0]
+    assert aborted.finish == FinishReason("abort", None, "aborted by request")
+    assert aborted.completion_tokens < 40
+    assert finals[1].output_ids == oracle(prompts[1], 10, ignore_eos=True)
+    assert (finals[2].finish.type, finals[2].finish.matched, finals[2].finish.status_code) == ("abort", None, 400)
+    assert "already in use" in finals[2].finish.error
+    assert sched.flush_cache() and sched.get_stats()["kv_slots_free"] == 256
+
+
+def test_bench_scheduler_runs_one_step_per_token():
+    """benchmarks/bench_scheduler.py (the scheduler's host cost) at a tiny size: one prefill step, then
+    one decode step per further token."""
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_scheduler.py"
+    spec = importlib.util.spec_from_file_location("bench_scheduler", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    elapsed, cpu, steps, busy = bench.run_once(batch=3, prompt_len=5, new_tokens=4, seed=0)
+    assert steps == 4 and elapsed > 0 and cpu > 0 and busy == []
+    # 300 one-token requests, 8 at a time: one step each 8; those leaving 256+ waiting are timed (all
+    # but the first, which has no step before it).
+    _, _, steps, busy = bench.run_once(batch=300, prompt_len=8, new_tokens=1, seed=0, max_running=8,
+                                       shared_prefixes=4)
+    assert steps == 38 and len(busy) == (300 - 256) // 8 - 1
