@@ -54,7 +54,7 @@ class LocalScheduler:
     def run_paused(self, fn: Callable[[Any], Any]) -> Any:
         """`fn(scheduler)` on this thread while the loop waits between two iterations: for benchmarks that
         time steps or the forward alone (a scheduler in its own process has no such door)."""
-        with self.scheduler.turn:
+        with self.scheduler.paused():
             return fn(self.scheduler)
 
     def alive(self) -> bool:

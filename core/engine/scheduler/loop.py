@@ -11,11 +11,12 @@ constraints); this loop applies them to its queues and runs the steps through th
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
 import time
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -80,9 +81,8 @@ class Scheduler:
         self.snapshot: dict[str, Any] = {}
         self._arrivals = 0
         self._stop = threading.Event()
-        # Held by the loop for each iteration; LocalScheduler.run_paused takes it to work on the scheduler
-        # between two iterations (benchmarks, in-thread only).
-        self.turn = threading.Lock()
+        # paused(): the loop waits between two iterations while another thread works on the scheduler.
+        self._pause_wanted, self._paused, self._resume = threading.Event(), threading.Event(), threading.Event()
 
     @property
     def outbox(self) -> "queue.Queue[OutboxMessage]":
@@ -106,16 +106,19 @@ class Scheduler:
     def run_forever(self) -> None:
         self._publish()
         while not self._stop.is_set():
-            with self.turn:
-                self._drain_inbox(block=not self.queues.busy())
-                if self._stop.is_set():
-                    break
-                try:
-                    self.step()
-                except Exception:  # a failure of the batch itself (not of one request's own work)
-                    logger.exception("scheduler step failed; aborting the requests in flight")
-                    self.queues.abort_all("internal server error (the server log has the details)", status_code=500)
-                self._publish()
+            if self._pause_wanted.is_set():
+                self._paused.set()
+                self._resume.wait()
+                self._resume.clear()
+            self._drain_inbox(block=not self.queues.busy())
+            if self._stop.is_set():
+                break
+            try:
+                self.step()
+            except Exception:  # a failure of the batch itself (not of one request's own work)
+                logger.exception("scheduler step failed; aborting the requests in flight")
+                self.queues.abort_all("internal server error (the server log has the details)", status_code=500)
+            self._publish()
         self.queues.abort_all("engine shut down")
         self._publish()
 
@@ -125,6 +128,19 @@ class Scheduler:
         if self.publish_interval is not None and (force or self.last_progress - self._published_at >= self.publish_interval):
             self._published_at = self.last_progress
             self.outbox.put(StatsSnapshot(self.snapshot, self.last_progress))
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """The loop waits (between two iterations, within half a second when idle) until the block ends:
+        for benchmarks that time steps or the forward alone, in this process."""
+        self._pause_wanted.set()
+        self._paused.wait()
+        try:
+            yield
+        finally:
+            self._pause_wanted.clear()
+            self._paused.clear()
+            self._resume.set()
 
     def stop(self) -> None:
         self._stop.set()
