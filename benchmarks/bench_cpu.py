@@ -17,8 +17,8 @@ sequence per request, --threads threads (default: torch's). Peer columns need `t
 
 The greedy tokens of each radixlm variant (and of HF bf16) are compared with HF fp32's on every request,
 up to radixlm's first end-of-sequence token: a speed-up that changed the answers would show there.
---plain-linear adds radixlm on F.linear over the plain weights (disable_cpu_prepack), before and after
-of the prepacked linear layers in one run.
+--plain-linear DTYPE adds radixlm on F.linear over the plain weights (disable_cpu_prepack): before and
+after of the prepacked linear layers in one run.
 """
 
 from __future__ import annotations
@@ -185,8 +185,8 @@ def main() -> None:
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
     parser.add_argument("--systems", nargs="+", default=["radixlm", "hf", "llama.cpp"],
                         choices=["radixlm", "hf", "llama.cpp"])
-    parser.add_argument("--plain-linear", action="store_true",
-                        help="also run radixlm with F.linear on the plain weights (disable_cpu_prepack)")
+    parser.add_argument("--plain-linear", nargs="*", default=[], choices=["float32", "bfloat16"],
+                        help="dtypes to also run radixlm in with F.linear on the plain weights (disable_cpu_prepack)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own)")
     parser.add_argument("--startup-runs", type=int, default=3, help="fresh processes timed for start-up; 0 skips")
     parser.add_argument("--json", default=None, help="write the results here as JSON")
@@ -208,7 +208,7 @@ def main() -> None:
             runners[f"radixlm {dtype}"] = run
             keep.append(engine)
             tokenizer = engine.tokenizer
-            if args.plain_linear:
+            if dtype in args.plain_linear:
                 runners[f"radixlm {dtype} F.linear"], plain = radixlm_runner(args.model, dtype, args.new_tokens,
                                                                              disable_cpu_prepack=True)
                 keep.append(plain)
