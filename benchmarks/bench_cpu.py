@@ -10,7 +10,8 @@ greedy, exactly --new-tokens output tokens per request (radixlm ignore_eos, HF m
 never stops early); tokens/s = B x new tokens / wall time of the whole call, prefill included. radixlm's
 prefix cache is flushed before each call, so it prefills as much as the others. Every system runs once
 per round, in turn, so that a load change on a shared machine hits all of them alike; the table shows
-the median over rounds. HF runs `generate` on a left-padded batch. llama.cpp runs the GGUF file (its own
+the median over rounds, in tokens per wall second and per CPU second of the process (all its threads:
+on a machine others load, a wait for a core costs wall time, not CPU time). HF runs `generate` on a left-padded batch. llama.cpp runs the GGUF file (its own
 quantized weights: a different model in bytes, the same in shape) through its low-level batch API, one
 sequence per request, --threads threads (default: torch's). Peer columns need `transformers` (and the
 `gguf` package for a .gguf model) and `llama_cpp`; a missing one is skipped with a note.
@@ -234,15 +235,17 @@ def main() -> None:
             keep.append(llm)
 
     times: dict[tuple[str, int], list[float]] = {}
+    cpu_times: dict[tuple[str, int], list[float]] = {}  # the process's CPU seconds: less moved by others' load
     outputs: dict[tuple[str, int], list[list[int]]] = {}
     for name, run in runners.items():  # warm-up: first-call allocations and lazy initialisation
         run(prompts[:1])
     for r in range(args.rounds):
         for b in args.batch:
             for name, run in runners.items():
-                start = time.perf_counter()
+                start, cpu_start = time.perf_counter(), time.process_time()
                 outputs[name, b] = run(prompts[:b])
                 times.setdefault((name, b), []).append(time.perf_counter() - start)
+                cpu_times.setdefault((name, b), []).append(time.process_time() - cpu_start)
                 assert all(len(o) == args.new_tokens for o in outputs[name, b]), name
                 print(f"round {r + 1}: {name} batch {b}: {b * args.new_tokens / times[name, b][-1]:.1f} tok/s, "
                       f"load {os.getloadavg()[0]:.1f}", flush=True)
@@ -250,6 +253,8 @@ def main() -> None:
     results: dict[str, Any] = {"machine": info | {"load_avg_end": os.getloadavg()}, "tokens_per_s": {}}
     for (name, b), ts in times.items():
         results["tokens_per_s"].setdefault(name, {})[str(b)] = b * args.new_tokens / statistics.median(ts)
+        results.setdefault("tokens_per_cpu_s", {}).setdefault(name, {})[str(b)] = (
+            b * args.new_tokens / statistics.median(cpu_times[name, b]))
     if "hf float32" in runners and "radixlm" in args.systems:  # every other system's tokens against HF fp32's
         eos = set(keep[0].eos_token_ids)
         results["greedy_tokens_equal_to_hf_fp32"] = {
@@ -265,16 +270,18 @@ def main() -> None:
 
 
 def print_table(results: dict[str, Any], batches: list[int]) -> None:
-    tps = results["tokens_per_s"]
-    print("\n| system | " + " | ".join(f"batch {b} tok/s" for b in batches) + " |")
+    tps, per_cpu = results["tokens_per_s"], results["tokens_per_cpu_s"]
+    print("\n| system | " + " | ".join(f"batch {b} tok/s (per CPU s)" for b in batches) + " |")
     print("|---|" + "---|" * len(batches))
     for name, row in tps.items():
-        print(f"| {name} | " + " | ".join(f"{row[str(b)]:.1f}" for b in batches) + " |")
+        print(f"| {name} | " + " | ".join(f"{row[str(b)]:.1f} ({per_cpu[name][str(b)]:.1f})" for b in batches) + " |")
     for dtype in ("float32", "bfloat16"):
         ours, hf = tps.get(f"radixlm {dtype}"), tps.get(f"hf {dtype}")
         if ours and hf:
             print(f"radixlm / HF ({dtype}): " + ", ".join(f"batch {b} {ours[str(b)] / hf[str(b)]:.2f}x"
                                                           for b in batches))
+            ours, hf = per_cpu[f"radixlm {dtype}"], per_cpu[f"hf {dtype}"]
+            print("  per CPU second: " + ", ".join(f"batch {b} {ours[str(b)] / hf[str(b)]:.2f}x" for b in batches))
     if "llama.cpp" in tps and "radixlm float32" in tps:
         ours, peer = tps["radixlm float32"], tps["llama.cpp"]
         print("radixlm fp32 / llama.cpp: " + ", ".join(f"batch {b} {ours[str(b)] / peer[str(b)]:.2f}x"
