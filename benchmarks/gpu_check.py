@@ -41,7 +41,6 @@ def _load(name: str, path: Path):
     return module
 
 
-# Imports radixlm from the checkout when it is not installed (the GPU machine).
 kernel_check = _load("gpu_check_kernels", _HERE / "gpu_check_kernels.py")
 
 import radixlm  # noqa: E402

@@ -10,6 +10,8 @@
 #                                   # the fourth run: constrained e2e on the 8B shape + the paper workloads
 #   RUN_GPU_CHECK=0 RUN_ENGINE_BENCH=0 RUN_CONSTRAINED=0 RUN_WORKLOADS=1 bash benchmarks/run_h200.sh
 #                                   # the paper workloads alone, under 8 minutes (carry .whl for dspy_rag)
+#   RUN_GPU_CHECK=0 RUN_ENGINE_BENCH=0 RUN_CONSTRAINED=0 RUN_FUSION_ABLATION=1 bash benchmarks/run_h200.sh
+#                                   # batch-1 decode with the fused rotary + KV store and without (issue 19)
 #
 # Each step has its own time limit (seconds, overridable) so that one hang cannot eat the others.
 set -u -o pipefail
@@ -48,6 +50,18 @@ if [ "${RUN_ENGINE_BENCH:-1}" = 1 ]; then
 timeout "${BENCH_S:-300}" python3 benchmarks/bench_engine.py --model llama3-8b-shape --out "$OUT/bench_engine.json" \
   2>&1 | tee "$OUT/bench_engine.log"
 echo "bench_engine exit ${PIPESTATUS[0]}" | tee -a "$OUT/env.txt"
+fi
+
+if [ "${RUN_FUSION_ABLATION:-0}" = 1 ]; then
+  # Issue 19: the fused rotary + KV store against the unfused pair (RADIXLM_UNFUSED_ROTARY_STORE=1), back
+  # to back on the 8B shape without the HF peer; read "latency ms/token (B=1)" and "decode step B=1: ...
+  # GPU (graph) ... eager kernels ... launches" of each. One log for both (the device returns 8 files).
+  for unfused in 0 1; do
+    echo "== RADIXLM_UNFUSED_ROTARY_STORE=$unfused" | tee -a "$OUT/bench_fusion.log"
+    RADIXLM_UNFUSED_ROTARY_STORE=$unfused timeout "${FUSION_S:-150}" python3 benchmarks/bench_engine.py \
+      --model llama3-8b-shape --no-hf --requests 32 --repeats 5 2>&1 | tee -a "$OUT/bench_fusion.log"
+    echo "bench_engine (RADIXLM_UNFUSED_ROTARY_STORE=$unfused) exit ${PIPESTATUS[0]}" | tee -a "$OUT/env.txt"
+  done
 fi
 
 if [ "${RUN_CONSTRAINED:-1}" = 1 ] && [ -f benchmarks/bench_constrained.py ]; then

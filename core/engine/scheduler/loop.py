@@ -19,7 +19,6 @@ from typing import Any
 
 import torch
 
-from radixlm.core.tokenizer.detokenizer import IncrementalDetokenizer
 from radixlm.core.engine.memory_pool import SlotAllocator
 from radixlm.core.engine.model_runner import ModelRunner
 from radixlm.core.engine.options import EngineOptions
@@ -33,6 +32,7 @@ from radixlm.core.engine.scheduler.policy import SchedulePolicy
 from radixlm.core.engine.scheduler.prefill import PrefillPlanner
 from radixlm.core.engine.scheduler.queues import RequestQueues
 from radixlm.core.engine.stats import EngineStats, TimedRadixCache
+from radixlm.core.tokenizer.detokenizer import IncrementalDetokenizer
 
 logger = logging.getLogger("radixlm")
 

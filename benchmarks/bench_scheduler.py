@@ -1,0 +1,104 @@
+"""The scheduler's own host cost: wall time per step with a null model runner (no model, no KV), so that
+what is timed is scheduling, table bookkeeping, sampling and finishing alone.
+
+    python benchmarks/bench_scheduler.py --batch 64 --prompt-len 128 --new-tokens 256 --repeats 5
+
+Each repeat submits `batch` requests at once (distinct random prompts, greedy, ignore_eos) to a fresh
+Scheduler and runs its loop until every request is done; it reports the median over repeats of the
+time per generated token (wall, and the process's CPU time, which a busy machine disturbs less) and
+per step. The runner flushes the request-to-token table as the real one
+does, then returns zero logits (a small vocabulary, so that the sampler's argmax stays cheap).
+Uses only the Scheduler's constructor, inbox, run_forever and stop, so the same script times any
+version of the scheduler.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import threading
+import time
+from types import SimpleNamespace
+
+import torch
+
+from radixlm.core.engine.memory_pool import ReqToTokenPool
+from radixlm.core.engine.model_runner import BatchInput
+from radixlm.core.engine.options import EngineOptions
+from radixlm.core.engine.request import GenerateInput
+from radixlm.core.engine.sampling_params import SamplingParams
+from radixlm.core.engine.scheduler import Scheduler
+
+VOCAB = 256
+
+
+class NullTokenizer:
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return "x" * len(ids)
+
+
+class NullRunner:
+    def __init__(self, num_slots: int, max_running_requests: int, context_len: int) -> None:
+        self.cfg = SimpleNamespace(vocab_size=VOCAB, context_len=context_len)
+        self.num_slots = num_slots
+        self.device = torch.device("cpu")
+        self.req_to_token = ReqToTokenPool(max_running_requests + 1, context_len + 1, "cpu")
+        self.steps = 0
+
+    def forward(self, batch: BatchInput) -> torch.Tensor:
+        self.req_to_token.flush()
+        self.steps += 1
+        return torch.zeros(len(batch.logit_rows), VOCAB)
+
+
+def run_once(batch: int, prompt_len: int, new_tokens: int, seed: int) -> tuple[float, float, int]:
+    opts = EngineOptions.from_kwargs({"device": "cpu", "max_running_requests": batch})
+    context = prompt_len + new_tokens + 1
+    runner = NullRunner(batch * context, batch, context)
+    sched = Scheduler(runner, opts, NullTokenizer(), [VOCAB - 1])
+    rng = random.Random(seed)
+    params = SamplingParams.from_dict({"temperature": 0, "max_new_tokens": new_tokens, "ignore_eos": True})
+    left = [batch]
+    done = threading.Event()
+
+    def sink(out: dict) -> None:
+        left[0] -= 1
+        if left[0] == 0:
+            done.set()
+
+    for i in range(batch):
+        prompt = [rng.randrange(VOCAB - 1) for _ in range(prompt_len)]
+        sched.inbox.put(GenerateInput(f"b{i}", prompt, params, sink=sink))
+    thread = threading.Thread(target=sched.run_forever)
+    start, start_cpu = time.perf_counter(), time.process_time()
+    thread.start()
+    done.wait()
+    elapsed, cpu = time.perf_counter() - start, time.process_time() - start_cpu
+    sched.stop()
+    thread.join()
+    return elapsed, cpu, runner.steps
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    runs = [run_once(args.batch, args.prompt_len, args.new_tokens, seed) for seed in range(args.repeats)]
+    tokens = args.batch * args.new_tokens
+    print(json.dumps({
+        "batch": args.batch, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
+        "steps": runs[0][2],
+        "us_per_token": round(statistics.median(t for t, _, _ in runs) / tokens * 1e6, 2),
+        "cpu_us_per_token": round(statistics.median(c for _, c, _ in runs) / tokens * 1e6, 2),
+        "ms_per_step": round(statistics.median(t / s for t, _, s in runs) * 1e3, 3),
+    }))
+
+
+if __name__ == "__main__":
+    main()
