@@ -22,12 +22,12 @@ import re
 from typing import Any
 
 from radixlm.core.constrained import json_schema as js
+from radixlm.core.constrained.counted_string import counted_states, counted_string_dfa
 from radixlm.core.constrained.grammar import EMPTY, Alt, Expr, Grammar, Ref, Repeat, Terminal, alt, lit, opt, seq
 from radixlm.core.constrained.grammar_compiler import DEFAULT_BUDGET, Deadline, GrammarBudget, terminal_dfa
 from radixlm.core.constrained.regex_dfa import dfa_difference, literals_dfa
 
 CHAR = Terminal(regex=js.STRING_CHAR)
-STRING = Terminal(regex=js.STRING)
 NUMBER = Terminal(regex=js.NUMBER)
 INTEGER = Terminal(regex=js.INTEGER)
 NULL = lit("null")
@@ -62,6 +62,11 @@ _REFUSED = {
     "dependentRequired": "dependentRequired", "dependentSchemas": "dependentSchemas",
     "dependencies": "dependencies", "$dynamicRef": "$dynamicRef", "$recursiveRef": "$recursiveRef",
 }
+
+
+def string_terminal(lo: int = 0, hi: int | None = None) -> Terminal:
+    """A JSON string of lo..hi characters, quotes included; its masks are counted (counted_string.py)."""
+    return Terminal(key=f"counted:{lo}:{hi}", dfa=counted_string_dfa(lo, hi))
 
 
 class SchemaError(ValueError):
@@ -274,9 +279,9 @@ class _Converter(js._Converter):
             value = Ref("any")
             comma = self._punct(",")
             items = seq(value, Repeat(seq(comma, value)))
-            member = seq(STRING, self._punct(":"), value)
+            member = seq(string_terminal(), self._punct(":"), value)
             members = seq(member, Repeat(seq(comma, member)))
-            self.rules["any"] = alt(STRING, NUMBER, BOOLEAN, NULL,
+            self.rules["any"] = alt(string_terminal(), NUMBER, BOOLEAN, NULL,
                                     seq(self._punct("["), opt(items), self._punct("]")),
                                     seq(self._punct("{"), opt(members), self._punct("}")))
         return Ref("any")
@@ -302,8 +307,8 @@ class _Converter(js._Converter):
             if bounded:
                 raise SchemaError(f"{ptr}/format: format {fmt!r} together with minLength/maxLength is not supported")
             return Terminal(regex=f'"{FORMATS[fmt]}"')
-        if not bounded or (lo == 0 and hi is None):
-            return STRING
+        if counted_states(lo, hi) <= self.budget.max_terminal_states:
+            return string_terminal(lo, hi)
         tail = Repeat(CHAR, 0, hi - lo) if hi is not None else Terminal(regex=f"{js.STRING_CHAR}*")
         return seq(lit('"'), Repeat(CHAR, lo, lo), tail, lit('"')) if lo else seq(lit('"'), tail, lit('"'))
 

@@ -53,6 +53,8 @@ class GrammarIndex:
         self.eos_ids = np.asarray(vocab.eos_ids, dtype=np.int64)
         self._eos_set = frozenset(vocab.eos_ids)
         self._trans, self._acc = terminal_tables(grammar)
+        self._finals = [set(np.flatnonzero(a & (t < 0).all(axis=1)).tolist()) if len(t) else set()
+                        for t, a in zip(self._trans, map(np.asarray, self._acc))]
         self._rule_edges = [r.edges for r in grammar.rules]
         self._rule_acc = [r.accepting for r in grammar.rules]
         self._conts: dict[tuple[int, int, int], int] = {}
@@ -67,6 +69,7 @@ class GrammarIndex:
         self._built = np.zeros(64, dtype=bool)
         self._edges: dict[int, tuple[bytes, int]] = {}
         self._masks = MaskCache(MASK_CACHE_SIZE)
+        self._closings: dict[tuple[int, int], np.ndarray] = {}
         self._lock = threading.RLock()
         self._spellable = _spellable_bytes(vocab)
         self.spells_every_byte = bool(self._spellable.all())
@@ -154,10 +157,15 @@ class GrammarIndex:
             return row
 
     def _close(self, items: list) -> frozenset:
-        out = set(items)
+        """The items plus what follows those whose terminal may end; an item at the end of its terminal
+        (accepting, no byte goes on) is left out: it can read nothing more."""
+        out = set()
         for t, q, k in items:
             if self._acc[t][q]:
                 out |= self._follow(k)
+                if q in self._finals[t]:
+                    continue
+            out.add((t, q, k))
         return frozenset(out)
 
     # ---- the interface FSMConstraint drives ------------------------------------------------------
@@ -220,28 +228,54 @@ class GrammarIndex:
         return self._masks.get(state, vocab_size, packed, lambda width: self._allowed_bits(state, width))
 
     def _allowed_bits(self, state: int, vocab_size: int) -> np.ndarray:
-        allowed = np.zeros(-(-vocab_size // 32) * 32, dtype=np.uint8)
+        """Packed bits (little bit order), uint8 [4 * ceil(vocab_size / 32)]."""
+        allowed = np.zeros(-(-vocab_size // 32) * 4, dtype=np.uint8)
         with self._lock:
             walked = self._walk(state)
-        n = min(vocab_size, len(walked))
+        if vocab_size < self.vocab_size:  # logits narrower than the vocabulary: drop the ids past them
+            walked = np.packbits(np.unpackbits(walked, count=vocab_size, bitorder="little"), bitorder="little")
+        n = min(len(allowed), len(walked))
         allowed[:n] = walked[:n]
         if self._can_end[state]:
-            allowed[self.eos_ids[self.eos_ids < vocab_size]] = 1
+            eos = self.eos_ids[self.eos_ids < vocab_size]
+            np.bitwise_or.at(allowed, eos >> 3, (1 << (eos & 7)).astype(np.uint8))
         return allowed
 
     def _walk(self, state: int) -> np.ndarray:
-        """bool [vocab]: the tokens whose bytes all lead somewhere from `state`: for each item, the
-        tokens that stay inside its terminal (shared per terminal state, terminal_tokens.py), and those
-        of the uncertain ones that the configuration's continuations take."""
+        """Packed bits [ceil(vocab / 8)]: the tokens whose bytes all lead somewhere from `state`: for each
+        item, the tokens that stay inside its terminal (shared per terminal state, terminal_tokens.py), and
+        those of the uncertain ones that the configuration's continuations take."""
         packed = np.zeros(-(-self.vocab_size // 8), dtype=np.uint8)
-        out = np.zeros(self.vocab_size, dtype=bool)
-        for t, q in dict.fromkeys((t, q) for t, q, _ in self._items[state]):
-            classes = state_tokens(self.grammar.terminal_names[t], self.grammar.terminals[t], q, self.vocab)
-            packed |= classes.inside
-            if classes.uncertain is not None:
-                out |= self._walk_trie(state, classes.uncertain)
-        out |= np.unpackbits(packed, bitorder="little", count=self.vocab_size).astype(bool)
-        return out
+        walked = None
+        classes_of: dict[tuple[int, int], object] = {}
+        for t, q, k in self._items[state]:
+            classes = classes_of.get((t, q))
+            if classes is None:
+                classes = classes_of[t, q] = state_tokens(self.grammar.terminal_names[t], self.grammar.terminals[t],
+                                                          q, self.vocab)
+                packed |= classes.inside
+                if classes.uncertain is not None:
+                    found = self._walk_trie(state, classes.uncertain)
+                    walked = found if walked is None else walked | found
+            if classes.closing is not None:
+                packed |= classes.closing & self._after_closing(t, k, classes.after_quote)
+        if walked is not None:
+            packed |= np.packbits(walked, bitorder="little")
+        return packed
+
+    def _after_closing(self, t: int, k: int, after_quote: TokenTrie | None) -> np.ndarray:
+        """Packed bits: the tokens whose bytes after a closing quote (`after_quote`, under their ids) lead
+        somewhere once terminal t has ended with continuation k; one walk per (t, k)."""
+        found = self._closings.get((t, k))
+        if found is None:
+            if after_quote is None:
+                found = np.zeros(-(-self.vocab_size // 8), dtype=np.uint8)
+            else:
+                end = self.grammar.terminals[t].num_states - 1  # a counted string's state after its quote
+                after = self._intern(self._close([(t, end, k)]))
+                found = np.packbits(self._walk_trie(after, after_quote), bitorder="little")
+            self._closings[t, k] = found
+        return found
 
     def _walk_trie(self, state: int, trie: TokenTrie) -> np.ndarray:
         """bool [vocab]: the tokens of `trie` whose bytes all lead somewhere from `state`. All at once,

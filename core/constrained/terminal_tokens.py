@@ -7,6 +7,10 @@ set is kept as packed bits, the uncertain tokens as a small trie of their own; b
 per (terminal, state, vocabulary) and shared by every grammar using the terminal (JSON strings,
 numbers and keys recur across schemas). A parser configuration's mask is then the union of its items'
 context-independent bits and a walk of only the uncertain tokens through the configuration.
+
+A bounded string's character boundaries (counted_string.py) are counted instead: their uncertain
+tokens are the ones that close the string, and only their bytes after the quote are walked, once per
+continuation (pda.py).
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from radixlm.core.constrained.counted_string import CountedStringDFA, string_tokens
 from radixlm.core.constrained.index import expand_ranges
 from radixlm.core.constrained.regex_dfa import ByteDFA
 from radixlm.core.constrained.vocab import TokenTrie, TokenVocab
@@ -29,6 +34,10 @@ CACHE_SIZE = 8192  # (terminal, state) entries per process; a 151k vocabulary's 
 class StateTokens:
     inside: np.ndarray  # uint8 packed bits (little bit order) of the context-independent tokens
     uncertain: TokenTrie | None  # a trie holding the tokens that may leave the terminal mid-token
+    # Counted string boundaries: packed bits of the tokens that close the string and go on after the
+    # quote, and the trie of those bytes after the quote (uncertain is then None).
+    closing: np.ndarray | None = None
+    after_quote: TokenTrie | None = None
 
 
 _cache: OrderedDict[tuple, StateTokens] = OrderedDict()
@@ -37,6 +46,8 @@ _lock = threading.Lock()
 
 def state_tokens(key: str, dfa: ByteDFA, state: int, vocab: TokenVocab) -> StateTokens:
     """The token classes of `state` in terminal `dfa` (named `key`: equal keys, equal DFAs), cached."""
+    if isinstance(dfa, CountedStringDFA) and (written := dfa.written(state)) is not None:
+        return _counted(dfa, written, state == 0, vocab)  # a few bitwise operations: not worth a cache entry
     cache_key = (key, state, vocab.fingerprint)
     with _lock:
         found = _cache.get(cache_key)
@@ -56,6 +67,14 @@ def state_tokens(key: str, dfa: ByteDFA, state: int, vocab: TokenVocab) -> State
         if len(_cache) > CACHE_SIZE:
             _cache.popitem(last=False)
     return found
+
+
+def _counted(dfa: CountedStringDFA, written: int, opening: bool, vocab: TokenVocab) -> StateTokens:
+    strings = string_tokens(vocab, opening)
+    room = None if dfa.hi is None else dfa.hi - written
+    closing = strings.closing_between(dfa.lo - written, room)
+    inside = strings.allowed_inside(room) | (closing & strings.ends_at_quote)
+    return StateTokens(inside, None, closing & ~strings.ends_at_quote, strings.suffixes)
 
 
 _nonempty_cache: dict[str, np.ndarray] = {}
