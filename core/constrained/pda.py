@@ -142,13 +142,16 @@ class GrammarIndex:
             out = np.full(256, -1, dtype=np.int32)
             if items:
                 nxt = np.stack([self._trans[t][q] for t, q, _ in items])  # [items, 256]
-                columns, inverse = np.unique(nxt.T, axis=0, return_inverse=True)
-                targets = []
-                for column in columns.tolist():
-                    moved = [(t, q2, k) for (t, _, k), q2 in zip(items, column) if q2 >= 0]
-                    targets.append(self._intern(self._close(moved)) if moved else -1)
-                out = np.asarray(targets, dtype=np.int32)[inverse.reshape(-1)]
-                out[~self._spellable] = -1  # bytes no token contains can never be written
+                # Bytes no token contains can never be written.
+                live = np.flatnonzero((nxt >= 0).any(axis=0) & self._spellable)
+                targets: dict[tuple, int] = {}  # bytes with equal item moves share the target
+                for b, column in zip(live.tolist(), nxt[:, live].T.tolist()):
+                    key = tuple(column)
+                    target = targets.get(key)
+                    if target is None:
+                        moved = [(t, q2, k) for (t, _, k), q2 in zip(items, column) if q2 >= 0]
+                        target = targets[key] = self._intern(self._close(moved))
+                    out[b] = target
             self._table[c] = out
             self._built[c] = True
             live = np.flatnonzero(out >= 0)
