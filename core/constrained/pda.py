@@ -260,6 +260,9 @@ class GrammarIndex:
                 if classes.uncertain is not None:
                     found = self._walk_trie(state, classes.uncertain)
                     walked = found if walked is None else walked | found
+                elif classes.few:  # a few tokens: one by one costs less than numpy steps over a trie
+                    ids = np.array([i for i in classes.few if self.next_state(state, i) >= 0], dtype=np.int64)
+                    np.bitwise_or.at(packed, ids >> 3, (1 << (ids & 7)).astype(np.uint8))
             if classes.closing is not None:
                 packed |= classes.closing & self._after_closing(t, k, classes.after_quote)
         if walked is not None:

@@ -27,6 +27,7 @@ from radixlm.core.constrained.regex_dfa import ByteDFA
 from radixlm.core.constrained.vocab import TokenTrie, TokenVocab
 
 FULL_TRIE_FRACTION = 4  # more uncertain tokens than 1/4 of the vocabulary: walk the whole trie
+FEW_TOKENS = 256  # up to this many uncertain tokens are walked one by one (no trie, no numpy steps)
 CACHE_SIZE = 8192  # (terminal, state) entries per process; a 151k vocabulary's bits are 19 KB each
 
 
@@ -34,6 +35,7 @@ CACHE_SIZE = 8192  # (terminal, state) entries per process; a 151k vocabulary's 
 class StateTokens:
     inside: np.ndarray  # uint8 packed bits (little bit order) of the context-independent tokens
     uncertain: TokenTrie | None  # a trie holding the tokens that may leave the terminal mid-token
+    few: list[int] | None = None  # or, when they are few, their ids (uncertain is then None)
     # Counted string boundaries: packed bits of the tokens that close the string and go on after the
     # quote, and the trie of those bytes after the quote (uncertain is then None).
     closing: np.ndarray | None = None
@@ -55,13 +57,16 @@ def state_tokens(key: str, dfa: ByteDFA, state: int, vocab: TokenVocab) -> State
             _cache.move_to_end(cache_key)
             return found
     inside, uncertain = _classify(dfa, state, vocab)
+    few = None
     if not len(uncertain):
         trie = None
+    elif len(uncertain) <= FEW_TOKENS:
+        trie, few = None, uncertain.tolist()
     elif len(uncertain) > vocab.size // FULL_TRIE_FRACTION:
         trie = vocab.trie  # most of the vocabulary: walking all of it costs no more than a copy of it
     else:
         trie = TokenTrie.build(vocab.token_bytes, uncertain.tolist())
-    found = StateTokens(np.packbits(inside, bitorder="little"), trie)
+    found = StateTokens(np.packbits(inside, bitorder="little"), trie, few=few)
     with _lock:
         _cache[cache_key] = found
         if len(_cache) > CACHE_SIZE:
@@ -74,7 +79,7 @@ def _counted(dfa: CountedStringDFA, written: int, opening: bool, vocab: TokenVoc
     room = None if dfa.hi is None else dfa.hi - written
     closing = strings.closing_between(dfa.lo - written, room)
     inside = strings.allowed_inside(room) | (closing & strings.ends_at_quote)
-    return StateTokens(inside, None, closing & ~strings.ends_at_quote, strings.suffixes)
+    return StateTokens(inside, None, closing=closing & ~strings.ends_at_quote, after_quote=strings.suffixes)
 
 
 _nonempty_cache: dict[str, np.ndarray] = {}
