@@ -232,7 +232,7 @@ def test_number_ranges(lo, hi):
     (42, "must be an object or a boolean"),
     ({"not": {"minLength": 2}}, "#/not: only 'not' of types"),
     ({"type": "array", "uniqueItems": True, "minItems": 2}, "#/uniqueItems"),
-    ({"properties": {"a": {"dependentRequired": {"x": ["y"]}}}}, "#/properties/a/dependentRequired"),
+    ({"properties": {"a": {"dependentRequired": {"x": "y"}}}}, "#/properties/a/dependentRequired/x"),
     ({"oneOf": [{"type": "string"}, {"type": "string", "maxLength": 3}]}, "#/oneOf: branches 0 and 1"),
     ({"$ref": "http://example.com/s.json"}, "only local $ref"),
     ({"$ref": "#/$defs/missing"}, "does not resolve"),

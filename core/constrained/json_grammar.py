@@ -29,7 +29,9 @@ from radixlm.core.constrained.regex_dfa import dfa_difference, literals_dfa
 
 CHAR = Terminal(regex=js.STRING_CHAR)
 NUMBER = Terminal(regex=js.NUMBER)
-INTEGER = Terminal(regex=js.INTEGER)
+# A whole number may be written with a zero fraction: 1.0 is an integer to JSON Schema (draft 6 on).
+WHOLE = r"(?:\.0+)?"
+INTEGER = Terminal(regex=js.INTEGER + WHOLE)
 NULL = lit("null")
 BOOLEAN = Terminal(regex="true|false")
 NOTHING = Alt(())  # no output at all
@@ -58,10 +60,8 @@ _IGNORED = {
     "readOnly", "writeOnly", "deprecated", "contentMediaType", "contentEncoding", "contentSchema", "discriminator",
     "format", "$vocabulary", "$dynamicAnchor", "x-", "externalDocs", "xml", "example",
 }
-_REFUSED = {
-    "dependentRequired": "dependentRequired", "dependentSchemas": "dependentSchemas",
-    "dependencies": "dependencies", "$dynamicRef": "$dynamicRef", "$recursiveRef": "$recursiveRef",
-}
+_REFUSED = {"$dynamicRef": "$dynamicRef", "$recursiveRef": "$recursiveRef"}
+_DEPENDENT = ("dependentRequired", "dependentSchemas", "dependencies")
 
 
 def string_terminal(lo: int = 0, hi: int | None = None) -> Terminal:
@@ -137,6 +137,8 @@ class _Converter(js._Converter):
         for key in schema:
             if key in _REFUSED:
                 raise SchemaError(f"{ptr}/{key}: keyword {_REFUSED[key]!r} is not supported")
+        if any(k in schema for k in _DEPENDENT):
+            return self.value(self._dependents(schema, ptr), ptr)
         if "if" in schema:  # generated through its `if` branch: instances of if and then (a sound subset)
             rest = {k: v for k, v in schema.items() if k not in ("if", "then", "else")}
             return self.value({"allOf": [schema["if"], schema.get("then", True), rest]}, ptr)
@@ -181,6 +183,28 @@ class _Converter(js._Converter):
             out.append(handlers[t](schema, ptr))
         return alt(*out) if out else NOTHING
 
+    @staticmethod
+    def _dependents(schema: dict, ptr: str) -> dict:
+        """dependentRequired / dependentSchemas (and draft 7's dependencies) as an allOf of choices, one per
+        key: the key absent, or present with what depends on it."""
+        rest = {k: v for k, v in schema.items() if k not in _DEPENDENT}
+        # In an object that lists no keys, the choices must not close it (see _object's strictness).
+        opened = {} if any(k in schema for k in ("properties", "patternProperties", "additionalProperties",
+                                                 "unevaluatedProperties")) else {"additionalProperties": True}
+        parts = []
+        for keyword in _DEPENDENT:
+            table = schema.get(keyword, {})
+            if not isinstance(table, dict):
+                raise SchemaError(f"{ptr}/{keyword}: must be an object")
+            for key, then in table.items():
+                if isinstance(then, list):  # dependentRequired (and dependencies' list form)
+                    then = {"required": then}
+                elif keyword == "dependentRequired":
+                    raise SchemaError(f"{ptr}/{keyword}/{_escape(key)}: must be a list of property names")
+                present = {"allOf": [{"required": [key], **opened}, then]}
+                parts.append({"anyOf": [{"properties": {key: False}, **opened}, present]})
+        return {"allOf": [rest, *parts]}
+
     def _target(self, ref: str, ptr: str) -> Any:
         try:
             return self._resolve(ref)
@@ -200,7 +224,7 @@ class _Converter(js._Converter):
         """allOf merged; a part's additionalProperties also constrains the properties that only other
         parts list (it does not look into them), and its items the other parts' extra prefix items, so
         those carry it along before the merge."""
-        parts = [_known_keywords(self._deref(s, refs)[0]) for s in schemas]
+        parts = self._flat_parts(schemas, refs)
         choosing = [p for p in parts if isinstance(p, dict) and ("anyOf" in p or "oneOf" in p)]
         if len(choosing) > 1 or choosing and "anyOf" in choosing[0] and "oneOf" in choosing[0]:
             # Several choices in one allOf: distribute over the first one's branches (each branch an
@@ -252,6 +276,19 @@ class _Converter(js._Converter):
             parts = adjusted
         return super()._merge(parts, refs)
 
+    def _flat_parts(self, schemas: list[Any], refs: tuple) -> list[Any]:
+        """allOf's parts, dereferenced, with nested allOfs spliced in (so that a nested part's
+        additionalProperties also sees the properties the outer parts list)."""
+        parts = []
+        for schema in schemas:
+            part, sub_refs = self._deref(schema, refs)
+            part = _known_keywords(part)
+            if isinstance(part, dict) and isinstance(part.get("allOf"), list):
+                parts.extend(self._flat_parts(part["allOf"], sub_refs))
+                part = {k: v for k, v in part.items() if k != "allOf"}
+            parts.append(part)
+        return parts
+
     def _literal(self, value: Any, schema: dict, ptr: str) -> Expr:
         """A constant; dropped (NOTHING) when the schema's type excludes it."""
         types = schema.get("type")
@@ -260,7 +297,21 @@ class _Converter(js._Converter):
             kind = _json_type(value)
             if kind not in types and not (kind == "integer" and "number" in types):
                 return NOTHING
-        return lit(json.dumps(value, separators=(",", ":"), ensure_ascii=False))
+        return self._constant(value)
+
+    def _constant(self, value: Any) -> Expr:
+        """Exactly `value`, its whole numbers also with a zero fraction (0.0 equals 0 to JSON Schema)."""
+        if isinstance(value, float) and value.is_integer() or isinstance(value, int) and not isinstance(value, bool):
+            return Terminal(regex=re.escape(str(int(value))) + WHOLE)
+        if isinstance(value, list):
+            items = [self._constant(v) for v in value]
+            body = [seq(self._punct(","), v) if i else v for i, v in enumerate(items)]
+            return seq(self._punct("["), *body, self._punct("]"))
+        if isinstance(value, dict):
+            members = [seq(self._key(k), self._constant(v)) for k, v in value.items()]
+            body = [seq(self._punct(","), m) if i else m for i, m in enumerate(members)]
+            return seq(self._punct("{"), *body, self._punct("}"))
+        return lit(json.dumps(value, ensure_ascii=False))
 
     def _without(self, types: list[str], sub: Any, ptr: str) -> list[str]:
         if sub is True or sub == {}:
@@ -324,7 +375,7 @@ class _Converter(js._Converter):
             return INTEGER
         if lo is not None and hi is not None and lo > hi:
             return NOTHING
-        return Terminal(regex=js.int_range_regex(lo, hi))
+        return Terminal(regex=f"(?:{js.int_range_regex(lo, hi)}){WHOLE}")
 
     def _number(self, schema: dict, ptr: str) -> Expr:
         if "multipleOf" in schema:
@@ -342,7 +393,7 @@ class _Converter(js._Converter):
         lo, hi = js._int_bounds(schema)
         if lo is not None and hi is not None and lo > hi:
             return NOTHING
-        return Terminal(regex=js.number_range_regex(lo, hi))
+        return Terminal(regex=f"(?:{js.number_range_regex(lo, hi)}|(?:{js.int_range_regex(lo, hi)}){WHOLE})")
 
     # ---- objects -----------------------------------------------------------------------------------
     def _object(self, schema: dict, ptr: str) -> Expr:
@@ -355,9 +406,10 @@ class _Converter(js._Converter):
         patterns = schema.get("patternProperties") or {}
         if not isinstance(patterns, dict):
             raise SchemaError(f"{ptr}/patternProperties: must be an object")
-        # Keys no other keyword evaluates fall to unevaluatedProperties.
-        extra = schema.get("additionalProperties",
-                           schema.get("unevaluatedProperties", not props and not patterns and not required))
+        # Keys no other keyword evaluates fall to unevaluatedProperties. Without either, an object that
+        # lists its keys (properties or required) gets exactly those (the documented strictness).
+        explicit = schema.get("additionalProperties", schema.get("unevaluatedProperties"))
+        extra = explicit if explicit is not None else not props and not patterns and not required
         lo, hi = schema.get("minProperties", 0), schema.get("maxProperties")
         names = list(props) + [r for r in required if r not in props]
         key_filter = schema.get("propertyNames", True)
@@ -370,8 +422,9 @@ class _Converter(js._Converter):
                                   "is not supported")
         members: list[tuple[Expr, bool]] = []
         for name in names:
-            sub = props.get(name, True if extra is not False else False)
             matching = [ps for pattern, ps in patterns.items() if _pattern_matches(pattern, name, ptr)]
+            # A key listed only in required: its value is additional unless a pattern matches the key.
+            sub = props.get(name, True if matching or explicit is None else explicit)
             if matching:  # patternProperties apply to listed properties too
                 sub = {"allOf": [sub, *matching]}
             key_ptr = f"{ptr}/properties/{_escape(name)}"
@@ -548,6 +601,8 @@ class _Converter(js._Converter):
     def _signature(self, schema: Any) -> dict:
         """What a branch's outputs look like, as far as telling branches apart needs."""
         schema, _ = self._deref(schema, ())
+        if schema is False or isinstance(schema, dict) and any(p is False for p in schema.get("allOf", ())):
+            return {"types": set(), "consts": None}  # matches nothing: excludes every other branch
         if isinstance(schema, dict) and "allOf" in schema:
             schema = self._merge(schema["allOf"] + [{k: v for k, v in schema.items() if k != "allOf"}], ())
         if not isinstance(schema, dict):

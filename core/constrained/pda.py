@@ -69,7 +69,7 @@ class GrammarIndex:
         self._built = np.zeros(64, dtype=bool)
         self._edges: dict[int, tuple[bytes, int]] = {}
         self._masks = MaskCache(MASK_CACHE_SIZE)
-        self._closings: dict[tuple[int, int], np.ndarray] = {}
+        self._closings: dict[tuple[int, int, bool], np.ndarray] = {}
         self._lock = threading.RLock()
         self._spellable = _spellable_bytes(vocab)
         self.spells_every_byte = bool(self._spellable.all())
@@ -264,15 +264,16 @@ class GrammarIndex:
                     ids = np.array([i for i in classes.few if self.next_state(state, i) >= 0], dtype=np.int64)
                     np.bitwise_or.at(packed, ids >> 3, (1 << (ids & 7)).astype(np.uint8))
             if classes.closing is not None:
-                packed |= classes.closing & self._after_closing(t, k, classes.after_quote)
+                packed |= classes.closing & self._after_closing(t, k, q == 0, classes.after_quote)
         if walked is not None:
             packed |= np.packbits(walked, bitorder="little")
         return packed
 
-    def _after_closing(self, t: int, k: int, after_quote: TokenTrie | None) -> np.ndarray:
+    def _after_closing(self, t: int, k: int, opening: bool, after_quote: TokenTrie | None) -> np.ndarray:
         """Packed bits: the tokens whose bytes after a closing quote (`after_quote`, under their ids) lead
-        somewhere once terminal t has ended with continuation k; one walk per (t, k)."""
-        found = self._closings.get((t, k))
+        somewhere once terminal t has ended with continuation k; one walk per (t, k, whether the tokens
+        also open the string)."""
+        found = self._closings.get((t, k, opening))
         if found is None:
             if after_quote is None:
                 found = np.zeros(-(-self.vocab_size // 8), dtype=np.uint8)
@@ -280,7 +281,7 @@ class GrammarIndex:
                 end = self.grammar.terminals[t].num_states - 1  # a counted string's state after its quote
                 after = self._intern(self._close([(t, end, k)]))
                 found = np.packbits(self._walk_trie(after, after_quote), bitorder="little")
-            self._closings[t, k] = found
+            self._closings[t, k, opening] = found
         return found
 
     def _walk_trie(self, state: int, trie: TokenTrie) -> np.ndarray:
