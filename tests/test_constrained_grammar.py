@@ -90,6 +90,16 @@ CASES = [
                                                                       "additionalProperties": False}}},
      [{"bar": 1}, {}], [{"foo": 1}, {"foo": 1, "bar": 2}]),
     ({"oneOf": [False, INT, False]}, [1], ["s", 1.5]),
+    # propertyNames on open objects: the extra keys' terminal intersected with what it allows.
+    ({"type": "object", "propertyNames": {"maxLength": 3}}, [{"abc": 1}, {}], [{"abcd": 1}]),
+    ({"type": "object", "propertyNames": {"pattern": "^a"}, "properties": {"b": INT}, "additionalProperties": True},
+     [{"ax": 1}, {}],
+     [{"b": 1}, {"x": 1}]),
+    ({"type": "object", "propertyNames": {"enum": ["x", "y"]}, "additionalProperties": INT}, [{"x": 1}],
+     [{"z": 1}, {"x": "s"}]),
+    # pattern and format with length bounds: the pattern's DFA intersected with the counted string's.
+    ({"type": "string", "pattern": "^[a-z]+$", "minLength": 2, "maxLength": 4}, ["ab", "abcd"], ["a", "abcde", "AB"]),
+    ({"type": "string", "format": "ipv4", "maxLength": 7}, ["1.2.3.4"], ["10.2.3.4"]),
 ]
 
 

@@ -25,7 +25,7 @@ from radixlm.core.constrained import json_schema as js
 from radixlm.core.constrained.counted_string import counted_states, counted_string_dfa
 from radixlm.core.constrained.grammar import EMPTY, Alt, Expr, Grammar, Ref, Repeat, Terminal, alt, lit, opt, seq
 from radixlm.core.constrained.grammar_compiler import DEFAULT_BUDGET, Deadline, GrammarBudget, terminal_dfa
-from radixlm.core.constrained.regex_dfa import dfa_difference, literals_dfa
+from radixlm.core.constrained.regex_dfa import ByteDFA, dfa_difference, dfa_intersection, literals_dfa
 
 CHAR = Terminal(regex=js.STRING_CHAR)
 NUMBER = Terminal(regex=js.NUMBER)
@@ -347,21 +347,29 @@ class _Converter(js._Converter):
         fmt, pattern = schema.get("format"), schema.get("pattern")
         bounded = "minLength" in schema or "maxLength" in schema
         if pattern is not None:
-            if bounded:
-                raise SchemaError(f"{ptr}/pattern: 'pattern' together with minLength/maxLength is not supported")
             try:
                 body = ecma_string_pattern(pattern)
             except ValueError as e:
                 raise SchemaError(f"{ptr}/pattern: {e}") from None
-            return Terminal(regex=f'"{body}"')
+            return self._within(f'"{body}"', lo, hi, f"{ptr}/pattern") if bounded else Terminal(regex=f'"{body}"')
         if fmt in FORMATS:
-            if bounded:
-                raise SchemaError(f"{ptr}/format: format {fmt!r} together with minLength/maxLength is not supported")
-            return Terminal(regex=f'"{FORMATS[fmt]}"')
+            regex = f'"{FORMATS[fmt]}"'
+            return self._within(regex, lo, hi, f"{ptr}/format") if bounded else Terminal(regex=regex)
         if counted_states(lo, hi) <= self.budget.max_terminal_states:
             return string_terminal(lo, hi)
         tail = Repeat(CHAR, 0, hi - lo) if hi is not None else Terminal(regex=f"{js.STRING_CHAR}*")
         return seq(lit('"'), Repeat(CHAR, lo, lo), tail, lit('"')) if lo else seq(lit('"'), tail, lit('"'))
+
+    def _within(self, regex: str, lo: int, hi: int | None, ptr: str) -> Expr:
+        """The JSON strings matching `regex` (quotes included) that have lo..hi characters: the regex's
+        DFA intersected with the counted string's."""
+        budget = self.budget.max_terminal_states
+        if counted_states(lo, hi) > budget:
+            raise SchemaError(f"{ptr}: minLength/maxLength too large together with it")
+        dfa = terminal_dfa(regex, budget)
+        if dfa is not None:
+            dfa = dfa_intersection(dfa, counted_string_dfa(lo, hi), budget)
+        return NOTHING if dfa is None else Terminal(key=f"re:{regex}\0length:{lo}:{hi}", dfa=dfa)
 
     def _integer(self, schema: dict, ptr: str) -> Expr:
         step = schema.get("multipleOf")
@@ -417,9 +425,7 @@ class _Converter(js._Converter):
             names = self._property_names(names, key_filter, required, ptr)
             if names is None:
                 return NOTHING
-            if extra is not False or patterns:
-                raise SchemaError(f"{ptr}/propertyNames: propertyNames with keys beyond the listed properties "
-                                  "is not supported")
+        key_names = self._names_dfa(key_filter, ptr) if key_filter is not True and (extra is not False or patterns) else None
         members: list[tuple[Expr, bool]] = []
         for name in names:
             matching = [ps for pattern, ps in patterns.items() if _pattern_matches(pattern, name, ptr)]
@@ -438,13 +444,13 @@ class _Converter(js._Converter):
             except ValueError as e:
                 raise SchemaError(f"{ptr}/patternProperties: {e}") from None
             others = [f'"{ecma_string_pattern(p)}"' for j, p in enumerate(patterns) if j != i]
-            key = self._key_terminal(f'"{body}"', listed, others)
+            key = self._key_terminal(f'"{body}"', listed, others, key_names)
             if key is not None:
                 p2 = f"{ptr}/patternProperties/{_escape(pattern)}"
                 extras.append(seq(key, self._punct(":"), self._shared(self.value(sub, p2), p2)))
         if extra is not False:
             others = [f'"{ecma_string_pattern(p)}"' for p in patterns]
-            key = self._key_terminal(js.STRING, listed, others)
+            key = self._key_terminal(js.STRING, listed, others, key_names)
             if key is not None:
                 value = self._any() if extra is True else self.value(extra, f"{ptr}/additionalProperties")
                 extras.append(seq(key, self._punct(":"), self._shared(value, f"{ptr}/additionalProperties")))
@@ -499,11 +505,42 @@ class _Converter(js._Converter):
         text = json.dumps(name, ensure_ascii=False)
         return lit(text + ":") if not self.ws_term else seq(lit(text), self._punct(":"))
 
-    def _key_terminal(self, regex: str, names: list[str], patterns: list[str]) -> Terminal | None:
-        """Keys matching `regex` but none of the listed `names` (JSON-quoted) nor other `patterns`
-        (regexes); None if no key is left."""
+    def _names_dfa(self, rule: Any, ptr: str) -> tuple[ByteDFA | bool, str]:
+        """The keys (JSON-quoted) `propertyNames` allows beyond the listed properties: (a DFA, or False
+        for none; a name for it)."""
+        label = json.dumps(rule, sort_keys=True)
+        if rule is False:
+            return False, label
+        budget = self.budget.max_terminal_states
+        lo, hi = rule.get("minLength", 0), rule.get("maxLength")
+        dfa = counted_string_dfa(lo, hi) if counted_states(lo, hi) <= budget else None
+        if dfa is None:
+            raise SchemaError(f"{ptr}/propertyNames: length bounds too large")
+        parts = []
+        if "pattern" in rule:
+            try:
+                parts.append(terminal_dfa(f'"{ecma_string_pattern(rule["pattern"])}"', budget))
+            except ValueError as e:
+                raise SchemaError(f"{ptr}/propertyNames/pattern: {e}") from None
+        for key in ("enum", "const"):
+            if key in rule:
+                values = rule[key] if key == "enum" else [rule[key]]
+                words = [json.dumps(v, ensure_ascii=False).encode() for v in values if isinstance(v, str)]
+                parts.append(literals_dfa(words) if words else None)
+        for part in parts:
+            dfa = dfa_intersection(dfa, part, budget) if dfa is not None and part is not None else None
+        return (dfa if dfa is not None else False), label
+
+    def _key_terminal(self, regex: str, names: list[str], patterns: list[str],
+                      allowed: tuple[ByteDFA | bool, str] | None = None) -> Terminal | None:
+        """Keys matching `regex` (and propertyNames' `allowed` keys, _names_dfa) but none of the listed
+        `names` (JSON-quoted) nor other `patterns` (regexes); None if no key is left."""
+        if allowed is not None and allowed[0] is False:
+            return None
         budget = self.budget.max_terminal_states
         dfa = terminal_dfa(regex, budget)
+        if dfa is not None and allowed is not None:
+            dfa = dfa_intersection(dfa, allowed[0], budget)
         if dfa is not None and names:
             dfa = dfa_difference(dfa, literals_dfa([n.encode() for n in names]), budget)
         for pattern in patterns:
@@ -513,6 +550,8 @@ class _Converter(js._Converter):
         if dfa is None:
             return None
         excluded = names + patterns
+        if allowed is not None:  # terminals are shared by key: name the filter too
+            excluded.append(f"propertyNames:{allowed[1]}")
         return Terminal(key=f"key:{regex}\0" + "\0".join(excluded), dfa=dfa)
 
     # ---- arrays ------------------------------------------------------------------------------------

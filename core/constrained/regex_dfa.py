@@ -457,3 +457,9 @@ def dfa_difference(a: ByteDFA, b: ByteDFA, max_states: int = MAX_DFA_STATES) -> 
         return _minimize(np.stack(rows), accepting, np.arange(256), "difference")
     except ValueError:
         return None
+
+
+def dfa_intersection(a: ByteDFA, b: ByteDFA, max_states: int = MAX_DFA_STATES) -> ByteDFA | None:
+    """The minimal DFA of L(a) and L(b) both (a minus what b lacks), or None if that language is empty."""
+    missing = dfa_difference(a, b, max_states)
+    return a if missing is None else dfa_difference(a, missing, max_states)
