@@ -205,7 +205,7 @@ def main() -> None:
             keep.append(engine)
             tokenizer = engine.tokenizer
     if tokenizer is None:
-        from radixlm.core.models.loader import load_tokenizer
+        from radixlm.core.tokenizer.loader import load_tokenizer
 
         tokenizer = load_tokenizer(args.model)
     prompts = prompt_ids(tokenizer, max(args.batch))

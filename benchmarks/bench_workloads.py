@@ -56,10 +56,10 @@ START = time.perf_counter()  # --time-limit-s counts from here: imports and engi
 
 import torch  # noqa: E402
 
-from bench_engine import hf_model_on_shared_weights, make_model_dir  # noqa: E402  (also makes radixlm importable)
+from bench_engine import hf_model_on_shared_weights, make_model_dir  # noqa: E402
 
 import radixlm  # noqa: E402
-from radixlm.core.models.loader import load_tokenizer  # noqa: E402
+from radixlm.core.tokenizer.loader import load_tokenizer  # noqa: E402
 from radixlm.core.program.config import global_config  # noqa: E402
 from workloads import WORKLOADS  # noqa: E402
 from workloads.estimate import DeviceCost, Profile, estimate_seconds, profile_workload  # noqa: E402

@@ -31,7 +31,8 @@ from bench_constrained import E2E_SCHEMA  # noqa: E402
 from bench_engine import make_model_dir  # noqa: E402  (also makes radixlm importable from a checkout)
 
 import radixlm  # noqa: E402
-from radixlm.core.engine import scheduler as scheduler_module  # noqa: E402
+from radixlm.core.engine.scheduler import constraints as jump_gathering  # noqa: E402
+from radixlm.core.engine.scheduler.execute import Executor  # noqa: E402
 
 CASES = ("plain", "json", "json_jump")
 
@@ -43,18 +44,17 @@ class StepTimer:
         self.steps: list[tuple[str, float]] = []
         self.profile_window: tuple[int, int] | None = None  # (first step, number of steps) to profile
         self.profiler: torch.profiler.profile | None = None
-        cls = scheduler_module.Scheduler
-        decode, extend = cls._run_decode, cls._run_extend
+        decode, extend = Executor.run_decode, Executor.run_extend
         timer = self
 
-        def timed_decode(sched) -> None:
-            timer._timed("decode", lambda: decode(sched))
+        def timed_decode(executor) -> None:
+            timer._timed("decode", lambda: decode(executor))
 
-        def timed_extend(sched, extends) -> None:
+        def timed_extend(executor, extends) -> None:
             kind = "extend+ride" if any(e.rides_along for e in extends) else "extend"
-            timer._timed(kind, lambda: extend(sched, extends))
+            timer._timed(kind, lambda: extend(executor, extends))
 
-        cls._run_decode, cls._run_extend = timed_decode, timed_extend
+        Executor.run_decode, Executor.run_extend = timed_decode, timed_extend
 
     def _timed(self, kind: str, run) -> None:
         if self.profile_window and len(self.steps) == self.profile_window[0]:
@@ -109,7 +109,7 @@ def main() -> None:
     parser.add_argument("--profile", nargs="*", default=[], choices=CASES,
                         help="cases to run once more under torch.profiler (op table printed)")
     parser.add_argument("--profile-steps", type=int, default=20)
-    parser.add_argument("--jump-gather-steps", type=int, nargs="+", default=[scheduler_module.JUMP_GATHER_STEPS],
+    parser.add_argument("--jump-gather-steps", type=int, nargs="+", default=[jump_gathering.JUMP_GATHER_STEPS],
                         help="json_jump once per value: decode steps jump-forward continuations may wait to gather")
     args = parser.parse_args()
 
@@ -121,7 +121,7 @@ def main() -> None:
             plain_tokens = args.max_new_tokens
             for case, gather in [(c, g) for c in args.cases for g in (args.jump_gather_steps if c == "json_jump" else [None])]:
                 if gather is not None:
-                    scheduler_module.JUMP_GATHER_STEPS = gather
+                    jump_gathering.JUMP_GATHER_STEPS = gather
                 for _ in range(args.repeats):
                     engine.flush_cache()
                     timer.take()

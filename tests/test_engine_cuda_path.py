@@ -12,7 +12,7 @@ import torch
 import radixlm
 from radixlm.core.engine.cuda_graph_runner import (DecodeGraphRunner, ExtendGraphRunner, batch_size_ladder,
                                                    extend_buckets)
-from radixlm.core.engine.detokenizer import IncrementalDetokenizer
+from radixlm.core.tokenizer.detokenizer import IncrementalDetokenizer
 from radixlm.core.engine.memory_pool import ReqToTokenPool
 from radixlm.core.engine.model_runner import BatchInput, ModelRunner
 from radixlm.core.engine.options import EngineOptions

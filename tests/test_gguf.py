@@ -24,7 +24,7 @@ from radixlm.core.errors import UnsupportedModelError
 from radixlm.core.models.config import ModelConfig
 from radixlm.core.models.default_model import default_model_path
 from radixlm.core.models.hub import find_gguf
-from radixlm.core.models.loader import load_tokenizer
+from radixlm.core.tokenizer.loader import load_tokenizer
 from radixlm.core.testing import (
     BOS_TOKEN, CHAT_TEMPLATE, EOS_TOKEN, IM_END, SPECIAL_TOKENS, VOCAB_SIZE, build_tokenizer,
 )

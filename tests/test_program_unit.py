@@ -68,7 +68,7 @@ def test_choice_methods() -> None:
 # ----- chat templates -----
 
 def test_chat_template_from_tokenizer_reproduces_the_jinja_template(tokenizer_path: str) -> None:
-    from radixlm.core.models.loader import load_tokenizer
+    from radixlm.core.tokenizer.loader import load_tokenizer
 
     tokenizer = load_tokenizer(tokenizer_path)
     template = chat_template_from_tokenizer(tokenizer)

@@ -13,8 +13,8 @@ import time
 import pytest
 
 import radixlm
-from radixlm.core.engine import scheduler as scheduler_module
-from radixlm.core.engine.detokenizer import IncrementalDetokenizer
+from radixlm.core.engine.scheduler import loop as scheduler_loop
+from radixlm.core.tokenizer.detokenizer import IncrementalDetokenizer
 from radixlm.core.engine.sampling_params import SamplingParams
 from radixlm.core.errors import InvalidRequestError, TooComplexError
 
@@ -139,7 +139,7 @@ def test_detokenizer_error_ends_only_its_request(engine, clean_outputs, monkeypa
         cls = Failing if stop == ["FAIL-HERE"] else IncrementalDetokenizer
         return cls(tokenizer, skip, stop, no_stop_trim, lazy=lazy)
 
-    monkeypatch.setattr(scheduler_module, "IncrementalDetokenizer", detokenizer)
+    monkeypatch.setattr(scheduler_loop, "IncrementalDetokenizer", detokenizer)
     faulty = _one(engine, {**GREEDY, "stop": ["FAIL-HERE"]})
     others, bad = _run_with_fault(engine, faulty)
     _assert_isolated(engine, clean_outputs, others, bad)

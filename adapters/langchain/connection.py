@@ -82,7 +82,7 @@ def server_connection(base_url: str, api_key: str | None, timeout: float | None,
     endpoint = RetryingEndpoint(root, api_key, timeout, max_retries)
     tokenizer = endpoint.tokenizer
     if tokenizer_path is not None:
-        from radixlm.core.models.loader import load_tokenizer
+        from radixlm.core.tokenizer.loader import load_tokenizer
         tokenizer = load_tokenizer(tokenizer_path)
     if tokenizer is None:
         raise ValueError(f"ChatSGLang renders chats with the model's own chat template, so it needs the model's "

@@ -102,7 +102,7 @@ def _check(response: "httpx.Response") -> None:
 def _try_load_tokenizer(path: str | None) -> Any:
     if not path or not os.path.exists(path):  # a checkpoint folder or .gguf file on this machine
         return None
-    from radixlm.core.models.loader import load_tokenizer
+    from radixlm.core.tokenizer.loader import load_tokenizer
     try:
         return load_tokenizer(path)
     except Exception:

@@ -13,7 +13,7 @@ from radixlm.core.constrained.index import TokenIndex, get_index
 from radixlm.core.constrained.pda import can_finish
 from radixlm.core.constrained.json_schema import json_schema_to_regex
 from radixlm.core.constrained.vocab import vocab_of
-from radixlm.core.models.tokenizer_fast_path import encoder_for
+from radixlm.core.tokenizer.fast_path import encoder_for
 
 KINDS = ("regex", "json_schema", "choices")
 

@@ -33,8 +33,3 @@ class TokenConstraint(Protocol):
         `tokens`, canonically tokenized, trailing tokens that could merge with what follows held back;
         the constraint has already moved past them. None when there is nothing to jump."""
 
-
-class ConstraintFactory(Protocol):
-    def __call__(self, kind: str, spec: Any, tokenizer: object, *,
-                 eos_token_ids: list[int] | None = None) -> TokenConstraint:
-        """Builds a constraint for kind in ('regex', 'json_schema', 'choices'); invalid spec raises ValueError."""

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from radixlm.core.engine.forward_batch import ForwardBatch
+from radixlm.core.layers.forward_batch import ForwardBatch
 
 if TYPE_CHECKING:
     from radixlm.core.engine.model_runner import BatchInput, ModelRunner

@@ -25,7 +25,7 @@ from radixlm.core.errors import (
 )
 from radixlm.core.models.config import ModelConfig
 from radixlm.core.models.hub import locate_model
-from radixlm.core.models.loader import load_tokenizer
+from radixlm.core.tokenizer.loader import load_tokenizer
 
 logger = logging.getLogger("radixlm")
 

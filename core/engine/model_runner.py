@@ -17,10 +17,10 @@ from typing import TYPE_CHECKING
 import torch
 
 from radixlm import kernels
-from radixlm.core.engine.attention_backend import AttentionBackend
-from radixlm.core.engine.forward_batch import ForwardBatch
 from radixlm.core.engine.memory_pool import KVPool, ReqToTokenPool
 from radixlm.core.engine.options import EngineOptions
+from radixlm.core.layers.attention_backend import AttentionBackend
+from radixlm.core.layers.forward_batch import ForwardBatch
 from radixlm.core.models.config import ModelConfig
 from radixlm.core.models.loader import load_model
 

@@ -6,7 +6,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Sequence
 
-from radixlm.core.engine.schedule_policy import POLICIES
+from radixlm.core.engine.scheduler.policy import POLICIES
 
 if TYPE_CHECKING:
     import torch

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from radixlm.core.engine.constraint import TokenConstraint
-from radixlm.core.engine.detokenizer import IncrementalDetokenizer
+from radixlm.core.tokenizer.detokenizer import IncrementalDetokenizer
 from radixlm.core.engine.sampling_params import SamplingParams
 
 

@@ -57,10 +57,10 @@ class ModelConfig:
         """The config of the checkpoint at path: an HF folder's config.json, or a GGUF file's metadata."""
         gguf_path = find_gguf(path)
         if gguf_path is not None:
-            # Imported here: it imports this module, and `gguf` only where a GGUF file is loaded.
+            # Imported here: `gguf` only where a GGUF file is loaded.
             from radixlm.core.models.gguf_checkpoint import GGUFCheckpoint
 
-            return GGUFCheckpoint(gguf_path).model_config()
+            return cls(**GGUFCheckpoint(gguf_path).config_fields())
         with open(os.path.join(path, "config.json")) as f:
             cfg = json.load(f)
         eos = _generation_eos(path)

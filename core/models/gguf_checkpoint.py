@@ -1,6 +1,6 @@
 """GGUF checkpoints (llama.cpp's single-file format), loaded as they are: the model config from the
-file's metadata, every weight dequantized by the `gguf` package and named as in an HF checkpoint, and
-the tokenizer (with its chat template) that transformers builds from the file's vocabulary.
+file's metadata and every weight dequantized by the `gguf` package and named as in an HF checkpoint (the
+tokenizer, with its chat template, is transformers' build from the file: core.tokenizer.loader).
 
 The header is parsed here with `struct`, not with `gguf.GGUFReader`: the reader makes a numpy view of
 every vocabulary string, merge and token type (2.4 s for SmolLM2-135M's 147k entries on a 2-core
@@ -11,7 +11,6 @@ vocabulary itself is read once, by transformers, when it builds the tokenizer.
 from __future__ import annotations
 
 import mmap
-import os
 import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -25,7 +24,6 @@ import torch
 from tqdm.auto import tqdm
 
 from radixlm.core.errors import UnsupportedModelError
-from radixlm.core.models.config import ModelConfig
 
 # llama.cpp architecture -> the HF architecture our Llama-family model implements it as. llama.cpp's
 # converter writes Mistral (and other Llama look-alikes) as "llama".
@@ -93,7 +91,8 @@ class GGUFCheckpoint:
             raise UnsupportedModelError(f"{self.path} lacks the metadata key {self.arch}.{name}")
         return value
 
-    def model_config(self) -> ModelConfig:
+    def config_fields(self) -> dict[str, Any]:
+        """The fields of the ModelConfig (core.models.config) that the file's metadata describes."""
         hidden = self._key("embedding_length")
         num_heads = self._key("attention.head_count")
         head_dim = self._key("attention.key_length", hidden // num_heads)
@@ -106,7 +105,7 @@ class GGUFCheckpoint:
         meta = self.metadata
         eos_ids = [meta[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
                                      "tokenizer.ggml.eom_token_id") if k in meta]
-        return ModelConfig(
+        return dict(
             architecture=ARCHITECTURES[self.arch],
             vocab_size=self.tensors["token_embd.weight"].shape[0],
             hidden_size=hidden,
@@ -260,12 +259,3 @@ def _read_value(buf: mmap.mmap, pos: int, vtype: int) -> tuple[Any, int]:
         pos += count * struct.calcsize(_SCALAR_FORMATS[_V(item_type)])
     return ..., pos
 
-
-def load_gguf_tokenizer(path: str) -> Any:
-    """The fast tokenizer transformers builds from the file's vocabulary, merges, special token ids
-    and chat template (PreTrainedTokenizerFast directly: AutoTokenizer would first rebuild the whole
-    model config through gguf's slow reader)."""
-    from transformers import PreTrainedTokenizerFast
-
-    directory, name = os.path.split(os.path.abspath(path))
-    return PreTrainedTokenizerFast.from_pretrained(directory, gguf_file=name)

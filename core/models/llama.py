@@ -13,7 +13,7 @@ from types import ModuleType
 import torch
 from torch import nn
 
-from radixlm.core.engine.forward_batch import ForwardBatch
+from radixlm.core.layers.forward_batch import ForwardBatch
 from radixlm.core.models.config import ModelConfig
 
 

@@ -1,11 +1,10 @@
-"""Loads a local checkpoint: an HF-format directory (config, safetensors weights single or sharded,
-tokenizer) or a GGUF file (core.models.gguf_checkpoint). Both yield (HF name, tensor) pairs to one loop."""
+"""Loads a local checkpoint's model: an HF-format directory (config, safetensors weights single or
+sharded) or a GGUF file (core.models.gguf_checkpoint). Both yield (HF name, tensor) pairs to one loop."""
 
 from __future__ import annotations
 
 import glob
 import json
-import logging
 import os
 from collections.abc import Iterator
 from types import ModuleType
@@ -22,8 +21,6 @@ from radixlm.core.models.llama import LlamaForCausalLM
 
 if TYPE_CHECKING:
     from radixlm.core.models.parallel import TensorParallel
-
-logger = logging.getLogger("radixlm")
 
 
 def _weight_files(path: str) -> list[str]:
@@ -137,17 +134,3 @@ def _copy_into(model: LlamaForCausalLM, param: torch.Tensor, name: str, shard: i
         start = sum(sizes[:shard])
         param[start : start + sizes[shard]].copy_(w)
 
-
-def load_tokenizer(path: str, trust_remote_code: bool = False):
-    from transformers import AutoTokenizer
-
-    gguf_path = find_gguf(path)
-    if gguf_path is not None:
-        from radixlm.core.models.gguf_checkpoint import load_gguf_tokenizer
-
-        tok = load_gguf_tokenizer(gguf_path)
-    else:
-        tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
-    if not getattr(tok, "is_fast", False):
-        logger.warning("tokenizer at %s is not a fast tokenizer; detokenization will be slower", path)
-    return tok

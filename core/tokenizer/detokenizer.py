@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from radixlm.core.models.tokenizer_fast_path import decoder_for
+from radixlm.core.tokenizer.fast_path import decoder_for
 
 # Decoding restarts from a few tokens back so that tokenizers whose pieces depend on their left
 # neighbour (SentencePiece spaces, byte-level multi-byte characters) decode the same as in one go.

@@ -11,7 +11,7 @@ from types import ModuleType
 
 import torch
 
-from radixlm.core.engine.forward_batch import ForwardBatch
+from radixlm.core.layers.forward_batch import ForwardBatch
 
 
 class AttentionBackend:

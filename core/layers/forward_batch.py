@@ -3,13 +3,24 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
-if TYPE_CHECKING:
-    from radixlm.core.engine.attention_backend import AttentionBackend
-    from radixlm.core.engine.memory_pool import KVPool
+
+class KVBuffers(Protocol):
+    """What attention reads of the engine's KV pool (core.engine.memory_pool.KVPool): one K and one V
+    buffer per layer, indexed by KV slot."""
+
+    k_buffers: list[torch.Tensor]
+    v_buffers: list[torch.Tensor]
+
+
+class Attention(Protocol):
+    """Stores a layer's new K and V into their pool slots and attends (core.layers.attention_backend)."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
+                fb: "ForwardBatch") -> torch.Tensor: ...
 
 
 @dataclass
@@ -22,8 +33,8 @@ class ForwardBatch:
     seq_lens: torch.Tensor  # [B] total length after this step
     extend_lens: torch.Tensor  # [B] new tokens per request (all 1 when decoding)
     req_to_token: torch.Tensor
-    kv_pool: "KVPool"
-    attn_backend: "AttentionBackend"
+    kv_pool: KVBuffers
+    attn_backend: Attention
     cos_sin_cache: torch.Tensor
     # Extend only, when known on the host: offsets of each request's first new token, and the
     # longest extend (kernels that size their grid by it then need no device sync).

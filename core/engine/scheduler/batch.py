@@ -1,0 +1,67 @@
+"""A step's model input from the scheduler's plan (BatchInput, host lists), and the prompt logprobs
+read from an extend step's logits."""
+
+from __future__ import annotations
+
+import torch
+
+from radixlm.core.engine.model_runner import BatchInput
+from radixlm.core.engine.request import Req
+from radixlm.core.engine.sampler import top_logprob_entries
+from radixlm.core.engine.scheduler.prefill import Extend
+
+
+def extend_batch(extends: list[Extend]) -> tuple[BatchInput, list[tuple[int, int, int]]]:
+    """The extend step's input, and per extend which rows of its logits it uses (input logprob rows,
+    then the sampling row) as (first logit index, first position, count)."""
+    batch = BatchInput(False, [], [], [], [], [], [], [])
+    logit_use: list[tuple[int, int, int]] = []
+    for ext in extends:
+        req, base = ext.req, len(batch.input_ids)
+        end = ext.start + ext.length
+        batch.input_ids.extend(req.fill_ids[ext.start:end])
+        batch.positions.extend(range(ext.start, end))
+        batch.out_cache_loc.extend(req.slots[ext.start:end])
+        batch.rows.append(req.row)
+        batch.seq_lens.append(end)
+        batch.extend_lens.append(ext.length)
+        # Logits are needed from the first input-logprob position on, and at the last prompt
+        # position when the prompt completes (it gives the next token).
+        lp_start = req.input_logprob_start()
+        first = end if lp_start is None else min(max(lp_start - 1, ext.start), end)
+        if ext.finishes_prompt:
+            first = min(first, end - 1)
+        logit_use.append((len(batch.logit_rows), first, end - first))
+        batch.logit_rows.extend(range(base + first - ext.start, base + end - ext.start))
+    return batch, logit_use
+
+
+def decode_batch(running: list[Req], new_slots: list[int]) -> BatchInput:
+    """One token for every running request, into `new_slots` (the runner records them in the table)."""
+    n = len(running)
+    batch = BatchInput(True, [], [], new_slots, [], [], [1] * n, list(range(n)))
+    for req, slot in zip(running, new_slots):
+        pos = req.seq_len - 1
+        req.slots.append(slot)
+        batch.input_ids.append(req.output_ids[-1])
+        batch.positions.append(pos)
+        batch.rows.append(req.row)
+        batch.seq_lens.append(pos + 1)
+    return batch
+
+
+def record_input_logprobs(req: Req, logits: torch.Tensor, first_pos: int) -> None:
+    """logits[j] is the distribution after position first_pos + j, i.e. over token first_pos + j + 1."""
+    prompt = req.inp.input_ids
+    start = req.input_logprob_start()
+    if start == 0 and not req.input_token_logprobs:
+        req.input_token_logprobs.append((None, prompt[0], None))
+        req.input_top_logprobs.append(None)
+    logprobs = torch.log_softmax(logits, dim=-1)
+    for j in range(logits.shape[0]):
+        target = first_pos + j + 1
+        if target >= len(prompt) or target < start:
+            continue
+        req.input_token_logprobs.append((float(logprobs[j, prompt[target]]), prompt[target], None))
+        k = req.inp.top_logprobs_num
+        req.input_top_logprobs.append(top_logprob_entries(logprobs[j], k) if k else None)

@@ -1,0 +1,171 @@
+"""Runs the scheduler's steps through the model runner and applies their results: an extend step
+(prefill chunks, jump-forward continuations, riding decodes) or a decode step, then per request the
+sampled token, its finish, its constraint and jump forward, and its stream chunk.
+
+A failure in one request's own work (its constraint, its sampling values, its detokenizer) ends that
+request alone (RequestQueues.fail).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import torch
+
+from radixlm.core.engine.options import EngineOptions
+from radixlm.core.engine.request import Req
+from radixlm.core.engine.sampler import SampleResult, Sampler
+from radixlm.core.engine.scheduler.batch import decode_batch, extend_batch, record_input_logprobs
+from radixlm.core.engine.scheduler.constraints import constraint_mask, jump_forward
+from radixlm.core.engine.scheduler.finish import Finish, check_finish
+from radixlm.core.engine.scheduler.memory import KVMemory
+from radixlm.core.engine.scheduler.output import emit
+from radixlm.core.engine.scheduler.prefill import Extend
+from radixlm.core.engine.scheduler.queues import RequestQueues
+from radixlm.core.engine.stats import EngineStats
+
+logger = logging.getLogger("radixlm")
+
+
+class Executor:
+    def __init__(self, runner: Any, sampler: Sampler, memory: KVMemory, queues: RequestQueues, stats: EngineStats,
+                 opts: EngineOptions, tokenizer: Any, eos_token_ids: list[int], context_len: int) -> None:
+        self.runner = runner
+        self.sampler = sampler
+        self.memory = memory
+        self.queues = queues
+        self.stats = stats
+        self.opts = opts
+        self.tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids
+        self.context_len = context_len
+
+    def run_extend(self, extends: list[Extend]) -> None:
+        batch, logit_use = extend_batch(extends)
+        self.stats.prefill_tokens_total += len(batch.input_ids)
+        logits = self.runner.forward(batch)
+        to_sample: list[tuple[Req, int]] = []
+        for ext, (row0, first, count) in zip(extends, logit_use):
+            req = ext.req
+            if req.input_logprob_start() is not None and count:
+                try:
+                    record_input_logprobs(req, logits[row0 : row0 + count], first)
+                except Exception:
+                    self.queues.fail(req, "computing logprobs")
+            if req.finished:
+                continue
+            if not ext.finishes_prompt:
+                self.memory.cache_prefix(req)
+                continue
+            if not ext.rides_along:
+                req.prefill_done = True
+                if len(req.output_ids) >= req.params.max_new_tokens:
+                    self.queues.finish(req, Finish("length"))  # max_new_tokens == 0: prefill (scoring) only
+                    continue
+                self.memory.cache_prefix(req)
+                self.queues.running.append(req)
+            to_sample.append((req, row0 + count - 1))
+        if to_sample:
+            rows = torch.tensor([i for _, i in to_sample], device=logits.device)
+            self.sample_and_advance([r for r, _ in to_sample], logits[rows])
+
+    def run_decode(self) -> None:
+        queues = self.queues
+        retract, fits = self.memory.make_decode_room(queues.running)
+        for req in retract:
+            queues.requeue(req, retracted=True)
+        if not fits:
+            queues.finish(queues.running[0], Finish("abort"),
+                          error=f"KV pool of {self.memory.allocator.num_slots} tokens cannot hold this request")
+        if not queues.running:
+            return
+        new_slots = self.memory.allocator.alloc(len(queues.running))
+        assert new_slots is not None
+        logits = self.runner.forward(decode_batch(queues.running, new_slots))
+        self.sample_and_advance(list(queues.running), logits)
+
+    def sample_and_advance(self, reqs: list[Req], logits: torch.Tensor) -> None:
+        """Samples each request's next token and moves it on."""
+        masks = self._masks(reqs)
+        if any(r.finished for r in reqs):
+            keep = [i for i, r in enumerate(reqs) if not r.finished]
+            reqs, masks = [reqs[i] for i in keep], [masks[i] for i in keep]
+            logits = logits[torch.tensor(keep, device=logits.device)]
+        if not reqs:
+            return
+        try:
+            result = self.sampler.sample(logits, reqs, masks)
+            rows: list[tuple[SampleResult, int] | None] = [(result, i) for i in range(len(reqs))]
+        except Exception:  # find the request(s) at fault: sample each alone
+            logger.warning("sampling a batch of %d failed; sampling its requests one by one", len(reqs))
+            rows = [self._sample_alone(req, logits[i : i + 1], mask) for i, (req, mask) in enumerate(zip(reqs, masks))]
+        now = time.monotonic()
+        for req, row in zip(reqs, rows):
+            if row is None:
+                continue
+            result, i = row
+            stage = "constraining"
+            try:
+                token = result.token_ids[i]
+                req.output_ids.append(token)
+                self.stats.generated_tokens_total += 1
+                if req.first_token_time is None:
+                    req.first_token_time = now
+                if req.inp.return_logprob:
+                    req.output_token_logprobs.append((result.logprobs[i], token, None))
+                    req.output_top_logprobs.append(result.top_logprobs[i])
+                if req.inp.constraint is not None:
+                    req.inp.constraint.advance(token)
+                stage = "detokenizing"
+                finish = check_finish(req, token, self.eos_token_ids, self.context_len)
+                if finish is not None:
+                    self.queues.finish(req, finish)
+                    continue
+                if req.inp.constraint is not None:
+                    stage = "constraining"
+                    self._after_constrained_token(req)
+                    if req.finished:
+                        continue
+                if req.inp.stream and len(req.output_ids) - req.streamed_ids >= self.opts.stream_interval:
+                    stage = "detokenizing"
+                    emit(req, final=False)
+            except Exception:
+                self.queues.fail(req, stage)
+
+    def jump(self, req: Req) -> bool:
+        """Jumps the request forward over the text its constraint forces (finishing it if that ends it).
+        True if tokens were appended."""
+        if req.inp.constraint is None or self.opts.disable_jump_forward or req.params.disable_jump_forward:
+            return False
+        jumped, finish = jump_forward(req, self.tokenizer, self.context_len)
+        if finish is not None:
+            self.queues.finish(req, finish)
+        return jumped
+
+    def _after_constrained_token(self, req: Req) -> None:
+        """Finishes the request when its constraint allows nothing but the end; otherwise jumps forward
+        over forced text, after which the request takes an extend step to compute the jumped tokens."""
+        if req.inp.constraint.is_finished():
+            self.queues.finish(req, Finish("stop"))
+        elif self.jump(req) and not req.finished:
+            self.queues.requeue(req, retracted=False)
+
+    def _masks(self, reqs: list[Req]) -> list[torch.Tensor | None]:
+        packed = self.runner.device.type == "cuda"  # bit-packed masks: a small copy, unpacked on the GPU
+        masks: list[torch.Tensor | None] = []
+        for r in reqs:
+            try:
+                masks.append(constraint_mask(r, self.sampler.vocab_size, packed))
+            except Exception:
+                self.queues.fail(r, "constraining")
+                masks.append(None)
+        return masks
+
+    def _sample_alone(self, req: Req, logits: torch.Tensor, mask: torch.Tensor | None) -> tuple[SampleResult, int] | None:
+        try:
+            return self.sampler.sample(logits, [req], [mask]), 0
+        except Exception:
+            self.queues.fail(req, "sampling")
+            return None

@@ -1,0 +1,177 @@
+"""The scheduler loop: takes messages from its inbox, and each step either prefills (new requests, or
+the next chunk of a long prompt) or decodes one token for every running request; new prefills join
+the running batch as soon as they finish (continuous batching). When KV memory runs short it evicts
+cached prefixes, then retracts running requests, which later resume from where they were with
+identical greedy output. It talks to front ends only through `inbox` messages and the per-request
+`sink` callbacks.
+
+The decisions are made by units with their own files (policy, prefill planning, memory, finishing,
+constraints); this loop applies them to its queues and runs the steps through the Executor.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from typing import Any
+
+import torch
+
+from radixlm.core.tokenizer.detokenizer import IncrementalDetokenizer
+from radixlm.core.engine.memory_pool import SlotAllocator
+from radixlm.core.engine.model_runner import ModelRunner
+from radixlm.core.engine.options import EngineOptions
+from radixlm.core.engine.radix_cache import RadixCache
+from radixlm.core.engine.request import GenerateInput, Req
+from radixlm.core.engine.sampler import Sampler
+from radixlm.core.engine.scheduler.execute import Executor
+from radixlm.core.engine.scheduler.inbox import AbortMsg, CallMsg
+from radixlm.core.engine.scheduler.memory import KVMemory
+from radixlm.core.engine.scheduler.policy import SchedulePolicy
+from radixlm.core.engine.scheduler.prefill import PrefillPlanner
+from radixlm.core.engine.scheduler.queues import RequestQueues
+from radixlm.core.engine.stats import EngineStats, TimedRadixCache
+
+logger = logging.getLogger("radixlm")
+
+
+class Scheduler:
+    def __init__(self, runner: ModelRunner, opts: EngineOptions, tokenizer, eos_token_ids: list[int]) -> None:
+        self.runner = runner
+        self.opts = opts
+        self.tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids
+        # What one request may use in all (the Engine admits nothing longer): the model's context (or the
+        # context_length option), or the KV pool when that is smaller.
+        self.context_len = min(opts.context_length or runner.cfg.context_len, runner.num_slots)
+        self.allocator = SlotAllocator(runner.num_slots)
+        self.stats = EngineStats()
+        self.tree = TimedRadixCache(RadixCache(self.allocator, disable=opts.disable_radix_cache), self.stats)
+        self.memory = KVMemory(self.allocator, self.tree, runner.req_to_token)
+        self.queues = RequestQueues(self.memory, self.stats)
+        self.policy = SchedulePolicy(opts.schedule_policy, opts.schedule_fairness_bound, self.tree, opts.random_seed)
+        self.planner = PrefillPlanner(self.memory, self.policy, self.stats, opts.chunked_prefill_size,
+                                      opts.max_running_requests)
+        self.generator = torch.Generator(device=runner.device).manual_seed(opts.random_seed)
+        self.sampler = Sampler(runner.cfg.vocab_size, eos_token_ids, self.generator)
+        self.executor = Executor(runner, self.sampler, self.memory, self.queues, self.stats, opts, tokenizer,
+                                 eos_token_ids, self.context_len)
+        self.inbox: "queue.Queue[GenerateInput | AbortMsg | CallMsg | None]" = queue.Queue()
+        # Read by other threads without waiting for the loop: when it last got anything done, and the
+        # statistics as of then (replaced whole, never mutated).
+        self.last_progress = time.monotonic()
+        self.snapshot: dict[str, Any] = {}
+        self._arrivals = 0
+        self._stop = threading.Event()
+
+    @property
+    def running(self) -> list[Req]:
+        return self.queues.running
+
+    @property
+    def waiting(self) -> list[Req]:
+        return self.queues.waiting
+
+    # ---- the loop --------------------------------------------------------------------------
+
+    def run_forever(self) -> None:
+        self._publish()
+        while not self._stop.is_set():
+            self._drain_inbox(block=not self.queues.busy())
+            if self._stop.is_set():
+                break
+            try:
+                self.step()
+            except Exception:  # a failure of the batch itself (not of one request's own work)
+                logger.exception("scheduler step failed; aborting the requests in flight")
+                self.queues.abort_all("internal server error (the server log has the details)", status_code=500)
+            self._publish()
+        self.queues.abort_all("engine shut down")
+        self._publish()
+
+    def _publish(self) -> None:
+        self.snapshot = self.get_stats()
+        self.last_progress = time.monotonic()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.inbox.put(None)
+
+    def step(self) -> None:
+        queues = self.queues
+        queues.sweep()
+        plan = self.planner.plan(queues.waiting, queues.running, queues.chunked)
+        queues.chunked = plan.chunked
+        if plan.extends:
+            queues.take(plan.taken, plan.passed_over)
+            extends = plan.extends
+            if queues.running and all(e.req.output_ids for e in extends):
+                # Only continuations (jump-forward text, resumed requests): a few tokens, so the running
+                # requests decode in the same step instead of stalling behind it.
+                extends += self.planner.ride_along(queues.running)
+            self.executor.run_extend(extends)
+        elif queues.running:
+            self.executor.run_decode()
+        if self.opts.debug_check_invariants:
+            self.check_invariants()
+
+    def _drain_inbox(self, block: bool) -> None:
+        while True:
+            try:
+                msg = self.inbox.get(block=block, timeout=0.5 if block else None)
+            except queue.Empty:
+                return
+            block = False
+            self.last_progress = time.monotonic()
+            if msg is None:
+                return
+            if isinstance(msg, GenerateInput):
+                self._add_request(msg)
+            elif isinstance(msg, AbortMsg):
+                self.queues.abort(msg.rid, "aborted by request")
+            elif isinstance(msg, CallMsg):
+                try:
+                    value = (True, msg.fn(self))
+                except Exception as exc:
+                    value = (False, exc)
+                self._publish()  # what the caller reads next (a flush, say) shows in the snapshot
+                msg.reply.put(value)
+
+    def _add_request(self, inp: GenerateInput) -> None:
+        p = inp.sampling_params
+        # Text is decoded token by token only where something reads it early: streams and stop strings.
+        lazy = not (inp.stream or p.stop)
+        detok = IncrementalDetokenizer(self.tokenizer, p.skip_special_tokens, p.stop, p.no_stop_trim, lazy=lazy)
+        req = Req(inp=inp, detok=detok, arrival=self._arrivals)
+        self._arrivals += 1
+        self.stats.requests_total += 1
+        if self.queues.add(req) and inp.constraint is not None:
+            try:
+                self.executor.jump(req)  # text forced from the very start goes in with the prompt
+            except Exception:
+                self.queues.fail(req, "constraining")
+
+    # ---- flush, stats, invariants ----------------------------------------------------------------
+
+    def flush_cache(self) -> bool:
+        self.queues.sweep()
+        if self.queues.busy():
+            return False
+        self.tree.reset()
+        return True
+
+    def get_stats(self) -> dict[str, Any]:
+        self.queues.sweep()
+        return self.stats.snapshot(
+            kv_slots_total=self.allocator.num_slots,
+            kv_slots_free=self.allocator.available(),
+            kv_slots_cached=self.tree.total_size(),
+            kv_slots_cached_evictable=self.tree.evictable_size(),
+            running=len(self.queues.running) + (1 if self.queues.chunked else 0),
+            waiting=len(self.queues.waiting),
+        )
+
+    def check_invariants(self) -> None:
+        self.tree.check_invariants(self.memory.owned_slots(self.queues.holding_kv()))
