@@ -122,6 +122,16 @@ def test_accepts_valid_rejects_invalid_and_samples_validate(case, tiny_tokenizer
         validator.validate(json.loads(text))
 
 
+def test_format_is_an_annotation_where_the_schema_declares_draft_2020_12(tiny_tokenizer):
+    declared = {"$schema": "https://json-schema.org/draft/2020-12/schema", "type": "string", "format": "date"}
+    validator = jsonschema.Draft202012Validator(declared)  # the draft's default: no format assertion
+    c = build_constraint("json_schema", declared, tiny_tokenizer)
+    for doc in ["2024-02-29", "06/19/1963", 1]:
+        assert _accepts(c, json.dumps(doc)) == validator.is_valid(doc), doc
+    strict = build_constraint("json_schema", {k: v for k, v in declared.items() if k != "$schema"}, tiny_tokenizer)
+    assert _accepts(strict, '"2024-02-29"') and not _accepts(strict, '"06/19/1963"')
+
+
 def test_pattern_classes_are_ecma_262_ascii(tiny_tokenizer):
     """JSON schema's `pattern` is ECMA-262: \\d and \\w are ASCII (Python's `re`, and so `jsonschema`,
     would take Unicode digits); the oracle here is `re` with re.ASCII, searching."""

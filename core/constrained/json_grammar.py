@@ -98,6 +98,7 @@ class _Converter(js._Converter):
         self.rules: dict[str, Expr] = {}
         self.ref_rules: dict[str, str] = {}
         self.ws_term = Terminal(regex=f"(?:{ws})") if ws else None
+        self.formats_asserted = _asserts_formats(root)
 
     # ---- helpers -------------------------------------------------------------------------------------
     def _punct(self, text: str) -> Expr:
@@ -352,7 +353,7 @@ class _Converter(js._Converter):
             except ValueError as e:
                 raise SchemaError(f"{ptr}/pattern: {e}") from None
             return self._within(f'"{body}"', lo, hi, f"{ptr}/pattern") if bounded else Terminal(regex=f'"{body}"')
-        if fmt in FORMATS:
+        if fmt in FORMATS and self.formats_asserted:
             regex = f'"{FORMATS[fmt]}"'
             return self._within(regex, lo, hi, f"{ptr}/format") if bounded else Terminal(regex=regex)
         if counted_states(lo, hi) <= self.budget.max_terminal_states:
@@ -679,6 +680,14 @@ _KNOWN = {
     "exclusiveMaximum", "multipleOf", "anyOf", "oneOf", "allOf", "not", "if", "then", "else", "$ref",
     "nullable", "dependentRequired", "dependentSchemas", "dependencies", "$dynamicRef", "$recursiveRef",
 }
+
+
+def _asserts_formats(root: Any) -> bool:
+    """Whether `format` constrains strings: yes, unless the schema declares draft 2019-09 or 2020-12,
+    where `format` is an annotation (only a metaschema's format-assertion vocabulary makes it assert,
+    and metaschemas are remote)."""
+    declared = root.get("$schema") if isinstance(root, dict) else None
+    return not (isinstance(declared, str) and ("/draft/2019-09/" in declared or "/draft/2020-12/" in declared))
 
 
 def _known_keywords(schema: Any) -> Any:
