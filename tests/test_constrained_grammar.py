@@ -100,6 +100,9 @@ CASES = [
     # pattern and format with length bounds: the pattern's DFA intersected with the counted string's.
     ({"type": "string", "pattern": "^[a-z]+$", "minLength": 2, "maxLength": 4}, ["ab", "abcd"], ["a", "abcde", "AB"]),
     ({"type": "string", "format": "ipv4", "maxLength": 7}, ["1.2.3.4"], ["10.2.3.4"]),
+    # multipleOf a whole number: a digit automaton over remainders (with the bounds intersected).
+    ({"type": "integer", "multipleOf": 3, "minimum": -7, "maximum": 20}, [-6, 0, 3, 18, 9.0], [-9, 4, 21, 1.5]),
+    ({"multipleOf": 2}, [10, -4, "s"], [7, 7.5]),
 ]
 
 

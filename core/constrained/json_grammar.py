@@ -17,9 +17,12 @@ documented strictness). Anything refused raises ValueError naming the keyword an
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from typing import Any
+
+import numpy as np
 
 from radixlm.core.constrained import json_schema as js
 from radixlm.core.constrained.counted_string import counted_states, counted_string_dfa
@@ -373,24 +376,28 @@ class _Converter(js._Converter):
         return NOTHING if dfa is None else Terminal(key=f"re:{regex}\0length:{lo}:{hi}", dfa=dfa)
 
     def _integer(self, schema: dict, ptr: str) -> Expr:
-        step = schema.get("multipleOf")
-        if step is not None and not (isinstance(step, (int, float)) and step > 0 and float(step) == 1.0):
-            raise SchemaError(f"{ptr}/multipleOf: only multipleOf 1 is supported")
+        step = schema.get("multipleOf", 1)
+        if isinstance(step, bool) or not isinstance(step, (int, float)) or step <= 0:
+            raise SchemaError(f"{ptr}/multipleOf: must be a positive number")
+        if float(step) != int(step) or int(step) > MAX_MODULUS:
+            raise SchemaError(f"{ptr}/multipleOf: multipleOf is supported for whole numbers up to {MAX_MODULUS}")
         try:
             lo, hi = js._int_bounds(schema)
         except ValueError as e:
             raise SchemaError(f"{ptr}: {e}") from None
-        if lo is None and hi is None:
-            return INTEGER
         if lo is not None and hi is not None and lo > hi:
             return NOTHING
-        return Terminal(regex=f"(?:{js.int_range_regex(lo, hi)}){WHOLE}")
+        if int(step) == 1:
+            return INTEGER if lo is None and hi is None else Terminal(regex=f"(?:{js.int_range_regex(lo, hi)}){WHOLE}")
+        dfa = multiples_dfa(int(step))
+        if lo is not None or hi is not None:
+            dfa = dfa_intersection(dfa, terminal_dfa(f"(?:{js.int_range_regex(lo, hi)}){WHOLE}",
+                                                     self.budget.max_terminal_states), self.budget.max_terminal_states)
+        return NOTHING if dfa is None else Terminal(key=f"multiples:{int(step)}:{lo}:{hi}", dfa=dfa)
 
     def _number(self, schema: dict, ptr: str) -> Expr:
-        if "multipleOf" in schema:
-            if float(schema["multipleOf"]) == 1.0:
-                return self._integer(schema, ptr)
-            raise SchemaError(f"{ptr}/multipleOf: multipleOf on numbers is not supported")
+        if "multipleOf" in schema:  # the multiples of a whole number are integers
+            return self._integer(schema, ptr)
         bounds = [k for k in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum") if k in schema]
         if not bounds:
             return NUMBER
@@ -680,6 +687,28 @@ _KNOWN = {
     "exclusiveMaximum", "multipleOf", "anyOf", "oneOf", "allOf", "not", "if", "then", "else", "$ref",
     "nullable", "dependentRequired", "dependentSchemas", "dependencies", "$dynamicRef", "$recursiveRef",
 }
+
+
+MAX_MODULUS = 10_000  # multipleOf's DFA has a state per remainder
+
+
+@functools.lru_cache(maxsize=64)
+def multiples_dfa(m: int) -> ByteDFA:
+    """JSON integers (optionally with a zero fraction) that are multiples of m: a state per remainder
+    of the digits read so far."""
+    start, minus, zero, dot, frac, rem = 0, 1, 2, 3, 4, 5  # rem + r: a nonzero start, remainder r
+    trans = np.full((rem + m, 256), -1, dtype=np.int32)
+    digits = np.arange(ord("0"), ord("9") + 1)
+    trans[start, ord("-")] = minus
+    for s in (start, minus):
+        trans[s, ord("0")] = zero
+        trans[s, digits[1:]] = rem + np.arange(1, 10) % m
+    trans[rem:, digits] = rem + (10 * np.arange(m)[:, None] + np.arange(10)[None, :]) % m
+    trans[[zero, rem], ord(".")] = dot
+    trans[[dot, frac], ord("0")] = frac
+    accepting = np.zeros(rem + m, dtype=bool)
+    accepting[[zero, frac, rem]] = True
+    return ByteDFA(transitions=trans, accepting=accepting)
 
 
 def _asserts_formats(root: Any) -> bool:
