@@ -53,8 +53,7 @@ class GrammarIndex:
         self.eos_ids = np.asarray(vocab.eos_ids, dtype=np.int64)
         self._eos_set = frozenset(vocab.eos_ids)
         self._trans, self._acc = terminal_tables(grammar)
-        self._finals = [set(np.flatnonzero(a & (t < 0).all(axis=1)).tolist()) if len(t) else set()
-                        for t, a in zip(self._trans, map(np.asarray, self._acc))]
+        self._finals: dict[tuple[int, int], bool] = {}  # (terminal, accepting state): no byte goes on
         self._rule_edges = [r.edges for r in grammar.rules]
         self._rule_acc = [r.accepting for r in grammar.rules]
         self._conts: dict[tuple[int, int, int], int] = {}
@@ -166,7 +165,10 @@ class GrammarIndex:
         for t, q, k in items:
             if self._acc[t][q]:
                 out |= self._follow(k)
-                if q in self._finals[t]:
+                final = self._finals.get((t, q))
+                if final is None:
+                    final = self._finals[t, q] = not (self._trans[t][q] >= 0).any()
+                if final:
                     continue
             out.add((t, q, k))
         return frozenset(out)

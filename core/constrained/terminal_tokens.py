@@ -15,6 +15,7 @@ continuation (pda.py).
 
 from __future__ import annotations
 
+import hashlib
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -50,7 +51,7 @@ def state_tokens(key: str, dfa: ByteDFA, state: int, vocab: TokenVocab) -> State
     """The token classes of `state` in terminal `dfa` (named `key`: equal keys, equal DFAs), cached."""
     if isinstance(dfa, CountedStringDFA) and (written := dfa.written(state)) is not None:
         return _counted(dfa, written, state == 0, vocab)  # a few bitwise operations: not worth a cache entry
-    cache_key = (key, state, vocab.fingerprint)
+    cache_key = (_future(key, dfa, state), vocab.fingerprint)
     with _lock:
         found = _cache.get(cache_key)
         if found is not None:
@@ -80,6 +81,41 @@ def _counted(dfa: CountedStringDFA, written: int, opening: bool, vocab: TokenVoc
     closing = strings.closing_between(dfa.lo - written, room)
     inside = strings.allowed_inside(room) | (closing & strings.ends_at_quote)
     return StateTokens(inside, None, closing=closing & ~strings.ends_at_quote, after_quote=strings.suffixes)
+
+
+_futures: dict[tuple[str, int], object] = {}
+MAX_FUTURE_STATES = 512  # larger futures are named by (terminal, state) instead
+
+
+def _future(key: str, dfa: ByteDFA, state: int) -> object:
+    """A name for what the DFA can still read from `state`: a hash of the automaton reachable from it,
+    its states numbered in breadth-first order. Token classes depend on nothing else, so states of
+    different terminals with the same future (a key terminal past the names it excludes and a plain
+    string's body, say) share them. Memoized per (terminal, state)."""
+    found = _futures.get((key, state))
+    if found is not None:
+        return found
+    trans, accepting = dfa.transitions, dfa.accepting
+    order, queue = {state: 0}, [state]
+    digest = hashlib.blake2b(digest_size=16)
+    i = 0
+    while i < len(queue) and len(queue) <= MAX_FUTURE_STATES:
+        s = queue[i]
+        i += 1
+        row = trans[s]
+        live = np.flatnonzero(row >= 0)
+        targets = row[live].tolist()
+        for t in targets:
+            if t not in order:
+                order[t] = len(queue)
+                queue.append(t)
+        digest.update(bytes([bool(accepting[s]), len(live) & 255]) + live.astype(np.uint8).tobytes()
+                      + np.array([order[t] for t in targets], dtype=np.int32).tobytes())
+    found = digest.digest() if len(queue) <= MAX_FUTURE_STATES else (key, state)
+    if len(_futures) > 1 << 18:
+        _futures.clear()
+    _futures[key, state] = found
+    return found
 
 
 _nonempty_cache: dict[str, np.ndarray] = {}
