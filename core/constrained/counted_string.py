@@ -58,7 +58,7 @@ def counted_states(lo: int, hi: int | None) -> int:
     return 1 + (lo if hi is None else hi) * width + (width if hi is None else 1) + 1
 
 
-@functools.lru_cache(maxsize=64)  # a 255-character bound is ~3,600 states, 3.7 MB of table
+@functools.lru_cache(maxsize=16)  # a 255-character bound is ~3,600 states, 3.7 MB of table (20 MB at most)
 def counted_string_dfa(lo: int, hi: int | None) -> CountedStringDFA:
     """The DFA of a JSON string of lo..hi characters, quotes included (hi None: at least lo)."""
     char = _char_dfa()
