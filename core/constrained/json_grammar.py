@@ -368,8 +368,8 @@ class _Converter(js._Converter):
         """The JSON strings matching `regex` (quotes included) that have lo..hi characters: the regex's
         DFA intersected with the counted string's."""
         budget = self.budget.max_terminal_states
-        if counted_states(lo, hi) > budget:
-            raise SchemaError(f"{ptr}: minLength/maxLength too large together with it")
+        if max(lo, hi or 0) > MAX_PRODUCT_LENGTH:
+            raise SchemaError(f"{ptr}: minLength/maxLength over {MAX_PRODUCT_LENGTH} together with it is not supported")
         dfa = terminal_dfa(regex, budget)
         if dfa is not None:
             dfa = dfa_intersection(dfa, counted_string_dfa(lo, hi), budget)
@@ -521,9 +521,10 @@ class _Converter(js._Converter):
             return False, label
         budget = self.budget.max_terminal_states
         lo, hi = rule.get("minLength", 0), rule.get("maxLength")
-        dfa = counted_string_dfa(lo, hi) if counted_states(lo, hi) <= budget else None
-        if dfa is None:
-            raise SchemaError(f"{ptr}/propertyNames: length bounds too large")
+        if lo > MAX_PRODUCT_LENGTH:
+            raise SchemaError(f"{ptr}/propertyNames/minLength: over {MAX_PRODUCT_LENGTH} is not supported")
+        hi = None if hi is None and lo == 0 else min(MAX_PRODUCT_LENGTH if hi is None else hi, MAX_PRODUCT_LENGTH)
+        dfa = counted_string_dfa(lo, hi)
         parts = []
         if "pattern" in rule:
             try:
@@ -690,6 +691,11 @@ _KNOWN = {
 
 
 MAX_MODULUS = 10_000  # multipleOf's DFA has a state per remainder
+# Length bounds intersected with another automaton (pattern, propertyNames): the product has a copy of it
+# per character position and minimizing it is quadratic, so the bounds are kept small. propertyNames'
+# maxLength is tightened to this for keys beyond the listed properties (sound: fewer keys), larger
+# minLengths and string bounds next to a pattern or format are refused.
+MAX_PRODUCT_LENGTH = 64
 
 
 @functools.lru_cache(maxsize=64)
