@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from radixlm.core.constrained.compressed_fsm import whole_characters
+from radixlm.core.constrained.counted_string import CountedStringDFA, string_tokens
 from radixlm.core.constrained.grammar_compiler import CompiledGrammar, terminal_tables
 from radixlm.core.constrained.index import expand_ranges
 from radixlm.core.constrained.masks import MaskCache
@@ -73,6 +74,11 @@ class GrammarIndex:
         self._spellable = _spellable_bytes(vocab)
         self.spells_every_byte = bool(self._spellable.all())
         self.start = self._intern(self._follow(self._cont(grammar.start, 0, -1)))
+        if any(isinstance(t, CountedStringDFA) for t in grammar.terminals):
+            # The vocabulary read as string content, once per process (~0.5 s): here, where constraints
+            # are built (off the scheduler loop), rather than at the first mask.
+            string_tokens(vocab)
+            string_tokens(vocab, opening=True)
 
     # ---- configurations ----------------------------------------------------------------------------
 
