@@ -203,6 +203,23 @@ def test_budgets_raise_grammar_budget_error(tiny_tokenizer):
     assert build_constraint("json_schema", schema, tiny_tokenizer, budget=budget).index is not c.index
 
 
+def test_automaton_products_check_the_compile_deadline():
+    """Intersecting and subtracting automata (length bounds with a pattern, propertyNames) can take long:
+    the compile deadline is checked inside them, not only between them."""
+    from radixlm.core.constrained.counted_string import counted_string_dfa
+    from radixlm.core.constrained.regex_dfa import dfa_intersection, regex_to_dfa
+
+    calls = []
+
+    def deadline() -> None:
+        calls.append(1)
+        if len(calls) > 3:
+            raise GrammarBudgetError("compiling the constraint took over the budget")
+
+    with pytest.raises(GrammarBudgetError):
+        dfa_intersection(counted_string_dfa(0, 64), regex_to_dfa(r'"[a-z0-9_]+"'), check=deadline)
+
+
 def test_left_recursion_is_refused():
     g = Grammar({"e": alt(seq(Ref("e"), lit("+"), lit("1")), lit("1"))}, "e")
     with pytest.raises(ValueError, match="left recursion"):

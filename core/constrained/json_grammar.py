@@ -372,7 +372,7 @@ class _Converter(js._Converter):
             raise SchemaError(f"{ptr}: minLength/maxLength over {MAX_PRODUCT_LENGTH} together with it is not supported")
         dfa = terminal_dfa(regex, budget)
         if dfa is not None:
-            dfa = dfa_intersection(dfa, counted_string_dfa(lo, hi), budget)
+            dfa = dfa_intersection(dfa, counted_string_dfa(lo, hi), budget, self.deadline.check)
         return NOTHING if dfa is None else Terminal(key=f"re:{regex}\0length:{lo}:{hi}", dfa=dfa)
 
     def _integer(self, schema: dict, ptr: str) -> Expr:
@@ -391,8 +391,9 @@ class _Converter(js._Converter):
             return INTEGER if lo is None and hi is None else Terminal(regex=f"(?:{js.int_range_regex(lo, hi)}){WHOLE}")
         dfa = multiples_dfa(int(step))
         if lo is not None or hi is not None:
-            dfa = dfa_intersection(dfa, terminal_dfa(f"(?:{js.int_range_regex(lo, hi)}){WHOLE}",
-                                                     self.budget.max_terminal_states), self.budget.max_terminal_states)
+            budget = self.budget.max_terminal_states
+            bounds = terminal_dfa(f"(?:{js.int_range_regex(lo, hi)}){WHOLE}", budget)
+            dfa = dfa_intersection(dfa, bounds, budget, self.deadline.check)
         return NOTHING if dfa is None else Terminal(key=f"multiples:{int(step)}:{lo}:{hi}", dfa=dfa)
 
     def _number(self, schema: dict, ptr: str) -> Expr:
@@ -433,7 +434,9 @@ class _Converter(js._Converter):
             names = self._property_names(names, key_filter, required, ptr)
             if names is None:
                 return NOTHING
-        key_names = self._names_dfa(key_filter, ptr) if key_filter is not True and (extra is not False or patterns) else None
+        key_names = None  # the keys propertyNames allows beyond the listed ones
+        if key_filter is not True and (extra is not False or patterns):
+            key_names = self._names_dfa(key_filter, ptr)
         members: list[tuple[Expr, bool]] = []
         for name in names:
             matching = [ps for pattern, ps in patterns.items() if _pattern_matches(pattern, name, ptr)]
@@ -537,7 +540,8 @@ class _Converter(js._Converter):
                 words = [json.dumps(v, ensure_ascii=False).encode() for v in values if isinstance(v, str)]
                 parts.append(literals_dfa(words) if words else None)
         for part in parts:
-            dfa = dfa_intersection(dfa, part, budget) if dfa is not None and part is not None else None
+            if dfa is not None:
+                dfa = dfa_intersection(dfa, part, budget, self.deadline.check) if part is not None else None
         return (dfa if dfa is not None else False), label
 
     def _key_terminal(self, regex: str, names: list[str], patterns: list[str],
@@ -549,13 +553,13 @@ class _Converter(js._Converter):
         budget = self.budget.max_terminal_states
         dfa = terminal_dfa(regex, budget)
         if dfa is not None and allowed is not None:
-            dfa = dfa_intersection(dfa, allowed[0], budget)
+            dfa = dfa_intersection(dfa, allowed[0], budget, self.deadline.check)
         if dfa is not None and names:
-            dfa = dfa_difference(dfa, literals_dfa([n.encode() for n in names]), budget)
+            dfa = dfa_difference(dfa, literals_dfa([n.encode() for n in names]), budget, self.deadline.check)
         for pattern in patterns:
             if dfa is not None:
                 other = terminal_dfa(pattern, budget)
-                dfa = dfa_difference(dfa, other, budget) if other is not None else dfa
+                dfa = dfa_difference(dfa, other, budget, self.deadline.check) if other is not None else dfa
         if dfa is None:
             return None
         excluded = names + patterns
