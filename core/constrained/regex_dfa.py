@@ -463,10 +463,9 @@ def dfa_difference(a: ByteDFA, b: ByteDFA, max_states: int = MAX_DFA_STATES,
         if check is not None and len(rows) % 256 == 0:
             check()
     accepting = np.array([bool(a.accepting[x]) and not acc_b[y] for x, y in pairs])
-    try:
-        return _minimize(np.stack(rows), accepting, np.arange(256), "difference", check)
-    except ValueError:
-        return None
+    if not _live_states(np.stack(rows), accepting)[0]:
+        return None  # the difference is empty
+    return _minimize(np.stack(rows), accepting, np.arange(256), "difference", check)
 
 
 def dfa_intersection(a: ByteDFA, b: ByteDFA, max_states: int = MAX_DFA_STATES,
