@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import cProfile
 import gc
-import importlib.util
 import io
 import json
 import os
@@ -44,28 +43,13 @@ import tempfile
 import threading
 import time
 import weakref
-from pathlib import Path
 from typing import Any
 
 import torch
 
-
-def _import_radixlm_from_checkout() -> None:
-    """Lets the script run from a bare checkout (the GPU machine), where radixlm is not installed."""
-    if importlib.util.find_spec("radixlm") is not None:
-        return
-    root = Path(__file__).resolve().parents[1]
-    spec = importlib.util.spec_from_file_location("radixlm", root / "__init__.py",
-                                                  submodule_search_locations=[str(root)])
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["radixlm"] = module
-    spec.loader.exec_module(module)
-
-
-_import_radixlm_from_checkout()
-
-import radixlm  # noqa: E402
-from radixlm.core.testing import build_checkpoint, build_tokenizer  # noqa: E402
+import radixlm
+from radixlm.core.models.registry import model_spec
+from radixlm.core.testing import build_checkpoint, build_tokenizer
 
 LLAMA3_8B_SHAPE = {
     "architectures": ["LlamaForCausalLM"],
@@ -365,13 +349,12 @@ def hf_model_on_shared_weights(model, model_dir: str, device: torch.device):
     with torch.device("meta"):
         hf = AutoModelForCausalLM.from_config(hf_cfg)
     ours = dict(model.named_parameters(remove_duplicate=False))
+    spec = model_spec(model.config.architecture)
     for name, _ in list(hf.named_parameters(remove_duplicate=False)):
-        our_name, shard = model.weight_name_map(name)
+        our_name, shard = spec.parameter_for(name)
         tensor = ours[our_name]
         if shard is not None:
-            sizes = model.fused_shard_sizes(our_name)
-            start = sum(sizes[:shard])
-            tensor = tensor[start : start + sizes[shard]]
+            tensor = tensor[spec.block_rows(our_name, shard, model.config)]
         module_name, _, leaf = name.rpartition(".")
         hf.get_submodule(module_name)._parameters[leaf] = torch.nn.Parameter(tensor, requires_grad=False)
     with torch.device(device):  # the rotary tables were built on meta: build them for real

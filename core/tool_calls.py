@@ -10,7 +10,7 @@ ChatSGLang), so a model behaves the same behind either:
   object or list of them (Llama 3).
 
 Calls come back as `Call(name, arguments)` with the arguments as the model wrote them (a JSON value, or
-a string); each front door decides how to present them. `tool_call` is OpenAI's shape of one call.
+a string); each front door decides how to present them (OpenAI's shape: core.openai_output.tool_call).
 """
 
 from __future__ import annotations
@@ -31,14 +31,6 @@ class Call(NamedTuple):
 
 def new_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
-
-
-def tool_call(name: str, arguments: Any) -> dict[str, Any]:
-    """One OpenAI `tool_calls` entry; arguments are serialized JSON, as OpenAI sends them (a string is
-    taken as already serialized)."""
-    if not isinstance(arguments, str):
-        arguments = json.dumps(arguments, ensure_ascii=False)
-    return {"id": new_call_id(), "type": "function", "function": {"name": name, "arguments": arguments}}
 
 
 def call_array_schema(tools: Sequence[tuple[str, dict[str, Any]]], parallel: bool = True) -> dict[str, Any]:

@@ -20,6 +20,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from radixlm.core.chat_render import render_chat
+from radixlm.core.openai_output import (TokenText, chat_logprobs, completion_logprobs, finish_reason, tool_call,
+                                        usage)
 from radixlm.core.engine.sampling_params import SamplingParams
 from radixlm.server import tools as toolcalls
 from radixlm.server.body import parse_body
@@ -30,8 +32,6 @@ from radixlm.server.openai_protocol import (ChatCompletionRequest, CompletionReq
                                             NamedToolChoice, SamplingFields)
 
 logger = logging.getLogger("radixlm.server")
-# Logprobs of impossible tokens are -inf, which JSON cannot carry; OpenAI-compatible servers send this.
-_MIN_LOGPROB = -9999.0
 # chat_template_kwargs may not override what the server itself passes to the template.
 _RESERVED_TEMPLATE_ARGS = {"conversation", "messages", "tools", "documents", "chat_template", "tokenize",
                            "add_generation_prompt", "continue_final_message", "return_dict", "padding",
@@ -48,24 +48,9 @@ class ToolMode:
     name: str | None = None
 
 
-def _finish_reason(meta: dict[str, Any]) -> str | None:
-    reason = meta.get("finish_reason")
-    return None if reason is None else reason["type"]
-
-
-def _usage(finals: list[dict[str, Any]], n: int) -> dict[str, Any]:
-    """OpenAI counts each prompt once however many choices it has; outputs come n per prompt."""
-    prompts = finals[::n]
-    prompt_tokens = sum(m["prompt_tokens"] for m in prompts)
-    completion_tokens = sum(m["completion_tokens"] for m in finals)
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": sum(m["cached_tokens"] for m in prompts)}}
-
-
 def check_aborted(meta: dict[str, Any]) -> None:
     raise_if_failed(meta)
-    if _finish_reason(meta) == "abort":
+    if finish_reason(meta) == "abort":
         raise APIError(500, f"The request was aborted: {meta.get('error', 'unknown reason')}", code="aborted")
 
 
@@ -83,7 +68,7 @@ class OpenAIAPI:
         self.engine = engine
         self.client = client
         self.tokenizer = engine.tokenizer
-        self._token_text: dict[int, str] = {}
+        self.token_text = TokenText(engine.tokenizer)
         self._warned_model = False
 
     # ---- /v1/models -------------------------------------------------------------------------
@@ -161,12 +146,6 @@ class OpenAIAPI:
                               f"{requested} for the completion).", "max_tokens", "context_length_exceeded")
         return requested
 
-    def _text(self, token_id: int) -> str:
-        text = self._token_text.get(token_id)
-        if text is None:
-            text = self._token_text[token_id] = self.tokenizer.decode([token_id])
-        return text
-
     # ---- /v1/chat/completions -----------------------------------------------------------------
 
     async def prepare_chat(self, req: ChatCompletionRequest) -> tuple[ToolMode, list[int], dict[str, Any]]:
@@ -199,19 +178,19 @@ class OpenAIAPI:
             meta = out["meta_info"]
             check_aborted(meta)
             content, calls = self.tool_calls(mode, out["text"])
-            finish = "tool_calls" if calls else _finish_reason(meta)
+            finish = finish_reason(meta, tool_calls=bool(calls))
             message: dict[str, Any] = {"role": "assistant", "content": content}
             if calls:
                 message["tool_calls"] = calls
             choice = {"index": i, "message": message, "finish_reason": finish,
                       "matched_stop": meta["finish_reason"].get("matched"), "logprobs": None}
             if req.logprobs:
-                choice["logprobs"] = self._chat_logprobs(meta, top_n)
+                choice["logprobs"] = chat_logprobs(meta, top_n, self.token_text)
             choices.append(choice)
         return JSONResponse({
             "id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
             "model": self.engine.served_model_name, "choices": choices,
-            "usage": _usage([o["meta_info"] for o in outputs], req.n), "system_fingerprint": None,
+            "usage": usage([o["meta_info"] for o in outputs], req.n), "system_fingerprint": None,
         })
 
     def _tool_mode(self, req: ChatCompletionRequest) -> ToolMode:
@@ -285,28 +264,13 @@ class OpenAIAPI:
 
     def tool_calls(self, mode: ToolMode, text: str) -> tuple[str | None, list[dict[str, Any]]]:
         if mode.kind == "named":
-            return None, [toolcalls.tool_call(mode.name, text)]
+            return None, [tool_call(mode.name, text)]
         if mode.kind == "required":
             calls = toolcalls.parse_required(text)
             return (None, calls) if calls else (text, [])
         if mode.kind == "auto":
             return toolcalls.parse_auto(text, mode.tools)
         return text, []
-
-    def _logprob_entry(self, lp: float | None, token_id: int) -> dict[str, Any]:
-        text = self._text(token_id)
-        return {"token": text, "logprob": max(lp, _MIN_LOGPROB) if lp is not None else None,
-                "bytes": list(text.encode("utf-8"))}
-
-    def _chat_logprobs(self, meta: dict[str, Any], top_n: int) -> dict[str, Any]:
-        tops = meta.get("output_top_logprobs") or []
-        content = []
-        for i, (lp, token_id, _) in enumerate(meta.get("output_token_logprobs", [])):
-            entry = self._logprob_entry(lp, token_id)
-            top = tops[i] if i < len(tops) and tops[i] else []
-            entry["top_logprobs"] = [self._logprob_entry(t_lp, t_id) for t_lp, t_id, _ in top[:top_n]]
-            content.append(entry)
-        return {"content": content, "refusal": None}
 
     async def _chat_events(self, req: ChatCompletionRequest, mode: ToolMode, stream: MergedStream,
                            top_n: int) -> AsyncIterator[bytes]:
@@ -327,11 +291,11 @@ class OpenAIAPI:
         for i in range(len(stream.branches)):
             yield chunk(i, {"role": "assistant", "content": ""})
             if mode.kind == "named":
-                call = toolcalls.tool_call(mode.name, "")
+                call = tool_call(mode.name, "")
                 yield chunk(i, {"tool_calls": [{"index": 0, **call}]})
         async for i, out in stream:
             meta = out["meta_info"]
-            logprobs = self._chat_logprobs(meta, top_n) if req.logprobs else None
+            logprobs = chat_logprobs(meta, top_n, self.token_text) if req.logprobs else None
             if out["text"] or (logprobs and logprobs["content"]):
                 if buffered:
                     texts[i] += out["text"]
@@ -343,22 +307,21 @@ class OpenAIAPI:
             if meta["finish_reason"] is None:
                 continue
             finals[i] = meta
-            finish = _finish_reason(meta)
+            called = mode.kind == "named"
             if buffered:
                 content, calls = self.tool_calls(mode, texts[i])
+                called = bool(calls)
                 if calls:
-                    finish = "tool_calls"
                     yield chunk(i, {"tool_calls": [{"index": k, **c} for k, c in enumerate(calls)]})
                 elif content:
                     yield chunk(i, {"content": content})
-            elif mode.kind == "named":
-                finish = "tool_calls"
+            finish = finish_reason(meta, tool_calls=called)
             if finish == "abort" and meta.get("error"):
                 yield sse(json.dumps(error_body(500, f"The request was aborted: {meta['error']}", code="aborted")))
             yield chunk(i, {}, finish)
         if include_usage:
             yield sse(json.dumps({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-                                  "choices": [], "usage": _usage(finals, req.n)}))
+                                  "choices": [], "usage": usage(finals, req.n)}))
         yield sse("[DONE]")
 
     # ---- /v1/completions ----------------------------------------------------------------------
@@ -394,13 +357,13 @@ class OpenAIAPI:
             check_aborted(meta)
             prompt_text = prompts[i // req.n][0]
             text = prompt_text + out["text"] if req.echo else out["text"]
-            logprobs = self._completion_logprobs(meta, req.echo, 0) if want_logprobs else None
-            choices.append({"index": i, "text": text, "logprobs": logprobs, "finish_reason": _finish_reason(meta),
+            logprobs = completion_logprobs(meta, req.echo, 0, self.token_text) if want_logprobs else None
+            choices.append({"index": i, "text": text, "logprobs": logprobs, "finish_reason": finish_reason(meta),
                             "matched_stop": meta["finish_reason"].get("matched")})
         return JSONResponse({
             "id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
             "model": self.engine.served_model_name, "choices": choices,
-            "usage": _usage([o["meta_info"] for o in outputs], req.n), "system_fingerprint": None,
+            "usage": usage([o["meta_info"] for o in outputs], req.n), "system_fingerprint": None,
         })
 
     def _completion_prompts(self, prompt: str | list) -> list[tuple[str, list[int]]]:
@@ -427,25 +390,6 @@ class OpenAIAPI:
             out.append((text, ids))
         return out
 
-    def _completion_logprobs(self, meta: dict[str, Any], with_input: bool, offset: int) -> dict[str, Any]:
-        """OpenAI's legacy logprobs object; text offsets count from `offset` characters."""
-        entries = list(meta.get("output_token_logprobs", []))
-        tops = list(meta.get("output_top_logprobs") or [None] * len(entries))
-        if with_input:
-            entries = list(meta.get("input_token_logprobs", [])) + entries
-            tops = list(meta.get("input_top_logprobs") or [None] * (len(entries) - len(tops))) + tops
-        tokens, token_logprobs, top_logprobs, text_offset = [], [], [], []
-        for (lp, token_id, _), top in zip(entries, tops):
-            text = self._text(token_id)
-            tokens.append(text)
-            token_logprobs.append(None if lp is None else max(lp, _MIN_LOGPROB))
-            top_logprobs.append({self._text(t_id): max(t_lp, _MIN_LOGPROB) for t_lp, t_id, _ in top}
-                                if top else (None if lp is None else {}))
-            text_offset.append(offset)
-            offset += len(text)
-        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
-                "text_offset": text_offset}
-
     async def _completion_events(self, req: CompletionRequest, prompts: list[tuple[str, list[int]]],
                                  stream: MergedStream) -> AsyncIterator[bytes]:
         rid, created, model = f"cmpl-{uuid.uuid4().hex}", int(time.time()), self.engine.served_model_name
@@ -462,9 +406,9 @@ class OpenAIAPI:
             started[i] = True
             logprobs = None
             if req.logprobs is not None:
-                logprobs = self._completion_logprobs(meta, with_input, offsets[i])
+                logprobs = completion_logprobs(meta, with_input, offsets[i], self.token_text)
                 offsets[i] += sum(len(t) for t in logprobs["tokens"])
-            finish = _finish_reason(meta)
+            finish = finish_reason(meta)
             if finish is not None:
                 finals[i] = meta
             if text or logprobs and logprobs["tokens"] or finish is not None:
@@ -477,7 +421,7 @@ class OpenAIAPI:
                 yield sse(json.dumps(error_body(500, f"The request was aborted: {meta['error']}", code="aborted")))
         if include_usage:
             yield sse(json.dumps({"id": rid, "object": "text_completion", "created": created, "model": model,
-                                  "choices": [], "usage": _usage(finals, req.n)}))
+                                  "choices": [], "usage": usage(finals, req.n)}))
         yield sse("[DONE]")
 
 

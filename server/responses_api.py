@@ -22,6 +22,7 @@ from typing import Any, AsyncIterator
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from radixlm.core.openai_output import finish_reason, responses_usage
 from radixlm.server.body import parse_body
 from radixlm.server.errors import APIError, bad_request
 from radixlm.server.generation import Branch, EngineClient, EventStreamResponse, MergedStream
@@ -160,13 +161,8 @@ class ResponsesAPI:
     def _response(self, body: ResponsesRequest, resp_id: str, items: list[dict[str, Any]],
                   meta: dict[str, Any] | None) -> dict[str, Any]:
         """The Response object; in progress while `meta` (the final output's) is None."""
-        finish = None if meta is None else meta["finish_reason"]["type"]
-        usage = None
-        if meta is not None:
-            usage = {"input_tokens": meta["prompt_tokens"],
-                     "input_tokens_details": {"cached_tokens": meta["cached_tokens"]},
-                     "output_tokens": meta["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
-                     "total_tokens": meta["prompt_tokens"] + meta["completion_tokens"]}
+        finish = None if meta is None else finish_reason(meta)
+        usage = None if meta is None else responses_usage(meta)
         choice = body.tool_choice
         return {
             "id": resp_id, "object": "response", "created_at": int(time.time()),

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from radixlm.core.tool_calls import call_array_schema, find_calls, parse_call_array, tool_call
+from radixlm.core.openai_output import tool_call
+from radixlm.core.tool_calls import call_array_schema, find_calls, parse_call_array
 from radixlm.server.openai_protocol import Tool
 
 __all__ = ["parse_auto", "parse_required", "required_schema", "template_tools", "tool_call"]

@@ -3,7 +3,8 @@ module level, inside functions, under TYPE_CHECKING).
 
 - no import cycles among runtime modules (core.engine, core.models, core.constrained, core.layers,
   core.tokenizer, kernels);
-- models and kernels never import core.engine; constrained never imports models;
+- models, kernels, layers and tokenizer never import core.engine; constrained never imports models;
+  layers (below the models) import no other runtime package but kernels; kernels import nothing of core;
 - the runtime never imports the frontend (core.program, core.backends), server, adapters or the
   top-level package (whose attributes lazily load the frontend).
 
@@ -26,6 +27,7 @@ RULES = [
     (("radixlm.core.models", "radixlm.kernels", "radixlm.core.layers", "radixlm.core.tokenizer"),
      ("radixlm.core.engine",)),
     (("radixlm.core.constrained",), ("radixlm.core.models",)),
+    (("radixlm.core.layers",), ("radixlm.core.models", "radixlm.core.constrained", "radixlm.core.tokenizer")),
     (("radixlm.kernels",), ("radixlm.core",)),
     (RUNTIME, (*FRONTEND, PACKAGE)),
 ]

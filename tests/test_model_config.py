@@ -89,3 +89,43 @@ def test_both_config_generations_give_hf_logits(request, tmp_path, writer, fixtu
 def test_unsupported_config_fields_are_named(field, value, message):
     with pytest.raises(UnsupportedModelError, match=message):
         ModelConfig.from_hf_dict({"architectures": ["LlamaForCausalLM"], **SHAPE, field: value}, eos=None)
+
+
+@pytest.mark.parametrize("arch", sorted(CLASSES))
+def test_registry_places_every_checkpoint_weight(arch):
+    """Each weight of transformers' model of the architecture maps (core.models.registry) onto a
+    parameter of ours of its shape, or onto one block of a fused one; the blocks tile each fused
+    parameter, and every parameter of ours gets a weight."""
+    import transformers
+
+    from radixlm import kernels
+    from radixlm.core.models.registry import model_spec
+
+    shape = {**SHAPE, "num_key_value_heads": 2}
+    with torch.device("meta"):
+        hf = getattr(transformers, arch)(CLASSES[arch](**shape))
+    cfg = ModelConfig.from_hf_dict({"architectures": [arch], **shape}, eos=None)
+    spec = model_spec(arch)
+    with torch.device("meta"):
+        params = dict(spec.model_class(cfg, kernels.cpu).named_parameters())
+    blocks: dict[str, list[slice]] = {}
+    for name, weight in hf.state_dict().items():
+        ours, block = spec.parameter_for(name)
+        if block is None:
+            assert params[ours].shape == weight.shape, name
+        else:
+            rows = spec.block_rows(ours, block, cfg)
+            assert params[ours][rows].shape == weight.shape, name
+            blocks.setdefault(ours, []).append(rows)
+    for ours, rows in blocks.items():
+        rows.sort(key=lambda r: r.start)
+        assert [r.start for r in rows] == [0] + [r.stop for r in rows[:-1]], ours
+        assert rows[-1].stop == params[ours].shape[0], ours
+    assert {spec.parameter_for(name)[0] for name in hf.state_dict()} == set(params)
+
+
+def test_registry_refuses_an_unknown_architecture():
+    from radixlm.core.models.registry import model_spec
+
+    with pytest.raises(UnsupportedModelError, match="GPTNeoXForCausalLM.*LlamaForCausalLM"):
+        model_spec("GPTNeoXForCausalLM")

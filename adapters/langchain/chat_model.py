@@ -31,6 +31,7 @@ from radixlm.adapters.langchain.connection import Connection, engine_connection,
 from radixlm.adapters.langchain.messages import ai_message, final_chunk, template_messages
 from radixlm.adapters.langchain.program import ChatCall, precache, result, run_call, stream_call
 from radixlm.adapters.langchain.tools import bound_strings, forced_schema, parse_reply, tool_mode
+from radixlm.core.openai_output import chat_logprobs
 from radixlm.core.program.ir import GenParams
 
 # Keyword arguments a call (invoke(..., **kwargs), or a binding) may carry.
@@ -206,7 +207,8 @@ class ChatSGLang(BaseChatModel):
         """The AIMessage for a call's reply."""
         logprobs = None
         if call.top_logprobs is not None:
-            logprobs = self.connection().renderer.logprobs(meta, call.top_logprobs)
+            # OpenAI's chat shape, as ChatOpenAI puts it in response_metadata
+            logprobs = chat_logprobs(meta, call.top_logprobs, self.connection().renderer.token_text)
         return ai_message(parse_reply(call.mode, text), meta, call.model_name, logprobs)
 
     def _wait_timeout(self) -> float | None:

@@ -19,6 +19,7 @@ from langchain_core.messages.ai import InputTokenDetails, UsageMetadata
 
 from radixlm.adapters.langchain.tools import ParsedCalls, template_tool_calls
 from radixlm.core.chat_render import render_chat
+from radixlm.core.openai_output import TokenText, finish_reason, usage
 
 # Content blocks of an assistant message that are not its text: the tool calls are rendered from
 # `tool_calls`, reasoning is not part of the prompt.
@@ -78,6 +79,7 @@ class ChatRenderer:
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError("the model's tokenizer has no chat template, which ChatSGLang needs")
         self.tokenizer = tokenizer
+        self.token_text = TokenText(tokenizer)  # names the tokens of logprobs
         # The engine tokenizes prompt text with the tokenizer's special tokens; a template that writes
         # the BOS as text as well would double it.
         bos = tokenizer.bos_token
@@ -93,34 +95,18 @@ class ChatRenderer:
     def count_tokens(self, text: str) -> int:
         return len(self.tokenizer(text)["input_ids"])
 
-    def logprobs(self, meta: dict[str, Any], top_n: int) -> dict[str, Any]:
-        """The output token logprobs in OpenAI's chat shape."""
-        def entry(lp: float, token_id: int) -> dict[str, Any]:
-            token = self.tokenizer.decode([token_id])
-            return {"token": token, "logprob": lp, "bytes": list(token.encode("utf-8"))}
-
-        tops = meta.get("output_top_logprobs") or []
-        content = []
-        for i, (lp, token_id, _) in enumerate(meta.get("output_token_logprobs") or []):
-            item = entry(lp, token_id)
-            top = tops[i] if i < len(tops) and tops[i] else []
-            item["top_logprobs"] = [entry(t_lp, t_id) for t_lp, t_id, _ in top[:top_n]]
-            content.append(item)
-        return {"content": content}
-
 
 def usage_metadata(meta: dict[str, Any]) -> UsageMetadata:
-    prompt, completion = meta["prompt_tokens"], meta["completion_tokens"]
-    return UsageMetadata(input_tokens=prompt, output_tokens=completion, total_tokens=prompt + completion,
-                         input_token_details=InputTokenDetails(cache_read=meta.get("cached_tokens", 0)))
+    u = usage([meta])
+    return UsageMetadata(input_tokens=u["prompt_tokens"], output_tokens=u["completion_tokens"],
+                         total_tokens=u["total_tokens"],
+                         input_token_details=InputTokenDetails(cache_read=u["prompt_tokens_details"]["cached_tokens"]))
 
 
 def response_metadata(meta: dict[str, Any], model_name: str, parsed: ParsedCalls) -> dict[str, Any]:
-    reason = (meta.get("finish_reason") or {}).get("type")
+    reason = finish_reason(meta, tool_calls=bool(parsed.calls))
     if reason == "abort":
         raise RuntimeError(f"the request was aborted: {meta.get('error', 'engine shutdown or abort')}")
-    if parsed.calls and reason == "stop":
-        reason = "tool_calls"
     return {"model_name": model_name, "finish_reason": reason, "model_provider": "radixlm"}
 
 

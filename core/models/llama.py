@@ -1,7 +1,8 @@
 """The Llama family (Llama 2/3/3.1, Mistral, Qwen2/2.5) over the paged KV pool.
 
 One implementation serves all three: they differ only in config (GQA ratio, qkv bias, tied
-embeddings, rope scaling). Q/K/V and gate/up projections are fused into single matmuls at load time.
+embeddings, rope scaling). Q/K/V and gate/up projections are fused into single matmuls at load time
+(core.models.registry maps the checkpoint's names onto them).
 Kernels come from an `ops` namespace (kernels.cpu on CPU, Triton on CUDA), attention from an
 attention backend that knows the batch layout.
 """
@@ -31,7 +32,7 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int, ops: ModuleType) -> None:
+    def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
         super().__init__()
         self.layer_id = layer_id
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -40,14 +41,13 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
         self.scale = self.head_dim**-0.5
-        self.ops = ops
 
     def forward(self, x: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = self.ops.apply_rotary(q, k, fb.positions, fb.cos_sin_cache)
+        # The backend applies the rotary embedding: on CUDA in one launch with the KV store.
         out = fb.attn_backend.forward(q, k, v, self.layer_id, fb)
         return self.o_proj(out.reshape(-1, self.q_size))
 
@@ -66,7 +66,7 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int, ops: ModuleType) -> None:
         super().__init__()
-        self.self_attn = Attention(cfg, layer_id, ops)
+        self.self_attn = Attention(cfg, layer_id)
         self.mlp = MLP(cfg, ops)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
@@ -108,22 +108,3 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
 
-    # HF checkpoint name -> (our parameter, shard index within a fused weight or None)
-    def weight_name_map(self, hf_name: str) -> tuple[str, int | None] | None:
-        name = hf_name.removeprefix("model.")
-        if "rotary_emb.inv_freq" in name:
-            return None
-        for hf, ours, idx in (
-            (".q_proj.", ".qkv_proj.", 0), (".k_proj.", ".qkv_proj.", 1), (".v_proj.", ".qkv_proj.", 2),
-            (".gate_proj.", ".gate_up_proj.", 0), (".up_proj.", ".gate_up_proj.", 1),
-        ):
-            if hf in name:
-                return name.replace(hf, ours), idx
-        return name, None
-
-    def fused_shard_sizes(self, param_name: str) -> list[int]:
-        cfg = self.config
-        if ".qkv_proj." in param_name:
-            q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-            return [q, kv, kv]
-        return [cfg.intermediate_size, cfg.intermediate_size]

@@ -12,12 +12,13 @@ from typing import TYPE_CHECKING
 
 import torch
 from safetensors import safe_open
+from torch import nn
 from tqdm.auto import tqdm
 
 from radixlm.core.errors import UnsupportedModelError
 from radixlm.core.models.config import ModelConfig
 from radixlm.core.models.hub import find_gguf
-from radixlm.core.models.llama import LlamaForCausalLM
+from radixlm.core.models.registry import model_spec
 
 if TYPE_CHECKING:
     from radixlm.core.models.parallel import TensorParallel
@@ -56,50 +57,55 @@ def checkpoint_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
 def load_model(
     path: str, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, ops: ModuleType,
     load_format: str = "auto", tp: "TensorParallel | None" = None,
-) -> LlamaForCausalLM:
-    """Builds the model on the meta device, then fills each parameter straight from the checkpoint's
-    weights, converted to `dtype` as they are copied (load_format "auto"), or with random values made
-    on the device ("dummy": no files read).
+) -> nn.Module:
+    """Builds the model of cfg's architecture (core.models.registry) on the meta device, then fills each
+    parameter straight from the checkpoint's weights, converted to `dtype` as they are copied
+    (load_format "auto"), or with random values made on the device ("dummy": no files read).
     With `tp` (cfg is then tp.local_config()), the model holds this rank's share of every layer."""
+    spec = model_spec(cfg.architecture)
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg, ops)
+        model = spec.model_class(cfg, ops)
         if tp is not None:
-            tp.shard_model(model)
+            tp.shard_model(model, spec)
     _materialize(model, dtype, device)
-    if cfg.tie_word_embeddings:
-        model.lm_head.weight = model.embed_tokens.weight
+    tied = spec.tied if cfg.tie_word_embeddings else {}
+    for name, source in tied.items():
+        _set_parameter(model, name, model.get_parameter(source))
     if load_format == "dummy":
         _init_dummy(model)
         return model.eval()
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded: set[str] = set()
     for hf_name, w in checkpoint_weights(path):
-        mapped = model.weight_name_map(hf_name)
+        mapped = spec.parameter_for(hf_name)
         if mapped is None:
             continue
         name, shard = mapped
         if name not in params:
-            if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            if name in tied:
                 continue
             raise UnsupportedModelError(f"unexpected weight {hf_name!r} in {path}")
         if tp is not None:
             tp.load_weight(model, name, shard, w)
         else:
-            _copy_into(model, params[name], name, shard, w)
+            _copy_into(params[name], w, None if shard is None else spec.block_rows(name, shard, cfg))
         loaded.add(name if shard is None else f"{name}#{shard}")
     expected = set()
     for name in params:
-        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+        if name in tied:
             continue
-        if ".qkv_proj." in name or ".gate_up_proj." in name:
-            expected.update(f"{name}#{i}" for i in range(len(model.fused_shard_sizes(name))))
-        else:
-            expected.add(name)
+        blocks = spec.fused_blocks(name)
+        expected.update([name] if blocks is None else (f"{name}#{i}" for i in range(len(blocks))))
     missing = sorted(expected - loaded)
     if missing:
         raise UnsupportedModelError(f"checkpoint {path} lacks weights: {missing[:5]}{'...' if len(missing) > 5 else ''}")
     model.eval()
     return model
+
+
+def _set_parameter(model: nn.Module, name: str, param: nn.Parameter) -> None:
+    owner, _, attr = name.rpartition(".")
+    setattr(model.get_submodule(owner), attr, param)
 
 
 def _materialize(model: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> None:
@@ -112,9 +118,9 @@ def _materialize(model: torch.nn.Module, dtype: torch.dtype, device: torch.devic
             setattr(module, name, torch.nn.Parameter(empty, requires_grad=param.requires_grad))
 
 
-def _init_dummy(model: LlamaForCausalLM, seed: int = 0) -> None:
+def _init_dummy(model: nn.Module, seed: int = 0) -> None:
     """Random weights in the scale of a trained model: N(0, 0.02) matrices, unit norms, zero biases."""
-    gen = torch.Generator(device=model.lm_head.weight.device).manual_seed(seed)
+    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):
@@ -125,12 +131,7 @@ def _init_dummy(model: LlamaForCausalLM, seed: int = 0) -> None:
                 param.normal_(0.0, 0.02, generator=gen)
 
 
-def _copy_into(model: LlamaForCausalLM, param: torch.Tensor, name: str, shard: int | None, w: torch.Tensor):
+def _copy_into(param: torch.Tensor, w: torch.Tensor, rows: slice | None) -> None:
+    """Copies checkpoint tensor w into param, or into its `rows` when w is one block of a fused param."""
     with torch.no_grad():
-        if shard is None:
-            param.copy_(w)
-            return
-        sizes = model.fused_shard_sizes(name)
-        start = sum(sizes[:shard])
-        param[start : start + sizes[shard]].copy_(w)
-
+        (param if rows is None else param[rows]).copy_(w)

@@ -1,4 +1,5 @@
-"""Tensor parallelism for the Llama family: each rank holds its share of every layer (Megatron-style).
+"""Tensor parallelism: each rank holds its share of every layer (Megatron-style), as a model's entry in
+core.models.registry plans it. For the Llama family:
 
 - `qkv_proj` and `gate_up_proj` are column-parallel: a rank holds the output rows of its own attention
   heads (q, k and v alike) and its slice of the MLP's intermediate features, so attention and SiLU run
@@ -15,8 +16,8 @@ tp > num_kv_heads (tp a multiple of it) each rank holds the one KV head its quer
 on tp / num_kv_heads ranks. Either way a rank's KV pool holds only its KV heads.
 
 The model is first built from `local_config()` (this rank's head and feature counts, so attention and
-the KV pool take local shapes as they are), then `shard_model` swaps in the layers below, which know
-where their share lies in the checkpoint's full tensors (`weight_loader`).
+the KV pool take local shapes as they are), then `shard_model` swaps in the layers below for those its
+plan names, which know where their share lies in the checkpoint's full tensors (`weight_loader`).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from torch.nn import functional as F
 
 from radixlm.core.errors import UnsupportedModelError
 from radixlm.core.models.config import ModelConfig
+from radixlm.core.models.registry import ColumnParallel, ModelSpec, RowParallel, Unit, VocabParallel
 
 
 @dataclass(frozen=True)
@@ -73,25 +75,36 @@ class TensorParallel:
         return dataclasses.replace(c, num_heads=c.num_heads // self.size, num_kv_heads=self.kv_heads()[1],
                                    intermediate_size=c.intermediate_size // self.size)
 
-    def shard_model(self, model: nn.Module) -> None:
-        """Replaces the dense layers of a LlamaForCausalLM built from local_config() by their parallel
-        versions (call it on the meta device, before weights are allocated)."""
+    def rows(self, unit: Unit) -> tuple[int, int]:
+        """(first, count) of this rank's share of a unit (core.models.registry), in rows of the full model."""
         c, hd = self.cfg, self.cfg.head_dim
-        q_n = c.num_heads // self.size
-        q_first = self.rank * q_n
-        kv_first, kv_n = self.kv_heads()
-        i_n = c.intermediate_size // self.size
-        i_first = self.rank * i_n
-        for layer in model.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            kv_rows = (kv_first * hd, kv_n * hd)
-            attn.qkv_proj = ColumnParallelLinear(c.hidden_size, [(q_first * hd, q_n * hd), kv_rows, kv_rows],
-                                                 bias=c.qkv_bias)
-            attn.o_proj = RowParallelLinear(q_first * hd, q_n * hd, c.hidden_size, self)
-            mlp.gate_up_proj = ColumnParallelLinear(c.hidden_size, [(i_first, i_n), (i_first, i_n)], bias=False)
-            mlp.down_proj = RowParallelLinear(i_first, i_n, c.hidden_size, self)
-        model.embed_tokens = VocabParallelEmbedding(c.vocab_size, c.hidden_size, self)
-        model.lm_head = ParallelLMHead(c.vocab_size, c.hidden_size, self)
+        if unit == "q_heads":
+            n = c.num_heads // self.size
+            return self.rank * n * hd, n * hd
+        if unit == "kv_heads":
+            first, n = self.kv_heads()
+            return first * hd, n * hd
+        n = c.intermediate_size // self.size
+        return self.rank * n, n
+
+    def shard_model(self, model: nn.Module, spec: ModelSpec) -> None:
+        """Replaces the layers that spec.parallel names in a model built from local_config() by their
+        parallel versions (call it on the meta device, before weights are allocated)."""
+        for name, module in list(model.named_modules()):
+            owner, _, attr = name.rpartition(".")
+            style = spec.parallel.get(attr)
+            if style is not None:
+                setattr(model.get_submodule(owner), attr, self._parallel_layer(style, module))
+
+    def _parallel_layer(self, style: ColumnParallel | RowParallel | VocabParallel, dense: nn.Module) -> nn.Module:
+        if isinstance(style, ColumnParallel):
+            return ColumnParallelLinear(dense.in_features, [self.rows(u) for u in style.blocks],
+                                        bias=dense.bias is not None)
+        if isinstance(style, RowParallel):
+            return RowParallelLinear(*self.rows(style.unit), dense.out_features, self)
+        vocab, hidden = dense.weight.shape
+        layer = VocabParallelEmbedding if style.kind == "embedding" else ParallelLMHead
+        return layer(vocab, hidden, self)
 
     @torch.no_grad()
     def load_weight(self, model: nn.Module, name: str, shard: int | None, w: torch.Tensor) -> None:
