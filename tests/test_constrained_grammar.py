@@ -80,6 +80,8 @@ CASES = [
      [{"k": "a", "x": 1}, {"k": "b", "y": "s"}], [{"k": "a", "y": "s"}]),
     # Keys listed only in required (values unconstrained); whole numbers with a zero fraction.
     ({"type": "object", "required": ["a"]}, [{"a": 1}, {"a": [2.0]}], [{}, {"b": 1}]),
+    ({"type": "object", "properties": {"p": INT}, "required": ["a", "b"]},
+     [{"a": 1, "b": 2}, {"b": 1, "a": 2}, {"p": 0, "b": 1, "a": 2}], [{"a": 1}, {"a": 1, "a2": 2}]),
     ({"type": "integer", "maximum": 3}, [3, 3.0, -2.0], [3.5, 4.0]),
     ({"enum": [0, [1], {"k": -2}]}, [0.0, [1.0], {"k": -2.0}], [False, [True], 0.5]),
     ({"properties": {"a": INT, "b": INT}, "dependentRequired": {"a": ["b"]}},

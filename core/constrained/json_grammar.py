@@ -18,6 +18,7 @@ documented strictness). Anything refused raises ValueError naming the keyword an
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import re
 from typing import Any
@@ -465,7 +466,14 @@ class _Converter(js._Converter):
             if key is not None:
                 value = self._any() if extra is True else self.value(extra, f"{ptr}/additionalProperties")
                 extras.append(seq(key, self._punct(":"), self._shared(value, f"{ptr}/additionalProperties")))
-        return seq(self._punct("{"), self._members(members, extras, lo, hi, ptr), self._punct("}"))
+        # Keys listed only in `required` have no schema order: a few of them are taken in any order.
+        loose = sum(1 for name in names if name not in props)
+        orders = [members]
+        if 2 <= loose <= MAX_ANY_ORDER:
+            fixed = members[:len(members) - loose]
+            orders = [fixed + list(p) for p in itertools.permutations(members[len(members) - loose:])]
+        body = alt(*(self._members(order, extras, lo, hi, ptr) for order in orders))
+        return seq(self._punct("{"), body, self._punct("}"))
 
     @staticmethod
     def _property_names(names: list[str], rule: Any, required: list[str], ptr: str) -> list[str] | None:
@@ -695,6 +703,7 @@ _KNOWN = {
 
 
 MAX_MODULUS = 10_000  # multipleOf's DFA has a state per remainder
+MAX_ANY_ORDER = 3  # keys listed only in required: up to this many in any order (n! orders), more in theirs
 # Length bounds intersected with another automaton (pattern, propertyNames): the product has a copy of it
 # per character position and minimizing it is quadratic, so the bounds are kept small. propertyNames'
 # maxLength is tightened to this for keys beyond the listed properties (sound: fewer keys), larger
