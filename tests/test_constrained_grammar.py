@@ -82,8 +82,8 @@ CASES = [
     ({"type": "object", "required": ["a"]}, [{"a": 1}, {"a": [2.0]}], [{}, {"b": 1}]),
     ({"type": "object", "properties": {"p": INT}, "required": ["a", "b"]},
      [{"a": 1, "b": 2}, {"b": 1, "a": 2}, {"p": 0, "b": 1, "a": 2}], [{"a": 1}, {"a": 1, "a2": 2}]),
-    ({"type": "integer", "maximum": 3}, [3, 3.0, -2.0], [3.5, 4.0]),
-    ({"enum": [0, [1], {"k": -2}]}, [0.0, [1.0], {"k": -2.0}], [False, [True], 0.5]),
+    ({"type": "integer", "maximum": 3}, [3, -2], [3.5, 4.0]),
+    ({"enum": [0, [1], {"k": -2}]}, [0, [1], {"k": -2}], [False, [True], 0.5]),
     ({"properties": {"a": INT, "b": INT}, "dependentRequired": {"a": ["b"]}},
      [{"a": 1, "b": 2}, {"b": 2}, {}, "s"], [{"a": 1}]),
     ({"dependentRequired": {"a": ["b"]}}, [{"a": 1, "b": 2}, {"b": 2, "c": 3}], [{"a": 1}, {"a": 1, "c": 2}]),
@@ -103,7 +103,7 @@ CASES = [
     ({"type": "string", "pattern": "^[a-z]+$", "minLength": 2, "maxLength": 4}, ["ab", "abcd"], ["a", "abcde", "AB"]),
     ({"type": "string", "format": "ipv4", "maxLength": 7}, ["1.2.3.4"], ["10.2.3.4"]),
     # multipleOf a whole number: a digit automaton over remainders (with the bounds intersected).
-    ({"type": "integer", "multipleOf": 3, "minimum": -7, "maximum": 20}, [-6, 0, 3, 18, 9.0], [-9, 4, 21, 1.5]),
+    ({"type": "integer", "multipleOf": 3, "minimum": -7, "maximum": 20}, [-6, 0, 3, 18], [-9, 4, 21, 1.5]),
     ({"multipleOf": 2}, [10, -4, "s"], [7, 7.5]),
 ]
 
@@ -241,6 +241,16 @@ def test_a_recursive_grammar_counts_brackets(tiny_tokenizer):
         assert _accepts(c, text) == ok, text
 
 
+@pytest.mark.parametrize("schema", [{"type": "integer"}, {"type": "integer", "maximum": 3},
+                                    {"type": "integer", "multipleOf": 3}, {"const": 2.0}, {"enum": [0]}])
+def test_integers_are_canonical(schema, tiny_tokenizer):
+    """JSON Schema counts 1.0 as an integer, but json.loads reads it as a float: never generated."""
+    c = build_constraint("json_schema", schema, tiny_tokenizer)
+    whole = {"const": 2, "enum": 0}.get(next(iter(schema)), 0)
+    assert _accepts(c, str(whole))
+    assert not _accepts(build_constraint("json_schema", schema, tiny_tokenizer), f"{whole}.0")
+
+
 @pytest.mark.parametrize("kind, spec", [
     ("json_schema", {"type": "object", "properties": {"a": {"type": "boolean"}, "b": {"type": "array", "items": STR, "maxItems": 3},
                                                      "c": {"enum": ["x", "yz"]}}, "required": ["a"]}),
@@ -248,8 +258,7 @@ def test_a_recursive_grammar_counts_brackets(tiny_tokenizer):
     ("choices", ["yes", "no", "maybe"]),
 ])
 def test_masks_equal_the_regex_dfa_engines(kind, spec, tiny_tokenizer):
-    """Where both engines apply, the allowed tokens and the forced text are the same at every step (not
-    on integers: this engine also accepts them with a zero fraction, 1.0, as JSON Schema does)."""
+    """Where both engines apply, the allowed tokens and the forced text are the same at every step."""
     rng = np.random.default_rng(0)
     vocab = len(tiny_tokenizer)
     for _ in range(15):

@@ -33,9 +33,9 @@ from radixlm.core.constrained.regex_dfa import ByteDFA, dfa_difference, dfa_inte
 
 CHAR = Terminal(regex=js.STRING_CHAR)
 NUMBER = Terminal(regex=js.NUMBER)
-# A whole number may be written with a zero fraction: 1.0 is an integer to JSON Schema (draft 6 on).
-WHOLE = r"(?:\.0+)?"
-INTEGER = Terminal(regex=js.INTEGER + WHOLE)
+# Integers are generated canonically ("1", never "1.0"), though JSON Schema (draft 6 on) counts 1.0 as an
+# integer too: programs read the output with json.loads, where 1.0 is a float (range(x) fails on it).
+INTEGER = Terminal(regex=js.INTEGER)
 NULL = lit("null")
 BOOLEAN = Terminal(regex="true|false")
 NOTHING = Alt(())  # no output at all
@@ -305,9 +305,9 @@ class _Converter(js._Converter):
         return self._constant(value)
 
     def _constant(self, value: Any) -> Expr:
-        """Exactly `value`, its whole numbers also with a zero fraction (0.0 equals 0 to JSON Schema)."""
+        """Exactly `value` (a whole float as its integer: 0.0 equals 0 to JSON Schema)."""
         if isinstance(value, float) and value.is_integer() or isinstance(value, int) and not isinstance(value, bool):
-            return Terminal(regex=re.escape(str(int(value))) + WHOLE)
+            return Terminal(regex=re.escape(str(int(value))))
         if isinstance(value, list):
             items = [self._constant(v) for v in value]
             body = [seq(self._punct(","), v) if i else v for i, v in enumerate(items)]
@@ -389,11 +389,11 @@ class _Converter(js._Converter):
         if lo is not None and hi is not None and lo > hi:
             return NOTHING
         if int(step) == 1:
-            return INTEGER if lo is None and hi is None else Terminal(regex=f"(?:{js.int_range_regex(lo, hi)}){WHOLE}")
+            return INTEGER if lo is None and hi is None else Terminal(regex=f"(?:{js.int_range_regex(lo, hi)})")
         dfa = multiples_dfa(int(step))
         if lo is not None or hi is not None:
             budget = self.budget.max_terminal_states
-            bounds = terminal_dfa(f"(?:{js.int_range_regex(lo, hi)}){WHOLE}", budget)
+            bounds = terminal_dfa(f"(?:{js.int_range_regex(lo, hi)})", budget)
             dfa = dfa_intersection(dfa, bounds, budget, self.deadline.check)
         return NOTHING if dfa is None else Terminal(key=f"multiples:{int(step)}:{lo}:{hi}", dfa=dfa)
 
@@ -411,7 +411,7 @@ class _Converter(js._Converter):
         lo, hi = js._int_bounds(schema)
         if lo is not None and hi is not None and lo > hi:
             return NOTHING
-        return Terminal(regex=f"(?:{js.number_range_regex(lo, hi)}|(?:{js.int_range_regex(lo, hi)}){WHOLE})")
+        return Terminal(regex=f"(?:{js.number_range_regex(lo, hi)}|(?:{js.int_range_regex(lo, hi)}))")
 
     # ---- objects -----------------------------------------------------------------------------------
     def _object(self, schema: dict, ptr: str) -> Expr:
@@ -713,9 +713,8 @@ MAX_PRODUCT_LENGTH = 64
 
 @functools.lru_cache(maxsize=64)
 def multiples_dfa(m: int) -> ByteDFA:
-    """JSON integers (optionally with a zero fraction) that are multiples of m: a state per remainder
-    of the digits read so far."""
-    start, minus, zero, dot, frac, rem = 0, 1, 2, 3, 4, 5  # rem + r: a nonzero start, remainder r
+    """JSON integers that are multiples of m: a state per remainder of the digits read so far."""
+    start, minus, zero, rem = 0, 1, 2, 3  # rem + r: a nonzero start, remainder r
     trans = np.full((rem + m, 256), -1, dtype=np.int32)
     digits = np.arange(ord("0"), ord("9") + 1)
     trans[start, ord("-")] = minus
@@ -723,10 +722,8 @@ def multiples_dfa(m: int) -> ByteDFA:
         trans[s, ord("0")] = zero
         trans[s, digits[1:]] = rem + np.arange(1, 10) % m
     trans[rem:, digits] = rem + (10 * np.arange(m)[:, None] + np.arange(10)[None, :]) % m
-    trans[[zero, rem], ord(".")] = dot
-    trans[[dot, frac], ord("0")] = frac
     accepting = np.zeros(rem + m, dtype=bool)
-    accepting[[zero, frac, rem]] = True
+    accepting[[zero, rem]] = True
     return ByteDFA(transitions=trans, accepting=accepting)
 
 
