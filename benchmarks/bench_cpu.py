@@ -10,13 +10,16 @@ greedy, exactly --new-tokens output tokens per request (radixlm ignore_eos, HF m
 never stops early); tokens/s = B x new tokens / wall time of the whole call, prefill included. radixlm's
 prefix cache is flushed before each call, so it prefills as much as the others. Every system runs once
 per round, in turn, so that a load change on a shared machine hits all of them alike; the table shows
-the median over rounds. HF runs `generate` on a left-padded batch. llama.cpp runs the GGUF file (its own
+the median over rounds, in tokens per wall second and per CPU second of the process (all its threads:
+on a machine others load, a wait for a core costs wall time, not CPU time). HF runs `generate` on a left-padded batch. llama.cpp runs the GGUF file (its own
 quantized weights: a different model in bytes, the same in shape) through its low-level batch API, one
 sequence per request, --threads threads (default: torch's). Peer columns need `transformers` (and the
 `gguf` package for a .gguf model) and `llama_cpp`; a missing one is skipped with a note.
 
-The greedy tokens of radixlm and HF (fp32) are compared on every request, up to radixlm's first
-end-of-sequence token: a speed-up that changed the answers would show there.
+The greedy tokens of each radixlm variant (and of HF bf16) are compared with HF fp32's on every request,
+up to radixlm's first end-of-sequence token: a speed-up that changed the answers would show there.
+--plain-linear DTYPE adds radixlm on F.linear over the plain weights (disable_cpu_prepack): before and
+after of the prepacked linear layers in one run.
 """
 
 from __future__ import annotations
@@ -58,10 +61,10 @@ def prompt_ids(tokenizer: Any, count: int) -> list[list[int]]:
 # ---- the systems: each a function (prompt ids) -> generated ids, run once per round -------------------
 
 
-def radixlm_runner(model: str, dtype: str, new_tokens: int) -> tuple[Callable, Any]:
+def radixlm_runner(model: str, dtype: str, new_tokens: int, **options: Any) -> tuple[Callable, Any]:
     import radixlm
 
-    engine = radixlm.Engine(model, dtype=dtype)
+    engine = radixlm.Engine(model, dtype=dtype, **options)
     params = {"max_new_tokens": new_tokens, "temperature": 0, "ignore_eos": True}
 
     def run(prompts: list[list[int]]) -> list[list[int]]:
@@ -183,6 +186,8 @@ def main() -> None:
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
     parser.add_argument("--systems", nargs="+", default=["radixlm", "hf", "llama.cpp"],
                         choices=["radixlm", "hf", "llama.cpp"])
+    parser.add_argument("--plain-linear", nargs="*", default=[], choices=["float32", "bfloat16"],
+                        help="dtypes to also run radixlm in with F.linear on the plain weights (disable_cpu_prepack)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own)")
     parser.add_argument("--startup-runs", type=int, default=3, help="fresh processes timed for start-up; 0 skips")
     parser.add_argument("--json", default=None, help="write the results here as JSON")
@@ -204,6 +209,10 @@ def main() -> None:
             runners[f"radixlm {dtype}"] = run
             keep.append(engine)
             tokenizer = engine.tokenizer
+            if dtype in args.plain_linear:
+                runners[f"radixlm {dtype} F.linear"], plain = radixlm_runner(args.model, dtype, args.new_tokens,
+                                                                             disable_cpu_prepack=True)
+                keep.append(plain)
     if tokenizer is None:
         from radixlm.core.tokenizer.loader import load_tokenizer
 
@@ -226,15 +235,17 @@ def main() -> None:
             keep.append(llm)
 
     times: dict[tuple[str, int], list[float]] = {}
+    cpu_times: dict[tuple[str, int], list[float]] = {}  # the process's CPU seconds: less moved by others' load
     outputs: dict[tuple[str, int], list[list[int]]] = {}
     for name, run in runners.items():  # warm-up: first-call allocations and lazy initialisation
         run(prompts[:1])
     for r in range(args.rounds):
         for b in args.batch:
             for name, run in runners.items():
-                start = time.perf_counter()
+                start, cpu_start = time.perf_counter(), time.process_time()
                 outputs[name, b] = run(prompts[:b])
                 times.setdefault((name, b), []).append(time.perf_counter() - start)
+                cpu_times.setdefault((name, b), []).append(time.process_time() - cpu_start)
                 assert all(len(o) == args.new_tokens for o in outputs[name, b]), name
                 print(f"round {r + 1}: {name} batch {b}: {b * args.new_tokens / times[name, b][-1]:.1f} tok/s, "
                       f"load {os.getloadavg()[0]:.1f}", flush=True)
@@ -242,12 +253,14 @@ def main() -> None:
     results: dict[str, Any] = {"machine": info | {"load_avg_end": os.getloadavg()}, "tokens_per_s": {}}
     for (name, b), ts in times.items():
         results["tokens_per_s"].setdefault(name, {})[str(b)] = b * args.new_tokens / statistics.median(ts)
-    hf_ref = next((k for k in runners if k == "hf float32"), None)
-    if hf_ref and "radixlm float32" in runners:
+        results.setdefault("tokens_per_cpu_s", {}).setdefault(name, {})[str(b)] = (
+            b * args.new_tokens / statistics.median(cpu_times[name, b]))
+    if "hf float32" in runners and "radixlm" in args.systems:  # every other system's tokens against HF fp32's
         eos = set(keep[0].eos_token_ids)
         results["greedy_tokens_equal_to_hf_fp32"] = {
-            str(b): sum(_same_until_eos(x, y, eos) for x, y in zip(outputs["radixlm float32", b], outputs[hf_ref, b]))
-            for b in args.batch}
+            name: {str(b): sum(_same_until_eos(x, y, eos) for x, y in zip(outputs[name, b], outputs["hf float32", b]))
+                   for b in args.batch}
+            for name in runners if name not in ("hf float32", "llama.cpp")}
     if args.startup_runs and "radixlm" in args.systems:
         results["startup"] = startup(args.model, args.startup_runs)
     print_table(results, args.batch)
@@ -257,22 +270,24 @@ def main() -> None:
 
 
 def print_table(results: dict[str, Any], batches: list[int]) -> None:
-    tps = results["tokens_per_s"]
-    print("\n| system | " + " | ".join(f"batch {b} tok/s" for b in batches) + " |")
+    tps, per_cpu = results["tokens_per_s"], results["tokens_per_cpu_s"]
+    print("\n| system | " + " | ".join(f"batch {b} tok/s (per CPU s)" for b in batches) + " |")
     print("|---|" + "---|" * len(batches))
     for name, row in tps.items():
-        print(f"| {name} | " + " | ".join(f"{row[str(b)]:.1f}" for b in batches) + " |")
+        print(f"| {name} | " + " | ".join(f"{row[str(b)]:.1f} ({per_cpu[name][str(b)]:.1f})" for b in batches) + " |")
     for dtype in ("float32", "bfloat16"):
         ours, hf = tps.get(f"radixlm {dtype}"), tps.get(f"hf {dtype}")
         if ours and hf:
             print(f"radixlm / HF ({dtype}): " + ", ".join(f"batch {b} {ours[str(b)] / hf[str(b)]:.2f}x"
                                                           for b in batches))
+            ours, hf = per_cpu[f"radixlm {dtype}"], per_cpu[f"hf {dtype}"]
+            print("  per CPU second: " + ", ".join(f"batch {b} {ours[str(b)] / hf[str(b)]:.2f}x" for b in batches))
     if "llama.cpp" in tps and "radixlm float32" in tps:
         ours, peer = tps["radixlm float32"], tps["llama.cpp"]
         print("radixlm fp32 / llama.cpp: " + ", ".join(f"batch {b} {ours[str(b)] / peer[str(b)]:.2f}x"
                                                        for b in batches))
-    if "greedy_tokens_equal_to_hf_fp32" in results:
-        print("requests whose greedy tokens equal HF fp32's (up to the first EOS):", results["greedy_tokens_equal_to_hf_fp32"])
+    for name, equal in results.get("greedy_tokens_equal_to_hf_fp32", {}).items():
+        print(f"{name}: requests whose greedy tokens equal HF fp32's (up to the first EOS), by batch:", equal)
     if "startup" in results:
         print("start-up (median of fresh processes):", results["startup"])
     print("load average at start and end:", results["machine"]["load_avg_start"], results["machine"]["load_avg_end"])

@@ -172,12 +172,13 @@ class Engine:
 
     def compile(self, schema):
         from radixlm.core.constrained import build_constraint
-        from radixlm.core.constrained import grammar_compiler, grammar_index_cache, terminal_tokens
+        from radixlm.core.constrained import counted_string, grammar_compiler, grammar_index_cache, terminal_tokens
 
         if self.name == "radixlm":  # a schema never seen: its compiled grammar is not cached
             grammar_index_cache._cache.clear()
             if self.cold:  # nor any terminal (JSON strings, numbers, ...) or its token classes
                 grammar_compiler.terminal_dfa.cache_clear()
+                counted_string.counted_string_dfa.cache_clear()
                 terminal_tokens._cache.clear()
         return build_constraint("json_schema", schema, self.tokenizer, backend=self.name)
 

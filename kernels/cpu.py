@@ -10,6 +10,12 @@ attention ops take it as their optional `plan`. RMSNorm is torch's fused op and 
 takes fewer ops than the reference's; the rest are the references' own. On the CPU a decode step is
 hundreds of small ops, so their count is what this set saves. tests/test_cpu_kernels.py checks every
 op here against its reference.
+
+Linear layers, 80% of a decode step, run on weights reordered once at load into oneDNN's blocked
+layout (`prepack_linear_weight`, `prepacked_linear`; core.models.cpu_linear swaps them in): torch's own
+F.linear goes to MKL, which runs a decode step's skinny products (a few rows) at 55 to 80% of the
+prepacked oneDNN speed on this project's AMD Zen 4 CPU, and the LM head at 40%
+(benchmarks/bench_cpu_linear.py). Their twin is F.linear on the plain weight.
 """
 
 from __future__ import annotations
@@ -29,6 +35,24 @@ from radixlm.kernels.reference import (  # noqa: F401  (re-exported: this set's 
 # A group may hold this many padded (query, key) pairs beyond twice its real ones: small requests
 # batch together even when their lengths differ, where a separate call would cost more than the padding.
 _PADDING_SLACK = 1 << 14
+
+
+def prepack_linear_weight(weight: torch.Tensor, batch_hint: int = 16) -> torch.Tensor | None:
+    """`weight` [out, in] reordered into oneDNN's blocked layout for `prepacked_linear` (an opaque tensor
+    of the same shape and dtype), or None where this torch build or CPU has no oneDNN linear for its
+    dtype (fp16 needs AVX512-FP16): the caller keeps F.linear. `batch_hint` is the row count the
+    layout is chosen for; any count runs on it."""
+    if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return None
+    try:
+        return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), batch_hint)
+    except (RuntimeError, AttributeError):  # an unsupported dtype, or a torch without the op
+        return None
+
+
+def prepacked_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """F.linear(x, weight, bias) on prepack_linear_weight(weight); x in the weight's dtype."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
 def store_kv(

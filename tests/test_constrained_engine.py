@@ -46,9 +46,15 @@ def _dfa(pattern: str):
     return regex_to_dfa(pattern)
 
 
+_INTEGER = "-?(?:0|[1-9][0-9]*)"
+
+
 @functools.lru_cache(maxsize=None)
 def _deep_regex(spec: str) -> str:
-    return json_schema_to_regex(spec, max_recursion_depth=10)
+    """The regex converter's pattern, its integers also with a zero fraction (1.0), as the grammar
+    engine writes them (a number's own fraction, which follows its integer part, is left alone)."""
+    pattern = json_schema_to_regex(spec, max_recursion_depth=10)
+    return re.sub(re.escape(_INTEGER) + r"(?!\(\?:\\\.)", lambda m: _INTEGER + r"(?:\.0+)?", pattern)
 
 
 def test_sampled_regex_outputs_fullmatch(engine):

@@ -78,6 +78,33 @@ CASES = [
     ({"oneOf": [{"type": "object", "properties": {"k": {"const": "a"}, "x": INT}, "required": ["k", "x"]},
                 {"type": "object", "properties": {"k": {"const": "b"}, "y": STR}, "required": ["k", "y"]}]},
      [{"k": "a", "x": 1}, {"k": "b", "y": "s"}], [{"k": "a", "y": "s"}]),
+    # Keys listed only in required (values unconstrained); whole numbers with a zero fraction.
+    ({"type": "object", "required": ["a"]}, [{"a": 1}, {"a": [2.0]}], [{}, {"b": 1}]),
+    ({"type": "object", "properties": {"p": INT}, "required": ["a", "b"]},
+     [{"a": 1, "b": 2}, {"b": 1, "a": 2}, {"p": 0, "b": 1, "a": 2}], [{"a": 1}, {"a": 1, "a2": 2}]),
+    ({"type": "integer", "maximum": 3}, [3, -2], [3.5, 4.0]),
+    ({"enum": [0, [1], {"k": -2}]}, [0, [1], {"k": -2}], [False, [True], 0.5]),
+    ({"properties": {"a": INT, "b": INT}, "dependentRequired": {"a": ["b"]}},
+     [{"a": 1, "b": 2}, {"b": 2}, {}, "s"], [{"a": 1}]),
+    ({"dependentRequired": {"a": ["b"]}}, [{"a": 1, "b": 2}, {"b": 2, "c": 3}], [{"a": 1}, {"a": 1, "c": 2}]),
+    # A dependent schema that closes the object forbids the key it depends on (nested allOfs merged flat).
+    ({"properties": {"foo": {}, "bar": {}}, "dependentSchemas": {"foo": {"properties": {"bar": {}},
+                                                                      "additionalProperties": False}}},
+     [{"bar": 1}, {}], [{"foo": 1}, {"foo": 1, "bar": 2}]),
+    ({"oneOf": [False, INT, False]}, [1], ["s", 1.5]),
+    # propertyNames on open objects: the extra keys' terminal intersected with what it allows.
+    ({"type": "object", "propertyNames": {"maxLength": 3}}, [{"abc": 1}, {}], [{"abcd": 1}]),
+    ({"type": "object", "propertyNames": {"pattern": "^a"}, "properties": {"b": INT}, "additionalProperties": True},
+     [{"ax": 1}, {}],
+     [{"b": 1}, {"x": 1}]),
+    ({"type": "object", "propertyNames": {"enum": ["x", "y"]}, "additionalProperties": INT}, [{"x": 1}],
+     [{"z": 1}, {"x": "s"}]),
+    # pattern and format with length bounds: the pattern's DFA intersected with the counted string's.
+    ({"type": "string", "pattern": "^[a-z]+$", "minLength": 2, "maxLength": 4}, ["ab", "abcd"], ["a", "abcde", "AB"]),
+    ({"type": "string", "format": "ipv4", "maxLength": 7}, ["1.2.3.4"], ["10.2.3.4"]),
+    # multipleOf a whole number: a digit automaton over remainders (with the bounds intersected).
+    ({"type": "integer", "multipleOf": 3, "minimum": -7, "maximum": 20}, [-6, 0, 3, 18], [-9, 4, 21, 1.5]),
+    ({"multipleOf": 2}, [10, -4, "s"], [7, 7.5]),
 ]
 
 
@@ -98,6 +125,16 @@ def test_accepts_valid_rejects_invalid_and_samples_validate(case, tiny_tokenizer
         c = build_constraint("json_schema", schema, tiny_tokenizer)
         text = tiny_tokenizer.decode(random_walk(c, rng, max_tokens=30), clean_up_tokenization_spaces=False)
         validator.validate(json.loads(text))
+
+
+def test_format_is_an_annotation_where_the_schema_declares_draft_2020_12(tiny_tokenizer):
+    declared = {"$schema": "https://json-schema.org/draft/2020-12/schema", "type": "string", "format": "date"}
+    validator = jsonschema.Draft202012Validator(declared)  # the draft's default: no format assertion
+    c = build_constraint("json_schema", declared, tiny_tokenizer)
+    for doc in ["2024-02-29", "06/19/1963", 1]:
+        assert _accepts(c, json.dumps(doc)) == validator.is_valid(doc), doc
+    strict = build_constraint("json_schema", {k: v for k, v in declared.items() if k != "$schema"}, tiny_tokenizer)
+    assert _accepts(strict, '"2024-02-29"') and not _accepts(strict, '"06/19/1963"')
 
 
 def test_pattern_classes_are_ecma_262_ascii(tiny_tokenizer):
@@ -121,7 +158,7 @@ def test_oneof_that_may_overlap_is_refused_with_its_pointer(tiny_tokenizer):
 
 @pytest.mark.parametrize("schema, where", [
     ({"items": {"contains": INT, "maxItems": 3}}, "#/items/contains"),
-    ({"$defs": {"a": {"dependentRequired": {"x": ["y"]}}}, "$ref": "#/$defs/a"}, "#/$defs/a/dependentRequired"),
+    ({"$defs": {"a": {"$dynamicRef": "#x"}}, "$ref": "#/$defs/a"}, "#/$defs/a/$dynamicRef"),
     ({"properties": {"a/b": {"type": "number", "multipleOf": 0.5}}}, "#/properties/a~1b/multipleOf"),
 ])
 def test_refusals_name_keyword_and_json_pointer(schema, where, tiny_tokenizer):
@@ -168,6 +205,23 @@ def test_budgets_raise_grammar_budget_error(tiny_tokenizer):
     assert build_constraint("json_schema", schema, tiny_tokenizer, budget=budget).index is not c.index
 
 
+def test_automaton_products_check_the_compile_deadline():
+    """Intersecting and subtracting automata (length bounds with a pattern, propertyNames) can take long:
+    the compile deadline is checked inside them, not only between them."""
+    from radixlm.core.constrained.counted_string import counted_string_dfa
+    from radixlm.core.constrained.regex_dfa import dfa_intersection, regex_to_dfa
+
+    calls = []
+
+    def deadline() -> None:
+        calls.append(1)
+        if len(calls) > 3:
+            raise GrammarBudgetError("compiling the constraint took over the budget")
+
+    with pytest.raises(GrammarBudgetError):
+        dfa_intersection(counted_string_dfa(0, 64), regex_to_dfa(r'"[a-z0-9_]+"'), check=deadline)
+
+
 def test_left_recursion_is_refused():
     g = Grammar({"e": alt(seq(Ref("e"), lit("+"), lit("1")), lit("1"))}, "e")
     with pytest.raises(ValueError, match="left recursion"):
@@ -187,8 +241,18 @@ def test_a_recursive_grammar_counts_brackets(tiny_tokenizer):
         assert _accepts(c, text) == ok, text
 
 
+@pytest.mark.parametrize("schema", [{"type": "integer"}, {"type": "integer", "maximum": 3},
+                                    {"type": "integer", "multipleOf": 3}, {"const": 2.0}, {"enum": [0]}])
+def test_integers_are_canonical(schema, tiny_tokenizer):
+    """JSON Schema counts 1.0 as an integer, but json.loads reads it as a float: never generated."""
+    c = build_constraint("json_schema", schema, tiny_tokenizer)
+    whole = {"const": 2, "enum": 0}.get(next(iter(schema)), 0)
+    assert _accepts(c, str(whole))
+    assert not _accepts(build_constraint("json_schema", schema, tiny_tokenizer), f"{whole}.0")
+
+
 @pytest.mark.parametrize("kind, spec", [
-    ("json_schema", {"type": "object", "properties": {"a": INT, "b": {"type": "array", "items": STR, "maxItems": 3},
+    ("json_schema", {"type": "object", "properties": {"a": {"type": "boolean"}, "b": {"type": "array", "items": STR, "maxItems": 3},
                                                      "c": {"enum": ["x", "yz"]}}, "required": ["a"]}),
     ("regex", r"(ab|cd)*[0-9]{2,4}"),
     ("choices", ["yes", "no", "maybe"]),

@@ -63,8 +63,9 @@ GREEDY = {"max_new_tokens": MAX_NEW, "temperature": 0, "ignore_eos": True}
         {"disable_radix_cache": True},
         {"chunked_prefill_size": 7},
         {"chunked_prefill_size": 5, "max_total_tokens": 96, "max_running_requests": 3},
+        {"disable_cpu_prepack": True},  # the prepacked linears' twin, F.linear on the plain weights
     ],
-    ids=["radix", "no-radix", "chunked", "chunked-small-pool"],
+    ids=["radix", "no-radix", "chunked", "chunked-small-pool", "plain-linear"],
 )
 def test_greedy_matches_hf(ckpt, expected, options):
     options = {"max_total_tokens": 2048, **options}  # small pools keep the per-step invariant check cheap

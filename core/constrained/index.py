@@ -151,7 +151,7 @@ class TokenIndex:
             allowed[toks[toks < vocab_size]] = 1
         if self._accepting[state]:
             allowed[self.eos_ids[self.eos_ids < vocab_size]] = 1
-        return allowed
+        return np.packbits(allowed, bitorder="little")
 
     def to_arrays(self) -> dict[str, np.ndarray]:
         return {"transitions": self.dfa.transitions, "accepting": self.dfa.accepting, "eos_ids": self.eos_ids,

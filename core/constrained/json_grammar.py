@@ -17,18 +17,24 @@ documented strictness). Anything refused raises ValueError naming the keyword an
 
 from __future__ import annotations
 
+import functools
+import itertools
 import json
 import re
 from typing import Any
 
+import numpy as np
+
 from radixlm.core.constrained import json_schema as js
+from radixlm.core.constrained.counted_string import counted_states, counted_string_dfa
 from radixlm.core.constrained.grammar import EMPTY, Alt, Expr, Grammar, Ref, Repeat, Terminal, alt, lit, opt, seq
 from radixlm.core.constrained.grammar_compiler import DEFAULT_BUDGET, Deadline, GrammarBudget, terminal_dfa
-from radixlm.core.constrained.regex_dfa import dfa_difference, literals_dfa
+from radixlm.core.constrained.regex_dfa import ByteDFA, dfa_difference, dfa_intersection, literals_dfa
 
 CHAR = Terminal(regex=js.STRING_CHAR)
-STRING = Terminal(regex=js.STRING)
 NUMBER = Terminal(regex=js.NUMBER)
+# Integers are generated canonically ("1", never "1.0"), though JSON Schema (draft 6 on) counts 1.0 as an
+# integer too: programs read the output with json.loads, where 1.0 is a float (range(x) fails on it).
 INTEGER = Terminal(regex=js.INTEGER)
 NULL = lit("null")
 BOOLEAN = Terminal(regex="true|false")
@@ -58,10 +64,13 @@ _IGNORED = {
     "readOnly", "writeOnly", "deprecated", "contentMediaType", "contentEncoding", "contentSchema", "discriminator",
     "format", "$vocabulary", "$dynamicAnchor", "x-", "externalDocs", "xml", "example",
 }
-_REFUSED = {
-    "dependentRequired": "dependentRequired", "dependentSchemas": "dependentSchemas",
-    "dependencies": "dependencies", "$dynamicRef": "$dynamicRef", "$recursiveRef": "$recursiveRef",
-}
+_REFUSED = {"$dynamicRef": "$dynamicRef", "$recursiveRef": "$recursiveRef"}
+_DEPENDENT = ("dependentRequired", "dependentSchemas", "dependencies")
+
+
+def string_terminal(lo: int = 0, hi: int | None = None) -> Terminal:
+    """A JSON string of lo..hi characters, quotes included; its masks are counted (counted_string.py)."""
+    return Terminal(key=f"counted:{lo}:{hi}", dfa=counted_string_dfa(lo, hi))
 
 
 class SchemaError(ValueError):
@@ -93,6 +102,7 @@ class _Converter(js._Converter):
         self.rules: dict[str, Expr] = {}
         self.ref_rules: dict[str, str] = {}
         self.ws_term = Terminal(regex=f"(?:{ws})") if ws else None
+        self.formats_asserted = _asserts_formats(root)
 
     # ---- helpers -------------------------------------------------------------------------------------
     def _punct(self, text: str) -> Expr:
@@ -132,6 +142,8 @@ class _Converter(js._Converter):
         for key in schema:
             if key in _REFUSED:
                 raise SchemaError(f"{ptr}/{key}: keyword {_REFUSED[key]!r} is not supported")
+        if any(k in schema for k in _DEPENDENT):
+            return self.value(self._dependents(schema, ptr), ptr)
         if "if" in schema:  # generated through its `if` branch: instances of if and then (a sound subset)
             rest = {k: v for k, v in schema.items() if k not in ("if", "then", "else")}
             return self.value({"allOf": [schema["if"], schema.get("then", True), rest]}, ptr)
@@ -176,6 +188,28 @@ class _Converter(js._Converter):
             out.append(handlers[t](schema, ptr))
         return alt(*out) if out else NOTHING
 
+    @staticmethod
+    def _dependents(schema: dict, ptr: str) -> dict:
+        """dependentRequired / dependentSchemas (and draft 7's dependencies) as an allOf of choices, one per
+        key: the key absent, or present with what depends on it."""
+        rest = {k: v for k, v in schema.items() if k not in _DEPENDENT}
+        # In an object that lists no keys, the choices must not close it (see _object's strictness).
+        opened = {} if any(k in schema for k in ("properties", "patternProperties", "additionalProperties",
+                                                 "unevaluatedProperties")) else {"additionalProperties": True}
+        parts = []
+        for keyword in _DEPENDENT:
+            table = schema.get(keyword, {})
+            if not isinstance(table, dict):
+                raise SchemaError(f"{ptr}/{keyword}: must be an object")
+            for key, then in table.items():
+                if isinstance(then, list):  # dependentRequired (and dependencies' list form)
+                    then = {"required": then}
+                elif keyword == "dependentRequired":
+                    raise SchemaError(f"{ptr}/{keyword}/{_escape(key)}: must be a list of property names")
+                present = {"allOf": [{"required": [key], **opened}, then]}
+                parts.append({"anyOf": [{"properties": {key: False}, **opened}, present]})
+        return {"allOf": [rest, *parts]}
+
     def _target(self, ref: str, ptr: str) -> Any:
         try:
             return self._resolve(ref)
@@ -195,7 +229,7 @@ class _Converter(js._Converter):
         """allOf merged; a part's additionalProperties also constrains the properties that only other
         parts list (it does not look into them), and its items the other parts' extra prefix items, so
         those carry it along before the merge."""
-        parts = [_known_keywords(self._deref(s, refs)[0]) for s in schemas]
+        parts = self._flat_parts(schemas, refs)
         choosing = [p for p in parts if isinstance(p, dict) and ("anyOf" in p or "oneOf" in p)]
         if len(choosing) > 1 or choosing and "anyOf" in choosing[0] and "oneOf" in choosing[0]:
             # Several choices in one allOf: distribute over the first one's branches (each branch an
@@ -247,6 +281,19 @@ class _Converter(js._Converter):
             parts = adjusted
         return super()._merge(parts, refs)
 
+    def _flat_parts(self, schemas: list[Any], refs: tuple) -> list[Any]:
+        """allOf's parts, dereferenced, with nested allOfs spliced in (so that a nested part's
+        additionalProperties also sees the properties the outer parts list)."""
+        parts = []
+        for schema in schemas:
+            part, sub_refs = self._deref(schema, refs)
+            part = _known_keywords(part)
+            if isinstance(part, dict) and isinstance(part.get("allOf"), list):
+                parts.extend(self._flat_parts(part["allOf"], sub_refs))
+                part = {k: v for k, v in part.items() if k != "allOf"}
+            parts.append(part)
+        return parts
+
     def _literal(self, value: Any, schema: dict, ptr: str) -> Expr:
         """A constant; dropped (NOTHING) when the schema's type excludes it."""
         types = schema.get("type")
@@ -255,7 +302,21 @@ class _Converter(js._Converter):
             kind = _json_type(value)
             if kind not in types and not (kind == "integer" and "number" in types):
                 return NOTHING
-        return lit(json.dumps(value, separators=(",", ":"), ensure_ascii=False))
+        return self._constant(value)
+
+    def _constant(self, value: Any) -> Expr:
+        """Exactly `value` (a whole float as its integer: 0.0 equals 0 to JSON Schema)."""
+        if isinstance(value, float) and value.is_integer() or isinstance(value, int) and not isinstance(value, bool):
+            return Terminal(regex=re.escape(str(int(value))))
+        if isinstance(value, list):
+            items = [self._constant(v) for v in value]
+            body = [seq(self._punct(","), v) if i else v for i, v in enumerate(items)]
+            return seq(self._punct("["), *body, self._punct("]"))
+        if isinstance(value, dict):
+            members = [seq(self._key(k), self._constant(v)) for k, v in value.items()]
+            body = [seq(self._punct(","), m) if i else m for i, m in enumerate(members)]
+            return seq(self._punct("{"), *body, self._punct("}"))
+        return lit(json.dumps(value, ensure_ascii=False))
 
     def _without(self, types: list[str], sub: Any, ptr: str) -> list[str]:
         if sub is True or sub == {}:
@@ -274,9 +335,9 @@ class _Converter(js._Converter):
             value = Ref("any")
             comma = self._punct(",")
             items = seq(value, Repeat(seq(comma, value)))
-            member = seq(STRING, self._punct(":"), value)
+            member = seq(string_terminal(), self._punct(":"), value)
             members = seq(member, Repeat(seq(comma, member)))
-            self.rules["any"] = alt(STRING, NUMBER, BOOLEAN, NULL,
+            self.rules["any"] = alt(string_terminal(), NUMBER, BOOLEAN, NULL,
                                     seq(self._punct("["), opt(items), self._punct("]")),
                                     seq(self._punct("{"), opt(members), self._punct("}")))
         return Ref("any")
@@ -291,41 +352,54 @@ class _Converter(js._Converter):
         fmt, pattern = schema.get("format"), schema.get("pattern")
         bounded = "minLength" in schema or "maxLength" in schema
         if pattern is not None:
-            if bounded:
-                raise SchemaError(f"{ptr}/pattern: 'pattern' together with minLength/maxLength is not supported")
             try:
                 body = ecma_string_pattern(pattern)
             except ValueError as e:
                 raise SchemaError(f"{ptr}/pattern: {e}") from None
-            return Terminal(regex=f'"{body}"')
-        if fmt in FORMATS:
-            if bounded:
-                raise SchemaError(f"{ptr}/format: format {fmt!r} together with minLength/maxLength is not supported")
-            return Terminal(regex=f'"{FORMATS[fmt]}"')
-        if not bounded or (lo == 0 and hi is None):
-            return STRING
+            return self._within(f'"{body}"', lo, hi, f"{ptr}/pattern") if bounded else Terminal(regex=f'"{body}"')
+        if fmt in FORMATS and self.formats_asserted:
+            regex = f'"{FORMATS[fmt]}"'
+            return self._within(regex, lo, hi, f"{ptr}/format") if bounded else Terminal(regex=regex)
+        if counted_states(lo, hi) <= self.budget.max_terminal_states:
+            return string_terminal(lo, hi)
         tail = Repeat(CHAR, 0, hi - lo) if hi is not None else Terminal(regex=f"{js.STRING_CHAR}*")
         return seq(lit('"'), Repeat(CHAR, lo, lo), tail, lit('"')) if lo else seq(lit('"'), tail, lit('"'))
 
+    def _within(self, regex: str, lo: int, hi: int | None, ptr: str) -> Expr:
+        """The JSON strings matching `regex` (quotes included) that have lo..hi characters: the regex's
+        DFA intersected with the counted string's."""
+        budget = self.budget.max_terminal_states
+        if max(lo, hi or 0) > MAX_PRODUCT_LENGTH:
+            raise SchemaError(f"{ptr}: minLength/maxLength over {MAX_PRODUCT_LENGTH} together with it is not supported")
+        dfa = terminal_dfa(regex, budget)
+        if dfa is not None:
+            dfa = dfa_intersection(dfa, counted_string_dfa(lo, hi), budget, self.deadline.check)
+        return NOTHING if dfa is None else Terminal(key=f"re:{regex}\0length:{lo}:{hi}", dfa=dfa)
+
     def _integer(self, schema: dict, ptr: str) -> Expr:
-        step = schema.get("multipleOf")
-        if step is not None and not (isinstance(step, (int, float)) and step > 0 and float(step) == 1.0):
-            raise SchemaError(f"{ptr}/multipleOf: only multipleOf 1 is supported")
+        step = schema.get("multipleOf", 1)
+        if isinstance(step, bool) or not isinstance(step, (int, float)) or step <= 0:
+            raise SchemaError(f"{ptr}/multipleOf: must be a positive number")
+        if float(step) != int(step) or int(step) > MAX_MODULUS:
+            raise SchemaError(f"{ptr}/multipleOf: multipleOf is supported for whole numbers up to {MAX_MODULUS}")
         try:
             lo, hi = js._int_bounds(schema)
         except ValueError as e:
             raise SchemaError(f"{ptr}: {e}") from None
-        if lo is None and hi is None:
-            return INTEGER
         if lo is not None and hi is not None and lo > hi:
             return NOTHING
-        return Terminal(regex=js.int_range_regex(lo, hi))
+        if int(step) == 1:
+            return INTEGER if lo is None and hi is None else Terminal(regex=f"(?:{js.int_range_regex(lo, hi)})")
+        dfa = multiples_dfa(int(step))
+        if lo is not None or hi is not None:
+            budget = self.budget.max_terminal_states
+            bounds = terminal_dfa(f"(?:{js.int_range_regex(lo, hi)})", budget)
+            dfa = dfa_intersection(dfa, bounds, budget, self.deadline.check)
+        return NOTHING if dfa is None else Terminal(key=f"multiples:{int(step)}:{lo}:{hi}", dfa=dfa)
 
     def _number(self, schema: dict, ptr: str) -> Expr:
-        if "multipleOf" in schema:
-            if float(schema["multipleOf"]) == 1.0:
-                return self._integer(schema, ptr)
-            raise SchemaError(f"{ptr}/multipleOf: multipleOf on numbers is not supported")
+        if "multipleOf" in schema:  # the multiples of a whole number are integers
+            return self._integer(schema, ptr)
         bounds = [k for k in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum") if k in schema]
         if not bounds:
             return NUMBER
@@ -337,7 +411,7 @@ class _Converter(js._Converter):
         lo, hi = js._int_bounds(schema)
         if lo is not None and hi is not None and lo > hi:
             return NOTHING
-        return Terminal(regex=js.number_range_regex(lo, hi))
+        return Terminal(regex=f"(?:{js.number_range_regex(lo, hi)}|(?:{js.int_range_regex(lo, hi)}))")
 
     # ---- objects -----------------------------------------------------------------------------------
     def _object(self, schema: dict, ptr: str) -> Expr:
@@ -350,9 +424,10 @@ class _Converter(js._Converter):
         patterns = schema.get("patternProperties") or {}
         if not isinstance(patterns, dict):
             raise SchemaError(f"{ptr}/patternProperties: must be an object")
-        # Keys no other keyword evaluates fall to unevaluatedProperties.
-        extra = schema.get("additionalProperties",
-                           schema.get("unevaluatedProperties", not props and not patterns and not required))
+        # Keys no other keyword evaluates fall to unevaluatedProperties. Without either, an object that
+        # lists its keys (properties or required) gets exactly those (the documented strictness).
+        explicit = schema.get("additionalProperties", schema.get("unevaluatedProperties"))
+        extra = explicit if explicit is not None else not props and not patterns and not required
         lo, hi = schema.get("minProperties", 0), schema.get("maxProperties")
         names = list(props) + [r for r in required if r not in props]
         key_filter = schema.get("propertyNames", True)
@@ -360,13 +435,14 @@ class _Converter(js._Converter):
             names = self._property_names(names, key_filter, required, ptr)
             if names is None:
                 return NOTHING
-            if extra is not False or patterns:
-                raise SchemaError(f"{ptr}/propertyNames: propertyNames with keys beyond the listed properties "
-                                  "is not supported")
+        key_names = None  # the keys propertyNames allows beyond the listed ones
+        if key_filter is not True and (extra is not False or patterns):
+            key_names = self._names_dfa(key_filter, ptr)
         members: list[tuple[Expr, bool]] = []
         for name in names:
-            sub = props.get(name, True if extra is not False else False)
             matching = [ps for pattern, ps in patterns.items() if _pattern_matches(pattern, name, ptr)]
+            # A key listed only in required: its value is additional unless a pattern matches the key.
+            sub = props.get(name, True if matching or explicit is None else explicit)
             if matching:  # patternProperties apply to listed properties too
                 sub = {"allOf": [sub, *matching]}
             key_ptr = f"{ptr}/properties/{_escape(name)}"
@@ -380,17 +456,24 @@ class _Converter(js._Converter):
             except ValueError as e:
                 raise SchemaError(f"{ptr}/patternProperties: {e}") from None
             others = [f'"{ecma_string_pattern(p)}"' for j, p in enumerate(patterns) if j != i]
-            key = self._key_terminal(f'"{body}"', listed, others)
+            key = self._key_terminal(f'"{body}"', listed, others, key_names)
             if key is not None:
                 p2 = f"{ptr}/patternProperties/{_escape(pattern)}"
                 extras.append(seq(key, self._punct(":"), self._shared(self.value(sub, p2), p2)))
         if extra is not False:
             others = [f'"{ecma_string_pattern(p)}"' for p in patterns]
-            key = self._key_terminal(js.STRING, listed, others)
+            key = self._key_terminal(js.STRING, listed, others, key_names)
             if key is not None:
                 value = self._any() if extra is True else self.value(extra, f"{ptr}/additionalProperties")
                 extras.append(seq(key, self._punct(":"), self._shared(value, f"{ptr}/additionalProperties")))
-        return seq(self._punct("{"), self._members(members, extras, lo, hi, ptr), self._punct("}"))
+        # Keys listed only in `required` have no schema order: a few of them are taken in any order.
+        loose = sum(1 for name in names if name not in props)
+        orders = [members]
+        if 2 <= loose <= MAX_ANY_ORDER:
+            fixed = members[:len(members) - loose]
+            orders = [fixed + list(p) for p in itertools.permutations(members[len(members) - loose:])]
+        body = alt(*(self._members(order, extras, lo, hi, ptr) for order in orders))
+        return seq(self._punct("{"), body, self._punct("}"))
 
     @staticmethod
     def _property_names(names: list[str], rule: Any, required: list[str], ptr: str) -> list[str] | None:
@@ -441,20 +524,55 @@ class _Converter(js._Converter):
         text = json.dumps(name, ensure_ascii=False)
         return lit(text + ":") if not self.ws_term else seq(lit(text), self._punct(":"))
 
-    def _key_terminal(self, regex: str, names: list[str], patterns: list[str]) -> Terminal | None:
-        """Keys matching `regex` but none of the listed `names` (JSON-quoted) nor other `patterns`
-        (regexes); None if no key is left."""
+    def _names_dfa(self, rule: Any, ptr: str) -> tuple[ByteDFA | bool, str]:
+        """The keys (JSON-quoted) `propertyNames` allows beyond the listed properties: (a DFA, or False
+        for none; a name for it)."""
+        label = json.dumps(rule, sort_keys=True)
+        if rule is False:
+            return False, label
+        budget = self.budget.max_terminal_states
+        lo, hi = rule.get("minLength", 0), rule.get("maxLength")
+        if lo > MAX_PRODUCT_LENGTH:
+            raise SchemaError(f"{ptr}/propertyNames/minLength: over {MAX_PRODUCT_LENGTH} is not supported")
+        hi = None if hi is None and lo == 0 else min(MAX_PRODUCT_LENGTH if hi is None else hi, MAX_PRODUCT_LENGTH)
+        dfa = counted_string_dfa(lo, hi)
+        parts = []
+        if "pattern" in rule:
+            try:
+                parts.append(terminal_dfa(f'"{ecma_string_pattern(rule["pattern"])}"', budget))
+            except ValueError as e:
+                raise SchemaError(f"{ptr}/propertyNames/pattern: {e}") from None
+        for key in ("enum", "const"):
+            if key in rule:
+                values = rule[key] if key == "enum" else [rule[key]]
+                words = [json.dumps(v, ensure_ascii=False).encode() for v in values if isinstance(v, str)]
+                parts.append(literals_dfa(words) if words else None)
+        for part in parts:
+            if dfa is not None:
+                dfa = dfa_intersection(dfa, part, budget, self.deadline.check) if part is not None else None
+        return (dfa if dfa is not None else False), label
+
+    def _key_terminal(self, regex: str, names: list[str], patterns: list[str],
+                      allowed: tuple[ByteDFA | bool, str] | None = None) -> Terminal | None:
+        """Keys matching `regex` (and propertyNames' `allowed` keys, _names_dfa) but none of the listed
+        `names` (JSON-quoted) nor other `patterns` (regexes); None if no key is left."""
+        if allowed is not None and allowed[0] is False:
+            return None
         budget = self.budget.max_terminal_states
         dfa = terminal_dfa(regex, budget)
+        if dfa is not None and allowed is not None:
+            dfa = dfa_intersection(dfa, allowed[0], budget, self.deadline.check)
         if dfa is not None and names:
-            dfa = dfa_difference(dfa, literals_dfa([n.encode() for n in names]), budget)
+            dfa = dfa_difference(dfa, literals_dfa([n.encode() for n in names]), budget, self.deadline.check)
         for pattern in patterns:
             if dfa is not None:
                 other = terminal_dfa(pattern, budget)
-                dfa = dfa_difference(dfa, other, budget) if other is not None else dfa
+                dfa = dfa_difference(dfa, other, budget, self.deadline.check) if other is not None else dfa
         if dfa is None:
             return None
         excluded = names + patterns
+        if allowed is not None:  # terminals are shared by key: name the filter too
+            excluded.append(f"propertyNames:{allowed[1]}")
         return Terminal(key=f"key:{regex}\0" + "\0".join(excluded), dfa=dfa)
 
     # ---- arrays ------------------------------------------------------------------------------------
@@ -543,6 +661,8 @@ class _Converter(js._Converter):
     def _signature(self, schema: Any) -> dict:
         """What a branch's outputs look like, as far as telling branches apart needs."""
         schema, _ = self._deref(schema, ())
+        if schema is False or isinstance(schema, dict) and any(p is False for p in schema.get("allOf", ())):
+            return {"types": set(), "consts": None}  # matches nothing: excludes every other branch
         if isinstance(schema, dict) and "allOf" in schema:
             schema = self._merge(schema["allOf"] + [{k: v for k, v in schema.items() if k != "allOf"}], ())
         if not isinstance(schema, dict):
@@ -580,6 +700,39 @@ _KNOWN = {
     "exclusiveMaximum", "multipleOf", "anyOf", "oneOf", "allOf", "not", "if", "then", "else", "$ref",
     "nullable", "dependentRequired", "dependentSchemas", "dependencies", "$dynamicRef", "$recursiveRef",
 }
+
+
+MAX_MODULUS = 10_000  # multipleOf's DFA has a state per remainder
+MAX_ANY_ORDER = 3  # keys listed only in required: up to this many in any order (n! orders), more in theirs
+# Length bounds intersected with another automaton (pattern, propertyNames): the product has a copy of it
+# per character position and minimizing it is quadratic, so the bounds are kept small. propertyNames'
+# maxLength is tightened to this for keys beyond the listed properties (sound: fewer keys), larger
+# minLengths and string bounds next to a pattern or format are refused.
+MAX_PRODUCT_LENGTH = 64
+
+
+@functools.lru_cache(maxsize=64)
+def multiples_dfa(m: int) -> ByteDFA:
+    """JSON integers that are multiples of m: a state per remainder of the digits read so far."""
+    start, minus, zero, rem = 0, 1, 2, 3  # rem + r: a nonzero start, remainder r
+    trans = np.full((rem + m, 256), -1, dtype=np.int32)
+    digits = np.arange(ord("0"), ord("9") + 1)
+    trans[start, ord("-")] = minus
+    for s in (start, minus):
+        trans[s, ord("0")] = zero
+        trans[s, digits[1:]] = rem + np.arange(1, 10) % m
+    trans[rem:, digits] = rem + (10 * np.arange(m)[:, None] + np.arange(10)[None, :]) % m
+    accepting = np.zeros(rem + m, dtype=bool)
+    accepting[[zero, rem]] = True
+    return ByteDFA(transitions=trans, accepting=accepting)
+
+
+def _asserts_formats(root: Any) -> bool:
+    """Whether `format` constrains strings: yes, unless the schema declares draft 2019-09 or 2020-12,
+    where `format` is an annotation (only a metaschema's format-assertion vocabulary makes it assert,
+    and metaschemas are remote)."""
+    declared = root.get("$schema") if isinstance(root, dict) else None
+    return not (isinstance(declared, str) and ("/draft/2019-09/" in declared or "/draft/2020-12/" in declared))
 
 
 def _known_keywords(schema: Any) -> Any:

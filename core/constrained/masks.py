@@ -25,7 +25,8 @@ class MaskCache:
 
     def get(self, state: int, vocab_size: int, packed: bool,
             allowed: Callable[[int], np.ndarray]) -> torch.Tensor:
-        """The mask of `state`, built on a miss from allowed(vocab_size): uint8 [32 * words], 1 = allowed."""
+        """The mask of `state`, built on a miss from allowed(vocab_size): packed bits, uint8 [4 * words]
+        (token i at bit i % 8 of byte i // 8)."""
         key = (state, vocab_size, packed)
         with self._lock:
             found = self._masks.get(key)
@@ -34,9 +35,9 @@ class MaskCache:
                 return found
         bits = allowed(vocab_size)
         if packed:
-            tensor = torch.from_numpy(np.packbits(bits, bitorder="little").view(np.int32))
+            tensor = torch.from_numpy(bits.view(np.int32))
         else:
-            tensor = torch.from_numpy(bits[:vocab_size].astype(bool))
+            tensor = torch.from_numpy(np.unpackbits(bits, count=vocab_size, bitorder="little").view(bool))
         with self._lock:
             self._masks[key] = tensor
             if len(self._masks) > self.size:

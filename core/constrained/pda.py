@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from radixlm.core.constrained.compressed_fsm import whole_characters
+from radixlm.core.constrained.counted_string import CountedStringDFA, string_tokens
 from radixlm.core.constrained.grammar_compiler import CompiledGrammar, terminal_tables
 from radixlm.core.constrained.index import expand_ranges
 from radixlm.core.constrained.masks import MaskCache
@@ -53,6 +54,7 @@ class GrammarIndex:
         self.eos_ids = np.asarray(vocab.eos_ids, dtype=np.int64)
         self._eos_set = frozenset(vocab.eos_ids)
         self._trans, self._acc = terminal_tables(grammar)
+        self._finals: dict[tuple[int, int], bool] = {}  # (terminal, accepting state): no byte goes on
         self._rule_edges = [r.edges for r in grammar.rules]
         self._rule_acc = [r.accepting for r in grammar.rules]
         self._conts: dict[tuple[int, int, int], int] = {}
@@ -67,10 +69,16 @@ class GrammarIndex:
         self._built = np.zeros(64, dtype=bool)
         self._edges: dict[int, tuple[bytes, int]] = {}
         self._masks = MaskCache(MASK_CACHE_SIZE)
+        self._closings: dict[tuple[int, int, bool], np.ndarray] = {}
         self._lock = threading.RLock()
         self._spellable = _spellable_bytes(vocab)
         self.spells_every_byte = bool(self._spellable.all())
         self.start = self._intern(self._follow(self._cont(grammar.start, 0, -1)))
+        if any(isinstance(t, CountedStringDFA) for t in grammar.terminals):
+            # The vocabulary read as string content, once per process (~0.5 s): here, where constraints
+            # are built (off the scheduler loop), rather than at the first mask.
+            string_tokens(vocab)
+            string_tokens(vocab, opening=True)
 
     # ---- configurations ----------------------------------------------------------------------------
 
@@ -139,13 +147,16 @@ class GrammarIndex:
             out = np.full(256, -1, dtype=np.int32)
             if items:
                 nxt = np.stack([self._trans[t][q] for t, q, _ in items])  # [items, 256]
-                columns, inverse = np.unique(nxt.T, axis=0, return_inverse=True)
-                targets = []
-                for column in columns.tolist():
-                    moved = [(t, q2, k) for (t, _, k), q2 in zip(items, column) if q2 >= 0]
-                    targets.append(self._intern(self._close(moved)) if moved else -1)
-                out = np.asarray(targets, dtype=np.int32)[inverse.reshape(-1)]
-                out[~self._spellable] = -1  # bytes no token contains can never be written
+                # Bytes no token contains can never be written.
+                live = np.flatnonzero((nxt >= 0).any(axis=0) & self._spellable)
+                targets: dict[tuple, int] = {}  # bytes with equal item moves share the target
+                for b, column in zip(live.tolist(), nxt[:, live].T.tolist()):
+                    key = tuple(column)
+                    target = targets.get(key)
+                    if target is None:
+                        moved = [(t, q2, k) for (t, _, k), q2 in zip(items, column) if q2 >= 0]
+                        target = targets[key] = self._intern(self._close(moved))
+                    out[b] = target
             self._table[c] = out
             self._built[c] = True
             live = np.flatnonzero(out >= 0)
@@ -154,10 +165,18 @@ class GrammarIndex:
             return row
 
     def _close(self, items: list) -> frozenset:
-        out = set(items)
+        """The items plus what follows those whose terminal may end; an item at the end of its terminal
+        (accepting, no byte goes on) is left out: it can read nothing more."""
+        out = set()
         for t, q, k in items:
             if self._acc[t][q]:
                 out |= self._follow(k)
+                final = self._finals.get((t, q))
+                if final is None:
+                    final = self._finals[t, q] = not (self._trans[t][q] >= 0).any()
+                if final:
+                    continue
+            out.add((t, q, k))
         return frozenset(out)
 
     # ---- the interface FSMConstraint drives ------------------------------------------------------
@@ -220,28 +239,58 @@ class GrammarIndex:
         return self._masks.get(state, vocab_size, packed, lambda width: self._allowed_bits(state, width))
 
     def _allowed_bits(self, state: int, vocab_size: int) -> np.ndarray:
-        allowed = np.zeros(-(-vocab_size // 32) * 32, dtype=np.uint8)
+        """Packed bits (little bit order), uint8 [4 * ceil(vocab_size / 32)]."""
+        allowed = np.zeros(-(-vocab_size // 32) * 4, dtype=np.uint8)
         with self._lock:
             walked = self._walk(state)
-        n = min(vocab_size, len(walked))
+        if vocab_size < self.vocab_size:  # logits narrower than the vocabulary: drop the ids past them
+            walked = np.packbits(np.unpackbits(walked, count=vocab_size, bitorder="little"), bitorder="little")
+        n = min(len(allowed), len(walked))
         allowed[:n] = walked[:n]
         if self._can_end[state]:
-            allowed[self.eos_ids[self.eos_ids < vocab_size]] = 1
+            eos = self.eos_ids[self.eos_ids < vocab_size]
+            np.bitwise_or.at(allowed, eos >> 3, (1 << (eos & 7)).astype(np.uint8))
         return allowed
 
     def _walk(self, state: int) -> np.ndarray:
-        """bool [vocab]: the tokens whose bytes all lead somewhere from `state`: for each item, the
-        tokens that stay inside its terminal (shared per terminal state, terminal_tokens.py), and those
-        of the uncertain ones that the configuration's continuations take."""
+        """Packed bits [ceil(vocab / 8)]: the tokens whose bytes all lead somewhere from `state`: for each
+        item, the tokens that stay inside its terminal (shared per terminal state, terminal_tokens.py), and
+        those of the uncertain ones that the configuration's continuations take."""
         packed = np.zeros(-(-self.vocab_size // 8), dtype=np.uint8)
-        out = np.zeros(self.vocab_size, dtype=bool)
-        for t, q in dict.fromkeys((t, q) for t, q, _ in self._items[state]):
-            classes = state_tokens(self.grammar.terminal_names[t], self.grammar.terminals[t], q, self.vocab)
-            packed |= classes.inside
-            if classes.uncertain is not None:
-                out |= self._walk_trie(state, classes.uncertain)
-        out |= np.unpackbits(packed, bitorder="little", count=self.vocab_size).astype(bool)
-        return out
+        walked = None
+        classes_of: dict[tuple[int, int], object] = {}
+        for t, q, k in self._items[state]:
+            classes = classes_of.get((t, q))
+            if classes is None:
+                classes = classes_of[t, q] = state_tokens(self.grammar.terminal_names[t], self.grammar.terminals[t],
+                                                          q, self.vocab)
+                packed |= classes.inside
+                if classes.uncertain is not None:
+                    found = self._walk_trie(state, classes.uncertain)
+                    walked = found if walked is None else walked | found
+                elif classes.few:  # a few tokens: one by one costs less than numpy steps over a trie
+                    ids = np.array([i for i in classes.few if self.next_state(state, i) >= 0], dtype=np.int64)
+                    np.bitwise_or.at(packed, ids >> 3, (1 << (ids & 7)).astype(np.uint8))
+            if classes.closing is not None:
+                packed |= classes.closing & self._after_closing(t, k, q == 0, classes.after_quote)
+        if walked is not None:
+            packed |= np.packbits(walked, bitorder="little")
+        return packed
+
+    def _after_closing(self, t: int, k: int, opening: bool, after_quote: TokenTrie | None) -> np.ndarray:
+        """Packed bits: the tokens whose bytes after a closing quote (`after_quote`, under their ids) lead
+        somewhere once terminal t has ended with continuation k; one walk per (t, k, whether the tokens
+        also open the string)."""
+        found = self._closings.get((t, k, opening))
+        if found is None:
+            if after_quote is None:
+                found = np.zeros(-(-self.vocab_size // 8), dtype=np.uint8)
+            else:
+                end = self.grammar.terminals[t].num_states - 1  # a counted string's state after its quote
+                after = self._intern(self._close([(t, end, k)]))
+                found = np.packbits(self._walk_trie(after, after_quote), bitorder="little")
+            self._closings[t, k, opening] = found
+        return found
 
     def _walk_trie(self, state: int, trie: TokenTrie) -> np.ndarray:
         """bool [vocab]: the tokens of `trie` whose bytes all lead somewhere from `state`. All at once,

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -363,8 +364,10 @@ def _live_states(trans: np.ndarray, accepting: np.ndarray) -> np.ndarray:
     return live
 
 
-def _refine(trans: np.ndarray, accepting: np.ndarray, exact: bool) -> np.ndarray:
-    """Moore partition refinement: block id per state of the coarsest partition respecting transitions.
+def _refine(trans: np.ndarray, accepting: np.ndarray, exact: bool,
+            check: Callable[[], None] | None = None) -> np.ndarray:
+    """Moore partition refinement: block id per state of the coarsest partition respecting transitions
+    (`check`, if given, is called every round: a deadline that may raise).
 
     The per-round signature (own block, successor blocks) is hashed to one uint64 so a round is a 1-D
     unique; `exact` uses the rows themselves (the fallback should a hash collision ever show up)."""
@@ -374,6 +377,8 @@ def _refine(trans: np.ndarray, accepting: np.ndarray, exact: bool) -> np.ndarray
     block = accepting.astype(np.int64)
     num_blocks = len(np.unique(block))
     while True:
+        if check is not None:
+            check()
         succ = np.where(trans >= 0, block[np.maximum(trans, 0)], -1) + 1
         sig = np.concatenate([block[:, None], succ], axis=1)
         if exact:
@@ -389,7 +394,8 @@ def _refine(trans: np.ndarray, accepting: np.ndarray, exact: bool) -> np.ndarray
         num_blocks = new_num
 
 
-def _minimize(trans: np.ndarray, accepting: np.ndarray, classes: np.ndarray, pattern: str) -> ByteDFA:
+def _minimize(trans: np.ndarray, accepting: np.ndarray, classes: np.ndarray, pattern: str,
+              check: Callable[[], None] | None = None) -> ByteDFA:
     live = _live_states(trans, accepting)
     if not live[0]:
         raise ValueError(f"regex {pattern!r} matches no string")
@@ -399,12 +405,12 @@ def _minimize(trans: np.ndarray, accepting: np.ndarray, classes: np.ndarray, pat
     trans = np.where(trans >= 0, renum[np.maximum(trans, 0)], -1)[keep]
     accepting = accepting[keep]
 
-    block = _refine(trans, accepting, exact=False)
+    block = _refine(trans, accepting, exact=False, check=check)
     rep = np.zeros(int(block.max()) + 1, dtype=np.int64)
     rep[block[::-1]] = np.arange(len(block))[::-1]  # first state of each block
     succ_block = np.where(trans >= 0, block[np.maximum(trans, 0)], -1)
     if not np.array_equal(succ_block, succ_block[rep[block]]):  # a hash collision merged two states
-        block = _refine(trans, accepting, exact=True)
+        block = _refine(trans, accepting, exact=True, check=check)
         rep = np.zeros(int(block.max()) + 1, dtype=np.int64)
         rep[block[::-1]] = np.arange(len(block))[::-1]
         succ_block = np.where(trans >= 0, block[np.maximum(trans, 0)], -1)
@@ -426,8 +432,10 @@ def _minimize(trans: np.ndarray, accepting: np.ndarray, classes: np.ndarray, pat
     return ByteDFA(transitions=by_byte, accepting=small_accepting[order].copy())
 
 
-def dfa_difference(a: ByteDFA, b: ByteDFA, max_states: int = MAX_DFA_STATES) -> ByteDFA | None:
-    """The minimal DFA of L(a) minus L(b) (product construction), or None if that language is empty."""
+def dfa_difference(a: ByteDFA, b: ByteDFA, max_states: int = MAX_DFA_STATES,
+                   check: Callable[[], None] | None = None) -> ByteDFA | None:
+    """The minimal DFA of L(a) minus L(b) (product construction), or None if that language is empty;
+    `check` (a deadline that may raise) is called as the construction goes."""
     dead_b = b.num_states  # b's missing transitions go to an extra rejecting sink
     tb = np.vstack([np.where(b.transitions >= 0, b.transitions, dead_b), np.full((1, 256), dead_b)])
     acc_b = np.append(b.accepting, False)
@@ -452,8 +460,16 @@ def dfa_difference(a: ByteDFA, b: ByteDFA, max_states: int = MAX_DFA_STATES) -> 
                 pairs.append(key)
             mapped.append(j)
         rows.append(np.asarray(mapped, dtype=np.int32)[inverse.reshape(-1)])
+        if check is not None and len(rows) % 256 == 0:
+            check()
     accepting = np.array([bool(a.accepting[x]) and not acc_b[y] for x, y in pairs])
-    try:
-        return _minimize(np.stack(rows), accepting, np.arange(256), "difference")
-    except ValueError:
-        return None
+    if not _live_states(np.stack(rows), accepting)[0]:
+        return None  # the difference is empty
+    return _minimize(np.stack(rows), accepting, np.arange(256), "difference", check)
+
+
+def dfa_intersection(a: ByteDFA, b: ByteDFA, max_states: int = MAX_DFA_STATES,
+                     check: Callable[[], None] | None = None) -> ByteDFA | None:
+    """The minimal DFA of L(a) and L(b) both (a minus what b lacks), or None if that language is empty."""
+    missing = dfa_difference(a, b, max_states, check)
+    return a if missing is None else dfa_difference(a, missing, max_states, check)

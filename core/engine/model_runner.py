@@ -3,7 +3,8 @@
 On CUDA the weights are bf16 (EngineOptions.dtype "auto"), kernels are the Triton set, a step's index
 tensors cross to the device in one non-blocking copy from pinned memory, and decode replays CUDA graphs
 captured for a ladder of batch sizes (core.engine.cuda_graph_runner). On CPU the same code runs the
-torch reference kernels eagerly.
+torch kernels (kernels.cpu) eagerly, its linear layers on weights prepacked once at load
+(core.models.cpu_linear).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from radixlm.core.engine.options import EngineOptions
 from radixlm.core.layers.attention_backend import AttentionBackend
 from radixlm.core.layers.forward_batch import ForwardBatch
 from radixlm.core.models.config import ModelConfig
+from radixlm.core.models.cpu_linear import prepack_linears
 from radixlm.core.models.loader import load_model
 
 if TYPE_CHECKING:
@@ -65,6 +67,8 @@ class ModelRunner:
         self.dtype = opts.torch_dtype
         self.ops = kernels.get_ops(self.device)
         self.model = load_model(model_path, cfg, self.dtype, self.device, self.ops, opts.load_format, tp=tp)
+        if self.device.type == "cpu" and not opts.disable_cpu_prepack:
+            prepack_linears(self.model)
         self.attn_backend = AttentionBackend(self.ops)
         self.cos_sin_cache = cfg.rope_cos_sin_cache(self.device)
         self.num_slots = self._kv_pool_size(opts)

@@ -94,6 +94,8 @@ class EngineOptions:
                                   "in flight before /health answers 503")
     debug_check_invariants: bool = option(False, "verify the KV slot invariant after every step (slow)")
     disable_cuda_graph: bool = option(False, "CUDA only: run decode eagerly instead of replaying captured graphs")
+    disable_cpu_prepack: bool = option(False, "CPU only: run linear layers with F.linear on the plain weights "
+                                       "instead of copies prepacked for oneDNN once at load")
     cuda_graph_max_bs: int | None = option(None, "largest decode batch captured in a CUDA graph; default "
                                            "min(max_running_requests, 512)")
     # Extends of at most this many tokens (and min(cuda_graph_max_bs, 256) requests) replay captured
