@@ -27,7 +27,7 @@ import torch
 from radixlm.core.engine.memory_pool import ReqToTokenPool
 from radixlm.core.engine.model_runner import BatchInput
 from radixlm.core.engine.options import EngineOptions
-from radixlm.core.engine.request import GenerateInput
+from radixlm.core.engine.messages import GenerateRequest
 from radixlm.core.engine.sampling_params import SamplingParams
 from radixlm.core.engine.scheduler import Scheduler
 
@@ -60,21 +60,15 @@ def run_once(batch: int, prompt_len: int, new_tokens: int, seed: int) -> tuple[f
     sched = Scheduler(runner, opts, NullTokenizer(), [VOCAB - 1])
     rng = random.Random(seed)
     params = SamplingParams.from_dict({"temperature": 0, "max_new_tokens": new_tokens, "ignore_eos": True})
-    left = [batch]
-    done = threading.Event()
-
-    def sink(out: dict) -> None:
-        left[0] -= 1
-        if left[0] == 0:
-            done.set()
-
     for i in range(batch):
         prompt = [rng.randrange(VOCAB - 1) for _ in range(prompt_len)]
-        sched.inbox.put(GenerateInput(f"b{i}", prompt, params, sink=sink))
+        sched.inbox.put(GenerateRequest(f"b{i}", prompt, params))
     thread = threading.Thread(target=sched.run_forever)
     start, start_cpu = time.perf_counter(), time.process_time()
     thread.start()
-    done.wait()
+    left = batch
+    while left:
+        left -= sched.outbox.get().finish is not None
     elapsed, cpu = time.perf_counter() - start, time.process_time() - start_cpu
     sched.stop()
     thread.join()

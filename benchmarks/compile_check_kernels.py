@@ -104,6 +104,10 @@ def main(argv: list[str] | None = None) -> int:
         ("apply_rotary", elementwise._rotary_kernel, 4, 3,
          dict(NUM_HEADS=args.heads, NUM_KV_HEADS=args.kv_heads, HALF=d // 2, BLOCK_H=triton.next_power_of_2(args.heads),
               BLOCK_KH=triton.next_power_of_2(args.kv_heads), BLOCK_HALF=triton.next_power_of_2(d // 2))),
+        ("apply_rotary_store_kv", elementwise._rotary_store_kv_kernel, 4, 3,
+         dict(NUM_HEADS=args.heads, NUM_KV_HEADS=args.kv_heads, HEAD_DIM=d, HALF=d // 2,
+              BLOCK_H=triton.next_power_of_2(args.heads), BLOCK_KH=triton.next_power_of_2(args.kv_heads),
+              BLOCK_HALF=triton.next_power_of_2(d // 2), BLOCK_D=block_d)),
         ("apply_token_bitmask", sampling._token_bitmask_kernel, 8, 3, dict(BLOCK=4096)),
     ]
     print(f"triton {triton.__version__}, sm_90, {args.dtype}, {args.index} indices, head_dim {d}, GQA {group}")

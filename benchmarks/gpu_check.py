@@ -15,6 +15,10 @@ on a tiny model (fp32 and bf16), and decode and short extends with CUDA graphs a
 3. CUDA graphs: the same batches with graphs on and off (batch sizes that pad to a captured size and
    one larger than the largest; prefills under 512 tokens and continuations past a cached prefix
    replay extend graphs): fp32 tokens must be equal; bf16 agreement is reported.
+4. The radix cache's host tier (hicache_size_gb): returning prompts whose prefixes spill out of a
+   small device pool and come back from pinned host memory on the copy stream; fp32 greedy tokens
+   with the tier off, write-back and write-through must be equal, with host hits, every step's slot
+   invariant checked.
 """
 
 from __future__ import annotations
@@ -204,6 +208,28 @@ def check_graphs(ckpt: str, report: dict[str, Any]) -> bool:
     return ok
 
 
+def check_host_tier(ckpt: str, report: dict[str, Any]) -> bool:
+    vocab = ModelConfig.from_dir(ckpt).vocab_size
+    g = torch.Generator().manual_seed(2)
+    histories = [torch.randint(0, vocab - 8, (60,), generator=g).tolist() for _ in range(8)]
+    rounds = [[h + torch.randint(0, vocab - 8, (4,), generator=g).tolist() for h in histories] for _ in range(3)]
+    results = {}
+    for size_gb, policy in ((0.0, "write_back"), (0.001, "write_back"), (0.001, "write_through")):
+        with radixlm.Engine(ckpt, dtype="float32", device=DEVICE, max_total_tokens=160, hicache_size_gb=size_gb,
+                            hicache_write_policy=policy, debug_check_invariants=True, log_level="warning") as engine:
+            tokens = [t for prompts in rounds for t in greedy_tokens(engine, prompts)]
+            results[policy if size_gb else "off"] = tokens, engine.get_stats()["hicache_host_hit_tokens_total"]
+    off = results["off"][0]
+    rows = {name: {"equal_requests": sum(a == b for a, b in zip(off, tokens)), "of": len(off), "host_hit_tokens": hits}
+            for name, (tokens, hits) in results.items() if name != "off"}
+    passed = all(r["equal_requests"] == r["of"] and r["host_hit_tokens"] > 0 for r in rows.values())
+    report["host_tier"] = {"ok": passed, **rows}
+    print(f"host tier vs off (fp32): {'ok' if passed else 'FAIL'} " + ", ".join(
+        f"{n}: {r['equal_requests']}/{r['of']} equal, {r['host_hit_tokens']} tokens from the host"
+        for n, r in rows.items()), flush=True)
+    return passed
+
+
 def tune_attention(report: dict[str, Any]) -> bool:
     """Launch shapes of the attention kernels on the benchmarks' own shapes (bf16, Llama-3-8B heads):
     prefill 16 x 1024, ragged extends with prefixes, and decode batches like the throughput run's."""
@@ -256,6 +282,8 @@ def main(argv: list[str] | None = None) -> int:
     ok = check_engine_vs_hf(ckpt, report) and ok
     print("== CUDA graphs on vs off", flush=True)
     ok = check_graphs(ckpt, report) and ok
+    print("== the radix cache's host tier", flush=True)
+    ok = check_host_tier(ckpt, report) and ok
     report["ok"] = ok
     if args.out:
         with open(args.out, "w") as f:

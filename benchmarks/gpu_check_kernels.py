@@ -189,21 +189,52 @@ class Checker:
         self.record("fused_add_rms_norm", f"T={num_tokens}", list(outs), [exp_out, exp_sum],
                     lambda: tri.fused_add_rms_norm(x, res, w, 1e-5), bytes_moved=4 * x.numel() * x.element_size())
 
-    def rotary(self, num_tokens: int):
+    def rotary_inputs(self, num_tokens: int):
+        """q, k, v as strided views of one fused QKV output, positions, and a cos/sin cache of random angles."""
         a = self.args
         qkv = self.randn(num_tokens, (a.heads + 2 * a.kv_heads) * a.head_dim)
-        q = qkv[:, : a.heads * a.head_dim].view(-1, a.heads, a.head_dim)
-        k = qkv[:, a.heads * a.head_dim : (a.heads + a.kv_heads) * a.head_dim].view(-1, a.kv_heads, a.head_dim)
+        q, k, v = qkv.split([a.heads * a.head_dim, a.kv_heads * a.head_dim, a.kv_heads * a.head_dim], dim=-1)
+        q, k, v = (x.view(num_tokens, -1, a.head_dim) for x in (q, k, v))
         max_pos = 8192
         angles = torch.rand(max_pos, a.head_dim // 2, device=self.device, dtype=torch.float64) * 1000
         cache = torch.cat((angles.cos(), angles.sin()), dim=-1).float()
         positions = torch.randint(0, max_pos, (num_tokens,), device=self.device)
+        return q, k, v, positions, cache
+
+    def rotary(self, num_tokens: int):
+        q, k, _, positions, cache = self.rotary_inputs(num_tokens)
         self.poison(q.shape, q.dtype)
         outs = tri.apply_rotary(q, k, positions, cache)
         expected = [t.to(self.dtype) for t in ref.apply_rotary(q.float(), k.float(), positions, cache)]
         moved = 2 * (q.numel() + k.numel()) * q.element_size()
         self.record("apply_rotary", f"T={num_tokens}", list(outs), expected,
                     lambda: tri.apply_rotary(q, k, positions, cache), bytes_moved=moved)
+
+    def rotary_store_kv(self, num_tokens: int):
+        """The fused kernel against its twin, then timed beside the unfused pair it replaces."""
+        a = self.args
+        q, k, v, positions, cache = self.rotary_inputs(num_tokens)
+        num_slots = 2 * num_tokens
+        k_buf = self.randn(num_slots + 1, a.kv_heads, a.head_dim)
+        v_buf = self.randn(num_slots + 1, a.kv_heads, a.head_dim)
+        k_exp, v_exp = k_buf.float(), v_buf.float()
+        loc = (torch.randperm(num_slots, device=self.device)[:num_tokens] + 1).to(torch.int32)
+        q_exp = ref.apply_rotary_store_kv(q.float(), k.float(), v.float(), positions, cache, k_exp, v_exp, loc)
+        self.poison(q.shape, q.dtype)
+        q_out = tri.apply_rotary_store_kv(q, k, v, positions, cache, k_buf, v_buf, loc)
+        elt = q.element_size()
+        self.record("rotary_store_kv", f"T={num_tokens} fused", [q_out, k_buf, v_buf],
+                    [q_exp.to(self.dtype), k_exp.to(self.dtype), v_exp.to(self.dtype)],
+                    lambda: tri.apply_rotary_store_kv(q, k, v, positions, cache, k_buf, v_buf, loc),
+                    bytes_moved=2 * (q.numel() + k.numel() + v.numel()) * elt)
+
+        def pair():
+            q_rot, k_rot = tri.apply_rotary(q, k, positions, cache)
+            tri.store_kv(k_buf, v_buf, loc, k_rot, v)
+
+        # The pair also writes the rotated k out and reads it back: 2 * |k| more bytes.
+        self.record("rotary_store_kv", f"T={num_tokens} unfused pair (timing only)", [], [], pair,
+                    bytes_moved=2 * (q.numel() + 2 * k.numel() + v.numel()) * elt)
 
     def silu(self, num_tokens: int):
         a = self.args
@@ -295,6 +326,8 @@ def main(argv: list[str] | None = None) -> int:
         c.norms(tokens)
         c.rotary(tokens)
         c.silu(tokens)
+    for tokens in (1, b, prefill_batch * prefill):  # 1: the batch-1 decode step
+        c.rotary_store_kv(tokens)
     c.sampling(b)
 
     print(f"\ndefaults: extend {tuple(extend_config(args.head_dim, c.device))}, "

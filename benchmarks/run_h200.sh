@@ -10,6 +10,10 @@
 #                                   # the fourth run: constrained e2e on the 8B shape + the paper workloads
 #   RUN_GPU_CHECK=0 RUN_ENGINE_BENCH=0 RUN_CONSTRAINED=0 RUN_WORKLOADS=1 bash benchmarks/run_h200.sh
 #                                   # the paper workloads alone, under 8 minutes (carry .whl for dspy_rag)
+#   RUN_GPU_CHECK=0 RUN_ENGINE_BENCH=0 RUN_CONSTRAINED=0 RUN_HICACHE=1 bash benchmarks/run_h200.sh
+#                                   # the host tier of the radix cache, off vs on (bench_hicache.py)
+#   RUN_GPU_CHECK=0 RUN_ENGINE_BENCH=0 RUN_CONSTRAINED=0 RUN_FUSION_ABLATION=1 bash benchmarks/run_h200.sh
+#                                   # batch-1 decode with the fused rotary + KV store and without (issue 19)
 #
 # Each step has its own time limit (seconds, overridable) so that one hang cannot eat the others.
 set -u -o pipefail
@@ -39,7 +43,7 @@ if [ -d .gpu_carry ]; then export RADIXLM_CACHE=$PWD/.gpu_carry; fi
 
 if [ "${RUN_GPU_CHECK:-1}" = 1 ]; then
 # shellcheck disable=SC2086  # GPU_CHECK_ARGS is a list of flags
-timeout "${GPU_CHECK_S:-210}" python3 benchmarks/gpu_check.py ${GPU_CHECK_ARGS:---sweep --tune} --out "$OUT/gpu_check.json" \
+timeout "${GPU_CHECK_S:-270}" python3 benchmarks/gpu_check.py ${GPU_CHECK_ARGS:---sweep --tune} --out "$OUT/gpu_check.json" \
   2>&1 | tee "$OUT/gpu_check.log"
 echo "gpu_check exit ${PIPESTATUS[0]}" | tee -a "$OUT/env.txt"
 fi
@@ -48,6 +52,18 @@ if [ "${RUN_ENGINE_BENCH:-1}" = 1 ]; then
 timeout "${BENCH_S:-300}" python3 benchmarks/bench_engine.py --model llama3-8b-shape --out "$OUT/bench_engine.json" \
   2>&1 | tee "$OUT/bench_engine.log"
 echo "bench_engine exit ${PIPESTATUS[0]}" | tee -a "$OUT/env.txt"
+fi
+
+if [ "${RUN_FUSION_ABLATION:-0}" = 1 ]; then
+  # Issue 19: the fused rotary + KV store against the unfused pair (RADIXLM_UNFUSED_ROTARY_STORE=1), back
+  # to back on the 8B shape without the HF peer; read "latency ms/token (B=1)" and "decode step B=1: ...
+  # GPU (graph) ... eager kernels ... launches" of each. One log for both (the device returns 8 files).
+  for unfused in 0 1; do
+    echo "== RADIXLM_UNFUSED_ROTARY_STORE=$unfused" | tee -a "$OUT/bench_fusion.log"
+    RADIXLM_UNFUSED_ROTARY_STORE=$unfused timeout "${FUSION_S:-150}" python3 benchmarks/bench_engine.py \
+      --model llama3-8b-shape --no-hf --requests 32 --repeats 5 2>&1 | tee -a "$OUT/bench_fusion.log"
+    echo "bench_engine (RADIXLM_UNFUSED_ROTARY_STORE=$unfused) exit ${PIPESTATUS[0]}" | tee -a "$OUT/env.txt"
+  done
 fi
 
 if [ "${RUN_CONSTRAINED:-1}" = 1 ] && [ -f benchmarks/bench_constrained.py ]; then
@@ -65,5 +81,14 @@ if [ "${RUN_WORKLOADS:-0}" = 1 ]; then
     ${WORKLOADS_LIMIT_S:+--time-limit-s "$WORKLOADS_LIMIT_S"} ${WORKLOADS_ARGS:-} --out "$OUT/workloads.json" \
     --markdown "$OUT/workloads.md" --plot-dir "$OUT" 2>&1 | tee "$OUT/workloads.log"
   echo "bench_workloads exit ${PIPESTATUS[0]}" | tee -a "$OUT/env.txt"
+fi
+if [ "${RUN_HICACHE:-0}" = 1 ]; then
+  # The host tier (issue 20): multi-turn chat spilling 6x past a 40k-token device pool, tier off vs on
+  # (both write policies), then the same workload on the default pool, where it fits (no slower).
+  # shellcheck disable=SC2086  # HICACHE_ARGS is a list of flags
+  timeout "${HICACHE_S:-540}" python3 benchmarks/bench_hicache.py --preset h200 \
+    ${HICACHE_ARGS:---write-policies write_back write_through --also-fits} \
+    --out "$OUT/hicache.json" 2>&1 | tee "$OUT/hicache.log"
+  echo "bench_hicache exit ${PIPESTATUS[0]}" | tee -a "$OUT/env.txt"
 fi
 nvidia-smi --query-gpu=clocks.sm,clocks.mem,power.draw,temperature.gpu --format=csv 2>&1 | tee -a "$OUT/env.txt"

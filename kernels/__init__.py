@@ -29,6 +29,9 @@ OP_NAMES = (
     "silu_and_mul",
     "store_kv",
 )
+# Fusions a set may add (same signature as the reference's); where a set lacks one, its callers compose
+# the unfused ops it stands for (core.layers.attention_backend).
+OPTIONAL_OP_NAMES = ("apply_rotary_store_kv",)
 
 
 def triton_enabled(device: torch.device | str) -> bool:

@@ -58,6 +58,17 @@ def store_kv(
     v_buffer[loc] = v.to(v_buffer.dtype)
 
 
+def apply_rotary_store_kv(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
+    k_buffer: torch.Tensor, v_buffer: torch.Tensor, loc: torch.Tensor,
+) -> torch.Tensor:
+    """``apply_rotary`` then ``store_kv`` of the rotated k and v; returns the rotated q. Kernel sets may
+    fuse the two (one launch per layer instead of two); the attention backend composes them where not."""
+    q, k = apply_rotary(q, k, positions, cos_sin_cache)
+    store_kv(k_buffer, v_buffer, loc, k, v)
+    return q
+
+
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, sm_scale: float):
     """q: [Lq, H, D]; k, v: [Lk, KH, D] with H a multiple of KH (GQA); mask: [Lq, Lk] bool, True = keep."""
     group = q.shape[1] // k.shape[1]

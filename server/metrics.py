@@ -87,6 +87,30 @@ class _EngineCollector:
             counter = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
             counter.add_metric([self.model_name], s[key])
             yield counter
+        if s.get("hicache_slots_total"):
+            yield from self._host_tier(s, gauge)
+
+    def _host_tier(self, s: dict[str, Any], gauge: Any) -> Iterator[Metric]:
+        """The radix cache's host tier (hicache_size_gb), when it is on."""
+        m = self.model_name
+        hits = CounterMetricFamily(PREFIX + "cache_hit_tokens", "Prompt tokens served from the radix cache, by "
+                                   "the tier they were in (host: loaded back from host memory).",
+                                   labels=["model_name", "tier"])
+        hits.add_metric([m, "device"], s["hicache_device_hit_tokens_total"])
+        hits.add_metric([m, "host"], s["hicache_host_hit_tokens_total"])
+        yield hits
+        moved = CounterMetricFamily(PREFIX + "hicache_transfer_bytes", "KV bytes copied between the device pool "
+                                    "and the host tier.", labels=["model_name", "direction"])
+        moved.add_metric([m, "to_host"], s["hicache_bytes_to_host_total"])
+        moved.add_metric([m, "to_device"], s["hicache_bytes_to_device_total"])
+        yield moved
+        wait = CounterMetricFamily(PREFIX + "hicache_load_wait_seconds", "Seconds from issuing each load from "
+                                   "host memory until the scheduler saw it land, summed.", labels=["model_name"])
+        wait.add_metric([m], s["hicache_load_wait_s"])
+        yield wait
+        total = s["hicache_slots_total"]
+        yield gauge("hicache_max_total_num_tokens", "Token slots of the host tier.", total)
+        yield gauge("hicache_num_used_tokens", "Host tier slots holding KV.", total - s["hicache_slots_free"])
 
 
 class Metrics:

@@ -58,3 +58,24 @@ def test_prefill_flops_match_torch_flop_counter(bench, llama_ckpt):
     causal = 4 * batch * length * (length + 1) // 2 * cfg.num_heads * cfg.head_dim * cfg.num_layers
     full = 4 * batch * length * length * cfg.num_heads * cfg.head_dim * cfg.num_layers
     assert bench.prefill_flops(cfg, batch, length) - causal + full == counter.get_total_flops()
+
+
+def test_hicache_bench_tiny_run(tmp_path):
+    """benchmarks/bench_hicache.py's CPU mode: the returning users' prefixes come back from the host tier
+    (far fewer tokens computed), with the same greedy outputs as with the tier off."""
+    spec = importlib.util.spec_from_file_location("bench_hicache", BENCH.parent / "bench_hicache.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    out = tmp_path / "hicache.json"
+    assert module.main(["--preset", "tiny", "--cpu", "--write-policies", "write_back", "write_through",
+                        "--out", str(out)]) == 0
+    r = json.loads(out.read_text())["spill"]
+    off, on, through = r["off"]["returning"], r["write_back"]["returning"], r["write_through"]["returning"]
+    p = module.PRESETS["tiny"]
+    assert off["requests"] == on["requests"] == p["users"] * (p["turns"] - 1)
+    assert r["off"]["live_prefix_tokens"] >= 3 * r["off"]["device_pool_tokens"]
+    assert off["hicache_host_hit_tokens_total"] == 0 < on["hicache_host_hit_tokens_total"]
+    assert on["prefill_tokens_total"] < off["prefill_tokens_total"] / 2
+    assert through["prefill_tokens_total"] < off["prefill_tokens_total"] / 2
+    for policy in ("write_back", "write_through"):
+        assert r["compare"][policy]["outputs_equal"] == f"{p['users'] * p['turns']}/{p['users'] * p['turns']}"

@@ -24,6 +24,9 @@ pytest.importorskip("triton")
 from paged_kv import PagedBatch  # noqa: E402
 
 from radixlm import kernels  # noqa: E402
+from radixlm.core.layers.attention_backend import AttentionBackend  # noqa: E402
+from radixlm.core.layers.forward_batch import ForwardBatch  # noqa: E402
+from radixlm.core.models.config import ModelConfig  # noqa: E402
 from radixlm.kernels import cpu as cpu_ops  # noqa: E402
 from radixlm.kernels import reference as ref  # noqa: E402
 from radixlm.kernels import triton as tri  # noqa: E402
@@ -182,6 +185,73 @@ def test_apply_rotary_strided_qk_shuffled_positions(dtype):
     assert_close(k_out, k_exp)
 
 
+def rope_cache(scaling: str, head_dim: int, max_pos: int) -> torch.Tensor:
+    """The model runner's own cos/sin cache (ModelConfig.rope_cos_sin_cache) for a rope variant the models use."""
+    rope_scaling = {
+        "default": None,
+        "linear": {"rope_type": "linear", "factor": 4.0},
+        "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                   "original_max_position_embeddings": 16},
+        # A GGUF's rope_freqs tensor (Llama 3.1 GGUFs): one divisor per frequency.
+        "freq_factors": {"rope_type": "freq_factors", "factors": [1.0 + i for i in range(head_dim // 2)]},
+    }[scaling]
+    cfg = ModelConfig(
+        architecture="LlamaForCausalLM", vocab_size=8, hidden_size=head_dim, intermediate_size=8, num_layers=1,
+        num_heads=1, num_kv_heads=1, head_dim=head_dim, rms_norm_eps=1e-6, rope_theta=500000.0,
+        rope_scaling=rope_scaling, max_position_embeddings=max_pos, tie_word_embeddings=False, qkv_bias=False,
+        context_len=max_pos, bos_token_id=None, eos_token_ids=[],
+    )
+    return cfg.rope_cos_sin_cache(DEVICE)
+
+
+# (num_heads, num_kv_heads, head_dim): GQA 2 and 4, odd head counts, a head_dim whose half is not a power of two.
+ROTARY_SHAPES = [(4, 2, 32), (3, 3, 24), (5, 1, 40)]
+
+
+@pytest.mark.parametrize("heads", ROTARY_SHAPES, ids=lambda s: f"H{s[0]}-KH{s[1]}-D{s[2]}")
+@pytest.mark.parametrize(
+    "dtype, pool_dtype, index_dtype, scaling",
+    [
+        (torch.float32, torch.float32, torch.int32, "default"),
+        (torch.bfloat16, torch.bfloat16, torch.int64, "llama3"),
+        (torch.float16, torch.float16, torch.int32, "freq_factors"),
+        (torch.float32, torch.float16, torch.int64, "linear"),  # a pool of another dtype than the model's
+    ],
+    ids=str,
+)
+def test_apply_rotary_store_kv_matches_the_unfused_pair(heads, dtype, pool_dtype, index_dtype, scaling):
+    num_heads, num_kv_heads, head_dim = heads
+    num_tokens, max_pos, num_slots = 5, 64, 12
+    # q, k, v as strided views of a fused QKV output, positions in any order (a mixed batch).
+    qkv = randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, dtype=dtype)
+    q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
+    q, k, v = (x.view(num_tokens, -1, head_dim) for x in (q, k, v))
+    positions = torch.randperm(max_pos)[:num_tokens].to(DEVICE)
+    cache = rope_cache(scaling, head_dim, max_pos)
+    loc = (torch.randperm(num_slots - 1)[:num_tokens] + 1).to(DEVICE, index_dtype)
+    k_buf = randn(num_slots, num_kv_heads, head_dim, dtype=pool_dtype)
+    v_buf = randn(num_slots, num_kv_heads, head_dim, dtype=pool_dtype)
+    k_before, v_before = k_buf.clone(), v_buf.clone()
+    k_ref, v_ref, k_pair, v_pair = k_buf.clone(), v_buf.clone(), k_buf.clone(), v_buf.clone()
+
+    q_out = tri.apply_rotary_store_kv(q, k, v, positions, cache, k_buf, v_buf, loc)
+    q_ref = ref.apply_rotary_store_kv(q, k, v, positions, cache, k_ref, v_ref, loc)
+    q_pair, k_rot = tri.apply_rotary(q, k, positions, cache)
+    tri.store_kv(k_pair, v_pair, loc, k_rot, v)
+
+    # The fused kernel is the unfused pair, bit for bit; both are the reference within rounding.
+    assert torch.equal(q_out, q_pair) and torch.equal(k_buf, k_pair) and torch.equal(v_buf, v_pair)
+    assert_close(q_out, q_ref)
+    assert_close(k_buf, k_ref)
+    assert torch.equal(v_buf, v_ref)
+    slots = loc.long()
+    assert torch.equal(v_buf[slots], v.to(pool_dtype))
+    assert not torch.equal(k_buf[slots], k.to(pool_dtype))  # the stored keys are the rotated ones
+    untouched = torch.ones(num_slots, dtype=torch.bool, device=DEVICE)
+    untouched[slots] = False
+    assert torch.equal(k_buf[untouched], k_before[untouched]) and torch.equal(v_buf[untouched], v_before[untouched])
+
+
 # ----------------------------------------------------------------------------------- sampling
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
@@ -217,9 +287,11 @@ def test_seeded_exponential():
 # ----------------------------------------------------------------------------------- dispatch
 
 def test_every_set_exposes_every_op_with_the_reference_signature():
-    for name in kernels.OP_NAMES:
+    for name in kernels.OP_NAMES + kernels.OPTIONAL_OP_NAMES:
         ref_params = list(inspect.signature(getattr(ref, name)).parameters)
         for ops in (tri, cpu_ops):
+            if name in kernels.OPTIONAL_OP_NAMES and not hasattr(ops, name):
+                continue
             # The other sets may only append optional parameters.
             params = inspect.signature(getattr(ops, name)).parameters
             assert list(params)[: len(ref_params)] == ref_params, (ops.__name__, name)
@@ -233,3 +305,43 @@ def test_get_ops_dispatch(monkeypatch):
     assert kernels.get_ops("cuda") is cpu_ops
     monkeypatch.delenv("RADIXLM_DISABLE_TRITON")
     assert kernels.get_ops("cuda") is (tri if torch.cuda.is_available() else cpu_ops)
+
+
+@pytest.mark.parametrize("is_decode", [True, False], ids=["decode", "extend"])
+def test_attention_backend_fused_rotary_store_equals_the_composed_ops(is_decode, monkeypatch):
+    """The backend over the Triton set (rotary + KV store in one launch) against the backend over the CPU
+    set (apply_rotary, then store_kv): the same attention output and the same pool."""
+    num_heads, num_kv_heads, head_dim = 4, 2, 32
+    seq_lens, extend_lens = ([9, 4], [1, 1]) if is_decode else ([9, 4], [3, 4])
+    batch = PagedBatch(seq_lens, num_kv_heads, head_dim, torch.float32, torch.int32, DEVICE)
+    rows = batch.req_to_token[batch.req_pool_indices.long()]
+    positions = torch.cat([torch.arange(s - e, s) for s, e in zip(seq_lens, extend_lens)]).to(DEVICE)
+    loc = torch.cat([rows[b, s - e : s] for b, (s, e) in enumerate(zip(seq_lens, extend_lens))])
+    num_tokens = sum(extend_lens)
+    q = randn(num_tokens, num_heads, head_dim)
+    k, v = randn(num_tokens, num_kv_heads, head_dim), randn(num_tokens, num_kv_heads, head_dim)
+    fused_calls = []
+    fused = tri.apply_rotary_store_kv
+    monkeypatch.setattr(tri, "apply_rotary_store_kv", lambda *args: fused_calls.append(1) or fused(*args))
+    results = []
+    for ops in (tri, cpu_ops):
+        pool = type("Pool", (), {"k_buffers": [batch.k_buffer.clone()], "v_buffers": [batch.v_buffer.clone()]})()
+        backend = AttentionBackend(ops)
+        fb = ForwardBatch(
+            is_decode=is_decode, input_ids=torch.zeros(num_tokens, dtype=torch.long, device=DEVICE),
+            positions=positions, out_cache_loc=loc, req_pool_indices=batch.req_pool_indices,
+            seq_lens=batch.seq_lens, extend_lens=torch.tensor(extend_lens, dtype=torch.int32, device=DEVICE),
+            req_to_token=batch.req_to_token, kv_pool=pool, attn_backend=backend,
+            cos_sin_cache=rope_cache("llama3", head_dim, 16),
+        )
+        results.append((backend.forward(q, k, v, 0, fb), pool.k_buffers[0], pool.v_buffers[0]))
+    (out, k_buf, v_buf), (cpu_out, cpu_k, cpu_v) = results
+    assert fused_calls == [1]  # the Triton set took the one-launch path
+    monkeypatch.setenv("RADIXLM_UNFUSED_ROTARY_STORE", "1")  # the benchmarks' ablation: the unfused pair
+    pool = type("Pool", (), {"k_buffers": [batch.k_buffer.clone()], "v_buffers": [batch.v_buffer.clone()]})()
+    fb.kv_pool, fb.attn_backend = pool, AttentionBackend(tri)
+    torch.testing.assert_close(fb.attn_backend.forward(q, k, v, 0, fb), out, atol=0, rtol=0)
+    assert fused_calls == [1] and torch.equal(pool.k_buffers[0], k_buf)
+    assert_close(out, cpu_out)
+    assert_close(k_buf, cpu_k)
+    assert torch.equal(v_buf, cpu_v)

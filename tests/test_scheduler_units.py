@@ -9,7 +9,9 @@ the same function run over plain lists (the oracle).
 
 from __future__ import annotations
 
+import importlib.util
 import threading
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -19,15 +21,17 @@ from radixlm.core.engine.memory_pool import ReqToTokenPool, SlotAllocator
 from radixlm.core.engine.model_runner import BatchInput
 from radixlm.core.engine.options import EngineOptions
 from radixlm.core.engine.radix_cache import RadixCache
-from radixlm.core.engine.messages import FinishReason, GenerateOutput, GenerateRequest
+from radixlm.core.engine.messages import Abort, FinishReason, GenerateOutput, GenerateRequest
 from radixlm.core.engine.request import Req
 from radixlm.core.engine.sampling_params import SamplingParams
 from radixlm.core.engine.scheduler import Scheduler
+from radixlm.core.engine.scheduler.batch import extend_batch
 from radixlm.core.engine.scheduler.constraints import JUMP_GATHER_RATIO, JUMP_GATHER_STEPS, JumpGather, jump_forward
 from radixlm.core.engine.scheduler.finish import Finish, check_finish
 from radixlm.core.engine.scheduler.memory import KVMemory
 from radixlm.core.engine.scheduler.policy import CACHE_AWARE_QUEUE_LIMIT, SchedulePolicy
 from radixlm.core.engine.scheduler.prefill import IN_BATCH_SHARED_PREFIX, PrefillPlanner
+from radixlm.core.engine.scheduler.queues import RequestQueues
 from radixlm.core.engine.stats import EngineStats
 from radixlm.core.tokenizer.detokenizer import IncrementalDetokenizer
 
@@ -164,6 +168,31 @@ def test_fairness_bound_puts_overdue_requests_first_oldest_first():
     assert rids(policy.order([matched, *starved]))[0] == "r0"
 
 
+def test_random_order_is_a_permutation_fixed_by_the_seed():
+    memory = make_memory()
+    reqs = [make_req([i + 1], i) for i in range(12)]
+    orders = [rids(SchedulePolicy("random", 100, memory.tree, seed).order(reqs)) for seed in (1, 1, 2)]
+    assert sorted(orders[0]) == sorted(rids(reqs)) and orders[0] == orders[1] and orders[0] != orders[2]
+
+
+def test_fairness_bound_lets_a_starved_request_in_after_that_many_rounds():
+    """One request runs at a time; every round a new request matching the cache arrives and lpm prefers
+    it, until the unrelated request has been passed over `bound` times."""
+    memory, bound = make_memory(), 3
+    cache(memory, list(range(1, 9)))
+    planner = make_planner(memory, max_running=1, fairness=bound)
+    queues = RequestQueues(memory, EngineStats())
+    queues.add(make_req([30, 30], 0, rid="starved"))
+    taken = []
+    for round_ in range(1, 7):
+        queues.add(make_req(list(range(1, 9)) + [round_], round_))
+        plan = planner.plan(queues.waiting, [], None)
+        queues.take(plan.taken, plan.passed_over)
+        taken.append(plan.taken[0].rid)
+        memory.release(plan.taken[0])
+    assert taken.index("starved") == bound
+
+
 def test_unknown_policy_is_refused_by_name():
     with pytest.raises(ValueError, match="schedule_policy"):
         SchedulePolicy("longest", 3, make_memory().tree, 0)
@@ -216,6 +245,52 @@ def test_a_request_sharing_a_prefix_with_one_in_the_batch_waits_then_reuses_it()
     # A shorter overlap does not wait.
     short = make_req(shared[:4] + [9] * 20, 3)
     assert make_planner(make_memory()).plan([make_req(shared[:4] + [8] * 20, 4), short], [], None).passed_over == []
+
+
+def test_a_request_sharing_the_chunked_prompt_waits_for_its_last_chunk():
+    memory = make_memory(num_slots=256)
+    planner = make_planner(memory, chunk=48)
+    shared = [(5 * i) % 29 + 1 for i in range(80)]
+    long, other = make_req(shared + [1, 1], 0), make_req(shared + [2, 2], 1)
+    plan = planner.plan([long], [], None)
+    assert plan.chunked is long and plan.extends[0].length == 48
+    memory.cache_prefix(long)
+    plan = planner.plan([other], [], long)  # long's last 34 tokens, and 14 tokens of budget left
+    assert [(e.req.rid, e.start, e.length) for e in plan.extends] == [("r0", 48, 34)]
+    assert plan.passed_over == [other] and plan.chunked is None
+    memory.cache_prefix(long)
+    plan = planner.plan([other], [long], None)
+    assert [(e.req.rid, e.start, e.length) for e in plan.extends] == [("r1", 80, 2)]  # all of the prefix reused
+
+
+def test_wanted_input_logprobs_limit_the_prefix_match():
+    """Positions whose prompt logprobs are wanted must be computed, however much of the prompt is cached."""
+    prompt = list(range(1, 13))
+    starts = {}
+    for start in (None, 0, 5):
+        memory = make_memory()
+        cache(memory, prompt)
+        extra = {} if start is None else {"return_logprob": True, "logprob_start_len": start}
+        req = make_req(prompt)
+        req.inp = GenerateRequest("r0", prompt, req.params, **extra)
+        (ext,) = make_planner(memory).plan([req], [], None).extends
+        starts[start] = (ext.start, req.cached_tokens)
+    assert starts == {None: (11, 11), 0: (0, 0), 5: (4, 4)}
+
+
+def test_extend_batch_asks_logits_only_where_they_are_used():
+    memory = make_memory()
+    planner = make_planner(memory, chunk=6)
+    plain, scored = make_req([1, 2, 3], 0), make_req([4, 5, 6, 7], 1)
+    scored.inp = GenerateRequest("r1", scored.inp.input_ids, scored.params, return_logprob=True, logprob_start_len=2)
+    chunked = make_req([8] * 10, 2)
+    plan = planner.plan([plain, scored], [], None)
+    plan.extends += planner.plan([chunked], [], None).extends
+    batch, use = extend_batch(plan.extends)
+    assert batch.extend_lens == [3, 3, 6] and batch.positions[3:6] == [0, 1, 2]
+    # plain: its last position; scored (3 of 4 prompt tokens fit): positions 1..2 give the logprobs of
+    # tokens 2..3; the unfinished chunk: none.
+    assert batch.logit_rows == [2, 4, 5] and use == [(0, 2, 1), (1, 1, 2), (3, 6, 0)]
 
 
 def test_ride_along_gives_running_requests_one_token_each():
@@ -365,26 +440,37 @@ def test_jump_continuations_gather_for_a_bounded_number_of_steps():
 # ---- the whole loop ---------------------------------------------------------------------------
 
 
-def run_scheduler(num_slots: int, prompts: list[list[int]], params: list[dict], **opts) -> tuple[Scheduler, list]:
-    """Runs the loop on its thread; the final GenerateOutput of each request, in order."""
+def run_scheduler(num_slots: int, prompts: list[list[int]], params: list[dict], rids: list[str] | None = None,
+                  on_chunk=None, **opts) -> tuple[Scheduler, list]:
+    """Runs the loop on its thread; the final GenerateOutput of each request, in order (requests sharing a
+    request id take that id's finals in the order they arrive). `on_chunk(scheduler, i, out)` sees the
+    stream chunks."""
     options = EngineOptions.from_kwargs({"device": "cpu", "debug_check_invariants": True, **opts})
     sched = Scheduler(FakeRunner(num_slots, options.max_running_requests), options, StubTokenizer(), [EOS])
-    finals: dict[str, GenerateOutput] = {}
-    for i, (prompt, p) in enumerate(zip(prompts, params)):
+    rows = sched.runner.req_to_token.available()
+    rids = rids or [f"q{i}" for i in range(len(prompts))]
+    finals: list = [None] * len(prompts)
+    for rid, prompt, p in zip(rids, prompts, params):
+        p = dict(p)
+        stream = p.pop("stream", False)
         sp = SamplingParams.from_dict({"temperature": 0, **p})
-        sched.inbox.put(GenerateRequest(f"q{i}", prompt, sp))
+        sched.inbox.put(GenerateRequest(rid, prompt, sp, stream=stream))
     thread = threading.Thread(target=sched.run_forever)
     thread.start()
     try:
-        while len(finals) < len(prompts):
+        while any(f is None for f in finals):
             out = sched.outbox.get(timeout=60)  # the scheduler did not finish every request: queue.Empty
-            if out.finish is not None:
-                finals[out.rid] = out
+            if out.finish is None:
+                if on_chunk is not None:
+                    on_chunk(sched, rids.index(out.rid), out)
+                continue
+            finals[next(i for i, rid in enumerate(rids) if rid == out.rid and finals[i] is None)] = out
     finally:
         sched.stop()
         thread.join(10)
     sched.check_invariants()
-    return sched, [finals[f"q{i}"] for i in range(len(prompts))]
+    assert sched.runner.req_to_token.available() == rows  # every request-to-token row back
+    return sched, finals
 
 
 def prompts_with_shared_prefixes(count: int) -> list[list[int]]:
@@ -418,3 +504,33 @@ def test_loop_retracts_under_memory_pressure_and_outputs_stay_the_same():
     for out, prompt in zip(finals, prompts):
         assert out.output_ids == oracle(prompt, 24, ignore_eos=True)
     assert sched.flush_cache() and sched.get_stats()["kv_slots_free"] == 64
+
+
+def test_loop_an_abort_and_a_reused_request_id_end_alone_and_free_their_kv():
+    prompts = [[1] * 6, [2] * 6, [3] * 6]
+    params = [{"max_new_tokens": 40, "ignore_eos": True, "stream": True},
+              *[{"max_new_tokens": 10, "ignore_eos": True}] * 2]
+
+    def abort_the_stream(sched: Scheduler, i: int, out: GenerateOutput) -> None:
+        sched.inbox.put(Abort("a"))
+
+    sched, finals = run_scheduler(256, prompts, params, rids=["a", "b", "b"], on_chunk=abort_the_stream)
+    aborted = finals[0]
+    assert aborted.finish.type == "abort" and aborted.finish.error == "aborted by request"
+    assert aborted.completion_tokens < 40
+    served, refused = sorted(finals[1:], key=lambda out: out.finish.type == "abort")  # ids alone can't tell
+    assert served.output_ids == oracle(prompts[1], 10, ignore_eos=True)
+    assert refused.finish.type == "abort" and refused.finish.status_code == 400
+    assert "already in use" in refused.finish.error
+    assert sched.flush_cache() and sched.get_stats()["kv_slots_free"] == 256
+
+
+def test_bench_scheduler_runs_one_step_per_token():
+    """benchmarks/bench_scheduler.py (the scheduler's host cost) at a tiny size: one prefill step, then
+    one decode step per further token."""
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_scheduler.py"
+    spec = importlib.util.spec_from_file_location("bench_scheduler", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    elapsed, cpu, steps = bench.run_once(batch=3, prompt_len=5, new_tokens=4, seed=0)
+    assert steps == 4 and elapsed > 0 and cpu > 0

@@ -36,6 +36,7 @@ class KVPool:
             kv = torch.frombuffer(mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE), dtype=dtype).view(shape)
         else:
             kv = torch.zeros(shape, dtype=dtype, device=device)
+        self.kv = kv  # [2 (keys, values), num_layers, num_slots + 1, num_kv_heads, head_dim]
         self.k_buffers, self.v_buffers = list(kv[0].unbind(0)), list(kv[1].unbind(0))
 
     @staticmethod

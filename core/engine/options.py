@@ -60,6 +60,12 @@ class EngineOptions:
     mem_fraction_static: float = option(0.9, "fraction of GPU memory for weights and the KV pool",
                                         aliases=("--gpu-memory-utilization",))
     disable_radix_cache: bool = option(False, "do not reuse cached prefixes across requests")
+    hicache_size_gb: float = option(0.0, "GiB of host memory (pinned on CUDA) for a second radix cache tier: "
+                                    "KV evicted from the device pool is written there and loaded back on a "
+                                    "prefix hit instead of recomputed (docs/engine.md); 0: off")
+    hicache_write_policy: str = option("write_back", "when KV goes to the host tier: write_back (when evicted "
+                                       "from the device) or write_through (as soon as it is cached)",
+                                       choices=("write_back", "write_through"))
     disable_jump_forward: bool = option(False, "do not jump over text a constraint forces")
     grammar_backend: str = option(
         "radixlm", "constrained decoding backend (regex, JSON schema, choices): radixlm (its grammar engine), "
@@ -150,6 +156,13 @@ class EngineOptions:
             self.chunked_prefill_size = -1
         elif self.chunked_prefill_size < 1:
             raise InvalidRequestError("chunked_prefill_size must be positive or -1", "chunked_prefill_size")
+        if self.hicache_size_gb < 0:
+            raise InvalidRequestError("hicache_size_gb must be >= 0 (0: no host tier)", "hicache_size_gb")
+        if self.hicache_size_gb > 0 and self.tp_size > 1:
+            raise InvalidRequestError("hicache_size_gb with tp_size > 1 is not supported yet", "hicache_size_gb")
+        if self.hicache_size_gb > 0 and self.disable_radix_cache:
+            raise InvalidRequestError("hicache_size_gb is a tier of the radix cache, which disable_radix_cache "
+                                      "turns off", "hicache_size_gb")
         if not 0.0 < self.mem_fraction_static < 1.0:
             raise InvalidRequestError("mem_fraction_static must be in (0, 1)", "mem_fraction_static")
         if self.max_queued_requests is not None and self.max_queued_requests < 0:

@@ -1,4 +1,5 @@
-"""The attention-backend interface: store the new tokens' KV into their pool slots, then attend.
+"""The attention-backend interface: rotate the new tokens' q and k, store their k and v into the pool
+slots, then attend.
 
 One backend serves every kernel set: `ops` is kernels.cpu (pure torch, the CPU path) or the
 Triton kernels on CUDA, with identical signatures.
@@ -7,6 +8,7 @@ Triton kernels on CUDA, with identical signatures.
 from __future__ import annotations
 
 import inspect
+import os
 from types import ModuleType
 
 import torch
@@ -22,10 +24,20 @@ class AttentionBackend:
         self._extend_takes_layout = "max_extend_len" in inspect.signature(ops.extend_attention).parameters
         # The CPU set plans the batch's layout once per forward instead of once per layer.
         self._plan = getattr(ops, "plan_attention", None)
+        # The Triton set rotates and stores in one launch per layer; the CPU set runs its two ops, as
+        # does any set under RADIXLM_UNFUSED_ROTARY_STORE=1 (an ablation for benchmarks).
+        unfused = os.environ.get("RADIXLM_UNFUSED_ROTARY_STORE", "0") == "1"
+        self._rotary_store_kv = None if unfused else getattr(ops, "apply_rotary_store_kv", None)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, fb: ForwardBatch):
+        """q [T, H, D], k and v [T, KH, D] as projected, before the rotary embedding (fb.positions,
+        fb.cos_sin_cache), which is applied here so that it can share a kernel with the KV store."""
         k_buf, v_buf = fb.kv_pool.k_buffers[layer_id], fb.kv_pool.v_buffers[layer_id]
-        self.ops.store_kv(k_buf, v_buf, fb.out_cache_loc, k, v)
+        if self._rotary_store_kv is not None:
+            q = self._rotary_store_kv(q, k, v, fb.positions, fb.cos_sin_cache, k_buf, v_buf, fb.out_cache_loc)
+        else:
+            q, k = self.ops.apply_rotary(q, k, fb.positions, fb.cos_sin_cache)
+            self.ops.store_kv(k_buf, v_buf, fb.out_cache_loc, k, v)
         scale = q.shape[-1] ** -0.5
         extra = {}
         if self._plan is not None:

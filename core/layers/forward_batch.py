@@ -17,7 +17,8 @@ class KVBuffers(Protocol):
 
 
 class Attention(Protocol):
-    """Stores a layer's new K and V into their pool slots and attends (core.layers.attention_backend)."""
+    """Applies the rotary embedding to a layer's new q and k, stores k and v into their pool slots and
+    attends (core.layers.attention_backend)."""
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
                 fb: "ForwardBatch") -> torch.Tensor: ...

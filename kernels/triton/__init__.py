@@ -6,6 +6,7 @@ from radixlm.kernels.reference import pack_token_mask
 from radixlm.kernels.triton.attention import decode_attention, extend_attention
 from radixlm.kernels.triton.elementwise import (
     apply_rotary,
+    apply_rotary_store_kv,
     fused_add_rms_norm,
     rms_norm,
     silu_and_mul,

@@ -1,4 +1,5 @@
-"""Row-wise and element-wise kernels of a Llama layer: KV store, RMSNorm, rotary, SiLU-and-mul.
+"""Row-wise and element-wise kernels of a Llama layer: KV store, RMSNorm, rotary (alone or fused with the
+KV store), SiLU-and-mul.
 
 Each computes in fp32 and rounds once to the output dtype, like its twin in ``reference``.
 Inputs may be strided views (q, k, v sliced out of a fused QKV projection); the last dim must be
@@ -23,6 +24,20 @@ def _row_warps(block: int) -> int:
 
 
 @triton.jit
+def _copy_heads(
+    XRow, OutRow, stride_xh, stride_xd, stride_oh, stride_od,
+    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """One token's [NUM_HEADS, HEAD_DIM] rows from XRow to OutRow, cast to Out's dtype."""
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = (offs_h < NUM_HEADS)[:, None] & (offs_d < HEAD_DIM)[None, :]
+    x = tl.load(XRow + offs_h[:, None] * stride_xh + offs_d[None, :] * stride_xd, mask=mask)
+    tl.store(OutRow + offs_h[:, None] * stride_oh + offs_d[None, :] * stride_od,
+             x.to(OutRow.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _store_kv_kernel(
     K, V, KBuf, VBuf, Loc,
     stride_kt, stride_kh, stride_kd,
@@ -31,21 +46,12 @@ def _store_kv_kernel(
     stride_vbs, stride_vbh, stride_vbd,
     NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    token = tl.program_id(0)
+    token = tl.program_id(0).to(tl.int64)
     slot = tl.load(Loc + token).to(tl.int64)
-    offs_h = tl.arange(0, BLOCK_H)
-    offs_d = tl.arange(0, BLOCK_D)
-    mask = (offs_h < NUM_KV_HEADS)[:, None] & (offs_d < HEAD_DIM)[None, :]
-    k = tl.load(K + token * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :] * stride_kd, mask=mask)
-    v = tl.load(V + token * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :] * stride_vd, mask=mask)
-    tl.store(
-        KBuf + slot * stride_kbs + offs_h[:, None] * stride_kbh + offs_d[None, :] * stride_kbd,
-        k.to(KBuf.dtype.element_ty), mask=mask,
-    )
-    tl.store(
-        VBuf + slot * stride_vbs + offs_h[:, None] * stride_vbh + offs_d[None, :] * stride_vbd,
-        v.to(VBuf.dtype.element_ty), mask=mask,
-    )
+    _copy_heads(K + token * stride_kt, KBuf + slot * stride_kbs, stride_kh, stride_kd, stride_kbh, stride_kbd,
+                NUM_KV_HEADS, HEAD_DIM, BLOCK_H, BLOCK_D)
+    _copy_heads(V + token * stride_vt, VBuf + slot * stride_vbs, stride_vh, stride_vd, stride_vbh, stride_vbd,
+                NUM_KV_HEADS, HEAD_DIM, BLOCK_H, BLOCK_D)
 
 
 def store_kv(
@@ -152,18 +158,33 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 @triton.jit
 def _rotate_heads(
-    X, Out, token, stride_xt, stride_xh, stride_xd, stride_ot, stride_oh, stride_od, cos, sin,
+    XRow, OutRow, stride_xh, stride_xd, stride_oh, stride_od, cos, sin,
     NUM_HEADS: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
 ):
+    """One token's heads rotated from XRow to OutRow. The result is rounded to X's dtype first (where the
+    reference's rotary leaves it) and then cast to Out's, which differs only when storing into a pool of
+    another dtype."""
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_HALF)
     mask = (offs_h < NUM_HEADS)[:, None] & (offs_d < HALF)[None, :]
-    base = X + token * stride_xt + offs_h[:, None] * stride_xh + offs_d[None, :] * stride_xd
+    base = XRow + offs_h[:, None] * stride_xh + offs_d[None, :] * stride_xd
     x1 = tl.load(base, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(base + HALF * stride_xd, mask=mask, other=0.0).to(tl.float32)
-    out = Out + token * stride_ot + offs_h[:, None] * stride_oh + offs_d[None, :] * stride_od
-    tl.store(out, (x1 * cos - x2 * sin).to(Out.dtype.element_ty), mask=mask)
-    tl.store(out + HALF * stride_od, (x2 * cos + x1 * sin).to(Out.dtype.element_ty), mask=mask)
+    out = OutRow + offs_h[:, None] * stride_oh + offs_d[None, :] * stride_od
+    dtype = XRow.dtype.element_ty
+    tl.store(out, (x1 * cos - x2 * sin).to(dtype).to(OutRow.dtype.element_ty), mask=mask)
+    tl.store(out + HALF * stride_od, (x2 * cos + x1 * sin).to(dtype).to(OutRow.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _cos_sin(CosSin, Positions, token, stride_cp, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    """The token's cos and sin halves, fp32 [1, BLOCK_HALF] each, ready to broadcast over heads."""
+    pos = tl.load(Positions + token).to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_HALF)
+    d_mask = offs_d < HALF
+    cos = tl.load(CosSin + pos * stride_cp + offs_d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+    sin = tl.load(CosSin + pos * stride_cp + HALF + offs_d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+    return cos, sin
 
 
 @triton.jit
@@ -176,14 +197,10 @@ def _rotary_kernel(
     BLOCK_H: tl.constexpr, BLOCK_KH: tl.constexpr, BLOCK_HALF: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
-    pos = tl.load(Positions + token).to(tl.int64)
-    offs_d = tl.arange(0, BLOCK_HALF)
-    d_mask = offs_d < HALF
-    cos = tl.load(CosSin + pos * stride_cp + offs_d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
-    sin = tl.load(CosSin + pos * stride_cp + HALF + offs_d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
-    _rotate_heads(Q, QOut, token, stride_qt, stride_qh, stride_qd, stride_oqt, stride_oqh, stride_oqd,
+    cos, sin = _cos_sin(CosSin, Positions, token, stride_cp, HALF, BLOCK_HALF)
+    _rotate_heads(Q + token * stride_qt, QOut + token * stride_oqt, stride_qh, stride_qd, stride_oqh, stride_oqd,
                   cos, sin, NUM_HEADS, HALF, BLOCK_H, BLOCK_HALF)
-    _rotate_heads(K, KOut, token, stride_kt, stride_kh, stride_kd, stride_okt, stride_okh, stride_okd,
+    _rotate_heads(K + token * stride_kt, KOut + token * stride_okt, stride_kh, stride_kd, stride_okh, stride_okd,
                   cos, sin, NUM_KV_HEADS, HALF, BLOCK_KH, BLOCK_HALF)
 
 
@@ -211,3 +228,50 @@ def apply_rotary(
         BLOCK_HALF=triton.next_power_of_2(half), num_warps=4,
     )
     return q_out, k_out
+
+
+@triton.jit
+def _rotary_store_kv_kernel(
+    Q, K, V, QOut, KBuf, VBuf, Positions, CosSin, Loc,
+    stride_qt, stride_qh, stride_qd, stride_kt, stride_kh, stride_kd, stride_vt, stride_vh, stride_vd,
+    stride_oqt, stride_oqh, stride_oqd,
+    stride_kbs, stride_kbh, stride_kbd, stride_vbs, stride_vbh, stride_vbd,
+    stride_cp,
+    NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_KH: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    slot = tl.load(Loc + token).to(tl.int64)
+    cos, sin = _cos_sin(CosSin, Positions, token, stride_cp, HALF, BLOCK_HALF)
+    _rotate_heads(Q + token * stride_qt, QOut + token * stride_oqt, stride_qh, stride_qd, stride_oqh, stride_oqd,
+                  cos, sin, NUM_HEADS, HALF, BLOCK_H, BLOCK_HALF)
+    _rotate_heads(K + token * stride_kt, KBuf + slot * stride_kbs, stride_kh, stride_kd, stride_kbh, stride_kbd,
+                  cos, sin, NUM_KV_HEADS, HALF, BLOCK_KH, BLOCK_HALF)
+    _copy_heads(V + token * stride_vt, VBuf + slot * stride_vbs, stride_vh, stride_vd, stride_vbh, stride_vbd,
+                NUM_KV_HEADS, HEAD_DIM, BLOCK_KH, BLOCK_D)
+
+
+def apply_rotary_store_kv(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
+    k_buffer: torch.Tensor, v_buffer: torch.Tensor, loc: torch.Tensor,
+) -> torch.Tensor:
+    """``apply_rotary`` and ``store_kv`` in one launch: returns the rotated q [T, H, D]; k, rotated, and v
+    [T, KH, D] go straight into pool slots loc [T] (the rotated k never lands anywhere else). One program
+    per token.
+    Twin: ``reference.apply_rotary_store_kv``."""
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if num_tokens == 0:
+        return q_out
+    assert cos_sin_cache.stride(-1) == 1, "cos_sin_cache must be contiguous along its last dim"
+    half = head_dim // 2
+    _rotary_store_kv_kernel[(num_tokens,)](
+        q, k, v, q_out, k_buffer, v_buffer, positions, cos_sin_cache, loc,
+        *q.stride(), *k.stride(), *v.stride(), *q_out.stride(), *k_buffer.stride(), *v_buffer.stride(),
+        cos_sin_cache.stride(0),
+        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, HALF=half,
+        BLOCK_H=triton.next_power_of_2(num_heads), BLOCK_KH=triton.next_power_of_2(num_kv_heads),
+        BLOCK_HALF=triton.next_power_of_2(half), BLOCK_D=triton.next_power_of_2(head_dim), num_warps=4,
+    )
+    return q_out

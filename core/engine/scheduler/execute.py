@@ -163,7 +163,8 @@ class Executor:
                 masks.append(None)
         return masks
 
-    def _sample_alone(self, req: Req, logits: torch.Tensor, mask: torch.Tensor | None) -> tuple[SampleResult, int] | None:
+    def _sample_alone(self, req: Req, logits: torch.Tensor,
+                      mask: torch.Tensor | None) -> tuple[SampleResult, int] | None:
         try:
             return self.sampler.sample(logits, [req], [mask]), 0
         except Exception:

@@ -24,6 +24,7 @@ from radixlm.core.engine.messages import (
     Abort, CallReply, CheckInvariants, FlushCache, GenerateRequest, GetStats, InboxMessage, OutboxMessage,
     StatsSnapshot,
 )
+from radixlm.core.engine.hicache import HostTier, tier_stats
 from radixlm.core.engine.memory_pool import SlotAllocator
 from radixlm.core.engine.model_runner import ModelRunner
 from radixlm.core.engine.options import EngineOptions
@@ -53,7 +54,10 @@ class Scheduler:
         self.context_len = min(opts.context_length or runner.cfg.context_len, runner.num_slots)
         self.allocator = SlotAllocator(runner.num_slots)
         self.stats = EngineStats()
-        self.tree = TimedRadixCache(RadixCache(self.allocator, disable=opts.disable_radix_cache), self.stats)
+        self.host_tier = HostTier.create(opts.hicache_size_gb, runner.kv_pool) if opts.hicache_size_gb > 0 else None
+        self.tree = TimedRadixCache(RadixCache(self.allocator, disable=opts.disable_radix_cache, host=self.host_tier,
+                                               write_through=opts.hicache_write_policy == "write_through"),
+                                    self.stats)
         self.memory = KVMemory(self.allocator, self.tree, runner.req_to_token)
         self.queues = RequestQueues(self.memory, self.stats)
         self.policy = SchedulePolicy(opts.schedule_policy, opts.schedule_fairness_bound, self.tree, opts.random_seed)
@@ -141,6 +145,8 @@ class Scheduler:
             self.executor.run_extend(extends)
         elif queues.running:
             self.executor.run_decode()
+        elif queues.waiting:
+            self.tree.wait_for_load()  # nothing to run until a prefix comes back from host memory
         if self.opts.debug_check_invariants:
             self.check_invariants()
 
@@ -220,6 +226,7 @@ class Scheduler:
             kv_slots_cached_evictable=self.tree.evictable_size(),
             running=len(self.queues.running) + (1 if self.queues.chunked else 0),
             waiting=len(self.queues.waiting),
+            **tier_stats(self.host_tier, self.stats.cached_tokens_total),
         )
 
     def check_invariants(self) -> None:

@@ -66,7 +66,9 @@ class PrefillPlanner:
         if not plan.extends and self.jumps.should_wait(waiting, running):
             return plan
         slots_left = self.max_running_requests - len(running) - len(plan.extends)
-        in_batch: list[list[int]] = []
+        # The chunked request's last chunk counts too: a request sharing its prompt waits a step and
+        # then reuses all of it, instead of recomputing the part that this last chunk computes.
+        in_batch = [e.req.fill_ids for e in plan.extends]
         for req in self.policy.order(waiting):
             if slots_left <= 0 or budget <= 0:
                 break
@@ -74,6 +76,8 @@ class PrefillPlanner:
                 break
             if self._shares_with_batch(req, in_batch):
                 continue
+            if req.row is None and not self.memory.tree.load_prefix(self.cacheable(req)):
+                continue  # its cached prefix is still coming back from host memory: admitted once it lands
             ext = self.plan_extend(req, budget)
             if ext is None:
                 break  # out of memory: later requests must not overtake this one
@@ -112,18 +116,23 @@ class PrefillPlanner:
         head = ids[:need]
         return len(head) == need and any(other[:need] == head for other in in_batch)
 
+    @staticmethod
+    def cacheable(req: Req) -> list[int]:
+        """The part of a request's tokens that may come from the cache. The last token is always
+        computed (its logits give the next token); input logprobs need the logits of every position
+        from the first wanted one."""
+        limit = len(req.fill_ids) - 1
+        start = req.input_logprob_start()
+        if start is not None:
+            limit = min(limit, max(start - 1, 0))
+        return req.fill_ids[:limit]
+
     def plan_extend(self, req: Req, budget: int) -> Extend | None:
         """Matches the request's prefix, allocates KV for its next chunk, and fills its table row.
         Returns None (with nothing held) when memory does not allow it now."""
         fill, memory, tree = req.fill_ids, self.memory, self.memory.tree
         if req.row is None:
-            # The last token is always computed (its logits give the next token); input logprobs
-            # need the logits of every position from the first wanted one.
-            limit = len(fill) - 1
-            start = req.input_logprob_start()
-            if start is not None:
-                limit = min(limit, max(start - 1, 0))
-            slots, node = tree.match_prefix(fill[:limit])
+            slots, node = tree.match_prefix(self.cacheable(req))
             tree.inc_lock_ref(node)
             length = min(len(fill) - len(slots), budget)
             new = memory.alloc(length)
