@@ -82,7 +82,9 @@ class FakeRunner:
         loc = torch.tensor(batch.out_cache_loc, dtype=torch.long)
         if batch.is_decode:  # as the real runner does, it records decode slots itself
             table.table[torch.tensor(batch.rows), torch.tensor(batch.positions)] = loc.to(torch.int32)
-        self.kv[loc] = torch.tensor(batch.input_ids, dtype=torch.long)
+        # Overlap scheduling hands a decode step its input as the previous step's tokens on the device.
+        ids = batch.input_future if batch.input_future is not None else torch.tensor(batch.input_ids)
+        self.kv[loc] = ids.long()
         owner = [k for k, n in enumerate(batch.extend_lens) for _ in range(n)]
         logits = torch.zeros(len(batch.logit_rows), V)
         for j, i in enumerate(batch.logit_rows):

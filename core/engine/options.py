@@ -67,6 +67,10 @@ class EngineOptions:
                                        "from the device) or write_through (as soon as it is cached)",
                                        choices=("write_back", "write_through"))
     disable_jump_forward: bool = option(False, "do not jump over text a constraint forces")
+    enable_overlap_schedule: bool = option(
+        False, "overlap scheduling: launch the next decode step (its input the sampled tokens, still on the "
+        "device) before applying the current one's results on the host, so host work hides under the GPU "
+        "(docs/engine.md); off by default until measured")
     grammar_backend: str = option(
         "radixlm", "constrained decoding backend (regex, JSON schema, choices): radixlm (its grammar engine), "
         "regex-dfa (its previous whole-pattern DFA), llguidance (the optional llguidance package)",
