@@ -53,8 +53,10 @@ class NullRunner:
         return torch.zeros(len(batch.logit_rows), VOCAB)
 
 
-def run_once(batch: int, prompt_len: int, new_tokens: int, seed: int) -> tuple[float, float, int]:
-    opts = EngineOptions.from_kwargs({"device": "cpu", "max_running_requests": batch})
+def run_once(batch: int, prompt_len: int, new_tokens: int, seed: int,
+             overlap: bool = False) -> tuple[float, float, int]:
+    opts = EngineOptions.from_kwargs({"device": "cpu", "max_running_requests": batch,
+                                      "enable_overlap_schedule": overlap})
     context = prompt_len + new_tokens + 1
     runner = NullRunner(batch * context, batch, context)
     sched = Scheduler(runner, opts, NullTokenizer(), [VOCAB - 1])
@@ -81,12 +83,13 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--overlap", action="store_true", help="with enable_overlap_schedule")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    runs = [run_once(args.batch, args.prompt_len, args.new_tokens, seed) for seed in range(args.repeats)]
+    runs = [run_once(args.batch, args.prompt_len, args.new_tokens, seed, args.overlap) for seed in range(args.repeats)]
     tokens = args.batch * args.new_tokens
     print(json.dumps({
-        "batch": args.batch, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
+        "batch": args.batch, "overlap": args.overlap, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
         "steps": runs[0][2],
         "us_per_token": round(statistics.median(t for t, _, _ in runs) / tokens * 1e6, 2),
         "cpu_us_per_token": round(statistics.median(c for _, c, _ in runs) / tokens * 1e6, 2),

@@ -12,9 +12,16 @@ from __future__ import annotations
 
 import json
 
+import dataclasses
+
 import pytest
+import torch
 
 import radixlm
+from radixlm.core.engine.cuda_graph_runner import DecodeGraphRunner
+from radixlm.core.engine.model_runner import BatchInput, ModelRunner
+from radixlm.core.engine.options import EngineOptions
+from radixlm.core.models.config import ModelConfig
 from test_scheduler_units import EOS, oracle, prompts_with_shared_prefixes, run_scheduler
 
 # ---- the scheduler with a fake runner ---------------------------------------------------------------
@@ -64,6 +71,36 @@ def test_fake_runner_streams_and_aborts_with_overlap():
     assert finals[2].output_ids == oracle(prompts[2], 9)
     assert chained_steps(sched) > 0
     assert sched.flush_cache() and sched.get_stats()["kv_slots_free"] == 256
+
+
+# ---- the model runner: a decode input from the device ---------------------------------------------------
+
+
+def test_decode_input_from_the_device_matches_host_ids(llama_ckpt):
+    """A decode batch whose input ids come as a device tensor (input_future; the host list holds
+    placeholders) gives the logits of the same batch with host ids, eagerly and on the padded static
+    buffers that the CUDA graphs replay."""
+    opts = EngineOptions.from_kwargs({"device": "cpu", "max_total_tokens": 256, "max_running_requests": 4})
+    runner = ModelRunner(llama_ckpt, ModelConfig.from_dir(llama_ckpt), opts)
+    lens, rows = [4, 7, 2], [1, 0, 3]
+    slots = iter(range(1, 200))
+    prefill = BatchInput(False, [], [], [], rows, lens, lens, [])
+    for row, n in zip(rows, lens):
+        mine = [next(slots) for _ in range(n)]
+        runner.req_to_token.write(row, 0, mine)
+        prefill.input_ids += [(row * 37 + j * 11) % 500 for j in range(n)]
+        prefill.positions += list(range(n))
+        prefill.out_cache_loc += mine
+    runner.forward(prefill)
+    ids = [17, 301, 42]
+    decode = BatchInput(True, ids, list(lens), [next(slots) for _ in lens], rows, [n + 1 for n in lens], [1] * 3,
+                        [0, 1, 2])
+    expected = runner.forward(decode).clone()
+    future = dataclasses.replace(decode, input_ids=[0, 0, 0], input_future=torch.tensor(ids))
+    torch.testing.assert_close(runner.forward(future), expected, rtol=1e-5, atol=1e-5)
+    graphs = DecodeGraphRunner(runner, max_bs=4, capture=False)
+    torch.testing.assert_close(graphs.run(future), expected, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(runner.forward(dataclasses.replace(decode, input_ids=[0, 0, 0])), expected)
 
 
 # ---- the tiny Llama engine: overlap on equals overlap off ---------------------------------------------

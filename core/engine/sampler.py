@@ -28,9 +28,26 @@ class DeviceSample:
 
     tokens: torch.Tensor  # [B] int64
     raw_logprobs: torch.Tensor | None  # [B, V] when a request wants logprobs
+    host_tokens: torch.Tensor | None = None  # the copy `start_copy` started
+    copied: torch.cuda.Event | None = None
+
+    def start_copy(self) -> None:
+        """Starts copying the tokens to pinned host memory right behind their sampling on the stream, so
+        that `resolve` waits for this step alone, not for a step launched after it (a plain `tolist`
+        would wait for everything queued on the stream)."""
+        if self.tokens.device.type != "cuda":
+            return
+        self.host_tokens = torch.empty(self.tokens.shape, dtype=self.tokens.dtype, pin_memory=True)
+        self.host_tokens.copy_(self.tokens, non_blocking=True)
+        self.copied = torch.cuda.Event()
+        self.copied.record()
 
     def resolve(self, reqs: list[Req]) -> SampleResult:
-        token_list = self.tokens.tolist()
+        if self.copied is not None:
+            self.copied.synchronize()
+            token_list = self.host_tokens.tolist()
+        else:
+            token_list = self.tokens.tolist()
         if self.raw_logprobs is None:
             return SampleResult(token_list, None, None)
         chosen = self.raw_logprobs.gather(1, self.tokens.view(-1, 1)).squeeze(1).tolist()

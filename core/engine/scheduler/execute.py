@@ -108,7 +108,7 @@ class Executor:
         logits = self.runner.forward(decode_batch(reqs, new_slots))
         if defer and all(self.chainable(r) for r in reqs):
             try:
-                return PendingDecode(reqs, self.sampler.sample_on_device(logits, reqs, [None] * len(reqs)))
+                return self._pending(reqs, logits)
             except Exception:
                 pass  # sample_and_advance samples again and finds the request at fault
         self.sample_and_advance(reqs, logits)
@@ -128,12 +128,17 @@ class Executor:
             return self.run_decode(defer=True)
         logits = self.runner.forward(decode_batch(reqs, new_slots, future=pending.sample.tokens))
         try:
-            sample = self.sampler.sample_on_device(logits, reqs, [None] * len(reqs))
+            nxt = self._pending(reqs, logits)
         except Exception:
             self.resolve(pending)
             self.sample_and_advance(reqs, logits)  # skips the requests that the pending step finished
             return None
         self.resolve(pending)
+        return nxt
+
+    def _pending(self, reqs: list[Req], logits: torch.Tensor) -> PendingDecode:
+        sample = self.sampler.sample_on_device(logits, reqs, [None] * len(reqs))
+        sample.start_copy()
         return PendingDecode(reqs, sample)
 
     def resolve(self, pending: PendingDecode) -> None:
@@ -154,10 +159,12 @@ class Executor:
 
     def chainable(self, req: Req) -> bool:
         """Whether the request's next token can be sampled before its newest one is on the host: no
-        constraint mask, penalty, min_new_tokens ban or seeded draw reads its outputs, and the step
+        constraint mask, penalty, min_new_tokens ban or seeded draw reads its outputs, it wants no
+        logprobs (read from the device when applied, they would wait for the step after), and the step
         after next still fits its context."""
         p = req.params
         return (req.constraint is None and p.seed is None and len(req.output_ids) >= p.min_new_tokens
+                and not req.inp.return_logprob
                 and p.repetition_penalty == 1.0 and not p.frequency_penalty and not p.presence_penalty
                 and req.seq_len + 1 < self.context_len)
 
