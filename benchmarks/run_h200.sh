@@ -45,7 +45,7 @@ if [ -d .gpu_carry ]; then export RADIXLM_CACHE=$PWD/.gpu_carry; fi
 
 if [ "${RUN_GPU_CHECK:-1}" = 1 ]; then
 # shellcheck disable=SC2086  # GPU_CHECK_ARGS is a list of flags
-timeout "${GPU_CHECK_S:-270}" python3 benchmarks/gpu_check.py ${GPU_CHECK_ARGS:---sweep --tune} --out "$OUT/gpu_check.json" \
+timeout "${GPU_CHECK_S:-330}" python3 benchmarks/gpu_check.py ${GPU_CHECK_ARGS:---sweep --tune} --out "$OUT/gpu_check.json" \
   2>&1 | tee "$OUT/gpu_check.log"
 echo "gpu_check exit ${PIPESTATUS[0]}" | tee -a "$OUT/env.txt"
 fi
