@@ -6,8 +6,9 @@ what is timed is scheduling, table bookkeeping, sampling and finishing alone.
 Each repeat submits `batch` requests at once (distinct random prompts, greedy, ignore_eos) to a fresh
 Scheduler and runs its loop until every request is done; it reports the median over repeats of the
 time per generated token (wall, and the process's CPU time, which a busy machine disturbs less) and
-per step. The runner flushes the request-to-token table as the real one
-does, then returns zero logits (a small vocabulary, so that the sampler's argmax stays cheap).
+per step. With --overlap it also reports how much of each step's host time applies a pending step's
+results, the part that overlap scheduling runs while the device computes the next step. The runner
+flushes the request-to-token table as the real one does, then returns zero logits (a small vocabulary, so that the sampler's argmax stays cheap).
 Uses only the Scheduler's constructor, inbox, run_forever and stop, so the same script times any
 version of the scheduler.
 """
@@ -54,12 +55,22 @@ class NullRunner:
 
 
 def run_once(batch: int, prompt_len: int, new_tokens: int, seed: int,
-             overlap: bool = False) -> tuple[float, float, int]:
+             overlap: bool = False) -> tuple[float, float, int, float]:
+    """Wall and CPU seconds, steps, and the seconds spent applying pending steps' results (overlap: the
+    host work that runs while the device computes the next step)."""
     opts = EngineOptions.from_kwargs({"device": "cpu", "max_running_requests": batch,
                                       "enable_overlap_schedule": overlap})
     context = prompt_len + new_tokens + 1
     runner = NullRunner(batch * context, batch, context)
     sched = Scheduler(runner, opts, NullTokenizer(), [VOCAB - 1])
+    resolve, deferred = sched.executor.resolve, [0.0]
+
+    def timed_resolve(pending) -> None:
+        t = time.perf_counter()
+        resolve(pending)
+        deferred[0] += time.perf_counter() - t
+
+    sched.executor.resolve = timed_resolve
     rng = random.Random(seed)
     params = SamplingParams.from_dict({"temperature": 0, "max_new_tokens": new_tokens, "ignore_eos": True})
     for i in range(batch):
@@ -74,7 +85,7 @@ def run_once(batch: int, prompt_len: int, new_tokens: int, seed: int,
     elapsed, cpu = time.perf_counter() - start, time.process_time() - start_cpu
     sched.stop()
     thread.join()
-    return elapsed, cpu, runner.steps
+    return elapsed, cpu, runner.steps, deferred[0]
 
 
 def main() -> None:
@@ -91,9 +102,11 @@ def main() -> None:
     print(json.dumps({
         "batch": args.batch, "overlap": args.overlap, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
         "steps": runs[0][2],
-        "us_per_token": round(statistics.median(t for t, _, _ in runs) / tokens * 1e6, 2),
-        "cpu_us_per_token": round(statistics.median(c for _, c, _ in runs) / tokens * 1e6, 2),
-        "ms_per_step": round(statistics.median(t / s for t, _, s in runs) * 1e3, 3),
+        "us_per_token": round(statistics.median(t for t, _, _, _ in runs) / tokens * 1e6, 2),
+        "cpu_us_per_token": round(statistics.median(c for _, c, _, _ in runs) / tokens * 1e6, 2),
+        "ms_per_step": round(statistics.median(t / s for t, _, s, _ in runs) * 1e3, 3),
+        # overlap: of each step's host time, what runs under the device's next step
+        "deferred_ms_per_step": round(statistics.median(d / s for _, _, s, d in runs) * 1e3, 3),
     }))
 
 

@@ -22,7 +22,7 @@ from radixlm.core.engine.cuda_graph_runner import DecodeGraphRunner
 from radixlm.core.engine.model_runner import BatchInput, ModelRunner
 from radixlm.core.engine.options import EngineOptions
 from radixlm.core.models.config import ModelConfig
-from test_scheduler_units import EOS, oracle, prompts_with_shared_prefixes, run_scheduler
+from test_scheduler_units import EOS, load_bench_scheduler, oracle, prompts_with_shared_prefixes, run_scheduler
 
 # ---- the scheduler with a fake runner ---------------------------------------------------------------
 
@@ -71,6 +71,13 @@ def test_fake_runner_streams_and_aborts_with_overlap():
     assert finals[2].output_ids == oracle(prompts[2], 9)
     assert chained_steps(sched) > 0
     assert sched.flush_cache() and sched.get_stats()["kv_slots_free"] == 256
+
+
+def test_bench_scheduler_with_overlap_computes_one_dropped_step():
+    """benchmarks/bench_scheduler.py --overlap at a tiny size: one prefill step, one decode step per further
+    token, and one more whose tokens are dropped (launched before the last token's finish is known)."""
+    elapsed, cpu, steps, deferred = load_bench_scheduler().run_once(batch=3, prompt_len=5, new_tokens=4, seed=0, overlap=True)
+    assert steps == 5 and 0 < deferred < elapsed
 
 
 # ---- the model runner: a decode input from the device ---------------------------------------------------
