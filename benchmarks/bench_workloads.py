@@ -8,7 +8,8 @@ Systems, each running the very same programs, measured in this order (each on it
 that a time limit cuts the least important ones:
 - radixlm: everything on (radix cache, lpm scheduling, frontend prefix hints);
 - no_radix_cache: Engine(disable_radix_cache=True);
-- fcfs: Engine(schedule_policy="fcfs") instead of lpm;
+- fcfs: Engine(schedule_policy="fcfs") instead of the default (lpm);
+- dfs_weight: Engine(schedule_policy="dfs-weight") (only when --systems names it);
 - no_frontend_hints: the program model's fork and run_batch prefix pre-caching turned off
   (global_config.enable_fork_precache / enable_precache_with_tracing);
 - hf_transformers: HF `generate` through an engine-shaped driver (workloads/hf_driver.py) on the same
@@ -65,9 +66,10 @@ from workloads import WORKLOADS  # noqa: E402
 from workloads.estimate import DeviceCost, Profile, estimate_seconds, profile_workload  # noqa: E402
 from workloads.recorder import RecordingEngine, hit_rates  # noqa: E402
 
-SYSTEMS = ("radixlm", "no_radix_cache", "fcfs", "no_frontend_hints", "hf_transformers")  # also the run order
+SYSTEMS = ("radixlm", "no_radix_cache", "fcfs", "dfs_weight", "no_frontend_hints", "hf_transformers")  # run order
 ENGINE_OPTIONS = {"radixlm": {}, "no_radix_cache": {"disable_radix_cache": True}, "fcfs": {"schedule_policy": "fcfs"},
-                  "no_frontend_hints": {}}
+                  "dfs_weight": {"schedule_policy": "dfs-weight"}, "no_frontend_hints": {}}
+DEFAULT_SYSTEMS = tuple(s for s in SYSTEMS if s != "dfs_weight")  # dfs_weight runs when --systems names it
 PARTS = ("throughput", "latency")
 
 # The device model behind the time estimate, fitted to the H200 run of 2026-11-29 (docs/benchmarks.md:
@@ -311,7 +313,7 @@ def engine_stats(engine: Any) -> Any:
 
 
 def estimate_run(names: list[str], profiles: dict[str, Profile], counts: dict[str, int], hf_counts: dict[str, int],
-                 steps: list[tuple[str, tuple[str, ...]]], cost: DeviceCost) -> dict[str, Any]:
+                 steps: list[tuple[str, tuple[str, ...]]], cost: DeviceCost, repeats: int = 1) -> dict[str, Any]:
     """Seconds per measurement (a workload without a profile: cost.unprofiled_s each), per step, in all."""
     cells: dict[str, dict[str, dict[str, float]]] = {name: {} for name in names}
     per_step = []
@@ -320,11 +322,13 @@ def estimate_run(names: list[str], profiles: dict[str, Profile], counts: dict[st
             n = hf_counts[name] if system == "hf_transformers" else counts[name]
             guess = (estimate_seconds(profiles[name], n, system, cost) if name in profiles
                      else {part: cost.unprofiled_s for part in PARTS})
+            guess["throughput"] *= repeats  # --repeats throughput runs, each the estimate's
             cells[name].setdefault(system, {}).update({part: guess[part] for part in parts})
         per_step.append({"system": system, "parts": list(parts),
                          "seconds": sum(cells[n][system][part] for n in names for part in parts)})
     engines = [system for system, _ in steps if system in ENGINE_OPTIONS]
-    starts = cost.first_engine_start_s + cost.engine_start_s * (len(engines) - 1) if engines else 0.0
+    own = sum(1 for n in names if WORKLOADS[n].engine_options)  # each has an engine of its own per system
+    starts = (cost.first_engine_start_s + cost.engine_start_s * (len(engines) * (1 + own) - 1)) if engines else 0.0
     warm_up = sum(cells[n][engines[0]]["latency"] for n in names) if engines else 0.0  # a few instances each
     total = starts + warm_up + sum(step["seconds"] for step in per_step)
     return {"cells": cells, "steps": per_step, "engine_starts_s": starts, "warm_up_s": warm_up, "total_s": total}
@@ -336,7 +340,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for key in ("hf_max_batch", "hf_max_batch_tokens", "latency_repeats", "time_limit_s", "hf_latency"):
         if getattr(args, key) is None:
             setattr(args, key, preset[key])
-    systems = [s for s in SYSTEMS if s in (args.systems or SYSTEMS)]
+    systems = [s for s in SYSTEMS if s in (args.systems or DEFAULT_SYSTEMS)]
     names = list(args.workloads or WORKLOADS)
     unknown = [n for n in names if n not in WORKLOADS]
     if unknown:
@@ -383,7 +387,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if preset["cost"] is not None:
         cost = dataclasses.replace(preset["cost"], hf_max_batch=args.hf_max_batch,
                                    max_running=engine_options.get("max_running_requests", 512))
-        results["estimate"] = estimate_run(names, profiles, counts, hf_counts, steps, cost)
+        results["estimate"] = estimate_run(names, profiles, counts, hf_counts, steps, cost, args.repeats)
         log_estimate(results["estimate"], time.perf_counter() - START, args.time_limit_s, t0)
 
     hf_batches = {n: batches[n][: hf_counts[n]] for n in names}
@@ -407,27 +411,38 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             weights = None
             free_device_memory(device)
             continue
-        t0 = time.perf_counter()
-        engine = radixlm.Engine(model_dir, device=device.type, log_level="error", **engine_options, **extra,
-                                **ENGINE_OPTIONS[system])
-        results["engines"][system] = {"init_s": time.perf_counter() - t0, "options": ENGINE_OPTIONS[system],
-                                      "kv_pool_tokens": engine.kv_pool_size,
-                                      "max_running_requests": engine.options.max_running_requests,
-                                      "cuda_graph_max_bs": engine.options.cuda_graph_max_bs}
-        log(f"engine for {system} up in {time.perf_counter() - t0:.1f} s, KV pool {engine.kv_pool_size} tokens")
-        backend = RecordingEngine(engine)
-        forwards = ForwardCounter(engine)
-        if first_engine:
-            runner.warm_up(backend, batches)
-            first_engine = False
-        for name in names:
-            runner.measure(system, name, backend, batches[name], engine_stats(engine), forwards, parts)
-        if i + 1 < len(steps) and steps[i + 1][0] == "hf_transformers":
-            weights = release_weights(engine)
-        else:
-            engine.shutdown()
-        del engine, backend, forwards
-        free_device_memory(device)
+        # The workloads that ask for engine options of their own (a small KV pool) get an engine each,
+        # after the shared one.
+        groups = [([n for n in names if not WORKLOADS[n].engine_options.get(size)], {})]
+        groups += [([n], WORKLOADS[n].engine_options[size]) for n in names if WORKLOADS[n].engine_options.get(size)]
+        groups = [(group, own) for group, own in groups if group]
+        for j, (group, own) in enumerate(groups):
+            if runner.past_deadline():
+                runner.skip(system, group, parts)
+                continue
+            t0 = time.perf_counter()
+            engine = radixlm.Engine(model_dir, device=device.type, log_level="error",
+                                    **{**engine_options, **own}, **extra, **ENGINE_OPTIONS[system])
+            key = system if not own else f"{system}/{group[0]}"
+            results["engines"][key] = {"init_s": time.perf_counter() - t0, "options": {**ENGINE_OPTIONS[system], **own},
+                                       "kv_pool_tokens": engine.kv_pool_size,
+                                       "max_running_requests": engine.options.max_running_requests,
+                                       "cuda_graph_max_bs": engine.options.cuda_graph_max_bs}
+            log(f"engine for {key} up in {time.perf_counter() - t0:.1f} s, KV pool {engine.kv_pool_size} tokens")
+            backend = RecordingEngine(engine)
+            forwards = ForwardCounter(engine)
+            if first_engine:
+                runner.warm_up(backend, {n: batches[n] for n in group})
+                first_engine = False
+            for name in group:
+                runner.measure(system, name, backend, batches[name], engine_stats(engine), forwards, parts)
+            last = j + 1 == len(groups)
+            if last and i + 1 < len(steps) and steps[i + 1][0] == "hf_transformers":
+                weights = release_weights(engine)
+            else:
+                engine.shutdown()
+            del engine, backend, forwards
+            free_device_memory(device)
     results["total_s"] = time.perf_counter() - START
     runner.save()
     return results
@@ -439,7 +454,7 @@ def plan(systems: list[str], hf_latency: bool) -> list[tuple[str, tuple[str, ...
     then the fcfs and no-hints ablations, then HF's latency runs (one instance alone: HF's generate
     loop, ~90 ms a step on the 8B shape, makes them the slowest measurements and the least telling)."""
     order = [("radixlm", PARTS), ("no_radix_cache", PARTS), ("hf_transformers", ("throughput",)), ("fcfs", PARTS),
-             ("no_frontend_hints", PARTS)]
+             ("dfs_weight", PARTS), ("no_frontend_hints", PARTS)]
     if hf_latency:
         order.append(("hf_transformers", ("latency",)))
     return [(system, parts) for system, parts in order if system in systems]
@@ -542,7 +557,8 @@ def summarize(results: dict[str, Any]) -> None:
         results["bookkeeping"] = {"control_seconds": seconds, "radix_cache_time_s": spent, "fraction": spent / seconds}
 
 
-SHORT = {"radixlm": "radixlm", "no_radix_cache": "no cache", "fcfs": "fcfs", "no_frontend_hints": "no hints",
+SHORT = {"radixlm": "radixlm", "no_radix_cache": "no cache", "fcfs": "fcfs", "dfs_weight": "dfs-weight",
+         "no_frontend_hints": "no hints",
          "hf_transformers": "HF"}
 
 
@@ -578,6 +594,19 @@ def markdown(results: dict[str, Any]) -> str:
                 cells.append(f"{flight['peak']} / {flight['mean']:.0f}" if flight else "-")
                 cells.append(f"{fwd['peak_decode_batch']} / {fwd['mean_decode_batch']:.0f}" if fwd else "-")
             lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    policies = [s for s in ("radixlm", "fcfs", "dfs_weight") if s in systems]
+    if len(policies) > 1:
+        lines += ["", "**Scheduling policies** (radixlm runs the default, lpm): programs/s, and the radix cache's hit "
+                      "rate as the engine counted it against the optimal for the same requests:", "",
+                  "| workload | " + " | ".join(f"{SHORT[s]}" for s in policies) + " | radixlm / fcfs | "
+                  + " | ".join(f"{SHORT[s]} hit" for s in policies) + " | optimal |",
+                  "|---|" + "---|" * (2 * len(policies) + 2)]
+        for name, w in results["workloads"].items():
+            cells = [_cell(w["systems"].get(s, {}).get("throughput"), "programs_per_s") for s in policies]
+            hits = [_pct(_get(w["systems"].get(s, {}), "cache", "hit_rate")) for s in policies]
+            optimal = _get(w["systems"].get("radixlm", {}), "cache", "optimal_hit_rate")
+            lines.append(f"| {name} | " + " | ".join(cells) + f" | {_x(w['speedup'].get('vs_fcfs'))} | "
+                         + " | ".join(hits) + f" | {_pct(optimal)} |")
     lines += ["", "**Latency** (seconds, one instance alone, cache flushed first; median):", "",
               "| workload | " + " | ".join(SHORT[s] for s in systems) + " |", "|---|" + "---|" * len(systems)]
     for name, w in results["workloads"].items():
@@ -655,7 +684,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", choices=sorted(PRESETS), default="tiny")
     p.add_argument("--size", choices=("tiny", "gpu"), help="workload size preset (default: the model's)")
     p.add_argument("--workloads", nargs="+", help=f"default: all of {list(WORKLOADS)}")
-    p.add_argument("--systems", nargs="+", choices=SYSTEMS, help="default: all")
+    p.add_argument("--systems", nargs="+", choices=SYSTEMS, help="default: all but dfs_weight")
     p.add_argument("--instances", nargs="+", metavar="NAME=N", help="instances of a workload (default: its preset's)")
     p.add_argument("--hf-instances", nargs="+", metavar="NAME=N",
                    help="instances the HF peer runs, the first of the workload's (default: the preset's)")

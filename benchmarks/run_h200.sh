@@ -10,6 +10,11 @@
 #                                   # the fourth run: constrained e2e on the 8B shape + the paper workloads
 #   RUN_GPU_CHECK=0 RUN_ENGINE_BENCH=0 RUN_CONSTRAINED=0 RUN_WORKLOADS=1 bash benchmarks/run_h200.sh
 #                                   # the paper workloads alone, under 8 minutes (carry .whl for dspy_rag)
+#   RUN_GPU_CHECK=0 RUN_ENGINE_BENCH=0 RUN_CONSTRAINED=0 RUN_SCHEDULER=1 RUN_WORKLOADS=1 \
+#     WORKLOADS_ARGS="--workloads hellaswag llm_judge mmlu generative_agents skeleton_of_thought prefix_pressure \
+#     --systems radixlm fcfs dfs_weight --repeats 3" bash benchmarks/run_h200.sh
+#                                   # issue 22: the policies on the paper workloads and the order-sensitive
+#                                   # one (~5 minutes), after the scheduler's host time per step at 256+ waiting
 #   RUN_GPU_CHECK=0 RUN_ENGINE_BENCH=0 RUN_CONSTRAINED=0 RUN_HICACHE=1 bash benchmarks/run_h200.sh
 #                                   # the host tier of the radix cache, off vs on (bench_hicache.py)
 #   RUN_GPU_CHECK=0 RUN_ENGINE_BENCH=0 RUN_CONSTRAINED=0 RUN_FUSION_ABLATION=1 bash benchmarks/run_h200.sh
@@ -87,6 +92,14 @@ if [ "${RUN_CONSTRAINED:-1}" = 1 ] && [ -f benchmarks/bench_constrained.py ]; th
   timeout "${CONSTRAINED_S:-75}" python3 benchmarks/bench_constrained.py --repeats 3 --e2e \
     ${CONSTRAINED_ARGS:---batch 1 16 --max-new-tokens 128} 2>&1 | tee "$OUT/bench_constrained.log"
   echo "bench_constrained exit ${PIPESTATUS[0]}" | tee -a "$OUT/env.txt"
+fi
+if [ "${RUN_SCHEDULER:-0}" = 1 ]; then
+  # The scheduler's host time per step with a null model runner, 1024 requests of which 64 run at once
+  # (960 down to 0 waiting), 16 shared prefixes: each policy's cost of ordering a long queue.
+  for policy in lpm fcfs dfs-weight; do
+    timeout "${SCHEDULER_S:-60}" python3 benchmarks/bench_scheduler.py --batch 1024 --max-running 64 \
+      --shared-prefixes 16 --prompt-len 1024 --new-tokens 8 --repeats 3 --policy "$policy"
+  done 2>&1 | tee "$OUT/bench_scheduler.log"
 fi
 if [ "${RUN_WORKLOADS:-0}" = 1 ]; then
   # The preset stops starting measurements 455 s after the script starts (WORKLOADS_LIMIT_S overrides)

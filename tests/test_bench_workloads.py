@@ -42,7 +42,7 @@ def test_every_workload_runs_on_every_system(results):
     assert results["systems"] == SYSTEMS
     assert {"date", "command", "machine", "settings", "engines", "total_s"} <= set(results)
     expected = {"mmlu", "hellaswag", "react", "generative_agents", "tree_of_thought", "skeleton_of_thought",
-                "llm_judge", "json_decoding", "chat_short", "chat_long", "dspy_rag", "control"}
+                "llm_judge", "json_decoding", "chat_short", "chat_long", "dspy_rag", "control", "prefix_pressure"}
     assert set(results["workloads"]) == expected and not results["skipped_workloads"]
     for name, w in results["workloads"].items():
         assert set(w["systems"]) == set(SYSTEMS), name
@@ -107,7 +107,9 @@ def test_profile_sees_the_requests_the_engine_saw(results):
             assert name not in results["profiles"]
             continue
         p, t = results["profiles"][name], w["systems"]["radixlm"]["throughput"]
-        assert abs(p["requests"] * t["instances"] - t["requests"]) <= 1, (name, p, t["requests"])
+        # The profile's per-instance count holds 1/k of the hint (k = min(8, n) instances profiled).
+        hint = max(1.0, t["instances"] / min(8, t["instances"]))
+        assert abs(p["requests"] * t["instances"] - t["requests"]) <= hint, (name, p, t["requests"])
         assert p["in_flight"] >= 1, (name, p)
     assert results["profiles"]["hellaswag"]["in_flight"] == 4  # select scores its 4 endings in one call
 

@@ -76,7 +76,7 @@ def test_fake_runner_streams_and_aborts_with_overlap():
 def test_bench_scheduler_with_overlap_computes_one_dropped_step():
     """benchmarks/bench_scheduler.py --overlap at a tiny size: one prefill step, one decode step per further
     token, and one more whose tokens are dropped (launched before the last token's finish is known)."""
-    elapsed, cpu, steps, deferred = load_bench_scheduler().run_once(batch=3, prompt_len=5, new_tokens=4, seed=0, overlap=True)
+    elapsed, cpu, steps, _, deferred = load_bench_scheduler().run_once(batch=3, prompt_len=5, new_tokens=4, seed=0, overlap=True)
     assert steps == 5 and 0 < deferred < elapsed
 
 

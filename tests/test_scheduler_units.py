@@ -10,6 +10,7 @@ the same function run over plain lists (the oracle).
 from __future__ import annotations
 
 import importlib.util
+import random
 import threading
 from pathlib import Path
 from types import SimpleNamespace
@@ -29,7 +30,7 @@ from radixlm.core.engine.scheduler.batch import extend_batch
 from radixlm.core.engine.scheduler.constraints import JUMP_GATHER_RATIO, JUMP_GATHER_STEPS, JumpGather, jump_forward
 from radixlm.core.engine.scheduler.finish import Finish, check_finish
 from radixlm.core.engine.scheduler.memory import KVMemory
-from radixlm.core.engine.scheduler.policy import CACHE_AWARE_QUEUE_LIMIT, SchedulePolicy
+from radixlm.core.engine.scheduler.policy import SchedulePolicy
 from radixlm.core.engine.scheduler.prefill import IN_BATCH_SHARED_PREFIX, PrefillPlanner
 from radixlm.core.engine.scheduler.queues import RequestQueues
 from radixlm.core.engine.stats import EngineStats
@@ -139,9 +140,50 @@ def test_lpm_takes_the_longest_cached_prefix_first():
     cache(memory, [7, 8])
     reqs = [make_req([9, 9, 9], 0), make_req([7, 8, 9], 1), make_req([1, 2, 3, 4, 9], 2), make_req([1, 2, 9], 3)]
     assert rids(SchedulePolicy("lpm", 100, memory.tree, 0).order(reqs)) == ["r2", "r1", "r3", "r0"]
-    # Past the queue limit, matching every request costs more than it saves: arrival order.
-    many = [make_req([9], i) for i in range(CACHE_AWARE_QUEUE_LIMIT)] + [make_req([1, 2, 3, 4, 9], 999)]
-    assert SchedulePolicy("lpm", 100, memory.tree, 0).order(many)[0].arrival == 0
+
+
+def lcp(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def test_lpm_at_a_long_queue_follows_the_tree_as_it_grows_and_shrinks():
+    """Hundreds waiting (no fallback to fcfs): the order is the oracle's (longest common prefix with
+    any cached sequence, by plain lists), step after step, while the tree gains sequences, is evicted
+    and reset; ordering reads the tree without changing it (no split, no LRU refresh)."""
+    rng = random.Random(0)
+    memory = make_memory(num_slots=4096)
+    heads = [[rng.randrange(V) for _ in range(24)] for _ in range(6)]
+    reqs = [make_req(heads[i % 6][: rng.randrange(4, 24)] + [rng.randrange(V) for _ in range(6)], i)
+            for i in range(300)]
+    policy = SchedulePolicy("lpm", 1000, memory.tree, 0)
+    cached: list[list[int]] = []
+
+    def check() -> None:
+        def key(r: Req) -> tuple[int, int]:
+            return (-max((lcp(r.inp.input_ids, c) for c in cached), default=0), r.arrival)
+
+        before = [(n.key, n.last_access) for n in memory.tree._nodes()]
+        assert rids(policy.order(reqs)) == rids(sorted(reqs, key=key))
+        assert [(n.key, n.last_access) for n in memory.tree._nodes()] == before
+
+    check()
+    for head in heads[:3]:  # a prefix of a sequence first, then the whole: the walk goes on from its node
+        for part in (head[:10], head):
+            cache(memory, part)
+            cached.append(part)
+            check()
+    memory.tree.evict(memory.tree.evictable_size())  # everything detached: matches start again at the root
+    cached.clear()
+    check()
+    cache(memory, heads[4])
+    cached.append(heads[4])
+    check()
+    memory.tree.reset()
+    cached.clear()
+    check()
 
 
 def test_dfs_weight_runs_the_heavier_subtree_first_and_keeps_it_together():
@@ -152,9 +194,22 @@ def test_dfs_weight_runs_the_heavier_subtree_first_and_keeps_it_together():
     heavy = [make_req([2, 2, 2, 2, 5], 1), make_req([2, 2, 2, 2, 6], 3)]
     fresh = make_req([3, 3], 2)
     order = SchedulePolicy("dfs-weight", 100, memory.tree, 0).order([light, heavy[0], fresh, heavy[1]])
-    # The root's own requests (nothing cached) as it is visited, then the subtree with two waiting
-    # requests, back to back, then the lighter one.
-    assert rids(order) == ["r2", "r1", "r3", "r0"]
+    # The subtree with two waiting requests, back to back, then the lighter one, and the root's own
+    # requests (nothing cached) last.
+    assert rids(order) == ["r1", "r3", "r0", "r2"]
+
+
+def test_dfs_weight_groups_matches_that_end_inside_one_edge():
+    """A cached sequence is one edge until something splits it: requests whose matches end inside it
+    still share its subtree (ordering reads the tree and splits nothing)."""
+    memory = make_memory()
+    cache(memory, [1] * 6)
+    cache(memory, [2] * 6)
+    reqs = [make_req([1, 1, 1, 5], 0), make_req([2, 2, 2, 2, 5], 1), make_req([3], 2), make_req([2, 2, 2, 6], 3),
+            make_req([1, 1, 1, 1, 7], 4), make_req([2, 2, 9], 5)]
+    order = SchedulePolicy("dfs-weight", 100, memory.tree, 0).order(reqs)
+    assert rids(order) == ["r1", "r3", "r5", "r0", "r4", "r2"]
+    assert [n.key for n in memory.tree.root.children.values()] == [[1] * 6, [2] * 6]
 
 
 def test_fairness_bound_puts_overdue_requests_first_oldest_first():
@@ -210,7 +265,7 @@ def test_token_budget_chunks_a_long_prompt_and_continues_it():
     plan = planner.plan([a, b, c], [], None)
     assert [(e.req.rid, e.start, e.length, e.finishes_prompt) for e in plan.extends] == [("r0", 0, 5, True),
                                                                                        ("r1", 0, 3, False)]
-    assert plan.taken == [a, b] and plan.chunked is b and plan.passed_over == [c]
+    assert plan.taken == [a, b] and plan.chunked is b and plan.passed_over == []  # c waits behind, not overtaken
     plan = planner.plan([c], [a], b)  # the chunk goes on first; c waits while a chunk is unfinished
     assert [(e.req.rid, e.start, e.length) for e in plan.extends] == [("r1", 3, 8)]
     assert plan.chunked is b and plan.taken == [] and plan.passed_over == []
@@ -225,7 +280,8 @@ def test_running_limit_and_memory_bound_the_plan():
     planner = make_planner(memory, max_running=2, policy="fcfs")
     reqs = [make_req([1, 2, 3], i) for i in range(3)]
     plan = planner.plan(reqs, [make_req([7], 9)], None)  # one running: room for one more
-    assert plan.taken == reqs[:1] and plan.passed_over == reqs[1:]
+    # Waiting behind an earlier arrival is not being passed over (only a later arrival's overtaking counts).
+    assert plan.taken == reqs[:1] and plan.passed_over == []
     big, small = make_req(list(range(20)), 3), make_req([4, 4], 4)
     plan = make_planner(memory, policy="fcfs").plan([big, small], [], None)
     assert plan.extends == [] and plan.taken == []  # big does not fit, and small may not overtake it
@@ -259,7 +315,7 @@ def test_a_request_sharing_the_chunked_prompt_waits_for_its_last_chunk():
     memory.cache_prefix(long)
     plan = planner.plan([other], [], long)  # long's last 34 tokens, and 14 tokens of budget left
     assert [(e.req.rid, e.start, e.length) for e in plan.extends] == [("r0", 48, 34)]
-    assert plan.passed_over == [other] and plan.chunked is None
+    assert plan.passed_over == [] and plan.chunked is None
     memory.cache_prefix(long)
     plan = planner.plan([other], [long], None)
     assert [(e.req.rid, e.start, e.length) for e in plan.extends] == [("r1", 80, 2)]  # all of the prefix reused
@@ -538,5 +594,11 @@ def load_bench_scheduler():
 def test_bench_scheduler_runs_one_step_per_token():
     """benchmarks/bench_scheduler.py (the scheduler's host cost) at a tiny size: one prefill step, then
     one decode step per further token."""
-    elapsed, cpu, steps, deferred = load_bench_scheduler().run_once(batch=3, prompt_len=5, new_tokens=4, seed=0)
-    assert steps == 4 and elapsed > 0 and cpu > 0 and deferred == 0
+    bench = load_bench_scheduler()
+    elapsed, cpu, steps, busy, deferred = bench.run_once(batch=3, prompt_len=5, new_tokens=4, seed=0)
+    assert steps == 4 and elapsed > 0 and cpu > 0 and busy == [] and deferred == 0
+    # 300 one-token requests, 8 at a time: one step each 8; those leaving 256+ waiting are timed (all
+    # but the first, which has no step before it).
+    _, _, steps, busy, _ = bench.run_once(batch=300, prompt_len=8, new_tokens=1, seed=0, max_running=8,
+                                          shared_prefixes=4)
+    assert steps == 38 and len(busy) == (300 - 256) // 8 - 1

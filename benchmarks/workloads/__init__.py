@@ -15,9 +15,10 @@ from .control import CONTROL
 from .dspy_rag import DSPY_RAG
 from .few_shot import HELLASWAG, MMLU
 from .json_decoding import JSON_DECODING
+from .prefix_pressure import PREFIX_PRESSURE
 
 WORKLOADS: dict[str, Workload] = {w.name: w for w in (
     MMLU, HELLASWAG, REACT, GENERATIVE_AGENTS, TREE_OF_THOUGHT, SKELETON_OF_THOUGHT, LLM_JUDGE,
-    JSON_DECODING, CHAT_SHORT, CHAT_LONG, DSPY_RAG, CONTROL)}
+    JSON_DECODING, CHAT_SHORT, CHAT_LONG, DSPY_RAG, CONTROL, PREFIX_PRESSURE)}
 
 __all__ = ["WORKLOADS", "Workload"]

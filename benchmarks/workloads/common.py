@@ -54,7 +54,9 @@ class Workload:
     the program model accepts as a backend: a radixlm.Engine or an engine-shaped peer.
 
     `instances` sizes the radixlm systems' throughput runs; `hf_instances` the HF peer's, which runs
-    the first that many of the same instances (a preset missing there: all of them)."""
+    the first that many of the same instances (a preset missing there: all of them). `engine_options`
+    (size preset -> Engine options) gives the workload an engine of its own with those options (the
+    order-sensitive workload's small KV pool)."""
 
     name: str
     description: str
@@ -66,12 +68,13 @@ class Workload:
     run_batch: Callable[[Any, list[dict[str, Any]]], list[Any]]
     prefix_heavy: bool = True
     requires: list[str] = field(default_factory=list)  # Python packages it needs beyond radixlm's
+    engine_options: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
 def program_workload(name: str, description: str, program: Any, sizes: dict[str, dict[str, Any]],
                      instances: dict[str, int], hf_instances: dict[str, int],
                      make_args: Callable[[int, dict[str, Any], random.Random], list[dict[str, Any]]],
-                     prefix_heavy: bool = True) -> Workload:
+                     prefix_heavy: bool = True, engine_options: dict[str, dict[str, Any]] | None = None) -> Workload:
     """A workload that is one @sgl.function, run with run / run_batch."""
 
     def run_one(backend: Any, args: dict[str, Any]) -> Any:
@@ -86,7 +89,8 @@ def program_workload(name: str, description: str, program: Any, sizes: dict[str,
             _raise_error(state)
         return states
 
-    return Workload(name, description, sizes, instances, hf_instances, make_args, run_one, run_batch, prefix_heavy)
+    return Workload(name, description, sizes, instances, hf_instances, make_args, run_one, run_batch, prefix_heavy,
+                    engine_options=engine_options or {})
 
 
 def _raise_error(state: Any) -> None:

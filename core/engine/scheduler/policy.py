@@ -4,6 +4,15 @@ Policies: `lpm` (longest cached prefix first, the paper's cache-aware order), `d
 paper's depth-first order over the radix tree, weighting subtrees by their waiting requests), `fcfs`,
 `lof` (longest output first) and `random`. On top of any policy a fairness bound: a request passed
 over `fairness_bound` times goes ahead of everything else, oldest first, so none waits forever.
+
+The cache-aware orders need each waiting request's cached prefix every step. `PrefixMemo` keeps
+where each request's prompt last matched (a tree node and its depth) and only walks on from there:
+a node stays valid while it is in the tree (a split keeps the lower part's object, and eviction
+detaches it), so a step costs O(tree depth) per waiting request rather than O(prompt), and reading
+the tree leaves it untouched (no LRU refresh, no split), unlike match_prefix. So the cache-aware
+orders hold at any queue length, where they matter most (SGLang falls back to fcfs past 128
+waiting; so did this scheduler, which turned lpm off exactly under the pressure it is for). A prefix
+held in the host tier (hicache) counts as cached: loading it back costs less than computing it.
 """
 
 from __future__ import annotations
@@ -11,13 +20,68 @@ from __future__ import annotations
 import random
 from typing import TYPE_CHECKING, Any
 
+from radixlm.core.engine.radix_cache import shared_len
+
 if TYPE_CHECKING:  # only annotations: options.py imports POLICIES without loading torch
     from radixlm.core.engine.request import Req
 
 POLICIES = ("lpm", "dfs-weight", "fcfs", "lof", "random")
-# Matching every waiting request against the tree each step costs O(queue x prompt); past this queue
-# length cache-aware policies fall back to fcfs, as SGLang does.
-CACHE_AWARE_QUEUE_LIMIT = 128
+
+
+class PrefixMemo:
+    """Each waiting request's cached prefix length, walked on incrementally from the last match."""
+
+    def __init__(self, tree_cache: Any) -> None:
+        self.tree = tree_cache
+        # id(req) -> (req, deepest fully matched node, its depth, match length, end node, the end edge's
+        # length); the request itself is kept so that an id reused by a later request cannot pick up
+        # another prompt's match
+        self._at: dict[int, tuple[Any, Any, int, int, Any, int]] = {}
+
+    def lengths(self, reqs: list[Req]) -> dict[int, tuple[int, Any]]:
+        """id(req) -> (cached prefix length, the node whose subtree holds the match's end: the edge it
+        ends inside, else the last node it covers), for every request; forgets requests no longer asked
+        about."""
+        out, at = {}, {}
+        root = self.tree.root
+        for r in reqs:
+            ids, node, depth = r.inp.input_ids, root, 0
+            memo = self._at.get(id(r))
+            if r.output_ids:  # retracted or jump-forward requests: their outputs may change, matched whole
+                ids = r.fill_ids
+            elif memo is not None and memo[0] is r and self._attached(memo[1]):
+                _, node, depth, length, end, end_len = memo  # the prompt never changes: go on from there
+                if end is not node and node.children.get(ids[depth]) is end and len(end.key) == end_len:
+                    # It ended inside an edge that is still there, unsplit: the same tokens, the same match.
+                    at[id(r)], out[id(r)] = memo, (length, end)
+                    continue
+            node, depth, length, end = self._walk(ids, node, depth)
+            at[id(r)] = (r, node, depth, length, end, len(end.key))
+            out[id(r)] = (length, end)
+        self._at = at
+        return out
+
+    def _attached(self, node: Any) -> bool:
+        """Still in the tree: neither evicted nor under a root that reset() dropped."""
+        while node.parent is not None:
+            if node.parent.children.get(node.key[0]) is not node:
+                return False  # evicted
+            node = node.parent
+        return node is self.tree.root
+
+    @staticmethod
+    def _walk(ids: list[int], node: Any, pos: int) -> tuple[Any, int, int, Any]:
+        """From `node` at depth `pos`: (the last node wholly matched, its depth, the match's length,
+        the node whose edge the match ends inside or the last node)."""
+        while pos < len(ids):
+            child = node.children.get(ids[pos])
+            if child is None:
+                break
+            shared = shared_len(child.key, ids, pos)
+            if shared < len(child.key):
+                return node, pos, pos + shared, child  # ends inside that edge
+            node, pos = child, pos + shared
+        return node, pos, pos, node
 
 
 class SchedulePolicy:
@@ -28,6 +92,7 @@ class SchedulePolicy:
         self.fairness_bound = fairness_bound
         self.tree_cache = tree_cache
         self.rng = random.Random(seed)
+        self.memo = PrefixMemo(tree_cache)
 
     def order(self, waiting: list[Req]) -> list[Req]:
         overdue = sorted((r for r in waiting if r.passed_over >= self.fairness_bound), key=lambda r: r.arrival)
@@ -36,8 +101,7 @@ class SchedulePolicy:
 
     def _order(self, reqs: list[Req]) -> list[Req]:
         policy = self.policy
-        cache_aware = policy in ("lpm", "dfs-weight")
-        if cache_aware and (self.tree_cache.disable or len(reqs) > CACHE_AWARE_QUEUE_LIMIT):
+        if policy in ("lpm", "dfs-weight") and self.tree_cache.disable:
             policy = "fcfs"
         if policy == "fcfs":
             return sorted(reqs, key=lambda r: r.arrival)
@@ -47,28 +111,35 @@ class SchedulePolicy:
             shuffled = list(reqs)
             self.rng.shuffle(shuffled)
             return shuffled
-        matches = {id(r): self.tree_cache.match_prefix(r.fill_ids) for r in reqs}
+        matches = self.memo.lengths(reqs)
         if policy == "lpm":
-            return sorted(reqs, key=lambda r: (-len(matches[id(r)][0]), r.arrival))
+            return sorted(reqs, key=lambda r: (-matches[id(r)][0], r.arrival))
         return self._dfs_weight(reqs, {id(r): matches[id(r)][1] for r in reqs})
 
     def _dfs_weight(self, reqs: list[Req], last_nodes: dict[int, Any]) -> list[Req]:
         """Visits the tree depth first, heavier subtrees (more waiting requests under them) first, and
-        emits each node's requests when reached: requests sharing a subtree run back to back."""
+        emits each node's requests after its subtrees: requests sharing a subtree run back to back,
+        deeper matches first, and requests with nothing cached (the root's) come last."""
         at_node: dict[int, list[Req]] = {}
         weight: dict[int, int] = {}
+        kids: dict[int, list[Any]] = {}  # only the children with waiting requests below: O(queue x depth)
         for r in sorted(reqs, key=lambda r: r.arrival):
             node = last_nodes[id(r)]
             at_node.setdefault(id(node), []).append(r)
             while node is not None:
+                if id(node) not in weight and node.parent is not None:
+                    kids.setdefault(id(node.parent), []).append(node)
                 weight[id(node)] = weight.get(id(node), 0) + 1
                 node = node.parent
         ordered: list[Req] = []
-        stack = [self.tree_cache.root]
+        stack: list[tuple[Any, bool]] = [(self.tree_cache.root, False)]
         while stack:
-            node = stack.pop()
-            ordered.extend(at_node.get(id(node), []))
-            children = [c for c in node.children.values() if weight.get(id(c), 0) > 0]
-            children.sort(key=lambda c: weight[id(c)])  # heaviest popped first
-            stack.extend(children)
+            node, visited = stack.pop()
+            if visited:
+                ordered.extend(at_node.get(id(node), []))
+                continue
+            stack.append((node, True))  # its own requests once its subtrees are done
+            # Heaviest popped first; among equals, the subtree whose first request arrived first.
+            children = sorted(reversed(kids.get(id(node), [])), key=lambda c: weight[id(c)])
+            stack.extend((c, False) for c in children)
         return ordered

@@ -35,7 +35,7 @@ class Extend:
 class PrefillPlan:
     extends: list[Extend] = field(default_factory=list)
     taken: list[Req] = field(default_factory=list)  # waiting requests planned: they leave the queue
-    passed_over: list[Req] = field(default_factory=list)  # waiting requests eligible but not taken
+    passed_over: list[Req] = field(default_factory=list)  # waiting requests a later arrival overtook
     chunked: Req | None = None  # the request whose prompt goes on in a later step
 
 
@@ -89,9 +89,12 @@ class PrefillPlanner:
             if not ext.finishes_prompt:
                 plan.chunked = req
                 break
-        if plan.extends:
-            taken = {id(r) for r in plan.taken}
-            plan.passed_over = [r for r in waiting if id(r) not in taken]
+        if plan.taken:
+            # Passed over: overtaken by a later arrival. Waiting behind earlier ones (as fcfs would make
+            # it) does not count, or under memory pressure every request would soon be overdue and
+            # the fairness bound would turn the cache-aware order into arrival order.
+            taken, latest = {id(r) for r in plan.taken}, max(r.arrival for r in plan.taken)
+            plan.passed_over = [r for r in waiting if id(r) not in taken and r.arrival < latest]
         return plan
 
     def ride_along(self, running: list[Req]) -> list[Extend]:
