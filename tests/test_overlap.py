@@ -80,6 +80,11 @@ def test_bench_scheduler_with_overlap_computes_one_dropped_step():
     assert steps == 5 and 0 < deferred < elapsed
 
 
+def test_overlap_with_tensor_parallelism_is_refused():
+    with pytest.raises(radixlm.core.errors.InvalidRequestError, match="enable_overlap_schedule with tp_size"):
+        EngineOptions.from_kwargs({"enable_overlap_schedule": True, "tp_size": 2})
+
+
 # ---- the model runner: a decode input from the device ---------------------------------------------------
 
 

@@ -162,6 +162,10 @@ class EngineOptions:
             raise InvalidRequestError("chunked_prefill_size must be positive or -1", "chunked_prefill_size")
         if self.hicache_size_gb < 0:
             raise InvalidRequestError("hicache_size_gb must be >= 0 (0: no host tier)", "hicache_size_gb")
+        if self.enable_overlap_schedule and self.tp_size > 1:
+            # The other ranks replay the batch from its pickle: a device tensor of tokens cannot go along.
+            raise InvalidRequestError("enable_overlap_schedule with tp_size > 1 is not supported yet",
+                                      "enable_overlap_schedule")
         if self.hicache_size_gb > 0 and self.tp_size > 1:
             raise InvalidRequestError("hicache_size_gb with tp_size > 1 is not supported yet", "hicache_size_gb")
         if self.hicache_size_gb > 0 and self.disable_radix_cache:
