@@ -480,12 +480,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     t0 = time.perf_counter()
     engine = radixlm.Engine(model_dir, device=device.type, chunked_prefill_size=w["chunked_prefill_size"],
                             mem_fraction_static=args.mem_fraction_static, log_level="warning",
-                            disable_cuda_graph=args.disable_cuda_graph, **extra)
+                            disable_cuda_graph=args.disable_cuda_graph,
+                            enable_overlap_schedule=args.overlap, **extra)
     runner = engine._runner
     cfg = engine.model_config
     results["engine"] = {
         "init_s": time.perf_counter() - t0, "kv_pool_tokens": engine.kv_pool_size, "dtype": engine.options.dtype,
-        "cuda_graphs": runner.graph_runner is not None,
+        "cuda_graphs": runner.graph_runner is not None, "overlap_schedule": args.overlap,
         "cuda_graph_sizes": runner.graph_runner.sizes if runner.graph_runner else [],
         "chunked_prefill_size": w["chunked_prefill_size"], "mem_fraction_static": args.mem_fraction_static,
     }
@@ -620,6 +621,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--mem-fraction-static", type=float, default=0.9)
     p.add_argument("--disable-cuda-graph", action="store_true")
+    p.add_argument("--overlap", action="store_true", help="radixlm with enable_overlap_schedule (issue 19)")
     p.add_argument("--cpu", action="store_true", help="run on the CPU even when a GPU is present")
     args = p.parse_args(argv)
     results = run(args)

@@ -8,8 +8,10 @@ what is timed is scheduling, table bookkeeping, sampling and finishing alone.
 Each repeat submits `batch` requests at once (distinct random prompts, greedy, ignore_eos) to a fresh
 Scheduler and runs its loop until every request is done; it reports the median over repeats of the
 time per generated token (wall, and the process's CPU time, which a busy machine disturbs less) and
-per step. The runner flushes the request-to-token table as the real one
-does, then returns zero logits (a small vocabulary, so that the sampler's argmax stays cheap).
+per step. The runner flushes the request-to-token table as the real one does, then returns zero logits
+(a small vocabulary, so that the sampler's argmax stays cheap). With --overlap (enable_overlap_schedule)
+it also reports how much of each step's host time applies a pending step's results after the next
+step's launch.
 Uses only the Scheduler's constructor, inbox, run_forever and stop, so the same script times any
 version of the scheduler.
 
@@ -68,14 +70,25 @@ class NullRunner:
 
 
 def run_once(batch: int, prompt_len: int, new_tokens: int, seed: int, max_running: int | None = None,
-             policy: str = "lpm", shared_prefixes: int = 0) -> tuple[float, float, int, list[float]]:
+             policy: str = "lpm", shared_prefixes: int = 0,
+             overlap: bool = False) -> tuple[float, float, int, list[float], float]:
+    """Wall and CPU seconds, steps, the timed steps leaving 256+ waiting, and the seconds spent applying
+    pending steps' results (overlap)."""
     max_running = max_running or batch
     opts = EngineOptions.from_kwargs({"device": "cpu", "max_running_requests": max_running,
-                                      "schedule_policy": policy})
+                                      "schedule_policy": policy, "enable_overlap_schedule": overlap})
     context = prompt_len + new_tokens + 1
     runner = NullRunner(batch * context, max_running, context)
     sched = Scheduler(runner, opts, NullTokenizer(), [VOCAB - 1])
     runner.waiting = lambda: len(sched.queues.waiting)
+    resolve, deferred = sched.executor.resolve, [0.0]
+
+    def timed_resolve(pending) -> None:
+        t = time.perf_counter()
+        resolve(pending)
+        deferred[0] += time.perf_counter() - t
+
+    sched.executor.resolve = timed_resolve
     rng = random.Random(seed)
     shared = [[rng.randrange(VOCAB - 1) for _ in range(prompt_len * 3 // 4)] for _ in range(shared_prefixes)]
     params = SamplingParams.from_dict({"temperature": 0, "max_new_tokens": new_tokens, "ignore_eos": True})
@@ -86,12 +99,13 @@ def run_once(batch: int, prompt_len: int, new_tokens: int, seed: int, max_runnin
     thread = threading.Thread(target=sched.run_forever)
     start, start_cpu = time.perf_counter(), time.process_time()
     thread.start()
-    for _ in range(batch):  # each request's one (final) output
-        sched.outbox.get()
+    left = batch
+    while left:
+        left -= sched.outbox.get().finish is not None
     elapsed, cpu = time.perf_counter() - start, time.process_time() - start_cpu
     sched.stop()
     thread.join()
-    return elapsed, cpu, runner.steps, runner.busy_steps
+    return elapsed, cpu, runner.steps, runner.busy_steps, deferred[0]
 
 
 def main() -> None:
@@ -103,14 +117,15 @@ def main() -> None:
     parser.add_argument("--max-running", type=int, help="max_running_requests (default: --batch, nobody waits)")
     parser.add_argument("--policy", default="lpm", help="schedule_policy (default lpm)")
     parser.add_argument("--shared-prefixes", type=int, default=0, help="prompts start with one of this many prefixes")
+    parser.add_argument("--overlap", action="store_true", help="with enable_overlap_schedule")
     args = parser.parse_args()
     torch.set_num_threads(1)
     runs = [run_once(args.batch, args.prompt_len, args.new_tokens, seed, args.max_running, args.policy,
-                     args.shared_prefixes) for seed in range(args.repeats)]
+                     args.shared_prefixes, args.overlap) for seed in range(args.repeats)]
     tokens = args.batch * args.new_tokens
     busy = [t for run in runs for t in run[3]]
     print(json.dumps({
-        "batch": args.batch, "max_running": args.max_running or args.batch, "policy": args.policy,
+        "batch": args.batch, "overlap": args.overlap, "max_running": args.max_running or args.batch, "policy": args.policy,
         "shared_prefixes": args.shared_prefixes, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
         "steps": runs[0][2],
         "us_per_token": round(statistics.median(r[0] for r in runs) / tokens * 1e6, 2),
@@ -118,6 +133,8 @@ def main() -> None:
         "ms_per_step": round(statistics.median(r[0] / r[2] for r in runs) * 1e3, 3),
         "steps_256_waiting": len(busy) // args.repeats,
         "ms_per_step_256_waiting": round(statistics.median(busy) * 1e3, 3) if busy else None,
+        # overlap: the part of each step's host time applying the previous step's results
+        "deferred_ms_per_step": round(statistics.median(r[4] / r[2] for r in runs) * 1e3, 3),
     }))
 
 

@@ -19,6 +19,9 @@ on a tiny model (fp32 and bf16), and decode and short extends with CUDA graphs a
    small device pool and come back from pinned host memory on the copy stream; fp32 greedy tokens
    with the tier off, write-back and write-through must be equal, with host hits, every step's slot
    invariant checked.
+5. Overlap scheduling (enable_overlap_schedule): fp32 greedy tokens with overlap on equal those with
+   it off, with CUDA graphs, at batch sizes that pad, one past the graphs, and under a small pool that
+   retracts; decode steps must have taken their input from the device (chained steps counted).
 """
 
 from __future__ import annotations
@@ -109,8 +112,9 @@ def hf_logprob_error(model, prompt: list[int], oracle_logits: torch.Tensor) -> f
 
 
 def new_engine(ckpt: str, dtype: str, **opts: Any) -> radixlm.Engine:
-    return radixlm.Engine(ckpt, dtype=dtype, device=DEVICE, max_total_tokens=16384, cuda_graph_max_bs=GRAPH_MAX_BS,
-                          log_level="warning", **opts)
+    opts = {"max_total_tokens": 16384, **opts}
+    return radixlm.Engine(ckpt, dtype=dtype, device=DEVICE, cuda_graph_max_bs=GRAPH_MAX_BS, log_level="warning",
+                          **opts)
 
 
 def uses_graphs(engine: radixlm.Engine) -> bool:
@@ -230,6 +234,39 @@ def check_host_tier(ckpt: str, report: dict[str, Any]) -> bool:
     return passed
 
 
+def check_overlap(ckpt: str, report: dict[str, Any]) -> bool:
+    vocab = ModelConfig.from_dir(ckpt).vocab_size
+    g = torch.Generator().manual_seed(3)
+    batches = [[torch.randint(0, vocab - 8, (n,), generator=g).tolist() for n in torch.randint(2, 300, (b,),
+                                                                                              generator=g).tolist()]
+               for b in (1, 5, 13, GRAPH_MAX_BS + 4)]
+    results: dict[str, Any] = {}
+    for pool in (16384, 400):  # 400 slots: the largest batch retracts
+        tokens, chained = {}, 0
+        for overlap in (False, True):
+            with new_engine(ckpt, "float32", max_total_tokens=pool, enable_overlap_schedule=overlap,
+                            debug_check_invariants=True) as engine:
+                runner, forward = engine._runner, engine._runner.forward
+
+                def counting(batch, forward=forward):
+                    nonlocal chained
+                    chained += batch.input_future is not None
+                    return forward(batch)
+
+                runner.forward = counting
+                tokens[overlap] = [greedy_tokens(engine, prompts) for prompts in batches]
+                retractions = engine.get_stats()["retractions_total"]
+        equal = [sum(a == b for a, b in zip(x, y)) for x, y in zip(tokens[False], tokens[True])]
+        results[f"pool_{pool}"] = {"equal_requests": equal, "of": [len(b) for b in batches],
+                                   "chained_steps": chained, "retractions": retractions}
+    passed = all(r["equal_requests"] == r["of"] and r["chained_steps"] > 0 for r in results.values())
+    report["overlap_on_off"] = {"ok": passed, **results}
+    print(f"overlap on vs off (fp32): {'ok' if passed else 'FAIL'} " + ", ".join(
+        f"{name}: {r['equal_requests']}/{r['of']} equal, {r['chained_steps']} chained steps, "
+        f"{r['retractions']} retractions" for name, r in results.items()), flush=True)
+    return passed
+
+
 def tune_attention(report: dict[str, Any]) -> bool:
     """Launch shapes of the attention kernels on the benchmarks' own shapes (bf16, Llama-3-8B heads):
     prefill 16 x 1024, ragged extends with prefixes, and decode batches like the throughput run's."""
@@ -284,6 +321,8 @@ def main(argv: list[str] | None = None) -> int:
     ok = check_graphs(ckpt, report) and ok
     print("== the radix cache's host tier", flush=True)
     ok = check_host_tier(ckpt, report) and ok
+    print("== overlap scheduling on vs off", flush=True)
+    ok = check_overlap(ckpt, report) and ok
     report["ok"] = ok
     if args.out:
         with open(args.out, "w") as f:

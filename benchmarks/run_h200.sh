@@ -19,6 +19,8 @@
 #                                   # the host tier of the radix cache, off vs on (bench_hicache.py)
 #   RUN_GPU_CHECK=0 RUN_ENGINE_BENCH=0 RUN_CONSTRAINED=0 RUN_FUSION_ABLATION=1 bash benchmarks/run_h200.sh
 #                                   # batch-1 decode with the fused rotary + KV store and without (issue 19)
+#   RUN_GPU_CHECK=0 RUN_ENGINE_BENCH=0 RUN_CONSTRAINED=0 RUN_OVERLAP=1 bash benchmarks/run_h200.sh
+#                                   # batch-1 decode and the 1,000-request workload, overlap off then on (issue 19)
 #
 # Each step has its own time limit (seconds, overridable) so that one hang cannot eat the others.
 set -u -o pipefail
@@ -48,7 +50,7 @@ if [ -d .gpu_carry ]; then export RADIXLM_CACHE=$PWD/.gpu_carry; fi
 
 if [ "${RUN_GPU_CHECK:-1}" = 1 ]; then
 # shellcheck disable=SC2086  # GPU_CHECK_ARGS is a list of flags
-timeout "${GPU_CHECK_S:-270}" python3 benchmarks/gpu_check.py ${GPU_CHECK_ARGS:---sweep --tune} --out "$OUT/gpu_check.json" \
+timeout "${GPU_CHECK_S:-330}" python3 benchmarks/gpu_check.py ${GPU_CHECK_ARGS:---sweep --tune} --out "$OUT/gpu_check.json" \
   2>&1 | tee "$OUT/gpu_check.log"
 echo "gpu_check exit ${PIPESTATUS[0]}" | tee -a "$OUT/env.txt"
 fi
@@ -68,6 +70,20 @@ if [ "${RUN_FUSION_ABLATION:-0}" = 1 ]; then
     RADIXLM_UNFUSED_ROTARY_STORE=$unfused timeout "${FUSION_S:-150}" python3 benchmarks/bench_engine.py \
       --model llama3-8b-shape --no-hf --requests 32 --repeats 5 2>&1 | tee -a "$OUT/bench_fusion.log"
     echo "bench_engine (RADIXLM_UNFUSED_ROTARY_STORE=$unfused) exit ${PIPESTATUS[0]}" | tee -a "$OUT/env.txt"
+  done
+fi
+
+if [ "${RUN_OVERLAP:-0}" = 1 ]; then
+  # Issue 19: overlap scheduling off, then on (enable_overlap_schedule), back to back on the 8B shape
+  # without the HF peer: batch-1 decode ("latency ms/token (B=1)") and the full 1,000-request offline
+  # workload ("throughput"). One log, one JSON per setting.
+  for overlap in off on; do
+    flag=""; [ "$overlap" = on ] && flag="--overlap"
+    echo "== overlap $overlap" | tee -a "$OUT/bench_overlap.log"
+    # shellcheck disable=SC2086  # flag is empty or one flag
+    timeout "${OVERLAP_S:-240}" python3 benchmarks/bench_engine.py --model llama3-8b-shape --no-hf $flag \
+      --out "$OUT/bench_overlap_$overlap.json" 2>&1 | tee -a "$OUT/bench_overlap.log"
+    echo "bench_engine (overlap $overlap) exit ${PIPESTATUS[0]}" | tee -a "$OUT/env.txt"
   done
 fi
 

@@ -142,7 +142,7 @@ def sim_engine(path: str, cost: DeviceCost, time_scale: float, **options: Any) -
     finally:
         engine_module.ModelRunner = real
     runner = made[0]
-    runner.watch(engine._scheduler)
+    runner.watch(engine.frontend.scheduler.scheduler)  # the LocalScheduler's loop
     try:
         yield engine, runner
     finally:

@@ -140,6 +140,8 @@ class DecodeGraphRunner:
             dtype=torch.int64, pin_memory=self._pin,
         )
         self.inputs[: _FIELDS * bs].copy_(host, non_blocking=True)
+        if batch.input_future is not None:
+            self.inputs[:n].copy_(batch.input_future)  # device to device: no host sync
         if self.capture:
             self.graphs[bs].replay()
         else:

@@ -56,6 +56,9 @@ class BatchInput:
     seq_lens: list[int]
     extend_lens: list[int]
     logit_rows: list[int]  # which of the new tokens need logits (indices into input_ids)
+    # Overlap scheduling: the decode input ids as a device tensor (the previous step's sampled tokens,
+    # not yet on the host); when set, input_ids holds placeholders.
+    input_future: torch.Tensor | None = None
 
 
 class ModelRunner:
@@ -181,6 +184,8 @@ class ModelRunner:
         host = torch.tensor(list(itertools.chain.from_iterable(parts)), dtype=torch.int64, pin_memory=self._pin)
         views = host.to(self.device, non_blocking=True).split([len(p) for p in parts])
         ids, positions, loc, rows, seq_lens, extend_lens, starts_t, logit_index = views
+        if batch.input_future is not None:
+            ids = batch.input_future
         fb = ForwardBatch(
             is_decode=batch.is_decode,
             input_ids=ids,

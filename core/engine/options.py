@@ -67,6 +67,10 @@ class EngineOptions:
                                        "from the device) or write_through (as soon as it is cached)",
                                        choices=("write_back", "write_through"))
     disable_jump_forward: bool = option(False, "do not jump over text a constraint forces")
+    enable_overlap_schedule: bool = option(
+        False, "overlap scheduling: launch the next decode step (its input the sampled tokens, still on the "
+        "device) before applying the current one's results on the host, so host work hides under the GPU "
+        "(docs/engine.md); off by default until measured")
     grammar_backend: str = option(
         "radixlm", "constrained decoding backend (regex, JSON schema, choices): radixlm (its grammar engine), "
         "regex-dfa (its previous whole-pattern DFA), llguidance (the optional llguidance package)",
@@ -160,6 +164,10 @@ class EngineOptions:
             raise InvalidRequestError("chunked_prefill_size must be positive or -1", "chunked_prefill_size")
         if self.hicache_size_gb < 0:
             raise InvalidRequestError("hicache_size_gb must be >= 0 (0: no host tier)", "hicache_size_gb")
+        if self.enable_overlap_schedule and self.tp_size > 1:
+            # The other ranks replay the batch from its pickle: a device tensor of tokens cannot go along.
+            raise InvalidRequestError("enable_overlap_schedule with tp_size > 1 is not supported yet",
+                                      "enable_overlap_schedule")
         if self.hicache_size_gb > 0 and self.tp_size > 1:
             raise InvalidRequestError("hicache_size_gb with tp_size > 1 is not supported yet", "hicache_size_gb")
         if self.hicache_size_gb > 0 and self.disable_radix_cache:

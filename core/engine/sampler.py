@@ -22,6 +22,42 @@ class SampleResult:
     top_logprobs: list[list[tuple[float, int, None]]] | None
 
 
+@dataclass
+class DeviceSample:
+    """Sampled tokens still on the device; `resolve` copies them (and the logprobs) to the host."""
+
+    tokens: torch.Tensor  # [B] int64
+    raw_logprobs: torch.Tensor | None  # [B, V] when a request wants logprobs
+    host_tokens: torch.Tensor | None = None  # the copy `start_copy` started
+    copied: torch.cuda.Event | None = None
+
+    def start_copy(self) -> None:
+        """Starts copying the tokens to pinned host memory right behind their sampling on the stream, so
+        that `resolve` waits for this step alone, not for a step launched after it (a plain `tolist`
+        would wait for everything queued on the stream)."""
+        if self.tokens.device.type != "cuda":
+            return
+        self.host_tokens = torch.empty(self.tokens.shape, dtype=self.tokens.dtype, pin_memory=True)
+        self.host_tokens.copy_(self.tokens, non_blocking=True)
+        self.copied = torch.cuda.Event()
+        self.copied.record()
+
+    def resolve(self, reqs: list[Req]) -> SampleResult:
+        if self.copied is not None:
+            self.copied.synchronize()
+            token_list = self.host_tokens.tolist()
+        else:
+            token_list = self.tokens.tolist()
+        if self.raw_logprobs is None:
+            return SampleResult(token_list, None, None)
+        chosen = self.raw_logprobs.gather(1, self.tokens.view(-1, 1)).squeeze(1).tolist()
+        tops = [
+            top_logprob_entries(self.raw_logprobs[i], r.inp.top_logprobs_num) if r.inp.top_logprobs_num else None
+            for i, r in enumerate(reqs)
+        ]
+        return SampleResult(token_list, chosen, tops)
+
+
 def top_logprob_entries(logprobs: torch.Tensor, k: int) -> list[tuple[float, int, None]]:
     values, ids = logprobs.topk(k)
     return [(float(v), int(i), None) for v, i in zip(values.tolist(), ids.tolist())]
@@ -35,6 +71,12 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, reqs: list[Req], masks: list[torch.Tensor | None]) -> SampleResult:
         """logits: [B, V] fp32, one row per request; masks: per-request allowed-token masks or None."""
+        return self.sample_on_device(logits, reqs, masks).resolve(reqs)
+
+    def sample_on_device(self, logits: torch.Tensor, reqs: list[Req],
+                         masks: list[torch.Tensor | None]) -> DeviceSample:
+        """Like `sample`, but the tokens stay on the device (no host sync on the greedy path): the
+        overlap scheduler feeds them to the next step before it reads them."""
         logits = logits[:, : self.vocab_size]
         want_logprobs = any(r.inp.return_logprob for r in reqs)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
@@ -42,16 +84,7 @@ class Sampler:
             logits = self._adjust(logits.clone(), reqs, masks)
             if bool(torch.isnan(logits).any()):
                 raise ValueError("a request's adjusted logits are not numbers")
-        tokens = self._choose(logits, reqs)
-        token_list = tokens.tolist()
-        if raw_logprobs is None:
-            return SampleResult(token_list, None, None)
-        chosen = raw_logprobs.gather(1, tokens.view(-1, 1)).squeeze(1).tolist()
-        tops = [
-            top_logprob_entries(raw_logprobs[i], r.inp.top_logprobs_num) if r.inp.top_logprobs_num else None
-            for i, r in enumerate(reqs)
-        ]
-        return SampleResult(token_list, chosen, tops)
+        return DeviceSample(self._choose(logits, reqs), raw_logprobs)
 
     @staticmethod
     def _needs_adjust(reqs: list[Req], masks: list[torch.Tensor | None]) -> bool:

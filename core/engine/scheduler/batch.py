@@ -36,14 +36,17 @@ def extend_batch(extends: list[Extend]) -> tuple[BatchInput, list[tuple[int, int
     return batch, logit_use
 
 
-def decode_batch(running: list[Req], new_slots: list[int]) -> BatchInput:
-    """One token for every running request, into `new_slots` (the runner records them in the table)."""
+def decode_batch(running: list[Req], new_slots: list[int], future: torch.Tensor | None = None) -> BatchInput:
+    """One token for every running request, into `new_slots` (the runner records them in the table).
+    With `future` (overlap scheduling: the previous step's tokens on the device, one per request in this
+    order, not yet appended to their outputs) the input is those tokens, one position further on."""
     n = len(running)
-    batch = BatchInput(True, [], [], new_slots, [], [], [1] * n, list(range(n)))
+    ahead = 0 if future is None else 1
+    batch = BatchInput(True, [], [], new_slots, [], [], [1] * n, list(range(n)), input_future=future)
     for req, slot in zip(running, new_slots):
-        pos = req.seq_len - 1
+        pos = req.seq_len - 1 + ahead
         req.slots.append(slot)
-        batch.input_ids.append(req.output_ids[-1])
+        batch.input_ids.append(req.output_ids[-1] if future is None else 0)
         batch.positions.append(pos)
         batch.rows.append(req.row)
         batch.seq_lens.append(pos + 1)

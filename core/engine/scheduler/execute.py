@@ -2,6 +2,15 @@
 (prefill chunks, jump-forward continuations, riding decodes) or a decode step, then per request the
 sampled token, its finish, its constraint and jump forward, and its stream chunk.
 
+Overlap scheduling (enable_overlap_schedule): a decode step may be left pending, its tokens still on
+the device; the next decode step of the same requests is launched with those tokens as its input
+(`chain_decode`) before the pending one's results are applied, so the host work of step N (appending,
+finish checks, stop strings, emitting) runs while the device computes step N+1. A request that step N
+finishes has had one more token computed by step N+1: that token is dropped, and its KV slot went to
+the radix cache with the request's others (it holds the finished token's KV, written by step N+1).
+Only requests whose sampling does not depend on the token just sampled chain (`chainable`); any other
+request in the batch makes the step resolve first, as without overlap.
+
 A failure in one request's own work (its constraint, its sampling values, its detokenizer) ends that
 request alone (RequestQueues.fail).
 """
@@ -10,13 +19,14 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from radixlm.core.engine.options import EngineOptions
 from radixlm.core.engine.request import Req
-from radixlm.core.engine.sampler import SampleResult, Sampler
+from radixlm.core.engine.sampler import DeviceSample, SampleResult, Sampler
 from radixlm.core.engine.scheduler.batch import decode_batch, extend_batch, record_input_logprobs
 from radixlm.core.engine.scheduler.constraints import constraint_mask, jump_forward
 from radixlm.core.engine.scheduler.finish import Finish, check_finish
@@ -27,6 +37,15 @@ from radixlm.core.engine.scheduler.queues import RequestQueues
 from radixlm.core.engine.stats import EngineStats
 
 logger = logging.getLogger("radixlm")
+
+
+@dataclass
+class PendingDecode:
+    """A decode step launched and sampled but not applied: its requests, in batch order, and their
+    tokens on the device."""
+
+    reqs: list[Req]
+    sample: DeviceSample
 
 
 class Executor:
@@ -71,7 +90,9 @@ class Executor:
             rows = torch.tensor([i for _, i in to_sample], device=logits.device)
             self.sample_and_advance([r for r, _ in to_sample], logits[rows])
 
-    def run_decode(self) -> None:
+    def run_decode(self, defer: bool = False) -> PendingDecode | None:
+        """One decode step for the running requests. With `defer` (overlap) and every request chainable,
+        the step is left pending: returned, its tokens still on the device."""
         queues = self.queues
         retract, fits = self.memory.make_decode_room(queues.running)
         for req in retract:
@@ -80,11 +101,72 @@ class Executor:
             queues.finish(queues.running[0], Finish("abort"),
                           error=f"KV pool of {self.memory.allocator.num_slots} tokens cannot hold this request")
         if not queues.running:
-            return
-        new_slots = self.memory.allocator.alloc(len(queues.running))
+            return None
+        reqs = list(queues.running)
+        new_slots = self.memory.allocator.alloc(len(reqs))
         assert new_slots is not None
-        logits = self.runner.forward(decode_batch(queues.running, new_slots))
-        self.sample_and_advance(list(queues.running), logits)
+        logits = self.runner.forward(decode_batch(reqs, new_slots))
+        if defer and all(self.chainable(r) for r in reqs):
+            try:
+                return self._pending(reqs, logits)
+            except Exception:
+                pass  # sample_and_advance samples again and finds the request at fault
+        self.sample_and_advance(reqs, logits)
+        return None
+
+    def chain_decode(self, pending: PendingDecode) -> PendingDecode | None:
+        """Launches the next decode step of the pending step's requests, its input their tokens on the
+        device, then applies the pending step's results (one step behind). Returns the new pending step.
+        When the requests cannot chain (one is no longer chainable, no free slots) it applies the pending
+        step first and runs a plain decode step instead."""
+        reqs = pending.reqs
+        new_slots = None
+        if reqs == self.queues.running and all(self.chainable(r) for r in reqs):
+            new_slots = self.memory.alloc(len(reqs))
+        if new_slots is None:
+            self.resolve(pending)
+            return self.run_decode(defer=True)
+        logits = self.runner.forward(decode_batch(reqs, new_slots, future=pending.sample.tokens))
+        try:
+            nxt = self._pending(reqs, logits)
+        except Exception:
+            self.resolve(pending)
+            self.sample_and_advance(reqs, logits)  # skips the requests that the pending step finished
+            return None
+        self.resolve(pending)
+        return nxt
+
+    def _pending(self, reqs: list[Req], logits: torch.Tensor) -> PendingDecode:
+        sample = self.sampler.sample_on_device(logits, reqs, [None] * len(reqs))
+        sample.start_copy()
+        return PendingDecode(reqs, sample)
+
+    def resolve(self, pending: PendingDecode) -> None:
+        """Applies a pending step's tokens; requests that finished meanwhile (in the step before it, or
+        aborted) drop theirs."""
+        result = pending.sample.resolve(pending.reqs)
+        live = [i for i, r in enumerate(pending.reqs) if not r.finished]
+        self._advance([pending.reqs[i] for i in live], [(result, i) for i in live])
+
+    def discard_unapplied(self) -> None:
+        """After a failed step: gives back the slots held for tokens never applied (a chained step's
+        input), so that each running request's slots match its tokens again before it is aborted."""
+        for req in self.queues.running:
+            extra = req.slots[req.seq_len:]
+            if extra:
+                del req.slots[req.seq_len:]
+                self.memory.allocator.free(extra)
+
+    def chainable(self, req: Req) -> bool:
+        """Whether the request's next token can be sampled before its newest one is on the host: no
+        constraint mask, penalty, min_new_tokens ban or seeded draw reads its outputs, it wants no
+        logprobs (read from the device when applied, they would wait for the step after), and the step
+        after next still fits its context."""
+        p = req.params
+        return (req.constraint is None and p.seed is None and len(req.output_ids) >= p.min_new_tokens
+                and not req.inp.return_logprob
+                and p.repetition_penalty == 1.0 and not p.frequency_penalty and not p.presence_penalty
+                and req.seq_len + 1 < self.context_len)
 
     def sample_and_advance(self, reqs: list[Req], logits: torch.Tensor) -> None:
         """Samples each request's next token and moves it on."""
@@ -101,6 +183,11 @@ class Executor:
         except Exception:  # find the request(s) at fault: sample each alone
             logger.warning("sampling a batch of %d failed; sampling its requests one by one", len(reqs))
             rows = [self._sample_alone(req, logits[i : i + 1], mask) for i, (req, mask) in enumerate(zip(reqs, masks))]
+        self._advance(reqs, rows)
+
+    def _advance(self, reqs: list[Req], rows: list[tuple[SampleResult, int] | None]) -> None:
+        """Appends each request's sampled token (row i of a result), then its finish, constraint and
+        stream chunk."""
         now = time.monotonic()
         for req, row in zip(reqs, rows):
             if row is None:

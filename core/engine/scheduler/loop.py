@@ -32,7 +32,7 @@ from radixlm.core.engine.options import EngineOptions
 from radixlm.core.engine.radix_cache import RadixCache
 from radixlm.core.engine.request import Req
 from radixlm.core.engine.sampler import Sampler
-from radixlm.core.engine.scheduler.execute import Executor
+from radixlm.core.engine.scheduler.execute import Executor, PendingDecode
 from radixlm.core.engine.scheduler.finish import Finish
 from radixlm.core.engine.scheduler.memory import KVMemory
 from radixlm.core.engine.scheduler.policy import SchedulePolicy
@@ -68,6 +68,8 @@ class Scheduler:
         self.sampler = Sampler(runner.cfg.vocab_size, eos_token_ids, self.generator)
         self.executor = Executor(runner, self.sampler, self.memory, self.queues, self.stats, opts, tokenizer,
                                  eos_token_ids, self.context_len)
+        # Overlap scheduling: the decode step launched but not yet applied (execute.py).
+        self.pending: PendingDecode | None = None
         self.inbox: "queue.Queue[InboxMessage]" = queue.Queue()
         self.outbox = queue.Queue()
         # In its own process the loop also puts its statistics on the outbox, at most this often (s).
@@ -107,6 +109,7 @@ class Scheduler:
         self._publish()
         while not self._stop.is_set():
             if self._pause_wanted.is_set():
+                self.settle()  # the pausing thread sees every sampled token
                 self._paused.set()
                 self._resume.wait()
                 self._resume.clear()
@@ -117,8 +120,11 @@ class Scheduler:
                 self.step()
             except Exception:  # a failure of the batch itself (not of one request's own work)
                 logger.exception("scheduler step failed; aborting the requests in flight")
+                self.pending = None
+                self.executor.discard_unapplied()
                 self.queues.abort_all("internal server error (the server log has the details)", status_code=500)
             self._publish()
+        self.settle()
         self.queues.abort_all("engine shut down")
         self._publish()
 
@@ -149,9 +155,14 @@ class Scheduler:
     def step(self) -> None:
         queues = self.queues
         queues.sweep()
+        # With a decode step pending (overlap), this plans on the state before its results: requests it
+        # finishes still count as running and hold their KV, which only makes planning cautious.
+        pending, self.pending = self.pending, None
         plan = self.planner.plan(queues.waiting, queues.running, queues.chunked)
         queues.chunked = plan.chunked
         if plan.extends:
+            if pending is not None:
+                self.executor.resolve(pending)
             queues.take(plan.taken, plan.passed_over)
             extends = plan.extends
             if queues.running and all(e.req.output_ids for e in extends):
@@ -159,12 +170,20 @@ class Scheduler:
                 # requests decode in the same step instead of stalling behind it.
                 extends += self.planner.ride_along(queues.running)
             self.executor.run_extend(extends)
+        elif pending is not None:
+            self.pending = self.executor.chain_decode(pending)
         elif queues.running:
-            self.executor.run_decode()
+            self.pending = self.executor.run_decode(defer=self.opts.enable_overlap_schedule)
         elif queues.waiting:
             self.tree.wait_for_load()  # nothing to run until a prefix comes back from host memory
         if self.opts.debug_check_invariants:
             self.check_invariants()
+
+    def settle(self) -> None:
+        """Applies the pending decode step (overlap), so that the queues show every sampled token."""
+        if self.pending is not None:
+            pending, self.pending = self.pending, None
+            self.executor.resolve(pending)
 
     def _drain_inbox(self, block: bool) -> None:
         while True:
@@ -180,6 +199,7 @@ class Scheduler:
             if isinstance(msg, GenerateRequest):
                 self._add_request(msg)
             elif isinstance(msg, Abort):
+                self.settle()  # an aborted request gives back its KV as of its last applied token
                 self.queues.abort(msg.rid, "aborted by request")
             elif isinstance(msg, (FlushCache, GetStats, CheckInvariants)):
                 self._answer(msg)

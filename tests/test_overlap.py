@@ -1,0 +1,225 @@
+"""Overlap scheduling (enable_overlap_schedule): the next decode step is launched with the sampled tokens
+still on the device, and results are applied one step behind. On the CPU the device is synchronous, so
+what these tests prove is the logic: the futures feed the right rows, a request finished in step N drops
+the token step N+1 computed for it and gives its KV back, and outputs equal those without overlap.
+
+Two oracles: the scheduler unit tests' fake runner (its logits are a function of the tokens each request's
+slots hold, so a slot written to the wrong place changes the output) against plain Python lists, and the
+tiny Llama engine with overlap on against the same engine with it off.
+"""
+
+from __future__ import annotations
+
+import json
+
+import dataclasses
+
+import pytest
+import torch
+
+import radixlm
+from radixlm.core.engine.cuda_graph_runner import DecodeGraphRunner
+from radixlm.core.engine.model_runner import BatchInput, ModelRunner
+from radixlm.core.engine.options import EngineOptions
+from radixlm.core.models.config import ModelConfig
+from test_scheduler_units import EOS, load_bench_scheduler, oracle, prompts_with_shared_prefixes, run_scheduler
+
+# ---- the scheduler with a fake runner ---------------------------------------------------------------
+
+
+def chained_steps(sched) -> int:
+    return sum(1 for b in sched.runner.steps if b.input_future is not None)
+
+
+def test_fake_runner_outputs_match_the_oracle_with_chained_steps():
+    prompts = prompts_with_shared_prefixes(10)
+    params = [{"max_new_tokens": 5 + 3 * i, "ignore_eos": i % 2 == 0} for i in range(10)]
+    sched, finals = run_scheduler(512, prompts, params, enable_overlap_schedule=True)
+    for out, prompt, p in zip(finals, prompts, params):
+        assert out.output_ids == oracle(prompt, p["max_new_tokens"], ignore_eos=p["ignore_eos"])
+    assert any(out.output_ids[-1] == EOS for out in finals)  # some finished by EOS, one step behind
+    assert chained_steps(sched) > 0
+    assert sched.flush_cache() and sched.get_stats()["kv_slots_free"] == 512
+
+
+def test_fake_runner_retracts_under_memory_pressure_with_overlap():
+    prompts = prompts_with_shared_prefixes(8)
+    params = [{"max_new_tokens": 24, "ignore_eos": True}] * 8
+    sched, finals = run_scheduler(64, prompts, params, max_running_requests=4, enable_overlap_schedule=True)
+    assert sched.stats.retractions_total > 0 and chained_steps(sched) > 0
+    for out, prompt in zip(finals, prompts):
+        assert out.output_ids == oracle(prompt, 24, ignore_eos=True)
+    assert sched.flush_cache() and sched.get_stats()["kv_slots_free"] == 64
+
+
+def test_fake_runner_streams_and_aborts_with_overlap():
+    prompts = [[1] * 6, [2] * 6, [3] * 5]
+    params = [{"max_new_tokens": 40, "ignore_eos": True, "stream": True},
+              {"max_new_tokens": 12, "ignore_eos": True, "stream": True}, {"max_new_tokens": 9}]
+    chunks: dict[int, list[int]] = {0: [], 1: []}
+
+    def collect_and_abort(sched, i: int, out) -> None:
+        chunks[i] += out.output_ids
+        if i == 0 and len(chunks[0]) >= 5:
+            sched.inbox.put(radixlm.core.engine.messages.Abort("q0"))
+
+    sched, finals = run_scheduler(256, prompts, params, on_chunk=collect_and_abort, enable_overlap_schedule=True)
+    assert finals[0].finish.type == "abort" and finals[0].completion_tokens < 40
+    streamed = chunks[0] + finals[0].output_ids
+    assert streamed == oracle(prompts[0], 40, ignore_eos=True)[: len(streamed)]
+    assert chunks[1] + finals[1].output_ids == oracle(prompts[1], 12, ignore_eos=True)
+    assert finals[2].output_ids == oracle(prompts[2], 9)
+    assert chained_steps(sched) > 0
+    assert sched.flush_cache() and sched.get_stats()["kv_slots_free"] == 256
+
+
+def test_bench_scheduler_with_overlap_computes_one_dropped_step():
+    """benchmarks/bench_scheduler.py --overlap at a tiny size: one prefill step, one decode step per further
+    token, and one more whose tokens are dropped (launched before the last token's finish is known)."""
+    elapsed, cpu, steps, _, deferred = load_bench_scheduler().run_once(batch=3, prompt_len=5, new_tokens=4, seed=0, overlap=True)
+    assert steps == 5 and 0 < deferred < elapsed
+
+
+def test_overlap_with_tensor_parallelism_is_refused():
+    with pytest.raises(radixlm.core.errors.InvalidRequestError, match="enable_overlap_schedule with tp_size"):
+        EngineOptions.from_kwargs({"enable_overlap_schedule": True, "tp_size": 2})
+
+
+# ---- the model runner: a decode input from the device ---------------------------------------------------
+
+
+def test_decode_input_from_the_device_matches_host_ids(llama_ckpt):
+    """A decode batch whose input ids come as a device tensor (input_future; the host list holds
+    placeholders) gives the logits of the same batch with host ids, eagerly and on the padded static
+    buffers that the CUDA graphs replay."""
+    opts = EngineOptions.from_kwargs({"device": "cpu", "max_total_tokens": 256, "max_running_requests": 4})
+    runner = ModelRunner(llama_ckpt, ModelConfig.from_dir(llama_ckpt), opts)
+    lens, rows = [4, 7, 2], [1, 0, 3]
+    slots = iter(range(1, 200))
+    prefill = BatchInput(False, [], [], [], rows, lens, lens, [])
+    for row, n in zip(rows, lens):
+        mine = [next(slots) for _ in range(n)]
+        runner.req_to_token.write(row, 0, mine)
+        prefill.input_ids += [(row * 37 + j * 11) % 500 for j in range(n)]
+        prefill.positions += list(range(n))
+        prefill.out_cache_loc += mine
+    runner.forward(prefill)
+    ids = [17, 301, 42]
+    decode = BatchInput(True, ids, list(lens), [next(slots) for _ in lens], rows, [n + 1 for n in lens], [1] * 3,
+                        [0, 1, 2])
+    expected = runner.forward(decode).clone()
+    future = dataclasses.replace(decode, input_ids=[0, 0, 0], input_future=torch.tensor(ids))
+    torch.testing.assert_close(runner.forward(future), expected, rtol=1e-5, atol=1e-5)
+    graphs = DecodeGraphRunner(runner, max_bs=4, capture=False)
+    torch.testing.assert_close(graphs.run(future), expected, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(runner.forward(dataclasses.replace(decode, input_ids=[0, 0, 0])), expected)
+
+
+# ---- the tiny Llama engine: overlap on equals overlap off ---------------------------------------------
+
+PROMPTS = ["Once upon a time", "The harbour at dawn", "Tell me a story about the lighthouse keeper", "short"]
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8}, "age": {"type": "integer"}},
+          "required": ["name", "age"], "additionalProperties": False}
+
+
+def count_chained(engine) -> list[int]:
+    """Counts the engine's decode steps whose input came from the device (a one-item list, updated)."""
+    runner, count = engine._runner, [0]
+    forward = runner.forward
+
+    def counting(batch):
+        count[0] += batch.input_future is not None
+        return forward(batch)
+
+    runner.forward = counting
+    return count
+
+
+def same(a: dict, b: dict) -> None:
+    assert a["output_ids"] == b["output_ids"] and a["text"] == b["text"]
+    assert a["meta_info"]["finish_reason"] == b["meta_info"]["finish_reason"]
+
+
+@pytest.fixture(scope="module")
+def engines(llama_ckpt):
+    with radixlm.Engine(llama_ckpt, max_total_tokens=4096, debug_check_invariants=True) as off, \
+            radixlm.Engine(llama_ckpt, max_total_tokens=4096, debug_check_invariants=True,
+                           enable_overlap_schedule=True) as on:
+        chained = count_chained(on)
+        yield off, on
+        assert chained[0] > 0
+        for e in (off, on):
+            assert e.flush_cache()
+            stats = e.get_stats()
+            assert stats["kv_slots_free"] == stats["kv_slots_total"]
+
+
+CASES = {
+    "batch": {"max_new_tokens": 24, "temperature": 0},
+    "ignore_eos": {"max_new_tokens": 30, "temperature": 0, "ignore_eos": True},
+    "max_new_tokens_1": {"max_new_tokens": 1, "temperature": 0},
+    "n_3": {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True, "n": 3},
+    "stop_token_and_min_new": {"max_new_tokens": 20, "temperature": 0, "ignore_eos": True, "min_new_tokens": 4,
+                               "stop_token_ids": [3, 7, 11]},
+    "logprobs": {"max_new_tokens": 10, "temperature": 0, "ignore_eos": True},
+    "penalty": {"max_new_tokens": 16, "temperature": 0, "ignore_eos": True, "frequency_penalty": 1.5},
+    "seeded": {"max_new_tokens": 16, "temperature": 1.0, "seed": 7},
+    "json_jump_forward": {"max_new_tokens": 48, "temperature": 0, "json_schema": json.dumps(SCHEMA)},
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_engine_outputs_equal_with_overlap_on_and_off(engines, case):
+    params = CASES[case]
+    kwargs = {"return_logprob": True, "top_logprobs_num": 2} if case == "logprobs" else {}
+    off, on = (e.generate(PROMPTS, params, **kwargs) for e in engines)
+    for a, b in zip(off, on):
+        same(a, b)
+        if kwargs:
+            lp_a, lp_b = (o["meta_info"]["output_token_logprobs"] for o in (a, b))
+            assert [t for _, t, _ in lp_a] == [t for _, t, _ in lp_b] == a["output_ids"]
+            assert [v for v, _, _ in lp_a] == pytest.approx([v for v, _, _ in lp_b], abs=1e-5)
+
+
+def test_engine_stop_strings_and_streams_equal_with_overlap(engines):
+    off, on = engines
+    params = {"max_new_tokens": 30, "temperature": 0, "ignore_eos": True}
+    text = off.generate(PROMPTS[0], params)["text"]
+    stop = {**params, "stop": [text[3:7]]}
+    for p in (params, stop):
+        full = off.generate(PROMPTS, p)
+        for prompt, ref in zip(PROMPTS, full):
+            same(ref, on.generate(prompt, p))
+            chunks = list(on.generate(prompt, p, stream=True))
+            assert "".join(c["text"] for c in chunks) == ref["text"]
+            assert sum(len(c["output_ids"]) for c in chunks) == len(ref["output_ids"])
+
+
+def test_engine_abort_with_overlap_frees_memory(engines):
+    _, on = engines
+    assert on.flush_cache()
+    stream = on.generate("Abort me", {"max_new_tokens": 500, "ignore_eos": True}, stream=True, rid="to-abort")
+    next(stream)
+    on.abort_request("to-abort")
+    assert list(stream)[-1]["meta_info"]["finish_reason"]["type"] == "abort"
+    assert on.flush_cache()
+    stats = on.get_stats()
+    assert stats["kv_slots_free"] == stats["kv_slots_total"]
+
+
+@pytest.mark.parametrize("extra", [{}, {"hicache_size_gb": 0.001}], ids=["retraction", "host_tier"])
+def test_small_pool_equal_with_overlap(llama_ckpt, extra):
+    prompts = [PROMPTS[2] + f" number {i}" for i in range(6)] + ["short"]
+    params = {"max_new_tokens": 40, "temperature": 0, "ignore_eos": True}
+    got = {}
+    for overlap in (False, True):
+        with radixlm.Engine(llama_ckpt, max_total_tokens=160, debug_check_invariants=True,
+                            enable_overlap_schedule=overlap, **extra) as e:
+            chained = count_chained(e)
+            got[overlap] = [o["output_ids"] for o in e.generate(prompts, params)]
+            got[overlap].append(e.generate(prompts[0], params)["output_ids"])  # after spilling: host hits
+            stats = e.get_stats()
+            assert stats["hicache_host_hit_tokens_total"] > 0 if extra else stats["retractions_total"] > 0
+            assert (chained[0] > 0) == overlap
+            assert e.flush_cache() and e.get_stats()["kv_slots_free"] == stats["kv_slots_total"]
+    assert got[True] == got[False]
