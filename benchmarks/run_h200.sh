@@ -5,6 +5,7 @@
 #   bash benchmarks/run_h200.sh                  # through the device tool, carrying .gpu_carry
 #   OUT=/tmp/out bash benchmarks/run_h200.sh     # anywhere else with a GPU
 #   GPU_CHECK_ARGS="--tune" RUN_CONSTRAINED=0 bash benchmarks/run_h200.sh   # the second run of 2026-11-29
+#   GPU_CHECK_ARGS="" ...                        # the checks alone, without timing launch shapes
 #   RUN_GPU_CHECK=0 RUN_ENGINE_BENCH=0 RUN_WORKLOADS=1 \
 #     CONSTRAINED_ARGS="--model llama3-8b-shape --batch 1 64 --max-new-tokens 128" bash benchmarks/run_h200.sh
 #                                   # the fourth run: constrained e2e on the 8B shape + the paper workloads
@@ -50,7 +51,7 @@ if [ -d .gpu_carry ]; then export RADIXLM_CACHE=$PWD/.gpu_carry; fi
 
 if [ "${RUN_GPU_CHECK:-1}" = 1 ]; then
 # shellcheck disable=SC2086  # GPU_CHECK_ARGS is a list of flags
-timeout "${GPU_CHECK_S:-330}" python3 benchmarks/gpu_check.py ${GPU_CHECK_ARGS:---sweep --tune} --out "$OUT/gpu_check.json" \
+timeout "${GPU_CHECK_S:-330}" python3 benchmarks/gpu_check.py ${GPU_CHECK_ARGS---sweep --tune} --out "$OUT/gpu_check.json" \
   2>&1 | tee "$OUT/gpu_check.log"
 echo "gpu_check exit ${PIPESTATUS[0]}" | tee -a "$OUT/env.txt"
 fi
