@@ -66,13 +66,13 @@ class PrefillPlanner:
         if not plan.extends and self.jumps.should_wait(waiting, running):
             return plan
         slots_left = self.max_running_requests - len(running) - len(plan.extends)
+        if slots_left <= 0 or self.memory.rows_available() == 0:
+            return plan  # nothing can be admitted: ordering the queue (O(waiting) for lpm) would buy nothing
         # The chunked request's last chunk counts too: a request sharing its prompt waits a step and
         # then reuses all of it, instead of recomputing the part that this last chunk computes.
         in_batch = [e.req.fill_ids for e in plan.extends]
         for req in self.policy.order(waiting):
-            if slots_left <= 0 or budget <= 0:
-                break
-            if self.memory.rows_available() == 0:
+            if slots_left <= 0 or budget <= 0 or self.memory.rows_available() == 0:
                 break
             if self._shares_with_batch(req, in_batch):
                 continue
