@@ -60,8 +60,10 @@ def select(name: str | None = None, choices: list[str] | None = None, temperatur
     return Select(name, choices, temperature, choices_method)
 
 
-def image(path: str) -> Expr:
-    return Image(path)
+def image(source: Any) -> Expr:
+    """An image in a prompt: a file path, encoded image bytes or a PIL image (for a vision-language
+    model: the local engine on a LLaVA checkpoint, or an OpenAI chat model)."""
+    return Image(source)
 
 
 def _role(role: str, expr: Any = None) -> Expr:

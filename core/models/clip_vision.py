@@ -3,7 +3,7 @@ pre-norm transformer layers with full (bidirectional) attention over one image's
 
 Images are independent and all the same size, so a batch is one [B, 3, H, W] tensor and attention is
 torch's scaled_dot_product_attention over [B, heads, patches + 1, head_dim]: no KV cache, no paging.
-Parameter names follow transformers' CLIPVisionModel, so checkpoints load without renaming.
+Parameter names follow transformers' CLIPVisionTransformer (core.models.registry maps checkpoints' prefixes).
 """
 
 from __future__ import annotations
@@ -103,9 +103,3 @@ class VisionTransformer(nn.Module):
         for block in self.encoder.layers[:count]:  # later layers do not contribute: not run
             x = block(x)
         return x
-
-
-class CLIPVisionModel(nn.Module):
-    def __init__(self, cfg: VisionConfig) -> None:
-        super().__init__()
-        self.vision_model = VisionTransformer(cfg)

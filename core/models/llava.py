@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from radixlm.core.layers.forward_batch import ForwardBatch
-from radixlm.core.models.clip_vision import ACTIVATIONS, CLIPVisionModel
+from radixlm.core.models.clip_vision import ACTIVATIONS, VisionTransformer
 from radixlm.core.models.config import ModelConfig, VisionConfig
 from radixlm.core.models.llama import LlamaForCausalLM
 
@@ -32,14 +32,14 @@ class MultiModalProjector(nn.Module):
 class LlavaForConditionalGeneration(LlamaForCausalLM):
     def __init__(self, cfg: ModelConfig, ops: ModuleType) -> None:
         super().__init__(cfg, ops)
-        self.vision_tower = CLIPVisionModel(cfg.vision)
+        self.vision_tower = VisionTransformer(cfg.vision)
         self.multi_modal_projector = MultiModalProjector(cfg.vision, cfg.hidden_size)
 
     def image_features(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """[images, tokens_per_image, hidden] language-model inputs for a batch of preprocessed images."""
         vision = self.config.vision
-        dtype = self.vision_tower.vision_model.pre_layrnorm.weight.dtype
-        hidden = self.vision_tower.vision_model.hidden_state(pixel_values.to(dtype), vision.feature_layer)
+        dtype = self.vision_tower.pre_layrnorm.weight.dtype
+        hidden = self.vision_tower.hidden_state(pixel_values.to(dtype), vision.feature_layer)
         if vision.select_strategy == "default":
             hidden = hidden[:, 1:]  # the class token is not an image token
         return self.multi_modal_projector(hidden)

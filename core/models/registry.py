@@ -121,16 +121,18 @@ LLAMA = ModelSpec(
     },
 )
 
-# LLaVA: our model is the language model with the vision tower and projector beside it. transformers 5
-# saves model.language_model.* and model.vision_tower.*; older checkpoints (the Hub's llava-hf ones)
-# language_model.model.*, language_model.lm_head and vision_tower.* at the top.
+# LLaVA: our model is the language model with the vision tower and projector beside it. Checkpoints
+# name the language model language_model.model.* (transformers' save format, the Hub's llava-hf ones)
+# or model.language_model.*, and the tower vision_tower.vision_model.* or vision_tower.*.
 LLAVA = dataclasses.replace(
     LLAMA,
     model_class=LlavaForConditionalGeneration,
     checkpoint_prefix="",
     ignored_weights=("rotary_emb.inv_freq", "position_ids"),
     renames=(("model.language_model.", ""), ("language_model.model.", ""), ("language_model.lm_head.", "lm_head."),
-             ("model.vision_tower.", "vision_tower."), ("model.multi_modal_projector.", "multi_modal_projector.")),
+             ("model.vision_tower.vision_model.", "vision_tower."), ("model.vision_tower.", "vision_tower."),
+             ("vision_tower.vision_model.", "vision_tower."),
+             ("model.multi_modal_projector.", "multi_modal_projector.")),
     unfused=("vision_tower.", "multi_modal_projector."),
 )
 
