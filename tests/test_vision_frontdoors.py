@@ -277,3 +277,8 @@ def _rendered_without_image(oracle: Oracle, messages: list[dict]) -> str:
             content = "".join(p["text"] if p["type"] == "text" else "<image>" for p in content)
         turns.append({"role": m["role"], "content": content})
     return oracle.tok.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
+
+
+def test_video_is_refused():
+    with pytest.raises(sgl.ProgramError, match="no video model"):
+        sgl.video("clip.mp4", num_frames=8)
