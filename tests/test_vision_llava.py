@@ -144,6 +144,16 @@ def test_requests_with_images_pickle(llava):
         assert (copy.images[0].pixel_values == reqs[0].images[0].pixel_values).all()
 
 
+def test_scheduler_process_runs_images(llava):
+    """The images cross to a scheduler in its own process inside the request messages."""
+    params = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
+    with radixlm.Engine(llava, max_total_tokens=2048) as engine:
+        expected = [o["output_ids"] for o in engine.generate([QUESTION, OTHER], params, image_data=IMAGES)]
+    with radixlm.Engine(llava, max_total_tokens=2048, scheduler_process=True) as engine:
+        outs = engine.generate([QUESTION, OTHER], params, image_data=IMAGES)
+        assert [o["output_ids"] for o in outs] == expected
+
+
 @pytest.mark.parametrize("image_data, message", [
     (b"not an image at all", "could not be decoded"),
     ("https://example.com/cat.png", "not fetched"),

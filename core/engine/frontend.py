@@ -158,7 +158,8 @@ class FrontEnd:
                              logprob_start_len=None, top_logprobs_num=0, stream=False, rid=None, image_data=None):
         args = (prompt, sampling_params, input_ids, return_logprob, logprob_start_len, top_logprobs_num, stream, rid,
                 image_data)
-        if _is_small(prompt, input_ids) and image_data is None:  # microseconds of work: less than a hop to a worker, and keeps arrival order
+        # Microseconds of work: less than a hop to a worker, and keeps arrival order (images are decoded: not small).
+        if _is_small(prompt, input_ids) and image_data is None:
             reqs, single = self.prepare(*args)
         else:
             reqs, single = await self.offload(self.prepare, *args)

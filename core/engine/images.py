@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from radixlm.core.engine.messages import ImageInput
-from radixlm.core.errors import InvalidRequestError
+from radixlm.core.errors import InvalidRequestError, UnsupportedModelError
 from radixlm.core.models.config import VisionConfig
 
 # Hash-derived ids lie in [vocab_size, vocab_size + _PAD_ID_RANGE): far from any token id, and wide
@@ -32,6 +32,11 @@ _PAD_ID_RANGE = 1 << 48
 class ImagePreparer:
     def __init__(self, model_path: str, vision: VisionConfig, vocab_size: int, max_image_bytes: int,
                  max_image_pixels: int) -> None:
+        try:
+            import PIL  # noqa: F401  (decoding; transformers' image processors need it too)
+        except ImportError:
+            raise UnsupportedModelError("this checkpoint takes images, which need Pillow: pip install "
+                                        "'radixlm[vision]'") from None
         from transformers import AutoImageProcessor  # only for vision checkpoints
 
         self.processor = AutoImageProcessor.from_pretrained(model_path)
@@ -89,6 +94,8 @@ class ImagePreparer:
 
         if isinstance(item, Image.Image):
             return self._checked_size(item, param)
+        if isinstance(item, str) and len(item) > self.max_image_bytes * 4 // 3 + 4096:  # before decoding base64
+            raise InvalidRequestError(f"the image is over {self.max_image_bytes} bytes (max_image_bytes)", param)
         data = self.image_bytes(item, param)
         if len(data) > self.max_image_bytes:
             raise InvalidRequestError(f"the image is {len(data)} bytes; the limit is {self.max_image_bytes} "
