@@ -53,9 +53,9 @@ def make_model_dir(name: str, root: str) -> tuple[str, dict[str, Any]]:
     build_llava_checkpoint(path, image_size=336)
     os.remove(os.path.join(path, "model.safetensors"))
     config = json.loads(json.dumps(LLAVA_7B_SHAPE))
-    with open(os.path.join(path, "tokenizer_config.json")) as f:
-        image_id = [int(k) for k, v in json.load(f)["added_tokens_decoder"].items() if v["content"] == "<image>"][0]
-    config["image_token_index"] = image_id
+    with open(os.path.join(path, "config.json")) as f:  # the tokenizer's <image> id
+        tiny = json.load(f)
+    config["image_token_index"] = tiny.get("image_token_index", tiny.get("image_token_id"))
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
     return path, {"load_format": "dummy"}
