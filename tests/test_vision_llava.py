@@ -79,10 +79,14 @@ def check_logprobs(out: dict, oracle: Oracle, prompt: str, image, start: int) ->
     assert compared > 5
 
 
-@pytest.mark.parametrize("options", [{}, {"chunked_prefill_size": 7}, {"disable_cpu_prepack": True}],
-                         ids=["whole", "chunked", "plain-linear"])
+@pytest.mark.parametrize("options", [
+    {}, {"chunked_prefill_size": 7}, {"disable_cpu_prepack": True},
+    # a pool smaller than two requests: image prefixes evicted, requests retracted and resumed
+    {"chunked_prefill_size": 5, "max_total_tokens": 96, "max_running_requests": 3},
+], ids=["whole", "chunked", "plain-linear", "chunked-small-pool"])
 def test_logprobs_and_greedy_match_transformers(llava, oracle, options):
-    with radixlm.Engine(llava, max_total_tokens=2048, debug_check_invariants=True, **options) as engine:
+    options = {"max_total_tokens": 2048, **options}
+    with radixlm.Engine(llava, debug_check_invariants=True, **options) as engine:
         lp = {"max_new_tokens": 1, "temperature": 0}
         # single, the image given as PNG bytes and as a PIL image
         for image in (png_bytes(IMAGES[0]), IMAGES[0]):
