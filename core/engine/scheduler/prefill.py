@@ -145,9 +145,11 @@ class PrefillPlanner:
             req.row = memory.table.alloc()
             req.slots, req.cached_len, req.last_node = list(slots), len(slots), node
             if req.cached_tokens is None:  # first scheduled
-                req.cached_tokens = len(slots)
+                # Of the prompt: a constrained request may start with forced tokens (a jump forward
+                # before its first step) that the match covers too, but they are output, not prompt.
+                req.cached_tokens = min(len(slots), len(req.inp.input_ids))
                 req.scheduled_time = time.monotonic()
-                self.stats.cached_tokens_total += len(slots)
+                self.stats.cached_tokens_total += req.cached_tokens
                 self.stats.prompt_tokens_total += len(req.inp.input_ids)
             memory.table.write(req.row, 0, slots)
         else:
