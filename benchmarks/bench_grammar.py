@@ -41,6 +41,7 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+from urllib.parse import urljoin
 
 import numpy as np
 
@@ -54,11 +55,44 @@ K8S_SAMPLE = 40
 
 # ---- the corpus ----------------------------------------------------------------------------------------
 
+REMOTE = "http://localhost:1234/"  # where the suite's remote schemas are served (its remotes/ folder)
+
+
+def _refs_in(node, base: str) -> set[str]:
+    if isinstance(node, dict):
+        found = {urljoin(base, node["$ref"]).split("#")[0]} if isinstance(node.get("$ref"), str) else set()
+        return found.union(*(_refs_in(v, base) for v in node.values()))
+    if isinstance(node, list):
+        return set().union(*(_refs_in(v, base) for v in node))
+    return set()
+
+
+def _bundle_remotes(schema, remotes: Path):
+    """The schema with the suite's remote schemas it refers to (transitively) embedded under `$defs`,
+    each under its URL as `$id`: a compound document, the standard way to ship referenced schemas."""
+    if not isinstance(schema, dict):
+        return schema
+    bundled, todo = {}, sorted(u for u in _refs_in(schema, schema.get("$id", "")) if u.startswith(REMOTE))
+    while todo:
+        url = todo.pop()
+        path = remotes / url[len(REMOTE):]
+        if url in bundled or not path.is_file():
+            continue
+        doc = json.load(open(path))
+        bundled[url] = dict(doc, **{"$id": doc.get("$id", url)}) if isinstance(doc, dict) else doc
+        todo += [u for u in _refs_in(doc, url) if u.startswith(REMOTE)]
+    if not bundled:
+        return schema
+    return dict(schema, **{"$defs": {**schema.get("$defs", {}), **{f"remote:{u}": d for u, d in bundled.items()}}})
+
+
 def _suite_cases(suite_dir: str) -> list[dict]:
     out = []
+    remotes = Path(suite_dir).parent.parent / "remotes"
     for path in sorted(glob.glob(os.path.join(suite_dir, "*.json"))):
         for group in json.load(open(path)):
-            out.append({"name": f"suite/{Path(path).stem}/{group['description']}", "schema": group["schema"],
+            out.append({"name": f"suite/{Path(path).stem}/{group['description']}",
+                        "schema": _bundle_remotes(group["schema"], remotes),
                         "valid": [t["data"] for t in group["tests"] if t["valid"]],
                         "invalid": [t["data"] for t in group["tests"] if not t["valid"]]})
     return out

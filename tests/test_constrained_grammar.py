@@ -105,6 +105,22 @@ CASES = [
     # multipleOf a whole number: a digit automaton over remainders (with the bounds intersected).
     ({"type": "integer", "multipleOf": 3, "minimum": -7, "maximum": 20}, [-6, 0, 3, 18], [-9, 4, 21, 1.5]),
     ({"multipleOf": 2}, [10, -4, "s"], [7, 7.5]),
+    # $ref against base URIs ($id), to embedded resources, anchors and URNs; `$ref` under properties'
+    # names and inside enum values is data, not a reference.
+    ({"$id": "http://example.com/root.json", "properties": {"a": {"$ref": "item.json"}, "b": {"$ref": "#k"}},
+      "required": ["a", "b"],
+      "$defs": {"i": {"$id": "item.json", "type": "array", "items": {"$ref": "#/$defs/n"},
+                      "$defs": {"n": {"type": "integer", "maximum": 3}}},
+                "k": {"$anchor": "k", "type": "string", "maxLength": 2}}},
+     [{"a": [1, 3], "b": "xy"}], [{"a": [4], "b": "x"}, {"a": [], "b": "xyz"}]),
+    ({"$id": "urn:uuid:deadbeef-1234-ffff-ffff-4321feebdaed", "properties": {"f": {"$ref": "#/$defs/b"}},
+      "required": ["f"], "$defs": {"b": {"type": "boolean"}}}, [{"f": True}], [{"f": 1}]),
+    ({"properties": {"$ref": {"enum": [{"$ref": "#/$defs/x"}]}}, "required": ["$ref"],
+      "$defs": {"x": {"type": "integer"}}}, [{"$ref": {"$ref": "#/$defs/x"}}], [{"$ref": 1}]),
+    ({"$ref": "http://example.com/tree.json", "$defs": {"tree": {
+        "$id": "http://example.com/tree.json", "type": "object", "required": ["v"],
+        "properties": {"v": INT, "kids": {"type": "array", "items": {"$ref": "tree.json"}, "maxItems": 2}}}}},
+     [{"v": 1, "kids": [{"v": 2}]}], [{"v": 1, "kids": [{}]}]),
 ]
 
 

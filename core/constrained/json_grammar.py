@@ -30,6 +30,7 @@ from radixlm.core.constrained.counted_string import counted_states, counted_stri
 from radixlm.core.constrained.grammar import EMPTY, Alt, Expr, Grammar, Ref, Repeat, Terminal, alt, lit, opt, seq
 from radixlm.core.constrained.grammar_compiler import DEFAULT_BUDGET, Deadline, GrammarBudget, terminal_dfa
 from radixlm.core.constrained.regex_dfa import ByteDFA, dfa_difference, dfa_intersection, literals_dfa
+from radixlm.core.constrained.schema_refs import SchemaRefs
 
 CHAR = Terminal(regex=js.STRING_CHAR)
 NUMBER = Terminal(regex=js.NUMBER)
@@ -81,28 +82,29 @@ def json_schema_to_grammar(schema: Any, whitespace_pattern: str | None = None,
                            budget: GrammarBudget = DEFAULT_BUDGET, deadline: Deadline | None = None) -> Grammar:
     """The grammar of compact JSON documents valid under `schema` (a JSON string, dict, bool or pydantic
     model class). ValueError naming the keyword and where (JSON pointer) for whatever is refused."""
-    root = js._load_schema(schema)
+    refs = SchemaRefs(js._load_schema(schema))
     if whitespace_pattern:
         try:
             re.compile(whitespace_pattern)
         except re.error as e:
             raise ValueError(f"invalid whitespace_pattern {whitespace_pattern!r}: {e}") from None
-    conv = _Converter(root, whitespace_pattern or "", budget, deadline or Deadline(budget))
-    conv.rules["start"] = conv.value(root, "#")
+    conv = _Converter(refs, whitespace_pattern or "", budget, deadline or Deadline(budget))
+    conv.rules["start"] = conv.value(refs.root, "#")
     return Grammar(conv.rules, "start")
 
 
 class _Converter(js._Converter):
     """Reuses the regex converter's $ref resolution, allOf merging and ref expansion (for merges)."""
 
-    def __init__(self, root: Any, ws: str, budget: GrammarBudget, deadline: Deadline) -> None:
-        super().__init__(root, ws, js.DEFAULT_MAX_RECURSION)
+    def __init__(self, refs: SchemaRefs, ws: str, budget: GrammarBudget, deadline: Deadline) -> None:
+        super().__init__(refs.root, ws, js.DEFAULT_MAX_RECURSION)
+        self.refs = refs
         self.budget = budget
         self.deadline = deadline
         self.rules: dict[str, Expr] = {}
         self.ref_rules: dict[str, str] = {}
         self.ws_term = Terminal(regex=f"(?:{ws})") if ws else None
-        self.formats_asserted = _asserts_formats(root)
+        self.formats_asserted = _asserts_formats(refs.root)
 
     # ---- helpers -------------------------------------------------------------------------------------
     def _punct(self, text: str) -> Expr:
@@ -217,13 +219,7 @@ class _Converter(js._Converter):
             raise SchemaError(f"{ptr}/$ref: {e}") from None
 
     def _resolve(self, ref: str) -> Any:
-        """Local JSON pointers, and `#name` refs to a schema with `"$anchor": "name"`."""
-        if ref.startswith("#") and len(ref) > 1 and not ref.startswith("#/"):
-            found = _find_anchor(self.root, ref[1:])
-            if found is None:
-                raise ValueError(f"$ref {ref!r} does not resolve")
-            return found
-        return super()._resolve(ref)
+        return self.refs.resolve(ref)
 
     def _merge(self, schemas: list[Any], refs: tuple) -> dict | bool:
         """allOf merged; a part's additionalProperties also constrains the properties that only other
@@ -761,22 +757,6 @@ def _pattern_matches(pattern: str, name: str, ptr: str = "#") -> bool:
         return re.search(pattern, name, re.ASCII) is not None
     except re.error as e:
         raise SchemaError(f"{ptr}/patternProperties: invalid pattern {pattern!r}: {e}") from None
-
-
-def _find_anchor(node: Any, name: str) -> Any:
-    if isinstance(node, dict):
-        if node.get("$anchor") == name:
-            return node
-        children = node.values()
-    elif isinstance(node, list):
-        children = node
-    else:
-        return None
-    for child in children:
-        found = _find_anchor(child, name)
-        if found is not None:
-            return found
-    return None
 
 
 def _pairwise_exclusive(sigs: list[dict]) -> bool:
