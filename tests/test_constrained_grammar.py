@@ -105,6 +105,25 @@ CASES = [
     # multipleOf a whole number: a digit automaton over remainders (with the bounds intersected).
     ({"type": "integer", "multipleOf": 3, "minimum": -7, "maximum": 20}, [-6, 0, 3, 18], [-9, 4, 21, 1.5]),
     ({"multipleOf": 2}, [10, -4, "s"], [7, 7.5]),
+    # allOf parts that disagree on a keyword: the tighter bound, an allOf of schema keywords, prefix
+    # items position by position, multipleOf's least common multiple, if/then/else in a part.
+    ({"allOf": [{"type": "integer", "minimum": 2, "multipleOf": 2}, {"minimum": 4, "maximum": 20, "multipleOf": 3}]},
+     [6, 18], [2, 4, 9, 24]),
+    ({"type": "array", "allOf": [{"prefixItems": [INT]}, {"prefixItems": [{"maximum": 5}, STR]}]},
+     [[], [3], [5, "a"], [5, "a", None]], [[6], [1, 2], ["a"]]),
+    ({"allOf": [{"if": {"type": "integer"}, "then": {"minimum": 0}}, {"if": {"type": "integer"}, "then": {"maximum": 9}}]},
+     [0, 9], [-1, 10]),
+    # Number bounds of any kind (fractional, exclusive, negative); numbers that are not integers.
+    ({"type": "number", "exclusiveMinimum": 1.1, "maximum": 2.05}, [1.11, 1.2, 2, 2.05, 2.0499],
+     [1.1, 1.1, 1.09, 2.051, 3, -1.5]),
+    ({"type": "number", "minimum": -0.25, "exclusiveMaximum": 0}, [-0.25, -0.1, -0.0001], [0, -0.26, 0.5, -1]),
+    ({"exclusiveMaximum": -7.5, "minimum": -7.5}, ["s", True], [-7.5, -8, -7]),
+    ({"type": "number", "not": {"type": "integer"}, "maximum": 1}, [0.5, -3.25, 1 - 1e-3], [1, 0, 2.5, 1.5]),
+    # Counts written as whole floats; contains with minContains / maxContains.
+    ({"type": "array", "maxItems": 2.0, "items": INT}, [[1, 2]], [[1, 2, 3]]),
+    ({"type": "array", "contains": {"const": 1}, "minContains": 2}, [[1, 1], [0, 1, 1, 2]], [[1], [1, 0, 2]]),
+    ({"type": "array", "contains": {"const": 1}, "maxContains": 2}, [[1], [1, 1]], [[], [1, 1, 1], [2]]),
+    ({"type": "array", "contains": {"type": "integer"}, "minContains": 0, "maxContains": 1}, [[], [5]], [[1, 2]]),
     # $ref against base URIs ($id), to embedded resources, anchors and URNs; `$ref` under properties'
     # names and inside enum values is data, not a reference.
     ({"$id": "http://example.com/root.json", "properties": {"a": {"$ref": "item.json"}, "b": {"$ref": "#k"}},
@@ -173,7 +192,7 @@ def test_oneof_that_may_overlap_is_refused_with_its_pointer(tiny_tokenizer):
 
 
 @pytest.mark.parametrize("schema, where", [
-    ({"items": {"contains": INT, "maxItems": 3}}, "#/items/contains"),
+    ({"items": {"not": {"minimum": 3}}}, "#/items/not"),
     ({"$defs": {"a": {"$dynamicRef": "#x"}}, "$ref": "#/$defs/a"}, "#/$defs/a/$dynamicRef"),
     ({"properties": {"a/b": {"type": "number", "multipleOf": 0.5}}}, "#/properties/a~1b/multipleOf"),
 ])

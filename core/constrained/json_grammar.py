@@ -20,12 +20,14 @@ from __future__ import annotations
 import functools
 import itertools
 import json
+import math
 import re
 from typing import Any
 
 import numpy as np
 
 from radixlm.core.constrained import json_schema as js
+from radixlm.core.constrained import number_ranges
 from radixlm.core.constrained.counted_string import counted_states, counted_string_dfa
 from radixlm.core.constrained.grammar import EMPTY, Alt, Expr, Grammar, Ref, Repeat, Terminal, alt, lit, opt, seq
 from radixlm.core.constrained.grammar_compiler import DEFAULT_BUDGET, Deadline, GrammarBudget, terminal_dfa
@@ -67,6 +69,9 @@ _IGNORED = {
 }
 _REFUSED = {"$dynamicRef": "$dynamicRef", "$recursiveRef": "$recursiveRef"}
 _DEPENDENT = ("dependentRequired", "dependentSchemas", "dependencies")
+_LOWER_BOUNDS = {"minimum", "exclusiveMinimum", "minLength", "minItems", "minProperties", "minContains"}
+_UPPER_BOUNDS = {"maximum", "exclusiveMaximum", "maxLength", "maxItems", "maxProperties", "maxContains"}
+_SCHEMA_VALUED = {"items", "additionalProperties", "propertyNames", "additionalItems"}
 
 
 def string_terminal(lo: int = 0, hi: int | None = None) -> Terminal:
@@ -146,9 +151,8 @@ class _Converter(js._Converter):
                 raise SchemaError(f"{ptr}/{key}: keyword {_REFUSED[key]!r} is not supported")
         if any(k in schema for k in _DEPENDENT):
             return self.value(self._dependents(schema, ptr), ptr)
-        if "if" in schema:  # generated through its `if` branch: instances of if and then (a sound subset)
-            rest = {k: v for k, v in schema.items() if k not in ("if", "then", "else")}
-            return self.value({"allOf": [schema["if"], schema.get("then", True), rest]}, ptr)
+        if "if" in schema:
+            return self.value(_through_if(schema), ptr)
         schema = {k: v for k, v in schema.items() if k not in ("then", "else")}
         if "allOf" in schema:
             try:
@@ -181,6 +185,7 @@ class _Converter(js._Converter):
         if "not" in schema:
             types = self._without(types, schema["not"], ptr)
         handlers = {"string": self._string, "integer": self._integer, "number": self._number,
+                    "fraction": functools.partial(self._number, fraction=True),
                     "boolean": lambda s, p: BOOLEAN, "null": lambda s, p: NULL, "object": self._object,
                     "array": self._array}
         out = []
@@ -277,6 +282,25 @@ class _Converter(js._Converter):
             parts = adjusted
         return super()._merge(parts, refs)
 
+    def _combine(self, key: str, a: Any, b: Any) -> Any:
+        """Two allOf parts' values of one keyword as one: the tighter bound, the schema keywords as an
+        allOf of both (each part's additionalProperties and items were already carried onto the other
+        parts' own properties and prefix items by _merge), prefixItems position by position, integer
+        multipleOf as the least common multiple. Others are refused."""
+        numbers = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (a, b))
+        if key in _LOWER_BOUNDS and numbers:
+            return max(a, b)
+        if key in _UPPER_BOUNDS and numbers:
+            return min(a, b)
+        if key == "multipleOf" and numbers and float(a).is_integer() and float(b).is_integer():
+            return math.lcm(int(a), int(b))
+        if key in _SCHEMA_VALUED:
+            return {"allOf": [a, b]}
+        if key == "prefixItems" and isinstance(a, list) and isinstance(b, list):
+            short, long = sorted((a, b), key=len)
+            return [{"allOf": [x, y]} for x, y in zip(short, long)] + long[len(short):]
+        return super()._combine(key, a, b)
+
     def _flat_parts(self, schemas: list[Any], refs: tuple) -> list[Any]:
         """allOf's parts, dereferenced, with nested allOfs spliced in (so that a nested part's
         additionalProperties also sees the properties the outer parts list)."""
@@ -284,6 +308,8 @@ class _Converter(js._Converter):
         for schema in schemas:
             part, sub_refs = self._deref(schema, refs)
             part = _known_keywords(part)
+            if isinstance(part, dict) and "if" in part:
+                part = _through_if(part)
             if isinstance(part, dict) and isinstance(part.get("allOf"), list):
                 parts.extend(self._flat_parts(part["allOf"], sub_refs))
                 part = {k: v for k, v in part.items() if k != "allOf"}
@@ -321,9 +347,8 @@ class _Converter(js._Converter):
             excluded = {sub["type"]} if isinstance(sub["type"], str) else set(sub["type"])
             if "number" in excluded:
                 excluded.add("integer")
-            if "integer" in excluded and "number" in types:
-                raise SchemaError(f"{ptr}/not: excluding integers from numbers is not supported")
-            return [t for t in types if t not in excluded]
+            # Numbers that are not integers: the ones with a fraction that is not zero.
+            return ["fraction" if t == "number" and "integer" in excluded else t for t in types if t not in excluded]
         raise SchemaError(f"{ptr}/not: only 'not' of types is supported")
 
     def _any(self) -> Ref:
@@ -340,9 +365,7 @@ class _Converter(js._Converter):
 
     # ---- scalars -----------------------------------------------------------------------------------
     def _string(self, schema: dict, ptr: str) -> Expr:
-        lo, hi = schema.get("minLength", 0), schema.get("maxLength")
-        if not isinstance(lo, int) or hi is not None and not isinstance(hi, int):
-            raise SchemaError(f"{ptr}/minLength: minLength and maxLength must be integers")
+        lo, hi = _counts(schema, "minLength", "maxLength", ptr)
         if hi is not None and hi < lo:
             return NOTHING
         fmt, pattern = schema.get("format"), schema.get("pattern")
@@ -393,21 +416,46 @@ class _Converter(js._Converter):
             dfa = dfa_intersection(dfa, bounds, budget, self.deadline.check)
         return NOTHING if dfa is None else Terminal(key=f"multiples:{int(step)}:{lo}:{hi}", dfa=dfa)
 
-    def _number(self, schema: dict, ptr: str) -> Expr:
+    def _number(self, schema: dict, ptr: str, fraction: bool = False) -> Expr:
+        """Numbers within the bounds (any decimal bound, exclusive or not); with `fraction`, only those
+        that are not integers."""
         if "multipleOf" in schema:  # the multiples of a whole number are integers
-            return self._integer(schema, ptr)
-        bounds = [k for k in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum") if k in schema]
-        if not bounds:
+            return NOTHING if fraction else self._integer(schema, ptr)
+        lower = self._bound(schema, "minimum", "exclusiveMinimum", max, ptr)
+        upper = self._bound(schema, "maximum", "exclusiveMaximum", min, ptr)
+        try:
+            sides = [number_ranges.above(*lower)] if lower else []
+            sides += [number_ranges.below(*upper)] if upper else []
+        except ValueError as e:
+            raise SchemaError(f"{ptr}: {e}") from None
+        sides += [number_ranges.FRACTIONAL] if fraction else []
+        if fraction or any(b and (not b[1] or b[0] != int(b[0])) for b in (lower, upper)):
+            sides.append(number_ranges.ROUND_TRIP)
+        if not sides:
             return NUMBER
-        values = [schema[k] for k in bounds]
-        if any(isinstance(v, bool) or not isinstance(v, (int, float)) or v != int(v) for v in values):
-            raise SchemaError(f"{ptr}/{bounds[0]}: bounds on 'number' are supported when they are whole numbers")
-        if "exclusiveMinimum" in schema or "exclusiveMaximum" in schema:
-            raise SchemaError(f"{ptr}/{bounds[0]}: exclusive bounds on 'number' are not supported (use integer)")
-        lo, hi = js._int_bounds(schema)
-        if lo is not None and hi is not None and lo > hi:
-            return NOTHING
-        return Terminal(regex=f"(?:{js.number_range_regex(lo, hi)}|(?:{js.int_range_regex(lo, hi)}))")
+        if len(sides) == 1:
+            return Terminal(regex=sides[0])
+        budget = self.budget.max_terminal_states
+        dfa = terminal_dfa(sides[0], budget)
+        for side in sides[1:]:
+            if dfa is not None:
+                dfa = dfa_intersection(dfa, terminal_dfa(side, budget), budget, self.deadline.check)
+        return NOTHING if dfa is None else Terminal(key=f"number:{lower}:{upper}:{fraction}", dfa=dfa)
+
+    @staticmethod
+    def _bound(schema: dict, inclusive: str, exclusive: str, tighter, ptr: str) -> tuple[Any, bool] | None:
+        """(the tighter of the two bounds, whether it is inclusive), or None if neither is given."""
+        found = []
+        for key, closed in ((inclusive, True), (exclusive, False)):
+            if key in schema:
+                value = schema[key]
+                if isinstance(value, bool) or not isinstance(value, (int, float)):
+                    raise SchemaError(f"{ptr}/{key}: must be a number (draft 4's boolean form is not supported)")
+                found.append((value, closed))
+        if not found:
+            return None
+        best = tighter(v for v, _ in found)
+        return best, all(closed for v, closed in found if v == best)  # an equal exclusive bound wins
 
     # ---- objects -----------------------------------------------------------------------------------
     def _object(self, schema: dict, ptr: str) -> Expr:
@@ -424,7 +472,7 @@ class _Converter(js._Converter):
         # lists its keys (properties or required) gets exactly those (the documented strictness).
         explicit = schema.get("additionalProperties", schema.get("unevaluatedProperties"))
         extra = explicit if explicit is not None else not props and not patterns and not required
-        lo, hi = schema.get("minProperties", 0), schema.get("maxProperties")
+        lo, hi = _counts(schema, "minProperties", "maxProperties", ptr)
         names = list(props) + [r for r in required if r not in props]
         key_filter = schema.get("propertyNames", True)
         if key_filter is not True:
@@ -573,9 +621,7 @@ class _Converter(js._Converter):
 
     # ---- arrays ------------------------------------------------------------------------------------
     def _array(self, schema: dict, ptr: str) -> Expr:
-        lo, hi = schema.get("minItems", 0), schema.get("maxItems")
-        if not isinstance(lo, int) or hi is not None and not isinstance(hi, int):
-            raise SchemaError(f"{ptr}/minItems: minItems and maxItems must be integers")
+        lo, hi = _counts(schema, "minItems", "maxItems", ptr)
         if schema.get("uniqueItems") is True:  # sound approximation: arrays of at most one item
             if lo > 1:
                 raise SchemaError(f"{ptr}/uniqueItems: uniqueItems with minItems > 1 is not supported")
@@ -584,13 +630,19 @@ class _Converter(js._Converter):
         items, prefix = schema.get("items", schema.get("unevaluatedItems", True)), schema.get("prefixItems")
         if isinstance(items, list):  # draft 4-2019 tuple form
             prefix, items = items, schema.get("additionalItems", True)
-        if "maxContains" in schema and "contains" in schema:
-            raise SchemaError(f"{ptr}/maxContains: maxContains is not supported")
-        if "contains" in schema and schema.get("minContains", 1) != 0:
-            return self._contains(schema, items, prefix, lo, hi, ptr)
+        if "contains" in schema:
+            contains_lo, contains_hi = _counts(schema, "minContains", "maxContains", ptr)
+            if "minContains" not in schema:
+                contains_lo = 1
+            if contains_lo or contains_hi is not None:
+                return self._contains(schema, items, prefix, lo, hi, contains_lo, contains_hi, ptr)
         parts = [self._shared(self.value(p, f"{ptr}/prefixItems/{i}"), f"{ptr}/prefixItems/{i}")
                  for i, p in enumerate(prefix or [])]
         rest = self._shared(self.value(items, f"{ptr}/items"), f"{ptr}/items") if items is not False else NOTHING
+        return self._items(parts, rest, lo, hi)
+
+    def _items(self, parts: list[Expr], rest: Expr, lo: int, hi: int | None) -> Expr:
+        """`[`, the prefix items `parts`, then `rest` items, lo..hi in all, `]`."""
         if parts:
             body = self._prefix_body(parts, rest, lo, hi)
         elif hi is not None and hi < max(lo, 1):
@@ -600,15 +652,29 @@ class _Converter(js._Converter):
             body = seq(rest, more) if lo else opt(seq(rest, more))
         return seq(self._punct("["), body, self._punct("]"))
 
-    def _contains(self, schema: dict, items: Any, prefix: Any, lo: int, hi: int | None, ptr: str) -> Expr:
-        """[item, ..., match, item, ...]: at least one item also valid under `contains`."""
-        if prefix or hi is not None or lo > 1 or "maxContains" in schema or schema.get("minContains", 1) != 1:
-            raise SchemaError(f"{ptr}/contains: contains with prefixItems, maxItems, minItems > 1 or "
-                              "min/maxContains is not supported")
-        item = self._shared(self.value(items, f"{ptr}/items"), f"{ptr}/items")
-        match = self._shared(self.value({"allOf": [items, schema["contains"]]}, f"{ptr}/contains"), f"{ptr}/contains")
-        comma = self._punct(",")
-        return seq(self._punct("["), Repeat(seq(item, comma)), match, Repeat(seq(comma, item)), self._punct("]"))
+    def _contains(self, schema: dict, items: Any, prefix: Any, lo: int, hi: int | None, contains_lo: int,
+                  contains_hi: int | None, ptr: str) -> Expr:
+        """Arrays with contains_lo..contains_hi items valid under `contains`. Unbounded: [item, ...,
+        match, ..., match, item, ...] (contains_lo matches in a row); otherwise (maxContains, maxItems,
+        minItems > 1, prefixItems) every item matches and the length stays within both ranges: a
+        sound subset, since telling a non-matching item apart would need the complement of `contains`."""
+        match_ptr = f"{ptr}/contains"
+        if not prefix and hi is None and lo <= contains_lo and contains_hi is None:
+            item = self._shared(self.value(items, f"{ptr}/items"), f"{ptr}/items")
+            match = self._shared(self.value({"allOf": [items, schema["contains"]]}, match_ptr), match_ptr)
+            comma = self._punct(",")
+            matches = seq(match, Repeat(seq(comma, match), contains_lo - 1, contains_lo - 1))
+            return seq(self._punct("["), Repeat(seq(item, comma)), matches, Repeat(seq(comma, item)),
+                       self._punct("]"))
+        lo = max(lo, contains_lo)
+        hi = contains_hi if hi is None else hi if contains_hi is None else min(hi, contains_hi)
+        if hi is not None and hi < lo:
+            return NOTHING
+        parts = [self._shared(self.value({"allOf": [p, schema["contains"]]}, f"{ptr}/prefixItems/{i}"),
+                              f"{ptr}/prefixItems/{i}") for i, p in enumerate(prefix or [])]
+        rest = self._shared(self.value({"allOf": [items, schema["contains"]]}, match_ptr), match_ptr) \
+            if items is not False else NOTHING
+        return self._items(parts, rest, lo, hi)
 
     def _prefix_body(self, parts: list[Expr], rest: Expr, lo: int, hi: int | None) -> Expr:
         comma = self._punct(",")
@@ -792,6 +858,26 @@ def _excludes(a: dict, b: dict) -> bool:
         if key in a.get("required", set()) and other is not None and all(v not in other for v in values):
             return True
     return False
+
+
+def _counts(schema: dict, low: str, high: str, ptr: str) -> tuple[int, int | None]:
+    """(schema[low] or 0, schema[high] or None) as ints: whole numbers, 2.0 included (JSON Schema's
+    non-negative integers may be written so)."""
+    out = []
+    for key, default in ((low, 0), (high, None)):
+        value = schema.get(key, default)
+        if value is not None:
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0 or value != int(value):
+                raise SchemaError(f"{ptr}/{key}: must be a non-negative integer, got {value!r}")
+            value = int(value)
+        out.append(value)
+    return out[0], out[1]
+
+
+def _through_if(schema: dict) -> dict:
+    """if/then/else generated through its `if` branch: instances of if and then (a sound subset)."""
+    rest = {k: v for k, v in schema.items() if k not in ("if", "then", "else")}
+    return {"allOf": [schema["if"], schema.get("then", True), rest]}
 
 
 def _json_type(value: Any) -> str:
