@@ -119,6 +119,16 @@ CASES = [
     ({"type": "number", "minimum": -0.25, "exclusiveMaximum": 0}, [-0.25, -0.1, -0.0001], [0, -0.26, 0.5, -1]),
     ({"exclusiveMaximum": -7.5, "minimum": -7.5}, ["s", True], [-7.5, -8, -7]),
     ({"type": "number", "not": {"type": "integer"}, "maximum": 1}, [0.5, -3.25, 1 - 1e-3], [1, 0, 2.5, 1.5]),
+    ({"anyOf": [{"allOf": [{"const": "a"}, {"const": "b"}]}, {"allOf": [{"const": 1}, {"const": 1.0}]}]}, [1], ["a", "b"]),
+    # not of required keys, of string patterns and constants, and anyOf/allOf of those.
+    ({"type": "object", "not": {"required": ["a"]}}, [{}, {"b": 1}], [{"a": 1}]),
+    ({"type": "object", "properties": {"a": INT, "b": INT}, "not": {"required": ["a", "b"]}},
+     [{"a": 1}, {"b": 2}, {}], [{"a": 1, "b": 2}]),
+    ({"type": "object", "not": {"anyOf": [{"required": ["x"]}, {"required": ["y"]}]}}, [{"z": 1}], [{"x": 1}, {"y": 1}]),
+    ({"type": "string", "not": {"pattern": "^a"}, "maxLength": 3}, ["ba", ""], ["a", "abc"]),
+    ({"enum": ["a", "b", 1], "not": {"const": "a"}}, ["b", 1], ["a"]),
+    ({"type": "object", "properties": {"w": {}, "u": {}}, "not": {"allOf": [{"required": ["w"]}, {"required": ["u"]}]},
+      "allOf": [{"not": {"required": ["x"]}}]}, [{"w": 1}, {"u": 1}], [{"w": 1, "u": 1}]),
     # Counts written as whole floats; contains with minContains / maxContains.
     ({"type": "array", "maxItems": 2.0, "items": INT}, [[1, 2]], [[1, 2, 3]]),
     ({"type": "array", "contains": {"const": 1}, "minContains": 2}, [[1, 1], [0, 1, 1, 2]], [[1], [1, 0, 2]]),

@@ -71,6 +71,8 @@ _REFUSED = {"$dynamicRef": "$dynamicRef", "$recursiveRef": "$recursiveRef"}
 _DEPENDENT = ("dependentRequired", "dependentSchemas", "dependencies")
 _LOWER_BOUNDS = {"minimum", "exclusiveMinimum", "minLength", "minItems", "minProperties", "minContains"}
 _UPPER_BOUNDS = {"maximum", "exclusiveMaximum", "maxLength", "maxItems", "maxProperties", "maxContains"}
+_CONFLICT = object()  # internal: the `const` of allOf parts with different constants (no value)
+_NOT_STRINGS = "x-radixlm-not-strings"  # internal: regexes of the JSON strings a `not` excludes
 _SCHEMA_VALUED = {"items", "additionalProperties", "propertyNames", "additionalItems"}
 
 
@@ -154,6 +156,9 @@ class _Converter(js._Converter):
         if "if" in schema:
             return self.value(_through_if(schema), ptr)
         schema = {k: v for k, v in schema.items() if k not in ("then", "else")}
+        if "not" in schema and not _types_only(schema["not"]):  # as positive keywords, merged in
+            rest = {k: v for k, v in schema.items() if k != "not"}
+            return self.value({"allOf": [self._negation(schema["not"], _opened(rest), f"{ptr}/not"), rest]}, ptr)
         if "allOf" in schema:
             try:
                 merged = self._merge(schema["allOf"] + [{k: v for k, v in schema.items() if k != "allOf"}], ())
@@ -175,7 +180,7 @@ class _Converter(js._Converter):
         if schema.get("nullable") is True:
             return alt(self.value({k: v for k, v in schema.items() if k != "nullable"}, ptr), NULL)
         if "const" in schema:
-            return self._literal(schema["const"], schema, ptr)
+            return NOTHING if schema["const"] is _CONFLICT else self._literal(schema["const"], schema, ptr)
         if "enum" in schema:
             if not isinstance(schema["enum"], list) or not schema["enum"]:
                 raise SchemaError(f"{ptr}/enum: must be a non-empty list")
@@ -200,9 +205,7 @@ class _Converter(js._Converter):
         """dependentRequired / dependentSchemas (and draft 7's dependencies) as an allOf of choices, one per
         key: the key absent, or present with what depends on it."""
         rest = {k: v for k, v in schema.items() if k not in _DEPENDENT}
-        # In an object that lists no keys, the choices must not close it (see _object's strictness).
-        opened = {} if any(k in schema for k in ("properties", "patternProperties", "additionalProperties",
-                                                 "unevaluatedProperties")) else {"additionalProperties": True}
+        opened = _opened(schema)
         parts = []
         for keyword in _DEPENDENT:
             table = schema.get(keyword, {})
@@ -296,6 +299,12 @@ class _Converter(js._Converter):
             return math.lcm(int(a), int(b))
         if key in _SCHEMA_VALUED:
             return {"allOf": [a, b]}
+        if key == "not":  # not A and not B: not (A or B)
+            return {"anyOf": [a, b]}
+        if key == _NOT_STRINGS:
+            return a + b
+        if key == "const":  # two different constants: no value
+            return a if _same_json(a, b) else _CONFLICT
         if key == "prefixItems" and isinstance(a, list) and isinstance(b, list):
             short, long = sorted((a, b), key=len)
             return [{"allOf": [x, y]} for x, y in zip(short, long)] + long[len(short):]
@@ -324,6 +333,9 @@ class _Converter(js._Converter):
             kind = _json_type(value)
             if kind not in types and not (kind == "integer" and "number" in types):
                 return NOTHING
+        text = json.dumps(value, ensure_ascii=False)
+        if isinstance(value, str) and any(re.fullmatch(r, text) for r in schema.get(_NOT_STRINGS, ())):
+            return NOTHING  # a `not` excludes it
         return self._constant(value)
 
     def _constant(self, value: Any) -> Expr:
@@ -339,6 +351,38 @@ class _Converter(js._Converter):
             body = [seq(self._punct(","), m) if i else m for i, m in enumerate(members)]
             return seq(self._punct("{"), *body, self._punct("}"))
         return lit(json.dumps(value, ensure_ascii=False))
+
+    def _negation(self, sub: Any, opened: dict, ptr: str) -> Any:
+        """A schema of positive keywords that the values `sub` rejects satisfy: keys of `required` absent
+        (one of them, at least), strings matching no `pattern`/`enum`/`const`, and anyOf/allOf of those
+        (De Morgan). `opened` keeps an object that lists no keys open (see _opened)."""
+        sub, _ = self._deref(sub, ())
+        if sub is True or sub == {}:
+            return False
+        if sub is False:
+            return True
+        body = {k: v for k, v in sub.items() if k not in _IGNORED} if isinstance(sub, dict) else None
+        if body is not None and len(body) == 1 and isinstance(body.get("anyOf", body.get("allOf")), list):
+            flip = "allOf" if "anyOf" in body else "anyOf"
+            return {flip: [self._negation(b, opened, ptr) for b in next(iter(body.values()))]}
+        kind = body.get("type") if body else None
+        props = body.get("properties", {}) if body else None
+        if (body and kind in (None, "object") and body.get("required") and set(body) <= {"type", "required", "properties"}
+                and isinstance(props, dict) and all(v is True or v == {} for v in props.values())):
+            absent = [{"properties": {r: False}, **opened} for r in body["required"]]
+            return absent[0] if len(absent) == 1 else {"anyOf": absent}
+        if body and kind in (None, "string") and set(body) - {"type"} and set(body) <= {"type", "pattern", "enum", "const"}:
+            values = list(body.get("enum", [])) + ([body["const"]] if "const" in body else [])
+            if all(isinstance(v, str) for v in values):
+                excluded = [re.escape(json.dumps(v, ensure_ascii=False)) for v in values]
+                if "pattern" in body:
+                    try:
+                        excluded.append(f'"{ecma_string_pattern(body["pattern"])}"')
+                    except ValueError as e:
+                        raise SchemaError(f"{ptr}/pattern: {e}") from None
+                return {_NOT_STRINGS: excluded}
+        raise SchemaError(f"{ptr}: only 'not' of types, of required keys, of string patterns or constants, and "
+                          "anyOf/allOf of those, is supported")
 
     def _without(self, types: list[str], sub: Any, ptr: str) -> list[str]:
         if sub is True or sub == {}:
@@ -365,6 +409,22 @@ class _Converter(js._Converter):
 
     # ---- scalars -----------------------------------------------------------------------------------
     def _string(self, schema: dict, ptr: str) -> Expr:
+        """The strings `schema` allows, less those a `not` excluded (_negation)."""
+        expr = self._string_body(schema, ptr)
+        excluded = schema.get(_NOT_STRINGS)
+        if not excluded or expr is NOTHING:
+            return expr
+        if not isinstance(expr, Terminal):
+            raise SchemaError(f"{ptr}/not: excluding strings from one of over {self.budget.max_terminal_states} "
+                              "states is not supported")
+        budget = self.budget.max_terminal_states
+        dfa = expr.dfa if expr.dfa is not None else terminal_dfa(expr.regex, budget)
+        for regex in excluded:
+            other = terminal_dfa(regex, budget) if dfa is not None else None
+            dfa = dfa_difference(dfa, other, budget, self.deadline.check) if other is not None else dfa
+        return NOTHING if dfa is None else Terminal(key=f"{expr.ident}\0not:" + "\0".join(excluded), dfa=dfa)
+
+    def _string_body(self, schema: dict, ptr: str) -> Expr:
         lo, hi = _counts(schema, "minLength", "maxLength", ptr)
         if hi is not None and hi < lo:
             return NOTHING
@@ -729,6 +789,8 @@ class _Converter(js._Converter):
             schema = self._merge(schema["allOf"] + [{k: v for k, v in schema.items() if k != "allOf"}], ())
         if not isinstance(schema, dict):
             return {"types": set(_TYPES) | {"integer"}, "consts": None}
+        if schema.get("const") is _CONFLICT:
+            return {"types": set(), "consts": None}
         consts = None
         if "const" in schema:
             consts = [schema["const"]]
@@ -761,6 +823,7 @@ _KNOWN = {
     "uniqueItems", "minLength", "maxLength", "pattern", "format", "minimum", "maximum", "exclusiveMinimum",
     "exclusiveMaximum", "multipleOf", "anyOf", "oneOf", "allOf", "not", "if", "then", "else", "$ref",
     "nullable", "dependentRequired", "dependentSchemas", "dependencies", "$dynamicRef", "$recursiveRef",
+    _NOT_STRINGS,
 }
 
 
@@ -874,10 +937,28 @@ def _counts(schema: dict, low: str, high: str, ptr: str) -> tuple[int, int | Non
     return out[0], out[1]
 
 
+def _types_only(sub: Any) -> bool:
+    """Whether `not: sub` only removes types (value() filters the types for it)."""
+    return sub is True or sub == {} or isinstance(sub, dict) and set(sub) - _IGNORED == {"type"}
+
+
+def _opened(schema: dict) -> dict:
+    """What a part added to `schema` by an allOf must carry so that an object listing no keys stays open
+    (_object closes objects that list keys and say nothing of others: the documented strictness)."""
+    listed = ("properties", "patternProperties", "additionalProperties", "unevaluatedProperties")
+    return {} if any(k in schema for k in listed) else {"additionalProperties": True}
+
+
 def _through_if(schema: dict) -> dict:
     """if/then/else generated through its `if` branch: instances of if and then (a sound subset)."""
     rest = {k: v for k, v in schema.items() if k not in ("if", "then", "else")}
     return {"allOf": [schema["if"], schema.get("then", True), rest]}
+
+
+def _same_json(a: Any, b: Any) -> bool:
+    """Equal as JSON Schema compares values (1 == 1.0; true is not 1)."""
+    return _json_type(a) in ("integer", "number") and _json_type(b) in ("integer", "number") and a == b or \
+        json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)
 
 
 def _json_type(value: Any) -> str:
