@@ -311,7 +311,7 @@ def run(engine_name: str, suite_dir: str, limit: int | None, cold: bool, vocab_n
             text = json.dumps(_ordered(instance, schema), separators=(",", ":"), ensure_ascii=False)
             _walk(engine, schema, _encode(tokenizer, text) + [eos], eos, vocab_size, mask_again_us)
         if samples:
-            sampled += _sample(engine, schema, samples, len(sampled), bad_samples)
+            sampled += _sample(engine, case["name"], schema, samples, len(sampled), bad_samples)
     rss_after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     sources: dict[str, list[int]] = {}
     for case in cases:
@@ -342,7 +342,7 @@ def _encode(tokenizer, text: str) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=False)
 
 
-def _sample(engine: Engine, schema, n: int, seed: int, bad: list[str]) -> list[bool]:
+def _sample(engine: Engine, name: str, schema, n: int, seed: int, bad: list[str]) -> list[bool]:
     """n random walks (a uniform choice among the allowed tokens: harsher than any temperature), each
     checked with jsonschema (formats asserted where the engine asserts them)."""
     import jsonschema
@@ -355,7 +355,12 @@ def _sample(engine: Engine, schema, n: int, seed: int, bad: list[str]) -> list[b
     rng = np.random.default_rng(seed)
     out = []
     for _ in range(n):
-        ids = random_walk(_fresh(engine, schema), rng, max_tokens=SAMPLE_TOKENS)
+        try:
+            ids = random_walk(_fresh(engine, schema), rng, max_tokens=SAMPLE_TOKENS)
+        except AssertionError as e:  # the walk found no way to an end
+            out.append(False)
+            bad.append(f"{name}: {e}")
+            continue
         text = engine.tokenizer.decode(ids, clean_up_tokenization_spaces=False)
         try:
             ok = validator.is_valid(json.loads(text))
@@ -363,7 +368,7 @@ def _sample(engine: Engine, schema, n: int, seed: int, bad: list[str]) -> list[b
             ok = False
         out.append(ok)
         if not ok:
-            bad.append(text[:120])
+            bad.append(f"{name}: {text[:120]}")
     return out
 
 

@@ -102,6 +102,7 @@ CASES = [
     # pattern and format with length bounds: the pattern's DFA intersected with the counted string's.
     ({"type": "string", "pattern": "^[a-z]+$", "minLength": 2, "maxLength": 4}, ["ab", "abcd"], ["a", "abcde", "AB"]),
     ({"type": "string", "format": "ipv4", "maxLength": 7}, ["1.2.3.4"], ["10.2.3.4"]),
+    ({"type": "string", "format": "ipv4", "pattern": "^1"}, ["1.2.3.4"], ["2.2.3.4", "1x", "1.2.3"]),
     # multipleOf a whole number: a digit automaton over remainders (with the bounds intersected).
     ({"type": "integer", "multipleOf": 3, "minimum": -7, "maximum": 20}, [-6, 0, 3, 18], [-9, 4, 21, 1.5]),
     ({"multipleOf": 2}, [10, -4, "s"], [7, 7.5]),
@@ -336,3 +337,27 @@ def test_llguidance_backend_behind_the_same_interface(tiny_tokenizer):
             c.advance(t)
             ids.append(t)
         _validator(schema).validate(json.loads(tiny_tokenizer.decode(ids)))
+
+
+def test_token_classes_assembled_per_first_byte_equal_a_whole_walk(tiny_tokenizer):
+    """A state's token classes reuse earlier states' subtrees (terminal_tokens._classify): they must equal
+    one walk of the whole vocabulary from that state, for key terminals that exclude listed names too."""
+    from radixlm.core.constrained import terminal_tokens
+    from radixlm.core.constrained.vocab import vocab_of
+
+    vocab = vocab_of(tiny_tokenizer)
+    first = vocab.trie.byte[1].astype(np.int64)
+    for schema in [{"type": "object", "additionalProperties": INT},  # a plain string's body first
+                   {"type": "object", "properties": {"foo": {}, "fob": {}, "bar": {}}, "additionalProperties": INT},
+                   {"type": "number", "exclusiveMinimum": 1.5}]:
+        grammar = compile_grammar(json_schema_to_grammar(schema))
+        for name, dfa in zip(grammar.terminal_names, grammar.terminals):
+            for q in range(dfa.num_states):
+                inside, uncertain = terminal_tokens._classify(name, dfa, q, vocab)
+                nxt = dfa.transitions[q, first]
+                live = np.flatnonzero(nxt >= 0)
+                whole, exits = terminal_tokens._walk(dfa, live, nxt[live], vocab)
+                if dfa.accepting[q]:
+                    exits = np.flatnonzero(~whole & terminal_tokens._nonempty(vocab))
+                assert (inside == whole).all(), (name, q)
+                assert sorted(uncertain.tolist()) == sorted(exits.tolist()), (name, q)

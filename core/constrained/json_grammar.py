@@ -430,30 +430,36 @@ class _Converter(js._Converter):
             return NOTHING
         fmt, pattern = schema.get("format"), schema.get("pattern")
         bounded = "minLength" in schema or "maxLength" in schema
+        regexes = []  # the pattern and the format both hold where both are given
         if pattern is not None:
             try:
-                body = ecma_string_pattern(pattern)
+                regexes.append(f'"{ecma_string_pattern(pattern)}"')
             except ValueError as e:
                 raise SchemaError(f"{ptr}/pattern: {e}") from None
-            return self._within(f'"{body}"', lo, hi, f"{ptr}/pattern") if bounded else Terminal(regex=f'"{body}"')
         if fmt in FORMATS and self.formats_asserted:
-            regex = f'"{FORMATS[fmt]}"'
-            return self._within(regex, lo, hi, f"{ptr}/format") if bounded else Terminal(regex=regex)
+            regexes.append(f'"{FORMATS[fmt]}"')
+        if len(regexes) == 1 and not bounded:
+            return Terminal(regex=regexes[0])
+        if regexes:
+            where = f"{ptr}/pattern" if pattern is not None else f"{ptr}/format"
+            return self._within(regexes, lo, hi, bounded, where)
         if counted_states(lo, hi) <= self.budget.max_terminal_states:
             return string_terminal(lo, hi)
         tail = Repeat(CHAR, 0, hi - lo) if hi is not None else Terminal(regex=f"{js.STRING_CHAR}*")
         return seq(lit('"'), Repeat(CHAR, lo, lo), tail, lit('"')) if lo else seq(lit('"'), tail, lit('"'))
 
-    def _within(self, regex: str, lo: int, hi: int | None, ptr: str) -> Expr:
-        """The JSON strings matching `regex` (quotes included) that have lo..hi characters: the regex's
-        DFA intersected with the counted string's."""
+    def _within(self, regexes: list[str], lo: int, hi: int | None, bounded: bool, ptr: str) -> Expr:
+        """The JSON strings matching every regex of `regexes` (quotes included), with lo..hi characters
+        if `bounded`: their DFAs intersected (with the counted string's)."""
         budget = self.budget.max_terminal_states
-        if max(lo, hi or 0) > MAX_PRODUCT_LENGTH:
+        if bounded and max(lo, hi or 0) > MAX_PRODUCT_LENGTH:
             raise SchemaError(f"{ptr}: minLength/maxLength over {MAX_PRODUCT_LENGTH} together with it is not supported")
-        dfa = terminal_dfa(regex, budget)
-        if dfa is not None:
-            dfa = dfa_intersection(dfa, counted_string_dfa(lo, hi), budget, self.deadline.check)
-        return NOTHING if dfa is None else Terminal(key=f"re:{regex}\0length:{lo}:{hi}", dfa=dfa)
+        dfa = terminal_dfa(regexes[0], budget)
+        for other in [terminal_dfa(r, budget) for r in regexes[1:]] + ([counted_string_dfa(lo, hi)] if bounded else []):
+            if dfa is not None:
+                dfa = dfa_intersection(dfa, other, budget, self.deadline.check) if other is not None else None
+        key = "re:" + "\0and:".join(regexes) + (f"\0length:{lo}:{hi}" if bounded else "")
+        return NOTHING if dfa is None else Terminal(key=key, dfa=dfa)
 
     def _integer(self, schema: dict, ptr: str) -> Expr:
         step = schema.get("multipleOf", 1)
