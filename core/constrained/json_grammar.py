@@ -20,16 +20,19 @@ from __future__ import annotations
 import functools
 import itertools
 import json
+import math
 import re
 from typing import Any
 
 import numpy as np
 
 from radixlm.core.constrained import json_schema as js
+from radixlm.core.constrained import number_ranges
 from radixlm.core.constrained.counted_string import counted_states, counted_string_dfa
 from radixlm.core.constrained.grammar import EMPTY, Alt, Expr, Grammar, Ref, Repeat, Terminal, alt, lit, opt, seq
 from radixlm.core.constrained.grammar_compiler import DEFAULT_BUDGET, Deadline, GrammarBudget, terminal_dfa
 from radixlm.core.constrained.regex_dfa import ByteDFA, dfa_difference, dfa_intersection, literals_dfa
+from radixlm.core.constrained.schema_refs import SchemaRefs
 
 CHAR = Terminal(regex=js.STRING_CHAR)
 NUMBER = Terminal(regex=js.NUMBER)
@@ -66,6 +69,11 @@ _IGNORED = {
 }
 _REFUSED = {"$dynamicRef": "$dynamicRef", "$recursiveRef": "$recursiveRef"}
 _DEPENDENT = ("dependentRequired", "dependentSchemas", "dependencies")
+_LOWER_BOUNDS = {"minimum", "exclusiveMinimum", "minLength", "minItems", "minProperties", "minContains"}
+_UPPER_BOUNDS = {"maximum", "exclusiveMaximum", "maxLength", "maxItems", "maxProperties", "maxContains"}
+_CONFLICT = object()  # internal: the `const` of allOf parts with different constants (no value)
+_NOT_STRINGS = "x-radixlm-not-strings"  # internal: regexes of the JSON strings a `not` excludes
+_SCHEMA_VALUED = {"items", "additionalProperties", "propertyNames", "additionalItems"}
 
 
 def string_terminal(lo: int = 0, hi: int | None = None) -> Terminal:
@@ -81,28 +89,29 @@ def json_schema_to_grammar(schema: Any, whitespace_pattern: str | None = None,
                            budget: GrammarBudget = DEFAULT_BUDGET, deadline: Deadline | None = None) -> Grammar:
     """The grammar of compact JSON documents valid under `schema` (a JSON string, dict, bool or pydantic
     model class). ValueError naming the keyword and where (JSON pointer) for whatever is refused."""
-    root = js._load_schema(schema)
+    refs = SchemaRefs(js._load_schema(schema))
     if whitespace_pattern:
         try:
             re.compile(whitespace_pattern)
         except re.error as e:
             raise ValueError(f"invalid whitespace_pattern {whitespace_pattern!r}: {e}") from None
-    conv = _Converter(root, whitespace_pattern or "", budget, deadline or Deadline(budget))
-    conv.rules["start"] = conv.value(root, "#")
+    conv = _Converter(refs, whitespace_pattern or "", budget, deadline or Deadline(budget))
+    conv.rules["start"] = conv.value(refs.root, "#")
     return Grammar(conv.rules, "start")
 
 
 class _Converter(js._Converter):
     """Reuses the regex converter's $ref resolution, allOf merging and ref expansion (for merges)."""
 
-    def __init__(self, root: Any, ws: str, budget: GrammarBudget, deadline: Deadline) -> None:
-        super().__init__(root, ws, js.DEFAULT_MAX_RECURSION)
+    def __init__(self, refs: SchemaRefs, ws: str, budget: GrammarBudget, deadline: Deadline) -> None:
+        super().__init__(refs.root, ws, js.DEFAULT_MAX_RECURSION)
+        self.refs = refs
         self.budget = budget
         self.deadline = deadline
         self.rules: dict[str, Expr] = {}
         self.ref_rules: dict[str, str] = {}
         self.ws_term = Terminal(regex=f"(?:{ws})") if ws else None
-        self.formats_asserted = _asserts_formats(root)
+        self.formats_asserted = _asserts_formats(refs.root)
 
     # ---- helpers -------------------------------------------------------------------------------------
     def _punct(self, text: str) -> Expr:
@@ -144,10 +153,12 @@ class _Converter(js._Converter):
                 raise SchemaError(f"{ptr}/{key}: keyword {_REFUSED[key]!r} is not supported")
         if any(k in schema for k in _DEPENDENT):
             return self.value(self._dependents(schema, ptr), ptr)
-        if "if" in schema:  # generated through its `if` branch: instances of if and then (a sound subset)
-            rest = {k: v for k, v in schema.items() if k not in ("if", "then", "else")}
-            return self.value({"allOf": [schema["if"], schema.get("then", True), rest]}, ptr)
+        if "if" in schema:
+            return self.value(_through_if(schema), ptr)
         schema = {k: v for k, v in schema.items() if k not in ("then", "else")}
+        if "not" in schema and not _types_only(schema["not"]):  # as positive keywords, merged in
+            rest = {k: v for k, v in schema.items() if k != "not"}
+            return self.value({"allOf": [self._negation(schema["not"], _opened(rest), f"{ptr}/not"), rest]}, ptr)
         if "allOf" in schema:
             try:
                 merged = self._merge(schema["allOf"] + [{k: v for k, v in schema.items() if k != "allOf"}], ())
@@ -169,7 +180,7 @@ class _Converter(js._Converter):
         if schema.get("nullable") is True:
             return alt(self.value({k: v for k, v in schema.items() if k != "nullable"}, ptr), NULL)
         if "const" in schema:
-            return self._literal(schema["const"], schema, ptr)
+            return NOTHING if schema["const"] is _CONFLICT else self._literal(schema["const"], schema, ptr)
         if "enum" in schema:
             if not isinstance(schema["enum"], list) or not schema["enum"]:
                 raise SchemaError(f"{ptr}/enum: must be a non-empty list")
@@ -179,6 +190,7 @@ class _Converter(js._Converter):
         if "not" in schema:
             types = self._without(types, schema["not"], ptr)
         handlers = {"string": self._string, "integer": self._integer, "number": self._number,
+                    "fraction": functools.partial(self._number, fraction=True),
                     "boolean": lambda s, p: BOOLEAN, "null": lambda s, p: NULL, "object": self._object,
                     "array": self._array}
         out = []
@@ -193,9 +205,7 @@ class _Converter(js._Converter):
         """dependentRequired / dependentSchemas (and draft 7's dependencies) as an allOf of choices, one per
         key: the key absent, or present with what depends on it."""
         rest = {k: v for k, v in schema.items() if k not in _DEPENDENT}
-        # In an object that lists no keys, the choices must not close it (see _object's strictness).
-        opened = {} if any(k in schema for k in ("properties", "patternProperties", "additionalProperties",
-                                                 "unevaluatedProperties")) else {"additionalProperties": True}
+        opened = _opened(schema)
         parts = []
         for keyword in _DEPENDENT:
             table = schema.get(keyword, {})
@@ -217,13 +227,7 @@ class _Converter(js._Converter):
             raise SchemaError(f"{ptr}/$ref: {e}") from None
 
     def _resolve(self, ref: str) -> Any:
-        """Local JSON pointers, and `#name` refs to a schema with `"$anchor": "name"`."""
-        if ref.startswith("#") and len(ref) > 1 and not ref.startswith("#/"):
-            found = _find_anchor(self.root, ref[1:])
-            if found is None:
-                raise ValueError(f"$ref {ref!r} does not resolve")
-            return found
-        return super()._resolve(ref)
+        return self.refs.resolve(ref)
 
     def _merge(self, schemas: list[Any], refs: tuple) -> dict | bool:
         """allOf merged; a part's additionalProperties also constrains the properties that only other
@@ -281,6 +285,31 @@ class _Converter(js._Converter):
             parts = adjusted
         return super()._merge(parts, refs)
 
+    def _combine(self, key: str, a: Any, b: Any) -> Any:
+        """Two allOf parts' values of one keyword as one: the tighter bound, the schema keywords as an
+        allOf of both (each part's additionalProperties and items were already carried onto the other
+        parts' own properties and prefix items by _merge), prefixItems position by position, integer
+        multipleOf as the least common multiple. Others are refused."""
+        numbers = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (a, b))
+        if key in _LOWER_BOUNDS and numbers:
+            return max(a, b)
+        if key in _UPPER_BOUNDS and numbers:
+            return min(a, b)
+        if key == "multipleOf" and numbers and float(a).is_integer() and float(b).is_integer():
+            return math.lcm(int(a), int(b))
+        if key in _SCHEMA_VALUED:
+            return {"allOf": [a, b]}
+        if key == "not":  # not A and not B: not (A or B)
+            return {"anyOf": [a, b]}
+        if key == _NOT_STRINGS:
+            return a + b
+        if key == "const":  # two different constants: no value
+            return a if _same_json(a, b) else _CONFLICT
+        if key == "prefixItems" and isinstance(a, list) and isinstance(b, list):
+            short, long = sorted((a, b), key=len)
+            return [{"allOf": [x, y]} for x, y in zip(short, long)] + long[len(short):]
+        return super()._combine(key, a, b)
+
     def _flat_parts(self, schemas: list[Any], refs: tuple) -> list[Any]:
         """allOf's parts, dereferenced, with nested allOfs spliced in (so that a nested part's
         additionalProperties also sees the properties the outer parts list)."""
@@ -288,6 +317,8 @@ class _Converter(js._Converter):
         for schema in schemas:
             part, sub_refs = self._deref(schema, refs)
             part = _known_keywords(part)
+            if isinstance(part, dict) and "if" in part:
+                part = _through_if(part)
             if isinstance(part, dict) and isinstance(part.get("allOf"), list):
                 parts.extend(self._flat_parts(part["allOf"], sub_refs))
                 part = {k: v for k, v in part.items() if k != "allOf"}
@@ -302,6 +333,9 @@ class _Converter(js._Converter):
             kind = _json_type(value)
             if kind not in types and not (kind == "integer" and "number" in types):
                 return NOTHING
+        text = json.dumps(value, ensure_ascii=False)
+        if isinstance(value, str) and any(re.fullmatch(r, text) for r in schema.get(_NOT_STRINGS, ())):
+            return NOTHING  # a `not` excludes it
         return self._constant(value)
 
     def _constant(self, value: Any) -> Expr:
@@ -318,6 +352,38 @@ class _Converter(js._Converter):
             return seq(self._punct("{"), *body, self._punct("}"))
         return lit(json.dumps(value, ensure_ascii=False))
 
+    def _negation(self, sub: Any, opened: dict, ptr: str) -> Any:
+        """A schema of positive keywords that the values `sub` rejects satisfy: keys of `required` absent
+        (one of them, at least), strings matching no `pattern`/`enum`/`const`, and anyOf/allOf of those
+        (De Morgan). `opened` keeps an object that lists no keys open (see _opened)."""
+        sub, _ = self._deref(sub, ())
+        if sub is True or sub == {}:
+            return False
+        if sub is False:
+            return True
+        body = {k: v for k, v in sub.items() if k not in _IGNORED} if isinstance(sub, dict) else None
+        if body is not None and len(body) == 1 and isinstance(body.get("anyOf", body.get("allOf")), list):
+            flip = "allOf" if "anyOf" in body else "anyOf"
+            return {flip: [self._negation(b, opened, ptr) for b in next(iter(body.values()))]}
+        kind = body.get("type") if body else None
+        props = body.get("properties", {}) if body else None
+        if (body and kind in (None, "object") and body.get("required") and set(body) <= {"type", "required", "properties"}
+                and isinstance(props, dict) and all(v is True or v == {} for v in props.values())):
+            absent = [{"properties": {r: False}, **opened} for r in body["required"]]
+            return absent[0] if len(absent) == 1 else {"anyOf": absent}
+        if body and kind in (None, "string") and set(body) - {"type"} and set(body) <= {"type", "pattern", "enum", "const"}:
+            values = list(body.get("enum", [])) + ([body["const"]] if "const" in body else [])
+            if all(isinstance(v, str) for v in values):
+                excluded = [re.escape(json.dumps(v, ensure_ascii=False)) for v in values]
+                if "pattern" in body:
+                    try:
+                        excluded.append(f'"{ecma_string_pattern(body["pattern"])}"')
+                    except ValueError as e:
+                        raise SchemaError(f"{ptr}/pattern: {e}") from None
+                return {_NOT_STRINGS: excluded}
+        raise SchemaError(f"{ptr}: only 'not' of types, of required keys, of string patterns or constants, and "
+                          "anyOf/allOf of those, is supported")
+
     def _without(self, types: list[str], sub: Any, ptr: str) -> list[str]:
         if sub is True or sub == {}:
             return []
@@ -325,9 +391,8 @@ class _Converter(js._Converter):
             excluded = {sub["type"]} if isinstance(sub["type"], str) else set(sub["type"])
             if "number" in excluded:
                 excluded.add("integer")
-            if "integer" in excluded and "number" in types:
-                raise SchemaError(f"{ptr}/not: excluding integers from numbers is not supported")
-            return [t for t in types if t not in excluded]
+            # Numbers that are not integers: the ones with a fraction that is not zero.
+            return ["fraction" if t == "number" and "integer" in excluded else t for t in types if t not in excluded]
         raise SchemaError(f"{ptr}/not: only 'not' of types is supported")
 
     def _any(self) -> Ref:
@@ -344,37 +409,57 @@ class _Converter(js._Converter):
 
     # ---- scalars -----------------------------------------------------------------------------------
     def _string(self, schema: dict, ptr: str) -> Expr:
-        lo, hi = schema.get("minLength", 0), schema.get("maxLength")
-        if not isinstance(lo, int) or hi is not None and not isinstance(hi, int):
-            raise SchemaError(f"{ptr}/minLength: minLength and maxLength must be integers")
+        """The strings `schema` allows, less those a `not` excluded (_negation)."""
+        expr = self._string_body(schema, ptr)
+        excluded = schema.get(_NOT_STRINGS)
+        if not excluded or expr is NOTHING:
+            return expr
+        if not isinstance(expr, Terminal):
+            raise SchemaError(f"{ptr}/not: excluding strings from one of over {self.budget.max_terminal_states} "
+                              "states is not supported")
+        budget = self.budget.max_terminal_states
+        dfa = expr.dfa if expr.dfa is not None else terminal_dfa(expr.regex, budget)
+        for regex in excluded:
+            other = terminal_dfa(regex, budget) if dfa is not None else None
+            dfa = dfa_difference(dfa, other, budget, self.deadline.check) if other is not None else dfa
+        return NOTHING if dfa is None else Terminal(key=f"{expr.ident}\0not:" + "\0".join(excluded), dfa=dfa)
+
+    def _string_body(self, schema: dict, ptr: str) -> Expr:
+        lo, hi = _counts(schema, "minLength", "maxLength", ptr)
         if hi is not None and hi < lo:
             return NOTHING
         fmt, pattern = schema.get("format"), schema.get("pattern")
         bounded = "minLength" in schema or "maxLength" in schema
+        regexes = []  # the pattern and the format both hold where both are given
         if pattern is not None:
             try:
-                body = ecma_string_pattern(pattern)
+                regexes.append(f'"{ecma_string_pattern(pattern)}"')
             except ValueError as e:
                 raise SchemaError(f"{ptr}/pattern: {e}") from None
-            return self._within(f'"{body}"', lo, hi, f"{ptr}/pattern") if bounded else Terminal(regex=f'"{body}"')
         if fmt in FORMATS and self.formats_asserted:
-            regex = f'"{FORMATS[fmt]}"'
-            return self._within(regex, lo, hi, f"{ptr}/format") if bounded else Terminal(regex=regex)
+            regexes.append(f'"{FORMATS[fmt]}"')
+        if len(regexes) == 1 and not bounded:
+            return Terminal(regex=regexes[0])
+        if regexes:
+            where = f"{ptr}/pattern" if pattern is not None else f"{ptr}/format"
+            return self._within(regexes, lo, hi, bounded, where)
         if counted_states(lo, hi) <= self.budget.max_terminal_states:
             return string_terminal(lo, hi)
         tail = Repeat(CHAR, 0, hi - lo) if hi is not None else Terminal(regex=f"{js.STRING_CHAR}*")
         return seq(lit('"'), Repeat(CHAR, lo, lo), tail, lit('"')) if lo else seq(lit('"'), tail, lit('"'))
 
-    def _within(self, regex: str, lo: int, hi: int | None, ptr: str) -> Expr:
-        """The JSON strings matching `regex` (quotes included) that have lo..hi characters: the regex's
-        DFA intersected with the counted string's."""
+    def _within(self, regexes: list[str], lo: int, hi: int | None, bounded: bool, ptr: str) -> Expr:
+        """The JSON strings matching every regex of `regexes` (quotes included), with lo..hi characters
+        if `bounded`: their DFAs intersected (with the counted string's)."""
         budget = self.budget.max_terminal_states
-        if max(lo, hi or 0) > MAX_PRODUCT_LENGTH:
+        if bounded and max(lo, hi or 0) > MAX_PRODUCT_LENGTH:
             raise SchemaError(f"{ptr}: minLength/maxLength over {MAX_PRODUCT_LENGTH} together with it is not supported")
-        dfa = terminal_dfa(regex, budget)
-        if dfa is not None:
-            dfa = dfa_intersection(dfa, counted_string_dfa(lo, hi), budget, self.deadline.check)
-        return NOTHING if dfa is None else Terminal(key=f"re:{regex}\0length:{lo}:{hi}", dfa=dfa)
+        dfa = terminal_dfa(regexes[0], budget)
+        for other in [terminal_dfa(r, budget) for r in regexes[1:]] + ([counted_string_dfa(lo, hi)] if bounded else []):
+            if dfa is not None:
+                dfa = dfa_intersection(dfa, other, budget, self.deadline.check) if other is not None else None
+        key = "re:" + "\0and:".join(regexes) + (f"\0length:{lo}:{hi}" if bounded else "")
+        return NOTHING if dfa is None else Terminal(key=key, dfa=dfa)
 
     def _integer(self, schema: dict, ptr: str) -> Expr:
         step = schema.get("multipleOf", 1)
@@ -397,21 +482,46 @@ class _Converter(js._Converter):
             dfa = dfa_intersection(dfa, bounds, budget, self.deadline.check)
         return NOTHING if dfa is None else Terminal(key=f"multiples:{int(step)}:{lo}:{hi}", dfa=dfa)
 
-    def _number(self, schema: dict, ptr: str) -> Expr:
+    def _number(self, schema: dict, ptr: str, fraction: bool = False) -> Expr:
+        """Numbers within the bounds (any decimal bound, exclusive or not); with `fraction`, only those
+        that are not integers."""
         if "multipleOf" in schema:  # the multiples of a whole number are integers
-            return self._integer(schema, ptr)
-        bounds = [k for k in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum") if k in schema]
-        if not bounds:
+            return NOTHING if fraction else self._integer(schema, ptr)
+        lower = self._bound(schema, "minimum", "exclusiveMinimum", max, ptr)
+        upper = self._bound(schema, "maximum", "exclusiveMaximum", min, ptr)
+        try:
+            sides = [number_ranges.above(*lower)] if lower else []
+            sides += [number_ranges.below(*upper)] if upper else []
+        except ValueError as e:
+            raise SchemaError(f"{ptr}: {e}") from None
+        sides += [number_ranges.FRACTIONAL] if fraction else []
+        if fraction or any(b and (not b[1] or b[0] != int(b[0])) for b in (lower, upper)):
+            sides.append(number_ranges.ROUND_TRIP)
+        if not sides:
             return NUMBER
-        values = [schema[k] for k in bounds]
-        if any(isinstance(v, bool) or not isinstance(v, (int, float)) or v != int(v) for v in values):
-            raise SchemaError(f"{ptr}/{bounds[0]}: bounds on 'number' are supported when they are whole numbers")
-        if "exclusiveMinimum" in schema or "exclusiveMaximum" in schema:
-            raise SchemaError(f"{ptr}/{bounds[0]}: exclusive bounds on 'number' are not supported (use integer)")
-        lo, hi = js._int_bounds(schema)
-        if lo is not None and hi is not None and lo > hi:
-            return NOTHING
-        return Terminal(regex=f"(?:{js.number_range_regex(lo, hi)}|(?:{js.int_range_regex(lo, hi)}))")
+        if len(sides) == 1:
+            return Terminal(regex=sides[0])
+        budget = self.budget.max_terminal_states
+        dfa = terminal_dfa(sides[0], budget)
+        for side in sides[1:]:
+            if dfa is not None:
+                dfa = dfa_intersection(dfa, terminal_dfa(side, budget), budget, self.deadline.check)
+        return NOTHING if dfa is None else Terminal(key=f"number:{lower}:{upper}:{fraction}", dfa=dfa)
+
+    @staticmethod
+    def _bound(schema: dict, inclusive: str, exclusive: str, tighter, ptr: str) -> tuple[Any, bool] | None:
+        """(the tighter of the two bounds, whether it is inclusive), or None if neither is given."""
+        found = []
+        for key, closed in ((inclusive, True), (exclusive, False)):
+            if key in schema:
+                value = schema[key]
+                if isinstance(value, bool) or not isinstance(value, (int, float)):
+                    raise SchemaError(f"{ptr}/{key}: must be a number (draft 4's boolean form is not supported)")
+                found.append((value, closed))
+        if not found:
+            return None
+        best = tighter(v for v, _ in found)
+        return best, all(closed for v, closed in found if v == best)  # an equal exclusive bound wins
 
     # ---- objects -----------------------------------------------------------------------------------
     def _object(self, schema: dict, ptr: str) -> Expr:
@@ -428,7 +538,7 @@ class _Converter(js._Converter):
         # lists its keys (properties or required) gets exactly those (the documented strictness).
         explicit = schema.get("additionalProperties", schema.get("unevaluatedProperties"))
         extra = explicit if explicit is not None else not props and not patterns and not required
-        lo, hi = schema.get("minProperties", 0), schema.get("maxProperties")
+        lo, hi = _counts(schema, "minProperties", "maxProperties", ptr)
         names = list(props) + [r for r in required if r not in props]
         key_filter = schema.get("propertyNames", True)
         if key_filter is not True:
@@ -577,9 +687,7 @@ class _Converter(js._Converter):
 
     # ---- arrays ------------------------------------------------------------------------------------
     def _array(self, schema: dict, ptr: str) -> Expr:
-        lo, hi = schema.get("minItems", 0), schema.get("maxItems")
-        if not isinstance(lo, int) or hi is not None and not isinstance(hi, int):
-            raise SchemaError(f"{ptr}/minItems: minItems and maxItems must be integers")
+        lo, hi = _counts(schema, "minItems", "maxItems", ptr)
         if schema.get("uniqueItems") is True:  # sound approximation: arrays of at most one item
             if lo > 1:
                 raise SchemaError(f"{ptr}/uniqueItems: uniqueItems with minItems > 1 is not supported")
@@ -588,13 +696,19 @@ class _Converter(js._Converter):
         items, prefix = schema.get("items", schema.get("unevaluatedItems", True)), schema.get("prefixItems")
         if isinstance(items, list):  # draft 4-2019 tuple form
             prefix, items = items, schema.get("additionalItems", True)
-        if "maxContains" in schema and "contains" in schema:
-            raise SchemaError(f"{ptr}/maxContains: maxContains is not supported")
-        if "contains" in schema and schema.get("minContains", 1) != 0:
-            return self._contains(schema, items, prefix, lo, hi, ptr)
+        if "contains" in schema:
+            contains_lo, contains_hi = _counts(schema, "minContains", "maxContains", ptr)
+            if "minContains" not in schema:
+                contains_lo = 1
+            if contains_lo or contains_hi is not None:
+                return self._contains(schema, items, prefix, lo, hi, contains_lo, contains_hi, ptr)
         parts = [self._shared(self.value(p, f"{ptr}/prefixItems/{i}"), f"{ptr}/prefixItems/{i}")
                  for i, p in enumerate(prefix or [])]
         rest = self._shared(self.value(items, f"{ptr}/items"), f"{ptr}/items") if items is not False else NOTHING
+        return self._items(parts, rest, lo, hi)
+
+    def _items(self, parts: list[Expr], rest: Expr, lo: int, hi: int | None) -> Expr:
+        """`[`, the prefix items `parts`, then `rest` items, lo..hi in all, `]`."""
         if parts:
             body = self._prefix_body(parts, rest, lo, hi)
         elif hi is not None and hi < max(lo, 1):
@@ -604,15 +718,29 @@ class _Converter(js._Converter):
             body = seq(rest, more) if lo else opt(seq(rest, more))
         return seq(self._punct("["), body, self._punct("]"))
 
-    def _contains(self, schema: dict, items: Any, prefix: Any, lo: int, hi: int | None, ptr: str) -> Expr:
-        """[item, ..., match, item, ...]: at least one item also valid under `contains`."""
-        if prefix or hi is not None or lo > 1 or "maxContains" in schema or schema.get("minContains", 1) != 1:
-            raise SchemaError(f"{ptr}/contains: contains with prefixItems, maxItems, minItems > 1 or "
-                              "min/maxContains is not supported")
-        item = self._shared(self.value(items, f"{ptr}/items"), f"{ptr}/items")
-        match = self._shared(self.value({"allOf": [items, schema["contains"]]}, f"{ptr}/contains"), f"{ptr}/contains")
-        comma = self._punct(",")
-        return seq(self._punct("["), Repeat(seq(item, comma)), match, Repeat(seq(comma, item)), self._punct("]"))
+    def _contains(self, schema: dict, items: Any, prefix: Any, lo: int, hi: int | None, contains_lo: int,
+                  contains_hi: int | None, ptr: str) -> Expr:
+        """Arrays with contains_lo..contains_hi items valid under `contains`. Unbounded: [item, ...,
+        match, ..., match, item, ...] (contains_lo matches in a row); otherwise (maxContains, maxItems,
+        minItems > 1, prefixItems) every item matches and the length stays within both ranges: a
+        sound subset, since telling a non-matching item apart would need the complement of `contains`."""
+        match_ptr = f"{ptr}/contains"
+        if not prefix and hi is None and lo <= contains_lo and contains_hi is None:
+            item = self._shared(self.value(items, f"{ptr}/items"), f"{ptr}/items")
+            match = self._shared(self.value({"allOf": [items, schema["contains"]]}, match_ptr), match_ptr)
+            comma = self._punct(",")
+            matches = seq(match, Repeat(seq(comma, match), contains_lo - 1, contains_lo - 1))
+            return seq(self._punct("["), Repeat(seq(item, comma)), matches, Repeat(seq(comma, item)),
+                       self._punct("]"))
+        lo = max(lo, contains_lo)
+        hi = contains_hi if hi is None else hi if contains_hi is None else min(hi, contains_hi)
+        if hi is not None and hi < lo:
+            return NOTHING
+        parts = [self._shared(self.value({"allOf": [p, schema["contains"]]}, f"{ptr}/prefixItems/{i}"),
+                              f"{ptr}/prefixItems/{i}") for i, p in enumerate(prefix or [])]
+        rest = self._shared(self.value({"allOf": [items, schema["contains"]]}, match_ptr), match_ptr) \
+            if items is not False else NOTHING
+        return self._items(parts, rest, lo, hi)
 
     def _prefix_body(self, parts: list[Expr], rest: Expr, lo: int, hi: int | None) -> Expr:
         comma = self._punct(",")
@@ -667,6 +795,8 @@ class _Converter(js._Converter):
             schema = self._merge(schema["allOf"] + [{k: v for k, v in schema.items() if k != "allOf"}], ())
         if not isinstance(schema, dict):
             return {"types": set(_TYPES) | {"integer"}, "consts": None}
+        if schema.get("const") is _CONFLICT:
+            return {"types": set(), "consts": None}
         consts = None
         if "const" in schema:
             consts = [schema["const"]]
@@ -699,6 +829,7 @@ _KNOWN = {
     "uniqueItems", "minLength", "maxLength", "pattern", "format", "minimum", "maximum", "exclusiveMinimum",
     "exclusiveMaximum", "multipleOf", "anyOf", "oneOf", "allOf", "not", "if", "then", "else", "$ref",
     "nullable", "dependentRequired", "dependentSchemas", "dependencies", "$dynamicRef", "$recursiveRef",
+    _NOT_STRINGS,
 }
 
 
@@ -763,22 +894,6 @@ def _pattern_matches(pattern: str, name: str, ptr: str = "#") -> bool:
         raise SchemaError(f"{ptr}/patternProperties: invalid pattern {pattern!r}: {e}") from None
 
 
-def _find_anchor(node: Any, name: str) -> Any:
-    if isinstance(node, dict):
-        if node.get("$anchor") == name:
-            return node
-        children = node.values()
-    elif isinstance(node, list):
-        children = node
-    else:
-        return None
-    for child in children:
-        found = _find_anchor(child, name)
-        if found is not None:
-            return found
-    return None
-
-
 def _pairwise_exclusive(sigs: list[dict]) -> bool:
     return all(_excludes(a, b) and _excludes(b, a) for i, a in enumerate(sigs) for b in sigs[i + 1:])
 
@@ -812,6 +927,44 @@ def _excludes(a: dict, b: dict) -> bool:
         if key in a.get("required", set()) and other is not None and all(v not in other for v in values):
             return True
     return False
+
+
+def _counts(schema: dict, low: str, high: str, ptr: str) -> tuple[int, int | None]:
+    """(schema[low] or 0, schema[high] or None) as ints: whole numbers, 2.0 included (JSON Schema's
+    non-negative integers may be written so)."""
+    out = []
+    for key, default in ((low, 0), (high, None)):
+        value = schema.get(key, default)
+        if value is not None:
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0 or value != int(value):
+                raise SchemaError(f"{ptr}/{key}: must be a non-negative integer, got {value!r}")
+            value = int(value)
+        out.append(value)
+    return out[0], out[1]
+
+
+def _types_only(sub: Any) -> bool:
+    """Whether `not: sub` only removes types (value() filters the types for it)."""
+    return sub is True or sub == {} or isinstance(sub, dict) and set(sub) - _IGNORED == {"type"}
+
+
+def _opened(schema: dict) -> dict:
+    """What a part added to `schema` by an allOf must carry so that an object listing no keys stays open
+    (_object closes objects that list keys and say nothing of others: the documented strictness)."""
+    listed = ("properties", "patternProperties", "additionalProperties", "unevaluatedProperties")
+    return {} if any(k in schema for k in listed) else {"additionalProperties": True}
+
+
+def _through_if(schema: dict) -> dict:
+    """if/then/else generated through its `if` branch: instances of if and then (a sound subset)."""
+    rest = {k: v for k, v in schema.items() if k not in ("if", "then", "else")}
+    return {"allOf": [schema["if"], schema.get("then", True), rest]}
+
+
+def _same_json(a: Any, b: Any) -> bool:
+    """Equal as JSON Schema compares values (1 == 1.0; true is not 1)."""
+    return _json_type(a) in ("integer", "number") and _json_type(b) in ("integer", "number") and a == b or \
+        json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)
 
 
 def _json_type(value: Any) -> str:

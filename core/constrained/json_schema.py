@@ -167,8 +167,12 @@ class _Converter:
                         b |= {"integer"}
                     merged[key] = sorted(a & b)
                 elif merged[key] != value:
-                    raise ValueError(f"allOf with different values for {key!r} is not supported")
+                    merged[key] = self._combine(key, merged[key], value)
         return merged
+
+    def _combine(self, key: str, a: Any, b: Any) -> Any:
+        """One value of `key` meaning both `a` and `b` (two parts of an allOf disagree)."""
+        raise ValueError(f"allOf with different values for {key!r} is not supported")
 
     def _deref(self, schema: Any, refs: tuple) -> tuple[Any, tuple]:
         """Follows $ref (with sibling keywords merged in); `refs` is the chain of refs being expanded."""

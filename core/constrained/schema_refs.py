@@ -1,0 +1,70 @@
+"""`$ref` resolution as JSON Schema defines it, through the `referencing` library (jsonschema's own).
+
+A `$ref` is a URI reference resolved against the base URI of the schema it sits in: the nearest `$id`
+above it (draft 4's `id`), else the document's. Targets are JSON pointers (`#/$defs/a`), anchors
+(`#name`: `$anchor`, or draft 6/7's `$id: "#name"`), or whole resources named by their `$id` anywhere in
+the document (an embedded or bundled schema: `"$defs": {"b": {"$id": "http://example.com/b.json", ...}}`),
+including URNs. Nothing is fetched: a URI that no `$id` of the document names does not resolve.
+
+The converter resolves refs in many places (rules, allOf merges, oneOf checks) where the base URI of
+the schema at hand is no longer known, so the document is copied once with every `$ref` made absolute;
+after that a ref resolves the same wherever it is looked up.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+from urllib.parse import urldefrag, urljoin
+
+import referencing.jsonschema as rj
+from referencing import Registry
+from referencing.exceptions import Unresolvable
+
+
+def _join(base: str, ref: str) -> str:
+    # urljoin drops the base of non-hierarchical URIs (urn:...) for a fragment-only reference.
+    return urldefrag(base)[0] + ref if ref.startswith("#") else urljoin(base, ref)
+
+
+def _specification(schema: Any, default: rj.Specification) -> rj.Specification:
+    dialect = schema.get("$schema") if isinstance(schema, dict) else None
+    if not isinstance(dialect, str):
+        return default
+    try:
+        return rj.specification_with(dialect, default=default)
+    except rj.UnknownDialect:
+        return default
+
+
+def _absolutize(node: Any, spec: rj.Specification, base: str) -> None:
+    """Rewrites, in place, every `$ref` under `node` (a schema) as an absolute URI reference."""
+    if not isinstance(node, dict):
+        return
+    spec = _specification(node, spec)
+    found = spec.id_of(node)
+    if isinstance(found, str):
+        base = _join(base, found)
+    if isinstance(node.get("$ref"), str):
+        node["$ref"] = _join(base, node["$ref"])
+    for sub in spec.subresources_of(node):
+        _absolutize(sub, spec, base)
+
+
+class SchemaRefs:
+    """A schema document with its refs made absolute, and the registry of its resources."""
+
+    def __init__(self, schema: Any) -> None:
+        self.root = copy.deepcopy(schema)
+        spec = _specification(self.root, rj.DRAFT202012)
+        _absolutize(self.root, spec, "")
+        resource = spec.create_resource(self.root)
+        self._resolver = Registry().with_resource(resource.id() or "", resource).crawl().resolver()
+
+    def resolve(self, ref: str) -> Any:
+        """The schema an absolute `$ref` (as in self.root) points to; ValueError if nothing does."""
+        try:
+            return self._resolver.lookup(ref).contents
+        except Unresolvable:
+            raise ValueError(f"$ref {ref!r} does not resolve (refs are resolved within the document: "
+                             f"bundle other schemas into it under an $id)") from None
