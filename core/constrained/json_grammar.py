@@ -22,7 +22,7 @@ import itertools
 import json
 import math
 import re
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -32,7 +32,9 @@ from radixlm.core.constrained.counted_string import counted_states, counted_stri
 from radixlm.core.constrained.grammar import EMPTY, Alt, Expr, Grammar, Ref, Repeat, Terminal, alt, lit, opt, seq
 from radixlm.core.constrained.grammar_compiler import DEFAULT_BUDGET, Deadline, GrammarBudget, terminal_dfa
 from radixlm.core.constrained.regex_dfa import ByteDFA, dfa_difference, dfa_intersection, literals_dfa
-from radixlm.core.constrained.schema_refs import SchemaRefs
+
+if TYPE_CHECKING:
+    from radixlm.core.constrained.schema_refs import SchemaRefs
 
 CHAR = Terminal(regex=js.STRING_CHAR)
 NUMBER = Terminal(regex=js.NUMBER)
@@ -89,6 +91,9 @@ def json_schema_to_grammar(schema: Any, whitespace_pattern: str | None = None,
                            budget: GrammarBudget = DEFAULT_BUDGET, deadline: Deadline | None = None) -> Grammar:
     """The grammar of compact JSON documents valid under `schema` (a JSON string, dict, bool or pydantic
     model class). ValueError naming the keyword and where (JSON pointer) for whatever is refused."""
+    # Imported here: `referencing` takes ~0.3 s to import, which the engine's start need not pay.
+    from radixlm.core.constrained.schema_refs import SchemaRefs
+
     refs = SchemaRefs(js._load_schema(schema))
     if whitespace_pattern:
         try:
