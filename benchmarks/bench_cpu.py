@@ -146,27 +146,39 @@ def _same_until_eos(ours: list[int], theirs: list[int], eos: set[int]) -> bool:
     return ours[:end] == theirs[:end]
 
 
-def startup(model: str, runs: int) -> dict[str, float]:
-    """Fresh processes: seconds to `import radixlm`, and from the `Engine()` call to the first token, in
-    wall time and in CPU time of all the process's threads (on a busy machine the wall time mostly
-    measures the wait for a core; the CPU time does not)."""
+def startup(model: str, runs: int) -> dict[str, Any]:
+    """Fresh processes: seconds from the `Engine()` call to the first token of a 1-token request (the
+    import of radixlm's engine modules, torch's included, is part of it: `import radixlm` itself is
+    lazy), in wall time and in CPU time of all the process's threads (on a busy machine the wall time
+    mostly measures the wait for a core; the CPU time does not), broken down into stages: the engine
+    modules' import, the constructor's own stages (Engine.startup_seconds: the tokenizer's run on a
+    thread beside the weights'), the first token. Median, quickest and every run."""
     code = (
         "import json, time\n"
         "t0 = time.perf_counter()\n"
         "import radixlm\n"
         "t1, c1 = time.perf_counter(), time.process_time()\n"
-        f"engine = radixlm.Engine({model!r})\n"
+        "radixlm.Engine  # the lazy attribute: imports torch and the engine\n"
+        "t2 = time.perf_counter()\n"
+        f"engine = radixlm.Engine({model!r}, log_level='warning')\n"
+        "t3 = time.perf_counter()\n"
         "engine.generate('Hello', {'max_new_tokens': 1, 'temperature': 0})\n"
-        "t2, c2 = time.perf_counter(), time.process_time()\n"
-        "print(json.dumps({'import_s': t1 - t0, 'engine_to_first_token_s': t2 - t1,\n"
-        "                  'engine_to_first_token_cpu_s': c2 - c1}))\n"
+        "t4, c4 = time.perf_counter(), time.process_time()\n"
+        "print(json.dumps({'engine_to_first_token_s': t4 - t1, 'engine_to_first_token_cpu_s': c4 - c1,\n"
+        "                  'import_radixlm_s': t1 - t0, 'import_engine_modules_s': t2 - t1,\n"
+        "                  **{f'constructor: {k}': v for k, v in engine.startup_seconds.items()},\n"
+        "                  'first_token_s': t4 - t3}))\n"
         "engine.shutdown()\n"
     )
     results = []
     for _ in range(runs):
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
         results.append(json.loads(out.stdout.strip().splitlines()[-1]))
-    return {k: statistics.median(r[k] for r in results) for k in results[0]} | {"runs": runs}
+        print("start-up run:", {k: round(v, 2) for k, v in results[-1].items()}, f"load {os.getloadavg()[0]:.1f}",
+              flush=True)
+    key = "engine_to_first_token_s"
+    return {"median": {k: statistics.median(r[k] for r in results) for k in results[0]},
+            "quickest": min(results, key=lambda r: r[key]), "runs": results}
 
 
 def machine() -> dict[str, Any]:
@@ -190,9 +202,24 @@ def main() -> None:
                         help="dtypes to also run radixlm in with F.linear on the plain weights (disable_cpu_prepack)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own)")
     parser.add_argument("--startup-runs", type=int, default=3, help="fresh processes timed for start-up; 0 skips")
+    parser.add_argument("--startup", action="store_true",
+                        help="measure only the start-up (--startup-runs fresh processes) and its stages")
+    parser.add_argument("--llama-cpp-path", default=None,
+                        help="a site-packages folder holding llama_cpp (a separate venv: "
+                             "benchmarks/build_llama_cpp.sh), searched after this environment's own")
     parser.add_argument("--json", default=None, help="write the results here as JSON")
     args = parser.parse_args()
     args.model = args.model or default_model_path()  # not installed: an error naming the install command
+    if args.startup:
+        result = startup(args.model, args.startup_runs or 3)
+        print(json.dumps(machine() | {"model": args.model, "load_avg_end": os.getloadavg()}))
+        print_startup(result)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(result, f, indent=2)
+        return
+    if args.llama_cpp_path:
+        sys.path.append(args.llama_cpp_path)  # after ours: its numpy and jinja2 are this environment's
     if args.threads:
         torch.set_num_threads(args.threads)
     gguf = args.gguf or (args.model if args.model.endswith(".gguf") else default_model_path())
@@ -289,8 +316,16 @@ def print_table(results: dict[str, Any], batches: list[int]) -> None:
     for name, equal in results.get("greedy_tokens_equal_to_hf_fp32", {}).items():
         print(f"{name}: requests whose greedy tokens equal HF fp32's (up to the first EOS), by batch:", equal)
     if "startup" in results:
-        print("start-up (median of fresh processes):", results["startup"])
+        print_startup(results["startup"])
     print("load average at start and end:", results["machine"]["load_avg_start"], results["machine"]["load_avg_end"])
+
+
+def print_startup(result: dict[str, Any]) -> None:
+    median, quickest = result["median"], result["quickest"]
+    print(f"\nstart-up, {len(result['runs'])} fresh processes (seconds; the tokenizer runs on a thread beside "
+          "the weights, so the constructor's stages overlap):\n\n| stage | median | quickest run |\n|---|---|---|")
+    for key in median:
+        print(f"| {key} | {median[key]:.2f} | {quickest[key]:.2f} |")
 
 
 if __name__ == "__main__":

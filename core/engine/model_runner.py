@@ -79,7 +79,7 @@ class ModelRunner:
             self.model = load_model(model_path, cfg, self.dtype, self.device, self.ops, opts.load_format, tp=tp)
             self.load_seconds["weights"] = time.perf_counter() - start
             if self.device.type == "cpu" and not opts.disable_cpu_prepack:
-                prepack_linears(self.model)
+                prepack_linears(self.model, plain_max_rows=opts.cpu_plain_linear_max_rows)
                 self.load_seconds["prepack"] = time.perf_counter() - start - self.load_seconds["weights"]
         start = time.perf_counter()
         self.attn_backend = AttentionBackend(self.ops)
