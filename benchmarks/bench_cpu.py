@@ -98,16 +98,61 @@ def hf_runner(model: str, dtype: str, new_tokens: int) -> tuple[Callable, Any]:
     return run, hf
 
 
-def llama_cpp_runner(gguf: str, new_tokens: int, threads: int, max_batch: int, max_prompt: int) -> tuple[Callable, Any]:
+def llama_cpp_runner(llama_cpp_path: str | None, **config: Any) -> tuple[Callable, Callable, Any]:
+    """(run, CPU clock, process): llama.cpp in a child process (this script's --llama-cpp-worker), run
+    by JSON lines over its stdin and stdout. Its own process, because llama.cpp's OpenMP runtime is not
+    torch's: in one process the two runtimes' spinning threads starved each other (every system ran
+    2 to 4x slower). The clock reads the child's CPU seconds."""
+    argv = [sys.executable, os.path.abspath(__file__), "--llama-cpp-worker", json.dumps(config)]
+    if llama_cpp_path:
+        argv += ["--llama-cpp-path", llama_cpp_path]
+    child = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    tick = os.sysconf("SC_CLK_TCK")
+
+    def run(prompts: list[list[int]]) -> list[list[int]]:
+        child.stdin.write(json.dumps(prompts) + "\n")
+        child.stdin.flush()
+        line = child.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the llama.cpp worker ended (exit code {child.wait()})")
+        return json.loads(line)
+
+    def cpu_clock() -> float:
+        with open(f"/proc/{child.pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / tick  # utime + stime
+
+    return run, cpu_clock, child
+
+
+def llama_cpp_worker(config: dict[str, Any]) -> None:
+    """The child's loop: a JSON list of prompts per stdin line, their outputs as a JSON line on stdout
+    (llama.cpp's own log goes to stderr)."""
+    run = llama_cpp_generator(**config)
+    for line in sys.stdin:
+        print(json.dumps(run(json.loads(line))), flush=True)
+
+
+def llama_cpp_generator(gguf: str, new_tokens: int, threads: int, max_batch: int, max_prompt: int) -> Callable:
     """Batched greedy decoding through llama.cpp's low-level API: one sequence id per request, each
-    step one llama_decode over every sequence's newest token."""
+    step one llama_decode over every sequence's newest token. (The high-level `Llama` class ignores
+    n_seq_max, so the context is made here: one KV buffer for all sequences.)"""
     import llama_cpp
     import numpy as np
 
-    llm = llama_cpp.Llama(model_path=gguf, n_ctx=max_batch * (max_prompt + new_tokens + 8),
-                          n_batch=max_batch * max_prompt, n_ubatch=max_batch * max_prompt,
-                          n_seq_max=max_batch, n_threads=threads, n_threads_batch=threads, verbose=False)
-    ctx, vocab = llm.ctx, llm.n_vocab()
+    llama_cpp.llama_backend_init()
+    model = llama_cpp.llama_model_load_from_file(gguf.encode(), llama_cpp.llama_model_default_params())
+    if not model:
+        raise RuntimeError(f"llama.cpp could not load {gguf}")
+    params = llama_cpp.llama_context_default_params()
+    params.n_ctx = max_batch * (max_prompt + new_tokens + 8)
+    params.n_batch = params.n_ubatch = max_batch * max_prompt
+    params.n_seq_max, params.kv_unified = max_batch, True
+    params.n_threads = params.n_threads_batch = threads
+    ctx = llama_cpp.llama_init_from_model(model, params)
+    if not ctx:
+        raise RuntimeError("llama.cpp could not make a context")
+    vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(model))
     batch = llama_cpp.llama_batch_init(max_batch * max_prompt, 0, max_batch)
 
     def submit(entries: list[tuple[int, int, int, bool]]) -> None:
@@ -115,8 +160,9 @@ def llama_cpp_runner(gguf: str, new_tokens: int, threads: int, max_batch: int, m
         for i, (token, pos, seq, want_logits) in enumerate(entries):
             batch.token[i], batch.pos[i], batch.n_seq_id[i] = token, pos, 1
             batch.seq_id[i][0], batch.logits[i] = seq, want_logits
-        if llama_cpp.llama_decode(ctx, batch) != 0:
-            raise RuntimeError("llama_decode failed")
+        status = llama_cpp.llama_decode(ctx, batch)
+        if status != 0:
+            raise RuntimeError(f"llama_decode failed ({status})")
 
     def argmax(i: int) -> int:
         return int(np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(ctx, i), shape=(vocab,)).argmax())
@@ -133,7 +179,7 @@ def llama_cpp_runner(gguf: str, new_tokens: int, threads: int, max_batch: int, m
                 o.append(argmax(s))
         return outs
 
-    return run, llm
+    return run
 
 
 # ---- measurements -------------------------------------------------------------------------------------
@@ -208,7 +254,13 @@ def main() -> None:
                         help="a site-packages folder holding llama_cpp (a separate venv: "
                              "benchmarks/build_llama_cpp.sh), searched after this environment's own")
     parser.add_argument("--json", default=None, help="write the results here as JSON")
+    parser.add_argument("--llama-cpp-worker", default=None, help=argparse.SUPPRESS)  # the child's config
     args = parser.parse_args()
+    if args.llama_cpp_path:
+        sys.path.append(args.llama_cpp_path)  # after ours: its numpy and jinja2 are this environment's
+    if args.llama_cpp_worker:
+        llama_cpp_worker(json.loads(args.llama_cpp_worker))
+        return
     args.model = args.model or default_model_path()  # not installed: an error naming the install command
     if args.startup:
         result = startup(args.model, args.startup_runs or 3)
@@ -218,8 +270,6 @@ def main() -> None:
             with open(args.json, "w") as f:
                 json.dump(result, f, indent=2)
         return
-    if args.llama_cpp_path:
-        sys.path.append(args.llama_cpp_path)  # after ours: its numpy and jinja2 are this environment's
     if args.threads:
         torch.set_num_threads(args.threads)
     gguf = args.gguf or (args.model if args.model.endswith(".gguf") else default_model_path())
@@ -252,14 +302,16 @@ def main() -> None:
             for dtype in args.dtypes:
                 runners[f"hf {dtype}"], model = hf_runner(args.model, dtype, args.new_tokens)
                 keep.append(model)
+    clocks: dict[str, Callable[[], float]] = {}  # CPU seconds of each system's process
     if "llama.cpp" in args.systems:
         if importlib.util.find_spec("llama_cpp") is None or gguf is None:
             print("llama_cpp is not importable (or no GGUF file): its column is skipped")
         else:
-            threads = args.threads or torch.get_num_threads()
-            runners["llama.cpp"], llm = llama_cpp_runner(gguf, args.new_tokens, threads, max(args.batch),
-                                                          max(map(len, prompts)))
-            keep.append(llm)
+            runners["llama.cpp"], clocks["llama.cpp"], child = llama_cpp_runner(
+                args.llama_cpp_path, gguf=gguf, new_tokens=args.new_tokens,
+                threads=args.threads or torch.get_num_threads(), max_batch=max(args.batch),
+                max_prompt=max(map(len, prompts)))
+            keep.append(child)
 
     times: dict[tuple[str, int], list[float]] = {}
     cpu_times: dict[tuple[str, int], list[float]] = {}  # the process's CPU seconds: less moved by others' load
@@ -269,10 +321,11 @@ def main() -> None:
     for r in range(args.rounds):
         for b in args.batch:
             for name, run in runners.items():
-                start, cpu_start = time.perf_counter(), time.process_time()
+                clock = clocks.get(name, time.process_time)
+                start, cpu_start = time.perf_counter(), clock()
                 outputs[name, b] = run(prompts[:b])
                 times.setdefault((name, b), []).append(time.perf_counter() - start)
-                cpu_times.setdefault((name, b), []).append(time.process_time() - cpu_start)
+                cpu_times.setdefault((name, b), []).append(clock() - cpu_start)
                 assert all(len(o) == args.new_tokens for o in outputs[name, b]), name
                 print(f"round {r + 1}: {name} batch {b}: {b * args.new_tokens / times[name, b][-1]:.1f} tok/s, "
                       f"load {os.getloadavg()[0]:.1f}", flush=True)
