@@ -220,7 +220,8 @@ def _one_thread_on_cpu(device: torch.device) -> Iterator[None]:
     """Loads CPU weights on this thread alone: the engine loads the tokenizer on another thread meanwhile,
     and the load is hundreds of ops (dequantize, copy, prepack) each of which, run on torch's threads,
     opens a parallel region that on a loaded machine waits for the other core (2 to 8x the load's wall
-    time on the 2-core development VM). torch's thread count is this thread's own; it is restored after."""
+    time on the 2-core development VM). Threads already running keep their own count (OpenMP's is per
+    thread); the count is restored after, for this thread and those started later."""
     if device.type != "cpu":
         yield
         return
