@@ -342,7 +342,8 @@ def _trim_profile(text: str) -> list[str]:
 
 
 def hf_model_on_shared_weights(model, model_dir: str, device: torch.device):
-    """transformers' LlamaForCausalLM whose parameters are views of radixlm's model (no copy)."""
+    """transformers' LlamaForCausalLM whose parameters are views of radixlm's model (no copy, except of
+    the linears a CPU engine prepacked)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     hf_cfg = AutoConfig.from_pretrained(model_dir)
@@ -353,6 +354,8 @@ def hf_model_on_shared_weights(model, model_dir: str, device: torch.device):
     for name, _ in list(hf.named_parameters(remove_duplicate=False)):
         our_name, shard = spec.parameter_for(name)
         tensor = ours[our_name]
+        if tensor.is_mkldnn:  # a CPU engine's prepacked linear (oneDNN's layout): HF gets a plain copy
+            tensor = tensor.to_dense()
         if shard is not None:
             tensor = tensor[spec.block_rows(our_name, shard, model.config)]
         module_name, _, leaf = name.rpartition(".")

@@ -382,7 +382,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         except Exception as error:  # DSPy's adapter cannot work with the stand-in's empty replies
             log(f"no profile of {name} (the estimate takes a flat guess): {error!r}")
     results["profiles"] = {n: dataclasses.asdict(p) for n, p in profiles.items()}
-    steps = plan(systems, args.hf_latency)
+    steps = plan(systems, args.hf_latency, args.systems)
     results["estimate"] = {"cells": {}}
     if preset["cost"] is not None:
         cost = dataclasses.replace(preset["cost"], hf_max_batch=args.hf_max_batch,
@@ -448,13 +448,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return results
 
 
-def plan(systems: list[str], hf_latency: bool) -> list[tuple[str, tuple[str, ...]]]:
+def plan(systems: list[str], hf_latency: bool, as_given: list[str] | None = None) -> list[tuple[str, tuple[str, ...]]]:
     """The run's steps in order of importance, so that a time limit cuts the least important: radixlm
     and its no-cache ablation, HF's throughput (the issue's targets compare radixlm with these three),
     then the fcfs and no-hints ablations, then HF's latency runs (one instance alone: HF's generate
-    loop, ~90 ms a step on the 8B shape, makes them the slowest measurements and the least telling)."""
+    loop, ~90 ms a step on the 8B shape, makes them the slowest measurements and the least telling).
+    `as_given` (--systems) runs the systems in its order instead: to see whether going first costs one."""
     order = [("radixlm", PARTS), ("no_radix_cache", PARTS), ("hf_transformers", ("throughput",)), ("fcfs", PARTS),
              ("dfs_weight", PARTS), ("no_frontend_hints", PARTS)]
+    if as_given:
+        order = [(s, ("throughput",) if s == "hf_transformers" else PARTS) for s in dict.fromkeys(as_given)]
     if hf_latency:
         order.append(("hf_transformers", ("latency",)))
     return [(system, parts) for system, parts in order if system in systems]
@@ -684,7 +687,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", choices=sorted(PRESETS), default="tiny")
     p.add_argument("--size", choices=("tiny", "gpu"), help="workload size preset (default: the model's)")
     p.add_argument("--workloads", nargs="+", help=f"default: all of {list(WORKLOADS)}")
-    p.add_argument("--systems", nargs="+", choices=SYSTEMS, help="default: all but dfs_weight")
+    p.add_argument("--systems", nargs="+", choices=SYSTEMS,
+                   help="run in this order (default: all but dfs_weight, radixlm first)")
     p.add_argument("--instances", nargs="+", metavar="NAME=N", help="instances of a workload (default: its preset's)")
     p.add_argument("--hf-instances", nargs="+", metavar="NAME=N",
                    help="instances the HF peer runs, the first of the workload's (default: the preset's)")

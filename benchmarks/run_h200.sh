@@ -5,6 +5,7 @@
 #   bash benchmarks/run_h200.sh                  # through the device tool, carrying .gpu_carry
 #   OUT=/tmp/out bash benchmarks/run_h200.sh     # anywhere else with a GPU
 #   GPU_CHECK_ARGS="--tune" RUN_CONSTRAINED=0 bash benchmarks/run_h200.sh   # the second run of 2026-11-29
+#   GPU_CHECK_ARGS="" ...                        # the checks alone, without timing launch shapes
 #   RUN_GPU_CHECK=0 RUN_ENGINE_BENCH=0 RUN_WORKLOADS=1 \
 #     CONSTRAINED_ARGS="--model llama3-8b-shape --batch 1 64 --max-new-tokens 128" bash benchmarks/run_h200.sh
 #                                   # the fourth run: constrained e2e on the 8B shape + the paper workloads
@@ -21,6 +22,8 @@
 #                                   # batch-1 decode with the fused rotary + KV store and without (issue 19)
 #   RUN_GPU_CHECK=0 RUN_ENGINE_BENCH=0 RUN_CONSTRAINED=0 RUN_OVERLAP=1 bash benchmarks/run_h200.sh
 #                                   # batch-1 decode and the 1,000-request workload, overlap off then on (issue 19)
+#   RUN_GPU_CHECK=0 RUN_ENGINE_BENCH=0 RUN_CONSTRAINED=0 RUN_IMAGES=1 bash benchmarks/run_h200.sh
+#                                   # image QA on the LLaVA-1.5-7B shape, shared vs distinct images (issue 21)
 #
 # Each step has its own time limit (seconds, overridable) so that one hang cannot eat the others.
 set -u -o pipefail
@@ -50,7 +53,7 @@ if [ -d .gpu_carry ]; then export RADIXLM_CACHE=$PWD/.gpu_carry; fi
 
 if [ "${RUN_GPU_CHECK:-1}" = 1 ]; then
 # shellcheck disable=SC2086  # GPU_CHECK_ARGS is a list of flags
-timeout "${GPU_CHECK_S:-330}" python3 benchmarks/gpu_check.py ${GPU_CHECK_ARGS:---sweep --tune} --out "$OUT/gpu_check.json" \
+timeout "${GPU_CHECK_S:-330}" python3 benchmarks/gpu_check.py ${GPU_CHECK_ARGS---sweep --tune} --out "$OUT/gpu_check.json" \
   2>&1 | tee "$OUT/gpu_check.log"
 echo "gpu_check exit ${PIPESTATUS[0]}" | tee -a "$OUT/env.txt"
 fi
@@ -119,5 +122,13 @@ if [ "${RUN_HICACHE:-0}" = 1 ]; then
     ${HICACHE_ARGS:---write-policies write_back write_through --also-fits} \
     --out "$OUT/hicache.json" 2>&1 | tee "$OUT/hicache.log"
   echo "bench_hicache exit ${PIPESTATUS[0]}" | tee -a "$OUT/env.txt"
+fi
+if [ "${RUN_IMAGES:-0}" = 1 ]; then
+  # Issue 21: image QA on the LLaVA-1.5-7B shape (576 image tokens, dummy bf16 weights), 256 requests
+  # about 4 shared images, then 256 requests with distinct images: the radix cache's image-prefix reuse.
+  # shellcheck disable=SC2086  # IMAGES_ARGS is a list of flags
+  timeout "${IMAGES_S:-420}" python3 benchmarks/bench_images.py --model llava-7b-shape ${IMAGES_ARGS:-} \
+    --out "$OUT/images.json" 2>&1 | tee "$OUT/images.log"
+  echo "bench_images exit ${PIPESTATUS[0]}" | tee -a "$OUT/env.txt"
 fi
 nvidia-smi --query-gpu=clocks.sm,clocks.mem,power.draw,temperature.gpu --format=csv 2>&1 | tee -a "$OUT/env.txt"

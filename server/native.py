@@ -21,6 +21,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 
 import radixlm
 from radixlm.core.engine.frontend import branch_params, branch_rid
+from radixlm.core.engine.images import images_of
 from radixlm.core.engine.sampling_params import SamplingParams
 from radixlm.server.body import parse_body
 from radixlm.server.errors import APIError, bad_request, error_body
@@ -43,6 +44,9 @@ class GenerateRequest(BaseModel):
     top_logprobs_num: int = Field(0, ge=0, le=20)
     return_text_in_logprobs: bool = False
     stream: bool = False
+    # Images (data URLs or base64) for a vision-language model: for one prompt one image or a list, for
+    # a batch one entry (an image, a list, or null) per prompt.
+    image_data: str | list[str | list[str] | None] | None = None
 
 
 class AbortRequest(BaseModel):
@@ -70,7 +74,8 @@ class NativeAPI:
             stream = await self.client.open_stream(request, branches)
             return EventStreamResponse(self._events(req, stream, batch=len(branches) > 1), stream.close)
         result = await self.client.generate(request, prompt=req.text, input_ids=req.input_ids,
-                                            sampling_params=req.sampling_params, rid=req.rid, **logprob_args)
+                                            sampling_params=req.sampling_params, rid=req.rid,
+                                            image_data=req.image_data, **logprob_args)
         for out in as_list(result):
             raise_if_failed(out["meta_info"])
         if req.return_text_in_logprobs:
@@ -98,11 +103,13 @@ class NativeAPI:
         rids = [req.rid] if isinstance(req.rid, str) else req.rid
         if rids is not None and len(rids) != len(prompts):
             raise bad_request("rid must be a string per prompt", "rid")
+        images = images_of(req.image_data, len(prompts), single=isinstance(req.text, str) or (
+            req.input_ids is not None and bool(req.input_ids) and isinstance(req.input_ids[0], int)))
         branches = []
         for k, (prompt, sp) in enumerate(zip(prompts, parsed)):
             for i, one in enumerate(branch_params(sp)):
                 rid = {} if rids is None else {"rid": branch_rid(rids[k], i, sp.n)}
-                branches.append(Branch(one.to_dict(), **prompt, **rid, **logprob_args))
+                branches.append(Branch(one.to_dict(), **prompt, **rid, **logprob_args, image_data=images[k] or None))
         return branches
 
     async def _events(self, req: GenerateRequest, stream: MergedStream, batch: bool) -> AsyncIterator[bytes]:
@@ -166,8 +173,16 @@ class NativeAPI:
             "tokenizer_path": self.engine.options.tokenizer_path or self.engine.model_path,
             "served_model_name": self.engine.served_model_name, "is_generation": True,
             "context_len": self.engine.context_len, "vocab_size": self.engine.vocab_size,
-            "eos_token_ids": self.engine.eos_token_ids,
+            "eos_token_ids": self.engine.eos_token_ids, **self._vision_info(),
         })
+
+    def _vision_info(self) -> dict[str, Any]:
+        """For a vision-language model: its image placeholder and the positions each image takes."""
+        images = self.engine.frontend.images
+        if images is None:
+            return {}
+        return {"image_token": self.engine.tokenizer.convert_ids_to_tokens(images.image_token_id),
+                "image_token_id": images.image_token_id, "tokens_per_image": images.vision.tokens_per_image}
 
     async def get_server_info(self, request: Request) -> Response:
         stats = self.engine.stats_snapshot()

@@ -140,31 +140,40 @@ class OpenAIAPI:
 
     # ---- /v1/chat/completions -----------------------------------------------------------------
 
-    async def prepare_chat(self, req: ChatCompletionRequest) -> tuple[ToolMode, list[int], dict[str, Any]]:
-        """A chat request's tool mode, prompt token ids and sampling params (the Responses API's too)."""
+    async def prepare_chat(self, req: ChatCompletionRequest
+                           ) -> tuple[ToolMode, list[int], dict[str, Any], list[str] | None]:
+        """A chat request's tool mode, prompt token ids, sampling params and images (data URLs, or None
+        without any) (the Responses API's too)."""
         self._check_common(req)
         mode = self._tool_mode(req)
-        input_ids = await self.engine.offload(self._render_chat, req, mode)
+        input_ids, images = await self.engine.offload(self._render_chat, req, mode)
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        params = self._sampling_params(req, self._max_new_tokens(requested, len(input_ids), "messages"))
+        # Each image's placeholder token becomes one position per image feature row in the engine.
+        prompt_len = len(input_ids) + len(images) * (self._image_width() - 1)
+        params = self._sampling_params(req, self._max_new_tokens(requested, prompt_len, "messages"))
         self._add_chat_constraint(req, mode, params)
         SamplingParams.from_dict(params)  # fail with a 400 here rather than per branch
-        return mode, input_ids, params
+        return mode, input_ids, params, images or None
+
+    def _image_width(self) -> int:
+        images = self.engine.frontend.images
+        return images.vision.tokens_per_image if images is not None else 1
 
     async def chat_completions(self, request: Request) -> Response:
         req = await parse_body(request, ChatCompletionRequest)
         if req.top_logprobs is not None and not req.logprobs:
             raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
-        mode, input_ids, params = await self.prepare_chat(req)
+        mode, input_ids, params, images = await self.prepare_chat(req)
         top_n = req.top_logprobs or 0
         if req.stream:
             branches = [Branch(sp, input_ids=input_ids, rid=f"chatcmpl-{uuid.uuid4().hex}",
-                               return_logprob=req.logprobs, top_logprobs_num=top_n)
+                               return_logprob=req.logprobs, top_logprobs_num=top_n, image_data=images)
                         for sp in branch_dicts(params)]
             stream = await self.client.open_stream(request, branches)
             return EventStreamResponse(self._chat_events(req, mode, stream, top_n), stream.close)
         outputs = as_list(await self.client.generate(request, input_ids=input_ids, sampling_params=params,
-                                                     return_logprob=req.logprobs, top_logprobs_num=top_n))
+                                                     return_logprob=req.logprobs, top_logprobs_num=top_n,
+                                                     image_data=images))
         choices = []
         for i, out in enumerate(outputs):
             meta = out["meta_info"]
@@ -227,7 +236,7 @@ class OpenAIAPI:
                                   "json_schema", "response_format")
             params["json_schema"] = schema
 
-    def _render_chat(self, req: ChatCompletionRequest, mode: ToolMode) -> list[int]:
+    def _render_chat(self, req: ChatCompletionRequest, mode: ToolMode) -> tuple[list[int], list[str]]:
         if self.tokenizer.chat_template is None:
             raise bad_request("this model has no chat template; use /v1/completions", "messages")
         if req.continue_final_message and req.add_generation_prompt:
@@ -242,9 +251,12 @@ class OpenAIAPI:
         if clash:
             raise bad_request(f"chat_template_kwargs may not set {clash}", "chat_template_kwargs")
         tools = toolcalls.template_tools(mode.tools) if mode.kind != "none" and mode.tools else None
+        images = self.engine.frontend.images
+        messages, image_urls = _template_messages(
+            req.messages, None if images is None else self.tokenizer.convert_ids_to_tokens(images.image_token_id))
         try:
             text = render_chat(
-                self.tokenizer, _template_messages(req.messages), tools,
+                self.tokenizer, messages, tools,
                 add_generation_prompt=req.add_generation_prompt,
                 continue_final_message=req.continue_final_message, **extra)
         except (jinja2.TemplateError, ValueError, TypeError) as exc:
@@ -252,7 +264,7 @@ class OpenAIAPI:
         except RecursionError:
             raise bad_request("could not render the chat template: the messages are nested too deeply",
                               "messages") from None
-        return self.engine.frontend.encode(text, add_special_tokens=False)
+        return self.engine.frontend.encode(text, add_special_tokens=False), image_urls
 
     def tool_calls(self, mode: ToolMode, text: str) -> tuple[str | None, list[dict[str, Any]]]:
         if mode.kind == "named":
@@ -422,19 +434,28 @@ def _content_bytes(message: Message) -> int:
     return sum(len(p.encode("utf-8", "surrogatepass")) for p in parts if p)
 
 
-def _template_messages(messages: list[Message]) -> list[dict[str, Any]]:
-    """Messages as chat templates expect them: text parts joined, tool-call arguments as objects (most
-    templates render `arguments` with tojson, which would double-encode a JSON string)."""
-    out = []
+def _template_messages(messages: list[Message], image_token: str | None
+                       ) -> tuple[list[dict[str, Any]], list[str]]:
+    """Messages as chat templates expect them: text parts joined, each image part replaced by the
+    model's image placeholder (image_token; None: the model takes no images), tool-call arguments as
+    objects (most templates render `arguments` with tojson, which would double-encode a JSON string);
+    and the image URLs in prompt order."""
+    out, images = [], []
     for i, m in enumerate(messages):
         msg = m.model_dump(exclude_none=True)
         if isinstance(m.content, list):
+            texts = []
             for part in m.content:
-                if part.type != "text" or part.text is None:
-                    raise bad_request(f"messages[{i}]: content parts of type {part.type!r} are not supported "
-                                      "(text-only model); send parts of type 'text' with a 'text' field",
-                                      "messages")
-            msg["content"] = "".join(p.text for p in m.content)
+                if part.type == "image_url" and image_token is not None:
+                    images.append(_image_url(part, i))
+                    texts.append(image_token)
+                elif part.type != "text" or part.text is None:
+                    kinds = "'text' and 'image_url'" if image_token is not None else "'text' (text-only model)"
+                    raise bad_request(f"messages[{i}]: content parts of type {part.type!r} are not supported; "
+                                      f"send parts of type {kinds}", "messages")
+                else:
+                    texts.append(part.text)
+            msg["content"] = "".join(texts)
         for call in msg.get("tool_calls", []):
             try:
                 call["function"]["arguments"] = json.loads(call["function"]["arguments"])
@@ -443,4 +464,15 @@ def _template_messages(messages: list[Message]) -> list[dict[str, Any]]:
             except RecursionError:
                 raise bad_request(f"messages[{i}]: tool call arguments are nested too deeply", "messages") from None
         out.append(msg)
-    return out
+    return out, images
+
+
+def _image_url(part: Any, i: int) -> str:
+    """The data URL of an image_url part; remote URLs are refused (the server fetches nothing)."""
+    url = part.image_url.url if part.image_url is not None else None
+    if not url:
+        raise bad_request(f"messages[{i}]: an image_url part needs an image_url with a url", "messages")
+    if not url.startswith("data:"):
+        raise bad_request(f"messages[{i}]: only data URLs are accepted for images (data:image/png;base64,...); "
+                          "this server does not fetch remote URLs", "messages")
+    return url

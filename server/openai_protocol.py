@@ -17,9 +17,15 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
+class ImageURL(_Strict):
+    url: str
+    detail: str | None = None  # accepted and ignored: the model's image processor fixes the resolution
+
+
 class ContentPart(_Strict):
     type: str
     text: str | None = None
+    image_url: ImageURL | None = None
 
 
 class FunctionCall(_Strict):
@@ -35,8 +41,8 @@ class ToolCall(_Strict):
 
 class Message(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    # Content parts other than text (images, audio) are rejected when the prompt is rendered: the
-    # models served are text-only.
+    # Parts other than text and image_url (audio, files) are rejected when the prompt is rendered;
+    # image_url parts too unless the model is a vision-language one.
     content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = None

@@ -139,12 +139,14 @@ class ResponsesAPI:
             history = stored.messages
         conversation = history + input_messages(body.input)
         system = [{"role": "system", "content": body.instructions}] if body.instructions else []
-        mode, input_ids, params = await self.openai.prepare_chat(_chat_request(body, system + conversation))
+        mode, input_ids, params, images = await self.openai.prepare_chat(_chat_request(body, system + conversation))
         resp_id = _new_id("resp")
         if body.stream:
-            stream = await self.client.open_stream(request, [Branch(params, input_ids=input_ids, rid=resp_id)])
+            stream = await self.client.open_stream(
+                request, [Branch(params, input_ids=input_ids, rid=resp_id, image_data=images)])
             return EventStreamResponse(self._events(body, resp_id, mode, conversation, stream), stream.close)
-        out = await self.client.generate(request, input_ids=input_ids, sampling_params=params, rid=resp_id)
+        out = await self.client.generate(request, input_ids=input_ids, sampling_params=params, rid=resp_id,
+                                         image_data=images)
         meta = out["meta_info"]
         check_aborted(meta)
         content, calls = self.openai.tool_calls(mode, out["text"])

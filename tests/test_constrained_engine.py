@@ -200,6 +200,17 @@ def test_engine_option_disables_jump_forward():
         jsonschema.validate(json.loads(out["text"]), FIXED_KEYS)
 
 
+def test_cached_tokens_count_the_prompt_only_when_forced_output_is_cached_too(engine):
+    # The regex forces its first tokens, appended before the first step; on a repeat the cache holds
+    # them after the prompt, but cached_tokens is a count of prompt tokens (it read 14 of 9 before).
+    prompt, params = "a repeated question", {"regex": "Answer: the value is [0-9]+", "temperature": 0,
+                                             "max_new_tokens": 8}
+    engine.flush_cache()
+    first = engine.generate(prompt, params)["meta_info"]
+    again = engine.generate(prompt, params)["meta_info"]
+    assert first["cached_tokens"] == 0
+    assert again["cached_tokens"] == again["prompt_tokens"] == first["prompt_tokens"]
+
 def test_streaming_with_jump_forward(engine):
     chunks = list(engine.generate("Stream:", {"json_schema": json.dumps(FIXED_KEYS), "temperature": 1.0,
                                               "max_new_tokens": 128, "seed": 5}, stream=True))

@@ -159,7 +159,7 @@ def test_unsupported_requests_are_refused(engine):
         lm("x", tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}])
     with pytest.raises(dspy.LMUnsupportedFeatureError, match="does not support"):
         lm("x", seed=3)
-    with pytest.raises(dspy.LMUnsupportedFeatureError, match="text content only"):
+    with pytest.raises(dspy.LMUnsupportedFeatureError, match="does not fetch image URLs"):
         lm(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/a.png"}}]}])
     with pytest.raises(dspy.LMInvalidRequestError, match="at most one of"):
         lm(request(regex="a", json_schema={"type": "string"}))

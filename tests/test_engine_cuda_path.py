@@ -340,7 +340,9 @@ def test_dummy_weights_load_without_files(llama_ckpt, tmp_path):
         assert len(out["output_ids"]) == 4
         weights = dict(e._runner.model.named_parameters())
         assert torch.equal(weights["norm.weight"], torch.ones_like(weights["norm.weight"]))
-        assert 0.015 < float(weights["layers.0.mlp.down_proj.weight"].detach().std()) < 0.025
+        down = weights["layers.0.mlp.down_proj.weight"].detach()
+        down = down.to_dense() if down.is_mkldnn else down  # a CPU engine prepacks its linear layers
+        assert 0.015 < float(down.std()) < 0.025
 
 
 def test_new_options_are_validated():

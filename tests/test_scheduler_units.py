@@ -583,6 +583,40 @@ def test_loop_an_abort_and_a_reused_request_id_end_alone_and_free_their_kv():
     assert sched.flush_cache() and sched.get_stats()["kv_slots_free"] == 256
 
 
+def test_loop_answers_every_request_when_a_step_fails_and_one_cannot_be_finished_cleanly():
+    # A failed step aborts every request in flight; one whose KV release fails too must still get its
+    # final output (before, it was dropped from the queues unanswered and its caller waited forever).
+    options = EngineOptions.from_kwargs({"device": "cpu"})
+    sched = Scheduler(FakeRunner(256, options.max_running_requests), options, StubTokenizer(), [EOS])
+    release = sched.queues.memory.release
+
+    def failing_step() -> None:
+        raise RuntimeError("injected step failure")
+
+    def release_but_q0(req: Req) -> None:
+        if req.rid == "q0":
+            raise RuntimeError("injected release failure")
+        release(req)
+
+    sched.step = failing_step
+    sched.queues.memory.release = release_but_q0
+    for i in range(3):
+        sched.inbox.put(GenerateRequest(f"q{i}", [1, 2, 3], SamplingParams.from_dict({"max_new_tokens": 4})))
+    thread = threading.Thread(target=sched.run_forever)
+    thread.start()
+    finals: dict[str, GenerateOutput] = {}
+    try:
+        while len(finals) < 3:
+            out = sched.outbox.get(timeout=30)  # queue.Empty: a request was never answered
+            if isinstance(out, GenerateOutput) and out.finish is not None:
+                finals[out.rid] = out
+    finally:
+        sched.stop()
+        thread.join(10)
+    assert sorted(finals) == ["q0", "q1", "q2"]
+    assert all(f.finish.type == "abort" and f.finish.status_code == 500 for f in finals.values())
+    assert not sched.queues.live and not sched.queues.busy()
+
 def load_bench_scheduler():
     path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_scheduler.py"
     spec = importlib.util.spec_from_file_location("bench_scheduler", path)

@@ -22,11 +22,11 @@ import uuid
 from typing import Any
 
 import dspy
-from dspy.lm15 import (Config, InvalidRequestError, Message, Request, Response, ServerError, TextPart,
+from dspy.lm15 import (Config, ImagePart, InvalidRequestError, Message, Request, Response, ServerError, TextPart,
                        TokenLogprob, TopLogprob, UnsupportedFeatureError, Usage)
 
 from radixlm.adapters.dspy.formats import bound_schema, format_for_call
-from radixlm.adapters.dspy.program import CallBatcher, LMCall, Sample, build_tree, run_program
+from radixlm.adapters.dspy.program import CallBatcher, LMCall, Sample, build_tree, content_text, run_program
 from radixlm.core.engine.sampling_params import SamplingParams
 from radixlm.core.program.interpreter import resolve_backend
 from radixlm.core.program.ir import GenParams
@@ -227,7 +227,7 @@ class ProgramEngine:
         if explicit:
             return explicit
         if self.constrain_format:
-            found = format_for_call([{"role": role, "content": text} for role, text in messages],
+            found = format_for_call([{"role": role, "content": content_text(text)} for role, text in messages],
                                     self.max_field_chars)
             if found is not None:
                 return found
@@ -260,8 +260,8 @@ def _extension_hint(names: set[str]) -> str:
     return ""
 
 
-def _chat_messages(request: Request) -> list[tuple[str, str]]:
-    """(role, text) pairs: the system instructions, then the messages; text parts only."""
+def _chat_messages(request: Request) -> list[tuple[str, Any]]:
+    """(role, content) pairs: the system instructions, then the messages; text and image parts."""
     chat = []
     if request.system is not None:
         chat.append(("system", request.system if isinstance(request.system, str) else _text(request.system)))
@@ -273,11 +273,24 @@ def _chat_messages(request: Request) -> list[tuple[str, str]]:
     return chat
 
 
-def _text(parts: tuple[Any, ...]) -> str:
-    if not all(isinstance(part, TextPart) for part in parts):
-        raise UnsupportedFeatureError("SGLangLM takes text content only (no images, audio or files)",
-                                      feature="content")
-    return "".join(part.text for part in parts)
+def _text(parts: tuple[Any, ...]) -> str | tuple[str | bytes, ...]:
+    """The parts' text; with images (dspy.Image fields), a tuple of text and encoded images in order
+    (the local program backend refuses them unless the model is a vision-language one)."""
+    if all(isinstance(part, TextPart) for part in parts):
+        return "".join(part.text for part in parts)
+    out: list[str | bytes] = []
+    for part in parts:
+        if isinstance(part, TextPart):
+            out.append(part.text)
+        elif isinstance(part, ImagePart):
+            if part.data is None and part.path is None:
+                raise UnsupportedFeatureError("SGLangLM takes images as data (a data: URL, a file or bytes); "
+                                              "it does not fetch image URLs", feature="content")
+            out.append(part.bytes)
+        else:
+            raise UnsupportedFeatureError("SGLangLM takes text and image content only (no audio or files)",
+                                          feature="content")
+    return tuple(out)
 
 
 def _response_format_schema(response_format: dict[str, Any] | None) -> dict[str, Any] | None:

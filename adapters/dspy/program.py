@@ -25,7 +25,10 @@ from typing import Any, Callable
 
 from radixlm.core.program.errors import ProgramError
 from radixlm.core.program.interpreter import ProgramState, new_state
-from radixlm.core.program.ir import Constant, ExprList, Gen, GenParams, RoleBegin, RoleEnd
+from radixlm.core.program.ir import Constant, ExprList, Gen, GenParams, Image, RoleBegin, RoleEnd
+
+# A message's content: its text, or its text and images (encoded image bytes) in order.
+Content = str | tuple[str | bytes, ...]
 
 # The variable each call's generation is stored in.
 _OUTPUT = "completion"
@@ -34,9 +37,9 @@ _OUTPUT = "completion"
 @dataclass
 class LMCall:
     """One chat request: its messages as (role, content) pairs, its generation parameters, and how
-    many samples to draw."""
+    many samples to draw. A content is text, or a tuple of text and images (encoded bytes) in order."""
 
-    messages: list[tuple[str, str]]
+    messages: list[tuple[str, Content]]
     params: GenParams
     n: int = 1
 
@@ -52,7 +55,7 @@ class ProgramNode:
     """One stream of the program: the messages it appends after its parent's text, then either the
     generation of call number `call` or a fork into `children`."""
 
-    messages: list[tuple[str, str]]
+    messages: list[tuple[str, Content]]
     call: int | None = None
     children: list["ProgramNode"] = field(default_factory=list)
 
@@ -73,7 +76,15 @@ class ProgramNode:
         return "\n".join(lines)
 
 
-def _preview(text: str, width: int = 60) -> str:
+def content_text(content: Content) -> str:
+    """A content's text, an image standing as `<image>`."""
+    if isinstance(content, str):
+        return content
+    return "".join(p if isinstance(p, str) else "<image>" for p in content)
+
+
+def _preview(content: Content, width: int = 60) -> str:
+    text = content_text(content)
     flat = text.replace("\n", "\\n")
     return repr(flat if len(flat) <= width else flat[:width] + "...") + f" ({len(text)} chars)"
 
@@ -121,7 +132,9 @@ def run_program(backend: Any, calls: list[LMCall], tree: ProgramNode) -> list[li
 
 def _emit(state: ProgramState, node: ProgramNode, calls: list[LMCall], leaves: dict[int, list[ProgramState]]) -> None:
     for role, content in node.messages:
-        state += ExprList([RoleBegin(role), Constant(content), RoleEnd(role)])
+        parts = [content] if isinstance(content, str) else content
+        state += ExprList([RoleBegin(role), *(Constant(p) if isinstance(p, str) else Image(p) for p in parts),
+                           RoleEnd(role)])
     if node.call is not None:
         call = calls[node.call]
         state += RoleBegin("assistant")

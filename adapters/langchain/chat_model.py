@@ -176,7 +176,10 @@ class ChatSGLang(BaseChatModel):
 
         parallel = kwargs.get("parallel_tool_calls", self.parallel_tool_calls)
         mode = tool_mode(kwargs.get("tools"), kwargs.get("tool_choice"), parallel)
-        prompt = conn.renderer.render(template_messages(messages), mode.tools if mode.kind != "none" else None)
+        backend = conn.backend
+        image_token = backend.chat_template.image_token if backend.supports_vision else None
+        turns, images = template_messages(messages, image_token)
+        prompt = conn.renderer.render(turns, mode.tools if mode.kind != "none" else None)
 
         params = GenParams(stop=list(stop if stop is not None else self.stop or []))
         for name in _SAMPLING:
@@ -184,7 +187,7 @@ class ChatSGLang(BaseChatModel):
             if value is not None:
                 setattr(params, name, value)
         max_tokens = kwargs.get("max_tokens", self.max_tokens)
-        params.max_new_tokens = max_tokens if max_tokens is not None else self._room(conn, prompt)
+        params.max_new_tokens = max_tokens if max_tokens is not None else self._room(conn, prompt, len(images))
         schema = _constraint(kwargs.get("response_format"), forced_schema(mode))
         if schema is not None:
             max_string = kwargs.get("max_string_length", self.max_string_length)
@@ -194,11 +197,13 @@ class ChatSGLang(BaseChatModel):
             top_logprobs = kwargs.get("top_logprobs", self.top_logprobs) or 0
             params.return_logprob, params.top_logprobs_num = True, top_logprobs
         return ChatCall(prompt=prompt, params=params, mode=mode, model_name=model or conn.model_name,
-                        top_logprobs=top_logprobs)
+                        top_logprobs=top_logprobs, images=tuple(images), image_token=image_token or "")
 
     @staticmethod
-    def _room(conn: Connection, prompt: str) -> int:
-        room = conn.context_len - conn.renderer.count_tokens(prompt)
+    def _room(conn: Connection, prompt: str, images: int) -> int:
+        # The engine widens each image's placeholder token to one position per image feature row.
+        widened = images * (conn.backend._image_width() - 1) if images else 0
+        room = conn.context_len - conn.renderer.count_tokens(prompt) - widened
         if room < 1:
             raise ValueError(f"the prompt fills the model's context of {conn.context_len} tokens")
         return room

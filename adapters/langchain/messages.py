@@ -41,7 +41,9 @@ def _role(message: BaseMessage) -> str:
     raise ValueError(f"unsupported message type {type(message).__name__}")
 
 
-def _text(message: BaseMessage, role: str) -> str:
+def _text(message: BaseMessage, role: str, image_token: str | None, images: list[str]) -> str:
+    """The message's text, each image block replaced by image_token (its data URL appended to images);
+    image_token None: the model takes no images."""
     if isinstance(message.content, str):
         return message.content
     parts = []
@@ -50,18 +52,41 @@ def _text(message: BaseMessage, role: str) -> str:
             parts.append(block)
         elif block.get("type") == "text":
             parts.append(block.get("text", ""))
+        elif block.get("type") in ("image", "image_url") and image_token is not None:
+            images.append(_image_data_url(block))
+            parts.append(image_token)
         elif not (role == "assistant" and block.get("type") in _AI_NON_TEXT_BLOCKS):
-            raise ValueError(f"content blocks of type {block.get('type')!r} are not supported: radixlm serves "
-                             "text-only models (send text blocks)")
+            kinds = "text and image blocks" if image_token is not None else "text blocks: the model is text-only"
+            raise ValueError(f"content blocks of type {block.get('type')!r} are not supported (send {kinds})")
     return "".join(parts)
 
 
-def template_messages(messages: list[BaseMessage]) -> list[dict[str, Any]]:
-    """LangChain messages as chat-template messages."""
-    out = []
+def _image_data_url(block: dict[str, Any]) -> str:
+    """An image block as a data URL: OpenAI's image_url block, LangChain's standard image block (base64
+    or url), or its older source_type form. Remote URLs are refused: the engine fetches nothing."""
+    if block["type"] == "image_url":
+        url = block.get("image_url")
+        url = url.get("url") if isinstance(url, dict) else url
+    elif block.get("base64") or block.get("source_type") == "base64":
+        data = block.get("base64") or block.get("data")
+        url = f"data:{block.get('mime_type') or 'image/png'};base64,{data}"
+    else:
+        url = block.get("url")
+    if not isinstance(url, str) or not url.startswith("data:"):
+        raise ValueError("image blocks must carry the image itself (base64 data, or a data: URL); radixlm does "
+                         "not fetch image URLs")
+    return url
+
+
+def template_messages(messages: list[BaseMessage], image_token: str | None = None
+                      ) -> tuple[list[dict[str, Any]], list[str]]:
+    """LangChain messages as chat-template messages, and their images (data URLs) in prompt order;
+    image_token: the model's image placeholder (None for a text-only model)."""
+    out: list[dict[str, Any]] = []
+    images: list[str] = []
     for message in messages:
         role = _role(message)
-        entry: dict[str, Any] = {"role": role, "content": _text(message, role)}
+        entry: dict[str, Any] = {"role": role, "content": _text(message, role, image_token, images)}
         if isinstance(message, AIMessage) and message.tool_calls:
             entry["tool_calls"] = template_tool_calls(message.tool_calls)
         if isinstance(message, ToolMessage):
@@ -69,7 +94,7 @@ def template_messages(messages: list[BaseMessage]) -> list[dict[str, Any]]:
         if message.name:
             entry["name"] = message.name
         out.append(entry)
-    return out
+    return out, images
 
 
 class ChatRenderer:

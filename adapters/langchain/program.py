@@ -16,6 +16,7 @@ calls go to the engine together, whose cache-aware scheduler serves the longest 
 
 from __future__ import annotations
 
+import base64
 import os
 from dataclasses import dataclass
 from typing import Any, Iterator
@@ -24,7 +25,7 @@ from radixlm.adapters.langchain.tools import ToolMode
 from radixlm.core.backends.base import BaseBackend
 from radixlm.core.program.function import function
 from radixlm.core.program.interpreter import ProgramState
-from radixlm.core.program.ir import Gen, GenParams
+from radixlm.core.program.ir import Gen, GenParams, Image
 from radixlm.core.program.tracer import precache_batch
 
 
@@ -38,6 +39,9 @@ class ChatCall:
     model_name: str
     # None: no logprobs; otherwise how many alternatives to report per token.
     top_logprobs: int | None = None
+    # The prompt's images (data URLs), one per image_token in it, in order.
+    images: tuple[str, ...] = ()
+    image_token: str = ""
 
     @property
     def parsed_whole(self) -> bool:
@@ -45,9 +49,22 @@ class ChatCall:
         return self.mode.kind != "none"
 
 
+def append_prompt(s: Any, call: ChatCall, start: int = 0) -> None:
+    """Appends call.prompt[start:], its images (sgl.image) where their placeholders are; a prompt with
+    images is appended whole (start 0)."""
+    if not call.images:
+        s += call.prompt[start:]
+        return
+    texts = call.prompt.split(call.image_token)
+    s += texts[0]
+    for image, text in zip(call.images, texts[1:]):
+        s += Image(base64.b64decode(image.partition(",")[2]))
+        s += text
+
+
 @function
 def chat_program(s: Any, call: ChatCall) -> None:
-    s += call.prompt
+    append_prompt(s, call)
     s += Gen("output", call.params)
 
 
@@ -56,19 +73,22 @@ def fork_program(s: Any, prefix: str, calls: list[ChatCall]) -> Any:
     s += prefix
     branches = s.fork(len(calls))
     for branch, call in zip(branches, calls):
-        branch += call.prompt[len(prefix):]
+        append_prompt(branch, call, len(prefix))
         branch += Gen("output", call.params)
     branches.join()
     return branches
 
 
-def shared_prefix(prompts: list[str]) -> str:
-    return os.path.commonprefix(prompts) if len(prompts) > 1 else ""
+def shared_prefix(calls: list[ChatCall]) -> str:
+    """The text the calls' prompts share (none when a prompt has images: those are appended whole)."""
+    if len(calls) < 2 or any(c.images for c in calls):
+        return ""
+    return os.path.commonprefix([c.prompt for c in calls])
 
 
 def precache(backend: BaseBackend, calls: list[ChatCall]) -> str:
     """Sends the prefix common to a batch of calls once, before the batch runs; returns it."""
-    if len(calls) < 2:
+    if len(calls) < 2 or any(c.images for c in calls):
         return ""
     return precache_batch(chat_program, backend, [{"call": call} for call in calls])
 
@@ -98,7 +118,7 @@ def stream_call(backend: BaseBackend, call: ChatCall) -> tuple[Iterator[str], Pr
 def run_forked(backend: BaseBackend, batch: list[list[ChatCall]]) -> list[list[tuple[str, dict[str, Any]]]]:
     """Runs, for each item of the batch, its calls as one fork/join program; the prefix common to
     the whole batch is sent once first. Returns (text, meta_info) per call."""
-    programs = [{"prefix": shared_prefix([c.prompt for c in calls]), "calls": calls} for calls in batch]
+    programs = [{"prefix": shared_prefix(calls), "calls": calls} for calls in batch]
     if len(programs) == 1:
         states = [fork_program.run(**programs[0], backend=backend)]
     else:

@@ -193,7 +193,7 @@ class LangChainProgram(Runnable[Any, Any]):
                                       "    s += gen('output')"])
         if self.before:
             lines.insert(0, f"# input prepared by: {' | '.join(type(s).__name__ for s in self.before)}")
-        prefix = _cut_placeholder(shared_prefix([c.prompt for c in calls.values()]))
+        prefix = _cut_placeholder(shared_prefix(list(calls.values())))
         # Every gen also stops at the chat template's end-of-turn marker (the interpreter adds it).
         template_stops = list(self._models()[0].connection().backend.get_chat_template().stop_str)
         gens = {name: _gen(name, call.params, template_stops) for name, call in calls.items()}

@@ -4,7 +4,7 @@ so `import radixlm as sgl` runs SGLang frontend programs unchanged."""
 from radixlm.adapters.native.api import (
     SglFunction, assistant, assistant_begin, assistant_end, flush_cache, function, gen, gen_int,
     gen_string, get_server_info, global_config, image, select, set_default_backend, system,
-    system_begin, system_end, user, user_begin, user_end,
+    system_begin, system_end, user, user_begin, user_end, video,
 )
 from radixlm.core.backends.base import BaseBackend
 from radixlm.core.backends.local_engine import EngineBackend
@@ -19,7 +19,7 @@ from radixlm.core.program.errors import ProgramError, TracingError
 from radixlm.core.program.interpreter import ProgramState, ProgramStateGroup
 
 __all__ = [
-    "function", "SglFunction", "gen", "gen_int", "gen_string", "select", "image",
+    "function", "SglFunction", "gen", "gen_int", "gen_string", "select", "image", "video",
     "system", "user", "assistant", "system_begin", "system_end", "user_begin", "user_end",
     "assistant_begin", "assistant_end", "set_default_backend", "flush_cache", "get_server_info",
     "global_config", "RuntimeEndpoint", "Runtime", "OpenAI", "TokenUsage", "BaseBackend", "EngineBackend",

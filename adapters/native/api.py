@@ -7,6 +7,7 @@ from typing import Any
 
 from radixlm.core.program.choices import ChoicesSamplingMethod, token_length_normalized
 from radixlm.core.program.config import global_config
+from radixlm.core.program.errors import ProgramError
 from radixlm.core.program.function import SglFunction, function  # noqa: F401  (re-exported)
 from radixlm.core.program.interpreter import resolve_backend
 from radixlm.core.program.ir import (
@@ -60,8 +61,16 @@ def select(name: str | None = None, choices: list[str] | None = None, temperatur
     return Select(name, choices, temperature, choices_method)
 
 
-def image(path: str) -> Expr:
-    return Image(path)
+def image(source: Any) -> Expr:
+    """An image in a prompt: a file path, encoded image bytes or a PIL image (for a vision-language
+    model: the local engine on a LLaVA checkpoint, or an OpenAI chat model)."""
+    return Image(source)
+
+
+def video(path: str, num_frames: int = -1) -> Expr:
+    """SGLang's video primitive: refused, since no supported model takes video (LLaVA-1.5 takes images)."""
+    raise ProgramError(f"sgl.video({path!r}) is not supported: radixlm runs no video model (LLaVA-1.5 takes "
+                       "images: give frames as sgl.image(...) parts)")
 
 
 def _role(role: str, expr: Any = None) -> Expr:

@@ -98,13 +98,24 @@ def _raise_error(state: Any) -> None:
         raise RuntimeError(f"a program failed: {state.error()!r}") from state.error()
 
 
+class TokenizerFrontEnd:
+    """The part of an engine's front end (`engine.frontend`) that the program backend calls, for the
+    engine-shaped stand-ins: prompts tokenized as radixlm's front end does."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
+
+
 def generate_inputs(tokenizer: Any, prompt: Any, input_ids: Any,
                     sampling_params: Any) -> tuple[bool, list[list[int]], list[dict[str, Any]]]:
     """An Engine.generate call's inputs as (single, one id list per prompt, one params dict per
     prompt), for the engine-shaped stand-ins (the HF driver, the estimator's NullEngine)."""
     single = isinstance(prompt, str) or (input_ids is not None and bool(input_ids) and isinstance(input_ids[0], int))
     if prompt is not None:
-        id_lists = [tokenizer(p)["input_ids"] for p in ([prompt] if single else prompt)]
+        id_lists = [TokenizerFrontEnd(tokenizer).encode(p) for p in ([prompt] if single else prompt)]
     else:
         id_lists = [input_ids] if single else input_ids
     params = sampling_params if isinstance(sampling_params, list) else [sampling_params or {}] * len(id_lists)

@@ -30,7 +30,7 @@ from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList,
 from radixlm.core.constrained import apply_token_masks, build_constraint
 from radixlm.core.engine.sampling_params import SamplingParams
 
-from .common import generate_inputs
+from .common import TokenizerFrontEnd, generate_inputs
 
 
 @dataclass
@@ -50,6 +50,7 @@ class HFEngine:
                  eos_token_ids: list[int], max_batch: int, max_batch_tokens: int, window_s: float = 0.01) -> None:
         self.model = model
         self.tokenizer = tokenizer
+        self.frontend = TokenizerFrontEnd(tokenizer)
         self.device = device
         self.model_path = model_path
         self.served_model_name = "hf-transformers"

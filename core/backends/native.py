@@ -14,11 +14,19 @@ from typing import TYPE_CHECKING, Any, Iterator
 
 from radixlm.core.backends.base import BaseBackend
 from radixlm.core.errors import InvalidRequestError
+from radixlm.core.program.errors import ProgramError
 from radixlm.core.program.choices import ChoicesDecision, ChoicesSamplingMethod
 
 if TYPE_CHECKING:
     from radixlm.core.program.interpreter import StreamExecutor
     from radixlm.core.program.ir import GenParams
+
+
+def _images(s: "StreamExecutor") -> dict[str, Any]:
+    """The state's images (sgl.image) as the request's image_data: data URLs in prompt order."""
+    if not s.images_:
+        return {}
+    return {"image_data": [f"data:image/png;base64,{data}" for _, data in s.images_]}
 
 
 def _common_prefix_len(a: list[int], b: list[int]) -> int:
@@ -47,10 +55,15 @@ class NativeGenerateBackend(BaseBackend):
         """Token ids of a prompt, exactly as the engine tokenizes a text prompt."""
         raise NotImplementedError
 
+    def _image_width(self) -> int:
+        """Positions the engine gives each image (its placeholder token widened), for select."""
+        raise ProgramError(f"{type(self).__name__} cannot select after an image")
+
     # ----- gen -----
 
     def _request(self, s: "StreamExecutor", params: "GenParams") -> dict[str, Any]:
-        return {"text": s.text_, "sampling_params": params.sampling_params(), **params.logprob_options()}
+        return {"text": s.text_, "sampling_params": params.sampling_params(), **params.logprob_options(),
+                **_images(s)}
 
     def generate(self, s: "StreamExecutor", params: "GenParams") -> tuple[str, dict[str, Any]]:
         out = self._generate(self._request(s, params))
@@ -81,12 +94,12 @@ class NativeGenerateBackend(BaseBackend):
 
     # ----- the radix cache -----
 
-    def cache_prefix(self, prefix: str) -> None:
+    def cache_prefix(self, prefix: str, images: dict[str, Any] | None = None) -> None:
         if prefix:
-            self._generate({"text": prefix, "sampling_params": {"max_new_tokens": 0}})
+            self._generate({"text": prefix, "sampling_params": {"max_new_tokens": 0}, **(images or {})})
 
     def commit_lazy_operations(self, s: "StreamExecutor", extra_text: str = "") -> None:
-        self.cache_prefix(s.text_ + extra_text)
+        self.cache_prefix(s.text_ + extra_text, _images(s))
 
     # ----- select -----
 
@@ -102,10 +115,15 @@ class NativeGenerateBackend(BaseBackend):
         # may re-tokenize the prefix's last token), but never before position 1, which has a logprob.
         starts = [max(1, min(_common_prefix_len(prefix_ids, ids), len(ids) - 1)) for ids in full_ids]
         first = min(starts)
+        images = _images(s)
+        # The prefix's images each widen from one placeholder to _image_width() positions in the engine.
+        shift = len(s.images_) * (self._image_width() - 1) if images else 0
 
-        self._generate({"input_ids": prefix_ids, "sampling_params": {"max_new_tokens": 0}})
+        self._generate({"input_ids": prefix_ids, "sampling_params": {"max_new_tokens": 0}, **images})
+        if images:  # one prompt per choice, each with the prefix's images
+            images = {"image_data": [images["image_data"]] * len(choices)}
         outs = self._generate({"input_ids": full_ids, "sampling_params": {"max_new_tokens": 0, "temperature": 0},
-                               "return_logprob": True, "logprob_start_len": first})
+                               "return_logprob": True, "logprob_start_len": first + shift, **images})
         input_token_logprobs = [out["meta_info"]["input_token_logprobs"][start - first:]
                                 for out, start in zip(outs, starts)]
         output_token_logprobs = [out["meta_info"].get("output_token_logprobs") or [] for out in outs]

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import json
 import os
 import signal
@@ -41,6 +42,12 @@ class RuntimeEndpoint(NativeGenerateBackend):
         else:
             self.chat_template = (chat_template_from_tokenizer(self.tokenizer) if self.tokenizer is not None else None) \
                 or get_chat_template_by_model_path(self.model_info.get("model_path"))
+        self.supports_vision = "image_token" in self.model_info  # a vision-language model is served
+        if self.supports_vision:
+            self.chat_template = dataclasses.replace(self.chat_template, image_token=self.model_info["image_token"])
+
+    def _image_width(self) -> int:
+        return self.model_info["tokens_per_image"]
 
     def get_model_name(self) -> str:
         return self.model_info.get("served_model_name") or self.model_info.get("model_path")

@@ -11,6 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, AsyncIterator, Iterator
 
 from radixlm.core.engine.frontend import FrontEnd, Output
+from radixlm.core.engine.images import ImagePreparer
 from radixlm.core.engine.model_runner import ModelRunner
 from radixlm.core.engine.options import EngineOptions
 from radixlm.core.engine.scheduler import Scheduler
@@ -79,8 +80,12 @@ class Engine:
         # What one request may use in all: the model's context, or less when the KV pool holds less, so
         # that nothing is admitted that could never finish (also /v1/models' max_model_len).
         self.context_len = min(self.context_len, self.kv_pool_size)
+        images = None
+        if self.model_config.vision is not None:
+            images = ImagePreparer(model_path, self.model_config.vision, self.vocab_size,
+                                   self.options.max_image_bytes, self.options.max_image_pixels)
         self._frontend = FrontEnd(self.tokenizer, self.options, self.vocab_size, self.context_len,
-                                  self.eos_token_ids, scheduler)
+                                  self.eos_token_ids, scheduler, images)
         self.max_prompt_bytes = self._frontend.max_prompt_bytes
         # Wall seconds of the constructor and its stages (the tokenizer's overlap the weights'), for
         # `python benchmarks/bench_cpu.py --startup` and the log.
@@ -134,9 +139,10 @@ class Engine:
         top_logprobs_num: int = 0,
         stream: bool = False,
         rid: str | list[str] | None = None,
+        image_data: Any = None,
     ) -> Output | list[Output] | Iterator[Output]:
         return self._open().generate(prompt, sampling_params, input_ids, return_logprob, logprob_start_len,
-                                     top_logprobs_num, stream, rid)
+                                     top_logprobs_num, stream, rid, image_data)
 
     async def async_generate(
         self,
@@ -148,9 +154,10 @@ class Engine:
         top_logprobs_num: int = 0,
         stream: bool = False,
         rid: str | list[str] | None = None,
+        image_data: Any = None,
     ) -> Output | list[Output] | AsyncIterator[Output]:
         return await self._open().async_generate(prompt, sampling_params, input_ids, return_logprob,
-                                                 logprob_start_len, top_logprobs_num, stream, rid)
+                                                 logprob_start_len, top_logprobs_num, stream, rid, image_data)
 
     def abort_request(self, rid: str) -> None:
         """Aborts the request `rid` (with all its n > 1 samples); nothing when it has finished."""

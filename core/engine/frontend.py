@@ -21,9 +21,10 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Iterator
 
 from radixlm.core.tokenizer.detokenizer import IncrementalDetokenizer
+from radixlm.core.engine.images import ImagePreparer, images_of
 from radixlm.core.engine.messages import (
     Abort, Call, CallReply, CheckInvariants, ConstraintSpec, FlushCache, GenerateOutput, GenerateRequest,
-    GetStats, StatsSnapshot,
+    GetStats, ImageInput, StatsSnapshot,
 )
 from radixlm.core.engine.options import EngineOptions
 from radixlm.core.engine.sampling_params import SamplingParams
@@ -91,8 +92,9 @@ class _Pending:
 
 class FrontEnd:
     def __init__(self, tokenizer: Any, opts: EngineOptions, vocab_size: int, context_len: int,
-                 eos_token_ids: list[int], scheduler: Any) -> None:
+                 eos_token_ids: list[int], scheduler: Any, images: ImagePreparer | None = None) -> None:
         self.tokenizer = tokenizer
+        self.images = images  # a vision-language model's image preparation, else None
         self.options = opts
         self.vocab_size = vocab_size
         self.context_len = context_len
@@ -139,9 +141,9 @@ class FrontEnd:
     # ---- generation ------------------------------------------------------------------------
 
     def generate(self, prompt=None, sampling_params=None, input_ids=None, return_logprob=False,
-                 logprob_start_len=None, top_logprobs_num=0, stream=False, rid=None):
+                 logprob_start_len=None, top_logprobs_num=0, stream=False, rid=None, image_data=None):
         reqs, single = self.prepare(prompt, sampling_params, input_ids, return_logprob, logprob_start_len,
-                                    top_logprobs_num, stream, rid)  # on the caller's own thread
+                                    top_logprobs_num, stream, rid, image_data)  # on the caller's own thread
         kind = _constraint_kind(reqs)
         if kind is not None:
             self._within_budget(self._compile_pool.submit(self.check_constraints, reqs), kind)
@@ -153,9 +155,11 @@ class FrontEnd:
         return outs[0] if single else outs
 
     async def async_generate(self, prompt=None, sampling_params=None, input_ids=None, return_logprob=False,
-                             logprob_start_len=None, top_logprobs_num=0, stream=False, rid=None):
-        args = (prompt, sampling_params, input_ids, return_logprob, logprob_start_len, top_logprobs_num, stream, rid)
-        if _is_small(prompt, input_ids):  # microseconds of work: less than a hop to a worker, and keeps arrival order
+                             logprob_start_len=None, top_logprobs_num=0, stream=False, rid=None, image_data=None):
+        args = (prompt, sampling_params, input_ids, return_logprob, logprob_start_len, top_logprobs_num, stream, rid,
+                image_data)
+        # Microseconds of work: less than a hop to a worker, and keeps arrival order (images are decoded: not small).
+        if _is_small(prompt, input_ids) and image_data is None:
             reqs, single = self.prepare(*args)
         else:
             reqs, single = await self.offload(self.prepare, *args)
@@ -301,7 +305,7 @@ class FrontEnd:
                 f"{self.options.max_requests_per_call} (max_requests_per_call)", "n")
 
     def prepare(self, prompt, sampling_params, input_ids, return_logprob, logprob_start_len,
-                top_logprobs_num, stream, rid) -> tuple[list[GenerateRequest], bool]:
+                top_logprobs_num, stream, rid, image_data=None) -> tuple[list[GenerateRequest], bool]:
         """Validates a generate call and turns it into requests (one per prompt and sample); True when
         the call answers with one output rather than a list."""
         self._check_open()
@@ -337,16 +341,30 @@ class FrontEnd:
         if logprob_start_len == -1:
             logprob_start_len = None
         rids = self._rids(rid, len(id_lists))
+        image_lists = images_of(image_data, len(id_lists), single)
         reqs: list[GenerateRequest] = []
-        for ids, sp, r in zip(id_lists, params, rids):
+        for ids, sp, r, items in zip(id_lists, params, rids, image_lists):
+            ids, images = self.prepare_images(ids, items)
             sp = self.validate_ids(ids, sp)
+            ids = ImagePreparer.pad(ids, images)
             constraint = ConstraintSpec.of(sp)
             for i, branch in enumerate(branch_params(sp)):
                 reqs.append(GenerateRequest(
                     rid=branch_rid(r, i, sp.n), input_ids=list(ids), sampling_params=branch,
                     return_logprob=return_logprob, logprob_start_len=logprob_start_len,
-                    top_logprobs_num=top_logprobs_num, stream=stream, constraint=constraint))
+                    top_logprobs_num=top_logprobs_num, stream=stream, constraint=constraint,
+                    images=tuple(images)))
         return reqs, single and len(reqs) == 1
+
+    def prepare_images(self, ids: list[int], items: list[Any]) -> tuple[list[int], list[ImageInput]]:
+        """The prompt with its image placeholders widened (core.engine.images), and its images."""
+        if not items:
+            return ids, []
+        if self.images is None:
+            raise InvalidRequestError("this model takes no images (it is not a vision-language model)", "image_data")
+        if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
+            return ids, []  # validate_ids names the problem
+        return self.images.expand(ids, items)
 
     @staticmethod
     def _rids(rid, count: int) -> list[str]:

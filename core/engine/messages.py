@@ -37,6 +37,17 @@ class ConstraintSpec:
         return list(self.spec) if isinstance(self.spec, tuple) else self.spec
 
 
+@dataclass(frozen=True, eq=False)
+class ImageInput:
+    """One image of a prompt, preprocessed by the front end (core.engine.images): a numpy array, which
+    pickles. Prompt positions [offset, offset + length) hold `pad_id` and take its feature rows."""
+
+    pixel_values: Any  # numpy float32 [channels, height, width]
+    pad_id: int  # an id past the vocabulary derived from the pixels' hash: the radix cache's key
+    offset: int
+    length: int
+
+
 @dataclass
 class GenerateRequest:
     rid: str
@@ -47,6 +58,7 @@ class GenerateRequest:
     top_logprobs_num: int = 0
     stream: bool = False
     constraint: ConstraintSpec | None = None
+    images: tuple[ImageInput, ...] = ()  # in prompt order; their positions in input_ids hold pad ids
 
 
 @dataclass

@@ -15,16 +15,18 @@ import logging
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from radixlm import kernels
 from radixlm.core.engine.memory_pool import KVPool, ReqToTokenPool
 from radixlm.core.engine.options import EngineOptions
 from radixlm.core.layers.attention_backend import AttentionBackend
-from radixlm.core.layers.forward_batch import ForwardBatch
+from radixlm.core.engine.messages import ImageInput
+from radixlm.core.layers.forward_batch import ForwardBatch, ImageBatch
 from radixlm.core.models.config import ModelConfig
 from radixlm.core.models.cpu_linear import prepack_linears
 from radixlm.core.models.loader import load_model
@@ -41,6 +43,17 @@ _CUDA_SLACK_BYTES = 1 << 30
 _SAMPLER_BYTES_PER_LOGIT = 32
 # The least KV pool a CPU engine sizes for by default (lazily backed: unused pages cost no RAM).
 _CPU_KV_MIN_BYTES = 256 << 20
+
+
+@dataclass
+class ImageSpan:
+    """Feature rows [first_row, first_row + count) of an image go to the step's new tokens from
+    token_start on."""
+
+    image: ImageInput
+    token_start: int
+    first_row: int
+    count: int
 
 
 @dataclass
@@ -62,6 +75,7 @@ class BatchInput:
     # Overlap scheduling: the decode input ids as a device tensor (the previous step's sampled tokens,
     # not yet on the host); when set, input_ids holds placeholders.
     input_future: torch.Tensor | None = None
+    images: list[ImageSpan] = field(default_factory=list)  # extend steps over image positions
 
 
 class ModelRunner:
@@ -168,7 +182,7 @@ class ModelRunner:
         n = len(batch.rows)
         if batch.is_decode and self.graph_runner is not None and n <= self.graph_runner.max_bs:
             return self.graph_runner.run(batch)
-        if not batch.is_decode and self.extend_graphs is not None:
+        if not batch.is_decode and self.extend_graphs is not None and not batch.images:
             key = self.extend_graphs.bucket_for(batch)
             if key is not None:
                 return self.extend_graphs.run(batch, key)
@@ -211,8 +225,26 @@ class ModelRunner:
             cos_sin_cache=self.cos_sin_cache,
             extend_start_loc=starts_t,
             max_extend_len=max(batch.extend_lens, default=0),
+            images=self._image_batch(batch.images) if batch.images else None,
         )
         return fb, logit_index
+
+    def _image_batch(self, spans: list[ImageSpan]) -> ImageBatch:
+        """The step's distinct images (by content hash: requests about one image encode it once) and
+        where their feature rows go."""
+        index: dict[int, int] = {}
+        pixels, token_index, image_index, feature_row = [], [], [], []
+        for span in spans:
+            k = index.setdefault(span.image.pad_id, len(index))
+            if k == len(pixels):
+                pixels.append(span.image.pixel_values)
+            token_index.extend(range(span.token_start, span.token_start + span.count))
+            image_index.extend([k] * span.count)
+            feature_row.extend(range(span.first_row, span.first_row + span.count))
+        host = torch.tensor([token_index, image_index, feature_row], dtype=torch.int64)
+        tokens, images, rows = host.to(self.device, non_blocking=True)
+        pixel_values = torch.from_numpy(np.stack(pixels)).to(self.device, self.dtype, non_blocking=True)
+        return ImageBatch(pixel_values, tokens, images, rows)
 
 
 @contextmanager

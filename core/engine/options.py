@@ -93,6 +93,9 @@ class EngineOptions:
                                         "may make; past it a 400")
     prepare_timeout: float = option(10.0, "seconds tokenizing a big prompt, or compiling a constraint, may take "
                                     "before the request is refused as too complex (400)")
+    max_image_bytes: int = option(20 << 20, "largest encoded image (bytes) a request may carry; past it a 400")
+    max_image_pixels: int = option(
+        25_000_000, "largest decoded image (width x height) a request may carry; past it a 400")
     prepare_workers: int = option(2, "threads for tokenizing big prompts, and as many for compiling constraints")
     stall_timeout: float = option(60.0, "seconds the scheduler loop may go without progress while requests are "
                                   "in flight before /health answers 503")
@@ -144,7 +147,7 @@ class EngineOptions:
         if self.max_running_requests is None:
             self.max_running_requests = 512 if self.device.startswith("cuda") else 64
         for name in ("max_running_requests", "schedule_fairness_bound", "tp_size", "dp_size", "stream_interval",
-                     "max_requests_per_call", "prepare_workers"):
+                     "max_requests_per_call", "prepare_workers", "max_image_bytes", "max_image_pixels"):
             if getattr(self, name) < 1:
                 raise InvalidRequestError(f"{name} must be >= 1", name)
         if self.tp_size > 1 and self.dp_size > 1:

@@ -117,7 +117,8 @@ class Sampler:
     def _penalize(row: torch.Tensor, req: Req) -> None:
         p = req.params
         if p.repetition_penalty != 1.0:
-            seen = torch.tensor(sorted(set(req.fill_ids)), device=row.device)
+            # Image positions hold ids past the vocabulary (their hash): not tokens, not penalised.
+            seen = torch.tensor(sorted(t for t in set(req.fill_ids) if t < row.numel()), device=row.device)
             vals = row[seen]
             row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
         if req.output_ids and (p.frequency_penalty or p.presence_penalty):

@@ -25,6 +25,17 @@ class Attention(Protocol):
 
 
 @dataclass
+class ImageBatch:
+    """The images of an extend step and the new tokens that take their features instead of token
+    embeddings: token_index[k] gets feature row feature_row[k] of image image_index[k]."""
+
+    pixel_values: torch.Tensor  # [images, channels, height, width], preprocessed
+    token_index: torch.Tensor  # [K] indices into the step's new tokens
+    image_index: torch.Tensor  # [K]
+    feature_row: torch.Tensor  # [K]
+
+
+@dataclass
 class ForwardBatch:
     is_decode: bool
     input_ids: torch.Tensor  # [T] new tokens, request after request
@@ -44,3 +55,4 @@ class ForwardBatch:
     # The attention kernels' layout of this batch, where their set plans one (kernels.cpu): made by the
     # attention backend at the first layer, reused by the others.
     attn_plan: Any = None
+    images: ImageBatch | None = None  # extend steps over image positions (vision-language models)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -20,6 +21,8 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
 }
 MODEL_TYPES = {family: arch for arch, family in SUPPORTED_ARCHITECTURES.items()}
+# Vision-language architectures: a Llama-family language model (its `text_config`) fed image features.
+VISION_ARCHITECTURES = {"LlavaForConditionalGeneration": "llava"}
 
 # transformers' config-class defaults for the fields a config.json may leave out (tested against the
 # classes themselves). Qwen2 ignores `sliding_window` unless `use_sliding_window`; Mistral always uses it.
@@ -30,6 +33,59 @@ FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
     "qwen2": {"rms_norm_eps": 1e-6, "max_position_embeddings": 32768, "tie_word_embeddings": False,
               "use_sliding_window": False},
 }
+
+
+@dataclass(frozen=True)
+class VisionConfig:
+    """A LLaVA checkpoint's image side: the CLIP ViT tower, the projector and how features enter the
+    token sequence (transformers' LlavaConfig and CLIPVisionConfig fields)."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    image_size: int
+    patch_size: int
+    num_channels: int
+    layer_norm_eps: float
+    hidden_act: str
+    projector_act: str
+    projector_bias: bool
+    feature_layer: int  # which hidden state of the tower feeds the projector (-2: the penultimate layer's)
+    select_strategy: str  # "default" drops the class token, "full" keeps it
+    image_token_id: int  # the placeholder token that stands for one image in a prompt
+
+    @property
+    def num_patches(self) -> int:
+        return (self.image_size // self.patch_size) ** 2
+
+    @property
+    def tokens_per_image(self) -> int:
+        """Positions one image takes in the token sequence: one per feature row."""
+        return self.num_patches + (1 if self.select_strategy == "full" else 0)
+
+    @classmethod
+    def from_llava(cls, cfg: dict[str, Any]) -> "VisionConfig":
+        """From a LlavaConfig as a dict (nested configs filled with their class defaults)."""
+        v = cfg["vision_config"]
+        if v.get("model_type", "clip_vision_model") != "clip_vision_model":
+            raise UnsupportedModelError(f"LLaVA vision tower {v.get('model_type')!r} is not supported (CLIP only)")
+        layer = cfg.get("vision_feature_layer", -2)
+        if not isinstance(layer, int):
+            raise UnsupportedModelError("LLaVA with several vision feature layers is not supported")
+        strategy = cfg.get("vision_feature_select_strategy", "default")
+        if strategy not in ("default", "full"):
+            raise UnsupportedModelError(f"vision_feature_select_strategy {strategy!r} is not supported")
+        image_token = cfg.get("image_token_index", cfg.get("image_token_id"))
+        return cls(
+            hidden_size=v["hidden_size"], intermediate_size=v["intermediate_size"],
+            num_layers=v["num_hidden_layers"], num_heads=v["num_attention_heads"], image_size=v["image_size"],
+            patch_size=v["patch_size"], num_channels=v.get("num_channels", 3),
+            layer_norm_eps=v.get("layer_norm_eps", 1e-5), hidden_act=v.get("hidden_act", "quick_gelu"),
+            projector_act=cfg.get("projector_hidden_act", "gelu"),
+            projector_bias=bool(cfg.get("multimodal_projector_bias", True)),
+            feature_layer=layer, select_strategy=strategy, image_token_id=int(image_token),
+        )
 
 
 @dataclass
@@ -51,6 +107,7 @@ class ModelConfig:
     context_len: int
     bos_token_id: int | None
     eos_token_ids: list[int]
+    vision: VisionConfig | None = None  # set for vision-language checkpoints (LLaVA)
 
     @classmethod
     def from_dir(cls, path: str) -> "ModelConfig":
@@ -73,9 +130,12 @@ class ModelConfig:
         class defaults for what a file leaves out."""
         # Configs saved without `architectures` (a bare config.save_pretrained) name only the model type.
         arch = (cfg.get("architectures") or [MODEL_TYPES.get(cfg.get("model_type"), cfg.get("model_type"))])[0]
+        if arch in VISION_ARCHITECTURES:
+            return _llava_config(arch, cfg, eos)
         if arch not in SUPPORTED_ARCHITECTURES:
             raise UnsupportedModelError(
-                f"architecture {arch!r} is not supported; supported: {sorted(SUPPORTED_ARCHITECTURES)}"
+                f"architecture {arch!r} is not supported; supported: "
+                f"{sorted([*SUPPORTED_ARCHITECTURES, *VISION_ARCHITECTURES])}"
             )
         family = SUPPORTED_ARCHITECTURES[arch]
         cfg = {**FAMILY_DEFAULTS[family], **cfg}
@@ -126,6 +186,20 @@ class ModelConfig:
             inv_freq = inv_freq / torch.tensor(scaling["factors"], dtype=torch.float64)
         freqs = torch.outer(positions, inv_freq)
         return torch.cat((freqs.cos(), freqs.sin()), dim=-1).float().to(device)
+
+
+def _llava_config(arch: str, cfg: dict[str, Any], eos: int | list[int] | None) -> ModelConfig:
+    """A LLaVA config: its language model's config plus the vision side. Hub configs spell out only
+    what differs from the nested classes' defaults, so transformers' LlavaConfig fills those in."""
+    from transformers import LlavaConfig  # only where a LLaVA checkpoint is read
+
+    full = LlavaConfig.from_dict(cfg).to_dict()
+    text = dict(full["text_config"])
+    text["architectures"] = [MODEL_TYPES.get(text.get("model_type"), text.get("model_type"))]
+    if eos is None:
+        eos = text.get("eos_token_id")
+    base = ModelConfig.from_hf_dict(text, eos)
+    return dataclasses.replace(base, architecture=arch, vision=VisionConfig.from_llava(full))
 
 
 def _rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:

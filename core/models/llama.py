@@ -98,12 +98,16 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
         """Final hidden states [T, hidden] of every token in the batch."""
-        x = self.embed_tokens(fb.input_ids)
+        x = self.embed_input(fb)
         residual = None
         for layer in self.layers:
             x, residual = layer(x, residual, fb)
         x, _ = self.norm(x, residual)
         return x
+
+    def embed_input(self, fb: ForwardBatch) -> torch.Tensor:
+        """The input embeddings of the batch's new tokens (vision models splice image features in)."""
+        return self.embed_tokens(fb.input_ids)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

@@ -123,7 +123,7 @@ def _init_dummy(model: nn.Module, seed: int = 0) -> None:
     gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
+            if name.endswith(".weight") and "norm" in name.rsplit(".", 2)[-2]:  # RMS and layer norms
                 param.fill_(1.0)
             elif name.endswith(".bias"):
                 param.zero_()

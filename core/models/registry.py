@@ -9,14 +9,16 @@ with a ModelSpec, and list its architecture names in MODELS (and in core.models.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Literal
 
 from torch import nn
 
 from radixlm.core.errors import UnsupportedModelError
-from radixlm.core.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from radixlm.core.models.config import SUPPORTED_ARCHITECTURES, VISION_ARCHITECTURES, ModelConfig
 from radixlm.core.models.llama import LlamaForCausalLM
+from radixlm.core.models.llava import LlavaForConditionalGeneration
 
 # A dimension tensor parallelism splits across ranks: the query heads, the KV heads (each head_dim rows)
 # or the MLP's intermediate features. core.models.parallel knows each rank's share of each.
@@ -50,6 +52,9 @@ class VocabParallel:
 class ModelSpec:
     model_class: type[nn.Module]  # built as model_class(cfg, ops)
     checkpoint_prefix: str = ""  # dropped from checkpoint weight names
+    # (checkpoint prefix, ours): the first that a weight name starts with is replaced (after the above)
+    renames: tuple[tuple[str, str], ...] = ()
+    unfused: tuple[str, ...] = ()  # weights under these prefixes (of ours) are never fused
     ignored_weights: tuple[str, ...] = ()  # checkpoint names holding these are not weights of ours
     # checkpoint module name (last part) -> (our fused module, block index within it)
     fused: dict[str, tuple[str, int]] = field(default_factory=dict)
@@ -69,8 +74,10 @@ class ModelSpec:
         name = checkpoint_name.removeprefix(self.checkpoint_prefix)
         if any(ignored in name for ignored in self.ignored_weights):
             return None
+        old, new = next(((o, n) for o, n in self.renames if name.startswith(o)), ("", ""))
+        name = new + name[len(old):]
         parts = name.split(".")
-        if len(parts) >= 2 and parts[-2] in self.fused:
+        if len(parts) >= 2 and parts[-2] in self.fused and not name.startswith(self.unfused):
             ours, block = self.fused[parts[-2]]
             return ".".join([*parts[:-2], ours, parts[-1]]), block
         return name, None
@@ -114,8 +121,24 @@ LLAMA = ModelSpec(
     },
 )
 
-# HF architecture name -> its model. One implementation serves every supported family.
-MODELS: dict[str, ModelSpec] = {arch: LLAMA for arch in SUPPORTED_ARCHITECTURES}
+# LLaVA: our model is the language model with the vision tower and projector beside it. Checkpoints
+# name the language model language_model.model.* (transformers' save format, the Hub's llava-hf ones)
+# or model.language_model.*, and the tower vision_tower.vision_model.* or vision_tower.*.
+LLAVA = dataclasses.replace(
+    LLAMA,
+    model_class=LlavaForConditionalGeneration,
+    checkpoint_prefix="",
+    ignored_weights=("rotary_emb.inv_freq", "position_ids"),
+    renames=(("model.language_model.", ""), ("language_model.model.", ""), ("language_model.lm_head.", "lm_head."),
+             ("model.vision_tower.vision_model.", "vision_tower."), ("model.vision_tower.", "vision_tower."),
+             ("vision_tower.vision_model.", "vision_tower."),
+             ("model.multi_modal_projector.", "multi_modal_projector.")),
+    unfused=("vision_tower.", "multi_modal_projector."),
+)
+
+# HF architecture name -> its model. One implementation serves every Llama family, LLaVA extends it.
+MODELS: dict[str, ModelSpec] = {**{arch: LLAMA for arch in SUPPORTED_ARCHITECTURES},
+                                **{arch: LLAVA for arch in VISION_ARCHITECTURES}}
 
 
 def model_spec(architecture: str) -> ModelSpec:

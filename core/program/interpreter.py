@@ -263,7 +263,7 @@ class StreamExecutor:
                 raise ProgramError(f"var_scope {expr.name!r} ended without beginning")
             self._set_var(expr.name, self.text_[self._scope_starts.pop(expr.name):])
         elif isinstance(expr, Image):
-            self._image(expr.path)
+            self._image(expr)
         elif isinstance(expr, CommitLazy):
             self.backend.commit_lazy_operations(self)
         elif isinstance(expr, Fork):
@@ -290,14 +290,13 @@ class StreamExecutor:
             if self.stream:
                 self._text_pieces.append(value)
 
-    def _image(self, path: str) -> None:
+    def _image(self, image: Image) -> None:
         if not self.backend.supports_vision:
-            raise ProgramError(f"{type(self.backend).__name__} has no vision support; sgl.image({path!r}) "
-                               "needs a vision-language model (for example an OpenAI chat model)")
-        with open(path, "rb") as f:
-            data = base64.b64encode(f.read()).decode()
-        self.images_.append((path, data))
-        self.cur_images.append((path, data))
+            raise ProgramError(f"{type(self.backend).__name__} has no vision support; sgl.image({image.label()!r}) "
+                               "needs a vision-language model (a LLaVA checkpoint, or an OpenAI chat model)")
+        data = base64.b64encode(_image_bytes(image.source)).decode()
+        self.images_.append((image.label(), data))
+        self.cur_images.append((image.label(), data))
         self._fill(self.chat_template.image_token)
 
     # ----- roles -----
@@ -660,3 +659,18 @@ def run_function(state: ProgramState, func: Callable[..., Any], args: tuple, kwa
     finally:
         executor.end()
 
+
+def _image_bytes(source: Any) -> bytes:
+    """The encoded image sgl.image was given: a file's bytes, bytes as they are, a PIL image as PNG."""
+    if isinstance(source, (bytes, bytearray)):
+        return bytes(source)
+    if isinstance(source, str):
+        with open(source, "rb") as f:
+            return f.read()
+    if hasattr(source, "save"):  # a PIL image
+        import io
+
+        buf = io.BytesIO()
+        source.save(buf, format="PNG")
+        return buf.getvalue()
+    raise ProgramError(f"sgl.image takes a path, bytes or a PIL image, not {type(source).__name__}")

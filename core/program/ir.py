@@ -238,12 +238,17 @@ class RoleEnd(Expr):
 
 
 class Image(Expr):
-    def __init__(self, path: str) -> None:
+    """An image in the prompt: a file path, the encoded bytes of one, or a PIL image."""
+
+    def __init__(self, source: Any) -> None:
         super().__init__()
-        self.path = path
+        self.source = source
+
+    def label(self) -> str:
+        return self.source if isinstance(self.source, str) else f"<{type(self.source).__name__} image>"
 
     def __repr__(self) -> str:
-        return f"Image({self.path!r})"
+        return f"Image({self.label()!r})"
 
 
 class VarScopeBegin(Expr):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from radixlm.core.engine.model_runner import BatchInput
+from radixlm.core.engine.model_runner import BatchInput, ImageSpan
 from radixlm.core.engine.request import Req
 from radixlm.core.engine.sampler import top_logprob_entries
 from radixlm.core.engine.scheduler.prefill import Extend
@@ -33,6 +33,10 @@ def extend_batch(extends: list[Extend]) -> tuple[BatchInput, list[tuple[int, int
             first = min(first, end - 1)
         logit_use.append((len(batch.logit_rows), first, end - first))
         batch.logit_rows.extend(range(base + first - ext.start, base + end - ext.start))
+        for image in req.inp.images:  # the step's positions of each image (a chunk may hold part of one)
+            lo, hi = max(ext.start, image.offset), min(end, image.offset + image.length)
+            if lo < hi:
+                batch.images.append(ImageSpan(image, base + lo - ext.start, lo - image.offset, hi - lo))
     return batch, logit_use
 
 
@@ -64,6 +68,10 @@ def record_input_logprobs(req: Req, logits: torch.Tensor, first_pos: int) -> Non
     for j in range(logits.shape[0]):
         target = first_pos + j + 1
         if target >= len(prompt) or target < start:
+            continue
+        if prompt[target] >= logprobs.shape[-1]:  # an image position: no token, no logprob
+            req.input_token_logprobs.append((None, prompt[target], None))
+            req.input_top_logprobs.append(None)
             continue
         req.input_token_logprobs.append((float(logprobs[j, prompt[target]]), prompt[target], None))
         k = req.inp.top_logprobs_num

@@ -66,13 +66,13 @@ class PrefillPlanner:
         if not plan.extends and self.jumps.should_wait(waiting, running):
             return plan
         slots_left = self.max_running_requests - len(running) - len(plan.extends)
+        if slots_left <= 0 or self.memory.rows_available() == 0:
+            return plan  # nothing can be admitted: ordering the queue (O(waiting) for lpm) would buy nothing
         # The chunked request's last chunk counts too: a request sharing its prompt waits a step and
         # then reuses all of it, instead of recomputing the part that this last chunk computes.
         in_batch = [e.req.fill_ids for e in plan.extends]
         for req in self.policy.order(waiting):
-            if slots_left <= 0 or budget <= 0:
-                break
-            if self.memory.rows_available() == 0:
+            if slots_left <= 0 or budget <= 0 or self.memory.rows_available() == 0:
                 break
             if self._shares_with_batch(req, in_batch):
                 continue
@@ -145,9 +145,11 @@ class PrefillPlanner:
             req.row = memory.table.alloc()
             req.slots, req.cached_len, req.last_node = list(slots), len(slots), node
             if req.cached_tokens is None:  # first scheduled
-                req.cached_tokens = len(slots)
+                # Of the prompt: a constrained request may start with forced tokens (a jump forward
+                # before its first step) that the match covers too, but they are output, not prompt.
+                req.cached_tokens = min(len(slots), len(req.inp.input_ids))
                 req.scheduled_time = time.monotonic()
-                self.stats.cached_tokens_total += len(slots)
+                self.stats.cached_tokens_total += req.cached_tokens
                 self.stats.prompt_tokens_total += len(req.inp.input_ids)
             memory.table.write(req.row, 0, slots)
         else:

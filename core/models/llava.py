@@ -1,0 +1,56 @@
+"""LLaVA-1.5: a CLIP ViT image encoder, a two-layer MLP projector and a Llama-family language model.
+
+A prompt holds one placeholder position per image feature row. In an extend step the model encodes the
+step's images (one batched pass of the tower) and uses their projected features as the input embeddings
+of those positions; every other position, and every decode step, is the plain language model.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import torch
+from torch import nn
+
+from radixlm.core.layers.forward_batch import ForwardBatch
+from radixlm.core.models.clip_vision import ACTIVATIONS, VisionTransformer
+from radixlm.core.models.config import ModelConfig, VisionConfig
+from radixlm.core.models.llama import LlamaForCausalLM
+
+
+class MultiModalProjector(nn.Module):
+    def __init__(self, vision: VisionConfig, text_hidden: int) -> None:
+        super().__init__()
+        self.linear_1 = nn.Linear(vision.hidden_size, text_hidden, bias=vision.projector_bias)
+        self.act = ACTIVATIONS[vision.projector_act]
+        self.linear_2 = nn.Linear(text_hidden, text_hidden, bias=vision.projector_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear_2(self.act(self.linear_1(x)))
+
+
+class LlavaForConditionalGeneration(LlamaForCausalLM):
+    def __init__(self, cfg: ModelConfig, ops: ModuleType) -> None:
+        super().__init__(cfg, ops)
+        self.vision_tower = VisionTransformer(cfg.vision)
+        self.multi_modal_projector = MultiModalProjector(cfg.vision, cfg.hidden_size)
+
+    def image_features(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        """[images, tokens_per_image, hidden] language-model inputs for a batch of preprocessed images."""
+        vision = self.config.vision
+        dtype = self.vision_tower.pre_layrnorm.weight.dtype
+        hidden = self.vision_tower.hidden_state(pixel_values.to(dtype), vision.feature_layer)
+        if vision.select_strategy == "default":
+            hidden = hidden[:, 1:]  # the class token is not an image token
+        return self.multi_modal_projector(hidden)
+
+    def embed_input(self, fb: ForwardBatch) -> torch.Tensor:
+        images = fb.images
+        if images is None:
+            return super().embed_input(fb)
+        # Image positions carry ids derived from the image's hash (radix cache keys), not vocabulary ids.
+        ids = fb.input_ids.index_fill(0, images.token_index, 0)
+        x = self.embed_tokens(ids)
+        features = self.image_features(images.pixel_values)
+        x[images.token_index] = features[images.image_index, images.feature_row].to(x.dtype)
+        return x
