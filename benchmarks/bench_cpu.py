@@ -98,16 +98,61 @@ def hf_runner(model: str, dtype: str, new_tokens: int) -> tuple[Callable, Any]:
     return run, hf
 
 
-def llama_cpp_runner(gguf: str, new_tokens: int, threads: int, max_batch: int, max_prompt: int) -> tuple[Callable, Any]:
+def llama_cpp_runner(llama_cpp_path: str | None, **config: Any) -> tuple[Callable, Callable, Any]:
+    """(run, CPU clock, process): llama.cpp in a child process (this script's --llama-cpp-worker), run
+    by JSON lines over its stdin and stdout. Its own process, because llama.cpp's OpenMP runtime is not
+    torch's: in one process the two runtimes' spinning threads starved each other (every system ran
+    2 to 4x slower). The clock reads the child's CPU seconds."""
+    argv = [sys.executable, os.path.abspath(__file__), "--llama-cpp-worker", json.dumps(config)]
+    if llama_cpp_path:
+        argv += ["--llama-cpp-path", llama_cpp_path]
+    child = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    tick = os.sysconf("SC_CLK_TCK")
+
+    def run(prompts: list[list[int]]) -> list[list[int]]:
+        child.stdin.write(json.dumps(prompts) + "\n")
+        child.stdin.flush()
+        line = child.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the llama.cpp worker ended (exit code {child.wait()})")
+        return json.loads(line)
+
+    def cpu_clock() -> float:
+        with open(f"/proc/{child.pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / tick  # utime + stime
+
+    return run, cpu_clock, child
+
+
+def llama_cpp_worker(config: dict[str, Any]) -> None:
+    """The child's loop: a JSON list of prompts per stdin line, their outputs as a JSON line on stdout
+    (llama.cpp's own log goes to stderr)."""
+    run = llama_cpp_generator(**config)
+    for line in sys.stdin:
+        print(json.dumps(run(json.loads(line))), flush=True)
+
+
+def llama_cpp_generator(gguf: str, new_tokens: int, threads: int, max_batch: int, max_prompt: int) -> Callable:
     """Batched greedy decoding through llama.cpp's low-level API: one sequence id per request, each
-    step one llama_decode over every sequence's newest token."""
+    step one llama_decode over every sequence's newest token. (The high-level `Llama` class ignores
+    n_seq_max, so the context is made here: one KV buffer for all sequences.)"""
     import llama_cpp
     import numpy as np
 
-    llm = llama_cpp.Llama(model_path=gguf, n_ctx=max_batch * (max_prompt + new_tokens + 8),
-                          n_batch=max_batch * max_prompt, n_ubatch=max_batch * max_prompt,
-                          n_seq_max=max_batch, n_threads=threads, n_threads_batch=threads, verbose=False)
-    ctx, vocab = llm.ctx, llm.n_vocab()
+    llama_cpp.llama_backend_init()
+    model = llama_cpp.llama_model_load_from_file(gguf.encode(), llama_cpp.llama_model_default_params())
+    if not model:
+        raise RuntimeError(f"llama.cpp could not load {gguf}")
+    params = llama_cpp.llama_context_default_params()
+    params.n_ctx = max_batch * (max_prompt + new_tokens + 8)
+    params.n_batch = params.n_ubatch = max_batch * max_prompt
+    params.n_seq_max, params.kv_unified = max_batch, True
+    params.n_threads = params.n_threads_batch = threads
+    ctx = llama_cpp.llama_init_from_model(model, params)
+    if not ctx:
+        raise RuntimeError("llama.cpp could not make a context")
+    vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(model))
     batch = llama_cpp.llama_batch_init(max_batch * max_prompt, 0, max_batch)
 
     def submit(entries: list[tuple[int, int, int, bool]]) -> None:
@@ -115,8 +160,9 @@ def llama_cpp_runner(gguf: str, new_tokens: int, threads: int, max_batch: int, m
         for i, (token, pos, seq, want_logits) in enumerate(entries):
             batch.token[i], batch.pos[i], batch.n_seq_id[i] = token, pos, 1
             batch.seq_id[i][0], batch.logits[i] = seq, want_logits
-        if llama_cpp.llama_decode(ctx, batch) != 0:
-            raise RuntimeError("llama_decode failed")
+        status = llama_cpp.llama_decode(ctx, batch)
+        if status != 0:
+            raise RuntimeError(f"llama_decode failed ({status})")
 
     def argmax(i: int) -> int:
         return int(np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(ctx, i), shape=(vocab,)).argmax())
@@ -133,7 +179,7 @@ def llama_cpp_runner(gguf: str, new_tokens: int, threads: int, max_batch: int, m
                 o.append(argmax(s))
         return outs
 
-    return run, llm
+    return run
 
 
 # ---- measurements -------------------------------------------------------------------------------------
@@ -146,27 +192,39 @@ def _same_until_eos(ours: list[int], theirs: list[int], eos: set[int]) -> bool:
     return ours[:end] == theirs[:end]
 
 
-def startup(model: str, runs: int) -> dict[str, float]:
-    """Fresh processes: seconds to `import radixlm`, and from the `Engine()` call to the first token, in
-    wall time and in CPU time of all the process's threads (on a busy machine the wall time mostly
-    measures the wait for a core; the CPU time does not)."""
+def startup(model: str, runs: int) -> dict[str, Any]:
+    """Fresh processes: seconds from the `Engine()` call to the first token of a 1-token request (the
+    import of radixlm's engine modules, torch's included, is part of it: `import radixlm` itself is
+    lazy), in wall time and in CPU time of all the process's threads (on a busy machine the wall time
+    mostly measures the wait for a core; the CPU time does not), broken down into stages: the engine
+    modules' import, the constructor's own stages (Engine.startup_seconds: the tokenizer's run on a
+    thread beside the weights'), the first token. Median, quickest and every run."""
     code = (
         "import json, time\n"
         "t0 = time.perf_counter()\n"
         "import radixlm\n"
         "t1, c1 = time.perf_counter(), time.process_time()\n"
-        f"engine = radixlm.Engine({model!r})\n"
+        "radixlm.Engine  # the lazy attribute: imports torch and the engine\n"
+        "t2 = time.perf_counter()\n"
+        f"engine = radixlm.Engine({model!r}, log_level='warning')\n"
+        "t3 = time.perf_counter()\n"
         "engine.generate('Hello', {'max_new_tokens': 1, 'temperature': 0})\n"
-        "t2, c2 = time.perf_counter(), time.process_time()\n"
-        "print(json.dumps({'import_s': t1 - t0, 'engine_to_first_token_s': t2 - t1,\n"
-        "                  'engine_to_first_token_cpu_s': c2 - c1}))\n"
+        "t4, c4 = time.perf_counter(), time.process_time()\n"
+        "print(json.dumps({'engine_to_first_token_s': t4 - t1, 'engine_to_first_token_cpu_s': c4 - c1,\n"
+        "                  'import_radixlm_s': t1 - t0, 'import_engine_modules_s': t2 - t1,\n"
+        "                  **{f'constructor: {k}': v for k, v in engine.startup_seconds.items()},\n"
+        "                  'first_token_s': t4 - t3}))\n"
         "engine.shutdown()\n"
     )
     results = []
     for _ in range(runs):
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
         results.append(json.loads(out.stdout.strip().splitlines()[-1]))
-    return {k: statistics.median(r[k] for r in results) for k in results[0]} | {"runs": runs}
+        print("start-up run:", {k: round(v, 2) for k, v in results[-1].items()}, f"load {os.getloadavg()[0]:.1f}",
+              flush=True)
+    key = "engine_to_first_token_s"
+    return {"median": {k: statistics.median(r[k] for r in results) for k in results[0]},
+            "quickest": min(results, key=lambda r: r[key]), "runs": results}
 
 
 def machine() -> dict[str, Any]:
@@ -190,9 +248,28 @@ def main() -> None:
                         help="dtypes to also run radixlm in with F.linear on the plain weights (disable_cpu_prepack)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own)")
     parser.add_argument("--startup-runs", type=int, default=3, help="fresh processes timed for start-up; 0 skips")
+    parser.add_argument("--startup", action="store_true",
+                        help="measure only the start-up (--startup-runs fresh processes) and its stages")
+    parser.add_argument("--llama-cpp-path", default=None,
+                        help="a site-packages folder holding llama_cpp (a separate venv: "
+                             "benchmarks/build_llama_cpp.sh), searched after this environment's own")
     parser.add_argument("--json", default=None, help="write the results here as JSON")
+    parser.add_argument("--llama-cpp-worker", default=None, help=argparse.SUPPRESS)  # the child's config
     args = parser.parse_args()
+    if args.llama_cpp_path:
+        sys.path.append(args.llama_cpp_path)  # after ours: its numpy and jinja2 are this environment's
+    if args.llama_cpp_worker:
+        llama_cpp_worker(json.loads(args.llama_cpp_worker))
+        return
     args.model = args.model or default_model_path()  # not installed: an error naming the install command
+    if args.startup:
+        result = startup(args.model, args.startup_runs or 3)
+        print(json.dumps(machine() | {"model": args.model, "load_avg_end": os.getloadavg()}))
+        print_startup(result)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(result, f, indent=2)
+        return
     if args.threads:
         torch.set_num_threads(args.threads)
     gguf = args.gguf or (args.model if args.model.endswith(".gguf") else default_model_path())
@@ -225,14 +302,16 @@ def main() -> None:
             for dtype in args.dtypes:
                 runners[f"hf {dtype}"], model = hf_runner(args.model, dtype, args.new_tokens)
                 keep.append(model)
+    clocks: dict[str, Callable[[], float]] = {}  # CPU seconds of each system's process
     if "llama.cpp" in args.systems:
         if importlib.util.find_spec("llama_cpp") is None or gguf is None:
             print("llama_cpp is not importable (or no GGUF file): its column is skipped")
         else:
-            threads = args.threads or torch.get_num_threads()
-            runners["llama.cpp"], llm = llama_cpp_runner(gguf, args.new_tokens, threads, max(args.batch),
-                                                          max(map(len, prompts)))
-            keep.append(llm)
+            runners["llama.cpp"], clocks["llama.cpp"], child = llama_cpp_runner(
+                args.llama_cpp_path, gguf=gguf, new_tokens=args.new_tokens,
+                threads=args.threads or torch.get_num_threads(), max_batch=max(args.batch),
+                max_prompt=max(map(len, prompts)))
+            keep.append(child)
 
     times: dict[tuple[str, int], list[float]] = {}
     cpu_times: dict[tuple[str, int], list[float]] = {}  # the process's CPU seconds: less moved by others' load
@@ -242,10 +321,11 @@ def main() -> None:
     for r in range(args.rounds):
         for b in args.batch:
             for name, run in runners.items():
-                start, cpu_start = time.perf_counter(), time.process_time()
+                clock = clocks.get(name, time.process_time)
+                start, cpu_start = time.perf_counter(), clock()
                 outputs[name, b] = run(prompts[:b])
                 times.setdefault((name, b), []).append(time.perf_counter() - start)
-                cpu_times.setdefault((name, b), []).append(time.process_time() - cpu_start)
+                cpu_times.setdefault((name, b), []).append(clock() - cpu_start)
                 assert all(len(o) == args.new_tokens for o in outputs[name, b]), name
                 print(f"round {r + 1}: {name} batch {b}: {b * args.new_tokens / times[name, b][-1]:.1f} tok/s, "
                       f"load {os.getloadavg()[0]:.1f}", flush=True)
@@ -289,8 +369,16 @@ def print_table(results: dict[str, Any], batches: list[int]) -> None:
     for name, equal in results.get("greedy_tokens_equal_to_hf_fp32", {}).items():
         print(f"{name}: requests whose greedy tokens equal HF fp32's (up to the first EOS), by batch:", equal)
     if "startup" in results:
-        print("start-up (median of fresh processes):", results["startup"])
+        print_startup(results["startup"])
     print("load average at start and end:", results["machine"]["load_avg_start"], results["machine"]["load_avg_end"])
+
+
+def print_startup(result: dict[str, Any]) -> None:
+    median, quickest = result["median"], result["quickest"]
+    print(f"\nstart-up, {len(result['runs'])} fresh processes (seconds; the tokenizer runs on a thread beside "
+          "the weights, so the constructor's stages overlap):\n\n| stage | median | quickest run |\n|---|---|---|")
+    for key in median:
+        print(f"| {key} | {median[key]:.2f} | {quickest[key]:.2f} |")
 
 
 if __name__ == "__main__":

@@ -17,6 +17,8 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from radixlm.core.cache import cache_dir
+
 logger = logging.getLogger("radixlm")
 
 BOS_TOKEN = "<|begin_of_text|>"
@@ -353,8 +355,7 @@ def tiny_model_path() -> str:
     `~/.cache/radixlm`) / default-tiny-llama-v1 and reused afterwards: one checkpoint that test modules
     and their shared servers reuse. Processes racing to build it are safe: the directory appears by
     one atomic rename."""
-    cache = Path(os.environ.get("RADIXLM_CACHE") or Path.home() / ".cache" / "radixlm")
-    path = cache / TINY_MODEL_NAME
+    path = cache_dir() / TINY_MODEL_NAME
     if not path.exists():
         try:
             build_checkpoint(str(path), "llama", seed=0)

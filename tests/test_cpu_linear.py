@@ -90,3 +90,33 @@ def test_runner_prepacks_every_projection_and_keeps_the_tied_embedding(llama_tie
     torch.testing.assert_close(packed.embed_tokens.weight, plain.embed_tokens.weight, atol=0, rtol=0)
     hidden = torch.randn(7, packed.config.hidden_size)
     torch.testing.assert_close(packed.compute_logits(hidden), plain.compute_logits(hidden), atol=2e-5, rtol=1e-5)
+
+
+def test_one_row_products_run_on_the_kept_plain_weight():
+    """Batch-1 decode (1 row) goes to F.linear on the plain weight, which is kept; more rows to the packed
+    copy; plain_max_rows=0 keeps no plain weight."""
+    torch.manual_seed(0)
+    layer = nn.Linear(576, 3072)
+    weight, bias = layer.weight.detach().clone(), layer.bias.detach().clone()
+    model = nn.Sequential(layer)
+    assert prepack_linears(model, plain_max_rows=1) == 1
+    packed = model[0]
+    assert packed.plain is not None and packed.plain.data_ptr() == layer.weight.data_ptr()  # kept, not copied
+    x = torch.randn(1, 576)
+    assert torch.equal(packed(x), F.linear(x, weight, bias))
+    xs = torch.randn(4, 576)
+    assert torch.equal(packed(xs), cpu.prepacked_linear(xs, packed.weight, packed.bias))
+    torch.testing.assert_close(packed(xs), F.linear(xs, weight, bias), atol=2e-5, rtol=1e-5)
+    dropped = nn.Sequential(nn.Linear(576, 3072))
+    prepack_linears(dropped, plain_max_rows=0)
+    assert dropped[0].plain is None
+    assert torch.equal(dropped[0](x), cpu.prepacked_linear(x, dropped[0].weight, dropped[0].bias))
+
+
+def test_engine_option_sets_the_plain_rows(llama_tied_ckpt):
+    kept = _runner(llama_tied_ckpt).model
+    dropped = _runner(llama_tied_ckpt, cpu_plain_linear_max_rows=0).model
+    assert all(m.plain is not None for m in kept.modules() if isinstance(m, PrepackedLinear))
+    assert all(m.plain is None for m in dropped.modules() if isinstance(m, PrepackedLinear))
+    with pytest.raises(Exception, match="cpu_plain_linear_max_rows"):
+        EngineOptions.from_kwargs({"cpu_plain_linear_max_rows": -1})

@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from radixlm.core.cache import cache_dir
 from radixlm.core.constrained.compressed_fsm import CompressedFSM
 from radixlm.core.constrained.masks import MaskCache
 from radixlm.core.constrained.regex_dfa import ByteDFA, regex_to_dfa
@@ -30,11 +31,6 @@ logger = logging.getLogger("radixlm")
 _FORMAT_VERSION = "radixlm-token-index-v2"
 MEMORY_CACHE_SIZE = 64
 MASK_CACHE_SIZE = 512  # per index; a mask of a 151k vocabulary is 151 KB as bool, 19 KB packed
-
-
-def cache_dir() -> Path:
-    """$RADIXLM_CACHE, else ~/.cache/radixlm."""
-    return Path(os.environ.get("RADIXLM_CACHE") or Path.home() / ".cache" / "radixlm")
 
 
 def expand_ranges(starts: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

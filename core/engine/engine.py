@@ -32,6 +32,7 @@ class Engine:
     """
 
     def __init__(self, model_path: str | None = None, **options: Any) -> None:
+        start = time.perf_counter()
         self.options = EngineOptions.from_kwargs(options)
         _configure_logging(self.options.log_level)
         model_path, default_name = locate_model(model_path)
@@ -51,11 +52,11 @@ class Engine:
             # The tokenizer loads on a thread while the weights load: it is mostly imports, which hold the
             # GIL, and they mostly dequantize and copy, which release it; on two cores the two overlap.
             with ThreadPoolExecutor(1, thread_name_prefix="radixlm-tokenizer") as pool:
-                tokenizer = pool.submit(load_tokenizer, self.options.tokenizer_path or model_path,
+                tokenizer = pool.submit(_timed, load_tokenizer, self.options.tokenizer_path or model_path,
                                         trust_remote_code=self.options.trust_remote_code)
                 if process is None and self.options.tp_size == 1 and self.options.dp_size == 1:
                     self._runner = ModelRunner(model_path, self.model_config, self.options)
-                self.tokenizer = tokenizer.result()
+                self.tokenizer, tokenizer_seconds = tokenizer.result()
             if self.options.chat_template is not None:
                 self.tokenizer.chat_template = _chat_template_text(self.options.chat_template)
             self.eos_token_ids = eos_token_ids_of(self.model_config, self.tokenizer)
@@ -86,10 +87,17 @@ class Engine:
         self._frontend = FrontEnd(self.tokenizer, self.options, self.vocab_size, self.context_len,
                                   self.eos_token_ids, scheduler, images)
         self.max_prompt_bytes = self._frontend.max_prompt_bytes
-        logger.info("engine ready: %s on %s (%s); context %d tokens (model %d, KV pool %d)%s",
+        # Wall seconds of the constructor and its stages (the tokenizer's overlap the weights'), for
+        # `python benchmarks/bench_cpu.py --startup` and the log.
+        runner = getattr(self, "_runner", None)
+        self.startup_seconds = {"tokenizer (on a thread)": tokenizer_seconds,
+                                **(runner.load_seconds if runner is not None else {}),
+                                "total": time.perf_counter() - start}
+        logger.info("engine ready: %s on %s (%s); context %d tokens (model %d, KV pool %d)%s; started in %s",
                     self.served_model_name, self.options.device, self.options.dtype, self.context_len,
                     self.model_config.context_len, self.kv_pool_size,
-                    "; scheduler in its own process" if process is not None else "")
+                    "; scheduler in its own process" if process is not None else "",
+                    ", ".join(f"{k} {v:.2f} s" for k, v in self.startup_seconds.items()))
 
     @property
     def frontend(self) -> FrontEnd:
@@ -211,6 +219,12 @@ class Engine:
         if self._frontend is None:
             raise EngineShutdownError("the engine has been shut down")
         return self._frontend
+
+
+def _timed(fn: Any, *args: Any, **kwargs: Any) -> tuple[Any, float]:
+    """(fn's result, its wall seconds)."""
+    start = time.perf_counter()
+    return fn(*args, **kwargs), time.perf_counter() - start
 
 
 def _chat_template_text(template: str) -> str:

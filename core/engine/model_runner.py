@@ -12,6 +12,9 @@ from __future__ import annotations
 import gc
 import itertools
 import logging
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -83,9 +86,16 @@ class ModelRunner:
         self.device = torch.device(opts.device)
         self.dtype = opts.torch_dtype
         self.ops = kernels.get_ops(self.device)
-        self.model = load_model(model_path, cfg, self.dtype, self.device, self.ops, opts.load_format, tp=tp)
-        if self.device.type == "cpu" and not opts.disable_cpu_prepack:
-            prepack_linears(self.model)
+        # Seconds of each start-up stage (Engine.startup_seconds shows them).
+        self.load_seconds: dict[str, float] = {}
+        start = time.perf_counter()
+        with _one_thread_on_cpu(self.device):
+            self.model = load_model(model_path, cfg, self.dtype, self.device, self.ops, opts.load_format, tp=tp)
+            self.load_seconds["weights"] = time.perf_counter() - start
+            if self.device.type == "cpu" and not opts.disable_cpu_prepack:
+                prepack_linears(self.model, plain_max_rows=opts.cpu_plain_linear_max_rows)
+                self.load_seconds["prepack"] = time.perf_counter() - start - self.load_seconds["weights"]
+        start = time.perf_counter()
         self.attn_backend = AttentionBackend(self.ops)
         self.cos_sin_cache = cfg.rope_cos_sin_cache(self.device)
         self.num_slots = self._kv_pool_size(opts)
@@ -94,6 +104,7 @@ class ModelRunner:
         self.kv_pool = KVPool(self.num_slots, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.dtype, self.device)
         self.req_to_token = ReqToTokenPool(opts.max_running_requests + 1, cfg.context_len + 1, self.device)
         self._pin = self.device.type == "cuda"
+        self.load_seconds["kv_pool"] = time.perf_counter() - start
         logger.info(
             "KV pool: %d token slots (%.1f MiB), %d request rows, context %d",
             self.num_slots,
@@ -234,6 +245,24 @@ class ModelRunner:
         tokens, images, rows = host.to(self.device, non_blocking=True)
         pixel_values = torch.from_numpy(np.stack(pixels)).to(self.device, self.dtype, non_blocking=True)
         return ImageBatch(pixel_values, tokens, images, rows)
+
+
+@contextmanager
+def _one_thread_on_cpu(device: torch.device) -> Iterator[None]:
+    """Loads CPU weights on this thread alone: the engine loads the tokenizer on another thread meanwhile,
+    and the load is hundreds of ops (dequantize, copy, prepack) each of which, run on torch's threads,
+    opens a parallel region that on a loaded machine waits for the other core (2 to 8x the load's wall
+    time on the 2-core development VM). Threads already running keep their own count (OpenMP's is per
+    thread); the count is restored after, for this thread and those started later."""
+    if device.type != "cpu":
+        yield
+        return
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _return_unused_memory(device: torch.device) -> None:

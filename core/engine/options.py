@@ -103,6 +103,10 @@ class EngineOptions:
     disable_cuda_graph: bool = option(False, "CUDA only: run decode eagerly instead of replaying captured graphs")
     disable_cpu_prepack: bool = option(False, "CPU only: run linear layers with F.linear on the plain weights "
                                        "instead of copies prepacked for oneDNN once at load")
+    cpu_plain_linear_max_rows: int = option(1, "CPU only: products of at most this many rows (batch-1 decode) "
+                                            "run on the plain weights (MKL), faster there than the prepacked "
+                                            "ones; the plain weights stay in RAM beside the packed ones for it "
+                                            "(0: dropped, saving that RAM)")
     cuda_graph_max_bs: int | None = option(None, "largest decode batch captured in a CUDA graph; default "
                                            "min(max_running_requests, 512)")
     # Extends of at most this many tokens (and min(cuda_graph_max_bs, 256) requests) replay captured
@@ -157,6 +161,8 @@ class EngineOptions:
             raise InvalidRequestError("cuda_graph_max_bs must be >= 1", "cuda_graph_max_bs")
         if self.cuda_graph_max_extend_tokens < 0:
             raise InvalidRequestError("cuda_graph_max_extend_tokens must be >= 0", "cuda_graph_max_extend_tokens")
+        if self.cpu_plain_linear_max_rows < 0:
+            raise InvalidRequestError("cpu_plain_linear_max_rows must be >= 0", "cpu_plain_linear_max_rows")
         if self.context_length is not None and self.context_length < 2:
             raise InvalidRequestError("context_length must be >= 2", "context_length")
         if self.max_total_tokens is not None and self.max_total_tokens < 16:

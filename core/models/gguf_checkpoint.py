@@ -24,6 +24,7 @@ import torch
 from tqdm.auto import tqdm
 
 from radixlm.core.errors import UnsupportedModelError
+from radixlm.core.models import gguf_dequant
 
 # llama.cpp architecture -> the HF architecture our Llama-family model implements it as. llama.cpp's
 # converter writes Mistral (and other Llama look-alikes) as "llama".
@@ -45,6 +46,9 @@ _LAYER_NAMES = {
 
 # Tensors that configure the model rather than hold its weights.
 _ROPE_FREQS = "rope_freqs.weight"  # Llama 3.1's rope scaling, as the divisor of each rotary frequency
+
+# Values dequantized in one run at most (16 MiB of float32): few ops, bounded memory.
+_RUN_VALUES = 1 << 22
 
 _V = gguf.GGUFValueType
 _SCALAR_FORMATS = {
@@ -147,24 +151,55 @@ class GGUFCheckpoint:
         )
 
     def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(HF name, float32 tensor in HF layout) of every tensor, dequantized one at a time as it is
-        asked for, with a progress bar. (About 0.7 CPU-seconds for SmolLM2-135M's 135M Q4_1/Q8_0
-        values; a second dequantizing thread made it slower on 2 cores, so there is none.)"""
+        """(HF name, float32 tensor in HF layout) of every tensor, dequantized as it is asked for, with a
+        progress bar: the tensors of each type core.models.gguf_dequant handles in runs of up to
+        _RUN_VALUES values (a few ops for many tensors), any other one alone by `gguf`."""
         infos = [info for name, info in self.tensors.items() if name != _ROPE_FREQS]
         for qtype in {info.qtype for info in infos}:
             _check_dequantizable(qtype, self.path)
         heads = self._key("attention.head_count")
         kv_heads = self._key("attention.head_count_kv", heads)
-        for info in tqdm(infos, desc="Loading GGUF weights", unit="tensor"):
-            name, w = hf_tensor_name(info.name), self._dequantize(info)
-            if self.arch == "llama" and (".q_proj." in name or ".k_proj." in name):
-                w = _unpermute_rows(w, heads if ".q_proj." in name else kv_heads)
-            yield name, w
+        with tqdm(total=len(infos), desc="Loading GGUF weights", unit="tensor") as bar:
+            for run in _runs(infos):
+                for info, w in zip(run, self._dequantize_run(run)):
+                    name = hf_tensor_name(info.name)
+                    if self.arch == "llama" and (".q_proj." in name or ".k_proj." in name):
+                        w = _unpermute_rows(w, heads if ".q_proj." in name else kv_heads)
+                    yield name, w
+                    bar.update(1)
 
     def _dequantize(self, info: TensorInfo) -> torch.Tensor:
-        raw = np.frombuffer(self._buf, np.uint8, count=info.nbytes, offset=info.offset)
+        return self._dequantize_run([info])[0]
+
+    def _dequantize_run(self, run: list[TensorInfo]) -> list[torch.Tensor]:
+        raws = [np.frombuffer(self._buf, np.uint8, count=info.nbytes, offset=info.offset) for info in run]
+        if gguf_dequant.dequantizes(run[0].qtype):
+            return gguf_dequant.dequantize([torch.from_numpy(r) for r in raws], run[0].qtype,
+                                           [info.shape for info in run])
+        (raw,), (info,) = raws, run
         rows = prod(info.shape[:-1])
-        return torch.from_numpy(gguf.quants.dequantize(raw.reshape(rows, -1), info.qtype)).reshape(info.shape)
+        return [torch.from_numpy(gguf.quants.dequantize(raw.reshape(rows, -1), info.qtype)).reshape(info.shape)]
+
+
+def _runs(infos: list[TensorInfo]) -> Iterator[list[TensorInfo]]:
+    """The tensors of each type that gguf_dequant handles, in file order, in runs of up to _RUN_VALUES
+    values (so that the float32 copy of a large model is never made at once); every other one alone."""
+    by_type: dict[gguf.GGMLQuantizationType, list[TensorInfo]] = {}
+    for info in infos:
+        if not gguf_dequant.dequantizes(info.qtype):
+            yield [info]
+        else:
+            by_type.setdefault(info.qtype, []).append(info)
+    for same_type in by_type.values():
+        run: list[TensorInfo] = []
+        values = 0
+        for info in same_type:
+            if run and values + prod(info.shape) > _RUN_VALUES:
+                yield run
+                run, values = [], 0
+            run.append(info)
+            values += prod(info.shape)
+        yield run
 
 
 def _unpermute_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
