@@ -48,24 +48,26 @@ class StepTimer:
         decode, extend = Executor.run_decode, Executor.run_extend
         timer = self
 
-        def timed_decode(executor) -> None:
-            timer._timed("decode", lambda: decode(executor))
+        def timed_decode(executor, defer: bool = False):
+            # With overlap (defer) a step returns pending and this times its launch alone.
+            return timer._timed("decode", lambda: decode(executor, defer))
 
-        def timed_extend(executor, extends) -> None:
+        def timed_extend(executor, extends):
             kind = "extend+ride" if any(e.rides_along for e in extends) else "extend"
-            timer._timed(kind, lambda: extend(executor, extends))
+            return timer._timed(kind, lambda: extend(executor, extends))
 
         Executor.run_decode, Executor.run_extend = timed_decode, timed_extend
 
-    def _timed(self, kind: str, run) -> None:
+    def _timed(self, kind: str, run):
         if self.profile_window and len(self.steps) == self.profile_window[0]:
             self.profiler = torch.profiler.profile(activities=_activities(), record_shapes=False)
             self.profiler.__enter__()
         start = time.perf_counter()
-        run()
+        result = run()
         self.steps.append((kind, time.perf_counter() - start))
         if self.profiler is not None and len(self.steps) == sum(self.profile_window):
             self.profiler.__exit__(None, None, None)
+        return result
 
     def take(self) -> list[tuple[str, float]]:
         steps, self.steps = self.steps, []
