@@ -128,6 +128,10 @@ CASES = [
     ({"type": "object", "not": {"anyOf": [{"required": ["x"]}, {"required": ["y"]}]}}, [{"z": 1}], [{"x": 1}, {"y": 1}]),
     ({"type": "string", "not": {"pattern": "^a"}, "maxLength": 3}, ["ba", ""], ["a", "abc"]),
     ({"enum": ["a", "b", 1], "not": {"const": "a"}}, ["b", 1], ["a"]),
+    # enum/const values their sibling keywords exclude are never generated.
+    ({"enum": ["abc", "ab", "x"], "maxLength": 2, "pattern": "b"}, ["ab"], ["abc", "x"]),
+    ({"enum": [1, 2.5, 6, 9, 12], "exclusiveMinimum": 2, "maximum": 9, "multipleOf": 3}, [6, 9], [1, 2.5, 12]),
+    ({"enum": [0.5, 0.75, 2], "multipleOf": 0.5}, [0.5, 2], [0.75]),
     ({"type": "object", "properties": {"w": {}, "u": {}}, "not": {"allOf": [{"required": ["w"]}, {"required": ["u"]}]},
       "allOf": [{"not": {"required": ["x"]}}]}, [{"w": 1}, {"u": 1}], [{"w": 1, "u": 1}]),
     # Counts written as whole floats; contains with minContains / maxContains.

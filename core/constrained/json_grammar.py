@@ -105,6 +105,42 @@ def json_schema_to_grammar(schema: Any, whitespace_pattern: str | None = None,
     return Grammar(conv.rules, "start")
 
 
+def _scalar_keywords_admit(value: Any, schema: dict) -> bool:
+    """Whether a string or number constant meets its schema's length, pattern and range keywords (the
+    siblings of enum/const that apply to a constant; object and array keywords are not checked here).
+    Numbers compare as Python does (ints and floats exactly); multipleOf as jsonschema computes it."""
+    if isinstance(value, str):
+        if len(value) < schema.get("minLength", 0) or len(value) > schema.get("maxLength", math.inf):
+            return False
+        pattern = schema.get("pattern")
+        try:
+            return not isinstance(pattern, str) or re.search(pattern, value) is not None
+        except re.error:  # a pattern Python cannot read: the pattern's own converter reports it
+            return True
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return True
+
+    def number(key: str) -> int | float | None:
+        bound = schema.get(key)
+        return bound if isinstance(bound, (int, float)) and not isinstance(bound, bool) else None
+
+    low, high = number("minimum"), number("maximum")
+    if low is not None and (value < low or (schema.get("exclusiveMinimum") is True and value == low)):
+        return False  # (a boolean exclusiveMinimum is draft 4's form)
+    if high is not None and (value > high or (schema.get("exclusiveMaximum") is True and value == high)):
+        return False
+    low, high = number("exclusiveMinimum"), number("exclusiveMaximum")
+    if (low is not None and value <= low) or (high is not None and value >= high):
+        return False
+    step = number("multipleOf")
+    if step is None or step <= 0:
+        return True
+    if isinstance(step, int) and isinstance(value, int):
+        return value % step == 0
+    quotient = value / step
+    return math.isfinite(quotient) and quotient == int(quotient)
+
+
 class _Converter(js._Converter):
     """Reuses the regex converter's $ref resolution, allOf merging and ref expansion (for merges)."""
 
@@ -341,6 +377,8 @@ class _Converter(js._Converter):
         text = json.dumps(value, ensure_ascii=False)
         if isinstance(value, str) and any(re.fullmatch(r, text) for r in schema.get(_NOT_STRINGS, ())):
             return NOTHING  # a `not` excludes it
+        if not _scalar_keywords_admit(value, schema):
+            return NOTHING  # a sibling keyword excludes it: {"enum": ["abc"], "maxLength": 2}
         return self._constant(value)
 
     def _constant(self, value: Any) -> Expr:
