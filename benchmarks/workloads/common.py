@@ -102,6 +102,8 @@ class TokenizerFrontEnd:
     """The part of an engine's front end (`engine.frontend`) that the program backend calls, for the
     engine-shaped stand-ins: prompts tokenized as radixlm's front end does."""
 
+    images = None  # text models only: no image preparation
+
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
 
