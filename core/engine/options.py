@@ -6,11 +6,14 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Sequence
 
-from radixlm.core.engine.scheduler.policy import POLICIES
+from radixlm.core.errors import InvalidRequestError
 
 if TYPE_CHECKING:
     import torch
-from radixlm.core.errors import InvalidRequestError
+
+# The waiting-queue orders (core.engine.scheduler.policy implements them). Here, not there: the CLI
+# checks its arguments through these options without importing torch, which the policy's module does.
+POLICIES = ("lpm", "dfs-weight", "fcfs", "lof", "random")
 
 # Names accepted for each torch dtype (torch itself is imported only when an engine starts).
 _DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",

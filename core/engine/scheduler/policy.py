@@ -20,12 +20,11 @@ from __future__ import annotations
 import random
 from typing import TYPE_CHECKING, Any
 
+from radixlm.core.engine.options import POLICIES
 from radixlm.core.engine.radix_cache import shared_len
 
-if TYPE_CHECKING:  # only annotations: options.py imports POLICIES without loading torch
+if TYPE_CHECKING:
     from radixlm.core.engine.request import Req
-
-POLICIES = ("lpm", "dfs-weight", "fcfs", "lof", "random")
 
 
 class PrefixMemo:
