@@ -64,6 +64,7 @@ class SimRunner:
         self.cost = cost
         self.time_scale = time_scale
         self.steps: list[dict[str, Any]] = []
+        self.load_seconds: dict[str, float] = {}  # the engine's start-up breakdown: nothing loads here
         self._order_s = 0.0  # the policy's time in this step
         self._forward_s = 0.0  # this runner's time in this step (its sleep)
         self._waiting = 0  # the waiting queue's length as the step began

@@ -268,7 +268,8 @@ def test_aborting_64k_queued_requests_is_fast(llama_ckpt):
         for _ in range(count):
             assert done.acquire(timeout=60)
         elapsed = time.monotonic() - start
-        assert elapsed < 5.0, f"aborting {count} queued requests took {elapsed:.1f} s"
+        # ~80 us an abort on the 2-core CI machine (5.07 s seen once); a quadratic abort takes minutes.
+        assert elapsed < 10.0, f"aborting {count} queued requests took {elapsed:.1f} s"
         stats = e.get_stats()
         assert stats["aborted_total"] == count and stats["waiting"] == stats["running"] == 0
 
