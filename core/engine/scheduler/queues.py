@@ -110,13 +110,8 @@ class RequestQueues:
                 try:
                     self.finish(req, Finish("abort"), error=why, status_code=status_code)
                 except Exception:  # a broken request must not keep the others from being answered
+                    # finish() took it out of the queues before the KV release that raised.
                     logger.exception("could not finish request %s cleanly; its KV is left as it is", req.rid)
-                    self.running = [r for r in self.running if r is not req]
-                    self.waiting = [r for r in self.waiting if r is not req]
-                    if self.chunked is req:
-                        self.chunked = None
-                    if self.live.get(req.rid) is req:
-                        del self.live[req.rid]
                     req.status = Status.FINISHED
                     try:  # its caller waits for a final output: without one it would wait forever
                         emit(req, self.outbox, final=True)
