@@ -30,6 +30,7 @@ Workloads (the 8B sizes; `tiny` scales them down):
 from __future__ import annotations
 
 import argparse
+import ast
 import cProfile
 import gc
 import io
@@ -140,6 +141,7 @@ def device_used_bytes(device: torch.device) -> int | None:
 
 # ---- radixlm ----------------------------------------------------------------------------------------
 
+PARTS = ("latency", "prefill", "throughput", "decode_step")
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
 
 
@@ -484,7 +486,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     engine = radixlm.Engine(model_dir, device=device.type, chunked_prefill_size=w["chunked_prefill_size"],
                             mem_fraction_static=args.mem_fraction_static, log_level="warning",
                             disable_cuda_graph=args.disable_cuda_graph,
-                            enable_overlap_schedule=args.overlap, **extra)
+                            enable_overlap_schedule=args.overlap, **extra, **engine_options(args.engine_option))
     runner = engine._runner
     cfg = engine.model_config
     results["engine"] = {
@@ -492,6 +494,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "cuda_graphs": runner.graph_runner is not None, "overlap_schedule": args.overlap,
         "cuda_graph_sizes": runner.graph_runner.sizes if runner.graph_runner else [],
         "chunked_prefill_size": w["chunked_prefill_size"], "mem_fraction_static": args.mem_fraction_static,
+        "options": engine_options(args.engine_option),
     }
     print(f"engine up in {results['engine']['init_s']:.1f} s; KV pool {engine.kv_pool_size} tokens; "
           f"CUDA graphs {results['engine']['cuda_graphs']}", flush=True)
@@ -503,13 +506,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     results["radixlm"] = ours
     # Warm-up: every prefill and decode shape class once.
     engine.generate(input_ids=prompts[:4], sampling_params=[{**GREEDY, "max_new_tokens": 4}] * 4)
-    sections.run(ours, "latency", bench_latency, engine, w, cfg.vocab_size, args.repeats)
-    sections.run(ours, "prefill", bench_prefill, engine, w, cfg, args.repeats)
-    sections.run(ours, "throughput", bench_throughput, engine, prompts, out_lens, True)
-    used_peak = max(used_peak, device_used_bytes(device) or 0)
-    sections.run(ours, "throughput_hf_subset", bench_throughput, engine, prompts[:sub], out_lens[:sub])
-    sections.run(ours, "decode_step", lambda: [bench_decode_step(engine, b, w["step_iters"], cfg.vocab_size)
-                                               for b in w["step_batches"]])
+    parts = set(args.parts)
+    if "latency" in parts:
+        sections.run(ours, "latency", bench_latency, engine, w, cfg.vocab_size, args.repeats)
+    if "prefill" in parts:
+        sections.run(ours, "prefill", bench_prefill, engine, w, cfg, args.repeats)
+    if "throughput" in parts:
+        sections.run(ours, "throughput", bench_throughput, engine, prompts, out_lens, True)
+        used_peak = max(used_peak, device_used_bytes(device) or 0)
+        sections.run(ours, "throughput_hf_subset", bench_throughput, engine, prompts[:sub], out_lens[:sub])
+    if "decode_step" in parts:
+        sections.run(ours, "decode_step", lambda: [bench_decode_step(engine, b, w["step_iters"], cfg.vocab_size)
+                                                   for b in w["step_batches"]])
     if device.type == "cuda":
         used_peak = max(used_peak, device_used_bytes(device))
         results["memory"] = {
@@ -614,6 +622,21 @@ def summary(r: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def engine_options(pairs: list[str]) -> dict[str, Any]:
+    """--engine-option KEY=VALUE pairs as Engine keyword arguments (values parsed as Python literals
+    where they are one: 64, True, 0.5; else kept as text)."""
+    options = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep:
+            raise SystemExit(f"--engine-option takes KEY=VALUE (got {pair!r})")
+        try:
+            options[key] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            options[key] = value
+    return options
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", choices=sorted(WORKLOADS), default="tiny")
@@ -626,6 +649,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--disable-cuda-graph", action="store_true")
     p.add_argument("--overlap", action="store_true", help="radixlm with enable_overlap_schedule (issue 19)")
     p.add_argument("--cpu", action="store_true", help="run on the CPU even when a GPU is present")
+    p.add_argument("--engine-option", action="append", default=[], metavar="KEY=VALUE",
+                   help="an Engine option for radixlm (repeatable), e.g. schedule_admission_batch=64")
+    p.add_argument("--parts", nargs="+", default=list(PARTS), choices=PARTS, help="what to measure (default: all)")
     args = p.parse_args(argv)
     results = run(args)
     print(summary(results), flush=True)
