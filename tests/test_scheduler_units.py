@@ -238,8 +238,10 @@ def test_cache_aware_orders_reorder_only_when_the_waiting_prompts_outgrow_the_fr
         waiting = [make_req([9] * 8, 0), make_req([1, 2, 3, 4, 5, 6, 7, 8], 1)]
         demand = sum(len(r.fill_ids) for r in waiting)
         assert (memory.allocator.available() >= demand) == (num_slots == 64)
-        plan = make_planner(memory, policy, max_running=1, only_under_pressure=gated).plan(waiting, [], None)
-        return rids(plan.taken)[0]
+        planner = make_planner(memory, policy, max_running=1, only_under_pressure=gated)
+        taken = rids(planner.plan(waiting, [], None).taken)[0]
+        assert planner.stats.cache_aware_admissions_total == (taken == "r1")
+        return taken
 
     assert first_taken(64, gated=True) == "r0"
     assert first_taken(20, gated=True) == "r1"  # 14 free slots for 16 waiting tokens

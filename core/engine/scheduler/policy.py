@@ -100,6 +100,7 @@ class SchedulePolicy:
         self.rng = random.Random(seed)
         self.memo = PrefixMemo(tree_cache)
         self.only_under_pressure = only_under_pressure
+        self.reordered = False  # whether the last order() applied the cache-aware order
 
     def order(self, waiting: list[Req], free_slots: int | None = None) -> list[Req]:
         """The queue in the order to admit. `free_slots`: the KV slots free now, for the pressure gate."""
@@ -119,6 +120,7 @@ class SchedulePolicy:
         policy = self.policy
         if policy in ("lpm", "dfs-weight") and not self.reorders(reqs, free_slots):
             policy = "fcfs"
+        self.reordered = policy in ("lpm", "dfs-weight")
         if policy == "fcfs":
             return sorted(reqs, key=lambda r: r.arrival)
         if policy == "lof":

@@ -74,7 +74,9 @@ class PrefillPlanner:
         # The chunked request's last chunk counts too: a request sharing its prompt waits a step and
         # then reuses all of it, instead of recomputing the part that this last chunk computes.
         in_batch = [e.req.fill_ids for e in plan.extends]
-        for req in self.policy.order(waiting, self.memory.allocator.available()):
+        order = self.policy.order(waiting, self.memory.allocator.available())
+        self.stats.cache_aware_admissions_total += self.policy.reordered
+        for req in order:
             if slots_left <= 0 or budget <= 0 or self.memory.rows_available() == 0:
                 break
             if self._shares_with_batch(req, in_batch):
