@@ -135,7 +135,10 @@ def test_health_answers_while_a_constraint_compiles(live):
             latencies.append(time.monotonic() - start)
             time.sleep(0.02)
     worker.join()
-    assert result["resp"].status_code == 200, result["resp"].text
+    # A loaded machine may reach the compile budget (2 s): then the compile ran that long, and its
+    # answer is the budget's 400, which is as good for what this test measures.
+    resp = result["resp"]
+    assert resp.status_code == 200 or "max_compile_seconds" in resp.json()["error"]["message"], resp.text
     assert len(latencies) >= 10  # the compile really was in progress meanwhile
     # (On the event loop, as before, one /health call waited for the whole compile.) The compile thread
     # shares the GIL, and CI's 2 cores are shared: the 90th percentile is held to 100 ms, the slowest to 1 s.
