@@ -21,8 +21,6 @@ from typing import Any
 
 from tokenizers import Tokenizer
 
-from radixlm.core.tokenizer import jinja_chat
-
 MANIFEST = "radixlm_tokenizer.json"
 # apply_chat_template's arguments that send a call to transformers when set (any other keyword argument
 # is a template variable, as there).
@@ -75,6 +73,11 @@ class LightTokenizer:
         self.chat_template: str | None = manifest["chat_template"]
         self._hf_tokenizer: Any = None
         self._hf_lock = threading.Lock()
+        # jinja2's import (0.1 to 0.2 s) on the thread that loads the tokenizer, beside the weights' load,
+        # rather than with the engine's modules, before it
+        from radixlm.core.tokenizer import jinja_chat
+
+        self._jinja = jinja_chat
 
     # ---- transformers' tokenizer, for everything not answered here -------------------------------
 
@@ -180,7 +183,7 @@ class LightTokenizer:
                 raise TypeError("documents should be a list of dicts with 'title' and 'text' keys")
         variables = {"tools": None, "documents": None, "add_generation_prompt": False,
                      **self.special_tokens_map, **kwargs}
-        text = jinja_chat.render(template, conversation, **variables)
+        text = self._jinja.render(template, conversation, **variables)
         if not tokenize:
             return text
         ids = self.encode(text, add_special_tokens=False)
@@ -190,7 +193,7 @@ class LightTokenizer:
         template = kwargs.get("chat_template") or self.chat_template or ""
         return (type(conversation) is list and all(type(m) is dict for m in conversation)
                 and not any(m.get(f) is not None for m in conversation for f in _REASONING_FIELDS)
-                and jinja_chat.is_plain(conversation) and not any(kwargs.get(a) for a in _TRANSFORMERS_CHAT_ARGS)
-                and all(jinja_chat.is_plain(v) for v in kwargs.values())
+                and self._jinja.is_plain(conversation) and not any(kwargs.get(a) for a in _TRANSFORMERS_CHAT_ARGS)
+                and all(self._jinja.is_plain(v) for v in kwargs.values())
                 and not re.search(r"\{%-?\s*generation\s*-?%\}", template))
 
