@@ -31,8 +31,9 @@ TOOL_TEMPLATE = (
     "{% if add_generation_prompt %}<|im_start|>assistant{{ ' /think' if enable_thinking else '' }}\n{% endif %}"
     "[{{ ns.n }}]{{ dict(a=1) | tojson }}"
 )
-TOOLS = [{"type": "function", "function": {"name": "weather", "description": "Weather (°C) in <city> & \"quotes\"",
-                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+TOOLS = [{"type": "function", "function": {
+    "name": "weather", "description": "Weather (°C) in <city> & \"quotes\"",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
 
 
 @pytest.fixture(scope="module")
@@ -119,7 +120,8 @@ def test_other_calls_go_to_transformers(pair):
     assert (fresh.apply_chat_template([MESSAGES, MESSAGES[:1]], tokenize=False)
             == hf.apply_chat_template([MESSAGES, MESSAGES[:1]], tokenize=False))
     fresh.chat_template = "{% for m in messages %}[{{ m.content }}]{% endfor %}"  # --chat-template
-    assert fresh.apply_chat_template([MESSAGES], tokenize=False) == ["[Be brief.][What is 2+2? <|im_end|>][4][ünï ☃]"]
+    rendered = fresh.apply_chat_template([MESSAGES], tokenize=False)  # batched: by transformers
+    assert rendered == ["[Be brief.][What is 2+2? <|im_end|>][4][ünï ☃]"]
     assert fresh.model_max_length == hf.model_max_length
     with pytest.raises(AttributeError):
         fresh.no_such_attribute
