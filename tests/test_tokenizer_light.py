@@ -127,6 +127,24 @@ def test_other_calls_go_to_transformers(pair):
         fresh.no_such_attribute
 
 
+def test_setting_an_attribute_hands_over_to_transformers(pair):
+    """After `pad_token = ...` or `add_bos_token = True` (which changes how transformers encodes), every
+    answer is transformers' own, as if the user held transformers' tokenizer."""
+    light, _ = pair
+    fresh = LightTokenizer(light.name_or_path)
+    hf = PreTrainedTokenizerFast.from_pretrained(light.name_or_path)
+    for tok in (fresh, hf):
+        tok.pad_token = "<repo_name>"
+        tok.add_bos_token = True
+    assert fresh.pad_token == hf.pad_token == "<repo_name>" and fresh.pad_token_id == hf.pad_token_id == 3
+    assert fresh.encode(TEXTS[0]) == hf.encode(TEXTS[0]) and fresh.encode(TEXTS[0])[0] == hf.bos_token_id
+    assert fresh(TEXTS[0]) == dict(hf(TEXTS[0])) and fresh.special_tokens_map == hf.special_tokens_map
+    assert fresh.backend_tokenizer.encode(TEXTS[0]).ids == hf.encode(TEXTS[0])  # the fast path's backend too
+    assert fresh.apply_chat_template(MESSAGES, return_dict=False) == hf.apply_chat_template(MESSAGES, return_dict=False)
+    fresh.chat_template = hf.chat_template = "{% for m in messages %}{{ m.content }}{% endfor %}"
+    assert fresh.apply_chat_template(MESSAGES, tokenize=False) == hf.apply_chat_template(MESSAGES, tokenize=False)
+
+
 def test_a_damaged_manifest_is_rebuilt(tmp_path, monkeypatch):
     monkeypatch.setenv("RADIXLM_CACHE", str(tmp_path))
     first = load_gguf_tokenizer(default_model_path())

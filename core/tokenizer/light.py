@@ -13,10 +13,12 @@ loaded on first use.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from tokenizers import Tokenizer
@@ -27,6 +29,8 @@ MANIFEST = "radixlm_tokenizer.json"
 _TRANSFORMERS_CHAT_ARGS = ("continue_final_message", "sanitize_control_tokens", "padding", "truncation",
                            "max_length", "return_tensors", "return_assistant_tokens_mask", "tokenizer_kwargs")
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")  # transformers copies these into each other
+# Attributes of the light tokenizer itself: setting any other hands the tokenizer over to transformers'.
+_OWN_FIELDS = {"name_or_path", "backend_tokenizer", "chat_template"}
 
 
 def write_manifest(tok: Any, folder: str) -> bool:
@@ -55,9 +59,27 @@ class Encoding(dict):
             raise AttributeError(name) from None
 
 
+def _or_transformers(method: Callable) -> Callable:
+    """The method, or transformers' of the same name once the tokenizer has been handed over."""
+    @functools.wraps(method)
+    def wrapper(self: "LightTokenizer", *args: Any, **kwargs: Any) -> Any:
+        if self._handed_over:
+            return getattr(self._hf(), method.__name__)(*args, **kwargs)
+        return method(self, *args, **kwargs)
+    return wrapper
+
+
+def _read_only(name: str, getter: Callable[[Any], Any]) -> property:
+    """A property answered here, or by transformers' tokenizer once handed over."""
+    return property(lambda self: getattr(self._hf(), name) if self._handed_over else getter(self))
+
+
 class LightTokenizer:
-    is_fast = True
-    clean_up_tokenization_spaces = False
+    """Setting any attribute other than `chat_template` (e.g. `pad_token`, `padding_side`,
+    `add_bos_token`) sets it on transformers' tokenizer and hands every later call over to it: what such
+    a change does to encoding is transformers' to know."""
+
+    _handed_over = False
 
     def __init__(self, folder: str) -> None:
         """The tokenizer saved in `folder` (tokenizer.json and the manifest; OSError/ValueError if unreadable)."""
@@ -68,8 +90,8 @@ class LightTokenizer:
             self.backend_tokenizer = Tokenizer.from_file(os.path.join(folder, "tokenizer.json"))
         except Exception as e:  # the library raises a bare Exception for a file it cannot parse
             raise ValueError(f"unreadable tokenizer.json in {folder}: {e}") from e
-        self.special_tokens_map: dict[str, Any] = manifest["special_tokens_map"]
-        self.all_special_ids: list[int] = manifest["all_special_ids"]
+        self._special_tokens_map: dict[str, Any] = manifest["special_tokens_map"]
+        self._all_special_ids: list[int] = manifest["all_special_ids"]
         self.chat_template: str | None = manifest["chat_template"]
         self._hf_tokenizer: Any = None
         self._hf_lock = threading.Lock()
@@ -95,40 +117,52 @@ class LightTokenizer:
             raise AttributeError(name)
         return getattr(self._hf(), name)
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name.startswith("_") or name in _OWN_FIELDS:
+            object.__setattr__(self, name, value)
+            return
+        hf = self._hf()
+        setattr(hf, name, value)
+        self._handed_over = True
+        self.backend_tokenizer = hf.backend_tokenizer  # the fast path encodes and decodes with it
+
     # ---- special tokens ---------------------------------------------------------------------------
 
     def _special(self, kind: str) -> str | None:
-        return self.special_tokens_map.get(f"{kind}_token")
+        return self._special_tokens_map.get(f"{kind}_token")
 
     def _special_id(self, kind: str) -> int | None:
         token = self._special(kind)
         return None if token is None else self.backend_tokenizer.token_to_id(token)
 
-    bos_token = property(lambda self: self._special("bos"))
-    eos_token = property(lambda self: self._special("eos"))
-    unk_token = property(lambda self: self._special("unk"))
-    pad_token = property(lambda self: self._special("pad"))
-    bos_token_id = property(lambda self: self._special_id("bos"))
-    eos_token_id = property(lambda self: self._special_id("eos"))
-    unk_token_id = property(lambda self: self._special_id("unk"))
-    pad_token_id = property(lambda self: self._special_id("pad"))
-
-    @property
-    def all_special_tokens(self) -> list[str]:
-        return [self.backend_tokenizer.id_to_token(i) for i in self.all_special_ids]
+    bos_token = _read_only("bos_token", lambda self: self._special("bos"))
+    eos_token = _read_only("eos_token", lambda self: self._special("eos"))
+    unk_token = _read_only("unk_token", lambda self: self._special("unk"))
+    pad_token = _read_only("pad_token", lambda self: self._special("pad"))
+    bos_token_id = _read_only("bos_token_id", lambda self: self._special_id("bos"))
+    eos_token_id = _read_only("eos_token_id", lambda self: self._special_id("eos"))
+    unk_token_id = _read_only("unk_token_id", lambda self: self._special_id("unk"))
+    pad_token_id = _read_only("pad_token_id", lambda self: self._special_id("pad"))
+    special_tokens_map = _read_only("special_tokens_map", lambda self: dict(self._special_tokens_map))
+    all_special_ids = _read_only("all_special_ids", lambda self: list(self._all_special_ids))
+    all_special_tokens = _read_only("all_special_tokens", lambda self: [
+        self.backend_tokenizer.id_to_token(i) for i in self._all_special_ids])
+    is_fast = _read_only("is_fast", lambda self: True)
+    clean_up_tokenization_spaces = _read_only("clean_up_tokenization_spaces", lambda self: False)
 
     # ---- vocabulary -------------------------------------------------------------------------------
 
+    @_or_transformers
     def __len__(self) -> int:
         return self.backend_tokenizer.get_vocab_size(with_added_tokens=True)
 
-    @property
-    def vocab_size(self) -> int:
-        return self.backend_tokenizer.get_vocab_size(with_added_tokens=False)
+    vocab_size = _read_only("vocab_size", lambda self: self.backend_tokenizer.get_vocab_size(with_added_tokens=False))
 
+    @_or_transformers
     def get_vocab(self) -> dict[str, int]:
         return self.backend_tokenizer.get_vocab(with_added_tokens=True)
 
+    @_or_transformers
     def convert_tokens_to_ids(self, tokens: str | list[str]) -> int | None | list[int | None]:
         """Each token's id; a token not in the vocabulary gets the unknown token's id (None without one)."""
         if isinstance(tokens, str):
@@ -136,6 +170,7 @@ class LightTokenizer:
             return self.unk_token_id if found is None else found
         return [self.convert_tokens_to_ids(t) for t in tokens]
 
+    @_or_transformers
     def convert_ids_to_tokens(self, ids: int | list[int], skip_special_tokens: bool = False) -> Any:
         if skip_special_tokens:
             return self._hf().convert_ids_to_tokens(ids, skip_special_tokens=True)
@@ -145,17 +180,20 @@ class LightTokenizer:
 
     # ---- encode / decode --------------------------------------------------------------------------
 
+    @_or_transformers
     def __call__(self, text: Any, add_special_tokens: bool = True, **kwargs: Any) -> Any:
         if kwargs or not isinstance(text, str):  # batches, pairs, padding, tensors: transformers'
             return self._hf()(text, add_special_tokens=add_special_tokens, **kwargs)
         ids = self.backend_tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
         return Encoding(input_ids=ids, attention_mask=[1] * len(ids))
 
+    @_or_transformers
     def encode(self, text: Any, add_special_tokens: bool = True, **kwargs: Any) -> list[int]:
         if kwargs or not isinstance(text, str):
             return self._hf().encode(text, add_special_tokens=add_special_tokens, **kwargs)
         return self.backend_tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
+    @_or_transformers
     def decode(self, ids: Any, skip_special_tokens: bool = False, **kwargs: Any) -> str:
         if isinstance(ids, int):
             ids = [ids]
@@ -165,6 +203,7 @@ class LightTokenizer:
 
     # ---- chat template ----------------------------------------------------------------------------
 
+    @_or_transformers
     def apply_chat_template(self, conversation: Any, **kwargs: Any) -> Any:
         """transformers' apply_chat_template: rendered here for one conversation of plain JSON messages
         with plain template variables; by transformers otherwise."""
@@ -182,7 +221,7 @@ class LightTokenizer:
             if not isinstance(document, dict):
                 raise TypeError("documents should be a list of dicts with 'title' and 'text' keys")
         variables = {"tools": None, "documents": None, "add_generation_prompt": False,
-                     **self.special_tokens_map, **kwargs}
+                     **self._special_tokens_map, **kwargs}
         text = self._jinja.render(template, conversation, **variables)
         if not tokenize:
             return text
