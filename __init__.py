@@ -1,5 +1,6 @@
 """radixlm: a fast runtime for structured language-model programs."""
 
+import importlib.util
 from typing import Any
 
 __version__ = "0.1.0"
@@ -13,7 +14,8 @@ def __getattr__(name: str) -> Any:
         from radixlm.core.engine.engine import Engine
 
         return Engine
-    if not name.startswith("__"):
+    # `from radixlm import kernels` asks here before importing the submodule: not the frontend for that.
+    if not name.startswith("__") and importlib.util.find_spec(f"radixlm.{name}") is None:
         import radixlm.adapters.native as native
 
         if name in native.__all__:

@@ -192,13 +192,15 @@ def _same_until_eos(ours: list[int], theirs: list[int], eos: set[int]) -> bool:
     return ours[:end] == theirs[:end]
 
 
-def startup(model: str, runs: int) -> dict[str, Any]:
+def startup(model: str, runs: int, against: str | None = None) -> dict[str, Any]:
     """Fresh processes: seconds from the `Engine()` call to the first token of a 1-token request (the
     import of radixlm's engine modules, torch's included, is part of it: `import radixlm` itself is
     lazy), in wall time and in CPU time of all the process's threads (on a busy machine the wall time
     mostly measures the wait for a core; the CPU time does not), broken down into stages: the engine
     modules' import, the constructor's own stages (Engine.startup_seconds: the tokenizer's run on a
-    thread beside the weights'), the first token. Median, quickest and every run."""
+    thread beside the weights'), the first token. Median, quickest and every run. With `against` (a
+    folder holding another checkout as `radixlm/`), each round also times that checkout's code, in turn
+    with this one's, under "against"."""
     code = (
         "import json, time\n"
         "t0 = time.perf_counter()\n"
@@ -216,15 +218,21 @@ def startup(model: str, runs: int) -> dict[str, Any]:
         "                  'first_token_s': t4 - t3}))\n"
         "engine.shutdown()\n"
     )
-    results = []
+    checkouts = {"this": None, **({"against": against} if against else {})}
+    results: dict[str, list[dict[str, float]]] = {name: [] for name in checkouts}
     for _ in range(runs):
-        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-        results.append(json.loads(out.stdout.strip().splitlines()[-1]))
-        print("start-up run:", {k: round(v, 2) for k, v in results[-1].items()}, f"load {os.getloadavg()[0]:.1f}",
-              flush=True)
+        for name, path in checkouts.items():
+            env = dict(os.environ)
+            if path:  # that checkout's radixlm ahead of this one's (the editable install's finder comes last)
+                env["PYTHONPATH"] = os.pathsep.join(filter(None, [path, env.get("PYTHONPATH")]))
+            out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
+            results[name].append(json.loads(out.stdout.strip().splitlines()[-1]))
+            print(f"start-up run ({name}):", {k: round(v, 2) for k, v in results[name][-1].items()},
+                  f"load {os.getloadavg()[0]:.1f}", flush=True)
     key = "engine_to_first_token_s"
-    return {"median": {k: statistics.median(r[k] for r in results) for k in results[0]},
-            "quickest": min(results, key=lambda r: r[key]), "runs": results}
+    summary = {name: {"median": {k: statistics.median(r[k] for r in rs) for k in rs[0]},
+                      "quickest": min(rs, key=lambda r: r[key]), "runs": rs} for name, rs in results.items()}
+    return summary["this"] | ({"against": summary["against"]} if against else {})
 
 
 def machine() -> dict[str, Any]:
@@ -250,6 +258,9 @@ def main() -> None:
     parser.add_argument("--startup-runs", type=int, default=3, help="fresh processes timed for start-up; 0 skips")
     parser.add_argument("--startup", action="store_true",
                         help="measure only the start-up (--startup-runs fresh processes) and its stages")
+    parser.add_argument("--startup-against", default=None,
+                        help="a folder holding another checkout as radixlm/ (e.g. `git archive BASE | tar -x -C "
+                             "DIR/radixlm`): --startup times its code too, in turn with this one's")
     parser.add_argument("--llama-cpp-path", default=None,
                         help="a site-packages folder holding llama_cpp (a separate venv: "
                              "benchmarks/build_llama_cpp.sh), searched after this environment's own")
@@ -263,9 +274,12 @@ def main() -> None:
         return
     args.model = args.model or default_model_path()  # not installed: an error naming the install command
     if args.startup:
-        result = startup(args.model, args.startup_runs or 3)
+        result = startup(args.model, args.startup_runs or 3, args.startup_against)
         print(json.dumps(machine() | {"model": args.model, "load_avg_end": os.getloadavg()}))
         print_startup(result)
+        if "against" in result:
+            print(f"\nthe same, {args.startup_against} (in turn with the runs above):")
+            print_startup(result["against"])
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(result, f, indent=2)

@@ -3,6 +3,7 @@ same TokenConstraint interface (core.engine.constraint) over llguidance's LLMatc
 
 from __future__ import annotations
 
+import copy
 import re
 import threading
 import weakref
@@ -21,14 +22,19 @@ _lock = threading.Lock()
 
 def _ll_tokenizer(tokenizer: Any, vocab: TokenVocab):
     """llguidance's tokenizer of `tokenizer` (about a second to build; cached per tokenizer and EOS ids)."""
-    import llguidance.hf
+    import llguidance
 
     with _lock:
         per = _tokenizers.setdefault(tokenizer, {})
         found = per.get(vocab.eos_ids)
         if found is None:
-            found = per[vocab.eos_ids] = llguidance.hf.from_tokenizer(
-                tokenizer, n_vocab=vocab.size, eos_token=list(vocab.eos_ids))
+            # What llguidance.hf.from_tokenizer does, for any Rust-backed tokenizer (that one accepts only
+            # transformers' class, and imports transformers): the backend's JSON, without padding or truncation.
+            backend = copy.copy(getattr(tokenizer, "backend_tokenizer", tokenizer))
+            backend.no_padding()
+            backend.no_truncation()
+            found = per[vocab.eos_ids] = llguidance.LLTokenizer(backend.to_str(), n_vocab=vocab.size,
+                                                                eos_token=list(vocab.eos_ids))
     return found
 
 

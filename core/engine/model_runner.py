@@ -89,11 +89,11 @@ class ModelRunner:
         # Seconds of each start-up stage (Engine.startup_seconds shows them).
         self.load_seconds: dict[str, float] = {}
         start = time.perf_counter()
-        with _one_thread_on_cpu(self.device):
+        with _one_thread_on_cpu(self.device) as threads:
             self.model = load_model(model_path, cfg, self.dtype, self.device, self.ops, opts.load_format, tp=tp)
             self.load_seconds["weights"] = time.perf_counter() - start
             if self.device.type == "cpu" and not opts.disable_cpu_prepack:
-                prepack_linears(self.model, plain_max_rows=opts.cpu_plain_linear_max_rows)
+                prepack_linears(self.model, plain_max_rows=opts.cpu_plain_linear_max_rows, workers=threads)
                 self.load_seconds["prepack"] = time.perf_counter() - start - self.load_seconds["weights"]
         start = time.perf_counter()
         self.attn_backend = AttentionBackend(self.ops)
@@ -248,19 +248,19 @@ class ModelRunner:
 
 
 @contextmanager
-def _one_thread_on_cpu(device: torch.device) -> Iterator[None]:
+def _one_thread_on_cpu(device: torch.device) -> Iterator[int]:
     """Loads CPU weights on this thread alone: the engine loads the tokenizer on another thread meanwhile,
     and the load is hundreds of ops (dequantize, copy, prepack) each of which, run on torch's threads,
     opens a parallel region that on a loaded machine waits for the other core (2 to 8x the load's wall
     time on the 2-core development VM). Threads already running keep their own count (OpenMP's is per
-    thread); the count is restored after, for this thread and those started later."""
-    if device.type != "cpu":
-        yield
-        return
+    thread); the count is restored after, for this thread and those started later. Yields the count."""
     threads = torch.get_num_threads()
+    if device.type != "cpu":
+        yield threads
+        return
     torch.set_num_threads(1)
     try:
-        yield
+        yield threads
     finally:
         torch.set_num_threads(threads)
 

@@ -12,6 +12,8 @@ weight cannot be packed (no oneDNN, a dtype it lacks on this CPU) stays as it is
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -41,18 +43,22 @@ class PrepackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
-def prepack_linears(model: nn.Module, batch_hint: int = 16, plain_max_rows: int = 1) -> int:
+def prepack_linears(model: nn.Module, batch_hint: int = 16, plain_max_rows: int = 1,
+                    workers: int = 1) -> int:
     """Swaps every module that runs nn.Linear's own forward (subclasses with another forward, such as
     tensor parallelism's row-parallel layers, are left alone) for a PrepackedLinear, which keeps the
-    plain weight for products of at most `plain_max_rows` rows (0: drops it); returns how many."""
+    plain weight for products of at most `plain_max_rows` rows (0: drops it); returns how many.
+    The weights are packed on `workers` threads of one torch thread each: every packing is a parallel
+    region of its own on torch's threads, which waits for all of them (on a busy machine, for a core
+    that another process holds), where threads packing separate weights never wait for each other."""
+    linears = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
+               if isinstance(child, nn.Linear) and type(child).forward is nn.Linear.forward]
+    with ThreadPoolExecutor(max(1, workers), thread_name_prefix="radixlm-prepack",
+                            initializer=torch.set_num_threads, initargs=(1,)) as pool:
+        packed = list(pool.map(lambda linear: cpu.prepack_linear_weight(linear[2].weight, batch_hint), linears))
     swapped = 0
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if not isinstance(child, nn.Linear) or type(child).forward is not nn.Linear.forward:
-                continue
-            packed = cpu.prepack_linear_weight(child.weight, batch_hint)
-            if packed is None:
-                continue
-            setattr(parent, name, PrepackedLinear(packed, child.bias, child.weight, plain_max_rows))
+    for (parent, name, child), weight in zip(linears, packed):
+        if weight is not None:
+            setattr(parent, name, PrepackedLinear(weight, child.bias, child.weight, plain_max_rows))
             swapped += 1
     return swapped

@@ -11,7 +11,6 @@ from types import ModuleType
 from typing import TYPE_CHECKING
 
 import torch
-from safetensors import safe_open
 from torch import nn
 from tqdm.auto import tqdm
 
@@ -45,6 +44,8 @@ def checkpoint_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
 
         yield from GGUFCheckpoint(gguf_path).weights()
         return
+    from safetensors import safe_open  # not for a GGUF file
+
     files = _weight_files(path)
     with tqdm(total=len(files), desc="Loading weights", unit="shard") as bar:
         for file in files:
