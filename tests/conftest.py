@@ -27,10 +27,12 @@ LLAMA3_ROPE_SCALING = {
 
 @pytest.fixture(scope="session", autouse=True)
 def _session_environment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    """Keep the default-model cache out of ~, and torch to 2 threads on the shared 2-core machine."""
+    """Keep the default-model cache out of ~, and torch's threads to the cores this process may use: 2 on
+    the shared 2-core machine, split between pytest-xdist's workers (threads beyond the cores spin)."""
     import torch
 
-    torch.set_num_threads(2)
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    torch.set_num_threads(max(1, 2 // workers))
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("RADIXLM_CACHE", str(tmp_path_factory.mktemp("radixlm-cache")))
         yield
