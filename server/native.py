@@ -181,7 +181,7 @@ class NativeAPI:
         images = self.engine.frontend.images
         if images is None:
             return {}
-        return {"image_token": self.engine.tokenizer.convert_ids_to_tokens(images.image_token_id),
+        return {"image_token": images.placeholder(self.engine.tokenizer),
                 "image_token_id": images.image_token_id, "tokens_per_image": images.vision.tokens_per_image}
 
     async def get_server_info(self, request: Request) -> Response:

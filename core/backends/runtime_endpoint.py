@@ -46,9 +46,6 @@ class RuntimeEndpoint(NativeGenerateBackend):
         if self.supports_vision:
             self.chat_template = dataclasses.replace(self.chat_template, image_token=self.model_info["image_token"])
 
-    def _image_width(self) -> int:
-        return self.model_info["tokens_per_image"]
-
     def get_model_name(self) -> str:
         return self.model_info.get("served_model_name") or self.model_info.get("model_path")
 

@@ -346,6 +346,7 @@ class FrontEnd:
         for ids, sp, r, items in zip(id_lists, params, rids, image_lists):
             ids, images = self.prepare_images(ids, items)
             sp = self.validate_ids(ids, sp)
+            rope_positions, rope_delta = self.images.rope_positions(len(ids), images) if images else (None, 0)
             ids = ImagePreparer.pad(ids, images)
             constraint = ConstraintSpec.of(sp)
             for i, branch in enumerate(branch_params(sp)):
@@ -353,7 +354,7 @@ class FrontEnd:
                     rid=branch_rid(r, i, sp.n), input_ids=list(ids), sampling_params=branch,
                     return_logprob=return_logprob, logprob_start_len=logprob_start_len,
                     top_logprobs_num=top_logprobs_num, stream=stream, constraint=constraint,
-                    images=tuple(images)))
+                    images=tuple(images), rope_positions=rope_positions, rope_delta=rope_delta))
         return reqs, single and len(reqs) == 1
 
     def prepare_images(self, ids: list[int], items: list[Any]) -> tuple[list[int], list[ImageInput]]:

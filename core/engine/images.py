@@ -15,6 +15,7 @@ import base64
 import binascii
 import hashlib
 import io
+import math
 import os
 from typing import Any
 
@@ -22,7 +23,7 @@ import numpy as np
 
 from radixlm.core.engine.messages import ImageInput
 from radixlm.core.errors import InvalidRequestError, UnsupportedModelError
-from radixlm.core.models.config import VisionConfig
+from radixlm.core.layers.mrope import mrope_positions
 
 # Hash-derived ids lie in [vocab_size, vocab_size + _PAD_ID_RANGE): far from any token id, and wide
 # enough that two different images colliding is out of the question in practice.
@@ -30,7 +31,7 @@ _PAD_ID_RANGE = 1 << 48
 
 
 class ImagePreparer:
-    def __init__(self, model_path: str, vision: VisionConfig, vocab_size: int, max_image_bytes: int,
+    def __init__(self, model_path: str, vision: Any, vocab_size: int, max_image_bytes: int,
                  max_image_pixels: int) -> None:
         try:
             import PIL  # noqa: F401  (decoding; transformers' image processors need it too)
@@ -49,6 +50,13 @@ class ImagePreparer:
     def image_token_id(self) -> int:
         return self.vision.image_token_id
 
+    def placeholder(self, tokenizer: Any) -> str:
+        """The text that stands for one image in a prompt (what the checkpoint's chat template puts)."""
+        ids = [self.image_token_id]
+        if self.vision.tokens_per_image is None:  # Qwen2-VL brackets the image pad token
+            ids = [self.vision.vision_start_token_id, self.image_token_id, self.vision.vision_end_token_id]
+        return "".join(tokenizer.convert_ids_to_tokens(ids))
+
     def expand(self, ids: list[int], items: list[Any], param: str = "image_data") -> tuple[list[int], list[ImageInput]]:
         """The prompt with each placeholder token widened to its image's positions (holding the
         placeholder id, still valid vocabulary: `pad` puts the cache keys in), and the images."""
@@ -57,20 +65,29 @@ class ImagePreparer:
             raise InvalidRequestError(
                 f"the prompt has {len(places)} image placeholder tokens for {len(items)} images: put one "
                 f"image token (id {self.image_token_id}) where each image goes", param)
-        width = self.vision.tokens_per_image
         out: list[int] = []
         images: list[ImageInput] = []
         start = 0
         for place, item in zip(places, items):
             out.extend(ids[start:place])
-            pixels = self.pixel_values(item, param)
-            digest = hashlib.sha256(pixels.tobytes()).digest()
+            pixels, grid = self.pixel_values(item, param)
+            width = self.vision.tokens_per_image or math.prod(grid) // self.vision.spatial_merge_size**2
+            digest = hashlib.sha256(repr(grid).encode() + pixels.tobytes()).digest()
             pad_id = self.vocab_size + int.from_bytes(digest[:8], "little") % _PAD_ID_RANGE
-            images.append(ImageInput(pixel_values=pixels, pad_id=pad_id, offset=len(out), length=width))
+            images.append(ImageInput(pixel_values=pixels, pad_id=pad_id, offset=len(out), length=width, grid_thw=grid))
             out.extend([self.image_token_id] * width)
             start = place + 1
         out.extend(ids[start:])
         return out, images
+
+    def rope_positions(self, length: int, images: list[ImageInput]) -> tuple[Any, int]:
+        """M-RoPE models (Qwen2-VL): a prompt's rotary positions [3, length] and the delta of later ones;
+        (None, 0) for other models or a prompt without images."""
+        if not images or self.vision.tokens_per_image is not None:
+            return None, 0
+        m = self.vision.spatial_merge_size
+        return mrope_positions(length, [(im.offset, im.length, (im.grid_thw[0], im.grid_thw[1] // m,
+                                                                 im.grid_thw[2] // m)) for im in images])
 
     @staticmethod
     def pad(ids: list[int], images: list[ImageInput]) -> list[int]:
@@ -80,14 +97,18 @@ class ImagePreparer:
             ids[image.offset:image.offset + image.length] = [image.pad_id] * image.length
         return ids
 
-    def pixel_values(self, item: Any, param: str) -> np.ndarray:
-        """[channels, height, width] float32, as the checkpoint's image processor makes them."""
+    def pixel_values(self, item: Any, param: str) -> tuple[np.ndarray, tuple[int, int, int] | None]:
+        """The image as the checkpoint's image processor makes it, float32: LLaVA [channels, height,
+        width]; Qwen2-VL [patches, patch values] and its patch grid (t, h, w)."""
         image = self.decode(item, param)
         try:
-            out = self.processor(images=image.convert("RGB"), return_tensors="np")["pixel_values"][0]
+            out = self.processor(images=image.convert("RGB"), return_tensors="np")
         except Exception as e:
             raise InvalidRequestError(f"the image could not be preprocessed: {e}", param) from None
-        return np.ascontiguousarray(out, dtype=np.float32)
+        if "image_grid_thw" in out:
+            grid = tuple(int(n) for n in out["image_grid_thw"][0])
+            return np.ascontiguousarray(out["pixel_values"], dtype=np.float32), grid
+        return np.ascontiguousarray(out["pixel_values"][0], dtype=np.float32), None
 
     def decode(self, item: Any, param: str) -> Any:
         from PIL import Image

@@ -22,7 +22,7 @@ SUPPORTED_ARCHITECTURES = {
 }
 MODEL_TYPES = {family: arch for arch, family in SUPPORTED_ARCHITECTURES.items()}
 # Vision-language architectures: a Llama-family language model (its `text_config`) fed image features.
-VISION_ARCHITECTURES = {"LlavaForConditionalGeneration": "llava"}
+VISION_ARCHITECTURES = {"LlavaForConditionalGeneration": "llava", "Qwen2VLForConditionalGeneration": "qwen2_vl"}
 
 # transformers' config-class defaults for the fields a config.json may leave out (tested against the
 # classes themselves). Qwen2 ignores `sliding_window` unless `use_sliding_window`; Mistral always uses it.
@@ -107,7 +107,11 @@ class ModelConfig:
     context_len: int
     bos_token_id: int | None
     eos_token_ids: list[int]
-    vision: VisionConfig | None = None  # set for vision-language checkpoints (LLaVA)
+    # Set for vision-language checkpoints: VisionConfig (LLaVA) or Qwen2VisionConfig (Qwen2-VL).
+    vision: Any = None
+    # M-RoPE (Qwen2-VL): how many rotary frequencies (of head_dim / 2) follow each of the t, h and w
+    # position components; None for 1-D rotary positions.
+    mrope_section: tuple[int, ...] | None = None
 
     @classmethod
     def from_dir(cls, path: str) -> "ModelConfig":
@@ -130,6 +134,10 @@ class ModelConfig:
         class defaults for what a file leaves out."""
         # Configs saved without `architectures` (a bare config.save_pretrained) name only the model type.
         arch = (cfg.get("architectures") or [MODEL_TYPES.get(cfg.get("model_type"), cfg.get("model_type"))])[0]
+        if arch == "Qwen2VLForConditionalGeneration":
+            from radixlm.core.models.qwen2_vl_config import qwen2_vl_config
+
+            return qwen2_vl_config(arch, cfg, eos)
         if arch in VISION_ARCHITECTURES:
             return _llava_config(arch, cfg, eos)
         if arch not in SUPPORTED_ARCHITECTURES:

@@ -1,0 +1,74 @@
+"""What radixlm reads of a Qwen2-VL checkpoint's config.json: the vision tower and how images and videos
+enter the token sequence; its language model is Qwen2 with M-RoPE (3-component rotary positions)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from radixlm.core.errors import UnsupportedModelError
+
+if TYPE_CHECKING:
+    from radixlm.core.models.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class Qwen2VisionConfig:
+    """transformers' Qwen2VLVisionConfig fields, plus the placeholder tokens of Qwen2VLConfig."""
+
+    depth: int
+    embed_dim: int
+    num_heads: int
+    mlp_ratio: int
+    hidden_act: str
+    in_channels: int
+    patch_size: int
+    temporal_patch_size: int
+    spatial_merge_size: int
+    out_hidden_size: int  # the language model's hidden size: what the merger outputs
+    rope_theta: float
+    image_token_id: int  # <|image_pad|>: one per image in a prompt, widened to its feature rows
+    video_token_id: int  # <|video_pad|>
+    vision_start_token_id: int
+    vision_end_token_id: int
+
+    tokens_per_image = None  # dynamic resolution: the image processor decides each image's grid
+
+    @classmethod
+    def from_dict(cls, full: dict[str, Any]) -> "Qwen2VisionConfig":
+        v = full["vision_config"]
+        return cls(
+            depth=v["depth"], embed_dim=v["embed_dim"], num_heads=v["num_heads"], mlp_ratio=int(v["mlp_ratio"]),
+            hidden_act=v.get("hidden_act", "quick_gelu"), in_channels=v.get("in_channels", 3),
+            patch_size=v["patch_size"], temporal_patch_size=v["temporal_patch_size"],
+            spatial_merge_size=v["spatial_merge_size"], out_hidden_size=v["hidden_size"],
+            rope_theta=float((v.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
+            image_token_id=full["image_token_id"], video_token_id=full["video_token_id"],
+            vision_start_token_id=full["vision_start_token_id"], vision_end_token_id=full["vision_end_token_id"],
+        )
+
+
+def qwen2_vl_config(arch: str, cfg: dict[str, Any], eos: int | list[int] | None) -> "ModelConfig":
+    """A Qwen2-VL config (transformers 4's flat layout or 5's text_config), normalised by transformers'
+    Qwen2VLConfig: the Qwen2 language model, its M-RoPE sections and the vision side."""
+    from transformers import Qwen2VLConfig  # only where a Qwen2-VL checkpoint is read
+
+    from radixlm.core.models.config import ModelConfig
+
+    full = Qwen2VLConfig.from_dict(cfg).to_dict()
+    text = dict(full["text_config"])
+    rope = dict(text.get("rope_parameters") or text.get("rope_scaling") or {})
+    section = rope.get("mrope_section")
+    if not section or rope.get("rope_type", rope.get("type", "default")) not in ("default", "mrope"):
+        raise UnsupportedModelError(f"Qwen2-VL rope parameters {rope!r} are not supported (M-RoPE with sections)")
+    theta = rope.get("rope_theta") or text.get("rope_theta") or 1000000.0
+    text.update(architectures=["Qwen2ForCausalLM"], rope_parameters={"rope_theta": theta}, rope_scaling=None,
+                rope_theta=theta)
+    if eos is None:
+        eos = text.get("eos_token_id")
+    base = ModelConfig.from_hf_dict(text, eos)
+    if 2 * sum(section) != base.head_dim:
+        raise UnsupportedModelError(f"mrope_section {section} does not cover head_dim {base.head_dim}")
+    return dataclasses.replace(base, architecture=arch, vision=Qwen2VisionConfig.from_dict(full),
+                               mrope_section=tuple(section))

@@ -1,0 +1,168 @@
+"""Qwen2-VL in the engine against transformers' Qwen2VLForConditionalGeneration on the same tiny random
+checkpoint: prompt logprobs (with top-k) and greedy tokens (M-RoPE decode positions), single and batched,
+images of different grids, the image prefix computed and served from the radix cache (its M-RoPE
+positions the same), whole and chunked; and the cache keyed by image content."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoImageProcessor, AutoTokenizer, Qwen2VLForConditionalGeneration
+
+import radixlm
+from radixlm.core.errors import InvalidRequestError
+from radixlm.core.testing_vision import QWEN2_VL_IMAGE, build_qwen2_vl_checkpoint, png_bytes, sample_image
+
+QUESTION = f"<|im_start|>user\n{QWEN2_VL_IMAGE}What is in this picture? Describe it.<|im_end|>\n<|im_start|>assistant\n"
+OTHER = f"<|im_start|>user\n{QWEN2_VL_IMAGE}What colour is it?<|im_end|>\n<|im_start|>assistant\n"
+TWO = f"<|im_start|>user\n{QWEN2_VL_IMAGE} and {QWEN2_VL_IMAGE}: which is darker?<|im_end|>\n<|im_start|>assistant\n"
+TOP = 5
+GREEDY = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
+# grids (after the 2x2 merge) 2x2, 3x2 and 4x4: different token counts and M-RoPE extents
+IMAGES = [sample_image(0), sample_image(1, (56, 84)), sample_image(2, (112, 112))]
+
+
+@pytest.fixture(scope="module")
+def qwen2vl(tmp_path_factory) -> str:
+    return build_qwen2_vl_checkpoint(str(tmp_path_factory.mktemp("qwen2vl") / "ckpt"))
+
+
+class Oracle:
+    """transformers' model and image processor. (Qwen2VLProcessor needs torchvision for its video
+    processor; its text side, done here, widens each <|image_pad|> to grid.prod() / 4 copies.)"""
+
+    def __init__(self, path: str) -> None:
+        self.tok = AutoTokenizer.from_pretrained(path)
+        self.image_processor = AutoImageProcessor.from_pretrained(path)
+        self.model = Qwen2VLForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+
+    def inputs(self, prompt: str, images) -> dict:
+        inputs = dict(self.image_processor(images=images, return_tensors="pt"))
+        pieces = prompt.split("<|image_pad|>")
+        text = pieces[0]
+        for grid, piece in zip(inputs["image_grid_thw"], pieces[1:]):
+            text += "<|image_pad|>" * (int(grid.prod()) // 4) + piece
+        ids = self.tok(text, return_tensors="pt")["input_ids"]
+        image_id = self.model.config.image_token_id
+        return {**inputs, "input_ids": ids, "mm_token_type_ids": (ids == image_id).int()}
+
+    @torch.no_grad()
+    def logprobs(self, prompt: str, images) -> tuple[list[int], torch.Tensor]:
+        inputs = self.inputs(prompt, images)
+        logits = self.model(**inputs).logits[0].float()
+        return inputs["input_ids"][0].tolist(), torch.log_softmax(logits, dim=-1)
+
+    @torch.no_grad()
+    def greedy(self, prompt: str, images, n: int) -> list[int]:
+        inputs = self.inputs(prompt, images)
+        out = self.model.generate(**inputs, max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
+        return out[0, inputs["input_ids"].shape[1]:].tolist()
+
+
+@pytest.fixture(scope="module")
+def oracle(qwen2vl) -> Oracle:
+    return Oracle(qwen2vl)
+
+
+def check_logprobs(out: dict, oracle: Oracle, prompt: str, images, start: int) -> None:
+    ids, expected = oracle.logprobs(prompt, images)
+    meta = out["meta_info"]
+    assert meta["prompt_tokens"] == len(ids)  # the placeholder widened as transformers' processor does
+    entries, tops = meta["input_token_logprobs"], meta["input_top_logprobs"]
+    assert len(entries) == len(ids) - start
+    image_id = oracle.model.config.image_token_id
+    compared = 0
+    for pos, (entry, top) in enumerate(zip(entries, tops), start=start):
+        if pos == 0 or ids[pos] == image_id:
+            assert entry[0] is None
+            continue
+        assert entry[1] == ids[pos]
+        assert entry[0] == pytest.approx(expected[pos - 1, ids[pos]].item(), abs=2e-4)
+        want = torch.topk(expected[pos - 1], TOP)
+        assert [t for _, t, _ in top] == want.indices.tolist()
+        assert [lp for lp, _, _ in top] == pytest.approx(want.values.tolist(), abs=2e-4)
+        compared += 1
+    assert compared > 5
+
+
+@pytest.mark.parametrize("options", [
+    {}, {"chunked_prefill_size": 7},
+    {"chunked_prefill_size": 5, "max_total_tokens": 96, "max_running_requests": 3},
+], ids=["whole", "chunked", "chunked-small-pool"])
+def test_logprobs_and_greedy_match_transformers(qwen2vl, oracle, options):
+    options = {"max_total_tokens": 2048, **options}
+    lp = {"max_new_tokens": 1, "temperature": 0}
+    with radixlm.Engine(qwen2vl, debug_check_invariants=True, **options) as engine:
+        out = engine.generate(QUESTION, lp, return_logprob=True, logprob_start_len=0, top_logprobs_num=TOP,
+                              image_data=png_bytes(IMAGES[0]))
+        check_logprobs(out, oracle, QUESTION, IMAGES[0], 0)
+        # batched: three prompts, one of them with two images of different grids
+        outs = engine.generate([QUESTION, OTHER, TWO], lp, return_logprob=True, logprob_start_len=0,
+                               top_logprobs_num=TOP, image_data=[IMAGES[2], IMAGES[1], [IMAGES[1], IMAGES[0]]])
+        check_logprobs(outs[0], oracle, QUESTION, IMAGES[2], 0)
+        check_logprobs(outs[1], oracle, OTHER, IMAGES[1], 0)
+        check_logprobs(outs[2], oracle, TWO, [IMAGES[1], IMAGES[0]], 0)
+        # greedy continuations (decode positions = text position + rope delta), single then batched
+        expected = [oracle.greedy(QUESTION, IMAGES[1], 8), oracle.greedy(TWO, [IMAGES[2], IMAGES[0]], 8)]
+        assert engine.flush_cache()
+        assert engine.generate(QUESTION, GREEDY, image_data=IMAGES[1])["output_ids"] == expected[0]
+        outs = engine.generate([QUESTION, TWO], GREEDY, image_data=[IMAGES[1], [IMAGES[2], IMAGES[0]]])
+        assert [o["output_ids"] for o in outs] == expected
+        assert outs[0]["meta_info"]["cached_tokens"] > 6  # the first prompt's image came from the cache
+
+
+def test_cached_image_prefix_gives_the_same_logprobs(qwen2vl, oracle):
+    """A second question about the same image reuses the KV of its prefix (image included, computed at
+    the same M-RoPE positions); its own tokens' logprobs are those of transformers on the whole prompt."""
+    with radixlm.Engine(qwen2vl, max_total_tokens=2048) as engine:
+        engine.generate(QUESTION, {"max_new_tokens": 0}, image_data=IMAGES[2])
+        second = QUESTION.replace("Describe it.", "Is it dark?")
+        ids, _ = oracle.logprobs(second, IMAGES[2])
+        first_ids, _ = oracle.logprobs(QUESTION, IMAGES[2])
+        shared = next(i for i, (a, b) in enumerate(zip(ids, first_ids)) if a != b)
+        out = engine.generate(second, {"max_new_tokens": 1, "temperature": 0}, return_logprob=True,
+                              logprob_start_len=shared + 1, top_logprobs_num=TOP, image_data=IMAGES[2])
+        assert out["meta_info"]["cached_tokens"] == shared > 16 + 5
+        check_logprobs(out, oracle, second, IMAGES[2], shared + 1)
+        # and a continuation of the same conversation decodes as transformers does
+        follow = second + "It is not.<|im_end|>\n<|im_start|>user\nWhy?<|im_end|>\n<|im_start|>assistant\n"
+        got = engine.generate(follow, GREEDY, image_data=IMAGES[2])
+        assert got["meta_info"]["cached_tokens"] > shared
+        assert got["output_ids"] == oracle.greedy(follow, IMAGES[2], 8)
+
+
+def test_cache_keys_images_by_content(qwen2vl):
+    """The same image shares its prefix's KV; a different image (or the same pixels at another size)
+    shares only the text before it."""
+    with radixlm.Engine(qwen2vl, max_total_tokens=2048) as engine:
+        tokens_before_image = len(engine.tokenizer(QUESTION.split("<|image_pad|>")[0])["input_ids"])
+        first = engine.generate(QUESTION, GREEDY, image_data=png_bytes(IMAGES[0]))
+        assert first["meta_info"]["cached_tokens"] == 0
+        again = engine.generate(QUESTION, GREEDY, image_data=IMAGES[0].copy())
+        assert again["meta_info"]["cached_tokens"] == first["meta_info"]["prompt_tokens"] - 1
+        assert again["output_ids"] == first["output_ids"]
+        for other in (IMAGES[1], IMAGES[0].resize((112, 112))):
+            out = engine.generate(QUESTION, GREEDY, image_data=other)
+            assert out["meta_info"]["cached_tokens"] == tokens_before_image
+        engine.check_invariants()
+
+
+def test_text_prompts_on_a_qwen2vl_checkpoint_match_transformers(qwen2vl, oracle):
+    """No image: plain 1-D positions (t = h = w), the text paths of the engine."""
+    prompt = "<|im_start|>user\nHello there, how are you?<|im_end|>\n<|im_start|>assistant\n"
+    with radixlm.Engine(qwen2vl, max_total_tokens=2048) as engine:
+        out = engine.generate(prompt, GREEDY)
+    ids = oracle.tok(prompt, return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        want = oracle.model.generate(input_ids=ids, max_new_tokens=8, do_sample=False, eos_token_id=None,
+                                     pad_token_id=0)[0, ids.shape[1]:].tolist()
+    assert out["output_ids"] == want
+
+
+def test_bad_images_are_refused(qwen2vl):
+    with radixlm.Engine(qwen2vl, max_total_tokens=2048) as engine:
+        with pytest.raises(InvalidRequestError, match="could not be decoded"):
+            engine.generate(QUESTION, GREEDY, image_data=b"not an image")
+        with pytest.raises(InvalidRequestError, match="1 image placeholder tokens for 2 images"):
+            engine.generate(QUESTION, GREEDY, image_data=IMAGES[:2])
+        assert engine.generate(QUESTION, GREEDY, image_data=IMAGES[0])["meta_info"]["completion_tokens"] == 8
