@@ -13,6 +13,7 @@ import torch
 
 from radixlm.core.errors import UnsupportedModelError
 from radixlm.core.models.hub import find_gguf
+from radixlm.core.models.qwen2_vl_config import qwen2_vl_parts
 
 # HF architecture name -> model family. All three share one implementation (core.models.llama).
 SUPPORTED_ARCHITECTURES = {
@@ -135,9 +136,7 @@ class ModelConfig:
         # Configs saved without `architectures` (a bare config.save_pretrained) name only the model type.
         arch = (cfg.get("architectures") or [MODEL_TYPES.get(cfg.get("model_type"), cfg.get("model_type"))])[0]
         if arch == "Qwen2VLForConditionalGeneration":
-            from radixlm.core.models.qwen2_vl_config import qwen2_vl_config
-
-            return qwen2_vl_config(arch, cfg, eos)
+            return _qwen2_vl_config(arch, cfg, eos)
         if arch in VISION_ARCHITECTURES:
             return _llava_config(arch, cfg, eos)
         if arch not in SUPPORTED_ARCHITECTURES:
@@ -208,6 +207,15 @@ def _llava_config(arch: str, cfg: dict[str, Any], eos: int | list[int] | None) -
         eos = text.get("eos_token_id")
     base = ModelConfig.from_hf_dict(text, eos)
     return dataclasses.replace(base, architecture=arch, vision=VisionConfig.from_llava(full))
+
+
+def _qwen2_vl_config(arch: str, cfg: dict[str, Any], eos: int | list[int] | None) -> ModelConfig:
+    """A Qwen2-VL config: its Qwen2 language model's config, M-RoPE sections and the vision side."""
+    text, vision, section = qwen2_vl_parts(cfg)
+    base = ModelConfig.from_hf_dict(text, text.get("eos_token_id") if eos is None else eos)
+    if 2 * sum(section) != base.head_dim:
+        raise UnsupportedModelError(f"mrope_section {list(section)} does not cover head_dim {base.head_dim}")
+    return dataclasses.replace(base, architecture=arch, vision=vision, mrope_section=section)
 
 
 def _rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:

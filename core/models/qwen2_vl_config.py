@@ -3,14 +3,10 @@ enter the token sequence; its language model is Qwen2 with M-RoPE (3-component r
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from radixlm.core.errors import UnsupportedModelError
-
-if TYPE_CHECKING:
-    from radixlm.core.models.config import ModelConfig
 
 
 @dataclass(frozen=True)
@@ -49,12 +45,11 @@ class Qwen2VisionConfig:
         )
 
 
-def qwen2_vl_config(arch: str, cfg: dict[str, Any], eos: int | list[int] | None) -> "ModelConfig":
-    """A Qwen2-VL config (transformers 4's flat layout or 5's text_config), normalised by transformers'
-    Qwen2VLConfig: the Qwen2 language model, its M-RoPE sections and the vision side."""
+def qwen2_vl_parts(cfg: dict[str, Any]) -> tuple[dict[str, Any], Qwen2VisionConfig, tuple[int, ...]]:
+    """A Qwen2-VL config.json (transformers 4's flat layout or 5's text_config), normalised by
+    transformers' Qwen2VLConfig: its Qwen2 language model's config (a plain Qwen2 config.json), the
+    vision side and the M-RoPE sections."""
     from transformers import Qwen2VLConfig  # only where a Qwen2-VL checkpoint is read
-
-    from radixlm.core.models.config import ModelConfig
 
     full = Qwen2VLConfig.from_dict(cfg).to_dict()
     text = dict(full["text_config"])
@@ -65,10 +60,4 @@ def qwen2_vl_config(arch: str, cfg: dict[str, Any], eos: int | list[int] | None)
     theta = rope.get("rope_theta") or text.get("rope_theta") or 1000000.0
     text.update(architectures=["Qwen2ForCausalLM"], rope_parameters={"rope_theta": theta}, rope_scaling=None,
                 rope_theta=theta)
-    if eos is None:
-        eos = text.get("eos_token_id")
-    base = ModelConfig.from_hf_dict(text, eos)
-    if 2 * sum(section) != base.head_dim:
-        raise UnsupportedModelError(f"mrope_section {section} does not cover head_dim {base.head_dim}")
-    return dataclasses.replace(base, architecture=arch, vision=Qwen2VisionConfig.from_dict(full),
-                               mrope_section=tuple(section))
+    return text, Qwen2VisionConfig.from_dict(full), tuple(section)
