@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoImageProcessor, AutoTokenizer, Qwen2VLForConditionalGeneration
 
 import radixlm
 from radixlm.core.errors import InvalidRequestError
 from radixlm.core.testing_vision import QWEN2_VL_IMAGE, build_qwen2_vl_checkpoint, png_bytes, sample_image
+from qwen2vl_oracle import Qwen2VLOracle
 
 QUESTION = f"<|im_start|>user\n{QWEN2_VL_IMAGE}What is in this picture? Describe it.<|im_end|>\n<|im_start|>assistant\n"
 OTHER = f"<|im_start|>user\n{QWEN2_VL_IMAGE}What colour is it?<|im_end|>\n<|im_start|>assistant\n"
@@ -27,44 +27,12 @@ def qwen2vl(tmp_path_factory) -> str:
     return build_qwen2_vl_checkpoint(str(tmp_path_factory.mktemp("qwen2vl") / "ckpt"))
 
 
-class Oracle:
-    """transformers' model and image processor. (Qwen2VLProcessor needs torchvision for its video
-    processor; its text side, done here, widens each <|image_pad|> to grid.prod() / 4 copies.)"""
-
-    def __init__(self, path: str) -> None:
-        self.tok = AutoTokenizer.from_pretrained(path)
-        self.image_processor = AutoImageProcessor.from_pretrained(path)
-        self.model = Qwen2VLForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
-
-    def inputs(self, prompt: str, images) -> dict:
-        inputs = dict(self.image_processor(images=images, return_tensors="pt"))
-        pieces = prompt.split("<|image_pad|>")
-        text = pieces[0]
-        for grid, piece in zip(inputs["image_grid_thw"], pieces[1:]):
-            text += "<|image_pad|>" * (int(grid.prod()) // 4) + piece
-        ids = self.tok(text, return_tensors="pt")["input_ids"]
-        image_id = self.model.config.image_token_id
-        return {**inputs, "input_ids": ids, "mm_token_type_ids": (ids == image_id).int()}
-
-    @torch.no_grad()
-    def logprobs(self, prompt: str, images) -> tuple[list[int], torch.Tensor]:
-        inputs = self.inputs(prompt, images)
-        logits = self.model(**inputs).logits[0].float()
-        return inputs["input_ids"][0].tolist(), torch.log_softmax(logits, dim=-1)
-
-    @torch.no_grad()
-    def greedy(self, prompt: str, images, n: int) -> list[int]:
-        inputs = self.inputs(prompt, images)
-        out = self.model.generate(**inputs, max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
-        return out[0, inputs["input_ids"].shape[1]:].tolist()
-
-
 @pytest.fixture(scope="module")
-def oracle(qwen2vl) -> Oracle:
-    return Oracle(qwen2vl)
+def oracle(qwen2vl) -> Qwen2VLOracle:
+    return Qwen2VLOracle(qwen2vl)
 
 
-def check_logprobs(out: dict, oracle: Oracle, prompt: str, images, start: int) -> None:
+def check_logprobs(out: dict, oracle: Qwen2VLOracle, prompt: str, images, start: int) -> None:
     ids, expected = oracle.logprobs(prompt, images)
     meta = out["meta_info"]
     assert meta["prompt_tokens"] == len(ids)  # the placeholder widened as transformers' processor does
