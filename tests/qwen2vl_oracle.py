@@ -62,3 +62,23 @@ class Qwen2VLOracle:
             picked = [logprobs[p - 1, ids[p]].item() for p in range(n_prompt, len(ids))]
             scores.append(sum(picked) / len(picked))
         return scores
+
+
+def video_patches(image_processor, frames) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' image processor applied to each frame, frames paired into temporal patches (the
+    layout of Qwen2-VL's video processor: [t, h*w patches, channels, temporal, p, p] flattened)."""
+    out = [image_processor(images=frame, return_tensors="pt") for frame in frames]
+    t_h_w = out[0]["image_grid_thw"][0]
+    per_frame = torch.stack([o["pixel_values"].view(int(t_h_w.prod()), 3, 2, 14, 14)[:, :, 0] for o in out])
+    pairs = per_frame.view(len(frames) // 2, 2, *per_frame.shape[1:]).permute(0, 2, 3, 1, 4, 5)
+    grid = torch.tensor([[len(frames) // 2, int(t_h_w[1]), int(t_h_w[2])]])
+    return pairs.reshape(-1, 3 * 2 * 14 * 14), grid
+
+
+def video_inputs(oracle: Qwen2VLOracle, prompt: str, frames) -> dict:
+    """The oracle's inputs for a prompt with one <|video_pad|> and the video's frames."""
+    pixels, grid = video_patches(oracle.image_processor, frames)
+    text = prompt.replace("<|video_pad|>", "<|video_pad|>" * (int(grid.prod()) // 4))
+    ids = oracle.tok(text, return_tensors="pt")["input_ids"]
+    types = (ids == oracle.model.config.video_token_id).int() * 2
+    return {"input_ids": ids, "pixel_values_videos": pixels, "video_grid_thw": grid, "mm_token_type_ids": types}

@@ -11,7 +11,7 @@ import torch
 import radixlm
 from radixlm.core.errors import InvalidRequestError
 from radixlm.core.testing_vision import QWEN2_VL_IMAGE, build_qwen2_vl_checkpoint, png_bytes, sample_image
-from qwen2vl_oracle import Qwen2VLOracle
+from qwen2vl_oracle import Qwen2VLOracle, video_inputs
 
 QUESTION = f"<|im_start|>user\n{QWEN2_VL_IMAGE}What is in this picture? Describe it.<|im_end|>\n<|im_start|>assistant\n"
 OTHER = f"<|im_start|>user\n{QWEN2_VL_IMAGE}What colour is it?<|im_end|>\n<|im_start|>assistant\n"
@@ -134,3 +134,56 @@ def test_bad_images_are_refused(qwen2vl):
         with pytest.raises(InvalidRequestError, match="1 image placeholder tokens for 2 images"):
             engine.generate(QUESTION, GREEDY, image_data=IMAGES[:2])
         assert engine.generate(QUESTION, GREEDY, image_data=IMAGES[0])["meta_info"]["completion_tokens"] == 8
+
+
+VIDEO = "<|im_start|>user\n<|vision_start|><|video_pad|><|vision_end|>What happens here?<|im_end|>\n<|im_start|>assistant\n"
+FRAMES = [sample_image(10 + i, (84, 56)) for i in range(4)]  # 4 frames: 2 temporal patches of a 6x4 grid
+
+
+def test_video_matches_transformers(qwen2vl, oracle):
+    """A video as frames (PIL images or a uint8 array): grid t = 2, logprobs and greedy tokens as
+    transformers' model computes them on the same video patches; the cache keys it by content."""
+    import numpy as np
+
+    inputs = video_inputs(oracle, VIDEO, FRAMES)
+    ids = inputs["input_ids"][0].tolist()
+    with torch.no_grad():
+        expected = torch.log_softmax(oracle.model(**inputs).logits[0].float(), -1)
+        greedy = oracle.model.generate(**inputs, max_new_tokens=8, do_sample=False, eos_token_id=None,
+                                       pad_token_id=0)[0, len(ids):].tolist()
+    with radixlm.Engine(qwen2vl, max_total_tokens=2048, chunked_prefill_size=9) as engine:
+        out = engine.generate(VIDEO, {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True},
+                              return_logprob=True, logprob_start_len=0, video_data=FRAMES)
+        assert out["meta_info"]["prompt_tokens"] == len(ids) and out["output_ids"] == greedy
+        compared = 0
+        for pos, entry in enumerate(out["meta_info"]["input_token_logprobs"]):
+            if entry[0] is not None:
+                assert entry[0] == pytest.approx(expected[pos - 1, ids[pos]].item(), abs=2e-4)
+                compared += 1
+        assert compared > 5
+        array = np.stack([np.asarray(frame) for frame in FRAMES])
+        again = engine.generate([VIDEO, TWO], GREEDY, video_data=[array, None], image_data=[None, IMAGES[:2]])
+        assert again[0]["output_ids"] == greedy
+        assert again[0]["meta_info"]["cached_tokens"] == len(ids) - 1
+        other = engine.generate(VIDEO, GREEDY, video_data=FRAMES[::-1])
+        assert other["meta_info"]["cached_tokens"] < 10
+        engine.check_invariants()
+
+
+def test_a_still_video_is_its_image(qwen2vl):
+    """Two equal frames make the same temporal patch as an image (which the processor repeats): the
+    same pixels, grid and positions, hence the same cache key and tokens."""
+    with radixlm.Engine(qwen2vl, max_total_tokens=2048) as engine:
+        image = engine.generate(QUESTION, GREEDY, image_data=IMAGES[1])
+        video = engine.generate(QUESTION.replace("image_pad", "video_pad"), GREEDY, video_data=[IMAGES[1]] * 2)
+        assert video["output_ids"] == image["output_ids"]
+
+
+def test_bad_videos_are_refused(qwen2vl, llama_ckpt):
+    with radixlm.Engine(qwen2vl, max_total_tokens=2048, max_video_frames=4) as engine:
+        for video, message in (([], "non-empty"), (FRAMES * 2, "max_video_frames"),
+                               ([FRAMES[0], IMAGES[0]], "one size"), ([b"nope"], "could not be decoded")):
+            with pytest.raises(InvalidRequestError, match=message):
+                engine.generate(VIDEO, GREEDY, video_data=video)
+        with pytest.raises(InvalidRequestError, match="0 video placeholder tokens for 1 videos"):
+            engine.generate(QUESTION, GREEDY, video_data=FRAMES, image_data=IMAGES[0])
