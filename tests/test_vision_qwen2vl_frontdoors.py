@@ -135,3 +135,42 @@ def test_dspy_image_field(engine, oracle):
     assert usage[0]["prompt_tokens"] - usage[2]["prompt_tokens"] == 6 - 16
     assert cached[1] >= usage[1]["prompt_tokens"] - 1  # the same image: served from the cache
     assert cached[2] < usage[2]["prompt_tokens"] - 16  # another image: only the text before it
+
+
+# ----- video -----
+
+FRAMES = [sample_image(20 + i, (84, 56)) for i in range(4)]
+
+
+@sgl.function
+def video_qa(s, frames, question):
+    s += sgl.user(sgl.video(frames) + question)
+    s += sgl.assistant(sgl.gen("answer", max_tokens=MAX, temperature=0))
+
+
+def test_video_program_and_native_generate(engine, live, oracle):
+    """sgl.video's frames reach the engine as a video (grid t = 2), on the engine and through the
+    server's /generate video_data; the answer is transformers' on the same video."""
+    import numpy as np
+    import torch
+
+    from qwen2vl_oracle import video_inputs
+
+    prompt = oracle.tok.apply_chat_template(
+        [{"role": "user", "content": "<|vision_start|><|video_pad|><|vision_end|>" + QUESTION}], tokenize=False,
+        add_generation_prompt=True)
+    inputs = video_inputs(oracle, prompt, FRAMES)
+    with torch.no_grad():
+        ids = oracle.model.generate(**inputs, max_new_tokens=MAX, do_sample=False, eos_token_id=None,
+                                    pad_token_id=0)[0, inputs["input_ids"].shape[1]:].tolist()
+    cut = next((i for i, t in enumerate(ids) if t in oracle.stops), len(ids))
+    expected = oracle.tok.decode(ids[:cut], skip_special_tokens=True)
+    array = np.stack([np.asarray(frame) for frame in FRAMES])
+    for frames in (FRAMES, array):
+        assert video_qa.run(frames=frames, question=QUESTION, backend=engine)["answer"] == expected
+    assert video_qa.run(frames=FRAMES, question=QUESTION, backend=sgl.RuntimeEndpoint(live.url))["answer"] == expected
+    body = {"text": prompt, "video_data": [[f"data:image/png;base64,{base64.b64encode(png_bytes(f)).decode()}"
+                                            for f in FRAMES]],
+            "sampling_params": {"max_new_tokens": MAX, "temperature": 0, "stop_token_ids": sorted(oracle.stops)}}
+    assert httpx.post(live.url + "/generate", json=body, timeout=60).json()["text"] == expected
+    assert httpx.get(live.url + "/get_model_info").json()["video_token"] == "<|vision_start|><|video_pad|><|vision_end|>"

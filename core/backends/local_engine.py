@@ -18,7 +18,10 @@ class EngineBackend(NativeGenerateBackend):
         images = engine.frontend.images
         self.supports_vision = images is not None
         if images is not None:  # sgl.image writes the checkpoint's own placeholder
-            self.chat_template = dataclasses.replace(self.chat_template, image_token=images.placeholder(self.tokenizer))
+            video = images.placeholder(self.tokenizer, video=True)
+            self.supports_video = video is not None
+            self.chat_template = dataclasses.replace(self.chat_template, image_token=images.placeholder(self.tokenizer),
+                                                     video_token=video or self.chat_template.video_token)
 
     def _encode(self, text: str) -> list[int]:
         return self.engine.frontend.encode(text)

@@ -51,11 +51,14 @@ class ImagePreparer:
     def image_token_id(self) -> int:
         return self.vision.image_token_id
 
-    def placeholder(self, tokenizer: Any) -> str:
-        """The text that stands for one image in a prompt (what the checkpoint's chat template puts)."""
-        ids = [self.image_token_id]
-        if self.vision.tokens_per_image is None:  # Qwen2-VL brackets the image pad token
-            ids = [self.vision.vision_start_token_id, self.image_token_id, self.vision.vision_end_token_id]
+    def placeholder(self, tokenizer: Any, video: bool = False) -> str | None:
+        """The text that stands for one image (or video: None where the model takes none) in a
+        prompt, as the checkpoint's chat template puts it."""
+        if video and not hasattr(self.vision, "video_token_id"):
+            return None
+        ids = [self.vision.video_token_id if video else self.image_token_id]
+        if self.vision.tokens_per_image is None:  # Qwen2-VL brackets the pad token
+            ids = [self.vision.vision_start_token_id, *ids, self.vision.vision_end_token_id]
         return "".join(tokenizer.convert_ids_to_tokens(ids))
 
     def expand(self, ids: list[int], items: list[Any], videos: list[Any] = (),
