@@ -187,3 +187,36 @@ def test_bad_videos_are_refused(qwen2vl, llama_ckpt):
                 engine.generate(VIDEO, GREEDY, video_data=video)
         with pytest.raises(InvalidRequestError, match="0 video placeholder tokens for 1 videos"):
             engine.generate(QUESTION, GREEDY, video_data=FRAMES, image_data=IMAGES[0])
+
+
+def test_transformers_4_checkpoint_layout(qwen2vl, tmp_path):
+    """Hub Qwen2-VL checkpoints were written by transformers 4: a flat config (rope_scaling of type
+    "mrope", vision "in_chans") and weights named model.* / visual.*; they load to the same model."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    old = tmp_path / "v4"
+    shutil.copytree(qwen2vl, old)
+    config = json.loads((old / "config.json").read_text())
+    text = config.pop("text_config")
+    rope = text.pop("rope_parameters")
+    vision = config["vision_config"]
+    vision["in_chans"] = vision.pop("in_channels")
+    vision.pop("rope_parameters")
+    flat = {**{k: v for k, v in text.items() if k != "model_type"}, **config, "rope_theta": rope["rope_theta"],
+            "rope_scaling": {"type": "mrope", "mrope_section": rope["mrope_section"]}}
+    (old / "config.json").write_text(json.dumps(flat))
+    weights = load_file(str(old / "model.safetensors"))
+    renamed = {k.replace("model.language_model.", "model.").replace("model.visual.", "visual."): v
+               for k, v in weights.items()}
+    assert any(k.startswith("visual.") for k in renamed) and any(k.startswith("model.layers") for k in renamed)
+    save_file(renamed, str(old / "model.safetensors"), metadata={"format": "pt"})
+    outs = []
+    for path in (qwen2vl, old):
+        with radixlm.Engine(str(path), max_total_tokens=1024) as engine:
+            outs.append(engine.generate(TWO, {**GREEDY, "max_new_tokens": 4}, return_logprob=True,
+                                        logprob_start_len=0, image_data=IMAGES[:2]))
+    assert outs[1]["output_ids"] == outs[0]["output_ids"]
+    assert outs[1]["meta_info"]["input_token_logprobs"] == outs[0]["meta_info"]["input_token_logprobs"]
