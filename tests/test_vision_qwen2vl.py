@@ -220,3 +220,28 @@ def test_transformers_4_checkpoint_layout(qwen2vl, tmp_path):
                                         logprob_start_len=0, image_data=IMAGES[:2]))
     assert outs[1]["output_ids"] == outs[0]["output_ids"]
     assert outs[1]["meta_info"]["input_token_logprobs"] == outs[0]["meta_info"]["input_token_logprobs"]
+
+
+def test_hub_qwen2vl_2b_config_is_read_as_transformers_reads_it():
+    """Qwen2-VL-2B-Instruct's config.json (transformers 4 layout): tied embeddings, M-RoPE sections,
+    the tower's shape, the placeholder ids; compared with transformers' Qwen2VLConfig."""
+    from transformers import Qwen2VLConfig
+
+    from radixlm.core.models.config import ModelConfig
+
+    hub = {"architectures": ["Qwen2VLForConditionalGeneration"], "model_type": "qwen2_vl", "hidden_size": 1536,
+           "intermediate_size": 8960, "num_hidden_layers": 28, "num_attention_heads": 12, "num_key_value_heads": 2,
+           "vocab_size": 151936, "max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+           "tie_word_embeddings": True, "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]},
+           "vision_start_token_id": 151652, "vision_end_token_id": 151653, "vision_token_id": 151654,
+           "image_token_id": 151655, "video_token_id": 151656,
+           "vision_config": {"depth": 32, "embed_dim": 1280, "mlp_ratio": 4, "num_heads": 16, "in_chans": 3,
+                             "hidden_size": 1536, "patch_size": 14, "spatial_merge_size": 2,
+                             "spatial_patch_size": 14, "temporal_patch_size": 2}}
+    cfg = ModelConfig.from_hf_dict(hub, 151645)
+    theirs = Qwen2VLConfig.from_dict(hub)
+    assert cfg.tie_word_embeddings is True and cfg.mrope_section == (16, 24, 24) and cfg.qkv_bias
+    assert (cfg.head_dim, cfg.num_kv_heads, cfg.rope_theta) == (128, 2, theirs.text_config.rope_parameters["rope_theta"])
+    v = cfg.vision
+    assert (v.depth, v.embed_dim, v.num_heads, v.out_hidden_size, v.image_token_id, v.video_token_id) == (
+        theirs.vision_config.depth, 1280, 16, 1536, theirs.image_token_id, theirs.video_token_id)

@@ -58,6 +58,8 @@ def qwen2_vl_parts(cfg: dict[str, Any]) -> tuple[dict[str, Any], Qwen2VisionConf
     if not section or rope.get("rope_type", rope.get("type", "default")) not in ("default", "mrope"):
         raise UnsupportedModelError(f"Qwen2-VL rope parameters {rope!r} are not supported (M-RoPE with sections)")
     theta = rope.get("rope_theta") or text.get("rope_theta") or 1000000.0
+    # transformers 5 keeps tie_word_embeddings on the outer config (Qwen2-VL-2B ties them)
+    tied = full.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
     text.update(architectures=["Qwen2ForCausalLM"], rope_parameters={"rope_theta": theta}, rope_scaling=None,
-                rope_theta=theta)
+                rope_theta=theta, tie_word_embeddings=tied)
     return text, Qwen2VisionConfig.from_dict(full), tuple(section)
