@@ -245,3 +245,23 @@ def test_hub_qwen2vl_2b_config_is_read_as_transformers_reads_it():
     v = cfg.vision
     assert (v.depth, v.embed_dim, v.num_heads, v.out_hidden_size, v.image_token_id, v.video_token_id) == (
         theirs.vision_config.depth, 1280, 16, 1536, theirs.image_token_id, theirs.video_token_id)
+
+
+def test_decodes_through_the_cuda_graph_path(qwen2vl, oracle):
+    """The decode graphs' padded static-buffer path (run eagerly here, as on CPU) carries M-RoPE
+    decodes' shifted rotary positions: greedy tokens are transformers' with images and without."""
+    from radixlm.core.engine.cuda_graph_runner import DecodeGraphRunner
+
+    text = "<|im_start|>user\nHello there!<|im_end|>\n<|im_start|>assistant\n"
+    expected = [oracle.greedy(QUESTION, IMAGES[1], 8), oracle.greedy(TWO, [IMAGES[2], IMAGES[0]], 8)]
+    with radixlm.Engine(qwen2vl, max_total_tokens=2048) as engine:
+        want_text = engine.generate(text, GREEDY)["output_ids"]
+        graphs = DecodeGraphRunner(engine._runner, max_bs=4, capture=False)
+        assert graphs.mrope
+        runs = []
+        real_run = graphs.run
+        graphs.run = lambda batch: runs.append(len(batch.rows)) or real_run(batch)
+        engine._runner.graph_runner = graphs
+        outs = engine.generate([QUESTION, TWO, text], GREEDY, image_data=[IMAGES[1], [IMAGES[2], IMAGES[0]], None])
+        assert [o["output_ids"] for o in outs] == [*expected, want_text]
+        assert runs and max(runs) == 3  # the decodes went through the graph path, padded to 4

@@ -184,10 +184,9 @@ class ModelRunner:
         """Runs one step; returns fp32 logits [len(batch.logit_rows), vocab], valid until the next step."""
         self.req_to_token.flush()
         n = len(batch.rows)
-        # Steps with M-RoPE positions run eagerly: the graphs take 1-D positions.
-        if batch.is_decode and self.graph_runner is not None and n <= self.graph_runner.max_bs \
-                and batch.rope_positions is None:
-            return self.graph_runner.run(batch)
+        if batch.is_decode and self.graph_runner is not None and n <= self.graph_runner.max_bs:
+            return self.graph_runner.run(batch)  # M-RoPE decodes too: t = h = w, a 1-D rotary position
+        # Extends with M-RoPE positions run eagerly: the extend graphs take 1-D positions.
         if not batch.is_decode and self.extend_graphs is not None and not batch.images \
                 and batch.rope_positions is None:
             key = self.extend_graphs.bucket_for(batch)
