@@ -135,7 +135,7 @@ if [ "${RUN_IMAGES:-0}" = 1 ]; then
 fi
 if [ "${RUN_QWEN2VL:-0}" = 1 ]; then
   # Issue 21: the same image QA on the Qwen2-VL-2B shape (640x480 images: 391 positions each, dummy bf16
-  # weights): dynamic-resolution tower, M-RoPE extends and decodes (eager: no CUDA graphs for them).
+  # weights): dynamic-resolution tower, M-RoPE extends (eager) and decodes (CUDA graphs).
   # shellcheck disable=SC2086  # QWEN2VL_ARGS is a list of flags
   timeout "${QWEN2VL_S:-420}" python3 benchmarks/bench_images.py --model qwen2vl-2b-shape ${QWEN2VL_ARGS:-} \
     --out "$OUT/qwen2vl.json" 2>&1 | tee "$OUT/qwen2vl.log"
