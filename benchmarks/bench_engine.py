@@ -30,6 +30,7 @@ Workloads (the 8B sizes; `tiny` scales them down):
 from __future__ import annotations
 
 import argparse
+import ast
 import cProfile
 import gc
 import io
@@ -140,6 +141,7 @@ def device_used_bytes(device: torch.device) -> int | None:
 
 # ---- radixlm ----------------------------------------------------------------------------------------
 
+PARTS = ("latency", "prefill", "throughput", "decode_step")
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
 
 
@@ -167,24 +169,34 @@ def bench_latency(engine, w, vocab: int, repeats: int) -> dict[str, Any]:
 
 
 def bench_throughput(engine, prompts, out_lens, breakdown: bool = False) -> dict[str, Any]:
-    """With `breakdown`, every model forward is timed to its end (the sampler waits for it right after
-    anyway), splitting the wall time into prefill forwards, decode forwards and the rest (host work)."""
+    """With `breakdown`, every model forward's device time is recorded (CUDA events, read after the run,
+    so nothing waits for the device that would not otherwise: overlap keeps working), splitting the
+    wall time into prefill forwards, decode forwards and the rest (the device idle: host work that
+    nothing hid). On the CPU a forward is timed by the clock (it is synchronous anyway)."""
     engine.flush_cache()
     params = [{**GREEDY, "max_new_tokens": n} for n in out_lens]
     runner = engine._runner
     split = {"prefill_s": 0.0, "prefill_steps": 0, "prefill_tokens": 0, "decode_s": 0.0, "decode_steps": 0,
              "decode_tokens": 0}
+    timings: list[tuple[str, Any, Any]] = []
     if breakdown:
         inner = runner.forward
+        cuda = runner.device.type == "cuda"
 
         def timed_forward(batch):
-            t0 = time.perf_counter()
-            logits = inner(batch)
-            sync(runner.device)
             kind = "decode" if batch.is_decode else "prefill"
-            split[f"{kind}_s"] += time.perf_counter() - t0
             split[f"{kind}_steps"] += 1
             split[f"{kind}_tokens"] += len(batch.input_ids)
+            start = torch.cuda.Event(enable_timing=True) if cuda else time.perf_counter()
+            if cuda:
+                start.record()
+            logits = inner(batch)
+            if cuda:
+                end = torch.cuda.Event(enable_timing=True)
+                end.record()
+                timings.append((kind, start, end))
+            else:
+                split[f"{kind}_s"] += time.perf_counter() - start
             return logits
 
         runner.forward = timed_forward  # an instance attribute over the method, removed below
@@ -201,6 +213,9 @@ def bench_throughput(engine, prompts, out_lens, breakdown: bool = False) -> dict
     result = {"requests": len(prompts), "input_tokens": n_in, "output_tokens": n_out, "seconds": t,
               "output_tok_s": n_out / t, "total_tok_s": (n_in + n_out) / t, "requests_s": len(prompts) / t}
     if breakdown:
+        sync(runner.device)
+        for kind, start, end in timings:
+            split[f"{kind}_s"] += start.elapsed_time(end) / 1e3
         split["other_s"] = t - split["prefill_s"] - split["decode_s"]
         split["mean_decode_batch"] = split["decode_tokens"] / max(1, split["decode_steps"])
         result["breakdown"] = split
@@ -484,7 +499,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     engine = radixlm.Engine(model_dir, device=device.type, chunked_prefill_size=w["chunked_prefill_size"],
                             mem_fraction_static=args.mem_fraction_static, log_level="warning",
                             disable_cuda_graph=args.disable_cuda_graph,
-                            enable_overlap_schedule=args.overlap, **extra)
+                            enable_overlap_schedule=args.overlap, **extra, **engine_options(args.engine_option))
     runner = engine._runner
     cfg = engine.model_config
     results["engine"] = {
@@ -492,6 +507,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "cuda_graphs": runner.graph_runner is not None, "overlap_schedule": args.overlap,
         "cuda_graph_sizes": runner.graph_runner.sizes if runner.graph_runner else [],
         "chunked_prefill_size": w["chunked_prefill_size"], "mem_fraction_static": args.mem_fraction_static,
+        "options": engine_options(args.engine_option),
     }
     print(f"engine up in {results['engine']['init_s']:.1f} s; KV pool {engine.kv_pool_size} tokens; "
           f"CUDA graphs {results['engine']['cuda_graphs']}", flush=True)
@@ -503,13 +519,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     results["radixlm"] = ours
     # Warm-up: every prefill and decode shape class once.
     engine.generate(input_ids=prompts[:4], sampling_params=[{**GREEDY, "max_new_tokens": 4}] * 4)
-    sections.run(ours, "latency", bench_latency, engine, w, cfg.vocab_size, args.repeats)
-    sections.run(ours, "prefill", bench_prefill, engine, w, cfg, args.repeats)
-    sections.run(ours, "throughput", bench_throughput, engine, prompts, out_lens, True)
-    used_peak = max(used_peak, device_used_bytes(device) or 0)
-    sections.run(ours, "throughput_hf_subset", bench_throughput, engine, prompts[:sub], out_lens[:sub])
-    sections.run(ours, "decode_step", lambda: [bench_decode_step(engine, b, w["step_iters"], cfg.vocab_size)
-                                               for b in w["step_batches"]])
+    parts = set(args.parts)
+    if "latency" in parts:
+        sections.run(ours, "latency", bench_latency, engine, w, cfg.vocab_size, args.repeats)
+    if "prefill" in parts:
+        sections.run(ours, "prefill", bench_prefill, engine, w, cfg, args.repeats)
+    if "throughput" in parts:
+        sections.run(ours, "throughput", bench_throughput, engine, prompts, out_lens, True)
+        used_peak = max(used_peak, device_used_bytes(device) or 0)
+        sections.run(ours, "throughput_hf_subset", bench_throughput, engine, prompts[:sub], out_lens[:sub])
+    if "decode_step" in parts:
+        sections.run(ours, "decode_step", lambda: [bench_decode_step(engine, b, w["step_iters"], cfg.vocab_size)
+                                                   for b in w["step_batches"]])
     if device.type == "cuda":
         used_peak = max(used_peak, device_used_bytes(device))
         results["memory"] = {
@@ -614,6 +635,21 @@ def summary(r: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def engine_options(pairs: list[str]) -> dict[str, Any]:
+    """--engine-option KEY=VALUE pairs as Engine keyword arguments (values parsed as Python literals
+    where they are one: 64, True, 0.5; else kept as text)."""
+    options = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep:
+            raise SystemExit(f"--engine-option takes KEY=VALUE (got {pair!r})")
+        try:
+            options[key] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            options[key] = value
+    return options
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", choices=sorted(WORKLOADS), default="tiny")
@@ -626,6 +662,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--disable-cuda-graph", action="store_true")
     p.add_argument("--overlap", action="store_true", help="radixlm with enable_overlap_schedule (issue 19)")
     p.add_argument("--cpu", action="store_true", help="run on the CPU even when a GPU is present")
+    p.add_argument("--engine-option", action="append", default=[], metavar="KEY=VALUE",
+                   help="an Engine option for radixlm (repeatable), e.g. schedule_admission_batch=64")
+    p.add_argument("--parts", nargs="+", default=list(PARTS), choices=PARTS, help="what to measure (default: all)")
     args = p.parse_args(argv)
     results = run(args)
     print(summary(results), flush=True)

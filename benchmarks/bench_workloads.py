@@ -10,6 +10,8 @@ that a time limit cuts the least important ones:
 - no_radix_cache: Engine(disable_radix_cache=True);
 - fcfs: Engine(schedule_policy="fcfs") instead of the default (lpm);
 - dfs_weight: Engine(schedule_policy="dfs-weight") (only when --systems names it);
+- lpm_always: lpm reordering at any memory pressure (schedule_only_under_pressure=False; only when
+  --systems names it): the default keeps arrival order while the free KV slots hold the queue;
 - no_frontend_hints: the program model's fork and run_batch prefix pre-caching turned off
   (global_config.enable_fork_precache / enable_precache_with_tracing);
 - hf_transformers: HF `generate` through an engine-shaped driver (workloads/hf_driver.py) on the same
@@ -66,10 +68,13 @@ from workloads import WORKLOADS  # noqa: E402
 from workloads.estimate import DeviceCost, Profile, estimate_seconds, profile_workload  # noqa: E402
 from workloads.recorder import RecordingEngine, hit_rates  # noqa: E402
 
-SYSTEMS = ("radixlm", "no_radix_cache", "fcfs", "dfs_weight", "no_frontend_hints", "hf_transformers")  # run order
+SYSTEMS = ("radixlm", "no_radix_cache", "fcfs", "dfs_weight", "lpm_always", "no_frontend_hints",
+           "hf_transformers")  # run order
 ENGINE_OPTIONS = {"radixlm": {}, "no_radix_cache": {"disable_radix_cache": True}, "fcfs": {"schedule_policy": "fcfs"},
-                  "dfs_weight": {"schedule_policy": "dfs-weight"}, "no_frontend_hints": {}}
-DEFAULT_SYSTEMS = tuple(s for s in SYSTEMS if s != "dfs_weight")  # dfs_weight runs when --systems names it
+                  "dfs_weight": {"schedule_policy": "dfs-weight"},
+                  "lpm_always": {"schedule_only_under_pressure": False}, "no_frontend_hints": {}}
+ON_REQUEST = ("dfs_weight", "lpm_always")  # run only when --systems names them
+DEFAULT_SYSTEMS = tuple(s for s in SYSTEMS if s not in ON_REQUEST)
 PARTS = ("throughput", "latency")
 
 # The device model behind the time estimate, fitted to the H200 run of 2026-11-29 (docs/benchmarks.md:
@@ -455,7 +460,7 @@ def plan(systems: list[str], hf_latency: bool, as_given: list[str] | None = None
     loop, ~90 ms a step on the 8B shape, makes them the slowest measurements and the least telling).
     `as_given` (--systems) runs the systems in its order instead: to see whether going first costs one."""
     order = [("radixlm", PARTS), ("no_radix_cache", PARTS), ("hf_transformers", ("throughput",)), ("fcfs", PARTS),
-             ("dfs_weight", PARTS), ("no_frontend_hints", PARTS)]
+             ("dfs_weight", PARTS), ("lpm_always", PARTS), ("no_frontend_hints", PARTS)]
     if as_given:
         order = [(s, ("throughput",) if s == "hf_transformers" else PARTS) for s in dict.fromkeys(as_given)]
     if hf_latency:
@@ -561,7 +566,7 @@ def summarize(results: dict[str, Any]) -> None:
 
 
 SHORT = {"radixlm": "radixlm", "no_radix_cache": "no cache", "fcfs": "fcfs", "dfs_weight": "dfs-weight",
-         "no_frontend_hints": "no hints",
+         "lpm_always": "lpm always", "no_frontend_hints": "no hints",
          "hf_transformers": "HF"}
 
 
@@ -597,7 +602,7 @@ def markdown(results: dict[str, Any]) -> str:
                 cells.append(f"{flight['peak']} / {flight['mean']:.0f}" if flight else "-")
                 cells.append(f"{fwd['peak_decode_batch']} / {fwd['mean_decode_batch']:.0f}" if fwd else "-")
             lines.append(f"| {name} | " + " | ".join(cells) + " |")
-    policies = [s for s in ("radixlm", "fcfs", "dfs_weight") if s in systems]
+    policies = [s for s in ("radixlm", "fcfs", "dfs_weight", "lpm_always") if s in systems]
     if len(policies) > 1:
         lines += ["", "**Scheduling policies** (radixlm runs the default, lpm): programs/s, and the radix cache's hit "
                       "rate as the engine counted it against the optimal for the same requests:", "",
@@ -688,7 +693,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--size", choices=("tiny", "gpu"), help="workload size preset (default: the model's)")
     p.add_argument("--workloads", nargs="+", help=f"default: all of {list(WORKLOADS)}")
     p.add_argument("--systems", nargs="+", choices=SYSTEMS,
-                   help="run in this order (default: all but dfs_weight, radixlm first)")
+                   help="run in this order (default: all but dfs_weight and lpm_always, radixlm first)")
     p.add_argument("--instances", nargs="+", metavar="NAME=N", help="instances of a workload (default: its preset's)")
     p.add_argument("--hf-instances", nargs="+", metavar="NAME=N",
                    help="instances the HF peer runs, the first of the workload's (default: the preset's)")

@@ -290,6 +290,12 @@ def tune_attention(report: dict[str, Any]) -> bool:
     return all(r.ok for r in checker.rows)
 
 
+ENGINE_CHECKS = {"hf": ("engine vs HF transformers (tiny Llama)", check_engine_vs_hf),
+                 "graphs": ("CUDA graphs on vs off", check_graphs),
+                 "host_tier": ("the radix cache's host tier", check_host_tier),
+                 "overlap": ("overlap scheduling on vs off", check_overlap)}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sweep", action="store_true", help="also time alternative attention launch shapes")
@@ -297,6 +303,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tune", action="store_true", help="time attention launch shapes on the benchmarks' shapes")
     p.add_argument("--out", help="write the engine checks' results as JSON here")
     p.add_argument("--cpu-smoke", action="store_true", help="run the engine checks on the CPU (script logic only)")
+    p.add_argument("--checks", nargs="+", choices=ENGINE_CHECKS, default=list(ENGINE_CHECKS),
+                   help="which engine checks to run (default: all)")
     args = p.parse_args(argv)
     global DEVICE
     if args.cpu_smoke:
@@ -315,14 +323,10 @@ def main(argv: list[str] | None = None) -> int:
         print("== attention launch shapes on the benchmark shapes", flush=True)
         ok = tune_attention(report) and ok
     ckpt = build_checkpoint(tempfile.mkdtemp(prefix="radixlm-gpu-check-") + "/tiny", "llama")
-    print("== engine vs HF transformers (tiny Llama)", flush=True)
-    ok = check_engine_vs_hf(ckpt, report) and ok
-    print("== CUDA graphs on vs off", flush=True)
-    ok = check_graphs(ckpt, report) and ok
-    print("== the radix cache's host tier", flush=True)
-    ok = check_host_tier(ckpt, report) and ok
-    print("== overlap scheduling on vs off", flush=True)
-    ok = check_overlap(ckpt, report) and ok
+    for name in args.checks:
+        title, check = ENGINE_CHECKS[name]
+        print(f"== {title}", flush=True)
+        ok = check(ckpt, report) and ok
     report["ok"] = ok
     if args.out:
         with open(args.out, "w") as f:

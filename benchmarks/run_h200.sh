@@ -22,6 +22,9 @@
 #                                   # batch-1 decode with the fused rotary + KV store and without (issue 19)
 #   RUN_GPU_CHECK=0 RUN_ENGINE_BENCH=0 RUN_CONSTRAINED=0 RUN_OVERLAP=1 bash benchmarks/run_h200.sh
 #                                   # batch-1 decode and the 1,000-request workload, overlap off then on (issue 19)
+#   GPU_CHECK_ARGS="--skip-kernels --checks overlap" RUN_ENGINE_BENCH=0 RUN_CONSTRAINED=0 \
+#     RUN_THROUGHPUT_VARIANTS=1 bash benchmarks/run_h200.sh
+#                                   # overlap's equality check, then engine variants side by side (issue 19)
 #   RUN_GPU_CHECK=0 RUN_ENGINE_BENCH=0 RUN_CONSTRAINED=0 RUN_IMAGES=1 bash benchmarks/run_h200.sh
 #                                   # image QA on the LLaVA-1.5-7B shape, shared vs distinct images (issue 21)
 #   RUN_GPU_CHECK=0 RUN_ENGINE_BENCH=0 RUN_CONSTRAINED=0 RUN_QWEN2VL=1 bash benchmarks/run_h200.sh
@@ -76,6 +79,25 @@ if [ "${RUN_FUSION_ABLATION:-0}" = 1 ]; then
       --model llama3-8b-shape --no-hf --requests 32 --repeats 5 2>&1 | tee -a "$OUT/bench_fusion.log"
     echo "bench_engine (RADIXLM_UNFUSED_ROTARY_STORE=$unfused) exit ${PIPESTATUS[0]}" | tee -a "$OUT/env.txt"
   done
+fi
+
+if [ "${RUN_THROUGHPUT_VARIANTS:-0}" = 1 ]; then
+  # Issue 19: engine variants on the 8B shape, back to back, one line each in THROUGHPUT_VARIANTS:
+  # "name|environment|bench_engine flags". Default: overlap off and on (with batch-1 decode), then the
+  # 1,000-request workload alone with larger admissions and with the decode kernel's (0, 64, 4, 3).
+  THROUGHPUT_VARIANTS=${THROUGHPUT_VARIANTS:-"off||--parts latency throughput
+on||--overlap --parts latency throughput
+on_admit64||--overlap --parts throughput --engine-option schedule_admission_batch=64
+on_admit128||--overlap --parts throughput --engine-option schedule_admission_batch=128
+on_attn_64_4_3|RADIXLM_DECODE_ATTN_CONFIG=64,4,3|--overlap --parts throughput"}
+  while IFS='|' read -r name env flags; do
+    [ -z "$name" ] && continue
+    echo "== $name ($env $flags)" | tee -a "$OUT/bench_variants.log"
+    # shellcheck disable=SC2086  # env and flags are lists
+    env $env timeout "${VARIANT_S:-150}" python3 benchmarks/bench_engine.py --model llama3-8b-shape --no-hf $flags \
+      --out "$OUT/bench_variant_$name.json" 2>&1 | tee -a "$OUT/bench_variants.log"
+    echo "bench_engine ($name) exit ${PIPESTATUS[0]}" | tee -a "$OUT/env.txt"
+  done <<< "$THROUGHPUT_VARIANTS"
 fi
 
 if [ "${RUN_OVERLAP:-0}" = 1 ]; then

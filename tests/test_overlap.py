@@ -52,6 +52,27 @@ def test_fake_runner_retracts_under_memory_pressure_with_overlap():
     assert sched.flush_cache() and sched.get_stats()["kv_slots_free"] == 64
 
 
+def test_fake_runner_applies_a_pending_step_under_the_next_extend(monkeypatch):
+    """Requests admitted while others decode: the extend step is launched before the pending decode
+    step is applied (its host work hides under the extend), and outputs stay the oracle's."""
+    from radixlm.core.engine.scheduler.execute import Executor
+
+    under_extend = []
+    run_extend = Executor.run_extend
+
+    def spy(self, extends, pending=None):
+        under_extend.append(pending is not None)
+        return run_extend(self, extends, pending)
+
+    monkeypatch.setattr(Executor, "run_extend", spy)
+    prompts = prompts_with_shared_prefixes(9)
+    params = [{"max_new_tokens": 4 + 5 * (i % 3), "ignore_eos": True} for i in range(9)]
+    _, finals = run_scheduler(512, prompts, params, max_running_requests=3, enable_overlap_schedule=True)
+    for out, prompt, p in zip(finals, prompts, params):
+        assert out.output_ids == oracle(prompt, p["max_new_tokens"], ignore_eos=True)
+    assert any(under_extend)
+
+
 def test_fake_runner_streams_and_aborts_with_overlap():
     prompts = [[1] * 6, [2] * 6, [3] * 5]
     params = [{"max_new_tokens": 40, "ignore_eos": True, "stream": True},

@@ -113,8 +113,9 @@ def cache(memory: KVMemory, tokens: list[int]) -> None:
 
 
 def make_planner(memory: KVMemory, policy: str = "lpm", chunk: int = -1, max_running: int = 8,
-                 fairness: int = 100) -> PrefillPlanner:
-    return PrefillPlanner(memory, SchedulePolicy(policy, fairness, memory.tree, 0), EngineStats(), chunk, max_running)
+                 fairness: int = 100, only_under_pressure: bool = False, admission_batch: int = 0) -> PrefillPlanner:
+    return PrefillPlanner(memory, SchedulePolicy(policy, fairness, memory.tree, 0, only_under_pressure), EngineStats(),
+                          chunk, max_running, admission_batch)
 
 
 # ---- policy -----------------------------------------------------------------------------------
@@ -225,6 +226,28 @@ def test_fairness_bound_puts_overdue_requests_first_oldest_first():
     assert rids(policy.order([matched, *starved]))[0] == "r0"
 
 
+@pytest.mark.parametrize("policy", ["lpm", "dfs-weight"])
+def test_cache_aware_orders_reorder_only_when_the_waiting_prompts_outgrow_the_free_slots(policy):
+    """One admission at a time: the later arrival matches 6 cached tokens, the earlier nothing. With
+    room for every waiting prompt, the gated policy keeps arrival order (nothing cached is evicted
+    before its request runs, whatever the order); once the prompts need more slots than are free it
+    takes the cached match first; ungated it always does."""
+    def first_taken(num_slots: int, gated: bool) -> str:
+        memory = make_memory(num_slots=num_slots)
+        cache(memory, [1, 2, 3, 4, 5, 6])
+        waiting = [make_req([9] * 8, 0), make_req([1, 2, 3, 4, 5, 6, 7, 8], 1)]
+        demand = sum(len(r.fill_ids) for r in waiting)
+        assert (memory.allocator.available() >= demand) == (num_slots == 64)
+        planner = make_planner(memory, policy, max_running=1, only_under_pressure=gated)
+        taken = rids(planner.plan(waiting, [], None).taken)[0]
+        assert planner.stats.cache_aware_admissions_total == (taken == "r1")
+        return taken
+
+    assert first_taken(64, gated=True) == "r0"
+    assert first_taken(20, gated=True) == "r1"  # 14 free slots for 16 waiting tokens
+    assert first_taken(64, gated=False) == "r1"
+
+
 def test_random_order_is_a_permutation_fixed_by_the_seed():
     memory = make_memory()
     reqs = [make_req([i + 1], i) for i in range(12)]
@@ -286,6 +309,21 @@ def test_running_limit_and_memory_bound_the_plan():
     plan = make_planner(memory, policy="fcfs").plan([big, small], [], None)
     assert plan.extends == [] and plan.taken == []  # big does not fit, and small may not overtake it
     assert memory.allocator.available() == 10 - 3 and big.row is None and big.slots == []
+
+
+def test_admission_batch_holds_a_long_queue_until_enough_slots_are_free():
+    def taken(waiting_count: int, running_count: int, admission_batch: int = 4) -> list[str]:
+        memory = make_memory(num_slots=256, rows=8)
+        waiting = [make_req([i + 1] * 4, i) for i in range(waiting_count)]
+        running = [make_req([50 + i], 10 + i) for i in range(running_count)]
+        planner = make_planner(memory, "fcfs", max_running=8, admission_batch=admission_batch)
+        return rids(planner.plan(waiting, running, None).taken)
+
+    assert taken(6, 5) == []  # 3 running slots free of the 4 asked for
+    assert taken(6, 4) == ["r0", "r1", "r2", "r3"]
+    assert taken(2, 5) == ["r0", "r1"]  # all the waiting fit
+    assert len(taken(6, 0)) == 6  # nothing running: no reason to wait
+    assert len(taken(6, 5, admission_batch=0)) == 3
 
 
 def test_a_request_sharing_a_prefix_with_one_in_the_batch_waits_then_reuses_it():

@@ -50,8 +50,14 @@ class EngineOptions:
     trust_remote_code: bool = option(False, "let the tokenizer load custom code shipped with the checkpoint")
     schedule_policy: str = option("lpm", "order of the waiting queue: lpm (longest cached prefix first), "
                                   "dfs-weight, fcfs, lof (longest output first), random", choices=POLICIES)
+    schedule_only_under_pressure: bool = option(
+        True, "lpm and dfs-weight reorder the queue only while the waiting prompts outgrow the free KV slots "
+        "(before that every order gets the same cache hits); false: always")
     schedule_fairness_bound: int = option(
         32, "a waiting request passed over this many times by better-matching ones goes first")
+    schedule_admission_batch: int = option(
+        0, "while requests are running and waiting, admit waiting ones only once this many running slots "
+        "are free (or all the waiting fit): fewer, larger prefill steps under a long queue; 0: as slots free")
     chunked_prefill_size: int = option(
         8192, "token budget of one prefill step; longer prompts are prefilled in chunks; -1 disables "
         "chunking", aliases=("--max-prefill-tokens", "--max-num-batched-tokens"))
@@ -156,6 +162,8 @@ class EngineOptions:
                      "max_video_frames"):
             if getattr(self, name) < 1:
                 raise InvalidRequestError(f"{name} must be >= 1", name)
+        if self.schedule_admission_batch < 0:
+            raise InvalidRequestError("schedule_admission_batch must be >= 0", "schedule_admission_batch")
         if self.tp_size > 1 and self.dp_size > 1:
             raise InvalidRequestError("tp_size > 1 and dp_size > 1 together are not supported yet", "dp_size")
         if self.scheduler_process and (self.tp_size > 1 or self.dp_size > 1):

@@ -21,6 +21,7 @@ class EngineStats:
     prefill_tokens_total: int = 0  # tokens actually computed by prefill steps (incl. recomputation)
     generated_tokens_total: int = 0
     retractions_total: int = 0
+    cache_aware_admissions_total: int = 0  # admission steps that lpm/dfs-weight ordered (past the pressure gate)
     radix_cache_time_s: float = 0.0  # scheduler time in radix cache match/insert/evict/lock calls
     e2e_latency_sum: float = 0.0
     ttft_sum: float = 0.0

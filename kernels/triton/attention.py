@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 from typing import NamedTuple
 
 import torch
@@ -54,6 +55,10 @@ def decode_config(head_dim: int, device: torch.device) -> AttnConfig:
     # block_m is unused by decode: a program's rows are one KV head's query group.
     if device.type != "cuda":
         return AttnConfig(0, 16, 4, 1)
+    override = os.environ.get("RADIXLM_DECODE_ATTN_CONFIG")  # "block_n,warps,stages": launch-shape ablations
+    if override:
+        block_n, warps, stages = (int(x) for x in override.split(","))
+        return AttnConfig(0, block_n, warps, stages)
     if _block_d(head_dim) <= 128:
         # Measured on the H200 (2026-11-29, docs/benchmarks.md): (0, 128, 8, 3) is 25% faster at
         # B=256 with lengths 128..1536 but 25% slower on short contexts, and no faster end to end.

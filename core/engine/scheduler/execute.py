@@ -61,10 +61,15 @@ class Executor:
         self.eos_token_ids = eos_token_ids
         self.context_len = context_len
 
-    def run_extend(self, extends: list[Extend]) -> None:
+    def run_extend(self, extends: list[Extend], pending: PendingDecode | None = None) -> None:
+        """One extend step. A pending decode step (overlap) is applied after the extend is launched, so
+        its host work runs while the device computes the extend; the extend's requests must not
+        depend on its tokens (no riding decodes)."""
         batch, logit_use = extend_batch(extends)
         self.stats.prefill_tokens_total += len(batch.input_ids)
         logits = self.runner.forward(batch)
+        if pending is not None:
+            self.resolve(pending)
         to_sample: list[tuple[Req, int]] = []
         for ext, (row0, first, count) in zip(extends, logit_use):
             req = ext.req

@@ -61,9 +61,10 @@ class Scheduler:
                                     self.stats)
         self.memory = KVMemory(self.allocator, self.tree, runner.req_to_token)
         self.queues = RequestQueues(self.memory, self.stats)
-        self.policy = SchedulePolicy(opts.schedule_policy, opts.schedule_fairness_bound, self.tree, opts.random_seed)
+        self.policy = SchedulePolicy(opts.schedule_policy, opts.schedule_fairness_bound, self.tree, opts.random_seed,
+                                     opts.schedule_only_under_pressure)
         self.planner = PrefillPlanner(self.memory, self.policy, self.stats, opts.chunked_prefill_size,
-                                      opts.max_running_requests)
+                                      opts.max_running_requests, opts.schedule_admission_batch)
         self.generator = torch.Generator(device=runner.device).manual_seed(opts.random_seed)
         self.sampler = Sampler(runner.cfg.vocab_size, eos_token_ids, self.generator)
         self.executor = Executor(runner, self.sampler, self.memory, self.queues, self.stats, opts, tokenizer,
@@ -161,15 +162,16 @@ class Scheduler:
         plan = self.planner.plan(queues.waiting, queues.running, queues.chunked)
         queues.chunked = plan.chunked
         if plan.extends:
-            if pending is not None:
-                self.executor.resolve(pending)
             queues.take(plan.taken, plan.passed_over)
             extends = plan.extends
             if queues.running and all(e.req.output_ids for e in extends):
                 # Only continuations (jump-forward text, resumed requests): a few tokens, so the running
-                # requests decode in the same step instead of stalling behind it.
+                # requests decode in the same step instead of stalling behind it, with their newest tokens.
+                if pending is not None:
+                    self.executor.resolve(pending)
+                    pending = None
                 extends += self.planner.ride_along(queues.running)
-            self.executor.run_extend(extends)
+            self.executor.run_extend(extends, pending)
         elif pending is not None:
             self.pending = self.executor.chain_decode(pending)
         elif queues.running:

@@ -41,12 +41,13 @@ class PrefillPlan:
 
 class PrefillPlanner:
     def __init__(self, memory: KVMemory, policy: SchedulePolicy, stats: EngineStats, chunked_prefill_size: int,
-                 max_running_requests: int) -> None:
+                 max_running_requests: int, admission_batch: int = 0) -> None:
         self.memory = memory
         self.policy = policy
         self.stats = stats
         self.chunk_budget = chunked_prefill_size if chunked_prefill_size > 0 else 1 << 62
         self.max_running_requests = max_running_requests
+        self.admission_batch = admission_batch
         self.jumps = JumpGather()
 
     def plan(self, waiting: list[Req], running: list[Req], chunked: Req | None) -> PrefillPlan:
@@ -68,10 +69,14 @@ class PrefillPlanner:
         slots_left = self.max_running_requests - len(running) - len(plan.extends)
         if slots_left <= 0 or self.memory.rows_available() == 0:
             return plan  # nothing can be admitted: ordering the queue (O(waiting) for lpm) would buy nothing
+        if running and not plan.extends and slots_left < min(self.admission_batch, len(waiting)):
+            return plan  # a long queue waits for a larger admission: fewer, larger prefill steps
         # The chunked request's last chunk counts too: a request sharing its prompt waits a step and
         # then reuses all of it, instead of recomputing the part that this last chunk computes.
         in_batch = [e.req.fill_ids for e in plan.extends]
-        for req in self.policy.order(waiting):
+        order = self.policy.order(waiting, self.memory.allocator.available())
+        self.stats.cache_aware_admissions_total += self.policy.reordered
+        for req in order:
             if slots_left <= 0 or budget <= 0 or self.memory.rows_available() == 0:
                 break
             if self._shares_with_batch(req, in_batch):
