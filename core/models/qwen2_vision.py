@@ -44,15 +44,18 @@ class VisionAttention(nn.Module):
         self.qkv = nn.Linear(cfg.embed_dim, 3 * cfg.embed_dim)
         self.proj = nn.Linear(cfg.embed_dim, cfg.embed_dim)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], lengths: list[int]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                frames: list[torch.Tensor]) -> torch.Tensor:
         n, d = x.shape
         q, k, v = self.qkv(x).view(n, 3, self.num_heads, -1).unbind(1)
         q, k = _rotate(q, *rope), _rotate(k, *rope)
-        outs = []  # one attention per frame: frames differ in size, and none sees another
-        for qs, ks, vs in zip(q.split(lengths), k.split(lengths), v.split(lengths)):
-            out = F.scaled_dot_product_attention(qs.transpose(0, 1), ks.transpose(0, 1), vs.transpose(0, 1))
-            outs.append(out.transpose(0, 1))
-        return self.proj(torch.cat(outs).reshape(n, d))
+        out = torch.empty_like(q)
+        for rows in frames:  # [frames, length]: the rows of same-size frames, attended as one batch
+            def heads(t: torch.Tensor) -> torch.Tensor:
+                return t[rows].transpose(1, 2)  # [frames, heads, length, head_dim]
+
+            out[rows] = F.scaled_dot_product_attention(heads(q), heads(k), heads(v)).transpose(1, 2)
+        return self.proj(out.reshape(n, d))
 
 
 class VisionMlp(nn.Module):
@@ -74,8 +77,9 @@ class VisionBlock(nn.Module):
         self.attn = VisionAttention(cfg)
         self.mlp = VisionMlp(cfg)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], lengths: list[int]) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), rope, lengths)
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                frames: list[torch.Tensor]) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), rope, frames)
         return x + self.mlp(self.norm2(x))
 
 
@@ -105,9 +109,9 @@ class Qwen2VisionTransformer(nn.Module):
         language-model inputs [sum of t*h*w / merge**2, out_hidden]."""
         x = self.patch_embed(patches)
         rope = self._rope(grid_thw, x.device)
-        lengths = [h * w for t, h, w in grid_thw for _ in range(t)]
+        frames = _frames_by_size(grid_thw, x.device)
         for block in self.blocks:
-            x = block(x, rope, lengths)
+            x = block(x, rope, frames)
         return self.merger(x)
 
     def _rope(self, grid_thw: list[tuple[int, int, int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -126,3 +130,16 @@ class Qwen2VisionTransformer(nn.Module):
 
         emb = torch.cat((freqs, freqs), dim=-1).unsqueeze(1)
         return emb.cos(), emb.sin()
+
+
+def _frames_by_size(grid_thw: list[tuple[int, int, int]], device: torch.device) -> list[torch.Tensor]:
+    """Attention spans one frame of one image: for each frame size, the rows [frames, h * w] of the
+    frames of that size (images of one size, a video's frames, attend in one batched call)."""
+    starts: dict[int, list[int]] = {}
+    row = 0
+    for t, h, w in grid_thw:
+        for _ in range(t):
+            starts.setdefault(h * w, []).append(row)
+            row += h * w
+    return [(torch.tensor(first, device=device)[:, None] + torch.arange(length, device=device)).to(torch.int64)
+            for length, first in starts.items()]
