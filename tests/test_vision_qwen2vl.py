@@ -265,3 +265,13 @@ def test_decodes_through_the_cuda_graph_path(qwen2vl, oracle):
         outs = engine.generate([QUESTION, TWO, text], GREEDY, image_data=[IMAGES[1], [IMAGES[2], IMAGES[0]], None])
         assert [o["output_ids"] for o in outs] == [*expected, want_text]
         assert runs and max(runs) == 3  # the decodes went through the graph path, padded to 4
+
+
+def test_scheduler_process_runs_qwen2vl(qwen2vl):
+    """The M-RoPE positions and the images' grids cross to a scheduler in its own process."""
+    params = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
+    prompts, images = [QUESTION, TWO], [IMAGES[2], [IMAGES[1], IMAGES[0]]]
+    with radixlm.Engine(qwen2vl, max_total_tokens=2048) as engine:
+        expected = [o["output_ids"] for o in engine.generate(prompts, params, image_data=images)]
+    with radixlm.Engine(qwen2vl, max_total_tokens=2048, scheduler_process=True) as engine:
+        assert [o["output_ids"] for o in engine.generate(prompts, params, image_data=images)] == expected
