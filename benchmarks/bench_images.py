@@ -1,8 +1,10 @@
-"""Image-QA throughput on LLaVA with shared images against distinct images: what keying the radix cache
-by image content buys (the shared runs encode each image once and reuse its prefix KV).
+"""Image-QA throughput on LLaVA and Qwen2-VL with shared images against distinct images: what keying the
+radix cache by image content buys (the shared runs encode each image once and reuse its prefix KV).
 
     python benchmarks/bench_images.py --model llava-7b-shape --out images.json   # the H200
+    python benchmarks/bench_images.py --model qwen2vl-2b-shape --out qwen2vl.json  # the H200
     python benchmarks/bench_images.py --model tiny                               # CPU, seconds
+    python benchmarks/bench_images.py --model qwen2vl-tiny                       # CPU, seconds
 
 Workload: N requests, each a random system prefix (shared by all), one image, a random question and a
 fixed number of output tokens (greedy, ignore_eos), all submitted at once. `shared`: the requests ask
@@ -12,7 +14,10 @@ requests/s, output tokens/s and the prompt tokens served from the cache.
 Models: `llava-7b-shape` is LLaVA-1.5-7B's shape (CLIP ViT-L/14 at 336 px: 576 image tokens; Llama-2-7B
 language model, vocab 32064) with random bf16 weights made on the device (load_format "dummy": nothing
 downloaded); its tokenizer is the small local one plus `<image>`, so prompts are random token ids. `tiny`
-is the test checkpoint (core.testing_vision: 16 image tokens).
+is the test checkpoint (core.testing_vision: 16 image tokens). `qwen2vl-2b-shape` is Qwen2-VL-2B's shape
+(ViT 32 x 1280, Qwen2-1.5B language model with M-RoPE, vocab 151936) with dummy bf16 weights and Qwen2-VL's
+own image-processor limits (a 640x480 image takes 391 positions); `qwen2vl-tiny` the Qwen2-VL test
+checkpoint (4 image positions at 64x48).
 """
 
 from __future__ import annotations
@@ -26,11 +31,22 @@ import time
 from typing import Any
 
 import radixlm
-from radixlm.core.testing_vision import build_llava_checkpoint, png_bytes, sample_image
+from radixlm.core.testing_vision import build_llava_checkpoint, build_qwen2_vl_checkpoint, png_bytes, sample_image
 
 PRESETS = {
     "llava-7b-shape": dict(requests=256, shared_images=4, prefix=64, question=32, output=64, image_px=(640, 480)),
+    "qwen2vl-2b-shape": dict(requests=256, shared_images=4, prefix=64, question=32, output=64, image_px=(640, 480)),
     "tiny": dict(requests=16, shared_images=2, prefix=16, question=8, output=8, image_px=(64, 48)),
+    "qwen2vl-tiny": dict(requests=16, shared_images=2, prefix=16, question=8, output=8, image_px=(64, 48)),
+}
+
+QWEN2_VL_2B_SHAPE = {
+    "architectures": ["Qwen2VLForConditionalGeneration"], "model_type": "qwen2_vl", "tie_word_embeddings": True,
+    "hidden_size": 1536, "intermediate_size": 8960, "num_hidden_layers": 28, "num_attention_heads": 12,
+    "num_key_value_heads": 2, "vocab_size": 151936, "max_position_embeddings": 32768, "rms_norm_eps": 1e-6,
+    "rope_theta": 1000000.0, "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]},
+    "vision_config": {"depth": 32, "embed_dim": 1280, "mlp_ratio": 4, "num_heads": 16, "in_chans": 3,
+                      "hidden_size": 1536, "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2},
 }
 
 LLAVA_7B_SHAPE = {
@@ -49,6 +65,8 @@ def make_model_dir(name: str, root: str) -> tuple[str, dict[str, Any]]:
     path = os.path.join(root, name)
     if name == "tiny":
         return build_llava_checkpoint(path), {}
+    if name.startswith("qwen2vl"):
+        return make_qwen2vl_dir(name, path)
     # The tiny checkpoint's tokenizer and image processor, under LLaVA-1.5-7B's config.
     build_llava_checkpoint(path, image_size=336)
     os.remove(os.path.join(path, "model.safetensors"))
@@ -58,6 +76,23 @@ def make_model_dir(name: str, root: str) -> tuple[str, dict[str, Any]]:
     config["image_token_index"] = tiny.get("image_token_index", tiny.get("image_token_id"))
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
+    return path, {"load_format": "dummy"}
+
+
+def make_qwen2vl_dir(name: str, path: str) -> tuple[str, dict[str, Any]]:
+    build_qwen2_vl_checkpoint(path)
+    if name == "qwen2vl-tiny":
+        return path, {}
+    # The tiny checkpoint's tokenizer (its placeholder ids) under Qwen2-VL-2B's config and image processor.
+    from transformers import Qwen2VLImageProcessor
+
+    os.remove(os.path.join(path, "model.safetensors"))
+    with open(os.path.join(path, "config.json")) as f:
+        tiny = json.load(f)
+    config = {**QWEN2_VL_2B_SHAPE, **{k: tiny[k] for k in tiny if k.endswith("token_id")}}
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    Qwen2VLImageProcessor(min_pixels=56 * 56, max_pixels=28 * 28 * 1280).save_pretrained(path)
     return path, {"load_format": "dummy"}
 
 

@@ -27,6 +27,8 @@
 #                                   # overlap's equality check, then engine variants side by side (issue 19)
 #   RUN_GPU_CHECK=0 RUN_ENGINE_BENCH=0 RUN_CONSTRAINED=0 RUN_IMAGES=1 bash benchmarks/run_h200.sh
 #                                   # image QA on the LLaVA-1.5-7B shape, shared vs distinct images (issue 21)
+#   RUN_GPU_CHECK=0 RUN_ENGINE_BENCH=0 RUN_CONSTRAINED=0 RUN_QWEN2VL=1 bash benchmarks/run_h200.sh
+#                                   # image QA on the Qwen2-VL-2B shape (M-RoPE), shared vs distinct images (issue 21)
 #
 # Each step has its own time limit (seconds, overridable) so that one hang cannot eat the others.
 set -u -o pipefail
@@ -152,5 +154,13 @@ if [ "${RUN_IMAGES:-0}" = 1 ]; then
   timeout "${IMAGES_S:-420}" python3 benchmarks/bench_images.py --model llava-7b-shape ${IMAGES_ARGS:-} \
     --out "$OUT/images.json" 2>&1 | tee "$OUT/images.log"
   echo "bench_images exit ${PIPESTATUS[0]}" | tee -a "$OUT/env.txt"
+fi
+if [ "${RUN_QWEN2VL:-0}" = 1 ]; then
+  # Issue 21: the same image QA on the Qwen2-VL-2B shape (640x480 images: 391 positions each, dummy bf16
+  # weights): dynamic-resolution tower, M-RoPE extends (eager) and decodes (CUDA graphs).
+  # shellcheck disable=SC2086  # QWEN2VL_ARGS is a list of flags
+  timeout "${QWEN2VL_S:-420}" python3 benchmarks/bench_images.py --model qwen2vl-2b-shape ${QWEN2VL_ARGS:-} \
+    --out "$OUT/qwen2vl.json" 2>&1 | tee "$OUT/qwen2vl.log"
+  echo "bench_images qwen2vl exit ${PIPESTATUS[0]}" | tee -a "$OUT/env.txt"
 fi
 nvidia-smi --query-gpu=clocks.sm,clocks.mem,power.draw,temperature.gpu --format=csv 2>&1 | tee -a "$OUT/env.txt"

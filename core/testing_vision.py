@@ -65,11 +65,15 @@ def build_llava_checkpoint(out_dir: str, *, seed: int = 0, image_size: int = 56,
 
 def tiny_llava_path() -> str:
     """The tiny LLaVA (seed 0) built once into `$RADIXLM_CACHE` (else `~/.cache/radixlm`) and reused."""
+    return _cached_build(TINY_LLAVA_NAME, build_llava_checkpoint)
+
+
+def _cached_build(name: str, build: Any) -> str:
     cache = Path(os.environ.get("RADIXLM_CACHE") or Path.home() / ".cache" / "radixlm")
-    path = cache / TINY_LLAVA_NAME
+    path = cache / name
     if not path.exists():
-        tmp = cache / f".{TINY_LLAVA_NAME}.{os.getpid()}.tmp"
-        build_llava_checkpoint(str(tmp))
+        tmp = cache / f".{name}.{os.getpid()}.tmp"
+        build(str(tmp))
         try:
             os.rename(tmp, path)
         except OSError:
@@ -95,3 +99,56 @@ def png_bytes(image: Any) -> bytes:
     buf = io.BytesIO()
     image.save(buf, format="PNG")
     return buf.getvalue()
+
+
+QWEN2_VL_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+QWEN2_VL_IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"  # what Qwen2-VL's chat template puts per image
+TINY_QWEN2_VL_NAME = "default-tiny-qwen2-vl-v1"
+
+
+def build_qwen2_vl_checkpoint(out_dir: str, *, seed: int = 0) -> str:
+    """Writes a tiny random Qwen2-VL checkpoint into out_dir (created) and returns out_dir.
+
+    Language model: Qwen2, hidden 64, 2 layers, 4 heads (2 KV heads, head_dim 16), M-RoPE sections
+    (2, 3, 3), fp32; vision tower: embed 32, 2 blocks, 4 heads, 14-pixel patches merged 2x2. The image
+    processor resizes images to between 56x56 and 112x112 pixels (4 to 16 tokens)."""
+    import torch
+    from transformers import (
+        GenerationConfig, PreTrainedTokenizerFast, Qwen2VLConfig, Qwen2VLForConditionalGeneration,
+        Qwen2VLImageProcessor,
+    )
+
+    out = Path(out_dir)
+    build_tokenizer(str(out))
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(str(out))
+    tokenizer.add_special_tokens({"additional_special_tokens": [IM_START, IM_END, *QWEN2_VL_TOKENS]})
+    tokenizer.save_pretrained(str(out))
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in QWEN2_VL_TOKENS}
+    bos_id, eos_id, pad_id = tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id
+    text = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048, rms_norm_eps=1e-6,
+                initializer_range=0.2, bos_token_id=bos_id, eos_token_id=eos_id, pad_token_id=pad_id,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]})
+    vision = dict(depth=2, embed_dim=32, hidden_size=64, num_heads=4, mlp_ratio=2, patch_size=14,
+                  spatial_merge_size=2, temporal_patch_size=2, initializer_range=0.2)
+    config = Qwen2VLConfig(text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
+                           video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
+                           vision_end_token_id=ids["<|vision_end|>"], tie_word_embeddings=False)
+    with _build_lock, torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen2VLForConditionalGeneration(config).to(torch.float32).eval()
+        with torch.no_grad():  # random biases and norms too, so that every part counts
+            for name, p in model.named_parameters():
+                if "visual" in name and p.dim() == 1:
+                    p.normal_(1.0 if "norm" in name or "ln_q" in name else 0.0, 0.2)
+    model.save_pretrained(str(out))
+    Qwen2VLImageProcessor(min_pixels=56 * 56, max_pixels=112 * 112, patch_size=14, temporal_patch_size=2,
+                          merge_size=2).save_pretrained(str(out))
+    GenerationConfig(bos_token_id=bos_id, eos_token_id=[eos_id, tokenizer.convert_tokens_to_ids(IM_END)],
+                     pad_token_id=pad_id).save_pretrained(str(out))
+    return str(out)
+
+
+def tiny_qwen2_vl_path() -> str:
+    """The tiny Qwen2-VL (seed 0) built once into `$RADIXLM_CACHE` (else `~/.cache/radixlm`) and reused."""
+    return _cached_build(TINY_QWEN2_VL_NAME, build_qwen2_vl_checkpoint)

@@ -45,6 +45,7 @@ class Branch:
     logprob_start_len: int | None = None
     top_logprobs_num: int = 0
     image_data: list[str] | None = None  # the prompt's images (data URLs), in order
+    video_data: list[Any] | None = None  # its videos (lists of frames), in order
 
 
 def as_list(result: Output | list[Output]) -> list[Output]:
@@ -161,7 +162,7 @@ class MergedStream:
             it = await self.client.engine.async_generate(
                 prompt=b.prompt, input_ids=b.input_ids, sampling_params=b.sampling_params, stream=True,
                 rid=b.rid, return_logprob=b.return_logprob, logprob_start_len=b.logprob_start_len,
-                top_logprobs_num=b.top_logprobs_num, image_data=b.image_data)
+                top_logprobs_num=b.top_logprobs_num, image_data=b.image_data, video_data=b.video_data)
             self._iters.append(it)
             self.client._stream_rids.add(b.rid)
         # The engine submits a stream's request on its first iteration: pull one chunk from each

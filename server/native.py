@@ -21,7 +21,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 
 import radixlm
 from radixlm.core.engine.frontend import branch_params, branch_rid
-from radixlm.core.engine.images import images_of
+from radixlm.core.engine.images import images_of, videos_of
 from radixlm.core.engine.sampling_params import SamplingParams
 from radixlm.server.body import parse_body
 from radixlm.server.errors import APIError, bad_request, error_body
@@ -47,6 +47,9 @@ class GenerateRequest(BaseModel):
     # Images (data URLs or base64) for a vision-language model: for one prompt one image or a list, for
     # a batch one entry (an image, a list, or null) per prompt.
     image_data: str | list[str | list[str] | None] | None = None
+    # Videos (Qwen2-VL), each a list of frames (data URLs or base64): for one prompt a video or a list
+    # of videos, for a batch one entry (or null) per prompt.
+    video_data: list[Any] | None = None
 
 
 class AbortRequest(BaseModel):
@@ -75,7 +78,7 @@ class NativeAPI:
             return EventStreamResponse(self._events(req, stream, batch=len(branches) > 1), stream.close)
         result = await self.client.generate(request, prompt=req.text, input_ids=req.input_ids,
                                             sampling_params=req.sampling_params, rid=req.rid,
-                                            image_data=req.image_data, **logprob_args)
+                                            image_data=req.image_data, video_data=req.video_data, **logprob_args)
         for out in as_list(result):
             raise_if_failed(out["meta_info"])
         if req.return_text_in_logprobs:
@@ -103,13 +106,16 @@ class NativeAPI:
         rids = [req.rid] if isinstance(req.rid, str) else req.rid
         if rids is not None and len(rids) != len(prompts):
             raise bad_request("rid must be a string per prompt", "rid")
-        images = images_of(req.image_data, len(prompts), single=isinstance(req.text, str) or (
-            req.input_ids is not None and bool(req.input_ids) and isinstance(req.input_ids[0], int)))
+        single = isinstance(req.text, str) or (
+            req.input_ids is not None and bool(req.input_ids) and isinstance(req.input_ids[0], int))
+        images = images_of(req.image_data, len(prompts), single)
+        videos = videos_of(req.video_data, len(prompts), single)
         branches = []
         for k, (prompt, sp) in enumerate(zip(prompts, parsed)):
             for i, one in enumerate(branch_params(sp)):
                 rid = {} if rids is None else {"rid": branch_rid(rids[k], i, sp.n)}
-                branches.append(Branch(one.to_dict(), **prompt, **rid, **logprob_args, image_data=images[k] or None))
+                branches.append(Branch(one.to_dict(), **prompt, **rid, **logprob_args, image_data=images[k] or None,
+                                       video_data=videos[k] or None))
         return branches
 
     async def _events(self, req: GenerateRequest, stream: MergedStream, batch: bool) -> AsyncIterator[bytes]:
@@ -181,7 +187,8 @@ class NativeAPI:
         images = self.engine.frontend.images
         if images is None:
             return {}
-        return {"image_token": self.engine.tokenizer.convert_ids_to_tokens(images.image_token_id),
+        video = images.placeholder(self.engine.tokenizer, video=True)
+        return {**({"video_token": video} if video else {}), "image_token": images.placeholder(self.engine.tokenizer),
                 "image_token_id": images.image_token_id, "tokens_per_image": images.vision.tokens_per_image}
 
     async def get_server_info(self, request: Request) -> Response:

@@ -157,7 +157,9 @@ class OpenAIAPI:
 
     def _image_width(self) -> int:
         images = self.engine.frontend.images
-        return images.vision.tokens_per_image if images is not None else 1
+        # Qwen2-VL's images take as many positions as their size gives: counted as one here, the
+        # engine checks the expanded prompt's length.
+        return (images.vision.tokens_per_image or 1) if images is not None else 1
 
     async def chat_completions(self, request: Request) -> Response:
         req = await parse_body(request, ChatCompletionRequest)
@@ -253,7 +255,7 @@ class OpenAIAPI:
         tools = toolcalls.template_tools(mode.tools) if mode.kind != "none" and mode.tools else None
         images = self.engine.frontend.images
         messages, image_urls = _template_messages(
-            req.messages, None if images is None else self.tokenizer.convert_ids_to_tokens(images.image_token_id))
+            req.messages, None if images is None else images.placeholder(self.tokenizer))
         try:
             text = render_chat(
                 self.tokenizer, messages, tools,

@@ -19,6 +19,7 @@ from transformers import AutoImageProcessor, AutoTokenizer, LlavaForConditionalG
 
 import radixlm
 import radixlm as sgl
+from radixlm.core.errors import InvalidRequestError
 from radixlm.core.testing_vision import build_llava_checkpoint, png_bytes, sample_image
 from server_harness import LiveServer
 
@@ -279,6 +280,16 @@ def _rendered_without_image(oracle: Oracle, messages: list[dict]) -> str:
     return oracle.tok.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
 
 
-def test_video_is_refused():
-    with pytest.raises(sgl.ProgramError, match="no video model"):
+def test_video_is_refused(engine):
+    with pytest.raises(sgl.ProgramError, match="decodes no video files"):
         sgl.video("clip.mp4", num_frames=8)
+
+    @sgl.function
+    def describe(s):
+        s += sgl.user(sgl.video([IMAGE, OTHER_IMAGE]) + "What happens?")
+        s += sgl.assistant(sgl.gen("answer", max_tokens=2))
+
+    state = describe.run(backend=engine)
+    assert isinstance(state.error(), sgl.ProgramError) and "takes no video" in str(state.error())
+    with pytest.raises(InvalidRequestError, match="takes no video"):
+        engine.generate("<image>hi", {"max_new_tokens": 1}, image_data=IMAGE, video_data=[IMAGE, IMAGE])

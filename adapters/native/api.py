@@ -11,7 +11,7 @@ from radixlm.core.program.errors import ProgramError
 from radixlm.core.program.function import SglFunction, function  # noqa: F401  (re-exported)
 from radixlm.core.program.interpreter import resolve_backend
 from radixlm.core.program.ir import (
-    Expr, ExprList, Gen, GenParams, Image, RoleBegin, RoleEnd, Select, as_expr, dtype_name,
+    Expr, ExprList, Gen, GenParams, Image, RoleBegin, RoleEnd, Select, Video, as_expr, dtype_name,
 )
 
 
@@ -67,10 +67,23 @@ def image(source: Any) -> Expr:
     return Image(source)
 
 
-def video(path: str, num_frames: int = -1) -> Expr:
-    """SGLang's video primitive: refused, since no supported model takes video (LLaVA-1.5 takes images)."""
-    raise ProgramError(f"sgl.video({path!r}) is not supported: radixlm runs no video model (LLaVA-1.5 takes "
-                       "images: give frames as sgl.image(...) parts)")
+def video(frames: Any, num_frames: int = -1) -> Expr:
+    """SGLang's video primitive, for a video model (Qwen2-VL on the local engine or a radixlm server):
+    the video as its frames (a list of what sgl.image takes, or a uint8 array [frames, height, width,
+    3]); radixlm decodes no video files. num_frames > 0 samples that many frames evenly."""
+    if isinstance(frames, (str, bytes)):
+        raise ProgramError("sgl.video takes a video's frames (a list of images or a uint8 array [frames, height, "
+                           "width, 3]): radixlm decodes no video files")
+    if hasattr(frames, "ndim"):  # an array: its frames as images
+        from PIL import Image as PILImage
+
+        frames = [PILImage.fromarray(frame) for frame in frames]
+    frames = list(frames)
+    if not frames:
+        raise ProgramError("sgl.video needs at least one frame")
+    if 0 < num_frames < len(frames):
+        frames = [frames[i * len(frames) // num_frames] for i in range(num_frames)]
+    return Video(frames)
 
 
 def _role(role: str, expr: Any = None) -> Expr:

@@ -19,6 +19,7 @@ class BaseBackend:
     # API backends, which cannot reuse KV across calls, save calls by speculative execution.
     supports_api_speculation = False
     supports_vision = False
+    supports_video = False  # sgl.video: frames for a video model (Qwen2-VL) on the local or native backends
 
     def __init__(self) -> None:
         self.chat_template: ChatTemplate = get_chat_template("default")

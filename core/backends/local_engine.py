@@ -18,14 +18,13 @@ class EngineBackend(NativeGenerateBackend):
         images = engine.frontend.images
         self.supports_vision = images is not None
         if images is not None:  # sgl.image writes the checkpoint's own placeholder
-            token = self.tokenizer.convert_ids_to_tokens(images.image_token_id)
-            self.chat_template = dataclasses.replace(self.chat_template, image_token=token)
+            video = images.placeholder(self.tokenizer, video=True)
+            self.supports_video = video is not None
+            self.chat_template = dataclasses.replace(self.chat_template, image_token=images.placeholder(self.tokenizer),
+                                                     video_token=video or self.chat_template.video_token)
 
     def _encode(self, text: str) -> list[int]:
         return self.engine.frontend.encode(text)
-
-    def _image_width(self) -> int:
-        return self.engine.frontend.images.vision.tokens_per_image
 
     def _generate(self, request: dict[str, Any]) -> Any:
         return self.engine.generate(**_engine_arguments(request))

@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING, Any, Iterator
 
 from radixlm.core.backends.base import BaseBackend
 from radixlm.core.errors import InvalidRequestError
-from radixlm.core.program.errors import ProgramError
 from radixlm.core.program.choices import ChoicesDecision, ChoicesSamplingMethod
 
 if TYPE_CHECKING:
@@ -23,10 +22,15 @@ if TYPE_CHECKING:
 
 
 def _images(s: "StreamExecutor") -> dict[str, Any]:
-    """The state's images (sgl.image) as the request's image_data: data URLs in prompt order."""
-    if not s.images_:
-        return {}
-    return {"image_data": [f"data:image/png;base64,{data}" for _, data in s.images_]}
+    """The state's images (sgl.image) and videos (sgl.video) as the request's image_data and
+    video_data: data URLs in prompt order (a video's: a list, one per frame)."""
+    out: dict[str, Any] = {}
+    for _, data in s.images_:
+        if isinstance(data, str):
+            out.setdefault("image_data", []).append(f"data:image/png;base64,{data}")
+        else:
+            out.setdefault("video_data", []).append([f"data:image/png;base64,{frame}" for frame in data])
+    return out
 
 
 def _common_prefix_len(a: list[int], b: list[int]) -> int:
@@ -54,10 +58,6 @@ class NativeGenerateBackend(BaseBackend):
     def _encode(self, text: str) -> list[int]:
         """Token ids of a prompt, exactly as the engine tokenizes a text prompt."""
         raise NotImplementedError
-
-    def _image_width(self) -> int:
-        """Positions the engine gives each image (its placeholder token widened), for select."""
-        raise ProgramError(f"{type(self).__name__} cannot select after an image")
 
     # ----- gen -----
 
@@ -116,12 +116,11 @@ class NativeGenerateBackend(BaseBackend):
         starts = [max(1, min(_common_prefix_len(prefix_ids, ids), len(ids) - 1)) for ids in full_ids]
         first = min(starts)
         images = _images(s)
-        # The prefix's images each widen from one placeholder to _image_width() positions in the engine.
-        shift = len(s.images_) * (self._image_width() - 1) if images else 0
-
-        self._generate({"input_ids": prefix_ids, "sampling_params": {"max_new_tokens": 0}, **images})
-        if images:  # one prompt per choice, each with the prefix's images
-            images = {"image_data": [images["image_data"]] * len(choices)}
+        cached = self._generate({"input_ids": prefix_ids, "sampling_params": {"max_new_tokens": 0}, **images})
+        # The engine widens each image's placeholder to the image's positions: logprob positions shift.
+        shift = cached["meta_info"]["prompt_tokens"] - len(prefix_ids) if images else 0
+        if images:  # one prompt per choice, each with the prefix's images and videos
+            images = {key: [value] * len(choices) for key, value in images.items()}
         outs = self._generate({"input_ids": full_ids, "sampling_params": {"max_new_tokens": 0, "temperature": 0},
                                "return_logprob": True, "logprob_start_len": first + shift, **images})
         input_token_logprobs = [out["meta_info"]["input_token_logprobs"][start - first:]

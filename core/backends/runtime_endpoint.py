@@ -45,9 +45,9 @@ class RuntimeEndpoint(NativeGenerateBackend):
         self.supports_vision = "image_token" in self.model_info  # a vision-language model is served
         if self.supports_vision:
             self.chat_template = dataclasses.replace(self.chat_template, image_token=self.model_info["image_token"])
-
-    def _image_width(self) -> int:
-        return self.model_info["tokens_per_image"]
+        self.supports_video = "video_token" in self.model_info
+        if self.supports_video:
+            self.chat_template = dataclasses.replace(self.chat_template, video_token=self.model_info["video_token"])
 
     def get_model_name(self) -> str:
         return self.model_info.get("served_model_name") or self.model_info.get("model_path")

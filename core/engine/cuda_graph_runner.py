@@ -92,7 +92,11 @@ class DecodeGraphRunner:
         dev = runner.device
         self._pin = dev.type == "cuda"
         self._padding_row = runner.req_to_token.padding_row
-        self.inputs = torch.zeros(_FIELDS * self.max_bs, dtype=torch.int64, device=dev)
+        # M-RoPE models (Qwen2-VL) take one more field: the rotary position (a decode token's t = h = w,
+        # its index shifted by its request's rope_delta after images), so their decodes replay graphs too.
+        self.mrope = runner.cfg.mrope_section is not None
+        self.fields = _FIELDS + self.mrope
+        self.inputs = torch.zeros(self.fields * self.max_bs, dtype=torch.int64, device=dev)
         self.ones = torch.ones(self.max_bs, dtype=torch.int64, device=dev)
         self.logits = torch.zeros(self.max_bs, runner.cfg.vocab_size, dtype=torch.float32, device=dev)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -100,23 +104,24 @@ class DecodeGraphRunner:
             self._capture_all(pool)
 
     def _views(self, bs: int) -> list[torch.Tensor]:
-        return list(self.inputs[: _FIELDS * bs].view(_FIELDS, bs).unbind(0))
+        return list(self.inputs[: self.fields * bs].view(self.fields, bs).unbind(0))
 
     def _forward(self, bs: int) -> None:
         """The captured work: record the new slots, run the model, leave fp32 logits in self.logits."""
-        ids, positions, loc, rows, seq_lens = self._views(bs)
+        ids, positions, loc, rows, seq_lens, *rope = self._views(bs)
         r = self.runner
         fb = ForwardBatch(
             is_decode=True, input_ids=ids, positions=positions, out_cache_loc=loc, req_pool_indices=rows,
             seq_lens=seq_lens, extend_lens=self.ones[:bs], req_to_token=r.req_to_token.table,
             kv_pool=r.kv_pool, attn_backend=r.attn_backend, cos_sin_cache=r.cos_sin_cache,
+            rope_positions=rope[0] if rope else None,
         )
         r.record_decode_slots(fb)
         self.logits[:bs].copy_(r.model.compute_logits(r.model(fb)))
 
     def _fill_padding(self, bs: int) -> None:
-        ids, positions, loc, rows, seq_lens = self._views(bs)
-        for t in (ids, positions, loc):
+        ids, positions, loc, rows, seq_lens, *rope = self._views(bs)
+        for t in (ids, positions, loc, *rope):
             t.zero_()
         rows.fill_(self._padding_row)
         seq_lens.fill_(1)
@@ -134,12 +139,15 @@ class DecodeGraphRunner:
         bs = self.sizes[bisect.bisect_left(self.sizes, n)]
         pad = bs - n
         zeros = [0] * pad
+        rope = []
+        if self.mrope:
+            rope = (batch.positions if batch.rope_positions is None else batch.rope_positions[0]) + zeros
         host = torch.tensor(
             batch.input_ids + zeros + batch.positions + zeros + batch.out_cache_loc + zeros
-            + batch.rows + [self._padding_row] * pad + batch.seq_lens + [1] * pad,
+            + batch.rows + [self._padding_row] * pad + batch.seq_lens + [1] * pad + rope,
             dtype=torch.int64, pin_memory=self._pin,
         )
-        self.inputs[: _FIELDS * bs].copy_(host, non_blocking=True)
+        self.inputs[: self.fields * bs].copy_(host, non_blocking=True)
         if batch.input_future is not None:
             self.inputs[:n].copy_(batch.input_future)  # device to device: no host sync
         if self.capture:

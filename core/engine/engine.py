@@ -83,7 +83,8 @@ class Engine:
         images = None
         if self.model_config.vision is not None:
             images = ImagePreparer(model_path, self.model_config.vision, self.vocab_size,
-                                   self.options.max_image_bytes, self.options.max_image_pixels)
+                                   self.options.max_image_bytes, self.options.max_image_pixels,
+                                   self.options.max_video_frames)
         self._frontend = FrontEnd(self.tokenizer, self.options, self.vocab_size, self.context_len,
                                   self.eos_token_ids, scheduler, images)
         self.max_prompt_bytes = self._frontend.max_prompt_bytes
@@ -140,9 +141,10 @@ class Engine:
         stream: bool = False,
         rid: str | list[str] | None = None,
         image_data: Any = None,
+        video_data: Any = None,
     ) -> Output | list[Output] | Iterator[Output]:
         return self._open().generate(prompt, sampling_params, input_ids, return_logprob, logprob_start_len,
-                                     top_logprobs_num, stream, rid, image_data)
+                                     top_logprobs_num, stream, rid, image_data, video_data)
 
     async def async_generate(
         self,
@@ -155,9 +157,11 @@ class Engine:
         stream: bool = False,
         rid: str | list[str] | None = None,
         image_data: Any = None,
+        video_data: Any = None,
     ) -> Output | list[Output] | AsyncIterator[Output]:
         return await self._open().async_generate(prompt, sampling_params, input_ids, return_logprob,
-                                                 logprob_start_len, top_logprobs_num, stream, rid, image_data)
+                                                 logprob_start_len, top_logprobs_num, stream, rid, image_data,
+                                                 video_data)
 
     def abort_request(self, rid: str) -> None:
         """Aborts the request `rid` (with all its n > 1 samples); nothing when it has finished."""

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Iterator
 
 from radixlm.core.tokenizer.detokenizer import IncrementalDetokenizer
-from radixlm.core.engine.images import ImagePreparer, images_of
+from radixlm.core.engine.images import ImagePreparer, images_of, videos_of
 from radixlm.core.engine.messages import (
     Abort, Call, CallReply, CheckInvariants, ConstraintSpec, FlushCache, GenerateOutput, GenerateRequest,
     GetStats, ImageInput, StatsSnapshot,
@@ -141,9 +141,10 @@ class FrontEnd:
     # ---- generation ------------------------------------------------------------------------
 
     def generate(self, prompt=None, sampling_params=None, input_ids=None, return_logprob=False,
-                 logprob_start_len=None, top_logprobs_num=0, stream=False, rid=None, image_data=None):
+                 logprob_start_len=None, top_logprobs_num=0, stream=False, rid=None, image_data=None,
+                 video_data=None):
         reqs, single = self.prepare(prompt, sampling_params, input_ids, return_logprob, logprob_start_len,
-                                    top_logprobs_num, stream, rid, image_data)  # on the caller's own thread
+                                    top_logprobs_num, stream, rid, image_data, video_data)  # on the caller's own thread
         kind = _constraint_kind(reqs)
         if kind is not None:
             self._within_budget(self._compile_pool.submit(self.check_constraints, reqs), kind)
@@ -155,11 +156,12 @@ class FrontEnd:
         return outs[0] if single else outs
 
     async def async_generate(self, prompt=None, sampling_params=None, input_ids=None, return_logprob=False,
-                             logprob_start_len=None, top_logprobs_num=0, stream=False, rid=None, image_data=None):
+                             logprob_start_len=None, top_logprobs_num=0, stream=False, rid=None, image_data=None,
+                             video_data=None):
         args = (prompt, sampling_params, input_ids, return_logprob, logprob_start_len, top_logprobs_num, stream, rid,
-                image_data)
+                image_data, video_data)
         # Microseconds of work: less than a hop to a worker, and keeps arrival order (images are decoded: not small).
-        if _is_small(prompt, input_ids) and image_data is None:
+        if _is_small(prompt, input_ids) and image_data is None and video_data is None:
             reqs, single = self.prepare(*args)
         else:
             reqs, single = await self.offload(self.prepare, *args)
@@ -305,7 +307,7 @@ class FrontEnd:
                 f"{self.options.max_requests_per_call} (max_requests_per_call)", "n")
 
     def prepare(self, prompt, sampling_params, input_ids, return_logprob, logprob_start_len,
-                top_logprobs_num, stream, rid, image_data=None) -> tuple[list[GenerateRequest], bool]:
+                top_logprobs_num, stream, rid, image_data=None, video_data=None) -> tuple[list[GenerateRequest], bool]:
         """Validates a generate call and turns it into requests (one per prompt and sample); True when
         the call answers with one output rather than a list."""
         self._check_open()
@@ -342,10 +344,12 @@ class FrontEnd:
             logprob_start_len = None
         rids = self._rids(rid, len(id_lists))
         image_lists = images_of(image_data, len(id_lists), single)
+        video_lists = videos_of(video_data, len(id_lists), single)
         reqs: list[GenerateRequest] = []
-        for ids, sp, r, items in zip(id_lists, params, rids, image_lists):
-            ids, images = self.prepare_images(ids, items)
+        for ids, sp, r, items, videos in zip(id_lists, params, rids, image_lists, video_lists):
+            ids, images = self.prepare_images(ids, items, videos)
             sp = self.validate_ids(ids, sp)
+            rope_positions, rope_delta = self.images.rope_positions(len(ids), images) if images else (None, 0)
             ids = ImagePreparer.pad(ids, images)
             constraint = ConstraintSpec.of(sp)
             for i, branch in enumerate(branch_params(sp)):
@@ -353,18 +357,20 @@ class FrontEnd:
                     rid=branch_rid(r, i, sp.n), input_ids=list(ids), sampling_params=branch,
                     return_logprob=return_logprob, logprob_start_len=logprob_start_len,
                     top_logprobs_num=top_logprobs_num, stream=stream, constraint=constraint,
-                    images=tuple(images)))
+                    images=tuple(images), rope_positions=rope_positions, rope_delta=rope_delta))
         return reqs, single and len(reqs) == 1
 
-    def prepare_images(self, ids: list[int], items: list[Any]) -> tuple[list[int], list[ImageInput]]:
-        """The prompt with its image placeholders widened (core.engine.images), and its images."""
-        if not items:
+    def prepare_images(self, ids: list[int], items: list[Any], videos: list[Any]) -> tuple[list[int], list[ImageInput]]:
+        """The prompt with its image and video placeholders widened (core.engine.images), and its images
+        (videos included)."""
+        if not items and not videos:
             return ids, []
         if self.images is None:
-            raise InvalidRequestError("this model takes no images (it is not a vision-language model)", "image_data")
+            param = "image_data" if items else "video_data"
+            raise InvalidRequestError("this model takes no images (it is not a vision-language model)", param)
         if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
             return ids, []  # validate_ids names the problem
-        return self.images.expand(ids, items)
+        return self.images.expand(ids, items, videos)
 
     @staticmethod
     def _rids(rid, count: int) -> list[str]:

@@ -42,10 +42,11 @@ class ImageInput:
     """One image of a prompt, preprocessed by the front end (core.engine.images): a numpy array, which
     pickles. Prompt positions [offset, offset + length) hold `pad_id` and take its feature rows."""
 
-    pixel_values: Any  # numpy float32 [channels, height, width]
+    pixel_values: Any  # numpy float32: LLaVA [channels, height, width]; Qwen2-VL [patches, patch values]
     pad_id: int  # an id past the vocabulary derived from the pixels' hash: the radix cache's key
     offset: int
     length: int
+    grid_thw: tuple[int, int, int] | None = None  # Qwen2-VL: the patch grid (frames, rows, columns)
 
 
 @dataclass
@@ -59,6 +60,10 @@ class GenerateRequest:
     stream: bool = False
     constraint: ConstraintSpec | None = None
     images: tuple[ImageInput, ...] = ()  # in prompt order; their positions in input_ids hold pad ids
+    # M-RoPE models with images: the prompt's rotary positions [3, len(input_ids)] (numpy int64, t/h/w)
+    # and the offset of every later position (output tokens): position = index + rope_delta.
+    rope_positions: Any = None
+    rope_delta: int = 0
 
 
 @dataclass

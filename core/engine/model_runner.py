@@ -27,6 +27,7 @@ from radixlm.core.engine.options import EngineOptions
 from radixlm.core.layers.attention_backend import AttentionBackend
 from radixlm.core.engine.messages import ImageInput
 from radixlm.core.layers.forward_batch import ForwardBatch, ImageBatch
+from radixlm.core.layers.mrope import mrope_cos_sin
 from radixlm.core.models.config import ModelConfig
 from radixlm.core.models.cpu_linear import prepack_linears
 from radixlm.core.models.loader import load_model
@@ -76,6 +77,9 @@ class BatchInput:
     # not yet on the host); when set, input_ids holds placeholders.
     input_future: torch.Tensor | None = None
     images: list[ImageSpan] = field(default_factory=list)  # extend steps over image positions
+    # M-RoPE models (Qwen2-VL), steps holding requests with images: the rotary positions (t, h, w rows);
+    # None: the rotary positions are `positions`.
+    rope_positions: list[list[int]] | None = None
 
 
 class ModelRunner:
@@ -181,8 +185,10 @@ class ModelRunner:
         self.req_to_token.flush()
         n = len(batch.rows)
         if batch.is_decode and self.graph_runner is not None and n <= self.graph_runner.max_bs:
-            return self.graph_runner.run(batch)
-        if not batch.is_decode and self.extend_graphs is not None and not batch.images:
+            return self.graph_runner.run(batch)  # M-RoPE decodes too: t = h = w, a 1-D rotary position
+        # Extends with M-RoPE positions run eagerly: the extend graphs take 1-D positions.
+        if not batch.is_decode and self.extend_graphs is not None and not batch.images \
+                and batch.rope_positions is None:
             key = self.extend_graphs.bucket_for(batch)
             if key is not None:
                 return self.extend_graphs.run(batch, key)
@@ -227,24 +233,32 @@ class ModelRunner:
             max_extend_len=max(batch.extend_lens, default=0),
             images=self._image_batch(batch.images) if batch.images else None,
         )
+        if batch.rope_positions is not None:
+            fb.cos_sin_cache = mrope_cos_sin(self.cos_sin_cache, torch.tensor(batch.rope_positions, device=self.device),
+                                             self.cfg.mrope_section)
+            fb.rope_positions = torch.arange(len(batch.input_ids), device=self.device)
         return fb, logit_index
 
     def _image_batch(self, spans: list[ImageSpan]) -> ImageBatch:
         """The step's distinct images (by content hash: requests about one image encode it once) and
-        where their feature rows go."""
-        index: dict[int, int] = {}
-        pixels, token_index, image_index, feature_row = [], [], [], []
+        which of their feature rows (all images' rows in one sequence) go to which new token."""
+        first_row: dict[int, int] = {}  # pad id -> the image's first row in the sequence
+        images: list[ImageInput] = []
+        token_index, feature_index = [], []
         for span in spans:
-            k = index.setdefault(span.image.pad_id, len(index))
-            if k == len(pixels):
-                pixels.append(span.image.pixel_values)
+            if span.image.pad_id not in first_row:
+                first_row[span.image.pad_id] = sum(image.length for image in images)
+                images.append(span.image)
             token_index.extend(range(span.token_start, span.token_start + span.count))
-            image_index.extend([k] * span.count)
-            feature_row.extend(range(span.first_row, span.first_row + span.count))
-        host = torch.tensor([token_index, image_index, feature_row], dtype=torch.int64)
-        tokens, images, rows = host.to(self.device, non_blocking=True)
-        pixel_values = torch.from_numpy(np.stack(pixels)).to(self.device, self.dtype, non_blocking=True)
-        return ImageBatch(pixel_values, tokens, images, rows)
+            start = first_row[span.image.pad_id] + span.first_row
+            feature_index.extend(range(start, start + span.count))
+        tokens, rows = torch.tensor([token_index, feature_index], dtype=torch.int64).to(self.device, non_blocking=True)
+        grids = [image.grid_thw for image in images]
+        # LLaVA's images are one size (a batch); Qwen2-VL's are patch rows of any count (one sequence).
+        join = np.stack if grids[0] is None else np.concatenate
+        pixel_values = torch.from_numpy(join([image.pixel_values for image in images]))
+        return ImageBatch(pixel_values.to(self.device, self.dtype, non_blocking=True), tokens, rows,
+                          None if grids[0] is None else grids)
 
 
 @contextmanager

@@ -105,6 +105,8 @@ class EngineOptions:
     max_image_bytes: int = option(20 << 20, "largest encoded image (bytes) a request may carry; past it a 400")
     max_image_pixels: int = option(
         25_000_000, "largest decoded image (width x height) a request may carry; past it a 400")
+    max_video_frames: int = option(
+        64, "most frames one video (video_data, Qwen2-VL) may have; each frame is also held to max_image_pixels")
     prepare_workers: int = option(2, "threads for tokenizing big prompts, and as many for compiling constraints")
     stall_timeout: float = option(60.0, "seconds the scheduler loop may go without progress while requests are "
                                   "in flight before /health answers 503")
@@ -156,7 +158,8 @@ class EngineOptions:
         if self.max_running_requests is None:
             self.max_running_requests = 512 if self.device.startswith("cuda") else 64
         for name in ("max_running_requests", "schedule_fairness_bound", "tp_size", "dp_size", "stream_interval",
-                     "max_requests_per_call", "prepare_workers", "max_image_bytes", "max_image_pixels"):
+                     "max_requests_per_call", "prepare_workers", "max_image_bytes", "max_image_pixels",
+                     "max_video_frames"):
             if getattr(self, name) < 1:
                 raise InvalidRequestError(f"{name} must be >= 1", name)
         if self.schedule_admission_batch < 0:

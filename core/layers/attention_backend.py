@@ -33,10 +33,11 @@ class AttentionBackend:
         """q [T, H, D], k and v [T, KH, D] as projected, before the rotary embedding (fb.positions,
         fb.cos_sin_cache), which is applied here so that it can share a kernel with the KV store."""
         k_buf, v_buf = fb.kv_pool.k_buffers[layer_id], fb.kv_pool.v_buffers[layer_id]
+        positions = fb.positions if fb.rope_positions is None else fb.rope_positions
         if self._rotary_store_kv is not None:
-            q = self._rotary_store_kv(q, k, v, fb.positions, fb.cos_sin_cache, k_buf, v_buf, fb.out_cache_loc)
+            q = self._rotary_store_kv(q, k, v, positions, fb.cos_sin_cache, k_buf, v_buf, fb.out_cache_loc)
         else:
-            q, k = self.ops.apply_rotary(q, k, fb.positions, fb.cos_sin_cache)
+            q, k = self.ops.apply_rotary(q, k, positions, fb.cos_sin_cache)
             self.ops.store_kv(k_buf, v_buf, fb.out_cache_loc, k, v)
         scale = q.shape[-1] ** -0.5
         extra = {}

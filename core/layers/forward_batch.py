@@ -27,12 +27,14 @@ class Attention(Protocol):
 @dataclass
 class ImageBatch:
     """The images of an extend step and the new tokens that take their features instead of token
-    embeddings: token_index[k] gets feature row feature_row[k] of image image_index[k]."""
+    embeddings: token_index[k] gets row feature_index[k] of the images' features, all images' rows in
+    one sequence (image after image)."""
 
-    pixel_values: torch.Tensor  # [images, channels, height, width], preprocessed
+    # LLaVA: [images, channels, height, width]; Qwen2-VL: [patches of all images, patch values]
+    pixel_values: torch.Tensor
     token_index: torch.Tensor  # [K] indices into the step's new tokens
-    image_index: torch.Tensor  # [K]
-    feature_row: torch.Tensor  # [K]
+    feature_index: torch.Tensor  # [K]
+    grid_thw: list[tuple[int, int, int]] | None = None  # Qwen2-VL: each image's patch grid
 
 
 @dataclass
@@ -56,3 +58,6 @@ class ForwardBatch:
     # attention backend at the first layer, reused by the others.
     attn_plan: Any = None
     images: ImageBatch | None = None  # extend steps over image positions (vision-language models)
+    # M-RoPE steps (core.layers.mrope): the rotary uses these indices into cos_sin_cache (then a table
+    # of one row per token) instead of `positions`, which stay the KV table's positions.
+    rope_positions: torch.Tensor | None = None

@@ -13,6 +13,7 @@ import torch
 
 from radixlm.core.errors import UnsupportedModelError
 from radixlm.core.models.hub import find_gguf
+from radixlm.core.models.qwen2_vl_config import qwen2_vl_parts
 
 # HF architecture name -> model family. All three share one implementation (core.models.llama).
 SUPPORTED_ARCHITECTURES = {
@@ -22,7 +23,7 @@ SUPPORTED_ARCHITECTURES = {
 }
 MODEL_TYPES = {family: arch for arch, family in SUPPORTED_ARCHITECTURES.items()}
 # Vision-language architectures: a Llama-family language model (its `text_config`) fed image features.
-VISION_ARCHITECTURES = {"LlavaForConditionalGeneration": "llava"}
+VISION_ARCHITECTURES = {"LlavaForConditionalGeneration": "llava", "Qwen2VLForConditionalGeneration": "qwen2_vl"}
 
 # transformers' config-class defaults for the fields a config.json may leave out (tested against the
 # classes themselves). Qwen2 ignores `sliding_window` unless `use_sliding_window`; Mistral always uses it.
@@ -107,7 +108,11 @@ class ModelConfig:
     context_len: int
     bos_token_id: int | None
     eos_token_ids: list[int]
-    vision: VisionConfig | None = None  # set for vision-language checkpoints (LLaVA)
+    # Set for vision-language checkpoints: VisionConfig (LLaVA) or Qwen2VisionConfig (Qwen2-VL).
+    vision: Any = None
+    # M-RoPE (Qwen2-VL): how many rotary frequencies (of head_dim / 2) follow each of the t, h and w
+    # position components; None for 1-D rotary positions.
+    mrope_section: tuple[int, ...] | None = None
 
     @classmethod
     def from_dir(cls, path: str) -> "ModelConfig":
@@ -130,6 +135,8 @@ class ModelConfig:
         class defaults for what a file leaves out."""
         # Configs saved without `architectures` (a bare config.save_pretrained) name only the model type.
         arch = (cfg.get("architectures") or [MODEL_TYPES.get(cfg.get("model_type"), cfg.get("model_type"))])[0]
+        if arch == "Qwen2VLForConditionalGeneration":
+            return _qwen2_vl_config(arch, cfg, eos)
         if arch in VISION_ARCHITECTURES:
             return _llava_config(arch, cfg, eos)
         if arch not in SUPPORTED_ARCHITECTURES:
@@ -200,6 +207,15 @@ def _llava_config(arch: str, cfg: dict[str, Any], eos: int | list[int] | None) -
         eos = text.get("eos_token_id")
     base = ModelConfig.from_hf_dict(text, eos)
     return dataclasses.replace(base, architecture=arch, vision=VisionConfig.from_llava(full))
+
+
+def _qwen2_vl_config(arch: str, cfg: dict[str, Any], eos: int | list[int] | None) -> ModelConfig:
+    """A Qwen2-VL config: its Qwen2 language model's config, M-RoPE sections and the vision side."""
+    text, vision, section = qwen2_vl_parts(cfg)
+    base = ModelConfig.from_hf_dict(text, text.get("eos_token_id") if eos is None else eos)
+    if 2 * sum(section) != base.head_dim:
+        raise UnsupportedModelError(f"mrope_section {list(section)} does not cover head_dim {base.head_dim}")
+    return dataclasses.replace(base, architecture=arch, vision=vision, mrope_section=section)
 
 
 def _rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:

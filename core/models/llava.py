@@ -51,6 +51,6 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
         # Image positions carry ids derived from the image's hash (radix cache keys), not vocabulary ids.
         ids = fb.input_ids.index_fill(0, images.token_index, 0)
         x = self.embed_tokens(ids)
-        features = self.image_features(images.pixel_values)
-        x[images.token_index] = features[images.image_index, images.feature_row].to(x.dtype)
+        features = self.image_features(images.pixel_values).flatten(0, 1)
+        x[images.token_index] = features[images.feature_index].to(x.dtype)
         return x

@@ -16,9 +16,10 @@ from typing import Literal
 from torch import nn
 
 from radixlm.core.errors import UnsupportedModelError
-from radixlm.core.models.config import SUPPORTED_ARCHITECTURES, VISION_ARCHITECTURES, ModelConfig
+from radixlm.core.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from radixlm.core.models.llama import LlamaForCausalLM
 from radixlm.core.models.llava import LlavaForConditionalGeneration
+from radixlm.core.models.qwen2_vl import Qwen2VLForConditionalGeneration
 
 # A dimension tensor parallelism splits across ranks: the query heads, the KV heads (each head_dim rows)
 # or the MLP's intermediate features. core.models.parallel knows each rank's share of each.
@@ -136,9 +137,20 @@ LLAVA = dataclasses.replace(
     unfused=("vision_tower.", "multi_modal_projector."),
 )
 
-# HF architecture name -> its model. One implementation serves every Llama family, LLaVA extends it.
+# Qwen2-VL: the Qwen2 language model with the vision tower beside it. transformers 5 saves
+# model.language_model.* and model.visual.*, transformers 4 model.* and visual.*.
+QWEN2_VL = dataclasses.replace(
+    LLAMA,
+    model_class=Qwen2VLForConditionalGeneration,
+    checkpoint_prefix="",
+    renames=(("model.language_model.", ""), ("model.visual.", "visual."), ("model.", "")),
+    unfused=("visual.",),
+)
+
+# HF architecture name -> its model. One implementation serves every Llama family, the vision models extend it.
 MODELS: dict[str, ModelSpec] = {**{arch: LLAMA for arch in SUPPORTED_ARCHITECTURES},
-                                **{arch: LLAVA for arch in VISION_ARCHITECTURES}}
+                                "LlavaForConditionalGeneration": LLAVA,
+                                "Qwen2VLForConditionalGeneration": QWEN2_VL}
 
 
 def model_spec(architecture: str) -> ModelSpec:

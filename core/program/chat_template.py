@@ -21,6 +21,7 @@ class ChatTemplate:
     stop_str: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     image_token: str = "<image>"
+    video_token: str = "<video>"
 
     def get_prefix_and_suffix(self, role: str, history: list[dict[str, Any]]) -> tuple[str, str]:
         prefix, suffix = self.role_prefix_and_suffix.get(role, ("", ""))

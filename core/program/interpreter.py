@@ -22,7 +22,7 @@ from radixlm.core.program.chat_template import ChatTemplate
 from radixlm.core.program.config import global_config
 from radixlm.core.program.errors import ProgramError
 from radixlm.core.program.ir import (
-    CommitLazy, ConcateAndAppend, Constant, Expr, ExprList, Fork, Gen, GenParams, Image,
+    CommitLazy, ConcateAndAppend, Constant, Expr, ExprList, Fork, Gen, GenParams, Image, Video,
     RoleBegin, RoleEnd, Select, Variable, VarScopeBegin, VarScopeEnd, as_expr,
 )
 
@@ -63,7 +63,7 @@ class StreamExecutor:
         self.meta_info: dict[Any, Any] = {}
         self.cur_role: str | None = None
         self.cur_role_begin_pos: int | None = None
-        self.images_: list[tuple[str, str]] = []
+        self.images_: list[tuple[str, Any]] = []  # (label, base64 data): an image's, or a list of a video's frames
         self.cur_images: list[tuple[str, str]] = []
         self.fork_start_text_pos: int | None = None
         self.fork_variable_names: set[Any] = set()
@@ -264,6 +264,8 @@ class StreamExecutor:
             self._set_var(expr.name, self.text_[self._scope_starts.pop(expr.name):])
         elif isinstance(expr, Image):
             self._image(expr)
+        elif isinstance(expr, Video):
+            self._video(expr)
         elif isinstance(expr, CommitLazy):
             self.backend.commit_lazy_operations(self)
         elif isinstance(expr, Fork):
@@ -298,6 +300,14 @@ class StreamExecutor:
         self.images_.append((image.label(), data))
         self.cur_images.append((image.label(), data))
         self._fill(self.chat_template.image_token)
+
+    def _video(self, video: Video) -> None:
+        if not self.backend.supports_video:
+            raise ProgramError(f"{type(self.backend).__name__} takes no video: sgl.video needs a video model "
+                               "(Qwen2-VL) on the local engine or a radixlm server")
+        frames = [base64.b64encode(_image_bytes(frame)).decode() for frame in video.frames]
+        self.images_.append((repr(video), frames))  # a video: its frames' data, in prompt order with images
+        self._fill(self.chat_template.video_token)
 
     # ----- roles -----
 

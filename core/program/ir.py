@@ -237,6 +237,17 @@ class RoleEnd(Expr):
         return f"RoleEnd({self.role!r})"
 
 
+class Video(Expr):
+    """A video in the prompt, as its frames (each what Image takes)."""
+
+    def __init__(self, frames: Any) -> None:
+        super().__init__()
+        self.frames = frames
+
+    def __repr__(self) -> str:
+        return f"Video({len(self.frames)} frames)"
+
+
 class Image(Expr):
     """An image in the prompt: a file path, the encoded bytes of one, or a PIL image."""
 

@@ -37,7 +37,22 @@ def extend_batch(extends: list[Extend]) -> tuple[BatchInput, list[tuple[int, int
             lo, hi = max(ext.start, image.offset), min(end, image.offset + image.length)
             if lo < hi:
                 batch.images.append(ImageSpan(image, base + lo - ext.start, lo - image.offset, hi - lo))
+    if any(ext.req.inp.rope_positions is not None for ext in extends):
+        batch.rope_positions = [[], [], []]
+        for ext in extends:
+            for row, part in zip(batch.rope_positions, rope_positions(ext.req, ext.start, ext.start + ext.length)):
+                row.extend(part)
     return batch, logit_use
+
+
+def rope_positions(req: Req, start: int, end: int) -> list[list[int]]:
+    """The M-RoPE positions (t, h, w rows) of positions [start, end) of a request: its prompt's as the
+    front end computed them, later ones (its output, re-prefilled) index + rope_delta; for a request
+    without them (text only), t = h = w = index."""
+    known = req.inp.rope_positions
+    n = 0 if known is None else min(max(known.shape[1] - start, 0), end - start)
+    tail = list(range(start + n + req.inp.rope_delta, end + req.inp.rope_delta))
+    return [(known[c, start:start + n].tolist() if n else []) + tail for c in range(3)]
 
 
 def decode_batch(running: list[Req], new_slots: list[int], future: torch.Tensor | None = None) -> BatchInput:
@@ -54,6 +69,9 @@ def decode_batch(running: list[Req], new_slots: list[int], future: torch.Tensor 
         batch.positions.append(pos)
         batch.rows.append(req.row)
         batch.seq_lens.append(pos + 1)
+    if any(req.inp.rope_delta for req in running):  # M-RoPE after images: positions shifted, t = h = w
+        shifted = [p + req.inp.rope_delta for p, req in zip(batch.positions, running)]
+        batch.rope_positions = [shifted, shifted, shifted]
     return batch
 
 

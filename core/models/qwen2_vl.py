@@ -1,0 +1,36 @@
+"""Qwen2-VL: the Qwen2 language model fed by a dynamic-resolution ViT (core.models.qwen2_vision).
+
+As for LLaVA, an extend step over image (or video) positions encodes the step's images in one pass of
+the tower and uses their merged features as those positions' input embeddings. The language model
+differs from Qwen2 only in its rotary positions (M-RoPE, three components per token), which the engine
+computes per request and hands over as the step's cos/sin table (core.layers.mrope): the layers here
+are the Llama family's.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import torch
+
+from radixlm.core.layers.forward_batch import ForwardBatch
+from radixlm.core.models.config import ModelConfig
+from radixlm.core.models.llama import LlamaForCausalLM
+from radixlm.core.models.qwen2_vision import Qwen2VisionTransformer
+
+
+class Qwen2VLForConditionalGeneration(LlamaForCausalLM):
+    def __init__(self, cfg: ModelConfig, ops: ModuleType) -> None:
+        super().__init__(cfg, ops)
+        self.visual = Qwen2VisionTransformer(cfg.vision)
+
+    def embed_input(self, fb: ForwardBatch) -> torch.Tensor:
+        images = fb.images
+        if images is None:
+            return super().embed_input(fb)
+        # Image positions carry ids derived from the image's hash (radix cache keys), not vocabulary ids.
+        ids = fb.input_ids.index_fill(0, images.token_index, 0)
+        x = self.embed_tokens(ids)
+        features = self.visual(images.pixel_values, images.grid_thw)
+        x[images.token_index] = features[images.feature_index].to(x.dtype)
+        return x
