@@ -18,6 +18,7 @@ import radixlm as sgl
 from radixlm.core.testing_vision import QWEN2_VL_IMAGE, build_qwen2_vl_checkpoint, png_bytes, sample_image
 from qwen2vl_oracle import Qwen2VLOracle
 from server_harness import LiveServer
+from test_vision_frontdoors import image_pick, image_qa  # the same programs as on LLaVA
 
 IMAGE, OTHER_IMAGE = sample_image(3, (84, 56)), sample_image(4, (100, 100))
 PNG = png_bytes(IMAGE)
@@ -48,17 +49,6 @@ def live(engine):
 def oracle(qwen2vl) -> Qwen2VLOracle:
     return Qwen2VLOracle(qwen2vl)
 
-
-@sgl.function
-def image_qa(s, image, question):
-    s += sgl.user(sgl.image(image) + question)
-    s += sgl.assistant(sgl.gen("answer", max_tokens=MAX, temperature=0))
-
-
-@sgl.function
-def image_pick(s, image):
-    s += sgl.user(sgl.image(image) + "Is it a cat or a dog?")
-    s += sgl.assistant(sgl.select("animal", choices=["cat", "dog", "a small bird"]))
 
 
 def test_image_qa_program(engine, oracle):

@@ -14,7 +14,7 @@ from types import ModuleType
 import torch
 from torch import nn
 
-from radixlm.core.layers.forward_batch import ForwardBatch
+from radixlm.core.layers.forward_batch import ForwardBatch, ImageBatch
 from radixlm.core.models.config import ModelConfig
 
 
@@ -106,8 +106,18 @@ class LlamaForCausalLM(nn.Module):
         return x
 
     def embed_input(self, fb: ForwardBatch) -> torch.Tensor:
-        """The input embeddings of the batch's new tokens (vision models splice image features in)."""
-        return self.embed_tokens(fb.input_ids)
+        """The input embeddings of the batch's new tokens, with the step's image features (vision models'
+        `image_features`: one row per image position, in `feature_index` order) at their positions."""
+        images = fb.images
+        if images is None:
+            return self.embed_tokens(fb.input_ids)
+        # Image positions carry ids derived from the image's hash (radix cache keys), not vocabulary ids.
+        x = self.embed_tokens(fb.input_ids.index_fill(0, images.token_index, 0))
+        x[images.token_index] = self.image_features(images)[images.feature_index].to(x.dtype)
+        return x
+
+    def image_features(self, images: ImageBatch) -> torch.Tensor:
+        raise TypeError(f"{type(self).__name__} takes no images")
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

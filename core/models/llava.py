@@ -12,7 +12,7 @@ from types import ModuleType
 import torch
 from torch import nn
 
-from radixlm.core.layers.forward_batch import ForwardBatch
+from radixlm.core.layers.forward_batch import ImageBatch
 from radixlm.core.models.clip_vision import ACTIVATIONS, VisionTransformer
 from radixlm.core.models.config import ModelConfig, VisionConfig
 from radixlm.core.models.llama import LlamaForCausalLM
@@ -35,22 +35,11 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
         self.vision_tower = VisionTransformer(cfg.vision)
         self.multi_modal_projector = MultiModalProjector(cfg.vision, cfg.hidden_size)
 
-    def image_features(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        """[images, tokens_per_image, hidden] language-model inputs for a batch of preprocessed images."""
+    def image_features(self, images: ImageBatch) -> torch.Tensor:
+        """The step's images (preprocessed, batched) as language-model inputs: one row per image position."""
         vision = self.config.vision
         dtype = self.vision_tower.pre_layrnorm.weight.dtype
-        hidden = self.vision_tower.hidden_state(pixel_values.to(dtype), vision.feature_layer)
+        hidden = self.vision_tower.hidden_state(images.pixel_values.to(dtype), vision.feature_layer)
         if vision.select_strategy == "default":
             hidden = hidden[:, 1:]  # the class token is not an image token
-        return self.multi_modal_projector(hidden)
-
-    def embed_input(self, fb: ForwardBatch) -> torch.Tensor:
-        images = fb.images
-        if images is None:
-            return super().embed_input(fb)
-        # Image positions carry ids derived from the image's hash (radix cache keys), not vocabulary ids.
-        ids = fb.input_ids.index_fill(0, images.token_index, 0)
-        x = self.embed_tokens(ids)
-        features = self.image_features(images.pixel_values).flatten(0, 1)
-        x[images.token_index] = features[images.feature_index].to(x.dtype)
-        return x
+        return self.multi_modal_projector(hidden).flatten(0, 1)

@@ -13,7 +13,7 @@ from types import ModuleType
 
 import torch
 
-from radixlm.core.layers.forward_batch import ForwardBatch
+from radixlm.core.layers.forward_batch import ImageBatch
 from radixlm.core.models.config import ModelConfig
 from radixlm.core.models.llama import LlamaForCausalLM
 from radixlm.core.models.qwen2_vision import Qwen2VisionTransformer
@@ -24,13 +24,6 @@ class Qwen2VLForConditionalGeneration(LlamaForCausalLM):
         super().__init__(cfg, ops)
         self.visual = Qwen2VisionTransformer(cfg.vision)
 
-    def embed_input(self, fb: ForwardBatch) -> torch.Tensor:
-        images = fb.images
-        if images is None:
-            return super().embed_input(fb)
-        # Image positions carry ids derived from the image's hash (radix cache keys), not vocabulary ids.
-        ids = fb.input_ids.index_fill(0, images.token_index, 0)
-        x = self.embed_tokens(ids)
-        features = self.visual(images.pixel_values, images.grid_thw)
-        x[images.token_index] = features[images.feature_index].to(x.dtype)
-        return x
+    def image_features(self, images: ImageBatch) -> torch.Tensor:
+        """The step's images and video frames, merged patches as language-model inputs."""
+        return self.visual(images.pixel_values, images.grid_thw)
