@@ -155,6 +155,15 @@ CASES = [
         "$id": "http://example.com/tree.json", "type": "object", "required": ["v"],
         "properties": {"v": INT, "kids": {"type": "array", "items": {"$ref": "tree.json"}, "maxItems": 2}}}}},
      [{"v": 1, "kids": [{"v": 2}]}], [{"v": 1, "kids": [{}]}]),
+    # $dynamicRef: the root's $dynamicAnchor wins over the static target's (it starts every dynamic
+    # scope); to a plain $anchor or a pointer it is a $ref.
+    ({"$id": "http://example.com/root", "$ref": "list", "$dynamicAnchor": "items", "$defs": {
+        "items": {"$dynamicAnchor": "items", "type": "string", "maxLength": 2},
+        "list": {"$id": "list", "type": "array", "items": {"$dynamicRef": "#items"},
+                 "$defs": {"any": {"$dynamicAnchor": "items"}}}}},
+     [["ab"], []], [[1], ["abc"]]),
+    ({"$id": "http://example.com/d", "type": "array", "items": {"$dynamicRef": "#k"},
+      "$defs": {"k": {"$anchor": "k", "type": "integer"}}}, [[1, 2]], [["a"]]),
 ]
 
 
@@ -209,6 +218,10 @@ def test_oneof_that_may_overlap_is_refused_with_its_pointer(tiny_tokenizer):
 @pytest.mark.parametrize("schema, where", [
     ({"items": {"not": {"minimum": 3}}}, "#/items/not"),
     ({"$defs": {"a": {"$dynamicRef": "#x"}}, "$ref": "#/$defs/a"}, "#/$defs/a/$dynamicRef"),
+    ({"$id": "http://e.com/r", "$defs": {  # two resources with the anchor, neither the root: path-dependent
+        "a": {"$id": "a", "$dynamicAnchor": "t", "type": "integer"},
+        "b": {"$id": "b", "$dynamicAnchor": "t", "items": {"$dynamicRef": "a#t"}}}, "$ref": "b"},
+     "http://e.com/b/items/$dynamicRef"),
     ({"properties": {"a/b": {"type": "number", "multipleOf": 0.5}}}, "#/properties/a~1b/multipleOf"),
 ])
 def test_refusals_name_keyword_and_json_pointer(schema, where, tiny_tokenizer):

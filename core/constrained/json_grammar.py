@@ -69,7 +69,8 @@ _IGNORED = {
     "readOnly", "writeOnly", "deprecated", "contentMediaType", "contentEncoding", "contentSchema", "discriminator",
     "format", "$vocabulary", "$dynamicAnchor", "x-", "externalDocs", "xml", "example",
 }
-_REFUSED = {"$dynamicRef": "$dynamicRef", "$recursiveRef": "$recursiveRef"}
+_REFUSED = {"$dynamicRef": "a $dynamicRef that does not resolve, or whose target depends on the path taken (the dynamic scope),",
+            "$recursiveRef": "keyword '$recursiveRef'"}
 _DEPENDENT = ("dependentRequired", "dependentSchemas", "dependencies")
 _LOWER_BOUNDS = {"minimum", "exclusiveMinimum", "minLength", "minItems", "minProperties", "minContains"}
 _UPPER_BOUNDS = {"maximum", "exclusiveMaximum", "maxLength", "maxItems", "maxProperties", "maxContains"}
@@ -191,7 +192,7 @@ class _Converter(js._Converter):
             raise SchemaError(f"{ptr}: a JSON schema must be an object or a boolean, got {schema!r}")
         for key in schema:
             if key in _REFUSED:
-                raise SchemaError(f"{ptr}/{key}: keyword {_REFUSED[key]!r} is not supported")
+                raise SchemaError(f"{ptr}/{key}: {_REFUSED[key]} is not supported")
         if any(k in schema for k in _DEPENDENT):
             return self.value(self._dependents(schema, ptr), ptr)
         if "if" in schema:
