@@ -155,6 +155,22 @@ CASES = [
         "$id": "http://example.com/tree.json", "type": "object", "required": ["v"],
         "properties": {"v": INT, "kids": {"type": "array", "items": {"$ref": "tree.json"}, "maxItems": 2}}}}},
      [{"v": 1, "kids": [{"v": 2}]}], [{"v": 1, "kids": [{}]}]),
+    # oneOf whose branches may overlap: each branch excludes the others with `not` where it can.
+    ({"type": "object", "oneOf": [{"required": ["a", "b"]}, {"required": ["a", "c"]}], "additionalProperties": INT},
+     [{"a": 1, "b": 2}, {"a": 1, "c": 2}], [{"a": 1, "b": 2, "c": 3}, {"a": 1}]),
+    # (a branch whose exclusion `not` cannot express, here maxLength, is dropped: "xyzw" is not generated)
+    ({"oneOf": [{"type": "string", "maxLength": 3}, {"type": "string", "pattern": "^x"}]}, ["ab"], ["xy", "abcd"]),
+    # oneOf branches told apart through a `not` of constants, or through the types of their own choices.
+    ({"oneOf": [{"type": "object", "properties": {"p": {"const": "s"}, "q": STR}, "required": ["p"]},
+                {"type": "object", "properties": {"p": {"type": "string", "not": {"enum": ["s"]}}}, "required": ["p"]}]},
+     [{"p": "s", "q": "x"}, {"p": "t"}], [{"p": 1}]),
+    ({"$defs": {"e": {"oneOf": [{"type": "object", "additionalProperties": True}, {"type": "null"}]}},
+      "$ref": "#/$defs/e", "oneOf": [{"type": "null"}, {"type": "object", "properties": {"t": INT}}]},
+     [None, {"t": 1}], [{"t": "x"}, 1]),
+    # multipleOf p/q: integers that p divides; if: false takes else.
+    ({"type": "number", "multipleOf": 1.5, "maximum": 20}, [0, 3, 18, -6], [1, 20.5]),
+    ({"type": "integer", "multipleOf": 0.0001}, [7, -3], [0.5]),
+    ({"if": False, "then": {"const": "t"}, "else": {"const": "e"}}, ["e"], ["t"]),
     # $dynamicRef: the root's $dynamicAnchor wins over the static target's (it starts every dynamic
     # scope); to a plain $anchor or a pointer it is a $ref.
     ({"$id": "http://example.com/root", "$ref": "list", "$dynamicAnchor": "items", "$defs": {
@@ -211,7 +227,7 @@ def test_pattern_classes_are_ecma_262_ascii(tiny_tokenizer):
 
 def test_oneof_that_may_overlap_is_refused_with_its_pointer(tiny_tokenizer):
     schema = {"properties": {"p": {"oneOf": [{"type": "object"}, {"type": "object", "properties": {"a": INT}}]}}}
-    with pytest.raises(ValueError, match=re.escape("#/properties/p/oneOf: branches 0 and 1 may both match")):
+    with pytest.raises(ValueError, match=re.escape("#/properties/p/oneOf: its branches may overlap")):
         build_constraint("json_schema", schema, tiny_tokenizer)
 
 
@@ -222,11 +238,16 @@ def test_oneof_that_may_overlap_is_refused_with_its_pointer(tiny_tokenizer):
         "a": {"$id": "a", "$dynamicAnchor": "t", "type": "integer"},
         "b": {"$id": "b", "$dynamicAnchor": "t", "items": {"$dynamicRef": "a#t"}}}, "$ref": "b"},
      "http://e.com/b/items/$dynamicRef"),
-    ({"properties": {"a/b": {"type": "number", "multipleOf": 0.5}}}, "#/properties/a~1b/multipleOf"),
+    ({"properties": {"a/b": {"type": "number", "multipleOf": 0.123456789}}}, "#/properties/a~1b/multipleOf"),
 ])
 def test_refusals_name_keyword_and_json_pointer(schema, where, tiny_tokenizer):
     with pytest.raises(ValueError, match=re.escape(where)):
         build_constraint("json_schema", schema, tiny_tokenizer)
+
+
+def test_allof_of_three_different_constants_admits_no_value(tiny_tokenizer):
+    with pytest.raises(ValueError, match="admits no value"):
+        build_constraint("json_schema", {"allOf": [{"const": 1}, {"const": 2}, {"const": 3}]}, tiny_tokenizer)
 
 
 def test_optional_properties_grow_the_grammar_linearly():

@@ -17,6 +17,7 @@ documented strictness). Anything refused raises ValueError naming the keyword an
 
 from __future__ import annotations
 
+import fractions
 import functools
 import itertools
 import json
@@ -217,7 +218,7 @@ class _Converter(js._Converter):
             rest = {k: v for k, v in schema.items() if k != key and k not in _IGNORED}
             subs = [{"allOf": [b, rest]} if rest else b for b in branches]
             if key == "oneOf":
-                subs = self._exclusive(subs, f"{ptr}/oneOf")
+                return alt(*self._exclusive(subs, branches, f"{ptr}/oneOf"))
             return alt(*(self.value(s, f"{ptr}/{key}/{i}") for i, s in enumerate(subs)))
         if schema.get("nullable") is True:
             return alt(self.value({k: v for k, v in schema.items() if k != "nullable"}, ptr), NULL)
@@ -346,7 +347,7 @@ class _Converter(js._Converter):
         if key == _NOT_STRINGS:
             return a + b
         if key == "const":  # two different constants: no value
-            return a if _same_json(a, b) else _CONFLICT
+            return a if a is not _CONFLICT and b is not _CONFLICT and _same_json(a, b) else _CONFLICT
         if key == "prefixItems" and isinstance(a, list) and isinstance(b, list):
             short, long = sorted((a, b), key=len)
             return [{"allOf": [x, y]} for x, y in zip(short, long)] + long[len(short):]
@@ -406,6 +407,10 @@ class _Converter(js._Converter):
         if sub is False:
             return True
         body = {k: v for k, v in sub.items() if k not in _IGNORED} if isinstance(sub, dict) else None
+        if body is not None and set(body) == {"type"}:  # the other types ("integer" alone has no complement)
+            excluded = {body["type"]} if isinstance(body["type"], str) else set(body["type"])
+            if excluded <= set(_TYPES):
+                return {"type": [t for t in _TYPES if t not in excluded]}
         if body is not None and len(body) == 1 and isinstance(body.get("anyOf", body.get("allOf")), list):
             flip = "allOf" if "anyOf" in body else "anyOf"
             return {flip: [self._negation(b, opened, ptr) for b in next(iter(body.values()))]}
@@ -509,8 +514,12 @@ class _Converter(js._Converter):
         step = schema.get("multipleOf", 1)
         if isinstance(step, bool) or not isinstance(step, (int, float)) or step <= 0:
             raise SchemaError(f"{ptr}/multipleOf: must be a positive number")
-        if float(step) != int(step) or int(step) > MAX_MODULUS:
-            raise SchemaError(f"{ptr}/multipleOf: multipleOf is supported for whole numbers up to {MAX_MODULUS}")
+        # An integer is a multiple of p/q (in lowest terms, from the decimal as written: 1.5 is 3/2)
+        # exactly when p divides it.
+        step = fractions.Fraction(repr(step)).numerator
+        if step > MAX_MODULUS:
+            raise SchemaError(f"{ptr}/multipleOf: multipleOf is supported where its numerator (in lowest terms) "
+                              f"is at most {MAX_MODULUS}")
         try:
             lo, hi = js._int_bounds(schema)
         except ValueError as e:
@@ -529,7 +538,8 @@ class _Converter(js._Converter):
     def _number(self, schema: dict, ptr: str, fraction: bool = False) -> Expr:
         """Numbers within the bounds (any decimal bound, exclusive or not); with `fraction`, only those
         that are not integers."""
-        if "multipleOf" in schema:  # the multiples of a whole number are integers
+        # Multiples of a whole number are integers; of p/q, the integer ones are generated (a sound subset).
+        if "multipleOf" in schema:
             return NOTHING if fraction else self._integer(schema, ptr)
         lower = self._bound(schema, "minimum", "exclusiveMinimum", max, ptr)
         upper = self._bound(schema, "maximum", "exclusiveMaximum", min, ptr)
@@ -806,13 +816,14 @@ class _Converter(js._Converter):
         return body
 
     # ---- oneOf -------------------------------------------------------------------------------------
-    def _exclusive(self, branches: list[Any], ptr: str) -> list[Any]:
+    def _exclusive(self, branches: list[Any], own: list[Any], ptr: str) -> list[Expr]:
         """oneOf's branches, each generating only values no other branch accepts. When the branches
         do not exclude each other as they are, each is kept to the types no other branch allows (a
-        number type is dropped if another branch allows integers); a branch left with none is dropped."""
+        number type is dropped if another branch allows integers); a branch left with none is dropped.
+        Failing that, each branch excludes the others with `not` (_excluding)."""
         sigs = [self._signature(b) for b in branches]
         if _pairwise_exclusive(sigs):
-            return branches
+            return [self.value(b, f"{ptr}/{i}") for i, b in enumerate(branches)]
         kept, kept_sigs = [], []
         for i, (branch, sig) in enumerate(zip(branches, sigs)):
             others = set().union(*(s["types"] for j, s in enumerate(sigs) if j != i))
@@ -821,16 +832,32 @@ class _Converter(js._Converter):
                 kept.append({"allOf": [branch, {"type": sorted(types - {"integer"} if "number" in types else types)}]})
                 kept_sigs.append(dict(sig, types=types | ({"integer"} if "number" in types else set())))
         if kept and _pairwise_exclusive(kept_sigs):
-            return kept
-        for i in range(len(sigs)):
-            for j in range(i + 1, len(sigs)):
-                if not (_excludes(sigs[i], sigs[j]) and _excludes(sigs[j], sigs[i])):
-                    raise SchemaError(f"{ptr}: branches {i} and {j} may both match one value; oneOf is supported "
-                                      "only when its branches exclude each other (types, constants, or required "
-                                      "properties)")
-        return branches
+            return [self.value(b, f"{ptr}/{i}") for i, b in enumerate(kept)]
+        return self._excluding(branches, own, sigs, ptr)
 
-    def _signature(self, schema: Any) -> dict:
+    def _excluding(self, branches: list[Any], own: list[Any], sigs: list[dict], ptr: str) -> list[Expr]:
+        """Branches that may overlap, each as `allOf: [branch, not: other, ...]` for the others it may
+        overlap (`own`: the branches without the keywords beside oneOf, which every branch has); a
+        branch whose exclusions `not` cannot express is dropped (a sound subset)."""
+        kept, first_error = [], None
+        for i, branch in enumerate(branches):
+            overlapping = [b for j, b in enumerate(own)
+                           if j != i and not (_excludes(sigs[i], sigs[j]) and _excludes(sigs[j], sigs[i]))]
+            candidate = {"allOf": [branch, *({"not": b} for b in overlapping)]}
+            rules, ref_rules = dict(self.rules), dict(self.ref_rules)
+            try:
+                expr = self.value(candidate, f"{ptr}/{i}")
+                if expr != NOTHING:
+                    kept.append(expr)
+            except SchemaError as e:  # converting it may have left rules half made: put them back
+                self.rules, self.ref_rules = rules, ref_rules
+                first_error = first_error or e
+        if not kept:
+            raise SchemaError(f"{ptr}: its branches may overlap, and no branch could exclude the others "
+                              f"({first_error})")
+        return kept
+
+    def _signature(self, schema: Any, depth: int = 0) -> dict:
         """What a branch's outputs look like, as far as telling branches apart needs."""
         schema, _ = self._deref(schema, ())
         if schema is False or isinstance(schema, dict) and any(p is False for p in schema.get("allOf", ())):
@@ -851,7 +878,12 @@ class _Converter(js._Converter):
         else:
             t = schema.get("type", list(_TYPES))
             types = {t} if isinstance(t, str) else set(t)
-            if "anyOf" in schema or "oneOf" in schema or "not" in schema:
+            choice = schema.get("anyOf", schema.get("oneOf"))
+            if isinstance(choice, list) and depth < 8:  # the types its branches allow, within its own
+                inner = set().union(*(self._signature(b, depth + 1)["types"] for b in choice))
+                types = types | ({"integer"} if "number" in types else set())
+                types = types & inner | ({"integer"} if "number" in types & inner else set())
+            elif choice is not None or "not" in schema:
                 types = set(_TYPES)
         if "number" in types:
             types.add("integer")
@@ -861,7 +893,9 @@ class _Converter(js._Converter):
         closed = "additionalProperties" not in schema and bool(props) or schema.get("additionalProperties") is False
         return {"types": types, "consts": consts, "required": set(schema.get("required") or []),
                 "props": set(props) | set(schema.get("required") or []), "closed": closed and not schema.get("patternProperties"),
-                "prop_consts": {k: _const_of(v) for k, v in props.items() if _const_of(v) is not None}}
+                "prop_consts": {k: _const_of(v) for k, v in props.items() if _const_of(v) is not None},
+                "prop_not_consts": {k: _const_of(v["not"]) for k, v in props.items()
+                                    if isinstance(v, dict) and _const_of(v.get("not")) is not None}}
 
 
 # The keywords that constrain values (JSON Schema 2020-12 and earlier drafts, OpenAPI's nullable);
@@ -970,6 +1004,12 @@ def _excludes(a: dict, b: dict) -> bool:
         other = b.get("prop_consts", {}).get(key)
         if key in a.get("required", set()) and other is not None and all(v not in other for v in values):
             return True
+        if key in a.get("required", set()) and all(v in b.get("prop_not_consts", {}).get(key, ()) for v in values):
+            return True  # b's schema for the key is `not` of a list holding all of a's values
+    for key, excluded in a.get("prop_not_consts", {}).items():
+        other = b.get("prop_consts", {}).get(key)
+        if key in a.get("required", set()) and other is not None and all(v in excluded for v in other):
+            return True
     return False
 
 
@@ -1002,6 +1042,8 @@ def _opened(schema: dict) -> dict:
 def _through_if(schema: dict) -> dict:
     """if/then/else generated through its `if` branch: instances of if and then (a sound subset)."""
     rest = {k: v for k, v in schema.items() if k not in ("if", "then", "else")}
+    if schema["if"] is False:  # no value matches `if`: every value takes `else`
+        return {"allOf": [schema.get("else", True), rest]}
     return {"allOf": [schema["if"], schema.get("then", True), rest]}
 
 

@@ -75,7 +75,7 @@ class SchemaRefs:
         _absolutize(self.root, spec, "", dynamic, anchors)
         resource = spec.create_resource(self.root)
         self._resolver = Registry().with_resource(resource.id() or "", resource).crawl().resolver()
-        root = urldefrag(resource.id() or "")[0]
+        root = self._root = urldefrag(resource.id() or "")[0]
         for node in dynamic:
             self._static_dynamic_ref(node, root, anchors)
 
@@ -100,6 +100,8 @@ class SchemaRefs:
 
     def resolve(self, ref: str) -> Any:
         """The schema an absolute `$ref` (as in self.root) points to; ValueError if nothing does."""
+        if ref.startswith("#"):  # under a key no keyword names (so not made absolute): the root's base
+            ref = self._root + ref
         try:
             return self._resolver.lookup(ref).contents
         except Unresolvable:
