@@ -171,6 +171,11 @@ CASES = [
     ({"type": "number", "multipleOf": 1.5, "maximum": 20}, [0, 3, 18, -6], [1, 20.5]),
     ({"type": "integer", "multipleOf": 0.0001}, [7, -3], [0.5]),
     ({"if": False, "then": {"const": "t"}, "else": {"const": "e"}}, ["e"], ["t"]),
+    # if/then/else: through `then`, and through `else` where `not: if` can be said.
+    ({"if": {"type": "string"}, "then": {"maxLength": 2}, "else": {"type": "integer", "minimum": 5}},
+     ["ab", 7], ["abc", 3, None]),
+    ({"type": "object", "if": {"required": ["a"]}, "then": {"required": ["b"]}, "else": {"required": ["c"]},
+      "additionalProperties": INT}, [{"a": 1, "b": 2}, {"c": 1}], [{"a": 1}, {}, {"a": 1, "c": 2}]),
     # $dynamicRef: the root's $dynamicAnchor wins over the static target's (it starts every dynamic
     # scope); to a plain $anchor or a pointer it is a $ref.
     ({"$id": "http://example.com/root", "$ref": "list", "$dynamicAnchor": "items", "$defs": {

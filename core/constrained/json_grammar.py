@@ -197,7 +197,7 @@ class _Converter(js._Converter):
         if any(k in schema for k in _DEPENDENT):
             return self.value(self._dependents(schema, ptr), ptr)
         if "if" in schema:
-            return self.value(_through_if(schema), ptr)
+            return self._conditional(schema, ptr)
         schema = {k: v for k, v in schema.items() if k not in ("then", "else")}
         if "not" in schema and not _types_only(schema["not"]):  # as positive keywords, merged in
             rest = {k: v for k, v in schema.items() if k != "not"}
@@ -844,18 +844,35 @@ class _Converter(js._Converter):
             overlapping = [b for j, b in enumerate(own)
                            if j != i and not (_excludes(sigs[i], sigs[j]) and _excludes(sigs[j], sigs[i]))]
             candidate = {"allOf": [branch, *({"not": b} for b in overlapping)]}
-            rules, ref_rules = dict(self.rules), dict(self.ref_rules)
-            try:
-                expr = self.value(candidate, f"{ptr}/{i}")
-                if expr != NOTHING:
-                    kept.append(expr)
-            except SchemaError as e:  # converting it may have left rules half made: put them back
-                self.rules, self.ref_rules = rules, ref_rules
-                first_error = first_error or e
+            expr = self._attempt(candidate, f"{ptr}/{i}")
+            if isinstance(expr, SchemaError):
+                first_error = first_error or expr
+            elif expr != NOTHING:
+                kept.append(expr)
         if not kept:
             raise SchemaError(f"{ptr}: its branches may overlap, and no branch could exclude the others "
                               f"({first_error})")
         return kept
+
+    def _attempt(self, schema: Any, ptr: str) -> Expr | SchemaError:
+        """value(schema), or the SchemaError it raised, with the rules as they were before (a refused
+        conversion may leave rules half made)."""
+        rules, ref_rules = dict(self.rules), dict(self.ref_rules)
+        try:
+            return self.value(schema, ptr)
+        except SchemaError as e:
+            self.rules, self.ref_rules = rules, ref_rules
+            return e
+
+    def _conditional(self, schema: dict, ptr: str) -> Expr:
+        """if/then/else: values of `if` and `then`, or of `not: if` and `else` where `not` can say it
+        (else the former only: a sound subset)."""
+        through_if = self.value(_through_if(schema), ptr)
+        if schema["if"] is False or schema["if"] is True:
+            return through_if
+        rest = {k: v for k, v in schema.items() if k not in ("if", "then", "else")}
+        other = self._attempt({"allOf": [{"not": schema["if"]}, schema.get("else", True), rest]}, f"{ptr}/else")
+        return through_if if isinstance(other, SchemaError) else alt(through_if, other)
 
     def _signature(self, schema: Any, depth: int = 0) -> dict:
         """What a branch's outputs look like, as far as telling branches apart needs."""
