@@ -404,3 +404,22 @@ def test_token_classes_assembled_per_first_byte_equal_a_whole_walk(tiny_tokenize
                     exits = np.flatnonzero(~whole & terminal_tokens._nonempty(vocab))
                 assert (inside == whole).all(), (name, q)
                 assert sorted(uncertain.tolist()) == sorted(exits.tolist()), (name, q)
+
+
+def test_depth_first_completion_finds_the_way_breadth_first_drowns_in(tiny_tokenizer):
+    """Inside a value of any shape, with a long required key still ahead, a breadth-first search runs
+    out of states (the random walks' helper gave up so on two Kubernetes schemas); the depth-first
+    search, closing bytes first, reaches an end, and the text it completes is valid."""
+    from radixlm.core.constrained.pda import bytes_to_accept, shortest_bytes_to_accept
+
+    schema = {"type": "object", "properties": {"a": {}, "a_rather_long_required_key_name": STR},
+              "required": ["a", "a_rather_long_required_key_name"]}
+    c = build_constraint("json_schema", schema, tiny_tokenizer)
+    index, state = c.index, c.index.start
+    prefix = '{"a":[{"x":[[1,{"y":"'
+    for b in prefix.encode():
+        state = index.byte_successors(state)[b]
+    assert shortest_bytes_to_accept(index, state, 2_000) is None
+    rest = bytes_to_accept(index, state)
+    assert rest is not None and _accepts(c, prefix + rest.decode())
+    _validator(schema).validate(json.loads(prefix + rest.decode()))
