@@ -58,6 +58,8 @@ CASES = [
     ({"type": "string", "pattern": r"\d{3}"}, ["123", "a123b"], ["12", "1a2"]),
     ({"type": "string", "pattern": r"^\w+$"}, ["ab_1"], ["", "a b"]),
     ({"not": {"type": "string"}, "type": ["string", "integer"]}, [1], ["s"]),
+    ({"type": "array", "items": {"not": {"minimum": 3, "exclusiveMaximum": 5.5}}}, [[2, 5.5]], [[3], [4.9], ["s"]]),
+    ({"not": {"type": "number", "maximum": 0}}, [1, "s", None], [0, -2.5]),
     ({"type": "string", "format": "ipv4"}, ["192.168.0.1"], ["256.1.1.1", "1.2.3"]),
     ({"type": "string", "format": "ipv6"}, ["::1", "fe80::1:2", "1:2:3:4:5:6:7:8"], ["1:2", ":::"]),
     ({"type": "string", "format": "hostname"}, ["example.com", "a-b.c"], ["-a.com", "a..b"]),
@@ -171,7 +173,9 @@ CASES = [
     ({"type": "number", "multipleOf": 1.5, "maximum": 20}, [0, 3, 18, -6], [1, 20.5]),
     ({"type": "integer", "multipleOf": 0.0001}, [7, -3], [0.5]),
     ({"if": False, "then": {"const": "t"}, "else": {"const": "e"}}, ["e"], ["t"]),
-    # if/then/else: through `then`, and through `else` where `not: if` can be said.
+    # if/then/else: through `then`, and through `else` where `not: if` can be said (numeric bounds too).
+    ({"if": {"exclusiveMaximum": 0}, "then": {"minimum": -10}, "else": {"multipleOf": 2}},
+     [-1, -10, 0, 4, "s"], [-11, 3, 0.5]),
     ({"if": {"type": "string"}, "then": {"maxLength": 2}, "else": {"type": "integer", "minimum": 5}},
      ["ab", 7], ["abc", 3, None]),
     ({"type": "object", "if": {"required": ["a"]}, "then": {"required": ["b"]}, "else": {"required": ["c"]},
@@ -237,7 +241,7 @@ def test_oneof_that_may_overlap_is_refused_with_its_pointer(tiny_tokenizer):
 
 
 @pytest.mark.parametrize("schema, where", [
-    ({"items": {"not": {"minimum": 3}}}, "#/items/not"),
+    ({"items": {"not": {"minLength": 3}}}, "#/items/not"),
     ({"$defs": {"a": {"$dynamicRef": "#x"}}, "$ref": "#/$defs/a"}, "#/$defs/a/$dynamicRef"),
     ({"$id": "http://e.com/r", "$defs": {  # two resources with the anchor, neither the root: path-dependent
         "a": {"$id": "a", "$dynamicAnchor": "t", "type": "integer"},

@@ -411,6 +411,15 @@ class _Converter(js._Converter):
             excluded = {body["type"]} if isinstance(body["type"], str) else set(body["type"])
             if excluded <= set(_TYPES):
                 return {"type": [t for t in _TYPES if t not in excluded]}
+        flips = {"minimum": "exclusiveMaximum", "maximum": "exclusiveMinimum", "exclusiveMinimum": "maximum",
+                 "exclusiveMaximum": "minimum"}
+        if (body and set(body) - {"type"} and set(body) <= {"type", *flips} and body.get("type", "number") == "number"
+                and all(isinstance(v, (int, float)) and not isinstance(v, bool) for k, v in body.items() if k != "type")):
+            # Bounds hold for every value but numbers: their negation is a number past one of them (and,
+            # where `type: number` is said, any value that is not a number).
+            past = [{"type": "number", flips[k]: v} for k, v in body.items() if k != "type"]
+            others = [{"type": [t for t in _TYPES if t != "number"]}] if "type" in body else []
+            return {"anyOf": [*others, *past]}
         if body is not None and len(body) == 1 and isinstance(body.get("anyOf", body.get("allOf")), list):
             flip = "allOf" if "anyOf" in body else "anyOf"
             return {flip: [self._negation(b, opened, ptr) for b in next(iter(body.values()))]}
