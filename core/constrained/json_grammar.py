@@ -8,9 +8,10 @@ Keywords: type, enum, const, properties, required, additionalProperties (false, 
 patternProperties, minProperties/maxProperties, items, prefixItems, minItems/maxItems, uniqueItems (an
 approximation that stays sound: at most one item), minLength/maxLength, pattern (ECMA-262 search
 semantics, `\\d` and `\\w` ASCII), format (date, time, date-time, duration, uuid, email, hostname, ipv4,
-ipv6, uri), numeric bounds, multipleOf 1 on integers, anyOf, oneOf (when its branches exclude each
-other: different types, different constants, or objects told apart by their properties), allOf
-(merged), not (of types), $ref (local, recursion allowed), OpenAPI's nullable; annotations ignored.
+ipv6, uri), numeric bounds, multipleOf (whole, or p/q on integers), anyOf, oneOf (exclusive: branches
+told apart by types, constants or properties, else each excluding the others with `not`), allOf
+(merged), not (of types, required keys, string patterns/constants, numeric bounds), if/then/else, $ref
+and $dynamicRef (schema_refs.py; recursion allowed), OpenAPI's nullable; annotations ignored.
 Objects with `properties` and no `additionalProperties` get exactly their listed properties (a
 documented strictness). Anything refused raises ValueError naming the keyword and its JSON pointer.
 """
