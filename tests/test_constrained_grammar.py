@@ -169,6 +169,12 @@ CASES = [
     ({"$defs": {"e": {"oneOf": [{"type": "object", "additionalProperties": True}, {"type": "null"}]}},
       "$ref": "#/$defs/e", "oneOf": [{"type": "null"}, {"type": "object", "properties": {"t": INT}}]},
      [None, {"t": 1}], [{"t": "x"}, 1]),
+    # allOf of if/then parts keyed on one property's constants (a discriminator): one choice per constant.
+    ({"type": "object", "properties": {"kind": {"enum": ["a", "b"]}, "x": INT, "y": STR}, "required": ["kind"],
+      "allOf": [{"if": {"properties": {"kind": {"const": "a"}}}, "then": {"required": ["x"]}, "else": {"not": {"required": ["x"]}}},
+                {"if": {"properties": {"kind": {"const": "b"}}}, "then": {"required": ["y"]}}]},
+     [{"kind": "a", "x": 1}, {"kind": "b", "y": "s"}, {"kind": "a", "x": 1, "y": "s"}],
+     [{"kind": "a"}, {"kind": "b", "x": 1, "y": "s"}, {"kind": "b"}]),
     # multipleOf p/q: integers that p divides; if: false takes else.
     ({"type": "number", "multipleOf": 1.5, "maximum": 20}, [0, 3, 18, -6], [1, 20.5]),
     ({"type": "integer", "multipleOf": 0.0001}, [7, -3], [0.5]),

@@ -358,9 +358,9 @@ class _Converter(js._Converter):
         """allOf's parts, dereferenced, with nested allOfs spliced in (so that a nested part's
         additionalProperties also sees the properties the outer parts list)."""
         parts = []
-        for schema in schemas:
-            part, sub_refs = self._deref(schema, refs)
-            part = _known_keywords(part)
+        derefed = [(_known_keywords(part), sub_refs) for part, sub_refs in (self._deref(s, refs) for s in schemas)]
+        derefed = _discriminated(derefed)
+        for part, sub_refs in derefed:
             if isinstance(part, dict) and "if" in part:
                 part = _through_if(part)
             if isinstance(part, dict) and isinstance(part.get("allOf"), list):
@@ -412,6 +412,14 @@ class _Converter(js._Converter):
             excluded = {body["type"]} if isinstance(body["type"], str) else set(body["type"])
             if excluded <= set(_TYPES):
                 return {"type": [t for t in _TYPES if t not in excluded]}
+        if (body and set(body) <= {"type", "properties"} and body.get("type", "object") == "object"
+                and isinstance(body.get("properties"), dict) and body["properties"]):
+            # not (objects whose listed keys, where present, match): an object with a key whose value
+            # fails its schema (and, where `type: object` is said, any value that is not an object)
+            present = [{"type": "object", "required": [k], "properties": {k: self._negation(v, {}, ptr)}, **opened}
+                       for k, v in body["properties"].items()]
+            others = [{"type": [t for t in _TYPES if t != "object"]}] if "type" in body else []
+            return {"anyOf": [*others, *present]}
         flips = {"minimum": "exclusiveMaximum", "maximum": "exclusiveMinimum", "exclusiveMinimum": "maximum",
                  "exclusiveMaximum": "minimum"}
         if (body and set(body) - {"type"} and set(body) <= {"type", *flips} and body.get("type", "number") == "number"
@@ -1064,6 +1072,40 @@ def _opened(schema: dict) -> dict:
     (_object closes objects that list keys and say nothing of others: the documented strictness)."""
     listed = ("properties", "patternProperties", "additionalProperties", "unevaluatedProperties")
     return {} if any(k in schema for k in listed) else {"additionalProperties": True}
+
+
+def _discriminated(parts: list[tuple[Any, tuple]]) -> list[tuple[Any, tuple]]:
+    """allOf parts `{"if": {"properties": {"kind": {"const": c_i}}}, "then": T_i, "else": E_i}` with one
+    key and different constants (a discriminator, as in GitHub's issue forms) as one choice: objects with
+    kind c_i, T_i and every other part's E_i. Through `if` alone, every part's T_i would apply at once."""
+    def key_const(part):
+        cond = part.get("if") if isinstance(part, dict) else None
+        if isinstance(cond, dict) and set(cond) <= {"properties", "required", "type"} and cond.get("type", "object") == "object":
+            props = cond.get("properties")
+            if isinstance(props, dict) and len(props) == 1:
+                (key, sub), = props.items()
+                if isinstance(sub, dict) and set(sub) == {"const"} and set(cond.get("required", [key])) == {key}:
+                    return key, json.dumps(sub["const"], sort_keys=True)
+        return None
+    found = [(i, key_const(p)) for i, (p, _) in enumerate(parts)]
+    found = [(i, kc) for i, kc in found if kc is not None]
+    keys = {kc[0] for _, kc in found}
+    if len(found) < 2 or len(keys) != 1 or len({kc[1] for _, kc in found}) != len(found):
+        return parts
+    chosen = [i for i, _ in found]
+    branches = []
+    for i in chosen:
+        part = parts[i][0]
+        elses = [parts[j][0]["else"] for j in chosen if j != i and "else" in parts[j][0]]
+        branches.append({"allOf": [{**part["if"], "required": [next(iter(keys))]}, part.get("then", True), *elses]})
+    out = []  # in place of the first part chosen, the choice; of each chosen one, its other keywords
+    for i, (part, refs) in enumerate(parts):
+        if i == chosen[0]:
+            out.append(({"anyOf": branches}, refs))
+        rest = {k: v for k, v in part.items() if k not in ("if", "then", "else")} if i in chosen else part
+        if i not in chosen or rest:
+            out.append((rest, refs))
+    return out
 
 
 def _through_if(schema: dict) -> dict:
