@@ -171,7 +171,8 @@ CASES = [
      [None, {"t": 1}], [{"t": "x"}, 1]),
     # allOf of if/then parts keyed on one property's constants (a discriminator): one choice per constant.
     ({"type": "object", "properties": {"kind": {"enum": ["a", "b"]}, "x": INT, "y": STR}, "required": ["kind"],
-      "allOf": [{"if": {"properties": {"kind": {"const": "a"}}}, "then": {"required": ["x"]}, "else": {"not": {"required": ["x"]}}},
+      "allOf": [{"if": {"properties": {"kind": {"const": "a"}}}, "then": {"required": ["x"]},
+                 "else": {"not": {"required": ["x"]}}},
                 {"if": {"properties": {"kind": {"const": "b"}}}, "then": {"required": ["y"]}}]},
      [{"kind": "a", "x": 1}, {"kind": "b", "y": "s"}, {"kind": "a", "x": 1, "y": "s"}],
      [{"kind": "a"}, {"kind": "b", "x": 1, "y": "s"}, {"kind": "b"}]),

@@ -71,7 +71,8 @@ _IGNORED = {
     "readOnly", "writeOnly", "deprecated", "contentMediaType", "contentEncoding", "contentSchema", "discriminator",
     "format", "$vocabulary", "$dynamicAnchor", "x-", "externalDocs", "xml", "example",
 }
-_REFUSED = {"$dynamicRef": "a $dynamicRef that does not resolve, or whose target depends on the path taken (the dynamic scope),",
+_REFUSED = {"$dynamicRef": "a $dynamicRef that does not resolve, or whose target depends on the path taken "
+                           "(the dynamic scope),",
             "$recursiveRef": "keyword '$recursiveRef'"}
 _DEPENDENT = ("dependentRequired", "dependentSchemas", "dependencies")
 _LOWER_BOUNDS = {"minimum", "exclusiveMinimum", "minLength", "minItems", "minProperties", "minContains"}
@@ -423,7 +424,8 @@ class _Converter(js._Converter):
         flips = {"minimum": "exclusiveMaximum", "maximum": "exclusiveMinimum", "exclusiveMinimum": "maximum",
                  "exclusiveMaximum": "minimum"}
         if (body and set(body) - {"type"} and set(body) <= {"type", *flips} and body.get("type", "number") == "number"
-                and all(isinstance(v, (int, float)) and not isinstance(v, bool) for k, v in body.items() if k != "type")):
+                and all(isinstance(v, (int, float)) and not isinstance(v, bool)
+                        for k, v in body.items() if k != "type")):
             # Bounds hold for every value but numbers: their negation is a number past one of them (and,
             # where `type: number` is said, any value that is not a number).
             past = [{"type": "number", flips[k]: v} for k, v in body.items() if k != "type"]
@@ -1080,7 +1082,8 @@ def _discriminated(parts: list[tuple[Any, tuple]]) -> list[tuple[Any, tuple]]:
     kind c_i, T_i and every other part's E_i. Through `if` alone, every part's T_i would apply at once."""
     def key_const(part):
         cond = part.get("if") if isinstance(part, dict) else None
-        if isinstance(cond, dict) and set(cond) <= {"properties", "required", "type"} and cond.get("type", "object") == "object":
+        if (isinstance(cond, dict) and set(cond) <= {"properties", "required", "type"}
+                and cond.get("type", "object") == "object"):
             props = cond.get("properties")
             if isinstance(props, dict) and len(props) == 1:
                 (key, sub), = props.items()
