@@ -58,6 +58,12 @@ CASES = [
     ({"type": "string", "pattern": r"\d{3}"}, ["123", "a123b"], ["12", "1a2"]),
     ({"type": "string", "pattern": r"^\w+$"}, ["ab_1"], ["", "a b"]),
     ({"not": {"type": "string"}, "type": ["string", "integer"]}, [1], ["s"]),
+    # Keywords that hold for every value of other types: their `not` is of their own type only.
+    ({"not": {"pattern": "^a"}}, ["b"], ["a", 1, None]),
+    ({"not": {"required": ["a"]}}, [{}, {"b": 1}], [{"a": 1}, 1, "s"]),
+    ({"oneOf": [{"properties": {"bar": True, "baz": True}, "required": ["bar"]},
+                {"properties": {"foo": True}, "required": ["foo"]}]},
+     [{"bar": 1}, {"foo": 1}], [{"foo": 1, "bar": 2}, "s", 20.6, {}]),
     ({"type": "array", "items": {"not": {"minimum": 3, "exclusiveMaximum": 5.5}}}, [[2, 5.5]], [[3], [4.9], ["s"]]),
     ({"not": {"type": "number", "maximum": 0}}, [1, "s", None], [0, -2.5]),
     ({"type": "string", "format": "ipv4"}, ["192.168.0.1"], ["256.1.1.1", "1.2.3"]),

@@ -438,7 +438,10 @@ class _Converter(js._Converter):
         props = body.get("properties", {}) if body else None
         if (body and kind in (None, "object") and body.get("required") and set(body) <= {"type", "required", "properties"}
                 and isinstance(props, dict) and all(v is True or v == {} for v in props.values())):
-            absent = [{"properties": {r: False}, **opened} for r in body["required"]]
+            # `required` holds for every value but objects: its negation is an object without one of the
+            # keys (and, where `type: object` is said, any value that is not an object).
+            absent = [{"type": "object", "properties": {r: False}, **opened} for r in body["required"]]
+            absent += [{"type": [t for t in _TYPES if t != "object"]}] if "type" in body else []
             return absent[0] if len(absent) == 1 else {"anyOf": absent}
         if body and kind in (None, "string") and set(body) - {"type"} and set(body) <= {"type", "pattern", "enum", "const"}:
             values = list(body.get("enum", [])) + ([body["const"]] if "const" in body else [])
@@ -449,6 +452,8 @@ class _Converter(js._Converter):
                         excluded.append(f'"{ecma_string_pattern(body["pattern"])}"')
                     except ValueError as e:
                         raise SchemaError(f"{ptr}/pattern: {e}") from None
+                if set(body) == {"pattern"}:  # a pattern holds for every value but strings
+                    return {_NOT_STRINGS: excluded, "type": "string"}
                 return {_NOT_STRINGS: excluded}
         raise SchemaError(f"{ptr}: only 'not' of types, of required keys, of string patterns or constants, and "
                           "anyOf/allOf of those, is supported")
