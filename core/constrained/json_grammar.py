@@ -874,6 +874,8 @@ class _Converter(js._Converter):
                 first_error = first_error or expr
             elif expr != NOTHING:
                 kept.append(expr)
+        if not kept and first_error is None:
+            raise SchemaError(f"{ptr}: no value matches exactly one branch")
         if not kept:
             raise SchemaError(f"{ptr}: its branches may overlap, and no branch could exclude the others "
                               f"({first_error})")
