@@ -182,6 +182,10 @@ CASES = [
                 {"if": {"properties": {"kind": {"const": "b"}}}, "then": {"required": ["y"]}}]},
      [{"kind": "a", "x": 1}, {"kind": "b", "y": "s"}, {"kind": "a", "x": 1, "y": "s"}],
      [{"kind": "a"}, {"kind": "b", "x": 1, "y": "s"}, {"kind": "b"}]),
+    # const and enum from two allOf parts: the constant only where the enum has it (github-actions'
+    # top-level if on runs.using against its oneOf of runs kinds).
+    ({"allOf": [{"enum": ["node", "docker"]}, {"anyOf": [{"const": "docker"}, {"const": "composite"}]}]},
+     ["docker"], ["composite", "node"]),
     # multipleOf p/q: integers that p divides; if: false takes else.
     ({"type": "number", "multipleOf": 1.5, "maximum": 20}, [0, 3, 18, -6], [1, 20.5]),
     ({"type": "integer", "multipleOf": 0.0001}, [7, -3], [0.5]),

@@ -225,7 +225,11 @@ class _Converter(js._Converter):
         if schema.get("nullable") is True:
             return alt(self.value({k: v for k, v in schema.items() if k != "nullable"}, ptr), NULL)
         if "const" in schema:
-            return NOTHING if schema["const"] is _CONFLICT else self._literal(schema["const"], schema, ptr)
+            enum = schema.get("enum")  # both, from an allOf merge: the constant only if the enum has it
+            if schema["const"] is _CONFLICT or isinstance(enum, list) and not any(
+                    _same_json(schema["const"], v) for v in enum):
+                return NOTHING
+            return self._literal(schema["const"], schema, ptr)
         if "enum" in schema:
             if not isinstance(schema["enum"], list) or not schema["enum"]:
                 raise SchemaError(f"{ptr}/enum: must be a non-empty list")
