@@ -58,6 +58,14 @@ CASES = [
     ({"type": "string", "pattern": r"\d{3}"}, ["123", "a123b"], ["12", "1a2"]),
     ({"type": "string", "pattern": r"^\w+$"}, ["ab_1"], ["", "a b"]),
     ({"not": {"type": "string"}, "type": ["string", "integer"]}, [1], ["s"]),
+    # Keywords that hold for every value of other types: their `not` is of their own type only.
+    ({"not": {"pattern": "^a"}}, ["b"], ["a", 1, None]),
+    ({"not": {"required": ["a"]}}, [{}, {"b": 1}], [{"a": 1}, 1, "s"]),
+    ({"oneOf": [{"properties": {"bar": True, "baz": True}, "required": ["bar"]},
+                {"properties": {"foo": True}, "required": ["foo"]}]},
+     [{"bar": 1}, {"foo": 1}], [{"foo": 1, "bar": 2}, "s", 20.6, {}]),
+    ({"type": "array", "items": {"not": {"minimum": 3, "exclusiveMaximum": 5.5}}}, [[2, 5.5]], [[3], [4.9], ["s"]]),
+    ({"not": {"type": "number", "maximum": 0}}, [1, "s", None], [0, -2.5]),
     ({"type": "string", "format": "ipv4"}, ["192.168.0.1"], ["256.1.1.1", "1.2.3"]),
     ({"type": "string", "format": "ipv6"}, ["::1", "fe80::1:2", "1:2:3:4:5:6:7:8"], ["1:2", ":::"]),
     ({"type": "string", "format": "hostname"}, ["example.com", "a-b.c"], ["-a.com", "a..b"]),
@@ -155,6 +163,52 @@ CASES = [
         "$id": "http://example.com/tree.json", "type": "object", "required": ["v"],
         "properties": {"v": INT, "kids": {"type": "array", "items": {"$ref": "tree.json"}, "maxItems": 2}}}}},
      [{"v": 1, "kids": [{"v": 2}]}], [{"v": 1, "kids": [{}]}]),
+    # oneOf whose branches may overlap: each branch excludes the others with `not` where it can.
+    ({"type": "object", "oneOf": [{"required": ["a", "b"]}, {"required": ["a", "c"]}], "additionalProperties": INT},
+     [{"a": 1, "b": 2}, {"a": 1, "c": 2}], [{"a": 1, "b": 2, "c": 3}, {"a": 1}]),
+    # (a branch whose exclusion `not` cannot express, here maxLength, is dropped: "xyzw" is not generated)
+    ({"oneOf": [{"type": "string", "maxLength": 3}, {"type": "string", "pattern": "^x"}]}, ["ab"], ["xy", "abcd"]),
+    # oneOf branches told apart through a `not` of constants, or through the types of their own choices.
+    ({"oneOf": [{"type": "object", "properties": {"p": {"const": "s"}, "q": STR}, "required": ["p"]},
+                {"type": "object", "properties": {"p": {"type": "string", "not": {"enum": ["s"]}}}, "required": ["p"]}]},
+     [{"p": "s", "q": "x"}, {"p": "t"}], [{"p": 1}]),
+    ({"$defs": {"e": {"oneOf": [{"type": "object", "additionalProperties": True}, {"type": "null"}]}},
+      "$ref": "#/$defs/e", "oneOf": [{"type": "null"}, {"type": "object", "properties": {"t": INT}}]},
+     [None, {"t": 1}], [{"t": "x"}, 1]),
+    # allOf of if/then parts keyed on one property's constants (a discriminator): one choice per constant.
+    ({"type": "object", "properties": {"kind": {"enum": ["a", "b"]}, "x": INT, "y": STR}, "required": ["kind"],
+      "allOf": [{"if": {"properties": {"kind": {"const": "a"}}}, "then": {"required": ["x"]},
+                 "else": {"not": {"required": ["x"]}}},
+                {"if": {"properties": {"kind": {"const": "b"}}}, "then": {"required": ["y"]}}]},
+     [{"kind": "a", "x": 1}, {"kind": "b", "y": "s"}, {"kind": "a", "x": 1, "y": "s"}],
+     [{"kind": "a"}, {"kind": "b", "x": 1, "y": "s"}, {"kind": "b"}]),
+    # const and enum from two allOf parts: the constant only where the enum has it (github-actions'
+    # top-level if on runs.using against its oneOf of runs kinds).
+    ({"allOf": [{"enum": ["node", "docker"]}, {"anyOf": [{"const": "docker"}, {"const": "composite"}]}]},
+     ["docker"], ["composite", "node"]),
+    # uri: the authority's ':' starts a port of digits (a random walk wrote "https://'x:pointer(...").
+    ({"type": "string", "format": "uri"}, ["https://example.com:8080/a?b#c", "http://u:p@h/x"],
+     ["https://h:abc", "https://a:b:c/"]),
+    # multipleOf p/q: integers that p divides; if: false takes else.
+    ({"type": "number", "multipleOf": 1.5, "maximum": 20}, [0, 3, 18, -6], [1, 20.5]),
+    ({"type": "integer", "multipleOf": 0.0001}, [7, -3], [0.5]),
+    ({"if": False, "then": {"const": "t"}, "else": {"const": "e"}}, ["e"], ["t"]),
+    # if/then/else: through `then`, and through `else` where `not: if` can be said (numeric bounds too).
+    ({"if": {"exclusiveMaximum": 0}, "then": {"minimum": -10}, "else": {"multipleOf": 2}},
+     [-1, -10, 0, 4, "s"], [-11, 3, 0.5]),
+    ({"if": {"type": "string"}, "then": {"maxLength": 2}, "else": {"type": "integer", "minimum": 5}},
+     ["ab", 7], ["abc", 3, None]),
+    ({"type": "object", "if": {"required": ["a"]}, "then": {"required": ["b"]}, "else": {"required": ["c"]},
+      "additionalProperties": INT}, [{"a": 1, "b": 2}, {"c": 1}], [{"a": 1}, {}, {"a": 1, "c": 2}]),
+    # $dynamicRef: the root's $dynamicAnchor wins over the static target's (it starts every dynamic
+    # scope); to a plain $anchor or a pointer it is a $ref.
+    ({"$id": "http://example.com/root", "$ref": "list", "$dynamicAnchor": "items", "$defs": {
+        "items": {"$dynamicAnchor": "items", "type": "string", "maxLength": 2},
+        "list": {"$id": "list", "type": "array", "items": {"$dynamicRef": "#items"},
+                 "$defs": {"any": {"$dynamicAnchor": "items"}}}}},
+     [["ab"], []], [[1], ["abc"]]),
+    ({"$id": "http://example.com/d", "type": "array", "items": {"$dynamicRef": "#k"},
+      "$defs": {"k": {"$anchor": "k", "type": "integer"}}}, [[1, 2]], [["a"]]),
 ]
 
 
@@ -202,18 +256,27 @@ def test_pattern_classes_are_ecma_262_ascii(tiny_tokenizer):
 
 def test_oneof_that_may_overlap_is_refused_with_its_pointer(tiny_tokenizer):
     schema = {"properties": {"p": {"oneOf": [{"type": "object"}, {"type": "object", "properties": {"a": INT}}]}}}
-    with pytest.raises(ValueError, match=re.escape("#/properties/p/oneOf: branches 0 and 1 may both match")):
+    with pytest.raises(ValueError, match=re.escape("#/properties/p/oneOf: its branches may overlap")):
         build_constraint("json_schema", schema, tiny_tokenizer)
 
 
 @pytest.mark.parametrize("schema, where", [
-    ({"items": {"not": {"minimum": 3}}}, "#/items/not"),
+    ({"items": {"not": {"minLength": 3}}}, "#/items/not"),
     ({"$defs": {"a": {"$dynamicRef": "#x"}}, "$ref": "#/$defs/a"}, "#/$defs/a/$dynamicRef"),
-    ({"properties": {"a/b": {"type": "number", "multipleOf": 0.5}}}, "#/properties/a~1b/multipleOf"),
+    ({"$id": "http://e.com/r", "$defs": {  # two resources with the anchor, neither the root: path-dependent
+        "a": {"$id": "a", "$dynamicAnchor": "t", "type": "integer"},
+        "b": {"$id": "b", "$dynamicAnchor": "t", "items": {"$dynamicRef": "a#t"}}}, "$ref": "b"},
+     "http://e.com/b/items/$dynamicRef"),
+    ({"properties": {"a/b": {"type": "number", "multipleOf": 0.123456789}}}, "#/properties/a~1b/multipleOf"),
 ])
 def test_refusals_name_keyword_and_json_pointer(schema, where, tiny_tokenizer):
     with pytest.raises(ValueError, match=re.escape(where)):
         build_constraint("json_schema", schema, tiny_tokenizer)
+
+
+def test_allof_of_three_different_constants_admits_no_value(tiny_tokenizer):
+    with pytest.raises(ValueError, match="admits no value"):
+        build_constraint("json_schema", {"allOf": [{"const": 1}, {"const": 2}, {"const": 3}]}, tiny_tokenizer)
 
 
 def test_optional_properties_grow_the_grammar_linearly():
@@ -365,3 +428,22 @@ def test_token_classes_assembled_per_first_byte_equal_a_whole_walk(tiny_tokenize
                     exits = np.flatnonzero(~whole & terminal_tokens._nonempty(vocab))
                 assert (inside == whole).all(), (name, q)
                 assert sorted(uncertain.tolist()) == sorted(exits.tolist()), (name, q)
+
+
+def test_depth_first_completion_finds_the_way_breadth_first_drowns_in(tiny_tokenizer):
+    """Inside a value of any shape, with a long required key still ahead, a breadth-first search runs
+    out of states (the random walks' helper gave up so on two Kubernetes schemas); the depth-first
+    search, closing bytes first, reaches an end, and the text it completes is valid."""
+    from radixlm.core.constrained.pda import bytes_to_accept, shortest_bytes_to_accept
+
+    schema = {"type": "object", "properties": {"a": {}, "a_rather_long_required_key_name": STR},
+              "required": ["a", "a_rather_long_required_key_name"]}
+    c = build_constraint("json_schema", schema, tiny_tokenizer)
+    index, state = c.index, c.index.start
+    prefix = '{"a":[{"x":[[1,{"y":"'
+    for b in prefix.encode():
+        state = index.byte_successors(state)[b]
+    assert shortest_bytes_to_accept(index, state, 2_000) is None
+    rest = bytes_to_accept(index, state)
+    assert rest is not None and _accepts(c, prefix + rest.decode())
+    _validator(schema).validate(json.loads(prefix + rest.decode()))

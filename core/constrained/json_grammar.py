@@ -8,15 +8,17 @@ Keywords: type, enum, const, properties, required, additionalProperties (false, 
 patternProperties, minProperties/maxProperties, items, prefixItems, minItems/maxItems, uniqueItems (an
 approximation that stays sound: at most one item), minLength/maxLength, pattern (ECMA-262 search
 semantics, `\\d` and `\\w` ASCII), format (date, time, date-time, duration, uuid, email, hostname, ipv4,
-ipv6, uri), numeric bounds, multipleOf 1 on integers, anyOf, oneOf (when its branches exclude each
-other: different types, different constants, or objects told apart by their properties), allOf
-(merged), not (of types), $ref (local, recursion allowed), OpenAPI's nullable; annotations ignored.
+ipv6, uri), numeric bounds, multipleOf (whole, or p/q on integers), anyOf, oneOf (exclusive: branches
+told apart by types, constants or properties, else each excluding the others with `not`), allOf
+(merged), not (of types, required keys, string patterns/constants, numeric bounds), if/then/else, $ref
+and $dynamicRef (schema_refs.py; recursion allowed), OpenAPI's nullable; annotations ignored.
 Objects with `properties` and no `additionalProperties` get exactly their listed properties (a
 documented strictness). Anything refused raises ValueError naming the keyword and its JSON pointer.
 """
 
 from __future__ import annotations
 
+import fractions
 import functools
 import itertools
 import json
@@ -69,7 +71,9 @@ _IGNORED = {
     "readOnly", "writeOnly", "deprecated", "contentMediaType", "contentEncoding", "contentSchema", "discriminator",
     "format", "$vocabulary", "$dynamicAnchor", "x-", "externalDocs", "xml", "example",
 }
-_REFUSED = {"$dynamicRef": "$dynamicRef", "$recursiveRef": "$recursiveRef"}
+_REFUSED = {"$dynamicRef": "a $dynamicRef that does not resolve, or whose target depends on the path taken "
+                           "(the dynamic scope),",
+            "$recursiveRef": "keyword '$recursiveRef'"}
 _DEPENDENT = ("dependentRequired", "dependentSchemas", "dependencies")
 _LOWER_BOUNDS = {"minimum", "exclusiveMinimum", "minLength", "minItems", "minProperties", "minContains"}
 _UPPER_BOUNDS = {"maximum", "exclusiveMaximum", "maxLength", "maxItems", "maxProperties", "maxContains"}
@@ -191,11 +195,11 @@ class _Converter(js._Converter):
             raise SchemaError(f"{ptr}: a JSON schema must be an object or a boolean, got {schema!r}")
         for key in schema:
             if key in _REFUSED:
-                raise SchemaError(f"{ptr}/{key}: keyword {_REFUSED[key]!r} is not supported")
+                raise SchemaError(f"{ptr}/{key}: {_REFUSED[key]} is not supported")
         if any(k in schema for k in _DEPENDENT):
             return self.value(self._dependents(schema, ptr), ptr)
         if "if" in schema:
-            return self.value(_through_if(schema), ptr)
+            return self._conditional(schema, ptr)
         schema = {k: v for k, v in schema.items() if k not in ("then", "else")}
         if "not" in schema and not _types_only(schema["not"]):  # as positive keywords, merged in
             rest = {k: v for k, v in schema.items() if k != "not"}
@@ -216,12 +220,16 @@ class _Converter(js._Converter):
             rest = {k: v for k, v in schema.items() if k != key and k not in _IGNORED}
             subs = [{"allOf": [b, rest]} if rest else b for b in branches]
             if key == "oneOf":
-                subs = self._exclusive(subs, f"{ptr}/oneOf")
+                return alt(*self._exclusive(subs, branches, f"{ptr}/oneOf"))
             return alt(*(self.value(s, f"{ptr}/{key}/{i}") for i, s in enumerate(subs)))
         if schema.get("nullable") is True:
             return alt(self.value({k: v for k, v in schema.items() if k != "nullable"}, ptr), NULL)
         if "const" in schema:
-            return NOTHING if schema["const"] is _CONFLICT else self._literal(schema["const"], schema, ptr)
+            enum = schema.get("enum")  # both, from an allOf merge: the constant only if the enum has it
+            if schema["const"] is _CONFLICT or isinstance(enum, list) and not any(
+                    _same_json(schema["const"], v) for v in enum):
+                return NOTHING
+            return self._literal(schema["const"], schema, ptr)
         if "enum" in schema:
             if not isinstance(schema["enum"], list) or not schema["enum"]:
                 raise SchemaError(f"{ptr}/enum: must be a non-empty list")
@@ -345,7 +353,7 @@ class _Converter(js._Converter):
         if key == _NOT_STRINGS:
             return a + b
         if key == "const":  # two different constants: no value
-            return a if _same_json(a, b) else _CONFLICT
+            return a if a is not _CONFLICT and b is not _CONFLICT and _same_json(a, b) else _CONFLICT
         if key == "prefixItems" and isinstance(a, list) and isinstance(b, list):
             short, long = sorted((a, b), key=len)
             return [{"allOf": [x, y]} for x, y in zip(short, long)] + long[len(short):]
@@ -355,9 +363,9 @@ class _Converter(js._Converter):
         """allOf's parts, dereferenced, with nested allOfs spliced in (so that a nested part's
         additionalProperties also sees the properties the outer parts list)."""
         parts = []
-        for schema in schemas:
-            part, sub_refs = self._deref(schema, refs)
-            part = _known_keywords(part)
+        derefed = [(_known_keywords(part), sub_refs) for part, sub_refs in (self._deref(s, refs) for s in schemas)]
+        derefed = _discriminated(derefed)
+        for part, sub_refs in derefed:
             if isinstance(part, dict) and "if" in part:
                 part = _through_if(part)
             if isinstance(part, dict) and isinstance(part.get("allOf"), list):
@@ -405,6 +413,28 @@ class _Converter(js._Converter):
         if sub is False:
             return True
         body = {k: v for k, v in sub.items() if k not in _IGNORED} if isinstance(sub, dict) else None
+        if body is not None and set(body) == {"type"}:  # the other types ("integer" alone has no complement)
+            excluded = {body["type"]} if isinstance(body["type"], str) else set(body["type"])
+            if excluded <= set(_TYPES):
+                return {"type": [t for t in _TYPES if t not in excluded]}
+        if (body and set(body) <= {"type", "properties"} and body.get("type", "object") == "object"
+                and isinstance(body.get("properties"), dict) and body["properties"]):
+            # not (objects whose listed keys, where present, match): an object with a key whose value
+            # fails its schema (and, where `type: object` is said, any value that is not an object)
+            present = [{"type": "object", "required": [k], "properties": {k: self._negation(v, {}, ptr)}, **opened}
+                       for k, v in body["properties"].items()]
+            others = [{"type": [t for t in _TYPES if t != "object"]}] if "type" in body else []
+            return {"anyOf": [*others, *present]}
+        flips = {"minimum": "exclusiveMaximum", "maximum": "exclusiveMinimum", "exclusiveMinimum": "maximum",
+                 "exclusiveMaximum": "minimum"}
+        if (body and set(body) - {"type"} and set(body) <= {"type", *flips} and body.get("type", "number") == "number"
+                and all(isinstance(v, (int, float)) and not isinstance(v, bool)
+                        for k, v in body.items() if k != "type")):
+            # Bounds hold for every value but numbers: their negation is a number past one of them (and,
+            # where `type: number` is said, any value that is not a number).
+            past = [{"type": "number", flips[k]: v} for k, v in body.items() if k != "type"]
+            others = [{"type": [t for t in _TYPES if t != "number"]}] if "type" in body else []
+            return {"anyOf": [*others, *past]}
         if body is not None and len(body) == 1 and isinstance(body.get("anyOf", body.get("allOf")), list):
             flip = "allOf" if "anyOf" in body else "anyOf"
             return {flip: [self._negation(b, opened, ptr) for b in next(iter(body.values()))]}
@@ -412,7 +442,10 @@ class _Converter(js._Converter):
         props = body.get("properties", {}) if body else None
         if (body and kind in (None, "object") and body.get("required") and set(body) <= {"type", "required", "properties"}
                 and isinstance(props, dict) and all(v is True or v == {} for v in props.values())):
-            absent = [{"properties": {r: False}, **opened} for r in body["required"]]
+            # `required` holds for every value but objects: its negation is an object without one of the
+            # keys (and, where `type: object` is said, any value that is not an object).
+            absent = [{"type": "object", "properties": {r: False}, **opened} for r in body["required"]]
+            absent += [{"type": [t for t in _TYPES if t != "object"]}] if "type" in body else []
             return absent[0] if len(absent) == 1 else {"anyOf": absent}
         if body and kind in (None, "string") and set(body) - {"type"} and set(body) <= {"type", "pattern", "enum", "const"}:
             values = list(body.get("enum", [])) + ([body["const"]] if "const" in body else [])
@@ -423,6 +456,8 @@ class _Converter(js._Converter):
                         excluded.append(f'"{ecma_string_pattern(body["pattern"])}"')
                     except ValueError as e:
                         raise SchemaError(f"{ptr}/pattern: {e}") from None
+                if set(body) == {"pattern"}:  # a pattern holds for every value but strings
+                    return {_NOT_STRINGS: excluded, "type": "string"}
                 return {_NOT_STRINGS: excluded}
         raise SchemaError(f"{ptr}: only 'not' of types, of required keys, of string patterns or constants, and "
                           "anyOf/allOf of those, is supported")
@@ -508,8 +543,12 @@ class _Converter(js._Converter):
         step = schema.get("multipleOf", 1)
         if isinstance(step, bool) or not isinstance(step, (int, float)) or step <= 0:
             raise SchemaError(f"{ptr}/multipleOf: must be a positive number")
-        if float(step) != int(step) or int(step) > MAX_MODULUS:
-            raise SchemaError(f"{ptr}/multipleOf: multipleOf is supported for whole numbers up to {MAX_MODULUS}")
+        # An integer is a multiple of p/q (in lowest terms, from the decimal as written: 1.5 is 3/2)
+        # exactly when p divides it.
+        step = fractions.Fraction(repr(step)).numerator
+        if step > MAX_MODULUS:
+            raise SchemaError(f"{ptr}/multipleOf: multipleOf is supported where its numerator (in lowest terms) "
+                              f"is at most {MAX_MODULUS}")
         try:
             lo, hi = js._int_bounds(schema)
         except ValueError as e:
@@ -528,7 +567,8 @@ class _Converter(js._Converter):
     def _number(self, schema: dict, ptr: str, fraction: bool = False) -> Expr:
         """Numbers within the bounds (any decimal bound, exclusive or not); with `fraction`, only those
         that are not integers."""
-        if "multipleOf" in schema:  # the multiples of a whole number are integers
+        # Multiples of a whole number are integers; of p/q, the integer ones are generated (a sound subset).
+        if "multipleOf" in schema:
             return NOTHING if fraction else self._integer(schema, ptr)
         lower = self._bound(schema, "minimum", "exclusiveMinimum", max, ptr)
         upper = self._bound(schema, "maximum", "exclusiveMaximum", min, ptr)
@@ -805,13 +845,14 @@ class _Converter(js._Converter):
         return body
 
     # ---- oneOf -------------------------------------------------------------------------------------
-    def _exclusive(self, branches: list[Any], ptr: str) -> list[Any]:
+    def _exclusive(self, branches: list[Any], own: list[Any], ptr: str) -> list[Expr]:
         """oneOf's branches, each generating only values no other branch accepts. When the branches
         do not exclude each other as they are, each is kept to the types no other branch allows (a
-        number type is dropped if another branch allows integers); a branch left with none is dropped."""
+        number type is dropped if another branch allows integers); a branch left with none is dropped.
+        Failing that, each branch excludes the others with `not` (_excluding)."""
         sigs = [self._signature(b) for b in branches]
         if _pairwise_exclusive(sigs):
-            return branches
+            return [self.value(b, f"{ptr}/{i}") for i, b in enumerate(branches)]
         kept, kept_sigs = [], []
         for i, (branch, sig) in enumerate(zip(branches, sigs)):
             others = set().union(*(s["types"] for j, s in enumerate(sigs) if j != i))
@@ -820,16 +861,51 @@ class _Converter(js._Converter):
                 kept.append({"allOf": [branch, {"type": sorted(types - {"integer"} if "number" in types else types)}]})
                 kept_sigs.append(dict(sig, types=types | ({"integer"} if "number" in types else set())))
         if kept and _pairwise_exclusive(kept_sigs):
-            return kept
-        for i in range(len(sigs)):
-            for j in range(i + 1, len(sigs)):
-                if not (_excludes(sigs[i], sigs[j]) and _excludes(sigs[j], sigs[i])):
-                    raise SchemaError(f"{ptr}: branches {i} and {j} may both match one value; oneOf is supported "
-                                      "only when its branches exclude each other (types, constants, or required "
-                                      "properties)")
-        return branches
+            return [self.value(b, f"{ptr}/{i}") for i, b in enumerate(kept)]
+        return self._excluding(branches, own, sigs, ptr)
 
-    def _signature(self, schema: Any) -> dict:
+    def _excluding(self, branches: list[Any], own: list[Any], sigs: list[dict], ptr: str) -> list[Expr]:
+        """Branches that may overlap, each as `allOf: [branch, not: other, ...]` for the others it may
+        overlap (`own`: the branches without the keywords beside oneOf, which every branch has); a
+        branch whose exclusions `not` cannot express is dropped (a sound subset)."""
+        kept, first_error = [], None
+        for i, branch in enumerate(branches):
+            overlapping = [b for j, b in enumerate(own)
+                           if j != i and not (_excludes(sigs[i], sigs[j]) and _excludes(sigs[j], sigs[i]))]
+            candidate = {"allOf": [branch, *({"not": b} for b in overlapping)]}
+            expr = self._attempt(candidate, f"{ptr}/{i}")
+            if isinstance(expr, SchemaError):
+                first_error = first_error or expr
+            elif expr != NOTHING:
+                kept.append(expr)
+        if not kept and first_error is None:
+            raise SchemaError(f"{ptr}: no value matches exactly one branch")
+        if not kept:
+            raise SchemaError(f"{ptr}: its branches may overlap, and no branch could exclude the others "
+                              f"({first_error})")
+        return kept
+
+    def _attempt(self, schema: Any, ptr: str) -> Expr | SchemaError:
+        """value(schema), or the SchemaError it raised, with the rules as they were before (a refused
+        conversion may leave rules half made)."""
+        rules, ref_rules = dict(self.rules), dict(self.ref_rules)
+        try:
+            return self.value(schema, ptr)
+        except SchemaError as e:
+            self.rules, self.ref_rules = rules, ref_rules
+            return e
+
+    def _conditional(self, schema: dict, ptr: str) -> Expr:
+        """if/then/else: values of `if` and `then`, or of `not: if` and `else` where `not` can say it
+        (else the former only: a sound subset)."""
+        through_if = self.value(_through_if(schema), ptr)
+        if schema["if"] is False or schema["if"] is True:
+            return through_if
+        rest = {k: v for k, v in schema.items() if k not in ("if", "then", "else")}
+        other = self._attempt({"allOf": [{"not": schema["if"]}, schema.get("else", True), rest]}, f"{ptr}/else")
+        return through_if if isinstance(other, SchemaError) else alt(through_if, other)
+
+    def _signature(self, schema: Any, depth: int = 0) -> dict:
         """What a branch's outputs look like, as far as telling branches apart needs."""
         schema, _ = self._deref(schema, ())
         if schema is False or isinstance(schema, dict) and any(p is False for p in schema.get("allOf", ())):
@@ -850,7 +926,12 @@ class _Converter(js._Converter):
         else:
             t = schema.get("type", list(_TYPES))
             types = {t} if isinstance(t, str) else set(t)
-            if "anyOf" in schema or "oneOf" in schema or "not" in schema:
+            choice = schema.get("anyOf", schema.get("oneOf"))
+            if isinstance(choice, list) and depth < 8:  # the types its branches allow, within its own
+                inner = set().union(*(self._signature(b, depth + 1)["types"] for b in choice))
+                types = types | ({"integer"} if "number" in types else set())
+                types = types & inner | ({"integer"} if "number" in types & inner else set())
+            elif choice is not None or "not" in schema:
                 types = set(_TYPES)
         if "number" in types:
             types.add("integer")
@@ -860,7 +941,9 @@ class _Converter(js._Converter):
         closed = "additionalProperties" not in schema and bool(props) or schema.get("additionalProperties") is False
         return {"types": types, "consts": consts, "required": set(schema.get("required") or []),
                 "props": set(props) | set(schema.get("required") or []), "closed": closed and not schema.get("patternProperties"),
-                "prop_consts": {k: _const_of(v) for k, v in props.items() if _const_of(v) is not None}}
+                "prop_consts": {k: _const_of(v) for k, v in props.items() if _const_of(v) is not None},
+                "prop_not_consts": {k: _const_of(v["not"]) for k, v in props.items()
+                                    if isinstance(v, dict) and _const_of(v.get("not")) is not None}}
 
 
 # The keywords that constrain values (JSON Schema 2020-12 and earlier drafts, OpenAPI's nullable);
@@ -969,6 +1052,12 @@ def _excludes(a: dict, b: dict) -> bool:
         other = b.get("prop_consts", {}).get(key)
         if key in a.get("required", set()) and other is not None and all(v not in other for v in values):
             return True
+        if key in a.get("required", set()) and all(v in b.get("prop_not_consts", {}).get(key, ()) for v in values):
+            return True  # b's schema for the key is `not` of a list holding all of a's values
+    for key, excluded in a.get("prop_not_consts", {}).items():
+        other = b.get("prop_consts", {}).get(key)
+        if key in a.get("required", set()) and other is not None and all(v in excluded for v in other):
+            return True
     return False
 
 
@@ -998,9 +1087,46 @@ def _opened(schema: dict) -> dict:
     return {} if any(k in schema for k in listed) else {"additionalProperties": True}
 
 
+def _discriminated(parts: list[tuple[Any, tuple]]) -> list[tuple[Any, tuple]]:
+    """allOf parts `{"if": {"properties": {"kind": {"const": c_i}}}, "then": T_i, "else": E_i}` with one
+    key and different constants (a discriminator, as in GitHub's issue forms) as one choice: objects with
+    kind c_i, T_i and every other part's E_i. Through `if` alone, every part's T_i would apply at once."""
+    def key_const(part):
+        cond = part.get("if") if isinstance(part, dict) else None
+        if (isinstance(cond, dict) and set(cond) <= {"properties", "required", "type"}
+                and cond.get("type", "object") == "object"):
+            props = cond.get("properties")
+            if isinstance(props, dict) and len(props) == 1:
+                (key, sub), = props.items()
+                if isinstance(sub, dict) and set(sub) == {"const"} and set(cond.get("required", [key])) == {key}:
+                    return key, json.dumps(sub["const"], sort_keys=True)
+        return None
+    found = [(i, key_const(p)) for i, (p, _) in enumerate(parts)]
+    found = [(i, kc) for i, kc in found if kc is not None]
+    keys = {kc[0] for _, kc in found}
+    if len(found) < 2 or len(keys) != 1 or len({kc[1] for _, kc in found}) != len(found):
+        return parts
+    chosen = [i for i, _ in found]
+    branches = []
+    for i in chosen:
+        part = parts[i][0]
+        elses = [parts[j][0]["else"] for j in chosen if j != i and "else" in parts[j][0]]
+        branches.append({"allOf": [{**part["if"], "required": [next(iter(keys))]}, part.get("then", True), *elses]})
+    out = []  # in place of the first part chosen, the choice; of each chosen one, its other keywords
+    for i, (part, refs) in enumerate(parts):
+        if i == chosen[0]:
+            out.append(({"anyOf": branches}, refs))
+        rest = {k: v for k, v in part.items() if k not in ("if", "then", "else")} if i in chosen else part
+        if i not in chosen or rest:
+            out.append((rest, refs))
+    return out
+
+
 def _through_if(schema: dict) -> dict:
     """if/then/else generated through its `if` branch: instances of if and then (a sound subset)."""
     rest = {k: v for k, v in schema.items() if k not in ("if", "then", "else")}
+    if schema["if"] is False:  # no value matches `if`: every value takes `else`
+        return {"allOf": [schema.get("else", True), rest]}
     return {"allOf": [schema["if"], schema.get("then", True), rest]}
 
 

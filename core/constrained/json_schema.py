@@ -41,6 +41,9 @@ _DATE = (
 )
 _TIME = r"(?:[01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](?:\.[0-9]{1,6})?(?:Z|[+-](?:[01][0-9]|2[0-3]):[0-5][0-9])"
 _URI_CHAR = r"(?:[A-Za-z0-9._~!$&'()*+,;=:@-]|%[0-9A-Fa-f]{2})"
+_HOST_CHAR = r"(?:[A-Za-z0-9._~!$&'()*+,;=-]|%[0-9A-Fa-f]{2})"
+# RFC 3986's authority: [userinfo "@"] host [":" port], the port digits only (a ':' in the host is a port).
+_AUTHORITY = rf"(?:(?:{_HOST_CHAR}|:)*@)?{_HOST_CHAR}+(?::[0-9]*)?"
 FORMATS = {
     "date": _DATE,
     "time": _TIME,
@@ -48,7 +51,7 @@ FORMATS = {
     "uuid": r"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}",
     "email": r"[A-Za-z0-9!#$%&'*+=?^_`{|}~-]+(?:\.[A-Za-z0-9!#$%&'*+=?^_`{|}~-]+)*"
              r"@(?:[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?\.)+[A-Za-z]{2,}",
-    "uri": rf"[A-Za-z][A-Za-z0-9+.-]*://{_URI_CHAR}+(?:/{_URI_CHAR}*)*(?:\?(?:{_URI_CHAR}|[/?])*)?(?:#(?:{_URI_CHAR}|[/?])*)?",
+    "uri": rf"[A-Za-z][A-Za-z0-9+.-]*://{_AUTHORITY}(?:/{_URI_CHAR}*)*(?:\?(?:{_URI_CHAR}|[/?])*)?(?:#(?:{_URI_CHAR}|[/?])*)?",
 }
 
 # Keywords that only annotate, or hold definitions: ignored.

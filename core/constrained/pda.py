@@ -352,6 +352,37 @@ def shortest_bytes_to_accept(index, state: int, max_states: int = 100_000) -> by
     return _search(index, state, max_states)[0]
 
 
+# Closing bytes first, opening ones last: a depth-first search in this order ends values quickly.
+_COMPLETION_ORDER = [*b'"}]0,:', *(b for b in range(256) if b not in b'"}]0,:[{'), *b"[{"]
+
+
+def bytes_to_accept(index, state: int, max_states: int = 100_000) -> bytes | None:
+    """Depth first from `state`, closing bytes first: the bytes of a path to an accepting state (not
+    the shortest), or None if none is found within `max_states` states. Where a breadth-first search
+    drowns (a required key far ahead, behind values of any shape), this one walks straight there."""
+    path, seen = bytearray(), {state}
+    stack = [(state, iter(_COMPLETION_ORDER))]
+    while stack:
+        current, moves = stack[-1]
+        if index.is_accepting(current):
+            return bytes(path)
+        successors = index.byte_successors(current)
+        for byte in moves:
+            nxt = successors[byte]
+            if nxt >= 0 and nxt not in seen:
+                if len(seen) >= max_states:
+                    return None
+                seen.add(nxt)
+                path.append(byte)
+                stack.append((nxt, iter(_COMPLETION_ORDER)))
+                break
+        else:
+            stack.pop()
+            if path:
+                path.pop()
+    return None
+
+
 def can_finish(index, state: int, max_states: int) -> bool:
     """False only when the search ran out of states to visit without reaching an accepting one."""
     path, exhausted = _search(index, state, max_states)

@@ -9,6 +9,13 @@ including URNs. Nothing is fetched: a URI that no `$id` of the document names do
 The converter resolves refs in many places (rules, allOf merges, oneOf checks) where the base URI of
 the schema at hand is no longer known, so the document is copied once with every `$ref` made absolute;
 after that a ref resolves the same wherever it is looked up.
+
+`$dynamicRef` (draft 2020-12) resolves through the dynamic scope: when its static target carries a
+`$dynamicAnchor` of the fragment's name, the outermost resource of the scope with that dynamic anchor
+wins. The scope always starts at the root, so the answer does not depend on the path when the root
+defines that dynamic anchor (the root's wins) or when one resource alone does (the static target's):
+such refs are rewritten as plain `$ref`s here. Others depend on the path the evaluation took and are
+left for the converter to refuse with their pointer.
 """
 
 from __future__ import annotations
@@ -37,18 +44,24 @@ def _specification(schema: Any, default: rj.Specification) -> rj.Specification:
         return default
 
 
-def _absolutize(node: Any, spec: rj.Specification, base: str) -> None:
-    """Rewrites, in place, every `$ref` under `node` (a schema) as an absolute URI reference."""
+def _absolutize(node: Any, spec: rj.Specification, base: str, dynamic: list, anchors: set) -> None:
+    """Rewrites, in place, every `$ref` and `$dynamicRef` under `node` (a schema) as an absolute URI
+    reference; collects the nodes with a `$dynamicRef` and the (resource, name) of `$dynamicAnchor`s."""
     if not isinstance(node, dict):
         return
     spec = _specification(node, spec)
     found = spec.id_of(node)
     if isinstance(found, str):
         base = _join(base, found)
-    if isinstance(node.get("$ref"), str):
-        node["$ref"] = _join(base, node["$ref"])
+    for key in ("$ref", "$dynamicRef"):
+        if isinstance(node.get(key), str):
+            node[key] = _join(base, node[key])
+    if isinstance(node.get("$dynamicRef"), str):
+        dynamic.append(node)
+    if isinstance(node.get("$dynamicAnchor"), str):
+        anchors.add((urldefrag(base)[0], node["$dynamicAnchor"]))
     for sub in spec.subresources_of(node):
-        _absolutize(sub, spec, base)
+        _absolutize(sub, spec, base, dynamic, anchors)
 
 
 class SchemaRefs:
@@ -57,12 +70,38 @@ class SchemaRefs:
     def __init__(self, schema: Any) -> None:
         self.root = copy.deepcopy(schema)
         spec = _specification(self.root, rj.DRAFT202012)
-        _absolutize(self.root, spec, "")
+        dynamic: list[dict] = []
+        anchors: set[tuple[str, str]] = set()
+        _absolutize(self.root, spec, "", dynamic, anchors)
         resource = spec.create_resource(self.root)
         self._resolver = Registry().with_resource(resource.id() or "", resource).crawl().resolver()
+        root = self._root = urldefrag(resource.id() or "")[0]
+        for node in dynamic:
+            self._static_dynamic_ref(node, root, anchors)
+
+    def _static_dynamic_ref(self, node: dict, root: str, anchors: set[tuple[str, str]]) -> None:
+        """Rewrites the node's `$dynamicRef` as a `$ref` where the dynamic scope cannot change its target."""
+        if "$ref" in node:
+            return
+        ref = node["$dynamicRef"]
+        base, name = urldefrag(ref)
+        try:
+            self._resolver.lookup(ref)
+        except Unresolvable:
+            return  # the converter reports the ref
+        holders = {b for b, n in anchors if n == name}
+        if (base, name) not in anchors or holders == {base}:
+            node["$ref"] = ref  # the static target: a plain anchor or pointer, or the only such anchor
+        elif root in holders:
+            node["$ref"] = f"{root}#{name}"  # the root starts every dynamic scope
+        else:
+            return
+        del node["$dynamicRef"]
 
     def resolve(self, ref: str) -> Any:
         """The schema an absolute `$ref` (as in self.root) points to; ValueError if nothing does."""
+        if ref.startswith("#"):  # under a key no keyword names (so not made absolute): the root's base
+            ref = self._root + ref
         try:
             return self._resolver.lookup(ref).contents
         except Unresolvable:

@@ -16,7 +16,7 @@ import numpy as np
 
 from radixlm.core.constrained.fsm import FSMConstraint
 from radixlm.core.constrained.index import cache_dir
-from radixlm.core.constrained.pda import shortest_bytes_to_accept
+from radixlm.core.constrained.pda import bytes_to_accept, shortest_bytes_to_accept
 
 QWEN2_PATTERN = (
     r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
@@ -72,13 +72,15 @@ def random_walk(constraint: FSMConstraint, rng: np.random.Generator, max_tokens:
 
     Each step picks uniformly among the allowed tokens; in an accepting state the walk stops with
     probability `stop_prob`. After `max_tokens` it heads for the nearest accepting state, one
-    single-byte token at a time (byte-level vocabularies have one for every byte)."""
+    single-byte token at a time (byte-level vocabularies have one for every byte): the shortest way
+    where a bounded breadth-first search finds it, else a depth-first one (pda.bytes_to_accept)."""
     index = constraint.index
     single = getattr(index, "_test_single_byte", None)
     if single is None:
         single = {b[0]: i for i, b in enumerate(index.token_bytes) if len(b) == 1}
         index._test_single_byte = single
     ids: list[int] = []
+    path = b""  # the bytes still to write on the way to an accepting state
     while not constraint.is_finished():
         state = constraint.state
         if index.is_accepting(state) and (rng.random() < stop_prob or len(ids) >= max_tokens):
@@ -89,13 +91,17 @@ def random_walk(constraint: FSMConstraint, rng: np.random.Generator, max_tokens:
         else:
             if len(ids) > 8 * max_tokens + 200:
                 raise AssertionError("random walk does not reach an accepting state")
-            path = shortest_bytes_to_accept(index, state)
-            if path is None:
-                raise AssertionError("no accepting state is reachable")
+            if not path:
+                path = shortest_bytes_to_accept(index, state, 20_000)
+                path = bytes_to_accept(index, state) if path is None else path
+                if path is None:
+                    raise AssertionError("no accepting state is reachable")
             token = single.get(path[0], -1)
+            path = path[1:]
             if token < 0 or index.next_state(state, token) < 0:
                 allowed = index.allowed_tokens(state)
                 token = int(allowed[rng.integers(len(allowed))])
+                path = b""
         constraint.advance(token)
         ids.append(token)
     return ids
