@@ -58,7 +58,9 @@ def oracle(llava) -> Oracle:
 IMAGES = [sample_image(0), sample_image(1, (40, 70))]
 
 
-def check_logprobs(out: dict, oracle: Oracle, prompt: str, image, start: int) -> None:
+def check_logprobs(out: dict, oracle, prompt: str, image, start: int) -> None:
+    """The engine's prompt logprobs (from position `start`) against the oracle's transformers model
+    (this file's Oracle or Qwen2-VL's), image positions excepted."""
     ids, expected = oracle.logprobs(prompt, image)
     meta = out["meta_info"]
     assert meta["prompt_tokens"] == len(ids)  # the placeholder widened as transformers' processor does

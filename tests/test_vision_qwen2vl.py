@@ -12,6 +12,7 @@ import radixlm
 from radixlm.core.errors import InvalidRequestError
 from radixlm.core.testing_vision import QWEN2_VL_IMAGE, build_qwen2_vl_checkpoint, png_bytes, sample_image
 from qwen2vl_oracle import Qwen2VLOracle, video_inputs
+from test_vision_llava import check_logprobs  # any oracle with logprobs(prompt, images) and the model
 
 QUESTION = f"<|im_start|>user\n{QWEN2_VL_IMAGE}What is in this picture? Describe it.<|im_end|>\n<|im_start|>assistant\n"
 OTHER = f"<|im_start|>user\n{QWEN2_VL_IMAGE}What colour is it?<|im_end|>\n<|im_start|>assistant\n"
@@ -30,27 +31,6 @@ def qwen2vl(tmp_path_factory) -> str:
 @pytest.fixture(scope="module")
 def oracle(qwen2vl) -> Qwen2VLOracle:
     return Qwen2VLOracle(qwen2vl)
-
-
-def check_logprobs(out: dict, oracle: Qwen2VLOracle, prompt: str, images, start: int) -> None:
-    ids, expected = oracle.logprobs(prompt, images)
-    meta = out["meta_info"]
-    assert meta["prompt_tokens"] == len(ids)  # the placeholder widened as transformers' processor does
-    entries, tops = meta["input_token_logprobs"], meta["input_top_logprobs"]
-    assert len(entries) == len(ids) - start
-    image_id = oracle.model.config.image_token_id
-    compared = 0
-    for pos, (entry, top) in enumerate(zip(entries, tops), start=start):
-        if pos == 0 or ids[pos] == image_id:
-            assert entry[0] is None
-            continue
-        assert entry[1] == ids[pos]
-        assert entry[0] == pytest.approx(expected[pos - 1, ids[pos]].item(), abs=2e-4)
-        want = torch.topk(expected[pos - 1], TOP)
-        assert [t for _, t, _ in top] == want.indices.tolist()
-        assert [lp for lp, _, _ in top] == pytest.approx(want.values.tolist(), abs=2e-4)
-        compared += 1
-    assert compared > 5
 
 
 @pytest.mark.parametrize("options", [
