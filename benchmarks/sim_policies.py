@@ -73,9 +73,9 @@ class SimRunner:
         """Times each step of `scheduler` (less this runner's own time) and its policy's ordering."""
         step, order = scheduler.step, scheduler.policy.order
 
-        def timed_order(waiting: list[Any]) -> list[Any]:
+        def timed_order(waiting: list[Any], free_slots: int | None = None) -> list[Any]:
             start = time.perf_counter()
-            out = order(waiting)
+            out = order(waiting, free_slots)
             self._order_s += time.perf_counter() - start
             return out
 
