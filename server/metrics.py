@@ -83,7 +83,9 @@ class _EngineCollector:
         # Counted by the engine: it sees every abort, disconnects included, which the HTTP side cannot.
         for name, doc, key in (("num_retracted_requests", "Total number of retracted requests.", "retractions_total"),
                                ("num_aborted_requests", "Number of requests aborted (disconnects, abort_request, "
-                                                        "shutdown).", "aborted_total")):
+                                                        "shutdown).", "aborted_total"),
+                               ("cache_aware_admissions", "Admission steps ordered by the cache-aware policy (lpm or "
+                                "dfs-weight, past the memory-pressure gate).", "cache_aware_admissions_total")):
             counter = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
             counter.add_metric([self.model_name], s[key])
             yield counter

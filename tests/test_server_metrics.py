@@ -19,7 +19,7 @@ SERIES = {
     "radixlm:prompt_tokens": "counter", "radixlm:generation_tokens": "counter", "radixlm:cached_tokens": "counter",
     "radixlm:num_requests": "counter", "radixlm:num_aborted_requests": "counter",
     "radixlm:request_success": "counter", "radixlm:http_requests": "counter",
-    "radixlm:num_retracted_requests": "counter",
+    "radixlm:num_retracted_requests": "counter", "radixlm:cache_aware_admissions": "counter",
     "radixlm:time_to_first_token_seconds": "histogram", "radixlm:inter_token_latency_seconds": "histogram",
     "radixlm:time_per_output_token_seconds": "histogram", "radixlm:e2e_request_latency_seconds": "histogram",
     "radixlm:queue_time_seconds": "histogram", "radixlm:prompt_tokens_histogram": "histogram",
@@ -87,6 +87,7 @@ def test_metrics_series_and_values(live):
     assert value(after, "radixlm:max_total_num_tokens", **model) == stats["kv_slots_total"]
     assert value(after, "radixlm:num_running_reqs", **model) == 0
     assert value(after, "radixlm:cache_hit_rate", **model) == pytest.approx(stats["cache_hit_rate"])
+    assert value(after, "radixlm:cache_aware_admissions_total", **model) == stats["cache_aware_admissions_total"]
 
 
 def test_access_request_and_load_logs(live, caplog):
