@@ -168,6 +168,16 @@ def bench_latency(engine, w, vocab: int, repeats: int) -> dict[str, Any]:
             "first_token_ms": t_first * 1e3, "total_s": t_full, "output_ids": out["output_ids"]}
 
 
+class _ClockStamp:
+    """A CUDA event's stand-in on the CPU, where each forward is synchronous: the clock when recorded."""
+
+    def record(self) -> None:
+        self.at = time.perf_counter()
+
+    def elapsed_time(self, end: "_ClockStamp") -> float:
+        return (end.at - self.at) * 1e3  # milliseconds, as CUDA events give them
+
+
 def bench_throughput(engine, prompts, out_lens, breakdown: bool = False) -> dict[str, Any]:
     """With `breakdown`, every model forward's device time is recorded (CUDA events, read after the run,
     so nothing waits for the device that would not otherwise: overlap keeps working), splitting the
@@ -181,22 +191,17 @@ def bench_throughput(engine, prompts, out_lens, breakdown: bool = False) -> dict
     timings: list[tuple[str, Any, Any]] = []
     if breakdown:
         inner = runner.forward
-        cuda = runner.device.type == "cuda"
+        stamp = (lambda: torch.cuda.Event(enable_timing=True)) if runner.device.type == "cuda" else _ClockStamp
 
         def timed_forward(batch):
             kind = "decode" if batch.is_decode else "prefill"
             split[f"{kind}_steps"] += 1
             split[f"{kind}_tokens"] += len(batch.input_ids)
-            start = torch.cuda.Event(enable_timing=True) if cuda else time.perf_counter()
-            if cuda:
-                start.record()
+            start, end = stamp(), stamp()
+            start.record()
             logits = inner(batch)
-            if cuda:
-                end = torch.cuda.Event(enable_timing=True)
-                end.record()
-                timings.append((kind, start, end))
-            else:
-                split[f"{kind}_s"] += time.perf_counter() - start
+            end.record()
+            timings.append((kind, start, end))
             return logits
 
         runner.forward = timed_forward  # an instance attribute over the method, removed below
@@ -499,7 +504,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     engine = radixlm.Engine(model_dir, device=device.type, chunked_prefill_size=w["chunked_prefill_size"],
                             mem_fraction_static=args.mem_fraction_static, log_level="warning",
                             disable_cuda_graph=args.disable_cuda_graph,
-                            enable_overlap_schedule=args.overlap, **extra, **engine_options(args.engine_option))
+                            enable_overlap_schedule=args.overlap, **extra, **parse_engine_options(args.engine_option))
     runner = engine._runner
     cfg = engine.model_config
     results["engine"] = {
@@ -507,7 +512,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "cuda_graphs": runner.graph_runner is not None, "overlap_schedule": args.overlap,
         "cuda_graph_sizes": runner.graph_runner.sizes if runner.graph_runner else [],
         "chunked_prefill_size": w["chunked_prefill_size"], "mem_fraction_static": args.mem_fraction_static,
-        "options": engine_options(args.engine_option),
+        "options": parse_engine_options(args.engine_option),
     }
     print(f"engine up in {results['engine']['init_s']:.1f} s; KV pool {engine.kv_pool_size} tokens; "
           f"CUDA graphs {results['engine']['cuda_graphs']}", flush=True)
@@ -635,18 +640,21 @@ def summary(r: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def engine_options(pairs: list[str]) -> dict[str, Any]:
-    """--engine-option KEY=VALUE pairs as Engine keyword arguments (values parsed as Python literals
-    where they are one: 64, True, 0.5; else kept as text)."""
-    options = {}
-    for pair in pairs:
+def parse_engine_options(pairs: list[str] | None, flag: str = "--engine-option") -> dict[str, Any]:
+    """KEY=VALUE pairs as Engine keyword arguments: a VALUE is read as JSON (64, true, 0.5), else as a
+    Python literal (True, None), else kept as text."""
+    options: dict[str, Any] = {}
+    for pair in pairs or []:
         key, sep, value = pair.partition("=")
         if not sep:
-            raise SystemExit(f"--engine-option takes KEY=VALUE (got {pair!r})")
+            raise SystemExit(f"{flag} takes KEY=VALUE (got {pair!r})")
         try:
-            options[key] = ast.literal_eval(value)
-        except (ValueError, SyntaxError):
-            options[key] = value
+            options[key] = json.loads(value)
+        except ValueError:
+            try:
+                options[key] = ast.literal_eval(value)
+            except (ValueError, SyntaxError):
+                options[key] = value
     return options
 
 

@@ -59,7 +59,7 @@ START = time.perf_counter()  # --time-limit-s counts from here: imports and engi
 
 import torch  # noqa: E402
 
-from bench_engine import hf_model_on_shared_weights, make_model_dir  # noqa: E402
+from bench_engine import hf_model_on_shared_weights, make_model_dir, parse_engine_options  # noqa: E402
 
 import radixlm  # noqa: E402
 from radixlm.core.tokenizer.loader import load_tokenizer  # noqa: E402
@@ -116,20 +116,6 @@ def instance_counts(items: list[str] | None, defaults: dict[str, int]) -> dict[s
             raise SystemExit(f"instance counts take NAME=N with NAME one of {list(WORKLOADS)}; got {item!r}")
         counts[name] = int(n)
     return counts
-
-
-def engine_overrides(items: list[str] | None) -> dict[str, Any]:
-    """KEY=VALUE engine options over the preset's; a VALUE that parses as JSON is taken as such."""
-    out: dict[str, Any] = {}
-    for item in items or []:
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise SystemExit(f"--engine-options takes KEY=VALUE; got {item!r}")
-        try:
-            out[key] = json.loads(value)
-        except json.JSONDecodeError:
-            out[key] = value
-    return out
 
 
 class ForwardCounter:
@@ -361,7 +347,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                for n in names}
     device = torch.device("cuda" if torch.cuda.is_available() and not args.cpu else "cpu")
     engine_options = {**preset["engine"], "mem_fraction_static": args.mem_fraction_static,
-                      **engine_overrides(args.engine_options)}
+                      **parse_engine_options(args.engine_options, "--engine-options")}
     results: dict[str, Any] = {
         "model": args.model, "command": "python " + " ".join(sys.argv), "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "machine": machine(device), "systems": systems,

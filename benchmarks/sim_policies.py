@@ -35,8 +35,8 @@ from typing import Any, Iterator
 
 import torch
 
-from bench_engine import LLAMA3_8B_SHAPE
-from bench_workloads import H200_LLAMA3_8B, engine_overrides, instance_counts
+from bench_engine import LLAMA3_8B_SHAPE, parse_engine_options
+from bench_workloads import H200_LLAMA3_8B, instance_counts
 from workloads import WORKLOADS
 from workloads.estimate import DeviceCost
 from workloads.recorder import RecordingEngine, hit_rates
@@ -204,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     counts = instance_counts(args.instances, {n: w.instances["gpu"] for n, w in WORKLOADS.items()})
-    options = engine_overrides(args.engine_options)
+    options = parse_engine_options(args.engine_options, "--engine-options")
     results = []
     with tempfile.TemporaryDirectory() as root:
         path = model_dir(root)

@@ -16,9 +16,9 @@ held in the host tier (hicache) counts as cached: loading it back costs less tha
 
 Reordering pays only under memory pressure: while the free KV slots hold every waiting prompt,
 nothing cached is evicted before its request runs, so every order gets the same hits and lpm only
-changes who goes first (on the H200 paper workloads: the same hit rates, lpm/fcfs 0.82-1.05x). With
-`free_slots` given, the cache-aware orders therefore keep arrival order until the waiting prompts
-outgrow the free slots.
+changes who goes first (on the H200 paper workloads: the same hit rates, lpm/fcfs medians
+0.85-1.10x). With `free_slots` given, the cache-aware orders therefore keep arrival order until the
+waiting prompts outgrow the free slots.
 """
 
 from __future__ import annotations
