@@ -305,7 +305,7 @@ def test_adjustments_still_apply_next_to_the_fast_path():
     reqs = [make_req(temperature=0), make_req(temperature=0, logit_bias={7: 5.0}), make_req(temperature=0)]
     tokens = Sampler(10, [], torch.Generator()).sample(logits, reqs, [None] * 3).token_ids
     assert tokens == [2, 7, 2]
-    assert not Sampler._needs_adjust([reqs[0], reqs[2]], [None, None])
+    assert not Sampler._needs_adjust([reqs[0], reqs[2]])
 
 
 # ---- lazy detokenization, dummy weights, options ---------------------------------------------------------------

@@ -88,6 +88,7 @@ class Sampler:
         Rows found invalid are listed in the result's `invalid`."""
         return self.sample_on_device(logits, reqs, masks).resolve(reqs)
 
+    @torch.inference_mode()  # the model's logits are inference tensors, masked in place
     def sample_on_device(self, logits: torch.Tensor, reqs: list[Req],
                          masks: list[torch.Tensor | None]) -> DeviceSample:
         """Like `sample`, but the tokens stay on the device and nothing waits for it (the overlap
@@ -101,28 +102,35 @@ class Sampler:
             if k:
                 sample.top_logprobs = tuple(raw.topk(k))
         invalid = []
-        if self._needs_adjust(reqs, masks):
-            logits = self._adjust(logits.clone(), reqs, masks)
+        banned_some = False  # a bias or a min_new_tokens ban may leave a constrained row with nothing allowed
+        if self._needs_adjust(reqs):
+            logits = logits.clone()
+            banned_some = self._adjust(logits, reqs)
             invalid.append(torch.isnan(logits).any(dim=-1))
+        if any(m is not None for m in masks):
+            # In place even on the model's logits: masking twice is masking once (a fallback that samples
+            # rows alone masks them again), and nothing reads them after sampling.
+            apply_token_masks(logits, masks, rescue_banned_rows=banned_some)
         sample.tokens = self._choose(logits, reqs, invalid)
         if invalid:
-            sample.invalid = torch.stack(invalid).any(dim=0) if len(invalid) > 1 else invalid[0]
+            sample.invalid = invalid[0] if len(invalid) == 1 else torch.logical_or(*invalid)
         if any(r.inp.return_logprob for r in reqs):
             sample.chosen_logprobs = raw.gather(1, sample.tokens.view(-1, 1)).squeeze(1)
         return sample
 
     @staticmethod
-    def _needs_adjust(reqs: list[Req], masks: list[torch.Tensor | None]) -> bool:
-        """False on the common path (no penalty, bias, min_new_tokens ban or mask): no per-request work."""
-        for req, mask in zip(reqs, masks):
+    def _needs_adjust(reqs: list[Req]) -> bool:
+        """False on the common path (no penalty, bias or min_new_tokens ban): no per-request work."""
+        for req in reqs:
             p = req.params
-            if (mask is not None or p.logit_bias or len(req.output_ids) < p.min_new_tokens
+            if (p.logit_bias or len(req.output_ids) < p.min_new_tokens
                     or p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty):
                 return True
         return False
 
-    def _adjust(self, logits: torch.Tensor, reqs: list[Req], masks: list[torch.Tensor | None]) -> torch.Tensor:
-        banned_some = False  # a bias or a min_new_tokens ban may leave a constrained row with nothing allowed
+    def _adjust(self, logits: torch.Tensor, reqs: list[Req]) -> bool:
+        """Applies penalties, biases and min_new_tokens bans in place; True if it banned or biased any."""
+        banned_some = False
         for i, req in enumerate(reqs):
             p = req.params
             row = logits[i]
@@ -134,9 +142,9 @@ class Sampler:
                 row[ids] += device_tensor(list(p.logit_bias.values()), row.dtype, row.device)
             if len(req.output_ids) < p.min_new_tokens:
                 banned = [t for t in (*self.eos_token_ids, *p.stop_token_ids) if t < self.vocab_size]
-                row[banned] = float("-inf")
+                row[device_tensor(banned, torch.int64, row.device)] = float("-inf")
                 banned_some = True
-        return apply_token_masks(logits, masks, rescue_banned_rows=banned_some)
+        return banned_some
 
     @staticmethod
     def _penalize(row: torch.Tensor, req: Req) -> None:
