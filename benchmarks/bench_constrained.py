@@ -201,7 +201,7 @@ def _timed_run(engine, timer, prompts: list[str], params: list[dict]) -> dict:
     steps = timer.take()
     after = engine.get_stats()
     return {"outs": outs, "wall": wall, "steps": steps,
-            "decode_steps": after["generated_tokens_total"] - before["generated_tokens_total"]}
+            "sampled_tokens": after["generated_tokens_total"] - before["generated_tokens_total"]}
 
 
 def _summary(name: str, batch: int, runs: list[dict]) -> dict:
@@ -214,7 +214,10 @@ def _summary(name: str, batch: int, runs: list[dict]) -> dict:
     return {
         "run": name, "batch": batch, "wall_s": statistics.median(walls), "wall_min_s": min(walls),
         "wall_max_s": max(walls), "mean_latency_s": statistics.mean(o["meta_info"]["e2e_latency"] for o in outs),
-        "output_tokens": tokens, "decode_steps": mid["decode_steps"], "forward_steps": len(mid["steps"]),
+        "output_tokens": tokens, "sampled_tokens": mid["sampled_tokens"], "forward_steps": len(mid["steps"]),
+        "steps_by_kind": {kind: sum(k == kind for k, _ in mid["steps"]) for kind in sorted({k for k, _ in mid["steps"]})},
+        "step_ms_by_kind": {kind: statistics.median(dt for k, dt in mid["steps"] if k == kind) * 1e3
+                            for kind in sorted({k for k, _ in mid["steps"]})},
         "tokens_per_s": tokens / statistics.median(walls),
         "decode_step_median_ms": statistics.median(decode) * 1e3 if decode else None,
         "finished_stop": sum(o["meta_info"]["finish_reason"]["type"] == "stop" for o in outs),

@@ -354,3 +354,22 @@ def test_new_options_are_validated():
         EngineOptions.from_kwargs({"device": "cpu", "load_format": "pt"})
     with pytest.raises(InvalidRequestError):
         EngineOptions.from_kwargs({"device": "cpu", "cuda_graph_max_bs": 0})
+
+
+@pytest.mark.parametrize("name, value, message", [
+    ("enable_overlap_schedule", "false", "must be true or false"),  # a truthy string would turn it on
+    ("disable_radix_cache", 1, "must be true or false"),
+    ("max_running_requests", "8", "must be an integer or None"),
+    ("tp_size", True, "must be an integer"),
+    ("mem_fraction_static", "0.5", "must be a number"),
+    ("schedule_policy", None, "must be a string"),
+])
+def test_option_values_of_the_wrong_type_are_refused(name, value, message):
+    """Options given from Python are checked against their types (the CLI's parser already gives them)."""
+    from radixlm.core.errors import InvalidRequestError
+
+    with pytest.raises(InvalidRequestError, match=f"{name} {message}"):
+        EngineOptions.from_kwargs({"device": "cpu", name: value})
+    opts = EngineOptions.from_kwargs({"device": "cpu", "mem_fraction_static": 0.5, "hicache_size_gb": 1,
+                                      "max_total_tokens": None})
+    assert opts.hicache_size_gb == 1.0 and isinstance(opts.hicache_size_gb, float)

@@ -31,6 +31,22 @@ def option(default: Any, help: str, *, choices: Sequence[str] | None = None,
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
 
+def _checked_type(name: str, annotation: str, value: Any) -> Any:
+    """The value of option `name` if it has its field's type (an int also serves a float option);
+    InvalidRequestError otherwise. Strict: "false" is not a bool, 1 is not a bool, True is not an int."""
+    kind, optional = annotation.removesuffix(" | None"), annotation.endswith(" | None")
+    if value is None and optional:
+        return value
+    if kind == "bool" and isinstance(value, bool):
+        return value
+    if kind in ("int", "float") and isinstance(value, int) and not isinstance(value, bool):
+        return float(value) if kind == "float" else value
+    if kind in ("float", "str") and isinstance(value, float if kind == "float" else str):
+        return value
+    wanted = {"bool": "true or false", "int": "an integer", "float": "a number", "str": "a string"}[kind]
+    raise InvalidRequestError(f"{name} must be {wanted}{' or None' if optional else ''} (got {value!r})", name)
+
+
 @dataclass
 class EngineOptions:
     """Engine options, named as SGLang's server arguments (vLLM's spellings are CLI aliases)."""
@@ -144,6 +160,8 @@ class EngineOptions:
         return opts
 
     def _resolve(self) -> None:
+        for f in dataclasses.fields(self):
+            setattr(self, f.name, _checked_type(f.name, f.type, getattr(self, f.name)))
         self.log_level = self.log_level.lower()
         for f in dataclasses.fields(self):
             choices, value = f.metadata.get("choices"), getattr(self, f.name)
