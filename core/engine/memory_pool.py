@@ -8,6 +8,7 @@ masked keys) read it.
 from __future__ import annotations
 
 import mmap
+from types import ModuleType
 
 import torch
 
@@ -43,10 +44,10 @@ class KVPool:
         self.k_buffers, self.v_buffers = list(kv[0].unbind(0)), list(kv[1].unbind(0))
 
     @staticmethod
-    def check_dtype(dtype: torch.dtype, device: torch.device | str, triton: bool) -> None:
+    def check_dtype(dtype: torch.dtype, device: torch.device | str, ops: ModuleType, triton: bool) -> None:
         """Raises InvalidRequestError where an fp8 pool cannot run: the Triton kernels' fp8 casts need a GPU
-        of compute capability 8.9 or later (Ada, Hopper); elsewhere the torch ops the kernels use must
-        take the dtype (a probe of them)."""
+        of compute capability 8.9 or later (Ada, Hopper); and the kernel set `ops` must store into the
+        dtype and torch read it back (a probe of both)."""
         if dtype.itemsize != 1:
             return
         device = torch.device(device)
@@ -55,9 +56,10 @@ class KVPool:
             raise InvalidRequestError(f"kv_cache_dtype {dtype}: the GPU ({name}) has no fp8 conversions (compute "
                                       "capability 8.9+ needed); use kv_cache_dtype=auto", "kv_cache_dtype")
         try:
-            probe = torch.zeros((2, 1, 1), dtype=dtype, device=device)
-            probe.index_copy_(0, torch.tensor([1], device=device), torch.ones((1, 1, 1), device=device).to(dtype))
-            probe.index_select(0, torch.tensor([1], device=device)).float()
+            k, v = torch.zeros((2, 1, 16), dtype=dtype, device=device), torch.zeros((2, 1, 16), dtype=dtype, device=device)
+            one = torch.ones((1, 1, 16), device=device)
+            ops.store_kv(k, v, torch.ones(1, dtype=torch.int64, device=device), one, one)
+            k.index_select(0, torch.ones(1, dtype=torch.int64, device=device)).float()
         except (RuntimeError, TypeError) as e:
             raise InvalidRequestError(f"kv_cache_dtype {dtype} is not supported on {device} by torch "
                                       f"{torch.__version__}: {e}", "kv_cache_dtype") from e

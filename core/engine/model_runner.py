@@ -89,9 +89,9 @@ class ModelRunner:
         self.cfg = cfg
         self.device = torch.device(opts.device)
         self.dtype = opts.torch_dtype
-        self.kv_dtype = opts.torch_kv_dtype
-        KVPool.check_dtype(self.kv_dtype, self.device, kernels.triton_enabled(self.device))
         self.ops = kernels.get_ops(self.device)
+        self.kv_dtype = opts.torch_kv_dtype
+        KVPool.check_dtype(self.kv_dtype, self.device, self.ops, kernels.triton_enabled(self.device))
         # Seconds of each start-up stage (Engine.startup_seconds shows them).
         self.load_seconds: dict[str, float] = {}
         start = time.perf_counter()
