@@ -88,10 +88,12 @@ fi
 if [ "${RUN_FP8_KV:-0}" = 1 ]; then
   # Issue 19: the KV cache in the model's bf16 against fp8_e4m3 (half the KV bytes read per decode step,
   # twice the pool), both with overlap and admissions of 64 (the best variant so far), through the
-  # variants below.
+  # variants below; then fp8 with the decode kernel stepping 128 keys at a time (a block of fp8 keys is
+  # half the bytes of a bf16 one).
   RUN_THROUGHPUT_VARIANTS=1
   THROUGHPUT_VARIANTS=${THROUGHPUT_VARIANTS:-"kv_auto||--overlap --parts throughput decode_step --engine-option schedule_admission_batch=64
-kv_fp8_e4m3||--overlap --parts throughput decode_step --engine-option schedule_admission_batch=64 --engine-option kv_cache_dtype=fp8_e4m3"}
+kv_fp8_e4m3||--overlap --parts throughput decode_step --engine-option schedule_admission_batch=64 --engine-option kv_cache_dtype=fp8_e4m3
+kv_fp8_e4m3_attn_128_4_3|RADIXLM_DECODE_ATTN_CONFIG=128,4,3|--overlap --parts throughput decode_step --engine-option schedule_admission_batch=64 --engine-option kv_cache_dtype=fp8_e4m3"}
 fi
 
 if [ "${RUN_THROUGHPUT_VARIANTS:-0}" = 1 ]; then
