@@ -165,7 +165,7 @@ def bench_e2e(model_path: str | None, batches: list[int], max_new_tokens: int, r
     import radixlm
     from profile_steps import StepTimer
 
-    timer = StepTimer()
+    timer = StepTimer.installed()
     rows = []
     schema = json.dumps(E2E_SCHEMA)
     with radixlm.Engine(model_path, **options) as engine:
@@ -235,6 +235,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     parser.add_argument("--grammar-backends", nargs="+", default=["radixlm"],
                         help="--e2e once per grammar_backend (e.g. radixlm regex-dfa), side by side")
+    parser.add_argument("--overlap", choices=["off", "on", "both"], default="off",
+                        help="--e2e with overlap scheduling off, on, or both (off then on, each backend)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -258,10 +260,12 @@ def main() -> None:
             from bench_engine import make_model_dir
 
             model_path, options = make_model_dir(args.model, tempfile.mkdtemp(prefix="radixlm-bench-"))
+        overlaps = {"off": [False], "on": [True], "both": [False, True]}[args.overlap]
         for backend in args.grammar_backends:
-            rows = bench_e2e(model_path, args.batch, args.max_new_tokens, args.repeats, grammar_backend=backend,
-                             **options)
-            print(json.dumps({"e2e": rows, "grammar_backend": backend}, indent=1))
+            for overlap in overlaps:
+                rows = bench_e2e(model_path, args.batch, args.max_new_tokens, args.repeats, grammar_backend=backend,
+                                 enable_overlap_schedule=overlap, **options)
+                print(json.dumps({"e2e": rows, "grammar_backend": backend, "overlap": overlap}, indent=1))
 
 
 if __name__ == "__main__":

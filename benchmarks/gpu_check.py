@@ -241,6 +241,20 @@ def check_host_tier(ckpt: str, report: dict[str, Any]) -> bool:
     return passed
 
 
+# Requests whose sampling reads the newest token (overlap samples their chained steps late): JSON with
+# jump-forward, a penalty, seeded draws, a min_new_tokens ban.
+LATE_SAMPLED = [{**GREEDY, "json_schema": json.dumps({"type": "object", "properties": {"a": {"type": "integer"},
+                                                       "b": {"type": "string", "maxLength": 12}},
+                                                       "required": ["a", "b"]})},
+                {**GREEDY, "frequency_penalty": 1.0}, {**GREEDY, "temperature": 1.0, "seed": 11},
+                {**GREEDY, "min_new_tokens": 20}]
+
+
+def late_sampled_tokens(engine: radixlm.Engine, prompts: list[list[int]]) -> list[list[int]]:
+    params = [LATE_SAMPLED[i % len(LATE_SAMPLED)] for i in range(len(prompts))]
+    return [o["output_ids"] for o in engine.generate(input_ids=prompts, sampling_params=params)]
+
+
 def check_overlap(ckpt: str, report: dict[str, Any]) -> bool:
     vocab = ModelConfig.from_dir(ckpt).vocab_size
     g = torch.Generator().manual_seed(3)
@@ -262,9 +276,10 @@ def check_overlap(ckpt: str, report: dict[str, Any]) -> bool:
 
                 runner.forward = counting
                 tokens[overlap] = [greedy_tokens(engine, prompts) for prompts in batches]
+                tokens[overlap].append(late_sampled_tokens(engine, batches[2]))
                 retractions = engine.get_stats()["retractions_total"]
         equal = [sum(a == b for a, b in zip(x, y)) for x, y in zip(tokens[False], tokens[True])]
-        results[f"pool_{pool}"] = {"equal_requests": equal, "of": [len(b) for b in batches],
+        results[f"pool_{pool}"] = {"equal_requests": equal, "of": [len(b) for b in batches] + [len(batches[2])],
                                    "chained_steps": chained, "retractions": retractions}
     passed = all(r["equal_requests"] == r["of"] and r["chained_steps"] > 0 for r in results.values())
     report["overlap_on_off"] = {"ok": passed, **results}

@@ -16,6 +16,7 @@ and the wall time. Each step ends in a host sync (the sampled tokens), so step t
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -45,18 +46,29 @@ class StepTimer:
         self.steps: list[tuple[str, float]] = []
         self.profile_window: tuple[int, int] | None = None  # (first step, number of steps) to profile
         self.profiler: torch.profiler.profile | None = None
-        decode, extend = Executor.run_decode, Executor.run_extend
+        decode, chain, extend = Executor.run_decode, Executor.chain_decode, Executor.run_extend
         timer = self
 
         def timed_decode(executor, defer: bool = False):
             # With overlap (defer) a step returns pending and this times its launch alone.
             return timer._timed("decode", lambda: decode(executor, defer))
 
-        def timed_extend(executor, extends):
-            kind = "extend+ride" if any(e.rides_along for e in extends) else "extend"
-            return timer._timed(kind, lambda: extend(executor, extends))
+        def timed_chain(executor, pending):
+            # Overlap: launching the next step and applying the pending one, which waits for the device
+            # to finish it: in a steady chain, one step of the device.
+            return timer._timed("decode", lambda: chain(executor, pending))
 
-        Executor.run_decode, Executor.run_extend = timed_decode, timed_extend
+        def timed_extend(executor, extends, pending=None):
+            kind = "extend+ride" if any(e.rides_along for e in extends) else "extend"
+            return timer._timed(kind, lambda: extend(executor, extends, pending))
+
+        Executor.run_decode, Executor.chain_decode, Executor.run_extend = timed_decode, timed_chain, timed_extend
+
+    @classmethod
+    @functools.cache
+    def installed(cls) -> "StepTimer":
+        """The one timer of this process (each StepTimer wraps the Executor's methods again)."""
+        return cls()
 
     def _timed(self, kind: str, run):
         if self.profile_window and len(self.steps) == self.profile_window[0]:

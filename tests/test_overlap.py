@@ -94,6 +94,53 @@ def test_fake_runner_streams_and_aborts_with_overlap():
     assert sched.flush_cache() and sched.get_stats()["kv_slots_free"] == 256
 
 
+class JumpEveryThird:
+    """A constraint that allows every token and forces two tokens after every third one sampled,
+    replacing the newest sampled token whenever the scheduler lets it (`max_replace`), as canonical
+    re-tokenization does: the outputs show what each jump was allowed."""
+
+    def __init__(self) -> None:
+        self.sampled, self.jumped_at, self.asked = 0, -1, []
+
+    def allowed_token_mask(self, vocab_size: int, packed: bool = False) -> torch.Tensor:
+        return torch.full((-(-vocab_size // 32),), -1, dtype=torch.int32) if packed else torch.ones(vocab_size, dtype=torch.bool)
+
+    def advance(self, token_id: int) -> None:
+        self.sampled += 1
+
+    def is_finished(self) -> bool:
+        return False
+
+    def jump_forward(self, output_ids, tokenizer, max_replace=1, max_new_tokens=None):
+        if self.sampled % 3 or self.jumped_at == self.sampled:
+            return None
+        self.jumped_at = self.sampled
+        self.asked.append(max_replace)
+        return min(max_replace, 1), [20 + len(self.asked) % 5, 9]
+
+
+def test_fake_runner_constrained_jumps_equal_with_late_sampled_chained_steps(monkeypatch):
+    """Constrained requests chain too, sampled late: launched with the pending tokens, sampled once
+    they are applied. A request that jumps forward when its pending token is applied is then without
+    the chained step's slot, as without overlap, so its jump may replace that token (max_replace 1)."""
+    from radixlm.core.engine.messages import ConstraintSpec
+    from radixlm.core.engine.scheduler import loop as scheduler_loop
+
+    prompts = prompts_with_shared_prefixes(6)
+    params = [{"max_new_tokens": 14 + i, "ignore_eos": True, "constraint": ConstraintSpec("regex", "stub")}
+              for i in range(6)]
+    got = {}
+    for overlap in (False, True):
+        made: list[JumpEveryThird] = []
+        monkeypatch.setattr(scheduler_loop, "build_constraint", lambda *a, **kw: made.append(JumpEveryThird()) or made[-1])
+        sched, finals = run_scheduler(512, prompts, params, enable_overlap_schedule=overlap)
+        got[overlap] = ([out.output_ids for out in finals], [c.asked for c in made])
+        assert (chained_steps(sched) > 0) == overlap
+        assert sched.flush_cache() and sched.get_stats()["kv_slots_free"] == 512
+    assert got[True] == got[False]
+    assert all(asked[0] == 0 and 1 in asked for asked in got[True][1])  # jumps replaced sampled tokens
+
+
 def test_bench_scheduler_with_overlap_computes_one_dropped_step():
     """benchmarks/bench_scheduler.py --overlap at a tiny size: one prefill step, one decode step per further
     token, and one more whose tokens are dropped (launched before the last token's finish is known)."""
@@ -167,8 +214,7 @@ def engines(llama_ckpt):
             radixlm.Engine(llama_ckpt, max_total_tokens=4096, debug_check_invariants=True,
                            enable_overlap_schedule=True) as on:
         chained = count_chained(on)
-        yield off, on
-        assert chained[0] > 0
+        yield off, on, chained
         for e in (off, on):
             assert e.flush_cache()
             stats = e.get_stats()
@@ -191,9 +237,13 @@ CASES = {
 
 @pytest.mark.parametrize("case", CASES)
 def test_engine_outputs_equal_with_overlap_on_and_off(engines, case):
+    """Every case chains its decode steps (those whose sampling reads the newest token sampled late,
+    after the pending step applies), and gives the outputs of the engine without overlap."""
     params = CASES[case]
     kwargs = {"return_logprob": True, "top_logprobs_num": 2} if case == "logprobs" else {}
-    off, on = (e.generate(PROMPTS, params, **kwargs) for e in engines)
+    chained_before = engines[2][0]
+    off, on = (e.generate(PROMPTS, params, **kwargs) for e in engines[:2])
+    assert (engines[2][0] > chained_before) == (params["max_new_tokens"] > 2)
     for a, b in zip(off, on):
         same(a, b)
         if kwargs:
@@ -203,7 +253,7 @@ def test_engine_outputs_equal_with_overlap_on_and_off(engines, case):
 
 
 def test_engine_stop_strings_and_streams_equal_with_overlap(engines):
-    off, on = engines
+    off, on, _ = engines
     params = {"max_new_tokens": 30, "temperature": 0, "ignore_eos": True}
     text = off.generate(PROMPTS[0], params)["text"]
     stop = {**params, "stop": [text[3:7]]}
@@ -217,7 +267,7 @@ def test_engine_stop_strings_and_streams_equal_with_overlap(engines):
 
 
 def test_engine_abort_with_overlap_frees_memory(engines):
-    _, on = engines
+    _, on, _ = engines
     assert on.flush_cache()
     stream = on.generate("Abort me", {"max_new_tokens": 500, "ignore_eos": True}, stream=True, rid="to-abort")
     next(stream)

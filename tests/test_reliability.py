@@ -29,9 +29,21 @@ def engine(llama_ckpt):
         yield e
 
 
+@pytest.fixture(scope="module", params=[False, True], ids=["overlap_off", "overlap_on"])
+def fault_engine(request, engine, llama_ckpt):
+    """The engine the fault tests run on: the plain one, and one with overlap scheduling, where the
+    faulty request's steps are chained (sampled late: a mask, a penalty) or not."""
+    if not request.param:
+        yield engine
+        return
+    with radixlm.Engine(llama_ckpt, max_total_tokens=4096, debug_check_invariants=True,
+                        enable_overlap_schedule=True) as e:
+        yield e
+
+
 @pytest.fixture(scope="module")
-def clean_outputs(engine):
-    return [o["output_ids"] for o in engine.generate(CLEAN, GREEDY)]
+def clean_outputs(fault_engine):
+    return [o["output_ids"] for o in fault_engine.generate(CLEAN, GREEDY)]
 
 
 def _submit(engine, inputs) -> list[queue.Queue]:
@@ -110,15 +122,15 @@ def _one(engine, params: dict, prompt: str = "fault") -> list:
     return inputs
 
 
-def test_raising_constraint_ends_only_its_request(engine, clean_outputs, monkeypatch):
+def test_raising_constraint_ends_only_its_request(fault_engine, clean_outputs, monkeypatch):
     # The scheduler builds constraints from their specs: this spec builds one that breaks.
     real_build = scheduler_loop.build_constraint
     monkeypatch.setattr(scheduler_loop, "build_constraint", lambda kind, spec, *a, **kw: (
         _RaisingConstraint(fail_after=3) if spec == "FAULT" else real_build(kind, spec, *a, **kw)))
-    faulty = _one(engine, {**GREEDY})
+    faulty = _one(fault_engine, {**GREEDY})
     faulty[0].constraint = ConstraintSpec("regex", "FAULT")
-    others, bad = _run_with_fault(engine, faulty)
-    _assert_isolated(engine, clean_outputs, others, bad)
+    others, bad = _run_with_fault(fault_engine, faulty)
+    _assert_isolated(fault_engine, clean_outputs, others, bad)
     assert len(bad[0]["output_ids"]) == 3
 
 
@@ -126,14 +138,14 @@ def test_raising_constraint_ends_only_its_request(engine, clean_outputs, monkeyp
 @pytest.mark.parametrize("field, value, constraint", [
     ("temperature", float("inf"), {"regex": "[a-z ]{1,40}"}), ("temperature", 1e300, {"choices": ["yes", "no"]}),
     ("logit_bias", {10**20: 1.0}, {}), ("logit_bias", {5: float("nan")}, {})])
-def test_sampling_values_past_validation_end_only_their_request(engine, clean_outputs, field, value, constraint):
-    faulty = _one(engine, {**GREEDY, "temperature": 0.7, **constraint})
+def test_sampling_values_past_validation_end_only_their_request(fault_engine, clean_outputs, field, value, constraint):
+    faulty = _one(fault_engine, {**GREEDY, "temperature": 0.7, **constraint})
     setattr(faulty[0].sampling_params, field, value)  # slipped past the validator
-    others, bad = _run_with_fault(engine, faulty)
-    _assert_isolated(engine, clean_outputs, others, bad)
+    others, bad = _run_with_fault(fault_engine, faulty)
+    _assert_isolated(fault_engine, clean_outputs, others, bad)
 
 
-def test_detokenizer_error_ends_only_its_request(engine, clean_outputs, monkeypatch):
+def test_detokenizer_error_ends_only_its_request(fault_engine, clean_outputs, monkeypatch):
     class Failing(IncrementalDetokenizer):
         def add(self, token_id, check_stop=True):
             if len(self.ids) >= 2:
@@ -145,24 +157,24 @@ def test_detokenizer_error_ends_only_its_request(engine, clean_outputs, monkeypa
         return cls(tokenizer, skip, stop, no_stop_trim, lazy=lazy)
 
     monkeypatch.setattr(scheduler_loop, "IncrementalDetokenizer", detokenizer)
-    faulty = _one(engine, {**GREEDY, "stop": ["FAIL-HERE"]})
-    others, bad = _run_with_fault(engine, faulty)
-    _assert_isolated(engine, clean_outputs, others, bad)
+    faulty = _one(fault_engine, {**GREEDY, "stop": ["FAIL-HERE"]})
+    others, bad = _run_with_fault(fault_engine, faulty)
+    _assert_isolated(fault_engine, clean_outputs, others, bad)
 
 
-def test_a_sink_that_raises_harms_nobody(engine, clean_outputs):
-    faulty = _one(engine, GREEDY)
-    clean_inputs = _prepare(engine, CLEAN, GREEDY)
-    boxes = _submit(engine, clean_inputs)
+def test_a_sink_that_raises_harms_nobody(fault_engine, clean_outputs):
+    faulty = _one(fault_engine, GREEDY)
+    clean_inputs = _prepare(fault_engine, CLEAN, GREEDY)
+    boxes = _submit(fault_engine, clean_inputs)
 
     def broken_sink(out):
         raise RuntimeError("boom: the receiver broke")
 
-    engine.frontend.submit(faulty, [broken_sink])
+    fault_engine.frontend.submit(faulty, [broken_sink])
     assert [_final(b)["output_ids"] for b in boxes] == clean_outputs
-    stats = engine.get_stats()
+    stats = fault_engine.get_stats()
     assert stats["running"] == stats["waiting"] == 0 and stats["in_flight"] == 0
-    engine.check_invariants()
+    fault_engine.check_invariants()
 
 
 # ---- one validator ------------------------------------------------------------------------------
@@ -268,8 +280,9 @@ def test_aborting_64k_queued_requests_is_fast(llama_ckpt):
         for _ in range(count):
             assert done.acquire(timeout=60)
         elapsed = time.monotonic() - start
-        # ~80 us an abort on the 2-core CI machine (5.07 s seen once); a quadratic abort takes minutes.
-        assert elapsed < 10.0, f"aborting {count} queued requests took {elapsed:.1f} s"
+        # ~80 us an abort on the 2-core CI machine (5.07 s seen once, 10.7 s under other jobs' load); a
+        # quadratic abort takes minutes.
+        assert elapsed < 30.0, f"aborting {count} queued requests took {elapsed:.1f} s"
         stats = e.get_stats()
         assert stats["aborted_total"] == count and stats["waiting"] == stats["running"] == 0
 

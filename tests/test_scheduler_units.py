@@ -548,9 +548,9 @@ def run_scheduler(num_slots: int, prompts: list[list[int]], params: list[dict], 
     finals: list = [None] * len(prompts)
     for rid, prompt, p in zip(rids, prompts, params):
         p = dict(p)
-        stream = p.pop("stream", False)
+        stream, constraint = p.pop("stream", False), p.pop("constraint", None)
         sp = SamplingParams.from_dict({"temperature": 0, **p})
-        sched.inbox.put(GenerateRequest(rid, prompt, sp, stream=stream))
+        sched.inbox.put(GenerateRequest(rid, prompt, sp, stream=stream, constraint=constraint))
     thread = threading.Thread(target=sched.run_forever)
     thread.start()
     try:

@@ -20,42 +20,56 @@ class SampleResult:
     token_ids: list[int]
     logprobs: list[float] | None  # raw logprob of each sampled token
     top_logprobs: list[list[tuple[float, int, None]]] | None
+    invalid: frozenset[int] = frozenset()  # rows whose adjusted logits or distribution were not numbers
 
 
 @dataclass
 class DeviceSample:
-    """Sampled tokens still on the device; `resolve` copies them (and the logprobs) to the host."""
+    """Sampled tokens still on the device, with what the host reads about them (logprobs, rows found
+    invalid), all computed on the device so that sampling never waits for it; `resolve` copies them to
+    the host."""
 
     tokens: torch.Tensor  # [B] int64
-    raw_logprobs: torch.Tensor | None  # [B, V] when a request wants logprobs
-    host_tokens: torch.Tensor | None = None  # the copy `start_copy` started
+    invalid: torch.Tensor | None = None  # [B] bool
+    chosen_logprobs: torch.Tensor | None = None  # [B] raw logprob of each token, when a request wants them
+    top_logprobs: tuple[torch.Tensor, torch.Tensor] | None = None  # values, ids [B, k] for the largest k asked
+    host: list[torch.Tensor | None] | None = None  # the copies `start_copy` started
     copied: torch.cuda.Event | None = None
 
+    def _parts(self) -> list[torch.Tensor | None]:
+        top = self.top_logprobs or (None, None)
+        return [self.tokens, self.invalid, self.chosen_logprobs, *top]
+
     def start_copy(self) -> None:
-        """Starts copying the tokens to pinned host memory right behind their sampling on the stream, so
-        that `resolve` waits for this step alone, not for a step launched after it (a plain `tolist`
-        would wait for everything queued on the stream)."""
+        """Starts copying to pinned host memory right behind the sampling on the stream, so that
+        `resolve` waits for this step alone, not for a step launched after it (a plain `tolist` would
+        wait for everything queued on the stream)."""
         if self.tokens.device.type != "cuda":
             return
-        self.host_tokens = torch.empty(self.tokens.shape, dtype=self.tokens.dtype, pin_memory=True)
-        self.host_tokens.copy_(self.tokens, non_blocking=True)
+        self.host = []
+        for part in self._parts():
+            if part is not None:
+                copy = torch.empty(part.shape, dtype=part.dtype, pin_memory=True)
+                part = copy.copy_(part, non_blocking=True)
+            self.host.append(part)
         self.copied = torch.cuda.Event()
         self.copied.record()
 
     def resolve(self, reqs: list[Req]) -> SampleResult:
         if self.copied is not None:
             self.copied.synchronize()
-            token_list = self.host_tokens.tolist()
+        tokens, invalid, chosen, top_values, top_ids = self.host if self.host is not None else self._parts()
+        bad = frozenset(i for i, flag in enumerate(invalid.tolist()) if flag) if invalid is not None else frozenset()
+        if chosen is None:
+            return SampleResult(tokens.tolist(), None, None, bad)
+        tops = None
+        if top_values is not None:
+            values, ids = top_values.tolist(), top_ids.tolist()
+            tops = [[(v, t, None) for v, t in zip(values[i][:k], ids[i][:k])] if k else None
+                    for i, k in enumerate(r.inp.top_logprobs_num for r in reqs)]
         else:
-            token_list = self.tokens.tolist()
-        if self.raw_logprobs is None:
-            return SampleResult(token_list, None, None)
-        chosen = self.raw_logprobs.gather(1, self.tokens.view(-1, 1)).squeeze(1).tolist()
-        tops = [
-            top_logprob_entries(self.raw_logprobs[i], r.inp.top_logprobs_num) if r.inp.top_logprobs_num else None
-            for i, r in enumerate(reqs)
-        ]
-        return SampleResult(token_list, chosen, tops)
+            tops = [None] * len(reqs)
+        return SampleResult(tokens.tolist(), chosen.tolist(), tops, bad)
 
 
 def top_logprob_entries(logprobs: torch.Tensor, k: int) -> list[tuple[float, int, None]]:
@@ -70,21 +84,32 @@ class Sampler:
         self.generator = generator
 
     def sample(self, logits: torch.Tensor, reqs: list[Req], masks: list[torch.Tensor | None]) -> SampleResult:
-        """logits: [B, V] fp32, one row per request; masks: per-request allowed-token masks or None."""
+        """logits: [B, V] fp32, one row per request; masks: per-request allowed-token masks or None.
+        Rows found invalid are listed in the result's `invalid`."""
         return self.sample_on_device(logits, reqs, masks).resolve(reqs)
 
     def sample_on_device(self, logits: torch.Tensor, reqs: list[Req],
                          masks: list[torch.Tensor | None]) -> DeviceSample:
-        """Like `sample`, but the tokens stay on the device (no host sync on the greedy path): the
-        overlap scheduler feeds them to the next step before it reads them."""
+        """Like `sample`, but the tokens stay on the device and nothing waits for it (the overlap
+        scheduler feeds them to the next step before it reads them). Rows whose adjusted logits or
+        distribution are not numbers are flagged (`invalid`), not raised: the caller ends those requests."""
         logits = logits[:, : self.vocab_size]
-        want_logprobs = any(r.inp.return_logprob for r in reqs)
-        raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
+        sample = DeviceSample(torch.empty(0))
+        if any(r.inp.return_logprob for r in reqs):
+            raw = torch.log_softmax(logits, dim=-1)
+            k = max(r.inp.top_logprobs_num for r in reqs)
+            if k:
+                sample.top_logprobs = tuple(raw.topk(k))
+        invalid = []
         if self._needs_adjust(reqs, masks):
             logits = self._adjust(logits.clone(), reqs, masks)
-            if bool(torch.isnan(logits).any()):
-                raise ValueError("a request's adjusted logits are not numbers")
-        return DeviceSample(self._choose(logits, reqs), raw_logprobs)
+            invalid.append(torch.isnan(logits).any(dim=-1))
+        sample.tokens = self._choose(logits, reqs, invalid)
+        if invalid:
+            sample.invalid = torch.stack(invalid).any(dim=0) if len(invalid) > 1 else invalid[0]
+        if any(r.inp.return_logprob for r in reqs):
+            sample.chosen_logprobs = raw.gather(1, sample.tokens.view(-1, 1)).squeeze(1)
+        return sample
 
     @staticmethod
     def _needs_adjust(reqs: list[Req], masks: list[torch.Tensor | None]) -> bool:
@@ -105,8 +130,8 @@ class Sampler:
                 self._penalize(row, req)
             if p.logit_bias:
                 banned_some = True
-                ids = torch.tensor(list(p.logit_bias), device=row.device)
-                row[ids] += torch.tensor(list(p.logit_bias.values()), device=row.device)
+                ids = device_tensor(list(p.logit_bias), torch.int64, row.device)
+                row[ids] += device_tensor(list(p.logit_bias.values()), row.dtype, row.device)
             if len(req.output_ids) < p.min_new_tokens:
                 banned = [t for t in (*self.eos_token_ids, *p.stop_token_ids) if t < self.vocab_size]
                 row[banned] = float("-inf")
@@ -118,36 +143,36 @@ class Sampler:
         p = req.params
         if p.repetition_penalty != 1.0:
             # Image positions hold ids past the vocabulary (their hash): not tokens, not penalised.
-            seen = torch.tensor(sorted(t for t in set(req.fill_ids) if t < row.numel()), device=row.device)
+            seen = device_tensor(sorted(t for t in set(req.fill_ids) if t < row.numel()), torch.int64, row.device)
             vals = row[seen]
             row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
         if req.output_ids and (p.frequency_penalty or p.presence_penalty):
-            counts = torch.bincount(torch.tensor(req.output_ids, device=row.device), minlength=row.numel())
+            counts = torch.bincount(device_tensor(req.output_ids, torch.int64, row.device), minlength=row.numel())
             counts = counts[: row.numel()].to(row.dtype)
             row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
 
-    def _choose(self, logits: torch.Tensor, reqs: list[Req]) -> torch.Tensor:
+    def _choose(self, logits: torch.Tensor, reqs: list[Req], invalid: list[torch.Tensor]) -> torch.Tensor:
         """Greedy rows take the argmax. The others sample all at once by the exponential race: the
         argmax of p / E with E ~ Exp(1) per token is a draw from p. E comes from the shared generator,
         or, for a request with its own seed, from a hash of (seed, output position, token id), so that
-        a seeded request draws the same tokens in any batch without a generator of its own per row."""
+        a seeded request draws the same tokens in any batch without a generator of its own per row.
+        Appends to `invalid` the rows with nothing to draw from (not-a-number values, or all zero)."""
         sampled = [i for i, r in enumerate(reqs) if not r.params.is_greedy]
         if not sampled:
             return logits.argmax(dim=-1)
         dev = logits.device
         sub = [reqs[i] for i in sampled]
         whole = len(sampled) == len(reqs)
-        index = None if whole else _device_tensor(sampled, torch.int64, dev)
-        temps = _device_tensor([max(r.params.temperature, 1e-5) for r in sub], torch.float32, dev)
+        index = None if whole else device_tensor(sampled, torch.int64, dev)
+        temps = device_tensor([max(r.params.temperature, 1e-5) for r in sub], torch.float32, dev)
         probs = torch.softmax((logits if whole else logits[index]) / temps[:, None], dim=-1)
         probs = self._filter(probs, sub)
-        # A row with nothing to draw from (not-a-number values, or all zero) would pick garbage: refuse,
-        # so that the scheduler finds the request at fault (checked once per batch, where it syncs anyway).
-        if not bool((probs.sum(dim=-1) > 0).all()):
-            raise ValueError("a request's sampling distribution is empty or not a number")
+        empty = ~(probs.sum(dim=-1) > 0)  # would pick garbage
         picks = (probs / self._exponential_noise(probs, sub)).argmax(dim=-1)
         if whole:
+            invalid.append(empty)
             return picks
+        invalid.append(torch.zeros(len(reqs), dtype=torch.bool, device=dev).index_copy_(0, index, empty))
         out = logits.argmax(dim=-1)
         out[index] = picks
         return out
@@ -158,12 +183,12 @@ class Sampler:
         if not seeded:
             return self._generator_noise(probs)
         keys = [_row_key(reqs[j].params.seed, len(reqs[j].output_ids)) for j in seeded]
-        hashed = get_ops(probs.device).seeded_exponential(_device_tensor(keys, torch.int64, probs.device),
+        hashed = get_ops(probs.device).seeded_exponential(device_tensor(keys, torch.int64, probs.device),
                                                           probs.shape[1])
         if len(seeded) == len(reqs):
             return hashed
         noise = self._generator_noise(probs)
-        noise[_device_tensor(seeded, torch.int64, probs.device)] = hashed
+        noise[device_tensor(seeded, torch.int64, probs.device)] = hashed
         return noise
 
     def _generator_noise(self, probs: torch.Tensor) -> torch.Tensor:
@@ -177,7 +202,7 @@ class Sampler:
         if all(p.top_k == -1 and p.top_p >= 1.0 and p.min_p <= 0 for p in params):
             return probs
         vocab = probs.shape[-1]
-        table = _device_tensor([[p.top_k if p.top_k > 0 else vocab, p.top_p, p.min_p] for p in params],
+        table = device_tensor([[p.top_k if p.top_k > 0 else vocab, p.top_p, p.min_p] for p in params],
                                torch.float32, probs.device)
         ks, ps, mins = table[:, 0:1], table[:, 1:2], table[:, 2:3]
         sorted_probs, order = probs.sort(dim=-1, descending=True)
@@ -199,7 +224,7 @@ def _row_key(seed: int, position: int) -> int:
     return (x ^ (x >> 31)) & 0xFFFFFFFF
 
 
-def _device_tensor(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def device_tensor(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A small host list on the device in one non-blocking copy (from pinned memory on CUDA)."""
     host = torch.tensor(values, dtype=dtype, pin_memory=device.type == "cuda")
     return host.to(device, non_blocking=True)

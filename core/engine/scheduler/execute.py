@@ -8,8 +8,10 @@ the device; the next decode step of the same requests is launched with those tok
 finish checks, stop strings, emitting) runs while the device computes step N+1. A request that step N
 finishes has had one more token computed by step N+1: that token is dropped, and its KV slot went to
 the radix cache with the request's others (it holds the finished token's KV, written by step N+1).
-Only requests whose sampling does not depend on the token just sampled chain (`chainable`); any other
-request in the batch makes the step resolve first, as without overlap.
+Where a request's sampling reads the token just sampled (its constraint's mask, a penalty, a seeded
+draw, a min_new_tokens ban: `samples_late`), the chained step is sampled late: launched, then the pending
+step applied, then sampled with the masks and penalties as of that token. The host work, masks included,
+still runs while the device computes the chained step's forward; only the sampling waits for it.
 
 A failure in one request's own work (its constraint, its sampling values, its detokenizer) ends that
 request alone (RequestQueues.fail).
@@ -26,7 +28,7 @@ import torch
 
 from radixlm.core.engine.options import EngineOptions
 from radixlm.core.engine.request import Req
-from radixlm.core.engine.sampler import DeviceSample, SampleResult, Sampler
+from radixlm.core.engine.sampler import DeviceSample, SampleResult, Sampler, device_tensor
 from radixlm.core.engine.scheduler.batch import decode_batch, extend_batch, record_input_logprobs
 from radixlm.core.engine.scheduler.constraints import constraint_mask, jump_forward
 from radixlm.core.engine.scheduler.finish import Finish, check_finish
@@ -132,6 +134,8 @@ class Executor:
             self.resolve(pending)
             return self.run_decode(defer=True)
         logits = self.runner.forward(decode_batch(reqs, new_slots, future=pending.sample.tokens))
+        if any(self.samples_late(r) for r in reqs):
+            return self._apply_then_sample(pending, logits)
         try:
             nxt = self._pending(reqs, logits)
         except Exception:
@@ -141,8 +145,38 @@ class Executor:
         self.resolve(pending)
         return nxt
 
+    def _apply_then_sample(self, pending: PendingDecode, logits: torch.Tensor) -> PendingDecode | None:
+        """Late sampling of a chained step: applies the pending step, then samples the chained step for
+        the requests still running. While the pending step applies, each request is without the slot
+        the chained step wrote (its newest token's KV), as without overlap: a jump forward may then
+        re-tokenize that token with the forced text. Requests still running take the slot back; the
+        others (finished, or waiting to compute jumped text) give it up."""
+        reqs = pending.reqs
+        chained = [r.slots.pop() for r in reqs]
+        self.resolve(pending)
+        running = {id(r) for r in self.queues.running}
+        keep = []
+        for i, (req, slot) in enumerate(zip(reqs, chained)):
+            if id(req) in running:
+                req.slots.append(slot)
+                keep.append(i)
+            else:
+                self.memory.allocator.free([slot])
+        if not keep:
+            return None
+        if len(keep) < len(reqs):
+            reqs, logits = [reqs[i] for i in keep], logits[device_tensor(keep, torch.int64, logits.device)]
+        try:
+            return self._pending(reqs, logits)
+        except Exception:
+            self.sample_and_advance(reqs, logits)
+            return None
+
     def _pending(self, reqs: list[Req], logits: torch.Tensor) -> PendingDecode:
-        sample = self.sampler.sample_on_device(logits, reqs, [None] * len(reqs))
+        """Samples the step on the device with the requests' masks and starts copying its tokens. Raises
+        where a request's own host work does (its sampling values): the caller then samples the step
+        with `sample_and_advance`, which finds the request at fault."""
+        sample = self.sampler.sample_on_device(logits, reqs, self._masks(reqs))
         sample.start_copy()
         return PendingDecode(reqs, sample)
 
@@ -163,15 +197,17 @@ class Executor:
                 self.memory.allocator.free(extra)
 
     def chainable(self, req: Req) -> bool:
-        """Whether the request's next token can be sampled before its newest one is on the host: no
-        constraint mask, penalty, min_new_tokens ban or seeded draw reads its outputs, it wants no
-        logprobs (read from the device when applied, they would wait for the step after), and the step
-        after next still fits its context."""
+        """Whether the request's next step may be launched before its newest token is on the host: the
+        step after next still fits its context."""
+        return req.seq_len + 1 < self.context_len
+
+    @staticmethod
+    def samples_late(req: Req) -> bool:
+        """Whether sampling the request's next token reads its newest one: a constraint mask, a penalty,
+        a min_new_tokens ban or a seeded draw (keyed by the output position)."""
         p = req.params
-        return (req.constraint is None and p.seed is None and len(req.output_ids) >= p.min_new_tokens
-                and not req.inp.return_logprob
-                and p.repetition_penalty == 1.0 and not p.frequency_penalty and not p.presence_penalty
-                and req.seq_len + 1 < self.context_len)
+        return (req.constraint is not None or p.seed is not None or len(req.output_ids) < p.min_new_tokens
+                or p.repetition_penalty != 1.0 or bool(p.frequency_penalty) or bool(p.presence_penalty))
 
     def sample_and_advance(self, reqs: list[Req], logits: torch.Tensor) -> None:
         """Samples each request's next token and moves it on."""
@@ -198,8 +234,11 @@ class Executor:
             if row is None:
                 continue
             result, i = row
-            stage = "constraining"
+            stage = "sampling"
             try:
+                if i in result.invalid:
+                    raise ValueError("its adjusted logits or sampling distribution are not numbers")
+                stage = "constraining"
                 token = result.token_ids[i]
                 req.output_ids.append(token)
                 self.stats.generated_tokens_total += 1
