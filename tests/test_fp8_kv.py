@@ -151,3 +151,13 @@ def test_engine_with_fp8_kv_and_the_host_tier(llama_ckpt):
             hits = engine.get_stats()["hicache_host_hit_tokens_total"]
     assert hits > 0
     assert results[0.001] == results[0.0]
+
+
+def test_overlap_scheduling_gives_the_same_tokens_on_an_fp8_pool(llama_ckpt):
+    """The H200 benchmark runs fp8 with overlap on: the same greedy tokens as with it off."""
+    outs = {}
+    for overlap in (False, True):
+        with radixlm.Engine(llama_ckpt, kv_cache_dtype="fp8_e4m3", enable_overlap_schedule=overlap,
+                            max_total_tokens=256, debug_check_invariants=True) as engine:
+            outs[overlap] = [o["output_ids"] for o in engine.generate(PROMPTS * 3, GREEDY)]
+    assert outs[True] == outs[False]
