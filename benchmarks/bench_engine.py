@@ -509,6 +509,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     cfg = engine.model_config
     results["engine"] = {
         "init_s": time.perf_counter() - t0, "kv_pool_tokens": engine.kv_pool_size, "dtype": engine.options.dtype,
+        "kv_cache_dtype": engine.options.kv_cache_dtype,
         "cuda_graphs": runner.graph_runner is not None, "overlap_schedule": args.overlap,
         "cuda_graph_sizes": runner.graph_runner.sizes if runner.graph_runner else [],
         "chunked_prefill_size": w["chunked_prefill_size"], "mem_fraction_static": args.mem_fraction_static,
@@ -594,7 +595,8 @@ def _get(r: dict[str, Any], *path: str) -> Any:
 
 def summary(r: dict[str, Any]) -> str:
     """The results as a short table (a part that failed shows as '-')."""
-    lines = [f"{r['model']} on {r['device']} ({r['date']}), KV pool {r['engine']['kv_pool_tokens']} tokens, "
+    lines = [f"{r['model']} on {r['device']} ({r['date']}), KV pool {r['engine']['kv_pool_tokens']} tokens "
+             f"(kv_cache_dtype {r['engine'].get('kv_cache_dtype', 'auto')}), "
              f"CUDA graphs {r['engine']['cuda_graphs']}"]
     row = "{:40s} {:>12s} {:>12s} {:>8s}"
     lines.append(row.format("", "radixlm", "HF generate", "ratio"))

@@ -1,13 +1,14 @@
 """Compiles every Triton kernel for Hopper (sm_90) without a GPU and prints what the compiler made.
 
-    python benchmarks/compile_check_kernels.py [--dtype bf16] [--head-dim 128]
+    python benchmarks/compile_check_kernels.py [--dtype bf16] [--head-dim 128] [--kv-dtype fp8_e4m3]
 
 For each kernel at Llama-3-8B shapes: shared memory, registers, stack bytes (spills), and counts of the
 SASS instructions that tell whether the Hopper habits took: HGMMA (warpgroup matrix ops) or HMMA
 (older mma), LDGSTS (cp.async, software pipelining), LDG.E.128 (16-byte loads), LDL/STL (local memory,
 i.e. spills). Arguments get the specialization the runtime gives them: unit inner strides become
 constants, pointers and other strides are taken as 16-divisible. Needs only the triton package (its
-bundled ptxas and cuobjdump); run it where TRITON_INTERPRET is unset.
+bundled ptxas and cuobjdump); run it where TRITON_INTERPRET is unset. --kv-dtype gives the KV pool's
+pointers (the attention kernels' K and V, the stores' KBuf and VBuf) an fp8 type, as kv_cache_dtype does.
 """
 
 from __future__ import annotations
@@ -30,9 +31,13 @@ FP32_PTRS = {"PartOut", "PartLse", "CosSin"}
 FLOAT_ARGS = {"scale_log2", "eps"}
 UNALIGNED_INTS = {"num_splits"}  # sizes of real models (4096, 14336, 128256) are 16-divisible
 SASS_OPS = ("HGMMA", "HMMA", "LDGSTS", "LDG.E.128", "LDL", "STL")
+# kv_cache_dtype -> (Triton pointer type, the stores' saturation constexpr SAT)
+KV_TYPES = {"auto": (None, 0.0), "fp8_e4m3": ("fp8e4nv", 448.0), "fp8_e5m2": ("fp8e5", 57344.0)}
+ATTENTION_POOL, STORE_POOL = {"K", "V"}, {"KBuf", "VBuf"}
 
 
-def compile_for_hopper(kernel, constexprs: dict, dtype: str, index: str, num_warps: int, num_stages: int):
+def compile_for_hopper(kernel, constexprs: dict, dtype: str, index: str, num_warps: int, num_stages: int,
+                       pool: set[str] = frozenset(), kv_type: str | None = None):
     signature, consts, attrs = {}, dict(constexprs), {}
     for i, name in enumerate(kernel.arg_names):
         if name in consts:
@@ -41,7 +46,8 @@ def compile_for_hopper(kernel, constexprs: dict, dtype: str, index: str, num_war
             if name == "Bitmask":
                 signature[name] = "*i32"
             else:
-                signature[name] = f"*{index}" if name in INDEX_PTRS else "*fp32" if name in FP32_PTRS else f"*{dtype}"
+                signature[name] = (f"*{index}" if name in INDEX_PTRS else "*fp32" if name in FP32_PTRS
+                                   else f"*{kv_type}" if name in pool and kv_type else f"*{dtype}")
             attrs[(i,)] = [["tt.divisibility", 16]]
         elif name in FLOAT_ARGS:
             signature[name] = "fp32"
@@ -77,6 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--heads", type=int, default=32)
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--hidden", type=int, default=4096)
+    p.add_argument("--kv-dtype", choices=list(KV_TYPES), default="auto")
     args = p.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
         print("unset TRITON_INTERPRET: this compiles the kernels, it does not interpret them", file=sys.stderr)
@@ -85,17 +92,20 @@ def main(argv: list[str] | None = None) -> int:
     d, block_d = args.head_dim, max(16, triton.next_power_of_2(args.head_dim))
     group = args.heads // args.kv_heads
     precision = "ieee" if args.dtype == "fp32" else "tf32"
+    kv_type, sat = KV_TYPES[args.kv_dtype]
     ext, dec = attention.extend_config(d, cuda), attention.decode_config(d, cuda)
     jobs = [
         ("extend_attention", attention._extend_kernel, ext.num_warps, ext.num_stages,
-         dict(GROUP=group, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=ext.block_m, BLOCK_N=ext.block_n, PRECISION=precision)),
+         dict(GROUP=group, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=ext.block_m, BLOCK_N=ext.block_n, PRECISION=precision),
+         ATTENTION_POOL),
         ("decode_attention (split)", attention._decode_split_kernel, dec.num_warps, dec.num_stages,
          dict(GROUP=group, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_H=max(16, triton.next_power_of_2(group)),
-              BLOCK_N=dec.block_n, PRECISION=precision)),
+              BLOCK_N=dec.block_n, PRECISION=precision), ATTENTION_POOL),
         ("decode_attention (reduce)", attention._decode_reduce_kernel, 4, 3,
          dict(HEAD_DIM=d, BLOCK_D=block_d, BLOCK_S=4)),
         ("store_kv", elementwise._store_kv_kernel, 4, 3,
-         dict(NUM_KV_HEADS=args.kv_heads, HEAD_DIM=d, BLOCK_H=triton.next_power_of_2(args.kv_heads), BLOCK_D=block_d)),
+         dict(NUM_KV_HEADS=args.kv_heads, HEAD_DIM=d, BLOCK_H=triton.next_power_of_2(args.kv_heads), BLOCK_D=block_d,
+              SAT=sat), STORE_POOL),
         ("rms_norm", elementwise._rms_norm_kernel, elementwise._row_warps(triton.next_power_of_2(args.hidden)), 3,
          dict(HAS_RESIDUAL=False, BLOCK=triton.next_power_of_2(args.hidden))),
         ("fused_add_rms_norm", elementwise._rms_norm_kernel, elementwise._row_warps(triton.next_power_of_2(args.hidden)), 3,
@@ -107,12 +117,15 @@ def main(argv: list[str] | None = None) -> int:
         ("apply_rotary_store_kv", elementwise._rotary_store_kv_kernel, 4, 3,
          dict(NUM_HEADS=args.heads, NUM_KV_HEADS=args.kv_heads, HEAD_DIM=d, HALF=d // 2,
               BLOCK_H=triton.next_power_of_2(args.heads), BLOCK_KH=triton.next_power_of_2(args.kv_heads),
-              BLOCK_HALF=triton.next_power_of_2(d // 2), BLOCK_D=block_d)),
+              BLOCK_HALF=triton.next_power_of_2(d // 2), BLOCK_D=block_d, SAT=sat), STORE_POOL),
         ("apply_token_bitmask", sampling._token_bitmask_kernel, 8, 3, dict(BLOCK=4096)),
     ]
-    print(f"triton {triton.__version__}, sm_90, {args.dtype}, {args.index} indices, head_dim {d}, GQA {group}")
-    for label, kernel, warps, stages, constexprs in jobs:
-        report(label, compile_for_hopper(kernel, constexprs, args.dtype, args.index, warps, stages), warps, stages)
+    print(f"triton {triton.__version__}, sm_90, {args.dtype}, {args.index} indices, head_dim {d}, GQA {group}, "
+          f"KV pool {kv_type or args.dtype}")
+    for label, kernel, warps, stages, constexprs, *pool in jobs:
+        compiled = compile_for_hopper(kernel, constexprs, args.dtype, args.index, warps, stages,
+                                      pool=pool[0] if pool else frozenset(), kv_type=kv_type)
+        report(label, compiled, warps, stages)
     return 0
 
 

@@ -22,6 +22,13 @@ on a tiny model (fp32 and bf16), and decode and short extends with CUDA graphs a
 5. Overlap scheduling (enable_overlap_schedule): fp32 greedy tokens with overlap on equal those with
    it off, with CUDA graphs, at batch sizes that pad, one past the graphs, and under a small pool that
    retracts; decode steps must have taken their input from the device (chained steps counted).
+6. An fp8 KV cache (kv_cache_dtype fp8_e4m3 / fp8_e5m2): the KV kernels at real sizes on fp8 pools
+   (gpu_check_kernels.py --kv-dtype: attention against the references reading the same fp8 pool, stores
+   against the references' saturating casts, bytes equal reported), then the engine against HF fp32 whose
+   attention reads its keys and values rounded to the same fp8 format (the fp8 oracle). fp32 engine: its
+   logprob error there under a quarter of the quantization's own error (the same engine against plain HF);
+   bf16 engine: under twice HF-bf16's own error against the fp8 oracle (HF bf16 reading fp8-rounded KV
+   too) + 0.01, as in step 2. Greedy agreement with the fp8 oracle is reported.
 """
 
 from __future__ import annotations
@@ -70,10 +77,10 @@ class Oracle:
     """HF transformers in fp32: greedy decoding by hand with every step's top-1/top-2 margin, and
     prompt logprobs."""
 
-    def __init__(self, ckpt: str, dtype: torch.dtype) -> None:
+    def __init__(self, ckpt: str, dtype: torch.dtype, **hf_options: Any) -> None:
         from transformers import AutoModelForCausalLM
 
-        self.model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=dtype).to(DEVICE).eval()
+        self.model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=dtype, **hf_options).to(DEVICE).eval()
 
     @torch.inference_mode()
     def logits(self, ids: list[int]) -> torch.Tensor:
@@ -282,6 +289,57 @@ def check_overlap(ckpt: str, report: dict[str, Any]) -> bool:
     return passed
 
 
+def check_fp8_kv(ckpt: str, report: dict[str, Any]) -> bool:
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from radixlm.core.engine.options import KV_CACHE_DTYPES
+    from radixlm.kernels.reference import to_kv_dtype
+
+    ok, results = True, {}
+    plain = Oracle(ckpt, torch.float32)
+    prompts = prompts_for(plain.model.config.vocab_size)
+    for fmt in ("fp8_e4m3", "fp8_e5m2"):
+        kv_dtype = getattr(torch, KV_CACHE_DTYPES[fmt])
+        if DEVICE == "cuda":
+            print(f"-- KV kernels on a {fmt} pool", flush=True)
+            kernels_ok = kernel_check.main(["--kv-dtype", fmt]) == 0
+        else:
+            kernels_ok = True
+
+        def attention(module, query, key, value, *args, kv_dtype=kv_dtype, **kwargs):
+            key, value = (to_kv_dtype(x, kv_dtype).to(x.dtype) for x in (key, value))
+            return sdpa_attention_forward(module, query, key, value, *args, **kwargs)
+
+        AttentionInterface.register(f"radixlm_{fmt}", attention)
+        oracle = Oracle(ckpt, torch.float32, attn_implementation=f"radixlm_{fmt}")
+        oracle_logits = [oracle.logits(p) for p in prompts]
+        hf_bf16 = Oracle(ckpt, torch.bfloat16, attn_implementation=f"radixlm_{fmt}").model
+        hf_bf16_err = max(hf_logprob_error(hf_bf16, p, lg) for p, lg in zip(prompts, oracle_logits))
+        plain_logits = [plain.logits(p) for p in prompts]
+        entry: dict[str, Any] = {"kernels_ok": kernels_ok, "hf_bf16_logprob_err_vs_fp8_oracle": hf_bf16_err}
+        for dtype in ("float32", "bfloat16"):
+            with new_engine(ckpt, dtype, kv_cache_dtype=fmt) as engine:
+                assert engine._runner.kv_pool.kv.dtype == kv_dtype
+                tokens, top_lps = greedy_tokens(engine, prompts), prompt_top_logprobs(engine, prompts)
+            err = max(logprob_error(lp, lg)[0] for lp, lg in zip(top_lps, oracle_logits))
+            quantization = max(logprob_error(lp, lg)[0] for lp, lg in zip(top_lps, plain_logits))
+            equal = [NEW_TOKENS if (at := first_divergence(t, oracle.greedy(p, NEW_TOKENS)[0])) is None else at
+                     for p, t in zip(prompts, tokens)]
+            entry[dtype] = {"logprob_err_vs_fp8_oracle": err, "logprob_err_vs_plain_hf": quantization,
+                            "greedy_equal_tokens": equal}
+        bounds = {"float32": 0.25 * entry["float32"]["logprob_err_vs_plain_hf"], "bfloat16": 2 * hf_bf16_err + 0.01}
+        entry["ok"] = kernels_ok and all(entry[d]["logprob_err_vs_fp8_oracle"] <= b for d, b in bounds.items())
+        ok = ok and entry["ok"]
+        results[fmt] = entry
+        print(f"fp8 KV {fmt}: {'ok' if entry['ok'] else 'FAIL'} kernels {'ok' if kernels_ok else 'FAIL'}; " + "; ".join(
+            f"{d} engine: logprob err {entry[d]['logprob_err_vs_fp8_oracle']:.2e} vs HF on the same fp8 KV "
+            f"(bound {bounds[d]:.2e}), {entry[d]['logprob_err_vs_plain_hf']:.2e} vs plain HF, greedy equal tokens "
+            f"{entry[d]['greedy_equal_tokens']} of {NEW_TOKENS}" for d in ("float32", "bfloat16")), flush=True)
+    report["fp8_kv"] = results
+    return ok
+
+
 def tune_attention(report: dict[str, Any]) -> bool:
     """Launch shapes of the attention kernels on the benchmarks' own shapes (bf16, Llama-3-8B heads):
     prefill 16 x 1024, ragged extends with prefixes, and decode batches like the throughput run's."""
@@ -308,7 +366,8 @@ def tune_attention(report: dict[str, Any]) -> bool:
 ENGINE_CHECKS = {"hf": ("engine vs HF transformers (tiny Llama)", check_engine_vs_hf),
                  "graphs": ("CUDA graphs on vs off", check_graphs),
                  "host_tier": ("the radix cache's host tier", check_host_tier),
-                 "overlap": ("overlap scheduling on vs off", check_overlap)}
+                 "overlap": ("overlap scheduling on vs off", check_overlap),
+                 "fp8_kv": ("an fp8 KV cache (kv_cache_dtype)", check_fp8_kv)}
 
 
 def main(argv: list[str] | None = None) -> int:

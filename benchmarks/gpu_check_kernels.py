@@ -2,6 +2,7 @@
 
     python benchmarks/gpu_check_kernels.py                 # H200: Llama-3-8B shapes, bf16
     python benchmarks/gpu_check_kernels.py --sweep         # also time alternative attention launch shapes
+    python benchmarks/gpu_check_kernels.py --kv-dtype fp8_e4m3   # the KV kernels on an fp8 pool
     TRITON_INTERPRET=1 python benchmarks/gpu_check_kernels.py --tiny   # CPU smoke run of this script
 
 Errors are measured against the fp32 references on the same inputs: max |out - ref| and the relative
@@ -9,6 +10,11 @@ norm error |out - ref| / |ref|. Outputs are poisoned (NaN) before each checked c
 allocates them, so unwritten elements fail. Timings: CUDA events around the kernel alone, L2 flushed
 before each run, warmup, median of --iters. Rates are printed against the ceilings measured on the
 H200 (copy 4.2 TB/s, bf16 matmul 776 TFLOP/s). Exit code 1 on any mismatch.
+
+With --kv-dtype fp8_e4m3 / fp8_e5m2 the KV pool of the attention, store and fused rotary-store checks is
+fp8 (EngineOptions.kv_cache_dtype): the references read the same fp8 pool (upcast to fp32), and the
+stores are checked against the references' saturating casts into a pool of the same dtype. Under the
+interpreter (--tiny) fp8 stores mismatch: its fp32 -> fp8 cast rounds wrongly (triton-lang/triton#8322).
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ if "--tiny" in sys.argv:
 
 import torch  # noqa: E402
 
+from radixlm.core.engine.options import KV_CACHE_DTYPES  # noqa: E402
 from radixlm.core.engine.sampler import Sampler  # noqa: E402
 from radixlm.core.engine.sampling_params import SamplingParams  # noqa: E402
 from radixlm.kernels import reference as ref  # noqa: E402
@@ -54,6 +61,8 @@ class Checker:
         self.args = args
         self.device = torch.device("cpu" if args.tiny else "cuda")
         self.dtype = DTYPES[args.dtype]
+        fp8 = KV_CACHE_DTYPES[args.kv_dtype]
+        self.kv_dtype = getattr(torch, fp8) if fp8 else self.dtype
         self.rows: list[Row] = []
         self.tol = 1e-3 if self.dtype == torch.float32 else 1e-2
         # Larger than the H200's L2 (50 MB), written before each timed run to evict the inputs.
@@ -92,6 +101,7 @@ class Checker:
     def record(self, kernel: str, case: str, outs, refs, fn, bytes_moved: float = 0, flops: float = 0):
         max_err, rel_err, ok = 0.0, 0.0, True
         for out, expected in zip(outs, refs):
+            out, expected = (t.float() if t.element_size() == 1 else t for t in (out, expected))  # fp8 pools
             diff = (out.double() - expected.double())
             finite = bool(torch.isfinite(out).all()) or not bool(torch.isfinite(expected).all())
             max_err = max(max_err, float(diff.abs().nan_to_num(float("inf")).max()) if out.numel() else 0.0)
@@ -115,8 +125,8 @@ class Checker:
         """A pool with random content everywhere and each request's positions on shuffled slots."""
         total = sum(seq_lens)
         num_slots = total + 16
-        k_buf = self.randn(num_slots + 1, num_kv_heads, head_dim)
-        v_buf = self.randn(num_slots + 1, num_kv_heads, head_dim)
+        k_buf = self.randn(num_slots + 1, num_kv_heads, head_dim, dtype=self.kv_dtype)
+        v_buf = self.randn(num_slots + 1, num_kv_heads, head_dim, dtype=self.kv_dtype)
         slots = (torch.randperm(num_slots, device=self.device)[:total] + 1).to(torch.int32)
         rows = len(seq_lens) + 8
         req_to_token = torch.randint(1, num_slots + 1, (rows, max(seq_lens) + 8), dtype=torch.int32,
@@ -160,21 +170,31 @@ class Checker:
         call = lambda: tri.decode_attention(q, *tables, scale, splits, config=config)  # noqa: E731
         out = call()
         elt = q.element_size()
-        kv_bytes = 2 * sum(seq_lens) * a.kv_heads * a.head_dim * elt
+        kv_bytes = 2 * sum(seq_lens) * a.kv_heads * a.head_dim * tables[0].element_size()
         self.record("decode_attention", case, [out], [expected], call, bytes_moved=kv_bytes + 2 * q.numel() * elt)
 
     def store_kv(self, num_tokens: int):
         a = self.args
         num_slots = 2 * num_tokens
-        k_buf, v_buf = self.randn(num_slots + 1, a.kv_heads, a.head_dim), self.randn(num_slots + 1, a.kv_heads, a.head_dim)
+        k_buf = self.randn(num_slots + 1, a.kv_heads, a.head_dim, dtype=self.kv_dtype)
+        v_buf = self.randn(num_slots + 1, a.kv_heads, a.head_dim, dtype=self.kv_dtype)
         k_exp, v_exp = k_buf.clone(), v_buf.clone()
         kv = self.randn(num_tokens, 2, a.kv_heads, a.head_dim)
+        kv[:2, 0, 0, :4] = 1e6 * torch.tensor([1, -1, 1, -1], device=self.device)  # past fp8's range: saturates
         k, v = kv[:, 0], kv[:, 1]  # strided, as out of a fused projection
         loc = (torch.randperm(num_slots, device=self.device)[:num_tokens] + 1).to(torch.int32)
         ref.store_kv(k_exp, v_exp, loc, k, v)
         tri.store_kv(k_buf, v_buf, loc, k, v)
-        self.record("store_kv", f"T={num_tokens}", [k_buf, v_buf], [k_exp, v_exp],
-                    lambda: tri.store_kv(k_buf, v_buf, loc, k, v), bytes_moved=4 * k.numel() * k.element_size())
+        self.record("store_kv", f"T={num_tokens}{self._kv_tag(k_buf, [k_exp, v_exp], [k_buf, v_buf])}",
+                    [k_buf, v_buf], [k_exp, v_exp], lambda: tri.store_kv(k_buf, v_buf, loc, k, v),
+                    bytes_moved=2 * k.numel() * (k.element_size() + k_buf.element_size()))
+
+    def _kv_tag(self, pool: torch.Tensor, expected: list[torch.Tensor], got: list[torch.Tensor]) -> str:
+        """For an fp8 pool: its dtype and the share of stored bytes equal to the reference's."""
+        if pool.element_size() != 1:
+            return ""
+        same = sum(int((e.view(torch.uint8) == g.view(torch.uint8)).sum()) for e, g in zip(expected, got))
+        return f" {str(pool.dtype).removeprefix('torch.')} bytes equal {same / sum(e.numel() for e in expected):.4%}"
 
     def norms(self, num_tokens: int):
         a = self.args
@@ -215,15 +235,22 @@ class Checker:
         a = self.args
         q, k, v, positions, cache = self.rotary_inputs(num_tokens)
         num_slots = 2 * num_tokens
-        k_buf = self.randn(num_slots + 1, a.kv_heads, a.head_dim)
-        v_buf = self.randn(num_slots + 1, a.kv_heads, a.head_dim)
-        k_exp, v_exp = k_buf.float(), v_buf.float()
+        k_buf = self.randn(num_slots + 1, a.kv_heads, a.head_dim, dtype=self.kv_dtype)
+        v_buf = self.randn(num_slots + 1, a.kv_heads, a.head_dim, dtype=self.kv_dtype)
         loc = (torch.randperm(num_slots, device=self.device)[:num_tokens] + 1).to(torch.int32)
-        q_exp = ref.apply_rotary_store_kv(q.float(), k.float(), v.float(), positions, cache, k_exp, v_exp, loc)
+        if k_buf.element_size() == 1:
+            # An fp8 pool: the reference stores the rotated k, rounded to the model's dtype as the kernel
+            # does, into a pool of the same fp8 dtype (from fp32 its rounding would differ).
+            k_exp, v_exp = k_buf.clone(), v_buf.clone()
+            q_exp = ref.apply_rotary_store_kv(q, k, v, positions, cache, k_exp, v_exp, loc)
+        else:
+            k_exp, v_exp = k_buf.float(), v_buf.float()
+            q_exp = ref.apply_rotary_store_kv(q.float(), k.float(), v.float(), positions, cache, k_exp, v_exp, loc)
         self.poison(q.shape, q.dtype)
         q_out = tri.apply_rotary_store_kv(q, k, v, positions, cache, k_buf, v_buf, loc)
         elt = q.element_size()
-        self.record("rotary_store_kv", f"T={num_tokens} fused", [q_out, k_buf, v_buf],
+        tag = self._kv_tag(k_buf, [k_exp.to(k_buf.dtype), v_exp.to(v_buf.dtype)], [k_buf, v_buf])
+        self.record("rotary_store_kv", f"T={num_tokens} fused{tag}", [q_out, k_buf, v_buf],
                     [q_exp.to(self.dtype), k_exp.to(self.dtype), v_exp.to(self.dtype)],
                     lambda: tri.apply_rotary_store_kv(q, k, v, positions, cache, k_buf, v_buf, loc),
                     bytes_moved=2 * (q.numel() + k.numel() + v.numel()) * elt)
@@ -266,6 +293,8 @@ class Checker:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    p.add_argument("--kv-dtype", choices=list(KV_CACHE_DTYPES), default="auto",
+                   help="the KV pool's dtype (auto: --dtype), as the engine's kv_cache_dtype")
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--max-seq", type=int, default=4096)
     p.add_argument("--heads", type=int, default=32)

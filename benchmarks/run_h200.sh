@@ -25,6 +25,10 @@
 #   GPU_CHECK_ARGS="--skip-kernels --checks overlap" RUN_ENGINE_BENCH=0 RUN_CONSTRAINED=0 \
 #     RUN_THROUGHPUT_VARIANTS=1 bash benchmarks/run_h200.sh
 #                                   # overlap's equality check, then engine variants side by side (issue 19)
+#   GPU_CHECK_ARGS="--skip-kernels --checks fp8_kv" RUN_ENGINE_BENCH=0 RUN_CONSTRAINED=0 RUN_FP8_KV=1 \
+#     bash benchmarks/run_h200.sh
+#                                   # the fp8 KV cache: gpu_check's fp8 step, then the 1,000-request workload
+#                                   # and decode steps with kv_cache_dtype auto vs fp8_e4m3 (issue 19)
 #   RUN_GPU_CHECK=0 RUN_ENGINE_BENCH=0 RUN_CONSTRAINED=0 RUN_IMAGES=1 bash benchmarks/run_h200.sh
 #                                   # image QA on the LLaVA-1.5-7B shape, shared vs distinct images (issue 21)
 #   RUN_GPU_CHECK=0 RUN_ENGINE_BENCH=0 RUN_CONSTRAINED=0 RUN_QWEN2VL=1 bash benchmarks/run_h200.sh
@@ -80,6 +84,17 @@ if [ "${RUN_FUSION_ABLATION:-0}" = 1 ]; then
       --model llama3-8b-shape --no-hf --requests 32 --repeats 5 2>&1 | tee -a "$OUT/bench_fusion.log"
     echo "bench_engine (RADIXLM_UNFUSED_ROTARY_STORE=$unfused) exit ${PIPESTATUS[0]}" | tee -a "$OUT/env.txt"
   done
+fi
+
+if [ "${RUN_FP8_KV:-0}" = 1 ]; then
+  # Issue 19: the KV cache in the model's bf16 against fp8_e4m3 (half the KV bytes read per decode step,
+  # twice the pool), both with overlap and admissions of 64 (the best variant so far), through the
+  # variants below; then fp8 with the decode kernel stepping 128 keys at a time (a block of fp8 keys is
+  # half the bytes of a bf16 one).
+  RUN_THROUGHPUT_VARIANTS=1
+  THROUGHPUT_VARIANTS=${THROUGHPUT_VARIANTS:-"kv_auto||--overlap --parts throughput decode_step --engine-option schedule_admission_batch=64
+kv_fp8_e4m3||--overlap --parts throughput decode_step --engine-option schedule_admission_batch=64 --engine-option kv_cache_dtype=fp8_e4m3
+kv_fp8_e4m3_attn_128_4_3|RADIXLM_DECODE_ATTN_CONFIG=128,4,3|--overlap --parts throughput decode_step --engine-option schedule_admission_batch=64 --engine-option kv_cache_dtype=fp8_e4m3"}
 fi
 
 if [ "${RUN_THROUGHPUT_VARIANTS:-0}" = 1 ]; then

@@ -31,6 +31,7 @@ from radixlm.kernels.reference import (  # noqa: F401  (re-exported: this set's 
     seeded_exponential,
     silu_and_mul,
 )
+from radixlm.kernels.reference import to_kv_dtype
 
 # A group may hold this many padded (query, key) pairs beyond twice its real ones: small requests
 # batch together even when their lengths differ, where a separate call would cost more than the padding.
@@ -60,10 +61,14 @@ def store_kv(
 ) -> None:
     """reference.store_kv with index_copy_, which copies a few rows on the calling thread where indexed
     assignment starts a parallel region (on a busy 2-core machine, 20x slower). Like the reference, it
-    takes slot indices of any integer dtype (index_copy_ wants int64)."""
+    takes slot indices of any integer dtype (index_copy_ wants int64). CPU torch has no index_copy_ for
+    fp8, so an fp8 pool's bytes are copied through uint8 views."""
     loc = loc.long()
-    k_buffer.index_copy_(0, loc, k.to(k_buffer.dtype))
-    v_buffer.index_copy_(0, loc, v.to(v_buffer.dtype))
+    for buffer, x in ((k_buffer, k), (v_buffer, v)):
+        x = to_kv_dtype(x, buffer.dtype)
+        if buffer.dtype.itemsize == 1:
+            buffer, x = buffer.view(torch.uint8), x.view(torch.uint8)
+        buffer.index_copy_(0, loc, x)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -218,9 +223,10 @@ def _attend_group(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tenso
                   group: _Group) -> torch.Tensor:
     """q [n, H, D] (one query per request) or [n, max_ext, H, D] -> the same shape, attended over the
     group's keys and values (GQA: each KV head serves H / KH query heads)."""
+    # Gathered keys and values are upcast to q's dtype (an fp8 pool's, only the group's rows).
     shape = (group.n, group.max_len, *k_buffer.shape[1:])
-    k = k_buffer.index_select(0, group.slots).view(shape).transpose(1, 2)
-    v = v_buffer.index_select(0, group.slots).view(shape).transpose(1, 2)
+    k = k_buffer.index_select(0, group.slots).to(q.dtype).view(shape).transpose(1, 2)
+    v = v_buffer.index_select(0, group.slots).to(q.dtype).view(shape).transpose(1, 2)
     queries = q.unsqueeze(1) if group.q_valid is None else q  # [n, max_ext, H, D]
     out = F.scaled_dot_product_attention(queries.transpose(1, 2), k, v, attn_mask=group.mask, scale=sm_scale,
                                          enable_gqa=True)

@@ -4,6 +4,8 @@ The CPU path runs these; the Triton kernels are tested against them. Shapes foll
 KV pools are per-layer tensors ``[num_slots, num_kv_heads, head_dim]``; ``req_to_token[r, i]`` is the
 KV slot holding position ``i`` of request row ``r``. Attention reads all keys and values (the cached
 prefix and the new tokens alike) through that table, so new tokens must be stored before attending.
+A pool may be of another dtype than the model's (fp8: EngineOptions.kv_cache_dtype): stores cast into it
+(`to_kv_dtype`), attention upcasts what it reads.
 """
 
 from __future__ import annotations
@@ -50,12 +52,25 @@ def apply_rotary(
     return rotate(q), rotate(k)
 
 
+def kv_saturation(dtype: torch.dtype) -> float | None:
+    """The largest finite value of an fp8 KV dtype (values beyond it are clamped there on store), None
+    for wider dtypes. Unclamped, such values become inf (e5m2) or, in casts that do not saturate, NaN
+    (e4m3fn has no infinity), and one NaN key poisons every later attention over it."""
+    return float(torch.finfo(dtype).max) if dtype.itemsize == 1 else None
+
+
+def to_kv_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x cast to a KV pool's dtype; into fp8 a saturating cast (no scale: values are stored as they are)."""
+    limit = kv_saturation(dtype)
+    return (x if limit is None else x.clamp(-limit, limit)).to(dtype)
+
+
 def store_kv(
     k_buffer: torch.Tensor, v_buffer: torch.Tensor, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 ) -> None:
-    """Writes the new tokens' keys and values into their pool slots."""
-    k_buffer[loc] = k.to(k_buffer.dtype)
-    v_buffer[loc] = v.to(v_buffer.dtype)
+    """Writes the new tokens' keys and values into their pool slots, cast to the pool's dtype."""
+    k_buffer[loc] = to_kv_dtype(k, k_buffer.dtype)
+    v_buffer[loc] = to_kv_dtype(v, v_buffer.dtype)
 
 
 def apply_rotary_store_kv(

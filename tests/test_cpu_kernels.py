@@ -133,3 +133,53 @@ def test_store_kv_matches_reference(src_dtype, pool_dtype, loc_dtype):
     reference.store_kv(k_exp, v_exp, loc, k, v)
     cpu.store_kv(k_buf, v_buf, loc, k, v)
     assert torch.equal(k_buf, k_exp) and torch.equal(v_buf, v_exp)
+
+
+# ---- an fp8 KV pool (kv_cache_dtype fp8_e4m3 / fp8_e5m2) ----------------------------------------
+
+FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
+
+
+def _bits(x: torch.Tensor) -> torch.Tensor:
+    return x.view(torch.uint8)  # CPU torch compares no fp8 tensors; their bytes it does
+
+
+@pytest.mark.parametrize("src_dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("pool_dtype", FP8, ids=str)
+def test_store_kv_into_fp8_saturates_and_matches_reference(pool_dtype, src_dtype):
+    k, v = (torch.randn(6, 3, 24) * 4).to(src_dtype), torch.randn(6, 3, 24).to(src_dtype)
+    big = 10 * torch.finfo(pool_dtype).max  # past the format: an unclamped cast gives NaN (e4m3fn) or inf
+    k[0, 0, :2], v[1, 2, 3] = torch.tensor([big, -big]), -big
+    loc = (torch.randperm(12)[:6] + 1).to(torch.int32)
+    k_buf, v_buf = torch.randn(13, 3, 24).to(pool_dtype), torch.randn(13, 3, 24).to(pool_dtype)
+    k_exp, v_exp = k_buf.clone(), v_buf.clone()
+    reference.store_kv(k_exp, v_exp, loc, k, v)
+    cpu.store_kv(k_buf, v_buf, loc, k, v)
+    assert torch.equal(_bits(k_buf), _bits(k_exp)) and torch.equal(_bits(v_buf), _bits(v_exp))
+    top = torch.finfo(pool_dtype).max
+    slots = loc.long()
+    assert k_buf[slots[0], 0, :2].float().tolist() == [top, -top] and v_buf[slots[1], 2, 3].float() == -top
+    stored = torch.stack((k_buf[slots], v_buf[slots])).float()
+    assert torch.isfinite(stored).all()
+    # Round to nearest: within half a unit of the format's 3 (e4m3) or 2 (e5m2) mantissa bits, where not
+    # clamped (or below the smallest normal, where the unit is fixed).
+    mantissa = 3 if pool_dtype == torch.float8_e4m3fn else 2
+    src = torch.stack((k, v)).float().clamp(-top, top)
+    bound = src.abs() * 2.0 ** -(mantissa + 1) + torch.finfo(pool_dtype).smallest_normal * 2.0 ** -mantissa
+    assert ((stored - src).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("pool_dtype", FP8, ids=str)
+def test_attention_reads_an_fp8_pool_like_the_reference(pool_dtype, q_dtype):
+    """Both ops upcast the gathered fp8 keys and values to q's dtype; the references upcast to fp32."""
+    num_heads, num_kv_heads, head_dim = 9, 3, 64
+    prefix_lens, extend_lens = [0, 4, 300, 90, 0], [250, 1, 1, 1, 2]
+    seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
+    batch = PagedBatch(seq_lens, num_kv_heads, head_dim, pool_dtype, torch.int32)
+    q = torch.randn(sum(extend_lens), num_heads, head_dim).to(q_dtype)
+    ext = torch.tensor(extend_lens, dtype=torch.int32)
+    _check(cpu.extend_attention(q, *batch.tables(), ext, head_dim**-0.5),
+           reference.extend_attention(q, *batch.tables(), ext, head_dim**-0.5))
+    q = q[: len(seq_lens)]
+    _check(cpu.decode_attention(q, *batch.tables(), 0.125), reference.decode_attention(q, *batch.tables(), 0.125))

@@ -8,16 +8,20 @@ masked keys) read it.
 from __future__ import annotations
 
 import mmap
+from types import ModuleType
 
 import torch
 
-from radixlm.core.errors import OutOfMemoryError
+from radixlm.core.errors import InvalidRequestError, OutOfMemoryError
 
 
 class KVPool:
     """Per-layer key and value buffers of shape [num_slots + 1, num_kv_heads, head_dim], views of one
     zeroed allocation. On the CPU that allocation is an anonymous memory map: the OS hands its pages out
-    zeroed on first touch, so the pool costs no start-up time and only the RAM that requests fill."""
+    zeroed on first touch, so the pool costs no start-up time and only the RAM that requests fill.
+
+    The dtype is the model's, or fp8 (EngineOptions.kv_cache_dtype): one byte per value, so the same
+    memory holds twice the tokens of bf16. The kernels cast on store and upcast on load."""
 
     def __init__(
         self,
@@ -38,6 +42,27 @@ class KVPool:
             kv = torch.zeros(shape, dtype=dtype, device=device)
         self.kv = kv  # [2 (keys, values), num_layers, num_slots + 1, num_kv_heads, head_dim]
         self.k_buffers, self.v_buffers = list(kv[0].unbind(0)), list(kv[1].unbind(0))
+
+    @staticmethod
+    def check_dtype(dtype: torch.dtype, device: torch.device | str, ops: ModuleType, triton: bool) -> None:
+        """Raises InvalidRequestError where an fp8 pool cannot run: the Triton kernels' fp8 casts need a GPU
+        of compute capability 8.9 or later (Ada, Hopper); and the kernel set `ops` must store into the
+        dtype and torch read it back (a probe of both)."""
+        if dtype.itemsize != 1:
+            return
+        device = torch.device(device)
+        if triton and torch.cuda.get_device_capability(device) < (8, 9):
+            name = torch.cuda.get_device_name(device)
+            raise InvalidRequestError(f"kv_cache_dtype {dtype}: the GPU ({name}) has no fp8 conversions (compute "
+                                      "capability 8.9+ needed); use kv_cache_dtype=auto", "kv_cache_dtype")
+        try:
+            k, v = torch.zeros((2, 1, 16), dtype=dtype, device=device), torch.zeros((2, 1, 16), dtype=dtype, device=device)
+            one = torch.ones((1, 1, 16), device=device)
+            ops.store_kv(k, v, torch.ones(1, dtype=torch.int64, device=device), one, one)
+            k.index_select(0, torch.ones(1, dtype=torch.int64, device=device)).float()
+        except (RuntimeError, TypeError) as e:
+            raise InvalidRequestError(f"kv_cache_dtype {dtype} is not supported on {device} by torch "
+                                      f"{torch.__version__}: {e}", "kv_cache_dtype") from e
 
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:

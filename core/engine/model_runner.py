@@ -90,6 +90,8 @@ class ModelRunner:
         self.device = torch.device(opts.device)
         self.dtype = opts.torch_dtype
         self.ops = kernels.get_ops(self.device)
+        self.kv_dtype = opts.torch_kv_dtype
+        KVPool.check_dtype(self.kv_dtype, self.device, self.ops, kernels.triton_enabled(self.device))
         # Seconds of each start-up stage (Engine.startup_seconds shows them).
         self.load_seconds: dict[str, float] = {}
         start = time.perf_counter()
@@ -105,7 +107,8 @@ class ModelRunner:
         self.num_slots = self._kv_pool_size(opts)
         if tp is not None:  # every rank must index the same slots
             self.num_slots = tp.min_across_ranks(self.num_slots)
-        self.kv_pool = KVPool(self.num_slots, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.dtype, self.device)
+        self.kv_pool = KVPool(self.num_slots, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.kv_dtype,
+                              self.device)
         self.req_to_token = ReqToTokenPool(opts.max_running_requests + 1, cfg.context_len + 1, self.device)
         self._pin = self.device.type == "cuda"
         self.load_seconds["kv_pool"] = time.perf_counter() - start
@@ -143,7 +146,7 @@ class ModelRunner:
 
     def _kv_bytes_per_token(self) -> int:
         c = self.cfg
-        return KVPool.bytes_per_token(c.num_layers, c.num_kv_heads, c.head_dim, self.dtype)
+        return KVPool.bytes_per_token(c.num_layers, c.num_kv_heads, c.head_dim, self.kv_dtype)
 
     def _kv_pool_size(self, opts: EngineOptions) -> int:
         if opts.max_total_tokens is not None:

@@ -19,6 +19,9 @@ POLICIES = ("lpm", "dfs-weight", "fcfs", "lof", "random")
 _DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
            "float16": "float16", "fp16": "float16", "half": "float16"}
 
+# kv_cache_dtype's names (SGLang's and vLLM's --kv-cache-dtype) and their torch dtypes; "auto": the model's.
+KV_CACHE_DTYPES = {"auto": None, "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
+
 
 def option(default: Any, help: str, *, choices: Sequence[str] | None = None,
            aliases: Sequence[str] = ()) -> Any:
@@ -53,6 +56,10 @@ class EngineOptions:
 
     dtype: str = option("auto", "weight and activation dtype; auto: bfloat16 on CUDA, float32 on CPU",
                         choices=("auto", *_DTYPES))
+    kv_cache_dtype: str = option(
+        "auto", "dtype of the KV cache: auto (the model's dtype), fp8_e4m3 or fp8_e5m2 (half the bytes per token of "
+        "bf16: twice the tokens in the same memory, half the KV read per decode step; values stored unscaled, "
+        "saturating at the format's largest finite value; docs/engine.md)", choices=tuple(KV_CACHE_DTYPES))
     device: str | None = option(None, "device to run on, e.g. cuda, cuda:1, cpu; default: cuda if available")
     context_length: int | None = option(
         None, "the longest prompt plus completion a request may have, in tokens; default: the model's "
@@ -227,3 +234,16 @@ class EngineOptions:
         import torch
 
         return getattr(torch, _DTYPES[self.dtype])
+
+    @property
+    def torch_kv_dtype(self) -> "torch.dtype":
+        """The KV pool's dtype; fp8 where this torch build has it (else InvalidRequestError)."""
+        import torch
+
+        name = KV_CACHE_DTYPES[self.kv_cache_dtype]
+        if name is None:
+            return self.torch_dtype
+        if not hasattr(torch, name):
+            raise InvalidRequestError(f"kv_cache_dtype={self.kv_cache_dtype}: torch {torch.__version__} has no "
+                                      f"torch.{name}", "kv_cache_dtype")
+        return getattr(torch, name)

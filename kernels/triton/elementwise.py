@@ -1,7 +1,9 @@
 """Row-wise and element-wise kernels of a Llama layer: KV store, RMSNorm, rotary (alone or fused with the
 KV store), SiLU-and-mul.
 
-Each computes in fp32 and rounds once to the output dtype, like its twin in ``reference``.
+Each computes in fp32 and rounds once to the output dtype, like its twin in ``reference``. Stores into
+an fp8 KV pool saturate (``reference.to_kv_dtype``): the ``SAT`` constexpr is the format's largest
+finite value, 0 for pools of a wider dtype.
 Inputs may be strided views (q, k, v sliced out of a fused QKV projection); the last dim must be
 contiguous only where noted.
 """
@@ -11,6 +13,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from radixlm.kernels.reference import kv_saturation
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -23,18 +27,31 @@ def _row_warps(block: int) -> int:
     return max(1, min(16, block // 512))
 
 
+def _saturation(buffer: torch.Tensor) -> float:
+    return kv_saturation(buffer.dtype) or 0.0
+
+
+@triton.jit
+def _to_kv(x, Out, SAT: tl.constexpr):
+    """x cast to Out's element type, clamped to [-SAT, SAT] first when SAT > 0 (an fp8 pool; in fp32,
+    which holds any input exactly)."""
+    if SAT > 0:
+        x = tl.minimum(tl.maximum(x.to(tl.float32), -SAT), SAT)
+    return x.to(Out.dtype.element_ty)
+
+
 @triton.jit
 def _copy_heads(
     XRow, OutRow, stride_xh, stride_xd, stride_oh, stride_od,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    SAT: tl.constexpr,
 ):
     """One token's [NUM_HEADS, HEAD_DIM] rows from XRow to OutRow, cast to Out's dtype."""
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
     mask = (offs_h < NUM_HEADS)[:, None] & (offs_d < HEAD_DIM)[None, :]
     x = tl.load(XRow + offs_h[:, None] * stride_xh + offs_d[None, :] * stride_xd, mask=mask)
-    tl.store(OutRow + offs_h[:, None] * stride_oh + offs_d[None, :] * stride_od,
-             x.to(OutRow.dtype.element_ty), mask=mask)
+    tl.store(OutRow + offs_h[:, None] * stride_oh + offs_d[None, :] * stride_od, _to_kv(x, OutRow, SAT), mask=mask)
 
 
 @triton.jit
@@ -45,13 +62,14 @@ def _store_kv_kernel(
     stride_kbs, stride_kbh, stride_kbd,
     stride_vbs, stride_vbh, stride_vbd,
     NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    SAT: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(Loc + token).to(tl.int64)
     _copy_heads(K + token * stride_kt, KBuf + slot * stride_kbs, stride_kh, stride_kd, stride_kbh, stride_kbd,
-                NUM_KV_HEADS, HEAD_DIM, BLOCK_H, BLOCK_D)
+                NUM_KV_HEADS, HEAD_DIM, BLOCK_H, BLOCK_D, SAT)
     _copy_heads(V + token * stride_vt, VBuf + slot * stride_vbs, stride_vh, stride_vd, stride_vbh, stride_vbd,
-                NUM_KV_HEADS, HEAD_DIM, BLOCK_H, BLOCK_D)
+                NUM_KV_HEADS, HEAD_DIM, BLOCK_H, BLOCK_D, SAT)
 
 
 def store_kv(
@@ -66,7 +84,7 @@ def store_kv(
         *k.stride(), *v.stride(), *k_buffer.stride(), *v_buffer.stride(),
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
         BLOCK_H=triton.next_power_of_2(num_kv_heads), BLOCK_D=triton.next_power_of_2(head_dim),
-        num_warps=4,
+        SAT=_saturation(k_buffer), num_warps=4,
     )
 
 
@@ -160,6 +178,7 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 def _rotate_heads(
     XRow, OutRow, stride_xh, stride_xd, stride_oh, stride_od, cos, sin,
     NUM_HEADS: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    SAT: tl.constexpr,
 ):
     """One token's heads rotated from XRow to OutRow. The result is rounded to X's dtype first (where the
     reference's rotary leaves it) and then cast to Out's, which differs only when storing into a pool of
@@ -172,8 +191,8 @@ def _rotate_heads(
     x2 = tl.load(base + HALF * stride_xd, mask=mask, other=0.0).to(tl.float32)
     out = OutRow + offs_h[:, None] * stride_oh + offs_d[None, :] * stride_od
     dtype = XRow.dtype.element_ty
-    tl.store(out, (x1 * cos - x2 * sin).to(dtype).to(OutRow.dtype.element_ty), mask=mask)
-    tl.store(out + HALF * stride_od, (x2 * cos + x1 * sin).to(dtype).to(OutRow.dtype.element_ty), mask=mask)
+    tl.store(out, _to_kv((x1 * cos - x2 * sin).to(dtype), OutRow, SAT), mask=mask)
+    tl.store(out + HALF * stride_od, _to_kv((x2 * cos + x1 * sin).to(dtype), OutRow, SAT), mask=mask)
 
 
 @triton.jit
@@ -199,9 +218,9 @@ def _rotary_kernel(
     token = tl.program_id(0).to(tl.int64)
     cos, sin = _cos_sin(CosSin, Positions, token, stride_cp, HALF, BLOCK_HALF)
     _rotate_heads(Q + token * stride_qt, QOut + token * stride_oqt, stride_qh, stride_qd, stride_oqh, stride_oqd,
-                  cos, sin, NUM_HEADS, HALF, BLOCK_H, BLOCK_HALF)
+                  cos, sin, NUM_HEADS, HALF, BLOCK_H, BLOCK_HALF, 0.0)
     _rotate_heads(K + token * stride_kt, KOut + token * stride_okt, stride_kh, stride_kd, stride_okh, stride_okd,
-                  cos, sin, NUM_KV_HEADS, HALF, BLOCK_KH, BLOCK_HALF)
+                  cos, sin, NUM_KV_HEADS, HALF, BLOCK_KH, BLOCK_HALF, 0.0)
 
 
 def apply_rotary(
@@ -239,16 +258,17 @@ def _rotary_store_kv_kernel(
     stride_cp,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_KH: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr,
+    SAT: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(Loc + token).to(tl.int64)
     cos, sin = _cos_sin(CosSin, Positions, token, stride_cp, HALF, BLOCK_HALF)
     _rotate_heads(Q + token * stride_qt, QOut + token * stride_oqt, stride_qh, stride_qd, stride_oqh, stride_oqd,
-                  cos, sin, NUM_HEADS, HALF, BLOCK_H, BLOCK_HALF)
+                  cos, sin, NUM_HEADS, HALF, BLOCK_H, BLOCK_HALF, 0.0)
     _rotate_heads(K + token * stride_kt, KBuf + slot * stride_kbs, stride_kh, stride_kd, stride_kbh, stride_kbd,
-                  cos, sin, NUM_KV_HEADS, HALF, BLOCK_KH, BLOCK_HALF)
+                  cos, sin, NUM_KV_HEADS, HALF, BLOCK_KH, BLOCK_HALF, SAT)
     _copy_heads(V + token * stride_vt, VBuf + slot * stride_vbs, stride_vh, stride_vd, stride_vbh, stride_vbd,
-                NUM_KV_HEADS, HEAD_DIM, BLOCK_KH, BLOCK_D)
+                NUM_KV_HEADS, HEAD_DIM, BLOCK_KH, BLOCK_D, SAT)
 
 
 def apply_rotary_store_kv(
@@ -272,6 +292,7 @@ def apply_rotary_store_kv(
         cos_sin_cache.stride(0),
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, HALF=half,
         BLOCK_H=triton.next_power_of_2(num_heads), BLOCK_KH=triton.next_power_of_2(num_kv_heads),
-        BLOCK_HALF=triton.next_power_of_2(half), BLOCK_D=triton.next_power_of_2(head_dim), num_warps=4,
+        BLOCK_HALF=triton.next_power_of_2(half), BLOCK_D=triton.next_power_of_2(head_dim),
+        SAT=_saturation(k_buffer), num_warps=4,
     )
     return q_out
