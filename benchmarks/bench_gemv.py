@@ -32,10 +32,12 @@ SHAPES = {"qkv": (6144, HIDDEN), "o": (HIDDEN, HIDDEN), "gate_up": (2 * INTER, H
 
 
 def sweep_configs(block_m: int, quick: bool) -> list[tuple[int, int, int]]:
-    """Launch shapes whose 3D accumulator stays within 128 fp32 registers a thread."""
-    block_ns, block_ks, warps = ((8, 16, 32), (128, 256), (4,)) if quick else ((4, 8, 16, 32), (64, 128, 256, 512),
-                                                                               (4, 8))
-    return [(n, k, w) for n in block_ns for k in block_ks for w in warps if block_m * n * k <= 128 * 32 * w]
+    """Launch shapes whose 3D accumulator stays within 128 fp32 registers a thread and whose weight tile
+    is at least 2 KB."""
+    block_ns, block_ks, warps = ((4, 8), (512, 1024), (4, 8)) if quick else ((4, 8, 16, 32),
+                                                                            (128, 256, 512, 1024, 2048), (4, 8))
+    return [(n, k, w) for n in block_ns for k in block_ks for w in warps
+            if block_m * n * k <= 128 * 32 * w and n * k >= 1024 and k // block_m >= 32]
 
 
 def graph_time_us(fn, copies: int, calls: int, replays: int = 10) -> float:
@@ -138,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8])
     p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     p.add_argument("--calls", type=int, default=64, help="calls per captured graph")
-    p.add_argument("--quick", action="store_true", help="sweep 6 launch shapes instead of up to 32")
+    p.add_argument("--quick", action="store_true", help="sweep up to 8 launch shapes instead of up to 36")
     p.add_argument("--out", help="write the results as JSON here")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():

@@ -35,8 +35,9 @@ CONFIGS: dict[tuple[int, int, int], tuple[int, int, int]] = {}
 
 def gemv_config(m: int, n: int, k: int) -> tuple[int, int, int]:
     """The launch shape for an [m, k] x [n, k].T product: RADIXLM_GEMV_CONFIG ("block_n,block_k,warps",
-    for ablations), else CONFIGS, else enough programs to fill an H200 twice over (132 SMs) with an
-    accumulator of about 32 fp32 registers per thread."""
+    for ablations), else CONFIGS, else a guess: weight tiles of 16 KB (bf16) a step, so that each SM has
+    tens of KB of loads in flight (nothing pipelines these loops), and 64 fp32 accumulator registers a
+    thread; 8 output rows a program, 4 where that leaves under two programs per SM (132 on an H200)."""
     override = os.environ.get("RADIXLM_GEMV_CONFIG")
     if override:
         block_n, block_k, warps = (int(v) for v in override.split(","))
@@ -44,36 +45,34 @@ def gemv_config(m: int, n: int, k: int) -> tuple[int, int, int]:
     block_m = triton.next_power_of_2(m)
     if (block_m, n, k) in CONFIGS:
         return CONFIGS[(block_m, n, k)]
-    block_k = max(32, min(256, 256 // block_m, triton.next_power_of_2(k)))
-    block_n = 32
-    while block_n > 4 and triton.cdiv(n, block_n) < 264:
-        block_n //= 2
+    block_k = max(32, min(1024, triton.next_power_of_2(k)) // block_m)
+    block_n = 8 if triton.cdiv(n, 8) >= 264 else 4
     return block_n, block_k, 4
 
 
 @triton.jit
 def _gemv_kernel(
     X, Res, NormW, W, Bias, Out, SumOut,
-    M, N, K, stride_xm, stride_rm, stride_wn, stride_om, stride_sm, eps,
+    m, n, k, stride_xm, stride_rm, stride_wn, stride_om, stride_sm, eps,
     PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     pid = tl.program_id(0)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_mask = offs_m < M
-    n_mask = offs_n < N
+    m_mask = offs_m < m
+    n_mask = offs_n < n
     acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
     sumsq = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(0, k, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_mask = offs_k < K
+        k_mask = offs_k < k
         x_mask = m_mask[:, None] & k_mask[None, :]
         x_ptrs = X + offs_m[:, None] * stride_xm + offs_k[None, :]
         if PROLOGUE == 3:
             # x holds [gate | up]; silu(gate) * up rounded to the activation dtype, as silu_and_mul's output.
             gate = tl.load(x_ptrs, mask=x_mask, other=0.0).to(tl.float32)
-            up = tl.load(x_ptrs + K, mask=x_mask, other=0.0).to(tl.float32)
+            up = tl.load(x_ptrs + k, mask=x_mask, other=0.0).to(tl.float32)
             x = (gate * tl.sigmoid(gate) * up).to(X.dtype.element_ty).to(tl.float32)
         else:
             x = tl.load(x_ptrs, mask=x_mask, other=0.0)
@@ -93,7 +92,7 @@ def _gemv_kernel(
         acc += x[:, None, :] * w.to(tl.float32)[None, :, :]
     out = tl.sum(acc, axis=2)
     if PROLOGUE == 1 or PROLOGUE == 2:
-        rstd = tl.rsqrt(tl.sum(sumsq, axis=1) / K + eps)
+        rstd = tl.rsqrt(tl.sum(sumsq, axis=1) / k + eps)
         out = out * rstd[:, None]
     if HAS_BIAS:
         out += tl.load(Bias + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
