@@ -26,6 +26,7 @@ from radixlm.kernels import reference as ref
 from radixlm.kernels import triton as tri
 from radixlm.kernels.triton import decode_gemv as gemv_module
 
+DEVICE = "cuda"
 HIDDEN, INTER = 4096, 14336
 SHAPES = {"qkv": (6144, HIDDEN), "o": (HIDDEN, HIDDEN), "gate_up": (2 * INTER, HIDDEN), "down": (HIDDEN, INTER),
           "lm_head": (128256, HIDDEN)}
@@ -69,11 +70,11 @@ class Shape:
     def __init__(self, n: int, k: int, rows: int, dtype: torch.dtype) -> None:
         self.n, self.k, self.rows, self.bytes = n, k, rows, n * k * torch.tensor([], dtype=dtype).element_size()
         self.copies = max(2, -(-(256 << 20) // self.bytes))
-        self.w = [torch.randn(n, k, device="cuda", dtype=dtype) / k**0.5 for _ in range(self.copies)]
-        self.x = torch.randn(rows, k, device="cuda", dtype=dtype)
-        self.residual = torch.randn(rows, k, device="cuda", dtype=dtype)
-        self.gate_up = torch.randn(rows, 2 * k, device="cuda", dtype=dtype)
-        self.norm_w = torch.rand(k, device="cuda", dtype=dtype) + 0.5
+        self.w = [torch.randn(n, k, device=DEVICE, dtype=dtype) / k**0.5 for _ in range(self.copies)]
+        self.x = torch.randn(rows, k, device=DEVICE, dtype=dtype)
+        self.residual = torch.randn(rows, k, device=DEVICE, dtype=dtype)
+        self.gate_up = torch.randn(rows, 2 * k, device=DEVICE, dtype=dtype)
+        self.norm_w = torch.rand(k, device=DEVICE, dtype=dtype) + 0.5
 
     def measure(self, fn, calls: int) -> dict:
         us = graph_time_us(fn, self.copies, calls)
@@ -84,7 +85,7 @@ def bench_shape(name: str, s: Shape, args) -> dict:
     block_m = 1 << (s.rows - 1).bit_length()
     key = (block_m, s.n, s.k)
     result = {"key": key, "cublas": s.measure(lambda i: F.linear(s.x, s.w[i]), args.calls), "triton": {}}
-    for config in sweep_configs(block_m, args.quick):
+    for config in sweep_configs(block_m, args.quick or s.rows in args.quick_rows):
         gemv_module.CONFIGS[key] = config
         try:
             result["triton"][",".join(map(str, config))] = s.measure(lambda i: tri.gemv(s.x, s.w[i]), args.calls)
@@ -142,6 +143,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--calls", type=int, default=64, help="calls per captured graph")
     p.add_argument("--quick", action="store_true", help="sweep up to 8 launch shapes instead of up to 36")
     p.add_argument("--out", help="write the results as JSON here")
+    p.add_argument("--configs-out", help="write the best launch shapes here, for RADIXLM_GEMV_CONFIGS")
+    p.add_argument("--quick-rows", type=int, nargs="*", default=[4, 8],
+                   help="rows that sweep the --quick launch shapes only (default 4 8: one row gets the full sweep)")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_gemv needs a CUDA GPU", file=sys.stderr)
@@ -163,6 +167,9 @@ def main(argv: list[str] | None = None) -> int:
           flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=1))
+    if args.configs_out:
+        Path(args.configs_out).write_text(json.dumps(
+            {",".join(map(str, r["key"])): [int(v) for v in r["best"]["config"].split(",")] for r in results.values()}))
     return 0
 
 

@@ -17,6 +17,7 @@ by rounding only. Launch shapes come from `gemv_config` (benchmarks/bench_gemv.p
 
 from __future__ import annotations
 
+import json
 import os
 
 import torch
@@ -28,9 +29,14 @@ from radixlm.kernels import GEMV_MAX_ROWS
 # The prologues, a constexpr of the kernel.
 _PLAIN, _NORM, _ADD_NORM, _SILU = 0, 1, 2, 3
 
-# (rows, N, K) -> (BLOCK_N, BLOCK_K, num_warps), filled from bench_gemv's measurements; missing shapes
-# take the heuristic in `gemv_config`.
+# (rows rounded up to a power of two, N, K) -> (BLOCK_N, BLOCK_K, num_warps), from bench_gemv's
+# measurements; missing shapes take the guess in `gemv_config`. RADIXLM_GEMV_CONFIGS names a JSON file
+# of more ({"rows,N,K": [block_n, block_k, warps]}, what bench_gemv --configs-out writes): a tuned run
+# without a code change.
 CONFIGS: dict[tuple[int, int, int], tuple[int, int, int]] = {}
+if os.environ.get("RADIXLM_GEMV_CONFIGS"):
+    with open(os.environ["RADIXLM_GEMV_CONFIGS"]) as f:
+        CONFIGS.update({tuple(int(v) for v in key.split(",")): tuple(c) for key, c in json.load(f).items()})
 
 
 def gemv_config(m: int, n: int, k: int) -> tuple[int, int, int]:
