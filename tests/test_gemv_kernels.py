@@ -21,6 +21,7 @@ pytest.importorskip("triton")
 from paged_kv import PagedBatch  # noqa: E402
 from test_kernels import DEVICE, assert_close, assert_same_rounding, randn  # noqa: E402
 
+import radixlm  # noqa: E402
 from radixlm.core.layers.attention_backend import AttentionBackend  # noqa: E402
 from radixlm.core.layers.forward_batch import ForwardBatch  # noqa: E402
 from radixlm.core.models.config import ModelConfig  # noqa: E402
@@ -137,3 +138,22 @@ def test_decoder_layers_fused_equal_unfused(qkv_bias):
     plain_err = (run_layers(model, torch.float16, 0) - exact).abs().max()
     fused_err = (run_layers(model, torch.float16, 8) - exact).abs().max()
     assert 0 < plain_err < 0.05 and fused_err <= 1.5 * plain_err, (fused_err, plain_err)
+
+
+def test_engine_greedy_tokens_fused_equal_unfused(llama_ckpt, monkeypatch):
+    """The engine on the tiny Llama with the Triton kernel set (interpreted on the CPU, about a minute):
+    with decode_fused_gemv=4 against 0, the greedy tokens of 3 requests (each decode step fused; the
+    prefills are longer than 4 tokens) and of 5 (more rows than the bound: unfused) must be equal."""
+    from radixlm.core.engine import model_runner
+
+    monkeypatch.setattr(model_runner.kernels, "get_ops", lambda device: tri)
+    prompts = [[5, 9, 13], [7] * 11, list(range(20, 32))]
+    params = {"max_new_tokens": 3, "temperature": 0.0, "ignore_eos": True}
+    tokens = {}
+    for rows in (0, 4):
+        with radixlm.Engine(llama_ckpt, device="cpu", decode_fused_gemv=rows, disable_cpu_prepack=True,
+                            max_total_tokens=512, log_level="warning") as engine:
+            assert engine._runner.model.layers[0].fused_gemv_rows == rows
+            tokens[rows] = [[o["output_ids"] for o in engine.generate(input_ids=batch, sampling_params=params)]
+                            for batch in (prompts, prompts + [[3, 4], [8] * 6])]
+    assert tokens[4] == tokens[0]
