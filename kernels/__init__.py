@@ -16,6 +16,7 @@ from types import ModuleType
 import torch
 
 from radixlm.kernels import cpu
+from radixlm.kernels.reference import GEMV_MAX_ROWS  # noqa: F401  (part of this package's interface)
 
 OP_NAMES = (
     "apply_rotary",
@@ -33,7 +34,6 @@ OP_NAMES = (
 # the unfused ops it stands for (core.layers.attention_backend, core.models.llama). The GEMV ops take at
 # most GEMV_MAX_ROWS rows (decode).
 OPTIONAL_OP_NAMES = ("add_rms_norm_gemv", "apply_rotary_store_kv", "gemv", "silu_and_mul_gemv")
-GEMV_MAX_ROWS = 16
 
 
 def triton_enabled(device: torch.device | str) -> bool:

@@ -32,6 +32,10 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.silu(gate) * up
 
 
+# The most rows the GEMV ops take (kernel sets' GEMVs are built for decode batches; more rows want a GEMM).
+GEMV_MAX_ROWS = 16
+
+
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """A linear layer on a few rows (decode): x [M, K], weight [N, K] -> [M, N]."""
     return torch.nn.functional.linear(x, weight, bias)

@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from radixlm.kernels import GEMV_MAX_ROWS
+from radixlm.kernels.reference import GEMV_MAX_ROWS
 
 # The prologues, a constexpr of the kernel.
 _PLAIN, _NORM, _ADD_NORM, _SILU = 0, 1, 2, 3
