@@ -32,12 +32,12 @@ SHAPES = {"qkv": (6144, HIDDEN), "o": (HIDDEN, HIDDEN), "gate_up": (2 * INTER, H
           "lm_head": (128256, HIDDEN)}
 
 
-def sweep_configs(block_m: int, quick: bool) -> list[tuple[int, int, int]]:
-    """Launch shapes whose 3D accumulator stays within 128 fp32 registers a thread and whose weight tile
-    is at least 2 KB."""
-    block_ns, block_ks, warps = ((4, 8), (512, 1024), (4, 8)) if quick else ((4, 8, 16, 32),
-                                                                            (128, 256, 512, 1024, 2048), (4, 8))
-    return [(n, k, w) for n in block_ns for k in block_ks for w in warps
+def sweep_configs(block_m: int, quick: bool) -> list[tuple[int, int, int, int]]:
+    """Launch shapes (block_n, block_k, warps, stages) whose 3D accumulator stays within 128 fp32 registers
+    a thread and whose weight tile is at least 2 KB, each with the loop's loads plain (stages 1) and
+    pipelined through shared memory (stages 3)."""
+    block_ns, block_ks, warps = ((4, 8), (512, 1024), (4,)) if quick else ((4, 8, 16), (256, 512, 1024, 2048), (4, 8))
+    return [(n, k, w, stages) for n in block_ns for k in block_ks for w in warps for stages in (1, 3)
             if block_m * n * k <= 128 * 32 * w and n * k >= 1024 and k // block_m >= 32]
 
 
@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8])
     p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     p.add_argument("--calls", type=int, default=64, help="calls per captured graph")
-    p.add_argument("--quick", action="store_true", help="sweep up to 8 launch shapes instead of up to 36")
+    p.add_argument("--quick", action="store_true", help="sweep up to 8 launch shapes instead of up to 40")
     p.add_argument("--out", help="write the results as JSON here")
     p.add_argument("--configs-out", help="write the best launch shapes here, for RADIXLM_GEMV_CONFIGS")
     p.add_argument("--quick-rows", type=int, nargs="*", default=[4, 8],
@@ -160,17 +160,21 @@ def main(argv: list[str] | None = None) -> int:
             except Exception as e:  # report and go on to the next shape
                 print(f"{name} M={rows}: {type(e).__name__}: {e}", flush=True)
             torch.cuda.empty_cache()
+            write(results, args)  # after every shape: a time limit loses only the shape in progress
         if all(f"{name}_M{rows}" in results for name in ("qkv", "o", "gate_up", "down")):
             print(layer_summary(results, rows), flush=True)
     # Paste-ready for kernels/triton/decode_gemv.py (rows rounded up to a power of two, as the kernel blocks them).
     print("CONFIGS = {" + ", ".join(f"{r['key']}: ({r['best']['config']})" for r in results.values()) + "}",
           flush=True)
+    return 0
+
+
+def write(results: dict, args) -> None:
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=1))
     if args.configs_out:
         Path(args.configs_out).write_text(json.dumps(
             {",".join(map(str, r["key"])): [int(v) for v in r["best"]["config"].split(",")] for r in results.values()}))
-    return 0
 
 
 if __name__ == "__main__":

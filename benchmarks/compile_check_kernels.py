@@ -115,10 +115,10 @@ def main(argv: list[str] | None = None) -> int:
     for rows in (1, 8):
         for name, prologue, (n, k) in (("gemv", 0, (4096, 4096)), ("add_rms_norm_gemv", 2, (28672, 4096)),
                                        ("silu_and_mul_gemv", 3, (4096, 14336))):
-            block_n, block_k, warps = decode_gemv.gemv_config(rows, n, k)
-            jobs.append((f"{name} M={rows} {block_n}x{block_k}", decode_gemv._gemv_kernel, warps, 3,
+            block_n, block_k, warps, stages = decode_gemv.gemv_config(rows, n, k)
+            jobs.append((f"{name} M={rows} {block_n}x{block_k}", decode_gemv._gemv_kernel, warps, stages,
                          dict(PROLOGUE=prologue, HAS_BIAS=False, BLOCK_M=triton.next_power_of_2(rows),
-                              BLOCK_N=block_n, BLOCK_K=block_k)))
+                              BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages)))
     print(f"triton {triton.__version__}, sm_90, {args.dtype}, {args.index} indices, head_dim {d}, GQA {group}")
     for label, kernel, warps, stages, constexprs in jobs:
         report(label, compile_for_hopper(kernel, constexprs, args.dtype, args.index, warps, stages), warps, stages)

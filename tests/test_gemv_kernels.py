@@ -37,7 +37,7 @@ N, K = 37, 100  # tails against BLOCK_N 8 and BLOCK_K 32 below
 @pytest.fixture(autouse=True)
 def _seed_and_small_blocks(request, monkeypatch):
     torch.manual_seed(zlib.crc32(request.node.name.encode()))
-    monkeypatch.setenv("RADIXLM_GEMV_CONFIG", "8,32,4")
+    monkeypatch.setenv("RADIXLM_GEMV_CONFIG", "8,32,4,2")
 
 
 def weights(dtype, bias: bool):
@@ -87,7 +87,7 @@ def test_default_configs_cover_the_8b_shapes(monkeypatch):
     monkeypatch.delenv("RADIXLM_GEMV_CONFIG")
     for n, k in [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096)]:
         for m in (1, 4, 8):
-            block_n, block_k, _ = gemv_module.gemv_config(m, n, k)
+            block_n, block_k, _, _ = gemv_module.gemv_config(m, n, k)
             assert -(-n // block_n) >= 128 and k % block_k == 0, (m, n, k)
     w = torch.zeros(4, 8, device=DEVICE)
     with pytest.raises(AssertionError, match="at most"):

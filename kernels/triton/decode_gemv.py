@@ -29,31 +29,33 @@ from radixlm.kernels.reference import GEMV_MAX_ROWS
 # The prologues, a constexpr of the kernel.
 _PLAIN, _NORM, _ADD_NORM, _SILU = 0, 1, 2, 3
 
-# (rows rounded up to a power of two, N, K) -> (BLOCK_N, BLOCK_K, num_warps), from bench_gemv's
+# (rows rounded up to a power of two, N, K) -> (BLOCK_N, BLOCK_K, num_warps, stages), from bench_gemv's
 # measurements; missing shapes take the guess in `gemv_config`. RADIXLM_GEMV_CONFIGS names a JSON file
-# of more ({"rows,N,K": [block_n, block_k, warps]}, what bench_gemv --configs-out writes): a tuned run
+# of more ({"rows,N,K": [block_n, block_k, warps, stages]}, what bench_gemv --configs-out writes): a tuned run
 # without a code change.
-CONFIGS: dict[tuple[int, int, int], tuple[int, int, int]] = {}
+CONFIGS: dict[tuple[int, int, int], tuple[int, int, int, int]] = {}
 if os.environ.get("RADIXLM_GEMV_CONFIGS"):
     with open(os.environ["RADIXLM_GEMV_CONFIGS"]) as f:
         CONFIGS.update({tuple(int(v) for v in key.split(",")): tuple(c) for key, c in json.load(f).items()})
 
 
-def gemv_config(m: int, n: int, k: int) -> tuple[int, int, int]:
-    """The launch shape for an [m, k] x [n, k].T product: RADIXLM_GEMV_CONFIG ("block_n,block_k,warps",
-    for ablations), else CONFIGS, else a guess: weight tiles of 16 KB (bf16) a step, so that each SM has
-    tens of KB of loads in flight (nothing pipelines these loops), and 64 fp32 accumulator registers a
-    thread; 8 output rows a program, 4 where that leaves under two programs per SM (132 on an H200)."""
+def gemv_config(m: int, n: int, k: int) -> tuple[int, int, int, int]:
+    """The launch shape (BLOCK_N, BLOCK_K, num_warps, stages) for an [m, k] x [n, k].T product:
+    RADIXLM_GEMV_CONFIG ("block_n,block_k,warps,stages", for ablations), else CONFIGS, else a guess:
+    weight tiles of 16 KB (bf16) a step and 64 fp32 accumulator registers a thread, the loop's loads
+    pipelined 3 deep through shared memory (cp.async), so that each SM has ~100 KB in flight; 8 output
+    rows a program, 4 where that leaves under two programs per SM (132 on an H200). stages=1 is the
+    plain loop (registers only)."""
     override = os.environ.get("RADIXLM_GEMV_CONFIG")
     if override:
-        block_n, block_k, warps = (int(v) for v in override.split(","))
-        return block_n, block_k, warps
+        block_n, block_k, warps, stages = (int(v) for v in override.split(","))
+        return block_n, block_k, warps, stages
     block_m = triton.next_power_of_2(m)
     if (block_m, n, k) in CONFIGS:
         return CONFIGS[(block_m, n, k)]
     block_k = max(32, min(1024, triton.next_power_of_2(k)) // block_m)
     block_n = 8 if triton.cdiv(n, 8) >= 264 else 4
-    return block_n, block_k, 4
+    return block_n, block_k, 4, 3
 
 
 @triton.jit
@@ -61,7 +63,7 @@ def _gemv_kernel(
     X, Res, NormW, W, Bias, Out, SumOut,
     m, n, k, stride_xm, stride_rm, stride_wn, stride_om, stride_sm, eps,
     PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
 ):
     pid = tl.program_id(0)
     offs_m = tl.arange(0, BLOCK_M)
@@ -70,7 +72,7 @@ def _gemv_kernel(
     n_mask = offs_n < n
     acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
     sumsq = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
-    for k0 in range(0, k, BLOCK_K):
+    for k0 in tl.range(0, k, BLOCK_K, num_stages=STAGES):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_mask = offs_k < k
         x_mask = m_mask[:, None] & k_mask[None, :]
@@ -118,7 +120,7 @@ def _launch(prologue: int, x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return out
-    block_n, block_k, warps = gemv_config(m, n, k)
+    block_n, block_k, warps, stages = gemv_config(m, n, k)
     res = residual if residual is not None else x
     sums = summed if summed is not None else out
     _gemv_kernel[(triton.cdiv(n, block_n),)](
@@ -126,7 +128,7 @@ def _launch(prologue: int, x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
         bias if bias is not None else weight, out, sums,
         m, n, k, x.stride(0), res.stride(0), weight.stride(0), out.stride(0), sums.stride(0), eps,
         PROLOGUE=prologue, HAS_BIAS=bias is not None,
-        BLOCK_M=triton.next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
+        BLOCK_M=triton.next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, num_warps=warps,
     )
     return out
 
