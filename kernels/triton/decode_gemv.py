@@ -1,4 +1,4 @@
-"""Decode GEMV: out = x @ W.T for a few rows of x (batch-1 to batch-8 decode), W [N, K] row-major as
+"""Decode GEMV: out = x @ W.T for a few rows of x (small decode batches), W [N, K] row-major as
 nn.Linear stores it, with the neighbouring row-wise op fused in front so that it costs no launch:
 
 - ``gemv``: the plain product (o_proj).
@@ -6,13 +6,14 @@ nn.Linear stores it, with the neighbouring row-wise op fused in front so that it
 - ``silu_and_mul_gemv``: SiLU-and-mul, then the product (down_proj).
 
 At a few rows the product is a stream of the weight: each program owns BLOCK_N output features and
-walks all of K, loading [BLOCK_N, BLOCK_K] weight tiles (16-byte vectors along K) and multiplying them
-by the x rows in fp32; partial products accumulate per lane and are reduced once at the end. The x
-rows (at most 8 x K) are re-read by every program from L2, and so is the prologue's work: a norm's sum
-of squares, a SiLU, cheap beside the weight tile each program streams. The RMSNorm's scale is applied
-to the finished dot product (out = rstd * sum_k(s_k * w_k * W_nk)), so one pass over K serves both;
-the result differs from the reference (which rounds the normalized row to the activation dtype first)
-by rounding only. Launch shapes come from `gemv_config` (benchmarks/bench_gemv.py measures them).
+walks all of K, loading [BLOCK_N, BLOCK_K] weight tiles (16-byte vectors along K, `stages` deep through
+shared memory) and multiplying them by the x rows in fp32; partial products accumulate per lane and are
+reduced once at the end. The x rows (at most GEMV_MAX_ROWS x K) are re-read by every program from L2,
+and so is the prologue's work: a norm's sum of squares, a SiLU, cheap beside the weight tile each
+program streams. The RMSNorm's scale is applied to the finished dot product
+(out = rstd * sum_k(s_k * w_k * W_nk)), so one pass over K serves both; the result differs from the
+reference (which rounds the normalized row to the activation dtype first) by rounding only. Launch
+shapes come from `gemv_config` (benchmarks/bench_gemv.py measures them).
 """
 
 from __future__ import annotations
