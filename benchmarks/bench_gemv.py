@@ -95,9 +95,11 @@ def bench_shape(name: str, s: Shape, args) -> dict:
     best = min(timed, key=lambda c: timed[c]["us"])
     gemv_module.CONFIGS[key] = tuple(int(v) for v in best.split(","))
     result["best"] = {"config": best, **timed[best]}
+    result["max_abs_err"] = (tri.gemv(s.x, s.w[0]).float() - F.linear(s.x, s.w[0]).float()).abs().max().item()
     print(f"{name:8s} M={s.rows} N={s.n:6d} K={s.k:5d}  cuBLAS {result['cublas']['us']:8.2f} us "
           f"{result['cublas']['GB/s']:7.1f} GB/s | Triton best {best:>10s} {timed[best]['us']:8.2f} us "
-          f"{timed[best]['GB/s']:7.1f} GB/s  ({len(timed)} configs)", flush=True)
+          f"{timed[best]['GB/s']:7.1f} GB/s  ({len(timed)} configs; max |Triton - cuBLAS| "
+          f"{result['max_abs_err']:.3g})", flush=True)
     if name in ("qkv", "gate_up"):  # the residual add + RMSNorm in front
         eps = 1e-5
 
