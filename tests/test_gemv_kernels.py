@@ -146,12 +146,12 @@ def test_engine_greedy_tokens_fused_equal_unfused(llama_ckpt, monkeypatch):
     prefills are longer than 4 tokens) and of 5 (more rows than the bound: unfused) must be equal."""
     from radixlm.core.engine import model_runner
 
-    monkeypatch.setattr(model_runner.kernels, "get_ops", lambda device: tri)
+    monkeypatch.setattr(model_runner.kernels, "get_ops", lambda device: tri)  # on the CPU too
     prompts = [[5, 9, 13], [7] * 11, list(range(20, 32))]
     params = {"max_new_tokens": 3, "temperature": 0.0, "ignore_eos": True}
     tokens = {}
     for rows in (0, 4):
-        with radixlm.Engine(llama_ckpt, device="cpu", decode_fused_gemv=rows, disable_cpu_prepack=True,
+        with radixlm.Engine(llama_ckpt, device=DEVICE, decode_fused_gemv=rows, disable_cpu_prepack=True,
                             max_total_tokens=512, log_level="warning") as engine:
             assert engine._runner.model.layers[0].fused_gemv_rows == rows
             tokens[rows] = [[o["output_ids"] for o in engine.generate(input_ids=batch, sampling_params=params)]
