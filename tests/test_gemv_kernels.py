@@ -151,8 +151,8 @@ def test_engine_greedy_tokens_fused_equal_unfused(llama_ckpt, monkeypatch):
     params = {"max_new_tokens": 3, "temperature": 0.0, "ignore_eos": True}
     tokens = {}
     for rows in (0, 4):
-        with radixlm.Engine(llama_ckpt, device=DEVICE, decode_fused_gemv=rows, disable_cpu_prepack=True,
-                            max_total_tokens=512, log_level="warning") as engine:
+        with radixlm.Engine(llama_ckpt, device=DEVICE, dtype="float32", decode_fused_gemv=rows,
+                            disable_cpu_prepack=True, max_total_tokens=512, log_level="warning") as engine:
             assert engine._runner.model.layers[0].fused_gemv_rows == rows
             tokens[rows] = [[o["output_ids"] for o in engine.generate(input_ids=batch, sampling_params=params)]
                             for batch in (prompts, prompts + [[3, 4], [8] * 6])]
