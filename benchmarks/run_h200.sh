@@ -29,6 +29,10 @@
 #     bash benchmarks/run_h200.sh
 #                                   # the fp8 KV cache: gpu_check's fp8 step, then the 1,000-request workload
 #                                   # and decode steps with kv_cache_dtype auto vs fp8_e4m3 (issue 19)
+#   RUN_GPU_CHECK=0 RUN_ENGINE_BENCH=0 RUN_CONSTRAINED=0 RUN_GEMV=1 bash benchmarks/run_h200.sh
+#                                   # the decode GEMVs against cuBLAS, then batch-1 decode with them off/on (issue 19)
+#   GPU_CHECK_ARGS="--skip-kernels --checks fused_gemv" RUN_ENGINE_BENCH=0 RUN_CONSTRAINED=0 bash benchmarks/run_h200.sh
+#                                   # their engine check: fused vs not, greedy tokens (issue 19)
 #   RUN_GPU_CHECK=0 RUN_ENGINE_BENCH=0 RUN_CONSTRAINED=0 RUN_IMAGES=1 bash benchmarks/run_h200.sh
 #                                   # image QA on the LLaVA-1.5-7B shape, shared vs distinct images (issue 21)
 #   RUN_GPU_CHECK=0 RUN_ENGINE_BENCH=0 RUN_CONSTRAINED=0 RUN_QWEN2VL=1 bash benchmarks/run_h200.sh
@@ -114,6 +118,27 @@ on_attn_64_4_3|RADIXLM_DECODE_ATTN_CONFIG=64,4,3|--overlap --parts throughput"}
       --out "$OUT/bench_variant_$name.json" 2>&1 | tee -a "$OUT/bench_variants.log"
     echo "bench_engine ($name) exit ${PIPESTATUS[0]}" | tee -a "$OUT/env.txt"
   done <<< "$THROUGHPUT_VARIANTS"
+fi
+
+if [ "${RUN_GEMV:-0}" = 1 ]; then
+  # Issue 19: the decode GEMVs on the 8B shapes (cuBLAS vs the Triton GEMV's launch shapes, the fused
+  # norm and SiLU prologues vs their launch sequences), then batch-1 decode with decode_fused_gemv off and
+  # on, overlap on, back to back: "latency ms/token (B=1)" and the decode step's GPU time and launches.
+  # The engine runs take the best launch shapes bench_gemv found (RADIXLM_GEMV_CONFIGS), where it got
+  # that far; the kernel's guesses otherwise. About 8 minutes in all.
+  # shellcheck disable=SC2086  # GEMV_ARGS is a list of flags
+  timeout "${GEMV_S:-200}" python3 benchmarks/bench_gemv.py ${GEMV_ARGS:-} --out "$OUT/bench_gemv.json" \
+    --configs-out "$OUT/gemv_configs.json" 2>&1 | tee "$OUT/bench_gemv.log"
+  echo "bench_gemv exit ${PIPESTATUS[0]}" | tee -a "$OUT/env.txt"
+  configs=""; [ -s "$OUT/gemv_configs.json" ] && configs="RADIXLM_GEMV_CONFIGS=$OUT/gemv_configs.json"
+  for rows in ${GEMV_ROWS:-0 8}; do
+    echo "== decode_fused_gemv=$rows $configs" | tee -a "$OUT/bench_fused_gemv.log"
+    # shellcheck disable=SC2086  # configs is empty or one assignment
+    env $configs timeout "${FUSED_GEMV_S:-130}" python3 benchmarks/bench_engine.py --model llama3-8b-shape \
+      --no-hf --overlap --parts latency decode_step --engine-option "decode_fused_gemv=$rows" \
+      --out "$OUT/bench_fused_gemv_$rows.json" 2>&1 | tee -a "$OUT/bench_fused_gemv.log"
+    echo "bench_engine (decode_fused_gemv=$rows) exit ${PIPESTATUS[0]}" | tee -a "$OUT/env.txt"
+  done
 fi
 
 if [ "${RUN_OVERLAP:-0}" = 1 ]; then

@@ -16,6 +16,7 @@ from types import ModuleType
 import torch
 
 from radixlm.kernels import cpu
+from radixlm.kernels.reference import GEMV_MAX_ROWS  # noqa: F401  (part of this package's interface)
 
 OP_NAMES = (
     "apply_rotary",
@@ -30,8 +31,9 @@ OP_NAMES = (
     "store_kv",
 )
 # Fusions a set may add (same signature as the reference's); where a set lacks one, its callers compose
-# the unfused ops it stands for (core.layers.attention_backend).
-OPTIONAL_OP_NAMES = ("apply_rotary_store_kv",)
+# the unfused ops it stands for (core.layers.attention_backend, core.models.llama). The GEMV ops take at
+# most GEMV_MAX_ROWS rows (decode).
+OPTIONAL_OP_NAMES = ("add_rms_norm_gemv", "apply_rotary_store_kv", "gemv", "silu_and_mul_gemv")
 
 
 def triton_enabled(device: torch.device | str) -> bool:

@@ -34,6 +34,33 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.silu(gate) * up
 
 
+# The most rows the GEMV ops take (kernel sets' GEMVs are built for decode batches; more rows want a GEMM).
+GEMV_MAX_ROWS = 16
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """A linear layer on a few rows (decode): x [M, K], weight [N, K] -> [M, N]."""
+    return torch.nn.functional.linear(x, weight, bias)
+
+
+def add_rms_norm_gemv(
+    x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+    weight: torch.Tensor, bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``fused_add_rms_norm`` (``rms_norm`` without a residual) then ``gemv``: returns the product and the
+    residual stream (x + residual, or x). Kernel sets fuse them into one launch."""
+    if residual is None:
+        h, summed = rms_norm(x, norm_weight, eps), x
+    else:
+        h, summed = fused_add_rms_norm(x, residual, norm_weight, eps)
+    return gemv(h, weight, bias), summed
+
+
+def silu_and_mul_gemv(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``silu_and_mul`` then ``gemv``, one launch in kernel sets that fuse them."""
+    return gemv(silu_and_mul(gate_up), weight, bias)
+
+
 def apply_rotary(
     q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:

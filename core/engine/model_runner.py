@@ -101,6 +101,10 @@ class ModelRunner:
             if self.device.type == "cpu" and not opts.disable_cpu_prepack:
                 prepack_linears(self.model, plain_max_rows=opts.cpu_plain_linear_max_rows, workers=threads)
                 self.load_seconds["prepack"] = time.perf_counter() - start - self.load_seconds["weights"]
+        if opts.decode_fused_gemv and tp is None and hasattr(self.model, "enable_fused_gemv"):
+            fused = self.model.enable_fused_gemv(opts.decode_fused_gemv)
+            logger.info("decode_fused_gemv=%d: %s", opts.decode_fused_gemv,
+                        "on" if fused else "off (this kernel set or model has no fused GEMVs)")
         start = time.perf_counter()
         self.attn_backend = AttentionBackend(self.ops)
         self.cos_sin_cache = cfg.rope_cos_sin_cache(self.device)

@@ -141,6 +141,11 @@ class EngineOptions:
                                             "run on the plain weights (MKL), faster there than the prepacked "
                                             "ones; the plain weights stay in RAM beside the packed ones for it "
                                             "(0: dropped, saving that RAM)")
+    decode_fused_gemv: int = option(
+        0, "CUDA only: forwards of at most this many tokens (batch-1 to batch-N decode; at most 16) run each "
+        "layer's projections as Triton GEMVs with the RMSNorms and SiLU-and-mul fused into them: 4 "
+        "launches a layer besides attention's, where cuBLAS and the separate ops take 7 plus split-K reduces "
+        "(docs/engine.md); 0: off, the default until measured faster on the H200")
     cuda_graph_max_bs: int | None = option(None, "largest decode batch captured in a CUDA graph; default "
                                            "min(max_running_requests, 512)")
     # Extends of at most this many tokens (and min(cuda_graph_max_bs, 256) requests) replay captured
@@ -200,6 +205,8 @@ class EngineOptions:
             raise InvalidRequestError("cuda_graph_max_bs must be >= 1", "cuda_graph_max_bs")
         if self.cuda_graph_max_extend_tokens < 0:
             raise InvalidRequestError("cuda_graph_max_extend_tokens must be >= 0", "cuda_graph_max_extend_tokens")
+        if not 0 <= self.decode_fused_gemv <= 16:  # kernels.GEMV_MAX_ROWS: not imported here (torch)
+            raise InvalidRequestError("decode_fused_gemv must be between 0 (off) and 16 rows", "decode_fused_gemv")
         if self.cpu_plain_linear_max_rows < 0:
             raise InvalidRequestError("cpu_plain_linear_max_rows must be >= 0", "cpu_plain_linear_max_rows")
         if self.context_length is not None and self.context_length < 2:

@@ -14,8 +14,11 @@ from types import ModuleType
 import torch
 from torch import nn
 
+from radixlm import kernels
 from radixlm.core.layers.forward_batch import ForwardBatch, ImageBatch
 from radixlm.core.models.config import ModelConfig
+
+_FUSED_GEMV_OPS = ("add_rms_norm_gemv", "gemv", "silu_and_mul_gemv")
 
 
 class RMSNorm(nn.Module):
@@ -43,13 +46,16 @@ class Attention(nn.Module):
         self.scale = self.head_dim**-0.5
 
     def forward(self, x: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        return self.o_proj(self.attend(self.qkv_proj(x), fb))
+
+    def attend(self, qkv: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        """Attention of the projected [T, q + 2 kv] tokens; returns [T, q_size], o_proj's input."""
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         # The backend applies the rotary embedding: on CUDA in one launch with the KV store.
-        out = fb.attn_backend.forward(q, k, v, self.layer_id, fb)
-        return self.o_proj(out.reshape(-1, self.q_size))
+        return fb.attn_backend.forward(q, k, v, self.layer_id, fb).reshape(-1, self.q_size)
 
 
 class MLP(nn.Module):
@@ -70,8 +76,13 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg, ops)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
+        self.ops = ops
+        # Forwards of at most this many tokens take the fused GEMV path (LlamaForCausalLM.enable_fused_gemv).
+        self.fused_gemv_rows = 0
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, fb: ForwardBatch):
+        if x.shape[0] <= self.fused_gemv_rows:
+            return self._forward_fused(x, residual, fb)
         if residual is None:
             residual = x
             h = self.input_layernorm(x)
@@ -80,6 +91,18 @@ class DecoderLayer(nn.Module):
         h = self.self_attn(h, fb)
         h, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual
+
+    def _forward_fused(self, x: torch.Tensor, residual: torch.Tensor | None, fb: ForwardBatch):
+        """The same layer in four launches besides attention's (seven unfused): each RMSNorm runs inside the
+        GEMV after it and SiLU-and-mul inside the down projection's (kernels/triton/decode_gemv.py)."""
+        ops, attn, mlp = self.ops, self.self_attn, self.mlp
+        norm = self.input_layernorm
+        qkv, residual = ops.add_rms_norm_gemv(x, residual, norm.weight, norm.eps,
+                                              attn.qkv_proj.weight, attn.qkv_proj.bias)
+        h = ops.gemv(attn.attend(qkv, fb), attn.o_proj.weight)
+        norm = self.post_attention_layernorm
+        gate_up, residual = ops.add_rms_norm_gemv(h, residual, norm.weight, norm.eps, mlp.gate_up_proj.weight)
+        return ops.silu_and_mul_gemv(gate_up, mlp.down_proj.weight), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -95,6 +118,22 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+
+    def enable_fused_gemv(self, max_rows: int) -> bool:
+        """Forwards of at most `max_rows` tokens (decode) run each layer's projections as the kernel set's
+        fused GEMVs (0: never). False, changing nothing, where the set lacks them (the CPU set) or a
+        projection is not a plain nn.Linear (tensor-parallel shards, quantized layers)."""
+        if max_rows > kernels.GEMV_MAX_ROWS:
+            raise ValueError(f"fused GEMV rows must be at most {kernels.GEMV_MAX_ROWS} (got {max_rows})")
+        ops = self.layers[0].ops
+        projections = [p for layer in self.layers for p in (
+            layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+        if not all(hasattr(ops, name) for name in _FUSED_GEMV_OPS) or any(type(p) is not nn.Linear
+                                                                          for p in projections):
+            return False
+        for layer in self.layers:
+            layer.fused_gemv_rows = max_rows
+        return True
 
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
         """Final hidden states [T, hidden] of every token in the batch."""

@@ -1,0 +1,159 @@
+"""The decode GEMV kernels (kernels/triton/decode_gemv.py) against their pure-torch twins, and a Llama decoder
+layer with them (`fused_gemv_rows`) against the same layer on the unfused ops.
+
+As in test_kernels.py, on CPU the kernels run under Triton's interpreter. Shapes have tails: N and K
+are not multiples of any block, so every mask is exercised; launch shapes are forced small through
+RADIXLM_GEMV_CONFIG so that one product spans several programs and several K steps.
+"""
+
+from __future__ import annotations
+
+import os
+import zlib
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+pytest.importorskip("triton")
+
+from paged_kv import PagedBatch  # noqa: E402
+from test_kernels import DEVICE, assert_close, assert_same_rounding, randn  # noqa: E402
+
+import radixlm  # noqa: E402
+from radixlm.core.layers.attention_backend import AttentionBackend  # noqa: E402
+from radixlm.core.layers.forward_batch import ForwardBatch  # noqa: E402
+from radixlm.core.models.config import ModelConfig  # noqa: E402
+from radixlm.core.models.llama import LlamaForCausalLM  # noqa: E402
+from radixlm.kernels import reference as ref  # noqa: E402
+from radixlm.kernels import triton as tri  # noqa: E402
+from radixlm.kernels.triton import decode_gemv as gemv_module  # noqa: E402
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+N, K = 37, 100  # tails against BLOCK_N 8 and BLOCK_K 32 below
+
+
+@pytest.fixture(autouse=True)
+def _seed_and_small_blocks(request, monkeypatch):
+    torch.manual_seed(zlib.crc32(request.node.name.encode()))
+    monkeypatch.setenv("RADIXLM_GEMV_CONFIG", "8,32,4,2")
+
+
+def weights(dtype, bias: bool):
+    # Scaled like a trained layer's (outputs of order 1), so that the tolerances mean the same per dtype.
+    w = (torch.randn(N, K, device=DEVICE) / K**0.5).to(dtype)
+    return w, (randn(N, dtype=dtype) if bias else None)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("rows", [1, 3, 8])
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+def test_gemv(dtype, rows, bias):
+    w, b = weights(dtype, bias)
+    x = randn(rows, K, dtype=dtype)
+    assert_close(tri.gemv(x, w, b), ref.gemv(x, w, b))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("rows", [1, 5])
+@pytest.mark.parametrize("with_residual", [True, False], ids=["add", "first-layer"])
+def test_add_rms_norm_gemv(dtype, rows, with_residual):
+    w, b = weights(dtype, bias=rows == 5)
+    # A strided x (a column slice, as a projection's split leaves) and a norm weight far from 1.
+    x = randn(rows, K + 6, dtype=dtype)[:, 3 : 3 + K]
+    residual = randn(rows, K, dtype=dtype) if with_residual else None
+    norm_w = (torch.rand(K, device=DEVICE) + 0.5).to(dtype)
+    out, summed = tri.add_rms_norm_gemv(x, residual, norm_w, 1e-6, w, b)
+    ref_out, ref_summed = ref.add_rms_norm_gemv(x, residual, norm_w, 1e-6, w, b)
+    assert_close(out, ref_out)
+    if with_residual:
+        assert_same_rounding(summed, ref_summed)
+    else:
+        assert summed is x  # the residual stream is the input itself, as in the reference
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("rows", [1, 4])
+def test_silu_and_mul_gemv(dtype, rows):
+    w, b = weights(dtype, bias=rows == 4)
+    gate_up = randn(rows, 2 * K, dtype=dtype)
+    assert_close(tri.silu_and_mul_gemv(gate_up, w, b), ref.silu_and_mul_gemv(gate_up, w, b))
+
+
+def test_default_configs_cover_the_8b_shapes(monkeypatch):
+    """Without the override: every launch shape fills the GPU (>= 128 programs) and divides K, and
+    bad input is refused with a message naming it."""
+    monkeypatch.delenv("RADIXLM_GEMV_CONFIG")
+    for n, k in [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096)]:
+        for m in (1, 4, 8):
+            block_n, block_k, _, _ = gemv_module.gemv_config(m, n, k)
+            assert -(-n // block_n) >= 128 and k % block_k == 0, (m, n, k)
+    w = torch.zeros(4, 8, device=DEVICE)
+    with pytest.raises(AssertionError, match="at most"):
+        tri.gemv(torch.zeros(17, 8, device=DEVICE), w)
+    with pytest.raises(AssertionError, match="gate_up"):
+        tri.silu_and_mul_gemv(torch.zeros(1, 8, device=DEVICE), w)
+
+
+def run_layers(model: LlamaForCausalLM, dtype: torch.dtype, fused_rows: int) -> torch.Tensor:
+    """The model's final hidden states for 3 decoding requests (their KV in a paged pool) in `dtype`,
+    and layer 1's pool afterwards, as one flat fp32 tensor."""
+    cfg, seq_lens = model.config, [9, 4, 13]
+    torch.manual_seed(1)  # the same pool and tokens for every call
+    batch = PagedBatch(seq_lens, cfg.num_kv_heads, cfg.head_dim, dtype, torch.int32, DEVICE)
+    rows = batch.req_to_token[batch.req_pool_indices.long()]
+    pool = type("Pool", (), {"k_buffers": [batch.k_buffer.clone() for _ in range(2)],
+                             "v_buffers": [batch.v_buffer.clone() for _ in range(2)]})()
+    fb = ForwardBatch(
+        is_decode=True, input_ids=torch.randint(0, cfg.vocab_size, (3,), device=DEVICE),
+        positions=torch.tensor(seq_lens, device=DEVICE) - 1,
+        out_cache_loc=torch.stack([rows[b, s - 1] for b, s in enumerate(seq_lens)]),
+        req_pool_indices=batch.req_pool_indices, seq_lens=batch.seq_lens,
+        extend_lens=torch.ones(3, dtype=torch.int32, device=DEVICE), req_to_token=batch.req_to_token,
+        kv_pool=pool, attn_backend=AttentionBackend(tri), cos_sin_cache=cfg.rope_cos_sin_cache(DEVICE),
+    )
+    assert model.enable_fused_gemv(fused_rows)
+    with torch.no_grad():
+        hidden = model.to(dtype)(fb)
+    return torch.cat([hidden.flatten(), pool.k_buffers[1].flatten(), pool.v_buffers[1].flatten()]).float()
+
+
+@pytest.mark.parametrize("qkv_bias", [False, True], ids=["llama", "qwen2"])
+def test_decoder_layers_fused_equal_unfused(qkv_bias):
+    """Two Llama layers of a tiny model on the Triton set, decoding 3 requests: with fused_gemv_rows the
+    layers run four GEMV launches in place of seven ops; hidden states and the KV written must match the
+    unfused layers: in fp32 within 1e-4, in fp16 as close to the fp32 result as the unfused fp16 run is
+    (the two round at different points, so they differ from each other by a few fp16 ulps)."""
+    cfg = ModelConfig(architecture="LlamaForCausalLM", vocab_size=64, hidden_size=96, intermediate_size=136,
+                      num_layers=2, num_heads=4, num_kv_heads=2, head_dim=24, rms_norm_eps=1e-5,
+                      rope_theta=10000.0, rope_scaling=None, max_position_embeddings=64, tie_word_embeddings=False,
+                      qkv_bias=qkv_bias, context_len=64, bos_token_id=None, eos_token_ids=[0])
+    model = LlamaForCausalLM(cfg, tri).to(DEVICE)
+    with torch.no_grad():
+        for p in model.parameters():  # norm weights near 1, projections scaled to keep activations O(1)
+            p.copy_(torch.randn_like(p) / p.shape[-1] ** 0.5 + (1.0 if p.dim() == 1 and p.shape[0] == 96 else 0))
+    exact = run_layers(model, torch.float32, 0)
+    torch.testing.assert_close(run_layers(model, torch.float32, 8), exact, atol=1e-4, rtol=1e-4)
+    plain_err = (run_layers(model, torch.float16, 0) - exact).abs().max()
+    fused_err = (run_layers(model, torch.float16, 8) - exact).abs().max()
+    assert 0 < plain_err < 0.05 and fused_err <= 1.5 * plain_err, (fused_err, plain_err)
+
+
+def test_engine_greedy_tokens_fused_equal_unfused(llama_ckpt, monkeypatch):
+    """The engine on the tiny Llama with the Triton kernel set (interpreted on the CPU, about a minute):
+    with decode_fused_gemv=4 against 0, the greedy tokens of 3 requests (each decode step fused; the
+    prefills are longer than 4 tokens) and of 5 (more rows than the bound: unfused) must be equal."""
+    from radixlm.core.engine import model_runner
+
+    monkeypatch.setattr(model_runner.kernels, "get_ops", lambda device: tri)  # on the CPU too
+    prompts = [[5, 9, 13], [7] * 11, list(range(20, 32))]
+    params = {"max_new_tokens": 3, "temperature": 0.0, "ignore_eos": True}
+    tokens = {}
+    for rows in (0, 4):
+        with radixlm.Engine(llama_ckpt, device=DEVICE, dtype="float32", decode_fused_gemv=rows,
+                            disable_cpu_prepack=True, max_total_tokens=512, log_level="warning") as engine:
+            assert engine._runner.model.layers[0].fused_gemv_rows == rows
+            tokens[rows] = [[o["output_ids"] for o in engine.generate(input_ids=batch, sampling_params=params)]
+                            for batch in (prompts, prompts + [[3, 4], [8] * 6])]
+    assert tokens[4] == tokens[0]
