@@ -139,6 +139,9 @@ def test_fake_runner_constrained_jumps_equal_with_late_sampled_chained_steps(mon
         assert sched.flush_cache() and sched.get_stats()["kv_slots_free"] == 512
     assert got[True] == got[False]
     assert all(asked[0] == 0 and 1 in asked for asked in got[True][1])  # jumps replaced sampled tokens
+    # Alone, a request that may jump does not chain: a jump would leave a whole chained step unused.
+    sched, finals = run_scheduler(512, prompts[:1], params[:1], enable_overlap_schedule=True)
+    assert chained_steps(sched) == 0 and finals[0].output_ids == got[False][0][0]
 
 
 def test_bench_scheduler_with_overlap_computes_one_dropped_step():

@@ -34,13 +34,20 @@ _PLAIN, _NORM, _ADD_NORM, _SILU = 0, 1, 2, 3
 # measurements; missing shapes take the guess in `gemv_config`. RADIXLM_GEMV_CONFIGS names a JSON file
 # of more ({"rows,N,K": [block_n, block_k, warps, stages]}, what bench_gemv --configs-out writes): a tuned run
 # without a code change.
-CONFIGS: dict[tuple[int, int, int], tuple[int, int, int, int]] = {}
+CONFIGS: dict[tuple[int, int, int], tuple[int, int, int, int]] = {
+    # One H200, bf16, the Llama-3-8B shapes at one row (2026-12-02, bench_gemv.py; docs/benchmarks.md).
+    (1, 6144, 4096): (4, 2048, 4, 3), (1, 4096, 4096): (8, 512, 4, 3), (1, 28672, 4096): (4, 2048, 8, 3),
+    (1, 4096, 14336): (8, 512, 4, 3), (1, 128256, 4096): (16, 1024, 8, 3),
+}
+# A norm prologue re-reads x, the residual and the norm weight with every weight tile: programs of at
+# least this many output rows keep that under a quarter of the tile's bytes.
+NORM_MIN_BLOCK_N = 16
 if os.environ.get("RADIXLM_GEMV_CONFIGS"):
     with open(os.environ["RADIXLM_GEMV_CONFIGS"]) as f:
         CONFIGS.update({tuple(int(v) for v in key.split(",")): tuple(c) for key, c in json.load(f).items()})
 
 
-def gemv_config(m: int, n: int, k: int) -> tuple[int, int, int, int]:
+def gemv_config(m: int, n: int, k: int, prologue: int = 0) -> tuple[int, int, int, int]:
     """The launch shape (BLOCK_N, BLOCK_K, num_warps, stages) for an [m, k] x [n, k].T product:
     RADIXLM_GEMV_CONFIG ("block_n,block_k,warps,stages", for ablations), else CONFIGS, else a guess:
     weight tiles of 16 KB (bf16) a step and 64 fp32 accumulator registers a thread, the loop's loads
@@ -53,10 +60,14 @@ def gemv_config(m: int, n: int, k: int) -> tuple[int, int, int, int]:
         return block_n, block_k, warps, stages
     block_m = triton.next_power_of_2(m)
     if (block_m, n, k) in CONFIGS:
-        return CONFIGS[(block_m, n, k)]
-    block_k = max(32, min(1024, triton.next_power_of_2(k)) // block_m)
-    block_n = 8 if triton.cdiv(n, 8) >= 264 else 4
-    return block_n, block_k, 4, 3
+        block_n, block_k, warps, stages = CONFIGS[(block_m, n, k)]
+    else:
+        block_k = max(32, min(1024, triton.next_power_of_2(k)) // block_m)
+        block_n, warps, stages = (8 if triton.cdiv(n, 8) >= 264 else 4), 4, 3
+    if prologue in (_NORM, _ADD_NORM) and block_n < NORM_MIN_BLOCK_N:
+        # Same accumulator size: the tile grows in N and shrinks in K.
+        block_k, block_n = max(32, block_k * block_n // NORM_MIN_BLOCK_N), NORM_MIN_BLOCK_N
+    return block_n, block_k, warps, stages
 
 
 @triton.jit
@@ -121,7 +132,7 @@ def _launch(prologue: int, x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return out
-    block_n, block_k, warps, stages = gemv_config(m, n, k)
+    block_n, block_k, warps, stages = gemv_config(m, n, k, prologue)
     res = residual if residual is not None else x
     sums = summed if summed is not None else out
     _gemv_kernel[(triton.cdiv(n, block_n),)](

@@ -113,7 +113,7 @@ class Executor:
         new_slots = self.memory.allocator.alloc(len(reqs))
         assert new_slots is not None
         logits = self.runner.forward(decode_batch(reqs, new_slots))
-        if defer and all(self.chainable(r) for r in reqs):
+        if defer and self.chains(reqs):
             try:
                 return self._pending(reqs, logits)
             except Exception:
@@ -128,7 +128,7 @@ class Executor:
         step first and runs a plain decode step instead."""
         reqs = pending.reqs
         new_slots = None
-        if reqs == self.queues.running and all(self.chainable(r) for r in reqs):
+        if reqs == self.queues.running and self.chains(reqs):
             new_slots = self.memory.alloc(len(reqs))
         if new_slots is None:
             self.resolve(pending)
@@ -195,6 +195,14 @@ class Executor:
             if extra:
                 del req.slots[req.seq_len:]
                 self.memory.allocator.free(extra)
+
+    def chains(self, reqs: list[Req]) -> bool:
+        """Whether the requests' next decode step may be launched before their newest tokens are applied.
+        Not for a lone request that may jump forward: a jump leaves its chained step unused, which at
+        batch 1 is a whole step of the device (in a batch, one row of many)."""
+        if len(reqs) == 1 and self.jumps_forward(reqs[0]):
+            return False
+        return all(self.chainable(r) for r in reqs)
 
     def chainable(self, req: Req) -> bool:
         """Whether the request's next step may be launched before its newest token is on the host: the
@@ -268,12 +276,15 @@ class Executor:
     def jump(self, req: Req) -> bool:
         """Jumps the request forward over the text its constraint forces (finishing it if that ends it).
         True if tokens were appended."""
-        if req.constraint is None or self.opts.disable_jump_forward or req.params.disable_jump_forward:
+        if not self.jumps_forward(req):
             return False
         jumped, finish = jump_forward(req, self.tokenizer, self.context_len)
         if finish is not None:
             self.queues.finish(req, finish)
         return jumped
+
+    def jumps_forward(self, req: Req) -> bool:
+        return req.constraint is not None and not (self.opts.disable_jump_forward or req.params.disable_jump_forward)
 
     def _after_constrained_token(self, req: Req) -> None:
         """Finishes the request when its constraint allows nothing but the end; otherwise jumps forward
