@@ -131,7 +131,7 @@ if [ "${RUN_GEMV:-0}" = 1 ]; then
     --configs-out "$OUT/gemv_configs.json" 2>&1 | tee "$OUT/bench_gemv.log"
   echo "bench_gemv exit ${PIPESTATUS[0]}" | tee -a "$OUT/env.txt"
   configs=""; [ -s "$OUT/gemv_configs.json" ] && configs="RADIXLM_GEMV_CONFIGS=$OUT/gemv_configs.json"
-  for rows in ${GEMV_ROWS:-0 8}; do
+  for rows in ${GEMV_ROWS:-0 1}; do
     echo "== decode_fused_gemv=$rows $configs" | tee -a "$OUT/bench_fused_gemv.log"
     # shellcheck disable=SC2086  # configs is empty or one assignment
     env $configs timeout "${FUSED_GEMV_S:-130}" python3 benchmarks/bench_engine.py --model llama3-8b-shape \
