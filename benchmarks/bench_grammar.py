@@ -47,7 +47,7 @@ from urllib.parse import urljoin
 
 import numpy as np
 
-from radixlm.core.constrained.index import cache_dir
+from radixlm.core.cache import cache_dir
 
 RESULTS = cache_dir() / "bench_grammar"  # one JSON per engine run; --report reads them
 COMPILE_TIMEOUT_S = 20.0

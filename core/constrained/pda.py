@@ -29,13 +29,11 @@ import threading
 import numpy as np
 import torch
 
-from radixlm.core.constrained.compressed_fsm import whole_characters
 from radixlm.core.constrained.counted_string import CountedStringDFA, string_tokens
 from radixlm.core.constrained.grammar_compiler import CompiledGrammar, terminal_tables
-from radixlm.core.constrained.index import expand_ranges
 from radixlm.core.constrained.masks import MaskCache
 from radixlm.core.constrained.terminal_tokens import state_tokens
-from radixlm.core.constrained.vocab import TokenTrie, TokenVocab
+from radixlm.core.constrained.vocab import TokenTrie, TokenVocab, expand_ranges, whole_characters
 
 END = (-1, 0, -1)  # the item "the output may end here"
 MASK_CACHE_SIZE = 1024
