@@ -38,6 +38,7 @@ from radixlm.core.constrained.vocab import TokenTrie, TokenVocab, expand_ranges,
 END = (-1, 0, -1)  # the item "the output may end here"
 MASK_CACHE_SIZE = 1024
 MAX_FORCED_BYTES = 4096
+MOVES_CACHE_SIZE = 50_000  # item move tables per index (~1 KB each), cleared when full
 DENSE_RATIO = 8  # a level is walked densely when over 1/8 of the previous level's nodes are alive
 
 
@@ -66,6 +67,7 @@ class GrammarIndex:
         self._table = np.full((64, 256), -1, dtype=np.int32)
         self._built = np.zeros(64, dtype=bool)
         self._edges: dict[int, tuple[bytes, int]] = {}
+        self._moves: dict[tuple, tuple[np.ndarray, list[list[int]], np.ndarray]] = {}  # see _moves_of
         self._masks = MaskCache(MASK_CACHE_SIZE)
         self._closings: dict[tuple[int, int, bool], np.ndarray] = {}
         self._lock = threading.RLock()
@@ -143,21 +145,34 @@ class GrammarIndex:
                 return self._rows[c]
             items = self._items[c]
             out = np.full(256, -1, dtype=np.int32)
+            live = ()
             if items:
-                nxt = np.stack([self._trans[t][q] for t, q, _ in items])  # [items, 256]
-                # Bytes no token contains can never be written.
-                live = np.flatnonzero((nxt >= 0).any(axis=0) & self._spellable)
-                # Bytes with equal item moves (most of them, inside a string) share the target.
-                moves, inverse = _unique_columns(nxt[:, live], self._radix(items))
+                live, columns, inverse = self._moves_of(items)
                 targets = [self._intern(self._close([(t, q2, k) for (t, _, k), q2 in zip(items, column) if q2 >= 0]))
-                           for column in moves.T.tolist()]
+                           for column in columns]
                 out[live] = np.asarray(targets, dtype=np.int32)[inverse]
             self._table[c] = out
             self._built[c] = True
-            live = np.flatnonzero(out >= 0)
             self._single[c] = int(live[0]) if len(live) == 1 and not self._can_end[c] else -1
             row = self._rows[c] = out.tolist()
             return row
+
+    def _moves_of(self, items: tuple) -> tuple[np.ndarray, list[list[int]], np.ndarray]:
+        """(the bytes some item can read, the distinct columns of item moves on them, each byte's column).
+        Depends only on the items' terminal states, not on their continuations, so configurations that
+        differ only in their stacks (a string value under different keys) share it."""
+        key = tuple((t, q) for t, q, _ in items)
+        found = self._moves.get(key)
+        if found is None:
+            nxt = np.stack([self._trans[t][q] for t, q in key])  # [items, 256]
+            # Bytes no token contains can never be written.
+            live = np.flatnonzero((nxt >= 0).any(axis=0) & self._spellable).astype(np.uint8)
+            # Bytes with equal item moves (most of them, inside a string) share the target.
+            moves, inverse = _unique_columns(nxt[:, live], self._radix(items))
+            if len(self._moves) >= MOVES_CACHE_SIZE:
+                self._moves.clear()
+            found = self._moves[key] = (live, moves.T.tolist(), inverse.astype(np.int16))
+        return found
 
     def _radix(self, items: tuple) -> np.ndarray | None:
         """Per item, the place value of its move in one int64 column key (moves -1..n-1 of an n-state
@@ -311,7 +326,10 @@ class GrammarIndex:
                 if not level_size:
                     break
                 dense = len(nodes) * DENSE_RATIO > len(ptr) - 1
-                for c in np.unique(cur[~self._built[cur]]).tolist():
+                # Rows of the configurations the walk goes on from: not those at nodes no token continues
+                # (the configuration after a token's last byte is often met nowhere else).
+                need = cur[(ptr[nodes + 1] > ptr[nodes]) & ~self._built[cur]]
+                for c in np.unique(need).tolist():
                     self._row(c)
                 if dense:
                     at_parent = np.full(len(ptr) - 1, -1, dtype=np.int64)
