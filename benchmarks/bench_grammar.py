@@ -4,7 +4,6 @@
     pip install -e '.[dev,grammar-bench]'
     python benchmarks/bench_grammar.py --suite /tmp/js/jsonschema-*/json/tests/draft2020-12 --engine radixlm
     python benchmarks/bench_grammar.py --suite ... --engine llguidance
-    python benchmarks/bench_grammar.py --suite ... --engine regex-dfa
     python benchmarks/bench_grammar.py --suite ... --engine radixlm --vocab llama3   # Llama 3's 128k vocabulary
     python benchmarks/bench_grammar.py --suite ... --engine radixlm --samples 20     # random walks, validated
     python benchmarks/bench_grammar.py --report          # the markdown table of the runs
@@ -18,8 +17,7 @@ count as refused.
 
 Per engine (one process each, so the max RSS is its own): coverage (schemas compiled), compile time
 p50/p99/max of schemas never seen (ours: its per-schema cache cleared each time; `--cold` also clears
-the process-wide terminal caches that schemas share; regex-dfa: in a child process with a timeout and
-a memory cap, its index saved to a fresh disk cache and loaded back for the walks), then every instance
+the process-wide terminal caches that schemas share), then every instance
 written compactly (keys in schema order where the schema lists properties) and tokenized canonically is
 walked token by token: the mask is computed (packed bits, timed: that is mask µs/token, first visits
 included), the token must be in it, and EOS must be allowed at the end. Valid accepted / invalid
@@ -33,25 +31,21 @@ import argparse
 import glob
 import importlib.metadata
 import json
-import multiprocessing as mp
 import os
 import platform
 import random
 import re
 import resource
 import statistics
-import tempfile
 import time
 from pathlib import Path
 from urllib.parse import urljoin
 
 import numpy as np
 
-from radixlm.core.constrained.index import cache_dir
+from radixlm.core.cache import cache_dir
 
 RESULTS = cache_dir() / "bench_grammar"  # one JSON per engine run; --report reads them
-COMPILE_TIMEOUT_S = 20.0
-CHILD_MEMORY_BYTES = 8 << 30
 K8S_SAMPLE = 40
 SAMPLE_TOKENS = 48  # a random walk heads for the nearest end after this many tokens
 
@@ -220,43 +214,11 @@ class Engine:
         return build_constraint("json_schema", schema, self.tokenizer, backend=self.name)
 
 
-def _child_compile(schema, tokenizer, conn) -> None:
-    resource.setrlimit(resource.RLIMIT_AS, (CHILD_MEMORY_BYTES, CHILD_MEMORY_BYTES))
-    from radixlm.core.constrained import build_constraint
-
-    try:
-        start = time.perf_counter()
-        build_constraint("json_schema", schema, tokenizer, backend="regex-dfa")
-        conn.send(("ok", time.perf_counter() - start))
-    except MemoryError:
-        conn.send(("memory", "MemoryError"))
-    except Exception as e:  # noqa: BLE001 - every failure is a refusal to report
-        conn.send(("error", f"{type(e).__name__}: {e}"[:200]))
-
-
-def _compile_regex_dfa_isolated(schema, tokenizer):
-    """(seconds, None) or (None, reason): compiled in a forked child (timeout, memory cap)."""
-    parent, child = mp.Pipe(duplex=False)
-    proc = mp.get_context("fork").Process(target=_child_compile, args=(schema, tokenizer, child))
-    proc.start()
-    if not parent.poll(COMPILE_TIMEOUT_S):
-        proc.kill()
-        proc.join()
-        return None, f"timeout > {COMPILE_TIMEOUT_S:.0f} s"
-    status, value = parent.recv()
-    proc.join()
-    if status != "ok":
-        return None, value
-    return value, None
-
-
 def run(engine_name: str, suite_dir: str, limit: int | None, cold: bool, vocab_name: str, samples: int) -> dict:
     from radixlm.core.constrained import testing
 
     tokenizer = {"qwen2": testing.qwen2_tokenizer, "llama3": testing.llama3_tokenizer}[vocab_name]()
     setup = time.perf_counter()
-    if engine_name == "regex-dfa":
-        os.environ["RADIXLM_CACHE"] = tempfile.mkdtemp(prefix="bench-grammar-")
     from radixlm.core.constrained.vocab import vocab_of
 
     vocab = vocab_of(tokenizer)
@@ -279,16 +241,9 @@ def run(engine_name: str, suite_dir: str, limit: int | None, cold: bool, vocab_n
     for case in cases:
         schema = case["schema"]
         try:
-            if engine_name == "regex-dfa":
-                seconds, reason = _compile_regex_dfa_isolated(schema, tokenizer)
-                if reason is not None:
-                    refused[case["name"]] = reason
-                    continue
-                engine.compile(schema)  # from the disk cache the child filled
-            else:
-                start = time.perf_counter()
-                engine.compile(schema)
-                seconds = time.perf_counter() - start
+            start = time.perf_counter()
+            engine.compile(schema)
+            seconds = time.perf_counter() - start
         except Exception as e:  # noqa: BLE001 - a refusal, with its reason
             refused[case["name"]] = f"{type(e).__name__}: {e}"[:200]
             continue
@@ -397,7 +352,7 @@ def report() -> str:
     rows = ["| engine | compiled (suite / check-jsonschema / k8s / tools) | compile p50 / p90 / p99 / max (ms) "
             "| valid accepted | invalid accepted | mask µs/token mean / p50 / p99 | same outputs again | "
             "max RSS MB (before corpus → after) |", "|---|---|---|---|---|---|---|---|"]
-    results = {n: json.load(open(RESULTS / f"{n}.json")) for n in ("radixlm", "radixlm-cold", "llguidance", "regex-dfa",
+    results = {n: json.load(open(RESULTS / f"{n}.json")) for n in ("radixlm", "radixlm-cold", "llguidance",
                                                                    "radixlm-llama3", "llguidance-llama3")
                if (RESULTS / f"{n}.json").exists()}
     totals = next(({k: v[1] for k, v in r["compiled_by_source"].items()} for r in results.values()
@@ -421,7 +376,7 @@ def report() -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--suite", help="the JSON-Schema-Test-Suite's tests/draft2020-12 folder")
-    parser.add_argument("--engine", choices=["radixlm", "llguidance", "regex-dfa"])
+    parser.add_argument("--engine", choices=["radixlm", "llguidance"])
     parser.add_argument("--limit", type=int, default=None, help="only the first N schemas")
     parser.add_argument("--report", action="store_true")
     parser.add_argument("--cold", action="store_true", help="radixlm: clear the terminal caches per schema too")

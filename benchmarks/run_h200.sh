@@ -9,6 +9,9 @@
 #   RUN_GPU_CHECK=0 RUN_ENGINE_BENCH=0 RUN_WORKLOADS=1 \
 #     CONSTRAINED_ARGS="--model llama3-8b-shape --batch 1 64 --max-new-tokens 128" bash benchmarks/run_h200.sh
 #                                   # the fourth run: constrained e2e on the 8B shape + the paper workloads
+#   the grammar engine beside llguidance in one process (issue 17; needs `pip install llguidance` there):
+#   RUN_GPU_CHECK=0 RUN_ENGINE_BENCH=0 CONSTRAINED_S=500 CONSTRAINED_ARGS="--model llama3-8b-shape \
+#     --batch 1 64 --max-new-tokens 128 --grammar-backends radixlm llguidance" bash benchmarks/run_h200.sh
 #   RUN_GPU_CHECK=0 RUN_ENGINE_BENCH=0 RUN_CONSTRAINED=0 RUN_WORKLOADS=1 bash benchmarks/run_h200.sh
 #                                   # the paper workloads alone, under 8 minutes (carry .whl for dspy_rag)
 #   RUN_GPU_CHECK=0 RUN_ENGINE_BENCH=0 RUN_CONSTRAINED=0 RUN_SCHEDULER=1 RUN_WORKLOADS=1 \

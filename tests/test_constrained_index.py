@@ -1,5 +1,5 @@
-"""The token index: equal to outlines-core's Index, to a per-token brute force, and to the tokenizer's own
-decoding; its caches; the batch mask helper."""
+"""The grammar engine's token masks on regexes: equal to outlines-core's Index, to a per-token brute force
+through the regex's DFA, and to the tokenizer's own decoding; the batch mask helper."""
 
 from __future__ import annotations
 
@@ -10,8 +10,7 @@ import outlines_core
 import pytest
 import torch
 
-from radixlm.core.constrained import apply_token_masks, build_constraint, get_index, json_schema_to_regex
-from radixlm.core.constrained.index import cache_dir, clear_memory_cache
+from radixlm.core.constrained import apply_token_masks, build_constraint, json_schema_to_regex, regex_to_dfa
 from radixlm.core.constrained.masks import unpack_bitmask
 from radixlm.core.constrained.testing import qwen2_tokenizer, random_walk
 from radixlm.core.constrained.vocab import token_bytes_of, vocab_of
@@ -68,11 +67,29 @@ def _sentencepiece_tokenizer(byte_fallback: bool):
     return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
 
 
+def _index(pattern: str, tokenizer):
+    """The grammar engine's index of `pattern` (a configuration id per state, 0 = the start)."""
+    return build_constraint("regex", pattern, tokenizer).index
+
+
+def _reached(index, limit: int = 60) -> list[int]:
+    """Configurations reached from the start by allowed tokens, breadth first (at most `limit`)."""
+    seen, queue = [0], [0]
+    while queue and len(seen) < limit:
+        state = queue.pop(0)
+        for t in index.allowed_tokens(state).tolist():
+            nxt = index.next_state(state, t)
+            if nxt not in seen and len(seen) < limit:
+                seen.append(nxt)
+                queue.append(nxt)
+    return seen
+
+
 def _compare_with_outlines(pattern: str, tokenizer) -> int:
     """Pairs our states with outlines-core's by following the same tokens from both initial states and
     asserts equal allowed-token sets (EOS included) in every pair. Returns the number of states compared."""
     vocab = vocab_of(tokenizer)
-    ours = get_index(pattern, vocab)
+    ours = _index(pattern, tokenizer)
     eos = vocab.eos_ids[0]
     by_bytes: dict[bytes, list[int]] = {}
     for i, b in enumerate(vocab.token_bytes):
@@ -109,14 +126,22 @@ def test_equals_outlines_core_index_qwen_vocab(pattern):
 
 @pytest.mark.parametrize("pattern", SHARED_DIALECT + [r"\w+ \d", r"(?i)straße"])
 def test_equals_per_token_brute_force(pattern, tiny_tokenizer):
-    """Every state's allowed set is what walking each token's bytes through the DFA one by one gives."""
+    """Every reached configuration allows what walking each token's bytes one by one through the regex's
+    own minimal DFA (regex_dfa.py, no trie, no parser) gives, and accepts where that DFA accepts."""
     vocab = vocab_of(tiny_tokenizer)
-    index = get_index(pattern, vocab)
-    for state in range(index.num_states):
-        brute = [t for t, b in enumerate(vocab.token_bytes) if b and index.dfa.walk(b, state) >= 0]
+    index, dfa = _index(pattern, tiny_tokenizer), regex_to_dfa(pattern)
+    pairs, queue = {0: 0}, [0]  # configuration -> the DFA state after the same tokens
+    while queue and len(pairs) < 80:
+        state = queue.pop(0)
+        q = pairs[state]
+        brute = [t for t, b in enumerate(vocab.token_bytes) if b and dfa.walk(b, q) >= 0]
         np.testing.assert_array_equal(index.allowed_tokens(state), brute)
+        assert index.is_accepting(state) == bool(dfa.accepting[q])
         for t in brute[:: max(1, len(brute) // 20)]:
-            assert index.next_state(state, t) == index.dfa.walk(vocab.token_bytes[t], state)
+            nxt = index.next_state(state, t)
+            if nxt not in pairs:
+                pairs[nxt] = dfa.walk(vocab.token_bytes[t], q)
+                queue.append(nxt)
 
 
 def test_token_bytes_match_decoding_byte_level(tiny_tokenizer):
@@ -160,64 +185,30 @@ def test_pattern_the_vocabulary_cannot_spell_raises():
     tokenizer = _sentencepiece_tokenizer(byte_fallback=False)  # no 'é' and no byte tokens
     with pytest.raises(ValueError, match="no sequence of this tokenizer's tokens"):
         build_constraint("regex", r"é+", tokenizer)
-    # A branch it cannot spell is dropped; the rest still works. The grammar engine knows no token holds
-    # é's bytes, so "cat" is forced; the regex-DFA path drops the branch token by token only.
+    # A branch it cannot spell is dropped; the rest still works: no token holds é's bytes, so "cat" is forced.
     c = build_constraint("regex", r"(é|cat)", tokenizer)
     assert c.forced_text() == "cat" and c.index.allowed_tokens(c.state).size > 0
-    c = build_constraint("regex", r"(é|cat)", tokenizer, backend="regex-dfa")
-    assert c.forced_text() is None and c.index.allowed_tokens(0).size > 0
 
 
 def test_special_tokens_never_allowed_eos_only_when_accepting(tiny_tokenizer):
     vocab_size = len(tiny_tokenizer)
     special = set(tiny_tokenizer.all_special_ids)
     eos = tiny_tokenizer.eos_token_id
-    index = get_index(r"(.|\n){0,3}", vocab_of(tiny_tokenizer))  # allows every non-special token
-    for state in range(index.num_states):
+    index = _index(r"(.|\n){0,3}", tiny_tokenizer)  # allows every non-special token
+    for state in _reached(index):
         mask = index.mask(state, vocab_size).numpy()
         assert not mask[list(special - {eos})].any()
         assert mask[eos] == index.is_accepting(state)
 
 
 def test_packed_mask_equals_bool_mask_with_padded_vocab(tiny_tokenizer):
-    index = get_index(r"[a-c]+[0-9]{2}", vocab_of(tiny_tokenizer))
+    index = _index(r"[a-c]+[0-9]{2}", tiny_tokenizer)
     for vocab_size in (len(tiny_tokenizer), len(tiny_tokenizer) + 24, 1003):
-        for state in range(index.num_states):
+        for state in _reached(index):
             as_bool = index.mask(state, vocab_size)
             packed = index.mask(state, vocab_size, packed=True)
             assert packed.dtype == torch.int32 and packed.shape == (-(-vocab_size // 32),)
             assert torch.equal(unpack_bitmask(packed, vocab_size), as_bool)
-
-
-def test_wide_states_use_dense_rows():
-    """Inside a string most of a 151k vocabulary is allowed: such states are stored as bit rows."""
-    tokenizer = qwen2_tokenizer()
-    index = get_index(r'"[^"]*"', vocab_of(tokenizer))
-    inside = index.next_state(0, tokenizer.convert_tokens_to_ids('"'))
-    assert index.dense_row[inside] >= 0 and index.dense_row[0] < 0
-    allowed = index.allowed_tokens(inside)
-    assert len(allowed) > 140_000
-    assert not index.is_allowed(inside, tokenizer.eos_token_id)
-
-
-def test_disk_and_memory_cache(tiny_tokenizer):
-    vocab = vocab_of(tiny_tokenizer)
-    pattern = r"cache[0-9]{2}(x|y)"
-    clear_memory_cache()
-    first = get_index(pattern, vocab)
-    assert get_index(pattern, vocab) is first  # memory
-    files = list((cache_dir() / "constrained").glob("*.npz"))
-    assert files
-    clear_memory_cache()
-    loaded = get_index(pattern, vocab)  # disk
-    assert loaded is not first
-    for name, array in first.to_arrays().items():
-        np.testing.assert_array_equal(loaded.to_arrays()[name], array)
-    for path in files:  # a damaged file is rebuilt, not trusted
-        path.write_bytes(b"not an npz")
-    clear_memory_cache()
-    rebuilt = get_index(pattern, vocab)
-    np.testing.assert_array_equal(rebuilt.tokens, first.tokens)
 
 
 def _reference_masked(logits: torch.Tensor, masks: list) -> torch.Tensor:
@@ -236,8 +227,9 @@ def _reference_masked(logits: torch.Tensor, masks: list) -> torch.Tensor:
 def test_apply_token_masks(rows, packed, rescue, tiny_tokenizer):
     device = "cuda" if torch.cuda.is_available() else "cpu"
     vocab_size = len(tiny_tokenizer) + 8
-    index = get_index(r"[a-z]{1,3}[0-9]", vocab_of(tiny_tokenizer))
-    states = [i % index.num_states for i in range(len(rows))]
+    index = _index(r"[a-z]{1,3}[0-9]", tiny_tokenizer)
+    reached = _reached(index)
+    states = [reached[i % len(reached)] for i in range(len(rows))]
     bool_masks = [index.mask(s, vocab_size) if on else None for s, on in zip(states, rows)]
     masks = [index.mask(s, vocab_size, packed=True) if on and packed else m
              for s, on, m in zip(states, rows, bool_masks)]
@@ -251,7 +243,7 @@ def test_apply_token_masks(rows, packed, rescue, tiny_tokenizer):
 def test_apply_token_masks_row_with_every_allowed_token_banned(packed, tiny_tokenizer):
     """A bias that put -inf on every allowed token must not leave a row nothing can be sampled from."""
     vocab_size = len(tiny_tokenizer)
-    index = get_index(r"[0-9]", vocab_of(tiny_tokenizer))
+    index = _index(r"[0-9]", tiny_tokenizer)
     mask = index.mask(0, vocab_size, packed=packed)
     allowed = index.mask(0, vocab_size)
     logits = torch.randn(2, vocab_size)

@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 import torch
 
 from radixlm.core.constrained.grammar_compiler import DEFAULT_BUDGET, GrammarBudget
 from radixlm.core.constrained.grammar_index_cache import get_grammar_index
-from radixlm.core.constrained.index import TokenIndex, get_index
-from radixlm.core.constrained.pda import can_finish
-from radixlm.core.constrained.json_schema import json_schema_to_regex
+from radixlm.core.constrained.pda import GrammarIndex, can_finish
 from radixlm.core.constrained.vocab import vocab_of
 from radixlm.core.tokenizer.fast_path import encoder_for
 
@@ -19,9 +16,10 @@ KINDS = ("regex", "json_schema", "choices")
 
 
 class FSMConstraint:
-    """Follows one request's output through a token index: the state after the tokens fed so far."""
+    """Follows one request's output through a grammar index (pda.py): the configuration after the tokens
+    fed so far."""
 
-    def __init__(self, index: TokenIndex) -> None:
+    def __init__(self, index: GrammarIndex) -> None:
         self.index = index
         self._token_bytes = index.token_bytes
         self.state = 0
@@ -29,7 +27,7 @@ class FSMConstraint:
         self._states = [0]  # the state before the first token and after each one fed since
 
     def allowed_token_mask(self, vocab_size: int, packed: bool = False) -> torch.Tensor:
-        """bool [vocab_size] (or packed int32 words, see TokenIndex.mask); EOS only where accepting.
+        """bool [vocab_size] (or packed int32 words, see GrammarIndex.mask); EOS only where accepting.
         Shared and cached per state: read it, never write to it."""
         return self.index.mask(self.state, vocab_size, packed)
 
@@ -132,22 +130,7 @@ def _stable_prefix_len(tokenizer: Any, text: str, pieces: list[bytes], offset: i
     return count
 
 
-def constraint_regex(kind: str, spec: Any, whitespace_pattern: str | None = None) -> str:
-    """The regex a constraint of `kind` enforces; ValueError naming the problem if `spec` is invalid."""
-    if kind == "regex":
-        if not isinstance(spec, str):
-            raise ValueError(f"regex must be a string, got {type(spec).__name__}")
-        return spec
-    if kind == "json_schema":
-        return json_schema_to_regex(spec, whitespace_pattern=whitespace_pattern)
-    if kind == "choices":
-        if not isinstance(spec, (list, tuple)) or not spec or not all(isinstance(c, str) for c in spec):
-            raise ValueError("choices must be a non-empty list of strings")
-        return "|".join(re.escape(c) for c in spec)
-    raise ValueError(f"unknown constraint kind {kind!r}; expected one of {KINDS}")
-
-
-BACKENDS = ("radixlm", "regex-dfa", "llguidance")
+BACKENDS = ("radixlm", "llguidance")
 REACH_CHECK_STATES = 2_000  # configurations a build may explore to find that some output can be written
 
 
@@ -157,8 +140,8 @@ def build_constraint(kind: str, spec: Any, tokenizer: object, *, eos_token_ids: 
     """A fresh constraint for one request. kind: 'regex' (a Python regex, fullmatch semantics),
     'json_schema' (a JSON string, dict or pydantic model class) or 'choices' (a list of strings).
     EOS ids default to the tokenizer's eos_token_id. Invalid input raises ValueError naming the problem,
-    GrammarBudgetError past a budget. backend: 'radixlm' (the grammar engine, pda.py), 'regex-dfa' (the
-    whole-pattern DFA and its eager token index) or 'llguidance' (the optional PyPI package)."""
+    GrammarBudgetError past a budget. backend: 'radixlm' (the grammar engine, pda.py) or 'llguidance' (the
+    optional PyPI package)."""
     vocab = vocab_of(tokenizer, eos_token_ids)
     if backend == "radixlm":
         index = get_grammar_index(kind, spec, vocab, whitespace_pattern, budget)
@@ -167,8 +150,6 @@ def build_constraint(kind: str, spec: Any, tokenizer: object, *, eos_token_ids: 
             # in some token, the compiler's pruning of rules that cannot finish already guarantees one.)
             raise ValueError(f"no sequence of this tokenizer's tokens matches the {kind} {spec!r}")
         return FSMConstraint(index)
-    if backend == "regex-dfa":
-        return FSMConstraint(get_index(constraint_regex(kind, spec, whitespace_pattern), vocab))
     if backend == "llguidance":
         from radixlm.core.constrained.llguidance_backend import build_llguidance_constraint
 

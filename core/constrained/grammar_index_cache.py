@@ -12,6 +12,8 @@ from radixlm.core.constrained.grammar import Grammar, choices_grammar, regex_gra
 from radixlm.core.constrained.grammar_compiler import (DEFAULT_BUDGET, Deadline, GrammarBudget, compile_grammar,
                                                       terminal_dfa)
 from radixlm.core.constrained.json_grammar import json_schema_to_grammar
+from radixlm.core.constrained.json_schema import _load_schema as load_schema
+from radixlm.core.constrained.schema_prune import prune_definitions
 from radixlm.core.constrained.pda import GrammarIndex
 from radixlm.core.constrained.vocab import TokenVocab
 
@@ -30,7 +32,9 @@ def grammar_of(kind: str, spec: Any, whitespace_pattern: str | None = None,
             raise ValueError(f"regex {spec!r} matches no string")
         return grammar
     if kind == "json_schema":
-        return json_schema_to_grammar(spec, whitespace_pattern, budget or DEFAULT_BUDGET, deadline)
+        # Definitions the root cannot reach are dropped before refs are resolved (schema_prune.py).
+        schema = prune_definitions(load_schema(spec))
+        return json_schema_to_grammar(schema, whitespace_pattern, budget or DEFAULT_BUDGET, deadline)
     if kind == "choices":
         return choices_grammar(spec)
     raise ValueError(f"unknown constraint kind {kind!r}; expected one of ('regex', 'json_schema', 'choices')")

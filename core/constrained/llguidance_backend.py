@@ -12,9 +12,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from radixlm.core.constrained.compressed_fsm import whole_characters
 from radixlm.core.constrained.json_schema import _load_schema
-from radixlm.core.constrained.vocab import TokenVocab
+from radixlm.core.constrained.vocab import TokenVocab, whole_characters
 
 _tokenizers: "weakref.WeakKeyDictionary[object, dict]" = weakref.WeakKeyDictionary()
 _lock = threading.Lock()

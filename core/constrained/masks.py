@@ -62,7 +62,7 @@ def apply_token_masks(
 ) -> torch.Tensor:
     """Sets logits[i, t] = -inf wherever masks[i] forbids t; rows whose mask is None are left alone.
 
-    A mask is bool [V] (True = allowed) or packed int32 [ceil(V / 32)] (see TokenIndex.mask). On the CPU
+    A mask is bool [V] (True = allowed) or packed int32 [ceil(V / 32)] (see GrammarIndex.mask). On the CPU
     each row is masked in place (no [B, V] temporaries); on a GPU the batch's masks go over in one copy,
     packed ones 32x smaller, and are unpacked and applied there. A row left with no finite logit (a
     penalty or bias had banned every allowed token) gets 0 on its allowed tokens, so sampling still

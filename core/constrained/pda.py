@@ -29,17 +29,16 @@ import threading
 import numpy as np
 import torch
 
-from radixlm.core.constrained.compressed_fsm import whole_characters
 from radixlm.core.constrained.counted_string import CountedStringDFA, string_tokens
 from radixlm.core.constrained.grammar_compiler import CompiledGrammar, terminal_tables
-from radixlm.core.constrained.index import expand_ranges
 from radixlm.core.constrained.masks import MaskCache
 from radixlm.core.constrained.terminal_tokens import state_tokens
-from radixlm.core.constrained.vocab import TokenTrie, TokenVocab
+from radixlm.core.constrained.vocab import TokenTrie, TokenVocab, expand_ranges, whole_characters
 
 END = (-1, 0, -1)  # the item "the output may end here"
 MASK_CACHE_SIZE = 1024
 MAX_FORCED_BYTES = 4096
+MOVES_CACHE_SIZE = 50_000  # item move tables per index (~1 KB each), cleared when full
 DENSE_RATIO = 8  # a level is walked densely when over 1/8 of the previous level's nodes are alive
 
 
@@ -68,6 +67,7 @@ class GrammarIndex:
         self._table = np.full((64, 256), -1, dtype=np.int32)
         self._built = np.zeros(64, dtype=bool)
         self._edges: dict[int, tuple[bytes, int]] = {}
+        self._moves: dict[tuple, tuple[np.ndarray, list[list[int]], np.ndarray]] = {}  # see _moves_of
         self._masks = MaskCache(MASK_CACHE_SIZE)
         self._closings: dict[tuple[int, int, bool], np.ndarray] = {}
         self._lock = threading.RLock()
@@ -145,21 +145,42 @@ class GrammarIndex:
                 return self._rows[c]
             items = self._items[c]
             out = np.full(256, -1, dtype=np.int32)
+            live = ()
             if items:
-                nxt = np.stack([self._trans[t][q] for t, q, _ in items])  # [items, 256]
-                # Bytes no token contains can never be written.
-                live = np.flatnonzero((nxt >= 0).any(axis=0) & self._spellable)
-                # Bytes with equal item moves (most of them, inside a string) share the target.
-                moves, inverse = np.unique(nxt[:, live], axis=1, return_inverse=True)
+                live, columns, inverse = self._moves_of(items)
                 targets = [self._intern(self._close([(t, q2, k) for (t, _, k), q2 in zip(items, column) if q2 >= 0]))
-                           for column in moves.T.tolist()]
-                out[live] = np.asarray(targets, dtype=np.int32)[inverse.reshape(-1)]
+                           for column in columns]
+                out[live] = np.asarray(targets, dtype=np.int32)[inverse]
             self._table[c] = out
             self._built[c] = True
-            live = np.flatnonzero(out >= 0)
             self._single[c] = int(live[0]) if len(live) == 1 and not self._can_end[c] else -1
             row = self._rows[c] = out.tolist()
             return row
+
+    def _moves_of(self, items: tuple) -> tuple[np.ndarray, list[list[int]], np.ndarray]:
+        """(the bytes some item can read, the distinct columns of item moves on them, each byte's column).
+        Depends only on the items' terminal states, not on their continuations, so configurations that
+        differ only in their stacks (a string value under different keys) share it."""
+        key = tuple((t, q) for t, q, _ in items)
+        found = self._moves.get(key)
+        if found is None:
+            nxt = np.stack([self._trans[t][q] for t, q in key])  # [items, 256]
+            # Bytes no token contains can never be written.
+            live = np.flatnonzero((nxt >= 0).any(axis=0) & self._spellable).astype(np.uint8)
+            # Bytes with equal item moves (most of them, inside a string) share the target.
+            moves, inverse = _unique_columns(nxt[:, live], self._radix(items))
+            if len(self._moves) >= MOVES_CACHE_SIZE:
+                self._moves.clear()
+            found = self._moves[key] = (live, moves.T.tolist(), inverse.astype(np.int16))
+        return found
+
+    def _radix(self, items: tuple) -> np.ndarray | None:
+        """Per item, the place value of its move in one int64 column key (moves -1..n-1 of an n-state
+        terminal as digits 0..n), or None when the key would not fit in 63 bits."""
+        sizes = [len(self._trans[t]) + 1 for t, _, _ in items]
+        if sum(s.bit_length() for s in sizes) > 62:
+            return None
+        return np.cumprod([1] + sizes[:-1], dtype=np.int64)
 
     def _close(self, items: list) -> frozenset:
         """The items plus what follows those whose terminal may end; an item at the end of its terminal
@@ -305,7 +326,10 @@ class GrammarIndex:
                 if not level_size:
                     break
                 dense = len(nodes) * DENSE_RATIO > len(ptr) - 1
-                for c in np.unique(cur[~self._built[cur]]).tolist():
+                # Rows of the configurations the walk goes on from: not those at nodes no token continues
+                # (the configuration after a token's last byte is often met nowhere else).
+                need = cur[(ptr[nodes + 1] > ptr[nodes]) & ~self._built[cur]]
+                for c in np.unique(need).tolist():
                     self._row(c)
                 if dense:
                     at_parent = np.full(len(ptr) - 1, -1, dtype=np.int64)
@@ -331,6 +355,18 @@ class GrammarIndex:
                     _, idx = expand_ranges(eptr[nodes], eptr[nodes + 1] - eptr[nodes])
                     out[trie.end_tokens[d][idx]] = True
         return out
+
+
+def _unique_columns(moves: np.ndarray, radix: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+    """(distinct columns of `moves` [items, bytes], each byte's column index among them). With a radix
+    every column is one exact int64 key, so a 1-D unique does it (np.unique over axis 1 sorts rows of
+    a structured view: ~10x slower, and this runs for every configuration met)."""
+    if radix is None:
+        found, inverse = np.unique(moves, axis=1, return_inverse=True)
+        return found, inverse.reshape(-1)
+    keys = radix @ (moves.astype(np.int64) + 1)
+    _, first, inverse = np.unique(keys, return_index=True, return_inverse=True)
+    return moves[:, first], inverse.reshape(-1)
 
 
 _spellable_cache: dict[str, np.ndarray] = {}

@@ -23,9 +23,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from radixlm.core.constrained.counted_string import CountedStringDFA, string_tokens
-from radixlm.core.constrained.index import expand_ranges
 from radixlm.core.constrained.regex_dfa import ByteDFA
-from radixlm.core.constrained.vocab import TokenTrie, TokenVocab
+from radixlm.core.constrained.vocab import TokenTrie, TokenVocab, expand_ranges
 
 FULL_TRIE_FRACTION = 4  # more uncertain tokens than 1/4 of the vocabulary: walk the whole trie
 FEW_TOKENS = 256  # up to this many uncertain tokens are walked one by one (no trie, no numpy steps)

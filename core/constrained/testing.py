@@ -15,7 +15,7 @@ from importlib import resources
 import numpy as np
 
 from radixlm.core.constrained.fsm import FSMConstraint
-from radixlm.core.constrained.index import cache_dir
+from radixlm.core.cache import cache_dir
 from radixlm.core.constrained.pda import bytes_to_accept, shortest_bytes_to_accept
 
 QWEN2_PATTERN = (

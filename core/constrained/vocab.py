@@ -89,6 +89,23 @@ def token_bytes_of(tokenizer) -> tuple[list[bytes], set[int]]:
     return out, special
 
 
+def expand_ranges(starts: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """For ranges [starts[i], starts[i] + counts[i]) (a trie level's child or end-token slices): (owner i of
+    each element, the element)."""
+    owner = np.repeat(np.arange(len(starts)), counts)
+    return owner, np.repeat(starts - np.cumsum(counts) + counts, counts) + np.arange(int(counts.sum()))
+
+
+def whole_characters(data: bytes) -> str | None:
+    """`data` cut to whole UTF-8 characters (forced bytes may end inside one), or None if nothing is left."""
+    for cut in range(len(data), max(len(data) - 4, 0), -1):
+        try:
+            return data[:cut].decode() or None
+        except UnicodeDecodeError:
+            continue
+    return None
+
+
 @dataclass(eq=False)
 class TokenTrie:
     """The vocabulary's byte strings as a trie stored level by level (depth d = the d-th byte).

@@ -105,8 +105,8 @@ class EngineOptions:
         "(docs/engine.md); off by default until measured")
     grammar_backend: str = option(
         "radixlm", "constrained decoding backend (regex, JSON schema, choices): radixlm (its grammar engine), "
-        "regex-dfa (its previous whole-pattern DFA), llguidance (the optional llguidance package)",
-        choices=("radixlm", "regex-dfa", "llguidance"))
+        "llguidance (the optional llguidance package)",
+        choices=("radixlm", "llguidance"))
     grammar_max_compile_seconds: float = option(
         2.0, "compile-time budget of one constraint (schema conversion and grammar compilation); past it "
         "the request gets 400")
