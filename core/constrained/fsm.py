@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any
+import functools
+import weakref
+from typing import Any, Callable
 
 import torch
 
@@ -75,7 +77,7 @@ class FSMConstraint:
                 k, tail = n, candidate
                 break
         text = tail.decode() + forced
-        full = encoder_for(tokenizer)(text)
+        full, boundary = _tokenized(tokenizer, text)
         if any(not 0 <= t < len(tb) for t in full) or b"".join(tb[t] for t in full) != text.encode():
             return None  # a normalizer changed the text, or a tokenizer without byte tokens lost some
         same = 0  # leading re-tokenized tokens equal to the ones already there need no replacing
@@ -85,7 +87,7 @@ class FSMConstraint:
         edge, end = self.index.edge(self.state)
         if not (edge == forced.encode() and self.index.is_terminal(end)):
             offset = sum(len(tb[t]) for t in full[:same])
-            new = new[:_stable_prefix_len(tokenizer, text, [tb[t] for t in new], offset)]
+            new = new[:_stable_prefix_len([tb[t] for t in new], offset, boundary)]
         if max_new_tokens is not None:
             new = new[: max_new_tokens + k]
         replaced = sum(len(tb[t]) for t in output_ids[len(output_ids) - k:]) if k else 0
@@ -111,16 +113,40 @@ def _is_whole_characters(data: bytes) -> bool:
     return True
 
 
-def _stable_prefix_len(tokenizer: Any, text: str, pieces: list[bytes], offset: int) -> int:
-    """How many of the tokens `pieces` (which spell text[offset bytes:]) lie before the last pre-tokenizer
-    piece of `text`: the ones no following text can change. Without a pre-tokenizer, all but the last."""
+def _tokenized(tokenizer: Any, text: str) -> tuple[list[int], int | None]:
+    """The canonical tokens of `text`, and the byte offset where its last pre-tokenizer piece starts (None
+    without a pre-tokenizer), cached per tokenizer: the same forced strings (keys, punctuation) come back
+    in every request of a schema, and tokenizing them was most of a jump's host time."""
+    try:
+        cached = _TOKENIZED[tokenizer]
+    except KeyError:
+        ref = weakref.ref(tokenizer)  # the cache must not keep its tokenizer alive
+        cached = _TOKENIZED[tokenizer] = functools.lru_cache(maxsize=8192)(lambda t: _tokenize(ref(), t))
+    except TypeError:  # not weakly referenceable: uncached
+        return _tokenize(tokenizer, text)
+    full, boundary = cached(text)
+    return list(full), boundary
+
+
+_TOKENIZED: "weakref.WeakKeyDictionary[Any, Callable[[str], tuple[tuple[int, ...], int | None]]]" = (
+    weakref.WeakKeyDictionary())
+
+
+def _tokenize(tokenizer: Any, text: str) -> tuple[tuple[int, ...], int | None]:
     pre = getattr(getattr(tokenizer, "backend_tokenizer", tokenizer), "pre_tokenizer", None)
-    if pre is None:
+    boundary = None
+    if pre is not None:
+        splits = pre.pre_tokenize_str(text)
+        boundary = len(text[: splits[-1][1][0]].encode()) if splits else 0
+    return tuple(encoder_for(tokenizer)(text)), boundary
+
+
+def _stable_prefix_len(pieces: list[bytes], offset: int, boundary: int | None) -> int:
+    """How many of the tokens `pieces` (which spell the text from byte `offset`) lie before the text's last
+    pre-tokenizer piece (starting at byte `boundary`): the ones no following text can change. Without a
+    pre-tokenizer, all but the last."""
+    if boundary is None:
         return len(pieces) - 1
-    splits = pre.pre_tokenize_str(text)
-    if not splits:
-        return 0
-    boundary = len(text[: splits[-1][1][0]].encode())
     count, pos = 0, offset
     for piece in pieces:
         pos += len(piece)
