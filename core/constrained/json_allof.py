@@ -1,0 +1,146 @@
+"""allOf: parts merged into one schema (a mixin of json_grammar._Converter over json_schema's merge)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from radixlm.core.constrained.json_common import (
+    _CONFLICT, _LOWER_BOUNDS, _NOT_STRINGS, _SCHEMA_VALUED, _UPPER_BOUNDS, _pattern_matches, _same_json)
+from radixlm.core.constrained.json_conditional import _discriminated, _through_if
+
+
+# The keywords that constrain values (JSON Schema 2020-12 and earlier drafts, OpenAPI's nullable);
+# anything else is an annotation (description, markdownDescription, x-..., ...) and is ignored.
+_KNOWN = {
+    "type", "enum", "const", "properties", "required", "additionalProperties", "patternProperties",
+    "minProperties", "maxProperties", "propertyNames", "unevaluatedProperties", "unevaluatedItems", "items",
+    "prefixItems", "additionalItems", "minItems", "maxItems", "contains", "minContains", "maxContains",
+    "uniqueItems", "minLength", "maxLength", "pattern", "format", "minimum", "maximum", "exclusiveMinimum",
+    "exclusiveMaximum", "multipleOf", "anyOf", "oneOf", "allOf", "not", "if", "then", "else", "$ref",
+    "nullable", "dependentRequired", "dependentSchemas", "dependencies", "$dynamicRef", "$recursiveRef",
+    _NOT_STRINGS,
+}
+
+
+
+class AllOfRules:
+    """allOf's merge (_merge, _combine, _flat_parts)."""
+
+
+    def _merge(self, schemas: list[Any], refs: tuple) -> dict | bool:
+        """allOf merged; a part's additionalProperties also constrains the properties that only other
+        parts list (it does not look into them), and its items the other parts' extra prefix items, so
+        those carry it along before the merge."""
+        parts = self._flat_parts(schemas, refs)
+        choosing = [p for p in parts if isinstance(p, dict) and ("anyOf" in p or "oneOf" in p)]
+        if len(choosing) > 1 or choosing and "anyOf" in choosing[0] and "oneOf" in choosing[0]:
+            # Several choices in one allOf: distribute over the first one's branches (each branch an
+            # in-place part of its schema, so it goes first and the parent stays last).
+            first = choosing[0]
+            key = "oneOf" if "oneOf" in first else "anyOf"
+            index = parts.index(first)
+            rest = {k: v for k, v in first.items() if k != key}
+            alternatives = []
+            for branch in first[key]:
+                new = list(parts)
+                new[index] = rest
+                alternatives.append({"allOf": [branch, *new]})
+            return {key: alternatives}
+        # The last part is the parent: its unevaluated* keywords see the evaluations of every part. Any
+        # other part's see only its own, which (stricter, so still sound) is what additionalProperties
+        # and items mean.
+        parts = [_own_evaluations_only(p) for p in parts[:-1]] + parts[-1:]
+        closing = [p for p in parts if isinstance(p, dict) and p.get("additionalProperties", True) is not True]
+        if closing:
+            adjusted = []
+            for part in parts:
+                if isinstance(part, dict) and isinstance(part.get("properties"), dict):
+                    props = dict(part["properties"])
+                    for c in closing:
+                        if c is part:
+                            continue
+                        for name in props:
+                            patterns = c.get("patternProperties") or {}
+                            if name not in (c.get("properties") or {}) and not any(
+                                    _pattern_matches(p, name) for p in patterns):
+                                props[name] = {"allOf": [props[name], c["additionalProperties"]]}
+                    part = dict(part, properties=props)
+                adjusted.append(part)
+            parts = adjusted
+        covering = [p for p in parts if isinstance(p, dict) and isinstance(p.get("items", True), (dict, bool))
+                    and p.get("items", True) is not True]
+        if covering:  # likewise a part's items covers the other parts' prefix items past its own prefix
+            adjusted = []
+            for part in parts:
+                if isinstance(part, dict) and isinstance(part.get("prefixItems"), list):
+                    prefix = list(part["prefixItems"])
+                    for c in covering:
+                        if c is not part:
+                            for j in range(len(c.get("prefixItems") or []), len(prefix)):
+                                prefix[j] = {"allOf": [prefix[j], c["items"]]}
+                    part = dict(part, prefixItems=prefix)
+                adjusted.append(part)
+            parts = adjusted
+        return super()._merge(parts, refs)
+
+    def _combine(self, key: str, a: Any, b: Any) -> Any:
+        """Two allOf parts' values of one keyword as one: the tighter bound, the schema keywords as an
+        allOf of both (each part's additionalProperties and items were already carried onto the other
+        parts' own properties and prefix items by _merge), prefixItems position by position, integer
+        multipleOf as the least common multiple. Others are refused."""
+        numbers = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (a, b))
+        if key in _LOWER_BOUNDS and numbers:
+            return max(a, b)
+        if key in _UPPER_BOUNDS and numbers:
+            return min(a, b)
+        if key == "multipleOf" and numbers and float(a).is_integer() and float(b).is_integer():
+            return math.lcm(int(a), int(b))
+        if key in _SCHEMA_VALUED:
+            return {"allOf": [a, b]}
+        if key == "not":  # not A and not B: not (A or B)
+            return {"anyOf": [a, b]}
+        if key == _NOT_STRINGS:
+            return a + b
+        if key == "const":  # two different constants: no value
+            return a if a is not _CONFLICT and b is not _CONFLICT and _same_json(a, b) else _CONFLICT
+        if key == "prefixItems" and isinstance(a, list) and isinstance(b, list):
+            short, long = sorted((a, b), key=len)
+            return [{"allOf": [x, y]} for x, y in zip(short, long)] + long[len(short):]
+        return super()._combine(key, a, b)
+
+    def _flat_parts(self, schemas: list[Any], refs: tuple) -> list[Any]:
+        """allOf's parts, dereferenced, with nested allOfs spliced in (so that a nested part's
+        additionalProperties also sees the properties the outer parts list)."""
+        parts = []
+        derefed = [(_known_keywords(part), sub_refs) for part, sub_refs in (self._deref(s, refs) for s in schemas)]
+        derefed = _discriminated(derefed)
+        for part, sub_refs in derefed:
+            if isinstance(part, dict) and "if" in part:
+                part = _through_if(part)
+            if isinstance(part, dict) and isinstance(part.get("allOf"), list):
+                parts.extend(self._flat_parts(part["allOf"], sub_refs))
+                part = {k: v for k, v in part.items() if k != "allOf"}
+            parts.append(part)
+        return parts
+
+
+
+def _known_keywords(schema: Any) -> Any:
+    if not isinstance(schema, dict) or all(k in _KNOWN for k in schema):
+        return schema
+    return {k: v for k, v in schema.items() if k in _KNOWN}
+
+
+def _own_evaluations_only(schema: Any) -> Any:
+    """unevaluatedProperties / unevaluatedItems as additionalProperties / items (where those are absent)."""
+    if not isinstance(schema, dict) or not ({"unevaluatedProperties", "unevaluatedItems"} & set(schema)):
+        return schema
+    out = {k: v for k, v in schema.items() if k not in ("unevaluatedProperties", "unevaluatedItems")}
+    if "unevaluatedProperties" in schema:
+        out.setdefault("additionalProperties", schema["unevaluatedProperties"])
+    if "unevaluatedItems" in schema and "contains" not in schema:
+        out.setdefault("items", schema["unevaluatedItems"])
+    elif "unevaluatedItems" in schema:
+        out["unevaluatedItems"] = schema["unevaluatedItems"]
+    return out

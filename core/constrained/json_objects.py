@@ -1,0 +1,186 @@
+"""Objects: properties, required, additional/pattern properties, propertyNames, min/maxProperties
+(a mixin of json_grammar._Converter)."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from typing import Any
+
+from radixlm.core.constrained import json_schema as js
+from radixlm.core.constrained.counted_string import counted_string_dfa
+from radixlm.core.constrained.grammar import EMPTY, Expr, Ref, Terminal, alt, lit, seq
+from radixlm.core.constrained.grammar_compiler import terminal_dfa
+from radixlm.core.constrained.json_common import NOTHING, _IGNORED, SchemaError, _counts, _escape, _pattern_matches
+from radixlm.core.constrained.json_strings import MAX_PRODUCT_LENGTH, ecma_string_pattern
+from radixlm.core.constrained.regex_dfa import ByteDFA, dfa_difference, dfa_intersection, literals_dfa
+
+
+MAX_ANY_ORDER = 3  # keys listed only in required: up to this many in any order (n! orders), more in theirs
+
+
+
+class ObjectRules:
+    """The `object` type's rules."""
+
+
+    def _object(self, schema: dict, ptr: str) -> Expr:
+        props = schema.get("properties") or {}
+        if not isinstance(props, dict):
+            raise SchemaError(f"{ptr}/properties: must be an object")
+        required = schema.get("required") or []
+        if not isinstance(required, list) or not all(isinstance(r, str) for r in required):
+            raise SchemaError(f"{ptr}/required: must be a list of strings")
+        patterns = schema.get("patternProperties") or {}
+        if not isinstance(patterns, dict):
+            raise SchemaError(f"{ptr}/patternProperties: must be an object")
+        # Keys no other keyword evaluates fall to unevaluatedProperties. Without either, an object that
+        # lists its keys (properties or required) gets exactly those (the documented strictness).
+        explicit = schema.get("additionalProperties", schema.get("unevaluatedProperties"))
+        extra = explicit if explicit is not None else not props and not patterns and not required
+        lo, hi = _counts(schema, "minProperties", "maxProperties", ptr)
+        names = list(props) + [r for r in required if r not in props]
+        key_filter = schema.get("propertyNames", True)
+        if key_filter is not True:
+            names = self._property_names(names, key_filter, required, ptr)
+            if names is None:
+                return NOTHING
+        key_names = None  # the keys propertyNames allows beyond the listed ones
+        if key_filter is not True and (extra is not False or patterns):
+            key_names = self._names_dfa(key_filter, ptr)
+        members: list[tuple[Expr, bool]] = []
+        for name in names:
+            matching = [ps for pattern, ps in patterns.items() if _pattern_matches(pattern, name, ptr)]
+            # A key listed only in required: its value is additional unless a pattern matches the key.
+            sub = props.get(name, True if matching or explicit is None else explicit)
+            if matching:  # patternProperties apply to listed properties too
+                sub = {"allOf": [sub, *matching]}
+            key_ptr = f"{ptr}/properties/{_escape(name)}"
+            value = self.value(sub, key_ptr)
+            members.append((seq(self._key(name), self._shared(value, key_ptr)), name in required))
+        extras: list[Expr] = []  # one '"key":value' alternative per kind of extra key
+        listed = [json.dumps(n, ensure_ascii=False) for n in names]
+        for i, (pattern, sub) in enumerate(patterns.items()):
+            try:
+                body = ecma_string_pattern(pattern)
+            except ValueError as e:
+                raise SchemaError(f"{ptr}/patternProperties: {e}") from None
+            others = [f'"{ecma_string_pattern(p)}"' for j, p in enumerate(patterns) if j != i]
+            key = self._key_terminal(f'"{body}"', listed, others, key_names)
+            if key is not None:
+                p2 = f"{ptr}/patternProperties/{_escape(pattern)}"
+                extras.append(seq(key, self._punct(":"), self._shared(self.value(sub, p2), p2)))
+        if extra is not False:
+            others = [f'"{ecma_string_pattern(p)}"' for p in patterns]
+            key = self._key_terminal(js.STRING, listed, others, key_names)
+            if key is not None:
+                value = self._any() if extra is True else self.value(extra, f"{ptr}/additionalProperties")
+                extras.append(seq(key, self._punct(":"), self._shared(value, f"{ptr}/additionalProperties")))
+        # Keys listed only in `required` have no schema order: a few of them are taken in any order.
+        loose = sum(1 for name in names if name not in props)
+        orders = [members]
+        if 2 <= loose <= MAX_ANY_ORDER:
+            fixed = members[:len(members) - loose]
+            orders = [fixed + list(p) for p in itertools.permutations(members[len(members) - loose:])]
+        body = alt(*(self._members(order, extras, lo, hi, ptr) for order in orders))
+        return seq(self._punct("{"), body, self._punct("}"))
+
+    @staticmethod
+    def _property_names(names: list[str], rule: Any, required: list[str], ptr: str) -> list[str] | None:
+        """The listed names `propertyNames` allows (None if it rejects a required one)."""
+        if rule is False:
+            keep = []
+        elif isinstance(rule, dict) and set(rule) - _IGNORED <= {"pattern", "maxLength", "minLength", "enum", "const"}:
+            def ok(name: str) -> bool:
+                return (len(name) <= rule.get("maxLength", len(name)) and len(name) >= rule.get("minLength", 0)
+                        and ("pattern" not in rule or _pattern_matches(rule["pattern"], name, ptr))
+                        and ("enum" not in rule or name in rule["enum"])
+                        and ("const" not in rule or name == rule["const"]))
+            keep = [n for n in names if ok(n)]
+        else:
+            raise SchemaError(f"{ptr}/propertyNames: only pattern, lengths, enum and const are supported")
+        return None if any(r not in keep for r in required) else keep
+
+    def _members(self, members: list[tuple[Expr, bool]], extras: list[Expr], lo: int, hi: int | None,
+                 ptr: str) -> Expr:
+        """The object's body: members in order (optional ones may be left out), then any extras, with
+        commas between, between lo and hi members in all. Rule (i, n) is the rest of the body after i
+        listed members were considered and n written (n counted only as far as the bounds need)."""
+        cap = max(lo, hi if hi is not None else 0, 1)
+        base = f"{ptr}@obj{len(self.rules)}"
+        extra = alt(*extras) if extras else None
+
+        def rest(i: int, n: int) -> Expr:
+            name = f"{base}/{i}/{n}"
+            if name in self.rules:
+                return Ref(name)
+            self.rules[name] = NOTHING
+            comma = self._punct(",") if n else EMPTY
+            nxt = min(n + 1, cap)
+            if i < len(members):
+                member, req = members[i]
+                take = seq(comma, member, rest(i + 1, nxt)) if hi is None or n < hi else NOTHING
+                body = take if req else alt(take, rest(i + 1, n))
+            else:
+                can_stop = n >= lo
+                more = seq(comma, extra, rest(i, nxt)) if extra is not None and (hi is None or n < hi) else NOTHING
+                body = alt(EMPTY, more) if can_stop else more
+            self.rules[name] = body
+            return Ref(name)
+
+        return rest(0, 0)
+
+    def _key(self, name: str) -> Expr:
+        text = json.dumps(name, ensure_ascii=False)
+        return lit(text + ":") if not self.ws_term else seq(lit(text), self._punct(":"))
+
+    def _names_dfa(self, rule: Any, ptr: str) -> tuple[ByteDFA | bool, str]:
+        """The keys (JSON-quoted) `propertyNames` allows beyond the listed properties: (a DFA, or False
+        for none; a name for it)."""
+        label = json.dumps(rule, sort_keys=True)
+        if rule is False:
+            return False, label
+        budget = self.budget.max_terminal_states
+        lo, hi = rule.get("minLength", 0), rule.get("maxLength")
+        if lo > MAX_PRODUCT_LENGTH:
+            raise SchemaError(f"{ptr}/propertyNames/minLength: over {MAX_PRODUCT_LENGTH} is not supported")
+        hi = None if hi is None and lo == 0 else min(MAX_PRODUCT_LENGTH if hi is None else hi, MAX_PRODUCT_LENGTH)
+        dfa = counted_string_dfa(lo, hi)
+        parts = []
+        if "pattern" in rule:
+            try:
+                parts.append(terminal_dfa(f'"{ecma_string_pattern(rule["pattern"])}"', budget))
+            except ValueError as e:
+                raise SchemaError(f"{ptr}/propertyNames/pattern: {e}") from None
+        for key in ("enum", "const"):
+            if key in rule:
+                values = rule[key] if key == "enum" else [rule[key]]
+                words = [json.dumps(v, ensure_ascii=False).encode() for v in values if isinstance(v, str)]
+                parts.append(literals_dfa(words) if words else None)
+        for part in parts:
+            if dfa is not None:
+                dfa = dfa_intersection(dfa, part, budget, self.deadline.check) if part is not None else None
+        return (dfa if dfa is not None else False), label
+
+    def _key_terminal(self, regex: str, names: list[str], patterns: list[str],
+                      allowed: tuple[ByteDFA | bool, str] | None = None) -> Terminal | None:
+        """Keys matching `regex` (and propertyNames' `allowed` keys, _names_dfa) but none of the listed
+        `names` (JSON-quoted) nor other `patterns` (regexes); None if no key is left."""
+        if allowed is not None and allowed[0] is False:
+            return None
+        budget = self.budget.max_terminal_states
+        dfa = terminal_dfa(regex, budget)
+        if dfa is not None and allowed is not None:
+            dfa = dfa_intersection(dfa, allowed[0], budget, self.deadline.check)
+        if dfa is not None and names:
+            dfa = dfa_difference(dfa, literals_dfa([n.encode() for n in names]), budget, self.deadline.check)
+        for pattern in patterns:
+            if dfa is not None:
+                other = terminal_dfa(pattern, budget)
+                dfa = dfa_difference(dfa, other, budget, self.deadline.check) if other is not None else dfa
+        if dfa is None:
+            return None
+        excluded = names + patterns
+        if allowed is not None:  # terminals are shared by key: name the filter too
+            excluded.append(f"propertyNames:{allowed[1]}")
+        return Terminal(key=f"key:{regex}\0" + "\0".join(excluded), dfa=dfa)
