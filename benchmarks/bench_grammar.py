@@ -72,7 +72,9 @@ def _refs_in(node, base: str) -> set[str]:
 
 def _bundle_remotes(schema, remotes: Path):
     """The schema with the suite's remote schemas it refers to (transitively) embedded under `$defs`,
-    each under its URL as `$id`: a compound document, the standard way to ship referenced schemas."""
+    each under its URL as `$id`: a compound document, the standard way to ship referenced schemas (what
+    llguidance gets; radixlm also has them registered, schema_refs.register_documents, which follows
+    refs this does not: ones relative to a nested `$id`)."""
     if not isinstance(schema, dict):
         return schema
     bundled, todo = {}, sorted(u for u in _refs_in(schema, schema.get("$id", "")) if u.startswith(REMOTE))
@@ -268,6 +270,10 @@ def run(engine_name: str, suite_dir: str, limit: int | None, cold: bool, vocab_n
         from radixlm.core.constrained.llguidance_backend import _ll_tokenizer
 
         _ll_tokenizer(tokenizer, vocab)
+    if engine_name == "radixlm":  # the suite's remote documents, as a user registers theirs
+        from radixlm.core.constrained.schema_refs import register_documents
+
+        register_documents(Path(suite_dir).parent.parent / "remotes", REMOTE)
     engine = Engine(engine_name, tokenizer, cold)
     rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     cases = corpus(suite_dir)[:limit]

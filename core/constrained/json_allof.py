@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from typing import Any
 
@@ -21,12 +22,11 @@ _KNOWN = {
     "nullable", "dependentRequired", "dependentSchemas", "dependencies", "$dynamicRef", "$recursiveRef",
     _NOT_STRINGS,
 }
-
+MAX_COMBINATIONS = 256  # allOf of several anyOf/oneOf: branch combinations generated at most
 
 
 class AllOfRules:
     """allOf's merge (_merge, _combine, _flat_parts)."""
-
 
     def _merge(self, schemas: list[Any], refs: tuple) -> dict | bool:
         """allOf merged; a part's additionalProperties also constrains the properties that only other
@@ -35,6 +35,11 @@ class AllOfRules:
         parts = self._flat_parts(schemas, refs)
         choosing = [p for p in parts if isinstance(p, dict) and ("anyOf" in p or "oneOf" in p)]
         if len(choosing) > 1 or choosing and "anyOf" in choosing[0] and "oneOf" in choosing[0]:
+            combinations = math.prod(len(p[k]) for p in choosing for k in ("anyOf", "oneOf")
+                                     if isinstance(p.get(k), list))
+            if combinations > MAX_COMBINATIONS:  # each would become a schema of its own
+                raise ValueError(f"allOf of choices with over {MAX_COMBINATIONS} combinations of branches "
+                                 "is not supported")
             # Several choices in one allOf: distribute over the first one's branches (each branch an
             # in-place part of its schema, so it goes first and the parent stays last).
             first = choosing[0]
@@ -82,6 +87,11 @@ class AllOfRules:
                     part = dict(part, prefixItems=prefix)
                 adjusted.append(part)
             parts = adjusted
+        containing = [p for p in parts if isinstance(p, dict) and "contains" in p]
+        if len({json.dumps(p["contains"], sort_keys=True, default=str) for p in containing}) > 1 and any(
+                "minContains" in p for p in containing):
+            # minContains: 0 beside one part's contains would drop the other part's (see _combine)
+            raise ValueError("allOf with different values for 'contains' and a minContains is not supported")
         return super()._merge(parts, refs)
 
     def _combine(self, key: str, a: Any, b: Any) -> Any:
@@ -102,6 +112,12 @@ class AllOfRules:
             return {"anyOf": [a, b]}
         if key == _NOT_STRINGS:
             return a + b
+        if key == "pattern":  # both hold: a list (json_strings.py intersects their automata)
+            return [p for v in (a, b) for p in (v if isinstance(v, list) else [v])]
+        if key == "contains" and isinstance(a, (dict, bool)) and isinstance(b, (dict, bool)):
+            # Items valid under both: a sound subset (a single item then satisfies each part's contains;
+            # the tighter min/maxContains of the merge hold for each part's count too).
+            return {"allOf": [a, b]}
         if key == "const":  # two different constants: no value
             return a if a is not _CONFLICT and b is not _CONFLICT and _same_json(a, b) else _CONFLICT
         if key == "prefixItems" and isinstance(a, list) and isinstance(b, list):

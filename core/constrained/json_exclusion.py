@@ -13,68 +13,117 @@ from radixlm.core.constrained.json_common import (
 from radixlm.core.constrained.json_strings import ecma_string_pattern
 
 
+MAX_NEGATION_DEPTH = 8  # `not` of nested schemas: levels looked into (a recursive schema has no end)
+
+
 class ExclusionRules:
     """`not` (_negation, _without) and oneOf (_exclusive, _excluding, _signature)."""
 
-
-    def _negation(self, sub: Any, opened: dict, ptr: str) -> Any:
-        """A schema of positive keywords that the values `sub` rejects satisfy: keys of `required` absent
-        (one of them, at least), strings matching no `pattern`/`enum`/`const`, and anyOf/allOf of those
-        (De Morgan). `opened` keeps an object that lists no keys open (see _opened)."""
-        sub, _ = self._deref(sub, ())
+    def _negation(self, sub: Any, opened: dict, ptr: str, depth: int = 0) -> Any:
+        """A schema of positive keywords that values `sub` rejects satisfy, as an anyOf of ways to fail
+        it (De Morgan over its keywords, each of which holds for every value but those of its type): a
+        type it does not allow, a string, number, array or object past one of its keywords, a value its
+        `not` accepts. A keyword with no such form here is left out (a sound subset: fewer values); if
+        that leaves nothing, it is refused naming the keywords. `opened` keeps an object that lists no
+        keys open (see _opened)."""
+        if depth > MAX_NEGATION_DEPTH:  # a recursive schema: its negation would never end
+            raise SchemaError(f"{ptr}: 'not' nested deeper than {MAX_NEGATION_DEPTH} levels is not supported")
+        try:
+            sub, _ = self._deref(sub, ())
+        except ValueError as e:
+            raise SchemaError(f"{ptr}/$ref: {e}") from None
         if sub is True or sub == {}:
             return False
         if sub is False:
             return True
-        body = {k: v for k, v in sub.items() if k not in _IGNORED} if isinstance(sub, dict) else None
-        if body is not None and set(body) == {"type"}:  # the other types ("integer" alone has no complement)
-            excluded = {body["type"]} if isinstance(body["type"], str) else set(body["type"])
-            if excluded <= set(_TYPES):
-                return {"type": [t for t in _TYPES if t not in excluded]}
-        if (body and set(body) <= {"type", "properties"} and body.get("type", "object") == "object"
-                and isinstance(body.get("properties"), dict) and body["properties"]):
-            # not (objects whose listed keys, where present, match): an object with a key whose value
-            # fails its schema (and, where `type: object` is said, any value that is not an object)
-            present = [{"type": "object", "required": [k], "properties": {k: self._negation(v, {}, ptr)}, **opened}
-                       for k, v in body["properties"].items()]
-            others = [{"type": [t for t in _TYPES if t != "object"]}] if "type" in body else []
-            return {"anyOf": [*others, *present]}
+        if not isinstance(sub, dict):
+            raise SchemaError(f"{ptr}: a JSON schema must be an object or a boolean, got {sub!r}")
+        body = {k: v for k, v in sub.items() if k not in _IGNORED}
+        types = body.get("type")
+        types = None if types is None else {types} if isinstance(types, str) else set(types)
+        if types is not None and body.get("nullable") is True:  # OpenAPI's nullable widens the type
+            types.add("null")
+        ways, skipped = [], ["format"] if "format" in sub and self.formats_asserted else []
+        if types is not None:  # a value of another type fails it
+            ways.append({"type": sorted(set(_TYPES) - types)} if types <= set(_TYPES) else {"not": {"type": body["type"]}})
+
+        def of_type(kind: str, schema: dict) -> None:
+            if kind == "number" and types is not None and "number" not in types:
+                kind = "integer"  # {"type": "integer", "minimum": 3}: the integers below 3
+            if types is None or kind in types:
+                ways.append({"type": kind, **schema})
+
+        for key, value in body.items():
+            way = self._failing(key, value, body, opened, ptr, depth + 1)
+            if way is None:
+                skipped.append(key)
+            else:
+                for kind, schema in way:
+                    if kind is None:
+                        ways.append(schema)
+                    else:
+                        of_type(kind, schema)
+        if not ways and skipped:
+            raise SchemaError(f"{ptr}: 'not' of {', '.join(sorted(skipped))} is not supported (supported: types, "
+                              "string/number/array/object bounds, pattern, string constants, required, properties, "
+                              "items, contains, not, anyOf, allOf)")
+        if not ways:
+            return False  # its keywords hold for every value
+        return ways[0] if len(ways) == 1 else {"anyOf": ways}
+
+    def _failing(self, key: str, value: Any, body: dict, opened: dict, ptr: str, depth: int) -> list | None:
+        """The ways a value fails keyword `key` of a `not`'s schema, as (type or None, schema) pairs;
+        [] when every value passes it; None when there is no positive form here."""
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
         flips = {"minimum": "exclusiveMaximum", "maximum": "exclusiveMinimum", "exclusiveMinimum": "maximum",
                  "exclusiveMaximum": "minimum"}
-        if (body and set(body) - {"type"} and set(body) <= {"type", *flips} and body.get("type", "number") == "number"
-                and all(isinstance(v, (int, float)) and not isinstance(v, bool)
-                        for k, v in body.items() if k != "type")):
-            # Bounds hold for every value but numbers: their negation is a number past one of them (and,
-            # where `type: number` is said, any value that is not a number).
-            past = [{"type": "number", flips[k]: v} for k, v in body.items() if k != "type"]
-            others = [{"type": [t for t in _TYPES if t != "number"]}] if "type" in body else []
-            return {"anyOf": [*others, *past]}
-        if body is not None and len(body) == 1 and isinstance(body.get("anyOf", body.get("allOf")), list):
-            flip = "allOf" if "anyOf" in body else "anyOf"
-            return {flip: [self._negation(b, opened, ptr) for b in next(iter(body.values()))]}
-        kind = body.get("type") if body else None
-        props = body.get("properties", {}) if body else None
-        if (body and kind in (None, "object") and body.get("required") and set(body) <= {"type", "required", "properties"}
-                and isinstance(props, dict) and all(v is True or v == {} for v in props.values())):
-            # `required` holds for every value but objects: its negation is an object without one of the
-            # keys (and, where `type: object` is said, any value that is not an object).
-            absent = [{"type": "object", "properties": {r: False}, **opened} for r in body["required"]]
-            absent += [{"type": [t for t in _TYPES if t != "object"]}] if "type" in body else []
-            return absent[0] if len(absent) == 1 else {"anyOf": absent}
-        if body and kind in (None, "string") and set(body) - {"type"} and set(body) <= {"type", "pattern", "enum", "const"}:
-            values = list(body.get("enum", [])) + ([body["const"]] if "const" in body else [])
-            if all(isinstance(v, str) for v in values):
-                excluded = [re.escape(json.dumps(v, ensure_ascii=False)) for v in values]
-                if "pattern" in body:
-                    try:
-                        excluded.append(f'"{ecma_string_pattern(body["pattern"])}"')
-                    except ValueError as e:
-                        raise SchemaError(f"{ptr}/pattern: {e}") from None
-                if set(body) == {"pattern"}:  # a pattern holds for every value but strings
-                    return {_NOT_STRINGS: excluded, "type": "string"}
-                return {_NOT_STRINGS: excluded}
-        raise SchemaError(f"{ptr}: only 'not' of types, of required keys, of string patterns or constants, and "
-                          "anyOf/allOf of those, is supported")
+        counts = {"minLength": ("string", "maxLength"), "minItems": ("array", "maxItems"),
+                  "minProperties": ("object", "maxProperties")}
+        if key in ("type", "nullable"):
+            return []  # _negation's first way
+        if key in flips and number:
+            return [("number", {flips[key]: value})]
+        if key in counts and number:  # fewer than the minimum
+            kind, upper = counts[key]
+            return [(kind, {upper: int(value) - 1})] if value > 0 else []
+        lower = {upper: (kind, low) for low, (kind, upper) in counts.items()}
+        if key in lower and number:  # more than the maximum
+            kind, low = lower[key]
+            return [(kind, {low: int(value) + 1})]
+        if key == "pattern" and isinstance(value, str):
+            try:
+                return [("string", {_NOT_STRINGS: [f'"{ecma_string_pattern(value)}"']})]
+            except ValueError as e:
+                raise SchemaError(f"{ptr}/pattern: {e}") from None
+        if key in ("enum", "const"):
+            values = body["enum"] if key == "enum" else [body["const"]]
+            if not isinstance(values, list) or not all(isinstance(v, str) for v in values):
+                return None
+            excluded = [re.escape(json.dumps(v, ensure_ascii=False)) for v in values]
+            return [(None, {_NOT_STRINGS: excluded})]  # any value but these strings
+        if key == "required" and isinstance(value, list):
+            return [("object", {"properties": {r: False}, **opened}) for r in value]
+        if key == "properties" and isinstance(value, dict):
+            out = []
+            for name, sub in value.items():
+                try:
+                    failing = self._negation(sub, {}, f"{ptr}/properties/{name}", depth)
+                except SchemaError:
+                    continue  # this key's failures left out (a sound subset)
+                if failing is not False:
+                    out.append(("object", {"required": [name], "properties": {name: failing}, **opened}))
+            return out
+        if key == "items" and isinstance(value, (dict, bool)) and "prefixItems" not in body:
+            failing = self._negation(value, {}, f"{ptr}/items", depth)
+            return [] if failing is False else [("array", {"contains": failing})]
+        if key == "contains" and not {"minContains", "maxContains"} & set(body):
+            return [("array", {"items": self._negation(value, {}, f"{ptr}/contains", depth)})]
+        if key == "not":
+            return [(None, value)]
+        if key in ("anyOf", "allOf") and isinstance(value, list) and value:
+            flip = "allOf" if key == "anyOf" else "anyOf"
+            return [(None, {flip: [self._negation(b, opened, f"{ptr}/{key}/{i}", depth) for i, b in enumerate(value)]})]
+        return None
 
     def _without(self, types: list[str], sub: Any, ptr: str) -> list[str]:
         if sub is True or sub == {}:
@@ -121,8 +170,9 @@ class ExclusionRules:
                 first_error = first_error or expr
             elif expr != NOTHING:
                 kept.append(expr)
-        if not kept and first_error is None:
-            raise SchemaError(f"{ptr}: no value matches exactly one branch")
+        if not kept and first_error is None:  # (or `not` left out what would tell the branches apart)
+            raise SchemaError(f"{ptr}: no value matches exactly one branch that 'not' can express (its branches "
+                              "may overlap)")
         if not kept:
             raise SchemaError(f"{ptr}: its branches may overlap, and no branch could exclude the others "
                               f"({first_error})")

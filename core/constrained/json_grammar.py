@@ -69,8 +69,9 @@ def _scalar_keywords_admit(value: Any, schema: dict) -> bool:
         if len(value) < schema.get("minLength", 0) or len(value) > schema.get("maxLength", math.inf):
             return False
         pattern = schema.get("pattern")
-        try:
-            return not isinstance(pattern, str) or re.search(pattern, value) is not None
+        try:  # several patterns: allOf parts with different ones (json_allof.py)
+            return all(re.search(p, value) is not None for p in (pattern if isinstance(pattern, list) else [pattern])
+                       if isinstance(p, str))
         except re.error:  # a pattern Python cannot read: the pattern's own converter reports it
             return True
     if isinstance(value, bool) or not isinstance(value, (int, float)):

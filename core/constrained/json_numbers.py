@@ -10,14 +10,13 @@ import numpy as np
 
 from radixlm.core.constrained import json_schema as js
 from radixlm.core.constrained import number_ranges
-from radixlm.core.constrained.grammar import Expr, Terminal
+from radixlm.core.constrained.grammar import Expr, Terminal, lit
 from radixlm.core.constrained.grammar_compiler import terminal_dfa
 from radixlm.core.constrained.json_common import INTEGER, NOTHING, NUMBER, SchemaError
 from radixlm.core.constrained.regex_dfa import ByteDFA, dfa_intersection
 
 
 MAX_MODULUS = 10_000  # multipleOf's DFA has a state per remainder
-
 
 
 class NumberRules:
@@ -31,15 +30,14 @@ class NumberRules:
         # An integer is a multiple of p/q (in lowest terms, from the decimal as written: 1.5 is 3/2)
         # exactly when p divides it.
         step = fractions.Fraction(repr(step)).numerator
-        if step > MAX_MODULUS:
-            raise SchemaError(f"{ptr}/multipleOf: multipleOf is supported where its numerator (in lowest terms) "
-                              f"is at most {MAX_MODULUS}")
         try:
             lo, hi = js._int_bounds(schema)
         except ValueError as e:
             raise SchemaError(f"{ptr}: {e}") from None
         if lo is not None and hi is not None and lo > hi:
             return NOTHING
+        if step > MAX_MODULUS:  # past the DFA's budget: 0 alone, a multiple of everything (a sound subset)
+            return lit("0") if (lo is None or lo <= 0) and (hi is None or hi >= 0) else NOTHING
         if int(step) == 1:
             return INTEGER if lo is None and hi is None else Terminal(regex=f"(?:{js.int_range_regex(lo, hi)})")
         dfa = multiples_dfa(int(step))

@@ -34,8 +34,8 @@ FORMATS["duration"] = (r"P(?:[0-9]+W|[0-9]+Y(?:[0-9]+M)?(?:[0-9]+D)?(?:T_TIME)?|
 
 # Length bounds intersected with another automaton (pattern, propertyNames): the product has a copy of it
 # per character position and minimizing it is quadratic, so the bounds are kept small. propertyNames'
-# maxLength is tightened to this for keys beyond the listed properties (sound: fewer keys), larger
-# minLengths and string bounds next to a pattern or format are refused.
+# maxLength is tightened to this for keys beyond the listed properties (sound: fewer keys), and so is a
+# string's maxLength next to a pattern or format (fewer strings); larger minLengths there are refused.
 MAX_PRODUCT_LENGTH = 64
 
 
@@ -66,10 +66,11 @@ class StringRules:
             return NOTHING
         fmt, pattern = schema.get("format"), schema.get("pattern")
         bounded = "minLength" in schema or "maxLength" in schema
-        regexes = []  # the pattern and the format both hold where both are given
-        if pattern is not None:
+        regexes = []  # the patterns and the format all hold where several are given
+        # Several patterns: allOf parts with different ones (merged as a list, json_allof.py).
+        for p in pattern if isinstance(pattern, list) else [] if pattern is None else [pattern]:
             try:
-                regexes.append(f'"{ecma_string_pattern(pattern)}"')
+                regexes.append(f'"{ecma_string_pattern(p)}"')
             except ValueError as e:
                 raise SchemaError(f"{ptr}/pattern: {e}") from None
         if fmt in FORMATS and self.formats_asserted:
@@ -88,8 +89,10 @@ class StringRules:
         """The JSON strings matching every regex of `regexes` (quotes included), with lo..hi characters
         if `bounded`: their DFAs intersected (with the counted string's)."""
         budget = self.budget.max_terminal_states
-        if bounded and max(lo, hi or 0) > MAX_PRODUCT_LENGTH:
-            raise SchemaError(f"{ptr}: minLength/maxLength over {MAX_PRODUCT_LENGTH} together with it is not supported")
+        if bounded and lo > MAX_PRODUCT_LENGTH:
+            raise SchemaError(f"{ptr}: minLength over {MAX_PRODUCT_LENGTH} together with it is not supported")
+        if bounded and hi is not None and hi > MAX_PRODUCT_LENGTH:
+            hi = MAX_PRODUCT_LENGTH  # fewer strings (sound); the product stays small
         dfa = terminal_dfa(regexes[0], budget)
         for other in [terminal_dfa(r, budget) for r in regexes[1:]] + ([counted_string_dfa(lo, hi)] if bounded else []):
             if dfa is not None:
