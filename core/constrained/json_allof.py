@@ -92,7 +92,15 @@ class AllOfRules:
                 "minContains" in p for p in containing):
             # minContains: 0 beside one part's contains would drop the other part's (see _combine)
             raise ValueError("allOf with different values for 'contains' and a minContains is not supported")
-        return super()._merge(parts, refs)
+        merged = super()._merge(parts, refs)
+        parent = parts[-1] if parts else None
+        if isinstance(merged, dict) and isinstance(parent, dict) and isinstance(parent.get("properties"), dict) \
+                and isinstance(merged.get("properties"), dict):
+            # The parent's own properties first: the order one reads the schema in (its keys, then allOf's
+            # or a branch's), which generation follows.
+            props = merged["properties"]
+            merged["properties"] = {**{k: props[k] for k in parent["properties"] if k in props}, **props}
+        return merged
 
     def _combine(self, key: str, a: Any, b: Any) -> Any:
         """Two allOf parts' values of one keyword as one: the tighter bound, the schema keywords as an

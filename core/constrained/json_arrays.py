@@ -14,14 +14,18 @@ class ArrayRules:
 
     def _array(self, schema: dict, ptr: str) -> Expr:
         lo, hi = _counts(schema, "minItems", "maxItems", ptr)
-        if schema.get("uniqueItems") is True:  # sound approximation: arrays of at most one item
-            if lo > 1:
-                raise SchemaError(f"{ptr}/uniqueItems: uniqueItems with minItems > 1 is not supported")
-            hi = 1 if hi is None else min(hi, 1)
         # Items past the prefix that `items` does not cover are the unevaluated ones.
         items, prefix = schema.get("items", schema.get("unevaluatedItems", True)), schema.get("prefixItems")
         if isinstance(items, list):  # draft 4-2019 tuple form
             prefix, items = items, schema.get("additionalItems", True)
+        if schema.get("uniqueItems") is True:
+            unique = self._unique(prefix or [], items, lo, hi, ptr) if "contains" not in schema else None
+            if unique is not None:
+                return unique
+            if lo > 1:  # else arrays of at most one item (sound)
+                raise SchemaError(f"{ptr}/uniqueItems: uniqueItems with minItems > 1 is not supported here "
+                                  "(items that refer to other schemas, or contains)")
+            hi = 1 if hi is None else min(hi, 1)
         if "contains" in schema:
             contains_lo, contains_hi = _counts(schema, "minContains", "maxContains", ptr)
             if "minContains" not in schema:

@@ -39,6 +39,7 @@ from radixlm.core.constrained.json_exclusion import ExclusionRules, _types_only
 from radixlm.core.constrained.json_numbers import NumberRules
 from radixlm.core.constrained.json_objects import ObjectRules
 from radixlm.core.constrained.json_strings import StringRules, _asserts_formats
+from radixlm.core.constrained.json_unique import UniqueRules
 
 if TYPE_CHECKING:
     from radixlm.core.constrained.schema_refs import SchemaRefs
@@ -99,9 +100,9 @@ def _scalar_keywords_admit(value: Any, schema: dict) -> bool:
 
 
 class _Converter(ExclusionRules, ConditionalRules, AllOfRules, StringRules, NumberRules, ObjectRules, ArrayRules,
-                 js._Converter):
+                 UniqueRules, js._Converter):
     """value() dispatches on the keywords; each kind of value has its rules in a mixin (json_strings.py,
-    json_numbers.py, json_objects.py, json_arrays.py, json_exclusion.py for not/oneOf, json_conditional.py
+    json_numbers.py, json_objects.py, json_arrays.py (json_unique.py for uniqueItems), json_exclusion.py for not/oneOf, json_conditional.py
     for if/then/else and dependencies, json_allof.py for allOf). Reuses the regex converter's $ref
     resolution, allOf merging and ref expansion (for merges)."""
 

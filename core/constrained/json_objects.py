@@ -16,6 +16,7 @@ from radixlm.core.constrained.json_strings import MAX_PRODUCT_LENGTH, ecma_strin
 from radixlm.core.constrained.regex_dfa import ByteDFA, dfa_difference, dfa_intersection, literals_dfa
 
 
+MAX_PATTERN_OVERLAP = 3  # patternProperties: up to this many, a key may match several (2**n - 1 key kinds)
 MAX_ANY_ORDER = 3  # keys listed only in required: up to this many in any order (n! orders), more in theirs
 
 
@@ -60,16 +61,21 @@ class ObjectRules:
             members.append((seq(self._key(name), self._shared(value, key_ptr)), name in required))
         extras: list[Expr] = []  # one '"key":value' alternative per kind of extra key
         listed = [json.dumps(n, ensure_ascii=False) for n in names]
-        for i, (pattern, sub) in enumerate(patterns.items()):
-            try:
-                body = ecma_string_pattern(pattern)
-            except ValueError as e:
-                raise SchemaError(f"{ptr}/patternProperties: {e}") from None
-            others = [f'"{ecma_string_pattern(p)}"' for j, p in enumerate(patterns) if j != i]
-            key = self._key_terminal(f'"{body}"', listed, others, key_names)
+        try:
+            key_regexes = [f'"{ecma_string_pattern(p)}"' for p in patterns]
+        except ValueError as e:
+            raise SchemaError(f"{ptr}/patternProperties: {e}") from None
+        # A key matching several patterns takes all their schemas: one alternative per set of patterns
+        # (with a few patterns; with more, keys matching one pattern only).
+        sizes = range(1, len(patterns) + 1) if len(patterns) <= MAX_PATTERN_OVERLAP else [1]
+        for chosen in (c for n in sizes for c in itertools.combinations(range(len(patterns)), n)):
+            others = [r for j, r in enumerate(key_regexes) if j not in chosen]
+            key = self._key_terminal([key_regexes[j] for j in chosen], listed, others, key_names)
             if key is not None:
-                p2 = f"{ptr}/patternProperties/{_escape(pattern)}"
-                extras.append(seq(key, self._punct(":"), self._shared(self.value(sub, p2), p2)))
+                subs = [list(patterns.values())[j] for j in chosen]
+                p2 = f"{ptr}/patternProperties/{_escape(list(patterns)[chosen[0]])}"
+                value = self.value(subs[0] if len(subs) == 1 else {"allOf": subs}, p2)
+                extras.append(seq(key, self._punct(":"), self._shared(value, p2)))
         if extra is not False:
             others = [f'"{ecma_string_pattern(p)}"' for p in patterns]
             key = self._key_terminal(js.STRING, listed, others, key_names)
@@ -162,14 +168,19 @@ class ObjectRules:
                 dfa = dfa_intersection(dfa, part, budget, self.deadline.check) if part is not None else None
         return (dfa if dfa is not None else False), label
 
-    def _key_terminal(self, regex: str, names: list[str], patterns: list[str],
+    def _key_terminal(self, regex: str | list[str], names: list[str], patterns: list[str],
                       allowed: tuple[ByteDFA | bool, str] | None = None) -> Terminal | None:
-        """Keys matching `regex` (and propertyNames' `allowed` keys, _names_dfa) but none of the listed
-        `names` (JSON-quoted) nor other `patterns` (regexes); None if no key is left."""
+        """Keys matching `regex` (each of them, if a list; and propertyNames' `allowed` keys, _names_dfa)
+        but none of the listed `names` (JSON-quoted) nor other `patterns` (regexes); None if no key is left."""
         if allowed is not None and allowed[0] is False:
             return None
         budget = self.budget.max_terminal_states
-        dfa = terminal_dfa(regex, budget)
+        regexes = [regex] if isinstance(regex, str) else regex
+        dfa = terminal_dfa(regexes[0], budget)
+        for other in regexes[1:]:
+            if dfa is not None:
+                both = terminal_dfa(other, budget)
+                dfa = dfa_intersection(dfa, both, budget, self.deadline.check) if both is not None else None
         if dfa is not None and allowed is not None:
             dfa = dfa_intersection(dfa, allowed[0], budget, self.deadline.check)
         if dfa is not None and names:
@@ -183,4 +194,4 @@ class ObjectRules:
         excluded = names + patterns
         if allowed is not None:  # terminals are shared by key: name the filter too
             excluded.append(f"propertyNames:{allowed[1]}")
-        return Terminal(key=f"key:{regex}\0" + "\0".join(excluded), dfa=dfa)
+        return Terminal(key="key:" + "\0and:".join(regexes) + "\0" + "\0".join(excluded), dfa=dfa)
