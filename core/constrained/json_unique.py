@@ -46,15 +46,19 @@ class UniqueRules:
                 return self._distinct(classes, len(prefix), lo, hi, ptr)
         if any(word in json.dumps(schemas, default=str) for word in ('"$ref"', '"$dynamicRef"')):
             return None
-        classes = []
+        classes, refused = [], False
         for i, s in enumerate(schemas):
             where = f"{ptr}/prefixItems/{i}" if i < len(prefix) else f"{ptr}/items"
             kinds = {}
             for k, (_, kind) in enumerate(_KINDS):
-                expr = self.value({"allOf": [s, kind]}, where) if s is not False else NOTHING
-                if expr != NOTHING:
+                # (a kind may leave a oneOf no branch, which is refused: that kind has no items then)
+                expr = self._attempt({"allOf": [s, kind]}, where) if s is not False else NOTHING
+                refused |= isinstance(expr, SchemaError)
+                if not isinstance(expr, SchemaError) and expr != NOTHING:
                     kinds[k] = self._shared(expr, where)
             classes.append(kinds)
+        if refused and not any(classes):
+            return None  # the caller converts the items as they are and reports what it refuses
         return self._distinct(classes, len(prefix), lo, hi, ptr)
 
     def _constants(self, schema: Any) -> list[tuple[str, Expr]] | None:
