@@ -76,6 +76,19 @@ CASES = [
      [{"aaaa": 18}, {"a": 21, "aaaa": 18}, {"b": 30}], [{"aaaa": 31}, {"aaa": "x"}]),
     ({"type": "object", "properties": {"foo": STR}, "allOf": [{"properties": {"bar": STR}}],
       "unevaluatedProperties": False}, [{"foo": "x", "bar": "y"}, {"bar": "y"}], [{"baz": 1}, {"foo": 1}]),
+    # unevaluatedProperties sees what a $ref target, an anyOf branch or the `if` taken evaluates, never
+    # what a `not` (the else path) says of a key.
+    ({"$ref": "#/$defs/bar", "properties": {"foo": STR}, "unevaluatedProperties": False,
+      "$defs": {"bar": {"properties": {"bar": STR}}}}, [{"foo": "a", "bar": "b"}, {}], [{"baz": 1}, {"bar": 1}]),
+    ({"type": "object", "properties": {"foo": STR}, "unevaluatedProperties": False,
+      "anyOf": [{"properties": {"bar": {"const": "bar"}}, "required": ["bar"]},
+                {"properties": {"baz": {"const": "baz"}}, "required": ["baz"]}]},
+     [{"foo": "f", "bar": "bar"}, {"baz": "baz"}], [{"foo": "f", "bar": "bar", "quux": 1}, {"foo": "f"}]),
+    ({"type": "object", "if": {"properties": {"foo": {"const": "then"}}, "required": ["foo"]},
+      "then": {"properties": {"bar": STR}, "required": ["bar"]}, "else": {"properties": {"baz": STR}, "required": ["baz"]},
+      "unevaluatedProperties": False}, [{"foo": "then", "bar": "b"}], [{"foo": "else", "baz": "z"}, {"foo": "then"}]),
+    ({"type": "array", "prefixItems": [STR], "anyOf": [{"prefixItems": [True, INT]}], "unevaluatedItems": False},
+     [["a", 1]], [["a", 1, 2], [1]]),
     # uniqueItems: few constants in any order, more in their order, else one item of each JSON kind.
     ({"type": "array", "items": {"enum": ["a", "b", "c"]}, "uniqueItems": True}, [["a", "b"], ["c", "a", "b"], []],
      [["a", "a"], ["a", "b", "a"], ["d"]]),
@@ -121,6 +134,9 @@ CASES = [
      [{"b": 1}, {"x": 1}]),
     ({"type": "object", "propertyNames": {"enum": ["x", "y"]}, "additionalProperties": INT}, [{"x": 1}],
      [{"z": 1}, {"x": "s"}]),
+    ({"type": "object", "propertyNames": {"type": "string", "not": {"pattern": "^x"}}, "additionalProperties": INT},
+     [{"a": 1}, {}], [{"xa": 1}]),
+    ({"type": "object", "propertyNames": {"type": "integer"}}, [{}], [{"a": 1}]),
     # pattern and format with length bounds: the pattern's DFA intersected with the counted string's.
     ({"type": "string", "pattern": "^[a-z]+$", "minLength": 2, "maxLength": 4}, ["ab", "abcd"], ["a", "abcde", "AB"]),
     ({"type": "string", "format": "ipv4", "maxLength": 7}, ["1.2.3.4"], ["10.2.3.4"]),

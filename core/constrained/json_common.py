@@ -70,6 +70,16 @@ def _counts(schema: dict, low: str, high: str, ptr: str) -> tuple[int, int | Non
     return out[0], out[1]
 
 
+def _with_parts(schema: Any, *parts: Any) -> Any:
+    """`schema` with `parts` applied in place (an allOf beside its keywords: a $ref target, an anyOf
+    branch, the `if` taken). Its keywords stay the allOf's parent (json_allof.py), so its
+    unevaluatedProperties/Items see what the parts evaluate. Not for a `not`'s positive form, whose
+    properties a validator does not count as evaluated."""
+    if not isinstance(schema, dict):
+        return {"allOf": [*parts, schema]}
+    return {**schema, "allOf": [*parts, *schema.get("allOf", [])]}
+
+
 def _opened(schema: dict) -> dict:
     """What a part added to `schema` by an allOf must carry so that an object listing no keys stays open
     (_object closes objects that list keys and say nothing of others: the documented strictness)."""

@@ -6,7 +6,7 @@ import json
 from typing import Any
 
 from radixlm.core.constrained.grammar import Expr, alt
-from radixlm.core.constrained.json_common import _DEPENDENT, SchemaError, _escape, _opened
+from radixlm.core.constrained.json_common import _DEPENDENT, SchemaError, _escape, _opened, _with_parts
 
 
 class ConditionalRules:
@@ -31,7 +31,7 @@ class ConditionalRules:
                     raise SchemaError(f"{ptr}/{keyword}/{_escape(key)}: must be a list of property names")
                 present = {"allOf": [{"required": [key], **opened}, then]}
                 parts.append({"anyOf": [{"properties": {key: False}, **opened}, present]})
-        return {"allOf": [rest, *parts]}
+        return _with_parts(rest, *parts)
 
 
     def _conditional(self, schema: dict, ptr: str) -> Expr:
@@ -85,5 +85,5 @@ def _through_if(schema: dict) -> dict:
     """if/then/else generated through its `if` branch: instances of if and then (a sound subset)."""
     rest = {k: v for k, v in schema.items() if k not in ("if", "then", "else")}
     if schema["if"] is False:  # no value matches `if`: every value takes `else`
-        return {"allOf": [schema.get("else", True), rest]}
-    return {"allOf": [schema["if"], schema.get("then", True), rest]}
+        return _with_parts(rest, schema.get("else", True))
+    return _with_parts(rest, schema["if"], schema.get("then", True))

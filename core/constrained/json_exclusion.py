@@ -9,11 +9,12 @@ from typing import Any
 
 from radixlm.core.constrained.grammar import Expr
 from radixlm.core.constrained.json_common import (
-    _CONFLICT, _IGNORED, _NOT_STRINGS, _TYPES, NOTHING, SchemaError, _json_type)
+    _CONFLICT, _IGNORED, _NOT_STRINGS, _TYPES, NOTHING, SchemaError, _json_type, _with_parts)
 from radixlm.core.constrained.json_strings import ecma_string_pattern
 
 
 MAX_NEGATION_DEPTH = 8  # `not` of nested schemas: levels looked into (a recursive schema has no end)
+MAX_ONEOF_PAIRS = 4  # `not` of a oneOf: with up to this many branches, the values of each pair too
 
 
 class ExclusionRules:
@@ -118,6 +119,26 @@ class ExclusionRules:
             return [] if failing is False else [("array", {"contains": failing})]
         if key == "contains" and not {"minContains", "maxContains"} & set(body):
             return [("array", {"items": self._negation(value, {}, f"{ptr}/contains", depth)})]
+        if key == "prefixItems" and isinstance(value, list):  # an item at position i failing its schema
+            out = []
+            for i, sub in enumerate(value):
+                try:
+                    failing = self._negation(sub, {}, f"{ptr}/prefixItems/{i}", depth)
+                except SchemaError:
+                    continue  # left out (a sound subset)
+                if failing is not False:
+                    out.append(("array", {"minItems": i + 1, "prefixItems": [True] * i + [failing]}))
+            return out
+        if key == "oneOf" and isinstance(value, list) and value:
+            # no branch matches (each one's failures), or two do (a few branches: each pair's values)
+            ways = [(None, {"allOf": [b, c]}) for i, b in enumerate(value) for c in value[i + 1:]
+                    if len(value) <= MAX_ONEOF_PAIRS]
+            try:
+                none = [self._negation(b, opened, f"{ptr}/oneOf/{i}", depth) for i, b in enumerate(value)]
+                ways.append((None, {"allOf": none}))
+            except SchemaError:
+                pass  # left out (a sound subset)
+            return ways or None
         if key == "not":
             return [(None, value)]
         if key in ("anyOf", "allOf") and isinstance(value, list) and value:
@@ -150,7 +171,7 @@ class ExclusionRules:
             others = set().union(*(s["types"] for j, s in enumerate(sigs) if j != i))
             types = {t for t in sig["types"] if t not in others and not (t == "number" and "integer" in others)}
             if types:
-                kept.append({"allOf": [branch, {"type": sorted(types - {"integer"} if "number" in types else types)}]})
+                kept.append(_with_parts(branch, {"type": sorted(types - {"integer"} if "number" in types else types)}))
                 kept_sigs.append(dict(sig, types=types | ({"integer"} if "number" in types else set())))
         if kept and _pairwise_exclusive(kept_sigs):
             return [self.value(b, f"{ptr}/{i}") for i, b in enumerate(kept)]

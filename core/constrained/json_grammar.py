@@ -33,7 +33,7 @@ from radixlm.core.constrained.json_allof import AllOfRules
 from radixlm.core.constrained.json_arrays import ArrayRules
 from radixlm.core.constrained.json_common import (
     _CONFLICT, _DEPENDENT, _IGNORED, _NOT_STRINGS, _REFUSED, _TYPES, BOOLEAN, NOTHING, NULL, NUMBER, SchemaError,
-    _json_type, _opened, _same_json, string_terminal)
+    _json_type, _opened, _same_json, _with_parts, string_terminal)
 from radixlm.core.constrained.json_conditional import ConditionalRules
 from radixlm.core.constrained.json_exclusion import ExclusionRules, _types_only
 from radixlm.core.constrained.json_numbers import NumberRules
@@ -138,7 +138,7 @@ class _Converter(ExclusionRules, ConditionalRules, AllOfRules, StringRules, Numb
                 raise SchemaError(f"{ptr}/$ref: must be a string")
             rest = {k: v for k, v in schema.items() if k != "$ref" and k not in _IGNORED}
             if rest:  # sibling keywords: merged with the target (which is inlined for the merge)
-                return self.value({"allOf": [self._target(ref, ptr), rest]}, ptr)
+                return self.value(_with_parts(rest, self._target(ref, ptr)), ptr)
             name = self.ref_rules.get(ref)
             if name is None:
                 name = self.ref_rules[ref] = f"ref:{ref}"
@@ -176,7 +176,7 @@ class _Converter(ExclusionRules, ConditionalRules, AllOfRules, StringRules, Numb
             if not isinstance(branches, list) or not branches:
                 raise SchemaError(f"{ptr}/{key}: must be a non-empty list")
             rest = {k: v for k, v in schema.items() if k != key and k not in _IGNORED}
-            subs = [{"allOf": [b, rest]} if rest else b for b in branches]
+            subs = [_with_parts(rest, b) if rest else b for b in branches]
             if key == "oneOf":
                 return alt(*self._exclusive(subs, branches, f"{ptr}/oneOf"))
             return alt(*(self.value(s, f"{ptr}/{key}/{i}") for i, s in enumerate(subs)))

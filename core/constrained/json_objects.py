@@ -94,17 +94,17 @@ class ObjectRules:
     @staticmethod
     def _property_names(names: list[str], rule: Any, required: list[str], ptr: str) -> list[str] | None:
         """The listed names `propertyNames` allows (None if it rejects a required one)."""
+        rule = _name_rule(rule, ptr)
         if rule is False:
             keep = []
-        elif isinstance(rule, dict) and set(rule) - _IGNORED <= {"pattern", "maxLength", "minLength", "enum", "const"}:
-            def ok(name: str) -> bool:
+        else:
+            def ok(name: str, rule: dict) -> bool:
                 return (len(name) <= rule.get("maxLength", len(name)) and len(name) >= rule.get("minLength", 0)
                         and ("pattern" not in rule or _pattern_matches(rule["pattern"], name, ptr))
                         and ("enum" not in rule or name in rule["enum"])
-                        and ("const" not in rule or name == rule["const"]))
-            keep = [n for n in names if ok(n)]
-        else:
-            raise SchemaError(f"{ptr}/propertyNames: only pattern, lengths, enum and const are supported")
+                        and ("const" not in rule or name == rule["const"])
+                        and ("not" not in rule or not ok(name, rule["not"])))
+            keep = [n for n in names if ok(n, rule)]
         return None if any(r not in keep for r in required) else keep
 
     def _members(self, members: list[tuple[Expr, bool]], extras: list[Expr], lo: int, hi: int | None,
@@ -144,14 +144,23 @@ class ObjectRules:
         """The keys (JSON-quoted) `propertyNames` allows beyond the listed properties: (a DFA, or False
         for none; a name for it)."""
         label = json.dumps(rule, sort_keys=True)
+        rule = _name_rule(rule, ptr)
         if rule is False:
             return False, label
-        budget = self.budget.max_terminal_states
         lo, hi = rule.get("minLength", 0), rule.get("maxLength")
         if lo > MAX_PRODUCT_LENGTH:
             raise SchemaError(f"{ptr}/propertyNames/minLength: over {MAX_PRODUCT_LENGTH} is not supported")
         hi = None if hi is None and lo == 0 else min(MAX_PRODUCT_LENGTH if hi is None else hi, MAX_PRODUCT_LENGTH)
-        dfa = counted_string_dfa(lo, hi)
+        dfa = self._names_matching(rule, counted_string_dfa(lo, hi), ptr)
+        if dfa is not None and "not" in rule:  # less the names its `not` matches
+            excluded = self._names_matching(rule["not"], counted_string_dfa(0, None), f"{ptr}/not")
+            if excluded is not None:
+                dfa = dfa_difference(dfa, excluded, self.budget.max_terminal_states, self.deadline.check)
+        return (dfa if dfa is not None else False), label
+
+    def _names_matching(self, rule: dict, dfa: ByteDFA | None, ptr: str) -> ByteDFA | None:
+        """`dfa` intersected with the names `rule`'s pattern, enum and const allow (None if none)."""
+        budget = self.budget.max_terminal_states
         parts = []
         if "pattern" in rule:
             try:
@@ -166,7 +175,7 @@ class ObjectRules:
         for part in parts:
             if dfa is not None:
                 dfa = dfa_intersection(dfa, part, budget, self.deadline.check) if part is not None else None
-        return (dfa if dfa is not None else False), label
+        return dfa
 
     def _key_terminal(self, regex: str | list[str], names: list[str], patterns: list[str],
                       allowed: tuple[ByteDFA | bool, str] | None = None) -> Terminal | None:
@@ -195,3 +204,23 @@ class ObjectRules:
         if allowed is not None:  # terminals are shared by key: name the filter too
             excluded.append(f"propertyNames:{allowed[1]}")
         return Terminal(key="key:" + "\0and:".join(regexes) + "\0" + "\0".join(excluded), dfa=dfa)
+
+
+def _name_rule(rule: Any, ptr: str) -> dict | bool:
+    """propertyNames as the keywords _property_names and _names_dfa read (pattern, lengths, enum, const,
+    a `not` of pattern/enum/const), or False for no names. A `type` allowing strings says nothing of
+    names (they are strings); one that does not allows none."""
+    if rule is False:
+        return False
+    body = {k: v for k, v in rule.items() if k not in _IGNORED} if isinstance(rule, dict) else None
+    if body is not None and "type" in body:
+        types = [body.pop("type")] if isinstance(rule["type"], str) else body.pop("type")
+        if "string" not in types:
+            return False
+    negated = body.get("not") if body is not None else None
+    if body is None or set(body) - {"pattern", "maxLength", "minLength", "enum", "const", "not"} or (
+            "not" in body and not (isinstance(negated, dict) and negated
+                                   and set(negated) - _IGNORED <= {"pattern", "enum", "const"})):
+        raise SchemaError(f"{ptr}/propertyNames: only type, pattern, lengths, enum, const and a not of "
+                          "pattern/enum/const are supported")
+    return body
