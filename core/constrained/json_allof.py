@@ -7,7 +7,8 @@ import math
 from typing import Any
 
 from radixlm.core.constrained.json_common import (
-    _CONFLICT, _LOWER_BOUNDS, _NOT_STRINGS, _SCHEMA_VALUED, _UPPER_BOUNDS, _pattern_matches, _same_json)
+    _CONFLICT, _LOWER_BOUNDS, _NEGATED, _NOT_STRINGS, _SCHEMA_VALUED, _UPPER_BOUNDS, _negated, _pattern_matches,
+    _same_json, _with_parts)
 from radixlm.core.constrained.json_conditional import _discriminated, _through_if
 
 
@@ -20,7 +21,7 @@ _KNOWN = {
     "uniqueItems", "minLength", "maxLength", "pattern", "format", "minimum", "maximum", "exclusiveMinimum",
     "exclusiveMaximum", "multipleOf", "anyOf", "oneOf", "allOf", "not", "if", "then", "else", "$ref",
     "nullable", "dependentRequired", "dependentSchemas", "dependencies", "$dynamicRef", "$recursiveRef",
-    _NOT_STRINGS,
+    _NOT_STRINGS, _NEGATED,
 }
 MAX_COMBINATIONS = 256  # allOf of several anyOf/oneOf: branch combinations generated at most
 
@@ -48,14 +49,16 @@ class AllOfRules:
             rest = {k: v for k, v in first.items() if k != key}
             alternatives = []
             for branch in first[key]:
+                branch = _negated(branch) if first.get(_NEGATED) else branch
                 new = list(parts)
                 new[index] = rest
-                alternatives.append({"allOf": [branch, *new]})
+                alternatives.append(_with_parts(new[-1], branch, *new[:-1]))  # the parent stays the parent
             return {key: alternatives}
         # The last part is the parent: its unevaluated* keywords see the evaluations of every part. Any
         # other part's see only its own, which (stricter, so still sound) is what additionalProperties
         # and items mean.
         parts = [_own_evaluations_only(p) for p in parts[:-1]] + parts[-1:]
+        parts = _unevaluated_in_negations(parts)
         closing = [p for p in parts if isinstance(p, dict) and p.get("additionalProperties", True) is not True]
         if closing:
             adjusted = []
@@ -137,13 +140,17 @@ class AllOfRules:
         """allOf's parts, dereferenced, with nested allOfs spliced in (so that a nested part's
         additionalProperties also sees the properties the outer parts list)."""
         parts = []
-        derefed = [(_known_keywords(part), sub_refs) for part, sub_refs in (self._deref(s, refs) for s in schemas)]
-        derefed = _discriminated(derefed)
+        derefed = []
+        for s in schemas:  # (a `not`'s positive form stays marked through its refs and nested allOfs)
+            part, sub_refs = self._deref(s, refs)
+            derefed.append((_negated(part) if isinstance(s, dict) and s.get(_NEGATED) else part, sub_refs))
+        derefed = _discriminated([(_known_keywords(part), sub_refs) for part, sub_refs in derefed])
         for part, sub_refs in derefed:
             if isinstance(part, dict) and "if" in part:
                 part = _through_if(part)
             if isinstance(part, dict) and isinstance(part.get("allOf"), list):
-                parts.extend(self._flat_parts(part["allOf"], sub_refs))
+                inner = self._flat_parts(part["allOf"], sub_refs)
+                parts.extend([_negated(p) for p in inner] if part.get(_NEGATED) else inner)
                 part = {k: v for k, v in part.items() if k != "allOf"}
             parts.append(part)
         return parts
@@ -167,4 +174,38 @@ def _own_evaluations_only(schema: Any) -> Any:
         out.setdefault("items", schema["unevaluatedItems"])
     elif "unevaluatedItems" in schema:
         out["unevaluatedItems"] = schema["unevaluatedItems"]
+    return out
+
+
+def _unevaluated_in_negations(parts: list[Any]) -> list[Any]:
+    """The parent's (last part's) unevaluatedProperties/unevaluatedItems carried onto the keys and items
+    only a `not`'s positive form (a _NEGATED part) lists: a validator counts nothing a `not` says as
+    evaluated, while the merge would."""
+    parent = parts[-1] if parts and isinstance(parts[-1], dict) else {}
+    marked = [p for p in parts if isinstance(p, dict) and p.get(_NEGATED)]
+    real = [p for p in parts if isinstance(p, dict) and not p.get(_NEGATED)]
+    if not marked:
+        return parts
+    props_rule = parent.get("unevaluatedProperties", True)
+    if any("additionalProperties" in p for p in real):
+        props_rule = True  # every key is evaluated by it
+    items_rule = parent.get("unevaluatedItems", True)
+    if any("items" in p for p in real):
+        items_rule = True
+    listed = {k for p in real for k in (p.get("properties") or {})}
+    patterns = [k for p in real for k in (p.get("patternProperties") or {})]
+    prefix = max((len(p.get("prefixItems") or []) for p in real), default=0)
+    out = []
+    for part in parts:
+        if isinstance(part, dict) and part.get(_NEGATED):
+            part = {k: v for k, v in part.items() if k != _NEGATED}  # (the merged schema is not one)
+            if props_rule is not True and isinstance(part.get("properties"), dict):
+                part["properties"] = {k: v if k in listed or any(_pattern_matches(p, k) for p in patterns)
+                                      else {"allOf": [v, props_rule]} for k, v in part["properties"].items()}
+            if items_rule is not True and isinstance(part.get("prefixItems"), list):
+                part["prefixItems"] = [v if i < prefix else {"allOf": [v, items_rule]}
+                                       for i, v in enumerate(part["prefixItems"])]
+            if items_rule is not True and "items" in part:
+                part["items"] = {"allOf": [part["items"], items_rule]}
+        out.append(part)
     return out

@@ -35,6 +35,9 @@ _LOWER_BOUNDS = {"minimum", "exclusiveMinimum", "minLength", "minItems", "minPro
 _UPPER_BOUNDS = {"maximum", "exclusiveMaximum", "maxLength", "maxItems", "maxProperties", "maxContains"}
 _CONFLICT = object()  # internal: the `const` of allOf parts with different constants (no value)
 _NOT_STRINGS = "x-radixlm-not-strings"  # internal: regexes of the JSON strings a `not` excludes
+# internal: a `not`'s positive form (json_exclusion.py), whose keys and items a validator does not count
+# as evaluated (json_allof.py holds them to the parent's unevaluatedProperties/Items)
+_NEGATED = "x-radixlm-negated"
 _SCHEMA_VALUED = {"items", "additionalProperties", "propertyNames", "additionalItems"}
 
 
@@ -78,6 +81,17 @@ def _with_parts(schema: Any, *parts: Any) -> Any:
     if not isinstance(schema, dict):
         return {"allOf": [*parts, schema]}
     return {**schema, "allOf": [*parts, *schema.get("allOf", [])]}
+
+
+def _negated(schema: Any) -> Any:
+    """A `not`'s positive form, marked as such (_NEGATED), its anyOf/allOf branches too."""
+    if not isinstance(schema, dict):
+        return schema
+    out = {**schema, _NEGATED: True}
+    for key in ("anyOf", "allOf"):
+        if isinstance(schema.get(key), list):
+            out[key] = [_negated(b) for b in schema[key]]
+    return out
 
 
 def _opened(schema: dict) -> dict:

@@ -41,7 +41,7 @@ class ConditionalRules:
         if schema["if"] is False or schema["if"] is True:
             return through_if
         rest = {k: v for k, v in schema.items() if k not in ("if", "then", "else")}
-        other = self._attempt({"allOf": [{"not": schema["if"]}, schema.get("else", True), rest]}, f"{ptr}/else")
+        other = self._attempt(_with_parts(rest, {"not": schema["if"]}, schema.get("else", True)), f"{ptr}/else")
         return through_if if isinstance(other, SchemaError) else alt(through_if, other)
 
 

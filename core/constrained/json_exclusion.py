@@ -185,7 +185,7 @@ class ExclusionRules:
         for i, branch in enumerate(branches):
             overlapping = [b for j, b in enumerate(own)
                            if j != i and not (_excludes(sigs[i], sigs[j]) and _excludes(sigs[j], sigs[i]))]
-            candidate = {"allOf": [branch, *({"not": b} for b in overlapping)]}
+            candidate = _with_parts(branch, *({"not": b} for b in overlapping))
             expr = self._attempt(candidate, f"{ptr}/{i}")
             if isinstance(expr, SchemaError):
                 first_error = first_error or expr

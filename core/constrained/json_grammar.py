@@ -33,7 +33,7 @@ from radixlm.core.constrained.json_allof import AllOfRules
 from radixlm.core.constrained.json_arrays import ArrayRules
 from radixlm.core.constrained.json_common import (
     _CONFLICT, _DEPENDENT, _IGNORED, _NOT_STRINGS, _REFUSED, _TYPES, BOOLEAN, NOTHING, NULL, NUMBER, SchemaError,
-    _json_type, _opened, _same_json, _with_parts, string_terminal)
+    _json_type, _negated, _opened, _same_json, _with_parts, string_terminal)
 from radixlm.core.constrained.json_conditional import ConditionalRules
 from radixlm.core.constrained.json_exclusion import ExclusionRules, _types_only
 from radixlm.core.constrained.json_numbers import NumberRules
@@ -161,7 +161,8 @@ class _Converter(ExclusionRules, ConditionalRules, AllOfRules, StringRules, Numb
         schema = {k: v for k, v in schema.items() if k not in ("then", "else")}
         if "not" in schema and not _types_only(schema["not"]):  # as positive keywords, merged in
             rest = {k: v for k, v in schema.items() if k != "not"}
-            return self.value({"allOf": [self._negation(schema["not"], _opened(rest), f"{ptr}/not"), rest]}, ptr)
+            negation = self._negation(schema["not"], _opened(rest), f"{ptr}/not")
+            return self.value(_with_parts(rest, _negated(negation)), ptr)
         if "allOf" in schema:
             try:
                 merged = self._merge(schema["allOf"] + [{k: v for k, v in schema.items() if k != "allOf"}], ())
