@@ -156,7 +156,6 @@ class AllOfRules:
         return parts
 
 
-
 def _known_keywords(schema: Any) -> Any:
     if not isinstance(schema, dict) or all(k in _KNOWN for k in schema):
         return schema

@@ -11,7 +11,6 @@ from radixlm.core.constrained.json_common import NOTHING, SchemaError, _counts
 class ArrayRules:
     """The `array` type's rules."""
 
-
     def _array(self, schema: dict, ptr: str) -> Expr:
         lo, hi = _counts(schema, "minItems", "maxItems", ptr)
         # Items past the prefix that `items` does not cover are the unevaluated ones.

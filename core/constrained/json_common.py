@@ -50,7 +50,6 @@ class SchemaError(ValueError):
     """A schema the converter refuses; the message names the keyword and its JSON pointer."""
 
 
-
 def _pattern_matches(pattern: str, name: str, ptr: str = "#") -> bool:
     """ECMA-262 search of `pattern` in a property name (Python's `re` with ASCII classes)."""
     try:

@@ -12,7 +12,6 @@ from radixlm.core.constrained.json_common import _DEPENDENT, SchemaError, _escap
 class ConditionalRules:
     """if/then/else (_conditional) and dependencies (_dependents)."""
 
-
     @staticmethod
     def _dependents(schema: dict, ptr: str) -> dict:
         """dependentRequired / dependentSchemas (and draft 7's dependencies) as an allOf of choices, one per
@@ -43,7 +42,6 @@ class ConditionalRules:
         rest = {k: v for k, v in schema.items() if k not in ("if", "then", "else")}
         other = self._attempt(_with_parts(rest, {"not": schema["if"]}, schema.get("else", True)), f"{ptr}/else")
         return through_if if isinstance(other, SchemaError) else alt(through_if, other)
-
 
 
 def _discriminated(parts: list[tuple[Any, tuple]]) -> list[tuple[Any, tuple]]:

@@ -46,7 +46,8 @@ class ExclusionRules:
             types.add("null")
         ways, skipped = [], ["format"] if "format" in sub and self.formats_asserted else []
         if types is not None:  # a value of another type fails it
-            ways.append({"type": sorted(set(_TYPES) - types)} if types <= set(_TYPES) else {"not": {"type": body["type"]}})
+            others = {"type": sorted(set(_TYPES) - types)} if types <= set(_TYPES) else {"not": {"type": body["type"]}}
+            ways.append(others)
 
         def of_type(kind: str, schema: dict) -> None:
             if kind == "number" and types is not None and "number" not in types:
@@ -251,7 +252,6 @@ class ExclusionRules:
                                     if isinstance(v, dict) and _const_of(v.get("not")) is not None}}
 
 
-
 def _pairwise_exclusive(sigs: list[dict]) -> bool:
     return all(_excludes(a, b) and _excludes(b, a) for i, a in enumerate(sigs) for b in sigs[i + 1:])
 
@@ -291,7 +291,6 @@ def _excludes(a: dict, b: dict) -> bool:
         if key in a.get("required", set()) and other is not None and all(v in excluded for v in other):
             return True
     return False
-
 
 
 def _types_only(sub: Any) -> bool:

@@ -6,12 +6,12 @@ small rule each ("the rest of the object after member i"), not a copy of the obj
 
 Keywords: type, enum, const, properties, required, additionalProperties (false, true or a schema),
 patternProperties, minProperties/maxProperties, items, prefixItems, minItems/maxItems, uniqueItems (an
-approximation that stays sound: at most one item), minLength/maxLength, pattern (ECMA-262 search
+approximation that stays sound: json_unique.py), minLength/maxLength, pattern (ECMA-262 search
 semantics, `\\d` and `\\w` ASCII), format (date, time, date-time, duration, uuid, email, hostname, ipv4,
 ipv6, uri), numeric bounds, multipleOf (whole, or p/q on integers), anyOf, oneOf (exclusive: branches
 told apart by types, constants or properties, else each excluding the others with `not`), allOf
-(merged), not (of types, required keys, string patterns/constants, numeric bounds), if/then/else, $ref
-and $dynamicRef (schema_refs.py; recursion allowed), OpenAPI's nullable; annotations ignored.
+(merged), not (by De Morgan over its keywords, json_exclusion.py), if/then/else, $ref and $dynamicRef
+(schema_refs.py; recursion allowed; registered documents too), OpenAPI's nullable; annotations ignored.
 Objects with `properties` and no `additionalProperties` get exactly their listed properties (a
 documented strictness). Anything refused raises ValueError naming the keyword and its JSON pointer.
 This module holds the entry point and the dispatch on keywords; the rules per kind of value are mixins
@@ -102,9 +102,9 @@ def _scalar_keywords_admit(value: Any, schema: dict) -> bool:
 class _Converter(ExclusionRules, ConditionalRules, AllOfRules, StringRules, NumberRules, ObjectRules, ArrayRules,
                  UniqueRules, js._Converter):
     """value() dispatches on the keywords; each kind of value has its rules in a mixin (json_strings.py,
-    json_numbers.py, json_objects.py, json_arrays.py (json_unique.py for uniqueItems), json_exclusion.py for not/oneOf, json_conditional.py
-    for if/then/else and dependencies, json_allof.py for allOf). Reuses the regex converter's $ref
-    resolution, allOf merging and ref expansion (for merges)."""
+    json_numbers.py, json_objects.py, json_arrays.py and json_unique.py for uniqueItems, json_exclusion.py
+    for not/oneOf, json_conditional.py for if/then/else and dependencies, json_allof.py for allOf). Reuses
+    the regex converter's $ref resolution, allOf merging and ref expansion (for merges)."""
 
     def __init__(self, refs: SchemaRefs, ws: str, budget: GrammarBudget, deadline: Deadline) -> None:
         super().__init__(refs.root, ws, js.DEFAULT_MAX_RECURSION)

@@ -22,7 +22,6 @@ MAX_MODULUS = 10_000  # multipleOf's DFA has a state per remainder
 class NumberRules:
     """The `integer` and `number` types' rules."""
 
-
     def _integer(self, schema: dict, ptr: str) -> Expr:
         step = schema.get("multipleOf", 1)
         if isinstance(step, bool) or not isinstance(step, (int, float)) or step <= 0:

@@ -20,10 +20,8 @@ MAX_PATTERN_OVERLAP = 3  # patternProperties: up to this many, a key may match s
 MAX_ANY_ORDER = 3  # keys listed only in required: up to this many in any order (n! orders), more in theirs
 
 
-
 class ObjectRules:
     """The `object` type's rules."""
-
 
     def _object(self, schema: dict, ptr: str) -> Expr:
         props = schema.get("properties") or {}

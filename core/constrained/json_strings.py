@@ -39,10 +39,8 @@ FORMATS["duration"] = (r"P(?:[0-9]+W|[0-9]+Y(?:[0-9]+M)?(?:[0-9]+D)?(?:T_TIME)?|
 MAX_PRODUCT_LENGTH = 64
 
 
-
 class StringRules:
     """The `string` type's rules."""
-
 
     def _string(self, schema: dict, ptr: str) -> Expr:
         """The strings `schema` allows, less those a `not` excluded (_negation)."""
@@ -107,7 +105,6 @@ def _asserts_formats(root: Any) -> bool:
     and metaschemas are remote)."""
     declared = root.get("$schema") if isinstance(root, dict) else None
     return not (isinstance(declared, str) and ("/draft/2019-09/" in declared or "/draft/2020-12/" in declared))
-
 
 
 def ecma_string_pattern(pattern: str) -> str:
