@@ -82,6 +82,8 @@ def _discriminated(parts: list[tuple[Any, tuple]]) -> list[tuple[Any, tuple]]:
 def _through_if(schema: dict) -> dict:
     """if/then/else generated through its `if` branch: instances of if and then (a sound subset)."""
     rest = {k: v for k, v in schema.items() if k not in ("if", "then", "else")}
+    if "then" not in schema and "else" not in schema:  # an `if` alone constrains nothing
+        return rest
     if schema["if"] is False:  # no value matches `if`: every value takes `else`
         return _with_parts(rest, schema.get("else", True))
     return _with_parts(rest, schema["if"], schema.get("then", True))

@@ -156,9 +156,9 @@ class _Converter(ExclusionRules, ConditionalRules, AllOfRules, StringRules, Numb
                 raise SchemaError(f"{ptr}/{key}: {_REFUSED[key]} is not supported")
         if any(k in schema for k in _DEPENDENT):
             return self.value(self._dependents(schema, ptr), ptr)
-        if "if" in schema:
+        if "if" in schema and ("then" in schema or "else" in schema):
             return self._conditional(schema, ptr)
-        schema = {k: v for k, v in schema.items() if k not in ("then", "else")}
+        schema = {k: v for k, v in schema.items() if k not in ("if", "then", "else")}  # (an if alone: no-op)
         if "not" in schema and not _types_only(schema["not"]):  # as positive keywords, merged in
             rest = {k: v for k, v in schema.items() if k != "not"}
             negation = self._negation(schema["not"], _opened(rest), f"{ptr}/not")
