@@ -243,6 +243,8 @@ def test_number_ranges(lo, hi):
     ({"$defs": {"n": {"type": "object", "properties": {"next": {"$ref": "#/$defs/n"}}, "required": ["next"]}},
       "$ref": "#/$defs/n"}, "admits no value"),
     ({"type": "integer", "minimum": 5, "maximum": 4}, "admits no value"),
+    ({"$defs": {"a": {"not": {"not": {"$ref": "#/$defs/a"}}}}, "$ref": "#/$defs/a"},  # `not`s without end
+     "nested deeper than 8 levels"),
     ({"enum": []}, "enum"),
 ])
 def test_invalid_or_unsupported_schema_raises_naming_it(schema, problem, tiny_tokenizer):

@@ -35,7 +35,7 @@ from radixlm.core.constrained.json_common import (
     _CONFLICT, _DEPENDENT, _IGNORED, _NOT_STRINGS, _REFUSED, _TYPES, BOOLEAN, NOTHING, NULL, NUMBER, SchemaError,
     _json_type, _negated, _opened, _same_json, _with_parts, string_terminal)
 from radixlm.core.constrained.json_conditional import ConditionalRules
-from radixlm.core.constrained.json_exclusion import ExclusionRules, _types_only
+from radixlm.core.constrained.json_exclusion import MAX_NEGATION_DEPTH, ExclusionRules, _types_only
 from radixlm.core.constrained.json_numbers import NumberRules
 from radixlm.core.constrained.json_objects import ObjectRules
 from radixlm.core.constrained.json_strings import StringRules, _asserts_formats
@@ -114,6 +114,7 @@ class _Converter(ExclusionRules, ConditionalRules, AllOfRules, StringRules, Numb
         self.rules: dict[str, Expr] = {}
         self.ref_rules: dict[str, str] = {}
         self.ws_term = Terminal(regex=f"(?:{ws})") if ws else None
+        self.negations = 0  # `not`s being converted inside one another (value())
         self.formats_asserted = _asserts_formats(refs.root)
 
     # ---- helpers -------------------------------------------------------------------------------------
@@ -161,8 +162,14 @@ class _Converter(ExclusionRules, ConditionalRules, AllOfRules, StringRules, Numb
         schema = {k: v for k, v in schema.items() if k not in ("if", "then", "else")}  # (an if alone: no-op)
         if "not" in schema and not _types_only(schema["not"]):  # as positive keywords, merged in
             rest = {k: v for k, v in schema.items() if k != "not"}
+            if self.negations >= MAX_NEGATION_DEPTH:  # a `not` whose positive form holds a `not`, ... (refs)
+                raise SchemaError(f"{ptr}/not: 'not' nested deeper than {MAX_NEGATION_DEPTH} levels is not supported")
             negation = self._negation(schema["not"], _opened(rest), f"{ptr}/not")
-            return self.value(_with_parts(rest, _negated(negation)), ptr)
+            self.negations += 1
+            try:
+                return self.value(_with_parts(rest, _negated(negation)), ptr)
+            finally:
+                self.negations -= 1
         if "allOf" in schema:
             try:
                 merged = self._merge(schema["allOf"] + [{k: v for k, v in schema.items() if k != "allOf"}], ())
