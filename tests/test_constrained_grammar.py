@@ -99,6 +99,8 @@ CASES = [
     # An `if` alone (or then/else in other allOf parts) constrains nothing; a oneOf whose type split
     # would give up numbers ({"minimum": 2} against integers) excluded by `not` instead.
     ({"if": {"const": 0}}, ["hello", 0], []),
+    ({"type": "object", "if": {"properties": {"a": INT}, "required": ["a"]}, "unevaluatedProperties": False},
+     [{"a": 1}, {}], [{"a": "x"}, {"b": 1}]),
     ({"allOf": [{"if": {"exclusiveMaximum": 0}}, {"then": {"minimum": -10}}, {"else": {"multipleOf": 2}}]},
      [-100, 3], []),
     ({"oneOf": [INT, {"minimum": 2}]}, [1, 2.5, "s"], [3, 2]),

@@ -159,7 +159,12 @@ class _Converter(ExclusionRules, ConditionalRules, AllOfRules, StringRules, Numb
             return self.value(self._dependents(schema, ptr), ptr)
         if "if" in schema and ("then" in schema or "else" in schema):
             return self._conditional(schema, ptr)
-        schema = {k: v for k, v in schema.items() if k not in ("if", "then", "else")}  # (an if alone: no-op)
+        schema = {k: v for k, v in schema.items() if k not in ("then", "else")}
+        if "if" in schema:  # alone it constrains nothing, but what it evaluates when it holds counts
+            rest = {k: v for k, v in schema.items() if k != "if"}
+            if "unevaluatedProperties" in rest or "unevaluatedItems" in rest:
+                return alt(self.value(_with_parts(rest, schema["if"]), ptr), self.value(rest, ptr))
+            schema = rest
         if "not" in schema and not _types_only(schema["not"]):  # as positive keywords, merged in
             rest = {k: v for k, v in schema.items() if k != "not"}
             if self.negations >= MAX_NEGATION_DEPTH:  # a `not` whose positive form holds a `not`, ... (refs)
