@@ -175,34 +175,19 @@ class ExclusionRules:
                 kept.append(_with_parts(branch, {"type": sorted(types - {"integer"} if "number" in types else types)}))
                 kept_sigs.append(dict(sig, types=types | ({"integer"} if "number" in types else set())))
         if kept and _pairwise_exclusive(kept_sigs):
-            if len(kept) < len(branches) or any(s["types"] != k["types"] for s, k in zip(sigs, kept_sigs)):
-                # Types were given up ({"oneOf": [integer, {"minimum": 2}]} keeps no numbers): the
-                # exclusion by `not` instead, where it says every branch and keeps at least as many.
-                rules, ref_rules = dict(self.rules), dict(self.ref_rules)
-                try:
-                    exact = self._excluding(branches, own, sigs, ptr, strict=True)
-                    if len(exact) >= len(kept):
-                        return exact
-                except SchemaError:
-                    pass
-                self.rules, self.ref_rules = rules, ref_rules
             return [self.value(b, f"{ptr}/{i}") for i, b in enumerate(kept)]
         return self._excluding(branches, own, sigs, ptr)
 
-    def _excluding(self, branches: list[Any], own: list[Any], sigs: list[dict], ptr: str,
-                   strict: bool = False) -> list[Expr]:
+    def _excluding(self, branches: list[Any], own: list[Any], sigs: list[dict], ptr: str) -> list[Expr]:
         """Branches that may overlap, each as `allOf: [branch, not: other, ...]` for the others it may
         overlap (`own`: the branches without the keywords beside oneOf, which every branch has); a
-        branch whose exclusions `not` cannot express is dropped (a sound subset), or, if `strict`,
-        raises its SchemaError."""
+        branch whose exclusions `not` cannot express is dropped (a sound subset)."""
         kept, first_error = [], None
         for i, branch in enumerate(branches):
             overlapping = [b for j, b in enumerate(own)
                            if j != i and not (_excludes(sigs[i], sigs[j]) and _excludes(sigs[j], sigs[i]))]
             candidate = _with_parts(branch, *({"not": b} for b in overlapping))
             expr = self._attempt(candidate, f"{ptr}/{i}")
-            if isinstance(expr, SchemaError) and strict:
-                raise expr
             if isinstance(expr, SchemaError):
                 first_error = first_error or expr
             elif expr != NOTHING:
