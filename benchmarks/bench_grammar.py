@@ -66,7 +66,9 @@ def _refs_in(node, base: str) -> set[str]:
 
 def _bundle_remotes(schema, remotes: Path):
     """The schema with the suite's remote schemas it refers to (transitively) embedded under `$defs`,
-    each under its URL as `$id`: a compound document, the standard way to ship referenced schemas."""
+    each under its URL as `$id`: a compound document, the standard way to ship referenced schemas (what
+    llguidance gets; radixlm also has them registered, schema_refs.register_documents, which follows
+    refs this does not: ones relative to a nested `$id`)."""
     if not isinstance(schema, dict):
         return schema
     bundled, todo = {}, sorted(u for u in _refs_in(schema, schema.get("$id", "")) if u.startswith(REMOTE))
@@ -230,6 +232,11 @@ def run(engine_name: str, suite_dir: str, limit: int | None, cold: bool, vocab_n
         from radixlm.core.constrained.llguidance_backend import _ll_tokenizer
 
         _ll_tokenizer(tokenizer, vocab)
+    if engine_name == "radixlm":  # the suite's remote documents, as a user registers theirs
+        from radixlm.core.constrained.schema_refs import register_documents
+
+        register_documents(Path(suite_dir).parent.parent / "remotes", REMOTE)
+    remotes = _remotes_registry(Path(suite_dir).parent.parent / "remotes")
     engine = Engine(engine_name, tokenizer, cold)
     rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     cases = corpus(suite_dir)[:limit]
@@ -266,7 +273,7 @@ def run(engine_name: str, suite_dir: str, limit: int | None, cold: bool, vocab_n
             text = json.dumps(_ordered(instance, schema), separators=(",", ":"), ensure_ascii=False)
             _walk(engine, schema, _encode(tokenizer, text) + [eos], eos, vocab_size, mask_again_us)
         if samples:
-            sampled += _sample(engine, case["name"], schema, samples, len(sampled), bad_samples)
+            sampled += _sample(engine, case["name"], schema, samples, len(sampled), bad_samples, remotes)
     rss_after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     sources: dict[str, list[int]] = {}
     for case in cases:
@@ -297,16 +304,26 @@ def _encode(tokenizer, text: str) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=False)
 
 
-def _sample(engine: Engine, name: str, schema, n: int, seed: int, bad: list[str]) -> list[bool]:
+def _remotes_registry(remotes: Path):
+    """The suite's remote documents for jsonschema (the oracle), at the URLs the suite serves them from."""
+    from referencing import Registry, Resource
+    from referencing.jsonschema import DRAFT202012
+
+    return Registry().with_resources(
+        (REMOTE + p.relative_to(remotes).as_posix(), Resource.from_contents(json.load(open(p)), DRAFT202012))
+        for p in sorted(remotes.rglob("*.json")))
+
+
+def _sample(engine: Engine, name: str, schema, n: int, seed: int, bad: list[str], remotes) -> list[bool]:
     """n random walks (a uniform choice among the allowed tokens: harsher than any temperature), each
-    checked with jsonschema (formats asserted where the engine asserts them)."""
+    checked with jsonschema (formats asserted where the engine asserts them; the suite's remotes known)."""
     import jsonschema
 
     from radixlm.core.constrained.json_grammar import _asserts_formats
     from radixlm.core.constrained.testing import random_walk
 
     cls = jsonschema.validators.validator_for(schema) if isinstance(schema, dict) else jsonschema.Draft202012Validator
-    validator = cls(schema, format_checker=cls.FORMAT_CHECKER if _asserts_formats(schema) else None)
+    validator = cls(schema, format_checker=cls.FORMAT_CHECKER if _asserts_formats(schema) else None, registry=remotes)
     rng = np.random.default_rng(seed)
     out = []
     for _ in range(n):

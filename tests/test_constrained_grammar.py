@@ -71,6 +71,47 @@ CASES = [
     ({"type": "string", "format": "hostname"}, ["example.com", "a-b.c"], ["-a.com", "a..b"]),
     ({"type": "string", "format": "duration"}, ["P1D", "PT1H30M", "P2W"], ["P", "PT", "1D"]),
     ({"type": "array", "items": INT, "uniqueItems": True}, [[], [3]], [[1, 1]]),
+    # A key matching two patternProperties takes both schemas; merged properties: the parent's first.
+    ({"type": "object", "patternProperties": {"a*": INT, "aaa*": {"maximum": 20}}, "additionalProperties": False},
+     [{"aaaa": 18}, {"a": 21, "aaaa": 18}, {"b": 30}], [{"aaaa": 31}, {"aaa": "x"}]),
+    ({"type": "object", "properties": {"foo": STR}, "allOf": [{"properties": {"bar": STR}}],
+      "unevaluatedProperties": False}, [{"foo": "x", "bar": "y"}, {"bar": "y"}], [{"baz": 1}, {"foo": 1}]),
+    # unevaluatedProperties sees what a $ref target, an anyOf branch or the `if` taken evaluates, never
+    # what a `not` (the else path) says of a key.
+    ({"$ref": "#/$defs/bar", "properties": {"foo": STR}, "unevaluatedProperties": False,
+      "$defs": {"bar": {"properties": {"bar": STR}}}}, [{"foo": "a", "bar": "b"}, {}], [{"baz": 1}, {"bar": 1}]),
+    ({"type": "object", "properties": {"foo": STR}, "unevaluatedProperties": False,
+      "anyOf": [{"properties": {"bar": {"const": "bar"}}, "required": ["bar"]},
+                {"properties": {"baz": {"const": "baz"}}, "required": ["baz"]}]},
+     [{"foo": "f", "bar": "bar"}, {"baz": "baz"}], [{"foo": "f", "bar": "bar", "quux": 1}, {"foo": "f"}]),
+    ({"type": "object", "if": {"properties": {"foo": {"const": "then"}}, "required": ["foo"]},
+      "then": {"properties": {"bar": STR}, "required": ["bar"]}, "else": {"properties": {"baz": STR}, "required": ["baz"]},
+      "unevaluatedProperties": False}, [{"foo": "then", "bar": "b"}, {"baz": "z"}],
+     [{"foo": "else", "baz": "z"}, {"foo": "then"}]),
+    ({"properties": {"foo": STR}, "unevaluatedProperties": False,
+      "oneOf": [{"properties": {"bar": {"const": "bar"}}, "required": ["bar"]},
+                {"properties": {"baz": {"const": "baz"}}, "required": ["baz"]}]},
+     [{"foo": "f", "bar": "bar"}, {"baz": "baz"}], [{"bar": "bar", "baz": "x"}, {"bar": "bar", "baz": "baz"}, {"foo": "f"}]),
+    ({"prefixItems": [STR], "unevaluatedItems": False, "oneOf": [{"prefixItems": [True, INT]}, {"prefixItems": [True, STR]}]},
+     [["a", 1], ["a", "b"]], [["a", 1, 2], ["a", None]]),
+    ({"type": "array", "prefixItems": [STR], "anyOf": [{"prefixItems": [True, INT]}], "unevaluatedItems": False},
+     [["a", 1]], [["a", 1, 2], [1]]),
+    # An `if` alone (or then/else in other allOf parts) constrains nothing (beside unevaluated*, what it
+    # evaluates when it holds counts).
+    ({"if": {"const": 0}}, ["hello", 0], []),
+    ({"type": "object", "if": {"properties": {"a": INT}, "required": ["a"]}, "unevaluatedProperties": False},
+     [{"a": 1}, {}], [{"a": "x"}, {"b": 1}]),
+    ({"allOf": [{"if": {"exclusiveMaximum": 0}}, {"then": {"minimum": -10}}, {"else": {"multipleOf": 2}}]},
+     [-100, 3], []),
+    # uniqueItems: few constants in any order, more in their order, else one item of each JSON kind.
+    ({"type": "array", "items": {"enum": ["a", "b", "c"]}, "uniqueItems": True}, [["a", "b"], ["c", "a", "b"], []],
+     [["a", "a"], ["a", "b", "a"], ["d"]]),
+    ({"type": "array", "prefixItems": [{"type": "boolean"}, {"type": "boolean"}], "uniqueItems": True},
+     [[False, True], [True, False], [True], [True, False, 1]], [[True, True], [False, False, 1]]),
+    ({"type": "array", "uniqueItems": True, "minItems": 2}, [[1, "a", True, None, {}, []], [0, False]],
+     [[1, 1], [{}, {}], [1]]),
+    ({"type": "array", "items": {"enum": [1, 2, 3, 4, 5, 6, 7, 8]}, "uniqueItems": True, "minItems": 2,
+      "maxItems": 3}, [[1, 2], [3, 5, 8]], [[2, 2], [1], [1, 2, 3, 4]]),
     ({"$defs": {"t": {"type": "object", "properties": {"v": INT, "kids": {"type": "array", "items": {"$ref": "#/$defs/t"}}},
                       "required": ["v"]}}, "$ref": "#/$defs/t"},
      [{"v": 1, "kids": [{"v": 2, "kids": [{"v": 3, "kids": [{"v": 4, "kids": [{"v": 5}]}]}]}]}], [{"kids": []}]),
@@ -107,6 +148,9 @@ CASES = [
      [{"b": 1}, {"x": 1}]),
     ({"type": "object", "propertyNames": {"enum": ["x", "y"]}, "additionalProperties": INT}, [{"x": 1}],
      [{"z": 1}, {"x": "s"}]),
+    ({"type": "object", "propertyNames": {"type": "string", "not": {"pattern": "^x"}}, "additionalProperties": INT},
+     [{"a": 1}, {}], [{"xa": 1}]),
+    ({"type": "object", "propertyNames": {"type": "integer"}}, [{}], [{"a": 1}]),
     # pattern and format with length bounds: the pattern's DFA intersected with the counted string's.
     ({"type": "string", "pattern": "^[a-z]+$", "minLength": 2, "maxLength": 4}, ["ab", "abcd"], ["a", "abcde", "AB"]),
     ({"type": "string", "format": "ipv4", "maxLength": 7}, ["1.2.3.4"], ["10.2.3.4"]),
@@ -166,8 +210,22 @@ CASES = [
     # oneOf whose branches may overlap: each branch excludes the others with `not` where it can.
     ({"type": "object", "oneOf": [{"required": ["a", "b"]}, {"required": ["a", "c"]}], "additionalProperties": INT},
      [{"a": 1, "b": 2}, {"a": 1, "c": 2}], [{"a": 1, "b": 2, "c": 3}, {"a": 1}]),
-    # (a branch whose exclusion `not` cannot express, here maxLength, is dropped: "xyzw" is not generated)
-    ({"oneOf": [{"type": "string", "maxLength": 3}, {"type": "string", "pattern": "^x"}]}, ["ab"], ["xy", "abcd"]),
+    ({"oneOf": [{"type": "string", "maxLength": 3}, {"type": "string", "pattern": "^x"}]}, ["ab", "xyzw"],
+     ["xy", "abcd"]),
+    # `not` as an anyOf of the ways to fail each keyword: lengths, properties with required, items,
+    # contains, a `not` (double negation).
+    ({"type": "string", "oneOf": [{"minLength": 2}, {"maxLength": 4}]}, ["a", "abcde"], ["ab", "abcd", 1]),
+    ({"oneOf": [{"properties": {"bar": INT}, "required": ["bar"]}, {"properties": {"foo": STR}, "required": ["foo"]}]},
+     [{"bar": 2}, {"foo": "baz"}], [{"foo": "baz", "bar": 2}, {"foo": 2, "bar": "quux"}]),
+    ({"not": {"not": INT}}, [1, -3], ["s", 1.5, None]),
+    ({"type": "array", "not": {"items": INT}}, [["a"], [1, 1.5]], [[], [1, 2]]),
+    ({"type": "array", "not": {"contains": INT}}, [[], ["a"]], [[1], ["a", 2]]),
+    ({"type": "object", "not": {"minProperties": 1}}, [{}], [{"a": 1}]),
+    # allOf parts with two patterns (their automata intersected) or two contains (items matching both:
+    # a sound subset); multipleOf past MAX_MODULUS: 0 alone (a sound subset).
+    ({"type": "string", "allOf": [{"pattern": "^a"}, {"pattern": "b$"}]}, ["ab", "axb"], ["a", "b", "ba"]),
+    ({"type": "array", "allOf": [{"contains": INT}, {"contains": {"minimum": 3}}]}, [[3], [1, 5]], [[1], ["a"], []]),
+    ({"type": "integer", "multipleOf": 0.123456789}, [0], [1, 0.5]),
     # oneOf branches told apart through a `not` of constants, or through the types of their own choices.
     ({"oneOf": [{"type": "object", "properties": {"p": {"const": "s"}, "q": STR}, "required": ["p"]},
                 {"type": "object", "properties": {"p": {"type": "string", "not": {"enum": ["s"]}}}, "required": ["p"]}]},
@@ -255,23 +313,46 @@ def test_pattern_classes_are_ecma_262_ascii(tiny_tokenizer):
 
 
 def test_oneof_that_may_overlap_is_refused_with_its_pointer(tiny_tokenizer):
-    schema = {"properties": {"p": {"oneOf": [{"type": "object"}, {"type": "object", "properties": {"a": INT}}]}}}
-    with pytest.raises(ValueError, match=re.escape("#/properties/p/oneOf: its branches may overlap")):
+    # `not` of a format has no positive form here: neither branch can exclude the other
+    schema = {"properties": {"p": {"oneOf": [{"type": "string"}, {"type": "string", "format": "email"}]}}}
+    with pytest.raises(ValueError, match=re.escape("#/properties/p/oneOf: ") + ".*its branches may overlap"):
         build_constraint("json_schema", schema, tiny_tokenizer)
 
 
 @pytest.mark.parametrize("schema, where", [
-    ({"items": {"not": {"minLength": 3}}}, "#/items/not"),
+    ({"items": {"not": {"format": "email"}}}, "#/items/not: 'not' of format is not supported"),
     ({"$defs": {"a": {"$dynamicRef": "#x"}}, "$ref": "#/$defs/a"}, "#/$defs/a/$dynamicRef"),
     ({"$id": "http://e.com/r", "$defs": {  # two resources with the anchor, neither the root: path-dependent
         "a": {"$id": "a", "$dynamicAnchor": "t", "type": "integer"},
         "b": {"$id": "b", "$dynamicAnchor": "t", "items": {"$dynamicRef": "a#t"}}}, "$ref": "b"},
      "http://e.com/b/items/$dynamicRef"),
-    ({"properties": {"a/b": {"type": "number", "multipleOf": 0.123456789}}}, "#/properties/a~1b/multipleOf"),
+    ({"properties": {"a/b": {"type": "string", "pattern": "x", "minLength": 100}}}, "#/properties/a~1b/pattern"),
 ])
 def test_refusals_name_keyword_and_json_pointer(schema, where, tiny_tokenizer):
     with pytest.raises(ValueError, match=re.escape(where)):
         build_constraint("json_schema", schema, tiny_tokenizer)
+
+
+def test_refs_to_registered_documents_resolve(tmp_path, tiny_tokenizer):
+    from radixlm.core.constrained.schema_refs import register_documents
+
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "int.json").write_text(json.dumps({"$id": "http://example.com/int.json", "type": "integer"}))
+    # no $id: known by its path under the base URI; its relative ref resolves against that location
+    (tmp_path / "sub" / "pair.json").write_text(json.dumps({"type": "array", "prefixItems": [{"$ref": "str.json"}],
+                                                            "items": False}))
+    (tmp_path / "sub" / "str.json").write_text(json.dumps({"type": "string", "maxLength": 2}))
+    schema = {"properties": {"a": {"$ref": "http://example.com/int.json"},
+                             "b": {"$ref": "http://remote.test/sub/pair.json"}}, "required": ["a", "b"]}
+    with pytest.raises(ValueError, match=re.escape("#/properties/a/$ref") + ".*does not resolve"):
+        build_constraint("json_schema", schema, tiny_tokenizer)
+    assert register_documents(tmp_path, "http://remote.test/") == 4  # int.json under its $id and its path
+    c = build_constraint("json_schema", schema, tiny_tokenizer)
+    assert _accepts(c, '{"a":1,"b":["xy"]}')
+    assert not _accepts(c, '{"a":1,"b":["xyz"]}') and not _accepts(c, '{"a":"1","b":["x"]}')
+    (tmp_path / "bad.json").write_text("{")
+    with pytest.raises(ValueError, match="bad.json"):
+        register_documents(tmp_path)
 
 
 def test_allof_of_three_different_constants_admits_no_value(tiny_tokenizer):

@@ -4,7 +4,9 @@ A `$ref` is a URI reference resolved against the base URI of the schema it sits 
 above it (draft 4's `id`), else the document's. Targets are JSON pointers (`#/$defs/a`), anchors
 (`#name`: `$anchor`, or draft 6/7's `$id: "#name"`), or whole resources named by their `$id` anywhere in
 the document (an embedded or bundled schema: `"$defs": {"b": {"$id": "http://example.com/b.json", ...}}`),
-including URNs. Nothing is fetched: a URI that no `$id` of the document names does not resolve.
+including URNs. Nothing is fetched: a URI that no `$id` of the document names does not resolve, unless
+it names a document registered beforehand (register_documents: a directory of schemas, each under its
+`$id`, and optionally under a base URI + its path; the engine option json_schema_documents).
 
 The converter resolves refs in many places (rules, allOf merges, oneOf checks) where the base URI of
 the schema at hand is no longer known, so the document is copied once with every `$ref` made absolute;
@@ -21,8 +23,10 @@ left for the converter to refuse with their pointer.
 from __future__ import annotations
 
 import copy
+import json
+from pathlib import Path
 from typing import Any
-from urllib.parse import urldefrag, urljoin
+from urllib.parse import urldefrag, urljoin, urlsplit
 
 import referencing.jsonschema as rj
 from referencing import Registry
@@ -64,8 +68,40 @@ def _absolutize(node: Any, spec: rj.Specification, base: str, dynamic: list, anc
         _absolutize(sub, spec, base, dynamic, anchors)
 
 
+# Documents any schema's refs may name (register_documents), with their refs made absolute, crawled once.
+_registered = Registry()
+
+
+def register_documents(directory: str | Path, base_uri: str | None = None) -> int:
+    """Makes the JSON schemas under `directory` (*.json, recursively) resolvable by `$ref` from every
+    schema converted after this in the process: each under its `$id` where it has an absolute one, and,
+    with `base_uri`, under base_uri + its path relative to the directory (the layout a schema server
+    gives them). Returns how many documents were registered; ValueError for a file that is not JSON."""
+    global _registered
+    root = Path(directory)
+    if not root.is_dir():
+        raise ValueError(f"schema documents: {str(root)!r} is not a directory")
+    found = {}
+    for path in sorted(root.rglob("*.json")):
+        try:
+            doc = json.loads(path.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ValueError(f"schema documents: {path}: {e}") from None
+        spec = _specification(doc, rj.DRAFT202012)
+        own = spec.id_of(doc) if isinstance(doc, dict) else None
+        uris = [u for u in (own if isinstance(own, str) and urlsplit(own).scheme else None,
+                            base_uri and urljoin(base_uri, path.relative_to(root).as_posix())) if u]
+        for uri in uris:
+            doc_copy = copy.deepcopy(doc)
+            _absolutize(doc_copy, spec, uri, [], set())
+            found[urldefrag(uri)[0]] = spec.create_resource(doc_copy)
+    _registered = _registered.with_resources(found.items()).crawl()
+    return len(found)
+
+
 class SchemaRefs:
-    """A schema document with its refs made absolute, and the registry of its resources."""
+    """A schema document with its refs made absolute, and the registry of its resources (and of the
+    registered documents)."""
 
     def __init__(self, schema: Any) -> None:
         self.root = copy.deepcopy(schema)
@@ -74,7 +110,7 @@ class SchemaRefs:
         anchors: set[tuple[str, str]] = set()
         _absolutize(self.root, spec, "", dynamic, anchors)
         resource = spec.create_resource(self.root)
-        self._resolver = Registry().with_resource(resource.id() or "", resource).crawl().resolver()
+        self._resolver = _registered.with_resource(resource.id() or "", resource).crawl().resolver()
         root = self._root = urldefrag(resource.id() or "")[0]
         for node in dynamic:
             self._static_dynamic_ref(node, root, anchors)
@@ -105,5 +141,6 @@ class SchemaRefs:
         try:
             return self._resolver.lookup(ref).contents
         except Unresolvable:
-            raise ValueError(f"$ref {ref!r} does not resolve (refs are resolved within the document: "
-                             f"bundle other schemas into it under an $id)") from None
+            raise ValueError(f"$ref {ref!r} does not resolve (refs are resolved within the document and the "
+                             f"registered documents: bundle other schemas into it under an $id, or register "
+                             f"them: the engine option json_schema_documents)") from None

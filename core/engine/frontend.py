@@ -100,6 +100,10 @@ class FrontEnd:
         self.context_len = context_len
         self.eos_token_ids = eos_token_ids
         self.scheduler = scheduler  # a LocalScheduler or SchedulerProcess (core.engine.scheduler_client)
+        if opts.json_schema_documents:  # refs request schemas may name (a bad directory fails the start)
+            from radixlm.core.constrained.schema_refs import register_documents  # imports `referencing`
+
+            register_documents(opts.json_schema_documents)
         # A prompt longer than this many UTF-8 bytes has more tokens than the context holds whatever
         # they are: refused before it is tokenized.
         self.max_prompt_bytes = context_len * _longest_token_bytes(tokenizer)

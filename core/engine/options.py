@@ -110,6 +110,9 @@ class EngineOptions:
     grammar_max_compile_seconds: float = option(
         2.0, "compile-time budget of one constraint (schema conversion and grammar compilation); past it "
         "the request gets 400")
+    json_schema_documents: str | None = option(
+        None, "a directory of JSON schemas that request schemas may `$ref` by URI: each *.json file (recursively) "
+        "registered under its `$id` (docs/constrained.md); None: refs resolve within the request's schema only")
     grammar_max_configs: int = option(
         200_000, "parser configurations (about 1.2 KB each) a schema's shared tables hold before new "
         "requests get fresh ones")

@@ -78,6 +78,10 @@ class Scheduler:
         self._published_at = 0.0
         self._budget = GrammarBudget(max_compile_seconds=opts.grammar_max_compile_seconds,
                                      max_configs=opts.grammar_max_configs)
+        if opts.json_schema_documents:  # in this process too (the loop may run in its own)
+            from radixlm.core.constrained.schema_refs import register_documents  # imports `referencing`
+
+            register_documents(opts.json_schema_documents)
         # Read by other threads without waiting for the loop: when it last got anything done, and the
         # statistics as of then (replaced whole, never mutated).
         self.last_progress = time.monotonic()
