@@ -373,3 +373,12 @@ def test_option_values_of_the_wrong_type_are_refused(name, value, message):
     opts = EngineOptions.from_kwargs({"device": "cpu", "mem_fraction_static": 0.5, "hicache_size_gb": 1,
                                       "max_total_tokens": None})
     assert opts.hicache_size_gb == 1.0 and isinstance(opts.hicache_size_gb, float)
+
+
+def test_overlap_is_on_by_default_for_one_cuda_device_only():
+    resolved = {kw.get("device"): EngineOptions.from_kwargs(kw).enable_overlap_schedule
+                for kw in ({"device": "cpu"}, {"device": "cuda"})}
+    assert resolved == {"cpu": False, "cuda": True}
+    assert not EngineOptions.from_kwargs({"device": "cuda", "tp_size": 2}).enable_overlap_schedule
+    assert not EngineOptions.from_kwargs({"device": "cuda", "dp_size": 2}).enable_overlap_schedule
+    assert EngineOptions.from_kwargs({"device": "cpu", "enable_overlap_schedule": True}).enable_overlap_schedule

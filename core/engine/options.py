@@ -99,10 +99,11 @@ class EngineOptions:
                                        "from the device) or write_through (as soon as it is cached)",
                                        choices=("write_back", "write_through"))
     disable_jump_forward: bool = option(False, "do not jump over text a constraint forces")
-    enable_overlap_schedule: bool = option(
-        False, "overlap scheduling: launch the next decode step (its input the sampled tokens, still on the "
+    enable_overlap_schedule: bool | None = option(
+        None, "overlap scheduling: launch the next decode step (its input the sampled tokens, still on the "
         "device) before applying the current one's results on the host, so host work hides under the GPU "
-        "(docs/engine.md); off by default until measured")
+        "(docs/engine.md); default: on for one CUDA device (tp_size and dp_size 1), off otherwise (a CPU "
+        "device is synchronous: nothing to hide)")
     grammar_backend: str = option(
         "radixlm", "constrained decoding backend (regex, JSON schema, choices): radixlm (its grammar engine), "
         "llguidance (the optional llguidance package)",
@@ -188,6 +189,8 @@ class EngineOptions:
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
         if self.dtype == "auto":
             self.dtype = "bfloat16" if self.device.startswith("cuda") else "float32"
+        if self.enable_overlap_schedule is None:
+            self.enable_overlap_schedule = self.device.startswith("cuda") and self.tp_size == self.dp_size == 1
         if self.max_running_requests is None:
             self.max_running_requests = 512 if self.device.startswith("cuda") else 64
         for name in ("max_running_requests", "schedule_fairness_bound", "tp_size", "dp_size", "stream_interval",
