@@ -144,6 +144,35 @@ def test_fake_runner_constrained_jumps_equal_with_late_sampled_chained_steps(mon
     assert chained_steps(sched) == 0 and finals[0].output_ids == got[False][0][0]
 
 
+@pytest.mark.parametrize("caller", ["_apply_then_sample", "step"])
+def test_a_failure_applying_a_late_sampled_step_leaks_no_kv(monkeypatch, caller):
+    """The step fails while a pending step applies: in late sampling (the chained slots set aside), or
+    before a prefill step with riding decodes (its continuations already given KV): the requests in
+    flight are aborted with a 500 and every KV slot comes back."""
+    import sys
+
+    from radixlm.core.engine.scheduler import loop as scheduler_loop
+    from radixlm.core.engine.scheduler.execute import Executor
+    from radixlm.core.engine.messages import ConstraintSpec
+
+    monkeypatch.setattr(scheduler_loop, "build_constraint", lambda *a, **kw: JumpEveryThird())
+    calls, resolve = [0], Executor.resolve
+
+    def failing(self, pending):
+        if sys._getframe(1).f_code.co_name == caller:
+            calls[0] += 1
+            if calls[0] == 3:
+                raise RuntimeError("boom: the device failed")
+        return resolve(self, pending)
+
+    monkeypatch.setattr(Executor, "resolve", failing)
+    prompts = prompts_with_shared_prefixes(4)
+    params = [{"max_new_tokens": 40, "ignore_eos": True, "constraint": ConstraintSpec("regex", "stub")}] * 4
+    sched, finals = run_scheduler(256, prompts, params, enable_overlap_schedule=True)
+    assert calls[0] >= 3 and all(out.finish.type == "abort" for out in finals)
+    assert sched.flush_cache() and sched.get_stats()["kv_slots_free"] == 256
+
+
 def test_bench_scheduler_with_overlap_computes_one_dropped_step():
     """benchmarks/bench_scheduler.py --overlap at a tiny size: one prefill step, one decode step per further
     token, and one more whose tokens are dropped (launched before the last token's finish is known)."""

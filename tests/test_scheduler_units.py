@@ -655,6 +655,28 @@ def test_loop_answers_every_request_when_a_step_fails_and_one_cannot_be_finished
     assert all(f.finish.type == "abort" and f.finish.status_code == 500 for f in finals.values())
     assert not sched.queues.live and not sched.queues.busy()
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["overlap_off", "overlap_on"])
+def test_a_failed_prefill_step_answers_its_requests_and_frees_their_kv(monkeypatch, overlap):
+    """The model fails in a prefill step that admits requests while others decode: the requests it was
+    admitting (out of the waiting queue, not yet running) are aborted with the rest, and no KV leaks."""
+    forward, failed = FakeRunner.forward, []
+
+    def failing(self, batch):
+        if not batch.is_decode and self.steps and not failed:
+            failed.append(len(batch.rows))
+            raise RuntimeError("injected forward failure")
+        return forward(self, batch)
+
+    monkeypatch.setattr(FakeRunner, "forward", failing)
+    prompts = prompts_with_shared_prefixes(6)
+    params = [{"max_new_tokens": 30, "ignore_eos": True}] * 6
+    sched, finals = run_scheduler(256, prompts, params, max_running_requests=2, enable_overlap_schedule=overlap)
+    aborted = [out for out in finals if out.finish.type == "abort"]
+    assert failed and len(aborted) >= failed[0] and all(out.finish.status_code == 500 for out in aborted)
+    assert all(out.output_ids == oracle(p, 30, ignore_eos=True) for out, p in zip(finals, prompts) if out not in aborted)
+    assert sched.flush_cache() and sched.get_stats()["kv_slots_free"] == 256
+
+
 def load_bench_scheduler():
     path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_scheduler.py"
     spec = importlib.util.spec_from_file_location("bench_scheduler", path)

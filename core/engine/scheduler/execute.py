@@ -153,7 +153,15 @@ class Executor:
         others (finished, or waiting to compute jumped text) give it up."""
         reqs = pending.reqs
         chained = [r.slots.pop() for r in reqs]
-        self.resolve(pending)
+        try:
+            self.resolve(pending)
+        except BaseException:  # the step fails: discard_unapplied frees what running requests hold beyond their tokens
+            for req, slot in zip(reqs, chained):
+                if req.finished:
+                    self.memory.allocator.free([slot])
+                else:
+                    req.slots.append(slot)
+            raise
         running = {id(r) for r in self.queues.running}
         keep = []
         for i, (req, slot) in enumerate(zip(reqs, chained)):

@@ -176,6 +176,7 @@ class Scheduler:
                     pending = None
                 extends += self.planner.ride_along(queues.running)
             self.executor.run_extend(extends, pending)
+            queues.admitting = []
         elif pending is not None:
             self.pending = self.executor.chain_decode(pending)
         elif queues.running:

@@ -27,6 +27,9 @@ class RequestQueues:
         self.waiting: list[Req] = []
         self.running: list[Req] = []
         self.chunked: Req | None = None  # a request midway through a chunked prefill
+        # The requests the current prefill step took from `waiting` (KV allocated, not yet running): in
+        # flight, so that a step that fails before they run still answers them and frees their KV.
+        self.admitting: list[Req] = []
         self.live: dict[str, Req] = {}  # rid -> request not finished: aborts find theirs in O(1)
         self._waiting_has_finished = False  # finished requests left in `waiting`, dropped in one pass
         self.outbox: Any = queue.Queue()  # where outputs go (core.engine.messages.GenerateOutput)
@@ -36,7 +39,7 @@ class RequestQueues:
 
     def in_flight(self) -> list[Req]:
         """Every request not finished, including any finished-but-not-yet-swept waiting ones."""
-        return [*self.waiting, *self.running, *([self.chunked] if self.chunked else [])]
+        return [*self.waiting, *self.running, *([self.chunked] if self.chunked else []), *self.admitting]
 
     def holding_kv(self) -> list[Req]:
         """The requests that own KV slots: running, chunked, and waiting ones with jumped tokens to compute."""
@@ -63,6 +66,7 @@ class RequestQueues:
             req.passed_over += 1
         ids = {id(r) for r in taken}
         self.waiting = [r for r in self.waiting if id(r) not in ids]
+        self.admitting = taken
 
     def requeue(self, req: Req, retracted: bool) -> None:
         """A running request waits again, first in line: retracted (its KV released), or keeping its KV
