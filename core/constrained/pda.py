@@ -350,8 +350,9 @@ class GrammarIndex:
                 # Rows of the configurations the walk goes on from: not those at nodes no token continues
                 # (the configuration after a token's last byte is often met nowhere else).
                 need = cur[(ptr[nodes + 1] > ptr[nodes]) & ~self._built[cur]]
-                for c in np.unique(need).tolist():
-                    self._row(c)
+                if len(need):  # mostly empty: the rows are there from earlier levels or masks
+                    for c in np.unique(need).tolist():
+                        self._row(c)
                 if dense:
                     at_parent = np.full(len(ptr) - 1, -1, dtype=np.int64)
                     at_parent[nodes] = cur
