@@ -25,6 +25,7 @@ This object offers the interface FSMConstraint (fsm.py) drives, so both engines 
 from __future__ import annotations
 
 import threading
+from collections import OrderedDict
 
 import numpy as np
 import torch
@@ -53,7 +54,7 @@ class GrammarIndex:
         self.eos_ids = np.asarray(vocab.eos_ids, dtype=np.int64)
         self._eos_set = frozenset(vocab.eos_ids)
         self._trans, self._acc = terminal_tables(grammar)
-        self._finals: dict[tuple[int, int], bool] = {}  # (terminal, accepting state): no byte goes on
+        self._closed_items: dict[tuple[int, int, int], frozenset] = {}  # see _closed
         self._rule_edges = [r.edges for r in grammar.rules]
         self._rule_acc = [r.accepting for r in grammar.rules]
         self._conts: dict[tuple[int, int, int], int] = {}
@@ -164,14 +165,28 @@ class GrammarIndex:
         key = tuple((t, q) for t, q, _ in items)
         found = self._moves.get(key)
         if found is None:
-            nxt = np.stack([self._trans[t][q] for t, q in key])  # [items, 256]
-            # Bytes no token contains can never be written.
-            live = np.flatnonzero((nxt >= 0).any(axis=0) & self._spellable).astype(np.uint8)
-            # Bytes with equal item moves (most of them, inside a string) share the target.
-            moves, inverse = _unique_columns(nxt[:, live], self._radix(items))
+            # Terminals are named by what they match, so schemas share their tables (JSON strings and
+            # numbers recur): look in the process-wide cache before computing.
+            names = self.grammar.terminal_names
+            shared = (tuple((names[t], q) for t, q in key), self.vocab.fingerprint)
+            with _shared_lock:
+                found = _shared_moves.get(shared)
+                if found is not None:
+                    _shared_moves.move_to_end(shared)
+            if found is None:
+                nxt = np.stack([self._trans[t][q] for t, q in key])  # [items, 256]
+                # Bytes no token contains can never be written.
+                live = np.flatnonzero((nxt >= 0).any(axis=0) & self._spellable).astype(np.uint8)
+                # Bytes with equal item moves (most of them, inside a string) share the target.
+                moves, inverse = _unique_columns(nxt[:, live], self._radix(items))
+                found = (live, moves.T.tolist(), inverse.astype(np.int16))
+                with _shared_lock:
+                    _shared_moves[shared] = found
+                    if len(_shared_moves) > SHARED_MOVES:
+                        _shared_moves.popitem(last=False)
             if len(self._moves) >= MOVES_CACHE_SIZE:
                 self._moves.clear()
-            found = self._moves[key] = (live, moves.T.tolist(), inverse.astype(np.int16))
+            self._moves[key] = found
         return found
 
     def _radix(self, items: tuple) -> np.ndarray | None:
@@ -184,18 +199,24 @@ class GrammarIndex:
 
     def _close(self, items: list) -> frozenset:
         """The items plus what follows those whose terminal may end; an item at the end of its terminal
-        (accepting, no byte goes on) is left out: it can read nothing more."""
-        out = set()
-        for t, q, k in items:
-            if self._acc[t][q]:
-                out |= self._follow(k)
-                final = self._finals.get((t, q))
-                if final is None:
-                    final = self._finals[t, q] = not (self._trans[t][q] >= 0).any()
-                if final:
-                    continue
-            out.add((t, q, k))
-        return frozenset(out)
+        (accepting, no byte goes on) is left out: it can read nothing more. Item by item (each one's
+        closure kept), so the common move of one item costs a lookup and no new set."""
+        if len(items) == 1:
+            return self._closed(items[0])
+        return frozenset().union(*map(self._closed, items))
+
+    def _closed(self, item: tuple[int, int, int]) -> frozenset:
+        found = self._closed_items.get(item)
+        if found is None:
+            t, q, k = item
+            if not self._acc[t][q]:
+                found = frozenset((item,))
+            elif (self._trans[t][q] >= 0).any():
+                found = self._follow(k) | {item}
+            else:
+                found = self._follow(k)
+            self._closed_items[item] = found
+        return found
 
     # ---- the interface FSMConstraint drives ------------------------------------------------------
 
@@ -329,8 +350,9 @@ class GrammarIndex:
                 # Rows of the configurations the walk goes on from: not those at nodes no token continues
                 # (the configuration after a token's last byte is often met nowhere else).
                 need = cur[(ptr[nodes + 1] > ptr[nodes]) & ~self._built[cur]]
-                for c in np.unique(need).tolist():
-                    self._row(c)
+                if len(need):  # mostly empty: the rows are there from earlier levels or masks
+                    for c in np.unique(need).tolist():
+                        self._row(c)
                 if dense:
                     at_parent = np.full(len(ptr) - 1, -1, dtype=np.int64)
                     at_parent[nodes] = cur
@@ -355,6 +377,12 @@ class GrammarIndex:
                     _, idx = expand_ranges(eptr[nodes], eptr[nodes + 1] - eptr[nodes])
                     out[trie.end_tokens[d][idx]] = True
         return out
+
+
+# Item move tables by (terminal names and states, vocabulary), shared by every index of the process.
+_shared_moves: OrderedDict[tuple, tuple[np.ndarray, list[list[int]], np.ndarray]] = OrderedDict()
+_shared_lock = threading.Lock()
+SHARED_MOVES = 20_000  # entries (~1 KB each)
 
 
 def _unique_columns(moves: np.ndarray, radix: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
