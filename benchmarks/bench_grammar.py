@@ -211,6 +211,7 @@ class Engine:
             grammar_index_cache._cache.clear()
             if self.cold:  # nor any terminal (JSON strings, numbers, ...) or its token classes
                 grammar_compiler.terminal_dfa.cache_clear()
+                grammar_compiler._derived.clear()
                 counted_string.counted_string_dfa.cache_clear()
                 terminal_tokens._cache.clear()
         return build_constraint("json_schema", schema, self.tokenizer, backend=self.name)

@@ -416,6 +416,25 @@ def test_automaton_products_check_the_compile_deadline():
         dfa_intersection(counted_string_dfa(0, 64), regex_to_dfa(r'"[a-z0-9_]+"'), check=deadline)
 
 
+def test_automaton_products_match_python_re():
+    """Intersection and difference (one product each) against re.fullmatch of both patterns, on every
+    string of up to 5 characters over the alphabet the patterns use."""
+    import itertools
+
+    from radixlm.core.constrained.regex_dfa import dfa_difference, dfa_intersection, regex_to_dfa
+
+    pairs = [("a[ab]*", "[ab]*b"), ("(ab|ba)+", "a.*"), ("a{2,4}", "a{3}"), ("[abc]{1,3}", "c?"), ("ab", "ba")]
+    for p, q in pairs:
+        a, b = regex_to_dfa(p), regex_to_dfa(q)
+        both, only = dfa_intersection(a, b), dfa_difference(a, b)
+        for n in range(6):
+            for chars in itertools.product("abc", repeat=n):
+                text = "".join(chars)
+                in_p, in_q = re.fullmatch(p, text) is not None, re.fullmatch(q, text) is not None
+                assert (both is not None and both.fullmatch(text)) == (in_p and in_q), (p, q, text)
+                assert (only is not None and only.fullmatch(text)) == (in_p and not in_q), (p, q, text)
+
+
 def test_left_recursion_is_refused():
     g = Grammar({"e": alt(seq(Ref("e"), lit("+"), lit("1")), lit("1"))}, "e")
     with pytest.raises(ValueError, match="left recursion"):

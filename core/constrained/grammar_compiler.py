@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import functools
 import time
+from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -77,6 +79,24 @@ def terminal_dfa(regex: str, max_states: int) -> ByteDFA | None:
         if "matches no string" in str(e):
             return None
         raise
+
+
+DERIVED_CACHE_SIZE = 256  # derived terminal DFAs kept per process (a large one is ~1 MB)
+_derived: OrderedDict[tuple[str, int], ByteDFA | None] = OrderedDict()
+
+
+def derived_dfa(key: str, max_states: int, build: Callable[[], ByteDFA | None]) -> ByteDFA | None:
+    """The DFA of the terminal named `key` that `build` makes from others (products, differences: key
+    terminals, patterns with lengths, strings a `not` excludes), cached by that name, which says all it
+    depends on (terminals with equal keys are one terminal): a schema meets the same one at every use of
+    an object or string schema, and schemas share them. Failures (budgets) are not cached."""
+    found = _derived.get((key, max_states), _derived)
+    if found is _derived:
+        found = build()
+        _derived[(key, max_states)] = found
+        if len(_derived) > DERIVED_CACHE_SIZE:
+            _derived.popitem(last=False)
+    return found
 
 
 def compile_grammar(grammar: Grammar, budget: GrammarBudget = DEFAULT_BUDGET,

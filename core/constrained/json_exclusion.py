@@ -203,11 +203,11 @@ class ExclusionRules:
     def _attempt(self, schema: Any, ptr: str) -> Expr | SchemaError:
         """value(schema), or the SchemaError it raised, with the rules as they were before (a refused
         conversion may leave rules half made)."""
-        rules, ref_rules = dict(self.rules), dict(self.ref_rules)
+        rules, ref_rules, converted = dict(self.rules), dict(self.ref_rules), dict(self.converted)
         try:
             return self.value(schema, ptr)
         except SchemaError as e:
-            self.rules, self.ref_rules = rules, ref_rules
+            self.rules, self.ref_rules, self.converted = rules, ref_rules, converted
             return e
 
 

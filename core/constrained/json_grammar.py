@@ -115,6 +115,7 @@ class _Converter(ExclusionRules, ConditionalRules, AllOfRules, StringRules, Numb
         self.ref_rules: dict[str, str] = {}
         self.ws_term = Terminal(regex=f"(?:{ws})") if ws else None
         self.negations = 0  # `not`s being converted inside one another (value())
+        self.converted: dict[tuple[int, int], tuple[Any, Expr]] = {}  # value()'s, by (not depth, id)
         self.formats_asserted = _asserts_formats(refs.root)
 
     # ---- helpers -------------------------------------------------------------------------------------
@@ -132,14 +133,21 @@ class _Converter(ExclusionRules, ConditionalRules, AllOfRules, StringRules, Numb
 
     # ---- the conversion ----------------------------------------------------------------------------
     def value(self, schema: Any, ptr: str) -> Expr:
+        """The grammar of the values `schema` allows; `ptr` names where it sits (rule names, refusals). A
+        schema object converted before (the same object, at the same `not` depth) gives its grammar again:
+        merges, oneOf exclusions and `$ref`s with siblings meet the same subschemas again and again."""
         self.deadline.check()
+        memo = (self.negations, id(schema))
+        found = self.converted.get(memo)
+        if found is not None and found[0] is schema:
+            return found[1]
         if isinstance(schema, dict) and "$ref" in schema:
             ref = schema["$ref"]
             if not isinstance(ref, str):
                 raise SchemaError(f"{ptr}/$ref: must be a string")
             rest = {k: v for k, v in schema.items() if k != "$ref" and k not in _IGNORED}
             if rest:  # sibling keywords: merged with the target (which is inlined for the merge)
-                return self.value(_with_parts(rest, self._target(ref, ptr)), ptr)
+                return self._remember(memo, schema, self.value(_with_parts(rest, self._target(ref, ptr)), ptr))
             name = self.ref_rules.get(ref)
             if name is None:
                 name = self.ref_rules[ref] = f"ref:{ref}"
@@ -156,9 +164,10 @@ class _Converter(ExclusionRules, ConditionalRules, AllOfRules, StringRules, Numb
             if key in _REFUSED:
                 raise SchemaError(f"{ptr}/{key}: {_REFUSED[key]} is not supported")
         if any(k in schema for k in _DEPENDENT):
-            return self.value(self._dependents(schema, ptr), ptr)
+            return self._remember(memo, schema, self.value(self._dependents(schema, ptr), ptr))
         if "if" in schema and ("then" in schema or "else" in schema):
-            return self._conditional(schema, ptr)
+            return self._remember(memo, schema, self._conditional(schema, ptr))
+        original = schema
         schema = {k: v for k, v in schema.items() if k not in ("then", "else")}
         if "if" in schema:  # alone it constrains nothing, but what it evaluates when it holds counts
             rest = {k: v for k, v in schema.items() if k != "if"}
@@ -180,7 +189,7 @@ class _Converter(ExclusionRules, ConditionalRules, AllOfRules, StringRules, Numb
                 merged = self._merge(schema["allOf"] + [{k: v for k, v in schema.items() if k != "allOf"}], ())
             except ValueError as e:
                 raise SchemaError(f"{ptr}/allOf: {e}") from None
-            return self.value(merged, ptr)
+            return self._remember(memo, original, self.value(merged, ptr))
         if "anyOf" in schema or "oneOf" in schema:
             key = "anyOf" if "anyOf" in schema else "oneOf"
             if "anyOf" in schema and "oneOf" in schema:
@@ -191,8 +200,9 @@ class _Converter(ExclusionRules, ConditionalRules, AllOfRules, StringRules, Numb
             rest = {k: v for k, v in schema.items() if k != key and k not in _IGNORED}
             subs = [_with_parts(rest, b) if rest else b for b in branches]
             if key == "oneOf":
-                return alt(*self._exclusive(subs, branches, f"{ptr}/oneOf"))
-            return alt(*(self.value(s, f"{ptr}/{key}/{i}") for i, s in enumerate(subs)))
+                return self._remember(memo, original, alt(*self._exclusive(subs, branches, f"{ptr}/oneOf")))
+            expr = alt(*(self.value(s, f"{ptr}/{key}/{i}") for i, s in enumerate(subs)))
+            return self._remember(memo, original, expr)
         if schema.get("nullable") is True:
             return alt(self.value({k: v for k, v in schema.items() if k != "nullable"}, ptr), NULL)
         if "const" in schema:
@@ -218,7 +228,12 @@ class _Converter(ExclusionRules, ConditionalRules, AllOfRules, StringRules, Numb
             if t not in handlers:
                 raise SchemaError(f"{ptr}/type: unknown JSON schema type {t!r}")
             out.append(handlers[t](schema, ptr))
-        return alt(*out) if out else NOTHING
+        return self._remember(memo, original, alt(*out) if out else NOTHING)
+
+    def _remember(self, memo: tuple[int, int], schema: Any, expr: Expr) -> Expr:
+        """Keeps value()'s result for `schema` (which the entry holds, so that its id stays its own)."""
+        self.converted[memo] = (schema, expr)
+        return expr
 
     def _target(self, ref: str, ptr: str) -> Any:
         try:

@@ -10,7 +10,7 @@ from typing import Any
 from radixlm.core.constrained import json_schema as js
 from radixlm.core.constrained.counted_string import counted_string_dfa
 from radixlm.core.constrained.grammar import EMPTY, Expr, Ref, Terminal, alt, lit, seq
-from radixlm.core.constrained.grammar_compiler import terminal_dfa
+from radixlm.core.constrained.grammar_compiler import derived_dfa, terminal_dfa
 from radixlm.core.constrained.json_common import NOTHING, _IGNORED, SchemaError, _counts, _escape, _pattern_matches
 from radixlm.core.constrained.json_strings import MAX_PRODUCT_LENGTH, ecma_string_pattern
 from radixlm.core.constrained.regex_dfa import ByteDFA, dfa_difference, dfa_intersection, literals_dfa
@@ -149,11 +149,16 @@ class ObjectRules:
         if lo > MAX_PRODUCT_LENGTH:
             raise SchemaError(f"{ptr}/propertyNames/minLength: over {MAX_PRODUCT_LENGTH} is not supported")
         hi = None if hi is None and lo == 0 else min(MAX_PRODUCT_LENGTH if hi is None else hi, MAX_PRODUCT_LENGTH)
-        dfa = self._names_matching(rule, counted_string_dfa(lo, hi), ptr)
-        if dfa is not None and "not" in rule:  # less the names its `not` matches
-            excluded = self._names_matching(rule["not"], counted_string_dfa(0, None), f"{ptr}/not")
-            if excluded is not None:
-                dfa = dfa_difference(dfa, excluded, self.budget.max_terminal_states, self.deadline.check)
+
+        def build() -> ByteDFA | None:
+            dfa = self._names_matching(rule, counted_string_dfa(lo, hi), ptr)
+            if dfa is not None and "not" in rule:  # less the names its `not` matches
+                excluded = self._names_matching(rule["not"], counted_string_dfa(0, None), f"{ptr}/not")
+                if excluded is not None:
+                    dfa = dfa_difference(dfa, excluded, self.budget.max_terminal_states, self.deadline.check)
+            return dfa
+
+        dfa = derived_dfa(f"propertyNames:{label}", self.budget.max_terminal_states, build)
         return (dfa if dfa is not None else False), label
 
     def _names_matching(self, rule: dict, dfa: ByteDFA | None, ptr: str) -> ByteDFA | None:
@@ -183,25 +188,29 @@ class ObjectRules:
             return None
         budget = self.budget.max_terminal_states
         regexes = [regex] if isinstance(regex, str) else regex
-        dfa = terminal_dfa(regexes[0], budget)
-        for other in regexes[1:]:
-            if dfa is not None:
-                both = terminal_dfa(other, budget)
-                dfa = dfa_intersection(dfa, both, budget, self.deadline.check) if both is not None else None
-        if dfa is not None and allowed is not None:
-            dfa = dfa_intersection(dfa, allowed[0], budget, self.deadline.check)
-        if dfa is not None and names:
-            dfa = dfa_difference(dfa, literals_dfa([n.encode() for n in names]), budget, self.deadline.check)
-        for pattern in patterns:
-            if dfa is not None:
-                other = terminal_dfa(pattern, budget)
-                dfa = dfa_difference(dfa, other, budget, self.deadline.check) if other is not None else dfa
-        if dfa is None:
-            return None
+
+        def build() -> ByteDFA | None:
+            dfa = terminal_dfa(regexes[0], budget)
+            for other in regexes[1:]:
+                if dfa is not None:
+                    both = terminal_dfa(other, budget)
+                    dfa = dfa_intersection(dfa, both, budget, self.deadline.check) if both is not None else None
+            if dfa is not None and allowed is not None:
+                dfa = dfa_intersection(dfa, allowed[0], budget, self.deadline.check)
+            if dfa is not None and names:
+                dfa = dfa_difference(dfa, literals_dfa([n.encode() for n in names]), budget, self.deadline.check)
+            for pattern in patterns:
+                if dfa is not None:
+                    other = terminal_dfa(pattern, budget)
+                    dfa = dfa_difference(dfa, other, budget, self.deadline.check) if other is not None else dfa
+            return dfa
+
         excluded = names + patterns
         if allowed is not None:  # terminals are shared by key: name the filter too
             excluded.append(f"propertyNames:{allowed[1]}")
-        return Terminal(key="key:" + "\0and:".join(regexes) + "\0" + "\0".join(excluded), dfa=dfa)
+        key = "key:" + "\0and:".join(regexes) + "\0" + "\0".join(excluded)
+        dfa = derived_dfa(key, budget, build)
+        return None if dfa is None else Terminal(key=key, dfa=dfa)
 
 
 def _name_rule(rule: Any, ptr: str) -> dict | bool:

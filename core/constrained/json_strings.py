@@ -8,9 +8,9 @@ from typing import Any
 from radixlm.core.constrained import json_schema as js
 from radixlm.core.constrained.counted_string import counted_states, counted_string_dfa
 from radixlm.core.constrained.grammar import Expr, Repeat, Terminal, lit, seq
-from radixlm.core.constrained.grammar_compiler import terminal_dfa
+from radixlm.core.constrained.grammar_compiler import derived_dfa, terminal_dfa
 from radixlm.core.constrained.json_common import CHAR, NOTHING, _NOT_STRINGS, SchemaError, _counts, string_terminal
-from radixlm.core.constrained.regex_dfa import dfa_difference, dfa_intersection
+from radixlm.core.constrained.regex_dfa import ByteDFA, dfa_difference, dfa_intersection
 
 
 _IPV4_PART = r"(?:25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])"
@@ -52,11 +52,17 @@ class StringRules:
             raise SchemaError(f"{ptr}/not: excluding strings from one of over {self.budget.max_terminal_states} "
                               "states is not supported")
         budget = self.budget.max_terminal_states
-        dfa = expr.dfa if expr.dfa is not None else terminal_dfa(expr.regex, budget)
-        for regex in excluded:
-            other = terminal_dfa(regex, budget) if dfa is not None else None
-            dfa = dfa_difference(dfa, other, budget, self.deadline.check) if other is not None else dfa
-        return NOTHING if dfa is None else Terminal(key=f"{expr.ident}\0not:" + "\0".join(excluded), dfa=dfa)
+
+        def build() -> ByteDFA | None:
+            dfa = expr.dfa if expr.dfa is not None else terminal_dfa(expr.regex, budget)
+            for regex in excluded:
+                other = terminal_dfa(regex, budget) if dfa is not None else None
+                dfa = dfa_difference(dfa, other, budget, self.deadline.check) if other is not None else dfa
+            return dfa
+
+        key = f"{expr.ident}\0not:" + "\0".join(excluded)
+        dfa = derived_dfa(key, budget, build)
+        return NOTHING if dfa is None else Terminal(key=key, dfa=dfa)
 
     def _string_body(self, schema: dict, ptr: str) -> Expr:
         lo, hi = _counts(schema, "minLength", "maxLength", ptr)
@@ -91,11 +97,17 @@ class StringRules:
             raise SchemaError(f"{ptr}: minLength over {MAX_PRODUCT_LENGTH} together with it is not supported")
         if bounded and hi is not None and hi > MAX_PRODUCT_LENGTH:
             hi = MAX_PRODUCT_LENGTH  # fewer strings (sound); the product stays small
-        dfa = terminal_dfa(regexes[0], budget)
-        for other in [terminal_dfa(r, budget) for r in regexes[1:]] + ([counted_string_dfa(lo, hi)] if bounded else []):
-            if dfa is not None:
-                dfa = dfa_intersection(dfa, other, budget, self.deadline.check) if other is not None else None
+
+        def build() -> ByteDFA | None:
+            dfa = terminal_dfa(regexes[0], budget)
+            others = [terminal_dfa(r, budget) for r in regexes[1:]] + ([counted_string_dfa(lo, hi)] if bounded else [])
+            for other in others:
+                if dfa is not None:
+                    dfa = dfa_intersection(dfa, other, budget, self.deadline.check) if other is not None else None
+            return dfa
+
         key = "re:" + "\0and:".join(regexes) + (f"\0length:{lo}:{hi}" if bounded else "")
+        dfa = derived_dfa(key, budget, build)
         return NOTHING if dfa is None else Terminal(key=key, dfa=dfa)
 
 

@@ -436,22 +436,35 @@ def dfa_difference(a: ByteDFA, b: ByteDFA, max_states: int = MAX_DFA_STATES,
                    check: Callable[[], None] | None = None) -> ByteDFA | None:
     """The minimal DFA of L(a) minus L(b) (product construction), or None if that language is empty;
     `check` (a deadline that may raise) is called as the construction goes."""
-    dead_b = b.num_states  # b's missing transitions go to an extra rejecting sink
-    tb = np.vstack([np.where(b.transitions >= 0, b.transitions, dead_b), np.full((1, 256), dead_b)])
+    return _product(a, b, False, max_states, check)
+
+
+def dfa_intersection(a: ByteDFA, b: ByteDFA, max_states: int = MAX_DFA_STATES,
+                     check: Callable[[], None] | None = None) -> ByteDFA | None:
+    """The minimal DFA of L(a) and L(b) both, or None if that language is empty (one product)."""
+    return _product(a, b, True, max_states, check)
+
+
+def _product(a: ByteDFA, b: ByteDFA, both: bool, max_states: int,
+             check: Callable[[], None] | None) -> ByteDFA | None:
+    """The product of a and b, minimized: strings both accept (`both`), else those a accepts and b does not."""
+    sink = b.num_states  # for a difference, b's missing transitions go to an extra rejecting sink
+    tb = np.vstack([b.transitions if both else np.where(b.transitions >= 0, b.transitions, sink),
+                    np.full((1, 256), -1 if both else sink)])
     acc_b = np.append(b.accepting, False)
     ids, pairs, rows = {(0, 0): 0}, [(0, 0)], []
     while len(rows) < len(pairs):
         sa, sb = pairs[len(rows)]
         na, nb = a.transitions[sa], tb[sb]
-        live = na >= 0
-        codes = np.where(live, na.astype(np.int64) * (dead_b + 1) + nb, -1)
+        live = (na >= 0) & (nb >= 0)
+        codes = np.where(live, na.astype(np.int64) * (sink + 1) + nb, -1)
         targets, inverse = np.unique(codes, return_inverse=True)
         mapped = []
         for code in targets.tolist():  # a handful of distinct successor pairs per row
             if code < 0:
                 mapped.append(-1)
                 continue
-            key = divmod(code, dead_b + 1)
+            key = divmod(code, sink + 1)
             j = ids.get(key)
             if j is None:
                 if len(pairs) >= max_states:
@@ -462,14 +475,7 @@ def dfa_difference(a: ByteDFA, b: ByteDFA, max_states: int = MAX_DFA_STATES,
         rows.append(np.asarray(mapped, dtype=np.int32)[inverse.reshape(-1)])
         if check is not None and len(rows) % 256 == 0:
             check()
-    accepting = np.array([bool(a.accepting[x]) and not acc_b[y] for x, y in pairs])
+    accepting = np.array([bool(a.accepting[x]) and bool(acc_b[y]) == both for x, y in pairs])
     if not _live_states(np.stack(rows), accepting)[0]:
-        return None  # the difference is empty
-    return _minimize(np.stack(rows), accepting, np.arange(256), "difference", check)
-
-
-def dfa_intersection(a: ByteDFA, b: ByteDFA, max_states: int = MAX_DFA_STATES,
-                     check: Callable[[], None] | None = None) -> ByteDFA | None:
-    """The minimal DFA of L(a) and L(b) both (a minus what b lacks), or None if that language is empty."""
-    missing = dfa_difference(a, b, max_states, check)
-    return a if missing is None else dfa_difference(a, missing, max_states, check)
+        return None  # the language is empty
+    return _minimize(np.stack(rows), accepting, np.arange(256), "product", check)
