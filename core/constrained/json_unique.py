@@ -16,7 +16,7 @@ Every output is valid (sound); valid arrays outside these shapes are not generat
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Callable
 
 from radixlm.core.constrained.grammar import EMPTY, Expr, Ref, alt, seq
 from radixlm.core.constrained.json_common import NOTHING, SchemaError, _json_type
@@ -85,44 +85,40 @@ class UniqueRules:
     def _distinct(self, classes: list[dict[int, Expr]], n_prefix: int, lo: int, hi: int | None, ptr: str) -> Expr:
         """Items from classes[min(position, n_prefix)], each class (an int) used at most once. Rule
         (position, used) is the rest of the array after `position` items from the classes in `used`."""
-        base = f"{ptr}@unique{len(self.rules)}"
         most = len(set().union(*classes))  # never more items than classes
         if lo > most:
             raise SchemaError(f"{ptr}/uniqueItems: minItems {lo} with uniqueItems is past the {most} distinct items "
                               "generated (docs/constrained.md, uniqueItems)")
-
-        def rest(pos: int, used: int) -> Expr:
-            name = f"{base}/{pos}/{used}"
-            if name in self.rules:
-                return Ref(name)
-            self.rules[name] = NOTHING
-            comma = self._punct(",") if pos else EMPTY
-            options = [EMPTY] if pos >= lo else []
-            if hi is None or pos < hi:
-                for c, expr in classes[min(pos, n_prefix)].items():
-                    if not used >> c & 1:
-                        options.append(seq(comma, expr, rest(pos + 1, used | 1 << c)))
-            self.rules[name] = alt(*options)
-            return Ref(name)
-
-        return seq(self._punct("["), rest(0, 0), self._punct("]"))
+        return self._array_rules("unique", ptr, lo, hi, lambda pos, used: f"{pos}/{used}", lambda pos, used: [
+            (expr, used | 1 << c) for c, expr in classes[min(pos, n_prefix)].items() if not used >> c & 1])
 
     def _ascending(self, constants: list[Expr], lo: int, hi: int | None, ptr: str) -> Expr:
         """Items from `constants` in their order, each after the previous one (so all distinct)."""
-        base = f"{ptr}@ascending{len(self.rules)}"
         if lo > len(constants):
             raise SchemaError(f"{ptr}/uniqueItems: minItems {lo} is more than the {len(constants)} distinct values")
+        # (without maxItems only whether the comma and the end are allowed tells positions apart)
+        if hi is None:
+            key = lambda pos, after: f"{min(pos, max(lo, 1))}/{after}"  # noqa: E731
+        else:
+            key = lambda pos, after: f"{pos}/{after}"  # noqa: E731
+        return self._array_rules("ascending", ptr, lo, hi, key, lambda pos, after: [
+            (constants[j], j + 1) for j in range(after, len(constants))])
 
-        def rest(pos: int, after: int) -> Expr:
-            # (without maxItems only whether the comma and the end are allowed tells positions apart)
-            name = f"{base}/{min(pos, max(lo, 1))}/{after}" if hi is None else f"{base}/{pos}/{after}"
+    def _array_rules(self, kind: str, ptr: str, lo: int, hi: int | None, key: Callable[[int, int], str],
+                     steps: Callable[[int, int], list[tuple[Expr, int]]]) -> Expr:
+        """`[` lo..hi items `]` where, after `pos` items in state `state`, steps(pos, state) gives each
+        allowed next item with the state after it; one rule per key(pos, state), made on first use."""
+        base = f"{ptr}@{kind}{len(self.rules)}"
+
+        def rest(pos: int, state: int) -> Expr:
+            name = f"{base}/{key(pos, state)}"
             if name in self.rules:
                 return Ref(name)
             self.rules[name] = NOTHING
             comma = self._punct(",") if pos else EMPTY
             options = [EMPTY] if pos >= lo else []
             if hi is None or pos < hi:
-                options += [seq(comma, constants[j], rest(pos + 1, j + 1)) for j in range(after, len(constants))]
+                options += [seq(comma, expr, rest(pos + 1, after)) for expr, after in steps(pos, state)]
             self.rules[name] = alt(*options)
             return Ref(name)
 
