@@ -62,13 +62,11 @@ class DeviceSample:
         bad = frozenset(i for i, flag in enumerate(invalid.tolist()) if flag) if invalid is not None else frozenset()
         if chosen is None:
             return SampleResult(tokens.tolist(), None, None, bad)
-        tops = None
+        tops = [None] * len(reqs)
         if top_values is not None:
             values, ids = top_values.tolist(), top_ids.tolist()
             tops = [[(v, t, None) for v, t in zip(values[i][:k], ids[i][:k])] if k else None
                     for i, k in enumerate(r.inp.top_logprobs_num for r in reqs)]
-        else:
-            tops = [None] * len(reqs)
         return SampleResult(tokens.tolist(), chosen.tolist(), tops, bad)
 
 
@@ -95,28 +93,26 @@ class Sampler:
         scheduler feeds them to the next step before it reads them). Rows whose adjusted logits or
         distribution are not numbers are flagged (`invalid`), not raised: the caller ends those requests."""
         logits = logits[:, : self.vocab_size]
-        sample = DeviceSample(torch.empty(0))
+        raw = top = None
         if any(r.inp.return_logprob for r in reqs):
             raw = torch.log_softmax(logits, dim=-1)
             k = max(r.inp.top_logprobs_num for r in reqs)
-            if k:
-                sample.top_logprobs = tuple(raw.topk(k))
-        invalid = []
+            top = tuple(raw.topk(k)) if k else None
+        invalid = None
         banned_some = False  # a bias or a min_new_tokens ban may leave a constrained row with nothing allowed
         if self._needs_adjust(reqs):
             logits = logits.clone()
             banned_some = self._adjust(logits, reqs)
-            invalid.append(torch.isnan(logits).any(dim=-1))
+            invalid = torch.isnan(logits).any(dim=-1)
         if any(m is not None for m in masks):
             # In place even on the model's logits: masking twice is masking once (a fallback that samples
             # rows alone masks them again), and nothing reads them after sampling.
             apply_token_masks(logits, masks, rescue_banned_rows=banned_some)
-        sample.tokens = self._choose(logits, reqs, invalid)
-        if invalid:
-            sample.invalid = invalid[0] if len(invalid) == 1 else torch.logical_or(*invalid)
-        if any(r.inp.return_logprob for r in reqs):
-            sample.chosen_logprobs = raw.gather(1, sample.tokens.view(-1, 1)).squeeze(1)
-        return sample
+        tokens, empty = self._choose(logits, reqs)
+        if empty is not None:
+            invalid = empty if invalid is None else invalid | empty
+        chosen = raw.gather(1, tokens.view(-1, 1)).squeeze(1) if raw is not None else None
+        return DeviceSample(tokens, invalid, chosen, top)
 
     @staticmethod
     def _needs_adjust(reqs: list[Req]) -> bool:
@@ -159,15 +155,16 @@ class Sampler:
             counts = counts[: row.numel()].to(row.dtype)
             row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
 
-    def _choose(self, logits: torch.Tensor, reqs: list[Req], invalid: list[torch.Tensor]) -> torch.Tensor:
+    def _choose(self, logits: torch.Tensor, reqs: list[Req]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Greedy rows take the argmax. The others sample all at once by the exponential race: the
         argmax of p / E with E ~ Exp(1) per token is a draw from p. E comes from the shared generator,
         or, for a request with its own seed, from a hash of (seed, output position, token id), so that
         a seeded request draws the same tokens in any batch without a generator of its own per row.
-        Appends to `invalid` the rows with nothing to draw from (not-a-number values, or all zero)."""
+        Returns the tokens and, where any row samples, which rows had nothing to draw from (not-a-number
+        values, or all zero)."""
         sampled = [i for i, r in enumerate(reqs) if not r.params.is_greedy]
         if not sampled:
-            return logits.argmax(dim=-1)
+            return logits.argmax(dim=-1), None
         dev = logits.device
         sub = [reqs[i] for i in sampled]
         whole = len(sampled) == len(reqs)
@@ -178,12 +175,10 @@ class Sampler:
         empty = ~(probs.sum(dim=-1) > 0)  # would pick garbage
         picks = (probs / self._exponential_noise(probs, sub)).argmax(dim=-1)
         if whole:
-            invalid.append(empty)
-            return picks
-        invalid.append(torch.zeros(len(reqs), dtype=torch.bool, device=dev).index_copy_(0, index, empty))
+            return picks, empty
         out = logits.argmax(dim=-1)
         out[index] = picks
-        return out
+        return out, torch.zeros(len(reqs), dtype=torch.bool, device=dev).index_copy_(0, index, empty)
 
     def _exponential_noise(self, probs: torch.Tensor, reqs: list[Req]) -> torch.Tensor:
         """Exp(1) noise of probs' shape: seeded rows from their hash, the rest from the shared generator."""
