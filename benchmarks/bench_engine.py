@@ -272,11 +272,11 @@ def _forward_only_prefill(s, batch: int, length: int, vocab: int, repeats: int) 
             runner.req_to_token.free(row)
 
 
-def bench_decode_step(engine, batch: int, iters: int, vocab: int) -> dict[str, Any]:
-    """Host and device time of one decode step with `batch` requests decoding (run on the scheduler
-    thread, between its own steps)."""
+def bench_decode_step(engine, batch: int, iters: int, vocab: int, prompt_len: int = 64) -> dict[str, Any]:
+    """Host and device time of one decode step with `batch` requests decoding, each `prompt_len` tokens
+    in (run on the scheduler thread, between its own steps)."""
     engine.flush_cache()
-    prompts = random_prompts(batch, 64, vocab, seed=7)
+    prompts = random_prompts(batch, prompt_len, vocab, seed=7)
     rids = [f"step-{batch}-{i}" for i in range(batch)]
     max_new = 4 * iters + 16
     t = threading.Thread(target=engine.generate, kwargs=dict(
@@ -314,7 +314,7 @@ def bench_decode_step(engine, batch: int, iters: int, vocab: int) -> dict[str, A
                 times.append(start.elapsed_time(end))
             gpu_ms = statistics.median(times)
         wall_ms = statistics.median(walls) * 1e3
-        return {"batch": batch, "wall_ms": wall_ms, "gpu_ms": gpu_ms,
+        return {"batch": batch, "prompt_len": prompt_len, "wall_ms": wall_ms, "gpu_ms": gpu_ms,
                 "host_ms": None if gpu_ms is None else wall_ms - gpu_ms,
                 "profile_top": _trim_profile(text.getvalue()),
                 "kernels": _kernel_profile(s, steps=5) if s.runner.device.type == "cuda" else None}
@@ -535,8 +535,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         used_peak = max(used_peak, device_used_bytes(device) or 0)
         sections.run(ours, "throughput_hf_subset", bench_throughput, engine, prompts[:sub], out_lens[:sub])
     if "decode_step" in parts:
-        sections.run(ours, "decode_step", lambda: [bench_decode_step(engine, b, w["step_iters"], cfg.vocab_size)
-                                                   for b in w["step_batches"]])
+        sections.run(ours, "decode_step", lambda: [
+            bench_decode_step(engine, b, w["step_iters"], cfg.vocab_size, args.step_prompt_len)
+            for b in args.step_batches or w["step_batches"]])
     if device.type == "cuda":
         used_peak = max(used_peak, device_used_bytes(device))
         results["memory"] = {
@@ -631,7 +632,10 @@ def summary(r: dict[str, Any]) -> str:
             kernels = s.get("kernels") or {}
             extra = (f"; eager kernels {kernels['device_ms_per_step']:.2f} ms in {kernels['launches_per_step']:.0f} "
                      "launches") if kernels else ""
-            lines.append(f"decode step B={s['batch']}: wall {s['wall_ms']:.2f} ms, GPU (graph) {gpu} ms{extra}")
+            lines.append(f"decode step B={s['batch']} (prompts of {s.get('prompt_len', 64)}): wall {s['wall_ms']:.2f} ms, "
+                         f"GPU (graph) {gpu} ms{extra}")
+            for k in kernels.get("top", [])[:12]:
+                lines.append(f"    {k['ms_per_step']:7.3f} ms  x{k['calls_per_step']:<5.0f} {k['kernel']}")
     if "memory" in r:
         m = r["memory"]
         lines.append(f"memory: peak {m['peak_used_gib']:.1f} GiB = {m['peak_fraction']:.3f} of the device; "
@@ -675,6 +679,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--engine-option", action="append", default=[], metavar="KEY=VALUE",
                    help="an Engine option for radixlm (repeatable), e.g. schedule_admission_batch=64")
     p.add_argument("--parts", nargs="+", default=list(PARTS), choices=PARTS, help="what to measure (default: all)")
+    p.add_argument("--step-batches", nargs="+", type=int, help="decode_step batch sizes (default: the workload's)")
+    p.add_argument("--step-prompt-len", type=int, default=64,
+                   help="decode_step prompt length: the context each request's decode step attends to")
     args = p.parse_args(argv)
     results = run(args)
     print(summary(results), flush=True)

@@ -100,39 +100,41 @@ def bench_shape(name: str, s: Shape, args) -> dict:
           f"{result['cublas']['GB/s']:7.1f} GB/s | Triton best {best:>10s} {timed[best]['us']:8.2f} us "
           f"{timed[best]['GB/s']:7.1f} GB/s  ({len(timed)} configs; max |Triton - cuBLAS| "
           f"{result['max_abs_err']:.3g})", flush=True)
-    if name in ("qkv", "gate_up"):  # the residual add + RMSNorm in front
-        eps = 1e-5
+    eps = 1e-5
+    if name in ("o", "down"):  # the residual add and the next norm's first half after: residual_gemv
+        silu = name == "down"
+        x = s.gate_up if silu else s.x
+        residual = s.residual[:, : s.n]
+        norm_w = s.norm_w[: s.n]
 
         def unfused(i):
-            h, _ = tri.fused_add_rms_norm(s.x, s.residual, s.norm_w, eps)
-            return F.linear(h, s.w[i])
-        result["norm_unfused"] = s.measure(unfused, args.calls)
-        result["norm_fused"] = s.measure(
-            lambda i: tri.add_rms_norm_gemv(s.x, s.residual, s.norm_w, eps, s.w[i]), args.calls)
-        got, want = tri.add_rms_norm_gemv(s.x, s.residual, s.norm_w, eps, s.w[0]), ref.add_rms_norm_gemv(
-            s.x, s.residual, s.norm_w, eps, s.w[0])
-        result["norm_max_abs_err"] = (got[0].float() - want[0].float()).abs().max().item()
-        print(f"{'':8s} add+RMSNorm+GEMV: unfused (Triton norm + cuBLAS) {result['norm_unfused']['us']:8.2f} us | "
-              f"fused {result['norm_fused']['us']:8.2f} us | max |fused - twin| {result['norm_max_abs_err']:.3g}",
-              flush=True)
-    if name == "down":  # SiLU-and-mul in front
-        result["silu_unfused"] = s.measure(lambda i: F.linear(tri.silu_and_mul(s.gate_up), s.w[i]), args.calls)
-        result["silu_fused"] = s.measure(lambda i: tri.silu_and_mul_gemv(s.gate_up, s.w[i]), args.calls)
-        got, want = tri.silu_and_mul_gemv(s.gate_up, s.w[0]), ref.silu_and_mul_gemv(s.gate_up, s.w[0])
-        result["silu_max_abs_err"] = (got.float() - want.float()).abs().max().item()
-        print(f"{'':8s} SiLU+GEMV: unfused (Triton silu + cuBLAS) {result['silu_unfused']['us']:8.2f} us | "
-              f"fused {result['silu_fused']['us']:8.2f} us | max |fused - twin| {result['silu_max_abs_err']:.3g}",
-              flush=True)
+            h = F.linear(tri.silu_and_mul(x) if silu else x, s.w[i])
+            return tri.fused_add_rms_norm(h, residual, norm_w, eps)
+        result["epilogue_unfused"] = s.measure(unfused, args.calls)
+        result["epilogue_fused"] = s.measure(lambda i: tri.residual_gemv(x, s.w[i], residual, norm_w, silu), args.calls)
+        got, want = tri.residual_gemv(x, s.w[0], residual, norm_w, silu), ref.residual_gemv(x, s.w[0], residual, norm_w, silu)
+        result["epilogue_max_abs_err"] = (got[0].float() - want[0].float()).abs().max().item()
+        print(f"{'':8s} {'SiLU+' if silu else ''}GEMV+add+norm: unfused (cuBLAS + Triton norm) "
+              f"{result['epilogue_unfused']['us']:8.2f} us | residual_gemv {result['epilogue_fused']['us']:8.2f} us "
+              f"| max |h - twin| {result['epilogue_max_abs_err']:.3g}", flush=True)
+    if name in ("qkv", "gate_up"):  # the norm's scale at the end: rms_scaled_gemv
+        sums = (s.x.float() ** 2).sum(-1, keepdim=True).repeat(1, 512) / 512  # 512 partial sums, as o_proj leaves
+        result["scaled"] = s.measure(lambda i: tri.rms_scaled_gemv(s.x, sums, eps, s.w[i]), args.calls)
+        got, want = tri.rms_scaled_gemv(s.x, sums, eps, s.w[0]), ref.rms_scaled_gemv(s.x, sums, eps, s.w[0])
+        result["scaled_max_abs_err"] = (got.float() - want.float()).abs().max().item()
+        print(f"{'':8s} rms_scaled_gemv {result['scaled']['us']:8.2f} us (plain best {timed[best]['us']:.2f}) | "
+              f"max |scaled - twin| {result['scaled_max_abs_err']:.3g}", flush=True)
     return result
 
 
 def layer_summary(results: dict, rows: int, layers: int = 32) -> str:
-    """One decode layer's projections (with their norms and SiLU) unfused vs fused, and x 32 layers."""
+    """One decode layer's projections with their norms and SiLU: cuBLAS with the norms apart against the
+    GEMVs with the norms split into their neighbours, and x 32 layers."""
     r = {name: results[f"{name}_M{rows}"] for name in ("qkv", "o", "gate_up", "down")}
-    unfused = (r["qkv"]["norm_unfused"]["us"] + r["o"]["cublas"]["us"] + r["gate_up"]["norm_unfused"]["us"]
-               + r["down"]["silu_unfused"]["us"])
-    fused = (r["qkv"]["norm_fused"]["us"] + r["o"]["best"]["us"] + r["gate_up"]["norm_fused"]["us"]
-             + r["down"]["silu_fused"]["us"])
+    unfused = (r["qkv"]["cublas"]["us"] + r["o"]["epilogue_unfused"]["us"] + r["gate_up"]["cublas"]["us"]
+               + r["down"]["epilogue_unfused"]["us"])
+    fused = (r["qkv"]["scaled"]["us"] + r["o"]["epilogue_fused"]["us"] + r["gate_up"]["scaled"]["us"]
+             + r["down"]["epilogue_fused"]["us"])
     return (f"M={rows}: one layer's norms + projections + SiLU: unfused {unfused:.1f} us, fused {fused:.1f} us; "
             f"x{layers} layers: {unfused * layers / 1e3:.3f} -> {fused * layers / 1e3:.3f} ms per step "
             f"({(unfused - fused) * layers / 1e3:+.3f} ms saved)")

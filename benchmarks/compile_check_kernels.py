@@ -27,7 +27,7 @@ from triton.compiler import ASTSource
 from radixlm.kernels.triton import attention, decode_gemv, elementwise, sampling
 
 INDEX_PTRS = {"ReqToToken", "ReqPoolIndices", "SeqLens", "ExtendLens", "ExtendStartLoc", "Loc", "Positions"}
-FP32_PTRS = {"PartOut", "PartLse", "CosSin"}
+FP32_PTRS = {"PartOut", "PartLse", "CosSin", "Sums"}
 FLOAT_ARGS = {"scale_log2", "eps"}
 UNALIGNED_INTS = {"num_splits", "m"}  # sizes of real models (4096, 14336, 128256) are 16-divisible
 SASS_OPS = ("HGMMA", "HMMA", "LDGSTS", "LDG.E.128", "LDL", "STL")
@@ -120,15 +120,16 @@ def main(argv: list[str] | None = None) -> int:
               BLOCK_HALF=triton.next_power_of_2(d // 2), BLOCK_D=block_d, SAT=sat), STORE_POOL),
         ("apply_token_bitmask", sampling._token_bitmask_kernel, 8, 3, dict(BLOCK=4096)),
     ]
-    # The decode GEMVs with the launch shapes the 8B shapes get (o_proj plain, gate_up with its norm, down
-    # with its SiLU), at 1 and 8 rows.
+    # The decode GEMVs with the launch shapes the 8B shapes get (the LM head plain, gate_up scaled by its
+    # norm, down with its SiLU and the residual epilogue), at 1 and 8 rows.
     for rows in (1, 8):
-        for name, prologue, (n, k) in (("gemv", 0, (4096, 4096)), ("add_rms_norm_gemv", 2, (28672, 4096)),
-                                       ("silu_and_mul_gemv", 3, (4096, 14336))):
+        for name, flags, (n, k) in (("gemv", {}, (128256, 4096)), ("rms_scaled_gemv", dict(SCALED=True), (28672, 4096)),
+                                    ("residual_gemv silu", dict(SILU=True, RESIDUAL=True), (4096, 14336))):
             block_n, block_k, warps, stages = decode_gemv.gemv_config(rows, n, k)
             jobs.append((f"{name} M={rows} {block_n}x{block_k}", decode_gemv._gemv_kernel, warps, stages,
-                         dict(PROLOGUE=prologue, HAS_BIAS=False, BLOCK_M=triton.next_power_of_2(rows),
-                              BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages)))
+                         dict(dict(SILU=False, SCALED=False, RESIDUAL=False), **flags, HAS_BIAS=False,
+                              BLOCK_M=triton.next_power_of_2(rows), BLOCK_N=block_n, BLOCK_K=block_k,
+                              BLOCK_S=512 if flags.get("SCALED") else 1, STAGES=stages)))
     print(f"triton {triton.__version__}, sm_90, {args.dtype}, {args.index} indices, head_dim {d}, GQA {group}, "
           f"KV pool {kv_type or args.dtype}")
     for label, kernel, warps, stages, constexprs, *pool in jobs:

@@ -355,7 +355,7 @@ def check_fused_gemv(ckpt: str, report: dict[str, Any]) -> bool:
         runs = {}
         for rows in (0, 8):
             with new_engine(ckpt, dtype, decode_fused_gemv=rows) as engine:
-                fused = engine._runner.model.layers[0].fused_gemv_rows == rows
+                fused = engine._runner.model.fused_gemv_rows == rows
                 outs = [engine.generate(input_ids=b, sampling_params=GREEDY, return_logprob=True) for b in batches]
                 # Logprobs compared where the token histories surely agree: each request's first token.
                 runs[rows] = fused, [[o["output_ids"] for o in out] for out in outs], [

@@ -43,22 +43,23 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     return torch.nn.functional.linear(x, weight, bias)
 
 
-def add_rms_norm_gemv(
-    x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
-    weight: torch.Tensor, bias: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``fused_add_rms_norm`` (``rms_norm`` without a residual) then ``gemv``: returns the product and the
-    residual stream (x + residual, or x). Kernel sets fuse them into one launch."""
-    if residual is None:
-        h, summed = rms_norm(x, norm_weight, eps), x
-    else:
-        h, summed = fused_add_rms_norm(x, residual, norm_weight, eps)
-    return gemv(h, weight, bias), summed
+def residual_gemv(
+    x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, silu: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A projection ending a sublayer with the residual add and the next RMSNorm's first half after it:
+    returns h = gemv(x) + residual (the residual stream), h * norm_weight, and h's sum of squares [M, 1]
+    in fp32 (kernel sets may return it as several partial sums per row: [M, S]). With `silu`, x holds
+    [gate | up] and ``silu_and_mul`` goes first."""
+    h = gemv(silu_and_mul(x) if silu else x, weight) + residual
+    return h, h * norm_weight, h.float().pow(2).sum(-1, keepdim=True)
 
 
-def silu_and_mul_gemv(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``silu_and_mul`` then ``gemv``, one launch in kernel sets that fuse them."""
-    return gemv(silu_and_mul(gate_up), weight, bias)
+def rms_scaled_gemv(x: torch.Tensor, sums: torch.Tensor, eps: float, weight: torch.Tensor,
+                    bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The projection after an RMSNorm given as ``residual_gemv``'s second and third outputs: x is the
+    norm's input times its weight, `sums` the input's sums of squares (summed over the last dim)."""
+    rstd = torch.rsqrt(sums.sum(-1, keepdim=True) / x.shape[-1] + eps)
+    return gemv((x.float() * rstd).to(x.dtype), weight, bias)
 
 
 def apply_rotary(

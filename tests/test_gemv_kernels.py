@@ -19,7 +19,7 @@ import torch  # noqa: E402
 pytest.importorskip("triton")
 
 from paged_kv import PagedBatch  # noqa: E402
-from test_kernels import DEVICE, assert_close, assert_same_rounding, randn  # noqa: E402
+from test_kernels import DEVICE, assert_close, randn  # noqa: E402
 
 import radixlm  # noqa: E402
 from radixlm.core.layers.attention_backend import AttentionBackend  # noqa: E402
@@ -57,28 +57,49 @@ def test_gemv(dtype, rows, bias):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("rows", [1, 5])
-@pytest.mark.parametrize("with_residual", [True, False], ids=["add", "first-layer"])
-def test_add_rms_norm_gemv(dtype, rows, with_residual):
-    w, b = weights(dtype, bias=rows == 5)
-    # A strided x (a column slice, as a projection's split leaves) and a norm weight far from 1.
-    x = randn(rows, K + 6, dtype=dtype)[:, 3 : 3 + K]
-    residual = randn(rows, K, dtype=dtype) if with_residual else None
-    norm_w = (torch.rand(K, device=DEVICE) + 0.5).to(dtype)
-    out, summed = tri.add_rms_norm_gemv(x, residual, norm_w, 1e-6, w, b)
-    ref_out, ref_summed = ref.add_rms_norm_gemv(x, residual, norm_w, 1e-6, w, b)
-    assert_close(out, ref_out)
-    if with_residual:
-        assert_same_rounding(summed, ref_summed)
-    else:
-        assert summed is x  # the residual stream is the input itself, as in the reference
+@pytest.mark.parametrize("silu", [False, True], ids=["o_proj", "down_proj"])
+def test_residual_gemv(dtype, rows, silu):
+    w, _ = weights(dtype, bias=False)
+    x = randn(rows, 2 * K if silu else K, dtype=dtype)
+    residual = randn(rows, N, dtype=dtype)
+    norm_w = (torch.rand(N, device=DEVICE) + 0.5).to(dtype)
+    summed, normed, sums = tri.residual_gemv(x, w, residual, norm_w, silu=silu)
+    ref_summed, ref_normed, ref_sums = ref.residual_gemv(x, w, residual, norm_w, silu=silu)
+    assert_close(summed, ref_summed)
+    assert_close(normed, ref_normed)
+    # One partial sum per program (BLOCK_N 8 from the fixture): 37 outputs -> 5.
+    assert sums.shape == (rows, 5) and sums.dtype == torch.float32
+    # The sums are of the stored h (rounded once, where the reference rounds the product and the sum).
+    torch.testing.assert_close(sums.sum(-1), summed.float().pow(2).sum(-1), rtol=1e-5, atol=0)
+    torch.testing.assert_close(sums.sum(-1), ref_sums.sum(-1), rtol=2e-2, atol=0)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("rows", [1, 4])
-def test_silu_and_mul_gemv(dtype, rows):
-    w, b = weights(dtype, bias=rows == 4)
-    gate_up = randn(rows, 2 * K, dtype=dtype)
-    assert_close(tri.silu_and_mul_gemv(gate_up, w, b), ref.silu_and_mul_gemv(gate_up, w, b))
+@pytest.mark.parametrize("rows", [1, 3])
+def test_norm_split_across_two_gemvs_equals_the_norm(dtype, rows):
+    """o_proj's residual_gemv then qkv's rms_scaled_gemv against the unfused ops they replace
+    (gemv, fused_add_rms_norm, gemv), with a bias on the second as Qwen2's qkv has."""
+    w1, _ = weights(dtype, bias=False)  # [N, K]: K -> N
+    w2 = (torch.randn(K, N, device=DEVICE) / N**0.5).to(dtype)  # N -> K, after the norm over N
+    b2 = randn(K, dtype=dtype)
+    x, residual = randn(rows, K, dtype=dtype), randn(rows, N, dtype=dtype)
+    norm_w = (torch.rand(N, device=DEVICE) + 0.5).to(dtype)
+    summed, normed, sums = tri.residual_gemv(x, w1, residual, norm_w)
+    out = tri.rms_scaled_gemv(normed, sums, 1e-6, w2, b2)
+
+    def unfused(*tensors):
+        x, w1, residual, norm_w, w2, b2 = tensors
+        h, summed = ref.fused_add_rms_norm(ref.gemv(x, w1), residual, norm_w, 1e-6)
+        return ref.gemv(h, w2, b2), summed
+
+    exact_out, exact_summed = unfused(*(t.float() for t in (x, w1, residual, norm_w, w2, b2)))
+    plain_out, plain_summed = unfused(x, w1, residual, norm_w, w2, b2)
+    # Both round at different points: the fused pair must be about as close to fp32 as the unfused ops
+    # (within half their error and two roundings of the largest output more).
+    for got, plain, exact in ((out, plain_out, exact_out), (summed, plain_summed, exact_summed)):
+        plain_err = (plain.float() - exact).abs().max().item()
+        ulp = exact.abs().max().item() * torch.finfo(dtype).eps
+        assert (got.float() - exact).abs().max().item() <= 1.5 * plain_err + 2 * ulp, (got, plain)
 
 
 def test_default_configs_cover_the_8b_shapes(monkeypatch):
@@ -93,7 +114,9 @@ def test_default_configs_cover_the_8b_shapes(monkeypatch):
     with pytest.raises(AssertionError, match="at most"):
         tri.gemv(torch.zeros(17, 8, device=DEVICE), w)
     with pytest.raises(AssertionError, match="gate_up"):
-        tri.silu_and_mul_gemv(torch.zeros(1, 8, device=DEVICE), w)
+        tri.residual_gemv(torch.zeros(1, 8, device=DEVICE), w, torch.zeros(1, 4, device=DEVICE), w[0], silu=True)
+    with pytest.raises(AssertionError, match="residual"):
+        tri.residual_gemv(torch.zeros(1, 8, device=DEVICE), w, torch.zeros(1, 5, device=DEVICE), w[0])
 
 
 def run_layers(model: LlamaForCausalLM, dtype: torch.dtype, fused_rows: int) -> torch.Tensor:
@@ -153,7 +176,7 @@ def test_engine_greedy_tokens_fused_equal_unfused(llama_ckpt, monkeypatch):
     for rows in (0, 4):
         with radixlm.Engine(llama_ckpt, device=DEVICE, dtype="float32", decode_fused_gemv=rows,
                             disable_cpu_prepack=True, max_total_tokens=512, log_level="warning") as engine:
-            assert engine._runner.model.layers[0].fused_gemv_rows == rows
+            assert engine._runner.model.fused_gemv_rows == rows
             tokens[rows] = [[o["output_ids"] for o in engine.generate(input_ids=batch, sampling_params=params)]
                             for batch in (prompts, prompts + [[3, 4], [8] * 6])]
     assert tokens[4] == tokens[0]

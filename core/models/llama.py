@@ -9,8 +9,6 @@ attention backend that knows the batch layout.
 
 from __future__ import annotations
 
-import os
-
 from types import ModuleType
 
 import torch
@@ -20,11 +18,7 @@ from radixlm import kernels
 from radixlm.core.layers.forward_batch import ForwardBatch, ImageBatch
 from radixlm.core.models.config import ModelConfig
 
-_FUSED_GEMV_OPS = ("add_rms_norm_gemv", "gemv", "silu_and_mul_gemv")
-# RADIXLM_GEMV_FUSE_NORM=1: the GEMV path runs each RMSNorm inside the projection after it (an ablation:
-# one H200, batch 1, 4.46 ms/token against 4.30 with the norm in its own launch, as every program of the
-# fused GEMV re-reads the row, the residual and the norm weight beside its weight tile).
-_FUSE_NORM = os.environ.get("RADIXLM_GEMV_FUSE_NORM", "0") == "1"
+_FUSED_GEMV_OPS = ("gemv", "residual_gemv", "rms_scaled_gemv")
 
 
 class RMSNorm(nn.Module):
@@ -83,12 +77,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
         self.ops = ops
-        # Forwards of at most this many tokens take the fused GEMV path (LlamaForCausalLM.enable_fused_gemv).
-        self.fused_gemv_rows = 0
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, fb: ForwardBatch):
-        if x.shape[0] <= self.fused_gemv_rows:
-            return self._forward_fused(x, residual, fb)
         if residual is None:
             residual = x
             h = self.input_layernorm(x)
@@ -98,21 +88,24 @@ class DecoderLayer(nn.Module):
         h, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual
 
-    def _forward_fused(self, x: torch.Tensor, residual: torch.Tensor | None, fb: ForwardBatch):
-        """The same layer with Triton GEMVs for its projections (faster than cuBLAS at one row on the H200)
-        and SiLU-and-mul inside the down projection's: six launches besides attention's, where the other
-        path takes seven plus cuBLAS's split-K reduces (kernels/triton/decode_gemv.py)."""
+    def forward_gemv(self, h: torch.Tensor, normed: torch.Tensor | None, sums: torch.Tensor | None,
+                     fb: ForwardBatch, next_norm: RMSNorm):
+        """The same layer on a few rows with Triton GEMVs for its projections (faster than cuBLAS at one
+        row on the H200), each RMSNorm split between the projection before it (the residual add, the
+        weight, the sums of squares: `residual_gemv`) and the one after it (the scale: `rms_scaled_gemv`),
+        so that it costs no launch of its own; SiLU-and-mul goes into the down projection. `h` is the
+        residual stream, `normed` and `sums` its input norm's two halves (None at the first layer, whose
+        norm runs apart); returns the same three for the next layer, whose input norm is `next_norm`."""
         ops, attn, mlp = self.ops, self.self_attn, self.mlp
-        qkv, residual = self._norm_gemv(self.input_layernorm, x, residual, attn.qkv_proj)
-        h = ops.gemv(attn.attend(qkv, fb), attn.o_proj.weight)
-        gate_up, residual = self._norm_gemv(self.post_attention_layernorm, h, residual, mlp.gate_up_proj)
-        return ops.silu_and_mul_gemv(gate_up, mlp.down_proj.weight), residual
-
-    def _norm_gemv(self, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None, proj: nn.Linear):
-        if _FUSE_NORM:
-            return self.ops.add_rms_norm_gemv(x, residual, norm.weight, norm.eps, proj.weight, proj.bias)
-        h, residual = (norm(x), x) if residual is None else norm(x, residual)
-        return self.ops.gemv(h, proj.weight, proj.bias), residual
+        norm = self.input_layernorm
+        if sums is None:
+            qkv = ops.gemv(norm(h), attn.qkv_proj.weight, attn.qkv_proj.bias)
+        else:
+            qkv = ops.rms_scaled_gemv(normed, sums, norm.eps, attn.qkv_proj.weight, attn.qkv_proj.bias)
+        norm = self.post_attention_layernorm
+        h, normed, sums = ops.residual_gemv(attn.attend(qkv, fb), attn.o_proj.weight, h, norm.weight)
+        gate_up = ops.rms_scaled_gemv(normed, sums, norm.eps, mlp.gate_up_proj.weight)
+        return ops.residual_gemv(gate_up, mlp.down_proj.weight, h, next_norm.weight, silu=True)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -128,6 +121,8 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        # Forwards of at most this many tokens take the fused GEMV path (enable_fused_gemv).
+        self.fused_gemv_rows = 0
 
     def enable_fused_gemv(self, max_rows: int) -> bool:
         """Forwards of at most `max_rows` tokens (decode) run each layer's projections as the kernel set's
@@ -141,13 +136,21 @@ class LlamaForCausalLM(nn.Module):
         if not all(hasattr(ops, name) for name in _FUSED_GEMV_OPS) or any(type(p) is not nn.Linear
                                                                           for p in projections):
             return False
-        for layer in self.layers:
-            layer.fused_gemv_rows = max_rows
+        if any(layer.self_attn.o_proj.bias is not None or layer.mlp.down_proj.bias is not None
+               for layer in self.layers):
+            return False  # residual_gemv has no bias
+        self.fused_gemv_rows = max_rows
         return True
 
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
         """Final hidden states [T, hidden] of every token in the batch."""
         x = self.embed_input(fb)
+        if x.shape[0] <= self.fused_gemv_rows:
+            normed = sums = None
+            for layer, after in zip(self.layers, [*self.layers[1:], None]):
+                x, normed, sums = layer.forward_gemv(x, normed, sums, fb,
+                                                     self.norm if after is None else after.input_layernorm)
+            return self.norm(x)
         residual = None
         for layer in self.layers:
             x, residual = layer(x, residual, fb)
@@ -169,7 +172,7 @@ class LlamaForCausalLM(nn.Module):
         raise TypeError(f"{type(self).__name__} takes no images")
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if hidden.shape[0] <= self.layers[0].fused_gemv_rows:
+        if hidden.shape[0] <= self.fused_gemv_rows:
             return self.layers[0].ops.gemv(hidden, self.lm_head.weight).float()
         return self.lm_head(hidden).float()
 
