@@ -411,7 +411,7 @@ def test_apply_rotary_store_kv_into_fp8_matches_the_reference(pool_dtype):
 @pytest.mark.parametrize("q_dtype", [torch.float32, torch.float16], ids=str)
 @pytest.mark.parametrize("pool_dtype", FP8, ids=str)
 def test_attention_over_an_fp8_pool_matches_the_reference(pool_dtype, q_dtype):
-    """The kernels upcast each loaded block of fp8 keys and values to q's dtype; the references read the
+    """The kernels upcast each loaded block of fp8 keys and values to q's dtype (fp16 for bf16 q); the references read the
     same fp8 pool (upcast to fp32). (bf16 q: the interpreter has no bf16 tl.dot; gpu_check runs it.)"""
     num_heads, num_kv_heads, head_dim = 4, 1, 64
     prefix_lens, extend_lens = [0, 21, 5], [20, 3, 17]

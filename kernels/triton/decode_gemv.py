@@ -80,6 +80,14 @@ def _gemv_kernel(
     m_mask = offs_m < m
     n_mask = offs_n < n
     mn_mask = m_mask[:, None] & n_mask[None, :]
+    # The epilogues' inputs are loaded before the loop, so that their latency hides under it.
+    if SCALED:
+        offs_s = tl.arange(0, BLOCK_S)
+        sums = tl.load(Sums + offs_m[:, None] * stride_sm + offs_s[None, :],
+                       mask=m_mask[:, None] & (offs_s < num_sums)[None, :], other=0.0)
+    if RESIDUAL:
+        r = tl.load(Res + offs_m[:, None] * stride_rm + offs_n[None, :], mask=mn_mask, other=0.0)
+        norm_w = tl.load(NormW + offs_n, mask=n_mask, other=0.0)
     acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k0 in tl.range(0, k, BLOCK_K, num_stages=STAGES):
         offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -100,21 +108,17 @@ def _gemv_kernel(
     if SCALED:
         # x was an RMSNorm's input times its weight (`residual_gemv`'s second output); the norm's scale
         # comes from the partial sums of squares the producer left, one per producer program.
-        offs_s = tl.arange(0, BLOCK_S)
-        sums = tl.load(Sums + offs_m[:, None] * stride_sm + offs_s[None, :],
-                       mask=m_mask[:, None] & (offs_s < num_sums)[None, :], other=0.0)
         out = out * tl.rsqrt(tl.sum(sums, axis=1) / k + eps)[:, None]
     if HAS_BIAS:
         out += tl.load(Bias + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     if RESIDUAL:
         # h = product + residual is the residual stream (rounded to its dtype, as the reference's sum is);
         # Out gets h times the next RMSNorm's weight, Sums this program's part of h's sum of squares.
-        r = tl.load(Res + offs_m[:, None] * stride_rm + offs_n[None, :], mask=mn_mask, other=0.0)
         h = (out + r.to(tl.float32)).to(Summed.dtype.element_ty)
         tl.store(Summed + offs_m[:, None] * stride_hm + offs_n[None, :], h, mask=mn_mask)
         h = tl.where(mn_mask, h.to(tl.float32), 0.0)
         tl.store(Sums + offs_m * stride_sm + pid, tl.sum(h * h, axis=1), mask=m_mask)
-        out = h * tl.load(NormW + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        out = h * norm_w.to(tl.float32)[None, :]
     tl.store(Out + offs_m[:, None] * stride_om + offs_n[None, :], out.to(Out.dtype.element_ty), mask=mn_mask)
 
 
