@@ -43,7 +43,7 @@ def compile_for_hopper(kernel, constexprs: dict, dtype: str, index: str, num_war
         if name in consts:
             signature[name] = "constexpr"
         elif name[0].isupper():  # pointer arguments are capitalized in these kernels
-            if name in ("Bitmask", "Tickets"):
+            if name == "Bitmask":
                 signature[name] = "*i32"
             else:
                 signature[name] = (f"*{index}" if name in INDEX_PTRS else "*fp32" if name in FP32_PTRS
@@ -98,9 +98,11 @@ def main(argv: list[str] | None = None) -> int:
         ("extend_attention", attention._extend_kernel, ext.num_warps, ext.num_stages,
          dict(GROUP=group, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=ext.block_m, BLOCK_N=ext.block_n, PRECISION=precision),
          ATTENTION_POOL),
-        ("decode_attention", attention._decode_kernel, dec.num_warps, dec.num_stages,
+        ("decode_attention (split)", attention._decode_split_kernel, dec.num_warps, dec.num_stages,
          dict(GROUP=group, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_H=max(16, triton.next_power_of_2(group)),
-              BLOCK_N=dec.block_n, PRECISION=precision), ATTENTION_POOL),
+              BLOCK_N=dec.block_n, PRECISION=precision, DIRECT=False), ATTENTION_POOL),
+        ("decode_attention (reduce)", attention._decode_reduce_kernel, 4, 3,
+         dict(HEAD_DIM=d, BLOCK_D=block_d, BLOCK_S=4)),
         ("store_kv", elementwise._store_kv_kernel, 4, 3,
          dict(NUM_KV_HEADS=args.kv_heads, HEAD_DIM=d, BLOCK_H=triton.next_power_of_2(args.kv_heads), BLOCK_D=block_d,
               SAT=sat), STORE_POOL),

@@ -99,16 +99,18 @@ def test_extend_attention_fp16_int64_strided_q_and_precomputed_starts():
     assert_close(out, expected)
 
 
+@pytest.mark.parametrize("splits", [3, 1], ids=["3-splits", "direct"])
 @pytest.mark.parametrize("heads", GQA_SHAPES, ids=lambda s: f"H{s[0]}-KH{s[1]}-D{s[2]}")
-def test_decode_attention_split_kv_fp32(heads):
+def test_decode_attention_split_kv_fp32(heads, splits):
     num_heads, num_kv_heads, head_dim = heads
     # 3 splits: length 40 spans all three (16 + 16 + 8 keys); 17 leaves the third empty; 1 and 0 leave
-    # two or three empty (0 is a padding row: the reference gives zeros).
+    # two or three empty (0 is a padding row: the reference gives zeros). One split: the split kernel
+    # writes the output itself (no reduce launch).
     seq_lens = [40, 1, 17, 0]
     batch = PagedBatch(seq_lens, num_kv_heads, head_dim, torch.float32, torch.int32, DEVICE)
     q = randn(len(seq_lens), num_heads, head_dim)
     expected = ref.decode_attention(q, *batch.tables(), head_dim**-0.5)
-    assert_close(tri.decode_attention(q, *batch.tables(), head_dim**-0.5, num_kv_splits=3), expected)
+    assert_close(tri.decode_attention(q, *batch.tables(), head_dim**-0.5, num_kv_splits=splits), expected)
 
 
 def test_decode_attention_fp16_int64_default_splits():

@@ -236,8 +236,8 @@ def extend_attention(
 
 
 @triton.jit
-def _decode_kernel(
-    Q, K, V, O, PartOut, PartLse, Tickets, ReqToToken, ReqPoolIndices, SeqLens,
+def _decode_split_kernel(
+    Q, K, V, O, PartOut, PartLse, ReqToToken, ReqPoolIndices, SeqLens,
     scale_log2, num_splits,
     stride_qb, stride_qh, stride_qd,
     stride_ks, stride_kh, stride_kd,
@@ -247,10 +247,10 @@ def _decode_kernel(
     stride_pb, stride_ph, stride_ps, stride_pd,
     stride_lb, stride_lh, stride_ls,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
-    BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, DIRECT: tl.constexpr,
 ):
-    """One KV head's whole query group against one split of one request's keys; the split that finishes
-    last merges them all."""
+    """Stage 1: one KV head's whole query group against one split of one request's keys. DIRECT (one
+    split): the output itself, and no stage 2."""
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -264,8 +264,7 @@ def _decode_kernel(
     offs_g = tl.arange(0, BLOCK_H)
     heads = kv_head * GROUP + offs_g
     offs_d = tl.arange(0, BLOCK_D)
-    g_mask = offs_g < GROUP
-    hd_mask = g_mask[:, None] & (offs_d < HEAD_DIM)[None, :]
+    hd_mask = (offs_g < GROUP)[:, None] & (offs_d < HEAD_DIM)[None, :]
     q = tl.load(
         Q + req * stride_qb + heads[:, None] * stride_qh + offs_d[None, :] * stride_qd,
         mask=hd_mask, other=0.0,
@@ -279,55 +278,55 @@ def _decode_kernel(
         lo, hi, offs_g, scale_log2,
         False, HEAD_DIM, BLOCK_D, BLOCK_N, PRECISION,
     )
-    o_ptrs = O + req * stride_ob + heads[:, None] * stride_oh + offs_d[None, :] * stride_od
-    if num_splits == 1:
-        # A request with no keys (seq_len 0) gets zeros, as in the reference.
-        tl.store(o_ptrs, (acc / tl.where(l_i > 0, l_i, 1.0)[:, None]).to(O.dtype.element_ty), mask=hd_mask)
+    # An empty split stores zeros with log-sum-exp -inf, which the reduce weighs as nothing (a request
+    # with no keys at all gets zeros, as in the reference).
+    nonempty = l_i > 0
+    part = acc / tl.where(nonempty, l_i, 1.0)[:, None]
+    if DIRECT:
+        tl.store(O + req * stride_ob + heads[:, None] * stride_oh + offs_d[None, :] * stride_od,
+                 part.to(O.dtype.element_ty), mask=hd_mask)
     else:
-        # An empty split stores zeros with log-sum-exp -inf, which the merge weighs as nothing.
-        nonempty = l_i > 0
-        part_ptrs = PartOut + req * stride_pb + heads[:, None] * stride_ph + offs_d[None, :] * stride_pd
-        lse_ptrs = PartLse + req * stride_lb + heads * stride_lh
-        tl.store(part_ptrs + split * stride_ps, acc / tl.where(nonempty, l_i, 1.0)[:, None], mask=hd_mask)
-        tl.store(lse_ptrs + split * stride_ls,
-                 tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), float("-inf")), mask=g_mask)
-        # Every thread's stores precede the ticket (the barrier), which releases them to the last split;
-        # its acquire, and loads that skip L1 (.cg), make it read what the others stored.
-        tl.debug_barrier()
-        ticket = tl.atomic_add(Tickets + req * tl.num_programs(1) + kv_head, 1, sem="acq_rel")
-        if ticket == num_splits - 1:
-            m = tl.full([BLOCK_H], float("-inf"), tl.float32)
-            total = tl.zeros([BLOCK_H], tl.float32)
-            out = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-            for s in range(num_splits):
-                lse = tl.load(lse_ptrs + s * stride_ls, mask=g_mask, other=float("-inf"), cache_modifier=".cg")
-                m_new = tl.maximum(m, lse)
-                base = tl.where(m_new == float("-inf"), 0.0, m_new)
-                alpha = tl.where(m == float("-inf"), 0.0, tl.exp2(m - base))
-                w = tl.where(lse == float("-inf"), 0.0, tl.exp2(lse - base))
-                part = tl.load(part_ptrs + s * stride_ps, mask=hd_mask, other=0.0, cache_modifier=".cg")
-                out = out * alpha[:, None] + w[:, None] * part
-                total = total * alpha + w
-                m = m_new
-            tl.store(o_ptrs, (out / tl.where(total > 0, total, 1.0)[:, None]).to(O.dtype.element_ty), mask=hd_mask)
-            tl.store(Tickets + req * tl.num_programs(1) + kv_head, 0)  # ready for the next launch
+        lse = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), float("-inf"))
+        tl.store(
+            PartOut + req * stride_pb + heads[:, None] * stride_ph + split * stride_ps
+            + offs_d[None, :] * stride_pd,
+            part, mask=hd_mask,
+        )
+        tl.store(PartLse + req * stride_lb + heads * stride_lh + split * stride_ls, lse, mask=offs_g < GROUP)
 
 
-# Per device: one zeroed int32 ticket per (request, KV head) for `_decode_kernel`, each left at zero by
-# the split that merges, so that every launch finds them zeroed. Shared by the launches on the device,
-# which run one at a time (one stream); allocated before any CUDA graph capture (the capture's eager
-# warm-up at the largest batch comes first) and never inside one.
-_TICKETS: dict[torch.device, torch.Tensor] = {}
-
-
-def _tickets(device: torch.device, count: int) -> torch.Tensor:
-    buf = _TICKETS.get(device)
-    if buf is None or buf.numel() < count:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("decode attention's tickets must be allocated before a CUDA graph capture "
-                               f"(need {count}; run the batch size eagerly first)")
-        buf = _TICKETS[device] = torch.zeros(max(count, 1 << 16), dtype=torch.int32, device=device)
-    return buf
+@triton.jit
+def _decode_reduce_kernel(
+    PartOut, PartLse, O, num_splits,
+    stride_pb, stride_ph, stride_ps, stride_pd,
+    stride_lb, stride_lh, stride_ls,
+    stride_ob, stride_oh, stride_od,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    """Stage 2: merge the splits of one (request, head) by their log-sum-exps."""
+    req = tl.program_id(0)
+    head = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    s_mask = offs_s < num_splits
+    sd_mask = s_mask[:, None] & (offs_d < HEAD_DIM)[None, :]
+    lse = tl.load(
+        PartLse + req * stride_lb + head * stride_lh + offs_s * stride_ls, mask=s_mask, other=float("-inf")
+    )
+    parts = tl.load(
+        PartOut + req * stride_pb + head * stride_ph + offs_s[:, None] * stride_ps
+        + offs_d[None, :] * stride_pd,
+        mask=sd_mask, other=0.0,
+    )
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)  # all splits empty (seq_len 0): output zeros
+    w = tl.where(lse == float("-inf"), 0.0, tl.exp2(lse - m))
+    total = tl.sum(w, 0)
+    out = tl.sum(w[:, None] * parts, 0) / tl.where(total > 0, total, 1.0)
+    tl.store(
+        O + req * stride_ob + head * stride_oh + offs_d * stride_od,
+        out.to(O.dtype.element_ty), mask=offs_d < HEAD_DIM,
+    )
 
 
 def decode_attention(
@@ -342,8 +341,7 @@ def decode_attention(
     *,
     config: AttnConfig | None = None,
 ) -> torch.Tensor:
-    """Flash-decoding in one launch: one query per request over its paged KV, split along the keys, the
-    split that finishes last merging them.
+    """Flash-decoding: one query per request over its paged KV, split along the keys, then merged.
 
     Same contract as ``reference.decode_attention``. Each stage-1 program loads one KV head once for
     its whole query group (GQA). ``num_kv_splits`` defaults to a value that depends on the batch
@@ -358,17 +356,25 @@ def decode_attention(
     splits = num_kv_splits or default_num_kv_splits(batch, num_kv_heads, q.device)
     cfg = config or decode_config(head_dim, q.device)
     block_d = _block_d(head_dim)
-    part_out = torch.empty((batch, num_heads, splits, head_dim), dtype=torch.float32, device=q.device)
-    part_lse = torch.empty((batch, num_heads, splits), dtype=torch.float32, device=q.device)
-    _decode_kernel[(batch, num_kv_heads, splits)](
-        q, k_buffer, v_buffer, out, part_out, part_lse, _tickets(q.device, batch * num_kv_heads),
-        req_to_token, req_pool_indices, seq_lens,
+    # One split (large batches): the split kernel writes the output, no partials and no reduce launch.
+    direct = splits == 1
+    part_out = torch.empty((batch, num_heads, 0 if direct else splits, head_dim), dtype=torch.float32, device=q.device)
+    part_lse = torch.empty((batch, num_heads, 0 if direct else splits), dtype=torch.float32, device=q.device)
+    _decode_split_kernel[(batch, num_kv_heads, splits)](
+        q, k_buffer, v_buffer, out, part_out, part_lse, req_to_token, req_pool_indices, seq_lens,
         sm_scale * _LOG2E, splits,
         *q.stride(), *k_buffer.stride(), *v_buffer.stride(), *out.stride(), *req_to_token.stride(),
         *part_out.stride(), *part_lse.stride(),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_H=max(16, triton.next_power_of_2(group)),  # tl.dot needs at least 16 rows
-        BLOCK_N=cfg.block_n, PRECISION=_dot_precision(q.dtype),
+        BLOCK_N=cfg.block_n, PRECISION=_dot_precision(q.dtype), DIRECT=direct,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
+    if not direct:
+        _decode_reduce_kernel[(batch, num_heads)](
+            part_out, part_lse, out, splits,
+            *part_out.stride(), *part_lse.stride(), *out.stride(),
+            HEAD_DIM=head_dim, BLOCK_D=block_d,
+            BLOCK_S=triton.next_power_of_2(splits), num_warps=4,
+        )
     return out
