@@ -6,6 +6,8 @@ A miss is explained by the smallest change that makes the grammar accept the ins
    opening the objects (`additionalProperties: true` where an object lists keys and says nothing of
    others) counts as the keyword `additionalProperties`;
 3. otherwise "unexplained".
+A schema whose `$schema` is a custom metaschema counts as such (its vocabularies are not read); a
+`multipleOf` cause where a multipleOf is not a whole number, as "multipleOf a fraction".
 The documented classes (docs/constrained.md, "Strictness and approximations") are the causes the
 acceptance rate may leave out; every other cause is a miss to fix.
 """
@@ -20,7 +22,10 @@ DOCUMENTED = {
     "integer written 1.0": "integers are generated canonically (json.loads reads 1.0 as a float)",
     "additionalProperties": "objects that list their keys get exactly those (models should not invent keys)",
     "uniqueItems": "uniqueItems is an approximation: no grammar compares two items of any shape",
+    "multipleOf a fraction": "numbers: only the integer multiples of p/q (validators disagree on the others)",
+    "custom metaschema": "a metaschema's $vocabulary is not read: the validation keywords always apply",
 }
+_DRAFTS = ("json-schema.org/draft-0", "json-schema.org/draft/20")  # the standard metaschemas' URIs
 # Keywords tried first (the documented ones), then every other keyword the schema holds.
 _FIRST = ("uniqueItems",)
 _OBJECT_KEYS = ("properties", "required", "patternProperties")
@@ -36,11 +41,26 @@ def cause(accepts: Callable[[Any, Any], bool], schema: Any, instance: Any) -> st
             return "integer written 1.0"
     if accepts(_opened(schema), instance):
         return "additionalProperties"
+    if isinstance(schema, dict) and isinstance(schema.get("$schema"), str) and not any(
+            d in schema["$schema"] for d in _DRAFTS):
+        return "custom metaschema"
     rest = sorted(_keywords(schema) - set(_FIRST) - {"$ref", "$defs", "definitions", "$id", "$schema"})
     for keyword in [k for k in _FIRST if k in _keywords(schema)] + rest:
         if accepts(_without(schema, keyword), instance):
+            if keyword == "multipleOf" and any(isinstance(m, float) and not m.is_integer()
+                                               for m in _values(schema, "multipleOf")):
+                return "multipleOf a fraction"
             return keyword
     return "unexplained"
+
+
+def _values(node: Any, keyword: str) -> list:
+    """The values `keyword` takes anywhere in `node`."""
+    if isinstance(node, list):
+        return [v for n in node for v in _values(n, keyword)]
+    if not isinstance(node, dict):
+        return []
+    return ([node[keyword]] if keyword in node else []) + [v for n in node.values() for v in _values(n, keyword)]
 
 
 def _canonical(value: Any) -> Any:

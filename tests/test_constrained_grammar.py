@@ -267,6 +267,30 @@ CASES = [
      [["ab"], []], [[1], ["abc"]]),
     ({"$id": "http://example.com/d", "type": "array", "items": {"$dynamicRef": "#k"},
       "$defs": {"k": {"$anchor": "k", "type": "integer"}}}, [[1, 2]], [["a"]]),
+    # Valid instances the grammar used to reject (issue 17, round 7). contains with counts: matches
+    # anywhere among other items; with maxContains, maxItems or prefixItems, items counted as matching
+    # or failing `contains` (its `not`: numbers, booleans and strings other than the constants).
+    ({"type": "array", "contains": {"const": 1}, "minContains": 2}, [[1, 2, 1], [2, 1, 3, 1, 4]], [[1, 2], [2]]),
+    ({"type": "array", "contains": {"const": 1}, "maxContains": 1}, [[1], [1, 2], [2, 3, 1], [0.5, 1, True]],
+     [[], [1, 1], [1, 2, 1]]),
+    ({"type": "array", "prefixItems": [STR], "contains": INT, "maxItems": 3}, [["a", 1], ["a", "b", 2], ["a", 1, 2]],
+     [["a"], ["a", "b"], ["a", 1, 2, 3], [1]]),
+    ({"type": "array", "contains": {"enum": ["x", True]}, "minContains": 1, "maxContains": 2, "minItems": 3},
+     [["x", 1, 2], [None, True, "x"]], [["x", "x", True], ["x", 1], [1, 2, 3]]),
+    # unevaluatedItems beside contains: an item that matches `contains` is evaluated.
+    ({"type": "array", "prefixItems": [True], "contains": STR, "unevaluatedItems": False},
+     [[1, "foo"], ["a"], [1, "a", "b"]], [[1, 2], [1, 2, "foo"], [1]]),
+    # An object's keys in any order (constants, objects listing up to three keys, allOf parts).
+    ({"const": {"foo": "bar", "baz": [1, {"x": 1, "y": 2}]}},
+     [{"foo": "bar", "baz": [1, {"x": 1, "y": 2}]}, {"baz": [1, {"y": 2, "x": 1}], "foo": "bar"}],
+     [{"foo": "bar"}, {"foo": "bar", "baz": [{"x": 1, "y": 2}, 1]}]),
+    ({"allOf": [{"properties": {"bar": INT}, "required": ["bar"]}, {"properties": {"foo": STR}, "required": ["foo"]}]},
+     [{"foo": "baz", "bar": 2}, {"bar": 2, "foo": "baz"}], [{"foo": "baz"}, {"foo": "baz", "bar": "quux"}]),
+    ({"type": "object", "properties": {"a": INT, "b": STR, "c": INT}, "required": ["c"]},
+     [{"c": 1, "a": 2}, {"b": "x", "c": 1, "a": 2}, {"c": 3}], [{"a": 1, "b": "x"}, {"c": 1, "a": "2"}]),
+    # oneOf whose type split would lose values: small branches exclude each other with `not`.
+    ({"oneOf": [INT, {"minimum": 2}]}, [1, 2.5, "s", -4], [3, 1.5]),
+    ({"not": {"enum": [1, "a", True, None]}}, [2, 0.5, "b", False, [], {}], [1, "a", True, None, 1.0]),
 ]
 
 

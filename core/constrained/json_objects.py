@@ -17,7 +17,7 @@ from radixlm.core.constrained.regex_dfa import ByteDFA, dfa_difference, dfa_inte
 
 
 MAX_PATTERN_OVERLAP = 3  # patternProperties: up to this many, a key may match several (2**n - 1 key kinds)
-MAX_ANY_ORDER = 3  # keys listed only in required: up to this many in any order (n! orders), more in theirs
+MAX_ANY_ORDER = 3  # an object's listed keys (or those listed only in required): up to this many in any order (n!)
 
 
 class ObjectRules:
@@ -80,8 +80,10 @@ class ObjectRules:
             if key is not None:
                 value = self._any() if extra is True else self.value(extra, f"{ptr}/additionalProperties")
                 extras.append(seq(key, self._punct(":"), self._shared(value, f"{ptr}/additionalProperties")))
-        # Keys listed only in `required` have no schema order: a few of them are taken in any order.
-        loose = sum(1 for name in names if name not in props)
+        # An object's keys are unordered: with a few listed keys, any order; with more, the listed
+        # properties in schema order, and keys listed only in `required` (which have no schema order)
+        # in any order when they are a few.
+        loose = len(members) if len(members) <= MAX_ANY_ORDER else sum(1 for name in names if name not in props)
         orders = [members]
         if 2 <= loose <= MAX_ANY_ORDER:
             fixed = members[:len(members) - loose]
