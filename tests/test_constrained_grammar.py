@@ -634,3 +634,33 @@ def test_move_tables_shared_by_schemas_give_the_masks_of_an_index_alone(tiny_tok
     assert seen == alone_seen and len(seen) > 10
     for a, b in zip(masks, alone_masks):
         np.testing.assert_array_equal(a, b)
+
+
+def test_valid_misses_name_the_documented_cause(tiny_tokenizer):
+    """bench_grammar's causes of valid instances the grammar rejects (benchmarks/valid_misses.py), each
+    found by walking the real grammar of a changed schema or instance."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "valid_misses.py"
+    spec = importlib.util.spec_from_file_location("valid_misses", path)
+    valid_misses = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(valid_misses)
+
+    def accepts(schema, instance):
+        try:
+            c = build_constraint("json_schema", schema, tiny_tokenizer)
+        except ValueError:
+            return False
+        return _accepts(c, json.dumps(instance, separators=(",", ":")))
+
+    cases = [({"type": "integer"}, 1.0, "integer written 1.0"),
+             ({"properties": {"a": INT}}, {"a": 1, "b": 2}, "additionalProperties"),
+             ({"type": "array", "uniqueItems": True}, [1, 2], "uniqueItems"),
+             ({"type": "number", "multipleOf": 1.5}, 4.5, "multipleOf a fraction"),
+             ({"$schema": "http://example.com/meta", "minimum": 5}, 1, "custom metaschema"),
+             ({"type": "array", "items": INT, "maxItems": 1}, [1, 2], "maxItems")]  # (an invalid one)
+    for schema, instance, why in cases:
+        assert not accepts(schema, instance)
+        assert valid_misses.cause(accepts, schema, instance) == why, (schema, instance)
+        assert (why in valid_misses.DOCUMENTED) == (why != "maxItems")
