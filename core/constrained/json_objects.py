@@ -83,13 +83,39 @@ class ObjectRules:
         # An object's keys are unordered: with a few listed keys, any order; with more, the listed
         # properties in schema order, and keys listed only in `required` (which have no schema order)
         # in any order when they are a few.
-        loose = len(members) if len(members) <= MAX_ANY_ORDER else sum(1 for name in names if name not in props)
+        if 2 <= len(members) <= MAX_ANY_ORDER:
+            return seq(self._punct("{"), self._any_order(members, extras, lo, hi, ptr), self._punct("}"))
+        loose = sum(1 for name in names if name not in props)
         orders = [members]
         if 2 <= loose <= MAX_ANY_ORDER:
             fixed = members[:len(members) - loose]
             orders = [fixed + list(p) for p in itertools.permutations(members[len(members) - loose:])]
         body = alt(*(self._members(order, extras, lo, hi, ptr) for order in orders))
         return seq(self._punct("{"), body, self._punct("}"))
+
+    def _any_order(self, members: list[tuple[Expr, bool]], extras: list[Expr], lo: int, hi: int | None,
+                   ptr: str) -> Expr:
+        """The body of an object whose few listed members come in any order: a rule per set of members
+        written (2**n), then the extras (_members with no listed member left, from that count)."""
+        base = f"{ptr}@any{len(self.rules)}"
+        required = sum(1 << i for i, (_, req) in enumerate(members) if req)
+        tails: dict[int, Expr] = {}  # the extras after n members
+
+        def rest(done: int) -> Expr:
+            name = f"{base}/{done}"
+            if name not in self.rules:
+                self.rules[name] = NOTHING
+                n = bin(done).count("1")
+                comma = self._punct(",") if n else EMPTY
+                take = [seq(comma, member, rest(done | 1 << i)) for i, (member, _) in enumerate(members)
+                        if not done >> i & 1 and (hi is None or n < hi)]
+                if done & required == required and n not in tails:
+                    tails[n] = self._members([], extras, lo, hi, ptr, n)
+                tail = [tails[n]] if done & required == required else []
+                self.rules[name] = alt(*take, *tail)
+            return Ref(name)
+
+        return rest(0)
 
     @staticmethod
     def _property_names(names: list[str], rule: Any, required: list[str], ptr: str) -> list[str] | None:
@@ -108,9 +134,9 @@ class ObjectRules:
         return None if any(r not in keep for r in required) else keep
 
     def _members(self, members: list[tuple[Expr, bool]], extras: list[Expr], lo: int, hi: int | None,
-                 ptr: str) -> Expr:
+                 ptr: str, written: int = 0) -> Expr:
         """The object's body: members in order (optional ones may be left out), then any extras, with
-        commas between, between lo and hi members in all. Rule (i, n) is the rest of the body after i
+        commas between, between lo and hi members in all (`written` of them already before). Rule (i, n) is the rest of the body after i
         listed members were considered and n written (n counted only as far as the bounds need)."""
         cap = max(lo, hi if hi is not None else 0, 1)
         base = f"{ptr}@obj{len(self.rules)}"
@@ -134,7 +160,7 @@ class ObjectRules:
             self.rules[name] = body
             return Ref(name)
 
-        return rest(0, 0)
+        return rest(0, min(written, cap))
 
     def _key(self, name: str) -> Expr:
         text = json.dumps(name, ensure_ascii=False)
