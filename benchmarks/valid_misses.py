@@ -1,7 +1,8 @@
 """Why the grammar rejected a valid instance: bench_grammar.py's valid misses, each with its cause.
 
 A miss is explained by the smallest change that makes the grammar accept the instance, tried in order:
-1. the instance with its whole floats written as integers (`1.0` -> `1`): the canonical integers;
+1. the instance with its whole floats written as integers (`1.0` -> `1`): the canonical integers; the
+   instance with every object's keys reversed, or sorted: the key order;
 2. the schema with one keyword removed everywhere (its `$defs` included): that keyword is the cause;
    opening the objects (`additionalProperties: true` where an object lists keys and says nothing of
    others) counts as the keyword `additionalProperties`;
@@ -24,6 +25,7 @@ DOCUMENTED = {
     "uniqueItems": "uniqueItems is an approximation: no grammar compares two items of any shape",
     "multipleOf a fraction": "numbers: only the integer multiples of p/q (validators disagree on the others)",
     "custom metaschema": "a metaschema's $vocabulary is not read: the validation keywords always apply",
+    "key order": "required keys and constant objects in schema order: forced text, which jump-forward writes",
 }
 _DRAFTS = ("json-schema.org/draft-0", "json-schema.org/draft/20")  # the standard metaschemas' URIs
 # Keywords tried first (the documented ones), then every other keyword the schema holds.
@@ -39,6 +41,9 @@ def cause(accepts: Callable[[Any, Any], bool], schema: Any, instance: Any) -> st
     if canonical != instance or json.dumps(canonical) != json.dumps(instance):
         if accepts(schema, canonical):
             return "integer written 1.0"
+    if isinstance(instance, (dict, list)) and any(accepts(schema, _reordered(instance, order))
+                                                  for order in (reversed, sorted)):
+        return "key order"
     if accepts(_opened(schema), instance):
         return "additionalProperties"
     if isinstance(schema, dict) and isinstance(schema.get("$schema"), str) and not any(
@@ -52,6 +57,15 @@ def cause(accepts: Callable[[Any, Any], bool], schema: Any, instance: Any) -> st
                 return "multipleOf a fraction"
             return keyword
     return "unexplained"
+
+
+def _reordered(value: Any, order) -> Any:
+    """`value` with every object's keys in `order` (reversed, sorted): the same JSON value."""
+    if isinstance(value, list):
+        return [_reordered(v, order) for v in value]
+    if isinstance(value, dict):
+        return {k: _reordered(value[k], order) for k in order(list(value))}
+    return value
 
 
 def _values(node: Any, keyword: str) -> list:

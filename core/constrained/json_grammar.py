@@ -21,7 +21,6 @@ in the json_*.py modules named in _Converter's docstring.
 from __future__ import annotations
 
 import functools
-import itertools
 import json
 import math
 import re
@@ -38,7 +37,7 @@ from radixlm.core.constrained.json_common import (
 from radixlm.core.constrained.json_conditional import ConditionalRules
 from radixlm.core.constrained.json_exclusion import MAX_NEGATION_DEPTH, ExclusionRules, _types_only
 from radixlm.core.constrained.json_numbers import NumberRules
-from radixlm.core.constrained.json_objects import MAX_ANY_ORDER, ObjectRules
+from radixlm.core.constrained.json_objects import ObjectRules
 from radixlm.core.constrained.json_strings import StringRules, _asserts_formats
 from radixlm.core.constrained.json_unique import UniqueRules
 
@@ -268,11 +267,10 @@ class _Converter(ExclusionRules, ConditionalRules, AllOfRules, StringRules, Numb
             items = [self._constant(v) for v in value]
             body = [seq(self._punct(","), v) if i else v for i, v in enumerate(items)]
             return seq(self._punct("["), *body, self._punct("]"))
-        if isinstance(value, dict):  # keys in any order for a few of them (an object is unordered)
+        if isinstance(value, dict):
             members = [seq(self._key(k), self._constant(v)) for k, v in value.items()]
-            orders = itertools.permutations(members) if len(members) <= MAX_ANY_ORDER else [members]
-            bodies = [seq(*(seq(self._punct(","), m) if i else m for i, m in enumerate(o))) for o in orders]
-            return seq(self._punct("{"), alt(*bodies), self._punct("}"))
+            body = [seq(self._punct(","), m) if i else m for i, m in enumerate(members)]
+            return seq(self._punct("{"), *body, self._punct("}"))
         return lit(json.dumps(value, ensure_ascii=False))
 
     def _any(self) -> Ref:

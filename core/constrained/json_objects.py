@@ -17,7 +17,7 @@ from radixlm.core.constrained.regex_dfa import ByteDFA, dfa_difference, dfa_inte
 
 
 MAX_PATTERN_OVERLAP = 3  # patternProperties: up to this many, a key may match several (2**n - 1 key kinds)
-MAX_ANY_ORDER = 3  # an object's listed keys (or those listed only in required): up to this many in any order (n!)
+MAX_ANY_ORDER = 3  # an object's optional keys (or those listed only in required): up to this many in any order
 
 
 class ObjectRules:
@@ -80,10 +80,10 @@ class ObjectRules:
             if key is not None:
                 value = self._any() if extra is True else self.value(extra, f"{ptr}/additionalProperties")
                 extras.append(seq(key, self._punct(":"), self._shared(value, f"{ptr}/additionalProperties")))
-        # An object's keys are unordered: with a few listed keys, any order; with more, the listed
-        # properties in schema order, and keys listed only in `required` (which have no schema order)
-        # in any order when they are a few.
-        if 2 <= len(members) <= MAX_ANY_ORDER:
+        # An object's keys are unordered, but a required key in schema order is forced text (jump-forward
+        # writes it without decoding): a few optional keys come in any order; required keys in schema
+        # order, but for keys listed only in `required` (no schema order), in any order when a few.
+        if 2 <= len(members) <= MAX_ANY_ORDER and not any(req for _, req in members):
             return seq(self._punct("{"), self._any_order(members, extras, lo, hi, ptr), self._punct("}"))
         loose = sum(1 for name in names if name not in props)
         orders = [members]
@@ -96,7 +96,8 @@ class ObjectRules:
     def _any_order(self, members: list[tuple[Expr, bool]], extras: list[Expr], lo: int, hi: int | None,
                    ptr: str) -> Expr:
         """The body of an object whose few listed members come in any order: a rule per set of members
-        written (2**n), then the extras (_members with no listed member left, from that count)."""
+        written (2**n; a required member must be among them), then the extras (_members with no listed
+        member left, from that count)."""
         base = f"{ptr}@any{len(self.rules)}"
         required = sum(1 << i for i, (_, req) in enumerate(members) if req)
         tails: dict[int, Expr] = {}  # the extras after n members
