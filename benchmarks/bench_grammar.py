@@ -21,8 +21,10 @@ the process-wide terminal caches that schemas share), then every instance
 written compactly (keys in schema order where the schema lists properties) and tokenized canonically is
 walked token by token: the mask is computed (packed bits, timed: that is mask µs/token, first visits
 included), the token must be in it, and EOS must be allowed at the end. Valid accepted / invalid
-accepted count those walks. Then the same walks again ("same outputs again": a schema used again, as
-tool and response schemas are, with whatever each engine keeps between requests).
+accepted count those walks; each valid instance rejected gets its cause (valid_misses.py), and the rate
+with the documented strictness left out (docs/constrained.md) is reported next to the raw one. Then the
+same walks again ("same outputs again": a schema used again, as tool and response schemas are, with
+whatever each engine keeps between requests).
 """
 
 from __future__ import annotations
@@ -407,7 +409,8 @@ def report() -> str:
         again = f"{a['mean']:.0f} / {a['p50']:.1f} / {a['p99']:.0f}" if a else "–"
         by = " / ".join(f"{a}/{b}" for a, b in r.get("compiled_by_source", {}).values())
         rows.append(f"| {name} | {r['compiled']} / {r['schemas']} ({by}) | {c['p50']:.1f} / {c['p90']:.1f} / {c['p99']:.1f} / "
-                    f"{c['max']:.0f} | {v[0]} / {v[1]} ({100 * v[0] / max(v[1], 1):.1f} %) | {documented} | {i[0]} / {i[1]} | "
+                    f"{c['max']:.0f} | {v[0]} / {v[1]} ({100 * v[0] / max(v[1], 1):.1f} %) | {documented} | "
+                    f"{i[0]} / {i[1]} | "
                     f"{m['mean']:.0f} / {m['p50']:.1f} / {m['p99']:.0f} | {again} | {r['max_rss_mb']['before_corpus']:.0f} → "
                     f"{r['max_rss_mb']['after']:.0f} |")
     return "\n".join(rows)

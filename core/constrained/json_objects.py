@@ -137,8 +137,9 @@ class ObjectRules:
     def _members(self, members: list[tuple[Expr, bool]], extras: list[Expr], lo: int, hi: int | None,
                  ptr: str, written: int = 0) -> Expr:
         """The object's body: members in order (optional ones may be left out), then any extras, with
-        commas between, between lo and hi members in all (`written` of them already before). Rule (i, n) is the rest of the body after i
-        listed members were considered and n written (n counted only as far as the bounds need)."""
+        commas between, between lo and hi members in all (`written` of them already before). Rule (i, n)
+        is the rest of the body after i listed members were considered and n written (n counted only as
+        far as the bounds need)."""
         cap = max(lo, hi if hi is not None else 0, 1)
         base = f"{ptr}@obj{len(self.rules)}"
         extra = alt(*extras) if extras else None
