@@ -267,6 +267,27 @@ CASES = [
      [["ab"], []], [[1], ["abc"]]),
     ({"$id": "http://example.com/d", "type": "array", "items": {"$dynamicRef": "#k"},
       "$defs": {"k": {"$anchor": "k", "type": "integer"}}}, [[1, 2]], [["a"]]),
+    # Valid instances the grammar used to reject (issue 17, round 7). contains with counts: matches
+    # anywhere among other items; with maxContains, maxItems or prefixItems, items counted as matching
+    # or failing `contains` (its `not`: numbers, booleans and strings other than the constants).
+    ({"type": "array", "contains": {"const": 1}, "minContains": 2}, [[1, 2, 1], [2, 1, 3, 1, 4]], [[1, 2], [2]]),
+    ({"type": "array", "contains": {"const": 1}, "maxContains": 1}, [[1], [1, 2], [2, 3, 1], [0.5, 1, True]],
+     [[], [1, 1], [1, 2, 1]]),
+    ({"type": "array", "prefixItems": [STR], "contains": INT, "maxItems": 3}, [["a", 1], ["a", "b", 2], ["a", 1, 2]],
+     [["a"], ["a", "b"], ["a", 1, 2, 3], [1]]),
+    ({"type": "array", "contains": {"enum": ["x", True]}, "minContains": 1, "maxContains": 2, "minItems": 3},
+     [["x", 1, 2], [None, True, "x"]], [["x", "x", True], ["x", 1], [1, 2, 3]]),
+    # unevaluatedItems beside contains: an item that matches `contains` is evaluated.
+    ({"type": "array", "prefixItems": [True], "contains": STR, "unevaluatedItems": False},
+     [[1, "foo"], ["a"], [1, "a", "b"]], [[1, 2], [1, 2, "foo"], [1]]),
+    # A few optional keys in any order (required ones stay in schema order: forced text).
+    ({"type": "object", "properties": {"a": INT, "b": STR, "c": INT}, "maxProperties": 2},
+     [{"c": 1, "a": 2}, {"b": "x", "c": 1}, {"c": 3}, {}], [{"a": 1, "b": "x", "c": 2}, {"c": 1, "a": "2"}]),
+    ({"type": "object", "properties": {"a": INT, "b": INT}, "additionalProperties": STR, "minProperties": 2},
+     [{"b": 1, "a": 2}, {"b": 1, "x": "y"}, {"x": "y", "z": "w"}], [{"b": 1}, {"b": 1, "x": 2}]),
+    # oneOf whose type split would lose values: small branches exclude each other with `not`.
+    ({"oneOf": [INT, {"minimum": 2}]}, [1, 2.5, "s", -4], [3, 1.5]),
+    ({"not": {"enum": [1, "a", True, None]}}, [2, 0.5, "b", False, [], {}], [1, "a", True, None, 1.0]),
 ]
 
 
@@ -610,3 +631,34 @@ def test_move_tables_shared_by_schemas_give_the_masks_of_an_index_alone(tiny_tok
     assert seen == alone_seen and len(seen) > 10
     for a, b in zip(masks, alone_masks):
         np.testing.assert_array_equal(a, b)
+
+
+def test_valid_misses_name_the_documented_cause(tiny_tokenizer):
+    """bench_grammar's causes of valid instances the grammar rejects (benchmarks/valid_misses.py), each
+    found by walking the real grammar of a changed schema or instance."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "valid_misses.py"
+    spec = importlib.util.spec_from_file_location("valid_misses", path)
+    valid_misses = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(valid_misses)
+
+    def accepts(schema, instance):
+        try:
+            c = build_constraint("json_schema", schema, tiny_tokenizer)
+        except ValueError:
+            return False
+        return _accepts(c, json.dumps(instance, separators=(",", ":")))
+
+    cases = [({"type": "integer"}, 1.0, "integer written 1.0"),
+             ({"properties": {"a": INT}}, {"a": 1, "b": 2}, "additionalProperties"),
+             ({"type": "array", "uniqueItems": True}, [1, 2], "uniqueItems"),
+             ({"type": "number", "multipleOf": 1.5}, 4.5, "multipleOf a fraction"),
+             ({"$schema": "http://example.com/meta", "minimum": 5}, 1, "custom metaschema"),
+             ({"properties": {"a": INT, "b": INT}, "required": ["a", "b"]}, {"b": 1, "a": 2}, "key order"),
+             ({"type": "array", "items": INT, "maxItems": 1}, [1, 2], "maxItems")]  # (an invalid one)
+    for schema, instance, why in cases:
+        assert not accepts(schema, instance)
+        assert valid_misses.cause(accepts, schema, instance) == why, (schema, instance)
+        assert (why in valid_misses.DOCUMENTED) == (why != "maxItems")

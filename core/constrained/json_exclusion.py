@@ -15,6 +15,7 @@ from radixlm.core.constrained.json_strings import ecma_string_pattern
 
 MAX_NEGATION_DEPTH = 8  # `not` of nested schemas: levels looked into (a recursive schema has no end)
 MAX_ONEOF_PAIRS = 4  # `not` of a oneOf: with up to this many branches, the values of each pair too
+MAX_EXACT_ONEOF = 400  # oneOf branches split by type that lose values: up to this size (JSON), by `not`
 
 
 class ExclusionRules:
@@ -99,10 +100,9 @@ class ExclusionRules:
                 raise SchemaError(f"{ptr}/pattern: {e}") from None
         if key in ("enum", "const"):
             values = body["enum"] if key == "enum" else [body["const"]]
-            if not isinstance(values, list) or not all(isinstance(v, str) for v in values):
+            if not isinstance(values, list) or any(isinstance(v, (dict, list)) for v in values):
                 return None
-            excluded = [re.escape(json.dumps(v, ensure_ascii=False)) for v in values]
-            return [(None, {_NOT_STRINGS: excluded})]  # any value but these strings
+            return _other_than(values)
         if key == "required" and isinstance(value, list):
             return [("object", {"properties": {r: False}, **opened}) for r in value]
         if key == "properties" and isinstance(value, dict):
@@ -175,6 +175,19 @@ class ExclusionRules:
                 kept.append(_with_parts(branch, {"type": sorted(types - {"integer"} if "number" in types else types)}))
                 kept_sigs.append(dict(sig, types=types | ({"integer"} if "number" in types else set())))
         if kept and _pairwise_exclusive(kept_sigs):
+            lost = len(kept) < len(branches) or any(k["types"] != s["types"] for k, s in zip(kept_sigs, sigs))
+            if lost and len(json.dumps(branches, default=str)) <= MAX_EXACT_ONEOF and '"$ref"' not in \
+                    json.dumps(branches, default=str):
+                # Small branches: each excluding the others keeps the values the type split drops
+                # ({"oneOf": [integer, {"minimum": 2}]}: 1 and 2.5), where `not` can say them all.
+                rules, ref_rules, converted = dict(self.rules), dict(self.ref_rules), dict(self.converted)
+                try:
+                    exact = self._excluding(branches, own, sigs, ptr)
+                    if len(exact) >= len(kept):
+                        return exact
+                except SchemaError:
+                    pass
+                self.rules, self.ref_rules, self.converted = rules, ref_rules, converted
             return [self.value(b, f"{ptr}/{i}") for i, b in enumerate(kept)]
         return self._excluding(branches, own, sigs, ptr)
 
@@ -291,6 +304,25 @@ def _excludes(a: dict, b: dict) -> bool:
         if key in a.get("required", set()) and other is not None and all(v in excluded for v in other):
             return True
     return False
+
+
+def _other_than(values: list) -> list:
+    """The ways a value differs from each of `values` (strings, numbers, booleans, null): any value but
+    those strings; numbers in the open intervals between those numbers; the other boolean."""
+    strings = [re.escape(json.dumps(v, ensure_ascii=False)) for v in values if isinstance(v, str)]
+    if len(strings) == len(values):
+        return [(None, {_NOT_STRINGS: strings})]
+    numbers = sorted({v for v in values if _json_type(v) in ("integer", "number")})
+    kinds = {"number" if _json_type(v) == "integer" else _json_type(v) for v in values}
+    ways = [(None, {"type": sorted(set(_TYPES) - kinds)})]
+    if strings:
+        ways.append(("string", {_NOT_STRINGS: strings}))
+    if numbers:
+        ways += [("number", {"exclusiveMaximum": numbers[0]}), ("number", {"exclusiveMinimum": numbers[-1]})]
+        ways += [("number", {"exclusiveMinimum": a, "exclusiveMaximum": b}) for a, b in zip(numbers, numbers[1:])]
+    ways += [("boolean", {"const": b}) for b in (True, False)
+             if "boolean" in kinds and not any(v is b for v in values)]
+    return ways
 
 
 def _types_only(sub: Any) -> bool:

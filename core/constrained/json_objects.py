@@ -17,7 +17,7 @@ from radixlm.core.constrained.regex_dfa import ByteDFA, dfa_difference, dfa_inte
 
 
 MAX_PATTERN_OVERLAP = 3  # patternProperties: up to this many, a key may match several (2**n - 1 key kinds)
-MAX_ANY_ORDER = 3  # keys listed only in required: up to this many in any order (n! orders), more in theirs
+MAX_ANY_ORDER = 3  # an object's optional keys (or those listed only in required): up to this many in any order
 
 
 class ObjectRules:
@@ -80,7 +80,11 @@ class ObjectRules:
             if key is not None:
                 value = self._any() if extra is True else self.value(extra, f"{ptr}/additionalProperties")
                 extras.append(seq(key, self._punct(":"), self._shared(value, f"{ptr}/additionalProperties")))
-        # Keys listed only in `required` have no schema order: a few of them are taken in any order.
+        # An object's keys are unordered, but a required key in schema order is forced text (jump-forward
+        # writes it without decoding): a few optional keys come in any order; required keys in schema
+        # order, but for keys listed only in `required` (no schema order), in any order when a few.
+        if 2 <= len(members) <= MAX_ANY_ORDER and not any(req for _, req in members):
+            return seq(self._punct("{"), self._any_order(members, extras, lo, hi, ptr), self._punct("}"))
         loose = sum(1 for name in names if name not in props)
         orders = [members]
         if 2 <= loose <= MAX_ANY_ORDER:
@@ -88,6 +92,31 @@ class ObjectRules:
             orders = [fixed + list(p) for p in itertools.permutations(members[len(members) - loose:])]
         body = alt(*(self._members(order, extras, lo, hi, ptr) for order in orders))
         return seq(self._punct("{"), body, self._punct("}"))
+
+    def _any_order(self, members: list[tuple[Expr, bool]], extras: list[Expr], lo: int, hi: int | None,
+                   ptr: str) -> Expr:
+        """The body of an object whose few listed members come in any order: a rule per set of members
+        written (2**n; a required member must be among them), then the extras (_members with no listed
+        member left, from that count)."""
+        base = f"{ptr}@any{len(self.rules)}"
+        required = sum(1 << i for i, (_, req) in enumerate(members) if req)
+        tails: dict[int, Expr] = {}  # the extras after n members
+
+        def rest(done: int) -> Expr:
+            name = f"{base}/{done}"
+            if name not in self.rules:
+                self.rules[name] = NOTHING
+                n = bin(done).count("1")
+                comma = self._punct(",") if n else EMPTY
+                take = [seq(comma, member, rest(done | 1 << i)) for i, (member, _) in enumerate(members)
+                        if not done >> i & 1 and (hi is None or n < hi)]
+                if done & required == required and n not in tails:
+                    tails[n] = self._members([], extras, lo, hi, ptr, n)
+                tail = [tails[n]] if done & required == required else []
+                self.rules[name] = alt(*take, *tail)
+            return Ref(name)
+
+        return rest(0)
 
     @staticmethod
     def _property_names(names: list[str], rule: Any, required: list[str], ptr: str) -> list[str] | None:
@@ -106,10 +135,11 @@ class ObjectRules:
         return None if any(r not in keep for r in required) else keep
 
     def _members(self, members: list[tuple[Expr, bool]], extras: list[Expr], lo: int, hi: int | None,
-                 ptr: str) -> Expr:
+                 ptr: str, written: int = 0) -> Expr:
         """The object's body: members in order (optional ones may be left out), then any extras, with
-        commas between, between lo and hi members in all. Rule (i, n) is the rest of the body after i
-        listed members were considered and n written (n counted only as far as the bounds need)."""
+        commas between, between lo and hi members in all (`written` of them already before). Rule (i, n)
+        is the rest of the body after i listed members were considered and n written (n counted only as
+        far as the bounds need)."""
         cap = max(lo, hi if hi is not None else 0, 1)
         base = f"{ptr}@obj{len(self.rules)}"
         extra = alt(*extras) if extras else None
@@ -132,7 +162,7 @@ class ObjectRules:
             self.rules[name] = body
             return Ref(name)
 
-        return rest(0, 0)
+        return rest(0, min(written, cap))
 
     def _key(self, name: str) -> Expr:
         text = json.dumps(name, ensure_ascii=False)
