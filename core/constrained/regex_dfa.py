@@ -447,35 +447,44 @@ def dfa_intersection(a: ByteDFA, b: ByteDFA, max_states: int = MAX_DFA_STATES,
 
 def _product(a: ByteDFA, b: ByteDFA, both: bool, max_states: int,
              check: Callable[[], None] | None) -> ByteDFA | None:
-    """The product of a and b, minimized: strings both accept (`both`), else those a accepts and b does not."""
+    """The product of a and b, minimized: strings both accept (`both`), else those a accepts and b does not.
+
+    Built over byte classes (bytes that no state of a or b tells apart), one breadth-first level at a
+    time: a level's successor pairs are numpy rows, and only their distinct pairs are looked up."""
     sink = b.num_states  # for a difference, b's missing transitions go to an extra rejecting sink
     tb = np.vstack([b.transitions if both else np.where(b.transitions >= 0, b.transitions, sink),
                     np.full((1, 256), -1 if both else sink)])
     acc_b = np.append(b.accepting, False)
-    ids, pairs, rows = {(0, 0): 0}, [(0, 0)], []
-    while len(rows) < len(pairs):
-        sa, sb = pairs[len(rows)]
-        na, nb = a.transitions[sa], tb[sb]
-        live = (na >= 0) & (nb >= 0)
-        codes = np.where(live, na.astype(np.int64) * (sink + 1) + nb, -1)
-        targets, inverse = np.unique(codes, return_inverse=True)
-        mapped = []
-        for code in targets.tolist():  # a handful of distinct successor pairs per row
-            if code < 0:
-                mapped.append(-1)
-                continue
-            key = divmod(code, sink + 1)
-            j = ids.get(key)
-            if j is None:
-                if len(pairs) >= max_states:
-                    raise GrammarBudgetError(f"automaton too large: over {max_states} states")
-                j = ids[key] = len(pairs)
-                pairs.append(key)
+    _, first, classes = np.unique(np.concatenate([a.transitions, tb]).T, axis=0, return_index=True,
+                                  return_inverse=True)
+    order = np.argsort(first)  # class ids in byte order, as regex_to_dfa's (the minimal DFA's numbering)
+    classes = np.argsort(order)[classes.reshape(-1)]
+    ta, tb = a.transitions[:, first[order]].astype(np.int64), tb[:, first[order]]
+    base = sink + 1  # a pair (x, y) as the code x * base + y
+    ids: dict[int, int] = {0: 0}
+    frontier, codes, rows = np.zeros(1, dtype=np.int64), [np.zeros(1, dtype=np.int64)], []
+    while frontier.size:
+        xa, xb = np.divmod(frontier, base)
+        na, nb = ta[xa], tb[xb]
+        succ = np.where((na >= 0) & (nb >= 0), na * base + nb, -1)
+        targets, inverse = np.unique(succ, return_inverse=True)
+        mapped, new = [], []
+        for code in targets.tolist():
+            j = ids.get(code, -1) if code >= 0 else -1
+            if j < 0 <= code:
+                j = ids[code] = len(ids)
+                new.append(code)
             mapped.append(j)
-        rows.append(np.asarray(mapped, dtype=np.int32)[inverse.reshape(-1)])
-        if check is not None and len(rows) % 256 == 0:
+        if len(ids) > max_states:
+            raise GrammarBudgetError(f"automaton too large: over {max_states} states")
+        rows.append(np.asarray(mapped, dtype=np.int32)[inverse.reshape(succ.shape)])
+        frontier = np.asarray(new, dtype=np.int64)
+        codes.append(frontier)
+        if check is not None:
             check()
-    accepting = np.array([bool(a.accepting[x]) and bool(acc_b[y]) == both for x, y in pairs])
-    if not _live_states(np.stack(rows), accepting)[0]:
+    xa, xb = np.divmod(np.concatenate(codes), base)
+    accepting = a.accepting[xa] & (acc_b[xb] == both)
+    trans = np.concatenate(rows)
+    if not _live_states(trans, accepting)[0]:
         return None  # the language is empty
-    return _minimize(np.stack(rows), accepting, np.arange(256), "product", check)
+    return _minimize(trans, accepting, classes, "product", check)
