@@ -311,26 +311,46 @@ def _determinize(nfa: _NFA, start: int, accept: int, max_states: int) -> tuple[n
     classes = nfa.byte_classes()
     num_classes = int(classes[-1]) + 1
     cedges = [[(int(classes[lo]), int(classes[hi]), t) for lo, hi, t in edges] for edges in nfa.edges]
-    eps, closures = nfa.eps, {}
+    eps, closures, own = nfa.eps, {}, {}
 
     def closure(targets: frozenset[int]) -> frozenset[int]:
         found = closures.get(targets)
         if found is None:
-            # Only states with byte edges (and the accept state) tell subsets apart.
-            found = closures[targets] = frozenset(
-                s for s in epsilon_reachable(targets, eps) if cedges[s] or s == accept)
+            # Only states with byte edges (and the accept state) tell subsets apart. Each state's own
+            # closure is walked once; a subset's is the union of its states' (set operations in C).
+            parts = []
+            for t in targets:
+                part = own.get(t)
+                if part is None:
+                    part = own[t] = frozenset(s for s in epsilon_reachable((t,), eps) if cedges[s] or s == accept)
+                parts.append(part)
+            found = closures[targets] = frozenset().union(*parts)
         return found
 
     first = closure(frozenset([start]))
     ids, sets, rows = {first: 0}, [first], []
     while len(rows) < len(sets):
         row = [-1] * num_classes
-        edges = [e for s in sets[len(rows)] for e in cedges[s]]
-        points = sorted({lo for lo, _, _ in edges} | {hi + 1 for _, hi, _ in edges})
+        # A sweep over the class boundaries of the subset's edges: `active` counts the edges covering
+        # the current interval, per target.
+        opening: dict[int, list[int]] = {}
+        closing: dict[int, list[int]] = {}
+        for s in sets[len(rows)]:
+            for lo, hi, t in cedges[s]:
+                opening.setdefault(lo, []).append(t)
+                closing.setdefault(hi + 1, []).append(t)
+        points = sorted(opening.keys() | closing.keys())
+        active: dict[int, int] = {}
         for a, b in zip(points, points[1:]):
-            targets = frozenset(t for lo, hi, t in edges if lo <= a <= hi)
-            if not targets:
+            for t in closing.get(a, ()):
+                active[t] -= 1
+                if not active[t]:
+                    del active[t]
+            for t in opening.get(a, ()):
+                active[t] = active.get(t, 0) + 1
+            if not active:
                 continue
+            targets = frozenset(active)
             subset = closure(targets)
             j = ids.get(subset)
             if j is None:
