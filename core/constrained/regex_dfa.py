@@ -504,11 +504,11 @@ def _product(a: ByteDFA, b: ByteDFA, both: bool, max_states: int,
         for code in targets.tolist():
             j = ids.get(code, -1) if code >= 0 else -1
             if j < 0 <= code:
+                if len(ids) >= max_states:
+                    raise GrammarBudgetError(f"automaton too large: over {max_states} states")
                 j = ids[code] = len(ids)
                 new.append(code)
             mapped.append(j)
-        if len(ids) > max_states:
-            raise GrammarBudgetError(f"automaton too large: over {max_states} states")
         rows.append(np.asarray(mapped, dtype=np.int32)[inverse.reshape(succ.shape)])
         frontier = np.asarray(new, dtype=np.int64)
         codes.append(frontier)
