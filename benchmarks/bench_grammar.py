@@ -225,10 +225,9 @@ def run(engine_name: str, suite_dir: str, limit: int | None, cold: bool, vocab_n
 
     tokenizer = {"qwen2": testing.qwen2_tokenizer, "llama3": testing.llama3_tokenizer}[vocab_name]()
     setup = time.perf_counter()
-    from radixlm.core.constrained.vocab import vocab_of
+    from radixlm.core.constrained.grammar_index_cache import prepare_vocab
 
-    vocab = vocab_of(tokenizer)
-    vocab.trie  # the per-tokenizer setup, once per process for every engine
+    vocab = prepare_vocab(tokenizer)  # the per-tokenizer setup, once per process, as an engine's start
     setup = time.perf_counter() - setup
     vocab_size = len(tokenizer)
     eos = tokenizer.eos_token_id

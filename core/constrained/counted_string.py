@@ -23,7 +23,7 @@ import numpy as np
 
 from radixlm.core.constrained import json_schema as js
 from radixlm.core.constrained.regex_dfa import ByteDFA, regex_to_dfa
-from radixlm.core.constrained.vocab import TokenTrie, TokenVocab
+from radixlm.core.constrained.vocab import TokenTrie, TokenVocab, byte_matrix
 
 QUOTE = ord('"')
 _PURE, _PARTIAL, _CLOSED, _BAD = 0, 1, 2, 3  # token kinds, read from a character boundary
@@ -120,37 +120,33 @@ _lock = threading.Lock()
 
 def string_tokens(vocab: TokenVocab, opening: bool = False) -> StringTokens:
     """The vocabulary read as string bodies from a character boundary, or with `opening` from before the
-    opening quote (tokens that do not start with one are never allowed there); cached per vocabulary."""
+    opening quote (tokens that do not start with one are never allowed there); cached per vocabulary
+    (grammar_index_cache.prepare_vocab reads it when an engine starts)."""
     key = (vocab.fingerprint, opening)
     with _lock:
         found = _tokens.get(key)
         if found is None:
-            if opening:
-                data = [b[1:] if b[:1] == b'"' else None for b in vocab.token_bytes]
-            else:
-                data = [b if b else None for b in vocab.token_bytes]
-            found = _tokens[key] = _read_tokens(data)
+            found = _tokens[key] = _read_tokens(vocab.token_bytes, opening)
     return found
 
 
-def _read_tokens(data: list[bytes | None]) -> StringTokens:
-    """All tokens' bytes `data` (None: never allowed) through the character DFA at once, one byte
-    position per numpy step."""
+def _read_tokens(token_bytes: list[bytes], opening: bool) -> StringTokens:
+    """All tokens through the character DFA at once, one byte position per numpy step (empty tokens,
+    and with `opening` those without a leading quote, are never allowed; the quote is skipped)."""
     char = _char_dfa()
     done = int(np.flatnonzero(char.accepting)[0])
-    size = len(data)
-    lens = np.fromiter((len(b) if b is not None else 0 for b in data), dtype=np.int64, count=size)
-    width = max(int(lens.max()), 1)
-    mat = np.zeros((size, width), dtype=np.uint8)
-    for i, b in enumerate(data):
-        if b:
-            mat[i, :len(b)] = np.frombuffer(b, dtype=np.uint8)
-    kind = np.array([_BAD if b is None else _PURE for b in data], dtype=np.int64)
+    mat, lens = byte_matrix(token_bytes)
+    skip = int(opening)
+    allowed = (lens > 0) & (mat[:, 0] == QUOTE) if opening else lens > 0
+    mat, lens = mat[:, skip:], np.maximum(lens - skip, 0)
+    size = len(token_bytes)
+    kind = np.where(allowed, _PURE, _BAD)
     state = np.zeros(size, dtype=np.int64)
     count = np.zeros(size, dtype=np.int64)
     quote_at = np.full(size, -1, dtype=np.int64)
-    for d in range(width):
-        live = np.flatnonzero((d < lens) & (kind == _PURE))
+    live = np.flatnonzero(allowed)
+    for d in range(mat.shape[1]):
+        live = live[(d < lens[live]) & (kind[live] == _PURE)]  # the tokens still being read
         if not len(live):
             break
         b = mat[live, d]
@@ -175,6 +171,6 @@ def _read_tokens(data: list[bytes | None]) -> StringTokens:
     tails = np.flatnonzero((kind == _CLOSED) & ~ends)
     suffix_bytes = [b""] * size
     for t in tails.tolist():
-        suffix_bytes[t] = data[t][quote_at[t] + 1:]
+        suffix_bytes[t] = token_bytes[t][skip + quote_at[t] + 1:]
     suffixes = TokenTrie.build(suffix_bytes, tails.tolist()) if len(tails) else None
     return StringTokens(pack(inside), pack(closing), pack(ends), suffixes)

@@ -311,26 +311,46 @@ def _determinize(nfa: _NFA, start: int, accept: int, max_states: int) -> tuple[n
     classes = nfa.byte_classes()
     num_classes = int(classes[-1]) + 1
     cedges = [[(int(classes[lo]), int(classes[hi]), t) for lo, hi, t in edges] for edges in nfa.edges]
-    eps, closures = nfa.eps, {}
+    eps, closures, own = nfa.eps, {}, {}
 
     def closure(targets: frozenset[int]) -> frozenset[int]:
         found = closures.get(targets)
         if found is None:
-            # Only states with byte edges (and the accept state) tell subsets apart.
-            found = closures[targets] = frozenset(
-                s for s in epsilon_reachable(targets, eps) if cedges[s] or s == accept)
+            # Only states with byte edges (and the accept state) tell subsets apart. Each state's own
+            # closure is walked once; a subset's is the union of its states' (set operations in C).
+            parts = []
+            for t in targets:
+                part = own.get(t)
+                if part is None:
+                    part = own[t] = frozenset(s for s in epsilon_reachable((t,), eps) if cedges[s] or s == accept)
+                parts.append(part)
+            found = closures[targets] = frozenset().union(*parts)
         return found
 
     first = closure(frozenset([start]))
     ids, sets, rows = {first: 0}, [first], []
     while len(rows) < len(sets):
         row = [-1] * num_classes
-        edges = [e for s in sets[len(rows)] for e in cedges[s]]
-        points = sorted({lo for lo, _, _ in edges} | {hi + 1 for _, hi, _ in edges})
+        # A sweep over the class boundaries of the subset's edges: `active` counts the edges covering
+        # the current interval, per target.
+        opening: dict[int, list[int]] = {}
+        closing: dict[int, list[int]] = {}
+        for s in sets[len(rows)]:
+            for lo, hi, t in cedges[s]:
+                opening.setdefault(lo, []).append(t)
+                closing.setdefault(hi + 1, []).append(t)
+        points = sorted(opening.keys() | closing.keys())
+        active: dict[int, int] = {}
         for a, b in zip(points, points[1:]):
-            targets = frozenset(t for lo, hi, t in edges if lo <= a <= hi)
-            if not targets:
+            for t in closing.get(a, ()):
+                active[t] -= 1
+                if not active[t]:
+                    del active[t]
+            for t in opening.get(a, ()):
+                active[t] = active.get(t, 0) + 1
+            if not active:
                 continue
+            targets = frozenset(active)
             subset = closure(targets)
             j = ids.get(subset)
             if j is None:
@@ -445,37 +465,58 @@ def dfa_intersection(a: ByteDFA, b: ByteDFA, max_states: int = MAX_DFA_STATES,
     return _product(a, b, True, max_states, check)
 
 
+def _column_classes(table: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Bytes whose columns of `table` [n, 256] are equal, as classes numbered in byte order (as
+    regex_to_dfa's, so minimal DFAs come out numbered alike): (first byte of each class, class of each
+    byte). Columns are told apart by a random-weighted hash, checked exactly (np.unique over whole
+    columns, ~10x slower on wide tables, should two ever collide)."""
+    cols = table.T.astype(np.int64) + 1
+    weights = np.random.default_rng(0x5EED).integers(1, 2**63, size=cols.shape[1], dtype=np.uint64) | np.uint64(1)
+    hashed = (cols.astype(np.uint64) * weights).sum(axis=1, dtype=np.uint64)
+    _, first, classes = np.unique(hashed, return_index=True, return_inverse=True)
+    if not np.array_equal(cols, cols[first[classes.reshape(-1)]]):
+        _, first, classes = np.unique(cols, axis=0, return_index=True, return_inverse=True)
+    order = np.argsort(first)
+    return first[order], np.argsort(order)[classes.reshape(-1)]
+
+
 def _product(a: ByteDFA, b: ByteDFA, both: bool, max_states: int,
              check: Callable[[], None] | None) -> ByteDFA | None:
-    """The product of a and b, minimized: strings both accept (`both`), else those a accepts and b does not."""
+    """The product of a and b, minimized: strings both accept (`both`), else those a accepts and b does not.
+
+    Built over byte classes (bytes that no state of a or b tells apart), one breadth-first level at a
+    time: a level's successor pairs are numpy rows, and only their distinct pairs are looked up."""
     sink = b.num_states  # for a difference, b's missing transitions go to an extra rejecting sink
     tb = np.vstack([b.transitions if both else np.where(b.transitions >= 0, b.transitions, sink),
                     np.full((1, 256), -1 if both else sink)])
     acc_b = np.append(b.accepting, False)
-    ids, pairs, rows = {(0, 0): 0}, [(0, 0)], []
-    while len(rows) < len(pairs):
-        sa, sb = pairs[len(rows)]
-        na, nb = a.transitions[sa], tb[sb]
-        live = (na >= 0) & (nb >= 0)
-        codes = np.where(live, na.astype(np.int64) * (sink + 1) + nb, -1)
-        targets, inverse = np.unique(codes, return_inverse=True)
-        mapped = []
-        for code in targets.tolist():  # a handful of distinct successor pairs per row
-            if code < 0:
-                mapped.append(-1)
-                continue
-            key = divmod(code, sink + 1)
-            j = ids.get(key)
-            if j is None:
-                if len(pairs) >= max_states:
+    first, classes = _column_classes(np.concatenate([a.transitions, tb]))
+    ta, tb = a.transitions[:, first].astype(np.int64), tb[:, first]
+    base = sink + 1  # a pair (x, y) as the code x * base + y
+    ids: dict[int, int] = {0: 0}
+    frontier, codes, rows = np.zeros(1, dtype=np.int64), [np.zeros(1, dtype=np.int64)], []
+    while frontier.size:
+        xa, xb = np.divmod(frontier, base)
+        na, nb = ta[xa], tb[xb]
+        succ = np.where((na >= 0) & (nb >= 0), na * base + nb, -1)
+        targets, inverse = np.unique(succ, return_inverse=True)
+        mapped, new = [], []
+        for code in targets.tolist():
+            j = ids.get(code, -1) if code >= 0 else -1
+            if j < 0 <= code:
+                if len(ids) >= max_states:
                     raise GrammarBudgetError(f"automaton too large: over {max_states} states")
-                j = ids[key] = len(pairs)
-                pairs.append(key)
+                j = ids[code] = len(ids)
+                new.append(code)
             mapped.append(j)
-        rows.append(np.asarray(mapped, dtype=np.int32)[inverse.reshape(-1)])
-        if check is not None and len(rows) % 256 == 0:
+        rows.append(np.asarray(mapped, dtype=np.int32)[inverse.reshape(succ.shape)])
+        frontier = np.asarray(new, dtype=np.int64)
+        codes.append(frontier)
+        if check is not None:
             check()
-    accepting = np.array([bool(a.accepting[x]) and bool(acc_b[y]) == both for x, y in pairs])
-    if not _live_states(np.stack(rows), accepting)[0]:
+    xa, xb = np.divmod(np.concatenate(codes), base)
+    accepting = a.accepting[xa] & (acc_b[xb] == both)
+    trans = np.concatenate(rows)
+    if not _live_states(trans, accepting)[0]:
         return None  # the language is empty
-    return _minimize(np.stack(rows), accepting, np.arange(256), "product", check)
+    return _minimize(trans, accepting, classes, "product", check)

@@ -22,7 +22,6 @@ left for the converter to refuse with their pointer.
 
 from __future__ import annotations
 
-import copy
 import json
 from pathlib import Path
 from typing import Any
@@ -36,6 +35,16 @@ from referencing.exceptions import Unresolvable
 def _join(base: str, ref: str) -> str:
     # urljoin drops the base of non-hierarchical URIs (urn:...) for a fragment-only reference.
     return urldefrag(base)[0] + ref if ref.startswith("#") else urljoin(base, ref)
+
+
+def _copy(node: Any) -> Any:
+    """A copy of a JSON document's objects and arrays (what _absolutize rewrites); several times faster
+    than copy.deepcopy, which a large schema's compile felt."""
+    if isinstance(node, dict):
+        return {k: _copy(v) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_copy(v) for v in node]
+    return node
 
 
 def _specification(schema: Any, default: rj.Specification) -> rj.Specification:
@@ -92,7 +101,7 @@ def register_documents(directory: str | Path, base_uri: str | None = None) -> in
         uris = [u for u in (own if isinstance(own, str) and urlsplit(own).scheme else None,
                             base_uri and urljoin(base_uri, path.relative_to(root).as_posix())) if u]
         for uri in uris:
-            doc_copy = copy.deepcopy(doc)
+            doc_copy = _copy(doc)
             _absolutize(doc_copy, spec, uri, [], set())
             found[urldefrag(uri)[0]] = spec.create_resource(doc_copy)
     _registered = _registered.with_resources(found.items()).crawl()
@@ -104,7 +113,7 @@ class SchemaRefs:
     registered documents)."""
 
     def __init__(self, schema: Any) -> None:
-        self.root = copy.deepcopy(schema)
+        self.root = _copy(schema)
         spec = _specification(self.root, rj.DRAFT202012)
         dynamic: list[dict] = []
         anchors: set[tuple[str, str]] = set()

@@ -114,6 +114,10 @@ class FrontEnd:
                                                                     thread_name_prefix="radixlm-tokenize")
         self._compile_pool = concurrent.futures.ThreadPoolExecutor(opts.prepare_workers,
                                                                    thread_name_prefix="radixlm-compile")
+        if opts.grammar_backend == "radixlm" and opts.grammar_prepare_at_start:
+            from radixlm.core.constrained.grammar_index_cache import prepare_in_background
+
+            prepare_in_background(tokenizer, eos_token_ids)
         self._lock = threading.Lock()  # the tables below: callers' threads add, the drain thread removes
         self._pending: dict[str, _Pending] = {}
         self._branches: dict[str, list[str]] = {}  # rid given by the caller -> its n > 1 branch ids

@@ -21,6 +21,7 @@ from typing import Any, Iterator
 import torch
 
 from radixlm.core.constrained import GrammarBudget, build_constraint
+from radixlm.core.constrained.grammar_index_cache import prepare_in_background
 from radixlm.core.engine.messages import (
     Abort, CallReply, CheckInvariants, FlushCache, GenerateRequest, GetStats, InboxMessage, OutboxMessage,
     StatsSnapshot,
@@ -78,6 +79,8 @@ class Scheduler:
         self._published_at = 0.0
         self._budget = GrammarBudget(max_compile_seconds=opts.grammar_max_compile_seconds,
                                      max_configs=opts.grammar_max_configs)
+        if opts.grammar_backend == "radixlm" and opts.grammar_prepare_at_start:  # (in a scheduler process too)
+            prepare_in_background(tokenizer, eos_token_ids)
         if opts.json_schema_documents:  # in this process too (the loop may run in its own)
             from radixlm.core.constrained.schema_refs import register_documents  # imports `referencing`
 
