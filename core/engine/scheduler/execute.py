@@ -66,12 +66,44 @@ class Executor:
     def run_extend(self, extends: list[Extend], pending: PendingDecode | None = None) -> None:
         """One extend step. A pending decode step (overlap) is applied after the extend is launched, so
         its host work runs while the device computes the extend; the extend's requests must not
-        depend on its tokens (no riding decodes)."""
+        depend on its tokens (riding decodes do: `chain_extend`)."""
         batch, logit_use = extend_batch(extends)
         self.stats.prefill_tokens_total += len(batch.input_ids)
         logits = self.runner.forward(batch)
         if pending is not None:
             self.resolve(pending)
+        to_sample = self._after_extend(extends, logit_use, logits)
+        if to_sample:
+            self.sample_and_advance([r for r, _ in to_sample], logits[self._rows(to_sample, logits)])
+
+    def chain_extend(self, extends: list[Extend], pending: PendingDecode) -> PendingDecode | None:
+        """An extend step whose riding decodes are the pending step's requests (`PrefillPlanner.ride_ahead`),
+        their input its tokens on the device, chained like `chain_decode`: launched, then the pending
+        step applied while the device computes (a request it finishes or makes jump gives up its riding
+        slot), then the rows of the continuations and riders still running sampled late, with the masks
+        as of the applied tokens, and left pending in the order of `running`. Returns the new pending step."""
+        batch, logit_use = extend_batch(extends, future=pending.sample.tokens)
+        self.stats.prefill_tokens_total += len(batch.input_ids)
+        logits = self.runner.forward(batch)
+        kept = self._resolve_aside(pending)
+        gone = {id(r) for r, keep in zip(pending.reqs, kept) if not keep}
+        live = [(e, use) for e, use in zip(extends, logit_use) if id(e.req) not in gone]
+        to_sample = self._after_extend([e for e, _ in live], [use for _, use in live], logits)
+        if not to_sample:
+            return None
+        order = {id(r): k for k, r in enumerate(self.queues.running)}
+        to_sample.sort(key=lambda item: order[id(item[0])])
+        reqs, logits = [r for r, _ in to_sample], logits[self._rows(to_sample, logits)]
+        try:
+            return self._pending(reqs, logits)
+        except Exception:
+            self.sample_and_advance(reqs, logits)
+            return None
+
+    def _after_extend(self, extends: list[Extend], logit_use: list[tuple[int, int, int]],
+                      logits: torch.Tensor) -> list[tuple[Req, int]]:
+        """Records input logprobs, caches prefixes, moves requests whose prompt completed to running;
+        returns the requests to sample and their logit rows."""
         to_sample: list[tuple[Req, int]] = []
         for ext, (row0, first, count) in zip(extends, logit_use):
             req = ext.req
@@ -93,9 +125,11 @@ class Executor:
                 self.memory.cache_prefix(req)
                 self.queues.running.append(req)
             to_sample.append((req, row0 + count - 1))
-        if to_sample:
-            rows = torch.tensor([i for _, i in to_sample], device=logits.device)
-            self.sample_and_advance([r for r, _ in to_sample], logits[rows])
+        return to_sample
+
+    @staticmethod
+    def _rows(to_sample: list[tuple[Req, int]], logits: torch.Tensor) -> torch.Tensor:
+        return device_tensor([i for _, i in to_sample], torch.int64, logits.device)
 
     def run_decode(self, defer: bool = False) -> PendingDecode | None:
         """One decode step for the running requests. With `defer` (overlap) and every request chainable,
@@ -147,10 +181,24 @@ class Executor:
 
     def _apply_then_sample(self, pending: PendingDecode, logits: torch.Tensor) -> PendingDecode | None:
         """Late sampling of a chained step: applies the pending step, then samples the chained step for
-        the requests still running. While the pending step applies, each request is without the slot
-        the chained step wrote (its newest token's KV), as without overlap: a jump forward may then
-        re-tokenize that token with the forced text. Requests still running take the slot back; the
-        others (finished, or waiting to compute jumped text) give it up."""
+        the requests still running."""
+        reqs = pending.reqs
+        keep = [i for i, kept in enumerate(self._resolve_aside(pending)) if kept]
+        if not keep:
+            return None
+        if len(keep) < len(reqs):
+            reqs, logits = [reqs[i] for i in keep], logits[device_tensor(keep, torch.int64, logits.device)]
+        try:
+            return self._pending(reqs, logits)
+        except Exception:
+            self.sample_and_advance(reqs, logits)
+            return None
+
+    def _resolve_aside(self, pending: PendingDecode) -> list[bool]:
+        """Applies the pending step with each of its requests set apart from its newest slot, the one the
+        step launched after it (chained) wrote: as without overlap, a jump forward may then re-tokenize
+        the applied token with the forced text. Requests still running take the slot back; the others
+        (finished, or waiting to compute jumped text) give it up. Returns, per request, whether it kept it."""
         reqs = pending.reqs
         chained = [r.slots.pop() for r in reqs]
         try:
@@ -163,22 +211,14 @@ class Executor:
                     req.slots.append(slot)
             raise
         running = {id(r) for r in self.queues.running}
-        keep = []
-        for i, (req, slot) in enumerate(zip(reqs, chained)):
-            if id(req) in running:
+        kept = []
+        for req, slot in zip(reqs, chained):
+            kept.append(id(req) in running)
+            if kept[-1]:
                 req.slots.append(slot)
-                keep.append(i)
             else:
                 self.memory.allocator.free([slot])
-        if not keep:
-            return None
-        if len(keep) < len(reqs):
-            reqs, logits = [reqs[i] for i in keep], logits[device_tensor(keep, torch.int64, logits.device)]
-        try:
-            return self._pending(reqs, logits)
-        except Exception:
-            self.sample_and_advance(reqs, logits)
-            return None
+        return kept
 
     def _pending(self, reqs: list[Req], logits: torch.Tensor) -> PendingDecode:
         """Samples the step on the device with the requests' masks and starts copying its tokens. Raises
@@ -211,6 +251,11 @@ class Executor:
         if len(reqs) == 1 and self.jumps_forward(reqs[0]):
             return False
         return all(self.chainable(r) for r in reqs)
+
+    def chains_extend(self, pending: PendingDecode) -> bool:
+        """Whether an extend step may take the pending step's requests riding on its tokens: they are
+        the running requests, in order, and each one's step after next fits its context."""
+        return pending.reqs == self.queues.running and all(self.chainable(r) for r in pending.reqs)
 
     def chainable(self, req: Req) -> bool:
         """Whether the request's next step may be launched before its newest token is on the host: the

@@ -36,7 +36,7 @@ from radixlm.core.engine.scheduler.execute import Executor, PendingDecode
 from radixlm.core.engine.scheduler.finish import Finish
 from radixlm.core.engine.scheduler.memory import KVMemory
 from radixlm.core.engine.scheduler.policy import SchedulePolicy
-from radixlm.core.engine.scheduler.prefill import PrefillPlanner
+from radixlm.core.engine.scheduler.prefill import Extend, PrefillPlanner
 from radixlm.core.engine.scheduler.queues import RequestQueues
 from radixlm.core.engine.stats import EngineStats, TimedRadixCache
 from radixlm.core.tokenizer.detokenizer import IncrementalDetokenizer
@@ -167,15 +167,7 @@ class Scheduler:
         queues.chunked = plan.chunked
         if plan.extends:
             queues.take(plan.taken, plan.passed_over)
-            extends = plan.extends
-            if queues.running and all(e.req.output_ids for e in extends):
-                # Only continuations (jump-forward text, resumed requests): a few tokens, so the running
-                # requests decode in the same step instead of stalling behind it, with their newest tokens.
-                if pending is not None:
-                    self.executor.resolve(pending)
-                    pending = None
-                extends += self.planner.ride_along(queues.running)
-            self.executor.run_extend(extends, pending)
+            self._extend_step(plan.extends, pending)
             queues.admitting = []
         elif pending is not None:
             self.pending = self.executor.chain_decode(pending)
@@ -185,6 +177,24 @@ class Scheduler:
             self.tree.wait_for_load()  # nothing to run until a prefix comes back from host memory
         if self.opts.debug_check_invariants:
             self.check_invariants()
+
+    def _extend_step(self, extends: list[Extend], pending: PendingDecode | None) -> None:
+        executor = self.executor
+        if self.queues.running and all(e.req.output_ids for e in extends):
+            # Only continuations (jump-forward text, resumed requests): a few tokens, so the running
+            # requests decode in the same step instead of stalling behind it, with their newest tokens:
+            # a pending decode step's still on the device (chained), else applied first.
+            rides = None
+            if pending is not None and executor.chains_extend(pending):
+                rides = self.planner.ride_ahead(pending.reqs)
+            if rides is not None:
+                self.pending = executor.chain_extend(extends + rides, pending)
+                return
+            if pending is not None:
+                executor.resolve(pending)
+                pending = None
+            extends = extends + self.planner.ride_along(self.queues.running)
+        executor.run_extend(extends, pending)
 
     def settle(self) -> None:
         """Applies the pending decode step (overlap), so that the queues show every sampled token."""
