@@ -13,6 +13,16 @@ draw, a min_new_tokens ban: `samples_late`), the chained step is sampled late: l
 step applied, then sampled with the masks and penalties as of that token. The host work, masks included,
 still runs while the device computes the chained step's forward; only the sampling waits for it.
 
+An extend step that computes jump-forward text (continuations) with the running requests riding along
+chains the same way (`chain_extend`): when the riders are the pending step's requests, each rides as a
+one-token extend whose input is its pending token on the device, one position further on; the pending
+step is applied while the extend computes (a rider it finishes or makes jump gives up its riding slot),
+and the rows of the continuations and the riders still running are sampled late and left pending, in
+the order of `running`, so that the next decode step chains on them. Otherwise (no pending step, the
+riders not the running requests in order, no memory for their slots) the pending step is applied first
+and the running requests ride on their applied tokens, unchained. A prefill of new prompts is launched
+before the pending step is applied (`run_extend`), and nothing rides along it.
+
 A failure in one request's own work (its constraint, its sampling values, its detokenizer) ends that
 request alone (RequestQueues.fail).
 """

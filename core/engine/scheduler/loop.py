@@ -7,6 +7,11 @@ requests, aborts and calls on `inbox`, outputs and call replies on `outbox`.
 
 The decisions are made by units with their own files (policy, prefill planning, memory, finishing,
 constraints); this loop applies them to its queues and runs the steps through the Executor.
+
+With overlap scheduling (enable_overlap_schedule) a step may leave its sampled tokens pending on the
+device (`self.pending`): the next decode step chains on them (Executor.chain_decode), and so does an
+extend step of jump-forward continuations whose riding decodes are the pending step's requests
+(Executor.chain_extend); a prefill of new prompts is launched before the pending step is applied.
 """
 
 from __future__ import annotations
@@ -179,6 +184,7 @@ class Scheduler:
             self.check_invariants()
 
     def _extend_step(self, extends: list[Extend], pending: PendingDecode | None) -> None:
+        """Runs the planned extends; with only continuations planned, the running requests ride along."""
         executor = self.executor
         if self.queues.running and all(e.req.output_ids for e in extends):
             # Only continuations (jump-forward text, resumed requests): a few tokens, so the running
