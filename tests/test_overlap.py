@@ -362,21 +362,23 @@ def test_engine_outputs_equal_with_overlap_on_and_off(engines, case):
 
 
 def test_engine_json_jump_forward_in_a_mixed_batch_chains_extend_steps(engines):
-    """JSON requests with jump-forward beside plain and penalized ones, at batch 12: the extend steps that
-    compute jumped text chain on the pending decode step (riders take its tokens on the device), and
-    every output equals the engine's without overlap."""
+    """JSON requests with jump-forward beside plain, penalized, seeded and min_new_tokens ones, at batch 12,
+    with logprobs: the extend steps that compute jumped text chain on the pending decode step (riders take
+    its tokens on the device), and every output equals the engine's without overlap."""
     schema = json.dumps(SCHEMA)
     prompts = [f"{PROMPTS[i % 4]} #{i}" for i in range(12)]
     kinds = [{"json_schema": schema}, {"ignore_eos": True}, {"ignore_eos": True, "repetition_penalty": 1.3},
-             {"json_schema": schema, "frequency_penalty": 0.5}]
-    params = [{"max_new_tokens": 40, "temperature": 0, **kinds[i % 4]} for i in range(12)]
+             {"json_schema": schema, "frequency_penalty": 0.5}, {"json_schema": schema, "temperature": 1.0, "seed": 3},
+             {"ignore_eos": True, "min_new_tokens": 30}]
+    params = [{"max_new_tokens": 40, "temperature": 0, **kinds[i % len(kinds)]} for i in range(12)]
     off, on, chained = engines
     before = chained[1]
-    want = off.generate(prompts, params)
-    got = on.generate(prompts, params)
+    want, got = (e.generate(prompts, params, return_logprob=True, top_logprobs_num=2) for e in (off, on))
     assert chained[1] > before
     for a, b in zip(want, got):
         same(a, b)
+        lp_a, lp_b = (o["meta_info"]["output_token_logprobs"] for o in (a, b))
+        assert [v for v, _, _ in lp_a] == pytest.approx([v for v, _, _ in lp_b], abs=1e-5)
     ended = [o for o, p in zip(got, params) if "json_schema" in p and o["meta_info"]["finish_reason"]["type"] == "stop"]
     assert ended and all(json.loads(o["text"]).keys() == {"name", "age"} for o in ended)
 
