@@ -254,7 +254,7 @@ class Scheduler:
         if self.queues.add(req) and inp.constraint is not None:
             try:
                 req.constraint = self._build_constraint(inp)
-                self.executor.jump(req)  # text forced from the very start goes in with the prompt
+                self.executor.advance.jump(req)  # text forced from the very start goes in with the prompt
             except ValueError as e:  # the front end validated the spec: only another front end gets here
                 self.queues.finish(req, Finish("abort"), error=f"invalid {inp.constraint.kind}: {e}", status_code=400)
             except Exception:
