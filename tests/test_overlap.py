@@ -172,6 +172,29 @@ def test_fake_runner_chains_across_extend_steps_with_mixed_requests(monkeypatch)
             assert out == oracle(prompt, p["max_new_tokens"], ignore_eos=p["ignore_eos"])
 
 
+@pytest.mark.parametrize("num_slots", [80, 96])
+def test_fake_runner_chained_extends_under_memory_pressure(monkeypatch, num_slots):
+    """A small pool: requests are retracted, and jump-forward continuations wait holding their KV; they go
+    first when planned (behind a request that cannot fit until their KV is freed they waited forever
+    with overlap on). Outputs equal those without overlap, with extend steps chained."""
+    from radixlm.core.engine.messages import ConstraintSpec
+    from radixlm.core.engine.scheduler import loop as scheduler_loop
+
+    monkeypatch.setattr(scheduler_loop, "build_constraint", lambda *a, **kw: JumpEveryThird())
+    prompts = prompts_with_shared_prefixes(8)
+    kinds = [{"constraint": ConstraintSpec("regex", "stub")}, {}]
+    params = [{"max_new_tokens": 24, "ignore_eos": True, **kinds[i % 2]} for i in range(8)]
+    got = {}
+    for overlap in (False, True):
+        sched, finals = run_scheduler(num_slots, prompts, params, max_running_requests=6,
+                                      enable_overlap_schedule=overlap)
+        got[overlap] = [out.output_ids for out in finals]
+        assert sched.stats.retractions_total > 0 and (chained_extends(sched) > 0) == overlap
+        assert all(out.finish.type == "length" for out in finals)
+        assert sched.flush_cache() and sched.get_stats()["kv_slots_free"] == num_slots
+    assert got[True] == got[False]
+
+
 @pytest.mark.parametrize("caller", ["_apply_then_sample", "chain_extend", "after_chain_extend", "_extend_step"])
 def test_a_failure_applying_a_late_sampled_step_leaks_no_kv(monkeypatch, caller):
     """The step fails while a pending step applies: in late sampling (the chained slots set aside), under

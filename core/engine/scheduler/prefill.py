@@ -79,6 +79,10 @@ class PrefillPlanner:
         in_batch = [e.req.fill_ids for e in plan.extends]
         order = self.policy.order(waiting, self.memory.allocator.available())
         self.stats.cache_aware_admissions_total += self.policy.reordered
+        # Jump-forward continuations first: they hold their KV while they wait and need only their jumped
+        # tokens; behind a request that cannot fit until that KV is freed, they would wait forever.
+        if any(r.row is not None for r in order):
+            order = [r for r in order if r.row is not None] + [r for r in order if r.row is None]
         for req in order:
             if slots_left <= 0 or budget <= 0 or self.memory.rows_available() == 0:
                 break
