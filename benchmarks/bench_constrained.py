@@ -20,12 +20,16 @@
    model by default), at temperature 1 with fixed seeds, for each --batch size, --repeats times each
    (median and spread), beside `plain`: the same requests unconstrained, each held to the token count
    it had under JSON. The JSON run's median decode step minus plain's, per request, is the mask's
-   whole cost inside the decode loop (mask_overhead_us_per_request_step).
+   whole cost inside the decode loop (mask_overhead_us_per_request_step). steps_by_kind counts the
+   steps (profile_steps.StepTimer): with overlap, `extend+ride chained` are the jump-forward extend
+   steps chained on the pending decode step, `extend+ride` those that applied it first (a sync point);
+   `--overlap all` adds overlap without that chaining (on_unchained), for the ablation.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import platform
 import statistics
@@ -241,8 +245,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     parser.add_argument("--grammar-backends", nargs="+", default=["radixlm"],
                         help="--e2e once per grammar_backend (e.g. radixlm llguidance), side by side")
-    parser.add_argument("--overlap", choices=["off", "on", "both"], default="off",
-                        help="--e2e with overlap scheduling off, on, or both (off then on, each backend)")
+    parser.add_argument("--overlap", choices=["off", "on", "both", "all"], default="off",
+                        help="--e2e with overlap scheduling off, on, or both (off then on, each backend); all: "
+                             "off, on without chaining across extend steps (the ablation), on")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -266,12 +271,28 @@ def main() -> None:
             from bench_engine import make_model_dir
 
             model_path, options = make_model_dir(args.model, tempfile.mkdtemp(prefix="radixlm-bench-"))
-        overlaps = {"off": [False], "on": [True], "both": [False, True]}[args.overlap]
+        overlaps = {"off": ["off"], "on": ["on"], "both": ["off", "on"], "all": ["off", "on_unchained", "on"]}[args.overlap]
         for backend in args.grammar_backends:
             for overlap in overlaps:
-                rows = bench_e2e(model_path, args.batch, args.max_new_tokens, args.repeats, grammar_backend=backend,
-                                 enable_overlap_schedule=overlap, **options)
+                with _extend_chaining(overlap != "on_unchained"):
+                    rows = bench_e2e(model_path, args.batch, args.max_new_tokens, args.repeats, grammar_backend=backend,
+                                     enable_overlap_schedule=overlap != "off", **options)
                 print(json.dumps({"e2e": rows, "grammar_backend": backend, "overlap": overlap}, indent=1))
+
+
+@contextlib.contextmanager
+def _extend_chaining(on: bool):
+    """Overlap's chaining across jump-forward extend steps, or (off) those steps apply the pending decode
+    step first, as before it was built: an ablation of this process's engines (the loop runs in a thread)."""
+    from radixlm.core.engine.scheduler.execute import Executor
+
+    chains = Executor.chains_extend
+    if not on:
+        Executor.chains_extend = lambda self, pending: False
+    try:
+        yield
+    finally:
+        Executor.chains_extend = chains
 
 
 if __name__ == "__main__":

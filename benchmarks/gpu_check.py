@@ -252,8 +252,8 @@ LATE_SAMPLED = [{**GREEDY, "json_schema": json.dumps({"type": "object", "propert
                 {**GREEDY, "min_new_tokens": 20}]
 
 
-def late_sampled_tokens(engine: radixlm.Engine, prompts: list[list[int]]) -> list[list[int]]:
-    params = [LATE_SAMPLED[i % len(LATE_SAMPLED)] for i in range(len(prompts))]
+def late_sampled_tokens(engine: radixlm.Engine, prompts: list[list[int]], kinds: list[dict] = LATE_SAMPLED) -> list[list[int]]:
+    params = [kinds[i % len(kinds)] for i in range(len(prompts))]
     return [o["output_ids"] for o in engine.generate(input_ids=prompts, sampling_params=params)]
 
 
@@ -265,28 +265,35 @@ def check_overlap(ckpt: str, report: dict[str, Any]) -> bool:
                for b in (1, 5, 13, GRAPH_MAX_BS + 4)]
     results: dict[str, Any] = {}
     for pool in (16384, 400):  # 400 slots: the largest batch retracts
-        tokens, chained = {}, 0
+        tokens, chained, chained_extends = {}, 0, 0
         for overlap in (False, True):
             with new_engine(ckpt, "float32", max_total_tokens=pool, enable_overlap_schedule=overlap,
                             debug_check_invariants=True) as engine:
                 runner, forward = engine._runner, engine._runner.forward
 
                 def counting(batch, forward=forward):
-                    nonlocal chained
+                    nonlocal chained, chained_extends
                     chained += batch.input_future is not None
+                    # extend steps computing jumped text, with riders on a pending step's tokens
+                    chained_extends += batch.input_future is not None and not batch.is_decode
                     return forward(batch)
 
                 runner.forward = counting
                 tokens[overlap] = [greedy_tokens(engine, prompts) for prompts in batches]
                 tokens[overlap].append(late_sampled_tokens(engine, batches[2]))
+                # all JSON with jump-forward: extend steps of jumped text, chained with riders
+                tokens[overlap].append(late_sampled_tokens(engine, batches[2], LATE_SAMPLED[:1]))
                 retractions = engine.get_stats()["retractions_total"]
         equal = [sum(a == b for a, b in zip(x, y)) for x, y in zip(tokens[False], tokens[True])]
-        results[f"pool_{pool}"] = {"equal_requests": equal, "of": [len(b) for b in batches] + [len(batches[2])],
-                                   "chained_steps": chained, "retractions": retractions}
-    passed = all(r["equal_requests"] == r["of"] and r["chained_steps"] > 0 for r in results.values())
+        results[f"pool_{pool}"] = {"equal_requests": equal, "of": [len(b) for b in batches] + [len(batches[2])] * 2,
+                                   "chained_steps": chained, "chained_extend_steps": chained_extends,
+                                   "retractions": retractions}
+    passed = all(r["equal_requests"] == r["of"] and r["chained_steps"] > 0 and r["chained_extend_steps"] > 0
+                 for r in results.values())
     report["overlap_on_off"] = {"ok": passed, **results}
     print(f"overlap on vs off (fp32): {'ok' if passed else 'FAIL'} " + ", ".join(
-        f"{name}: {r['equal_requests']}/{r['of']} equal, {r['chained_steps']} chained steps, "
+        f"{name}: {r['equal_requests']}/{r['of']} equal, {r['chained_steps']} chained steps "
+        f"({r['chained_extend_steps']} of them extends), "
         f"{r['retractions']} retractions" for name, r in results.items()), flush=True)
     return passed
 

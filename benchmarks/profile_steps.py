@@ -9,8 +9,10 @@ Cases (each the same prompts, temperature 1 with a seed per request so runs repe
     json        bench_constrained.E2E_SCHEMA, jump-forward off
     json_jump   the same with jump-forward on
 Per case and batch: steps of each kind (decode = a graph-replayed or eager decode step; extend = an
-extend step, `+ride` when running requests decoded inside it), their median and total milliseconds,
-and the wall time. Each step ends in a host sync (the sampled tokens), so step times are exact.
+extend step, `+ride` when running requests decoded inside it, `+ride chained` when those took a pending
+step's tokens on the device: overlap), their median and total milliseconds, and the wall time. Without
+overlap each step ends in a host sync (the sampled tokens), so step times are exact; with it a step's
+time is its launch plus applying the step before (waiting for that one).
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ class StepTimer:
         self.profile_window: tuple[int, int] | None = None  # (first step, number of steps) to profile
         self.profiler: torch.profiler.profile | None = None
         decode, chain, extend = Executor.run_decode, Executor.chain_decode, Executor.run_extend
+        chain_extend = Executor.chain_extend
         timer = self
 
         def timed_decode(executor, defer: bool = False):
@@ -62,7 +65,12 @@ class StepTimer:
             kind = "extend+ride" if any(e.rides_along for e in extends) else "extend"
             return timer._timed(kind, lambda: extend(executor, extends, pending))
 
+        def timed_chain_extend(executor, extends, pending):
+            # Overlap: the riders' input is the pending step's tokens; applying that step waits for it.
+            return timer._timed("extend+ride chained", lambda: chain_extend(executor, extends, pending))
+
         Executor.run_decode, Executor.chain_decode, Executor.run_extend = timed_decode, timed_chain, timed_extend
+        Executor.chain_extend = timed_chain_extend
 
     @classmethod
     @functools.cache

@@ -36,6 +36,10 @@
 #                                   # the decode GEMVs against cuBLAS, then batch-1 decode with them off/on (issue 19)
 #   GPU_CHECK_ARGS="--skip-kernels --checks fused_gemv" RUN_ENGINE_BENCH=0 RUN_CONSTRAINED=0 bash benchmarks/run_h200.sh
 #                                   # their engine check: fused vs not, greedy tokens (issue 19)
+#   GPU_CHECK_S=200 GPU_CHECK_ARGS="--skip-kernels --checks overlap" RUN_ENGINE_BENCH=0 CONSTRAINED_S=360 \
+#     CONSTRAINED_ARGS="--model llama3-8b-shape --batch 1 64 --max-new-tokens 128 --overlap all" bash benchmarks/run_h200.sh
+#                                   # overlap's check (chained extend steps counted), then JSON jump-forward with
+#                                   # overlap off, on without chaining across extend steps, and on (issue 19)
 #   RUN_GPU_CHECK=0 RUN_ENGINE_BENCH=0 RUN_CONSTRAINED=0 RUN_IMAGES=1 bash benchmarks/run_h200.sh
 #                                   # image QA on the LLaVA-1.5-7B shape, shared vs distinct images (issue 21)
 #   RUN_GPU_CHECK=0 RUN_ENGINE_BENCH=0 RUN_CONSTRAINED=0 RUN_QWEN2VL=1 bash benchmarks/run_h200.sh

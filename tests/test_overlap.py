@@ -31,6 +31,11 @@ def chained_steps(sched) -> int:
     return sum(1 for b in sched.runner.steps if b.input_future is not None)
 
 
+def chained_extends(sched) -> int:
+    """Extend steps whose riding decodes took their input from a pending step's tokens on the device."""
+    return sum(1 for b in sched.runner.steps if b.input_future is not None and not b.is_decode)
+
+
 def test_fake_runner_outputs_match_the_oracle_with_chained_steps():
     prompts = prompts_with_shared_prefixes(10)
     params = [{"max_new_tokens": 5 + 3 * i, "ignore_eos": i % 2 == 0} for i in range(10)]
@@ -135,7 +140,7 @@ def test_fake_runner_constrained_jumps_equal_with_late_sampled_chained_steps(mon
         monkeypatch.setattr(scheduler_loop, "build_constraint", lambda *a, **kw: made.append(JumpEveryThird()) or made[-1])
         sched, finals = run_scheduler(512, prompts, params, enable_overlap_schedule=overlap)
         got[overlap] = ([out.output_ids for out in finals], [c.asked for c in made])
-        assert (chained_steps(sched) > 0) == overlap
+        assert (chained_steps(sched) > 0) == overlap and (chained_extends(sched) > 0) == overlap
         assert sched.flush_cache() and sched.get_stats()["kv_slots_free"] == 512
     assert got[True] == got[False]
     assert all(asked[0] == 0 and 1 in asked for asked in got[True][1])  # jumps replaced sampled tokens
@@ -144,32 +149,90 @@ def test_fake_runner_constrained_jumps_equal_with_late_sampled_chained_steps(mon
     assert chained_steps(sched) == 0 and finals[0].output_ids == got[False][0][0]
 
 
-@pytest.mark.parametrize("caller", ["_apply_then_sample", "step"])
+def test_fake_runner_chains_across_extend_steps_with_mixed_requests(monkeypatch):
+    """Jumping requests beside plain and penalized ones: the extend steps computing the jumped text take
+    the other requests riding on the pending decode step's tokens (chained), and the outputs equal
+    those without overlap, where every such step first applies the pending one."""
+    from radixlm.core.engine.messages import ConstraintSpec
+    from radixlm.core.engine.scheduler import loop as scheduler_loop
+
+    monkeypatch.setattr(scheduler_loop, "build_constraint", lambda *a, **kw: JumpEveryThird())
+    prompts = prompts_with_shared_prefixes(12)
+    kinds = [{"constraint": ConstraintSpec("regex", "stub")}, {}, {"frequency_penalty": 1.5}]
+    params = [{"max_new_tokens": 16 + i, "ignore_eos": i % 2 == 0, **kinds[i % 3]} for i in range(12)]
+    got = {}
+    for overlap in (False, True):
+        sched, finals = run_scheduler(512, prompts, params, enable_overlap_schedule=overlap)
+        got[overlap] = [out.output_ids for out in finals]
+        assert (chained_extends(sched) > 0) == overlap
+        assert sched.flush_cache() and sched.get_stats()["kv_slots_free"] == 512
+    assert got[True] == got[False]
+    for out, prompt, p in zip(got[True], prompts, params):
+        if "constraint" not in p and "frequency_penalty" not in p:
+            assert out == oracle(prompt, p["max_new_tokens"], ignore_eos=p["ignore_eos"])
+
+
+@pytest.mark.parametrize("num_slots", [80, 96])
+def test_fake_runner_chained_extends_under_memory_pressure(monkeypatch, num_slots):
+    """A small pool: requests are retracted, and jump-forward continuations wait holding their KV; they go
+    first when planned (behind a request that cannot fit until their KV is freed they waited forever
+    with overlap on). Outputs equal those without overlap, with extend steps chained."""
+    from radixlm.core.engine.messages import ConstraintSpec
+    from radixlm.core.engine.scheduler import loop as scheduler_loop
+
+    monkeypatch.setattr(scheduler_loop, "build_constraint", lambda *a, **kw: JumpEveryThird())
+    prompts = prompts_with_shared_prefixes(8)
+    kinds = [{"constraint": ConstraintSpec("regex", "stub")}, {}]
+    params = [{"max_new_tokens": 24, "ignore_eos": True, **kinds[i % 2]} for i in range(8)]
+    got = {}
+    for overlap in (False, True):
+        sched, finals = run_scheduler(num_slots, prompts, params, max_running_requests=6,
+                                      enable_overlap_schedule=overlap)
+        got[overlap] = [out.output_ids for out in finals]
+        assert sched.stats.retractions_total > 0 and (chained_extends(sched) > 0) == overlap
+        assert all(out.finish.type == "length" for out in finals)
+        assert sched.flush_cache() and sched.get_stats()["kv_slots_free"] == num_slots
+    assert got[True] == got[False]
+
+
+@pytest.mark.parametrize("caller", ["_apply_then_sample", "chain_extend", "after_chain_extend", "_extend_step"])
 def test_a_failure_applying_a_late_sampled_step_leaks_no_kv(monkeypatch, caller):
-    """The step fails while a pending step applies: in late sampling (the chained slots set aside), or
-    before a prefill step with riding decodes (its continuations already given KV): the requests in
-    flight are aborted with a 500 and every KV slot comes back."""
+    """The step fails while a pending step applies: in late sampling (the chained slots set aside), under
+    an extend step with riders on the pending tokens (its continuations already given KV), in the
+    first step after such an extend left its rows pending, or before an extend step whose riders could
+    not chain: the requests in flight are aborted with a 500 and every KV slot comes back."""
     import sys
 
     from radixlm.core.engine.scheduler import loop as scheduler_loop
     from radixlm.core.engine.scheduler.execute import Executor
+    from radixlm.core.engine.scheduler.prefill import PrefillPlanner
     from radixlm.core.engine.messages import ConstraintSpec
 
     monkeypatch.setattr(scheduler_loop, "build_constraint", lambda *a, **kw: JumpEveryThird())
-    calls, resolve = [0], Executor.resolve
+    if caller == "_extend_step":  # riders cannot chain (as when memory is short): applied first
+        monkeypatch.setattr(PrefillPlanner, "ride_ahead", lambda self, reqs: None)
+    calls, resolve, chain_extend, extended = [0], Executor.resolve, Executor.chain_extend, [False]
+
+    def chaining(self, extends, pending):
+        nxt = chain_extend(self, extends, pending)
+        extended[0] = extended[0] or nxt is not None
+        return nxt
 
     def failing(self, pending):
-        if sys._getframe(1).f_code.co_name == caller:
+        callers = (sys._getframe(1).f_code.co_name, sys._getframe(2).f_code.co_name)
+        if caller in callers or (caller == "after_chain_extend" and extended[0]):
             calls[0] += 1
             if calls[0] == 3:
                 raise RuntimeError("boom: the device failed")
         return resolve(self, pending)
 
+    monkeypatch.setattr(Executor, "chain_extend", chaining)
     monkeypatch.setattr(Executor, "resolve", failing)
     prompts = prompts_with_shared_prefixes(4)
     params = [{"max_new_tokens": 40, "ignore_eos": True, "constraint": ConstraintSpec("regex", "stub")}] * 4
     sched, finals = run_scheduler(256, prompts, params, enable_overlap_schedule=True)
     assert calls[0] >= 3 and all(out.finish.type == "abort" for out in finals)
+    assert (chained_extends(sched) > 0) == (caller != "_extend_step")
     assert sched.flush_cache() and sched.get_stats()["kv_slots_free"] == 256
 
 
@@ -215,6 +278,41 @@ def test_decode_input_from_the_device_matches_host_ids(llama_ckpt):
     assert not torch.allclose(runner.forward(dataclasses.replace(decode, input_ids=[0, 0, 0])), expected)
 
 
+def test_extend_input_from_the_device_matches_host_ids(llama_ckpt):
+    """An extend batch whose riding rows take their input ids from a device tensor (extend_batch with
+    `future`: the ids go to the device with those tokens scattered in) gives the logits of the same
+    batch with host ids, eagerly and on the padded static buffers that the extend CUDA graphs replay."""
+    from radixlm.core.engine.cuda_graph_runner import ExtendGraphRunner
+    from radixlm.core.engine.scheduler.batch import extend_batch
+    from radixlm.core.engine.scheduler.prefill import Extend
+    from test_scheduler_units import make_req
+
+    opts = EngineOptions.from_kwargs({"device": "cpu", "max_total_tokens": 256, "max_running_requests": 4})
+    runner = ModelRunner(llama_ckpt, ModelConfig.from_dir(llama_ckpt), opts)
+    reqs = [make_req([(r * 37 + j * 11) % 500 for j in range(n)], arrival=r) for r, n in enumerate([5, 3, 6])]
+    slots = iter(range(1, 200))
+    for row, req in enumerate(reqs):  # each request's prompt in the cache but for its last token
+        req.row, req.slots = row, [next(slots) for _ in req.fill_ids]
+        runner.req_to_token.write(row, 0, req.slots)
+    prefill, _ = extend_batch([Extend(r, 0, len(r.fill_ids), True) for r in reqs])
+    runner.forward(prefill)
+    ids = [17, 301]  # what a pending step sampled for the riders (requests 0 and 2)
+    for req, token in zip((reqs[0], reqs[2]), ids):
+        req.slots.append(next(slots))
+        runner.req_to_token.write(req.row, len(req.fill_ids), req.slots[-1:])
+    reqs[1].output_ids, reqs[1].slots = [88, 99], reqs[1].slots + [next(slots), next(slots)]
+    runner.req_to_token.write(reqs[1].row, 3, reqs[1].slots[3:])
+    riders = [Extend(reqs[0], 5, 1, True, rides_along=True, ahead=True), Extend(reqs[2], 6, 1, True, rides_along=True, ahead=True)]
+    batch, _ = extend_batch([Extend(reqs[1], 3, 2, True), *riders], future=torch.tensor(ids))
+    assert batch.input_ids == [88, 99, 0, 0] and batch.input_future.tolist() == [88, 99, *ids]
+    host = dataclasses.replace(batch, input_ids=[88, 99, *ids], input_future=None)
+    expected = runner.forward(host).clone()
+    torch.testing.assert_close(runner.forward(batch), expected, rtol=1e-5, atol=1e-5)
+    graphs = ExtendGraphRunner(runner, max_bs=4, max_tokens=16, capture=False)
+    torch.testing.assert_close(graphs.run(batch, graphs.bucket_for(batch)), expected, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(runner.forward(dataclasses.replace(batch, input_future=None)), expected)
+
+
 # ---- the tiny Llama engine: overlap on equals overlap off ---------------------------------------------
 
 PROMPTS = ["Once upon a time", "The harbour at dawn", "Tell me a story about the lighthouse keeper", "short"]
@@ -223,12 +321,14 @@ SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength
 
 
 def count_chained(engine) -> list[int]:
-    """Counts the engine's decode steps whose input came from the device (a one-item list, updated)."""
-    runner, count = engine._runner, [0]
+    """Counts the engine's steps whose input came from the device (a list, updated): decode steps, then
+    extend steps with riders on a pending step's tokens."""
+    runner, count = engine._runner, [0, 0]
     forward = runner.forward
 
     def counting(batch):
-        count[0] += batch.input_future is not None
+        if batch.input_future is not None:
+            count[0 if batch.is_decode else 1] += 1
         return forward(batch)
 
     runner.forward = counting
@@ -282,6 +382,28 @@ def test_engine_outputs_equal_with_overlap_on_and_off(engines, case):
             lp_a, lp_b = (o["meta_info"]["output_token_logprobs"] for o in (a, b))
             assert [t for _, t, _ in lp_a] == [t for _, t, _ in lp_b] == a["output_ids"]
             assert [v for v, _, _ in lp_a] == pytest.approx([v for v, _, _ in lp_b], abs=1e-5)
+
+
+def test_engine_json_jump_forward_in_a_mixed_batch_chains_extend_steps(engines):
+    """JSON requests with jump-forward beside plain, penalized, seeded and min_new_tokens ones, at batch 12,
+    with logprobs: the extend steps that compute jumped text chain on the pending decode step (riders take
+    its tokens on the device), and every output equals the engine's without overlap."""
+    schema = json.dumps(SCHEMA)
+    prompts = [f"{PROMPTS[i % 4]} #{i}" for i in range(12)]
+    kinds = [{"json_schema": schema}, {"ignore_eos": True}, {"ignore_eos": True, "repetition_penalty": 1.3},
+             {"json_schema": schema, "frequency_penalty": 0.5}, {"json_schema": schema, "temperature": 1.0, "seed": 3},
+             {"ignore_eos": True, "min_new_tokens": 30}]
+    params = [{"max_new_tokens": 40, "temperature": 0, **kinds[i % len(kinds)]} for i in range(12)]
+    off, on, chained = engines
+    before = chained[1]
+    want, got = (e.generate(prompts, params, return_logprob=True, top_logprobs_num=2) for e in (off, on))
+    assert chained[1] > before
+    for a, b in zip(want, got):
+        same(a, b)
+        lp_a, lp_b = (o["meta_info"]["output_token_logprobs"] for o in (a, b))
+        assert [v for v, _, _ in lp_a] == pytest.approx([v for v, _, _ in lp_b], abs=1e-5)
+    ended = [o for o, p in zip(got, params) if "json_schema" in p and o["meta_info"]["finish_reason"]["type"] == "stop"]
+    assert ended and all(json.loads(o["text"]).keys() == {"name", "age"} for o in ended)
 
 
 def test_engine_stop_strings_and_streams_equal_with_overlap(engines):

@@ -239,6 +239,8 @@ class ExtendGraphRunner:
             dtype=torch.int64, pin_memory=self._pin,
         )
         self.inputs[: host.numel()].copy_(host, non_blocking=True)
+        if batch.input_future is not None:
+            self.inputs[:tokens].copy_(batch.input_future)  # device to device: no host sync
         if self.capture:
             self.graphs[key].replay()
         else:

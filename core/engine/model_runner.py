@@ -73,8 +73,9 @@ class BatchInput:
     seq_lens: list[int]
     extend_lens: list[int]
     logit_rows: list[int]  # which of the new tokens need logits (indices into input_ids)
-    # Overlap scheduling: the decode input ids as a device tensor (the previous step's sampled tokens,
-    # not yet on the host); when set, input_ids holds placeholders.
+    # Overlap scheduling: the step's input ids as a device tensor (a decode step's: the previous step's
+    # sampled tokens, not yet on the host; an extend step's: its ids with such tokens scattered in); when
+    # set, input_ids holds placeholders where those tokens go.
     input_future: torch.Tensor | None = None
     images: list[ImageSpan] = field(default_factory=list)  # extend steps over image positions
     # M-RoPE models (Qwen2-VL), steps holding requests with images: the rotary positions (t, h, w rows);

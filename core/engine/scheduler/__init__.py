@@ -6,7 +6,8 @@ runs the steps through the model runner.
   prefill.py      PrefillPlanner: which requests compute which tokens next (budget, chunks, sharing)
   memory.py       KVMemory: slots, eviction, table rows, and whom to retract when decode runs short
   queues.py       RequestQueues: waiting / running / chunked, and finishing a request
-  execute.py      Executor: runs a step through the model runner and applies the sampled tokens
+  execute.py      Executor: runs a step through the model runner; overlap's pending and chained steps
+  advance.py      TokenAdvance: applies sampled tokens (finish, constraint, jump forward, stream chunk)
   batch.py        the model input of a step, and prompt logprobs from its logits
   constraints.py  constraint masks, jump-forward, gathering jump-forward continuations
   finish.py       Finish and check_finish: when a request ends

@@ -7,19 +7,26 @@ import torch
 
 from radixlm.core.engine.model_runner import BatchInput, ImageSpan
 from radixlm.core.engine.request import Req
-from radixlm.core.engine.sampler import top_logprob_entries
+from radixlm.core.engine.sampler import device_tensor, top_logprob_entries
 from radixlm.core.engine.scheduler.prefill import Extend
 
 
-def extend_batch(extends: list[Extend]) -> tuple[BatchInput, list[tuple[int, int, int]]]:
+def extend_batch(extends: list[Extend], future: torch.Tensor | None = None) -> tuple[BatchInput, list[tuple[int, int, int]]]:
     """The extend step's input, and per extend which rows of its logits it uses (input logprob rows,
-    then the sampling row) as (first logit index, first position, count)."""
+    then the sampling row) as (first logit index, first position, count). With `future` (overlap: a
+    pending decode step's tokens on the device), the extends riding `ahead` take those tokens, in order,
+    as their input: the step's input ids go to the device with them scattered in (`input_future`)."""
     batch = BatchInput(False, [], [], [], [], [], [], [])
     logit_use: list[tuple[int, int, int]] = []
+    ahead: list[int] = []  # indices of the input ids that come from `future`
     for ext in extends:
         req, base = ext.req, len(batch.input_ids)
         end = ext.start + ext.length
-        batch.input_ids.extend(req.fill_ids[ext.start:end])
+        if ext.ahead:
+            ahead.append(base)
+            batch.input_ids.append(0)  # a placeholder: the token is on the device
+        else:
+            batch.input_ids.extend(req.fill_ids[ext.start:end])
         batch.positions.extend(range(ext.start, end))
         batch.out_cache_loc.extend(req.slots[ext.start:end])
         batch.rows.append(req.row)
@@ -42,6 +49,10 @@ def extend_batch(extends: list[Extend]) -> tuple[BatchInput, list[tuple[int, int
         for ext in extends:
             for row, part in zip(batch.rope_positions, rope_positions(ext.req, ext.start, ext.start + ext.length)):
                 row.extend(part)
+    if ahead:
+        assert future is not None and len(ahead) == len(future), "one pending token per extend riding ahead"
+        ids, at = device_tensor(batch.input_ids + ahead, torch.int64, future.device).split([len(batch.input_ids), len(ahead)])
+        batch.input_future = ids.index_copy(0, at, future)
     return batch, logit_use
 
 

@@ -1,6 +1,6 @@
 """Runs the scheduler's steps through the model runner and applies their results: an extend step
-(prefill chunks, jump-forward continuations, riding decodes) or a decode step, then per request the
-sampled token, its finish, its constraint and jump forward, and its stream chunk.
+(prefill chunks, jump-forward continuations, riding decodes) or a decode step, whose sampled tokens
+TokenAdvance (advance.py) applies to their requests.
 
 Overlap scheduling (enable_overlap_schedule): a decode step may be left pending, its tokens still on
 the device; the next decode step of the same requests is launched with those tokens as its input
@@ -13,14 +13,19 @@ draw, a min_new_tokens ban: `samples_late`), the chained step is sampled late: l
 step applied, then sampled with the masks and penalties as of that token. The host work, masks included,
 still runs while the device computes the chained step's forward; only the sampling waits for it.
 
-A failure in one request's own work (its constraint, its sampling values, its detokenizer) ends that
-request alone (RequestQueues.fail).
+An extend step that computes jump-forward text (continuations) with the running requests riding along
+chains the same way (`chain_extend`): when the riders are the pending step's requests, each rides as a
+one-token extend whose input is its pending token on the device, one position further on; the pending
+step is applied while the extend computes (a rider it finishes or makes jump gives up its riding slot),
+and the rows of the continuations and the riders still running are sampled late and left pending, in
+the order of `running`, so that the next decode step chains on them. Otherwise (no pending step, the
+riders not the running requests in order, no memory for their slots) the pending step is applied first
+and the running requests ride on their applied tokens, unchained. A prefill of new prompts is launched
+before the pending step is applied (`run_extend`), and nothing rides along it.
 """
 
 from __future__ import annotations
 
-import logging
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,17 +33,14 @@ import torch
 
 from radixlm.core.engine.options import EngineOptions
 from radixlm.core.engine.request import Req
-from radixlm.core.engine.sampler import DeviceSample, SampleResult, Sampler, device_tensor
+from radixlm.core.engine.sampler import DeviceSample, Sampler, device_tensor
 from radixlm.core.engine.scheduler.batch import decode_batch, extend_batch, record_input_logprobs
-from radixlm.core.engine.scheduler.constraints import constraint_mask, jump_forward
-from radixlm.core.engine.scheduler.finish import Finish, check_finish
+from radixlm.core.engine.scheduler.advance import TokenAdvance
+from radixlm.core.engine.scheduler.finish import Finish
 from radixlm.core.engine.scheduler.memory import KVMemory
-from radixlm.core.engine.scheduler.output import emit
 from radixlm.core.engine.scheduler.prefill import Extend
 from radixlm.core.engine.scheduler.queues import RequestQueues
 from radixlm.core.engine.stats import EngineStats
-
-logger = logging.getLogger("radixlm")
 
 
 @dataclass
@@ -58,20 +60,50 @@ class Executor:
         self.memory = memory
         self.queues = queues
         self.stats = stats
-        self.opts = opts
-        self.tokenizer = tokenizer
-        self.eos_token_ids = eos_token_ids
         self.context_len = context_len
+        self.advance = TokenAdvance(sampler, queues, stats, opts, tokenizer, eos_token_ids, context_len, runner.device)
 
     def run_extend(self, extends: list[Extend], pending: PendingDecode | None = None) -> None:
         """One extend step. A pending decode step (overlap) is applied after the extend is launched, so
         its host work runs while the device computes the extend; the extend's requests must not
-        depend on its tokens (no riding decodes)."""
+        depend on its tokens (riding decodes do: `chain_extend`)."""
         batch, logit_use = extend_batch(extends)
         self.stats.prefill_tokens_total += len(batch.input_ids)
         logits = self.runner.forward(batch)
         if pending is not None:
             self.resolve(pending)
+        to_sample = self._after_extend(extends, logit_use, logits)
+        if to_sample:
+            self.advance.sample_and_advance([r for r, _ in to_sample], logits[self._rows(to_sample, logits)])
+
+    def chain_extend(self, extends: list[Extend], pending: PendingDecode) -> PendingDecode | None:
+        """An extend step whose riding decodes are the pending step's requests (`PrefillPlanner.ride_ahead`),
+        their input its tokens on the device, chained like `chain_decode`: launched, then the pending
+        step applied while the device computes (a request it finishes or makes jump gives up its riding
+        slot), then the rows of the continuations and riders still running sampled late, with the masks
+        as of the applied tokens, and left pending in the order of `running`. Returns the new pending step."""
+        batch, logit_use = extend_batch(extends, future=pending.sample.tokens)
+        self.stats.prefill_tokens_total += len(batch.input_ids)
+        logits = self.runner.forward(batch)
+        kept = self._resolve_aside(pending)
+        gone = {id(r) for r, keep in zip(pending.reqs, kept) if not keep}
+        live = [(e, use) for e, use in zip(extends, logit_use) if id(e.req) not in gone]
+        to_sample = self._after_extend([e for e, _ in live], [use for _, use in live], logits)
+        if not to_sample:
+            return None
+        order = {id(r): k for k, r in enumerate(self.queues.running)}
+        to_sample.sort(key=lambda item: order[id(item[0])])
+        reqs, logits = [r for r, _ in to_sample], logits[self._rows(to_sample, logits)]
+        try:
+            return self._pending(reqs, logits)
+        except Exception:
+            self.advance.sample_and_advance(reqs, logits)
+            return None
+
+    def _after_extend(self, extends: list[Extend], logit_use: list[tuple[int, int, int]],
+                      logits: torch.Tensor) -> list[tuple[Req, int]]:
+        """Records input logprobs, caches prefixes, moves requests whose prompt completed to running;
+        returns the requests to sample and their logit rows."""
         to_sample: list[tuple[Req, int]] = []
         for ext, (row0, first, count) in zip(extends, logit_use):
             req = ext.req
@@ -93,9 +125,11 @@ class Executor:
                 self.memory.cache_prefix(req)
                 self.queues.running.append(req)
             to_sample.append((req, row0 + count - 1))
-        if to_sample:
-            rows = torch.tensor([i for _, i in to_sample], device=logits.device)
-            self.sample_and_advance([r for r, _ in to_sample], logits[rows])
+        return to_sample
+
+    @staticmethod
+    def _rows(to_sample: list[tuple[Req, int]], logits: torch.Tensor) -> torch.Tensor:
+        return device_tensor([i for _, i in to_sample], torch.int64, logits.device)
 
     def run_decode(self, defer: bool = False) -> PendingDecode | None:
         """One decode step for the running requests. With `defer` (overlap) and every request chainable,
@@ -118,7 +152,7 @@ class Executor:
                 return self._pending(reqs, logits)
             except Exception:
                 pass  # sample_and_advance samples again and finds the request at fault
-        self.sample_and_advance(reqs, logits)
+        self.advance.sample_and_advance(reqs, logits)
         return None
 
     def chain_decode(self, pending: PendingDecode) -> PendingDecode | None:
@@ -140,17 +174,31 @@ class Executor:
             nxt = self._pending(reqs, logits)
         except Exception:
             self.resolve(pending)
-            self.sample_and_advance(reqs, logits)  # skips the requests that the pending step finished
+            self.advance.sample_and_advance(reqs, logits)  # skips the requests that the pending step finished
             return None
         self.resolve(pending)
         return nxt
 
     def _apply_then_sample(self, pending: PendingDecode, logits: torch.Tensor) -> PendingDecode | None:
         """Late sampling of a chained step: applies the pending step, then samples the chained step for
-        the requests still running. While the pending step applies, each request is without the slot
-        the chained step wrote (its newest token's KV), as without overlap: a jump forward may then
-        re-tokenize that token with the forced text. Requests still running take the slot back; the
-        others (finished, or waiting to compute jumped text) give it up."""
+        the requests still running."""
+        reqs = pending.reqs
+        keep = [i for i, kept in enumerate(self._resolve_aside(pending)) if kept]
+        if not keep:
+            return None
+        if len(keep) < len(reqs):
+            reqs, logits = [reqs[i] for i in keep], logits[device_tensor(keep, torch.int64, logits.device)]
+        try:
+            return self._pending(reqs, logits)
+        except Exception:
+            self.advance.sample_and_advance(reqs, logits)
+            return None
+
+    def _resolve_aside(self, pending: PendingDecode) -> list[bool]:
+        """Applies the pending step with each of its requests set apart from its newest slot, the one the
+        step launched after it (chained) wrote: as without overlap, a jump forward may then re-tokenize
+        the applied token with the forced text. Requests still running take the slot back; the others
+        (finished, or waiting to compute jumped text) give it up. Returns, per request, whether it kept it."""
         reqs = pending.reqs
         chained = [r.slots.pop() for r in reqs]
         try:
@@ -163,28 +211,20 @@ class Executor:
                     req.slots.append(slot)
             raise
         running = {id(r) for r in self.queues.running}
-        keep = []
-        for i, (req, slot) in enumerate(zip(reqs, chained)):
-            if id(req) in running:
+        kept = []
+        for req, slot in zip(reqs, chained):
+            kept.append(id(req) in running)
+            if kept[-1]:
                 req.slots.append(slot)
-                keep.append(i)
             else:
                 self.memory.allocator.free([slot])
-        if not keep:
-            return None
-        if len(keep) < len(reqs):
-            reqs, logits = [reqs[i] for i in keep], logits[device_tensor(keep, torch.int64, logits.device)]
-        try:
-            return self._pending(reqs, logits)
-        except Exception:
-            self.sample_and_advance(reqs, logits)
-            return None
+        return kept
 
     def _pending(self, reqs: list[Req], logits: torch.Tensor) -> PendingDecode:
         """Samples the step on the device with the requests' masks and starts copying its tokens. Raises
         where a request's own host work does (its sampling values): the caller then samples the step
         with `sample_and_advance`, which finds the request at fault."""
-        sample = self.sampler.sample_on_device(logits, reqs, self._masks(reqs))
+        sample = self.sampler.sample_on_device(logits, reqs, self.advance.masks(reqs))
         sample.start_copy()
         return PendingDecode(reqs, sample)
 
@@ -193,7 +233,7 @@ class Executor:
         aborted) drop theirs."""
         result = pending.sample.resolve(pending.reqs)
         live = [i for i, r in enumerate(pending.reqs) if not r.finished]
-        self._advance([pending.reqs[i] for i in live], [(result, i) for i in live])
+        self.advance.apply([pending.reqs[i] for i in live], [(result, i) for i in live])
 
     def discard_unapplied(self) -> None:
         """After a failed step: gives back the slots held for tokens never applied (a chained step's
@@ -208,9 +248,14 @@ class Executor:
         """Whether the requests' next decode step may be launched before their newest tokens are applied.
         Not for a lone request that may jump forward: a jump leaves its chained step unused, which at
         batch 1 is a whole step of the device (in a batch, one row of many)."""
-        if len(reqs) == 1 and self.jumps_forward(reqs[0]):
+        if len(reqs) == 1 and self.advance.jumps_forward(reqs[0]):
             return False
         return all(self.chainable(r) for r in reqs)
+
+    def chains_extend(self, pending: PendingDecode) -> bool:
+        """Whether an extend step may take the pending step's requests riding on its tokens: they are
+        the running requests, in order, and each one's step after next fits its context."""
+        return pending.reqs == self.queues.running and all(self.chainable(r) for r in pending.reqs)
 
     def chainable(self, req: Req) -> bool:
         """Whether the request's next step may be launched before its newest token is on the host: the
@@ -224,99 +269,3 @@ class Executor:
         p = req.params
         return (req.constraint is not None or p.seed is not None or len(req.output_ids) < p.min_new_tokens
                 or p.repetition_penalty != 1.0 or bool(p.frequency_penalty) or bool(p.presence_penalty))
-
-    def sample_and_advance(self, reqs: list[Req], logits: torch.Tensor) -> None:
-        """Samples each request's next token and moves it on."""
-        masks = self._masks(reqs)
-        if any(r.finished for r in reqs):
-            keep = [i for i, r in enumerate(reqs) if not r.finished]
-            reqs, masks = [reqs[i] for i in keep], [masks[i] for i in keep]
-            logits = logits[torch.tensor(keep, device=logits.device)]
-        if not reqs:
-            return
-        try:
-            result = self.sampler.sample(logits, reqs, masks)
-            rows: list[tuple[SampleResult, int] | None] = [(result, i) for i in range(len(reqs))]
-        except Exception:  # find the request(s) at fault: sample each alone
-            logger.warning("sampling a batch of %d failed; sampling its requests one by one", len(reqs))
-            rows = [self._sample_alone(req, logits[i : i + 1], mask) for i, (req, mask) in enumerate(zip(reqs, masks))]
-        self._advance(reqs, rows)
-
-    def _advance(self, reqs: list[Req], rows: list[tuple[SampleResult, int] | None]) -> None:
-        """Appends each request's sampled token (row i of a result), then its finish, constraint and
-        stream chunk."""
-        now = time.monotonic()
-        for req, row in zip(reqs, rows):
-            if row is None:
-                continue
-            result, i = row
-            stage = "sampling"
-            try:
-                if i in result.invalid:
-                    raise ValueError("its adjusted logits or sampling distribution are not numbers")
-                stage = "constraining"
-                token = result.token_ids[i]
-                req.output_ids.append(token)
-                self.stats.generated_tokens_total += 1
-                if req.first_token_time is None:
-                    req.first_token_time = now
-                if req.inp.return_logprob:
-                    req.output_token_logprobs.append((result.logprobs[i], token, None))
-                    req.output_top_logprobs.append(result.top_logprobs[i])
-                if req.constraint is not None:
-                    req.constraint.advance(token)
-                stage = "detokenizing"
-                finish = check_finish(req, token, self.eos_token_ids, self.context_len)
-                if finish is not None:
-                    self.queues.finish(req, finish)
-                    continue
-                if req.constraint is not None:
-                    stage = "constraining"
-                    self._after_constrained_token(req)
-                    if req.finished:
-                        continue
-                if req.inp.stream and len(req.output_ids) - req.streamed_ids >= self.opts.stream_interval:
-                    stage = "detokenizing"
-                    emit(req, self.queues.outbox, final=False)
-            except Exception:
-                self.queues.fail(req, stage)
-
-    def jump(self, req: Req) -> bool:
-        """Jumps the request forward over the text its constraint forces (finishing it if that ends it).
-        True if tokens were appended."""
-        if not self.jumps_forward(req):
-            return False
-        jumped, finish = jump_forward(req, self.tokenizer, self.context_len)
-        if finish is not None:
-            self.queues.finish(req, finish)
-        return jumped
-
-    def jumps_forward(self, req: Req) -> bool:
-        return req.constraint is not None and not (self.opts.disable_jump_forward or req.params.disable_jump_forward)
-
-    def _after_constrained_token(self, req: Req) -> None:
-        """Finishes the request when its constraint allows nothing but the end; otherwise jumps forward
-        over forced text, after which the request takes an extend step to compute the jumped tokens."""
-        if req.constraint.is_finished():
-            self.queues.finish(req, Finish("stop"))
-        elif self.jump(req) and not req.finished:
-            self.queues.requeue(req, retracted=False)
-
-    def _masks(self, reqs: list[Req]) -> list[torch.Tensor | None]:
-        packed = self.runner.device.type == "cuda"  # bit-packed masks: a small copy, unpacked on the GPU
-        masks: list[torch.Tensor | None] = []
-        for r in reqs:
-            try:
-                masks.append(constraint_mask(r, self.sampler.vocab_size, packed))
-            except Exception:
-                self.queues.fail(r, "constraining")
-                masks.append(None)
-        return masks
-
-    def _sample_alone(self, req: Req, logits: torch.Tensor,
-                      mask: torch.Tensor | None) -> tuple[SampleResult, int] | None:
-        try:
-            return self.sampler.sample(logits, [req], [mask]), 0
-        except Exception:
-            self.queues.fail(req, "sampling")
-            return None

@@ -7,6 +7,11 @@ requests, aborts and calls on `inbox`, outputs and call replies on `outbox`.
 
 The decisions are made by units with their own files (policy, prefill planning, memory, finishing,
 constraints); this loop applies them to its queues and runs the steps through the Executor.
+
+With overlap scheduling (enable_overlap_schedule) a step may leave its sampled tokens pending on the
+device (`self.pending`): the next decode step chains on them (Executor.chain_decode), and so does an
+extend step of jump-forward continuations whose riding decodes are the pending step's requests
+(Executor.chain_extend); a prefill of new prompts is launched before the pending step is applied.
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ from radixlm.core.engine.scheduler.execute import Executor, PendingDecode
 from radixlm.core.engine.scheduler.finish import Finish
 from radixlm.core.engine.scheduler.memory import KVMemory
 from radixlm.core.engine.scheduler.policy import SchedulePolicy
-from radixlm.core.engine.scheduler.prefill import PrefillPlanner
+from radixlm.core.engine.scheduler.prefill import Extend, PrefillPlanner
 from radixlm.core.engine.scheduler.queues import RequestQueues
 from radixlm.core.engine.stats import EngineStats, TimedRadixCache
 from radixlm.core.tokenizer.detokenizer import IncrementalDetokenizer
@@ -170,15 +175,7 @@ class Scheduler:
         queues.chunked = plan.chunked
         if plan.extends:
             queues.take(plan.taken, plan.passed_over)
-            extends = plan.extends
-            if queues.running and all(e.req.output_ids for e in extends):
-                # Only continuations (jump-forward text, resumed requests): a few tokens, so the running
-                # requests decode in the same step instead of stalling behind it, with their newest tokens.
-                if pending is not None:
-                    self.executor.resolve(pending)
-                    pending = None
-                extends += self.planner.ride_along(queues.running)
-            self.executor.run_extend(extends, pending)
+            self._extend_step(plan.extends, pending)
             queues.admitting = []
         elif pending is not None:
             self.pending = self.executor.chain_decode(pending)
@@ -188,6 +185,25 @@ class Scheduler:
             self.tree.wait_for_load()  # nothing to run until a prefix comes back from host memory
         if self.opts.debug_check_invariants:
             self.check_invariants()
+
+    def _extend_step(self, extends: list[Extend], pending: PendingDecode | None) -> None:
+        """Runs the planned extends; with only continuations planned, the running requests ride along."""
+        executor = self.executor
+        if self.queues.running and all(e.req.output_ids for e in extends):
+            # Only continuations (jump-forward text, resumed requests): a few tokens, so the running
+            # requests decode in the same step instead of stalling behind it, with their newest tokens:
+            # a pending decode step's still on the device (chained), else applied first.
+            rides = None
+            if pending is not None and executor.chains_extend(pending):
+                rides = self.planner.ride_ahead(pending.reqs)
+            if rides is not None:
+                self.pending = executor.chain_extend(extends + rides, pending)
+                return
+            if pending is not None:
+                executor.resolve(pending)
+                pending = None
+            extends = extends + self.planner.ride_along(self.queues.running)
+        executor.run_extend(extends, pending)
 
     def settle(self) -> None:
         """Applies the pending decode step (overlap), so that the queues show every sampled token."""
@@ -241,7 +257,7 @@ class Scheduler:
         if self.queues.add(req) and inp.constraint is not None:
             try:
                 req.constraint = self._build_constraint(inp)
-                self.executor.jump(req)  # text forced from the very start goes in with the prompt
+                self.executor.advance.jump(req)  # text forced from the very start goes in with the prompt
             except ValueError as e:  # the front end validated the spec: only another front end gets here
                 self.queues.finish(req, Finish("abort"), error=f"invalid {inp.constraint.kind}: {e}", status_code=400)
             except Exception:

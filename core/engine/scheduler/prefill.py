@@ -29,6 +29,9 @@ class Extend:
     length: int  # new tokens in this step
     finishes_prompt: bool  # the chunk reaches the end of fill_ids: sample the next token after it
     rides_along: bool = False  # a running request decoding its next token inside this extend step
+    # Riding on a pending decode step (overlap): the input is the request's token that step sampled, still
+    # on the device, at position seq_len (one past its applied tokens).
+    ahead: bool = False
 
 
 @dataclass
@@ -76,6 +79,10 @@ class PrefillPlanner:
         in_batch = [e.req.fill_ids for e in plan.extends]
         order = self.policy.order(waiting, self.memory.allocator.available())
         self.stats.cache_aware_admissions_total += self.policy.reordered
+        # Jump-forward continuations first: they hold their KV while they wait and need only their jumped
+        # tokens; behind a request that cannot fit until that KV is freed, they would wait forever.
+        if any(r.row is not None for r in order):
+            order = [r for r in order if r.row is not None] + [r for r in order if r.row is None]
         for req in order:
             if slots_left <= 0 or budget <= 0 or self.memory.rows_available() == 0:
                 break
@@ -111,6 +118,20 @@ class PrefillPlanner:
                 break
             ext.rides_along = True
             rides.append(ext)
+        return rides
+
+    def ride_ahead(self, pending: list[Req]) -> list[Extend] | None:
+        """The requests of a pending decode step (overlap) as one-token extends of their pending tokens,
+        in that step's order; None (nothing held) when memory does not allow them all now."""
+        slots = self.memory.alloc(len(pending))
+        if slots is None:
+            return None
+        rides = []
+        for req, slot in zip(pending, slots):
+            start = req.seq_len
+            self.memory.table.write(req.row, start, [slot])
+            req.slots.append(slot)
+            rides.append(Extend(req, start, 1, finishes_prompt=True, rides_along=True, ahead=True))
         return rides
 
     def _shares_with_batch(self, req: Req, in_batch: list[list[int]]) -> bool:
