@@ -1,16 +1,21 @@
 """Per terminal DFA state, the tokens whose fate does not depend on the parser stack (the XGrammar idea).
 
 From state q of terminal t, a token either stays inside t for all its bytes (allowed whatever follows:
-*context-independent*), or passes an accepting state of t before its last byte (it may end t there and
-go on in whatever the stack says follows: *uncertain*), or neither (never allowed through t). The first
-set is kept as packed bits, the uncertain tokens as a small trie of their own; both are computed once
-per (terminal, state, vocabulary) and shared by every grammar using the terminal (JSON strings,
-numbers and keys recur across schemas). A parser configuration's mask is then the union of its items'
-context-independent bits and a walk of only the uncertain tokens through the configuration.
+*context-independent*), or passes an accepting state of t after j >= 1 of its bytes (it may end t there
+and go on in whatever the stack says follows: an *exit*), or neither (never allowed through t). The
+first set is kept as packed bits; the exits as the distinct suffixes the tokens leave t with (the token
+`1,"` leaves a number with `,"`), each with the tokens that have it. Both are computed once per
+(terminal, state, vocabulary) and shared by every grammar using the terminal (JSON strings, numbers and
+keys recur across schemas). A parser configuration's mask is then the union of its items'
+context-independent bits and, per item, the tokens whose suffix the configuration after t's end takes
+(pda.py): that configuration depends on the item's continuation alone, so only suffixes are walked
+there, once per (state's exits, continuation), never the bytes inside t (XGrammar's context expansion).
+Exits at j = 0 (t may end before the token) need nothing here: a configuration is closed, so it holds
+what follows t's end as items of its own.
 
-A bounded string's character boundaries (counted_string.py) are counted instead: their uncertain
-tokens are the ones that close the string, and only their bytes after the quote are walked, once per
-continuation (pda.py).
+A bounded string's character boundaries (counted_string.py) are counted instead: their exits are the
+tokens that close the string, and only their bytes after the quote are walked, once per continuation
+(pda.py).
 """
 
 from __future__ import annotations
@@ -26,20 +31,42 @@ from radixlm.core.constrained.counted_string import CountedStringDFA, string_tok
 from radixlm.core.constrained.regex_dfa import ByteDFA
 from radixlm.core.constrained.vocab import TokenTrie, TokenVocab, expand_ranges
 
-FULL_TRIE_FRACTION = 4  # more uncertain tokens than 1/4 of the vocabulary: walk the whole trie
-FEW_TOKENS = 256  # up to this many uncertain tokens are walked one by one (no trie, no numpy steps)
+FEW_SUFFIXES = 256  # up to this many distinct exit suffixes are walked one by one (no trie, no numpy steps)
 CACHE_SIZE = 8192  # (terminal, state) entries per process; a 151k vocabulary's bits are 19 KB each
+
+
+@dataclass(eq=False)
+class Exits:
+    """Tokens that may leave a terminal state mid-token: the distinct suffixes they leave it with, sorted
+    (those starting with byte b are suffixes[first[b]:first[b + 1]]), and the (suffix, token) pairs.
+    `key` names them (equal keys, equal exits)."""
+
+    key: object
+    suffixes: list[bytes]
+    first: list[int]  # [257]
+    pair_suffix: np.ndarray  # int64 [pairs]: index into suffixes
+    pair_token: np.ndarray  # int64 [pairs]: token id
+    trie: TokenTrie | None  # the suffixes as a trie (ids = their indices), when too many for one by one
+
+    @classmethod
+    def build(cls, key: object, tokens: list[int], suffixes: list[bytes]) -> "Exits":
+        """From pairs: token tokens[i] leaves with suffixes[i] (non-empty)."""
+        distinct = sorted(set(suffixes))
+        index = {x: n for n, x in enumerate(distinct)}
+        first = np.searchsorted(np.array([x[0] for x in distinct], dtype=np.int64), np.arange(257)).tolist()
+        trie = TokenTrie.build(distinct, list(range(len(distinct)))) if len(distinct) > FEW_SUFFIXES else None
+        return cls(key, distinct, first, np.fromiter(map(index.__getitem__, suffixes), np.int64, count=len(suffixes)),
+                   np.asarray(tokens, dtype=np.int64), trie)
 
 
 @dataclass
 class StateTokens:
     inside: np.ndarray  # uint8 packed bits (little bit order) of the context-independent tokens
-    uncertain: TokenTrie | None  # a trie holding the tokens that may leave the terminal mid-token
-    few: list[int] | None = None  # or, when they are few, their ids (uncertain is then None)
+    exits: Exits | None = None
     # Counted string boundaries: packed bits of the tokens that close the string and go on after the
-    # quote, and the trie of those bytes after the quote (uncertain is then None).
+    # quote, and their bytes after the quote as exits (exits is then None).
     closing: np.ndarray | None = None
-    after_quote: TokenTrie | None = None
+    after_quote: Exits | None = None
 
 
 _cache: OrderedDict[tuple, StateTokens] = OrderedDict()
@@ -57,16 +84,8 @@ def state_tokens(key: str, dfa: ByteDFA, state: int, vocab: TokenVocab) -> State
             _cache.move_to_end(cache_key)
             return found
     inside, uncertain = _classify(key, dfa, state, vocab)
-    few = None
-    if not len(uncertain):
-        trie = None
-    elif len(uncertain) <= FEW_TOKENS:
-        trie, few = None, uncertain.tolist()
-    elif len(uncertain) > vocab.size // FULL_TRIE_FRACTION:
-        trie = vocab.trie  # most of the vocabulary: walking all of it costs no more than a copy of it
-    else:
-        trie = _trie_of(uncertain, vocab)
-    found = StateTokens(np.packbits(inside, bitorder="little"), trie, few=few)
+    exits = _exits(dfa, state, uncertain, vocab, cache_key) if len(uncertain) else None
+    found = StateTokens(np.packbits(inside, bitorder="little"), exits)
     with _lock:
         _cache[cache_key] = found
         if len(_cache) > CACHE_SIZE:
@@ -74,25 +93,26 @@ def state_tokens(key: str, dfa: ByteDFA, state: int, vocab: TokenVocab) -> State
     return found
 
 
-_tries: OrderedDict[tuple, TokenTrie] = OrderedDict()
-TRIES = 256
-
-
-def _trie_of(ids: np.ndarray, vocab: TokenVocab) -> TokenTrie:
-    """The trie of tokens `ids`, shared by the states with the same uncertain tokens (a string body's
-    states past different excluded key names all have the tokens with a quote inside, say)."""
-    key = (hashlib.blake2b(np.sort(ids).astype(np.int64).tobytes(), digest_size=16).digest(), vocab.fingerprint)
-    with _lock:
-        found = _tries.get(key)
-        if found is not None:
-            _tries.move_to_end(key)
-            return found
-    found = TokenTrie.build(vocab.token_bytes, ids.tolist())
-    with _lock:
-        _tries[key] = found
-        if len(_tries) > TRIES:
-            _tries.popitem(last=False)
-    return found
+def _exits(dfa: ByteDFA, state: int, ids: np.ndarray, vocab: TokenVocab, key: object) -> Exits:
+    """The exits of tokens `ids` from `state`: every position j >= 1 where the DFA, alive so far, accepts
+    before the token's end. One numpy step per byte position, over all the tokens at once."""
+    lens = np.fromiter((len(vocab.token_bytes[i]) for i in ids.tolist()), np.int64, count=len(ids))
+    width = int(lens.max())
+    mat = np.zeros((len(ids), width), dtype=np.uint8)
+    for n, i in enumerate(ids.tolist()):  # a few thousand tokens at most, once per (terminal state, vocabulary)
+        data = vocab.token_bytes[i]
+        mat[n, :len(data)] = np.frombuffer(data, dtype=np.uint8)
+    cur = np.full(len(ids), state, dtype=np.int64)
+    rows, cols = [], []
+    for j in range(1, width):
+        cur = np.where(cur >= 0, dfa.transitions[np.maximum(cur, 0), mat[:, j - 1]], -1)
+        at = np.flatnonzero((cur >= 0) & (lens > j) & dfa.accepting[np.maximum(cur, 0)])
+        rows.append(at)
+        cols.append(np.full(len(at), j, dtype=np.int64))
+    rows, cols = np.concatenate(rows), np.concatenate(cols)
+    tokens = ids[rows].tolist()
+    token_bytes = vocab.token_bytes
+    return Exits.build(key, tokens, [token_bytes[i][j:] for i, j in zip(tokens, cols.tolist())])
 
 
 def _counted(dfa: CountedStringDFA, written: int, opening: bool, vocab: TokenVocab) -> StateTokens:
@@ -100,7 +120,26 @@ def _counted(dfa: CountedStringDFA, written: int, opening: bool, vocab: TokenVoc
     room = None if dfa.hi is None else dfa.hi - written
     closing = strings.closing_between(dfa.lo - written, room)
     inside = strings.allowed_inside(room) | (closing & strings.ends_at_quote)
-    return StateTokens(inside, None, closing=closing & ~strings.ends_at_quote, after_quote=strings.suffixes)
+    return StateTokens(inside, closing=closing & ~strings.ends_at_quote, after_quote=_quote_exits(vocab, opening))
+
+
+_quote_exits_cache: dict[tuple[str, bool], Exits | None] = {}
+
+
+def _quote_exits(vocab: TokenVocab, opening: bool) -> Exits | None:
+    """The bytes after the closing quote of the tokens that close a string and go on (counted_string.py's
+    suffix trie, read back as exits), cached per vocabulary."""
+    key = ("closing quote", vocab.fingerprint, opening)
+    found = _quote_exits_cache.get(key[1:])
+    if found is None and key[1:] not in _quote_exits_cache:
+        trie = string_tokens(vocab, opening).suffixes
+        if trie is not None:
+            tokens = [int(i) for d in range(1, trie.depth + 1) for i in trie.end_tokens[d]]
+            lengths = [d for d in range(1, trie.depth + 1) for _ in range(len(trie.end_tokens[d]))]
+            found = Exits.build(key, tokens, [vocab.token_bytes[i][-n:] for i, n in zip(tokens, lengths)])
+        with _lock:
+            _quote_exits_cache[key[1:]] = found
+    return found
 
 
 _futures: dict[tuple[str, int], object] = {}
@@ -158,14 +197,11 @@ SUBTREE_IDS = 16_000_000  # 64 MB of int32 ids
 
 
 def _classify(key: str, dfa: ByteDFA, state: int, vocab: TokenVocab) -> tuple[np.ndarray, np.ndarray]:
-    """(bool [vocab]: tokens alive in the DFA through their last byte, ids of the tokens that pass an
-    accepting state before their last byte), from `state`."""
+    """(bool [vocab]: tokens alive in the DFA through their last byte, ids of the other tokens that pass
+    an accepting state after their first byte and before their last), from `state`."""
     trie = vocab.trie
     first_bytes = trie.byte[1].astype(np.int64)  # the byte of each level-1 node
     nxt = dfa.transitions[state, first_bytes]
-    if dfa.accepting[state]:  # the terminal may end before any byte: every token may leave it
-        inside, _ = _walk(dfa, np.flatnonzero(nxt >= 0), nxt[nxt >= 0], vocab)
-        return inside, np.flatnonzero(~inside & _nonempty(vocab))
     futures = {q: _future(key, dfa, q) for q in set(nxt.tolist()) if q >= 0}
     keys = {n: (futures[q], int(first_bytes[n]), vocab.fingerprint) for n, q in enumerate(nxt.tolist()) if q >= 0}
     with _lock:
