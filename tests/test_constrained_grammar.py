@@ -546,12 +546,25 @@ def test_token_classes_assembled_per_first_byte_equal_a_whole_walk(tiny_tokenize
         grammar = compile_grammar(json_schema_to_grammar(schema))
         for name, dfa in zip(grammar.terminal_names, grammar.terminals):
             for q in range(dfa.num_states):
-                inside, uncertain = terminal_tokens._classify(name, dfa, q, vocab)
+                inside, tokens, starts, _ = terminal_tokens._classify(name, dfa, q, vocab)
+                uncertain = np.unique(tokens)
+                for i, j in zip(tokens.tolist(), starts.tolist()):  # where they leave: an accepting state
+                    assert 0 < j < len(vocab.token_bytes[i]), (name, q, i, j)
+                    at = _run(dfa, q, vocab.token_bytes[i][:j])
+                    assert at >= 0 and dfa.accepting[at], (name, q, i, j)
                 nxt = dfa.transitions[q, first]
                 live = np.flatnonzero(nxt >= 0)
                 whole, exits = terminal_tokens._walk(dfa, live, nxt[live], vocab)
                 assert (inside == whole).all(), (name, q)
                 assert sorted(uncertain.tolist()) == sorted(exits.tolist()), (name, q)
+
+
+def _run(dfa, q, data: bytes) -> int:
+    for b in data:
+        q = int(dfa.transitions[q, b])
+        if q < 0:
+            break
+    return q
 
 
 def test_depth_first_completion_finds_the_way_breadth_first_drowns_in(tiny_tokenizer):

@@ -323,7 +323,7 @@ class GrammarIndex:
             after = self._intern(self._follow(k))
             row, first = self._row(after), exits.first
             starts = [b for b in range(256) if row[b] >= 0 and first[b + 1] > first[b]]
-            if sum(first[b + 1] - first[b] for b in starts) > FEW_SUFFIXES and exits.trie is not None:
+            if sum(first[b + 1] - first[b] for b in starts) > FEW_SUFFIXES:
                 alive = self._walk_trie(after, exits.trie, len(exits.suffixes))
             else:
                 alive = np.zeros(len(exits.suffixes), dtype=bool)

@@ -23,7 +23,7 @@ from __future__ import annotations
 import hashlib
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -46,7 +46,7 @@ class Exits:
     first: list[int]  # [257]
     pair_suffix: np.ndarray  # int64 [pairs]: index into suffixes
     pair_token: np.ndarray  # int64 [pairs]: token id
-    trie: TokenTrie | None  # the suffixes as a trie (ids = their indices), when too many for one by one
+    _trie: TokenTrie | None = field(default=None, repr=False)
 
     @classmethod
     def build(cls, key: object, tokens: list[int], suffixes: list[bytes]) -> "Exits":
@@ -54,9 +54,15 @@ class Exits:
         distinct = sorted(set(suffixes))
         index = {x: n for n, x in enumerate(distinct)}
         first = np.searchsorted(np.array([x[0] for x in distinct], dtype=np.int64), np.arange(257)).tolist()
-        trie = TokenTrie.build(distinct, list(range(len(distinct)))) if len(distinct) > FEW_SUFFIXES else None
         return cls(key, distinct, first, np.fromiter(map(index.__getitem__, suffixes), np.int64, count=len(suffixes)),
-                   np.asarray(tokens, dtype=np.int64), trie)
+                   np.asarray(tokens, dtype=np.int64))
+
+    @property
+    def trie(self) -> TokenTrie:
+        """The suffixes as a trie (ids = their indices), for walks of more than a few of them."""
+        if self._trie is None:
+            self._trie = TokenTrie.build(self.suffixes, list(range(len(self.suffixes))))
+        return self._trie
 
 
 @dataclass
@@ -83,9 +89,8 @@ def state_tokens(key: str, dfa: ByteDFA, state: int, vocab: TokenVocab) -> State
         if found is not None:
             _cache.move_to_end(cache_key)
             return found
-    inside, uncertain = _classify(key, dfa, state, vocab)
-    exits = _exits(dfa, state, uncertain, vocab, cache_key) if len(uncertain) else None
-    found = StateTokens(np.packbits(inside, bitorder="little"), exits)
+    inside, tokens, starts, exits_key = _classify(key, dfa, state, vocab)
+    found = StateTokens(np.packbits(inside, bitorder="little"), _exits(exits_key, tokens, starts, vocab))
     with _lock:
         _cache[cache_key] = found
         if len(_cache) > CACHE_SIZE:
@@ -93,26 +98,51 @@ def state_tokens(key: str, dfa: ByteDFA, state: int, vocab: TokenVocab) -> State
     return found
 
 
-def _exits(dfa: ByteDFA, state: int, ids: np.ndarray, vocab: TokenVocab, key: object) -> Exits:
-    """The exits of tokens `ids` from `state`: every position j >= 1 where the DFA, alive so far, accepts
-    before the token's end. One numpy step per byte position, over all the tokens at once."""
-    lens = np.fromiter((len(vocab.token_bytes[i]) for i in ids.tolist()), np.int64, count=len(ids))
+_exits_cache: OrderedDict[tuple, Exits] = OrderedDict()
+
+
+def _exits(key: tuple, tokens: np.ndarray, starts: np.ndarray, vocab: TokenVocab) -> Exits | None:
+    """The Exits of pairs (token, where its suffix starts), named by `key` (the subtrees they come from:
+    states whose exits come from the same subtrees share them, and their walks in pda.py), cached."""
+    if not len(tokens):
+        return None
+    with _lock:
+        found = _exits_cache.get(key)
+        if found is not None:
+            _exits_cache.move_to_end(key)
+            return found
+    token_bytes = vocab.token_bytes
+    tokens = tokens.tolist()
+    found = Exits.build(key, tokens, [token_bytes[i][j:] for i, j in zip(tokens, starts.tolist())])
+    with _lock:
+        _exits_cache[key] = found
+        if len(_exits_cache) > CACHE_SIZE:
+            _exits_cache.popitem(last=False)
+    return found
+
+
+def _exit_pairs(dfa: ByteDFA, ids: np.ndarray, states: np.ndarray, vocab: TokenVocab) -> tuple[np.ndarray, np.ndarray]:
+    """(token, j) for every position j >= 1 where the DFA, alive so far, accepts before the token's end,
+    for tokens `ids` in DFA states `states` after their first byte. One numpy step per byte position,
+    over all the tokens at once."""
+    if not len(ids):
+        return np.zeros(0, dtype=np.int32), np.zeros(0, dtype=np.int32)
+    token_bytes = vocab.token_bytes
+    lens = np.fromiter((len(token_bytes[i]) for i in ids.tolist()), np.int64, count=len(ids))
     width = int(lens.max())
     mat = np.zeros((len(ids), width), dtype=np.uint8)
-    for n, i in enumerate(ids.tolist()):  # a few thousand tokens at most, once per (terminal state, vocabulary)
-        data = vocab.token_bytes[i]
+    for n, i in enumerate(ids.tolist()):  # the tokens of new subtrees only, once per (future, first byte)
+        data = token_bytes[i]
         mat[n, :len(data)] = np.frombuffer(data, dtype=np.uint8)
-    cur = np.full(len(ids), state, dtype=np.int64)
+    cur = states.astype(np.int64)
     rows, cols = [], []
     for j in range(1, width):
-        cur = np.where(cur >= 0, dfa.transitions[np.maximum(cur, 0), mat[:, j - 1]], -1)
         at = np.flatnonzero((cur >= 0) & (lens > j) & dfa.accepting[np.maximum(cur, 0)])
         rows.append(at)
-        cols.append(np.full(len(at), j, dtype=np.int64))
-    rows, cols = np.concatenate(rows), np.concatenate(cols)
-    tokens = ids[rows].tolist()
-    token_bytes = vocab.token_bytes
-    return Exits.build(key, tokens, [token_bytes[i][j:] for i, j in zip(tokens, cols.tolist())])
+        cols.append(np.full(len(at), j, dtype=np.int32))
+        cur = np.where(cur >= 0, dfa.transitions[np.maximum(cur, 0), mat[:, j]], -1)
+    rows = np.concatenate(rows)
+    return ids[rows].astype(np.int32), np.concatenate(cols)
 
 
 def _counted(dfa: CountedStringDFA, written: int, opening: bool, vocab: TokenVocab) -> StateTokens:
@@ -188,17 +218,20 @@ def _nonempty(vocab: TokenVocab) -> np.ndarray:
 
 
 # Per (future of the state after first byte x, x, vocabulary): (ids of the tokens starting with x that stay
-# inside, ids of those that may leave the terminal mid-token). Most of a state's first bytes lead where
-# other states' do (a key terminal past the names it excludes is a plain string's body), so a state met
-# for the first time walks only the subtrees of the first bytes whose future is new.
-_subtrees: OrderedDict[tuple, tuple[np.ndarray, np.ndarray]] = OrderedDict()
+# inside, and the exits of those that may leave the terminal mid-token: token ids and where their suffix
+# starts). Most of a state's first bytes lead where other states' do (a key terminal past the names it
+# excludes is a plain string's body), so a state met for the first time walks only the subtrees of the
+# first bytes whose future is new.
+_subtrees: OrderedDict[tuple, tuple[np.ndarray, np.ndarray, np.ndarray]] = OrderedDict()
 _subtree_ids = 0  # ids held by _subtrees, bounded by SUBTREE_IDS
 SUBTREE_IDS = 16_000_000  # 64 MB of int32 ids
 
 
-def _classify(key: str, dfa: ByteDFA, state: int, vocab: TokenVocab) -> tuple[np.ndarray, np.ndarray]:
-    """(bool [vocab]: tokens alive in the DFA through their last byte, ids of the other tokens that pass
-    an accepting state after their first byte and before their last), from `state`."""
+def _classify(key: str, dfa: ByteDFA, state: int,
+              vocab: TokenVocab) -> tuple[np.ndarray, np.ndarray, np.ndarray, tuple]:
+    """From `state`: (bool [vocab]: tokens alive in the DFA through their last byte; the exits of the
+    other tokens that pass an accepting state after their first byte and before their last, as token
+    ids and the positions where they may leave; a name for those exits: the subtrees they come from)."""
     trie = vocab.trie
     first_bytes = trie.byte[1].astype(np.int64)  # the byte of each level-1 node
     nxt = dfa.transitions[state, first_bytes]
@@ -213,39 +246,48 @@ def _classify(key: str, dfa: ByteDFA, state: int, vocab: TokenVocab) -> tuple[np
     missing = np.array([n for n in keys if n not in have], dtype=np.int64)
     if len(missing):
         inside, uncertain = _walk(dfa, missing, nxt[missing], vocab)
-        have.update(_store({int(n): keys[int(n)] for n in missing}, inside, uncertain, vocab))
+        after_first = np.full(len(trie.byte[1]), -1, dtype=np.int64)
+        after_first[missing] = nxt[missing]
+        tokens, starts = _exit_pairs(dfa, uncertain, after_first[_first_node(vocab)[uncertain]], vocab)
+        have.update(_store({int(n): keys[int(n)] for n in missing}, inside, tokens, starts, vocab))
     inside = np.zeros(vocab.size, dtype=bool)
-    if have:
-        inside[np.concatenate([ins for ins, _ in have.values()])] = True
-        return inside, np.concatenate([unc for _, unc in have.values()])
-    return inside, np.zeros(0, dtype=np.int64)
+    if not have:
+        return inside, np.zeros(0, dtype=np.int32), np.zeros(0, dtype=np.int32), ()
+    nodes = sorted(have)
+    inside[np.concatenate([have[n][0] for n in nodes])] = True
+    exits_key = tuple(keys[n] for n in nodes if len(have[n][1]))
+    return (inside, np.concatenate([have[n][1] for n in nodes]), np.concatenate([have[n][2] for n in nodes]),
+            exits_key)
 
 
-def _store(keys: dict[int, tuple], inside: np.ndarray, uncertain: np.ndarray,
-           vocab: TokenVocab) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+def _store(keys: dict[int, tuple], inside: np.ndarray, tokens: np.ndarray, starts: np.ndarray,
+           vocab: TokenVocab) -> dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]]:
     """A walk's result split by level-1 node (the tokens' first byte), kept in _subtrees and returned."""
     global _subtree_ids
     nodes = np.fromiter(keys, np.int64, count=len(keys))
-    ins, unc = _split(np.flatnonzero(inside), nodes, vocab), _split(uncertain, nodes, vocab)
-    out = {n: (a, b) for n, a, b in zip(keys, ins, unc)}
+    ins = _split(np.flatnonzero(inside), nodes, vocab)[0]
+    exit_tokens, exit_starts = _split(tokens, nodes, vocab, starts)
+    out = {n: (a, b, c) for n, a, b, c in zip(keys, ins, exit_tokens, exit_starts)}
     with _lock:
         for n, k in keys.items():
             if k not in _subtrees:
                 _subtrees[k] = out[n]
-                _subtree_ids += len(out[n][0]) + len(out[n][1])
+                _subtree_ids += len(out[n][0]) + 2 * len(out[n][1])
         while _subtree_ids > SUBTREE_IDS and _subtrees:
-            ins, unc = _subtrees.popitem(last=False)[1]
-            _subtree_ids -= len(ins) + len(unc)
+            ins, exit_tokens, _ = _subtrees.popitem(last=False)[1]
+            _subtree_ids -= len(ins) + 2 * len(exit_tokens)
     return out
 
 
-def _split(ids: np.ndarray, nodes: np.ndarray, vocab: TokenVocab) -> list[np.ndarray]:
-    """`ids` (sorted token ids) grouped by the level-1 node they start at, one group per node of `nodes`."""
+def _split(ids: np.ndarray, nodes: np.ndarray, vocab: TokenVocab,
+           *also: np.ndarray) -> list[list[np.ndarray]]:
+    """`ids` (token ids, sorted by id within each first byte) grouped by the level-1 node they start at,
+    one group per node of `nodes`; arrays `also` (aligned with ids) grouped alike."""
     owner = _first_node(vocab)[ids]
     order = np.argsort(owner, kind="stable")
-    ids, owner = ids[order].astype(np.int32), owner[order]
-    bounds = zip(np.searchsorted(owner, nodes).tolist(), np.searchsorted(owner, nodes, side="right").tolist())
-    return [ids[a:b] for a, b in bounds]
+    owner = owner[order]
+    bounds = list(zip(np.searchsorted(owner, nodes).tolist(), np.searchsorted(owner, nodes, side="right").tolist()))
+    return [[x[a:b] for a, b in bounds] for x in (ids[order].astype(np.int32), *(x[order] for x in also))]
 
 
 _first_nodes: dict[str, np.ndarray] = {}
