@@ -121,10 +121,9 @@ def _exits(key: tuple, tokens: np.ndarray, starts: np.ndarray, vocab: TokenVocab
     return found
 
 
-def _exit_pairs(dfa: ByteDFA, ids: np.ndarray, states: np.ndarray, vocab: TokenVocab,
-                level: int = 1) -> tuple[np.ndarray, np.ndarray]:
-    """(token, j) for every position j >= level where the DFA, alive so far, accepts before the token's
-    end, for tokens `ids` in DFA states `states` after their first `level` bytes. One numpy step per byte position,
+def _exit_pairs(dfa: ByteDFA, ids: np.ndarray, states: np.ndarray, vocab: TokenVocab) -> tuple[np.ndarray, np.ndarray]:
+    """(token, j) for every position j >= 1 where the DFA, alive so far, accepts before the token's end,
+    for tokens `ids` in DFA states `states` after their first byte. One numpy step per byte position,
     over all the tokens at once."""
     if not len(ids):
         return np.zeros(0, dtype=np.int32), np.zeros(0, dtype=np.int32)
@@ -137,7 +136,7 @@ def _exit_pairs(dfa: ByteDFA, ids: np.ndarray, states: np.ndarray, vocab: TokenV
         mat[n, :len(data)] = np.frombuffer(data, dtype=np.uint8)
     cur = states.astype(np.int64)
     rows, cols = [], []
-    for j in range(level, width):
+    for j in range(1, width):
         at = np.flatnonzero((cur >= 0) & (lens > j) & dfa.accepting[np.maximum(cur, 0)])
         rows.append(at)
         cols.append(np.full(len(at), j, dtype=np.int32))
@@ -208,14 +207,23 @@ def _future(key: str, dfa: ByteDFA, state: int) -> object:
     return found
 
 
-# Per (future of the state after a trie node's bytes, the node's level and index, vocabulary): (ids of the
-# tokens under the node that stay inside, and the exits of those that may leave the terminal mid-token:
-# token ids and where their suffix starts). Most of a state's first bytes lead where other states' do
-# (a key terminal past the names it excludes is a plain string's body), so a state met for the first time
-# walks only the subtrees whose future is new; a first byte that is new but not an exit is split one level
-# further (after `"f`, a key terminal that excludes "foo" is new only under `"fo`).
+_nonempty_cache: dict[str, np.ndarray] = {}
+
+
+def _nonempty(vocab: TokenVocab) -> np.ndarray:
+    found = _nonempty_cache.get(vocab.fingerprint)
+    if found is None:
+        found = _nonempty_cache[vocab.fingerprint] = np.fromiter(map(len, vocab.token_bytes), np.int64) > 0
+    return found
+
+
+# Per (future of the state after first byte x, x, vocabulary): (ids of the tokens starting with x that stay
+# inside, and the exits of those that may leave the terminal mid-token: token ids and where their suffix
+# starts). Most of a state's first bytes lead where other states' do (a key terminal past the names it
+# excludes is a plain string's body), so a state met for the first time walks only the subtrees of the
+# first bytes whose future is new.
 _subtrees: OrderedDict[tuple, tuple[np.ndarray, np.ndarray, np.ndarray]] = OrderedDict()
-_subtree_ids = 0  # ids held by _subtrees (an entry counts 16 more), bounded by SUBTREE_IDS
+_subtree_ids = 0  # ids held by _subtrees, bounded by SUBTREE_IDS
 SUBTREE_IDS = 16_000_000  # 64 MB of int32 ids
 
 
@@ -225,9 +233,23 @@ def _classify(key: str, dfa: ByteDFA, state: int,
     other tokens that pass an accepting state after their first byte and before their last, as token
     ids and the positions where they may leave; a name for those exits: the subtrees they come from)."""
     trie = vocab.trie
-    nxt = dfa.transitions[state, trie.byte[1].astype(np.int64)]
-    live = np.flatnonzero(nxt >= 0)
-    have, keys = _subtree_classes(key, dfa, 1, live, nxt[live], vocab)
+    first_bytes = trie.byte[1].astype(np.int64)  # the byte of each level-1 node
+    nxt = dfa.transitions[state, first_bytes]
+    futures = {q: _future(key, dfa, q) for q in set(nxt.tolist()) if q >= 0}
+    keys = {n: (futures[q], int(first_bytes[n]), vocab.fingerprint) for n, q in enumerate(nxt.tolist()) if q >= 0}
+    with _lock:
+        have = {}
+        for n, k in keys.items():
+            if k in _subtrees:
+                _subtrees.move_to_end(k)
+                have[n] = _subtrees[k]
+    missing = np.array([n for n in keys if n not in have], dtype=np.int64)
+    if len(missing):
+        inside, uncertain = _walk(dfa, missing, nxt[missing], vocab)
+        after_first = np.full(len(trie.byte[1]), -1, dtype=np.int64)
+        after_first[missing] = nxt[missing]
+        tokens, starts = _exit_pairs(dfa, uncertain, after_first[_first_node(vocab)[uncertain]], vocab)
+        have.update(_store({int(n): keys[int(n)] for n in missing}, inside, tokens, starts, vocab))
     inside = np.zeros(vocab.size, dtype=bool)
     if not have:
         return inside, np.zeros(0, dtype=np.int32), np.zeros(0, dtype=np.int32), ()
@@ -238,106 +260,52 @@ def _classify(key: str, dfa: ByteDFA, state: int,
             exits_key)
 
 
-def _subtree_classes(key: str, dfa: ByteDFA, level: int, nodes: np.ndarray, states: np.ndarray,
-                     vocab: TokenVocab) -> tuple[dict[int, tuple], dict[int, tuple]]:
-    """({node: its subtree's classes}, {node: its cache key}) for trie nodes `nodes` of `level` in DFA
-    states `states` (after the nodes' bytes): from the cache, else walked (level 1: nodes where the DFA
-    does not accept are assembled from their children's)."""
-    trie = vocab.trie
-    futures = {q: _future(key, dfa, q) for q in set(states.tolist())}
-    keys = {n: (futures[q], level, n, vocab.fingerprint) for n, q in zip(nodes.tolist(), states.tolist())}
-    state_of = dict(zip(nodes.tolist(), states.tolist()))
-    with _lock:
-        have = {}
-        for n, k in keys.items():
-            if k in _subtrees:
-                _subtrees.move_to_end(k)
-                have[n] = _subtrees[k]
-    missing = [n for n in keys if n not in have]
-    ptr = trie.child_ptr[level + 1] if level < trie.depth else None
-    split = [n for n in missing if level == 1 and not dfa.accepting[state_of[n]] and ptr[n + 1] > ptr[n]]
-    whole = np.array(sorted(set(missing) - set(split)), dtype=np.int64)
-    new: dict[int, tuple] = {}
-    if len(whole):
-        at = np.array([state_of[n] for n in whole.tolist()], dtype=np.int64)
-        inside, uncertain = _walk(dfa, whole, at, vocab, level)
-        after = np.full(len(trie.byte[level]), -1, dtype=np.int64)
-        after[whole] = at
-        tokens, starts = _exit_pairs(dfa, uncertain, after[_level_node(vocab, level)[uncertain]], vocab, level)
-        new.update(_split_by_node(whole, level, inside, tokens, starts, vocab))
-    if split:
-        parents, children = expand_ranges(ptr[split], ptr[np.array(split) + 1] - ptr[split])
-        parents = np.array(split, dtype=np.int64)[parents]
-        nxt = dfa.transitions[np.array([state_of[n] for n in parents.tolist()], dtype=np.int64),
-                              trie.byte[level + 1][children].astype(np.int64)]
-        keep = nxt >= 0
-        below, _ = _subtree_classes(key, dfa, level + 1, children[keep], nxt[keep], vocab)
-        by_parent: dict[int, list[tuple]] = {n: [] for n in split}
-        for p, c in zip(parents[keep].tolist(), children[keep].tolist()):
-            by_parent[p].append(below[c])
-        eptr = trie.end_ptr[level]
-        for n, parts in by_parent.items():  # the node's own tokens (alive: its state is) and its children's
-            own = trie.end_tokens[level][eptr[n]:eptr[n + 1]]
-            new[n] = tuple(np.concatenate([own if i == 0 else np.zeros(0, np.int32)] + [part[i] for part in parts])
-                           .astype(np.int32) for i in range(3))
-    _store({n: keys[n] for n in new}, new)
-    have.update(new)
-    return have, keys
-
-
-def _split_by_node(nodes: np.ndarray, level: int, inside: np.ndarray, tokens: np.ndarray, starts: np.ndarray,
-                   vocab: TokenVocab) -> dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]]:
-    """A walk's result split by the `level` node the tokens lie under."""
-    (ins,) = _split(np.flatnonzero(inside), nodes, level, vocab)
-    exit_tokens, exit_starts = _split(tokens, nodes, level, vocab, starts)
-    return {n: (a, b, c) for n, a, b, c in zip(nodes.tolist(), ins, exit_tokens, exit_starts)}
-
-
-def _store(keys: dict[int, tuple], classes: dict[int, tuple]) -> None:
+def _store(keys: dict[int, tuple], inside: np.ndarray, tokens: np.ndarray, starts: np.ndarray,
+           vocab: TokenVocab) -> dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """A walk's result split by level-1 node (the tokens' first byte), kept in _subtrees and returned."""
     global _subtree_ids
+    nodes = np.fromiter(keys, np.int64, count=len(keys))
+    ins = _split(np.flatnonzero(inside), nodes, vocab)[0]
+    exit_tokens, exit_starts = _split(tokens, nodes, vocab, starts)
+    out = {n: (a, b, c) for n, a, b, c in zip(keys, ins, exit_tokens, exit_starts)}
     with _lock:
         for n, k in keys.items():
             if k not in _subtrees:
-                _subtrees[k] = classes[n]
-                _subtree_ids += 16 + len(classes[n][0]) + 2 * len(classes[n][1])
+                _subtrees[k] = out[n]
+                _subtree_ids += len(out[n][0]) + 2 * len(out[n][1])
         while _subtree_ids > SUBTREE_IDS and _subtrees:
             ins, exit_tokens, _ = _subtrees.popitem(last=False)[1]
-            _subtree_ids -= 16 + len(ins) + 2 * len(exit_tokens)
+            _subtree_ids -= len(ins) + 2 * len(exit_tokens)
+    return out
 
 
-def _split(ids: np.ndarray, nodes: np.ndarray, level: int, vocab: TokenVocab,
+def _split(ids: np.ndarray, nodes: np.ndarray, vocab: TokenVocab,
            *also: np.ndarray) -> list[list[np.ndarray]]:
-    """`ids` (token ids, sorted by id under each node) grouped by the `level` node they lie under, one
-    group per node of `nodes`; arrays `also` (aligned with ids) grouped alike."""
-    owner = _level_node(vocab, level)[ids]
+    """`ids` (token ids, sorted by id within each first byte) grouped by the level-1 node they start at,
+    one group per node of `nodes`; arrays `also` (aligned with ids) grouped alike."""
+    owner = _first_node(vocab)[ids]
     order = np.argsort(owner, kind="stable")
     owner = owner[order]
     bounds = list(zip(np.searchsorted(owner, nodes).tolist(), np.searchsorted(owner, nodes, side="right").tolist()))
     return [[x[a:b] for a, b in bounds] for x in (ids[order].astype(np.int32), *(x[order] for x in also))]
 
 
-_level_nodes: dict[tuple[str, int], np.ndarray] = {}
+_first_nodes: dict[str, np.ndarray] = {}
 
 
-def _level_node(vocab: TokenVocab, level: int) -> np.ndarray:
-    """int64 [vocab]: the trie node of `level` (1 or 2) each token lies under (-1 for shorter tokens)."""
-    found = _level_nodes.get((vocab.fingerprint, level))
+def _first_node(vocab: TokenVocab) -> np.ndarray:
+    """int64 [vocab]: the level-1 trie node each token starts at (-1 for empty tokens)."""
+    found = _first_nodes.get(vocab.fingerprint)
     if found is None:
-        trie = vocab.trie
-        byte1 = trie.byte[1].astype(np.int64)
-        code = byte1 if level == 1 else byte1[trie.level_arrays()[0][2]] * 256 + trie.byte[2]
-        index = np.full(256 ** level, -1, dtype=np.int64)
-        index[code] = np.arange(len(code))
-        token_code = np.fromiter((int.from_bytes(b[:level], "big") if len(b) >= level else 0
-                                  for b in vocab.token_bytes), np.int64, count=vocab.size)
-        lens = np.fromiter(map(len, vocab.token_bytes), np.int64, count=vocab.size)
-        found = _level_nodes[vocab.fingerprint, level] = np.where(lens >= level, index[token_code], -1)
+        index = np.full(256, -1, dtype=np.int64)
+        index[vocab.trie.byte[1]] = np.arange(len(vocab.trie.byte[1]))
+        first = np.fromiter((b[0] if b else 0 for b in vocab.token_bytes), np.int64, count=vocab.size)
+        found = _first_nodes[vocab.fingerprint] = np.where(_nonempty(vocab), index[first], -1)
     return found
 
 
-def _walk(dfa: ByteDFA, nodes: np.ndarray, states: np.ndarray, vocab: TokenVocab,
-          level: int = 1) -> tuple[np.ndarray, np.ndarray]:
-    """From trie nodes `nodes` of `level` in DFA states `states`: (bool [vocab]: tokens below them alive
+def _walk(dfa: ByteDFA, nodes: np.ndarray, states: np.ndarray, vocab: TokenVocab) -> tuple[np.ndarray, np.ndarray]:
+    """From level-1 trie nodes `nodes` in DFA states `states`: (bool [vocab]: tokens below them alive
     through their last byte, ids of tokens strictly below a node where the DFA accepts). Level by level,
     following live nodes and the nodes under an exit."""
     trie = vocab.trie
@@ -346,7 +314,7 @@ def _walk(dfa: ByteDFA, nodes: np.ndarray, states: np.ndarray, vocab: TokenVocab
     uncertain: list[np.ndarray] = []
     cur = states.astype(np.int64)
     below = np.zeros(0, dtype=np.int64)  # nodes of this level strictly under an exit node
-    for d in range(level, trie.depth + 1):
+    for d in range(1, trie.depth + 1):
         eptr = trie.end_ptr[d]
         _, idx = expand_ranges(eptr[nodes], eptr[nodes + 1] - eptr[nodes])
         inside[trie.end_tokens[d][idx]] = True
