@@ -9,9 +9,11 @@ interned to ids; from each one, its 256 successors are computed on first use and
 table), so after warm-up a byte costs one lookup and the grammar behaves like a DFA over the states
 generation actually reaches, built as they are reached.
 
-Token masks. All tokens walk from a configuration at once over the vocabulary trie, one trie level per
-numpy step, as the regex index does (index.py), building the rows the walk reaches. Masks are cached
-per configuration; outputs of one schema revisit the same configurations (inside a string, every
+Token masks. A configuration's mask is, per item, the tokens that stay inside its terminal (shared per
+terminal state, terminal_tokens.py) and those that leave it mid-token with a suffix that the
+configuration where the item's continuation resumes takes: suffixes walked once per (terminal state's
+exits, continuation), building the rows the walk reaches, never the bytes inside the terminal. Masks are
+cached per configuration; outputs of one schema revisit the same configurations (inside a string, every
 character leads back to the same one), so most steps are a cache hit. The tables only grow while
 requests run (by at most a few configurations per byte of output); the spec cache
 (grammar_index_cache.py) hands new requests a fresh index once one passes half of
