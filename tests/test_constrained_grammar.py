@@ -621,3 +621,26 @@ def test_move_tables_shared_by_schemas_give_the_masks_of_an_index_alone(tiny_tok
     assert seen == alone_seen and len(seen) > 10
     for a, b in zip(masks, alone_masks):
         np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("schema, doc", [
+    ({"type": "object", "properties": {"foo": {"type": "number"}, "fob": {"enum": ["x", 2]}},
+      "additionalProperties": {"type": "array", "items": {"type": "integer"}}},
+     {"foo": -1.25, "fob": 2, "bar": [10, 0, 7], "fo": []}),
+    ({"type": "array", "items": {"anyOf": [{"type": "number"}, {"type": "boolean"}, STR]}},
+     [1, 20.5, True, "a,b", -3, False]),
+])
+def test_masks_equal_the_byte_automaton(schema, doc, tiny_tokenizer):
+    """Masks assembled from token classes and exits walked per continuation (terminal_tokens.py, pda.py)
+    equal the oracle at every step of a document: token t is allowed iff its bytes lead somewhere from
+    the configuration, byte by byte."""
+    vocab = len(tiny_tokenizer)
+    c = build_constraint("json_schema", schema, tiny_tokenizer)
+    text = json.dumps(doc, separators=(",", ":"))
+    for t in tiny_tokenizer.encode(text, add_special_tokens=False):
+        index, state = c.index, c.state
+        oracle = np.array([index.next_state(state, i) >= 0 for i in range(vocab)])
+        oracle[index.eos_ids] = index.is_accepting(state)
+        assert (c.allowed_token_mask(vocab).numpy() == oracle).all(), tiny_tokenizer.decode([t])
+        c.advance(t)
+    assert c.index.is_accepting(c.state)

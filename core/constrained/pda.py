@@ -319,7 +319,7 @@ class GrammarIndex:
         (the configuration after the terminal ends); one walk per (exits, continuation). Most suffixes
         die at their first byte (after a number only `,` `}` `]` go on, say): only the suffixes starting
         with a byte the configuration takes are walked, one by one when they are few."""
-        key = (exits.key, k)
+        key = (exits, k)  # by identity: the key holds the Exits, so its id is never reused
         found = self._exits.get(key)
         if found is None:
             after = self._intern(self._follow(k))

@@ -38,10 +38,8 @@ CACHE_SIZE = 8192  # (terminal, state) entries per process; a 151k vocabulary's 
 @dataclass(eq=False)
 class Exits:
     """Tokens that may leave a terminal state mid-token: the distinct suffixes they leave it with, sorted
-    (those starting with byte b are suffixes[first[b]:first[b + 1]]), and the (suffix, token) pairs.
-    `key` names them (equal keys, equal exits)."""
+    (those starting with byte b are suffixes[first[b]:first[b + 1]]), and the (suffix, token) pairs."""
 
-    key: object
     suffixes: list[bytes]
     first: list[int]  # [257]
     pair_suffix: np.ndarray  # int64 [pairs]: index into suffixes
@@ -49,12 +47,12 @@ class Exits:
     _trie: TokenTrie | None = field(default=None, repr=False)
 
     @classmethod
-    def build(cls, key: object, tokens: list[int], suffixes: list[bytes]) -> "Exits":
+    def build(cls, tokens: list[int], suffixes: list[bytes]) -> "Exits":
         """From pairs: token tokens[i] leaves with suffixes[i] (non-empty)."""
         distinct = sorted(set(suffixes))
         index = {x: n for n, x in enumerate(distinct)}
         first = np.searchsorted(np.array([x[0] for x in distinct], dtype=np.int64), np.arange(257)).tolist()
-        return cls(key, distinct, first, np.fromiter(map(index.__getitem__, suffixes), np.int64, count=len(suffixes)),
+        return cls(distinct, first, np.fromiter(map(index.__getitem__, suffixes), np.int64, count=len(suffixes)),
                    np.asarray(tokens, dtype=np.int64))
 
     @property
@@ -113,7 +111,7 @@ def _exits(key: tuple, tokens: np.ndarray, starts: np.ndarray, vocab: TokenVocab
             return found
     token_bytes = vocab.token_bytes
     tokens = tokens.tolist()
-    found = Exits.build(key, tokens, [token_bytes[i][j:] for i, j in zip(tokens, starts.tolist())])
+    found = Exits.build(tokens, [token_bytes[i][j:] for i, j in zip(tokens, starts.tolist())])
     with _lock:
         _exits_cache[key] = found
         if len(_exits_cache) > CACHE_SIZE:
@@ -159,17 +157,16 @@ _quote_exits_cache: dict[tuple[str, bool], Exits | None] = {}
 def _quote_exits(vocab: TokenVocab, opening: bool) -> Exits | None:
     """The bytes after the closing quote of the tokens that close a string and go on (counted_string.py's
     suffix trie, read back as exits), cached per vocabulary."""
-    key = ("closing quote", vocab.fingerprint, opening)
-    found = _quote_exits_cache.get(key[1:])
-    if found is None and key[1:] not in _quote_exits_cache:
-        trie = string_tokens(vocab, opening).suffixes
+    key = (vocab.fingerprint, opening)
+    if key not in _quote_exits_cache:
+        found, trie = None, string_tokens(vocab, opening).suffixes
         if trie is not None:
             tokens = [int(i) for d in range(1, trie.depth + 1) for i in trie.end_tokens[d]]
             lengths = [d for d in range(1, trie.depth + 1) for _ in range(len(trie.end_tokens[d]))]
-            found = Exits.build(key, tokens, [vocab.token_bytes[i][-n:] for i, n in zip(tokens, lengths)])
+            found = Exits.build(tokens, [vocab.token_bytes[i][-n:] for i, n in zip(tokens, lengths)])
         with _lock:
-            _quote_exits_cache[key[1:]] = found
-    return found
+            _quote_exits_cache.setdefault(key, found)
+    return _quote_exits_cache[key]
 
 
 _futures: dict[tuple[str, int], object] = {}
