@@ -2,8 +2,10 @@
 
     python benchmarks/profile_masks.py --suite /tmp/js/jsonschema-*/json/tests/draft2020-12 [--limit N]
 
-Prints the run's mask summary, then seconds and calls per step (nested: `walk` includes `classify`,
-`walk_trie` and the rows it builds; `row` counts only rows built, wherever: masks or advancing).
+Prints the run's mask summary, then seconds and calls per step (nested: `walk` includes `classify` and
+`exit_pairs` (token classes of terminal states new to the process), `exits_taken` (the walk of exit
+suffixes from where a continuation resumes, with the rows it builds) and `after_closing`; `row` counts
+only rows built, wherever: masks or advancing).
 """
 
 from __future__ import annotations
@@ -49,6 +51,8 @@ def main() -> None:
     _timed(index, "_allowed_bits", "mask computed")
     _timed(index, "_walk", "walk")
     _timed(terminal_tokens, "_classify", "classify")
+    _timed(terminal_tokens, "_exit_pairs", "exit_pairs")
+    _timed(index, "_exits_taken", "exits_taken")
     _timed(index, "_walk_trie", "walk_trie")
     _timed(index, "_after_closing", "after_closing")
     _timed(index, "_row", "row", skip=lambda self, c: self._rows[c] is not None)

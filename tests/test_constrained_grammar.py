@@ -567,14 +567,25 @@ def test_token_classes_assembled_per_first_byte_equal_a_whole_walk(tiny_tokenize
         grammar = compile_grammar(json_schema_to_grammar(schema))
         for name, dfa in zip(grammar.terminal_names, grammar.terminals):
             for q in range(dfa.num_states):
-                inside, uncertain = terminal_tokens._classify(name, dfa, q, vocab)
+                inside, tokens, starts, _ = terminal_tokens._classify(name, dfa, q, vocab)
+                uncertain = np.unique(tokens)
+                for i, j in zip(tokens.tolist(), starts.tolist()):  # where they leave: an accepting state
+                    assert 0 < j < len(vocab.token_bytes[i]), (name, q, i, j)
+                    at = _run(dfa, q, vocab.token_bytes[i][:j])
+                    assert at >= 0 and dfa.accepting[at], (name, q, i, j)
                 nxt = dfa.transitions[q, first]
                 live = np.flatnonzero(nxt >= 0)
                 whole, exits = terminal_tokens._walk(dfa, live, nxt[live], vocab)
-                if dfa.accepting[q]:
-                    exits = np.flatnonzero(~whole & terminal_tokens._nonempty(vocab))
                 assert (inside == whole).all(), (name, q)
                 assert sorted(uncertain.tolist()) == sorted(exits.tolist()), (name, q)
+
+
+def _run(dfa, q, data: bytes) -> int:
+    for b in data:
+        q = int(dfa.transitions[q, b])
+        if q < 0:
+            break
+    return q
 
 
 def test_depth_first_completion_finds_the_way_breadth_first_drowns_in(tiny_tokenizer):
@@ -662,3 +673,26 @@ def test_valid_misses_name_the_documented_cause(tiny_tokenizer):
         assert not accepts(schema, instance)
         assert valid_misses.cause(accepts, schema, instance) == why, (schema, instance)
         assert (why in valid_misses.DOCUMENTED) == (why != "maxItems")
+
+
+@pytest.mark.parametrize("schema, doc", [
+    ({"type": "object", "properties": {"foo": {"type": "number"}, "fob": {"enum": ["x", 2]}},
+      "additionalProperties": {"type": "array", "items": {"type": "integer"}}},
+     {"foo": -1.25, "fob": 2, "bar": [10, 0, 7], "fo": []}),
+    ({"type": "array", "items": {"anyOf": [{"type": "number"}, {"type": "boolean"}, STR]}},
+     [1, 20.5, True, "a,b", -3, False]),
+])
+def test_masks_equal_the_byte_automaton(schema, doc, tiny_tokenizer):
+    """Masks assembled from token classes and exits walked per continuation (terminal_tokens.py, pda.py)
+    equal the oracle at every step of a document: token t is allowed iff its bytes lead somewhere from
+    the configuration, byte by byte."""
+    vocab = len(tiny_tokenizer)
+    c = build_constraint("json_schema", schema, tiny_tokenizer)
+    text = json.dumps(doc, separators=(",", ":"))
+    for t in tiny_tokenizer.encode(text, add_special_tokens=False):
+        index, state = c.index, c.state
+        oracle = np.array([index.next_state(state, i) >= 0 for i in range(vocab)])
+        oracle[index.eos_ids] = index.is_accepting(state)
+        assert (c.allowed_token_mask(vocab).numpy() == oracle).all(), tiny_tokenizer.decode([t])
+        c.advance(t)
+    assert c.index.is_accepting(c.state)

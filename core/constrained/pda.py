@@ -9,9 +9,11 @@ interned to ids; from each one, its 256 successors are computed on first use and
 table), so after warm-up a byte costs one lookup and the grammar behaves like a DFA over the states
 generation actually reaches, built as they are reached.
 
-Token masks. All tokens walk from a configuration at once over the vocabulary trie, one trie level per
-numpy step, as the regex index does (index.py), building the rows the walk reaches. Masks are cached
-per configuration; outputs of one schema revisit the same configurations (inside a string, every
+Token masks. A configuration's mask is, per item, the tokens that stay inside its terminal (shared per
+terminal state, terminal_tokens.py) and those that leave it mid-token with a suffix that the
+configuration where the item's continuation resumes takes: suffixes walked once per (terminal state's
+exits, continuation), building the rows the walk reaches, never the bytes inside the terminal. Masks are
+cached per configuration; outputs of one schema revisit the same configurations (inside a string, every
 character leads back to the same one), so most steps are a cache hit. The tables only grow while
 requests run (by at most a few configurations per byte of output); the spec cache
 (grammar_index_cache.py) hands new requests a fresh index once one passes half of
@@ -33,13 +35,14 @@ import torch
 from radixlm.core.constrained.counted_string import CountedStringDFA, string_tokens
 from radixlm.core.constrained.grammar_compiler import CompiledGrammar, terminal_tables
 from radixlm.core.constrained.masks import MaskCache
-from radixlm.core.constrained.terminal_tokens import state_tokens
+from radixlm.core.constrained.terminal_tokens import FEW_SUFFIXES, Exits, state_tokens
 from radixlm.core.constrained.vocab import TokenTrie, TokenVocab, expand_ranges, whole_characters
 
 END = (-1, 0, -1)  # the item "the output may end here"
 MASK_CACHE_SIZE = 1024
 MAX_FORCED_BYTES = 4096
 MOVES_CACHE_SIZE = 50_000  # item move tables per index (~1 KB each), cleared when full
+EXITS_CACHE_SIZE = 20_000  # exit tokens taken per (terminal state's exits, continuation), cleared when full
 DENSE_RATIO = 8  # a level is walked densely when over 1/8 of the previous level's nodes are alive
 
 
@@ -70,7 +73,8 @@ class GrammarIndex:
         self._edges: dict[int, tuple[bytes, int]] = {}
         self._moves: dict[tuple, tuple[np.ndarray, list[list[int]], np.ndarray]] = {}  # see _moves_of
         self._masks = MaskCache(MASK_CACHE_SIZE)
-        self._closings: dict[tuple[int, int, bool], np.ndarray] = {}
+        self._closings: dict[tuple[int, bool], np.ndarray] = {}
+        self._exits: dict[tuple, np.ndarray] = {}  # see _exits_taken
         self._lock = threading.RLock()
         self._spellable = _spellable_bytes(vocab)
         self.spells_every_byte = bool(self._spellable.all())
@@ -294,9 +298,8 @@ class GrammarIndex:
     def _walk(self, state: int) -> np.ndarray:
         """Packed bits [ceil(vocab / 8)]: the tokens whose bytes all lead somewhere from `state`: for each
         item, the tokens that stay inside its terminal (shared per terminal state, terminal_tokens.py), and
-        those of the uncertain ones that the configuration's continuations take."""
+        those leaving it mid-token whose suffix the item's continuation takes."""
         packed = np.zeros(-(-self.vocab_size // 8), dtype=np.uint8)
-        walked = None
         classes_of: dict[tuple[int, int], object] = {}
         for t, q, k in self._items[state]:
             classes = classes_of.get((t, q))
@@ -304,40 +307,65 @@ class GrammarIndex:
                 classes = classes_of[t, q] = state_tokens(self.grammar.terminal_names[t], self.grammar.terminals[t],
                                                           q, self.vocab)
                 packed |= classes.inside
-                if classes.uncertain is not None:
-                    found = self._walk_trie(state, classes.uncertain)
-                    walked = found if walked is None else walked | found
-                elif classes.few:  # a few tokens: one by one costs less than numpy steps over a trie
-                    ids = np.array([i for i in classes.few if self.next_state(state, i) >= 0], dtype=np.int64)
-                    np.bitwise_or.at(packed, ids >> 3, (1 << (ids & 7)).astype(np.uint8))
+            if classes.exits is not None:
+                ids = self._exits_taken(classes.exits, k)
+                np.bitwise_or.at(packed, ids >> 3, (1 << (ids & 7)).astype(np.uint8))
             if classes.closing is not None:
-                packed |= classes.closing & self._after_closing(t, k, q == 0, classes.after_quote)
-        if walked is not None:
-            packed |= np.packbits(walked, bitorder="little")
+                packed |= classes.closing & self._after_closing(k, q == 0, classes.after_quote)
         return packed
 
-    def _after_closing(self, t: int, k: int, opening: bool, after_quote: TokenTrie | None) -> np.ndarray:
-        """Packed bits: the tokens whose bytes after a closing quote (`after_quote`, under their ids) lead
-        somewhere once terminal t has ended with continuation k; one walk per (t, k, whether the tokens
-        also open the string)."""
-        found = self._closings.get((t, k, opening))
+    def _exits_taken(self, exits: Exits, k: int) -> np.ndarray:
+        """Ids of the tokens among `exits` whose suffix leads somewhere from where continuation k resumes
+        (the configuration after the terminal ends); one walk per (exits, continuation). Most suffixes
+        die at their first byte (after a number only `,` `}` `]` go on, say): only the suffixes starting
+        with a byte the configuration takes are walked, one by one when they are few."""
+        key = (exits, k)  # by identity: the key holds the Exits, so its id is never reused
+        found = self._exits.get(key)
         if found is None:
-            if after_quote is None:
-                found = np.zeros(-(-self.vocab_size // 8), dtype=np.uint8)
+            after = self._intern(self._follow(k))
+            row, first = self._row(after), exits.first
+            starts = [b for b in range(256) if row[b] >= 0 and first[b + 1] > first[b]]
+            if sum(first[b + 1] - first[b] for b in starts) > FEW_SUFFIXES:
+                alive = self._walk_trie(after, exits.trie, len(exits.suffixes))
             else:
-                end = self.grammar.terminals[t].num_states - 1  # a counted string's state after its quote
-                after = self._intern(self._close([(t, end, k)]))
-                found = np.packbits(self._walk_trie(after, after_quote), bitorder="little")
-            self._closings[t, k, opening] = found
+                alive = np.zeros(len(exits.suffixes), dtype=bool)
+                suffixes = exits.suffixes
+                for b in starts:
+                    for n in range(first[b], first[b + 1]):
+                        alive[n] = self._spells(row[b], suffixes[n], 1)
+            found = exits.pair_token[alive[exits.pair_suffix]]
+            if len(self._exits) >= EXITS_CACHE_SIZE:
+                self._exits.clear()
+            self._exits[key] = found
         return found
 
-    def _walk_trie(self, state: int, trie: TokenTrie) -> np.ndarray:
-        """bool [vocab]: the tokens of `trie` whose bytes all lead somewhere from `state`. All at once,
+    def _spells(self, state: int, data: bytes, start: int) -> bool:
+        """Whether every byte of data[start:] leads somewhere from `state`."""
+        for i in range(start, len(data)):
+            state = self._row(state)[data[i]]
+            if state < 0:
+                return False
+        return True
+
+    def _after_closing(self, k: int, opening: bool, after_quote: Exits | None) -> np.ndarray:
+        """Packed bits: the tokens that close a counted string and whose bytes after the quote lead
+        somewhere from where continuation k resumes; one per (k, whether the tokens also open the string)."""
+        found = self._closings.get((k, opening))
+        if found is None:
+            found = np.zeros(-(-self.vocab_size // 8), dtype=np.uint8)
+            if after_quote is not None:
+                ids = self._exits_taken(after_quote, k)
+                np.bitwise_or.at(found, ids >> 3, (1 << (ids & 7)).astype(np.uint8))
+            self._closings[k, opening] = found
+        return found
+
+    def _walk_trie(self, state: int, trie: TokenTrie, size: int) -> np.ndarray:
+        """bool [size]: the strings of `trie` (by their ids) whose bytes all lead somewhere from `state`. All at once,
         one trie level per step; rows of the configurations the walk reaches are built on the way. A
         level where many nodes are alive is stepped densely (every node of the level through its
         parent's configuration), one with few alive sparsely (only the children of live nodes)."""
         parents, ends = trie.level_arrays()
-        out = np.zeros(self.vocab_size, dtype=bool)
+        out = np.zeros(size, dtype=bool)
         cur = np.array([state], dtype=np.int64)  # the configuration at each live node
         nodes = np.zeros(1, dtype=np.int64)
         with self._lock:

@@ -1,16 +1,21 @@
 """Per terminal DFA state, the tokens whose fate does not depend on the parser stack (the XGrammar idea).
 
 From state q of terminal t, a token either stays inside t for all its bytes (allowed whatever follows:
-*context-independent*), or passes an accepting state of t before its last byte (it may end t there and
-go on in whatever the stack says follows: *uncertain*), or neither (never allowed through t). The first
-set is kept as packed bits, the uncertain tokens as a small trie of their own; both are computed once
-per (terminal, state, vocabulary) and shared by every grammar using the terminal (JSON strings,
-numbers and keys recur across schemas). A parser configuration's mask is then the union of its items'
-context-independent bits and a walk of only the uncertain tokens through the configuration.
+*context-independent*), or passes an accepting state of t after j >= 1 of its bytes (it may end t there
+and go on in whatever the stack says follows: an *exit*), or neither (never allowed through t). The
+first set is kept as packed bits; the exits as the distinct suffixes the tokens leave t with (the token
+`1,"` leaves a number with `,"`), each with the tokens that have it. Both are computed once per
+(terminal, state, vocabulary) and shared by every grammar using the terminal (JSON strings, numbers and
+keys recur across schemas). A parser configuration's mask is then the union of its items'
+context-independent bits and, per item, the tokens whose suffix the configuration after t's end takes
+(pda.py): that configuration depends on the item's continuation alone, so only suffixes are walked
+there, once per (state's exits, continuation), never the bytes inside t (XGrammar's context expansion).
+Exits at j = 0 (t may end before the token) need nothing here: a configuration is closed, so it holds
+what follows t's end as items of its own.
 
-A bounded string's character boundaries (counted_string.py) are counted instead: their uncertain
-tokens are the ones that close the string, and only their bytes after the quote are walked, once per
-continuation (pda.py).
+A bounded string's character boundaries (counted_string.py) are counted instead: their exits are the
+tokens that close the string, and only their bytes after the quote are walked, once per continuation
+(pda.py).
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ from __future__ import annotations
 import hashlib
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -26,20 +31,46 @@ from radixlm.core.constrained.counted_string import CountedStringDFA, string_tok
 from radixlm.core.constrained.regex_dfa import ByteDFA
 from radixlm.core.constrained.vocab import TokenTrie, TokenVocab, expand_ranges
 
-FULL_TRIE_FRACTION = 4  # more uncertain tokens than 1/4 of the vocabulary: walk the whole trie
-FEW_TOKENS = 256  # up to this many uncertain tokens are walked one by one (no trie, no numpy steps)
+FEW_SUFFIXES = 256  # up to this many distinct exit suffixes are walked one by one (no trie, no numpy steps)
 CACHE_SIZE = 8192  # (terminal, state) entries per process; a 151k vocabulary's bits are 19 KB each
+
+
+@dataclass(eq=False)
+class Exits:
+    """Tokens that may leave a terminal state mid-token: the distinct suffixes they leave it with, sorted
+    (those starting with byte b are suffixes[first[b]:first[b + 1]]), and the (suffix, token) pairs."""
+
+    suffixes: list[bytes]
+    first: list[int]  # [257]
+    pair_suffix: np.ndarray  # int64 [pairs]: index into suffixes
+    pair_token: np.ndarray  # int64 [pairs]: token id
+    _trie: TokenTrie | None = field(default=None, repr=False)
+
+    @classmethod
+    def build(cls, tokens: list[int], suffixes: list[bytes]) -> "Exits":
+        """From pairs: token tokens[i] leaves with suffixes[i] (non-empty)."""
+        distinct = sorted(set(suffixes))
+        index = {x: n for n, x in enumerate(distinct)}
+        first = np.searchsorted(np.array([x[0] for x in distinct], dtype=np.int64), np.arange(257)).tolist()
+        return cls(distinct, first, np.fromiter(map(index.__getitem__, suffixes), np.int64, count=len(suffixes)),
+                   np.asarray(tokens, dtype=np.int64))
+
+    @property
+    def trie(self) -> TokenTrie:
+        """The suffixes as a trie (ids = their indices), for walks of more than a few of them."""
+        if self._trie is None:
+            self._trie = TokenTrie.build(self.suffixes, list(range(len(self.suffixes))))
+        return self._trie
 
 
 @dataclass
 class StateTokens:
     inside: np.ndarray  # uint8 packed bits (little bit order) of the context-independent tokens
-    uncertain: TokenTrie | None  # a trie holding the tokens that may leave the terminal mid-token
-    few: list[int] | None = None  # or, when they are few, their ids (uncertain is then None)
+    exits: Exits | None = None
     # Counted string boundaries: packed bits of the tokens that close the string and go on after the
-    # quote, and the trie of those bytes after the quote (uncertain is then None).
+    # quote, and their bytes after the quote as exits (exits is then None).
     closing: np.ndarray | None = None
-    after_quote: TokenTrie | None = None
+    after_quote: Exits | None = None
 
 
 _cache: OrderedDict[tuple, StateTokens] = OrderedDict()
@@ -56,17 +87,8 @@ def state_tokens(key: str, dfa: ByteDFA, state: int, vocab: TokenVocab) -> State
         if found is not None:
             _cache.move_to_end(cache_key)
             return found
-    inside, uncertain = _classify(key, dfa, state, vocab)
-    few = None
-    if not len(uncertain):
-        trie = None
-    elif len(uncertain) <= FEW_TOKENS:
-        trie, few = None, uncertain.tolist()
-    elif len(uncertain) > vocab.size // FULL_TRIE_FRACTION:
-        trie = vocab.trie  # most of the vocabulary: walking all of it costs no more than a copy of it
-    else:
-        trie = _trie_of(uncertain, vocab)
-    found = StateTokens(np.packbits(inside, bitorder="little"), trie, few=few)
+    inside, tokens, starts, exits_key = _classify(key, dfa, state, vocab)
+    found = StateTokens(np.packbits(inside, bitorder="little"), _exits(exits_key, tokens, starts, vocab))
     with _lock:
         _cache[cache_key] = found
         if len(_cache) > CACHE_SIZE:
@@ -74,25 +96,51 @@ def state_tokens(key: str, dfa: ByteDFA, state: int, vocab: TokenVocab) -> State
     return found
 
 
-_tries: OrderedDict[tuple, TokenTrie] = OrderedDict()
-TRIES = 256
+_exits_cache: OrderedDict[tuple, Exits] = OrderedDict()
 
 
-def _trie_of(ids: np.ndarray, vocab: TokenVocab) -> TokenTrie:
-    """The trie of tokens `ids`, shared by the states with the same uncertain tokens (a string body's
-    states past different excluded key names all have the tokens with a quote inside, say)."""
-    key = (hashlib.blake2b(np.sort(ids).astype(np.int64).tobytes(), digest_size=16).digest(), vocab.fingerprint)
+def _exits(key: tuple, tokens: np.ndarray, starts: np.ndarray, vocab: TokenVocab) -> Exits | None:
+    """The Exits of pairs (token, where its suffix starts), named by `key` (the subtrees they come from:
+    states whose exits come from the same subtrees share them, and their walks in pda.py), cached."""
+    if not len(tokens):
+        return None
     with _lock:
-        found = _tries.get(key)
+        found = _exits_cache.get(key)
         if found is not None:
-            _tries.move_to_end(key)
+            _exits_cache.move_to_end(key)
             return found
-    found = TokenTrie.build(vocab.token_bytes, ids.tolist())
+    token_bytes = vocab.token_bytes
+    tokens = tokens.tolist()
+    found = Exits.build(tokens, [token_bytes[i][j:] for i, j in zip(tokens, starts.tolist())])
     with _lock:
-        _tries[key] = found
-        if len(_tries) > TRIES:
-            _tries.popitem(last=False)
+        _exits_cache[key] = found
+        if len(_exits_cache) > CACHE_SIZE:
+            _exits_cache.popitem(last=False)
     return found
+
+
+def _exit_pairs(dfa: ByteDFA, ids: np.ndarray, states: np.ndarray, vocab: TokenVocab) -> tuple[np.ndarray, np.ndarray]:
+    """(token, j) for every position j >= 1 where the DFA, alive so far, accepts before the token's end,
+    for tokens `ids` in DFA states `states` after their first byte. One numpy step per byte position,
+    over all the tokens at once."""
+    if not len(ids):
+        return np.zeros(0, dtype=np.int32), np.zeros(0, dtype=np.int32)
+    token_bytes = vocab.token_bytes
+    lens = np.fromiter((len(token_bytes[i]) for i in ids.tolist()), np.int64, count=len(ids))
+    width = int(lens.max())
+    mat = np.zeros((len(ids), width), dtype=np.uint8)
+    for n, i in enumerate(ids.tolist()):  # the tokens of new subtrees only, once per (future, first byte)
+        data = token_bytes[i]
+        mat[n, :len(data)] = np.frombuffer(data, dtype=np.uint8)
+    cur = states.astype(np.int64)
+    rows, cols = [], []
+    for j in range(1, width):
+        at = np.flatnonzero((cur >= 0) & (lens > j) & dfa.accepting[np.maximum(cur, 0)])
+        rows.append(at)
+        cols.append(np.full(len(at), j, dtype=np.int32))
+        cur = np.where(cur >= 0, dfa.transitions[np.maximum(cur, 0), mat[:, j]], -1)
+    rows = np.concatenate(rows)
+    return ids[rows].astype(np.int32), np.concatenate(cols)
 
 
 def _counted(dfa: CountedStringDFA, written: int, opening: bool, vocab: TokenVocab) -> StateTokens:
@@ -100,7 +148,25 @@ def _counted(dfa: CountedStringDFA, written: int, opening: bool, vocab: TokenVoc
     room = None if dfa.hi is None else dfa.hi - written
     closing = strings.closing_between(dfa.lo - written, room)
     inside = strings.allowed_inside(room) | (closing & strings.ends_at_quote)
-    return StateTokens(inside, None, closing=closing & ~strings.ends_at_quote, after_quote=strings.suffixes)
+    return StateTokens(inside, closing=closing & ~strings.ends_at_quote, after_quote=_quote_exits(vocab, opening))
+
+
+_quote_exits_cache: dict[tuple[str, bool], Exits | None] = {}
+
+
+def _quote_exits(vocab: TokenVocab, opening: bool) -> Exits | None:
+    """The bytes after the closing quote of the tokens that close a string and go on (counted_string.py's
+    suffix trie, read back as exits), cached per vocabulary."""
+    key = (vocab.fingerprint, opening)
+    if key not in _quote_exits_cache:
+        found, trie = None, string_tokens(vocab, opening).suffixes
+        if trie is not None:
+            tokens = [int(i) for d in range(1, trie.depth + 1) for i in trie.end_tokens[d]]
+            lengths = [d for d in range(1, trie.depth + 1) for _ in range(len(trie.end_tokens[d]))]
+            found = Exits.build(tokens, [vocab.token_bytes[i][-n:] for i, n in zip(tokens, lengths)])
+        with _lock:
+            _quote_exits_cache.setdefault(key, found)
+    return _quote_exits_cache[key]
 
 
 _futures: dict[tuple[str, int], object] = {}
@@ -149,23 +215,23 @@ def _nonempty(vocab: TokenVocab) -> np.ndarray:
 
 
 # Per (future of the state after first byte x, x, vocabulary): (ids of the tokens starting with x that stay
-# inside, ids of those that may leave the terminal mid-token). Most of a state's first bytes lead where
-# other states' do (a key terminal past the names it excludes is a plain string's body), so a state met
-# for the first time walks only the subtrees of the first bytes whose future is new.
-_subtrees: OrderedDict[tuple, tuple[np.ndarray, np.ndarray]] = OrderedDict()
+# inside, and the exits of those that may leave the terminal mid-token: token ids and where their suffix
+# starts). Most of a state's first bytes lead where other states' do (a key terminal past the names it
+# excludes is a plain string's body), so a state met for the first time walks only the subtrees of the
+# first bytes whose future is new.
+_subtrees: OrderedDict[tuple, tuple[np.ndarray, np.ndarray, np.ndarray]] = OrderedDict()
 _subtree_ids = 0  # ids held by _subtrees, bounded by SUBTREE_IDS
 SUBTREE_IDS = 16_000_000  # 64 MB of int32 ids
 
 
-def _classify(key: str, dfa: ByteDFA, state: int, vocab: TokenVocab) -> tuple[np.ndarray, np.ndarray]:
-    """(bool [vocab]: tokens alive in the DFA through their last byte, ids of the tokens that pass an
-    accepting state before their last byte), from `state`."""
+def _classify(key: str, dfa: ByteDFA, state: int,
+              vocab: TokenVocab) -> tuple[np.ndarray, np.ndarray, np.ndarray, tuple]:
+    """From `state`: (bool [vocab]: tokens alive in the DFA through their last byte; the exits of the
+    other tokens that pass an accepting state after their first byte and before their last, as token
+    ids and the positions where they may leave; a name for those exits: the subtrees they come from)."""
     trie = vocab.trie
     first_bytes = trie.byte[1].astype(np.int64)  # the byte of each level-1 node
     nxt = dfa.transitions[state, first_bytes]
-    if dfa.accepting[state]:  # the terminal may end before any byte: every token may leave it
-        inside, _ = _walk(dfa, np.flatnonzero(nxt >= 0), nxt[nxt >= 0], vocab)
-        return inside, np.flatnonzero(~inside & _nonempty(vocab))
     futures = {q: _future(key, dfa, q) for q in set(nxt.tolist()) if q >= 0}
     keys = {n: (futures[q], int(first_bytes[n]), vocab.fingerprint) for n, q in enumerate(nxt.tolist()) if q >= 0}
     with _lock:
@@ -177,39 +243,48 @@ def _classify(key: str, dfa: ByteDFA, state: int, vocab: TokenVocab) -> tuple[np
     missing = np.array([n for n in keys if n not in have], dtype=np.int64)
     if len(missing):
         inside, uncertain = _walk(dfa, missing, nxt[missing], vocab)
-        have.update(_store({int(n): keys[int(n)] for n in missing}, inside, uncertain, vocab))
+        after_first = np.full(len(trie.byte[1]), -1, dtype=np.int64)
+        after_first[missing] = nxt[missing]
+        tokens, starts = _exit_pairs(dfa, uncertain, after_first[_first_node(vocab)[uncertain]], vocab)
+        have.update(_store({int(n): keys[int(n)] for n in missing}, inside, tokens, starts, vocab))
     inside = np.zeros(vocab.size, dtype=bool)
-    if have:
-        inside[np.concatenate([ins for ins, _ in have.values()])] = True
-        return inside, np.concatenate([unc for _, unc in have.values()])
-    return inside, np.zeros(0, dtype=np.int64)
+    if not have:
+        return inside, np.zeros(0, dtype=np.int32), np.zeros(0, dtype=np.int32), ()
+    nodes = sorted(have)
+    inside[np.concatenate([have[n][0] for n in nodes])] = True
+    exits_key = tuple(keys[n] for n in nodes if len(have[n][1]))
+    return (inside, np.concatenate([have[n][1] for n in nodes]), np.concatenate([have[n][2] for n in nodes]),
+            exits_key)
 
 
-def _store(keys: dict[int, tuple], inside: np.ndarray, uncertain: np.ndarray,
-           vocab: TokenVocab) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+def _store(keys: dict[int, tuple], inside: np.ndarray, tokens: np.ndarray, starts: np.ndarray,
+           vocab: TokenVocab) -> dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]]:
     """A walk's result split by level-1 node (the tokens' first byte), kept in _subtrees and returned."""
     global _subtree_ids
     nodes = np.fromiter(keys, np.int64, count=len(keys))
-    ins, unc = _split(np.flatnonzero(inside), nodes, vocab), _split(uncertain, nodes, vocab)
-    out = {n: (a, b) for n, a, b in zip(keys, ins, unc)}
+    ins = _split(np.flatnonzero(inside), nodes, vocab)[0]
+    exit_tokens, exit_starts = _split(tokens, nodes, vocab, starts)
+    out = {n: (a, b, c) for n, a, b, c in zip(keys, ins, exit_tokens, exit_starts)}
     with _lock:
         for n, k in keys.items():
             if k not in _subtrees:
                 _subtrees[k] = out[n]
-                _subtree_ids += len(out[n][0]) + len(out[n][1])
+                _subtree_ids += len(out[n][0]) + 2 * len(out[n][1])
         while _subtree_ids > SUBTREE_IDS and _subtrees:
-            ins, unc = _subtrees.popitem(last=False)[1]
-            _subtree_ids -= len(ins) + len(unc)
+            ins, exit_tokens, _ = _subtrees.popitem(last=False)[1]
+            _subtree_ids -= len(ins) + 2 * len(exit_tokens)
     return out
 
 
-def _split(ids: np.ndarray, nodes: np.ndarray, vocab: TokenVocab) -> list[np.ndarray]:
-    """`ids` (sorted token ids) grouped by the level-1 node they start at, one group per node of `nodes`."""
+def _split(ids: np.ndarray, nodes: np.ndarray, vocab: TokenVocab,
+           *also: np.ndarray) -> list[list[np.ndarray]]:
+    """`ids` (token ids, sorted by id within each first byte) grouped by the level-1 node they start at,
+    one group per node of `nodes`; arrays `also` (aligned with ids) grouped alike."""
     owner = _first_node(vocab)[ids]
     order = np.argsort(owner, kind="stable")
-    ids, owner = ids[order].astype(np.int32), owner[order]
-    bounds = zip(np.searchsorted(owner, nodes).tolist(), np.searchsorted(owner, nodes, side="right").tolist())
-    return [ids[a:b] for a, b in bounds]
+    owner = owner[order]
+    bounds = list(zip(np.searchsorted(owner, nodes).tolist(), np.searchsorted(owner, nodes, side="right").tolist()))
+    return [[x[a:b] for a, b in bounds] for x in (ids[order].astype(np.int32), *(x[order] for x in also))]
 
 
 _first_nodes: dict[str, np.ndarray] = {}
