@@ -12,8 +12,12 @@ import threading
 import numpy as np
 import pytest
 
+from radixlm.core.constrained import terminal_tokens
 from radixlm.core.constrained.counted_string import string_tokens
-from radixlm.core.constrained.grammar_index_cache import gc_paused, prepare_vocab
+from radixlm.core.constrained.grammar_compiler import compile_grammar
+from radixlm.core.constrained.grammar_index_cache import (gc_paused, grammar_of, prepare_common_terminals,
+                                                          prepare_vocab)
+from radixlm.core.constrained.pda import GrammarIndex
 from radixlm.core.constrained.testing import qwen2_tokenizer
 
 
@@ -78,6 +82,53 @@ def test_prepare_vocab_reads_the_vocabulary_once_as_json_python_does(vocab):
             assert room and not less, (data, kind, count)
         checked += 1
     assert checked > 3000
+
+
+# A schema no other test uses: its own terminals are its literal keys and the key terminal excluding them
+# (all named with "zq_"); its integers, numbers, booleans, null and punctuation are every schema's.
+_FRESH = {"type": "object", "properties": {"zq_count": {"type": "integer"}, "zq_ratio": {"type": "number"},
+                                           "zq_flags": {"type": "array", "items": {"type": "boolean"}}},
+          "additionalProperties": {"type": "null"}}
+_INSTANCE = {"zq_count": -12, "zq_ratio": 0.035, "zq_flags": [True, False], "other": None, "zq_x": None}
+
+
+def _clear_token_classes() -> None:
+    """The process's token classes forgotten, as in a process that has built none."""
+    with terminal_tokens._lock:
+        for cache in (terminal_tokens._cache, terminal_tokens._exits_cache, terminal_tokens._subtrees,
+                      terminal_tokens._futures):
+            cache.clear()
+        terminal_tokens._subtree_ids = 0
+
+
+def _walk_fresh_schema(vocab, monkeypatch) -> tuple[list[np.ndarray], list[str]]:
+    """The masks along _INSTANCE's tokens in a new index of _FRESH (each token checked allowed), and the
+    terminals whose token classes were built on the way."""
+    built = []
+    classify = terminal_tokens._classify
+    monkeypatch.setattr(terminal_tokens, "_classify",
+                        lambda key, dfa, state, v: built.append(key) or classify(key, dfa, state, v))
+    index = GrammarIndex(compile_grammar(grammar_of("json_schema", _FRESH)), vocab)
+    state, masks = index.start, []
+    for token in qwen2_tokenizer().encode(json.dumps(_INSTANCE, separators=(",", ":"))):
+        masks.append(index.mask(state, vocab.size).numpy())
+        assert masks[-1][token]
+        state = index.next_state(state, token)
+    assert index.is_accepting(state)
+    monkeypatch.undo()
+    return masks, built
+
+
+def test_start_up_preparation_serves_a_fresh_schemas_common_terminals(vocab, monkeypatch):
+    _clear_token_classes()
+    cold_masks, cold_built = _walk_fresh_schema(vocab, monkeypatch)
+    assert any(k.startswith("re:-?(?:0|[1-9][0-9]*)") for k in cold_built)  # numbers built at first use
+    assert any(k == "re:true|false" for k in cold_built)
+    _clear_token_classes()
+    prepare_common_terminals(vocab)
+    masks, built = _walk_fresh_schema(vocab, monkeypatch)
+    assert built and all("zq_" in k for k in built)  # only the schema's own key terminals are new
+    assert len(masks) == len(cold_masks) and all((a == b).all() for a, b in zip(masks, cold_masks))
 
 
 def test_gc_is_paused_while_any_compile_runs_and_restored_after():
