@@ -113,7 +113,8 @@ class EngineOptions:
         "the request gets 400")
     grammar_prepare_at_start: bool = option(
         True, "build what constrained decoding needs of the tokenizer (its byte trie, the vocabulary read as "
-        "JSON string content: about 1-2 s of CPU for a 150k vocabulary) on a thread when the engine starts, "
+        "JSON string content: about 1-2 s of CPU for a 150k vocabulary; the token classes of the terminals most "
+        "JSON schemas share: about 0.3 s) on a thread when the engine starts, "
         "so that the first constrained request does not wait for it (radixlm backend); false: at the first "
         "constraint")
     json_schema_documents: str | None = option(
