@@ -281,7 +281,8 @@ def _split(ids: np.ndarray, nodes: np.ndarray, vocab: TokenVocab,
     """`ids` (token ids, sorted by id within each first byte) grouped by the level-1 node they start at,
     one group per node of `nodes`; arrays `also` (aligned with ids) grouped alike."""
     owner = _first_node(vocab)[ids]
-    order = np.argsort(owner, kind="stable")
+    # As int16 (level-1 nodes are < 256), numpy's stable sort is a radix sort: ~4x faster on 150k ids.
+    order = np.argsort(owner.astype(np.int16), kind="stable")
     owner = owner[order]
     bounds = list(zip(np.searchsorted(owner, nodes).tolist(), np.searchsorted(owner, nodes, side="right").tolist()))
     return [[x[a:b] for a, b in bounds] for x in (ids[order].astype(np.int32), *(x[order] for x in also))]
