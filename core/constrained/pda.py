@@ -35,7 +35,7 @@ import torch
 from radixlm.core.constrained.counted_string import CountedStringDFA, string_tokens
 from radixlm.core.constrained.grammar_compiler import CompiledGrammar, terminal_tables
 from radixlm.core.constrained.masks import MaskCache
-from radixlm.core.constrained.terminal_tokens import FEW_SUFFIXES, Exits, state_tokens
+from radixlm.core.constrained.terminal_tokens import DENSE_RATIO, FEW_SUFFIXES, Exits, state_tokens
 from radixlm.core.constrained.vocab import TokenTrie, TokenVocab, expand_ranges, whole_characters
 
 END = (-1, 0, -1)  # the item "the output may end here"
@@ -43,7 +43,6 @@ MASK_CACHE_SIZE = 1024
 MAX_FORCED_BYTES = 4096
 MOVES_CACHE_SIZE = 50_000  # item move tables per index (~1 KB each), cleared when full
 EXITS_CACHE_SIZE = 20_000  # exit tokens taken per (terminal state's exits, continuation), cleared when full
-DENSE_RATIO = 8  # a level is walked densely when over 1/8 of the previous level's nodes are alive
 
 
 class GrammarIndex:

@@ -31,6 +31,7 @@ from radixlm.core.constrained.counted_string import CountedStringDFA, string_tok
 from radixlm.core.constrained.regex_dfa import ByteDFA
 from radixlm.core.constrained.vocab import TokenTrie, TokenVocab, expand_ranges
 
+DENSE_RATIO = 8  # a trie level is walked densely when over 1/8 of the previous level's nodes are alive
 FEW_SUFFIXES = 256  # up to this many distinct exit suffixes are walked one by one (no trie, no numpy steps)
 CACHE_SIZE = 8192  # (terminal, state) entries per process; a 151k vocabulary's bits are 19 KB each
 
@@ -305,17 +306,26 @@ def _first_node(vocab: TokenVocab) -> np.ndarray:
 def _walk(dfa: ByteDFA, nodes: np.ndarray, states: np.ndarray, vocab: TokenVocab) -> tuple[np.ndarray, np.ndarray]:
     """From level-1 trie nodes `nodes` in DFA states `states`: (bool [vocab]: tokens below them alive
     through their last byte, ids of tokens strictly below a node where the DFA accepts). Level by level,
-    following live nodes and the nodes under an exit."""
+    following live nodes and the nodes under an exit; a level where many nodes are alive (a string body
+    walks most of the trie) is stepped densely, every node through its parent's state, as pda.py's
+    _walk_trie does."""
     trie = vocab.trie
+    parents, ends = trie.level_arrays()
     trans, accepting = dfa.transitions, dfa.accepting
     inside = np.zeros(vocab.size, dtype=bool)
     uncertain: list[np.ndarray] = []
     cur = states.astype(np.int64)
     below = np.zeros(0, dtype=np.int64)  # nodes of this level strictly under an exit node
     for d in range(1, trie.depth + 1):
-        eptr = trie.end_ptr[d]
-        _, idx = expand_ranges(eptr[nodes], eptr[nodes + 1] - eptr[nodes])
-        inside[trie.end_tokens[d][idx]] = True
+        eptr, level = trie.end_ptr[d], len(trie.byte[d])
+        dense = len(nodes) * DENSE_RATIO > level
+        if dense:
+            alive = np.zeros(level, dtype=bool)
+            alive[nodes] = True
+            inside[trie.end_tokens[d][alive[ends[d]]]] = True
+        else:
+            _, idx = expand_ranges(eptr[nodes], eptr[nodes + 1] - eptr[nodes])
+            inside[trie.end_tokens[d][idx]] = True
         if len(below):
             _, idx = expand_ranges(eptr[below], eptr[below + 1] - eptr[below])
             uncertain.append(trie.end_tokens[d][idx])
@@ -324,9 +334,18 @@ def _walk(dfa: ByteDFA, nodes: np.ndarray, states: np.ndarray, vocab: TokenVocab
             break
         ptr = trie.child_ptr[d + 1]
         _, below = expand_ranges(ptr[under], ptr[under + 1] - ptr[under])
-        parent, child = expand_ranges(ptr[nodes], ptr[nodes + 1] - ptr[nodes])
-        nxt = trans[cur[parent], trie.byte[d + 1][child]]
-        keep = nxt >= 0
-        nodes, cur = child[keep], nxt[keep].astype(np.int64)
+        if dense:
+            at = np.full(level, -1, dtype=np.int64)
+            at[nodes] = cur
+            src = at[parents[d + 1]]
+            nxt = trans[np.maximum(src, 0), trie.byte[d + 1]]
+            nxt[src < 0] = -1
+            nodes = np.flatnonzero(nxt >= 0)
+            cur = nxt[nodes].astype(np.int64)
+        else:
+            parent, child = expand_ranges(ptr[nodes], ptr[nodes + 1] - ptr[nodes])
+            nxt = trans[cur[parent], trie.byte[d + 1][child]]
+            keep = nxt >= 0
+            nodes, cur = child[keep], nxt[keep].astype(np.int64)
     ids = np.unique(np.concatenate(uncertain)) if uncertain else np.zeros(0, dtype=np.int64)
     return inside, ids[~inside[ids]]
