@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import threading
+from array import array
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -172,6 +173,23 @@ def _quote_exits(vocab: TokenVocab, opening: bool) -> Exits | None:
 
 _futures: dict[tuple[str, int], object] = {}
 MAX_FUTURE_STATES = 512  # larger futures are named by (terminal, state) instead
+# Per (terminal, state): its part of a future's hash (accepting, live bytes) and its live targets, read
+# once from the DFA (the breadth-first searches of a terminal's states revisit the same states).
+_state_rows: dict[tuple[str, int], tuple[bytes, list[int]]] = {}
+STATE_ROWS = 1 << 14
+
+
+def _state_row(key: str, dfa: ByteDFA, state: int) -> tuple[bytes, list[int]]:
+    found = _state_rows.get((key, state))
+    if found is None:
+        row = dfa.transitions[state]
+        live = np.flatnonzero(row >= 0)
+        found = (bytes([bool(dfa.accepting[state]), len(live) & 255]) + live.astype(np.uint8).tobytes(),
+                 row[live].tolist())
+        if len(_state_rows) >= STATE_ROWS:
+            _state_rows.clear()
+        _state_rows[key, state] = found
+    return found
 
 
 def _future(key: str, dfa: ByteDFA, state: int) -> object:
@@ -182,22 +200,17 @@ def _future(key: str, dfa: ByteDFA, state: int) -> object:
     found = _futures.get((key, state))
     if found is not None:
         return found
-    trans, accepting = dfa.transitions, dfa.accepting
     order, queue = {state: 0}, [state]
     digest = hashlib.blake2b(digest_size=16)
     i = 0
     while i < len(queue) and len(queue) <= MAX_FUTURE_STATES:
-        s = queue[i]
+        head, targets = _state_row(key, dfa, queue[i])
         i += 1
-        row = trans[s]
-        live = np.flatnonzero(row >= 0)
-        targets = row[live].tolist()
         for t in targets:
             if t not in order:
                 order[t] = len(queue)
                 queue.append(t)
-        digest.update(bytes([bool(accepting[s]), len(live) & 255]) + live.astype(np.uint8).tobytes()
-                      + np.array([order[t] for t in targets], dtype=np.int32).tobytes())
+        digest.update(head + array("i", [order[t] for t in targets]).tobytes())
     found = digest.digest() if len(queue) <= MAX_FUTURE_STATES else (key, state)
     if len(_futures) > 1 << 18:
         _futures.clear()
