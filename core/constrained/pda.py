@@ -380,19 +380,7 @@ class GrammarIndex:
                 if len(need):  # mostly empty: the rows are there from earlier levels or masks
                     for c in np.unique(need).tolist():
                         self._row(c)
-                if dense:
-                    at_parent = np.full(len(ptr) - 1, -1, dtype=np.int64)
-                    at_parent[nodes] = cur
-                    src = at_parent[parents[d]]
-                    nxt = self._table[np.maximum(src, 0), trie.byte[d]]
-                    nxt[src < 0] = -1
-                    nodes = np.flatnonzero(nxt >= 0)
-                    cur = nxt[nodes].astype(np.int64)
-                else:
-                    parent, child = expand_ranges(ptr[nodes], ptr[nodes + 1] - ptr[nodes])
-                    nxt = self._table[cur[parent], trie.byte[d][child]]
-                    keep = nxt >= 0
-                    cur, nodes = nxt[keep].astype(np.int64), child[keep]
+                nodes, cur = trie.step(d, nodes, cur, self._table, dense)
                 if not len(nodes):
                     break
                 eptr = trie.end_ptr[d]

@@ -323,7 +323,7 @@ def _walk(dfa: ByteDFA, nodes: np.ndarray, states: np.ndarray, vocab: TokenVocab
     walks most of the trie) is stepped densely, every node through its parent's state, as pda.py's
     _walk_trie does."""
     trie = vocab.trie
-    parents, ends = trie.level_arrays()
+    _, ends = trie.level_arrays()
     trans, accepting = dfa.transitions, dfa.accepting
     inside = np.zeros(vocab.size, dtype=bool)
     uncertain: list[np.ndarray] = []
@@ -347,18 +347,6 @@ def _walk(dfa: ByteDFA, nodes: np.ndarray, states: np.ndarray, vocab: TokenVocab
             break
         ptr = trie.child_ptr[d + 1]
         _, below = expand_ranges(ptr[under], ptr[under + 1] - ptr[under])
-        if dense:
-            at = np.full(level, -1, dtype=np.int64)
-            at[nodes] = cur
-            src = at[parents[d + 1]]
-            nxt = trans[np.maximum(src, 0), trie.byte[d + 1]]
-            nxt[src < 0] = -1
-            nodes = np.flatnonzero(nxt >= 0)
-            cur = nxt[nodes].astype(np.int64)
-        else:
-            parent, child = expand_ranges(ptr[nodes], ptr[nodes + 1] - ptr[nodes])
-            nxt = trans[cur[parent], trie.byte[d + 1][child]]
-            keep = nxt >= 0
-            nodes, cur = child[keep], nxt[keep].astype(np.int64)
+        nodes, cur = trie.step(d + 1, nodes, cur, trans, dense)
     ids = np.unique(np.concatenate(uncertain)) if uncertain else np.zeros(0, dtype=np.int64)
     return inside, ids[~inside[ids]]

@@ -152,6 +152,25 @@ class TokenTrie:
             self._levels = (parents, ends)
         return self._levels
 
+    def step(self, d: int, nodes: np.ndarray, states: np.ndarray, table: np.ndarray,
+             dense: bool) -> tuple[np.ndarray, np.ndarray]:
+        """The level-d nodes under the level-(d-1) `nodes` (in automaton `states`) whose byte `table`
+        moves to a state (>= 0), and those states. Dense: every level-d node through its parent's state
+        (cheaper when many nodes are alive); sparse: only the children of `nodes`."""
+        ptr = self.child_ptr[d]
+        if dense:
+            at = np.full(len(ptr) - 1, -1, dtype=np.int64)
+            at[nodes] = states
+            src = at[self.level_arrays()[0][d]]
+            nxt = table[np.maximum(src, 0), self.byte[d]]
+            nxt[src < 0] = -1
+            nodes = np.flatnonzero(nxt >= 0)
+            return nodes, nxt[nodes].astype(np.int64)
+        parent, child = expand_ranges(ptr[nodes], ptr[nodes + 1] - ptr[nodes])
+        nxt = table[states[parent], self.byte[d][child]]
+        keep = nxt >= 0
+        return child[keep], nxt[keep].astype(np.int64)
+
     @property
     def depth(self) -> int:
         return len(self.byte) - 1
