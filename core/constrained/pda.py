@@ -36,7 +36,7 @@ from radixlm.core.constrained.counted_string import CountedStringDFA, string_tok
 from radixlm.core.constrained.grammar_compiler import CompiledGrammar, terminal_tables
 from radixlm.core.constrained.masks import MaskCache
 from radixlm.core.constrained.terminal_tokens import DENSE_RATIO, FEW_SUFFIXES, Exits, state_tokens
-from radixlm.core.constrained.vocab import TokenTrie, TokenVocab, expand_ranges, whole_characters
+from radixlm.core.constrained.vocab import TokenTrie, TokenVocab, whole_characters
 
 END = (-1, 0, -1)  # the item "the output may end here"
 MASK_CACHE_SIZE = 1024
@@ -363,15 +363,13 @@ class GrammarIndex:
         one trie level per step; rows of the configurations the walk reaches are built on the way. A
         level where many nodes are alive is stepped densely (every node of the level through its
         parent's configuration), one with few alive sparsely (only the children of live nodes)."""
-        parents, ends = trie.level_arrays()
         out = np.zeros(size, dtype=bool)
         cur = np.array([state], dtype=np.int64)  # the configuration at each live node
         nodes = np.zeros(1, dtype=np.int64)
         with self._lock:
             for d in range(1, trie.depth + 1):
                 ptr = trie.child_ptr[d]
-                level_size = len(parents[d])
-                if not level_size:
+                if not len(trie.byte[d]):
                     break
                 dense = len(nodes) * DENSE_RATIO > len(ptr) - 1
                 # Rows of the configurations the walk goes on from: not those at nodes no token continues
@@ -383,14 +381,7 @@ class GrammarIndex:
                 nodes, cur = trie.step(d, nodes, cur, self._table, dense)
                 if not len(nodes):
                     break
-                eptr = trie.end_ptr[d]
-                if dense:
-                    alive = np.zeros(level_size, dtype=bool)
-                    alive[nodes] = True
-                    out[trie.end_tokens[d][alive[ends[d]]]] = True
-                else:
-                    _, idx = expand_ranges(eptr[nodes], eptr[nodes + 1] - eptr[nodes])
-                    out[trie.end_tokens[d][idx]] = True
+                trie.mark_ends(d, nodes, out, dense)
         return out
 
 

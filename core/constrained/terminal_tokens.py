@@ -323,7 +323,6 @@ def _walk(dfa: ByteDFA, nodes: np.ndarray, states: np.ndarray, vocab: TokenVocab
     walks most of the trie) is stepped densely, every node through its parent's state, as pda.py's
     _walk_trie does."""
     trie = vocab.trie
-    _, ends = trie.level_arrays()
     trans, accepting = dfa.transitions, dfa.accepting
     inside = np.zeros(vocab.size, dtype=bool)
     uncertain: list[np.ndarray] = []
@@ -332,13 +331,7 @@ def _walk(dfa: ByteDFA, nodes: np.ndarray, states: np.ndarray, vocab: TokenVocab
     for d in range(1, trie.depth + 1):
         eptr, level = trie.end_ptr[d], len(trie.byte[d])
         dense = len(nodes) * DENSE_RATIO > level
-        if dense:
-            alive = np.zeros(level, dtype=bool)
-            alive[nodes] = True
-            inside[trie.end_tokens[d][alive[ends[d]]]] = True
-        else:
-            _, idx = expand_ranges(eptr[nodes], eptr[nodes + 1] - eptr[nodes])
-            inside[trie.end_tokens[d][idx]] = True
+        trie.mark_ends(d, nodes, inside, dense)
         if len(below):
             _, idx = expand_ranges(eptr[below], eptr[below + 1] - eptr[below])
             uncertain.append(trie.end_tokens[d][idx])

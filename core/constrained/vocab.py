@@ -171,6 +171,18 @@ class TokenTrie:
         keep = nxt >= 0
         return child[keep], nxt[keep].astype(np.int64)
 
+    def mark_ends(self, d: int, nodes: np.ndarray, out: np.ndarray, dense: bool) -> None:
+        """Sets out[t] for every token t that ends at one of the level-d `nodes` (dense: through a mask
+        of the level, cheaper when many nodes are given)."""
+        if dense:
+            alive = np.zeros(len(self.byte[d]), dtype=bool)
+            alive[nodes] = True
+            out[self.end_tokens[d][alive[self.level_arrays()[1][d]]]] = True
+        else:
+            eptr = self.end_ptr[d]
+            _, idx = expand_ranges(eptr[nodes], eptr[nodes + 1] - eptr[nodes])
+            out[self.end_tokens[d][idx]] = True
+
     @property
     def depth(self) -> int:
         return len(self.byte) - 1
