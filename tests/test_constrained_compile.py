@@ -56,6 +56,22 @@ def _body(data: bytes) -> int | None:
         return None
 
 
+def test_prepare_vocab_prepares_a_vocabulary_once(vocab, monkeypatch):
+    """A front end and its scheduler in one process both prepare at start: the second call finds the
+    vocabulary prepared and compiles nothing (the common terminals' schema is compiled once)."""
+    from radixlm.core.constrained import grammar_index_cache
+
+    compiles = []
+
+    def counted(*args, **kwargs):
+        compiles.append(args)
+        return compile_grammar(*args, **kwargs)
+
+    monkeypatch.setattr(grammar_index_cache, "compile_grammar", counted)
+    assert prepare_vocab(qwen2_tokenizer()) is vocab
+    assert compiles == []
+
+
 def test_prepare_vocab_reads_the_vocabulary_once_as_json_python_does(vocab):
     reads = string_tokens(vocab)
     assert string_tokens(vocab) is reads  # built by prepare_vocab, cached per process

@@ -8,6 +8,7 @@ import gc
 import json
 import logging
 import threading
+import weakref
 from collections import OrderedDict
 from collections.abc import Iterator
 from typing import Any
@@ -30,6 +31,7 @@ _lock = threading.Lock()
 
 
 _prepare_lock = threading.Lock()
+_prepared: "weakref.WeakSet[TokenVocab]" = weakref.WeakSet()  # vocabularies prepare_vocab has done
 _gc_lock = threading.Lock()
 _gc_pausers = 0  # compiles running with the cyclic garbage collector paused
 _gc_was_enabled = False
@@ -62,13 +64,16 @@ def prepare_vocab(tokenizer: Any, eos_token_ids: list[int] | None = None) -> Tok
     TokenVocab, byte trie, the vocabulary read as string content (~1.7 s of CPU for Qwen2's 152k tokens:
     vocab_of ~0.8 s, the trie ~0.6 s, the string read ~0.3 s) and the token classes of the terminals most
     schemas use (prepare_common_terminals). Engines call it on a thread when they start, so that the first
-    constrained request does not pay it; anything built later finds it cached."""
+    constrained request does not pay it; anything built later finds it cached. A front end and its
+    scheduler in one process both call it: the second finds the vocabulary prepared."""
     with _prepare_lock:
         vocab = vocab_of(tokenizer, eos_token_ids)
-        vocab.trie
-        string_tokens(vocab)
-        string_tokens(vocab, opening=True)
-        prepare_common_terminals(vocab)
+        if vocab not in _prepared:
+            vocab.trie
+            string_tokens(vocab)
+            string_tokens(vocab, opening=True)
+            prepare_common_terminals(vocab)  # compiles COMMON_SCHEMA: not a second time
+            _prepared.add(vocab)
     return vocab
 
 
