@@ -144,16 +144,18 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
         summed = torch.empty_like(out)
         sums = torch.empty((m, programs), dtype=torch.float32, device=x.device)
     if m:
+        scaled = residual is None and sums is not None
         res, held = residual if residual is not None else x, sums if sums is not None else out
         _gemv_kernel[(programs,)](
             x, res, norm_weight if norm_weight is not None else weight, weight,
             bias if bias is not None else weight, out, summed, held,
             m, n, k, held.shape[1], x.stride(0), res.stride(0), weight.stride(0), out.stride(0), summed.stride(0),
             held.stride(0), eps,
-            SILU=silu, HAS_BIAS=bias is not None, SCALED=residual is None and sums is not None,
-            RESIDUAL=residual is not None,
+            SILU=silu, HAS_BIAS=bias is not None, SCALED=scaled, RESIDUAL=residual is not None,
             BLOCK_M=triton.next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k,
-            BLOCK_S=triton.next_power_of_2(held.shape[1]), STAGES=stages, num_warps=warps,
+            # Only a scaled product reads the partial sums; elsewhere a constant, so that no other launch
+            # compiles a variant per N.
+            BLOCK_S=triton.next_power_of_2(held.shape[1]) if scaled else 1, STAGES=stages, num_warps=warps,
         )
     return (summed, out, sums) if residual is not None else out
 
