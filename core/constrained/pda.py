@@ -291,7 +291,7 @@ class GrammarIndex:
         allowed[:n] = walked[:n]
         if self._can_end[state]:
             eos = self.eos_ids[self.eos_ids < vocab_size]
-            np.bitwise_or.at(allowed, eos >> 3, (1 << (eos & 7)).astype(np.uint8))
+            _set_bits(allowed, eos)
         return allowed
 
     def _walk(self, state: int) -> np.ndarray:
@@ -308,7 +308,7 @@ class GrammarIndex:
                 packed |= classes.inside
             if classes.exits is not None:
                 ids = self._exits_taken(classes.exits, k)
-                np.bitwise_or.at(packed, ids >> 3, (1 << (ids & 7)).astype(np.uint8))
+                _set_bits(packed, ids)
             if classes.closing is not None:
                 packed |= classes.closing & self._after_closing(k, q == 0, classes.after_quote)
         return packed
@@ -354,7 +354,7 @@ class GrammarIndex:
             found = np.zeros(-(-self.vocab_size // 8), dtype=np.uint8)
             if after_quote is not None:
                 ids = self._exits_taken(after_quote, k)
-                np.bitwise_or.at(found, ids >> 3, (1 << (ids & 7)).astype(np.uint8))
+                _set_bits(found, ids)
             self._closings[k, opening] = found
         return found
 
@@ -383,6 +383,11 @@ class GrammarIndex:
                     break
                 trie.mark_ends(d, nodes, out, dense)
         return out
+
+
+def _set_bits(packed: np.ndarray, ids: np.ndarray) -> None:
+    """Sets the bits of token `ids` in a packed mask (little-endian bit order within each byte)."""
+    np.bitwise_or.at(packed, ids >> 3, (1 << (ids & 7)).astype(np.uint8))
 
 
 # Item move tables by (terminal names and states, vocabulary), shared by every index of the process.
