@@ -124,6 +124,23 @@ def bench_shape(name: str, s: Shape, args) -> dict:
         result["scaled_max_abs_err"] = (got.float() - want.float()).abs().max().item()
         print(f"{'':8s} rms_scaled_gemv {result['scaled']['us']:8.2f} us (plain best {timed[best]['us']:.2f}) | "
               f"max |scaled - twin| {result['scaled_max_abs_err']:.3g}", flush=True)
+    if name == "qkv":  # the rotary and the KV store in the epilogue (Llama-3-8B heads: 32 q, 8 kv, 128)
+        heads, kv_heads, dim = 32, 8, s.n // 48
+        cache = torch.randn(8192, dim, device=DEVICE)
+        positions = torch.randint(0, 8192, (s.rows,), device=DEVICE)
+        pool = [torch.zeros(4096, kv_heads, dim, device=DEVICE, dtype=s.x.dtype) for _ in range(2)]
+        loc = torch.arange(s.rows, device=DEVICE, dtype=torch.int32)
+
+        def pair(i):
+            qkv = tri.rms_scaled_gemv(s.x, sums, eps, s.w[i]).view(s.rows, -1, dim)
+            q, k, v = qkv.split([heads, kv_heads, kv_heads], dim=1)
+            return tri.apply_rotary_store_kv(q, k, v, positions, cache, *pool, loc)
+        result["rotary_unfused"] = s.measure(pair, args.calls)
+        result["rotary_fused"] = s.measure(lambda i: tri.rotary_qkv_gemv(
+            s.x, sums, eps, s.w[i], None, positions, cache, *pool, loc, heads, kv_heads), args.calls)
+        print(f"{'':8s} + rotary and KV store: rms_scaled_gemv + apply_rotary_store_kv "
+              f"{result['rotary_unfused']['us']:8.2f} us | rotary_qkv_gemv {result['rotary_fused']['us']:8.2f} us",
+              flush=True)
     return result
 
 

@@ -33,7 +33,7 @@ OP_NAMES = (
 # Fusions a set may add (same signature as the reference's); where a set lacks one, its callers compose
 # the unfused ops it stands for (core.layers.attention_backend, core.models.llama). The GEMV ops take at
 # most GEMV_MAX_ROWS rows (decode).
-OPTIONAL_OP_NAMES = ("apply_rotary_store_kv", "gemv", "residual_gemv", "rms_scaled_gemv")
+OPTIONAL_OP_NAMES = ("apply_rotary_store_kv", "gemv", "residual_gemv", "rms_scaled_gemv", "rotary_qkv_gemv")
 
 
 def triton_enabled(device: torch.device | str) -> bool:

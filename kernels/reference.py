@@ -112,6 +112,19 @@ def apply_rotary_store_kv(
     return q
 
 
+def rotary_qkv_gemv(
+    x: torch.Tensor, sums: torch.Tensor | None, eps: float, weight: torch.Tensor, bias: torch.Tensor | None,
+    positions: torch.Tensor, cos_sin_cache: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
+    loc: torch.Tensor, num_heads: int, num_kv_heads: int,
+) -> torch.Tensor:
+    """A decode layer's qkv projection (``rms_scaled_gemv``; ``gemv`` of an already normed x where `sums`
+    is None) then ``apply_rotary_store_kv``: returns the rotated q [M, H, D]."""
+    qkv = gemv(x, weight, bias) if sums is None else rms_scaled_gemv(x, sums, eps, weight, bias)
+    head_dim = cos_sin_cache.shape[-1]
+    q, k, v = qkv.view(qkv.shape[0], -1, head_dim).split([num_heads, num_kv_heads, num_kv_heads], dim=1)
+    return apply_rotary_store_kv(q, k, v, positions, cos_sin_cache, k_buffer, v_buffer, loc)
+
+
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, sm_scale: float):
     """q: [Lq, H, D]; k, v: [Lk, KH, D] with H a multiple of KH (GQA); mask: [Lq, Lk] bool, True = keep."""
     group = q.shape[1] // k.shape[1]

@@ -102,6 +102,47 @@ def test_norm_split_across_two_gemvs_equals_the_norm(dtype, rows):
         assert (got.float() - exact).abs().max().item() <= 1.5 * plain_err + 2 * ulp, (got, plain)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("scaled", [False, True], ids=["normed", "scaled"])
+@pytest.mark.parametrize("shape", [(4, 2, 24), (2, 1, 16)], ids=lambda s: f"H{s[0]}-KH{s[1]}-D{s[2]}")
+def test_rotary_qkv_gemv(dtype, rows, scaled, shape):
+    """The qkv projection with the rotary and the KV store in its epilogue against the reference's
+    projection, rotary and store: q returned, the new tokens' k and v in their slots, every other slot
+    untouched. Launch shapes put 4 pairs in a program (D 24: 3 programs a head) and 2 K steps; a bias
+    as Qwen2's qkv has."""
+    num_heads, num_kv_heads, head_dim = shape
+    n, k = (num_heads + 2 * num_kv_heads) * head_dim, 48
+    w = (torch.randn(n, k, device=DEVICE) / k**0.5).to(dtype)
+    b = randn(n, dtype=dtype)
+    x = randn(rows, k, dtype=dtype)
+    sums = (torch.rand(rows, 3, device=DEVICE) * k) if scaled else None
+    cache = torch.randn(64, head_dim, device=DEVICE)
+    positions = torch.randint(0, 64, (rows,), device=DEVICE)
+    loc = torch.randperm(12, device=DEVICE)[:rows].to(torch.int32)
+    pool = [torch.randn(12, num_kv_heads, head_dim, device=DEVICE).to(dtype) for _ in range(2)]
+    pools = [[t.clone() for t in pool] for _ in range(2)]
+    args = (positions, cache)
+
+    def run(ops, pool, *tensors):
+        x, w, b = tensors
+        return [ops.rotary_qkv_gemv(x, sums, 1e-6, w, b, *args, *pool, loc, num_heads, num_kv_heads), *pool]
+
+    got = run(tri, pools[0], x, w, b)
+    plain = run(ref, pools[1], x, w, b)
+    if dtype == torch.float32 or not scaled:
+        for ours, theirs in zip(got, plain):
+            assert_close(ours, theirs)
+        return
+    # Scaled, the kernel rounds once where the reference rounds the normed row first: as close to the
+    # fp32 result as the reference (half its error and two roundings of the largest output more).
+    exact = run(ref, [t.float() for t in pool], x.float(), w.float(), b.float())
+    for ours, theirs, truth in zip(got, plain, exact):
+        ulp = truth.abs().max().item() * torch.finfo(dtype).eps
+        plain_err = (theirs.float() - truth).abs().max().item()
+        assert (ours.float() - truth).abs().max().item() <= 1.5 * plain_err + 2 * ulp
+
+
 def test_default_configs_cover_the_8b_shapes(monkeypatch):
     """Without the override: every launch shape fills the GPU (>= 128 programs) and divides K, and
     bad input is refused with a message naming it."""

@@ -24,10 +24,12 @@ class AttentionBackend:
         self._extend_takes_layout = "max_extend_len" in inspect.signature(ops.extend_attention).parameters
         # The CPU set plans the batch's layout once per forward instead of once per layer.
         self._plan = getattr(ops, "plan_attention", None)
-        # The Triton set rotates and stores in one launch per layer; the CPU set runs its two ops, as
-        # does any set under RADIXLM_UNFUSED_ROTARY_STORE=1 (an ablation for benchmarks).
-        unfused = os.environ.get("RADIXLM_UNFUSED_ROTARY_STORE", "0") == "1"
-        self._rotary_store_kv = None if unfused else getattr(ops, "apply_rotary_store_kv", None)
+        # The Triton set rotates and stores in one launch per layer, in decode steps inside the qkv
+        # projection's (core.models.llama); the CPU set runs its two ops. Ablations for benchmarks:
+        # RADIXLM_UNFUSED_ROTARY_STORE=1 runs the two ops on any set, =qkv keeps them out of the projection.
+        unfused = os.environ.get("RADIXLM_UNFUSED_ROTARY_STORE", "0")
+        self._rotary_store_kv = None if unfused == "1" else getattr(ops, "apply_rotary_store_kv", None)
+        self.fuses_rotary_into_qkv = self._rotary_store_kv is not None and unfused != "qkv"
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, fb: ForwardBatch):
         """q [T, H, D], k and v [T, KH, D] as projected, before the rotary embedding (fb.positions,
@@ -39,6 +41,11 @@ class AttentionBackend:
         else:
             q, k = self.ops.apply_rotary(q, k, positions, fb.cos_sin_cache)
             self.ops.store_kv(k_buf, v_buf, fb.out_cache_loc, k, v)
+        return self.attend(q, layer_id, fb)
+
+    def attend(self, q: torch.Tensor, layer_id: int, fb: ForwardBatch) -> torch.Tensor:
+        """Attention of the new tokens' rotated q [T, H, D] over the pool, their own k and v stored."""
+        k_buf, v_buf = fb.kv_pool.k_buffers[layer_id], fb.kv_pool.v_buffers[layer_id]
         scale = q.shape[-1] ** -0.5
         extra = {}
         if self._plan is not None:

@@ -99,11 +99,19 @@ class DecoderLayer(nn.Module):
         ops, attn, mlp = self.ops, self.self_attn, self.mlp
         norm = self.input_layernorm
         if sums is None:
-            qkv = ops.gemv(norm(h), attn.qkv_proj.weight, attn.qkv_proj.bias)
+            normed = norm(h)
+        w, b = attn.qkv_proj.weight, attn.qkv_proj.bias
+        if fb.rope_positions is None and fb.attn_backend.fuses_rotary_into_qkv and hasattr(ops, "rotary_qkv_gemv"):
+            # The rotary and the KV store in the projection's epilogue: attention reads q only.
+            q = ops.rotary_qkv_gemv(normed, sums, norm.eps, w, b, fb.positions, fb.cos_sin_cache,
+                                    fb.kv_pool.k_buffers[attn.layer_id], fb.kv_pool.v_buffers[attn.layer_id],
+                                    fb.out_cache_loc, attn.num_heads, attn.num_kv_heads)
+            attended = fb.attn_backend.attend(q, attn.layer_id, fb).reshape(-1, attn.q_size)
         else:
-            qkv = ops.rms_scaled_gemv(normed, sums, norm.eps, attn.qkv_proj.weight, attn.qkv_proj.bias)
+            qkv = ops.gemv(normed, w, b) if sums is None else ops.rms_scaled_gemv(normed, sums, norm.eps, w, b)
+            attended = attn.attend(qkv, fb)
         norm = self.post_attention_layernorm
-        h, normed, sums = ops.residual_gemv(attn.attend(qkv, fb), attn.o_proj.weight, h, norm.weight)
+        h, normed, sums = ops.residual_gemv(attended, attn.o_proj.weight, h, norm.weight)
         gate_up = ops.rms_scaled_gemv(normed, sums, norm.eps, mlp.gate_up_proj.weight)
         return ops.residual_gemv(gate_up, mlp.down_proj.weight, h, next_norm.weight, silu=True)
 

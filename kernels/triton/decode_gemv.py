@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 
 from radixlm.kernels.reference import GEMV_MAX_ROWS
+from radixlm.kernels.triton.elementwise import _saturation, _to_kv
 
 # (rows rounded up to a power of two, N, K) -> (BLOCK_N, BLOCK_K, num_warps, stages), from bench_gemv's
 # measurements; missing shapes take the guess in `gemv_config`. RADIXLM_GEMV_CONFIGS names a JSON file
@@ -67,27 +68,10 @@ def gemv_config(m: int, n: int, k: int) -> tuple[int, int, int, int]:
 
 
 @triton.jit
-def _gemv_kernel(
-    X, Res, NormW, W, Bias, Out, Summed, Sums,
-    m, n, k, num_sums, stride_xm, stride_rm, stride_wn, stride_om, stride_hm, stride_sm, eps,
-    SILU: tl.constexpr, HAS_BIAS: tl.constexpr, SCALED: tl.constexpr, RESIDUAL: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr,
-    STAGES: tl.constexpr,
-):
-    pid = tl.program_id(0)
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_mask = offs_m < m
-    n_mask = offs_n < n
-    mn_mask = m_mask[:, None] & n_mask[None, :]
-    # The epilogues' inputs are loaded before the loop, so that their latency hides under it.
-    if SCALED:
-        offs_s = tl.arange(0, BLOCK_S)
-        sums = tl.load(Sums + offs_m[:, None] * stride_sm + offs_s[None, :],
-                       mask=m_mask[:, None] & (offs_s < num_sums)[None, :], other=0.0)
-    if RESIDUAL:
-        r = tl.load(Res + offs_m[:, None] * stride_rm + offs_n[None, :], mask=mn_mask, other=0.0)
-        norm_w = tl.load(NormW + offs_n, mask=n_mask, other=0.0)
+def _product(X, W, offs_m, offs_n, m_mask, n_mask, k, stride_xm, stride_wn,
+             SILU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+             STAGES: tl.constexpr):
+    """x[offs_m] @ W[offs_n].T in fp32 [BLOCK_M, BLOCK_N] (of silu_and_mul(x) with SILU)."""
     acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k0 in tl.range(0, k, BLOCK_K, num_stages=STAGES):
         offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -104,13 +88,54 @@ def _gemv_kernel(
         w = tl.load(W + offs_n[:, None] * stride_wn + offs_k[None, :],
                     mask=n_mask[:, None] & k_mask[None, :], other=0.0)
         acc += x[:, None, :] * w.to(tl.float32)[None, :, :]
-    out = tl.sum(acc, axis=2)
+    return tl.sum(acc, axis=2)
+
+
+@triton.jit
+def _load_sums(Sums, offs_m, m_mask, num_sums, stride_sm, SCALED: tl.constexpr, BLOCK_S: tl.constexpr):
+    """The partial sums of squares a scaled product reads (before its loop, so that their latency hides
+    under it); 0 where the product is not scaled."""
     if SCALED:
-        # x was an RMSNorm's input times its weight (`residual_gemv`'s second output); the norm's scale
-        # comes from the partial sums of squares the producer left, one per producer program.
+        offs_s = tl.arange(0, BLOCK_S)
+        return tl.load(Sums + offs_m[:, None] * stride_sm + offs_s[None, :],
+                       mask=m_mask[:, None] & (offs_s < num_sums)[None, :], other=0.0)
+    return 0.0
+
+
+@triton.jit
+def _scale_and_bias(out, sums, Bias, offs_n, n_mask, k, eps, SCALED: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """The epilogue of a product before any residual: with SCALED, x was an RMSNorm's input times its
+    weight (`residual_gemv`'s second output) and the norm's scale comes from the partial sums of squares
+    the producer left, one per producer program; then the bias."""
+    if SCALED:
         out = out * tl.rsqrt(tl.sum(sums, axis=1) / k + eps)[:, None]
     if HAS_BIAS:
         out += tl.load(Bias + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    return out
+
+
+@triton.jit
+def _gemv_kernel(
+    X, Res, NormW, W, Bias, Out, Summed, Sums,
+    m, n, k, num_sums, stride_xm, stride_rm, stride_wn, stride_om, stride_hm, stride_sm, eps,
+    SILU: tl.constexpr, HAS_BIAS: tl.constexpr, SCALED: tl.constexpr, RESIDUAL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr,
+    STAGES: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask = offs_m < m
+    n_mask = offs_n < n
+    mn_mask = m_mask[:, None] & n_mask[None, :]
+    # The epilogues' inputs are loaded before the loop, so that their latency hides under it.
+    sums = _load_sums(Sums, offs_m, m_mask, num_sums, stride_sm, SCALED, BLOCK_S)
+    if RESIDUAL:
+        r = tl.load(Res + offs_m[:, None] * stride_rm + offs_n[None, :], mask=mn_mask, other=0.0)
+        norm_w = tl.load(NormW + offs_n, mask=n_mask, other=0.0)
+    out = _product(X, W, offs_m, offs_n, m_mask, n_mask, k, stride_xm, stride_wn,
+                   SILU, BLOCK_M, BLOCK_N, BLOCK_K, STAGES)
+    out = _scale_and_bias(out, sums, Bias, offs_n, n_mask, k, eps, SCALED, HAS_BIAS)
     if RESIDUAL:
         # h = product + residual is the residual stream (rounded to its dtype, as the reference's sum is);
         # Out gets h times the next RMSNorm's weight, Sums this program's part of h's sum of squares.
@@ -120,6 +145,57 @@ def _gemv_kernel(
         tl.store(Sums + offs_m * stride_sm + pid, tl.sum(h * h, axis=1), mask=m_mask)
         out = h * norm_w.to(tl.float32)[None, :]
     tl.store(Out + offs_m[:, None] * stride_om + offs_n[None, :], out.to(Out.dtype.element_ty), mask=mn_mask)
+
+
+@triton.jit
+def _rotary_qkv_kernel(
+    X, W, Bias, Sums, Q, KBuf, VBuf, Positions, CosSin, Loc,
+    m, n, k, num_sums, stride_xm, stride_wn, stride_sm, stride_qm, stride_kbs, stride_kbh, stride_vbs,
+    stride_vbh, stride_cp, eps,
+    NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HAS_BIAS: tl.constexpr,
+    SCALED: tl.constexpr, BLOCK_M: tl.constexpr, PAIRS: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_S: tl.constexpr, STAGES: tl.constexpr, SAT: tl.constexpr,
+):
+    """The qkv projection with the rotary and the KV store in its epilogue. A program owns PAIRS pairs of
+    rotate-half partners (d, d + HEAD_DIM/2) of one head, interleaved, so that its outputs rotate among
+    themselves; q heads land in Q, k (rotated) and v heads in their pool slots."""
+    HALF: tl.constexpr = HEAD_DIM // 2
+    pid = tl.program_id(0)
+    head = pid * PAIRS // HALF  # HALF % PAIRS == 0: a program's pairs lie in one head
+    offs_d = pid * PAIRS % HALF + tl.arange(0, PAIRS)
+    offs_j = tl.arange(0, 2 * PAIRS)
+    offs_n = head * HEAD_DIM + pid * PAIRS % HALF + offs_j // 2 + (offs_j % 2) * HALF
+    offs_m = tl.arange(0, BLOCK_M)
+    m_mask = offs_m < m
+    n_mask = offs_n < n
+    sums = _load_sums(Sums, offs_m, m_mask, num_sums, stride_sm, SCALED, BLOCK_S)
+    pos = tl.load(Positions + offs_m, mask=m_mask, other=0).to(tl.int64)
+    out = _product(X, W, offs_m, offs_n, m_mask, n_mask, k, stride_xm, stride_wn,
+                   False, BLOCK_M, 2 * PAIRS, BLOCK_K, STAGES)
+    # Rounded where the reference's projection output is, then split into the partners' halves.
+    out = _scale_and_bias(out, sums, Bias, offs_n, n_mask, k, eps, SCALED, HAS_BIAS)
+    out = out.to(X.dtype.element_ty).to(tl.float32)
+    x1, x2 = tl.split(tl.reshape(out, (BLOCK_M, PAIRS, 2)))
+    mask = m_mask[:, None] & (offs_d < HALF)[None, :]
+    if head < NUM_HEADS + NUM_KV_HEADS:
+        cos_sin = CosSin + pos[:, None] * stride_cp + offs_d[None, :]
+        cos = tl.load(cos_sin, mask=mask, other=0.0).to(tl.float32)
+        sin = tl.load(cos_sin + HALF, mask=mask, other=0.0).to(tl.float32)
+        x1, x2 = x1 * cos - x2 * sin, x2 * cos + x1 * sin
+    x1 = x1.to(X.dtype.element_ty)
+    x2 = x2.to(X.dtype.element_ty)
+    if head < NUM_HEADS:
+        dst = Q + offs_m[:, None] * stride_qm + head * HEAD_DIM + offs_d[None, :]
+        tl.store(dst, x1, mask=mask)
+        tl.store(dst + HALF, x2, mask=mask)
+    else:
+        slot = tl.load(Loc + offs_m, mask=m_mask, other=0).to(tl.int64)
+        if head < NUM_HEADS + NUM_KV_HEADS:
+            dst = KBuf + slot[:, None] * stride_kbs + (head - NUM_HEADS) * stride_kbh + offs_d[None, :]
+        else:
+            dst = VBuf + slot[:, None] * stride_vbs + (head - NUM_HEADS - NUM_KV_HEADS) * stride_vbh + offs_d[None, :]
+        tl.store(dst, _to_kv(x1, dst, SAT), mask=mask)
+        tl.store(dst + HALF, _to_kv(x2, dst, SAT), mask=mask)
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, silu: bool = False,
@@ -181,3 +257,40 @@ def rms_scaled_gemv(x: torch.Tensor, sums: torch.Tensor, eps: float, weight: tor
     input times weight is x and whose input's sums of squares are `sums` (``residual_gemv``'s outputs),
     so that the norm costs no launch. Twin: ``reference.rms_scaled_gemv``."""
     return _launch(x, weight, bias, sums=sums, eps=eps)
+
+
+def rotary_qkv_gemv(
+    x: torch.Tensor, sums: torch.Tensor | None, eps: float, weight: torch.Tensor, bias: torch.Tensor | None,
+    positions: torch.Tensor, cos_sin_cache: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
+    loc: torch.Tensor, num_heads: int, num_kv_heads: int,
+) -> torch.Tensor:
+    """The qkv projection (``rms_scaled_gemv``, or ``gemv`` of an already normed x where `sums` is None)
+    with ``apply_rotary_store_kv`` in its epilogue: returns the rotated q [M, H, D]; k, rotated, and v go
+    into pool slots `loc`. One launch where the two took two. Twin: ``reference.rotary_qkv_gemv``."""
+    m, k = x.shape
+    n = weight.shape[0]
+    head_dim = cos_sin_cache.shape[-1]
+    assert m <= GEMV_MAX_ROWS, f"the decode GEMV takes at most {GEMV_MAX_ROWS} rows (got {m})"
+    assert n == (num_heads + 2 * num_kv_heads) * head_dim and head_dim % 2 == 0, \
+        "weight must hold q, k and v heads of the rotary cache's head_dim"
+    assert weight.stride(1) == 1 and x.stride(-1) == 1 and cos_sin_cache.stride(-1) == 1
+    assert k_buffer.stride(-1) == 1 and v_buffer.stride(-1) == 1, "pool rows must be contiguous along D"
+    q = torch.empty((m, num_heads, head_dim), dtype=x.dtype, device=x.device)
+    if m == 0:
+        return q
+    block_n, block_k, warps, stages = gemv_config(m, n, k)
+    half = head_dim // 2
+    pairs = max(1, block_n // 2)
+    while half % pairs:  # a program's pairs must lie in one head
+        pairs //= 2
+    held = sums if sums is not None else x
+    _rotary_qkv_kernel[(n // 2 // pairs,)](
+        x, weight, bias if bias is not None else weight, held, q, k_buffer, v_buffer, positions, cos_sin_cache,
+        loc, m, n, k, held.shape[1], x.stride(0), weight.stride(0), held.stride(0), q.stride(0),
+        k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1), cos_sin_cache.stride(0),
+        eps, NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, HAS_BIAS=bias is not None,
+        SCALED=sums is not None, BLOCK_M=triton.next_power_of_2(m), PAIRS=pairs, BLOCK_K=block_k,
+        BLOCK_S=triton.next_power_of_2(held.shape[1]) if sums is not None else 1, STAGES=stages,
+        SAT=_saturation(k_buffer), num_warps=warps,
+    )
+    return q
