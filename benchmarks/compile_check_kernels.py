@@ -130,6 +130,14 @@ def main(argv: list[str] | None = None) -> int:
                          dict(dict(SILU=False, SCALED=False, RESIDUAL=False), **flags, HAS_BIAS=False,
                               BLOCK_M=triton.next_power_of_2(rows), BLOCK_N=block_n, BLOCK_K=block_k,
                               BLOCK_S=512 if flags.get("SCALED") else 1, STAGES=stages)))
+    # The qkv GEMV with the rotary and the KV store in its epilogue (1 row, scaled; 8 rows, after the
+    # first layer's norm), storing into the pool.
+    for rows, scaled in ((1, True), (8, False)):
+        block_n, block_k, warps, stages = decode_gemv.gemv_config(rows, (args.heads + 2 * args.kv_heads) * d, 4096)
+        jobs.append((f"rotary_qkv_gemv M={rows} {block_n}x{block_k}", decode_gemv._rotary_qkv_kernel, warps, stages,
+                     dict(NUM_HEADS=args.heads, NUM_KV_HEADS=args.kv_heads, HEAD_DIM=d, HAS_BIAS=False, SCALED=scaled,
+                          BLOCK_M=triton.next_power_of_2(rows), PAIRS=block_n // 2, BLOCK_K=block_k,
+                          BLOCK_S=512 if scaled else 1, STAGES=stages, SAT=sat), STORE_POOL))
     print(f"triton {triton.__version__}, sm_90, {args.dtype}, {args.index} indices, head_dim {d}, GQA {group}, "
           f"KV pool {kv_type or args.dtype}")
     for label, kernel, warps, stages, constexprs, *pool in jobs:

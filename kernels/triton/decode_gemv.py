@@ -94,12 +94,13 @@ def _product(X, W, offs_m, offs_n, m_mask, n_mask, k, stride_xm, stride_wn,
 @triton.jit
 def _load_sums(Sums, offs_m, m_mask, num_sums, stride_sm, SCALED: tl.constexpr, BLOCK_S: tl.constexpr):
     """The partial sums of squares a scaled product reads (before its loop, so that their latency hides
-    under it); 0 where the product is not scaled."""
+    under it); zeros, never read, where the product is not scaled."""
+    offs_s = tl.arange(0, BLOCK_S)
+    sums = tl.zeros((offs_m.shape[0], BLOCK_S), dtype=tl.float32)
     if SCALED:
-        offs_s = tl.arange(0, BLOCK_S)
-        return tl.load(Sums + offs_m[:, None] * stride_sm + offs_s[None, :],
+        sums = tl.load(Sums + offs_m[:, None] * stride_sm + offs_s[None, :],
                        mask=m_mask[:, None] & (offs_s < num_sums)[None, :], other=0.0)
-    return 0.0
+    return sums
 
 
 @triton.jit
@@ -185,17 +186,17 @@ def _rotary_qkv_kernel(
     x1 = x1.to(X.dtype.element_ty)
     x2 = x2.to(X.dtype.element_ty)
     if head < NUM_HEADS:
-        dst = Q + offs_m[:, None] * stride_qm + head * HEAD_DIM + offs_d[None, :]
-        tl.store(dst, x1, mask=mask)
-        tl.store(dst + HALF, x2, mask=mask)
-    else:
+        q_dst = Q + offs_m[:, None] * stride_qm + head * HEAD_DIM + offs_d[None, :]
+        tl.store(q_dst, x1, mask=mask)
+        tl.store(q_dst + HALF, x2, mask=mask)
+    else:  # (the pool's pointers may be of another dtype than Q's: names of their own in this branch)
         slot = tl.load(Loc + offs_m, mask=m_mask, other=0).to(tl.int64)
         if head < NUM_HEADS + NUM_KV_HEADS:
-            dst = KBuf + slot[:, None] * stride_kbs + (head - NUM_HEADS) * stride_kbh + offs_d[None, :]
+            kv_dst = KBuf + slot[:, None] * stride_kbs + (head - NUM_HEADS) * stride_kbh + offs_d[None, :]
         else:
-            dst = VBuf + slot[:, None] * stride_vbs + (head - NUM_HEADS - NUM_KV_HEADS) * stride_vbh + offs_d[None, :]
-        tl.store(dst, _to_kv(x1, dst, SAT), mask=mask)
-        tl.store(dst + HALF, _to_kv(x2, dst, SAT), mask=mask)
+            kv_dst = VBuf + slot[:, None] * stride_vbs + (head - NUM_HEADS - NUM_KV_HEADS) * stride_vbh + offs_d[None, :]
+        tl.store(kv_dst, _to_kv(x1, kv_dst, SAT), mask=mask)
+        tl.store(kv_dst + HALF, _to_kv(x2, kv_dst, SAT), mask=mask)
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, silu: bool = False,
