@@ -40,6 +40,9 @@
 #     CONSTRAINED_ARGS="--model llama3-8b-shape --batch 1 64 --max-new-tokens 128 --overlap all" bash benchmarks/run_h200.sh
 #                                   # overlap's check (chained extend steps counted), then JSON jump-forward with
 #                                   # overlap off, on without chaining across extend steps, and on (issue 19)
+#   RUN_GPU_CHECK=0 RUN_ENGINE_BENCH=0 RUN_CONSTRAINED=0 BASE_TAR=.gpu_carry/base.tar ROUNDS=2 \
+#     WORKLOADS_ARGS="--workloads mmlu skeleton_of_thought --repeats 1" bash benchmarks/run_h200.sh
+#                                   # the paper workloads on this tree and an older commit's, alternated (issue 19)
 #   RUN_GPU_CHECK=0 RUN_ENGINE_BENCH=0 RUN_CONSTRAINED=0 RUN_IMAGES=1 bash benchmarks/run_h200.sh
 #                                   # image QA on the LLaVA-1.5-7B shape, shared vs distinct images (issue 21)
 #   RUN_GPU_CHECK=0 RUN_ENGINE_BENCH=0 RUN_CONSTRAINED=0 RUN_QWEN2VL=1 bash benchmarks/run_h200.sh
@@ -185,6 +188,23 @@ if [ "${RUN_WORKLOADS:-0}" = 1 ]; then
     ${WORKLOADS_LIMIT_S:+--time-limit-s "$WORKLOADS_LIMIT_S"} ${WORKLOADS_ARGS:-} --out "$OUT/workloads.json" \
     --markdown "$OUT/workloads.md" --plot-dir "$OUT" 2>&1 | tee "$OUT/workloads.log"
   echo "bench_workloads exit ${PIPESTATUS[0]}" | tee -a "$OUT/env.txt"
+fi
+if [ -n "${BASE_TAR:-}" ]; then
+  # Issue 19: the paper workloads on this tree and on an older commit's, alternated ROUNDS times in one
+  # call (calls on machines of the same kind differ by up to 27 %, so only one call's ratios compare).
+  # BASE_TAR is made here with `git archive --prefix=radixlm/ COMMIT > .gpu_carry/base.tar` and carried.
+  mkdir -p /tmp/base && tar -xf "$BASE_TAR" -C /tmp/base
+  for round in $(seq "${ROUNDS:-1}"); do
+    for tree in base head; do
+      root=$PWD; path=$PYTHONPATH
+      if [ $tree = base ]; then root=/tmp/base/radixlm; path=${PYTHONPATH//\/tmp\/p/\/tmp\/base}; fi
+      # shellcheck disable=SC2086  # WORKLOADS_ARGS is a list of flags
+      PYTHONPATH=$path timeout "${AB_S:-170}" python3 "$root/benchmarks/bench_workloads.py" --model llama3-8b-shape \
+        ${WORKLOADS_ARGS:-} --systems radixlm --out "$OUT/ab_${tree}_$round.json" \
+        --markdown "$OUT/ab_${tree}_$round.md" 2>&1 | tee -a "$OUT/ab_workloads.log"
+      echo "bench_workloads ($tree, round $round) exit ${PIPESTATUS[0]}" | tee -a "$OUT/env.txt"
+    done
+  done
 fi
 if [ "${RUN_HICACHE:-0}" = 1 ]; then
   # The host tier (issue 20): multi-turn chat spilling 6x past a 40k-token device pool, tier off vs on
