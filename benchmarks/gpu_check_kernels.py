@@ -341,16 +341,10 @@ def main(argv: list[str] | None = None) -> int:
     c.decode(f"B=1 L={s}", [s])
     c.decode(f"B=1 L={8 * s}", [8 * s])
     if args.sweep:
-        # A program per query head (heads 1) against one per KV head's whole query group (heads 4, the
-        # 8B shape's group: block_m rows are block_m / 4 tokens of 4 heads); shapes that compile for sm_90
-        # without spills (compile_check_kernels.py).
-        group, ragged = args.heads // args.kv_heads, [max(1, e) for e in uniform(1, s // 2, b)]
-        for cfg in [AttnConfig(64, 32, 4, 3), AttnConfig(64, 32, 4, 3, group), AttnConfig(128, 64, 8, 3, group),
-                    AttnConfig(128, 64, 8, 2, group), AttnConfig(128, 32, 8, 3, group),
-                    AttnConfig(64, 64, 4, 2, group), AttnConfig(64, 64, 4, 3, group)]:
+        for cfg in [AttnConfig(128, 64, 8, 3), AttnConfig(128, 32, 4, 2), AttnConfig(64, 64, 4, 2),
+                    AttnConfig(128, 128, 8, 2), AttnConfig(64, 32, 4, 3)]:
             c.extend(f"{prefill_batch} x {prefill} cfg {tuple(cfg)}", [0] * prefill_batch, [prefill] * prefill_batch,
                      config=cfg)
-            c.extend(f"B={b} ragged, prefixes cfg {tuple(cfg)}", prefixes, ragged, config=cfg)
         for cfg in [AttnConfig(0, 32, 4, 2), AttnConfig(0, 64, 4, 3), AttnConfig(0, 128, 8, 2),
                     AttnConfig(0, 64, 8, 2), AttnConfig(0, 32, 2, 3)]:
             c.decode(f"B={b} L={s // 2} cfg {tuple(cfg)}", [s // 2] * b, config=cfg)
@@ -365,7 +359,7 @@ def main(argv: list[str] | None = None) -> int:
         c.rotary_store_kv(tokens)
     c.sampling(b)
 
-    print(f"\ndefaults: extend {tuple(extend_config(args.head_dim, c.device, args.heads // args.kv_heads))}, "
+    print(f"\ndefaults: extend {tuple(extend_config(args.head_dim, c.device))}, "
           f"decode {tuple(decode_config(args.head_dim, c.device))} (block_m, block_n, warps, stages)")
     print(f"{'kernel':23s}{'case':40s}{'rel err':>9s}{'ok':>5s}{'ms':>11s}  rate")
     for r in c.rows:

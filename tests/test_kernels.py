@@ -30,7 +30,6 @@ from radixlm.core.models.config import ModelConfig  # noqa: E402
 from radixlm.kernels import cpu as cpu_ops  # noqa: E402
 from radixlm.kernels import reference as ref  # noqa: E402
 from radixlm.kernels import triton as tri  # noqa: E402
-from radixlm.kernels.triton.attention import AttnConfig  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
 TOL = {
@@ -72,13 +71,8 @@ GQA_SHAPES = [(2, 2, 64), (4, 1, 64), (8, 1, 40)]
 
 
 @pytest.mark.parametrize("heads", GQA_SHAPES, ids=lambda s: f"H{s[0]}-KH{s[1]}-D{s[2]}")
-@pytest.mark.parametrize("grouped", [False, True], ids=["head_per_program", "group_per_program"])
-def test_extend_attention_fp32(heads, grouped):
-    """Against the reference, with a program's 16 rows one head's tokens or (token, head) pairs of a
-    KV head's whole query group (2 tokens of 8 heads: a query block ends every 2 tokens)."""
+def test_extend_attention_fp32(heads):
     num_heads, num_kv_heads, head_dim = heads
-    group = num_heads // num_kv_heads
-    config = AttnConfig(16, 16, 4, 1, heads=group if grouped else 1)
     # Ragged: no prefix and 2 query blocks; a prefix spanning 2 key blocks; a prefix ending mid-block.
     prefix_lens, extend_lens = [0, 21, 5], [20, 3, 17]
     seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
@@ -87,7 +81,7 @@ def test_extend_attention_fp32(heads, grouped):
     ext = torch.tensor(extend_lens, device=DEVICE, dtype=torch.int32)
     scale = head_dim**-0.5
     expected = ref.extend_attention(q, *batch.tables(), ext, scale)
-    assert_close(tri.extend_attention(q, *batch.tables(), ext, scale, config=config), expected)
+    assert_close(tri.extend_attention(q, *batch.tables(), ext, scale), expected)
 
 
 def test_extend_attention_fp16_int64_strided_q_and_precomputed_starts():
@@ -101,12 +95,8 @@ def test_extend_attention_fp16_int64_strided_q_and_precomputed_starts():
     ext = torch.tensor(extend_lens, device=DEVICE, dtype=torch.int64)
     starts = torch.tensor([0, extend_lens[0]], device=DEVICE, dtype=torch.int64)
     expected = ref.extend_attention(q, *batch.tables(), ext, 0.125)
-    for config in (None, AttnConfig(16, 16, 4, 1, heads=2), AttnConfig(32, 16, 4, 1, heads=4)):
-        out = tri.extend_attention(q, *batch.tables(), ext, 0.125, extend_start_loc=starts, max_extend_len=18,
-                                   config=config)
-        assert_close(out, expected)
-    with pytest.raises(AssertionError, match="query group"):
-        tri.extend_attention(q, *batch.tables(), ext, 0.125, config=AttnConfig(16, 16, 4, 1, heads=3))
+    out = tri.extend_attention(q, *batch.tables(), ext, 0.125, extend_start_loc=starts, max_extend_len=18)
+    assert_close(out, expected)
 
 
 @pytest.mark.parametrize("splits", [3, 1], ids=["3-splits", "direct"])

@@ -22,15 +22,12 @@ _LOG2E = 1.4426950408889634
 
 
 class AttnConfig(NamedTuple):
-    """Launch shape: rows of queries per program (extend only), keys per loop step, warps, stages, and
-    (extend only) the query heads a program's rows span: 1, or a KV head's whole query group, whose
-    rows (token, head) then share each key block loaded (block_m // heads tokens a program)."""
+    """Launch shape: rows of queries per program (extend only), keys per loop step, warps, stages."""
 
     block_m: int
     block_n: int
     num_warps: int
     num_stages: int
-    heads: int = 1
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -42,11 +39,8 @@ def _block_d(head_dim: int) -> int:
     return max(16, triton.next_power_of_2(head_dim))
 
 
-def extend_config(head_dim: int, device: torch.device, group: int = 1) -> AttnConfig:
-    """The extend kernel's launch shape for a query group of `group` heads per KV head:
-    RADIXLM_EXTEND_ATTN_CONFIG ("block_m,block_n,warps,stages[,heads]", for ablations), else the tuned
-    default, whose heads a program spans are capped to what divides the group."""
-    override = os.environ.get("RADIXLM_EXTEND_ATTN_CONFIG")
+def extend_config(head_dim: int, device: torch.device) -> AttnConfig:
+    override = os.environ.get("RADIXLM_EXTEND_ATTN_CONFIG")  # "block_m,block_n,warps,stages": ablations
     if override:
         return AttnConfig(*(int(x) for x in override.split(",")))
     if device.type != "cuda":
@@ -149,33 +143,28 @@ def _extend_kernel(
     stride_ks, stride_kh, stride_kd,
     stride_vs, stride_vh, stride_vd,
     stride_rr, stride_rc,
-    GROUP: tl.constexpr, HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    # A program's BLOCK_M rows are (token, head) pairs: TOKENS tokens x HEADS query heads of one KV
-    # head. Head groups vary fastest so that (with HEADS < GROUP) the programs sharing a KV head run
-    # side by side and share it in L2.
-    TOKENS: tl.constexpr = BLOCK_M // HEADS
-    head_group = tl.program_id(0)
+    # Heads vary fastest so the query heads sharing a KV head run side by side and share it in L2.
+    head = tl.program_id(0)
     req = tl.program_id(1)
     m_block = tl.program_id(2)
     extend_len = tl.load(ExtendLens + req).to(tl.int32)
-    if m_block * TOKENS >= extend_len:
+    if m_block * BLOCK_M >= extend_len:
         return
     seq_len = tl.load(SeqLens + req).to(tl.int32)
     prefix_len = seq_len - extend_len
     q_start = tl.load(ExtendStartLoc + req).to(tl.int64)
     row = tl.load(ReqPoolIndices + req).to(tl.int64)
-    kv_head = head_group * HEADS // GROUP
+    kv_head = head // GROUP
 
-    offs_r = tl.arange(0, BLOCK_M)
-    offs_m = m_block * TOKENS + offs_r // HEADS  # each row's token
-    head = head_group * HEADS + offs_r % HEADS
+    offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     m_mask = offs_m < extend_len
     qd_mask = m_mask[:, None] & (offs_d < HEAD_DIM)[None, :]
     q = tl.load(
-        Q + (q_start + offs_m)[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :] * stride_qd,
+        Q + (q_start + offs_m)[:, None] * stride_qt + head * stride_qh + offs_d[None, :] * stride_qd,
         mask=qd_mask, other=0.0,
     )
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -185,14 +174,14 @@ def _extend_kernel(
     q_pos = prefix_len + offs_m
 
     # Keys before this block's first query are visible to all its rows: no causal mask there.
-    diag_start = prefix_len + m_block * TOKENS
+    diag_start = prefix_len + m_block * BLOCK_M
     m_i, l_i, acc = _attend_keys(
         q, m_i, l_i, acc, K, V, token_row_ptr, kv_head,
         stride_rc, stride_ks, stride_kh, stride_kd, stride_vs, stride_vh, stride_vd,
         0, diag_start, q_pos, scale_log2,
         False, HEAD_DIM, BLOCK_D, BLOCK_N, PRECISION,
     )
-    diag_end = prefix_len + tl.minimum((m_block + 1) * TOKENS, extend_len)
+    diag_end = prefix_len + tl.minimum((m_block + 1) * BLOCK_M, extend_len)
     m_i, l_i, acc = _attend_keys(
         q, m_i, l_i, acc, K, V, token_row_ptr, kv_head,
         stride_rc, stride_ks, stride_kh, stride_kd, stride_vs, stride_vh, stride_vd,
@@ -201,7 +190,7 @@ def _extend_kernel(
     )
     out = acc / l_i[:, None]
     tl.store(
-        O + (q_start + offs_m)[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :] * stride_od,
+        O + (q_start + offs_m)[:, None] * stride_ot + head * stride_oh + offs_d[None, :] * stride_od,
         out.to(O.dtype.element_ty), mask=qd_mask,
     )
 
@@ -235,16 +224,14 @@ def extend_attention(
     if max_extend_len is None:
         max_extend_len = int(extend_lens.max())
     num_heads, head_dim = q.shape[1], q.shape[2]
-    group = num_heads // k_buffer.shape[1]
-    cfg = config or extend_config(head_dim, q.device, group)
-    assert group % cfg.heads == 0 and cfg.block_m % cfg.heads == 0, f"{cfg} does not fit a query group of {group}"
-    grid = (num_heads // cfg.heads, batch, triton.cdiv(max_extend_len, cfg.block_m // cfg.heads))
+    cfg = config or extend_config(head_dim, q.device)
+    grid = (num_heads, batch, triton.cdiv(max_extend_len, cfg.block_m))
     _extend_kernel[grid](
         q, k_buffer, v_buffer, out, req_to_token, req_pool_indices, seq_lens, extend_lens,
         extend_start_loc,
         sm_scale * _LOG2E,
         *q.stride(), *out.stride(), *k_buffer.stride(), *v_buffer.stride(), *req_to_token.stride(),
-        GROUP=group, HEADS=cfg.heads, HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim),
+        GROUP=num_heads // k_buffer.shape[1], HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, PRECISION=_dot_precision(q.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
