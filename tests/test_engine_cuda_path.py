@@ -18,7 +18,7 @@ from radixlm.core.engine.model_runner import BatchInput, ModelRunner
 from radixlm.core.engine.options import EngineOptions
 from radixlm.core.engine.messages import GenerateRequest
 from radixlm.core.engine.request import Req
-from radixlm.core.engine.sampler import Sampler
+from radixlm.core.engine.sampler import Sampler, chunked_argmax
 from radixlm.core.engine.sampling_params import SamplingParams
 from radixlm.core.models.config import ModelConfig
 
@@ -231,6 +231,24 @@ def test_vectorized_sampling_draws_from_the_filtered_distribution():
     freq = torch.bincount(torch.tensor(tokens), minlength=8).float() / n
     assert freq[want == 0].sum() == 0  # nothing outside the support
     assert torch.allclose(freq, want, atol=0.025)
+
+
+def test_chunked_argmax_equals_argmax():
+    """The two-stage argmax the GPU sampler takes against torch's: ties (the first index wins, also
+    across chunks), rows all -inf (index 0), NaN anywhere (the first NaN wins), integer-valued scores."""
+    g = torch.Generator().manual_seed(3)
+    for trial in range(200):
+        rows, chunks = trial % 4 + 1, (2, 8, 64)[trial % 3]
+        x = torch.randn(rows, chunks * (trial % 5 + 1), generator=g)
+        if trial % 5 == 0:
+            x[:] = x[:, :1]  # every value tied
+        if trial % 6 == 0:
+            x = x.round()  # many ties, some across chunks
+        if trial % 7 == 0:
+            x[0] = float("-inf")
+        if trial % 11 == 0:
+            x[-1, x.shape[1] // 3] = x[-1, x.shape[1] // 2] = float("nan")
+        assert torch.equal(chunked_argmax(x, chunks), x.argmax(dim=-1)), trial
 
 
 def test_greedy_rows_and_seeded_rows_in_a_mixed_batch():

@@ -15,6 +15,28 @@ from radixlm.core.engine.request import Req
 from radixlm.kernels import get_ops
 
 
+def row_argmax(x: torch.Tensor) -> torch.Tensor:
+    """x.argmax(dim=-1) for [B, V] scores; on a GPU in two stages where a row splits evenly (chunked_argmax):
+    torch's argmax reduces one row in one block (27 µs for a 128k row on the H200). On the CPU, torch's."""
+    rows, width = x.shape
+    if not x.is_cuda or rows * _ARGMAX_CHUNKS > 4096 or width % _ARGMAX_CHUNKS or not x.is_contiguous():
+        return x.argmax(dim=-1)  # (many rows fill the device already)
+    return chunked_argmax(x, _ARGMAX_CHUNKS)
+
+
+_ARGMAX_CHUNKS = 64
+
+
+def chunked_argmax(x: torch.Tensor, chunks: int) -> torch.Tensor:
+    """x.argmax(dim=-1) of a contiguous [B, V] with V a multiple of `chunks`: each row's chunks reduced
+    side by side, then the best chunk. The same result: the first index of the largest value, NaN
+    counting as largest (torch's max and argmax agree on both)."""
+    rows, width = x.shape
+    values, index = x.view(rows, chunks, width // chunks).max(dim=-1)
+    best = values.argmax(dim=-1, keepdim=True)
+    return (index.gather(1, best) + best * (width // chunks)).squeeze(1)
+
+
 @dataclass
 class SampleResult:
     token_ids: list[int]
@@ -164,7 +186,7 @@ class Sampler:
         values, or all zero)."""
         sampled = [i for i, r in enumerate(reqs) if not r.params.is_greedy]
         if not sampled:
-            return logits.argmax(dim=-1), None
+            return row_argmax(logits), None
         dev = logits.device
         sub = [reqs[i] for i in sampled]
         whole = len(sampled) == len(reqs)
@@ -173,10 +195,10 @@ class Sampler:
         probs = torch.softmax((logits if whole else logits[index]) / temps[:, None], dim=-1)
         probs = self._filter(probs, sub)
         empty = ~(probs.sum(dim=-1) > 0)  # would pick garbage
-        picks = (probs / self._exponential_noise(probs, sub)).argmax(dim=-1)
+        picks = row_argmax(probs / self._exponential_noise(probs, sub))
         if whole:
             return picks, empty
-        out = logits.argmax(dim=-1)
+        out = row_argmax(logits)
         out[index] = picks
         return out, torch.zeros(len(reqs), dtype=torch.bool, device=dev).index_copy_(0, index, empty)
 
