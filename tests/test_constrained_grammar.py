@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from radixlm.core.constrained import GrammarBudget, build_constraint, compile_grammar, json_schema_to_grammar
-from radixlm.core.constrained.grammar import Grammar, Ref, Repeat, lit, seq, alt
+from radixlm.core.constrained.grammar import Grammar, Ref, Repeat, alt, lit, opt, seq
 from radixlm.core.constrained.testing import random_walk
 from radixlm.core.errors import GrammarBudgetError
 
@@ -459,6 +459,25 @@ def test_automaton_products_match_python_re():
 def test_left_recursion_is_refused():
     g = Grammar({"e": alt(seq(Ref("e"), lit("+"), lit("1")), lit("1"))}, "e")
     with pytest.raises(ValueError, match="left recursion"):
+        compile_grammar(g)
+
+
+@pytest.mark.parametrize("rules, refused", [
+    # e calls itself after a part that may read nothing: a terminal, a rule, a rule through another
+    ({"e": alt(seq(opt(lit("x")), Ref("e"), lit("y")), lit("z"))}, True),
+    ({"b": opt(lit("b")), "e": alt(seq(Ref("b"), Ref("e"), lit("a")), lit("a"))}, True),
+    ({"b": opt(lit("b")), "c": seq(opt(lit("c")), Ref("b")), "e": alt(seq(Ref("c"), Ref("e"), lit("a")), lit("a"))},
+     True),
+    # not left recursion: "+" or a rule that reads a byte comes first
+    ({"b": opt(lit("b")), "e": alt(seq(Ref("b"), lit("+"), Ref("e")), lit("a"))}, False),
+    ({"d": lit("d"), "e": alt(seq(Ref("d"), Ref("e"), lit("a")), lit("a"))}, False),
+])
+def test_left_recursion_through_rules_that_read_nothing(rules, refused):
+    g = Grammar({"start": Ref("e"), **rules}, "start")
+    if refused:
+        with pytest.raises(ValueError, match="left recursion"):
+            compile_grammar(g)
+    else:
         compile_grammar(g)
 
 

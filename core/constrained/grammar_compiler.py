@@ -301,71 +301,82 @@ def _reaches_accept(rule: RuleAutomaton) -> bool:
 
 def _prune(rules: list[RuleAutomaton], terminals: list[ByteDFA | None]) -> None:
     """Drops edges on symbols that can never be completed (empty terminals, rules that cannot finish)
-    and the states that can then no longer finish."""
-    productive = [False] * len(rules)
-    _fixpoint(rules, productive, lambda r: _can_finish(rules[r], terminals, productive)[0])
+    and the states that can then no longer finish.
+
+    One backward search over all rules' states at once: a state is live when an edge on a usable symbol
+    leads to a live state; a rule is usable (productive) once its start state is live, which revives the
+    edges on it that waited for that."""
+    offsets, total = [], 0
     for rule in rules:
-        live = _can_finish(rule, terminals, productive)
-        rule.edges = [[(sym, t) for sym, t in row if live[t] and _usable(sym, terminals, productive)] if live[s] else []
-                      for s, row in enumerate(rule.edges)]
-        rule.accepting = [a and live[s] for s, a in enumerate(rule.accepting)]
-
-
-def _fixpoint(rules: list[RuleAutomaton], flags: list[bool], test) -> None:
-    """Sets flags[r] for every rule `test(r)` holds of, rechecking a rule's callers whenever it turns true
-    (the test of a rule depends on the flags of the rules it calls)."""
-    callers: list[set[int]] = [set() for _ in rules]
-    for r, rule in enumerate(rules):
-        for row in rule.edges:
-            for sym, _ in row:
-                if sym % 2:
-                    callers[sym >> 1].add(r)
-    work = list(range(len(rules)))
-    while work:
-        r = work.pop()
-        if not flags[r] and test(r):
-            flags[r] = True
-            work.extend(callers[r])
+        offsets.append(total)
+        total += len(rule.edges)
+    preds: list[list[tuple[int, int]]] = [[] for _ in range(total)]  # node -> [(predecessor node, symbol)]
+    for base, rule in zip(offsets, rules):
+        for s, row in enumerate(rule.edges):
+            for sym, t in row:
+                preds[base + t].append((base + s, sym))
+    starts = {base: r for r, base in enumerate(offsets)}
+    productive = [False] * len(rules)
+    waiting: list[list[int]] = [[] for _ in rules]  # rule -> nodes with an edge on it into a live state
+    live = [False] * total
+    stack = []
+    for base, rule in zip(offsets, rules):
+        for s, accepting in enumerate(rule.accepting):
+            if accepting:
+                live[base + s] = True
+                stack.append(base + s)
+    while stack:
+        node = stack.pop()
+        r = starts.get(node)
+        if r is not None:  # the rule can finish: the edges on it into live states count now
+            productive[r] = True
+            for p in waiting[r]:
+                if not live[p]:
+                    live[p] = True
+                    stack.append(p)
+        for p, sym in preds[node]:
+            if live[p]:
+                continue
+            if sym % 2 and not productive[sym >> 1]:
+                waiting[sym >> 1].append(p)
+            elif sym % 2 or terminals[sym >> 1] is not None:
+                live[p] = True
+                stack.append(p)
+    for base, rule in zip(offsets, rules):
+        rule.edges = [[(sym, t) for sym, t in row if live[base + t] and _usable(sym, terminals, productive)]
+                      if live[base + s] else [] for s, row in enumerate(rule.edges)]
+        rule.accepting = [a and live[base + s] for s, a in enumerate(rule.accepting)]
 
 
 def _usable(symbol: int, terminals: list[ByteDFA | None], productive: list[bool]) -> bool:
     return terminals[symbol >> 1] is not None if symbol % 2 == 0 else productive[symbol >> 1]
 
 
-def _can_finish(rule: RuleAutomaton, terminals: list[ByteDFA | None], productive: list[bool]) -> list[bool]:
-    """Per state: whether an accepting state is reachable over usable symbols (backwards from them)."""
-    preds: list[list[int]] = [[] for _ in rule.edges]
-    for s, row in enumerate(rule.edges):
-        for sym, t in row:
-            if _usable(sym, terminals, productive):
-                preds[t].append(s)
-    live = list(rule.accepting)
-    stack = [s for s, a in enumerate(live) if a]
-    while stack:
-        for p in preds[stack.pop()]:
-            if not live[p]:
-                live[p] = True
-                stack.append(p)
-    return live
-
-
 def _check_left_recursion(rules: list[RuleAutomaton], terminals: list[ByteDFA | None]) -> None:
     """Raises if a rule can call itself before reading any byte (the parser would never stop expanding)."""
+    # The states each rule reaches from its start reading nothing: over terminals that match the empty
+    # string and rules that can finish so (nullable); an edge on a rule not yet known nullable waits for it.
+    empty = [t is not None and bool(t.accepting[0]) for t in terminals]
     nullable = [False] * len(rules)
-
-    def null_reach(rule: RuleAutomaton) -> set[int]:
-        seen, stack = {0}, [0]
-        while stack:
-            s = stack.pop()
-            for sym, t in rule.edges[s]:
-                empty = bool(terminals[sym >> 1].accepting[0]) if sym % 2 == 0 else nullable[sym >> 1]
-                if empty and t not in seen:
-                    seen.add(t)
-                    stack.append(t)
-        return seen
-
-    _fixpoint(rules, nullable, lambda r: any(rules[r].accepting[s] for s in null_reach(rules[r])))
-    calls = [{sym >> 1 for s in null_reach(rule) for sym, _ in rule.edges[s] if sym % 2} for rule in rules]
+    reached = [{0} for _ in rules]
+    waiting: list[list[tuple[int, int]]] = [[] for _ in rules]
+    stack = [(r, 0) for r in range(len(rules))]
+    while stack:
+        r, s = stack.pop()
+        follow = []
+        if rules[r].accepting[s] and not nullable[r]:
+            nullable[r] = True
+            follow, waiting[r] = waiting[r], []
+        for sym, t in rules[r].edges[s]:
+            if empty[sym >> 1] if sym % 2 == 0 else nullable[sym >> 1]:
+                follow.append((r, t))
+            elif sym % 2:
+                waiting[sym >> 1].append((r, t))
+        for q, t in follow:
+            if t not in reached[q]:
+                reached[q].add(t)
+                stack.append((q, t))
+    calls = [{sym >> 1 for s in reached[r] for sym, _ in rule.edges[s] if sym % 2} for r, rule in enumerate(rules)]
     state = [0] * len(rules)  # 0 unvisited, 1 on the path, 2 done
 
     def visit(r: int) -> None:
