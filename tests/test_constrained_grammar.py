@@ -293,6 +293,10 @@ CASES = [
     # oneOf whose type split would lose values: small branches exclude each other with `not`.
     ({"oneOf": [INT, {"minimum": 2}]}, [1, 2.5, "s", -4], [3, 1.5]),
     ({"not": {"enum": [1, "a", True, None]}}, [2, 0.5, "b", False, [], {}], [1, "a", True, None, 1.0]),
+    # patternProperties' key terminal excludes only the listed names its pattern matches ("x-a", not "b").
+    ({"type": "object", "properties": {"x-a": {"type": ["integer", "string"]}, "b": INT},
+      "patternProperties": {"^x-": STR}, "additionalProperties": False},
+     [{"x-a": "s", "b": 1}, {"x-b": "t"}, {"b": 2, "x-": ""}], [{"x-a": 1}, {"x-c": 1}, {"c": "s"}, {"b": "s"}]),
     # oneOf told apart by a required key's constant, the parent's enum for the key merged beside it.
     (DISCRIMINATED, [{"kind": "s", "value": "x"}, {"kind": "b", "value": True}, {"kind": "b"}],
      [{"kind": "s", "value": True}, {"value": "x"}, {"kind": "n"}, {"kind": "s", "other": 1}]),
@@ -323,6 +327,16 @@ def test_oneof_told_apart_by_constants_through_allof_needs_no_not():
     the branch's const): they exclude each other as they are, so no `not` of one branch is built into
     another (that grew this grammar ~5x; its language is checked in the CASES table)."""
     assert len(json_schema_to_grammar(DISCRIMINATED).rules) <= 12
+
+
+def test_objects_listing_other_names_share_a_pattern_key_terminal():
+    """Names a patternProperties pattern cannot match are not excluded from its key terminal, so objects
+    with the same pattern and other listed names share one terminal (and its automaton product)."""
+    x_keys = {"type": "object", "patternProperties": {"^x-": STR}, "additionalProperties": False}
+    schema = {"type": "object", "properties": {"p": {**x_keys, "properties": {"a": INT}},
+                                               "q": {**x_keys, "properties": {"b": INT, "c": INT}}}}
+    names = compile_grammar(json_schema_to_grammar(schema)).terminal_names
+    assert len([n for n in names if n.startswith("key:")]) == 1
 
 
 def test_format_is_an_annotation_where_the_schema_declares_draft_2020_12(tiny_tokenizer):
