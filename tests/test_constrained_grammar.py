@@ -339,6 +339,19 @@ def test_objects_listing_other_names_share_a_pattern_key_terminal():
     assert len([n for n in names if n.startswith("key:")]) == 1
 
 
+def test_exclusive_oneof_drops_a_branch_it_cannot_convert(tiny_tokenizer):
+    """A branch refused (here a $ref that does not resolve) is dropped from a oneOf whose branches exclude
+    each other, as from one whose branches exclude each other by `not`; all refused: the refusal."""
+    broken = {"properties": {"kind": {"const": "r"}, "value": {"$ref": "https://example.com/missing.json"}},
+              "required": ["kind", "value"]}
+    schema = {**DISCRIMINATED, "oneOf": [*DISCRIMINATED["oneOf"], broken]}
+    c = build_constraint("json_schema", schema, tiny_tokenizer)
+    assert _accepts(c, '{"kind":"s","value":"x"}') and not _accepts(c, '{"kind":"r","value":1}')
+    with pytest.raises(ValueError, match=re.escape("#/oneOf/0/properties/value/$ref")):
+        other = {**broken, "properties": {**broken["properties"], "kind": {"const": "q"}}}
+        build_constraint("json_schema", {"type": "object", "oneOf": [broken, other]}, tiny_tokenizer)
+
+
 def test_format_is_an_annotation_where_the_schema_declares_draft_2020_12(tiny_tokenizer):
     declared = {"$schema": "https://json-schema.org/draft/2020-12/schema", "type": "string", "format": "date"}
     validator = jsonschema.Draft202012Validator(declared)  # the draft's default: no format assertion

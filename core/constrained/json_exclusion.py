@@ -166,7 +166,7 @@ class ExclusionRules:
         Failing that, each branch excludes the others with `not` (_excluding)."""
         sigs = [self._signature(b) for b in branches]
         if _pairwise_exclusive(sigs):
-            return [self.value(b, f"{ptr}/{i}") for i, b in enumerate(branches)]
+            return self._convertible(branches, ptr)
         kept, kept_sigs = [], []
         for i, (branch, sig) in enumerate(zip(branches, sigs)):
             others = set().union(*(s["types"] for j, s in enumerate(sigs) if j != i))
@@ -211,6 +211,21 @@ class ExclusionRules:
         if not kept:
             raise SchemaError(f"{ptr}: its branches may overlap, and no branch could exclude the others "
                               f"({first_error})")
+        return kept
+
+    def _convertible(self, branches: list[Any], ptr: str) -> list[Expr]:
+        """Exclusive branches' grammars, less those refused (SchemaError): dropped, as _excluding drops
+        one, so that a oneOf keeps the same branches whichever way its exclusion is shown; the first
+        refusal is raised if every branch is refused."""
+        kept, first_error = [], None
+        for i, branch in enumerate(branches):
+            expr = self._attempt(branch, f"{ptr}/{i}")
+            if isinstance(expr, SchemaError):
+                first_error = first_error or expr
+            else:
+                kept.append(expr)
+        if first_error is not None and not kept:
+            raise first_error
         return kept
 
     def _attempt(self, schema: Any, ptr: str) -> Expr | SchemaError:
