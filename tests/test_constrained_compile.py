@@ -174,3 +174,50 @@ def test_gc_is_paused_while_any_compile_runs_and_restored_after():
         assert not gc.isenabled()
     finally:
         gc.enable()
+
+
+def _random_expr(rng: np.random.Generator, leaves: list, depth: int):
+    """A random grammar expression over `leaves`, with the regex it stands for."""
+    from radixlm.core.constrained.grammar import Alt, Repeat, Seq
+
+    kind = rng.integers(4) if depth else 0
+    if kind == 0:
+        leaf, regex = leaves[rng.integers(len(leaves))]
+        return leaf, regex
+    parts = [_random_expr(rng, leaves, depth - 1) for _ in range(int(rng.integers(1, 4)))]
+    if kind == 1:
+        return Seq(tuple(p for p, _ in parts)), "".join(f"(?:{r})" for _, r in parts)
+    if kind == 2:
+        return Alt(tuple(p for p, _ in parts)), "|".join(f"(?:{r})" for _, r in parts)
+    lo = int(rng.integers(3))
+    hi = None if rng.integers(2) else lo + int(rng.integers(3))
+    return Repeat(parts[0][0], lo, hi), f"(?:{parts[0][1]}){{{lo},{'' if hi is None else hi}}}"
+
+
+def test_rules_sharing_a_shape_keep_their_own_languages(vocab):
+    """Rule automata are cached by shape (the expression with its distinct symbols numbered): random rules
+    over a few terminals and rules, many of one shape with other symbols (or one symbol in several places),
+    accept exactly what Python's re accepts of the same expression, on every string up to 5 bytes."""
+    import itertools
+    import re
+
+    from radixlm.core.constrained.grammar import Grammar, Ref, lit, seq
+
+    strings = ["".join(p) for n in range(6) for p in itertools.product("abc", repeat=n)]
+    leaves = [(lit("a"), "a"), (lit("b"), "b"), (lit("ab"), "ab"), (Ref("c"), "c"), (Ref("bc"), "bc")]
+    rng = np.random.default_rng(17)
+    for _ in range(40):
+        expr, regex = _random_expr(rng, leaves, 3)
+        grammar = Grammar({"start": expr, "c": lit("c"), "bc": seq(lit("b"), lit("c"))}, "start")
+        try:
+            compiled = compile_grammar(grammar)
+        except ValueError:  # no string at all (re agrees: checked below)
+            assert not any(re.fullmatch(regex, s) for s in strings), regex
+            continue
+        index = GrammarIndex(compiled, vocab)
+        for s in strings:
+            state = index.start
+            for b in s.encode():
+                state = index.byte_successors(state)[b] if state >= 0 else -1
+            assert (state >= 0 and index.is_accepting(state)) == (re.fullmatch(regex, s) is not None), (regex, s)
+

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from radixlm.core.constrained import GrammarBudget, build_constraint, compile_grammar, json_schema_to_grammar
-from radixlm.core.constrained.grammar import Grammar, Ref, Repeat, lit, seq, alt
+from radixlm.core.constrained.grammar import Grammar, Ref, Repeat, alt, lit, opt, seq
 from radixlm.core.constrained.testing import random_walk
 from radixlm.core.errors import GrammarBudgetError
 
@@ -44,6 +44,11 @@ def _accepts(constraint, text: str) -> bool:
 
 
 # Schemas the regex-DFA converter refused or got wrong, each with documents the schema accepts and rejects.
+DISCRIMINATED = {"type": "object", "properties": {"kind": {"enum": ["s", "b", "n"]}, "value": True},
+                 "additionalProperties": False,
+                 "oneOf": [{"properties": {"kind": {"const": "s"}, "value": STR}, "required": ["kind"]},
+                           {"properties": {"kind": {"const": "b"}, "value": {"type": "boolean"}}, "required": ["kind"]}]}
+
 CASES = [
     ({"oneOf": [INT, STR]}, [1, "a"], [1.5, None]),
     ({"oneOf": [{"type": ["string", "null"]}, {"type": ["number", "null"]}]}, ["a", 1.5, 2], [None, True]),
@@ -288,6 +293,13 @@ CASES = [
     # oneOf whose type split would lose values: small branches exclude each other with `not`.
     ({"oneOf": [INT, {"minimum": 2}]}, [1, 2.5, "s", -4], [3, 1.5]),
     ({"not": {"enum": [1, "a", True, None]}}, [2, 0.5, "b", False, [], {}], [1, "a", True, None, 1.0]),
+    # patternProperties' key terminal excludes only the listed names its pattern matches ("x-a", not "b").
+    ({"type": "object", "properties": {"x-a": {"type": ["integer", "string"]}, "b": INT},
+      "patternProperties": {"^x-": STR}, "additionalProperties": False},
+     [{"x-a": "s", "b": 1}, {"x-b": "t"}, {"b": 2, "x-": ""}], [{"x-a": 1}, {"x-c": 1}, {"c": "s"}, {"b": "s"}]),
+    # oneOf told apart by a required key's constant, the parent's enum for the key merged beside it.
+    (DISCRIMINATED, [{"kind": "s", "value": "x"}, {"kind": "b", "value": True}, {"kind": "b"}],
+     [{"kind": "s", "value": True}, {"value": "x"}, {"kind": "n"}, {"kind": "s", "other": 1}]),
 ]
 
 
@@ -308,6 +320,36 @@ def test_accepts_valid_rejects_invalid_and_samples_validate(case, tiny_tokenizer
         c = build_constraint("json_schema", schema, tiny_tokenizer)
         text = tiny_tokenizer.decode(random_walk(c, rng, max_tokens=30), clean_up_tokenization_spaces=False)
         validator.validate(json.loads(text))
+
+
+def test_oneof_told_apart_by_constants_through_allof_needs_no_not():
+    """The branches' signatures see the key's constant inside the merge's allOf (the parent's enum beside
+    the branch's const): they exclude each other as they are, so no `not` of one branch is built into
+    another (that grew this grammar ~5x; its language is checked in the CASES table)."""
+    assert len(json_schema_to_grammar(DISCRIMINATED).rules) <= 12
+
+
+def test_objects_listing_other_names_share_a_pattern_key_terminal():
+    """Names a patternProperties pattern cannot match are not excluded from its key terminal, so objects
+    with the same pattern and other listed names share one terminal (and its automaton product)."""
+    x_keys = {"type": "object", "patternProperties": {"^x-": STR}, "additionalProperties": False}
+    schema = {"type": "object", "properties": {"p": {**x_keys, "properties": {"a": INT}},
+                                               "q": {**x_keys, "properties": {"b": INT, "c": INT}}}}
+    names = compile_grammar(json_schema_to_grammar(schema)).terminal_names
+    assert len([n for n in names if n.startswith("key:")]) == 1
+
+
+def test_exclusive_oneof_drops_a_branch_it_cannot_convert(tiny_tokenizer):
+    """A branch refused (here a $ref that does not resolve) is dropped from a oneOf whose branches exclude
+    each other, as from one whose branches exclude each other by `not`; all refused: the refusal."""
+    broken = {"properties": {"kind": {"const": "r"}, "value": {"$ref": "https://example.com/missing.json"}},
+              "required": ["kind", "value"]}
+    schema = {**DISCRIMINATED, "oneOf": [*DISCRIMINATED["oneOf"], broken]}
+    c = build_constraint("json_schema", schema, tiny_tokenizer)
+    assert _accepts(c, '{"kind":"s","value":"x"}') and not _accepts(c, '{"kind":"r","value":1}')
+    with pytest.raises(ValueError, match=re.escape("#/oneOf/0/properties/value/$ref")):
+        other = {**broken, "properties": {**broken["properties"], "kind": {"const": "q"}}}
+        build_constraint("json_schema", {"type": "object", "oneOf": [broken, other]}, tiny_tokenizer)
 
 
 def test_format_is_an_annotation_where_the_schema_declares_draft_2020_12(tiny_tokenizer):
@@ -459,6 +501,25 @@ def test_automaton_products_match_python_re():
 def test_left_recursion_is_refused():
     g = Grammar({"e": alt(seq(Ref("e"), lit("+"), lit("1")), lit("1"))}, "e")
     with pytest.raises(ValueError, match="left recursion"):
+        compile_grammar(g)
+
+
+@pytest.mark.parametrize("rules, refused", [
+    # e calls itself after a part that may read nothing: a terminal, a rule, a rule through another
+    ({"e": alt(seq(opt(lit("x")), Ref("e"), lit("y")), lit("z"))}, True),
+    ({"b": opt(lit("b")), "e": alt(seq(Ref("b"), Ref("e"), lit("a")), lit("a"))}, True),
+    ({"b": opt(lit("b")), "c": seq(opt(lit("c")), Ref("b")), "e": alt(seq(Ref("c"), Ref("e"), lit("a")), lit("a"))},
+     True),
+    # not left recursion: "+" or a rule that reads a byte comes first
+    ({"b": opt(lit("b")), "e": alt(seq(Ref("b"), lit("+"), Ref("e")), lit("a"))}, False),
+    ({"d": lit("d"), "e": alt(seq(Ref("d"), Ref("e"), lit("a")), lit("a"))}, False),
+])
+def test_left_recursion_through_rules_that_read_nothing(rules, refused):
+    g = Grammar({"start": Ref("e"), **rules}, "start")
+    if refused:
+        with pytest.raises(ValueError, match="left recursion"):
+            compile_grammar(g)
+    else:
         compile_grammar(g)
 
 

@@ -16,7 +16,7 @@ import pydantic
 import pytest
 
 from radixlm.core.constrained import build_constraint, json_schema_to_regex, regex_to_dfa
-from radixlm.core.constrained.json_schema import int_range_regex, number_range_regex
+from radixlm.core.constrained.json_schema import int_range_regex, json_string_pattern, number_range_regex
 from radixlm.core.constrained.testing import qwen2_tokenizer, random_walk
 
 STR = {"type": "string"}
@@ -281,3 +281,32 @@ def test_schema_given_as_string_dict_or_model_gives_one_regex():
     as_dict = Person.model_json_schema()
     assert json_schema_to_regex(as_dict) == json_schema_to_regex(json.dumps(as_dict)) == json_schema_to_regex(Person)
 
+
+
+@pytest.mark.parametrize("pattern", [".", "[^a]", r"\S", '[\\x00-\\x1f"\\\\]', "a", r"[\s\S]", "[^\\n]", '[\\t"]'])
+def test_string_patterns_read_escaped_characters_as_python_reads_them(pattern):
+    """A pattern's character set over JSON string content: the text json.dumps writes for a character
+    (its escape, for quote, backslash and controls) matches exactly when the character matches the
+    pattern (Python's re the oracle)."""
+    emitted = re.compile(json_string_pattern(pattern))
+    for c in [*range(0x80), 0xE9, 0x2028, 0x1F600]:
+        text = json.dumps(chr(c), ensure_ascii=False)[1:-1]
+        assert (emitted.fullmatch(text) is not None) == (re.fullmatch(pattern, chr(c)) is not None), (pattern, c)
+
+
+@pytest.mark.parametrize("pattern", ["a{2,3}", "^\\$[a-z]{1,3}", "(x|a+)", "ab{1,2}", "b{0,2}a", "^a{1,2}b$",
+                                     "(?:ab|a{2,})$", "[ab]{1,3}?x", "^(a|b{2,4})"])
+def test_searched_patterns_keep_their_language_with_repeats_at_free_ends_cut(pattern):
+    """ECMA-262 `pattern` is a search: at an end without an anchor, a repetition needs only its least
+    count (ecma_string_pattern builds the smaller automaton so). Every string over a few characters up to
+    5 long is accepted exactly when Python's re.search finds the pattern in it."""
+    import itertools
+
+    from radixlm.core.constrained.json_strings import ecma_string_pattern
+
+    body = re.compile(ecma_string_pattern(pattern))
+    for n in range(6):
+        for chars in itertools.product('ab$x"', repeat=n):
+            text = "".join(chars)
+            found = re.search(pattern, text, re.ASCII) is not None
+            assert (body.fullmatch(json.dumps(text)[1:-1]) is not None) == found, (pattern, text)

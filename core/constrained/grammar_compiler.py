@@ -117,8 +117,16 @@ def compile_grammar(grammar: Grammar, budget: GrammarBudget = DEFAULT_BUDGET,
     return CompiledGrammar(terminals, builder.terminal_names, rules, start, budget)
 
 
+SHAPE_CACHE_SIZE = 8192  # rule automata kept per process, by shape (most are a few states)
+# A rule's shape: its expression with each distinct symbol replaced by the order of its first use (0, 1,
+# ...); Seq, Alt and Repeat as ("s", ...), ("a", ...), ("r", lo, hi, item). Rules of one shape have one
+# automaton up to renaming its symbols, and an object schema's rules come in few shapes ("," key value
+# rest | rest), so the automaton is built once per shape for every grammar of the process.
+_shapes: OrderedDict[tuple | int, tuple[list[list[tuple[int, int]]], list[bool]]] = OrderedDict()
+
+
 class _Builder:
-    """Thompson construction over symbols, then subset construction, one rule at a time."""
+    """Each rule's automaton: its shape's (_shapes, else built by _ShapeAutomaton) with its symbols."""
 
     def __init__(self, grammar: Grammar, budget: GrammarBudget, deadline: Deadline) -> None:
         self.grammar = grammar
@@ -146,69 +154,109 @@ class _Builder:
         return found
 
     def rule(self, name: str, expr: Expr, rule_ids: dict[str, int]) -> RuleAutomaton:
+        symbols: list[int] = []
+        shape = self._shape(expr, rule_ids, symbols, {})
+        template = _shapes.get(shape)
+        if template is None:
+            limit = 2 * self.budget.max_rule_states - self.total_states
+            template = _ShapeAutomaton(limit, self.deadline).build(shape)
+            _shapes[shape] = template
+            if len(_shapes) > SHAPE_CACHE_SIZE:
+                _shapes.popitem(last=False)
+        edges, accepting = template
+        self.total_states += len(edges)
+        if self.total_states > self.budget.max_rule_states:
+            raise GrammarBudgetError(f"the grammar's rules exceed {self.budget.max_rule_states} states "
+                                     "(GrammarBudget.max_rule_states)")
+        return RuleAutomaton(name, [[(symbols[p], t) for p, t in row] for row in edges], list(accepting))
+
+    def _shape(self, expr: Expr, rule_ids: dict[str, int], symbols: list[int], index: dict[int, int]) -> tuple | int:
+        """`expr`'s shape (above); appends its distinct symbols to `symbols` (`index`: symbol -> place)."""
+        if isinstance(expr, Terminal):
+            symbol = 2 * self._terminal(expr)
+        elif isinstance(expr, Ref):
+            if expr.rule not in rule_ids:
+                raise ValueError(f"undefined grammar rule {expr.rule!r}")
+            symbol = 2 * rule_ids[expr.rule] + 1
+        elif isinstance(expr, Seq):
+            return ("s", *(self._shape(item, rule_ids, symbols, index) for item in expr.items))
+        elif isinstance(expr, Alt):
+            return ("a", *(self._shape(item, rule_ids, symbols, index) for item in expr.items))
+        elif isinstance(expr, Repeat):
+            return ("r", expr.lo, expr.hi, self._shape(expr.item, rule_ids, symbols, index))
+        else:
+            raise ValueError(f"not a grammar expression: {expr!r}")
+        place = index.get(symbol)
+        if place is None:
+            place = index[symbol] = len(symbols)
+            symbols.append(symbol)
+        return place
+
+
+class _ShapeAutomaton:
+    """Thompson construction over a shape's symbols (its places), then subset construction."""
+
+    def __init__(self, max_states: int, deadline: Deadline) -> None:
+        self.max_states = max_states
+        self.deadline = deadline
         self.eps: list[list[int]] = []
         self.sym: list[list[tuple[int, int]]] = []
-        self.rule_ids = rule_ids
-        start, end = self._frag(expr)
-        return self._determinize(name, start, end)
+
+    def build(self, shape: tuple | int) -> tuple[list[list[tuple[int, int]]], list[bool]]:
+        start, end = self._frag(shape)
+        return self._determinize(start, end)
 
     def _new(self) -> int:
-        if len(self.eps) + self.total_states >= 2 * self.budget.max_rule_states:
-            raise GrammarBudgetError(f"the grammar's rules exceed {self.budget.max_rule_states} states "
+        if len(self.eps) >= self.max_states:
+            raise GrammarBudgetError(f"the grammar's rules exceed {self.max_states // 2} states "
                                      "(GrammarBudget.max_rule_states)")
         self.eps.append([])
         self.sym.append([])
         return len(self.eps) - 1
 
-    def _frag(self, expr: Expr) -> tuple[int, int]:
-        if isinstance(expr, Terminal):
+    def _frag(self, shape: tuple | int) -> tuple[int, int]:
+        if isinstance(shape, int):
             s, e = self._new(), self._new()
-            self.sym[s].append((2 * self._terminal(expr), e))
+            self.sym[s].append((shape, e))
             return s, e
-        if isinstance(expr, Ref):
-            if expr.rule not in self.rule_ids:
-                raise ValueError(f"undefined grammar rule {expr.rule!r}")
-            s, e = self._new(), self._new()
-            self.sym[s].append((2 * self.rule_ids[expr.rule] + 1, e))
-            return s, e
-        if isinstance(expr, Seq):
+        kind = shape[0]
+        if kind == "s":
             start = cur = self._new()
-            for item in expr.items:
+            for item in shape[1:]:
                 s, e = self._frag(item)
                 self.eps[cur].append(s)
                 cur = e
             return start, cur
-        if isinstance(expr, Alt):
+        if kind == "a":
             start, end = self._new(), self._new()
-            for item in expr.items:
+            for item in shape[1:]:
                 s, e = self._frag(item)
                 self.eps[start].append(s)
                 self.eps[e].append(end)
             return start, end
-        if isinstance(expr, Repeat):
-            start = cur = self._new()
-            for _ in range(expr.lo):
-                s, e = self._frag(expr.item)
-                self.eps[cur].append(s)
-                cur = e
-            if expr.hi is None:
-                loop = self._new()
-                self.eps[cur].append(loop)
-                s, e = self._frag(expr.item)
-                self.eps[loop].append(s)
-                self.eps[e].append(loop)
-                return start, loop
-            end = self._new()
-            for _ in range(expr.hi - expr.lo):
-                self.eps[cur].append(end)
-                s, e = self._frag(expr.item)
-                self.eps[cur].append(s)
-                cur = e
+        _, lo, hi, item = shape
+        start = cur = self._new()
+        for _ in range(lo):
+            s, e = self._frag(item)
+            self.eps[cur].append(s)
+            cur = e
+        if hi is None:
+            loop = self._new()
+            self.eps[cur].append(loop)
+            s, e = self._frag(item)
+            self.eps[loop].append(s)
+            self.eps[e].append(loop)
+            return start, loop
+        end = self._new()
+        for _ in range(hi - lo):
             self.eps[cur].append(end)
-            return start, end
-        raise ValueError(f"not a grammar expression: {expr!r}")
+            s, e = self._frag(item)
+            self.eps[cur].append(s)
+            cur = e
+        self.eps[cur].append(end)
+        return start, end
 
-    def _determinize(self, name: str, start: int, end: int) -> RuleAutomaton:
+    def _determinize(self, start: int, end: int) -> tuple[list[list[tuple[int, int]]], list[bool]]:
         eps, sym = self.eps, self.sym
 
         def closure(states) -> frozenset[int]:
@@ -232,11 +280,10 @@ class _Builder:
             edges.append(row)
             if len(edges) % 1024 == 0:
                 self.deadline.check()
-        self.total_states += len(sets)
-        if self.total_states > self.budget.max_rule_states:
-            raise GrammarBudgetError(f"the grammar's rules exceed {self.budget.max_rule_states} states "
-                                     "(GrammarBudget.max_rule_states)")
-        return RuleAutomaton(name, edges, [end in s for s in sets])
+            if len(sets) > self.max_states // 2:
+                raise GrammarBudgetError(f"the grammar's rules exceed {self.max_states // 2} states "
+                                         "(GrammarBudget.max_rule_states)")
+        return edges, [end in s for s in sets]
 
 
 def _reaches_accept(rule: RuleAutomaton) -> bool:
@@ -254,71 +301,82 @@ def _reaches_accept(rule: RuleAutomaton) -> bool:
 
 def _prune(rules: list[RuleAutomaton], terminals: list[ByteDFA | None]) -> None:
     """Drops edges on symbols that can never be completed (empty terminals, rules that cannot finish)
-    and the states that can then no longer finish."""
-    productive = [False] * len(rules)
-    _fixpoint(rules, productive, lambda r: _can_finish(rules[r], terminals, productive)[0])
+    and the states that can then no longer finish.
+
+    One backward search over all rules' states at once: a state is live when an edge on a usable symbol
+    leads to a live state; a rule is usable (productive) once its start state is live, which revives the
+    edges on it that waited for that."""
+    offsets, total = [], 0
     for rule in rules:
-        live = _can_finish(rule, terminals, productive)
-        rule.edges = [[(sym, t) for sym, t in row if live[t] and _usable(sym, terminals, productive)] if live[s] else []
-                      for s, row in enumerate(rule.edges)]
-        rule.accepting = [a and live[s] for s, a in enumerate(rule.accepting)]
-
-
-def _fixpoint(rules: list[RuleAutomaton], flags: list[bool], test) -> None:
-    """Sets flags[r] for every rule `test(r)` holds of, rechecking a rule's callers whenever it turns true
-    (the test of a rule depends on the flags of the rules it calls)."""
-    callers: list[set[int]] = [set() for _ in rules]
-    for r, rule in enumerate(rules):
-        for row in rule.edges:
-            for sym, _ in row:
-                if sym % 2:
-                    callers[sym >> 1].add(r)
-    work = list(range(len(rules)))
-    while work:
-        r = work.pop()
-        if not flags[r] and test(r):
-            flags[r] = True
-            work.extend(callers[r])
+        offsets.append(total)
+        total += len(rule.edges)
+    preds: list[list[tuple[int, int]]] = [[] for _ in range(total)]  # node -> [(predecessor node, symbol)]
+    for base, rule in zip(offsets, rules):
+        for s, row in enumerate(rule.edges):
+            for sym, t in row:
+                preds[base + t].append((base + s, sym))
+    starts = {base: r for r, base in enumerate(offsets)}
+    productive = [False] * len(rules)
+    waiting: list[list[int]] = [[] for _ in rules]  # rule -> nodes with an edge on it into a live state
+    live = [False] * total
+    stack = []
+    for base, rule in zip(offsets, rules):
+        for s, accepting in enumerate(rule.accepting):
+            if accepting:
+                live[base + s] = True
+                stack.append(base + s)
+    while stack:
+        node = stack.pop()
+        r = starts.get(node)
+        if r is not None:  # the rule can finish: the edges on it into live states count now
+            productive[r] = True
+            for p in waiting[r]:
+                if not live[p]:
+                    live[p] = True
+                    stack.append(p)
+        for p, sym in preds[node]:
+            if live[p]:
+                continue
+            if sym % 2 and not productive[sym >> 1]:
+                waiting[sym >> 1].append(p)
+            elif sym % 2 or terminals[sym >> 1] is not None:
+                live[p] = True
+                stack.append(p)
+    for base, rule in zip(offsets, rules):
+        rule.edges = [[(sym, t) for sym, t in row if live[base + t] and _usable(sym, terminals, productive)]
+                      if live[base + s] else [] for s, row in enumerate(rule.edges)]
+        rule.accepting = [a and live[base + s] for s, a in enumerate(rule.accepting)]
 
 
 def _usable(symbol: int, terminals: list[ByteDFA | None], productive: list[bool]) -> bool:
     return terminals[symbol >> 1] is not None if symbol % 2 == 0 else productive[symbol >> 1]
 
 
-def _can_finish(rule: RuleAutomaton, terminals: list[ByteDFA | None], productive: list[bool]) -> list[bool]:
-    """Per state: whether an accepting state is reachable over usable symbols (backwards from them)."""
-    preds: list[list[int]] = [[] for _ in rule.edges]
-    for s, row in enumerate(rule.edges):
-        for sym, t in row:
-            if _usable(sym, terminals, productive):
-                preds[t].append(s)
-    live = list(rule.accepting)
-    stack = [s for s, a in enumerate(live) if a]
-    while stack:
-        for p in preds[stack.pop()]:
-            if not live[p]:
-                live[p] = True
-                stack.append(p)
-    return live
-
-
 def _check_left_recursion(rules: list[RuleAutomaton], terminals: list[ByteDFA | None]) -> None:
     """Raises if a rule can call itself before reading any byte (the parser would never stop expanding)."""
+    # The states each rule reaches from its start reading nothing: over terminals that match the empty
+    # string and rules that can finish so (nullable); an edge on a rule not yet known nullable waits for it.
+    empty = [t is not None and bool(t.accepting[0]) for t in terminals]
     nullable = [False] * len(rules)
-
-    def null_reach(rule: RuleAutomaton) -> set[int]:
-        seen, stack = {0}, [0]
-        while stack:
-            s = stack.pop()
-            for sym, t in rule.edges[s]:
-                empty = bool(terminals[sym >> 1].accepting[0]) if sym % 2 == 0 else nullable[sym >> 1]
-                if empty and t not in seen:
-                    seen.add(t)
-                    stack.append(t)
-        return seen
-
-    _fixpoint(rules, nullable, lambda r: any(rules[r].accepting[s] for s in null_reach(rules[r])))
-    calls = [{sym >> 1 for s in null_reach(rule) for sym, _ in rule.edges[s] if sym % 2} for rule in rules]
+    reached = [{0} for _ in rules]
+    waiting: list[list[tuple[int, int]]] = [[] for _ in rules]
+    stack = [(r, 0) for r in range(len(rules))]
+    while stack:
+        r, s = stack.pop()
+        follow = []
+        if rules[r].accepting[s] and not nullable[r]:
+            nullable[r] = True
+            follow, waiting[r] = waiting[r], []
+        for sym, t in rules[r].edges[s]:
+            if empty[sym >> 1] if sym % 2 == 0 else nullable[sym >> 1]:
+                follow.append((r, t))
+            elif sym % 2:
+                waiting[sym >> 1].append((r, t))
+        for q, t in follow:
+            if t not in reached[q]:
+                reached[q].add(t)
+                stack.append((q, t))
+    calls = [{sym >> 1 for s in reached[r] for sym, _ in rule.edges[s] if sym % 2} for r, rule in enumerate(rules)]
     state = [0] * len(rules)  # 0 unvisited, 1 on the path, 2 done
 
     def visit(r: int) -> None:

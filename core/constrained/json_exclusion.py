@@ -9,7 +9,7 @@ from typing import Any
 
 from radixlm.core.constrained.grammar import Expr
 from radixlm.core.constrained.json_common import (
-    _CONFLICT, _IGNORED, _NOT_STRINGS, _TYPES, NOTHING, SchemaError, _json_type, _with_parts)
+    _CONFLICT, _IGNORED, _NOT_STRINGS, _TYPES, NOTHING, SchemaError, _json_type, _same_json, _with_parts)
 from radixlm.core.constrained.json_strings import ecma_string_pattern
 
 
@@ -166,7 +166,7 @@ class ExclusionRules:
         Failing that, each branch excludes the others with `not` (_excluding)."""
         sigs = [self._signature(b) for b in branches]
         if _pairwise_exclusive(sigs):
-            return [self.value(b, f"{ptr}/{i}") for i, b in enumerate(branches)]
+            return self._convertible(branches, ptr)
         kept, kept_sigs = [], []
         for i, (branch, sig) in enumerate(zip(branches, sigs)):
             others = set().union(*(s["types"] for j, s in enumerate(sigs) if j != i))
@@ -211,6 +211,21 @@ class ExclusionRules:
         if not kept:
             raise SchemaError(f"{ptr}: its branches may overlap, and no branch could exclude the others "
                               f"({first_error})")
+        return kept
+
+    def _convertible(self, branches: list[Any], ptr: str) -> list[Expr]:
+        """Exclusive branches' grammars, less those refused (SchemaError): dropped, as _excluding drops
+        one, so that a oneOf keeps the same branches whichever way its exclusion is shown; the first
+        refusal is raised if every branch is refused."""
+        kept, first_error = [], None
+        for i, branch in enumerate(branches):
+            expr = self._attempt(branch, f"{ptr}/{i}")
+            if isinstance(expr, SchemaError):
+                first_error = first_error or expr
+            else:
+                kept.append(expr)
+        if first_error is not None and not kept:
+            raise first_error
         return kept
 
     def _attempt(self, schema: Any, ptr: str) -> Expr | SchemaError:
@@ -260,13 +275,25 @@ class ExclusionRules:
         closed = "additionalProperties" not in schema and bool(props) or schema.get("additionalProperties") is False
         return {"types": types, "consts": consts, "required": set(schema.get("required") or []),
                 "props": set(props) | set(schema.get("required") or []), "closed": closed and not schema.get("patternProperties"),
-                "prop_consts": {k: _const_of(v) for k, v in props.items() if _const_of(v) is not None},
+                "prop_consts": {k: _consts_within(v) for k, v in props.items() if _consts_within(v) is not None},
                 "prop_not_consts": {k: _const_of(v["not"]) for k, v in props.items()
                                     if isinstance(v, dict) and _const_of(v.get("not")) is not None}}
 
 
 def _pairwise_exclusive(sigs: list[dict]) -> bool:
     return all(_excludes(a, b) and _excludes(b, a) for i, a in enumerate(sigs) for b in sigs[i + 1:])
+
+
+def _consts_within(schema: Any) -> list | None:
+    """Constants a value of `schema` is among (None: not known to be), through allOf too: the values every
+    part that lists constants lists (an allOf merge leaves a branch's {"const": ...} beside the parent's
+    enum). A superset of the values allowed, so only for what a branch may write, never for a `not`."""
+    consts = _const_of(schema)
+    for part in schema.get("allOf", ()) if isinstance(schema, dict) and isinstance(schema.get("allOf"), list) else ():
+        more = _consts_within(part)
+        if more is not None:
+            consts = more if consts is None else [c for c in consts if any(_same_json(c, m) for m in more)]
+    return consts
 
 
 def _const_of(schema: Any) -> list | None:

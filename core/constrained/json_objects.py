@@ -218,6 +218,10 @@ class ObjectRules:
             return None
         budget = self.budget.max_terminal_states
         regexes = [regex] if isinstance(regex, str) else regex
+        # Names the first regex cannot match need no excluding: the terminal of patternProperties' "^x-"
+        # is then one for every object, whatever else they list (one product per process, not per object).
+        first = terminal_dfa(regexes[0], budget)
+        names = [n for n in names if first is not None and first.fullmatch(n)]
 
         def build() -> ByteDFA | None:
             dfa = terminal_dfa(regexes[0], budget)

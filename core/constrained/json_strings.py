@@ -123,14 +123,11 @@ def ecma_string_pattern(pattern: str) -> str:
     """A JSON schema `pattern` (ECMA-262: a search, `\\d` `\\w` ASCII) as a regex over the JSON-escaped
     string content, for a full match between the quotes: an end without an anchor accepts any characters
     there. An end anchored on some alternatives only is treated as anchored (a subset: still sound)."""
-    body = js.json_string_pattern(pattern, ascii_classes=True)
     tree = list(js.sre_p.parse(pattern))
+    free = (_anchor(tree, 0) == "none", _anchor(tree, -1) == "none")
+    body = js.json_string_pattern(pattern, ascii_classes=True, free=free)
     any_chars = f"{js.STRING_CHAR}*"
-    if _anchor(tree, 0) == "none":
-        body = any_chars + body
-    if _anchor(tree, -1) == "none":
-        body = body + any_chars
-    return body
+    return (any_chars if free[0] else "") + body + (any_chars if free[1] else "")
 
 
 _STARTS = (js.sre_c.AT_BEGINNING, js.sre_c.AT_BEGINNING_STRING)
