@@ -20,6 +20,7 @@ tokens that close the string, and only their bytes after the quote are walked, o
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import threading
 from array import array
@@ -56,6 +57,11 @@ class Exits:
         first = np.searchsorted(np.array([x[0] for x in distinct], dtype=np.int64), np.arange(257)).tolist()
         return cls(distinct, first, np.fromiter(map(index.__getitem__, suffixes), np.int64, count=len(suffixes)),
                    np.asarray(tokens, dtype=np.int64))
+
+    @functools.cached_property
+    def first_bytes(self) -> int:
+        """The bytes some suffix starts with, as the bits of an int."""
+        return sum(1 << b for b in range(256) if self.first[b + 1] > self.first[b])
 
     @property
     def trie(self) -> TokenTrie:
