@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from radixlm.core.constrained.counted_string import CountedStringDFA, string_tokens
+from radixlm.core.constrained.narrow_walk import narrow_walk
 from radixlm.core.constrained.regex_dfa import ByteDFA
 from radixlm.core.constrained.vocab import TokenTrie, TokenVocab, expand_ranges
 
@@ -262,7 +263,8 @@ def _classify(key: str, dfa: ByteDFA, state: int,
                 have[n] = _subtrees[k]
     missing = np.array([n for n in keys if n not in have], dtype=np.int64)
     if len(missing):
-        inside, uncertain = _walk(dfa, missing, nxt[missing], vocab)
+        walked = narrow_walk(key, dfa, missing, nxt[missing], vocab)
+        inside, uncertain = walked if walked is not None else _walk(dfa, missing, nxt[missing], vocab)
         after_first = np.full(len(trie.byte[1]), -1, dtype=np.int64)
         after_first[missing] = nxt[missing]
         tokens, starts = _exit_pairs(dfa, uncertain, after_first[_first_node(vocab)[uncertain]], vocab)
