@@ -53,7 +53,6 @@ def main() -> None:
     _timed(terminal_tokens, "_classify", "classify")
     _timed(terminal_tokens, "_exit_pairs", "exit_pairs")
     _timed(index, "_exits_taken", "exits_taken")
-    _timed(index, "_walk_trie", "walk_trie")
     _timed(index, "_after_closing", "after_closing")
     _timed(index, "_row", "row", skip=lambda self, c: self._rows[c] is not None)
     _timed(index, "_moves_of", "moves_of")

@@ -35,13 +35,14 @@ import torch
 from radixlm.core.constrained.counted_string import CountedStringDFA, string_tokens
 from radixlm.core.constrained.grammar_compiler import CompiledGrammar, terminal_tables
 from radixlm.core.constrained.masks import MaskCache
-from radixlm.core.constrained.terminal_tokens import DENSE_RATIO, FEW_SUFFIXES, Exits, state_tokens
-from radixlm.core.constrained.vocab import TokenTrie, TokenVocab, whole_characters
+from radixlm.core.constrained.terminal_tokens import Exits, state_tokens
+from radixlm.core.constrained.vocab import TokenVocab, whole_characters
 
 END = (-1, 0, -1)  # the item "the output may end here"
 MASK_CACHE_SIZE = 1024
 MAX_FORCED_BYTES = 4096
 MOVES_CACHE_SIZE = 50_000  # item move tables per index (~1 KB each), cleared when full
+FEW_STEPS = 8  # bytes stepped one by one from a configuration before its whole row is built
 EXITS_CACHE_SIZE = 20_000  # exit tokens taken per (terminal state's exits, continuation), cleared when full
 
 
@@ -67,11 +68,7 @@ class GrammarIndex:
         self._can_end: list[bool] = []
         self._rows: list[list[int] | None] = []  # per configuration: successor per byte (-1 = none)
         self._steps: list[dict[int, int]] = []  # per configuration without a row: successors of single bytes
-        self._live: list[int] = []  # per configuration: the bytes it takes, as bits of an int (-1 = not yet known)
-        self._state_live: dict[tuple[int, int], int] = {}  # the same per terminal state
         self._single: list[int] = []  # per configuration with a row: the one byte leaving it, else -1
-        self._table = np.full((64, 256), -1, dtype=np.int32)
-        self._built = np.zeros(64, dtype=bool)
         self._edges: dict[int, tuple[bytes, int]] = {}
         self._moves: dict[tuple, tuple[np.ndarray, list[list[int]], np.ndarray]] = {}  # see _moves_of
         self._masks = MaskCache(MASK_CACHE_SIZE)
@@ -137,11 +134,7 @@ class GrammarIndex:
         self._can_end.append(END in items)
         self._rows.append(None)
         self._steps.append({})
-        self._live.append(-1)
         self._single.append(-1)
-        if c >= len(self._built):
-            self._table = np.concatenate([self._table, np.full_like(self._table, -1)])
-            self._built = np.concatenate([self._built, np.zeros_like(self._built)])
         return c
 
     def _row(self, c: int) -> list[int]:
@@ -160,8 +153,6 @@ class GrammarIndex:
                 targets = [self._intern(self._close([(t, q2, k) for (t, _, k), q2 in zip(items, column) if q2 >= 0]))
                            for column in columns]
                 out[live] = np.asarray(targets, dtype=np.int32)[inverse]
-            self._table[c] = out
-            self._built[c] = True
             self._single[c] = int(live[0]) if len(live) == 1 and not self._can_end[c] else -1
             row = self._rows[c] = out.tolist()
             self._steps[c] = {}
@@ -175,28 +166,14 @@ class GrammarIndex:
         row = self._rows[c]
         if row is not None:
             return row[b]
-        found = self._steps[c].get(b)
+        steps = self._steps[c]
+        found = steps.get(b)
         if found is None:
-            if not self._live_bytes(c) >> b & 1:
-                return -1
+            if len(steps) >= FEW_STEPS:  # many bytes read here (a string's content): the row shares their moves
+                return self._row(c)[b]
             with self._lock:
                 moved = [(t, q2, k) for t, q, k in self._items[c] if (q2 := int(self._trans[t][q, b])) >= 0]
-                found = self._steps[c][b] = self._intern(self._close(moved))
-        return found
-
-    def _live_bytes(self, c: int) -> int:
-        """The bytes configuration c takes (some item reads it and some token contains it), as the bits of
-        an int: what a suffix walk tests first, most suffixes dying at their first byte."""
-        found = self._live[c]
-        if found < 0:
-            found = 0
-            for t, q, _ in self._items[c]:
-                bits = self._state_live.get((t, q))
-                if bits is None:
-                    live = np.packbits((self._trans[t][q] >= 0) & self._spellable, bitorder="little")
-                    bits = self._state_live[t, q] = int.from_bytes(live.tobytes(), "little")
-                found |= bits
-            self._live[c] = found
+                found = steps[b] = self._intern(self._close(moved)) if moved and self._spellable[b] else -1
         return found
 
     def _moves_of(self, items: tuple) -> tuple[np.ndarray, list[list[int]], np.ndarray]:
@@ -353,36 +330,44 @@ class GrammarIndex:
 
     def _exits_taken(self, exits: Exits, k: int) -> np.ndarray:
         """Ids of the tokens among `exits` whose suffix leads somewhere from where continuation k resumes
-        (the configuration after the terminal ends); one walk per (exits, continuation). Most suffixes
-        die at their first byte (after a number only `,` `}` `]` go on, say): only the suffixes starting
-        with a byte the configuration takes are walked, one by one when they are few."""
+        (the configuration after the terminal ends); one walk per (exits, continuation). That configuration
+        takes a suffix iff one of its items does: by staying inside the item's terminal (suffix classes
+        per terminal state, shared by every continuation: Exits.classes), or by ending the terminal part
+        way and going on from what follows the item, walked here from those points only. Most suffixes
+        die or stay inside at once (after a number only `,` `}` `]` go on, say)."""
         key = (exits, k)  # by identity: the key holds the Exits, so its id is never reused
         found = self._exits.get(key)
         if found is None:
-            after = self._intern(self._follow(k))
-            first = exits.first
-            starts = [(b, self._step(after, b)) for b in _bits(self._live_bytes(after) & exits.first_bytes)]
-            if sum(first[b + 1] - first[b] for b, _ in starts) > FEW_SUFFIXES:
-                alive = self._walk_trie(after, exits.trie, len(exits.suffixes))
-            else:
-                alive = np.zeros(len(exits.suffixes), dtype=bool)
-                suffixes = exits.suffixes
-                for b, s in starts:
-                    for n in range(first[b], first[b + 1]):
-                        alive[n] = self._spells(s, suffixes[n], 1)
-            found = exits.pair_token[alive[exits.pair_suffix]]
+            names = self.grammar.terminal_names
+            alive: list[int] = []
+            for t, q, after in self._items[self._intern(self._follow(k))]:
+                inside, ends_at = exits.tree.classes(names[t], q, self._trans[t], self._acc[t])
+                alive += inside
+                if ends_at:
+                    resume = self._intern(self._follow(after))
+                    alive += self._walk_tree([(s, child) for children in ends_at for b, child in children.items()
+                                              if (s := self._step(resume, b)) >= 0])
+            taken = np.zeros(len(exits.tree.suffixes), dtype=bool)
+            taken[alive] = True
+            found = exits.pair_token[taken[exits.pair_suffix]]
             if len(self._exits) >= EXITS_CACHE_SIZE:
                 self._exits.clear()
             self._exits[key] = found
         return found
 
-    def _spells(self, state: int, data: bytes, start: int) -> bool:
-        """Whether every byte of data[start:] leads somewhere from `state`."""
-        for i in range(start, len(data)):
-            state = self._step(state, data[i])
-            if state < 0:
-                return False
-        return True
+    def _walk_tree(self, stack: list[tuple[int, tuple[dict, list[int]]]]) -> list[int]:
+        """The ids of the suffixes (of an Exits.tree) whose bytes all lead somewhere, from (configuration,
+        tree node after the byte that led there) pairs: depth first, each shared prefix stepped once and
+        a dead one's subtree skipped."""
+        alive: list[int] = []
+        while stack:
+            state, (children, ends) = stack.pop()
+            alive += ends
+            for b, child in children.items():
+                nxt = self._step(state, b)
+                if nxt >= 0:
+                    stack.append((nxt, child))
+        return alive
 
     def _after_closing(self, k: int, opening: bool, after_quote: Exits | None) -> np.ndarray:
         """Packed bits: the tokens that close a counted string and whose bytes after the quote lead
@@ -395,42 +380,6 @@ class GrammarIndex:
                 _set_bits(found, ids)
             self._closings[k, opening] = found
         return found
-
-    def _walk_trie(self, state: int, trie: TokenTrie, size: int) -> np.ndarray:
-        """bool [size]: the strings of `trie` (by their ids) whose bytes all lead somewhere from `state`. All at once,
-        one trie level per step; rows of the configurations the walk reaches are built on the way. A
-        level where many nodes are alive is stepped densely (every node of the level through its
-        parent's configuration), one with few alive sparsely (only the children of live nodes)."""
-        out = np.zeros(size, dtype=bool)
-        cur = np.array([state], dtype=np.int64)  # the configuration at each live node
-        nodes = np.zeros(1, dtype=np.int64)
-        with self._lock:
-            for d in range(1, trie.depth + 1):
-                ptr = trie.child_ptr[d]
-                if not len(trie.byte[d]):
-                    break
-                dense = len(nodes) * DENSE_RATIO > len(ptr) - 1
-                # Rows of the configurations the walk goes on from: not those at nodes no token continues
-                # (the configuration after a token's last byte is often met nowhere else).
-                need = cur[(ptr[nodes + 1] > ptr[nodes]) & ~self._built[cur]]
-                if len(need):  # mostly empty: the rows are there from earlier levels or masks
-                    for c in np.unique(need).tolist():
-                        self._row(c)
-                nodes, cur = trie.step(d, nodes, cur, self._table, dense)
-                if not len(nodes):
-                    break
-                trie.mark_ends(d, nodes, out, dense)
-        return out
-
-
-def _bits(n: int) -> list[int]:
-    """The positions of the set bits of n >= 0, lowest first."""
-    out = []
-    while n:
-        low = n & -n
-        out.append(low.bit_length() - 1)
-        n ^= low
-    return out
 
 
 def _set_bits(packed: np.ndarray, ids: np.ndarray) -> None:

@@ -25,51 +25,103 @@ import hashlib
 import threading
 from array import array
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
 from radixlm.core.constrained.counted_string import CountedStringDFA, string_tokens
 from radixlm.core.constrained.narrow_walk import narrow_walk
 from radixlm.core.constrained.regex_dfa import ByteDFA
-from radixlm.core.constrained.vocab import TokenTrie, TokenVocab, expand_ranges
+from radixlm.core.constrained.vocab import TokenVocab, expand_ranges
 
 DENSE_RATIO = 8  # a trie level is walked densely when over 1/8 of the previous level's nodes are alive
-FEW_SUFFIXES = 256  # up to this many distinct exit suffixes are walked one by one (no trie, no numpy steps)
+CLASSES_PER_TREE = 4096  # (terminal, state) entries per SuffixTree, cleared when full
 CACHE_SIZE = 8192  # (terminal, state) entries per process; a 151k vocabulary's bits are 19 KB each
+
+
+class SuffixTree:
+    """Distinct exit suffixes (sorted) as nested dicts, {byte: (children, ids of the suffixes ending at that
+    byte)}, and their classes per terminal state. One per distinct list of suffixes (suffix_tree), shared by
+    the Exits that have it: states with different subtrees often leave with the same suffixes (a string's
+    closing quote and what follows it)."""
+
+    def __init__(self, suffixes: list[bytes]) -> None:
+        self.suffixes = suffixes
+        self._classes: dict[tuple[str, int], tuple[list[int], list[dict]]] = {}
+
+    @functools.cached_property
+    def root(self) -> dict[int, tuple[dict, list[int]]]:
+        root: dict[int, tuple[dict, list[int]]] = {}
+        for n, data in enumerate(self.suffixes):
+            node = root
+            for b in data[:-1]:
+                node = node.setdefault(b, ({}, []))[0]
+            node.setdefault(data[-1], ({}, []))[1].append(n)
+        return root
+
+    def classes(self, key: str, state: int, transitions: np.ndarray,
+                accepting: np.ndarray) -> tuple[list[int], list[dict]]:
+        """The suffixes read from `state` of terminal `key` (its DFA's transitions and accepting states), as
+        the vocabulary is in state_tokens: (ids of those alive in the terminal through their last byte,
+        the tree nodes (their children) after which the terminal may end and the rest go on from whatever
+        follows it). Context-independent, so cached per (terminal, state): pda.py's exit walks read the
+        suffixes through the configuration automaton only past those nodes."""
+        found = self._classes.get((key, state))
+        if found is None:
+            inside: list[int] = []
+            ends_at: list[dict] = []
+            rows: dict[int, list[int]] = {}
+            stack = [(state, self.root)]
+            while stack:
+                q, children = stack.pop()
+                row = rows.get(q)
+                if row is None:
+                    row = rows[q] = transitions[q].tolist()
+                for b, (sub, ends) in children.items():
+                    nxt = row[b]
+                    if nxt >= 0:
+                        inside += ends
+                        if sub:
+                            if accepting[nxt]:
+                                ends_at.append(sub)
+                            stack.append((nxt, sub))
+            if len(self._classes) >= CLASSES_PER_TREE:
+                self._classes.clear()
+            found = self._classes[key, state] = (inside, ends_at)
+        return found
+
+
+_trees: dict[tuple[bytes, ...], SuffixTree] = {}
+TREES = 4096
+
+
+def suffix_tree(suffixes: list[bytes]) -> SuffixTree:
+    """The SuffixTree of these distinct sorted suffixes, shared process-wide."""
+    key = tuple(suffixes)
+    found = _trees.get(key)
+    if found is None:
+        if len(_trees) >= TREES:
+            _trees.clear()
+        found = _trees.setdefault(key, SuffixTree(suffixes))
+    return found
 
 
 @dataclass(eq=False)
 class Exits:
-    """Tokens that may leave a terminal state mid-token: the distinct suffixes they leave it with, sorted
-    (those starting with byte b are suffixes[first[b]:first[b + 1]]), and the (suffix, token) pairs."""
+    """Tokens that may leave a terminal state mid-token: the distinct suffixes they leave it with (as a
+    tree), and the (suffix, token) pairs."""
 
-    suffixes: list[bytes]
-    first: list[int]  # [257]
-    pair_suffix: np.ndarray  # int64 [pairs]: index into suffixes
+    tree: SuffixTree
+    pair_suffix: np.ndarray  # int64 [pairs]: index into tree.suffixes
     pair_token: np.ndarray  # int64 [pairs]: token id
-    _trie: TokenTrie | None = field(default=None, repr=False)
 
     @classmethod
     def build(cls, tokens: list[int], suffixes: list[bytes]) -> "Exits":
         """From pairs: token tokens[i] leaves with suffixes[i] (non-empty)."""
         distinct = sorted(set(suffixes))
         index = {x: n for n, x in enumerate(distinct)}
-        first = np.searchsorted(np.array([x[0] for x in distinct], dtype=np.int64), np.arange(257)).tolist()
-        return cls(distinct, first, np.fromiter(map(index.__getitem__, suffixes), np.int64, count=len(suffixes)),
+        return cls(suffix_tree(distinct), np.fromiter(map(index.__getitem__, suffixes), np.int64, count=len(suffixes)),
                    np.asarray(tokens, dtype=np.int64))
-
-    @functools.cached_property
-    def first_bytes(self) -> int:
-        """The bytes some suffix starts with, as the bits of an int."""
-        return sum(1 << b for b in range(256) if self.first[b + 1] > self.first[b])
-
-    @property
-    def trie(self) -> TokenTrie:
-        """The suffixes as a trie (ids = their indices), for walks of more than a few of them."""
-        if self._trie is None:
-            self._trie = TokenTrie.build(self.suffixes, list(range(len(self.suffixes))))
-        return self._trie
 
 
 @dataclass
