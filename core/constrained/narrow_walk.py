@@ -37,8 +37,8 @@ def _moves_of(key: str, dfa: ByteDFA, state: int) -> dict[int, int]:
 
 def narrow_walk(key: str, dfa: ByteDFA, nodes: np.ndarray, states: np.ndarray,
                 vocab: TokenVocab) -> tuple[np.ndarray, np.ndarray] | None:
-    """terminal_tokens._walk's result (bool [vocab]: tokens below level-1 `nodes`, in DFA `states` after
-    their first byte, alive through their last byte; ids of the other tokens strictly below a node where
+    """terminal_tokens._walk's result as ids (sorted: the tokens below level-1 `nodes`, in DFA `states`
+    after their first byte, alive through their last byte; the other tokens strictly below a node where
     the DFA accepts), or None when a level has more than NARROW_NODES live nodes."""
     if len(nodes) > NARROW_NODES:
         return None
@@ -77,8 +77,6 @@ def narrow_walk(key: str, dfa: ByteDFA, nodes: np.ndarray, states: np.ndarray,
         under = [(lo, hi) for lo, hi in under if hi > lo]
         if not live and not under:
             break
-    inside = np.zeros(vocab.size, dtype=bool)
-    if ends:
-        inside[np.concatenate(ends)] = True
-    ids = np.unique(np.concatenate(exits)) if exits else np.zeros(0, dtype=np.int64)
-    return inside, ids[~inside[ids]]
+    inside = np.unique(np.concatenate(ends)) if ends else np.zeros(0, dtype=np.int32)
+    uncertain = np.unique(np.concatenate(exits)) if exits else np.zeros(0, dtype=np.int32)
+    return inside, np.setdiff1d(uncertain, inside, assume_unique=True)

@@ -36,7 +36,7 @@ from radixlm.core.constrained.counted_string import CountedStringDFA, string_tok
 from radixlm.core.constrained.grammar_compiler import CompiledGrammar, terminal_tables
 from radixlm.core.constrained.masks import MaskCache
 from radixlm.core.constrained.terminal_tokens import Exits, state_tokens
-from radixlm.core.constrained.vocab import TokenVocab, whole_characters
+from radixlm.core.constrained.vocab import TokenVocab, set_bits, whole_characters
 
 END = (-1, 0, -1)  # the item "the output may end here"
 MASK_CACHE_SIZE = 1024
@@ -306,7 +306,7 @@ class GrammarIndex:
         allowed[:n] = walked[:n]
         if self._can_end[state]:
             eos = self.eos_ids[self.eos_ids < vocab_size]
-            _set_bits(allowed, eos)
+            set_bits(allowed, eos)
         return allowed
 
     def _walk(self, state: int) -> np.ndarray:
@@ -323,7 +323,7 @@ class GrammarIndex:
                 packed |= classes.inside
             if classes.exits is not None:
                 ids = self._exits_taken(classes.exits, k)
-                _set_bits(packed, ids)
+                set_bits(packed, ids)
             if classes.closing is not None:
                 packed |= classes.closing & self._after_closing(k, q == 0, classes.after_quote)
         return packed
@@ -377,14 +377,9 @@ class GrammarIndex:
             found = np.zeros(-(-self.vocab_size // 8), dtype=np.uint8)
             if after_quote is not None:
                 ids = self._exits_taken(after_quote, k)
-                _set_bits(found, ids)
+                set_bits(found, ids)
             self._closings[k, opening] = found
         return found
-
-
-def _set_bits(packed: np.ndarray, ids: np.ndarray) -> None:
-    """Sets the bits of token `ids` in a packed mask (little-endian bit order within each byte)."""
-    np.bitwise_or.at(packed, ids >> 3, (1 << (ids & 7)).astype(np.uint8))
 
 
 # Item move tables by (terminal names and states, vocabulary), shared by every index of the process.

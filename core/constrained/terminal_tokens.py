@@ -32,7 +32,7 @@ import numpy as np
 from radixlm.core.constrained.counted_string import CountedStringDFA, string_tokens
 from radixlm.core.constrained.narrow_walk import narrow_walk
 from radixlm.core.constrained.regex_dfa import ByteDFA
-from radixlm.core.constrained.vocab import TokenVocab, expand_ranges
+from radixlm.core.constrained.vocab import TokenVocab, expand_ranges, set_bits
 
 DENSE_RATIO = 8  # a trie level is walked densely when over 1/8 of the previous level's nodes are alive
 CLASSES_PER_TREE = 4096  # (terminal, state) entries per SuffixTree, cleared when full
@@ -149,12 +149,23 @@ def state_tokens(key: str, dfa: ByteDFA, state: int, vocab: TokenVocab) -> State
             _cache.move_to_end(cache_key)
             return found
     inside, tokens, starts, exits_key = _classify(key, dfa, state, vocab)
-    found = StateTokens(np.packbits(inside, bitorder="little"), _exits(exits_key, tokens, starts, vocab))
+    found = StateTokens(_packed(inside, vocab.size), _exits(exits_key, tokens, starts, vocab))
     with _lock:
         _cache[cache_key] = found
         if len(_cache) > CACHE_SIZE:
             _cache.popitem(last=False)
     return found
+
+
+def _packed(ids: np.ndarray, size: int) -> np.ndarray:
+    """Packed bits (little bit order) of token `ids` among `size`: set one by one when they are few."""
+    if len(ids) * 16 < size:
+        packed = np.zeros(-(-size // 8), dtype=np.uint8)
+        set_bits(packed, ids)
+        return packed
+    inside = np.zeros(size, dtype=bool)
+    inside[ids] = True
+    return np.packbits(inside, bitorder="little")
 
 
 _exits_cache: OrderedDict[tuple, Exits] = OrderedDict()
@@ -299,14 +310,16 @@ SUBTREE_IDS = 16_000_000  # 64 MB of int32 ids
 
 def _classify(key: str, dfa: ByteDFA, state: int,
               vocab: TokenVocab) -> tuple[np.ndarray, np.ndarray, np.ndarray, tuple]:
-    """From `state`: (bool [vocab]: tokens alive in the DFA through their last byte; the exits of the
+    """From `state`: (ids of the tokens alive in the DFA through their last byte; the exits of the
     other tokens that pass an accepting state after their first byte and before their last, as token
     ids and the positions where they may leave; a name for those exits: the subtrees they come from)."""
     trie = vocab.trie
     first_bytes = trie.byte[1].astype(np.int64)  # the byte of each level-1 node
     nxt = dfa.transitions[state, first_bytes]
-    futures = {q: _future(key, dfa, q) for q in set(nxt.tolist()) if q >= 0}
-    keys = {n: (futures[q], int(first_bytes[n]), vocab.fingerprint) for n, q in enumerate(nxt.tolist()) if q >= 0}
+    live = np.flatnonzero(nxt >= 0)
+    futures = {q: _future(key, dfa, q) for q in set(nxt[live].tolist())}
+    keys = {n: (futures[q], b, vocab.fingerprint) for n, q, b in
+            zip(live.tolist(), nxt[live].tolist(), first_bytes[live].tolist())}
     with _lock:
         have = {}
         for n, k in keys.items():
@@ -316,16 +329,18 @@ def _classify(key: str, dfa: ByteDFA, state: int,
     missing = np.array([n for n in keys if n not in have], dtype=np.int64)
     if len(missing):
         walked = narrow_walk(key, dfa, missing, nxt[missing], vocab)
-        inside, uncertain = walked if walked is not None else _walk(dfa, missing, nxt[missing], vocab)
+        if walked is None:
+            inside, uncertain = _walk(dfa, missing, nxt[missing], vocab)
+            walked = np.flatnonzero(inside), uncertain
+        inside, uncertain = walked
         after_first = np.full(len(trie.byte[1]), -1, dtype=np.int64)
         after_first[missing] = nxt[missing]
         tokens, starts = _exit_pairs(dfa, uncertain, after_first[_first_node(vocab)[uncertain]], vocab)
         have.update(_store({int(n): keys[int(n)] for n in missing}, inside, tokens, starts, vocab))
-    inside = np.zeros(vocab.size, dtype=bool)
     if not have:
-        return inside, np.zeros(0, dtype=np.int32), np.zeros(0, dtype=np.int32), ()
+        return np.zeros(0, dtype=np.int32), np.zeros(0, dtype=np.int32), np.zeros(0, dtype=np.int32), ()
     nodes = sorted(have)
-    inside[np.concatenate([have[n][0] for n in nodes])] = True
+    inside = np.concatenate([have[n][0] for n in nodes])
     exits_key = tuple(keys[n] for n in nodes if len(have[n][1]))
     return (inside, np.concatenate([have[n][1] for n in nodes]), np.concatenate([have[n][2] for n in nodes]),
             exits_key)
@@ -333,11 +348,15 @@ def _classify(key: str, dfa: ByteDFA, state: int,
 
 def _store(keys: dict[int, tuple], inside: np.ndarray, tokens: np.ndarray, starts: np.ndarray,
            vocab: TokenVocab) -> dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]]:
-    """A walk's result split by level-1 node (the tokens' first byte), kept in _subtrees and returned."""
+    """A walk's result (ids of the inside tokens, exit pairs) split by level-1 node (the tokens' first
+    byte), kept in _subtrees and returned."""
     global _subtree_ids
     nodes = np.fromiter(keys, np.int64, count=len(keys))
-    ins = _split(np.flatnonzero(inside), nodes, vocab)[0]
-    exit_tokens, exit_starts = _split(tokens, nodes, vocab, starts)
+    if len(nodes) == 1:  # one first byte (a literal, a narrow walk's usual case): nothing to split
+        ins, exit_tokens, exit_starts = [inside.astype(np.int32)], [tokens], [starts]
+    else:
+        ins = _split(inside, nodes, vocab)[0]
+        exit_tokens, exit_starts = _split(tokens, nodes, vocab, starts)
     out = {n: (a, b, c) for n, a, b, c in zip(keys, ins, exit_tokens, exit_starts)}
     with _lock:
         for n, k in keys.items():
