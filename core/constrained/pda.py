@@ -35,7 +35,7 @@ import torch
 from radixlm.core.constrained.counted_string import CountedStringDFA, string_tokens
 from radixlm.core.constrained.grammar_compiler import CompiledGrammar, terminal_tables
 from radixlm.core.constrained.masks import MaskCache
-from radixlm.core.constrained.terminal_tokens import Exits, state_tokens
+from radixlm.core.constrained.terminal_tokens import Exits, SuffixTree, state_tokens
 from radixlm.core.constrained.vocab import TokenVocab, set_bits, whole_characters
 
 END = (-1, 0, -1)  # the item "the output may end here"
@@ -159,10 +159,9 @@ class GrammarIndex:
             return row
 
     def _step(self, c: int, b: int) -> int:
-        """Configuration c's successor on byte b (-1 = none), without building its row: walks of a few
-        suffixes and advancing read one or two bytes of most configurations they meet, and a whole row
-        (~50 µs in Python) costs ten single bytes. Agrees with _row: the same moved items, closed and
-        interned alike."""
+        """Configuration c's successor on byte b (-1 = none), without building its row: advancing reads
+        one or two bytes of most configurations it meets, and a whole row (~50 µs in Python) costs ten
+        single bytes. Agrees with _row: the same moved items, closed and interned alike."""
         row = self._rows[c]
         if row is not None:
             return row[b]
@@ -330,43 +329,36 @@ class GrammarIndex:
 
     def _exits_taken(self, exits: Exits, k: int) -> np.ndarray:
         """Ids of the tokens among `exits` whose suffix leads somewhere from where continuation k resumes
-        (the configuration after the terminal ends); one walk per (exits, continuation). That configuration
-        takes a suffix iff one of its items does: by staying inside the item's terminal (suffix classes
-        per terminal state, shared by every continuation: Exits.classes), or by ending the terminal part
-        way and going on from what follows the item, walked here from those points only. Most suffixes
-        die or stay inside at once (after a number only `,` `}` `]` go on, say)."""
+        (the configuration after the terminal ends); one walk per (exits, continuation)."""
         key = (exits, k)  # by identity: the key holds the Exits, so its id is never reused
         found = self._exits.get(key)
         if found is None:
-            names = self.grammar.terminal_names
-            alive: list[int] = []
-            for t, q, after in self._items[self._intern(self._follow(k))]:
-                inside, ends_at = exits.tree.classes(names[t], q, self._trans[t], self._acc[t])
-                alive += inside
-                if ends_at:
-                    resume = self._intern(self._follow(after))
-                    alive += self._walk_tree([(s, child) for children in ends_at for b, child in children.items()
-                                              if (s := self._step(resume, b)) >= 0])
-            taken = np.zeros(len(exits.tree.suffixes), dtype=bool)
-            taken[alive] = True
+            tree = exits.tree
+            taken = np.zeros(len(tree.suffixes), dtype=bool)
+            taken[self._suffixes_taken(tree, tree.root, self._intern(self._follow(k)))] = True
             found = exits.pair_token[taken[exits.pair_suffix]]
             if len(self._exits) >= EXITS_CACHE_SIZE:
                 self._exits.clear()
             self._exits[key] = found
         return found
 
-    def _walk_tree(self, stack: list[tuple[int, tuple[dict, list[int]]]]) -> list[int]:
-        """The ids of the suffixes (of an Exits.tree) whose bytes all lead somewhere, from (configuration,
-        tree node after the byte that led there) pairs: depth first, each shared prefix stepped once and
-        a dead one's subtree skipped."""
+    def _suffixes_taken(self, tree: SuffixTree, node: dict, c: int) -> list[int]:
+        """Ids of the suffixes below `node` of `tree` whose bytes all lead somewhere from configuration c.
+        c takes a suffix iff one of its items does: by staying inside the item's terminal, or by ending it
+        part way and going on from what follows the item. The first part depends on the terminal state
+        alone (SuffixTree.classes, shared by every continuation and schema); past the points where the
+        terminal may end, the rest is the same question from the configuration where the item resumes.
+        So no configuration is stepped: suffixes die or stay inside their first terminals at once (after
+        a number only `,` `}` `]` go on, say)."""
+        names = self.grammar.terminal_names
         alive: list[int] = []
-        while stack:
-            state, (children, ends) = stack.pop()
-            alive += ends
-            for b, child in children.items():
-                nxt = self._step(state, b)
-                if nxt >= 0:
-                    stack.append((nxt, child))
+        for t, q, after in self._items[c]:
+            inside, ends_at = tree.classes(node, names[t], q, self._trans[t], self._acc[t])
+            alive += inside
+            if ends_at:
+                resume = self._intern(self._follow(after))
+                for sub in ends_at:
+                    alive += self._suffixes_taken(tree, sub, resume)
         return alive
 
     def _after_closing(self, k: int, opening: bool, after_quote: Exits | None) -> np.ndarray:

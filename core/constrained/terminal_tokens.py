@@ -35,7 +35,7 @@ from radixlm.core.constrained.regex_dfa import ByteDFA
 from radixlm.core.constrained.vocab import TokenVocab, expand_ranges, set_bits
 
 DENSE_RATIO = 8  # a trie level is walked densely when over 1/8 of the previous level's nodes are alive
-CLASSES_PER_TREE = 4096  # (terminal, state) entries per SuffixTree, cleared when full
+CLASSES_PER_TREE = 4096  # (node, terminal, state) entries per SuffixTree, cleared when full
 CACHE_SIZE = 8192  # (terminal, state) entries per process; a 151k vocabulary's bits are 19 KB each
 
 
@@ -47,7 +47,7 @@ class SuffixTree:
 
     def __init__(self, suffixes: list[bytes]) -> None:
         self.suffixes = suffixes
-        self._classes: dict[tuple[str, int], tuple[list[int], list[dict]]] = {}
+        self._classes: dict[tuple[int, str, int], tuple[list[int], list[dict]]] = {}
 
     @functools.cached_property
     def root(self) -> dict[int, tuple[dict, list[int]]]:
@@ -59,19 +59,19 @@ class SuffixTree:
             node.setdefault(data[-1], ({}, []))[1].append(n)
         return root
 
-    def classes(self, key: str, state: int, transitions: np.ndarray,
+    def classes(self, node: dict, key: str, state: int, transitions: np.ndarray,
                 accepting: np.ndarray) -> tuple[list[int], list[dict]]:
-        """The suffixes read from `state` of terminal `key` (its DFA's transitions and accepting states), as
-        the vocabulary is in state_tokens: (ids of those alive in the terminal through their last byte,
-        the tree nodes (their children) after which the terminal may end and the rest go on from whatever
-        follows it). Context-independent, so cached per (terminal, state): pda.py's exit walks read the
-        suffixes through the configuration automaton only past those nodes."""
-        found = self._classes.get((key, state))
+        """The suffixes below `node` (the root or a node's children) read from `state` of terminal `key`
+        (its DFA's transitions and accepting states), as the vocabulary is in state_tokens: (ids of those
+        alive in the terminal through their last byte, the nodes (their children) after which the
+        terminal may end and the rest go on from whatever follows it). Context-independent, so cached per
+        (node, terminal, state): pda.py's exit walks need nothing else inside a terminal."""
+        found = self._classes.get((id(node), key, state))  # nodes live as long as the tree: ids stay theirs
         if found is None:
             inside: list[int] = []
             ends_at: list[dict] = []
             rows: dict[int, list[int]] = {}
-            stack = [(state, self.root)]
+            stack = [(state, node)]
             while stack:
                 q, children = stack.pop()
                 row = rows.get(q)
@@ -87,7 +87,7 @@ class SuffixTree:
                             stack.append((nxt, sub))
             if len(self._classes) >= CLASSES_PER_TREE:
                 self._classes.clear()
-            found = self._classes[key, state] = (inside, ends_at)
+            found = self._classes[id(node), key, state] = (inside, ends_at)
         return found
 
 
