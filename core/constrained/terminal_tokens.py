@@ -312,11 +312,17 @@ def _classify(key: str, dfa: ByteDFA, state: int,
               vocab: TokenVocab) -> tuple[np.ndarray, np.ndarray, np.ndarray, tuple]:
     """From `state`: (ids of the tokens alive in the DFA through their last byte; the exits of the
     other tokens that pass an accepting state after their first byte and before their last, as token
-    ids and the positions where they may leave; a name for those exits: the subtrees they come from)."""
+    ids and the positions where they may leave; a name for those exits: the subtrees they come from, or
+    the state's own future when it was walked whole)."""
     trie = vocab.trie
     first_bytes = trie.byte[1].astype(np.int64)  # the byte of each level-1 node
     nxt = dfa.transitions[state, first_bytes]
     live = np.flatnonzero(nxt >= 0)
+    walked = narrow_walk(key, dfa, live, nxt[live], vocab)
+    if walked is not None:  # few tokens follow (a literal, a number): walked whole, named by the state's future
+        inside, uncertain = walked
+        tokens, starts = _exit_pairs(dfa, uncertain, _after_first(nxt, live, vocab, uncertain), vocab)
+        return inside, tokens, starts, (_future(key, dfa, state), vocab.fingerprint)
     futures = {q: _future(key, dfa, q) for q in set(nxt[live].tolist())}
     keys = {n: (futures[q], b, vocab.fingerprint) for n, q, b in
             zip(live.tolist(), nxt[live].tolist(), first_bytes[live].tolist())}
@@ -333,9 +339,7 @@ def _classify(key: str, dfa: ByteDFA, state: int,
             inside, uncertain = _walk(dfa, missing, nxt[missing], vocab)
             walked = np.flatnonzero(inside), uncertain
         inside, uncertain = walked
-        after_first = np.full(len(trie.byte[1]), -1, dtype=np.int64)
-        after_first[missing] = nxt[missing]
-        tokens, starts = _exit_pairs(dfa, uncertain, after_first[_first_node(vocab)[uncertain]], vocab)
+        tokens, starts = _exit_pairs(dfa, uncertain, _after_first(nxt, missing, vocab, uncertain), vocab)
         have.update(_store({int(n): keys[int(n)] for n in missing}, inside, tokens, starts, vocab))
     if not have:
         return np.zeros(0, dtype=np.int32), np.zeros(0, dtype=np.int32), np.zeros(0, dtype=np.int32), ()
@@ -344,6 +348,14 @@ def _classify(key: str, dfa: ByteDFA, state: int,
     exits_key = tuple(keys[n] for n in nodes if len(have[n][1]))
     return (inside, np.concatenate([have[n][1] for n in nodes]), np.concatenate([have[n][2] for n in nodes]),
             exits_key)
+
+
+def _after_first(nxt: np.ndarray, nodes: np.ndarray, vocab: TokenVocab, ids: np.ndarray) -> np.ndarray:
+    """The DFA state after the first byte of each token of `ids` (below level-1 `nodes`; nxt: the state
+    after each level-1 node's byte)."""
+    after = np.full(len(nxt), -1, dtype=np.int64)
+    after[nodes] = nxt[nodes]
+    return after[_first_node(vocab)[ids]]
 
 
 def _store(keys: dict[int, tuple], inside: np.ndarray, tokens: np.ndarray, starts: np.ndarray,
