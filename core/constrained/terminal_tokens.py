@@ -249,16 +249,26 @@ _state_rows: dict[tuple[str, int], tuple[bytes, list[int]]] = {}
 STATE_ROWS = 1 << 14
 
 
+ROWS_AT_ONCE = 1024  # a DFA of at most this many states has all its rows read at its first miss
+
+
 def _state_row(key: str, dfa: ByteDFA, state: int) -> tuple[bytes, list[int]]:
     found = _state_rows.get((key, state))
     if found is None:
-        row = dfa.transitions[state]
-        live = np.flatnonzero(row >= 0)
-        found = (bytes([bool(dfa.accepting[state]), len(live) & 255]) + live.astype(np.uint8).tobytes(),
-                 row[live].tolist())
-        if len(_state_rows) >= STATE_ROWS:
+        # Every state at once for a small DFA (one numpy pass instead of a few calls per state): a search
+        # meets most of them (a bounded number's 50 states, each first byte's future).
+        states = np.arange(len(dfa.transitions)) if len(dfa.transitions) <= ROWS_AT_ONCE else np.array([state])
+        rows = dfa.transitions[states]
+        at, live = np.nonzero(rows >= 0)
+        cut = np.searchsorted(at, np.arange(len(states) + 1)).tolist()
+        live_bytes = live.astype(np.uint8).tobytes()
+        targets = rows[at, live].tolist()
+        if len(_state_rows) + len(states) > STATE_ROWS:
             _state_rows.clear()
-        _state_rows[key, state] = found
+        for n, q in enumerate(states.tolist()):
+            a, b = cut[n], cut[n + 1]
+            _state_rows[key, q] = (bytes([bool(dfa.accepting[q]), (b - a) & 255]) + live_bytes[a:b], targets[a:b])
+        found = _state_rows[key, state]
     return found
 
 
