@@ -18,20 +18,44 @@ from radixlm.core.constrained.vocab import TokenVocab
 
 NARROW_NODES = 32  # live nodes per level at most
 
-# Per (terminal name, state): its moves as {byte: target}, read once from the DFA.
-_moves: dict[tuple[str, int], dict[int, int]] = {}
+# Per (terminal, state): (accepting, number of live bytes, the live bytes) as bytes and the live bytes'
+# targets, read once from the DFA: terminal_tokens' future hashes (breadth-first searches that revisit the
+# same states) and the moves here.
+_state_rows: dict[tuple[str, int], tuple[bytes, list[int]]] = {}
+STATE_ROWS = 1 << 14
+ROWS_AT_ONCE = 1024  # a DFA of at most this many states has all its rows read at its first miss
+_moves: dict[tuple[str, int], dict[int, int]] = {}  # per (terminal, state): its moves as {byte: target}
 MOVES = 1 << 14
 
 
 def _moves_of(key: str, dfa: ByteDFA, state: int) -> dict[int, int]:
     found = _moves.get((key, state))
     if found is None:
-        row = dfa.transitions[state]
-        live = np.flatnonzero(row >= 0)
-        found = dict(zip(live.tolist(), row[live].tolist()))
+        head, targets = state_row(key, dfa, state)
+        found = dict(zip(head[2:], targets))
         if len(_moves) >= MOVES:
             _moves.clear()
         _moves[key, state] = found
+    return found
+
+
+def state_row(key: str, dfa: ByteDFA, state: int) -> tuple[bytes, list[int]]:
+    found = _state_rows.get((key, state))
+    if found is None:
+        # Every state at once for a small DFA (one numpy pass instead of a few calls per state): a search
+        # meets most of them (a bounded number's 50 states, each first byte's future).
+        states = np.arange(len(dfa.transitions)) if len(dfa.transitions) <= ROWS_AT_ONCE else np.array([state])
+        rows = dfa.transitions[states]
+        at, live = np.nonzero(rows >= 0)
+        cut = np.searchsorted(at, np.arange(len(states) + 1)).tolist()
+        live_bytes = live.astype(np.uint8).tobytes()
+        targets = rows[at, live].tolist()
+        if len(_state_rows) + len(states) > STATE_ROWS:
+            _state_rows.clear()
+        for n, q in enumerate(states.tolist()):
+            a, b = cut[n], cut[n + 1]
+            _state_rows[key, q] = (bytes([bool(dfa.accepting[q]), (b - a) & 255]) + live_bytes[a:b], targets[a:b])
+        found = _state_rows[key, state]
     return found
 
 
@@ -49,7 +73,10 @@ def narrow_walk(key: str, dfa: ByteDFA, nodes: np.ndarray, states: np.ndarray,
     ends, exits = [], []
     for d in range(1, trie.depth + 1):
         eptr, tokens = trie.end_ptr[d], trie.end_tokens[d]
-        ends += [tokens[eptr[n]:eptr[n + 1]] for n, _ in live]
+        for n, _ in live:
+            a, b = eptr[n], eptr[n + 1]
+            if b > a:
+                ends.append(tokens[a:b])
         exits += [tokens[eptr[lo]:eptr[hi]] for lo, hi in under]
         if d == trie.depth:
             break
@@ -63,7 +90,12 @@ def narrow_walk(key: str, dfa: ByteDFA, nodes: np.ndarray, states: np.ndarray,
             if accepting[s]:
                 under.append((lo, hi))
             moves = _moves_of(key, dfa, s)
-            if hi - lo <= len(moves):
+            if len(moves) == 1:  # a literal's next byte: one binary search
+                (b, t), = moves.items()
+                c = lo + int(level[lo:hi].searchsorted(b))
+                if c < hi and level[c] == b:
+                    nxt.append((c, t))
+            elif hi - lo <= len(moves):
                 nxt += [(c, moves[b]) for c, b in enumerate(level[lo:hi].tolist(), lo) if b in moves]
             else:
                 wanted = np.fromiter(moves, np.uint8, count=len(moves))

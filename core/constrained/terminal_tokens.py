@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from radixlm.core.constrained.counted_string import CountedStringDFA, string_tokens
-from radixlm.core.constrained.narrow_walk import narrow_walk
+from radixlm.core.constrained.narrow_walk import narrow_walk, state_row
 from radixlm.core.constrained.regex_dfa import ByteDFA
 from radixlm.core.constrained.vocab import TokenVocab, expand_ranges, set_bits
 
@@ -243,33 +243,6 @@ def _quote_exits(vocab: TokenVocab, opening: bool) -> Exits | None:
 
 _futures: dict[tuple[str, int], object] = {}
 MAX_FUTURE_STATES = 512  # larger futures are named by (terminal, state) instead
-# Per (terminal, state): its part of a future's hash (accepting, live bytes) and its live targets, read
-# once from the DFA (the breadth-first searches of a terminal's states revisit the same states).
-_state_rows: dict[tuple[str, int], tuple[bytes, list[int]]] = {}
-STATE_ROWS = 1 << 14
-
-
-ROWS_AT_ONCE = 1024  # a DFA of at most this many states has all its rows read at its first miss
-
-
-def _state_row(key: str, dfa: ByteDFA, state: int) -> tuple[bytes, list[int]]:
-    found = _state_rows.get((key, state))
-    if found is None:
-        # Every state at once for a small DFA (one numpy pass instead of a few calls per state): a search
-        # meets most of them (a bounded number's 50 states, each first byte's future).
-        states = np.arange(len(dfa.transitions)) if len(dfa.transitions) <= ROWS_AT_ONCE else np.array([state])
-        rows = dfa.transitions[states]
-        at, live = np.nonzero(rows >= 0)
-        cut = np.searchsorted(at, np.arange(len(states) + 1)).tolist()
-        live_bytes = live.astype(np.uint8).tobytes()
-        targets = rows[at, live].tolist()
-        if len(_state_rows) + len(states) > STATE_ROWS:
-            _state_rows.clear()
-        for n, q in enumerate(states.tolist()):
-            a, b = cut[n], cut[n + 1]
-            _state_rows[key, q] = (bytes([bool(dfa.accepting[q]), (b - a) & 255]) + live_bytes[a:b], targets[a:b])
-        found = _state_rows[key, state]
-    return found
 
 
 def _future(key: str, dfa: ByteDFA, state: int) -> object:
@@ -284,7 +257,7 @@ def _future(key: str, dfa: ByteDFA, state: int) -> object:
     digest = hashlib.blake2b(digest_size=16)
     i = 0
     while i < len(queue) and len(queue) <= MAX_FUTURE_STATES:
-        head, targets = _state_row(key, dfa, queue[i])
+        head, targets = state_row(key, dfa, queue[i])
         i += 1
         for t in targets:
             if t not in order:
