@@ -11,8 +11,9 @@ generation actually reaches, built as they are reached.
 
 Token masks. A configuration's mask is, per item, the tokens that stay inside its terminal (shared per
 terminal state, terminal_tokens.py) and those that leave it mid-token with a suffix that the
-configuration where the item's continuation resumes takes: suffixes walked once per (terminal state's
-exits, continuation), building the rows the walk reaches, never the bytes inside the terminal. Masks are
+configuration where the item's continuation resumes takes: answered once per (terminal state's exits,
+continuation) from the suffixes' classes per terminal state (_suffixes_taken), never the bytes inside the
+terminal, without stepping configurations. Masks are
 cached per configuration; outputs of one schema revisit the same configurations (inside a string, every
 character leads back to the same one), so most steps are a cache hit. The tables only grow while
 requests run (by at most a few configurations per byte of output); the spec cache
