@@ -637,7 +637,7 @@ def test_token_classes_assembled_per_first_byte_equal_a_whole_walk(tiny_tokenize
                 nxt = dfa.transitions[q, first]
                 live = np.flatnonzero(nxt >= 0)
                 whole, exits = terminal_tokens._walk(dfa, live, nxt[live], vocab)
-                assert (inside == whole).all(), (name, q)
+                assert sorted(inside.tolist()) == np.flatnonzero(whole).tolist(), (name, q)
                 assert sorted(uncertain.tolist()) == sorted(exits.tolist()), (name, q)
 
 

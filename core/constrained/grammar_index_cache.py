@@ -21,7 +21,7 @@ from radixlm.core.constrained.json_grammar import json_schema_to_grammar
 from radixlm.core.constrained.json_schema import _load_schema as load_schema
 from radixlm.core.constrained.schema_prune import prune_definitions
 from radixlm.core.constrained.pda import GrammarIndex
-from radixlm.core.constrained.terminal_tokens import FEW_SUFFIXES, state_tokens
+from radixlm.core.constrained.terminal_tokens import state_tokens
 from radixlm.core.constrained.vocab import TokenVocab, vocab_of
 
 CACHE_SIZE = 64
@@ -95,8 +95,8 @@ def prepare_common_terminals(vocab: TokenVocab) -> None:
     for name, dfa in zip(grammar.terminal_names, grammar.terminals):
         for state in range(min(len(dfa.transitions), MAX_PREPARED_STATES)):
             exits = state_tokens(name, dfa, state, vocab).exits
-            if exits is not None and len(exits.suffixes) > FEW_SUFFIXES:
-                exits.trie  # walked by pda.py's _exits_taken past FEW_SUFFIXES
+            if exits is not None:
+                exits.tree.root  # walked by pda.py's _exits_taken
 
 
 def prepare_in_background(tokenizer: Any, eos_token_ids: list[int] | None) -> None:

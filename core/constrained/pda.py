@@ -11,8 +11,9 @@ generation actually reaches, built as they are reached.
 
 Token masks. A configuration's mask is, per item, the tokens that stay inside its terminal (shared per
 terminal state, terminal_tokens.py) and those that leave it mid-token with a suffix that the
-configuration where the item's continuation resumes takes: suffixes walked once per (terminal state's
-exits, continuation), building the rows the walk reaches, never the bytes inside the terminal. Masks are
+configuration where the item's continuation resumes takes: answered once per (terminal state's exits,
+continuation) from the suffixes' classes per terminal state (_suffixes_taken), never the bytes inside the
+terminal, without stepping configurations. Masks are
 cached per configuration; outputs of one schema revisit the same configurations (inside a string, every
 character leads back to the same one), so most steps are a cache hit. The tables only grow while
 requests run (by at most a few configurations per byte of output); the spec cache
@@ -35,13 +36,14 @@ import torch
 from radixlm.core.constrained.counted_string import CountedStringDFA, string_tokens
 from radixlm.core.constrained.grammar_compiler import CompiledGrammar, terminal_tables
 from radixlm.core.constrained.masks import MaskCache
-from radixlm.core.constrained.terminal_tokens import DENSE_RATIO, FEW_SUFFIXES, Exits, state_tokens
-from radixlm.core.constrained.vocab import TokenTrie, TokenVocab, whole_characters
+from radixlm.core.constrained.terminal_tokens import Exits, SuffixTree, state_tokens
+from radixlm.core.constrained.vocab import TokenVocab, set_bits, whole_characters
 
 END = (-1, 0, -1)  # the item "the output may end here"
 MASK_CACHE_SIZE = 1024
 MAX_FORCED_BYTES = 4096
 MOVES_CACHE_SIZE = 50_000  # item move tables per index (~1 KB each), cleared when full
+FEW_STEPS = 8  # bytes stepped one by one from a configuration before its whole row is built
 EXITS_CACHE_SIZE = 20_000  # exit tokens taken per (terminal state's exits, continuation), cleared when full
 
 
@@ -66,9 +68,8 @@ class GrammarIndex:
         self._items: list[tuple] = []  # per configuration: its items with a terminal (END aside)
         self._can_end: list[bool] = []
         self._rows: list[list[int] | None] = []  # per configuration: successor per byte (-1 = none)
+        self._steps: list[dict[int, int]] = []  # per configuration without a row: successors of single bytes
         self._single: list[int] = []  # per configuration with a row: the one byte leaving it, else -1
-        self._table = np.full((64, 256), -1, dtype=np.int32)
-        self._built = np.zeros(64, dtype=bool)
         self._edges: dict[int, tuple[bytes, int]] = {}
         self._moves: dict[tuple, tuple[np.ndarray, list[list[int]], np.ndarray]] = {}  # see _moves_of
         self._masks = MaskCache(MASK_CACHE_SIZE)
@@ -133,10 +134,8 @@ class GrammarIndex:
         self._items.append(tuple(sorted(i for i in items if i[0] >= 0)))
         self._can_end.append(END in items)
         self._rows.append(None)
+        self._steps.append({})
         self._single.append(-1)
-        if c >= len(self._built):
-            self._table = np.concatenate([self._table, np.full_like(self._table, -1)])
-            self._built = np.concatenate([self._built, np.zeros_like(self._built)])
         return c
 
     def _row(self, c: int) -> list[int]:
@@ -155,11 +154,27 @@ class GrammarIndex:
                 targets = [self._intern(self._close([(t, q2, k) for (t, _, k), q2 in zip(items, column) if q2 >= 0]))
                            for column in columns]
                 out[live] = np.asarray(targets, dtype=np.int32)[inverse]
-            self._table[c] = out
-            self._built[c] = True
             self._single[c] = int(live[0]) if len(live) == 1 and not self._can_end[c] else -1
             row = self._rows[c] = out.tolist()
+            self._steps[c] = {}
             return row
+
+    def _step(self, c: int, b: int) -> int:
+        """Configuration c's successor on byte b (-1 = none), without building its row: advancing reads
+        one or two bytes of most configurations it meets, and a whole row (~50 µs in Python) costs ten
+        single bytes. Agrees with _row: the same moved items, closed and interned alike."""
+        row = self._rows[c]
+        if row is not None:
+            return row[b]
+        steps = self._steps[c]
+        found = steps.get(b)
+        if found is None:
+            if len(steps) >= FEW_STEPS:  # many bytes read here (a string's content): the row shares their moves
+                return self._row(c)[b]
+            with self._lock:
+                moved = [(t, q2, k) for t, q, k in self._items[c] if (q2 := int(self._trans[t][q, b])) >= 0]
+                found = steps[b] = self._intern(self._close(moved)) if moved and self._spellable[b] else -1
+        return found
 
     def _moves_of(self, items: tuple) -> tuple[np.ndarray, list[list[int]], np.ndarray]:
         """(the bytes some item can read, the distinct columns of item moves on them, each byte's column).
@@ -241,7 +256,7 @@ class GrammarIndex:
         if not data:
             return -1
         for b in data:
-            state = self._row(state)[b]
+            state = self._step(state, b)
             if state < 0:
                 return -1
         return state
@@ -291,7 +306,7 @@ class GrammarIndex:
         allowed[:n] = walked[:n]
         if self._can_end[state]:
             eos = self.eos_ids[self.eos_ids < vocab_size]
-            _set_bits(allowed, eos)
+            set_bits(allowed, eos)
         return allowed
 
     def _walk(self, state: int) -> np.ndarray:
@@ -308,43 +323,44 @@ class GrammarIndex:
                 packed |= classes.inside
             if classes.exits is not None:
                 ids = self._exits_taken(classes.exits, k)
-                _set_bits(packed, ids)
+                set_bits(packed, ids)
             if classes.closing is not None:
                 packed |= classes.closing & self._after_closing(k, q == 0, classes.after_quote)
         return packed
 
     def _exits_taken(self, exits: Exits, k: int) -> np.ndarray:
         """Ids of the tokens among `exits` whose suffix leads somewhere from where continuation k resumes
-        (the configuration after the terminal ends); one walk per (exits, continuation). Most suffixes
-        die at their first byte (after a number only `,` `}` `]` go on, say): only the suffixes starting
-        with a byte the configuration takes are walked, one by one when they are few."""
+        (the configuration after the terminal ends); one walk per (exits, continuation)."""
         key = (exits, k)  # by identity: the key holds the Exits, so its id is never reused
         found = self._exits.get(key)
         if found is None:
-            after = self._intern(self._follow(k))
-            row, first = self._row(after), exits.first
-            starts = [b for b in range(256) if row[b] >= 0 and first[b + 1] > first[b]]
-            if sum(first[b + 1] - first[b] for b in starts) > FEW_SUFFIXES:
-                alive = self._walk_trie(after, exits.trie, len(exits.suffixes))
-            else:
-                alive = np.zeros(len(exits.suffixes), dtype=bool)
-                suffixes = exits.suffixes
-                for b in starts:
-                    for n in range(first[b], first[b + 1]):
-                        alive[n] = self._spells(row[b], suffixes[n], 1)
-            found = exits.pair_token[alive[exits.pair_suffix]]
+            tree = exits.tree
+            taken = np.zeros(len(tree.suffixes), dtype=bool)
+            taken[self._suffixes_taken(tree, tree.root, self._intern(self._follow(k)))] = True
+            found = exits.pair_token[taken[exits.pair_suffix]]
             if len(self._exits) >= EXITS_CACHE_SIZE:
                 self._exits.clear()
             self._exits[key] = found
         return found
 
-    def _spells(self, state: int, data: bytes, start: int) -> bool:
-        """Whether every byte of data[start:] leads somewhere from `state`."""
-        for i in range(start, len(data)):
-            state = self._row(state)[data[i]]
-            if state < 0:
-                return False
-        return True
+    def _suffixes_taken(self, tree: SuffixTree, node: dict, c: int) -> list[int]:
+        """Ids of the suffixes below `node` of `tree` whose bytes all lead somewhere from configuration c.
+        c takes a suffix iff one of its items does: by staying inside the item's terminal, or by ending it
+        part way and going on from what follows the item. The first part depends on the terminal state
+        alone (SuffixTree.classes, shared by every continuation and schema); past the points where the
+        terminal may end, the rest is the same question from the configuration where the item resumes.
+        So no configuration is stepped: suffixes die or stay inside their first terminals at once (after
+        a number only `,` `}` `]` go on, say)."""
+        names = self.grammar.terminal_names
+        alive: list[int] = []
+        for t, q, after in self._items[c]:
+            inside, ends_at = tree.classes(node, names[t], q, self._trans[t], self._acc[t])
+            alive += inside
+            if ends_at:
+                resume = self._intern(self._follow(after))
+                for sub in ends_at:
+                    alive += self._suffixes_taken(tree, sub, resume)
+        return alive
 
     def _after_closing(self, k: int, opening: bool, after_quote: Exits | None) -> np.ndarray:
         """Packed bits: the tokens that close a counted string and whose bytes after the quote lead
@@ -354,40 +370,9 @@ class GrammarIndex:
             found = np.zeros(-(-self.vocab_size // 8), dtype=np.uint8)
             if after_quote is not None:
                 ids = self._exits_taken(after_quote, k)
-                _set_bits(found, ids)
+                set_bits(found, ids)
             self._closings[k, opening] = found
         return found
-
-    def _walk_trie(self, state: int, trie: TokenTrie, size: int) -> np.ndarray:
-        """bool [size]: the strings of `trie` (by their ids) whose bytes all lead somewhere from `state`. All at once,
-        one trie level per step; rows of the configurations the walk reaches are built on the way. A
-        level where many nodes are alive is stepped densely (every node of the level through its
-        parent's configuration), one with few alive sparsely (only the children of live nodes)."""
-        out = np.zeros(size, dtype=bool)
-        cur = np.array([state], dtype=np.int64)  # the configuration at each live node
-        nodes = np.zeros(1, dtype=np.int64)
-        with self._lock:
-            for d in range(1, trie.depth + 1):
-                ptr = trie.child_ptr[d]
-                if not len(trie.byte[d]):
-                    break
-                dense = len(nodes) * DENSE_RATIO > len(ptr) - 1
-                # Rows of the configurations the walk goes on from: not those at nodes no token continues
-                # (the configuration after a token's last byte is often met nowhere else).
-                need = cur[(ptr[nodes + 1] > ptr[nodes]) & ~self._built[cur]]
-                if len(need):  # mostly empty: the rows are there from earlier levels or masks
-                    for c in np.unique(need).tolist():
-                        self._row(c)
-                nodes, cur = trie.step(d, nodes, cur, self._table, dense)
-                if not len(nodes):
-                    break
-                trie.mark_ends(d, nodes, out, dense)
-        return out
-
-
-def _set_bits(packed: np.ndarray, ids: np.ndarray) -> None:
-    """Sets the bits of token `ids` in a packed mask (little-endian bit order within each byte)."""
-    np.bitwise_or.at(packed, ids >> 3, (1 << (ids & 7)).astype(np.uint8))
 
 
 # Item move tables by (terminal names and states, vocabulary), shared by every index of the process.

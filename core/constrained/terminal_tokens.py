@@ -20,49 +20,108 @@ tokens that close the string, and only their bytes after the quote are walked, o
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import threading
 from array import array
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
 from radixlm.core.constrained.counted_string import CountedStringDFA, string_tokens
+from radixlm.core.constrained.narrow_walk import narrow_walk, state_row
 from radixlm.core.constrained.regex_dfa import ByteDFA
-from radixlm.core.constrained.vocab import TokenTrie, TokenVocab, expand_ranges
+from radixlm.core.constrained.vocab import TokenVocab, expand_ranges, set_bits
 
 DENSE_RATIO = 8  # a trie level is walked densely when over 1/8 of the previous level's nodes are alive
-FEW_SUFFIXES = 256  # up to this many distinct exit suffixes are walked one by one (no trie, no numpy steps)
+CLASSES_PER_TREE = 4096  # (node, terminal, state) entries per SuffixTree, cleared when full
 CACHE_SIZE = 8192  # (terminal, state) entries per process; a 151k vocabulary's bits are 19 KB each
+
+
+class SuffixTree:
+    """Distinct exit suffixes (sorted) as nested dicts, {byte: (children, ids of the suffixes ending at that
+    byte)}, and their classes per terminal state. One per distinct list of suffixes (suffix_tree), shared by
+    the Exits that have it: states with different subtrees often leave with the same suffixes (a string's
+    closing quote and what follows it)."""
+
+    def __init__(self, suffixes: list[bytes]) -> None:
+        self.suffixes = suffixes
+        self._classes: dict[tuple[int, str, int], tuple[list[int], list[dict]]] = {}
+
+    @functools.cached_property
+    def root(self) -> dict[int, tuple[dict, list[int]]]:
+        root: dict[int, tuple[dict, list[int]]] = {}
+        for n, data in enumerate(self.suffixes):
+            node = root
+            for b in data[:-1]:
+                node = node.setdefault(b, ({}, []))[0]
+            node.setdefault(data[-1], ({}, []))[1].append(n)
+        return root
+
+    def classes(self, node: dict, key: str, state: int, transitions: np.ndarray,
+                accepting: np.ndarray) -> tuple[list[int], list[dict]]:
+        """The suffixes below `node` (the root or a node's children) read from `state` of terminal `key`
+        (its DFA's transitions and accepting states), as the vocabulary is in state_tokens: (ids of those
+        alive in the terminal through their last byte, the nodes (their children) after which the
+        terminal may end and the rest go on from whatever follows it). Context-independent, so cached per
+        (node, terminal, state): pda.py's exit walks need nothing else inside a terminal."""
+        found = self._classes.get((id(node), key, state))  # nodes live as long as the tree: ids stay theirs
+        if found is None:
+            inside: list[int] = []
+            ends_at: list[dict] = []
+            rows: dict[int, list[int]] = {}
+            stack = [(state, node)]
+            while stack:
+                q, children = stack.pop()
+                row = rows.get(q)
+                if row is None:
+                    row = rows[q] = transitions[q].tolist()
+                for b, (sub, ends) in children.items():
+                    nxt = row[b]
+                    if nxt >= 0:
+                        inside += ends
+                        if sub:
+                            if accepting[nxt]:
+                                ends_at.append(sub)
+                            stack.append((nxt, sub))
+            if len(self._classes) >= CLASSES_PER_TREE:
+                self._classes.clear()
+            found = self._classes[id(node), key, state] = (inside, ends_at)
+        return found
+
+
+_trees: dict[tuple[bytes, ...], SuffixTree] = {}
+TREES = 4096
+
+
+def suffix_tree(suffixes: list[bytes]) -> SuffixTree:
+    """The SuffixTree of these distinct sorted suffixes, shared process-wide."""
+    key = tuple(suffixes)
+    found = _trees.get(key)
+    if found is None:
+        if len(_trees) >= TREES:
+            _trees.clear()
+        found = _trees.setdefault(key, SuffixTree(suffixes))
+    return found
 
 
 @dataclass(eq=False)
 class Exits:
-    """Tokens that may leave a terminal state mid-token: the distinct suffixes they leave it with, sorted
-    (those starting with byte b are suffixes[first[b]:first[b + 1]]), and the (suffix, token) pairs."""
+    """Tokens that may leave a terminal state mid-token: the distinct suffixes they leave it with (as a
+    tree), and the (suffix, token) pairs."""
 
-    suffixes: list[bytes]
-    first: list[int]  # [257]
-    pair_suffix: np.ndarray  # int64 [pairs]: index into suffixes
+    tree: SuffixTree
+    pair_suffix: np.ndarray  # int64 [pairs]: index into tree.suffixes
     pair_token: np.ndarray  # int64 [pairs]: token id
-    _trie: TokenTrie | None = field(default=None, repr=False)
 
     @classmethod
     def build(cls, tokens: list[int], suffixes: list[bytes]) -> "Exits":
         """From pairs: token tokens[i] leaves with suffixes[i] (non-empty)."""
         distinct = sorted(set(suffixes))
         index = {x: n for n, x in enumerate(distinct)}
-        first = np.searchsorted(np.array([x[0] for x in distinct], dtype=np.int64), np.arange(257)).tolist()
-        return cls(distinct, first, np.fromiter(map(index.__getitem__, suffixes), np.int64, count=len(suffixes)),
+        return cls(suffix_tree(distinct), np.fromiter(map(index.__getitem__, suffixes), np.int64, count=len(suffixes)),
                    np.asarray(tokens, dtype=np.int64))
-
-    @property
-    def trie(self) -> TokenTrie:
-        """The suffixes as a trie (ids = their indices), for walks of more than a few of them."""
-        if self._trie is None:
-            self._trie = TokenTrie.build(self.suffixes, list(range(len(self.suffixes))))
-        return self._trie
 
 
 @dataclass
@@ -90,12 +149,23 @@ def state_tokens(key: str, dfa: ByteDFA, state: int, vocab: TokenVocab) -> State
             _cache.move_to_end(cache_key)
             return found
     inside, tokens, starts, exits_key = _classify(key, dfa, state, vocab)
-    found = StateTokens(np.packbits(inside, bitorder="little"), _exits(exits_key, tokens, starts, vocab))
+    found = StateTokens(_packed(inside, vocab.size), _exits(exits_key, tokens, starts, vocab))
     with _lock:
         _cache[cache_key] = found
         if len(_cache) > CACHE_SIZE:
             _cache.popitem(last=False)
     return found
+
+
+def _packed(ids: np.ndarray, size: int) -> np.ndarray:
+    """Packed bits (little bit order) of token `ids` among `size`: set one by one when they are few."""
+    if len(ids) * 16 < size:
+        packed = np.zeros(-(-size // 8), dtype=np.uint8)
+        set_bits(packed, ids)
+        return packed
+    inside = np.zeros(size, dtype=bool)
+    inside[ids] = True
+    return np.packbits(inside, bitorder="little")
 
 
 _exits_cache: OrderedDict[tuple, Exits] = OrderedDict()
@@ -173,23 +243,6 @@ def _quote_exits(vocab: TokenVocab, opening: bool) -> Exits | None:
 
 _futures: dict[tuple[str, int], object] = {}
 MAX_FUTURE_STATES = 512  # larger futures are named by (terminal, state) instead
-# Per (terminal, state): its part of a future's hash (accepting, live bytes) and its live targets, read
-# once from the DFA (the breadth-first searches of a terminal's states revisit the same states).
-_state_rows: dict[tuple[str, int], tuple[bytes, list[int]]] = {}
-STATE_ROWS = 1 << 14
-
-
-def _state_row(key: str, dfa: ByteDFA, state: int) -> tuple[bytes, list[int]]:
-    found = _state_rows.get((key, state))
-    if found is None:
-        row = dfa.transitions[state]
-        live = np.flatnonzero(row >= 0)
-        found = (bytes([bool(dfa.accepting[state]), len(live) & 255]) + live.astype(np.uint8).tobytes(),
-                 row[live].tolist())
-        if len(_state_rows) >= STATE_ROWS:
-            _state_rows.clear()
-        _state_rows[key, state] = found
-    return found
 
 
 def _future(key: str, dfa: ByteDFA, state: int) -> object:
@@ -204,7 +257,7 @@ def _future(key: str, dfa: ByteDFA, state: int) -> object:
     digest = hashlib.blake2b(digest_size=16)
     i = 0
     while i < len(queue) and len(queue) <= MAX_FUTURE_STATES:
-        head, targets = _state_row(key, dfa, queue[i])
+        head, targets = state_row(key, dfa, queue[i])
         i += 1
         for t in targets:
             if t not in order:
@@ -240,14 +293,22 @@ SUBTREE_IDS = 16_000_000  # 64 MB of int32 ids
 
 def _classify(key: str, dfa: ByteDFA, state: int,
               vocab: TokenVocab) -> tuple[np.ndarray, np.ndarray, np.ndarray, tuple]:
-    """From `state`: (bool [vocab]: tokens alive in the DFA through their last byte; the exits of the
+    """From `state`: (ids of the tokens alive in the DFA through their last byte; the exits of the
     other tokens that pass an accepting state after their first byte and before their last, as token
-    ids and the positions where they may leave; a name for those exits: the subtrees they come from)."""
+    ids and the positions where they may leave; a name for those exits: the subtrees they come from, or
+    the state's own future when it was walked whole)."""
     trie = vocab.trie
     first_bytes = trie.byte[1].astype(np.int64)  # the byte of each level-1 node
     nxt = dfa.transitions[state, first_bytes]
-    futures = {q: _future(key, dfa, q) for q in set(nxt.tolist()) if q >= 0}
-    keys = {n: (futures[q], int(first_bytes[n]), vocab.fingerprint) for n, q in enumerate(nxt.tolist()) if q >= 0}
+    live = np.flatnonzero(nxt >= 0)
+    walked = narrow_walk(key, dfa, live, nxt[live], vocab)
+    if walked is not None:  # few tokens follow (a literal, a number): walked whole, named by the state's future
+        inside, uncertain = walked
+        tokens, starts = _exit_pairs(dfa, uncertain, _after_first(nxt, live, vocab, uncertain), vocab)
+        return inside, tokens, starts, (_future(key, dfa, state), vocab.fingerprint)
+    futures = {q: _future(key, dfa, q) for q in set(nxt[live].tolist())}
+    keys = {n: (futures[q], b, vocab.fingerprint) for n, q, b in
+            zip(live.tolist(), nxt[live].tolist(), first_bytes[live].tolist())}
     with _lock:
         have = {}
         for n, k in keys.items():
@@ -256,28 +317,41 @@ def _classify(key: str, dfa: ByteDFA, state: int,
                 have[n] = _subtrees[k]
     missing = np.array([n for n in keys if n not in have], dtype=np.int64)
     if len(missing):
-        inside, uncertain = _walk(dfa, missing, nxt[missing], vocab)
-        after_first = np.full(len(trie.byte[1]), -1, dtype=np.int64)
-        after_first[missing] = nxt[missing]
-        tokens, starts = _exit_pairs(dfa, uncertain, after_first[_first_node(vocab)[uncertain]], vocab)
+        walked = narrow_walk(key, dfa, missing, nxt[missing], vocab)
+        if walked is None:
+            inside, uncertain = _walk(dfa, missing, nxt[missing], vocab)
+            walked = np.flatnonzero(inside), uncertain
+        inside, uncertain = walked
+        tokens, starts = _exit_pairs(dfa, uncertain, _after_first(nxt, missing, vocab, uncertain), vocab)
         have.update(_store({int(n): keys[int(n)] for n in missing}, inside, tokens, starts, vocab))
-    inside = np.zeros(vocab.size, dtype=bool)
     if not have:
-        return inside, np.zeros(0, dtype=np.int32), np.zeros(0, dtype=np.int32), ()
+        return np.zeros(0, dtype=np.int32), np.zeros(0, dtype=np.int32), np.zeros(0, dtype=np.int32), ()
     nodes = sorted(have)
-    inside[np.concatenate([have[n][0] for n in nodes])] = True
+    inside = np.concatenate([have[n][0] for n in nodes])
     exits_key = tuple(keys[n] for n in nodes if len(have[n][1]))
     return (inside, np.concatenate([have[n][1] for n in nodes]), np.concatenate([have[n][2] for n in nodes]),
             exits_key)
 
 
+def _after_first(nxt: np.ndarray, nodes: np.ndarray, vocab: TokenVocab, ids: np.ndarray) -> np.ndarray:
+    """The DFA state after the first byte of each token of `ids` (below level-1 `nodes`; nxt: the state
+    after each level-1 node's byte)."""
+    after = np.full(len(nxt), -1, dtype=np.int64)
+    after[nodes] = nxt[nodes]
+    return after[_first_node(vocab)[ids]]
+
+
 def _store(keys: dict[int, tuple], inside: np.ndarray, tokens: np.ndarray, starts: np.ndarray,
            vocab: TokenVocab) -> dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]]:
-    """A walk's result split by level-1 node (the tokens' first byte), kept in _subtrees and returned."""
+    """A walk's result (ids of the inside tokens, exit pairs) split by level-1 node (the tokens' first
+    byte), kept in _subtrees and returned."""
     global _subtree_ids
     nodes = np.fromiter(keys, np.int64, count=len(keys))
-    ins = _split(np.flatnonzero(inside), nodes, vocab)[0]
-    exit_tokens, exit_starts = _split(tokens, nodes, vocab, starts)
+    if len(nodes) == 1:  # one first byte (a literal, a narrow walk's usual case): nothing to split
+        ins, exit_tokens, exit_starts = [inside.astype(np.int32)], [tokens], [starts]
+    else:
+        ins = _split(inside, nodes, vocab)[0]
+        exit_tokens, exit_starts = _split(tokens, nodes, vocab, starts)
     out = {n: (a, b, c) for n, a, b, c in zip(keys, ins, exit_tokens, exit_starts)}
     with _lock:
         for n, k in keys.items():

@@ -108,6 +108,11 @@ def byte_matrix(data: list[bytes]) -> tuple[np.ndarray, np.ndarray]:
     return mat, lens
 
 
+def set_bits(packed: np.ndarray, ids: np.ndarray) -> None:
+    """Sets the bits of token `ids` in a packed mask (little-endian bit order within each byte)."""
+    np.bitwise_or.at(packed, ids >> 3, (1 << (ids & 7)).astype(np.uint8))
+
+
 def whole_characters(data: bytes) -> str | None:
     """`data` cut to whole UTF-8 characters (forced bytes may end inside one), or None if nothing is left."""
     for cut in range(len(data), max(len(data) - 4, 0), -1):

@@ -1,0 +1,114 @@
+"""The vocabulary trie walked node by node through a terminal DFA, for futures few tokens follow.
+
+terminal_tokens._walk steps whole trie levels with numpy: ~25 numpy calls per level, whatever the number of
+live nodes, so a literal key (`"data":`, after its `"`) costs ~40 µs a level and ~300 µs in all, though
+one node per level is alive. Here each live node's children are found by the bytes its DFA state reads
+(a binary search among the node's children) or, when the node has fewer children than the state has
+moves, by reading its children through the moves; subtrees under an exit (every token there may leave
+the terminal) are kept as node ranges, one per level. The walk gives up (None) as soon as a level has
+more than NARROW_NODES live nodes: then the level-wise walk is the cheaper one.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from radixlm.core.constrained.regex_dfa import ByteDFA
+from radixlm.core.constrained.vocab import TokenVocab
+
+NARROW_NODES = 32  # live nodes per level at most
+
+# Per (terminal, state): (accepting, number of live bytes, the live bytes) as bytes and the live bytes'
+# targets, read once from the DFA: terminal_tokens' future hashes (breadth-first searches that revisit the
+# same states) and the moves here.
+_state_rows: dict[tuple[str, int], tuple[bytes, list[int]]] = {}
+STATE_ROWS = 1 << 14
+ROWS_AT_ONCE = 1024  # a DFA of at most this many states has all its rows read at its first miss
+_moves: dict[tuple[str, int], dict[int, int]] = {}  # per (terminal, state): its moves as {byte: target}
+MOVES = 1 << 14
+
+
+def _moves_of(key: str, dfa: ByteDFA, state: int) -> dict[int, int]:
+    found = _moves.get((key, state))
+    if found is None:
+        head, targets = state_row(key, dfa, state)
+        found = dict(zip(head[2:], targets))
+        if len(_moves) >= MOVES:
+            _moves.clear()
+        _moves[key, state] = found
+    return found
+
+
+def state_row(key: str, dfa: ByteDFA, state: int) -> tuple[bytes, list[int]]:
+    found = _state_rows.get((key, state))
+    if found is None:
+        # Every state at once for a small DFA (one numpy pass instead of a few calls per state): a search
+        # meets most of them (a bounded number's 50 states, each first byte's future).
+        states = np.arange(len(dfa.transitions)) if len(dfa.transitions) <= ROWS_AT_ONCE else np.array([state])
+        rows = dfa.transitions[states]
+        at, live = np.nonzero(rows >= 0)
+        cut = np.searchsorted(at, np.arange(len(states) + 1)).tolist()
+        live_bytes = live.astype(np.uint8).tobytes()
+        targets = rows[at, live].tolist()
+        if len(_state_rows) + len(states) > STATE_ROWS:
+            _state_rows.clear()
+        for n, q in enumerate(states.tolist()):
+            a, b = cut[n], cut[n + 1]
+            _state_rows[key, q] = (bytes([bool(dfa.accepting[q]), (b - a) & 255]) + live_bytes[a:b], targets[a:b])
+        found = _state_rows[key, state]
+    return found
+
+
+def narrow_walk(key: str, dfa: ByteDFA, nodes: np.ndarray, states: np.ndarray,
+                vocab: TokenVocab) -> tuple[np.ndarray, np.ndarray] | None:
+    """terminal_tokens._walk's result as ids (sorted: the tokens below level-1 `nodes`, in DFA `states`
+    after their first byte, alive through their last byte; the other tokens strictly below a node where
+    the DFA accepts), or None when a level has more than NARROW_NODES live nodes."""
+    if len(nodes) > NARROW_NODES:
+        return None
+    trie = vocab.trie
+    accepting = dfa.accepting
+    live = list(zip(nodes.tolist(), states.tolist()))  # (node, DFA state) at this level
+    under: list[tuple[int, int]] = []  # node ranges [lo, hi) of this level strictly under an exit
+    ends, exits = [], []
+    for d in range(1, trie.depth + 1):
+        eptr, tokens = trie.end_ptr[d], trie.end_tokens[d]
+        for n, _ in live:
+            a, b = eptr[n], eptr[n + 1]
+            if b > a:
+                ends.append(tokens[a:b])
+        exits += [tokens[eptr[lo]:eptr[hi]] for lo, hi in under]
+        if d == trie.depth:
+            break
+        ptr, level = trie.child_ptr[d + 1], trie.byte[d + 1]
+        under = [(int(ptr[lo]), int(ptr[hi])) for lo, hi in under]
+        nxt = []
+        for n, s in live:
+            lo, hi = int(ptr[n]), int(ptr[n + 1])
+            if hi == lo:
+                continue
+            if accepting[s]:
+                under.append((lo, hi))
+            moves = _moves_of(key, dfa, s)
+            if len(moves) == 1:  # a literal's next byte: one binary search
+                (b, t), = moves.items()
+                c = lo + int(level[lo:hi].searchsorted(b))
+                if c < hi and level[c] == b:
+                    nxt.append((c, t))
+            elif hi - lo <= len(moves):
+                nxt += [(c, moves[b]) for c, b in enumerate(level[lo:hi].tolist(), lo) if b in moves]
+            else:
+                wanted = np.fromiter(moves, np.uint8, count=len(moves))
+                at = np.searchsorted(level[lo:hi], wanted)
+                found = at < hi - lo
+                found[found] = level[lo:hi][at[found]] == wanted[found]
+                nxt += [(lo + a, moves[b]) for a, b in zip(at[found].tolist(), wanted[found].tolist())]
+        if len(nxt) > NARROW_NODES:
+            return None
+        live = nxt
+        under = [(lo, hi) for lo, hi in under if hi > lo]
+        if not live and not under:
+            break
+    inside = np.unique(np.concatenate(ends)) if ends else np.zeros(0, dtype=np.int32)
+    uncertain = np.unique(np.concatenate(exits)) if exits else np.zeros(0, dtype=np.int32)
+    return inside, np.setdiff1d(uncertain, inside, assume_unique=True)
