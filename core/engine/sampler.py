@@ -15,6 +15,9 @@ from radixlm.core.engine.request import Req
 from radixlm.kernels import get_ops
 
 
+_ARGMAX_CHUNKS = 64
+
+
 def row_argmax(x: torch.Tensor) -> torch.Tensor:
     """x.argmax(dim=-1) for [B, V] scores; on a GPU in two stages where a row splits evenly (chunked_argmax):
     torch's argmax reduces one row in one block (27 µs for a 128k row on the H200). On the CPU, torch's."""
@@ -22,9 +25,6 @@ def row_argmax(x: torch.Tensor) -> torch.Tensor:
     if not x.is_cuda or rows * _ARGMAX_CHUNKS > 4096 or width % _ARGMAX_CHUNKS or not x.is_contiguous():
         return x.argmax(dim=-1)  # (many rows fill the device already)
     return chunked_argmax(x, _ARGMAX_CHUNKS)
-
-
-_ARGMAX_CHUNKS = 64
 
 
 def chunked_argmax(x: torch.Tensor, chunks: int) -> torch.Tensor:

@@ -29,13 +29,14 @@ class AttentionBackend:
         # RADIXLM_UNFUSED_ROTARY_STORE=1 runs the two ops on any set, =qkv keeps them out of the projection.
         unfused = os.environ.get("RADIXLM_UNFUSED_ROTARY_STORE", "0")
         self._rotary_store_kv = None if unfused == "1" else getattr(ops, "apply_rotary_store_kv", None)
-        self.fuses_rotary_into_qkv = self._rotary_store_kv is not None and unfused != "qkv"
+        self.fuses_rotary_into_qkv = (self._rotary_store_kv is not None and unfused != "qkv"
+                                      and hasattr(ops, "rotary_qkv_gemv"))
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, fb: ForwardBatch):
         """q [T, H, D], k and v [T, KH, D] as projected, before the rotary embedding (fb.positions,
         fb.cos_sin_cache), which is applied here so that it can share a kernel with the KV store."""
         k_buf, v_buf = fb.kv_pool.k_buffers[layer_id], fb.kv_pool.v_buffers[layer_id]
-        positions = fb.positions if fb.rope_positions is None else fb.rope_positions
+        positions = fb.rotary_positions
         if self._rotary_store_kv is not None:
             q = self._rotary_store_kv(q, k, v, positions, fb.cos_sin_cache, k_buf, v_buf, fb.out_cache_loc)
         else:

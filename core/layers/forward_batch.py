@@ -61,3 +61,8 @@ class ForwardBatch:
     # M-RoPE steps (core.layers.mrope): the rotary uses these indices into cos_sin_cache (then a table
     # of one row per token) instead of `positions`, which stay the KV table's positions.
     rope_positions: torch.Tensor | None = None
+
+    @property
+    def rotary_positions(self) -> torch.Tensor:
+        """The rows of cos_sin_cache the rotary reads, token by token."""
+        return self.positions if self.rope_positions is None else self.rope_positions

@@ -101,9 +101,9 @@ class DecoderLayer(nn.Module):
         if sums is None:
             normed = norm(h)
         w, b = attn.qkv_proj.weight, attn.qkv_proj.bias
-        if fb.rope_positions is None and fb.attn_backend.fuses_rotary_into_qkv and hasattr(ops, "rotary_qkv_gemv"):
+        if fb.attn_backend.fuses_rotary_into_qkv:
             # The rotary and the KV store in the projection's epilogue: attention reads q only.
-            q = ops.rotary_qkv_gemv(normed, sums, norm.eps, w, b, fb.positions, fb.cos_sin_cache,
+            q = ops.rotary_qkv_gemv(normed, sums, norm.eps, w, b, fb.rotary_positions, fb.cos_sin_cache,
                                     fb.kv_pool.k_buffers[attn.layer_id], fb.kv_pool.v_buffers[attn.layer_id],
                                     fb.out_cache_loc, attn.num_heads, attn.num_kv_heads)
             attended = fb.attn_backend.attend(q, attn.layer_id, fb).reshape(-1, attn.q_size)

@@ -199,6 +199,12 @@ def _rotary_qkv_kernel(
         tl.store(kv_dst + HALF, _to_kv(x2, kv_dst, SAT), mask=mask)
 
 
+def _check_rows(x: torch.Tensor, weight: torch.Tensor) -> None:
+    # More rows want a GEMM (and would spill the 3D accumulator).
+    assert x.shape[0] <= GEMV_MAX_ROWS, f"the decode GEMV takes at most {GEMV_MAX_ROWS} rows (got {x.shape[0]})"
+    assert weight.stride(1) == 1 and x.stride(-1) == 1, "weight and x must be contiguous along K"
+
+
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, silu: bool = False,
             residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
             sums: torch.Tensor | None = None, eps: float = 0.0):
@@ -206,9 +212,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
     those sums of squares; with `residual`, the residual epilogue (returns h, h * norm_weight, sums)."""
     m = x.shape[0]
     n, k = weight.shape
-    # More rows want a GEMM (and would spill the 3D accumulator).
-    assert m <= GEMV_MAX_ROWS, f"the decode GEMV takes at most {GEMV_MAX_ROWS} rows (got {m})"
-    assert weight.stride(1) == 1 and x.stride(-1) == 1, "weight and x must be contiguous along K"
+    _check_rows(x, weight)
     if silu:
         assert x.shape[-1] == 2 * k, "gate_up must hold [gate | up] of the weight's K each"
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
@@ -271,10 +275,10 @@ def rotary_qkv_gemv(
     m, k = x.shape
     n = weight.shape[0]
     head_dim = cos_sin_cache.shape[-1]
-    assert m <= GEMV_MAX_ROWS, f"the decode GEMV takes at most {GEMV_MAX_ROWS} rows (got {m})"
+    _check_rows(x, weight)
     assert n == (num_heads + 2 * num_kv_heads) * head_dim and head_dim % 2 == 0, \
         "weight must hold q, k and v heads of the rotary cache's head_dim"
-    assert weight.stride(1) == 1 and x.stride(-1) == 1 and cos_sin_cache.stride(-1) == 1
+    assert cos_sin_cache.stride(-1) == 1, "cos_sin_cache must be contiguous along its last dim"
     assert k_buffer.stride(-1) == 1 and v_buffer.stride(-1) == 1, "pool rows must be contiguous along D"
     q = torch.empty((m, num_heads, head_dim), dtype=x.dtype, device=x.device)
     if m == 0:
