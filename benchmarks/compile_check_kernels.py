@@ -95,9 +95,9 @@ def main(argv: list[str] | None = None) -> int:
     kv_type, sat = KV_TYPES[args.kv_dtype]
     ext, dec = attention.extend_config(d, cuda), attention.decode_config(d, cuda)
     jobs = [
-        ("extend_attention", attention._extend_kernel, ext.num_warps, ext.num_stages,
-         dict(GROUP=group, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=ext.block_m, BLOCK_N=ext.block_n, PRECISION=precision),
-         ATTENTION_POOL),
+        *((f"extend_attention{' (new kv)' if new_kv else ''}", attention._extend_kernel, ext.num_warps, ext.num_stages,
+           dict(GROUP=group, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=ext.block_m, BLOCK_N=ext.block_n,
+                PRECISION=precision, NEW_KV=new_kv, REVERSE=True), ATTENTION_POOL) for new_kv in (False, True)),
         ("decode_attention (split)", attention._decode_split_kernel, dec.num_warps, dec.num_stages,
          dict(GROUP=group, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_H=max(16, triton.next_power_of_2(group)),
               BLOCK_N=dec.block_n, PRECISION=precision, DIRECT=False), ATTENTION_POOL),
@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
         ("apply_rotary_store_kv", elementwise._rotary_store_kv_kernel, 4, 3,
          dict(NUM_HEADS=args.heads, NUM_KV_HEADS=args.kv_heads, HEAD_DIM=d, HALF=d // 2,
               BLOCK_H=triton.next_power_of_2(args.heads), BLOCK_KH=triton.next_power_of_2(args.kv_heads),
-              BLOCK_HALF=triton.next_power_of_2(d // 2), BLOCK_D=block_d, SAT=sat), STORE_POOL),
+              BLOCK_HALF=triton.next_power_of_2(d // 2), BLOCK_D=block_d, SAT=sat, K_OUT=True), STORE_POOL),
         ("apply_token_bitmask", sampling._token_bitmask_kernel, 8, 3, dict(BLOCK=4096)),
     ]
     # The decode GEMVs with the launch shapes the 8B shapes get (the LM head plain, gate_up scaled by its

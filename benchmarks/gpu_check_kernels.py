@@ -141,10 +141,18 @@ class Checker:
 
     # ---- checks
 
-    def extend(self, case: str, prefix_lens: list[int], extend_lens: list[int], config: AttnConfig | None = None):
+    def extend(self, case: str, prefix_lens: list[int], extend_lens: list[int], config: AttnConfig | None = None,
+               new_kv: bool = False, reverse: bool = True):
+        """new_kv: the new tokens' k and v also passed packed (as the engine does with a bf16 pool)."""
         a = self.args
         seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
         tables = self.paged(seq_lens, a.kv_heads, a.head_dim)
+        packed = None
+        if new_kv:
+            k_buf, v_buf, req_to_token, rows, _ = tables
+            slots = torch.cat([req_to_token[r, p : p + e].long()
+                               for r, p, e in zip(rows.tolist(), prefix_lens, extend_lens)])
+            packed = (k_buf[slots].to(self.dtype), v_buf[slots].to(self.dtype))
         q = self.randn(sum(extend_lens), a.heads, a.head_dim)
         ext = torch.tensor(extend_lens, dtype=torch.int32, device=self.device)
         starts = torch.cumsum(ext, 0) - ext
@@ -153,7 +161,8 @@ class Checker:
                                         ext, scale).to(self.dtype)
         self.poison(q.shape, q.dtype)
         max_ext = max(extend_lens)
-        call = lambda: tri.extend_attention(q, *tables, ext, scale, starts, max_ext, config=config)  # noqa: E731
+        call = lambda: tri.extend_attention(q, *tables, ext, scale, starts, max_ext, config=config,  # noqa: E731
+                                            new_kv=packed, reverse=reverse)
         out = call()
         pairs = sum(e * p + e * (e + 1) // 2 for p, e in zip(prefix_lens, extend_lens))
         flops = 4 * pairs * a.heads * a.head_dim
@@ -334,17 +343,32 @@ def main(argv: list[str] | None = None) -> int:
     # Extend: ragged prefixes (some 0) and new tokens, all within max_seq; then the prefill shape of
     # the benchmarks (16 x 1024, no prefix) at the same batch scale when max_seq allows.
     prefixes = [p if i % 4 else 0 for i, p in enumerate(uniform(0, s // 2, b))]
-    c.extend(f"B={b} ragged<= {s}, prefixes", prefixes, [max(1, e) for e in uniform(1, s // 2, b)])
+    ragged = [max(1, e) for e in uniform(1, s // 2, b)]
     prefill, prefill_batch = min(1024, s), (2 if args.tiny else 16)
-    c.extend(f"B={prefill_batch} x {prefill}, no prefix", [0] * prefill_batch, [prefill] * prefill_batch)
+    for new_kv in (False, True):
+        tag = ", new kv packed" if new_kv else ""
+        c.extend(f"B={b} ragged<= {s}, prefixes{tag}", prefixes, ragged, new_kv=new_kv)
+        c.extend(f"B={prefill_batch} x {prefill}, no prefix{tag}", [0] * prefill_batch, [prefill] * prefill_batch,
+                 new_kv=new_kv)
     c.decode(f"B={b} ragged <= {s}", uniform(1, s, b))
     c.decode(f"B=1 L={s}", [s])
     c.decode(f"B=1 L={8 * s}", [8 * s])
     if args.sweep:
-        for cfg in [AttnConfig(128, 64, 8, 3), AttnConfig(128, 32, 4, 2), AttnConfig(64, 64, 4, 2),
-                    AttnConfig(128, 128, 8, 2), AttnConfig(64, 32, 4, 3)]:
-            c.extend(f"{prefill_batch} x {prefill} cfg {tuple(cfg)}", [0] * prefill_batch, [prefill] * prefill_batch,
-                     config=cfg)
+        for cfg in [AttnConfig(64, 32, 4, 3), AttnConfig(64, 64, 4, 3), AttnConfig(64, 32, 4, 4),
+                    AttnConfig(128, 64, 8, 3), AttnConfig(128, 64, 8, 2), AttnConfig(128, 32, 8, 3),
+                    AttnConfig(64, 64, 4, 2)]:
+            for new_kv in (False, True):
+                for reverse in (False, True):
+                    tag = f"cfg {tuple(cfg)}{' new' if new_kv else ''}{' rev' if reverse else ''}"
+                    c.extend(f"{prefill_batch}x{prefill} {tag}", [0] * prefill_batch, [prefill] * prefill_batch,
+                             config=cfg, new_kv=new_kv, reverse=reverse)
+                    c.extend(f"B={b} ragged {tag}", prefixes, ragged, config=cfg, new_kv=new_kv, reverse=reverse)
+        if not args.tiny:  # the ceiling of a non-paged kernel: torch's flash attention on the same shape
+            q = c.randn(prefill_batch, args.heads, prefill, args.head_dim)
+            k, v = (c.randn(prefill_batch, args.kv_heads, prefill, args.head_dim) for _ in range(2))
+            sdpa = lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)  # noqa: E731
+            c.record("torch sdpa (timing only)", f"{prefill_batch}x{prefill} causal", [], [], sdpa,
+                     flops=4 * prefill_batch * prefill * (prefill + 1) // 2 * args.heads * args.head_dim)
         for cfg in [AttnConfig(0, 32, 4, 2), AttnConfig(0, 64, 4, 3), AttnConfig(0, 128, 8, 2),
                     AttnConfig(0, 64, 8, 2), AttnConfig(0, 32, 2, 3)]:
             c.decode(f"B={b} L={s // 2} cfg {tuple(cfg)}", [s // 2] * b, config=cfg)

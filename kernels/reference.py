@@ -103,12 +103,15 @@ def store_kv(
 
 def apply_rotary_store_kv(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
-    k_buffer: torch.Tensor, v_buffer: torch.Tensor, loc: torch.Tensor,
+    k_buffer: torch.Tensor, v_buffer: torch.Tensor, loc: torch.Tensor, k_out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``apply_rotary`` then ``store_kv`` of the rotated k and v; returns the rotated q. Kernel sets may
-    fuse the two (one launch per layer instead of two); the attention backend composes them where not."""
+    """``apply_rotary`` then ``store_kv`` of the rotated k and v; returns the rotated q, and copies the
+    rotated k into `k_out` where given. Kernel sets may fuse the two (one launch per layer instead of
+    two); the attention backend composes them where not."""
     q, k = apply_rotary(q, k, positions, cos_sin_cache)
     store_kv(k_buffer, v_buffer, loc, k, v)
+    if k_out is not None:
+        k_out.copy_(k)
     return q
 
 

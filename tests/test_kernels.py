@@ -99,6 +99,28 @@ def test_extend_attention_fp16_int64_strided_q_and_precomputed_starts():
     assert_close(out, expected)
 
 
+@pytest.mark.parametrize("heads", GQA_SHAPES, ids=lambda s: f"H{s[0]}-KH{s[1]}-D{s[2]}")
+def test_extend_attention_reads_the_new_tokens_packed(heads):
+    """With new_kv the new tokens' keys and values come from the packed tensors, not their pool slots:
+    the slots hold garbage here, and the output still equals the reference over the right values."""
+    num_heads, num_kv_heads, head_dim = heads
+    prefix_lens, extend_lens = [0, 21, 5], [20, 3, 17]
+    seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
+    batch = PagedBatch(seq_lens, num_kv_heads, head_dim, torch.float32, torch.int32, DEVICE)
+    k_buf, v_buf, req_to_token, rows, seqs = batch.tables()
+    q = randn(sum(extend_lens), num_heads, head_dim)
+    ext = torch.tensor(extend_lens, device=DEVICE, dtype=torch.int32)
+    new_slots = torch.cat([req_to_token[r, p:p + e].long() for r, p, e in zip(rows.tolist(), prefix_lens, extend_lens)])
+    # Strided, as the rotary's k and the projection's v are.
+    kv = randn(len(new_slots), 2, num_kv_heads, head_dim)
+    k_new, v_new = kv[:, 0], kv[:, 1]
+    k_buf[new_slots], v_buf[new_slots] = k_new, v_new
+    expected = ref.extend_attention(q, k_buf, v_buf, req_to_token, rows, seqs, ext, 0.125)
+    k_buf[new_slots], v_buf[new_slots] = float("nan"), float("nan")
+    out = tri.extend_attention(q, k_buf, v_buf, req_to_token, rows, seqs, ext, 0.125, new_kv=(k_new, v_new))
+    assert_close(out, expected)
+
+
 @pytest.mark.parametrize("splits", [3, 1], ids=["3-splits", "direct"])
 @pytest.mark.parametrize("heads", GQA_SHAPES, ids=lambda s: f"H{s[0]}-KH{s[1]}-D{s[2]}")
 def test_decode_attention_split_kv_fp32(heads, splits):
@@ -236,13 +258,17 @@ def test_apply_rotary_store_kv_matches_the_unfused_pair(heads, dtype, pool_dtype
     k_before, v_before = k_buf.clone(), v_buf.clone()
     k_ref, v_ref, k_pair, v_pair = k_buf.clone(), v_buf.clone(), k_buf.clone(), v_buf.clone()
 
-    q_out = tri.apply_rotary_store_kv(q, k, v, positions, cache, k_buf, v_buf, loc)
-    q_ref = ref.apply_rotary_store_kv(q, k, v, positions, cache, k_ref, v_ref, loc)
+    k_out, k_out_ref = torch.empty_like(k), torch.empty_like(k)
+    q_out = tri.apply_rotary_store_kv(q, k, v, positions, cache, k_buf, v_buf, loc, k_out)
+    q_ref = ref.apply_rotary_store_kv(q, k, v, positions, cache, k_ref, v_ref, loc, k_out_ref)
     q_pair, k_rot = tri.apply_rotary(q, k, positions, cache)
     tri.store_kv(k_pair, v_pair, loc, k_rot, v)
 
     # The fused kernel is the unfused pair, bit for bit; both are the reference within rounding.
     assert torch.equal(q_out, q_pair) and torch.equal(k_buf, k_pair) and torch.equal(v_buf, v_pair)
+    assert torch.equal(k_out, k_rot) and torch.equal(tri.apply_rotary_store_kv(q, k, v, positions, cache, k_buf,
+                                                                               v_buf, loc), q_out)
+    assert_close(k_out, k_out_ref)
     assert_close(q_out, q_ref)
     assert_close(k_buf, k_ref)
     assert torch.equal(v_buf, v_ref)

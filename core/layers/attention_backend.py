@@ -21,7 +21,12 @@ class AttentionBackend:
         self.ops = ops
         # The Triton extend kernel takes the batch layout precomputed (an optional trailing parameter
         # the reference lacks); passing it saves a device sync per layer.
-        self._extend_takes_layout = "max_extend_len" in inspect.signature(ops.extend_attention).parameters
+        extend_params = inspect.signature(ops.extend_attention).parameters
+        self._extend_takes_layout = "max_extend_len" in extend_params
+        # ...and may read the new tokens' k and v packed (as the rotary leaves them) instead of gathering
+        # them back from their pool slots; not from an fp8 pool, whose rounded values attention must see.
+        # RADIXLM_EXTEND_NEW_KV=0: always gather (an ablation for benchmarks).
+        self._extend_new_kv = "new_kv" in extend_params and os.environ.get("RADIXLM_EXTEND_NEW_KV", "1") != "0"
         # The CPU set plans the batch's layout once per forward instead of once per layer.
         self._plan = getattr(ops, "plan_attention", None)
         # The Triton set rotates and stores in one launch per layer, in decode steps inside the qkv
@@ -37,15 +42,22 @@ class AttentionBackend:
         fb.cos_sin_cache), which is applied here so that it can share a kernel with the KV store."""
         k_buf, v_buf = fb.kv_pool.k_buffers[layer_id], fb.kv_pool.v_buffers[layer_id]
         positions = fb.rotary_positions
+        new_kv = None
         if self._rotary_store_kv is not None:
-            q = self._rotary_store_kv(q, k, v, positions, fb.cos_sin_cache, k_buf, v_buf, fb.out_cache_loc)
+            k_rot = None
+            if self._extend_new_kv and not fb.is_decode and k_buf.dtype == k.dtype:
+                k_rot = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+                new_kv = (k_rot, v)
+            q = self._rotary_store_kv(q, k, v, positions, fb.cos_sin_cache, k_buf, v_buf, fb.out_cache_loc, k_rot)
         else:
             q, k = self.ops.apply_rotary(q, k, positions, fb.cos_sin_cache)
             self.ops.store_kv(k_buf, v_buf, fb.out_cache_loc, k, v)
-        return self.attend(q, layer_id, fb)
+        return self.attend(q, layer_id, fb, new_kv)
 
-    def attend(self, q: torch.Tensor, layer_id: int, fb: ForwardBatch) -> torch.Tensor:
-        """Attention of the new tokens' rotated q [T, H, D] over the pool, their own k and v stored."""
+    def attend(self, q: torch.Tensor, layer_id: int, fb: ForwardBatch,
+               new_kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """Attention of the new tokens' rotated q [T, H, D] over the pool, their own k and v stored (and
+        given packed as `new_kv` where the kernel set reads them so)."""
         k_buf, v_buf = fb.kv_pool.k_buffers[layer_id], fb.kv_pool.v_buffers[layer_id]
         scale = q.shape[-1] ** -0.5
         extra = {}
@@ -59,6 +71,8 @@ class AttentionBackend:
                 q, k_buf, v_buf, fb.req_to_token, fb.req_pool_indices, fb.seq_lens, scale, **extra
             )
         args = (q, k_buf, v_buf, fb.req_to_token, fb.req_pool_indices, fb.seq_lens, fb.extend_lens, scale)
+        if new_kv is not None:
+            extra["new_kv"] = new_kv
         if self._extend_takes_layout and fb.max_extend_len is not None:
-            return self.ops.extend_attention(*args, fb.extend_start_loc, fb.max_extend_len)
+            return self.ops.extend_attention(*args, fb.extend_start_loc, fb.max_extend_len, **extra)
         return self.ops.extend_attention(*args, **extra)

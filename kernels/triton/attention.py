@@ -89,15 +89,17 @@ def default_num_kv_splits(batch: int, num_kv_heads: int, device: torch.device) -
 @triton.jit
 def _attend_keys(
     q, m_i, l_i, acc,
-    K, V, token_row_ptr, kv_head,
+    K, V, token_row_ptr, row_base, kv_head,
     stride_rc, stride_ks, stride_kh, stride_kd, stride_vs, stride_vh, stride_vd,
     lo, hi, q_pos, scale_log2,
-    CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    PRECISION: tl.constexpr,
+    CAUSAL: tl.constexpr, DIRECT: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """Online-softmax accumulation of the keys at positions [lo, hi) into (m_i, l_i, acc).
 
-    With CAUSAL, key position p is visible to query row i only when p <= q_pos[i].
+    Key position p is row ``token_row_ptr[p]`` of K and V, or with DIRECT row ``row_base + p`` (keys laid
+    out contiguously: no index load, no gather). With CAUSAL, key position p is visible to query row i
+    only when p <= q_pos[i].
     """
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
@@ -110,7 +112,10 @@ def _attend_keys(
     for start in range(lo, hi, BLOCK_N):
         pos = start + offs_n
         n_mask = pos < hi
-        slot = tl.load(token_row_ptr + pos * stride_rc, mask=n_mask, other=0).to(tl.int64)
+        if DIRECT:
+            slot = row_base + pos
+        else:
+            slot = tl.load(token_row_ptr + pos * stride_rc, mask=n_mask, other=0).to(tl.int64)
         kv_mask = n_mask[:, None] & d_mask[None, :]
         k = tl.load(
             K + slot[:, None] * stride_ks + kv_head * stride_kh + offs_d[None, :] * stride_kd,
@@ -136,20 +141,25 @@ def _attend_keys(
 
 @triton.jit
 def _extend_kernel(
-    Q, K, V, O, ReqToToken, ReqPoolIndices, SeqLens, ExtendLens, ExtendStartLoc,
+    Q, K, V, KNew, VNew, O, ReqToToken, ReqPoolIndices, SeqLens, ExtendLens, ExtendStartLoc,
     scale_log2,
     stride_qt, stride_qh, stride_qd,
     stride_ot, stride_oh, stride_od,
     stride_ks, stride_kh, stride_kd,
     stride_vs, stride_vh, stride_vd,
+    stride_nks, stride_nkh, stride_nkd,
+    stride_nvs, stride_nvh, stride_nvd,
     stride_rr, stride_rc,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, NEW_KV: tl.constexpr,
+    REVERSE: tl.constexpr,
 ):
     # Heads vary fastest so the query heads sharing a KV head run side by side and share it in L2.
     head = tl.program_id(0)
     req = tl.program_id(1)
     m_block = tl.program_id(2)
+    if REVERSE:  # the blocks with the most keys start first, the cheap ones fill the tail
+        m_block = tl.num_programs(2) - 1 - m_block
     extend_len = tl.load(ExtendLens + req).to(tl.int32)
     if m_block * BLOCK_M >= extend_len:
         return
@@ -173,21 +183,44 @@ def _extend_kernel(
     token_row_ptr = ReqToToken + row * stride_rr
     q_pos = prefix_len + offs_m
 
-    # Keys before this block's first query are visible to all its rows: no causal mask there.
+    # Keys before this block's first query are visible to all its rows: no causal mask there. With
+    # NEW_KV the new tokens' keys (positions from prefix_len on) are read from KNew/VNew, request after
+    # request like q, instead of through their pool slots.
     diag_start = prefix_len + m_block * BLOCK_M
-    m_i, l_i, acc = _attend_keys(
-        q, m_i, l_i, acc, K, V, token_row_ptr, kv_head,
-        stride_rc, stride_ks, stride_kh, stride_kd, stride_vs, stride_vh, stride_vd,
-        0, diag_start, q_pos, scale_log2,
-        False, HEAD_DIM, BLOCK_D, BLOCK_N, PRECISION,
-    )
     diag_end = prefix_len + tl.minimum((m_block + 1) * BLOCK_M, extend_len)
-    m_i, l_i, acc = _attend_keys(
-        q, m_i, l_i, acc, K, V, token_row_ptr, kv_head,
-        stride_rc, stride_ks, stride_kh, stride_kd, stride_vs, stride_vh, stride_vd,
-        diag_start, diag_end, q_pos, scale_log2,
-        True, HEAD_DIM, BLOCK_D, BLOCK_N, PRECISION,
-    )
+    if NEW_KV:
+        m_i, l_i, acc = _attend_keys(
+            q, m_i, l_i, acc, K, V, token_row_ptr, 0, kv_head,
+            stride_rc, stride_ks, stride_kh, stride_kd, stride_vs, stride_vh, stride_vd,
+            0, prefix_len, q_pos, scale_log2,
+            False, False, HEAD_DIM, BLOCK_D, BLOCK_N, PRECISION,
+        )
+        new_base = q_start - prefix_len
+        m_i, l_i, acc = _attend_keys(
+            q, m_i, l_i, acc, KNew, VNew, token_row_ptr, new_base, kv_head,
+            stride_rc, stride_nks, stride_nkh, stride_nkd, stride_nvs, stride_nvh, stride_nvd,
+            prefix_len, diag_start, q_pos, scale_log2,
+            False, True, HEAD_DIM, BLOCK_D, BLOCK_N, PRECISION,
+        )
+        m_i, l_i, acc = _attend_keys(
+            q, m_i, l_i, acc, KNew, VNew, token_row_ptr, new_base, kv_head,
+            stride_rc, stride_nks, stride_nkh, stride_nkd, stride_nvs, stride_nvh, stride_nvd,
+            diag_start, diag_end, q_pos, scale_log2,
+            True, True, HEAD_DIM, BLOCK_D, BLOCK_N, PRECISION,
+        )
+    else:
+        m_i, l_i, acc = _attend_keys(
+            q, m_i, l_i, acc, K, V, token_row_ptr, 0, kv_head,
+            stride_rc, stride_ks, stride_kh, stride_kd, stride_vs, stride_vh, stride_vd,
+            0, diag_start, q_pos, scale_log2,
+            False, False, HEAD_DIM, BLOCK_D, BLOCK_N, PRECISION,
+        )
+        m_i, l_i, acc = _attend_keys(
+            q, m_i, l_i, acc, K, V, token_row_ptr, 0, kv_head,
+            stride_rc, stride_ks, stride_kh, stride_kd, stride_vs, stride_vh, stride_vd,
+            diag_start, diag_end, q_pos, scale_log2,
+            True, False, HEAD_DIM, BLOCK_D, BLOCK_N, PRECISION,
+        )
     out = acc / l_i[:, None]
     tl.store(
         O + (q_start + offs_m)[:, None] * stride_ot + head * stride_oh + offs_d[None, :] * stride_od,
@@ -207,13 +240,17 @@ def extend_attention(
     extend_start_loc: torch.Tensor | None = None,
     max_extend_len: int | None = None,
     *,
+    new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
     config: AttnConfig | None = None,
+    reverse: bool = True,
 ) -> torch.Tensor:
     """Causal attention of each request's new tokens over its prefix and new tokens, in one launch.
 
     Same contract as ``reference.extend_attention``. ``extend_start_loc`` (offset of each request's
     first query in ``q``) and ``max_extend_len`` may be passed when the caller has them; otherwise
-    they are derived from ``extend_lens`` (the max costs one device-to-host sync).
+    they are derived from ``extend_lens`` (the max costs one device-to-host sync). ``new_kv``: the new
+    tokens' (rotated) k and v [T, KH, D], packed like q, equal to what was stored into their slots:
+    read from there without the gather through the pool.
     """
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     batch = extend_lens.shape[0]
@@ -226,13 +263,16 @@ def extend_attention(
     num_heads, head_dim = q.shape[1], q.shape[2]
     cfg = config or extend_config(head_dim, q.device)
     grid = (num_heads, batch, triton.cdiv(max_extend_len, cfg.block_m))
+    k_new, v_new = new_kv if new_kv is not None else (k_buffer, v_buffer)
     _extend_kernel[grid](
-        q, k_buffer, v_buffer, out, req_to_token, req_pool_indices, seq_lens, extend_lens,
+        q, k_buffer, v_buffer, k_new, v_new, out, req_to_token, req_pool_indices, seq_lens, extend_lens,
         extend_start_loc,
         sm_scale * _LOG2E,
-        *q.stride(), *out.stride(), *k_buffer.stride(), *v_buffer.stride(), *req_to_token.stride(),
+        *q.stride(), *out.stride(), *k_buffer.stride(), *v_buffer.stride(), *k_new.stride(), *v_new.stride(),
+        *req_to_token.stride(),
         GROUP=num_heads // k_buffer.shape[1], HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, PRECISION=_dot_precision(q.dtype),
+        NEW_KV=new_kv is not None, REVERSE=reverse,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out
@@ -276,10 +316,10 @@ def _decode_split_kernel(
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
     m_i, l_i, acc = _attend_keys(
-        q, m_i, l_i, acc, K, V, ReqToToken + row * stride_rr, kv_head,
+        q, m_i, l_i, acc, K, V, ReqToToken + row * stride_rr, 0, kv_head,
         stride_rc, stride_ks, stride_kh, stride_kd, stride_vs, stride_vh, stride_vd,
         lo, hi, offs_g, scale_log2,
-        False, HEAD_DIM, BLOCK_D, BLOCK_N, PRECISION,
+        False, False, HEAD_DIM, BLOCK_D, BLOCK_N, PRECISION,
     )
     # An empty split stores zeros with log-sum-exp -inf, which the reduce weighs as nothing (a request
     # with no keys at all gets zeros, as in the reference).

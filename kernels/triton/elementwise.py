@@ -251,14 +251,14 @@ def apply_rotary(
 
 @triton.jit
 def _rotary_store_kv_kernel(
-    Q, K, V, QOut, KBuf, VBuf, Positions, CosSin, Loc,
+    Q, K, V, QOut, KOut, KBuf, VBuf, Positions, CosSin, Loc,
     stride_qt, stride_qh, stride_qd, stride_kt, stride_kh, stride_kd, stride_vt, stride_vh, stride_vd,
-    stride_oqt, stride_oqh, stride_oqd,
+    stride_oqt, stride_oqh, stride_oqd, stride_okt, stride_okh, stride_okd,
     stride_kbs, stride_kbh, stride_kbd, stride_vbs, stride_vbh, stride_vbd,
     stride_cp,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_KH: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr,
-    SAT: tl.constexpr,
+    SAT: tl.constexpr, K_OUT: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(Loc + token).to(tl.int64)
@@ -267,17 +267,20 @@ def _rotary_store_kv_kernel(
                   cos, sin, NUM_HEADS, HALF, BLOCK_H, BLOCK_HALF, 0.0)
     _rotate_heads(K + token * stride_kt, KBuf + slot * stride_kbs, stride_kh, stride_kd, stride_kbh, stride_kbd,
                   cos, sin, NUM_KV_HEADS, HALF, BLOCK_KH, BLOCK_HALF, SAT)
+    if K_OUT:
+        _rotate_heads(K + token * stride_kt, KOut + token * stride_okt, stride_kh, stride_kd, stride_okh, stride_okd,
+                      cos, sin, NUM_KV_HEADS, HALF, BLOCK_KH, BLOCK_HALF, 0.0)
     _copy_heads(V + token * stride_vt, VBuf + slot * stride_vbs, stride_vh, stride_vd, stride_vbh, stride_vbd,
                 NUM_KV_HEADS, HEAD_DIM, BLOCK_KH, BLOCK_D, SAT)
 
 
 def apply_rotary_store_kv(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
-    k_buffer: torch.Tensor, v_buffer: torch.Tensor, loc: torch.Tensor,
+    k_buffer: torch.Tensor, v_buffer: torch.Tensor, loc: torch.Tensor, k_out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``apply_rotary`` and ``store_kv`` in one launch: returns the rotated q [T, H, D]; k, rotated, and v
-    [T, KH, D] go straight into pool slots loc [T] (the rotated k never lands anywhere else). One program
-    per token.
+    [T, KH, D] go straight into pool slots loc [T], and the rotated k into `k_out` [T, KH, D] where given
+    (for an extend's attention to read it packed). One program per token.
     Twin: ``reference.apply_rotary_store_kv``."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
@@ -286,13 +289,14 @@ def apply_rotary_store_kv(
         return q_out
     assert cos_sin_cache.stride(-1) == 1, "cos_sin_cache must be contiguous along its last dim"
     half = head_dim // 2
+    k_rot = k_out if k_out is not None else q_out  # a placeholder the kernel never touches
     _rotary_store_kv_kernel[(num_tokens,)](
-        q, k, v, q_out, k_buffer, v_buffer, positions, cos_sin_cache, loc,
-        *q.stride(), *k.stride(), *v.stride(), *q_out.stride(), *k_buffer.stride(), *v_buffer.stride(),
-        cos_sin_cache.stride(0),
+        q, k, v, q_out, k_rot, k_buffer, v_buffer, positions, cos_sin_cache, loc,
+        *q.stride(), *k.stride(), *v.stride(), *q_out.stride(), *k_rot.stride(), *k_buffer.stride(),
+        *v_buffer.stride(), cos_sin_cache.stride(0),
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, HALF=half,
         BLOCK_H=triton.next_power_of_2(num_heads), BLOCK_KH=triton.next_power_of_2(num_kv_heads),
         BLOCK_HALF=triton.next_power_of_2(half), BLOCK_D=triton.next_power_of_2(head_dim),
-        SAT=_saturation(k_buffer), num_warps=4,
+        SAT=_saturation(k_buffer), K_OUT=k_out is not None, num_warps=4,
     )
     return q_out
