@@ -14,19 +14,22 @@ from types import ModuleType
 import torch
 
 from radixlm.core.layers.forward_batch import ForwardBatch
+from radixlm.kernels import flash_prefill
 
 
 class AttentionBackend:
-    def __init__(self, ops: ModuleType) -> None:
+    def __init__(self, ops: ModuleType, flash_prefill: bool = False) -> None:
+        """flash_prefill: extends whose requests have no cached prefix run on torch's FlashAttention
+        (kernels.flash_prefill; the caller checked that the device has it)."""
         self.ops = ops
+        self.flash_prefill = flash_prefill
         # The Triton extend kernel takes the batch layout precomputed (an optional trailing parameter
         # the reference lacks); passing it saves a device sync per layer.
         extend_params = inspect.signature(ops.extend_attention).parameters
         self._extend_takes_layout = "max_extend_len" in extend_params
         # ...and may read the new tokens' k and v packed (as the rotary leaves them) instead of gathering
-        # them back from their pool slots; not from an fp8 pool, whose rounded values attention must see.
-        # RADIXLM_EXTEND_NEW_KV=0: always gather (an ablation for benchmarks).
-        self._extend_new_kv = "new_kv" in extend_params and os.environ.get("RADIXLM_EXTEND_NEW_KV", "1") != "0"
+        # them back from their pool slots, as FlashAttention does.
+        self._reads_packed = flash_prefill or "new_kv" in extend_params
         # The CPU set plans the batch's layout once per forward instead of once per layer.
         self._plan = getattr(ops, "plan_attention", None)
         # The Triton set rotates and stores in one launch per layer, in decode steps inside the qkv
@@ -42,17 +45,15 @@ class AttentionBackend:
         fb.cos_sin_cache), which is applied here so that it can share a kernel with the KV store."""
         k_buf, v_buf = fb.kv_pool.k_buffers[layer_id], fb.kv_pool.v_buffers[layer_id]
         positions = fb.rotary_positions
-        new_kv = None
+        # Not from an fp8 pool: attention must see the rounded values the pool holds.
+        packed = self._reads_packed and not fb.is_decode and k_buf.dtype == k.dtype
         if self._rotary_store_kv is not None:
-            k_rot = None
-            if self._extend_new_kv and not fb.is_decode and k_buf.dtype == k.dtype:
-                k_rot = torch.empty(k.shape, dtype=k.dtype, device=k.device)
-                new_kv = (k_rot, v)
+            k_rot = torch.empty(k.shape, dtype=k.dtype, device=k.device) if packed else None
             q = self._rotary_store_kv(q, k, v, positions, fb.cos_sin_cache, k_buf, v_buf, fb.out_cache_loc, k_rot)
         else:
-            q, k = self.ops.apply_rotary(q, k, positions, fb.cos_sin_cache)
-            self.ops.store_kv(k_buf, v_buf, fb.out_cache_loc, k, v)
-        return self.attend(q, layer_id, fb, new_kv)
+            q, k_rot = self.ops.apply_rotary(q, k, positions, fb.cos_sin_cache)
+            self.ops.store_kv(k_buf, v_buf, fb.out_cache_loc, k_rot, v)
+        return self.attend(q, layer_id, fb, (k_rot, v) if packed else None)
 
     def attend(self, q: torch.Tensor, layer_id: int, fb: ForwardBatch,
                new_kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
@@ -60,6 +61,8 @@ class AttentionBackend:
         given packed as `new_kv` where the kernel set reads them so)."""
         k_buf, v_buf = fb.kv_pool.k_buffers[layer_id], fb.kv_pool.v_buffers[layer_id]
         scale = q.shape[-1] ** -0.5
+        if self.flash_prefill and new_kv is not None and fb.prefill_cu_seqlens is not None:
+            return flash_prefill.prefill_attention(q, *new_kv, fb.prefill_cu_seqlens, fb.max_extend_len, scale)
         extra = {}
         if self._plan is not None:
             if fb.attn_plan is None:
