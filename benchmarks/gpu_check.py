@@ -383,6 +383,40 @@ def check_fused_gemv(ckpt: str, report: dict[str, Any]) -> bool:
     return ok
 
 
+def check_qwen2vl(ckpt: str, report: dict[str, Any]) -> bool:
+    """Qwen2-VL (its own tiny checkpoint; `ckpt` unused) against transformers on the same weights: M-RoPE
+    rows through the rotary in the qkv GEMV (batch-1 decode) and the batched path, greedy tokens equal in
+    fp32; in bf16 (prefill on FlashAttention where the device has it) the first token's logprob close."""
+    from radixlm.core.testing_vision import QWEN2_VL_IMAGE, build_qwen2_vl_checkpoint, sample_image
+
+    oracle_module = _load("qwen2vl_oracle", _HERE.parent / "tests" / "qwen2vl_oracle.py")
+    path = build_qwen2_vl_checkpoint(tempfile.mkdtemp(prefix="radixlm-gpu-check-") + "/qwen2vl")
+    oracle = oracle_module.Qwen2VLOracle(path)
+    prompts = [f"<|im_start|>user\n{QWEN2_VL_IMAGE}What is in this picture?<|im_end|>\n<|im_start|>assistant\n",
+               f"<|im_start|>user\n{QWEN2_VL_IMAGE} and {QWEN2_VL_IMAGE}: which?<|im_end|>\n<|im_start|>assistant\n"]
+    images = [sample_image(1, (56, 84)), [sample_image(2, (112, 112)), sample_image(0)]]
+    want = [oracle.greedy(p, im, NEW_TOKENS) for p, im in zip(prompts, images)]
+    first_lp = [oracle.logprobs(p, im)[1][-1] for p, im in zip(prompts, images)]
+    ok, entries = True, {}
+    for dtype in ("float32", "bfloat16"):
+        with new_engine(path, dtype) as engine:
+            single = engine.generate(prompts[0], GREEDY, image_data=images[0], return_logprob=True)
+            batched = engine.generate(prompts, GREEDY, image_data=images, return_logprob=True)
+        outs = [single, *batched]
+        equal = [first_divergence(o["output_ids"], w) for o, w in zip(outs, [want[0], *want])]
+        lp_err = max(abs(o["meta_info"]["output_token_logprobs"][0][0] - float(lp[o["output_ids"][0]]))
+                     for o, lp in zip(outs, [first_lp[0], *first_lp]))
+        passed = lp_err <= (1e-3 if dtype == "float32" else 5e-2)
+        if dtype == "float32":
+            passed = passed and equal == [None] * 3
+        entries[dtype] = {"ok": passed, "first_divergence": equal, "first_logprob_max_err": lp_err}
+        ok = ok and passed
+        print(f"Qwen2-VL vs HF ({dtype}): {'ok' if passed else 'FAIL'} first divergence (single, batched) {equal} "
+              f"of {NEW_TOKENS}, first-token logprob err {lp_err:.2e}", flush=True)
+    report["qwen2vl_vs_hf"] = {"ok": ok, **entries}
+    return ok
+
+
 def tune_attention(report: dict[str, Any]) -> bool:
     """Launch shapes of the attention kernels on the benchmarks' own shapes (bf16, Llama-3-8B heads):
     prefill 16 x 1024, ragged extends with prefixes, and decode batches like the throughput run's."""
@@ -411,7 +445,8 @@ ENGINE_CHECKS = {"hf": ("engine vs HF transformers (tiny Llama)", check_engine_v
                  "host_tier": ("the radix cache's host tier", check_host_tier),
                  "overlap": ("overlap scheduling on vs off", check_overlap),
                  "fp8_kv": ("an fp8 KV cache (kv_cache_dtype)", check_fp8_kv),
-                 "fused_gemv": ("decode_fused_gemv on vs off", check_fused_gemv)}
+                 "fused_gemv": ("decode_fused_gemv on vs off", check_fused_gemv),
+                 "qwen2vl": ("Qwen2-VL (M-RoPE) vs HF transformers", check_qwen2vl)}
 
 
 def main(argv: list[str] | None = None) -> int:
