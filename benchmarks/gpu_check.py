@@ -386,7 +386,8 @@ def check_fused_gemv(ckpt: str, report: dict[str, Any]) -> bool:
 def check_qwen2vl(ckpt: str, report: dict[str, Any]) -> bool:
     """Qwen2-VL (its own tiny checkpoint; `ckpt` unused) against transformers on the same weights: M-RoPE
     rows through the rotary in the qkv GEMV (batch-1 decode) and the batched path, greedy tokens equal in
-    fp32; in bf16 (prefill on FlashAttention where the device has it) the first token's logprob close."""
+    fp32; in bf16 the first token's logprob as close to fp32 HF's as twice HF's own in bf16 (+ 0.01), as
+    check_engine_vs_hf asks."""
     from radixlm.core.testing_vision import QWEN2_VL_IMAGE, build_qwen2_vl_checkpoint, sample_image
 
     oracle_module = _load("qwen2vl_oracle", _HERE.parent / "tests" / "qwen2vl_oracle.py")
@@ -397,6 +398,9 @@ def check_qwen2vl(ckpt: str, report: dict[str, Any]) -> bool:
     images = [sample_image(1, (56, 84)), [sample_image(2, (112, 112)), sample_image(0)]]
     want = [oracle.greedy(p, im, NEW_TOKENS) for p, im in zip(prompts, images)]
     first_lp = [oracle.logprobs(p, im)[1][-1] for p, im in zip(prompts, images)]
+    oracle.model.to(torch.bfloat16)
+    hf_err = max(float((oracle.logprobs(p, im)[1][-1] - lp).abs()[w[0]]) for p, im, lp, w in
+                 zip(prompts, images, first_lp, want))
     ok, entries = True, {}
     for dtype in ("float32", "bfloat16"):
         with new_engine(path, dtype) as engine:
@@ -406,13 +410,14 @@ def check_qwen2vl(ckpt: str, report: dict[str, Any]) -> bool:
         equal = [first_divergence(o["output_ids"], w) for o, w in zip(outs, [want[0], *want])]
         lp_err = max(abs(o["meta_info"]["output_token_logprobs"][0][0] - float(lp[o["output_ids"][0]]))
                      for o, lp in zip(outs, [first_lp[0], *first_lp]))
-        passed = lp_err <= (1e-3 if dtype == "float32" else 5e-2)
+        passed = lp_err <= (1e-3 if dtype == "float32" else 2 * hf_err + 1e-2)
         if dtype == "float32":
             passed = passed and equal == [None] * 3
-        entries[dtype] = {"ok": passed, "first_divergence": equal, "first_logprob_max_err": lp_err}
+        entries[dtype] = {"ok": passed, "first_divergence": equal, "first_logprob_max_err": lp_err,
+                          "hf_bf16_first_logprob_max_err": hf_err}
         ok = ok and passed
         print(f"Qwen2-VL vs HF ({dtype}): {'ok' if passed else 'FAIL'} first divergence (single, batched) {equal} "
-              f"of {NEW_TOKENS}, first-token logprob err {lp_err:.2e}", flush=True)
+              f"of {NEW_TOKENS}, first-token logprob err {lp_err:.2e} (HF bf16 {hf_err:.2e})", flush=True)
     report["qwen2vl_vs_hf"] = {"ok": ok, **entries}
     return ok
 

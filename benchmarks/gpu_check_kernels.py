@@ -20,6 +20,7 @@ interpreter (--tiny) fp8 stores mismatch: its fp32 -> fp8 cast rounds wrongly (t
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import statistics
 import sys
@@ -36,7 +37,6 @@ import torch  # noqa: E402
 from radixlm.core.engine.options import KV_CACHE_DTYPES  # noqa: E402
 from radixlm.core.engine.sampler import Sampler  # noqa: E402
 from radixlm.core.engine.sampling_params import SamplingParams  # noqa: E402
-from radixlm.kernels import flash_prefill  # noqa: E402
 from radixlm.kernels import reference as ref  # noqa: E402
 from radixlm.kernels import triton as tri  # noqa: E402
 from radixlm.kernels.triton.attention import AttnConfig, decode_config, extend_config  # noqa: E402
@@ -143,14 +143,13 @@ class Checker:
     # ---- checks
 
     def extend(self, case: str, prefix_lens: list[int], extend_lens: list[int], config: AttnConfig | None = None,
-               new_kv: bool = False, reverse: bool = True, flash: bool = False):
-        """new_kv: the new tokens' k and v also passed packed (as the engine does with a bf16 pool); flash:
-        torch's FlashAttention on them instead (no prefixes), as prefill_attention_backend=auto does."""
+               new_kv: bool = False, reverse: bool = True):
+        """new_kv: the new tokens' k and v also passed packed (as the engine does with a bf16 pool)."""
         a = self.args
         seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
         tables = self.paged(seq_lens, a.kv_heads, a.head_dim)
         packed = None
-        if new_kv or flash:
+        if new_kv:
             k_buf, v_buf, req_to_token, rows, _ = tables
             slots = torch.cat([req_to_token[r, p : p + e].long()
                                for r, p, e in zip(rows.tolist(), prefix_lens, extend_lens)])
@@ -165,9 +164,6 @@ class Checker:
         max_ext = max(extend_lens)
         call = lambda: tri.extend_attention(q, *tables, ext, scale, starts, max_ext, config=config,  # noqa: E731
                                             new_kv=packed, reverse=reverse)
-        if flash:
-            cu = torch.cat([starts, starts.new_tensor([len(q)])]).to(torch.int32)
-            call = lambda: flash_prefill.prefill_attention(q, *packed, cu, max_ext, scale)  # noqa: E731
         out = call()
         pairs = sum(e * p + e * (e + 1) // 2 for p, e in zip(prefix_lens, extend_lens))
         flops = 4 * pairs * a.heads * a.head_dim
@@ -304,6 +300,33 @@ class Checker:
                     lambda: Sampler._filter(probs, reqs))
 
 
+def prefill_peers(c: Checker, batch: int, length: int) -> None:
+    """Timing only: non-paged attention kernels on the prefill shape (no prefix), the ceilings a paged
+    kernel is measured against: torch's SDPA backends and FlashAttention's varlen kernel."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    a = c.args
+    flops = 4 * batch * length * (length + 1) // 2 * a.heads * a.head_dim
+    q = c.randn(batch, a.heads, length, a.head_dim)
+    k, v = (c.randn(batch, a.kv_heads, length, a.head_dim) for _ in range(2))
+    qt, kt, vt = (x.transpose(1, 2).reshape(batch * length, -1, a.head_dim) for x in (q, k, v))
+    cu = torch.arange(0, batch + 1, device=c.device, dtype=torch.int32) * length
+
+    def sdpa(backend):
+        with sdpa_kernel(backend):
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+    peers = {f"sdpa {b.name.lower()}": functools.partial(sdpa, b) for b in
+             (SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION)}
+    peers["flash varlen"] = lambda: torch.ops.aten._flash_attention_forward(
+        qt, kt, vt, cu, cu, length, length, 0.0, True, False, scale=a.head_dim**-0.5)[0]
+    for name, fn in peers.items():
+        try:
+            c.record(name, f"{batch}x{length} causal (timing only)", [], [], fn, flops=flops)
+        except RuntimeError as e:  # a backend this build or device lacks
+            print(f"{name}: {str(e)[:200]}")
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
@@ -355,10 +378,6 @@ def main(argv: list[str] | None = None) -> int:
         c.extend(f"B={b} ragged<= {s}, prefixes{tag}", prefixes, ragged, new_kv=new_kv)
         c.extend(f"B={prefill_batch} x {prefill}, no prefix{tag}", [0] * prefill_batch, [prefill] * prefill_batch,
                  new_kv=new_kv)
-    if flash_prefill.available(c.device, c.dtype, args.head_dim):  # what prefills without prefixes run on
-        c.extend(f"B={prefill_batch} x {prefill}, flash prefill", [0] * prefill_batch, [prefill] * prefill_batch,
-                 flash=True)
-        c.extend(f"B={b} ragged <= {s // 2}, flash prefill", [0] * b, ragged, flash=True)
     c.decode(f"B={b} ragged <= {s}", uniform(1, s, b))
     c.decode(f"B=1 L={s}", [s])
     c.decode(f"B=1 L={8 * s}", [8 * s])
@@ -372,33 +391,8 @@ def main(argv: list[str] | None = None) -> int:
                     c.extend(f"{prefill_batch}x{prefill} {tag}", [0] * prefill_batch, [prefill] * prefill_batch,
                              config=cfg, new_kv=new_kv, reverse=reverse)
                     c.extend(f"B={b} ragged {tag}", prefixes, ragged, config=cfg, new_kv=new_kv, reverse=reverse)
-        if not args.tiny:  # non-paged kernels on the same shape: torch's SDPA backends and flash varlen
-            from torch.nn.attention import SDPBackend, sdpa_kernel
-
-            flops = 4 * prefill_batch * prefill * (prefill + 1) // 2 * args.heads * args.head_dim
-            q = c.randn(prefill_batch, args.heads, prefill, args.head_dim)
-            k, v = (c.randn(prefill_batch, args.kv_heads, prefill, args.head_dim) for _ in range(2))
-            for backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION):
-                def sdpa(backend=backend):
-                    with sdpa_kernel(backend):
-                        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-                try:
-                    c.record(f"sdpa {backend.name[:5]} (timing)", f"{prefill_batch}x{prefill} causal", [], [], sdpa,
-                             flops=flops)
-                except Exception as e:  # noqa: BLE001  (a backend this build lacks)
-                    print(f"sdpa {backend.name}: {type(e).__name__}: {str(e)[:200]}")
-            qt = c.randn(prefill_batch * prefill, args.heads, args.head_dim)
-            kt, vt = (c.randn(prefill_batch * prefill, args.kv_heads, args.head_dim) for _ in range(2))
-            cu = torch.arange(0, prefill_batch + 1, device=c.device, dtype=torch.int32) * prefill
-            varlen = lambda: torch.ops.aten._flash_attention_forward(  # noqa: E731
-                qt, kt, vt, cu, cu, prefill, prefill, 0.0, True, False, scale=args.head_dim**-0.5)[0]
-            try:
-                c.record("flash varlen (timing)", f"{prefill_batch}x{prefill} causal", [], [], varlen, flops=flops)
-            except Exception as e:  # noqa: BLE001
-                print(f"flash varlen: {type(e).__name__}: {str(e)[:300]}")
-            import inspect
-            from torch.nn.attention import varlen as torch_varlen
-            print("varlen_attn", inspect.signature(torch_varlen.varlen_attn))
+        if not args.tiny:
+            prefill_peers(c, prefill_batch, prefill)
         for cfg in [AttnConfig(0, 32, 4, 2), AttnConfig(0, 64, 4, 3), AttnConfig(0, 128, 8, 2),
                     AttnConfig(0, 64, 8, 2), AttnConfig(0, 32, 2, 3)]:
             c.decode(f"B={b} L={s // 2} cfg {tuple(cfg)}", [s // 2] * b, config=cfg)

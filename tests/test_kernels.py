@@ -375,50 +375,6 @@ def test_attention_backend_fused_rotary_store_equals_the_composed_ops(is_decode,
     assert torch.equal(v_buf, cpu_v)
 
 
-@pytest.mark.parametrize("prefix", [False, True], ids=["no-prefix", "prefix"])
-def test_attention_backend_sends_prefills_without_a_prefix_to_flash(prefix, monkeypatch):
-    """With flash_prefill, an extend in which no request has a cached prefix goes to FlashAttention
-    (replaced here by the reference's attention over what it is given: the rotated k and the projected v,
-    packed, with the requests' offsets), and gives what the Triton kernel gives; an extend over a prefix
-    stays on the Triton kernel."""
-    from radixlm.kernels import flash_prefill
-
-    num_heads, num_kv_heads, head_dim = 4, 2, 32
-    extend_lens = [3, 5]
-    seq_lens = [e + (6 if prefix else 0) for e in extend_lens]
-    batch = PagedBatch(seq_lens, num_kv_heads, head_dim, torch.float32, torch.int32, DEVICE)
-    rows = batch.req_to_token[batch.req_pool_indices.long()]
-    positions = torch.cat([torch.arange(s - e, s) for s, e in zip(seq_lens, extend_lens)]).to(DEVICE)
-    loc = torch.cat([rows[b, s - e : s] for b, (s, e) in enumerate(zip(seq_lens, extend_lens))])
-    q, k, v = randn(sum(extend_lens), num_heads, head_dim), *(randn(sum(extend_lens), num_kv_heads, head_dim) for _ in "kv")
-    calls = []
-
-    def reference_flash(q, k, v, cu, max_len, scale):
-        calls.append((cu.tolist(), max_len))
-        out = torch.empty_like(q)
-        for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
-            causal = torch.ones(b - a, b - a, dtype=torch.bool, device=q.device).tril()
-            out[a:b] = ref._attend(q[a:b], k[a:b], v[a:b], causal, scale)
-        return out
-
-    monkeypatch.setattr(flash_prefill, "prefill_attention", reference_flash)
-    outs = []
-    for flash in (True, False):
-        pool = type("Pool", (), {"k_buffers": [batch.k_buffer.clone()], "v_buffers": [batch.v_buffer.clone()]})()
-        backend = AttentionBackend(tri, flash_prefill=flash)
-        fb = ForwardBatch(
-            is_decode=False, input_ids=torch.zeros(len(q), dtype=torch.long, device=DEVICE), positions=positions,
-            out_cache_loc=loc, req_pool_indices=batch.req_pool_indices, seq_lens=batch.seq_lens,
-            extend_lens=torch.tensor(extend_lens, dtype=torch.int32, device=DEVICE), req_to_token=batch.req_to_token,
-            kv_pool=pool, attn_backend=backend, cos_sin_cache=rope_cache("llama3", head_dim, 16),
-            max_extend_len=max(extend_lens),
-            prefill_cu_seqlens=None if prefix else torch.tensor([0, 3, 8], dtype=torch.int32, device=DEVICE),
-        )
-        outs.append(backend.forward(q, k, v, 0, fb))
-    assert calls == ([] if prefix else [([0, 3, 8], 5)])
-    assert_close(outs[0], outs[1])
-
-
 # ----------------------------------------------------------------------------- an fp8 KV pool
 
 FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]

@@ -22,7 +22,6 @@ import numpy as np
 import torch
 
 from radixlm import kernels
-from radixlm.core.errors import InvalidRequestError
 from radixlm.core.engine.memory_pool import KVPool, ReqToTokenPool
 from radixlm.core.engine.options import EngineOptions
 from radixlm.core.layers.attention_backend import AttentionBackend
@@ -32,7 +31,6 @@ from radixlm.core.layers.mrope import mrope_cos_sin
 from radixlm.core.models.config import ModelConfig
 from radixlm.core.models.cpu_linear import prepack_linears
 from radixlm.core.models.loader import load_model
-from radixlm.kernels import flash_prefill
 
 if TYPE_CHECKING:
     from radixlm.core.models.parallel import TensorParallel
@@ -109,7 +107,7 @@ class ModelRunner:
             logger.info("decode_fused_gemv=%d: %s", opts.decode_fused_gemv,
                         "on" if fused else "off (this kernel set or model has no fused GEMVs)")
         start = time.perf_counter()
-        self.attn_backend = AttentionBackend(self.ops, self._flash_prefill(opts, cfg))
+        self.attn_backend = AttentionBackend(self.ops)
         self.cos_sin_cache = cfg.rope_cos_sin_cache(self.device)
         self.num_slots = self._kv_pool_size(opts)
         if tp is not None:  # every rank must index the same slots
@@ -129,17 +127,6 @@ class ModelRunner:
         self.graph_runner = self.extend_graphs = None
         if self.device.type == "cuda" and not opts.disable_cuda_graph:
             self._capture_graphs(opts)
-
-    def _flash_prefill(self, opts: EngineOptions, cfg: ModelConfig) -> bool:
-        """Whether prefills without a cached prefix run on torch's FlashAttention (prefill_attention_backend)."""
-        if opts.prefill_attention_backend == "triton":
-            return False
-        usable = flash_prefill.available(self.device, self.dtype, cfg.head_dim)
-        if opts.prefill_attention_backend == "flash" and not usable:
-            raise InvalidRequestError(f"prefill_attention_backend=flash: torch {torch.__version__} has no FlashAttention "
-                                      f"for {self.device} with {self.dtype} and head_dim {cfg.head_dim}",
-                                      "prefill_attention_backend")
-        return usable
 
     def _capture_graphs(self, opts: EngineOptions) -> None:
         from radixlm.core.engine.cuda_graph_runner import DecodeGraphRunner, ExtendGraphRunner
@@ -230,12 +217,12 @@ class ModelRunner:
     def _forward_batch(self, batch: BatchInput) -> tuple[ForwardBatch, torch.Tensor]:
         """The step's index tensors (and the logit rows' index), packed into one pinned host tensor and
         moved in one copy."""
-        offsets = [0, *itertools.accumulate(batch.extend_lens)]  # each request's first new token, and the total
+        starts = [0, *itertools.accumulate(batch.extend_lens)][:-1]
         parts = (batch.input_ids, batch.positions, batch.out_cache_loc, batch.rows, batch.seq_lens,
-                 batch.extend_lens, offsets, batch.logit_rows)
+                 batch.extend_lens, starts, batch.logit_rows)
         host = torch.tensor(list(itertools.chain.from_iterable(parts)), dtype=torch.int64, pin_memory=self._pin)
         views = host.to(self.device, non_blocking=True).split([len(p) for p in parts])
-        ids, positions, loc, rows, seq_lens, extend_lens, offsets_t, logit_index = views
+        ids, positions, loc, rows, seq_lens, extend_lens, starts_t, logit_index = views
         if batch.input_future is not None:
             ids = batch.input_future
         fb = ForwardBatch(
@@ -250,12 +237,10 @@ class ModelRunner:
             kv_pool=self.kv_pool,
             attn_backend=self.attn_backend,
             cos_sin_cache=self.cos_sin_cache,
-            extend_start_loc=offsets_t[:-1],
+            extend_start_loc=starts_t,
             max_extend_len=max(batch.extend_lens, default=0),
             images=self._image_batch(batch.images) if batch.images else None,
         )
-        if self.attn_backend.flash_prefill and not batch.is_decode and batch.seq_lens == batch.extend_lens:
-            fb.prefill_cu_seqlens = offsets_t.to(torch.int32)
         if batch.rope_positions is not None:
             fb.cos_sin_cache = mrope_cos_sin(self.cos_sin_cache, torch.tensor(batch.rope_positions, device=self.device),
                                              self.cfg.mrope_section)

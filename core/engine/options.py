@@ -156,11 +156,6 @@ class EngineOptions:
         "LM head as Triton GEMVs, SiLU-and-mul fused into the down projection's (docs/engine.md); default 1: "
         "batch-1 decode (on the H200 4.66 -> 4.30 ms/token for the 8B shape; at 4 and 8 rows cuBLAS is "
         "faster); 0: off")
-    prefill_attention_backend: str = option(
-        "auto", "attention of prefills in which no request has a cached prefix: auto (torch's FlashAttention "
-        "where the device and dtype have it, else the Triton kernel), flash (an error where unavailable) or "
-        "triton (the paged Triton kernel, which also serves every extend over a cached prefix)",
-        choices=("auto", "flash", "triton"))
     cuda_graph_max_bs: int | None = option(None, "largest decode batch captured in a CUDA graph; default "
                                            "min(max_running_requests, 512)")
     # Extends of at most this many tokens (and min(cuda_graph_max_bs, 256) requests) replay captured

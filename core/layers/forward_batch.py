@@ -54,9 +54,6 @@ class ForwardBatch:
     # longest extend (kernels that size their grid by it then need no device sync).
     extend_start_loc: torch.Tensor | None = None
     max_extend_len: int | None = None
-    # Extend only, when no request has a cached prefix (its keys are its new tokens): [B + 1] int32
-    # offsets of each request's first new token and the total, for FlashAttention's varlen kernel.
-    prefill_cu_seqlens: torch.Tensor | None = None
     # The attention kernels' layout of this batch, where their set plans one (kernels.cpu): made by the
     # attention backend at the first layer, reused by the others.
     attn_plan: Any = None
