@@ -381,6 +381,8 @@ def main(argv: list[str] | None = None) -> int:
     c.decode(f"B={b} ragged <= {s}", uniform(1, s, b))
     c.decode(f"B=1 L={s}", [s])
     c.decode(f"B=1 L={8 * s}", [8 * s])
+    if not args.tiny:
+        prefill_peers(c, prefill_batch, prefill)
     if args.sweep:
         for cfg in [AttnConfig(64, 32, 4, 3), AttnConfig(64, 64, 4, 3), AttnConfig(64, 32, 4, 4),
                     AttnConfig(128, 64, 8, 3), AttnConfig(128, 64, 8, 2), AttnConfig(128, 32, 8, 3),
@@ -391,8 +393,6 @@ def main(argv: list[str] | None = None) -> int:
                     c.extend(f"{prefill_batch}x{prefill} {tag}", [0] * prefill_batch, [prefill] * prefill_batch,
                              config=cfg, new_kv=new_kv, reverse=reverse)
                     c.extend(f"B={b} ragged {tag}", prefixes, ragged, config=cfg, new_kv=new_kv, reverse=reverse)
-        if not args.tiny:
-            prefill_peers(c, prefill_batch, prefill)
         for cfg in [AttnConfig(0, 32, 4, 2), AttnConfig(0, 64, 4, 3), AttnConfig(0, 128, 8, 2),
                     AttnConfig(0, 64, 8, 2), AttnConfig(0, 32, 2, 3)]:
             c.decode(f"B={b} L={s // 2} cfg {tuple(cfg)}", [s // 2] * b, config=cfg)
