@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from radixlm import kernels
-from radixlm.core.engine.memory_pool import KVPool, ReqToTokenPool
+from radixlm.core.engine.memory_pool import KVPool, ReqToTokenPool, host_int64
 from radixlm.core.engine.options import EngineOptions
 from radixlm.core.layers.attention_backend import AttentionBackend
 from radixlm.core.engine.messages import ImageInput
@@ -220,8 +220,7 @@ class ModelRunner:
         starts = [0, *itertools.accumulate(batch.extend_lens)][:-1]
         parts = (batch.input_ids, batch.positions, batch.out_cache_loc, batch.rows, batch.seq_lens,
                  batch.extend_lens, starts, batch.logit_rows)
-        host = torch.tensor(list(itertools.chain.from_iterable(parts)), dtype=torch.int64, pin_memory=self._pin)
-        views = host.to(self.device, non_blocking=True).split([len(p) for p in parts])
+        views = host_int64(parts, self._pin).to(self.device, non_blocking=True).split([len(p) for p in parts])
         ids, positions, loc, rows, seq_lens, extend_lens, starts_t, logit_index = views
         if batch.input_future is not None:
             ids = batch.input_future
