@@ -183,44 +183,30 @@ def _extend_kernel(
     token_row_ptr = ReqToToken + row * stride_rr
     q_pos = prefix_len + offs_m
 
-    # Keys before this block's first query are visible to all its rows: no causal mask there. With
-    # NEW_KV the new tokens' keys (positions from prefix_len on) are read from KNew/VNew, request after
-    # request like q, instead of through their pool slots.
+    # The cached prefix through the pool; then the new tokens' keys, from KNew/VNew (request after request
+    # like q) with NEW_KV, else through the pool too (the launcher passes K and V as KNew and VNew). Keys
+    # before this block's first query are visible to all its rows: no causal mask there.
     diag_start = prefix_len + m_block * BLOCK_M
     diag_end = prefix_len + tl.minimum((m_block + 1) * BLOCK_M, extend_len)
-    if NEW_KV:
-        m_i, l_i, acc = _attend_keys(
-            q, m_i, l_i, acc, K, V, token_row_ptr, 0, kv_head,
-            stride_rc, stride_ks, stride_kh, stride_kd, stride_vs, stride_vh, stride_vd,
-            0, prefix_len, q_pos, scale_log2,
-            False, False, HEAD_DIM, BLOCK_D, BLOCK_N, PRECISION,
-        )
-        new_base = q_start - prefix_len
-        m_i, l_i, acc = _attend_keys(
-            q, m_i, l_i, acc, KNew, VNew, token_row_ptr, new_base, kv_head,
-            stride_rc, stride_nks, stride_nkh, stride_nkd, stride_nvs, stride_nvh, stride_nvd,
-            prefix_len, diag_start, q_pos, scale_log2,
-            False, True, HEAD_DIM, BLOCK_D, BLOCK_N, PRECISION,
-        )
-        m_i, l_i, acc = _attend_keys(
-            q, m_i, l_i, acc, KNew, VNew, token_row_ptr, new_base, kv_head,
-            stride_rc, stride_nks, stride_nkh, stride_nkd, stride_nvs, stride_nvh, stride_nvd,
-            diag_start, diag_end, q_pos, scale_log2,
-            True, True, HEAD_DIM, BLOCK_D, BLOCK_N, PRECISION,
-        )
-    else:
-        m_i, l_i, acc = _attend_keys(
-            q, m_i, l_i, acc, K, V, token_row_ptr, 0, kv_head,
-            stride_rc, stride_ks, stride_kh, stride_kd, stride_vs, stride_vh, stride_vd,
-            0, diag_start, q_pos, scale_log2,
-            False, False, HEAD_DIM, BLOCK_D, BLOCK_N, PRECISION,
-        )
-        m_i, l_i, acc = _attend_keys(
-            q, m_i, l_i, acc, K, V, token_row_ptr, 0, kv_head,
-            stride_rc, stride_ks, stride_kh, stride_kd, stride_vs, stride_vh, stride_vd,
-            diag_start, diag_end, q_pos, scale_log2,
-            True, False, HEAD_DIM, BLOCK_D, BLOCK_N, PRECISION,
-        )
+    new_base = q_start - prefix_len
+    m_i, l_i, acc = _attend_keys(
+        q, m_i, l_i, acc, K, V, token_row_ptr, 0, kv_head,
+        stride_rc, stride_ks, stride_kh, stride_kd, stride_vs, stride_vh, stride_vd,
+        0, prefix_len, q_pos, scale_log2,
+        False, False, HEAD_DIM, BLOCK_D, BLOCK_N, PRECISION,
+    )
+    m_i, l_i, acc = _attend_keys(
+        q, m_i, l_i, acc, KNew, VNew, token_row_ptr, new_base, kv_head,
+        stride_rc, stride_nks, stride_nkh, stride_nkd, stride_nvs, stride_nvh, stride_nvd,
+        prefix_len, diag_start, q_pos, scale_log2,
+        False, NEW_KV, HEAD_DIM, BLOCK_D, BLOCK_N, PRECISION,
+    )
+    m_i, l_i, acc = _attend_keys(
+        q, m_i, l_i, acc, KNew, VNew, token_row_ptr, new_base, kv_head,
+        stride_rc, stride_nks, stride_nkh, stride_nkd, stride_nvs, stride_nvh, stride_nvd,
+        diag_start, diag_end, q_pos, scale_log2,
+        True, NEW_KV, HEAD_DIM, BLOCK_D, BLOCK_N, PRECISION,
+    )
     out = acc / l_i[:, None]
     tl.store(
         O + (q_start + offs_m)[:, None] * stride_ot + head * stride_oh + offs_d[None, :] * stride_od,
