@@ -11,6 +11,8 @@ more than NARROW_NODES live nodes: then the level-wise walk is the cheaper one.
 
 from __future__ import annotations
 
+import bisect
+
 import numpy as np
 
 from radixlm.core.constrained.regex_dfa import ByteDFA
@@ -67,12 +69,13 @@ def narrow_walk(key: str, dfa: ByteDFA, nodes: np.ndarray, states: np.ndarray,
     if len(nodes) > NARROW_NODES:
         return None
     trie = vocab.trie
+    level_bytes, child_ptr, end_ptr = trie.views
     accepting = dfa.accepting
     live = list(zip(nodes.tolist(), states.tolist()))  # (node, DFA state) at this level
     under: list[tuple[int, int]] = []  # node ranges [lo, hi) of this level strictly under an exit
     ends, exits = [], []
     for d in range(1, trie.depth + 1):
-        eptr, tokens = trie.end_ptr[d], trie.end_tokens[d]
+        eptr, tokens = end_ptr[d], trie.end_tokens[d]
         for n, _ in live:
             a, b = eptr[n], eptr[n + 1]
             if b > a:
@@ -80,35 +83,33 @@ def narrow_walk(key: str, dfa: ByteDFA, nodes: np.ndarray, states: np.ndarray,
         exits += [tokens[eptr[lo]:eptr[hi]] for lo, hi in under]
         if d == trie.depth:
             break
-        ptr, level = trie.child_ptr[d + 1], trie.byte[d + 1]
-        under = [(int(ptr[lo]), int(ptr[hi])) for lo, hi in under]
+        ptr, level = child_ptr[d + 1], level_bytes[d + 1]
+        under = [(ptr[lo], ptr[hi]) for lo, hi in under]
         nxt = []
         for n, s in live:
-            lo, hi = int(ptr[n]), int(ptr[n + 1])
+            lo, hi = ptr[n], ptr[n + 1]
             if hi == lo:
                 continue
             if accepting[s]:
                 under.append((lo, hi))
             moves = _moves_of(key, dfa, s)
-            if len(moves) == 1:  # a literal's next byte: one binary search
-                (b, t), = moves.items()
-                c = lo + int(level[lo:hi].searchsorted(b))
-                if c < hi and level[c] == b:
-                    nxt.append((c, t))
-            elif hi - lo <= len(moves):
-                nxt += [(c, moves[b]) for c, b in enumerate(level[lo:hi].tolist(), lo) if b in moves]
-            else:
-                wanted = np.fromiter(moves, np.uint8, count=len(moves))
-                at = np.searchsorted(level[lo:hi], wanted)
-                found = at < hi - lo
-                found[found] = level[lo:hi][at[found]] == wanted[found]
-                nxt += [(lo + a, moves[b]) for a, b in zip(at[found].tolist(), wanted[found].tolist())]
+            if hi - lo <= len(moves):
+                nxt += [(c, moves[b]) for c, b in enumerate(level[lo:hi], lo) if b in moves]
+            else:  # children are sorted by byte: each move's child found by a binary search
+                for b, t in moves.items():
+                    c = bisect.bisect_left(level, b, lo, hi)
+                    if c < hi and level[c] == b:
+                        nxt.append((c, t))
         if len(nxt) > NARROW_NODES:
             return None
         live = nxt
         under = [(lo, hi) for lo, hi in under if hi > lo]
         if not live and not under:
             break
-    inside = np.unique(np.concatenate(ends)) if ends else np.zeros(0, dtype=np.int32)
-    uncertain = np.unique(np.concatenate(exits)) if exits else np.zeros(0, dtype=np.int32)
-    return inside, np.setdiff1d(uncertain, inside, assume_unique=True)
+    # Tokens end at one node each, so `ends` are disjoint; exit ranges may nest (several exits on a path).
+    inside = np.sort(np.concatenate(ends)) if ends else np.zeros(0, dtype=np.int32)
+    if not exits:
+        return inside, np.zeros(0, dtype=np.int32)
+    uncertain = np.unique(np.concatenate(exits))
+    at = np.minimum(np.searchsorted(inside, uncertain), max(len(inside) - 1, 0))
+    return inside, uncertain[inside[at] != uncertain] if len(inside) else uncertain
