@@ -142,19 +142,35 @@ def state_tokens(key: str, dfa: ByteDFA, state: int, vocab: TokenVocab) -> State
     """The token classes of `state` in terminal `dfa` (named `key`: equal keys, equal DFAs), cached."""
     if isinstance(dfa, CountedStringDFA) and (written := dfa.written(state)) is not None:
         return _counted(dfa, written, state == 0, vocab)  # a few bitwise operations: not worth a cache entry
-    cache_key = (_future(key, dfa, state), vocab.fingerprint)
+    named = (key, state, vocab.fingerprint)
+    found = _cached(named)
+    if found is None:
+        # A small future is named (a literal's tail: `":` ends every literal key) and shared by that name;
+        # a larger one only if the state is wide (_classify): a bounded number's ~50 states hashed for each
+        # of its states would cost more than walking it.
+        future = _future(key, dfa, state, SMALL_FUTURE)
+        found = _cached((future, vocab.fingerprint)) if future is not None else None
+        if found is None:
+            found = _classify(key, dfa, state, vocab)
+            if future is not None:
+                _keep((future, vocab.fingerprint), found)
+        _keep(named, found)
+    return found
+
+
+def _cached(cache_key: tuple) -> StateTokens | None:
     with _lock:
         found = _cache.get(cache_key)
         if found is not None:
             _cache.move_to_end(cache_key)
-            return found
-    inside, tokens, starts, exits_key = _classify(key, dfa, state, vocab)
-    found = StateTokens(_packed(inside, vocab.size), _exits(exits_key, tokens, starts, vocab))
+        return found
+
+
+def _keep(cache_key: tuple, found: StateTokens) -> None:
     with _lock:
         _cache[cache_key] = found
         if len(_cache) > CACHE_SIZE:
             _cache.popitem(last=False)
-    return found
 
 
 def _packed(ids: np.ndarray, size: int) -> np.ndarray:
@@ -241,22 +257,23 @@ def _quote_exits(vocab: TokenVocab, opening: bool) -> Exits | None:
     return _quote_exits_cache[key]
 
 
-_futures: dict[tuple[str, int], object] = {}
+_futures: dict[tuple[str, int], bytes | int] = {}  # a name, or the number of states it is known to exceed
 MAX_FUTURE_STATES = 512  # larger futures are named by (terminal, state) instead
+SMALL_FUTURE = 16  # futures named before a state is known to be wide
 
 
-def _future(key: str, dfa: ByteDFA, state: int) -> object:
+def _future(key: str, dfa: ByteDFA, state: int, most: int = MAX_FUTURE_STATES) -> bytes | None:
     """A name for what the DFA can still read from `state`: a hash of the automaton reachable from it,
-    its states numbered in breadth-first order. Token classes depend on nothing else, so states of
-    different terminals with the same future (a key terminal past the names it excludes and a plain
-    string's body, say) share them. Memoized per (terminal, state)."""
+    its states numbered in breadth-first order; None if over `most` states are reachable. Token classes
+    depend on nothing else, so states of different terminals with the same future (a key terminal past
+    the names it excludes and a plain string's body, say) share them. Memoized per (terminal, state)."""
     found = _futures.get((key, state))
-    if found is not None:
-        return found
+    if isinstance(found, bytes) or found is not None and found >= most:
+        return found if isinstance(found, bytes) else None
     order, queue = {state: 0}, [state]
     digest = hashlib.blake2b(digest_size=16)
     i = 0
-    while i < len(queue) and len(queue) <= MAX_FUTURE_STATES:
+    while i < len(queue) and len(queue) <= most:
         head, targets = state_row(key, dfa, queue[i])
         i += 1
         for t in targets:
@@ -264,10 +281,10 @@ def _future(key: str, dfa: ByteDFA, state: int) -> object:
                 order[t] = len(queue)
                 queue.append(t)
         digest.update(head + array("i", [order[t] for t in targets]).tobytes())
-    found = digest.digest() if len(queue) <= MAX_FUTURE_STATES else (key, state)
+    found = digest.digest() if len(queue) <= most else None
     if len(_futures) > 1 << 18:
         _futures.clear()
-    _futures[key, state] = found
+    _futures[key, state] = most if found is None else found
     return found
 
 
@@ -291,22 +308,40 @@ _subtree_ids = 0  # ids held by _subtrees, bounded by SUBTREE_IDS
 SUBTREE_IDS = 16_000_000  # 64 MB of int32 ids
 
 
-def _classify(key: str, dfa: ByteDFA, state: int,
-              vocab: TokenVocab) -> tuple[np.ndarray, np.ndarray, np.ndarray, tuple]:
-    """From `state`: (ids of the tokens alive in the DFA through their last byte; the exits of the
-    other tokens that pass an accepting state after their first byte and before their last, as token
-    ids and the positions where they may leave; a name for those exits: the subtrees they come from, or
-    the state's own future when it was walked whole)."""
+def _classify(key: str, dfa: ByteDFA, state: int, vocab: TokenVocab) -> StateTokens:
+    """The token classes of `state`. A state few tokens follow (a literal, a number) is walked whole. A
+    wide state (a string body) is shared by its future with every state that has it, whatever its
+    terminal (a key past its excluded names and a plain string), and is built from per-first-byte
+    subtrees shared the same way."""
     trie = vocab.trie
     first_bytes = trie.byte[1].astype(np.int64)  # the byte of each level-1 node
     nxt = dfa.transitions[state, first_bytes]
     live = np.flatnonzero(nxt >= 0)
     walked = narrow_walk(key, dfa, live, nxt[live], vocab)
-    if walked is not None:  # few tokens follow (a literal, a number): walked whole, named by the state's future
+    if walked is not None:
         inside, uncertain = walked
         tokens, starts = _exit_pairs(dfa, uncertain, _after_first(nxt, live, vocab, uncertain), vocab)
-        return inside, tokens, starts, (_future(key, dfa, state), vocab.fingerprint)
-    futures = {q: _future(key, dfa, q) for q in set(nxt[live].tolist())}
+        exits_key = (_future(key, dfa, state, SMALL_FUTURE) or (key, state), vocab.fingerprint)
+        return StateTokens(_packed(inside, vocab.size), _exits(exits_key, tokens, starts, vocab))
+    shared = (_future(key, dfa, state) or (key, state), vocab.fingerprint)
+    found = _cached(shared)
+    if found is None:
+        inside, tokens, starts, exits_key = _wide(key, dfa, nxt, live, vocab)
+        found = StateTokens(_packed(inside, vocab.size), _exits(exits_key, tokens, starts, vocab))
+        _keep(shared, found)
+    return found
+
+
+def _wide(key: str, dfa: ByteDFA, nxt: np.ndarray, live: np.ndarray,
+          vocab: TokenVocab) -> tuple[np.ndarray, np.ndarray, np.ndarray, tuple]:
+    """From a state (nxt: the state after each level-1 trie node's byte, live: the nodes where it is
+    alive): (ids of the tokens alive in the DFA through their last byte; the exits of the other tokens
+    that pass an accepting state after their first byte and before their last, as token ids and the
+    positions where they may leave; a name for those exits: the subtrees they come from). Most of a
+    state's first bytes lead where other states' do, so only the subtrees of first bytes whose future
+    is new are walked."""
+    first_bytes = vocab.trie.byte[1].astype(np.int64)
+    futures = {q: _future(key, dfa, q) or (key, q) for q in set(nxt[live].tolist())}
     keys = {n: (futures[q], b, vocab.fingerprint) for n, q, b in
             zip(live.tolist(), nxt[live].tolist(), first_bytes[live].tolist())}
     with _lock:
