@@ -25,7 +25,13 @@ NARROW_NODES = 32  # live nodes per level at most
 # same states) and the moves here.
 _state_rows: dict[tuple[str, int], tuple[bytes, list[int]]] = {}
 STATE_ROWS = 1 << 14
-ROWS_AT_ONCE = 1024  # a DFA of at most this many states has all its rows read at its first miss
+# Per terminal of at most ROWS_AT_ONCE states, its rows read in one numpy pass at its first miss: (where
+# each state's live bytes start, the live bytes, their targets, accepting flags). A search meets most of a
+# small DFA's states (each first byte's future); a narrow walk only a few of a bounded number's 50, so a
+# state's row is cut from these when asked, not for every state at once.
+_dfa_rows: dict[str, tuple[list[int], bytes, list[int], bytes]] = {}
+ROWS_AT_ONCE = 1024
+DFA_ROWS = 4096
 _moves: dict[tuple[str, int], dict[int, int]] = {}  # per (terminal, state): its moves as {byte: target}
 MOVES = 1 << 14
 
@@ -44,21 +50,29 @@ def _moves_of(key: str, dfa: ByteDFA, state: int) -> dict[int, int]:
 def state_row(key: str, dfa: ByteDFA, state: int) -> tuple[bytes, list[int]]:
     found = _state_rows.get((key, state))
     if found is None:
-        # Every state at once for a small DFA (one numpy pass instead of a few calls per state): a search
-        # meets most of them (a bounded number's 50 states, each first byte's future).
-        states = np.arange(len(dfa.transitions)) if len(dfa.transitions) <= ROWS_AT_ONCE else np.array([state])
-        rows = dfa.transitions[states]
-        at, live = np.nonzero(rows >= 0)
-        cut = np.searchsorted(at, np.arange(len(states) + 1)).tolist()
-        live_bytes = live.astype(np.uint8).tobytes()
-        targets = rows[at, live].tolist()
-        if len(_state_rows) + len(states) > STATE_ROWS:
+        whole = len(dfa.transitions) <= ROWS_AT_ONCE
+        rows = _dfa_rows.get(key) if whole else None
+        if rows is None:
+            rows = _read_rows(dfa, np.arange(len(dfa.transitions)) if whole else np.array([state]))
+            if whole:
+                if len(_dfa_rows) >= DFA_ROWS:
+                    _dfa_rows.clear()
+                _dfa_rows[key] = rows
+        cut, live_bytes, targets, accepting = rows
+        n = state if whole else 0
+        a, b = cut[n], cut[n + 1]
+        found = (bytes((accepting[n], (b - a) & 255)) + live_bytes[a:b], targets[a:b])
+        if len(_state_rows) >= STATE_ROWS:
             _state_rows.clear()
-        for n, q in enumerate(states.tolist()):
-            a, b = cut[n], cut[n + 1]
-            _state_rows[key, q] = (bytes([bool(dfa.accepting[q]), (b - a) & 255]) + live_bytes[a:b], targets[a:b])
-        found = _state_rows[key, state]
+        _state_rows[key, state] = found
     return found
+
+
+def _read_rows(dfa: ByteDFA, states: np.ndarray) -> tuple[list[int], bytes, list[int], bytes]:
+    rows = dfa.transitions[states]
+    at, live = np.nonzero(rows >= 0)
+    cut = np.searchsorted(at, np.arange(len(states) + 1)).tolist()
+    return cut, live.astype(np.uint8).tobytes(), rows[at, live].tolist(), dfa.accepting[states].astype(np.uint8).tobytes()
 
 
 def narrow_walk(key: str, dfa: ByteDFA, nodes: np.ndarray, states: np.ndarray,
