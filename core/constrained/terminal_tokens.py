@@ -279,17 +279,35 @@ def _future(key: str, dfa: ByteDFA, state: int, most: int = MAX_FUTURE_STATES) -
     digest = hashlib.blake2b(digest_size=16)
     i = 0
     while i < len(queue) and len(queue) <= most:
-        head, targets = state_row(key, dfa, queue[i])
+        record, distinct = _row_shape(key, dfa, queue[i])
         i += 1
-        for t in targets:
+        for t in distinct:
             if t not in order:
                 order[t] = len(queue)
                 queue.append(t)
-        digest.update(head + array("i", [order[t] for t in targets]).tobytes())
+        digest.update(record + array("i", [order[t] for t in distinct]).tobytes())
     found = digest.digest() if len(queue) <= most else None
     if len(_futures) > 1 << 18:
         _futures.clear()
     _futures[key, state] = most if found is None else found
+    return found
+
+
+_row_shapes: dict[tuple[str, int], tuple[bytes, list[int]]] = {}
+
+
+def _row_shape(key: str, dfa: ByteDFA, state: int) -> tuple[bytes, list[int]]:
+    """(the state's row as bytes: number of live bytes, accepting, the live bytes, and per live byte the
+    rank of its target among the distinct targets; the distinct targets in order of first use). A string
+    body's ~200 moves go to a handful of states: a search numbers those, not every move."""
+    found = _row_shapes.get((key, state))
+    if found is None:
+        head, targets = state_row(key, dfa, state)
+        rank: dict[int, int] = {}
+        shape = bytes(rank.setdefault(t, len(rank)) for t in targets)
+        if len(_row_shapes) > 1 << 18:
+            _row_shapes.clear()
+        found = _row_shapes[key, state] = (len(targets).to_bytes(2, "little") + head + shape, list(rank))
     return found
 
 
