@@ -72,7 +72,8 @@ def _read_rows(dfa: ByteDFA, states: np.ndarray) -> tuple[list[int], bytes, list
     rows = dfa.transitions[states]
     at, live = np.nonzero(rows >= 0)
     cut = np.searchsorted(at, np.arange(len(states) + 1)).tolist()
-    return cut, live.astype(np.uint8).tobytes(), rows[at, live].tolist(), dfa.accepting[states].astype(np.uint8).tobytes()
+    accepting = dfa.accepting[states].astype(np.uint8).tobytes()
+    return cut, live.astype(np.uint8).tobytes(), rows[at, live].tolist(), accepting
 
 
 def narrow_walk(key: str, dfa: ByteDFA, nodes: np.ndarray, states: np.ndarray,

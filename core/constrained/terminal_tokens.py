@@ -269,9 +269,10 @@ SMALL_FUTURE = 4  # futures named before a state is known to be wide
 
 def _future(key: str, dfa: ByteDFA, state: int, most: int = MAX_FUTURE_STATES) -> bytes | None:
     """A name for what the DFA can still read from `state`: a hash of the automaton reachable from it,
-    its states numbered in breadth-first order; None if over `most` states are reachable. Token classes
-    depend on nothing else, so states of different terminals with the same future (a key terminal past
-    the names it excludes and a plain string's body, say) share them. Memoized per (terminal, state)."""
+    its states numbered in breadth-first order; None if over `most` states are reachable and it was not
+    named before. Token classes depend on nothing else, so states of different terminals with the same
+    future (a key terminal past the names it excludes and a plain string's body, say) share them.
+    Memoized per (terminal, state)."""
     found = _futures.get((key, state))
     if isinstance(found, bytes) or found is not None and found >= most:
         return found if isinstance(found, bytes) else None
