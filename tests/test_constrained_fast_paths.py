@@ -200,3 +200,36 @@ def test_futures_name_equal_automata_alike_and_differ_otherwise():
     assert name("t:body", body, 0, 1) is None  # over `most` states and not named before
     assert name("t:body", body, 0) != name("t:other", other, 0) and name("t:body", body, 0) is not None
     assert name("t:body", body, 0, 1) == name("t:body", body, 0)  # a known name is returned whatever `most`
+
+
+def test_wide_states_bits_patched_from_recent_ones_equal_a_whole_walk(qwen, monkeypatch):
+    """A wide state's inside bits, taken from a recent wide state's with the differing first-byte subtrees
+    cleared and set, equal a walk of the whole vocabulary from the state (key terminals that exclude listed
+    names against a plain string's body and each other)."""
+    vocab = prepare_vocab(qwen)
+    first = vocab.trie.byte[1].astype(np.int64)
+    patched = []
+    inside_bits = terminal_tokens._inside_bits
+    monkeypatch.setattr(terminal_tokens, "_inside_bits",
+                        lambda have, keys, v: patched.append(len(terminal_tokens._bases)) or inside_bits(have, keys, v))
+    with terminal_tokens._lock:
+        terminal_tokens._cache.clear()
+    # Plain string bodies first, then keys that exclude names (differing subtrees: the names' letters),
+    # then keys that cannot start with `a` (a subtree the bases have and these states lack).
+    terminals = []
+    for schema in [{"type": "object", "properties": {"foo": {}, "fob": {}, "bar": {}, "zzz": {}},
+                    "additionalProperties": {"type": "string"}},
+                   {"type": "object", "propertyNames": {"pattern": "^[^a]"}}]:
+        grammar = build_constraint("json_schema", schema, qwen).index.grammar
+        terminals += zip(grammar.terminal_names, grammar.terminals)
+    for name, dfa in terminals:
+        for q in range(min(dfa.num_states, 12)):
+            nxt = dfa.transitions[q, first]
+            live = np.flatnonzero(nxt >= 0)
+            if len(live) <= narrow_walk.NARROW_NODES:
+                continue
+            got = np.unpackbits(terminal_tokens._classify(name, dfa, q, vocab).inside, count=vocab.size,
+                                bitorder="little")
+            whole, _ = terminal_tokens._walk(dfa, live, nxt[live], vocab)
+            assert (got.astype(bool) == whole).all(), (name, q)
+    assert len(patched) > 5 and max(patched) > 0

@@ -350,20 +350,61 @@ def _classify(key: str, dfa: ByteDFA, state: int, vocab: TokenVocab) -> StateTok
     shared = (_future(key, dfa, state) or (key, state), vocab.fingerprint)
     found = _cached(shared)
     if found is None:
-        inside, tokens, starts, exits_key = _wide(key, dfa, nxt, live, vocab)
-        found = StateTokens(_packed(inside, vocab.size), _exits(exits_key, tokens, starts, vocab))
+        have, keys = _wide(key, dfa, nxt, live, vocab)
+        nodes = sorted(have)
+        exits_key = tuple(keys[n] for n in nodes if len(have[n][1]))
+        tokens, starts = (np.concatenate([have[n][i] for n in nodes] or [np.zeros(0, np.int32)]) for i in (1, 2))
+        found = StateTokens(_inside_bits(have, keys, vocab), _exits(exits_key, tokens, starts, vocab))
         _keep(shared, found)
     return found
 
 
+# The last wide states built: (their subtree per level-1 node and its name, their inside bits). A key terminal
+# past one letter of its excluded names differs from a plain string body in that letter's subtree alone, so
+# its bits are the body's with that subtree's tokens changed, not ~150k ids packed anew (~300 µs).
+_bases: list[tuple[dict[int, tuple], dict[int, tuple], np.ndarray]] = []
+BASES = 4
+
+
+def _inside_bits(have: dict[int, tuple], keys: dict[int, tuple], vocab: TokenVocab) -> np.ndarray:
+    """Packed bits of the inside tokens of the subtrees `have` (per level-1 node, named by `keys`): a recent
+    wide state's bits with the differing subtrees' tokens cleared and set, when they are few."""
+    total = sum(len(x[0]) for x in have.values())
+    best, fewest = None, total // 4  # patching more ids than a quarter of a whole pack is no cheaper
+    with _lock:
+        bases = list(_bases)
+    for base in bases:
+        base_have, base_keys, _ = base
+        changed = sum(len(base_have[n][0]) if n in base_have else 0 for n, k in base_keys.items() if keys.get(n) != k)
+        changed += sum(len(have[n][0]) for n, k in keys.items() if base_keys.get(n) != k and n in have)
+        if changed < fewest:
+            best, fewest = base, changed
+    if best is None:
+        packed = _packed(np.concatenate([have[n][0] for n in sorted(have)] or [np.zeros(0, np.int32)]), vocab.size)
+    else:
+        base_have, base_keys, packed = best
+        packed = packed.copy()
+        gone = [base_have[n][0] for n, k in base_keys.items() if keys.get(n) != k and n in base_have]
+        if gone:
+            ids = np.concatenate(gone).astype(np.int64)
+            np.bitwise_and.at(packed, ids >> 3, (~(1 << (ids & 7))).astype(np.uint8))
+        new = [have[n][0] for n, k in keys.items() if base_keys.get(n) != k and n in have]
+        if new:
+            set_bits(packed, np.concatenate(new).astype(np.int64))
+    with _lock:
+        _bases.insert(0, (have, keys, packed))
+        del _bases[BASES:]
+    return packed
+
+
 def _wide(key: str, dfa: ByteDFA, nxt: np.ndarray, live: np.ndarray,
-          vocab: TokenVocab) -> tuple[np.ndarray, np.ndarray, np.ndarray, tuple]:
+          vocab: TokenVocab) -> tuple[dict[int, tuple], dict[int, tuple]]:
     """From a state (nxt: the state after each level-1 trie node's byte, live: the nodes where it is
-    alive): (ids of the tokens alive in the DFA through their last byte; the exits of the other tokens
-    that pass an accepting state after their first byte and before their last, as token ids and the
-    positions where they may leave; a name for those exits: the subtrees they come from). Most of a
-    state's first bytes lead where other states' do, so only the subtrees of first bytes whose future
-    is new are walked."""
+    alive), per level-1 node: (ids of the tokens below it alive in the DFA through their last byte; the
+    exits of the other tokens that pass an accepting state after their first byte and before their last,
+    as token ids and the positions where they may leave), and the subtree's name. Most of a state's first
+    bytes lead where other states' do, so only the subtrees of first bytes whose future is new are
+    walked."""
     first_bytes = vocab.trie.byte[1].astype(np.int64)
     futures = {q: _future(key, dfa, q) or (key, q) for q in set(nxt[live].tolist())}
     keys = {n: (futures[q], b, vocab.fingerprint) for n, q, b in
@@ -383,13 +424,7 @@ def _wide(key: str, dfa: ByteDFA, nxt: np.ndarray, live: np.ndarray,
         inside, uncertain = walked
         tokens, starts = _exit_pairs(dfa, uncertain, _after_first(nxt, missing, vocab, uncertain), vocab)
         have.update(_store({int(n): keys[int(n)] for n in missing}, inside, tokens, starts, vocab))
-    if not have:
-        return np.zeros(0, dtype=np.int32), np.zeros(0, dtype=np.int32), np.zeros(0, dtype=np.int32), ()
-    nodes = sorted(have)
-    inside = np.concatenate([have[n][0] for n in nodes])
-    exits_key = tuple(keys[n] for n in nodes if len(have[n][1]))
-    return (inside, np.concatenate([have[n][1] for n in nodes]), np.concatenate([have[n][2] for n in nodes]),
-            exits_key)
+    return have, keys
 
 
 def _after_first(nxt: np.ndarray, nodes: np.ndarray, vocab: TokenVocab, ids: np.ndarray) -> np.ndarray:
