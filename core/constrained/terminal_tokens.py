@@ -370,25 +370,26 @@ def _inside_bits(have: dict[int, tuple], keys: dict[int, tuple], vocab: TokenVoc
     """Packed bits of the inside tokens of the subtrees `have` (per level-1 node, named by `keys`): a recent
     wide state's bits with the differing subtrees' tokens cleared and set, when they are few."""
     total = sum(len(x[0]) for x in have.values())
-    best, fewest = None, total // 4  # patching more ids than a quarter of a whole pack is no cheaper
+    best, fewest, best_changed = None, total // 4, set()  # patching over a quarter of the ids costs a pack
     with _lock:
         bases = list(_bases)
     for base in bases:
         base_have, base_keys, _ = base
-        changed = sum(len(base_have[n][0]) if n in base_have else 0 for n, k in base_keys.items() if keys.get(n) != k)
-        changed += sum(len(have[n][0]) for n, k in keys.items() if base_keys.get(n) != k and n in have)
-        if changed < fewest:
-            best, fewest = base, changed
+        changed = {n for n, _ in keys.items() ^ base_keys.items()}  # nodes whose subtree differs, or is missing
+        ids = sum(len(base_have[n][0]) if n in base_have else 0 for n in changed)
+        ids += sum(len(have[n][0]) if n in have else 0 for n in changed)
+        if ids < fewest:
+            best, fewest, best_changed = base, ids, changed
     if best is None:
         packed = _packed(np.concatenate([have[n][0] for n in sorted(have)] or [np.zeros(0, np.int32)]), vocab.size)
     else:
-        base_have, base_keys, packed = best
+        base_have, _, packed = best
         packed = packed.copy()
-        gone = [base_have[n][0] for n, k in base_keys.items() if keys.get(n) != k and n in base_have]
+        gone = [base_have[n][0] for n in best_changed if n in base_have]
         if gone:
             ids = np.concatenate(gone).astype(np.int64)
             np.bitwise_and.at(packed, ids >> 3, (~(1 << (ids & 7))).astype(np.uint8))
-        new = [have[n][0] for n, k in keys.items() if base_keys.get(n) != k and n in have]
+        new = [have[n][0] for n in best_changed if n in have]
         if new:
             set_bits(packed, np.concatenate(new).astype(np.int64))
     with _lock:
