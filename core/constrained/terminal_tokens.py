@@ -431,6 +431,8 @@ def _wide(key: str, dfa: ByteDFA, nxt: np.ndarray, live: np.ndarray,
 def _after_first(nxt: np.ndarray, nodes: np.ndarray, vocab: TokenVocab, ids: np.ndarray) -> np.ndarray:
     """The DFA state after the first byte of each token of `ids` (below level-1 `nodes`; nxt: the state
     after each level-1 node's byte)."""
+    if not len(ids):  # most narrow states: no token leaves mid-way
+        return np.zeros(0, dtype=np.int64)
     after = np.full(len(nxt), -1, dtype=np.int64)
     after[nodes] = nxt[nodes]
     return after[_first_node(vocab)[ids]]
