@@ -36,7 +36,8 @@ _moves: dict[tuple[str, int], dict[int, int]] = {}  # per (terminal, state): its
 MOVES = 1 << 14
 
 
-def _moves_of(key: str, dfa: ByteDFA, state: int) -> dict[int, int]:
+def moves_of(key: str, dfa: ByteDFA, state: int) -> dict[int, int]:
+    """The state's moves as {byte: target}, cached per (terminal, state)."""
     found = _moves.get((key, state))
     if found is None:
         head, targets = state_row(key, dfa, state)
@@ -107,7 +108,7 @@ def narrow_walk(key: str, dfa: ByteDFA, nodes: np.ndarray, states: np.ndarray,
                 continue
             if accepting[s]:
                 under.append((lo, hi))
-            moves = _moves_of(key, dfa, s)
+            moves = moves_of(key, dfa, s)
             if hi - lo <= len(moves):
                 nxt += [(c, moves[b]) for c, b in enumerate(level[lo:hi], lo) if b in moves]
             else:  # children are sorted by byte: each move's child found by a binary search

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from radixlm.core.constrained.counted_string import CountedStringDFA, string_tokens
-from radixlm.core.constrained.narrow_walk import narrow_walk, state_row
+from radixlm.core.constrained.narrow_walk import moves_of, narrow_walk, state_row
 from radixlm.core.constrained.regex_dfa import ByteDFA
 from radixlm.core.constrained.vocab import TokenVocab, byte_matrix, expand_ranges, set_bits
 
@@ -59,32 +59,33 @@ class SuffixTree:
             node.setdefault(data[-1], ({}, []))[1].append(n)
         return root
 
-    def classes(self, node: dict, key: str, state: int, transitions: np.ndarray,
-                accepting: np.ndarray) -> tuple[list[int], list[dict]]:
-        """The suffixes below `node` (the root or a node's children) read from `state` of terminal `key`
-        (its DFA's transitions and accepting states), as the vocabulary is in state_tokens: (ids of those
-        alive in the terminal through their last byte, the nodes (their children) after which the
-        terminal may end and the rest go on from whatever follows it). Context-independent, so cached per
-        (node, terminal, state): pda.py's exit walks need nothing else inside a terminal."""
+    def classes(self, node: dict, key: str, dfa: ByteDFA, state: int) -> tuple[list[int], list[dict]]:
+        """The suffixes below `node` (the root or a node's children) read from `state` of terminal `dfa`
+        (named `key`), as the vocabulary is in state_tokens: (ids of those alive in the terminal through
+        their last byte, the nodes (their children) after which the terminal may end and the rest go on
+        from whatever follows it). Context-independent, so cached per (node, terminal, state): pda.py's
+        exit walks need nothing else inside a terminal."""
         found = self._classes.get((id(node), key, state))  # nodes live as long as the tree: ids stay theirs
         if found is None:
             inside: list[int] = []
             ends_at: list[dict] = []
-            rows: dict[int, list[int]] = {}
+            accepting = dfa.accepting
             stack = [(state, node)]
             while stack:
                 q, children = stack.pop()
-                row = rows.get(q)
-                if row is None:
-                    row = rows[q] = transitions[q].tolist()
-                for b, (sub, ends) in children.items():
-                    nxt = row[b]
-                    if nxt >= 0:
-                        inside += ends
-                        if sub:
-                            if accepting[nxt]:
-                                ends_at.append(sub)
-                            stack.append((nxt, sub))
+                moves = moves_of(key, dfa, q)
+                # The fewer of the two: a literal's one move among a root's ~50 first bytes, or a
+                # string body's ~200 moves against a node's few children.
+                if len(moves) < len(children):
+                    pairs = [(t, children[b]) for b, t in moves.items() if b in children]
+                else:
+                    pairs = [(moves[b], child) for b, child in children.items() if b in moves]
+                for nxt, (sub, ends) in pairs:
+                    inside += ends
+                    if sub:
+                        if accepting[nxt]:
+                            ends_at.append(sub)
+                        stack.append((nxt, sub))
             if len(self._classes) >= CLASSES_PER_TREE:
                 self._classes.clear()
             found = self._classes[id(node), key, state] = (inside, ends_at)
