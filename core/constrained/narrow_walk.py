@@ -31,7 +31,8 @@ STATE_ROWS = 1 << 14
 # state's row is cut from these when asked, not for every state at once.
 _dfa_rows: dict[str, tuple[list[int], bytes, list[int], bytes]] = {}
 ROWS_AT_ONCE = 1024
-DFA_ROWS = 4096
+DFA_ROWS_MOVES = 1 << 21  # moves held in _dfa_rows at most (a string body's state has ~200), cleared past it
+_dfa_rows_moves = 0
 _moves: dict[tuple[str, int], dict[int, int]] = {}  # per (terminal, state): its moves as {byte: target}
 MOVES = 1 << 14
 
@@ -49,6 +50,7 @@ def moves_of(key: str, dfa: ByteDFA, state: int) -> dict[int, int]:
 
 
 def state_row(key: str, dfa: ByteDFA, state: int) -> tuple[bytes, list[int]]:
+    global _dfa_rows_moves
     found = _state_rows.get((key, state))
     if found is None:
         whole = len(dfa.transitions) <= ROWS_AT_ONCE
@@ -56,9 +58,11 @@ def state_row(key: str, dfa: ByteDFA, state: int) -> tuple[bytes, list[int]]:
         if rows is None:
             rows = _read_rows(dfa, np.arange(len(dfa.transitions)) if whole else np.array([state]))
             if whole:
-                if len(_dfa_rows) >= DFA_ROWS:
+                if _dfa_rows_moves + len(rows[2]) > DFA_ROWS_MOVES:
                     _dfa_rows.clear()
+                    _dfa_rows_moves = 0
                 _dfa_rows[key] = rows
+                _dfa_rows_moves += len(rows[2])
         cut, live_bytes, targets, accepting = rows
         n = state if whole else 0
         a, b = cut[n], cut[n + 1]

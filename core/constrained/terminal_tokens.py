@@ -307,7 +307,7 @@ def _row_shape(key: str, dfa: ByteDFA, state: int) -> tuple[bytes, list[int]]:
         head, targets = state_row(key, dfa, state)
         rank: dict[int, int] = {}
         shape = bytes(rank.setdefault(t, len(rank)) for t in targets)
-        if len(_row_shapes) > 1 << 18:
+        if len(_row_shapes) > 1 << 16:  # ~0.5 KB each at most (a string body state)
             _row_shapes.clear()
         found = _row_shapes[key, state] = (len(targets).to_bytes(2, "little") + head + shape, list(rank))
     return found
