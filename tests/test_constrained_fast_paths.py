@@ -1,7 +1,8 @@
 """The mask path's shortcuts (issue 17's tail) against the slow ways they replace, on Qwen2's vocabulary:
 exit suffixes taken per continuation (pda._suffixes_taken: suffix classes per terminal state, walked
 through configurations only past a terminal's end) against stepping every suffix byte by byte; the
-narrow trie walk against the level-wise one; single-byte successors against whole rows."""
+narrow trie walk against the level-wise one; single-byte successors against whole rows; exit pairs, counted
+string classes, state rows and future names against the direct ways."""
 
 from __future__ import annotations
 
@@ -106,3 +107,129 @@ def test_single_byte_steps_agree_with_rows(qwen):
                 assert index._row(config)[b] == target, (config, b)
                 checked += 1
     assert checked > 30
+
+
+def _exit_pairs_one_by_one(dfa, ids, states, vocab) -> set[tuple[int, int]]:
+    """terminal_tokens._exit_pairs the slow way: each token stepped byte by byte from its state."""
+    pairs = set()
+    for i, q in zip(ids.tolist(), states.tolist()):
+        data = vocab.token_bytes[i]
+        for j in range(1, len(data)):
+            if q < 0:
+                break
+            if dfa.accepting[q]:
+                pairs.add((i, j))
+            q = int(dfa.transitions[q, data[j]])
+    return pairs
+
+
+def test_exit_pairs_equal_stepping_each_token(qwen):
+    """Exit pairs stepped over the tokens still alive (stopping once none is) equal each token's own walk,
+    for terminals whose tokens pass accepting states at several positions (numbers, a string of a's)."""
+    vocab = prepare_vocab(qwen)
+    rng = np.random.default_rng(2)
+    first_node = terminal_tokens._first_node(vocab)
+    checked = 0
+    for schema in [{"type": "number"}, {"type": "string", "pattern": "^a*$"}, SCHEMAS[2]]:
+        grammar = build_constraint("json_schema", schema, qwen).index.grammar
+        for dfa in grammar.terminals:
+            for q in range(min(dfa.num_states, 12)):
+                ids = np.sort(rng.choice(vocab.size, 3000, replace=False))
+                ids = ids[first_node[ids] >= 0]
+                states = dfa.transitions[q, [vocab.token_bytes[i][0] for i in ids.tolist()]].astype(np.int64)
+                ids, states = ids[states >= 0], states[states >= 0]
+                tokens, starts = terminal_tokens._exit_pairs(dfa, ids, states, vocab)
+                got = set(zip(tokens.tolist(), starts.tolist()))
+                assert len(got) == len(tokens) and got == _exit_pairs_one_by_one(dfa, ids, states, vocab)
+                checked += len(got)
+    assert checked > 100
+
+
+def test_counted_string_classes_cached_equal_fresh(qwen):
+    """A counted string boundary's classes, cached by (opening, characters still required, room), equal
+    those computed afresh for every boundary of strings with different bounds."""
+    from radixlm.core.constrained.counted_string import counted_string_dfa
+
+    vocab = prepare_vocab(qwen)
+    dfas = [counted_string_dfa(lo, hi) for lo, hi in [(0, 3), (2, 5), (1, None), (4, None)]]
+    boundaries = [(dfa, state) for dfa in dfas for state in range(dfa.num_states) if dfa.written(state) is not None]
+    with terminal_tokens._lock:
+        terminal_tokens._cache.clear()
+    got = [terminal_tokens.state_tokens("counted", dfa, state, vocab) for dfa, state in boundaries]  # some hits
+    for (dfa, state), found in zip(boundaries, got):
+        with terminal_tokens._lock:
+            terminal_tokens._cache.clear()
+        want = terminal_tokens.state_tokens("counted", dfa, state, vocab)
+        assert (found.inside == want.inside).all() and (found.closing == want.closing).all(), (dfa.lo, dfa.hi, state)
+    assert len(boundaries) > 15
+
+
+def test_state_rows_cut_on_demand_equal_the_dfa(qwen):
+    """A small DFA's rows, read at once and cut per state when asked, and a large one's, read per state,
+    are each state's accepting flag, live bytes and targets."""
+    grammar = build_constraint("json_schema", SCHEMAS[0], qwen).index.grammar
+    checked = 0
+    for name, dfa in zip(grammar.terminal_names, grammar.terminals):
+        for at_once in (narrow_walk.ROWS_AT_ONCE, 0):
+            narrow_walk._state_rows.clear()
+            narrow_walk._dfa_rows.clear()
+            try:
+                narrow_walk.ROWS_AT_ONCE = at_once
+                for q in reversed(range(dfa.num_states)):
+                    head, targets = narrow_walk.state_row(name, dfa, q)
+                    live = np.flatnonzero(dfa.transitions[q] >= 0)
+                    assert head == bytes([int(dfa.accepting[q]), len(live) & 255, *live.tolist()]), (name, q)
+                    assert targets == dfa.transitions[q, live].tolist(), (name, q)
+                    checked += 1
+            finally:
+                narrow_walk.ROWS_AT_ONCE = 1024
+    assert checked > 50
+
+
+def test_futures_name_equal_automata_alike_and_differ_otherwise():
+    """Futures are named by the automaton reachable from a state: a literal's tail has the name of the
+    shorter literal it spells, whatever the terminal; another tail, or a longer future, has another."""
+    from radixlm.core.constrained.regex_dfa import literal_dfa, regex_to_dfa
+
+    terminal_tokens._futures.clear()
+    abc, xabc, abd = literal_dfa(b"abc"), literal_dfa(b"xabc"), literal_dfa(b"abd")
+    name = terminal_tokens._future
+    assert name("t:abc", abc, 0) == name("t:xabc", xabc, 1) != name("t:abd", abd, 0)
+    assert name("t:abc", abc, 1) != name("t:abd", abd, 1) and name("t:abc", abc, 3) == name("t:abd", abd, 3)
+    body, other = regex_to_dfa('[a-z]*"'), regex_to_dfa('[a-y]*"')  # loops: many moves to a few states
+    assert name("t:body", body, 0, 1) is None  # over `most` states and not named before
+    assert name("t:body", body, 0) != name("t:other", other, 0) and name("t:body", body, 0) is not None
+    assert name("t:body", body, 0, 1) == name("t:body", body, 0)  # a known name is returned whatever `most`
+
+
+def test_wide_states_bits_patched_from_recent_ones_equal_a_whole_walk(qwen, monkeypatch):
+    """A wide state's inside bits, taken from a recent wide state's with the differing first-byte subtrees
+    cleared and set, equal a walk of the whole vocabulary from the state (key terminals that exclude listed
+    names against a plain string's body and each other)."""
+    vocab = prepare_vocab(qwen)
+    first = vocab.trie.byte[1].astype(np.int64)
+    patched = []
+    inside_bits = terminal_tokens._inside_bits
+    monkeypatch.setattr(terminal_tokens, "_inside_bits",
+                        lambda have, keys, v: patched.append(len(terminal_tokens._bases)) or inside_bits(have, keys, v))
+    with terminal_tokens._lock:
+        terminal_tokens._cache.clear()
+    # Plain string bodies first, then keys that exclude names (differing subtrees: the names' letters),
+    # then keys that cannot start with `a` (a subtree the bases have and these states lack).
+    terminals = []
+    for schema in [{"type": "object", "properties": {"foo": {}, "fob": {}, "bar": {}, "zzz": {}},
+                    "additionalProperties": {"type": "string"}},
+                   {"type": "object", "propertyNames": {"pattern": "^[^a]"}}]:
+        grammar = build_constraint("json_schema", schema, qwen).index.grammar
+        terminals += zip(grammar.terminal_names, grammar.terminals)
+    for name, dfa in terminals:
+        for q in range(min(dfa.num_states, 12)):
+            nxt = dfa.transitions[q, first]
+            live = np.flatnonzero(nxt >= 0)
+            if len(live) <= narrow_walk.NARROW_NODES:
+                continue
+            got = np.unpackbits(terminal_tokens._classify(name, dfa, q, vocab).inside, count=vocab.size,
+                                bitorder="little")
+            whole, _ = terminal_tokens._walk(dfa, live, nxt[live], vocab)
+            assert (got.astype(bool) == whole).all(), (name, q)
+    assert len(patched) > 5 and max(patched) > 0

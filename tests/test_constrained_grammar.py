@@ -615,8 +615,9 @@ def test_llguidance_backend_behind_the_same_interface(tiny_tokenizer):
 
 
 def test_token_classes_assembled_per_first_byte_equal_a_whole_walk(tiny_tokenizer):
-    """A state's token classes reuse earlier states' subtrees (terminal_tokens._classify): they must equal
-    one walk of the whole vocabulary from that state, for key terminals that exclude listed names too."""
+    """A state's token classes reuse earlier states' subtrees or are walked node by node
+    (terminal_tokens._classify): they must equal one walk of the whole vocabulary from that state, for key
+    terminals that exclude listed names too."""
     from radixlm.core.constrained import terminal_tokens
     from radixlm.core.constrained.vocab import vocab_of
 
@@ -628,9 +629,15 @@ def test_token_classes_assembled_per_first_byte_equal_a_whole_walk(tiny_tokenize
         grammar = compile_grammar(json_schema_to_grammar(schema))
         for name, dfa in zip(grammar.terminal_names, grammar.terminals):
             for q in range(dfa.num_states):
-                inside, tokens, starts, _ = terminal_tokens._classify(name, dfa, q, vocab)
-                uncertain = np.unique(tokens)
-                for i, j in zip(tokens.tolist(), starts.tolist()):  # where they leave: an accepting state
+                classes = terminal_tokens._classify(name, dfa, q, vocab)
+                inside = np.flatnonzero(np.unpackbits(classes.inside, count=vocab.size, bitorder="little"))
+                tokens, starts = [], []
+                if classes.exits is not None:
+                    tokens = classes.exits.pair_token.tolist()
+                    suffixes = [classes.exits.tree.suffixes[k] for k in classes.exits.pair_suffix.tolist()]
+                    starts = [len(vocab.token_bytes[i]) - len(x) for i, x in zip(tokens, suffixes)]
+                uncertain = np.unique(np.asarray(tokens, dtype=np.int64))
+                for i, j in zip(tokens, starts):  # where they leave: an accepting state
                     assert 0 < j < len(vocab.token_bytes[i]), (name, q, i, j)
                     at = _run(dfa, q, vocab.token_bytes[i][:j])
                     assert at >= 0 and dfa.accepting[at], (name, q, i, j)

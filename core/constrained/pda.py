@@ -351,10 +351,10 @@ class GrammarIndex:
         terminal may end, the rest is the same question from the configuration where the item resumes.
         So no configuration is stepped: suffixes die or stay inside their first terminals at once (after
         a number only `,` `}` `]` go on, say)."""
-        names = self.grammar.terminal_names
+        names, terminals = self.grammar.terminal_names, self.grammar.terminals
         alive: list[int] = []
         for t, q, after in self._items[c]:
-            inside, ends_at = tree.classes(node, names[t], q, self._trans[t], self._acc[t])
+            inside, ends_at = tree.classes(node, names[t], terminals[t], q)
             alive += inside
             if ends_at:
                 resume = self._intern(self._follow(after))

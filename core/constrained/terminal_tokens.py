@@ -30,9 +30,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from radixlm.core.constrained.counted_string import CountedStringDFA, string_tokens
-from radixlm.core.constrained.narrow_walk import narrow_walk, state_row
+from radixlm.core.constrained.narrow_walk import moves_of, narrow_walk, state_row
 from radixlm.core.constrained.regex_dfa import ByteDFA
-from radixlm.core.constrained.vocab import TokenVocab, expand_ranges, set_bits
+from radixlm.core.constrained.vocab import TokenVocab, byte_matrix, expand_ranges, set_bits
 
 DENSE_RATIO = 8  # a trie level is walked densely when over 1/8 of the previous level's nodes are alive
 CLASSES_PER_TREE = 4096  # (node, terminal, state) entries per SuffixTree, cleared when full
@@ -59,32 +59,33 @@ class SuffixTree:
             node.setdefault(data[-1], ({}, []))[1].append(n)
         return root
 
-    def classes(self, node: dict, key: str, state: int, transitions: np.ndarray,
-                accepting: np.ndarray) -> tuple[list[int], list[dict]]:
-        """The suffixes below `node` (the root or a node's children) read from `state` of terminal `key`
-        (its DFA's transitions and accepting states), as the vocabulary is in state_tokens: (ids of those
-        alive in the terminal through their last byte, the nodes (their children) after which the
-        terminal may end and the rest go on from whatever follows it). Context-independent, so cached per
-        (node, terminal, state): pda.py's exit walks need nothing else inside a terminal."""
+    def classes(self, node: dict, key: str, dfa: ByteDFA, state: int) -> tuple[list[int], list[dict]]:
+        """The suffixes below `node` (the root or a node's children) read from `state` of terminal `dfa`
+        (named `key`), as the vocabulary is in state_tokens: (ids of those alive in the terminal through
+        their last byte, the nodes (their children) after which the terminal may end and the rest go on
+        from whatever follows it). Context-independent, so cached per (node, terminal, state): pda.py's
+        exit walks need nothing else inside a terminal."""
         found = self._classes.get((id(node), key, state))  # nodes live as long as the tree: ids stay theirs
         if found is None:
             inside: list[int] = []
             ends_at: list[dict] = []
-            rows: dict[int, list[int]] = {}
+            accepting = dfa.accepting
             stack = [(state, node)]
             while stack:
                 q, children = stack.pop()
-                row = rows.get(q)
-                if row is None:
-                    row = rows[q] = transitions[q].tolist()
-                for b, (sub, ends) in children.items():
-                    nxt = row[b]
-                    if nxt >= 0:
-                        inside += ends
-                        if sub:
-                            if accepting[nxt]:
-                                ends_at.append(sub)
-                            stack.append((nxt, sub))
+                moves = moves_of(key, dfa, q)
+                # The fewer of the two: a literal's one move among a root's ~50 first bytes, or a
+                # string body's ~200 moves against a node's few children.
+                if len(moves) < len(children):
+                    pairs = [(t, children[b]) for b, t in moves.items() if b in children]
+                else:
+                    pairs = [(moves[b], child) for b, child in children.items() if b in moves]
+                for nxt, (sub, ends) in pairs:
+                    inside += ends
+                    if sub:
+                        if accepting[nxt]:
+                            ends_at.append(sub)
+                        stack.append((nxt, sub))
             if len(self._classes) >= CLASSES_PER_TREE:
                 self._classes.clear()
             found = self._classes[id(node), key, state] = (inside, ends_at)
@@ -141,20 +142,36 @@ _lock = threading.Lock()
 def state_tokens(key: str, dfa: ByteDFA, state: int, vocab: TokenVocab) -> StateTokens:
     """The token classes of `state` in terminal `dfa` (named `key`: equal keys, equal DFAs), cached."""
     if isinstance(dfa, CountedStringDFA) and (written := dfa.written(state)) is not None:
-        return _counted(dfa, written, state == 0, vocab)  # a few bitwise operations: not worth a cache entry
-    cache_key = (_future(key, dfa, state), vocab.fingerprint)
+        return _counted(dfa, written, state == 0, vocab)
+    named = (key, state, vocab.fingerprint)
+    found = _cached(named)
+    if found is None:
+        # A small future is named (a literal's tail: `":` ends every literal key, and the tokens that cross
+        # its end are many) and shared by that name; a larger one only if the state is wide (_classify): a
+        # bounded number's ~50 states hashed for each of its states would cost more than walking it.
+        future = _future(key, dfa, state, SMALL_FUTURE)
+        found = _cached((future, vocab.fingerprint)) if future is not None else None
+        if found is None:
+            found = _classify(key, dfa, state, vocab)
+            if future is not None:
+                _keep((future, vocab.fingerprint), found)
+        _keep(named, found)
+    return found
+
+
+def _cached(cache_key: tuple) -> StateTokens | None:
     with _lock:
         found = _cache.get(cache_key)
         if found is not None:
             _cache.move_to_end(cache_key)
-            return found
-    inside, tokens, starts, exits_key = _classify(key, dfa, state, vocab)
-    found = StateTokens(_packed(inside, vocab.size), _exits(exits_key, tokens, starts, vocab))
+        return found
+
+
+def _keep(cache_key: tuple, found: StateTokens) -> None:
     with _lock:
         _cache[cache_key] = found
         if len(_cache) > CACHE_SIZE:
             _cache.popitem(last=False)
-    return found
 
 
 def _packed(ids: np.ndarray, size: int) -> np.ndarray:
@@ -197,30 +214,35 @@ def _exit_pairs(dfa: ByteDFA, ids: np.ndarray, states: np.ndarray, vocab: TokenV
     over all the tokens at once."""
     if not len(ids):
         return np.zeros(0, dtype=np.int32), np.zeros(0, dtype=np.int32)
-    token_bytes = vocab.token_bytes
-    lens = np.fromiter((len(token_bytes[i]) for i in ids.tolist()), np.int64, count=len(ids))
-    width = int(lens.max())
-    mat = np.zeros((len(ids), width), dtype=np.uint8)
-    for n, i in enumerate(ids.tolist()):  # the tokens of new subtrees only, once per (future, first byte)
-        data = token_bytes[i]
-        mat[n, :len(data)] = np.frombuffer(data, dtype=np.uint8)
-    cur = states.astype(np.int64)
-    rows, cols = [], []
-    for j in range(1, width):
-        at = np.flatnonzero((cur >= 0) & (lens > j) & dfa.accepting[np.maximum(cur, 0)])
+    mat, lens = byte_matrix([vocab.token_bytes[i] for i in ids.tolist()])
+    alive, cur = np.arange(len(ids)), states.astype(np.int64)  # rows still in the DFA, and their states
+    rows, cols = [np.zeros(0, dtype=np.int64)], [np.zeros(0, dtype=np.int32)]
+    for j in range(1, mat.shape[1]):
+        keep = (cur >= 0) & (lens[alive] > j)
+        alive, cur = alive[keep], cur[keep]
+        if not len(alive):  # every token dead or read: the longest ones (whitespace runs) step no further
+            break
+        at = alive[dfa.accepting[cur]]
         rows.append(at)
         cols.append(np.full(len(at), j, dtype=np.int32))
-        cur = np.where(cur >= 0, dfa.transitions[np.maximum(cur, 0), mat[:, j]], -1)
+        cur = dfa.transitions[cur, mat[alive, j]].astype(np.int64)
     rows = np.concatenate(rows)
     return ids[rows].astype(np.int32), np.concatenate(cols)
 
 
 def _counted(dfa: CountedStringDFA, written: int, opening: bool, vocab: TokenVocab) -> StateTokens:
-    strings = string_tokens(vocab, opening)
+    """A counted string boundary's classes: a few operations on 19 KB bit sets (~20 µs, in most first
+    masks of a schema with a string value), cached by what they depend on."""
     room = None if dfa.hi is None else dfa.hi - written
-    closing = strings.closing_between(dfa.lo - written, room)
-    inside = strings.allowed_inside(room) | (closing & strings.ends_at_quote)
-    return StateTokens(inside, closing=closing & ~strings.ends_at_quote, after_quote=_quote_exits(vocab, opening))
+    cache_key = ("counted", vocab.fingerprint, opening, dfa.lo - written, room)
+    found = _cached(cache_key)
+    if found is None:
+        strings = string_tokens(vocab, opening)
+        closing = strings.closing_between(dfa.lo - written, room)
+        inside = strings.allowed_inside(room) | (closing & strings.ends_at_quote)
+        found = StateTokens(inside, closing=closing & ~strings.ends_at_quote, after_quote=_quote_exits(vocab, opening))
+        _keep(cache_key, found)
+    return found
 
 
 _quote_exits_cache: dict[tuple[str, bool], Exits | None] = {}
@@ -241,33 +263,53 @@ def _quote_exits(vocab: TokenVocab, opening: bool) -> Exits | None:
     return _quote_exits_cache[key]
 
 
-_futures: dict[tuple[str, int], object] = {}
+_futures: dict[tuple[str, int], bytes | int] = {}  # a name, or the number of states it is known to exceed
 MAX_FUTURE_STATES = 512  # larger futures are named by (terminal, state) instead
+SMALL_FUTURE = 4  # futures named before a state is known to be wide
 
 
-def _future(key: str, dfa: ByteDFA, state: int) -> object:
+def _future(key: str, dfa: ByteDFA, state: int, most: int = MAX_FUTURE_STATES) -> bytes | None:
     """A name for what the DFA can still read from `state`: a hash of the automaton reachable from it,
-    its states numbered in breadth-first order. Token classes depend on nothing else, so states of
-    different terminals with the same future (a key terminal past the names it excludes and a plain
-    string's body, say) share them. Memoized per (terminal, state)."""
+    its states numbered in breadth-first order; None if over `most` states are reachable and it was not
+    named before. Token classes depend on nothing else, so states of different terminals with the same
+    future (a key terminal past the names it excludes and a plain string's body, say) share them.
+    Memoized per (terminal, state)."""
     found = _futures.get((key, state))
-    if found is not None:
-        return found
+    if isinstance(found, bytes) or found is not None and found >= most:
+        return found if isinstance(found, bytes) else None
     order, queue = {state: 0}, [state]
     digest = hashlib.blake2b(digest_size=16)
     i = 0
-    while i < len(queue) and len(queue) <= MAX_FUTURE_STATES:
-        head, targets = state_row(key, dfa, queue[i])
+    while i < len(queue) and len(queue) <= most:
+        record, distinct = _row_shape(key, dfa, queue[i])
         i += 1
-        for t in targets:
+        for t in distinct:
             if t not in order:
                 order[t] = len(queue)
                 queue.append(t)
-        digest.update(head + array("i", [order[t] for t in targets]).tobytes())
-    found = digest.digest() if len(queue) <= MAX_FUTURE_STATES else (key, state)
+        digest.update(record + array("i", [order[t] for t in distinct]).tobytes())
+    found = digest.digest() if len(queue) <= most else None
     if len(_futures) > 1 << 18:
         _futures.clear()
-    _futures[key, state] = found
+    _futures[key, state] = most if found is None else found
+    return found
+
+
+_row_shapes: dict[tuple[str, int], tuple[bytes, list[int]]] = {}
+
+
+def _row_shape(key: str, dfa: ByteDFA, state: int) -> tuple[bytes, list[int]]:
+    """(the state's row as bytes: number of live bytes, accepting, the live bytes, and per live byte the
+    rank of its target among the distinct targets; the distinct targets in order of first use). A string
+    body's ~200 moves go to a handful of states: a search numbers those, not every move."""
+    found = _row_shapes.get((key, state))
+    if found is None:
+        head, targets = state_row(key, dfa, state)
+        rank: dict[int, int] = {}
+        shape = bytes(rank.setdefault(t, len(rank)) for t in targets)
+        if len(_row_shapes) > 1 << 16:  # ~0.5 KB each at most (a string body state)
+            _row_shapes.clear()
+        found = _row_shapes[key, state] = (len(targets).to_bytes(2, "little") + head + shape, list(rank))
     return found
 
 
@@ -291,22 +333,82 @@ _subtree_ids = 0  # ids held by _subtrees, bounded by SUBTREE_IDS
 SUBTREE_IDS = 16_000_000  # 64 MB of int32 ids
 
 
-def _classify(key: str, dfa: ByteDFA, state: int,
-              vocab: TokenVocab) -> tuple[np.ndarray, np.ndarray, np.ndarray, tuple]:
-    """From `state`: (ids of the tokens alive in the DFA through their last byte; the exits of the
-    other tokens that pass an accepting state after their first byte and before their last, as token
-    ids and the positions where they may leave; a name for those exits: the subtrees they come from, or
-    the state's own future when it was walked whole)."""
+def _classify(key: str, dfa: ByteDFA, state: int, vocab: TokenVocab) -> StateTokens:
+    """The token classes of `state`. A state few tokens follow (a literal, a number) is walked whole. A
+    wide state (a string body) is shared by its future with every state that has it, whatever its
+    terminal (a key past its excluded names and a plain string), and is built from per-first-byte
+    subtrees shared the same way."""
     trie = vocab.trie
     first_bytes = trie.byte[1].astype(np.int64)  # the byte of each level-1 node
     nxt = dfa.transitions[state, first_bytes]
     live = np.flatnonzero(nxt >= 0)
     walked = narrow_walk(key, dfa, live, nxt[live], vocab)
-    if walked is not None:  # few tokens follow (a literal, a number): walked whole, named by the state's future
+    if walked is not None:
         inside, uncertain = walked
         tokens, starts = _exit_pairs(dfa, uncertain, _after_first(nxt, live, vocab, uncertain), vocab)
-        return inside, tokens, starts, (_future(key, dfa, state), vocab.fingerprint)
-    futures = {q: _future(key, dfa, q) for q in set(nxt[live].tolist())}
+        exits_key = (_future(key, dfa, state, SMALL_FUTURE) or (key, state), vocab.fingerprint)
+        return StateTokens(_packed(inside, vocab.size), _exits(exits_key, tokens, starts, vocab))
+    shared = (_future(key, dfa, state) or (key, state), vocab.fingerprint)
+    found = _cached(shared)
+    if found is None:
+        have, keys = _wide(key, dfa, nxt, live, vocab)
+        nodes = sorted(have)
+        exits_key = tuple(keys[n] for n in nodes if len(have[n][1]))
+        tokens, starts = (np.concatenate([have[n][i] for n in nodes] or [np.zeros(0, np.int32)]) for i in (1, 2))
+        found = StateTokens(_inside_bits(have, keys, vocab), _exits(exits_key, tokens, starts, vocab))
+        _keep(shared, found)
+    return found
+
+
+# The last wide states built: (their subtree per level-1 node and its name, their inside bits). A key terminal
+# past one letter of its excluded names differs from a plain string body in that letter's subtree alone, so
+# its bits are the body's with that subtree's tokens changed, not ~150k ids packed anew (~300 µs).
+_bases: list[tuple[dict[int, tuple], dict[int, tuple], np.ndarray]] = []
+BASES = 4
+
+
+def _inside_bits(have: dict[int, tuple], keys: dict[int, tuple], vocab: TokenVocab) -> np.ndarray:
+    """Packed bits of the inside tokens of the subtrees `have` (per level-1 node, named by `keys`): a recent
+    wide state's bits with the differing subtrees' tokens cleared and set, when they are few."""
+    total = sum(len(x[0]) for x in have.values())
+    best, fewest, best_changed = None, total // 4, set()  # patching over a quarter of the ids costs a pack
+    with _lock:
+        bases = list(_bases)
+    for base in bases:
+        base_have, base_keys, _ = base
+        changed = {n for n, _ in keys.items() ^ base_keys.items()}  # nodes whose subtree differs, or is missing
+        ids = sum(len(base_have[n][0]) if n in base_have else 0 for n in changed)
+        ids += sum(len(have[n][0]) if n in have else 0 for n in changed)
+        if ids < fewest:
+            best, fewest, best_changed = base, ids, changed
+    if best is None:
+        packed = _packed(np.concatenate([have[n][0] for n in sorted(have)] or [np.zeros(0, np.int32)]), vocab.size)
+    else:
+        base_have, _, packed = best
+        packed = packed.copy()
+        gone = [base_have[n][0] for n in best_changed if n in base_have]
+        if gone:
+            ids = np.concatenate(gone).astype(np.int64)
+            np.bitwise_and.at(packed, ids >> 3, (~(1 << (ids & 7))).astype(np.uint8))
+        new = [have[n][0] for n in best_changed if n in have]
+        if new:
+            set_bits(packed, np.concatenate(new).astype(np.int64))
+    with _lock:
+        _bases.insert(0, (have, keys, packed))
+        del _bases[BASES:]
+    return packed
+
+
+def _wide(key: str, dfa: ByteDFA, nxt: np.ndarray, live: np.ndarray,
+          vocab: TokenVocab) -> tuple[dict[int, tuple], dict[int, tuple]]:
+    """From a state (nxt: the state after each level-1 trie node's byte, live: the nodes where it is
+    alive), per level-1 node: (ids of the tokens below it alive in the DFA through their last byte; the
+    exits of the other tokens that pass an accepting state after their first byte and before their last,
+    as token ids and the positions where they may leave), and the subtree's name. Most of a state's first
+    bytes lead where other states' do, so only the subtrees of first bytes whose future is new are
+    walked."""
+    first_bytes = vocab.trie.byte[1].astype(np.int64)
+    futures = {q: _future(key, dfa, q) or (key, q) for q in set(nxt[live].tolist())}
     keys = {n: (futures[q], b, vocab.fingerprint) for n, q, b in
             zip(live.tolist(), nxt[live].tolist(), first_bytes[live].tolist())}
     with _lock:
@@ -324,18 +426,14 @@ def _classify(key: str, dfa: ByteDFA, state: int,
         inside, uncertain = walked
         tokens, starts = _exit_pairs(dfa, uncertain, _after_first(nxt, missing, vocab, uncertain), vocab)
         have.update(_store({int(n): keys[int(n)] for n in missing}, inside, tokens, starts, vocab))
-    if not have:
-        return np.zeros(0, dtype=np.int32), np.zeros(0, dtype=np.int32), np.zeros(0, dtype=np.int32), ()
-    nodes = sorted(have)
-    inside = np.concatenate([have[n][0] for n in nodes])
-    exits_key = tuple(keys[n] for n in nodes if len(have[n][1]))
-    return (inside, np.concatenate([have[n][1] for n in nodes]), np.concatenate([have[n][2] for n in nodes]),
-            exits_key)
+    return have, keys
 
 
 def _after_first(nxt: np.ndarray, nodes: np.ndarray, vocab: TokenVocab, ids: np.ndarray) -> np.ndarray:
     """The DFA state after the first byte of each token of `ids` (below level-1 `nodes`; nxt: the state
     after each level-1 node's byte)."""
+    if not len(ids):  # most narrow states: no token leaves mid-way
+        return np.zeros(0, dtype=np.int64)
     after = np.full(len(nxt), -1, dtype=np.int64)
     after[nodes] = nxt[nodes]
     return after[_first_node(vocab)[ids]]

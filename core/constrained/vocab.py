@@ -188,6 +188,12 @@ class TokenTrie:
             _, idx = expand_ranges(eptr[nodes], eptr[nodes + 1] - eptr[nodes])
             out[self.end_tokens[d][idx]] = True
 
+    @functools.cached_property
+    def views(self) -> tuple[list[memoryview], list[memoryview], list[memoryview]]:
+        """byte, child_ptr and end_ptr as memoryviews: their items read as Python ints (and bisect searches
+        them), for walks that visit a few nodes at a time, where numpy scalars cost more than the work."""
+        return tuple([memoryview(x) for x in arrays] for arrays in (self.byte, self.child_ptr, self.end_ptr))
+
     @property
     def depth(self) -> int:
         return len(self.byte) - 1
