@@ -78,9 +78,9 @@ def engines(llama_ckpt):
         yield thread, process
 
 
-def _strip(out: dict) -> dict:
-    """An output without its timings (which differ run to run)."""
-    meta = {k: v for k, v in out["meta_info"].items() if k not in ("e2e_latency", "ttft", "queue_time")}
+def _strip(out: dict, *also: str) -> dict:
+    """An output without its timings (which differ run to run), nor the meta fields `also` names."""
+    meta = {k: v for k, v in out["meta_info"].items() if k not in ("e2e_latency", "ttft", "queue_time", *also)}
     return {**out, "meta_info": meta}
 
 
@@ -104,7 +104,9 @@ def test_process_mode_matches_the_thread_engine(engines):
     n2 = dict(prompt="Two samples", sampling_params={**GREEDY, "n": 2}, rid="pair")
     outs = process.generate(**n2)
     assert [o["meta_info"]["id"] for o in outs] == ["pair-0", "pair-1"]
-    assert [_strip(o) for o in outs] == [_strip(o) for o in thread.generate(**n2)]
+    # Whether the second sample finds the first's prompt cached depends on whether both reached the
+    # scheduler before its next step (a process queue's items arrive one by one): not compared.
+    assert [_strip(o, "cached_tokens") for o in outs] == [_strip(o, "cached_tokens") for o in thread.generate(**n2)]
     stream = dict(prompt="Streaming along", sampling_params={**GREEDY, "stop": ["zz"]}, stream=True)
     chunks = [list(e.generate(**stream)) for e in (thread, process)]
     assert [(c["text"], c["output_ids"]) for c in chunks[1]] == [(c["text"], c["output_ids"]) for c in chunks[0]]
