@@ -75,7 +75,6 @@ class GrammarIndex:
         self._masks = MaskCache(MASK_CACHE_SIZE)
         self._closings: dict[tuple[int, bool], np.ndarray] = {}
         self._exits: dict[tuple, np.ndarray] = {}  # see _exits_taken
-        self._signatures: dict[int, tuple[tuple, tuple]] = {}  # per configuration: its items' terminal states
         self._lock = threading.RLock()
         self._spellable = _spellable_bytes(vocab)
         self.spells_every_byte = bool(self._spellable.all())
@@ -352,20 +351,15 @@ class GrammarIndex:
         terminal may end, the rest is the same question from the configuration where the item resumes.
         So no configuration is stepped: suffixes die or stay inside their first terminals at once (after
         a number only `,` `}` `]` go on, say)."""
-        items = self._items[c]
-        signature = self._signatures.get(c)
-        if signature is None:
-            names, terminals = self.grammar.terminal_names, self.grammar.terminals
-            signature = self._signatures[c] = (tuple((names[t], q) for t, q, _ in items),
-                                               tuple(terminals[t] for t, _, _ in items))
-        inside, ends = tree.joint_classes(node, *signature)
-        if not ends:
-            return inside  # shared: callers only read it
-        alive = list(inside)
-        for i, ends_at in ends:
-            resume = self._intern(self._follow(items[i][2]))
-            for sub in ends_at:
-                alive += self._suffixes_taken(tree, sub, resume)
+        names, terminals = self.grammar.terminal_names, self.grammar.terminals
+        alive: list[int] = []
+        for t, q, after in self._items[c]:
+            inside, ends_at = tree.classes(node, names[t], terminals[t], q)
+            alive += inside
+            if ends_at:
+                resume = self._intern(self._follow(after))
+                for sub in ends_at:
+                    alive += self._suffixes_taken(tree, sub, resume)
         return alive
 
     def _after_closing(self, k: int, opening: bool, after_quote: Exits | None) -> np.ndarray:

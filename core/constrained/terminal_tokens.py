@@ -48,7 +48,6 @@ class SuffixTree:
     def __init__(self, suffixes: list[bytes]) -> None:
         self.suffixes = suffixes
         self._classes: dict[tuple[int, str, int], tuple[list[int], list[dict]]] = {}
-        self._joint: dict[tuple[int, tuple], tuple[list[int], list[tuple[int, list[dict]]]]] = {}
 
     @functools.cached_property
     def root(self) -> dict[int, tuple[dict, list[int]]]:
@@ -90,28 +89,6 @@ class SuffixTree:
             if len(self._classes) >= CLASSES_PER_TREE:
                 self._classes.clear()
             found = self._classes[id(node), key, state] = (inside, ends_at)
-        return found
-
-
-    def joint_classes(self, node: dict, states: tuple[tuple[str, int], ...],
-                      dfas: tuple[ByteDFA, ...]) -> tuple[list[int], list[tuple[int, list[dict]]]]:
-        """classes() of several terminal states (a configuration's items: `states` as (terminal name,
-        state), their DFAs `dfas`) at once: (the ids alive inside any of them, and per position of a state
-        that may end its terminal part way, the nodes where it may). Cached per (node, states): a
-        configuration's items recur with other continuations (a value's alternatives under every key),
-        and only the parts past a terminal's end depend on those."""
-        found = self._joint.get((id(node), states))
-        if found is None:
-            inside: list[int] = []  # repeats are harmless: the ids index a bool array
-            ends: list[tuple[int, list[dict]]] = []
-            for i, ((name, q), dfa) in enumerate(zip(states, dfas)):
-                alive, ends_at = self.classes(node, name, dfa, q)
-                inside += alive
-                if ends_at:
-                    ends.append((i, ends_at))
-            if len(self._joint) >= CLASSES_PER_TREE:
-                self._joint.clear()
-            found = self._joint[id(node), states] = (inside, ends)
         return found
 
 
