@@ -277,40 +277,21 @@ def _future(key: str, dfa: ByteDFA, state: int, most: int = MAX_FUTURE_STATES) -
     found = _futures.get((key, state))
     if isinstance(found, bytes) or found is not None and found >= most:
         return found if isinstance(found, bytes) else None
-    # States numbered first, from the targets alone: most searches stop past `most` (every fresh literal
-    # key's first states against SMALL_FUTURE), and only a future that is named needs its rows' shapes.
     order, queue = {state: 0}, [state]
+    digest = hashlib.blake2b(digest_size=16)
     i = 0
     while i < len(queue) and len(queue) <= most:
-        for t in _distinct(key, dfa, queue[i]):
+        record, distinct = _row_shape(key, dfa, queue[i])
+        i += 1
+        for t in distinct:
             if t not in order:
                 order[t] = len(queue)
                 queue.append(t)
-        i += 1
-    found = None
-    if len(queue) <= most:
-        digest = hashlib.blake2b(digest_size=16)
-        for q in queue:
-            record, distinct = _row_shape(key, dfa, q)
-            digest.update(record + array("i", [order[t] for t in distinct]).tobytes())
-        found = digest.digest()
+        digest.update(record + array("i", [order[t] for t in distinct]).tobytes())
+    found = digest.digest() if len(queue) <= most else None
     if len(_futures) > 1 << 18:
         _futures.clear()
     _futures[key, state] = most if found is None else found
-    return found
-
-
-_distincts: dict[tuple[str, int], list[int]] = {}
-
-
-def _distinct(key: str, dfa: ByteDFA, state: int) -> list[int]:
-    """The state's distinct targets in order of first use (by byte). A string body's ~200 moves go to a
-    handful of states: a search numbers those, not every move."""
-    found = _distincts.get((key, state))
-    if found is None:
-        if len(_distincts) > 1 << 16:
-            _distincts.clear()
-        found = _distincts[key, state] = list(dict.fromkeys(state_row(key, dfa, state)[1]))
     return found
 
 
@@ -319,16 +300,16 @@ _row_shapes: dict[tuple[str, int], tuple[bytes, list[int]]] = {}
 
 def _row_shape(key: str, dfa: ByteDFA, state: int) -> tuple[bytes, list[int]]:
     """(the state's row as bytes: number of live bytes, accepting, the live bytes, and per live byte the
-    rank of its target among the distinct targets; the distinct targets)."""
+    rank of its target among the distinct targets; the distinct targets in order of first use). A string
+    body's ~200 moves go to a handful of states: a search numbers those, not every move."""
     found = _row_shapes.get((key, state))
     if found is None:
         head, targets = state_row(key, dfa, state)
-        distinct = _distinct(key, dfa, state)
-        rank = {t: n for n, t in enumerate(distinct)}
-        shape = bytes(map(rank.__getitem__, targets))
+        rank: dict[int, int] = {}
+        shape = bytes(rank.setdefault(t, len(rank)) for t in targets)
         if len(_row_shapes) > 1 << 16:  # ~0.5 KB each at most (a string body state)
             _row_shapes.clear()
-        found = _row_shapes[key, state] = (len(targets).to_bytes(2, "little") + head + shape, distinct)
+        found = _row_shapes[key, state] = (len(targets).to_bytes(2, "little") + head + shape, list(rank))
     return found
 
 
