@@ -388,9 +388,12 @@ def _check_left_recursion(rules: list[RuleAutomaton], terminals: list[ByteDFA | 
                 visit(c)
         state[r] = 2
 
-    for r in range(len(rules)):
-        if state[r] == 0:
-            visit(r)
+    try:
+        for r in range(len(rules)):
+            if state[r] == 0:
+                visit(r)
+    finally:
+        del visit  # its closure holds itself and the rules: no cycle left for the collector
 
 
 def terminal_tables(grammar: CompiledGrammar) -> tuple[list[np.ndarray], list[list[bool]]]:

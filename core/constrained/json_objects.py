@@ -116,7 +116,10 @@ class ObjectRules:
                 self.rules[name] = alt(*take, *tail)
             return Ref(name)
 
-        return rest(0)
+        try:
+            return rest(0)
+        finally:
+            del rest  # rest's closure holds rest (and self): a cycle that would keep the converter for the collector
 
     @staticmethod
     def _property_names(names: list[str], rule: Any, required: list[str], ptr: str) -> list[str] | None:
@@ -132,6 +135,7 @@ class ObjectRules:
                         and ("const" not in rule or name == rule["const"])
                         and ("not" not in rule or not ok(name, rule["not"])))
             keep = [n for n in names if ok(n, rule)]
+            del ok  # its closure holds itself: no cycle left for the collector
         return None if any(r not in keep for r in required) else keep
 
     def _members(self, members: list[tuple[Expr, bool]], extras: list[Expr], lo: int, hi: int | None,
@@ -162,7 +166,10 @@ class ObjectRules:
             self.rules[name] = body
             return Ref(name)
 
-        return rest(0, min(written, cap))
+        try:
+            return rest(0, min(written, cap))
+        finally:
+            del rest  # as in _any_order: no cycle left through the closure
 
     def _key(self, name: str) -> Expr:
         text = json.dumps(name, ensure_ascii=False)

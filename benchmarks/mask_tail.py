@@ -1,0 +1,74 @@
+"""The corpus walk's mask tail: bench_grammar.py's radixlm run with each computed mask's thread CPU time kept.
+
+    python benchmarks/mask_tail.py --suite /tmp/js/jsonschema-*/json/tests/draft2020-12 [--limit N]
+
+Prints the run's mask summary, the computed masks' 30th/45th/59th/80th/120th largest times, how many
+exceed 100 µs, 300 µs and 1 ms (and their sum over 100 µs), and the garbage collections that ran inside
+masks. Only GrammarIndex._allowed_bits is wrapped: a timer around a step called thousands of times a run
+(profile_masks.py's) adds its own cost to that step, enough to make a change that calls it less look
+faster when it is not (round 11 in docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+import bench_grammar  # noqa: E402
+
+from radixlm.core.constrained import pda  # noqa: E402
+
+RANKS = (30, 45, 59, 80, 120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--suite", required=True)
+    parser.add_argument("--limit", type=int, default=None)
+    args = parser.parse_args()
+    bench_grammar.MASK_CLOCK = time.thread_time
+    computed: list[float] = []
+    collections: dict[int, list[float]] = {}  # per generation: µs of each collection inside a mask
+    inside, started = [False], [0.0]
+
+    def on_gc(phase: str, info: dict) -> None:
+        if phase == "start":
+            started[0] = time.thread_time()
+        elif inside[0]:
+            collections.setdefault(info["generation"], []).append((time.thread_time() - started[0]) * 1e6)
+
+    allowed_bits = pda.GrammarIndex._allowed_bits
+
+    def timed(self, state: int, vocab_size: int):
+        inside[0] = True
+        start = time.thread_time()
+        try:
+            return allowed_bits(self, state, vocab_size)
+        finally:
+            computed.append((time.thread_time() - start) * 1e6)
+            inside[0] = False
+
+    pda.GrammarIndex._allowed_bits = timed
+    gc.callbacks.append(on_gc)
+    result = bench_grammar.run("radixlm", args.suite, args.limit, False, "qwen2", 0)
+    gc.callbacks.remove(on_gc)
+    masks = {k: round(v, 1) for k, v in result["mask_us"].items()}
+    print("compiled", result["compiled"], "valid", result["valid"], "invalid accepted", result["invalid_accepted"])
+    print("mask µs", masks)
+    ranked = sorted(computed, reverse=True)
+    print(f"computed {len(ranked)}; largest", " / ".join(f"{n}th {ranked[n - 1]:.0f}" for n in RANKS if n <= len(ranked)))
+    over = {x: sum(t > x for t in ranked) for x in (100, 300, 1000)}
+    print(f"> 100 / 300 / 1000 µs: {over[100]} / {over[300]} / {over[1000]};",
+          f"their sum over 100 µs {sum(t - 100 for t in ranked if t > 100) / 1e3:.0f} ms")
+    for generation, times in sorted(collections.items()):
+        print(f"gc generation {generation} inside masks: {len(times)} collections, {sum(times) / 1e3:.1f} ms,"
+              f" largest {max(times):.0f} µs")
+
+
+if __name__ == "__main__":
+    main()
