@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     jobs = [
         *((f"extend_attention{' (new kv)' if new_kv else ''}", attention._extend_kernel, ext.num_warps, ext.num_stages,
            dict(GROUP=group, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=ext.block_m, BLOCK_N=ext.block_n,
-                PRECISION=precision, NEW_KV=new_kv, REVERSE=True), ATTENTION_POOL) for new_kv in (False, True)),
+                PRECISION=precision, NEW_KV=new_kv), ATTENTION_POOL) for new_kv in (False, True)),
         ("decode_attention (split)", attention._decode_split_kernel, dec.num_warps, dec.num_stages,
          dict(GROUP=group, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_H=max(16, triton.next_power_of_2(group)),
               BLOCK_N=dec.block_n, PRECISION=precision, DIRECT=False), ATTENTION_POOL),

@@ -143,7 +143,7 @@ class Checker:
     # ---- checks
 
     def extend(self, case: str, prefix_lens: list[int], extend_lens: list[int], config: AttnConfig | None = None,
-               new_kv: bool = False, reverse: bool = True):
+               new_kv: bool = False):
         """new_kv: the new tokens' k and v also passed packed (as the engine does with a bf16 pool)."""
         a = self.args
         seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
@@ -163,7 +163,7 @@ class Checker:
         self.poison(q.shape, q.dtype)
         max_ext = max(extend_lens)
         call = lambda: tri.extend_attention(q, *tables, ext, scale, starts, max_ext, config=config,  # noqa: E731
-                                            new_kv=packed, reverse=reverse)
+                                            new_kv=packed)
         out = call()
         pairs = sum(e * p + e * (e + 1) // 2 for p, e in zip(prefix_lens, extend_lens))
         flops = 4 * pairs * a.heads * a.head_dim
@@ -388,11 +388,10 @@ def main(argv: list[str] | None = None) -> int:
                     AttnConfig(128, 64, 8, 3), AttnConfig(128, 64, 8, 2), AttnConfig(128, 32, 8, 3),
                     AttnConfig(64, 64, 4, 2)]:
             for new_kv in (False, True):
-                for reverse in (False, True):
-                    tag = f"cfg {tuple(cfg)}{' new' if new_kv else ''}{' rev' if reverse else ''}"
-                    c.extend(f"{prefill_batch}x{prefill} {tag}", [0] * prefill_batch, [prefill] * prefill_batch,
-                             config=cfg, new_kv=new_kv, reverse=reverse)
-                    c.extend(f"B={b} ragged {tag}", prefixes, ragged, config=cfg, new_kv=new_kv, reverse=reverse)
+                tag = f"cfg {tuple(cfg)}{' new' if new_kv else ''}"
+                c.extend(f"{prefill_batch}x{prefill} {tag}", [0] * prefill_batch, [prefill] * prefill_batch,
+                         config=cfg, new_kv=new_kv)
+                c.extend(f"B={b} ragged {tag}", prefixes, ragged, config=cfg, new_kv=new_kv)
         for cfg in [AttnConfig(0, 32, 4, 2), AttnConfig(0, 64, 4, 3), AttnConfig(0, 128, 8, 2),
                     AttnConfig(0, 64, 8, 2), AttnConfig(0, 32, 2, 3)]:
             c.decode(f"B={b} L={s // 2} cfg {tuple(cfg)}", [s // 2] * b, config=cfg)

@@ -152,14 +152,12 @@ def _extend_kernel(
     stride_rr, stride_rc,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, NEW_KV: tl.constexpr,
-    REVERSE: tl.constexpr,
 ):
     # Heads vary fastest so the query heads sharing a KV head run side by side and share it in L2.
     head = tl.program_id(0)
     req = tl.program_id(1)
-    m_block = tl.program_id(2)
-    if REVERSE:  # the blocks with the most keys start first, the cheap ones fill the tail
-        m_block = tl.num_programs(2) - 1 - m_block
+    # The blocks with the most keys start first, the cheap ones fill the tail.
+    m_block = tl.num_programs(2) - 1 - tl.program_id(2)
     extend_len = tl.load(ExtendLens + req).to(tl.int32)
     if m_block * BLOCK_M >= extend_len:
         return
@@ -228,7 +226,6 @@ def extend_attention(
     *,
     new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
     config: AttnConfig | None = None,
-    reverse: bool = True,
 ) -> torch.Tensor:
     """Causal attention of each request's new tokens over its prefix and new tokens, in one launch.
 
@@ -258,7 +255,7 @@ def extend_attention(
         *req_to_token.stride(),
         GROUP=num_heads // k_buffer.shape[1], HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, PRECISION=_dot_precision(q.dtype),
-        NEW_KV=new_kv is not None, REVERSE=reverse,
+        NEW_KV=new_kv is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out
