@@ -17,6 +17,7 @@ import pytest
 from radixlm.core.constrained import terminal_tokens
 from radixlm.core.constrained.counted_string import string_tokens
 from radixlm.core.constrained.grammar_compiler import compile_grammar
+from radixlm.core.constrained.masks import unpack_bitmask
 from radixlm.core.constrained.grammar_index_cache import (gc_paused, grammar_of, prepare_common_terminals,
                                                           prepare_vocab)
 from radixlm.core.constrained.pda import GrammarIndex
@@ -256,3 +257,23 @@ def test_rules_sharing_a_shape_keep_their_own_languages(vocab):
                 state = index.byte_successors(state)[b] if state >= 0 else -1
             assert (state >= 0 and index.is_accepting(state)) == (re.fullmatch(regex, s) is not None), (regex, s)
 
+
+
+def test_the_start_configurations_classes_are_built_with_the_compile(monkeypatch):
+    """The start configuration's token classes and exit walks are built when the index is (with the compile),
+    so a request's first mask classifies no terminal state and walks no exits (the tokens `{"zqxwv_...` cross
+    from the brace into keys no other test uses)."""
+    from radixlm.core.constrained import build_constraint
+
+    classified = []
+    classify = terminal_tokens._classify
+    monkeypatch.setattr(terminal_tokens, "_classify", lambda *a: classified.append(a[2]) or classify(*a))
+    schema = {"type": "object", "properties": {"zqxwv_start": {"type": "integer"}, "zqxwv_other": {"type": "string"}}}
+    tokenizer = qwen2_tokenizer()
+    constraint = build_constraint("json_schema", schema, tokenizer)
+    walks = len(constraint.index._exits)
+    assert walks, "the compile walked no exits of the start configuration"
+    del classified[:]
+    allowed = unpack_bitmask(constraint.allowed_token_mask(len(tokenizer), packed=True), len(tokenizer))
+    assert classified == [] and len(constraint.index._exits) == walks
+    assert allowed[tokenizer.encode('{"', add_special_tokens=False)[0]]

@@ -84,6 +84,10 @@ class GrammarIndex:
             # are built (off the scheduler loop), rather than at the first mask.
             string_tokens(vocab)
             string_tokens(vocab, opening=True)
+        # Every output begins at the start configuration, so its token classes and exit walks are built
+        # here, with the compile (off the decode loop), not in the first request's first mask: that mask
+        # was the largest piece of the corpus's mask tail (round 12 in docs/benchmarks.md).
+        self._walk(self.start)
 
     # ---- configurations ----------------------------------------------------------------------------
 
