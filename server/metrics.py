@@ -91,6 +91,21 @@ class _EngineCollector:
             yield counter
         if s.get("hicache_slots_total"):
             yield from self._host_tier(s, gauge)
+        if "gc" in s:
+            yield from self._gc(s["gc"])
+
+    def _gc(self, gc: dict[str, Any]) -> Iterator[Metric]:
+        """The scheduler process's garbage collections (core/engine/gc_heap.py)."""
+        m = self.model_name
+        count = CounterMetricFamily(PREFIX + "gc_collections", "Garbage collections of the scheduler's process, by "
+                                    "generation (2: full).", labels=["model_name", "generation"])
+        pause = CounterMetricFamily(PREFIX + "gc_pause_seconds", "Seconds the scheduler's process stood still in "
+                                    "garbage collections, by generation.", labels=["model_name", "generation"])
+        for generation, (n, seconds) in enumerate(zip(gc["collections_total"], gc["pause_seconds_total"])):
+            count.add_metric([m, str(generation)], n)
+            pause.add_metric([m, str(generation)], seconds)
+        yield count
+        yield pause
 
     def _host_tier(self, s: dict[str, Any], gauge: Any) -> Iterator[Metric]:
         """The radix cache's host tier (hicache_size_gb), when it is on."""

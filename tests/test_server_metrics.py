@@ -27,6 +27,7 @@ SERIES = {
     "radixlm:num_running_reqs": "gauge", "radixlm:num_queue_reqs": "gauge", "radixlm:num_used_tokens": "gauge",
     "radixlm:token_usage": "gauge", "radixlm:max_total_num_tokens": "gauge", "radixlm:cache_hit_rate": "gauge",
     "radixlm:gen_throughput": "gauge", "radixlm:num_cached_tokens": "gauge",
+    "radixlm:gc_collections": "counter", "radixlm:gc_pause_seconds": "counter",
 }
 
 
@@ -88,6 +89,9 @@ def test_metrics_series_and_values(live):
     assert value(after, "radixlm:num_running_reqs", **model) == 0
     assert value(after, "radixlm:cache_hit_rate", **model) == pytest.approx(stats["cache_hit_rate"])
     assert value(after, "radixlm:cache_aware_admissions_total", **model) == stats["cache_aware_admissions_total"]
+    # The engine's start collected before freezing its heap: one full collection at least, with its seconds.
+    assert value(after, "radixlm:gc_collections_total", **model, generation="2") >= 1
+    assert value(after, "radixlm:gc_pause_seconds_total", **model, generation="2") > 0
 
 
 def test_access_request_and_load_logs(live, caplog):

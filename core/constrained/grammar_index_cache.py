@@ -10,7 +10,7 @@ import logging
 import threading
 import weakref
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from radixlm.core.constrained.counted_string import string_tokens
@@ -99,14 +99,18 @@ def prepare_common_terminals(vocab: TokenVocab) -> None:
                 exits.tree.root  # walked by pda.py's _exits_taken
 
 
-def prepare_in_background(tokenizer: Any, eos_token_ids: list[int] | None) -> None:
-    """prepare_vocab on a daemon thread (an engine's start). A tokenizer it cannot read is only logged
-    here: the first constraint raises the same error to its request."""
+def prepare_in_background(tokenizer: Any, eos_token_ids: list[int] | None,
+                          then: Callable[[], None] | None = None) -> None:
+    """prepare_vocab on a daemon thread (an engine's start), then `then()` if it succeeded. A tokenizer it
+    cannot read is only logged here: the first constraint raises the same error to its request."""
     def work() -> None:
         try:
             prepare_vocab(tokenizer, eos_token_ids)
         except Exception as e:  # noqa: BLE001 - reported again, to a request, by build_constraint
             logging.getLogger("radixlm").debug("constrained decoding's tokenizer setup failed: %s", e)
+            return
+        if then is not None:
+            then()
 
     threading.Thread(target=work, name="radixlm-prepare-vocab", daemon=True).start()
 

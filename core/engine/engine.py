@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, AsyncIterator, Iterator
 
 from radixlm.core.engine.frontend import FrontEnd, Output
+from radixlm.core.engine.gc_heap import freeze_heap, unfreeze_heap
 from radixlm.core.engine.images import ImagePreparer
 from radixlm.core.engine.model_runner import ModelRunner
 from radixlm.core.engine.options import EngineOptions
@@ -94,6 +96,8 @@ class Engine:
         self.startup_seconds = {"tokenizer (on a thread)": tokenizer_seconds,
                                 **(runner.load_seconds if runner is not None else {}),
                                 "total": time.perf_counter() - start}
+        if self.options.gc_freeze:  # the heap that lives as long as the engine, out of the collector's way
+            freeze_heap()
         logger.info("engine ready: %s on %s (%s); context %d tokens (model %d, KV pool %d)%s; started in %s",
                     self.served_model_name, self.options.device, self.options.dtype, self.context_len,
                     self.model_config.context_len, self.kv_pool_size,
@@ -112,6 +116,8 @@ class Engine:
         if frontend is None:
             return
         frontend.close()
+        if self.options.gc_freeze:
+            unfreeze_heap()
         runner = getattr(self, "_runner", None)
         if runner is not None and not frontend.scheduler.alive():
             runner.release()
@@ -241,10 +247,23 @@ def _chat_template_text(template: str) -> str:
     raise InvalidRequestError(f"chat_template {template!r} is neither a file nor a Jinja template", "chat_template")
 
 
+class _StderrHandler(logging.StreamHandler):
+    """Writes to sys.stderr as it is when a record comes (a test runner swaps it, and closes the one it
+    swapped in), not as it was when the first engine started."""
+
+    @property
+    def stream(self) -> Any:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _: Any) -> None:
+        pass
+
+
 def _configure_logging(level: str) -> None:
     root = logging.getLogger("radixlm")
     root.setLevel(level.upper())
     if not root.handlers:
-        handler = logging.StreamHandler()
+        handler = _StderrHandler()
         handler.setFormatter(logging.Formatter("%(asctime)s radixlm %(levelname)s %(message)s"))
         root.addHandler(handler)

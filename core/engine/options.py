@@ -123,6 +123,12 @@ class EngineOptions:
     grammar_max_configs: int = option(
         200_000, "parser configurations (about 1.2 KB each) a schema's shared tables hold before new "
         "requests get fresh ones")
+    gc_freeze: bool = option(
+        True, "once the engine has started (and again when the vocabulary's grammar tables are built), move the "
+        "objects alive then out of Python's garbage collector's generations (gc.freeze; undone at shutdown): a full "
+        "collection, which pauses the whole process, no longer traverses them (docs/engine.md)")
+    gc_warning_threshold_ms: float = option(
+        100.0, "log a warning when one garbage collection pauses the process longer than this (0: never)")
     random_seed: int = option(0, "seed of the sampler and the random schedule policy", aliases=("--seed",))
     stream_interval: int = option(1, "send a streamed chunk every this many tokens (larger: less overhead)")
     log_level: str = option("warning", "level of the engine's log ('radixlm' logger)", choices=LOG_LEVELS)

@@ -12,6 +12,7 @@ import threading
 import time
 from typing import Any, Callable, Iterator
 
+from radixlm.core.engine.gc_heap import freeze_heap
 from radixlm.core.engine.messages import Ready, StatsSnapshot
 from radixlm.core.engine.options import EngineOptions
 from radixlm.core.errors import EngineShutdownError
@@ -155,6 +156,8 @@ def _scheduler_main(model_path: str, opts: EngineOptions, inbox: Any, outbox: An
         tokenizer = load_tokenizer(opts.tokenizer_path or model_path, trust_remote_code=opts.trust_remote_code)
         runner = ModelRunner(model_path, cfg, opts)
         scheduler = Scheduler(runner, opts, tokenizer, eos_token_ids_of(cfg, tokenizer))
+        if opts.gc_freeze:
+            freeze_heap()
     except BaseException as exc:
         outbox.put(Ready(error=exc))
         return

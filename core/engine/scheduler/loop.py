@@ -31,6 +31,7 @@ from radixlm.core.engine.messages import (
     Abort, CallReply, CheckInvariants, FlushCache, GenerateRequest, GetStats, InboxMessage, OutboxMessage,
     StatsSnapshot,
 )
+from radixlm.core.engine import gc_heap
 from radixlm.core.engine.hicache import HostTier, tier_stats
 from radixlm.core.engine.memory_pool import SlotAllocator
 from radixlm.core.engine.model_runner import ModelRunner
@@ -84,8 +85,7 @@ class Scheduler:
         self._published_at = 0.0
         self._budget = GrammarBudget(max_compile_seconds=opts.grammar_max_compile_seconds,
                                      max_configs=opts.grammar_max_configs)
-        if opts.grammar_backend == "radixlm" and opts.grammar_prepare_at_start:  # (in a scheduler process too)
-            prepare_in_background(tokenizer, eos_token_ids)
+        self.gc_pauses = gc_heap.watch(opts.gc_warning_threshold_ms)
         if opts.json_schema_documents:  # in this process too (the loop may run in its own)
             from radixlm.core.constrained.schema_refs import register_documents  # imports `referencing`
 
@@ -98,6 +98,10 @@ class Scheduler:
         self._stop = threading.Event()
         # paused(): the loop waits between two iterations while another thread works on the scheduler.
         self._pause_wanted, self._paused, self._resume = threading.Event(), threading.Event(), threading.Event()
+        if opts.grammar_backend == "radixlm" and opts.grammar_prepare_at_start:  # (in a scheduler process too)
+            # The grammar tables are part of the heap that lives as long as the engine (gc_heap.py).
+            then = self._freeze_heap_while_running if opts.gc_freeze else None
+            prepare_in_background(tokenizer, eos_token_ids, then)
 
     @property
     def outbox(self) -> "queue.Queue[OutboxMessage]":
@@ -272,6 +276,10 @@ class Scheduler:
 
     # ---- flush, stats, invariants ----------------------------------------------------------------
 
+    def _freeze_heap_while_running(self) -> None:
+        if not self._stop.is_set():  # a stopped engine's heap is left to be collected
+            gc_heap.freeze_heap()
+
     def flush_cache(self) -> bool:
         self.queues.sweep()
         if self.queues.busy():
@@ -289,6 +297,7 @@ class Scheduler:
             running=len(self.queues.running) + (1 if self.queues.chunked else 0),
             waiting=len(self.queues.waiting),
             **tier_stats(self.host_tier, self.stats.cached_tokens_total),
+            gc=self.gc_pauses.snapshot(),  # the process's (data-parallel workers in one process share it)
         )
 
     def check_invariants(self) -> None:
