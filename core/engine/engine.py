@@ -90,14 +90,14 @@ class Engine:
         self._frontend = FrontEnd(self.tokenizer, self.options, self.vocab_size, self.context_len,
                                   self.eos_token_ids, scheduler, images)
         self.max_prompt_bytes = self._frontend.max_prompt_bytes
+        if self.options.gc_freeze:  # the heap that lives as long as the engine, out of the collector's way
+            freeze_heap()
         # Wall seconds of the constructor and its stages (the tokenizer's overlap the weights'), for
         # `python benchmarks/bench_cpu.py --startup` and the log.
         runner = getattr(self, "_runner", None)
         self.startup_seconds = {"tokenizer (on a thread)": tokenizer_seconds,
                                 **(runner.load_seconds if runner is not None else {}),
                                 "total": time.perf_counter() - start}
-        if self.options.gc_freeze:  # the heap that lives as long as the engine, out of the collector's way
-            freeze_heap()
         logger.info("engine ready: %s on %s (%s); context %d tokens (model %d, KV pool %d)%s; started in %s",
                     self.served_model_name, self.options.device, self.options.dtype, self.context_len,
                     self.model_config.context_len, self.kv_pool_size,
