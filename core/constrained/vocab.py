@@ -253,6 +253,13 @@ class TokenVocab:
             self._trie = TokenTrie.build(self.token_bytes)
         return self._trie
 
+    @functools.cached_property
+    def sorted_tokens(self) -> tuple[list[bytes], np.ndarray]:
+        """The non-empty tokens' bytes in sorted order and their ids (int32): tokens that start with some
+        bytes are a contiguous range (literal_tokens.py)."""
+        ids = sorted((i for i, b in enumerate(self.token_bytes) if b), key=self.token_bytes.__getitem__)
+        return [self.token_bytes[i] for i in ids], np.asarray(ids, dtype=np.int32)
+
 
 _vocabs: "weakref.WeakKeyDictionary[object, dict[tuple[int, ...], TokenVocab]]" = weakref.WeakKeyDictionary()
 _vocabs_lock = threading.Lock()  # front ends build constraints from several threads

@@ -1,0 +1,63 @@
+"""Token classes of a literal's states, read off the sorted vocabulary instead of walking the trie.
+
+A literal terminal (a key `"data":`, `null`, `,`) is a chain: from each of its states one byte goes on,
+and only the chain's end accepts. What the DFA can still read from such a state is its remaining bytes R,
+so R names the state's classes (equal R, equal classes, whatever the terminal), and they are: inside, the
+tokens that are prefixes of R (R itself included: it ends the terminal at its last byte); exits, the
+tokens that start with R and go on, each leaving with its bytes past R. In the vocabulary sorted by
+bytes those are a few exact lookups and one contiguous range (terminal_tokens.py's general walk, a
+breadth-first hash of the state's future and a trie walk, cost ~30-50 µs per fresh key state, in the
+first masks of most schemas).
+"""
+
+from __future__ import annotations
+
+import bisect
+
+import numpy as np
+
+from radixlm.core.constrained.narrow_walk import state_row
+from radixlm.core.constrained.regex_dfa import ByteDFA
+from radixlm.core.constrained.vocab import TokenVocab
+
+MAX_REST = 256  # chains followed this far at most; a longer literal takes the general walk
+
+
+def literal_rest(key: str, dfa: ByteDFA, state: int) -> bytes | None:
+    """The bytes left to read from `state` if the DFA (named `key`) is a chain from there (one live byte
+    per state, no accepting state before an end that reads nothing), else None."""
+    rest = bytearray()
+    while len(rest) <= MAX_REST:
+        head, targets = state_row(key, dfa, state)  # accepting, number of live bytes (mod 256), the live bytes
+        if head[0]:
+            return bytes(rest) if len(head) == 2 and rest else None
+        if len(head) != 3:
+            return None
+        rest.append(head[2])
+        state = targets[0]
+    return None
+
+
+def literal_classes(rest: bytes, vocab: TokenVocab) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(sorted ids of the tokens inside a literal with `rest` left to read; ids of the tokens that start
+    with `rest` and go on, and where their suffix starts), as terminal_tokens' walk and exit pairs give."""
+    data, ids = vocab.sorted_tokens
+    inside: list[int] = []
+    for n in range(1, len(rest) + 1):
+        prefix = rest[:n]
+        i = bisect.bisect_left(data, prefix)
+        while i < len(data) and data[i] == prefix:
+            inside.append(int(ids[i]))
+            i += 1
+    lo = bisect.bisect_left(data, rest)
+    hi = bisect.bisect_left(data, _after_prefix(rest)) if rest.rstrip(b"\xff") else len(data)
+    while lo < hi and data[lo] == rest:  # rest itself is inside (already counted), not an exit
+        lo += 1
+    exits = np.sort(ids[lo:hi])
+    return np.sort(np.asarray(inside, dtype=np.int32)), exits, np.full(len(exits), len(rest), dtype=np.int32)
+
+
+def _after_prefix(prefix: bytes) -> bytes:
+    """The least byte string greater than every string that starts with `prefix` (not all 0xff bytes)."""
+    head = prefix.rstrip(b"\xff")
+    return head[:-1] + bytes((head[-1] + 1,))
