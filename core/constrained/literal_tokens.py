@@ -21,40 +21,49 @@ from radixlm.core.constrained.regex_dfa import ByteDFA
 from radixlm.core.constrained.vocab import TokenVocab
 
 MAX_REST = 256  # chains followed this far at most; a longer literal takes the general walk
+_rests: dict[tuple[str, int], bytes | None] = {}
+RESTS = 1 << 16
 
 
 def literal_rest(key: str, dfa: ByteDFA, state: int) -> bytes | None:
     """The bytes left to read from `state` if the DFA (named `key`) is a chain from there (one live byte
-    per state, no accepting state before an end that reads nothing), else None."""
-    rest = bytearray()
+    per state, no accepting state before an end that reads nothing), else None. Cached per (terminal,
+    state), with the rests of the chain's later states (met next: a key's classes byte by byte)."""
+    found = _rests.get((key, state), False)
+    if found is not False:
+        return found
+    start, chain, rest = state, [], bytearray()
     while len(rest) <= MAX_REST:
         head, targets = state_row(key, dfa, state)  # accepting, number of live bytes (mod 256), the live bytes
-        if head[0]:
-            return bytes(rest) if len(head) == 2 and rest else None
-        if len(head) != 3:
-            return None
+        if head[0] or len(head) != 3:
+            break
+        chain.append(state)
         rest.append(head[2])
         state = targets[0]
-    return None
+    ends = head[0] and len(head) == 2 and chain
+    if len(_rests) >= RESTS:
+        _rests.clear()
+    for n, q in enumerate(chain):
+        _rests[key, q] = bytes(rest[n:]) if ends else None
+    return _rests.setdefault((key, start), None)
 
 
 def literal_classes(rest: bytes, vocab: TokenVocab) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(sorted ids of the tokens inside a literal with `rest` left to read; ids of the tokens that start
-    with `rest` and go on, and where their suffix starts), as terminal_tokens' walk and exit pairs give."""
-    data, ids = vocab.sorted_tokens
+    """(ids of the tokens inside a literal with `rest` left to read; ids of the tokens that start with
+    `rest` and go on, and where their suffix starts), as terminal_tokens' walk and exit pairs give."""
+    data, ids, first = vocab.sorted_tokens
     inside: list[int] = []
     for n in range(1, len(rest) + 1):
-        prefix = rest[:n]
-        i = bisect.bisect_left(data, prefix)
-        while i < len(data) and data[i] == prefix:
+        i = first.get(rest[:n])  # tokens with equal bytes (byte-fallback spellings) sit next to each other
+        while i is not None and i < len(data) and data[i] == rest[:n]:
             inside.append(int(ids[i]))
             i += 1
     lo = bisect.bisect_left(data, rest)
-    hi = bisect.bisect_left(data, _after_prefix(rest)) if rest.rstrip(b"\xff") else len(data)
-    while lo < hi and data[lo] == rest:  # rest itself is inside (already counted), not an exit
+    hi = bisect.bisect_left(data, _after_prefix(rest), lo) if rest.rstrip(b"\xff") else len(data)
+    while lo < hi and data[lo] == rest:  # rest itself is inside (counted above), not an exit
         lo += 1
-    exits = np.sort(ids[lo:hi])
-    return np.sort(np.asarray(inside, dtype=np.int32)), exits, np.full(len(exits), len(rest), dtype=np.int32)
+    exits = ids[lo:hi]
+    return np.asarray(inside, dtype=np.int32), exits, np.full(len(exits), len(rest), dtype=np.int32)
 
 
 def _after_prefix(prefix: bytes) -> bytes:

@@ -36,7 +36,7 @@ import torch
 from radixlm.core.constrained.counted_string import CountedStringDFA, string_tokens
 from radixlm.core.constrained.grammar_compiler import CompiledGrammar, terminal_tables
 from radixlm.core.constrained.masks import MaskCache
-from radixlm.core.constrained.terminal_tokens import Exits, SuffixTree, state_tokens
+from radixlm.core.constrained.terminal_tokens import Exits, SuffixTree, joined_exits, state_tokens
 from radixlm.core.constrained.vocab import TokenVocab, set_bits, whole_characters
 
 END = (-1, 0, -1)  # the item "the output may end here"
@@ -319,6 +319,9 @@ class GrammarIndex:
         those leaving it mid-token whose suffix the item's continuation takes."""
         packed = np.zeros(-(-self.vocab_size // 8), dtype=np.uint8)
         classes_of: dict[tuple[int, int], object] = {}
+        # Per configuration where items resume after their terminal: a continuation leading there, and the
+        # exits of those items (a value's alternatives resume alike, under different continuations).
+        exits_of: dict[int, tuple[int, set[Exits]]] = {}
         for t, q, k in self._items[state]:
             classes = classes_of.get((t, q))
             if classes is None:
@@ -326,10 +329,12 @@ class GrammarIndex:
                                                           q, self.vocab)
                 packed |= classes.inside
             if classes.exits is not None:
-                ids = self._exits_taken(classes.exits, k)
-                set_bits(packed, ids)
+                exits_of.setdefault(self._intern(self._follow(k)), (k, set()))[1].add(classes.exits)
             if classes.closing is not None:
                 packed |= classes.closing & self._after_closing(k, q == 0, classes.after_quote)
+        for k, parts in exits_of.values():
+            exits = next(iter(parts)) if len(parts) == 1 else joined_exits(frozenset(parts))
+            set_bits(packed, self._exits_taken(exits, k))
         return packed
 
     def _exits_taken(self, exits: Exits, k: int) -> np.ndarray:
