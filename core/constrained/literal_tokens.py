@@ -16,11 +16,11 @@ import bisect
 
 import numpy as np
 
-from radixlm.core.constrained.narrow_walk import state_row
+from radixlm.core.constrained.narrow_walk import dfa_rows
 from radixlm.core.constrained.regex_dfa import ByteDFA
 from radixlm.core.constrained.vocab import TokenVocab
 
-MAX_REST = 256  # chains followed this far at most; a longer literal takes the general walk
+MAX_REST = 256  # chain states followed at most; a longer literal takes the general walk
 _rests: dict[tuple[str, int], bytes | None] = {}
 RESTS = 1 << 16
 
@@ -32,19 +32,20 @@ def literal_rest(key: str, dfa: ByteDFA, state: int) -> bytes | None:
     found = _rests.get((key, state), False)
     if found is not False:
         return found
-    start, chain, rest = state, [], bytearray()
-    while len(rest) <= MAX_REST:
-        head, targets = state_row(key, dfa, state)  # accepting, number of live bytes (mod 256), the live bytes
-        if head[0] or len(head) != 3:
-            break
+    rows = dfa_rows(key, dfa)
+    if rows is None:  # a DFA of over ROWS_AT_ONCE states is no short chain
+        return None
+    cut, live_bytes, targets, accepting = rows
+    start, chain = state, []
+    while not accepting[state] and cut[state + 1] - cut[state] == 1 and len(chain) < MAX_REST:
         chain.append(state)
-        rest.append(head[2])
-        state = targets[0]
-    ends = head[0] and len(head) == 2 and chain
+        state = targets[cut[state]]
+    ends = bool(chain) and accepting[state] and cut[state + 1] == cut[state]
+    rest = bytes(live_bytes[cut[q]] for q in chain)
     if len(_rests) >= RESTS:
         _rests.clear()
     for n, q in enumerate(chain):
-        _rests[key, q] = bytes(rest[n:]) if ends else None
+        _rests[key, q] = rest[n:] if ends else None
     return _rests.setdefault((key, start), None)
 
 

@@ -318,6 +318,7 @@ class GrammarIndex:
         item, the tokens that stay inside its terminal (shared per terminal state, terminal_tokens.py), and
         those leaving it mid-token whose suffix the item's continuation takes."""
         packed = np.zeros(-(-self.vocab_size // 8), dtype=np.uint8)
+        ids: list[np.ndarray] = []  # set at the end, in one pass
         classes_of: dict[tuple[int, int], object] = {}
         # Per configuration where items resume after their terminal: a continuation leading there, and the
         # exits of those items (a value's alternatives resume alike, under different continuations).
@@ -327,14 +328,19 @@ class GrammarIndex:
             if classes is None:
                 classes = classes_of[t, q] = state_tokens(self.grammar.terminal_names[t], self.grammar.terminals[t],
                                                           q, self.vocab)
-                packed |= classes.inside
+                if classes.inside is None:
+                    ids.append(classes.inside_ids)
+                else:
+                    packed |= classes.inside
             if classes.exits is not None:
                 exits_of.setdefault(self._intern(self._follow(k)), (k, set()))[1].add(classes.exits)
             if classes.closing is not None:
                 packed |= classes.closing & self._after_closing(k, q == 0, classes.after_quote)
         for k, parts in exits_of.values():
             exits = next(iter(parts)) if len(parts) == 1 else joined_exits(frozenset(parts))
-            set_bits(packed, self._exits_taken(exits, k))
+            ids.append(self._exits_taken(exits, k))
+        if ids:
+            set_bits(packed, np.concatenate(ids))
         return packed
 
     def _exits_taken(self, exits: Exits, k: int) -> np.ndarray:

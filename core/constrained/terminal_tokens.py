@@ -155,8 +155,11 @@ def joined_exits(parts: frozenset[Exits]) -> Exits:
 
 @dataclass
 class StateTokens:
-    inside: np.ndarray  # uint8 packed bits (little bit order) of the context-independent tokens
+    inside: np.ndarray | None  # uint8 packed bits (little bit order) of the context-independent tokens
     exits: Exits | None = None
+    # A literal's few inside tokens as ids instead (inside is then None): a mask sets them with its exits'
+    # in one pass, rather than packing and OR-ing 19 KB of bits per fresh state.
+    inside_ids: np.ndarray | None = None
     # Counted string boundaries: packed bits of the tokens that close the string and go on after the
     # quote, and their bytes after the quote as exits (exits is then None).
     closing: np.ndarray | None = None
@@ -198,7 +201,7 @@ def _literal(rest: bytes, vocab: TokenVocab) -> StateTokens:
     found = _cached(shared)
     if found is None:
         inside, tokens, starts = literal_classes(rest, vocab)
-        found = StateTokens(_packed(inside, vocab.size), _exits(shared, tokens, starts, vocab))
+        found = StateTokens(None, _exits(shared, tokens, starts, vocab), inside_ids=inside)
         _keep(shared, found)
     return found
 
