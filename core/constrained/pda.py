@@ -36,7 +36,7 @@ import torch
 from radixlm.core.constrained.counted_string import CountedStringDFA, string_tokens
 from radixlm.core.constrained.grammar_compiler import CompiledGrammar, terminal_tables
 from radixlm.core.constrained.masks import MaskCache
-from radixlm.core.constrained.terminal_tokens import Exits, SuffixTree, joined_exits, state_tokens
+from radixlm.core.constrained.terminal_tokens import Exits, SuffixTree, state_tokens
 from radixlm.core.constrained.vocab import TokenVocab, set_bits, whole_characters
 
 END = (-1, 0, -1)  # the item "the output may end here"
@@ -320,9 +320,6 @@ class GrammarIndex:
         packed = np.zeros(-(-self.vocab_size // 8), dtype=np.uint8)
         ids: list[np.ndarray] = []  # set at the end, in one pass
         classes_of: dict[tuple[int, int], object] = {}
-        # Per configuration where items resume after their terminal: a continuation leading there, and the
-        # exits of those items (a value's alternatives resume alike, under different continuations).
-        exits_of: dict[int, tuple[int, set[Exits]]] = {}
         for t, q, k in self._items[state]:
             classes = classes_of.get((t, q))
             if classes is None:
@@ -333,12 +330,9 @@ class GrammarIndex:
                 else:
                     packed |= classes.inside
             if classes.exits is not None:
-                exits_of.setdefault(self._intern(self._follow(k)), (k, set()))[1].add(classes.exits)
+                ids.append(self._exits_taken(classes.exits, k))
             if classes.closing is not None:
                 packed |= classes.closing & self._after_closing(k, q == 0, classes.after_quote)
-        for k, parts in exits_of.values():
-            exits = next(iter(parts)) if len(parts) == 1 else joined_exits(frozenset(parts))
-            ids.append(self._exits_taken(exits, k))
         if ids:
             set_bits(packed, np.concatenate(ids))
         return packed

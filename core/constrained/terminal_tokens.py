@@ -126,33 +126,6 @@ class Exits:
                    np.asarray(tokens, dtype=np.int64))
 
 
-_joined: OrderedDict[frozenset, Exits] = OrderedDict()
-JOINED = 4096
-
-
-def joined_exits(parts: frozenset[Exits]) -> Exits:
-    """One Exits holding every pair of `parts`, cached per set. Whether a pair is taken depends on its
-    suffix and the continuation alone, so the items of a configuration that resume alike (a value's
-    alternatives: a number, `true`, `null`, `[`, ... all followed by `,` `}` `]`) walk their suffixes in one
-    tree, where they mostly coincide, instead of one walk each."""
-    with _lock:
-        found = _joined.get(parts)
-        if found is not None:
-            _joined.move_to_end(parts)
-            return found
-    ordered = list(parts)
-    distinct = sorted({x for e in ordered for x in e.tree.suffixes})
-    index = {x: n for n, x in enumerate(distinct)}
-    suffix = [np.fromiter(map(index.__getitem__, e.tree.suffixes), np.int64, count=len(e.tree.suffixes))[e.pair_suffix]
-              for e in ordered]
-    found = Exits(suffix_tree(distinct), np.concatenate(suffix), np.concatenate([e.pair_token for e in ordered]))
-    with _lock:
-        _joined[parts] = found
-        if len(_joined) > JOINED:
-            _joined.popitem(last=False)
-    return found
-
-
 @dataclass
 class StateTokens:
     inside: np.ndarray | None  # uint8 packed bits (little bit order) of the context-independent tokens
