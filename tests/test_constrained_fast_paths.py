@@ -233,3 +233,43 @@ def test_wide_states_bits_patched_from_recent_ones_equal_a_whole_walk(qwen, monk
             whole, _ = terminal_tokens._walk(dfa, live, nxt[live], vocab)
             assert (got.astype(bool) == whole).all(), (name, q)
     assert len(patched) > 5 and max(patched) > 0
+
+
+def _exit_pairs_of(exits) -> set[tuple[int, bytes]]:
+    if exits is None:
+        return set()
+    return {(t, exits.tree.suffixes[s]) for s, t in zip(exits.pair_suffix.tolist(), exits.pair_token.tolist())}
+
+
+def test_literal_classes_equal_the_general_walk(qwen):
+    """A literal's states (keys, `null`, punctuation; the tails `":`, `,` that many tokens cross) classified
+    from the sorted vocabulary equal the general walk's classes: the same inside bits, the same exit pairs.
+    States that are not the rest of a chain (a string body, a number, a literal that may end early) are left
+    to the general walk."""
+    from radixlm.core.constrained.grammar_compiler import terminal_dfa
+    from radixlm.core.constrained.literal_tokens import literal_rest
+
+    vocab = prepare_vocab(qwen)
+    checked = 0
+    for regex in ['"name":', '"customer_id":', "null", ",", "true", '"\\\\u00e9":', '"é":', "ab(cd)?"]:
+        dfa = terminal_dfa(regex, 1000)
+        key = f"test:{regex}"
+        for q in range(dfa.num_states):
+            rest = literal_rest(key, dfa, q)
+            if dfa.accepting[q] or rest is None:  # ends, or `ab(cd)?` before its accepting `ab`
+                assert dfa.accepting[q] or regex == "ab(cd)?", (regex, q)
+                continue
+            fast = terminal_tokens._literal(rest, vocab)
+            slow = terminal_tokens._classify(key, dfa, q, vocab)
+            assert np.array_equal(terminal_tokens._packed(fast.inside_ids, vocab.size), slow.inside), (regex, q)
+            assert _exit_pairs_of(fast.exits) == _exit_pairs_of(slow.exits), (regex, q)
+            checked += 1
+    assert checked > 20
+    for schema in [{"type": "string"}, {"type": "number"}]:
+        grammar = build_constraint("json_schema", schema, qwen).index.grammar
+        for name, dfa in zip(grammar.terminal_names, grammar.terminals):
+            if dfa.num_states > 3:
+                assert literal_rest(name, dfa, 0) is None, name
+    ab = terminal_dfa("ab(cd)?", 1000)
+    assert literal_rest("test:ab(cd)?", ab, 0) is None  # `ab` accepts before the chain's end
+    assert literal_rest("test:ab(cd)?", ab, int(ab.transitions[int(ab.transitions[0, ord("a")]), ord("b")])) is None

@@ -70,6 +70,7 @@ def prepare_vocab(tokenizer: Any, eos_token_ids: list[int] | None = None) -> Tok
         vocab = vocab_of(tokenizer, eos_token_ids)
         if vocab not in _prepared:
             vocab.trie
+            vocab.sorted_tokens
             string_tokens(vocab)
             string_tokens(vocab, opening=True)
             prepare_common_terminals(vocab)  # compiles COMMON_SCHEMA: not a second time

@@ -49,20 +49,30 @@ def moves_of(key: str, dfa: ByteDFA, state: int) -> dict[int, int]:
     return found
 
 
-def state_row(key: str, dfa: ByteDFA, state: int) -> tuple[bytes, list[int]]:
+def dfa_rows(key: str, dfa: ByteDFA) -> tuple[list[int], bytes, list[int], bytes] | None:
+    """The rows of a DFA of at most ROWS_AT_ONCE states, read at once and cached per terminal: (where each
+    state's live bytes start, the live bytes, their targets, accepting flags); None for larger DFAs."""
     global _dfa_rows_moves
+    if len(dfa.transitions) > ROWS_AT_ONCE:
+        return None
+    rows = _dfa_rows.get(key)
+    if rows is None:
+        rows = _read_rows(dfa, np.arange(len(dfa.transitions)))
+        if _dfa_rows_moves + len(rows[2]) > DFA_ROWS_MOVES:
+            _dfa_rows.clear()
+            _dfa_rows_moves = 0
+        _dfa_rows[key] = rows
+        _dfa_rows_moves += len(rows[2])
+    return rows
+
+
+def state_row(key: str, dfa: ByteDFA, state: int) -> tuple[bytes, list[int]]:
     found = _state_rows.get((key, state))
     if found is None:
-        whole = len(dfa.transitions) <= ROWS_AT_ONCE
-        rows = _dfa_rows.get(key) if whole else None
-        if rows is None:
-            rows = _read_rows(dfa, np.arange(len(dfa.transitions)) if whole else np.array([state]))
-            if whole:
-                if _dfa_rows_moves + len(rows[2]) > DFA_ROWS_MOVES:
-                    _dfa_rows.clear()
-                    _dfa_rows_moves = 0
-                _dfa_rows[key] = rows
-                _dfa_rows_moves += len(rows[2])
+        rows = dfa_rows(key, dfa)
+        whole = rows is not None
+        if not whole:
+            rows = _read_rows(dfa, np.array([state]))
         cut, live_bytes, targets, accepting = rows
         n = state if whole else 0
         a, b = cut[n], cut[n + 1]

@@ -73,7 +73,6 @@ class GrammarIndex:
         self._edges: dict[int, tuple[bytes, int]] = {}
         self._moves: dict[tuple, tuple[np.ndarray, list[list[int]], np.ndarray]] = {}  # see _moves_of
         self._masks = MaskCache(MASK_CACHE_SIZE)
-        self._closings: dict[tuple[int, bool], np.ndarray] = {}
         self._exits: dict[tuple, np.ndarray] = {}  # see _exits_taken
         self._lock = threading.RLock()
         self._spellable = _spellable_bytes(vocab)
@@ -318,18 +317,26 @@ class GrammarIndex:
         item, the tokens that stay inside its terminal (shared per terminal state, terminal_tokens.py), and
         those leaving it mid-token whose suffix the item's continuation takes."""
         packed = np.zeros(-(-self.vocab_size // 8), dtype=np.uint8)
+        ids: list[np.ndarray] = []  # set at the end, in one pass
         classes_of: dict[tuple[int, int], object] = {}
         for t, q, k in self._items[state]:
             classes = classes_of.get((t, q))
             if classes is None:
                 classes = classes_of[t, q] = state_tokens(self.grammar.terminal_names[t], self.grammar.terminals[t],
                                                           q, self.vocab)
-                packed |= classes.inside
+                if classes.inside is None:
+                    ids.append(classes.inside_ids)
+                else:
+                    packed |= classes.inside
             if classes.exits is not None:
-                ids = self._exits_taken(classes.exits, k)
-                set_bits(packed, ids)
-            if classes.closing is not None:
-                packed |= classes.closing & self._after_closing(k, q == 0, classes.after_quote)
+                ids.append(self._exits_taken(classes.exits, k))
+            if classes.closing is not None and classes.after_quote is not None:
+                # The tokens that close a counted string and whose bytes after the quote lead somewhere
+                # from where k resumes: those taken by k (a few hundred ids) that close within its bounds.
+                taken = self._exits_taken(classes.after_quote, k)
+                ids.append(taken[((classes.closing[taken >> 3] >> (taken & 7)) & 1).astype(bool)])
+        if ids:
+            set_bits(packed, np.concatenate(ids))
         return packed
 
     def _exits_taken(self, exits: Exits, k: int) -> np.ndarray:
@@ -365,18 +372,6 @@ class GrammarIndex:
                 for sub in ends_at:
                     alive += self._suffixes_taken(tree, sub, resume)
         return alive
-
-    def _after_closing(self, k: int, opening: bool, after_quote: Exits | None) -> np.ndarray:
-        """Packed bits: the tokens that close a counted string and whose bytes after the quote lead
-        somewhere from where continuation k resumes; one per (k, whether the tokens also open the string)."""
-        found = self._closings.get((k, opening))
-        if found is None:
-            found = np.zeros(-(-self.vocab_size // 8), dtype=np.uint8)
-            if after_quote is not None:
-                ids = self._exits_taken(after_quote, k)
-                set_bits(found, ids)
-            self._closings[k, opening] = found
-        return found
 
 
 # Item move tables by (terminal names and states, vocabulary), shared by every index of the process.

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from radixlm.core.constrained.counted_string import CountedStringDFA, string_tokens
+from radixlm.core.constrained.literal_tokens import literal_classes, literal_rest
 from radixlm.core.constrained.narrow_walk import moves_of, narrow_walk, state_row
 from radixlm.core.constrained.regex_dfa import ByteDFA
 from radixlm.core.constrained.vocab import TokenVocab, byte_matrix, expand_ranges, set_bits
@@ -127,8 +128,11 @@ class Exits:
 
 @dataclass
 class StateTokens:
-    inside: np.ndarray  # uint8 packed bits (little bit order) of the context-independent tokens
+    inside: np.ndarray | None  # uint8 packed bits (little bit order) of the context-independent tokens
     exits: Exits | None = None
+    # A literal's few inside tokens as ids instead (inside is then None): a mask sets them with its exits'
+    # in one pass, rather than packing and OR-ing 19 KB of bits per fresh state.
+    inside_ids: np.ndarray | None = None
     # Counted string boundaries: packed bits of the tokens that close the string and go on after the
     # quote, and their bytes after the quote as exits (exits is then None).
     closing: np.ndarray | None = None
@@ -145,17 +149,33 @@ def state_tokens(key: str, dfa: ByteDFA, state: int, vocab: TokenVocab) -> State
         return _counted(dfa, written, state == 0, vocab)
     named = (key, state, vocab.fingerprint)
     found = _cached(named)
-    if found is None:
-        # A small future is named (a literal's tail: `":` ends every literal key, and the tokens that cross
-        # its end are many) and shared by that name; a larger one only if the state is wide (_classify): a
-        # bounded number's ~50 states hashed for each of its states would cost more than walking it.
+    if found is not None:
+        return found
+    rest = literal_rest(key, dfa, state)
+    if rest is not None:
+        found = _literal(rest, vocab)
+    else:
+        # A small future is named and shared by that name (states of different terminals end alike); a
+        # larger one only if the state is wide (_classify): a bounded number's ~50 states hashed for each
+        # of its states would cost more than walking it.
         future = _future(key, dfa, state, SMALL_FUTURE)
         found = _cached((future, vocab.fingerprint)) if future is not None else None
         if found is None:
             found = _classify(key, dfa, state, vocab)
             if future is not None:
                 _keep((future, vocab.fingerprint), found)
-        _keep(named, found)
+    _keep(named, found)
+    return found
+
+
+def _literal(rest: bytes, vocab: TokenVocab) -> StateTokens:
+    """The classes of a literal's state with `rest` left to read (literal_tokens.py), shared by that rest."""
+    shared = ("literal", rest, vocab.fingerprint)
+    found = _cached(shared)
+    if found is None:
+        inside, tokens, starts = literal_classes(rest, vocab)
+        found = StateTokens(None, _exits(shared, tokens, starts, vocab), inside_ids=inside)
+        _keep(shared, found)
     return found
 
 

@@ -253,6 +253,18 @@ class TokenVocab:
             self._trie = TokenTrie.build(self.token_bytes)
         return self._trie
 
+    @functools.cached_property
+    def sorted_tokens(self) -> tuple[list[bytes], np.ndarray, dict[bytes, int]]:
+        """The non-empty tokens' bytes in sorted order, their ids (int32), and where each distinct byte
+        string first appears in that order: tokens that start with some bytes are a contiguous range
+        (literal_tokens.py)."""
+        ids = sorted((i for i, b in enumerate(self.token_bytes) if b), key=self.token_bytes.__getitem__)
+        data = [self.token_bytes[i] for i in ids]
+        first: dict[bytes, int] = {}
+        for n, b in enumerate(data):
+            first.setdefault(b, n)
+        return data, np.asarray(ids, dtype=np.int32), first
+
 
 _vocabs: "weakref.WeakKeyDictionary[object, dict[tuple[int, ...], TokenVocab]]" = weakref.WeakKeyDictionary()
 _vocabs_lock = threading.Lock()  # front ends build constraints from several threads
