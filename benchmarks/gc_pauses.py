@@ -18,6 +18,7 @@ import json
 import random
 import subprocess
 import sys
+import threading
 import time
 
 TYPES = ({"type": "integer"}, {"type": "string", "maxLength": 12}, {"type": "boolean"},
@@ -35,10 +36,9 @@ def serve(model: str | None, freeze: bool, count: int, batch: int) -> dict:
     import radixlm
 
     engine = radixlm.Engine(model, gc_freeze=freeze, max_running_requests=batch, gc_warning_threshold_ms=0)
-    from radixlm.core.constrained.grammar_index_cache import prepare_vocab
-
-    prepare_vocab(engine.tokenizer, engine.eos_token_ids)  # the engine's own preparation, waited for
-    time.sleep(0.5)  # its thread freezes the heap (gc_freeze) once prepared
+    for thread in threading.enumerate():  # the engine's vocabulary preparation, which then freezes (gc_freeze)
+        if thread.name == "radixlm-prepare-vocab":
+            thread.join()
     pauses: list[tuple[int, float]] = []
     started = [0.0]
 
