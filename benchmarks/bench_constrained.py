@@ -23,7 +23,9 @@
    whole cost inside the decode loop (mask_overhead_us_per_request_step). steps_by_kind counts the
    steps (profile_steps.StepTimer): with overlap, `extend+ride chained` are the jump-forward extend
    steps chained on the pending decode step, `extend+ride` those that applied it first (a sync point);
-   `--overlap all` adds overlap without that chaining (on_unchained), for the ablation.
+   `--overlap all` adds overlap without that chaining (on_unchained), for the ablation; `--overlap gather`
+   runs overlap with jump-forward continuations gathering before chained extend steps as they do before
+   unchained ones (on_gathered, the code before they stopped waiting there), then overlap as it is.
 """
 
 from __future__ import annotations
@@ -245,9 +247,10 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     parser.add_argument("--grammar-backends", nargs="+", default=["radixlm"],
                         help="--e2e once per grammar_backend (e.g. radixlm llguidance), side by side")
-    parser.add_argument("--overlap", choices=["off", "on", "both", "all"], default="off",
+    parser.add_argument("--overlap", choices=["off", "on", "both", "all", "gather"], default="off",
                         help="--e2e with overlap scheduling off, on, or both (off then on, each backend); all: "
-                             "off, on without chaining across extend steps (the ablation), on")
+                             "off, on without chaining across extend steps (the ablation), on; gather: on with "
+                             "continuations gathering before chained extend steps (the ablation), on")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -271,10 +274,11 @@ def main() -> None:
             from bench_engine import make_model_dir
 
             model_path, options = make_model_dir(args.model, tempfile.mkdtemp(prefix="radixlm-bench-"))
-        overlaps = {"off": ["off"], "on": ["on"], "both": ["off", "on"], "all": ["off", "on_unchained", "on"]}[args.overlap]
+        overlaps = {"off": ["off"], "on": ["on"], "both": ["off", "on"], "all": ["off", "on_unchained", "on"],
+                    "gather": ["on_gathered", "on"]}[args.overlap]
         for backend in args.grammar_backends:
             for overlap in overlaps:
-                with _extend_chaining(overlap != "on_unchained"):
+                with _extend_chaining(overlap != "on_unchained"), _gathering_before_chains(overlap == "on_gathered"):
                     rows = bench_e2e(model_path, args.batch, args.max_new_tokens, args.repeats, grammar_backend=backend,
                                      enable_overlap_schedule=overlap != "off", **options)
                 print(json.dumps({"e2e": rows, "grammar_backend": backend, "overlap": overlap}, indent=1))
@@ -293,6 +297,21 @@ def _extend_chaining(on: bool):
         yield
     finally:
         Executor.chains_extend = chains
+
+
+@contextlib.contextmanager
+def _gathering_before_chains(on: bool):
+    """Jump-forward continuations wait to gather before a chained extend step too, as before they stopped
+    waiting there: an ablation of this process's engines."""
+    from radixlm.core.engine.scheduler.constraints import JumpGather
+
+    should_wait = JumpGather.should_wait
+    if on:
+        JumpGather.should_wait = lambda self, waiting, running, chains: should_wait(self, waiting, running, False)
+    try:
+        yield
+    finally:
+        JumpGather.should_wait = should_wait
 
 
 if __name__ == "__main__":

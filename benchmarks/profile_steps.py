@@ -133,6 +133,7 @@ def main() -> None:
     parser.add_argument("--profile", nargs="*", default=[], choices=CASES,
                         help="cases to run once more under torch.profiler (op table printed)")
     parser.add_argument("--profile-steps", type=int, default=20)
+    parser.add_argument("--timeline", action="store_true", help="also each step's kind and milliseconds, in order")
     parser.add_argument("--jump-gather-steps", type=int, nargs="+", default=[jump_gathering.JUMP_GATHER_STEPS],
                         help="json_jump once per value: decode steps jump-forward continuations may wait to gather")
     args = parser.parse_args()
@@ -161,6 +162,8 @@ def main() -> None:
                     plain_tokens = max(1, round(statistics.mean(tokens)))
                 print(json.dumps({"case": case, "jump_gather_steps": gather, "batch": batch, "wall_ms": round(wall * 1e3, 1),
                                   "output_tokens": sum(tokens), "steps": len(steps), **summarize(steps)}), flush=True)
+                if args.timeline:
+                    print(json.dumps({"timeline": [[kind, round(dt * 1e3, 2)] for kind, dt in steps]}), flush=True)
                 if case in args.profile:
                     engine.flush_cache()
                     timer.profile_window = (4, args.profile_steps)

@@ -171,6 +171,15 @@ if [ "${RUN_CONSTRAINED:-1}" = 1 ] && [ -f benchmarks/bench_constrained.py ]; th
     ${CONSTRAINED_ARGS:---batch 1 16 --max-new-tokens 128} 2>&1 | tee "$OUT/bench_constrained.log"
   echo "bench_constrained exit ${PIPESTATUS[0]}" | tee -a "$OUT/env.txt"
 fi
+if [ "${RUN_PROFILE_STEPS:-0}" = 1 ]; then
+  # Issue 19: where a constrained batch's time goes, step by step (kinds, medians, totals, the timeline).
+  # shellcheck disable=SC2086  # PROFILE_STEPS_ARGS is a list of flags
+  timeout "${PROFILE_STEPS_S:-150}" python3 benchmarks/profile_steps.py \
+    ${PROFILE_STEPS_ARGS:---model llama3-8b-shape --batch 64 --cases json json_jump --timeline} 2>&1 \
+    | tee "$OUT/profile_steps.log"
+  echo "profile_steps exit ${PIPESTATUS[0]}" | tee -a "$OUT/env.txt"
+fi
+
 if [ "${RUN_SCHEDULER:-0}" = 1 ]; then
   # The scheduler's host time per step with a null model runner, 1024 requests of which 64 run at once
   # (960 down to 0 waiting), 16 shared prefixes: each policy's cost of ordering a long queue.

@@ -525,12 +525,13 @@ def test_jump_continuations_gather_for_a_bounded_number_of_steps():
     running = [make_req([1], i) for i in range(8)]
     jumped = make_req([1], 10)
     jumped.row = 0
-    waits = [gather.should_wait([jumped], running) for _ in range(JUMP_GATHER_STEPS + 2)]
+    waits = [gather.should_wait([jumped], running, False) for _ in range(JUMP_GATHER_STEPS + 2)]
     assert waits == [True] * JUMP_GATHER_STEPS + [False, True]
-    assert not JumpGather().should_wait([jumped, make_req([2], 11)], running)  # a new request: no waiting
+    assert not JumpGather().should_wait([jumped, make_req([2], 11)], running, False)  # a new request: no waiting
     enough = [jumped] * (len(running) // JUMP_GATHER_RATIO)
-    assert not JumpGather().should_wait(enough, running)
-    assert not JumpGather().should_wait([jumped], [])
+    assert not JumpGather().should_wait(enough, running, False)
+    assert not JumpGather().should_wait([jumped], [], False)
+    assert not JumpGather().should_wait([jumped], running, True)  # a chained extend step: no waiting
 
 
 # ---- the whole loop ---------------------------------------------------------------------------

@@ -175,7 +175,8 @@ class Scheduler:
         # With a decode step pending (overlap), this plans on the state before its results: requests it
         # finishes still count as running and hold their KV, which only makes planning cautious.
         pending, self.pending = self.pending, None
-        plan = self.planner.plan(queues.waiting, queues.running, queues.chunked)
+        chains = pending is not None and self.executor.chains_extend(pending)
+        plan = self.planner.plan(queues.waiting, queues.running, queues.chunked, chains)
         queues.chunked = plan.chunked
         if plan.extends:
             queues.take(plan.taken, plan.passed_over)

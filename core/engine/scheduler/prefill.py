@@ -53,7 +53,9 @@ class PrefillPlanner:
         self.admission_batch = admission_batch
         self.jumps = JumpGather()
 
-    def plan(self, waiting: list[Req], running: list[Req], chunked: Req | None) -> PrefillPlan:
+    def plan(self, waiting: list[Req], running: list[Req], chunked: Req | None, chains: bool = False) -> PrefillPlan:
+        """The next extend step's extends; `chains`: continuations' extend step would chain on a pending
+        decode step (overlap), so they do not wait to gather."""
         budget = self.chunk_budget
         plan = PrefillPlan()
         if chunked is not None:
@@ -67,7 +69,7 @@ class PrefillPlanner:
                 plan.chunked = chunked
         if not waiting or budget <= 0 or plan.chunked is not None:
             return plan
-        if not plan.extends and self.jumps.should_wait(waiting, running):
+        if not plan.extends and self.jumps.should_wait(waiting, running, chains):
             return plan
         slots_left = self.max_running_requests - len(running) - len(plan.extends)
         if slots_left <= 0 or self.memory.rows_available() == 0:
