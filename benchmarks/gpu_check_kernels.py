@@ -143,8 +143,9 @@ class Checker:
     # ---- checks
 
     def extend(self, case: str, prefix_lens: list[int], extend_lens: list[int], config: AttnConfig | None = None,
-               new_kv: bool = False):
-        """new_kv: the new tokens' k and v also passed packed (as the engine does with a bf16 pool)."""
+               new_kv: bool = False, split_short: bool = False):
+        """new_kv: the new tokens' k and v also passed packed (as the engine does with a bf16 pool);
+        split_short: the requests with few new tokens through the split kernel (a jump-forward step's)."""
         a = self.args
         seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
         tables = self.paged(seq_lens, a.kv_heads, a.head_dim)
@@ -163,7 +164,7 @@ class Checker:
         self.poison(q.shape, q.dtype)
         max_ext = max(extend_lens)
         call = lambda: tri.extend_attention(q, *tables, ext, scale, starts, max_ext, config=config,  # noqa: E731
-                                            new_kv=packed)
+                                            new_kv=packed, split_short=split_short)
         out = call()
         pairs = sum(e * p + e * (e + 1) // 2 for p, e in zip(prefix_lens, extend_lens))
         flops = 4 * pairs * a.heads * a.head_dim
@@ -378,6 +379,12 @@ def main(argv: list[str] | None = None) -> int:
         c.extend(f"B={b} ragged<= {s}, prefixes{tag}", prefixes, ragged, new_kv=new_kv)
         c.extend(f"B={prefill_batch} x {prefill}, no prefix{tag}", [0] * prefill_batch, [prefill] * prefill_batch,
                  new_kv=new_kv)
+    # A jump-forward step: most requests ride along with one token, a few compute forced text; with the
+    # short ones through the split kernel (as the engine runs such steps) and without.
+    riders = [1 if i % 6 else 2 + i % 7 for i in range(b)]
+    for split_short in (False, True):
+        c.extend(f"B={b} jump step (1-8 new tokens){', short split' if split_short else ''}", uniform(1, s // 2, b),
+                 riders, new_kv=True, split_short=split_short)
     c.decode(f"B={b} ragged <= {s}", uniform(1, s, b))
     c.decode(f"B=1 L={s}", [s])
     c.decode(f"B=1 L={8 * s}", [8 * s])

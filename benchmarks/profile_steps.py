@@ -25,7 +25,10 @@ import statistics
 import sys
 import tempfile
 import time
-from collections import defaultdict
+import traceback
+import warnings
+from collections import Counter, defaultdict
+from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
@@ -35,6 +38,8 @@ from bench_engine import make_model_dir  # noqa: E402  (also makes radixlm impor
 
 import radixlm  # noqa: E402
 from radixlm.core.engine.scheduler import constraints as jump_gathering  # noqa: E402
+from radixlm.core.engine.model_runner import ModelRunner  # noqa: E402
+from radixlm.core.engine.sampler import DeviceSample  # noqa: E402
 from radixlm.core.engine.scheduler.execute import Executor  # noqa: E402
 from radixlm.core.models.default_model import default_model_path  # noqa: E402
 
@@ -94,6 +99,68 @@ class StepTimer:
         return steps
 
 
+class DeviceWaits:
+    """Where the host waits for the device: the time each step spends blocked on a sampled step's copy
+    (DeviceSample.resolve), and (CUDA) every other synchronizing call, by the radixlm line that made it
+    (torch's sync debug mode), and the device time of the model forwards by step kind (CUDA events,
+    read after the run). A step that waits for nothing was host-bound."""
+
+    def __init__(self) -> None:
+        self.waited = 0.0
+        self.syncs: Counter[str] = Counter()
+        self.forwards: list[tuple[str, Any, Any]] = []  # (batch kind, start event, end event)
+        resolve, waits, forward = DeviceSample.resolve, self, ModelRunner.forward
+
+        def timed_forward(runner, batch, *args, **kwargs):
+            if not torch.cuda.is_available():
+                return forward(runner, batch, *args, **kwargs)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            out = forward(runner, batch, *args, **kwargs)
+            end.record()
+            kind = "decode" if batch.is_decode else "extend"
+            if not batch.is_decode:
+                graphed = runner.extend_graphs is not None and runner.extend_graphs.bucket_for(batch) is not None
+                kind += f" {'graph' if graphed else 'eager'} {len(batch.input_ids) // 32 * 32}+ tokens"
+            waits.forwards.append((kind, start, end))
+            return out
+
+        ModelRunner.forward = timed_forward
+
+        def timed_resolve(sample, reqs):
+            if sample.copied is not None:
+                start = time.perf_counter()
+                sample.copied.synchronize()
+                waits.waited += time.perf_counter() - start
+            return resolve(sample, reqs)
+
+        DeviceSample.resolve = timed_resolve
+        if torch.cuda.is_available():
+            show = warnings.showwarning
+
+            def record(message, category, filename, lineno, file=None, line=None):
+                if "synchronizing" not in str(message):
+                    return show(message, category, filename, lineno, file, line)
+                ours = [f for f in traceback.extract_stack() if "/radixlm/" in f.filename and "benchmarks" not in f.filename]
+                waits.syncs[f"{ours[-1].filename.rsplit('/radixlm/', 1)[1]}:{ours[-1].lineno}" if ours else "elsewhere"] += 1
+
+            warnings.showwarning = record
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+
+    def take(self) -> tuple[float, dict[str, int], dict[str, list[float]]]:
+        """The wait (s), the syncs by line, and per forward kind [count, device ms in all]."""
+        if self.forwards:
+            torch.cuda.synchronize()
+        kinds: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+        for kind, start, end in self.forwards:
+            kinds[kind][0] += 1
+            kinds[kind][1] = round(kinds[kind][1] + start.elapsed_time(end), 2)
+        waited, syncs = self.waited, dict(self.syncs.most_common(8))
+        self.waited, self.syncs, self.forwards = 0.0, Counter(), []
+        return waited, syncs, dict(sorted(kinds.items()))
+
+
 def _activities() -> list:
     acts = [torch.profiler.ProfilerActivity.CPU]
     if torch.cuda.is_available():
@@ -134,6 +201,8 @@ def main() -> None:
                         help="cases to run once more under torch.profiler (op table printed)")
     parser.add_argument("--profile-steps", type=int, default=20)
     parser.add_argument("--timeline", action="store_true", help="also each step's kind and milliseconds, in order")
+    parser.add_argument("--waits", action="store_true",
+                        help="also the time the host waited for the device, and (CUDA) the other syncs by line")
     parser.add_argument("--jump-gather-steps", type=int, nargs="+", default=[jump_gathering.JUMP_GATHER_STEPS],
                         help="json_jump once per value: decode steps jump-forward continuations may wait to gather")
     args = parser.parse_args()
@@ -143,6 +212,7 @@ def main() -> None:
     else:
         path, options = make_model_dir(args.model, tempfile.mkdtemp(prefix="radixlm-prof-"))
     timer = StepTimer()
+    waits = DeviceWaits() if args.waits else None
     with radixlm.Engine(path, **options) as engine:
         for batch in args.batch:
             prompts = [f"Write one user record as JSON. Record {i}:" for i in range(batch)]
@@ -153,15 +223,22 @@ def main() -> None:
                 for _ in range(args.repeats):
                     engine.flush_cache()
                     timer.take()
+                    if waits:
+                        waits.take()
                     t = time.perf_counter()
                     outs = engine.generate(prompts, params_for(case, batch, args.max_new_tokens, plain_tokens))
                     wall = time.perf_counter() - t
                     steps = timer.take()
+                    waited = waits.take() if waits else None
                 tokens = [len(o["output_ids"]) for o in outs]
                 if case == "json":
                     plain_tokens = max(1, round(statistics.mean(tokens)))
                 print(json.dumps({"case": case, "jump_gather_steps": gather, "batch": batch, "wall_ms": round(wall * 1e3, 1),
                                   "output_tokens": sum(tokens), "steps": len(steps), **summarize(steps)}), flush=True)
+                if waited is not None:
+                    print(json.dumps({"steps_ms": round(sum(dt for _, dt in steps) * 1e3, 1),
+                                      "device_wait_ms": round(waited[0] * 1e3, 1), "syncs": waited[1],
+                                      "forwards_device_ms": waited[2]}), flush=True)
                 if args.timeline:
                     print(json.dumps({"timeline": [[kind, round(dt * 1e3, 2)] for kind, dt in steps]}), flush=True)
                 if case in args.profile:

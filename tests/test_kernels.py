@@ -121,6 +121,36 @@ def test_extend_attention_reads_the_new_tokens_packed(heads):
     assert_close(out, expected)
 
 
+@pytest.mark.parametrize("splits", [3, 1, None], ids=["3-splits", "direct", "default"])
+@pytest.mark.parametrize("heads", GQA_SHAPES, ids=lambda s: f"H{s[0]}-KH{s[1]}-D{s[2]}")
+def test_extend_attention_short_extends_through_the_split_kernel(heads, splits):
+    """split_short: requests with at most SHORT_EXTEND_TOKENS new tokens through the split kernel (causal
+    among their new tokens, the keys split across programs), the longer ones through the extend kernel
+    skipping the short ones; together the reference's output. Prefixes of 0 (the new tokens' keys only),
+    1, one mid-block and ones spanning several key blocks; a padding request (no tokens) last."""
+    num_heads, num_kv_heads, head_dim = heads
+    short = tri.SHORT_EXTEND_TOKENS
+    prefix_lens, extend_lens = [30, 0, 21, 1, 16, 5, 40, 0], [1, short, short + 1, 1, 3, 17, 2, 0]
+    seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
+    batch = PagedBatch(seq_lens, num_kv_heads, head_dim, torch.float32, torch.int32, DEVICE)
+    q = randn(sum(extend_lens), num_heads, head_dim)
+    ext = torch.tensor(extend_lens, device=DEVICE, dtype=torch.int32)
+    scale = head_dim**-0.5
+    expected = ref.extend_attention(q, *batch.tables(), ext, scale)
+    if splits is None:
+        out = tri.extend_attention(q, *batch.tables(), ext, scale, split_short=True)
+        assert_close(out, expected)
+        return
+    # The split kernel alone, with a given number of splits: the short requests' rows, the others untouched.
+    starts = torch.cumsum(ext, 0) - ext
+    out = torch.full_like(q, float("nan"))
+    k_buf, v_buf, req_to_token, rows, seqs = batch.tables()
+    tri.attention._split_attention(q, k_buf, v_buf, out, req_to_token, rows, seqs, scale, splits, short, ext, starts)
+    is_short = torch.tensor([e <= short for e in extend_lens for _ in range(e)], device=DEVICE)
+    assert_close(out[is_short], expected[is_short])
+    assert out[~is_short].isnan().all()
+
+
 @pytest.mark.parametrize("splits", [3, 1], ids=["3-splits", "direct"])
 @pytest.mark.parametrize("heads", GQA_SHAPES, ids=lambda s: f"H{s[0]}-KH{s[1]}-D{s[2]}")
 def test_decode_attention_split_kv_fp32(heads, splits):
@@ -335,12 +365,15 @@ def test_get_ops_dispatch(monkeypatch):
     assert kernels.get_ops("cuda") is (tri if torch.cuda.is_available() else cpu_ops)
 
 
-@pytest.mark.parametrize("is_decode", [True, False], ids=["decode", "extend"])
-def test_attention_backend_fused_rotary_store_equals_the_composed_ops(is_decode, monkeypatch):
+@pytest.mark.parametrize("shape", ["decode", "extend", "jump step"])
+def test_attention_backend_fused_rotary_store_equals_the_composed_ops(shape, monkeypatch):
     """The backend over the Triton set (rotary + KV store in one launch) against the backend over the CPU
-    set (apply_rotary, then store_kv): the same attention output and the same pool."""
+    set (apply_rotary, then store_kv): the same attention output and the same pool. The jump step (a few
+    new tokens a request on average, one request with more) takes the split kernel for its short ones."""
     num_heads, num_kv_heads, head_dim = 4, 2, 32
-    seq_lens, extend_lens = ([9, 4], [1, 1]) if is_decode else ([9, 4], [3, 4])
+    is_decode = shape == "decode"
+    seq_lens, extend_lens = {"decode": ([9, 4], [1, 1]), "extend": ([9, 14], [5, 12]),
+                             "jump step": ([12, 9, 4], [1, 6, 1])}[shape]
     batch = PagedBatch(seq_lens, num_kv_heads, head_dim, torch.float32, torch.int32, DEVICE)
     rows = batch.req_to_token[batch.req_pool_indices.long()]
     positions = torch.cat([torch.arange(s - e, s) for s, e in zip(seq_lens, extend_lens)]).to(DEVICE)
@@ -351,6 +384,9 @@ def test_attention_backend_fused_rotary_store_equals_the_composed_ops(is_decode,
     fused_calls = []
     fused = tri.apply_rotary_store_kv
     monkeypatch.setattr(tri, "apply_rotary_store_kv", lambda *args: fused_calls.append(1) or fused(*args))
+    split_calls = []
+    split = tri.attention._split_attention
+    monkeypatch.setattr(tri.attention, "_split_attention", lambda *args: split_calls.append(args[9]) or split(*args))
     results = []
     for ops in (tri, cpu_ops):
         pool = type("Pool", (), {"k_buffers": [batch.k_buffer.clone()], "v_buffers": [batch.v_buffer.clone()]})()
@@ -365,6 +401,7 @@ def test_attention_backend_fused_rotary_store_equals_the_composed_ops(is_decode,
         results.append((backend.forward(q, k, v, 0, fb), pool.k_buffers[0], pool.v_buffers[0]))
     (out, k_buf, v_buf), (cpu_out, cpu_k, cpu_v) = results
     assert fused_calls == [1]  # the Triton set took the one-launch path
+    assert split_calls == {"decode": [1], "extend": [], "jump step": [tri.SHORT_EXTEND_TOKENS]}[shape]
     monkeypatch.setenv("RADIXLM_UNFUSED_ROTARY_STORE", "1")  # the benchmarks' ablation: the unfused pair
     pool = type("Pool", (), {"k_buffers": [batch.k_buffer.clone()], "v_buffers": [batch.v_buffer.clone()]})()
     fb.kv_pool, fb.attn_backend = pool, AttentionBackend(tri)

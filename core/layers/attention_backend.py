@@ -26,6 +26,9 @@ class AttentionBackend:
         # ...and may read the new tokens' k and v packed (as the rotary leaves them) instead of gathering
         # them back from their pool slots (H200, 16 x 1024 prefill: 0.57 against 0.62 ms a layer).
         self._reads_packed = "new_kv" in extend_params
+        # ...and may compute the requests with a few new tokens (decodes riding in a jump-forward step)
+        # as decodes are: used where the step has at most that many tokens a request on average.
+        self._short_tokens = getattr(ops, "SHORT_EXTEND_TOKENS", 0) if "split_short" in extend_params else 0
         # The CPU set plans the batch's layout once per forward instead of once per layer.
         self._plan = getattr(ops, "plan_attention", None)
         # The Triton set rotates and stores in one launch per layer, in decode steps inside the qkv
@@ -70,6 +73,8 @@ class AttentionBackend:
         args = (q, k_buf, v_buf, fb.req_to_token, fb.req_pool_indices, fb.seq_lens, fb.extend_lens, scale)
         if new_kv is not None:
             extra["new_kv"] = new_kv
+        if q.shape[0] <= self._short_tokens * fb.extend_lens.shape[0]:
+            extra["split_short"] = True
         if self._extend_takes_layout and fb.max_extend_len is not None:
             return self.ops.extend_attention(*args, fb.extend_start_loc, fb.max_extend_len, **extra)
         return self.ops.extend_attention(*args, **extra)

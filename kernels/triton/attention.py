@@ -152,14 +152,16 @@ def _extend_kernel(
     stride_rr, stride_rc,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, NEW_KV: tl.constexpr,
+    SKIP_SHORT: tl.constexpr,
 ):
+    """Extends of at most SKIP_SHORT tokens are left to the split kernel (`_split_kernel`, short mode)."""
     # Heads vary fastest so the query heads sharing a KV head run side by side and share it in L2.
     head = tl.program_id(0)
     req = tl.program_id(1)
     # The blocks with the most keys start first, the cheap ones fill the tail.
     m_block = tl.num_programs(2) - 1 - tl.program_id(2)
     extend_len = tl.load(ExtendLens + req).to(tl.int32)
-    if m_block * BLOCK_M >= extend_len:
+    if (m_block * BLOCK_M >= extend_len) | (extend_len <= SKIP_SHORT):
         return
     seq_len = tl.load(SeqLens + req).to(tl.int32)
     prefix_len = seq_len - extend_len
@@ -225,15 +227,23 @@ def extend_attention(
     max_extend_len: int | None = None,
     *,
     new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+    split_short: bool = False,
     config: AttnConfig | None = None,
 ) -> torch.Tensor:
-    """Causal attention of each request's new tokens over its prefix and new tokens, in one launch.
+    """Causal attention of each request's new tokens over its prefix and new tokens, in one launch (two
+    or three with ``split_short``).
 
     Same contract as ``reference.extend_attention``. ``extend_start_loc`` (offset of each request's
     first query in ``q``) and ``max_extend_len`` may be passed when the caller has them; otherwise
     they are derived from ``extend_lens`` (the max costs one device-to-host sync). ``new_kv``: the new
     tokens' (rotated) k and v [T, KH, D], packed like q, equal to what was stored into their slots:
     read from there without the gather through the pool.
+
+    ``split_short``: requests with at most SHORT_EXTEND_TOKENS new tokens (the one-token decodes riding
+    in a jump-forward step, short forced texts) are computed as decodes are, by the split kernel (a KV
+    head loaded once for its query group, the keys split across programs), and only the longer ones by
+    the extend kernel, whose programs (one query head, a 64-row query block) would otherwise each walk
+    a one-token request's whole context.
     """
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     batch = extend_lens.shape[0]
@@ -247,6 +257,9 @@ def extend_attention(
     cfg = config or extend_config(head_dim, q.device)
     grid = (num_heads, batch, triton.cdiv(max_extend_len, cfg.block_m))
     k_new, v_new = new_kv if new_kv is not None else (k_buffer, v_buffer)
+    if split_short:
+        _split_attention(q, k_buffer, v_buffer, out, req_to_token, req_pool_indices, seq_lens, sm_scale, None,
+                         SHORT_EXTEND_TOKENS, extend_lens, extend_start_loc)
     _extend_kernel[grid](
         q, k_buffer, v_buffer, k_new, v_new, out, req_to_token, req_pool_indices, seq_lens, extend_lens,
         extend_start_loc,
@@ -255,7 +268,7 @@ def extend_attention(
         *req_to_token.stride(),
         GROUP=num_heads // k_buffer.shape[1], HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, PRECISION=_dot_precision(q.dtype),
-        NEW_KV=new_kv is not None,
+        NEW_KV=new_kv is not None, SKIP_SHORT=SHORT_EXTEND_TOKENS if split_short else 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out
@@ -263,7 +276,7 @@ def extend_attention(
 
 @triton.jit
 def _decode_split_kernel(
-    Q, K, V, O, PartOut, PartLse, ReqToToken, ReqPoolIndices, SeqLens,
+    Q, K, V, O, PartOut, PartLse, ReqToToken, ReqPoolIndices, SeqLens, ExtendLens, ExtendStartLoc,
     scale_log2, num_splits,
     stride_qb, stride_qh, stride_qd,
     stride_ks, stride_kh, stride_kd,
@@ -273,74 +286,115 @@ def _decode_split_kernel(
     stride_pb, stride_ph, stride_ps, stride_pd,
     stride_lb, stride_lh, stride_ls,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
-    BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, DIRECT: tl.constexpr,
+    BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, DIRECT: tl.constexpr, TOKENS: tl.constexpr,
 ):
     """Stage 1: one KV head's whole query group against one split of one request's keys. DIRECT (one
-    split): the output itself, and no stage 2."""
+    split): the output itself, and no stage 2.
+
+    TOKENS > 1 (short extends): the request's new tokens, when it has 1 to TOKENS of them (others are the
+    extend kernel's), at q rows ExtendStartLoc[req] on; a program's rows are (token, head of the group)
+    pairs, row = token * GROUP + head. The splits share out the cached prefix and the last one also
+    takes the new tokens' keys, causally: every row sees at least one key of any split that has keys.
+    Partials are indexed by token * num_heads + head."""
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(SeqLens + req).to(tl.int32)
     row = tl.load(ReqPoolIndices + req).to(tl.int64)
+    if TOKENS > 1:
+        ext_len = tl.load(ExtendLens + req).to(tl.int32)
+        if (ext_len > TOKENS) | (ext_len == 0):
+            return
+        q_start = tl.load(ExtendStartLoc + req).to(tl.int64)
+        keys = seq_len - ext_len  # the prefix; the new tokens' keys come last, causally
+    else:
+        ext_len = 1
+        q_start = req.to(tl.int64)
+        keys = seq_len
     # Splits are whole multiples of BLOCK_N so no split wastes a partial block; trailing ones may be empty.
-    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    split_len = tl.cdiv(tl.cdiv(keys, num_splits), BLOCK_N) * BLOCK_N
     lo = split * split_len
-    hi = tl.minimum(lo + split_len, seq_len)
+    hi = tl.minimum(lo + split_len, keys)
 
-    offs_g = tl.arange(0, BLOCK_H)
-    heads = kv_head * GROUP + offs_g
+    offs_r = tl.arange(0, BLOCK_H)
+    token = offs_r // GROUP
+    heads = kv_head * GROUP + offs_r % GROUP
+    r_mask = (offs_r < GROUP * TOKENS) & (token < ext_len)
     offs_d = tl.arange(0, BLOCK_D)
-    hd_mask = (offs_g < GROUP)[:, None] & (offs_d < HEAD_DIM)[None, :]
+    hd_mask = r_mask[:, None] & (offs_d < HEAD_DIM)[None, :]
     q = tl.load(
-        Q + req * stride_qb + heads[:, None] * stride_qh + offs_d[None, :] * stride_qd,
+        Q + (q_start + token)[:, None] * stride_qb + heads[:, None] * stride_qh + offs_d[None, :] * stride_qd,
         mask=hd_mask, other=0.0,
     )
+    q_pos = seq_len - ext_len + token
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    token_row_ptr = ReqToToken + row * stride_rr
     m_i, l_i, acc = _attend_keys(
-        q, m_i, l_i, acc, K, V, ReqToToken + row * stride_rr, 0, kv_head,
+        q, m_i, l_i, acc, K, V, token_row_ptr, 0, kv_head,
         stride_rc, stride_ks, stride_kh, stride_kd, stride_vs, stride_vh, stride_vd,
-        lo, hi, offs_g, scale_log2,
+        lo, hi, q_pos, scale_log2,
         False, False, HEAD_DIM, BLOCK_D, BLOCK_N, PRECISION,
     )
+    if TOKENS > 1:
+        if split == num_splits - 1:
+            m_i, l_i, acc = _attend_keys(
+                q, m_i, l_i, acc, K, V, token_row_ptr, 0, kv_head,
+                stride_rc, stride_ks, stride_kh, stride_kd, stride_vs, stride_vh, stride_vd,
+                keys, seq_len, q_pos, scale_log2,
+                True, False, HEAD_DIM, BLOCK_D, BLOCK_N, PRECISION,
+            )
     # An empty split stores zeros with log-sum-exp -inf, which the reduce weighs as nothing (a request
     # with no keys at all gets zeros, as in the reference).
     nonempty = l_i > 0
     part = acc / tl.where(nonempty, l_i, 1.0)[:, None]
     if DIRECT:
-        tl.store(O + req * stride_ob + heads[:, None] * stride_oh + offs_d[None, :] * stride_od,
+        tl.store(O + (q_start + token)[:, None] * stride_ob + heads[:, None] * stride_oh + offs_d[None, :] * stride_od,
                  part.to(O.dtype.element_ty), mask=hd_mask)
     else:
         lse = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), float("-inf"))
+        part_row = token * (GROUP * tl.num_programs(1)) + heads
         tl.store(
-            PartOut + req * stride_pb + heads[:, None] * stride_ph + split * stride_ps
+            PartOut + req * stride_pb + part_row[:, None] * stride_ph + split * stride_ps
             + offs_d[None, :] * stride_pd,
             part, mask=hd_mask,
         )
-        tl.store(PartLse + req * stride_lb + heads * stride_lh + split * stride_ls, lse, mask=offs_g < GROUP)
+        tl.store(PartLse + req * stride_lb + part_row * stride_lh + split * stride_ls, lse, mask=r_mask)
 
 
 @triton.jit
 def _decode_reduce_kernel(
-    PartOut, PartLse, O, num_splits,
+    PartOut, PartLse, O, ExtendLens, ExtendStartLoc, num_splits,
     stride_pb, stride_ph, stride_ps, stride_pd,
     stride_lb, stride_lh, stride_ls,
     stride_ob, stride_oh, stride_od,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, TOKENS: tl.constexpr,
 ):
-    """Stage 2: merge the splits of one (request, head) by their log-sum-exps."""
+    """Stage 2: merge the splits of one (request, partial row) by their log-sum-exps; the partial row is
+    token * num_heads + head (TOKENS > 1: short extends, as in stage 1)."""
     req = tl.program_id(0)
-    head = tl.program_id(1)
+    part_row = tl.program_id(1)
+    if TOKENS > 1:
+        num_heads = tl.num_programs(1) // TOKENS
+        token = part_row // num_heads
+        head = part_row % num_heads
+        ext_len = tl.load(ExtendLens + req).to(tl.int32)
+        if (ext_len > TOKENS) | (token >= ext_len):
+            return
+        out_row = tl.load(ExtendStartLoc + req).to(tl.int64) + token
+    else:
+        head = part_row
+        out_row = req.to(tl.int64)
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
     s_mask = offs_s < num_splits
     sd_mask = s_mask[:, None] & (offs_d < HEAD_DIM)[None, :]
     lse = tl.load(
-        PartLse + req * stride_lb + head * stride_lh + offs_s * stride_ls, mask=s_mask, other=float("-inf")
+        PartLse + req * stride_lb + part_row * stride_lh + offs_s * stride_ls, mask=s_mask, other=float("-inf")
     )
     parts = tl.load(
-        PartOut + req * stride_pb + head * stride_ph + offs_s[:, None] * stride_ps
+        PartOut + req * stride_pb + part_row * stride_ph + offs_s[:, None] * stride_ps
         + offs_d[None, :] * stride_pd,
         mask=sd_mask, other=0.0,
     )
@@ -350,9 +404,14 @@ def _decode_reduce_kernel(
     total = tl.sum(w, 0)
     out = tl.sum(w[:, None] * parts, 0) / tl.where(total > 0, total, 1.0)
     tl.store(
-        O + req * stride_ob + head * stride_oh + offs_d * stride_od,
+        O + out_row * stride_ob + head * stride_oh + offs_d * stride_od,
         out.to(O.dtype.element_ty), mask=offs_d < HEAD_DIM,
     )
+
+
+# Extends of at most this many new tokens go through the split kernel with `extend_attention(split_short=True)`:
+# a 4-head query group of 4 tokens fills the 16 rows a tl.dot needs, which a decode pads to anyway.
+SHORT_EXTEND_TOKENS = 4
 
 
 def decode_attention(
@@ -373,10 +432,23 @@ def decode_attention(
     its whole query group (GQA). ``num_kv_splits`` defaults to a value that depends on the batch
     shape only (see ``default_num_kv_splits``).
     """
-    batch, num_heads, head_dim = q.shape
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    if batch == 0:
-        return out
+    if q.shape[0]:
+        _split_attention(q, k_buffer, v_buffer, out, req_to_token, req_pool_indices, seq_lens, sm_scale,
+                         num_kv_splits, 1, None, None, config)
+    return out
+
+
+def _split_attention(
+    q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, out: torch.Tensor, req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, sm_scale: float, num_kv_splits: int | None,
+    tokens: int, extend_lens: torch.Tensor | None, extend_start_loc: torch.Tensor | None,
+    config: AttnConfig | None = None,
+) -> None:
+    """Writes into `out` the attention of each request's query rows: one (decodes, tokens=1, row = request)
+    or, with tokens > 1, its new tokens when it has at most `tokens` of them (rows from extend_start_loc)."""
+    batch = seq_lens.shape[0]
+    num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k_buffer.shape[1]
     group = num_heads // num_kv_heads
     splits = num_kv_splits or default_num_kv_splits(batch, num_kv_heads, q.device)
@@ -384,23 +456,25 @@ def decode_attention(
     block_d = _block_d(head_dim)
     # One split (large batches): the split kernel writes the output, no partials and no reduce launch.
     direct = splits == 1
-    part_out = torch.empty((batch, num_heads, 0 if direct else splits, head_dim), dtype=torch.float32, device=q.device)
-    part_lse = torch.empty((batch, num_heads, 0 if direct else splits), dtype=torch.float32, device=q.device)
+    rows = tokens * num_heads
+    part_out = torch.empty((batch, rows, 0 if direct else splits, head_dim), dtype=torch.float32, device=q.device)
+    part_lse = torch.empty((batch, rows, 0 if direct else splits), dtype=torch.float32, device=q.device)
+    lens = extend_lens if extend_lens is not None else seq_lens  # (unread with tokens=1)
+    starts = extend_start_loc if extend_start_loc is not None else seq_lens
     _decode_split_kernel[(batch, num_kv_heads, splits)](
-        q, k_buffer, v_buffer, out, part_out, part_lse, req_to_token, req_pool_indices, seq_lens,
+        q, k_buffer, v_buffer, out, part_out, part_lse, req_to_token, req_pool_indices, seq_lens, lens, starts,
         sm_scale * _LOG2E, splits,
         *q.stride(), *k_buffer.stride(), *v_buffer.stride(), *out.stride(), *req_to_token.stride(),
         *part_out.stride(), *part_lse.stride(),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d,
-        BLOCK_H=max(16, triton.next_power_of_2(group)),  # tl.dot needs at least 16 rows
-        BLOCK_N=cfg.block_n, PRECISION=_dot_precision(q.dtype), DIRECT=direct,
+        BLOCK_H=max(16, triton.next_power_of_2(group * tokens)),  # tl.dot needs at least 16 rows
+        BLOCK_N=cfg.block_n, PRECISION=_dot_precision(q.dtype), DIRECT=direct, TOKENS=tokens,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if not direct:
-        _decode_reduce_kernel[(batch, num_heads)](
-            part_out, part_lse, out, splits,
+        _decode_reduce_kernel[(batch, rows)](
+            part_out, part_lse, out, lens, starts, splits,
             *part_out.stride(), *part_lse.stride(), *out.stride(),
             HEAD_DIM=head_dim, BLOCK_D=block_d,
-            BLOCK_S=triton.next_power_of_2(splits), num_warps=4,
+            BLOCK_S=triton.next_power_of_2(splits), num_warps=4, TOKENS=tokens,
         )
-    return out
