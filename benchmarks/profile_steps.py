@@ -250,7 +250,7 @@ def main() -> None:
                     if prof is not None:
                         key = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
                         print(f"## torch.profiler, {case}, batch {batch}, {args.profile_steps} steps, by {key}")
-                        print(prof.key_averages().table(sort_by=key, row_limit=18, max_name_column_width=60))
+                        print(prof.key_averages().table(sort_by=key, row_limit=32, max_name_column_width=60))
                         print("## by self_cpu_time_total")
                         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18,
                                                         max_name_column_width=60), flush=True)

@@ -294,8 +294,8 @@ def _decode_split_kernel(
     TOKENS > 1 (short extends): the request's new tokens, when it has 1 to TOKENS of them (others are the
     extend kernel's), at q rows ExtendStartLoc[req] on; a program's rows are (token, head of the group)
     pairs, row = token * GROUP + head. The splits share out the cached prefix and the last one also
-    takes the new tokens' keys, causally: every row sees at least one key of any split that has keys.
-    Partials are indexed by token * num_heads + head."""
+    takes the new tokens' keys, causally (its first key is at most the prefix's end, so every row sees a
+    key in its first block). Partials are indexed by token * num_heads + head."""
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -315,6 +315,10 @@ def _decode_split_kernel(
     split_len = tl.cdiv(tl.cdiv(keys, num_splits), BLOCK_N) * BLOCK_N
     lo = split * split_len
     hi = tl.minimum(lo + split_len, keys)
+    if TOKENS > 1:
+        last = split == num_splits - 1
+        lo = tl.where(last, tl.minimum(lo, keys), lo)
+        hi = tl.where(last, seq_len, hi)
 
     offs_r = tl.arange(0, BLOCK_H)
     token = offs_r // GROUP
@@ -330,21 +334,12 @@ def _decode_split_kernel(
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-    token_row_ptr = ReqToToken + row * stride_rr
     m_i, l_i, acc = _attend_keys(
-        q, m_i, l_i, acc, K, V, token_row_ptr, 0, kv_head,
+        q, m_i, l_i, acc, K, V, ReqToToken + row * stride_rr, 0, kv_head,
         stride_rc, stride_ks, stride_kh, stride_kd, stride_vs, stride_vh, stride_vd,
         lo, hi, q_pos, scale_log2,
-        False, False, HEAD_DIM, BLOCK_D, BLOCK_N, PRECISION,
+        TOKENS > 1, False, HEAD_DIM, BLOCK_D, BLOCK_N, PRECISION,
     )
-    if TOKENS > 1:
-        if split == num_splits - 1:
-            m_i, l_i, acc = _attend_keys(
-                q, m_i, l_i, acc, K, V, token_row_ptr, 0, kv_head,
-                stride_rc, stride_ks, stride_kh, stride_kd, stride_vs, stride_vh, stride_vd,
-                keys, seq_len, q_pos, scale_log2,
-                True, False, HEAD_DIM, BLOCK_D, BLOCK_N, PRECISION,
-            )
     # An empty split stores zeros with log-sum-exp -inf, which the reduce weighs as nothing (a request
     # with no keys at all gets zeros, as in the reference).
     nonempty = l_i > 0
@@ -371,47 +366,46 @@ def _decode_reduce_kernel(
     stride_ob, stride_oh, stride_od,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, TOKENS: tl.constexpr,
 ):
-    """Stage 2: merge the splits of one (request, partial row) by their log-sum-exps; the partial row is
-    token * num_heads + head (TOKENS > 1: short extends, as in stage 1)."""
+    """Stage 2: merge the splits of one (request, head) by their log-sum-exps; with TOKENS > 1 (short
+    extends, as in stage 1) those of each of its new tokens, partial row token * num_heads + head."""
     req = tl.program_id(0)
-    part_row = tl.program_id(1)
+    head = tl.program_id(1)
     if TOKENS > 1:
-        num_heads = tl.num_programs(1) // TOKENS
-        token = part_row // num_heads
-        head = part_row % num_heads
         ext_len = tl.load(ExtendLens + req).to(tl.int32)
-        if (ext_len > TOKENS) | (token >= ext_len):
-            return
-        out_row = tl.load(ExtendStartLoc + req).to(tl.int64) + token
+        count = tl.where(ext_len > TOKENS, 0, ext_len)
+        out_row = tl.load(ExtendStartLoc + req).to(tl.int64)
     else:
-        head = part_row
+        count = 1
         out_row = req.to(tl.int64)
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
     s_mask = offs_s < num_splits
     sd_mask = s_mask[:, None] & (offs_d < HEAD_DIM)[None, :]
-    lse = tl.load(
-        PartLse + req * stride_lb + part_row * stride_lh + offs_s * stride_ls, mask=s_mask, other=float("-inf")
-    )
-    parts = tl.load(
-        PartOut + req * stride_pb + part_row * stride_ph + offs_s[:, None] * stride_ps
-        + offs_d[None, :] * stride_pd,
-        mask=sd_mask, other=0.0,
-    )
-    m = tl.max(lse, 0)
-    m = tl.where(m == float("-inf"), 0.0, m)  # all splits empty (seq_len 0): output zeros
-    w = tl.where(lse == float("-inf"), 0.0, tl.exp2(lse - m))
-    total = tl.sum(w, 0)
-    out = tl.sum(w[:, None] * parts, 0) / tl.where(total > 0, total, 1.0)
-    tl.store(
-        O + out_row * stride_ob + head * stride_oh + offs_d * stride_od,
-        out.to(O.dtype.element_ty), mask=offs_d < HEAD_DIM,
-    )
+    for token in range(count):
+        part_row = token * tl.num_programs(1) + head
+        lse = tl.load(
+            PartLse + req * stride_lb + part_row * stride_lh + offs_s * stride_ls, mask=s_mask, other=float("-inf")
+        )
+        parts = tl.load(
+            PartOut + req * stride_pb + part_row * stride_ph + offs_s[:, None] * stride_ps
+            + offs_d[None, :] * stride_pd,
+            mask=sd_mask, other=0.0,
+        )
+        m = tl.max(lse, 0)
+        m = tl.where(m == float("-inf"), 0.0, m)  # all splits empty (seq_len 0): output zeros
+        w = tl.where(lse == float("-inf"), 0.0, tl.exp2(lse - m))
+        total = tl.sum(w, 0)
+        out = tl.sum(w[:, None] * parts, 0) / tl.where(total > 0, total, 1.0)
+        tl.store(
+            O + (out_row + token) * stride_ob + head * stride_oh + offs_d * stride_od,
+            out.to(O.dtype.element_ty), mask=offs_d < HEAD_DIM,
+        )
 
 
 # Extends of at most this many new tokens go through the split kernel with `extend_attention(split_short=True)`:
-# a 4-head query group of 4 tokens fills the 16 rows a tl.dot needs, which a decode pads to anyway.
-SHORT_EXTEND_TOKENS = 4
+# most jump-forward texts (a key and its punctuation) are a few tokens; 8 tokens of a 4-head query group are
+# 32 rows, twice the 16 a decode pads its group to for tl.dot.
+SHORT_EXTEND_TOKENS = 8
 
 
 def decode_attention(
@@ -472,7 +466,7 @@ def _split_attention(
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if not direct:
-        _decode_reduce_kernel[(batch, rows)](
+        _decode_reduce_kernel[(batch, num_heads)](
             part_out, part_lse, out, lens, starts, splits,
             *part_out.stride(), *part_lse.stride(), *out.stride(),
             HEAD_DIM=head_dim, BLOCK_D=block_d,
