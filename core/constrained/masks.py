@@ -91,8 +91,12 @@ def apply_token_masks(
         # One [B, words] bitmask (unconstrained rows all ones), one small copy, one kernel.
         # Pinned, so the copy stays asynchronous: from pageable memory CUDA may first wait for the
         # stream, i.e. for the forward pass this step's sampling is queued behind.
-        host = torch.full((logits.shape[0], masks[rows[0]].shape[0]), -1, dtype=torch.int32, pin_memory=True)
-        host[rows] = torch.stack([masks[i] for i in rows])
+        host = torch.empty((logits.shape[0], masks[rows[0]].shape[0]), dtype=torch.int32, pin_memory=True)
+        if len(rows) == len(masks):  # every row constrained (a JSON batch): one pass over the bits
+            torch.stack(masks, out=host)
+        else:
+            host.fill_(-1)
+            host[rows] = torch.stack([masks[i] for i in rows])
         get_ops(logits.device).apply_token_bitmask(logits, host.to(logits.device, non_blocking=True))
         return logits
     stacked = torch.stack([masks[i] for i in rows]).pin_memory().to(logits.device, non_blocking=True)

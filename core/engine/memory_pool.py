@@ -152,18 +152,21 @@ class ReqToTokenPool:
         self._pending_rows.add(row)
 
     def flush(self) -> None:
-        """Applies the queued writes: one host-to-device copy and one scatter, no device sync."""
+        """Applies the queued writes: one host-to-device copy of each cell's row, column and value
+        (expanded on the host, where it costs microseconds, not a launch each), one scatter, no sync."""
         if not self._pending:
             return
         pending, self._pending = self._pending, []
         self._pending_rows.clear()
         k = len(pending)
-        lens_host = [len(v) for _, _, v in pending]
-        parts = [[r for r, _, _ in pending], [s for _, s, _ in pending], lens_host, *(v for _, _, v in pending)]
-        packed = host_int64(parts, pin=self.device.type == "cuda").to(self.device, non_blocking=True)
-        rows, starts, lens, slots = packed[:k], packed[k : 2 * k], packed[2 * k : 3 * k], packed[3 * k :]
-        total = sum(lens_host)
-        # Column of each value: its start plus its offset within its own write.
-        first = torch.cumsum(lens, 0) - lens
-        cols = torch.arange(total, device=self.device) + torch.repeat_interleave(starts - first, lens, output_size=total)
-        self.table[torch.repeat_interleave(rows, lens, output_size=total), cols] = slots.to(torch.int32)
+        lens = np.fromiter((len(v) for _, _, v in pending), dtype=np.int64, count=k)
+        total = int(lens.sum())
+        # Each cell's column: its write's start plus its offset within that write.
+        starts = np.fromiter((s for _, s, _ in pending), dtype=np.int64, count=k)
+        host = torch.empty(3 * total, dtype=torch.int64, pin_memory=self.device.type == "cuda")
+        cells = host.numpy().reshape(3, total)
+        cells[0] = np.repeat(np.fromiter((r for r, _, _ in pending), dtype=np.int64, count=k), lens)
+        cells[1] = np.arange(total) + np.repeat(starts - (np.cumsum(lens) - lens), lens)
+        cells[2] = np.fromiter(itertools.chain.from_iterable(v for _, _, v in pending), dtype=np.int64, count=total)
+        rows, cols, slots = host.to(self.device, non_blocking=True).view(3, total)
+        self.table[rows, cols] = slots.to(torch.int32)
