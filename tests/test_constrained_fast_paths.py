@@ -212,6 +212,7 @@ def test_wide_states_bits_patched_from_recent_ones_equal_a_whole_walk(qwen, monk
     inside_bits = terminal_tokens._inside_bits
     monkeypatch.setattr(terminal_tokens, "_inside_bits",
                         lambda have, keys, v: patched.append(len(terminal_tokens._bases)) or inside_bits(have, keys, v))
+    monkeypatch.setattr(terminal_tokens, "_patched", lambda *args: None)  # the general path (body_states.py aside)
     with terminal_tokens._lock:
         terminal_tokens._cache.clear()
     # Plain string bodies first, then keys that exclude names (differing subtrees: the names' letters),
@@ -273,3 +274,38 @@ def test_literal_classes_equal_the_general_walk(qwen):
     ab = terminal_dfa("ab(cd)?", 1000)
     assert literal_rest("test:ab(cd)?", ab, 0) is None  # `ab` accepts before the chain's end
     assert literal_rest("test:ab(cd)?", ab, int(ab.transitions[int(ab.transitions[0, ord("a")]), ord("b")])) is None
+
+
+def test_states_apart_from_the_body_equal_a_whole_walk(qwen):
+    """A key terminal's states past letters of the names it excludes, classified as its string body less the
+    tokens that die where the two part (body_states.py), equal a walk of the whole vocabulary from the state:
+    the same inside bits, the same exit pairs. Names share prefixes, one is a prefix of another, one is
+    empty, one escaped, one not ASCII; the patterned key's states past `x-` are a body of their own."""
+    from radixlm.core.constrained.body_states import body_of
+
+    vocab = prepare_vocab(qwen)
+    first = vocab.trie.byte[1].astype(np.int64)
+    names = ["foo", "fob", "bar", "ab", "abc", "", "x\"y", "é", "a\\b", "zz"]
+    schema = {"type": "object", "properties": {n: {} for n in names},
+              "patternProperties": {"^x-": {"type": "integer"}}, "additionalProperties": {"type": "string"}}
+    grammar = build_constraint("json_schema", schema, qwen).index.grammar
+    patched = 0
+    for name, dfa in zip(grammar.terminal_names, grammar.terminals):
+        if not name.startswith("key:"):
+            continue
+        for q in range(dfa.num_states):
+            found = terminal_tokens._patched(name, dfa, q, vocab)
+            if found is None:
+                continue
+            nxt = dfa.transitions[q, first]
+            live = np.flatnonzero(nxt >= 0)
+            inside, uncertain = terminal_tokens._walk(dfa, live, nxt[live], vocab)
+            tokens, starts = terminal_tokens._exit_pairs(dfa, uncertain, terminal_tokens._after_first(
+                nxt, live, vocab, uncertain), vocab)
+            got = np.unpackbits(found.inside, count=vocab.size, bitorder="little").astype(bool)
+            assert (got == inside).all(), (name, q)
+            pairs = {(t, vocab.token_bytes[t][j:]) for t, j in zip(tokens.tolist(), starts.tolist())}
+            assert _exit_pairs_of(found.exits) == pairs, (name, q)
+            patched += 1
+        assert body_of(name, dfa, 0) is None  # the opening quote leads to no body loop
+    assert patched > 10

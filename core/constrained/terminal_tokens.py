@@ -29,11 +29,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from radixlm.core.constrained.body_states import body_of, paths_apart, tokens_starting
 from radixlm.core.constrained.counted_string import CountedStringDFA, string_tokens
 from radixlm.core.constrained.literal_tokens import literal_classes, literal_rest
 from radixlm.core.constrained.narrow_walk import moves_of, narrow_walk, state_row
 from radixlm.core.constrained.regex_dfa import ByteDFA
-from radixlm.core.constrained.vocab import TokenVocab, byte_matrix, expand_ranges, set_bits
+from radixlm.core.constrained.vocab import TokenVocab, byte_matrix, clear_bits, expand_ranges, set_bits
 
 DENSE_RATIO = 8  # a trie level is walked densely when over 1/8 of the previous level's nodes are alive
 CLASSES_PER_TREE = 4096  # (node, terminal, state) entries per SuffixTree, cleared when full
@@ -325,8 +326,9 @@ def _row_shape(key: str, dfa: ByteDFA, state: int) -> tuple[bytes, list[int]]:
     found = _row_shapes.get((key, state))
     if found is None:
         head, targets = state_row(key, dfa, state)
-        rank: dict[int, int] = {}
-        shape = bytes(rank.setdefault(t, len(rank)) for t in targets)
+        distinct = dict.fromkeys(targets)  # in order of first use; C loops over a string body's ~200 moves
+        rank = dict(zip(distinct, range(len(distinct))))
+        shape = bytes(map(rank.__getitem__, targets))
         if len(_row_shapes) > 1 << 16:  # ~0.5 KB each at most (a string body state)
             _row_shapes.clear()
         found = _row_shapes[key, state] = (len(targets).to_bytes(2, "little") + head + shape, list(rank))
@@ -368,6 +370,9 @@ def _classify(key: str, dfa: ByteDFA, state: int, vocab: TokenVocab) -> StateTok
         tokens, starts = _exit_pairs(dfa, uncertain, _after_first(nxt, live, vocab, uncertain), vocab)
         exits_key = (_future(key, dfa, state, SMALL_FUTURE) or (key, state), vocab.fingerprint)
         return StateTokens(_packed(inside, vocab.size), _exits(exits_key, tokens, starts, vocab))
+    found = _patched(key, dfa, state, vocab)
+    if found is not None:
+        return found
     shared = (_future(key, dfa, state) or (key, state), vocab.fingerprint)
     found = _cached(shared)
     if found is None:
@@ -377,6 +382,44 @@ def _classify(key: str, dfa: ByteDFA, state: int, vocab: TokenVocab) -> StateTok
         tokens, starts = (np.concatenate([have[n][i] for n in nodes] or [np.zeros(0, np.int32)]) for i in (1, 2))
         found = StateTokens(_inside_bits(have, keys, vocab), _exits(exits_key, tokens, starts, vocab))
         _keep(shared, found)
+    return found
+
+
+_apart: OrderedDict[tuple, tuple[StateTokens, StateTokens]] = OrderedDict()  # see _patched
+APART = 512  # 19 KB of bits each (Qwen2)
+
+
+def _patched(key: str, dfa: ByteDFA, state: int, vocab: TokenVocab) -> StateTokens | None:
+    """A state that is its terminal's string body except along a few paths (a key past letters of the names
+    it excludes, body_states.py): the body's classes less the tokens that die on those paths; None if it is
+    not such a state. Kept per (body's classes, paths), so terminals that exclude alike share them and
+    their exit walks (pda.py)."""
+    body = body_of(key, dfa, state)
+    dying = None if body is None else paths_apart(key, dfa, state, body, vocab)
+    if dying is None:
+        return None
+    base = state_tokens(key, dfa, body, vocab)
+    if base.inside is None or base.closing is not None:
+        return None
+    if not dying:
+        return base
+    shared = (id(base), dying)
+    with _lock:
+        found = _apart.get(shared)
+    if found is not None and found[0] is base:  # an id is the base's while the entry holds it
+        return found[1]
+    apart = tokens_starting(vocab, dying)
+    inside, exits = base.inside.copy(), base.exits
+    clear_bits(inside, apart)
+    if exits is not None:
+        keep = ~np.isin(exits.pair_token, apart)
+        if not keep.all():
+            exits = Exits(exits.tree, exits.pair_suffix[keep], exits.pair_token[keep]) if keep.any() else None
+    found = StateTokens(inside, exits)
+    with _lock:
+        _apart[shared] = (base, found)
+        if len(_apart) > APART:
+            _apart.popitem(last=False)
     return found
 
 
@@ -408,8 +451,7 @@ def _inside_bits(have: dict[int, tuple], keys: dict[int, tuple], vocab: TokenVoc
         packed = packed.copy()
         gone = [base_have[n][0] for n in best_changed if n in base_have]
         if gone:
-            ids = np.concatenate(gone).astype(np.int64)
-            np.bitwise_and.at(packed, ids >> 3, (~(1 << (ids & 7))).astype(np.uint8))
+            clear_bits(packed, np.concatenate(gone).astype(np.int64))
         new = [have[n][0] for n in best_changed if n in have]
         if new:
             set_bits(packed, np.concatenate(new).astype(np.int64))

@@ -113,6 +113,11 @@ def set_bits(packed: np.ndarray, ids: np.ndarray) -> None:
     np.bitwise_or.at(packed, ids >> 3, (1 << (ids & 7)).astype(np.uint8))
 
 
+def clear_bits(packed: np.ndarray, ids: np.ndarray) -> None:
+    """Clears the bits of token `ids` (int64) in a packed mask, as set_bits sets them."""
+    np.bitwise_and.at(packed, ids >> 3, (~(1 << (ids & 7))).astype(np.uint8))
+
+
 def whole_characters(data: bytes) -> str | None:
     """`data` cut to whole UTF-8 characters (forced bytes may end inside one), or None if nothing is left."""
     for cut in range(len(data), max(len(data) - 4, 0), -1):

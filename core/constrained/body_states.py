@@ -1,0 +1,94 @@
+"""Wide terminal states that are their terminal's string body except along a few byte paths.
+
+A key terminal that excludes the listed names (`additionalProperties`, `patternProperties`) is, past its
+opening quote, a JSON string body except along those names: after `"f` of a key excluding `"foo"`, the
+byte `o` leads to a state of its own and `o"` to none, while every other byte leads where the body's
+does. Walked together from both states, the two automata part on a few paths only, and wherever they
+meet again (the same state: terminal DFAs are minimal) every token below reads alike. So a token's
+classes differ from the body's only if it runs along such a path to where this state dies: those tokens
+are taken out of the body's classes (terminal_tokens._patched, which keeps the result per body and paths:
+the state after a whole name dies on `"` alone, whatever the name), instead of walking every token that
+starts with each excluded name's letters (~1 ms a state, the top of the corpus's mask tail). Tokens that
+start with some bytes are one range of the sorted vocabulary (literal_tokens.py), so no trie is walked.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+
+from radixlm.core.constrained.literal_tokens import starting_with
+from radixlm.core.constrained.narrow_walk import state_row
+from radixlm.core.constrained.regex_dfa import ByteDFA
+from radixlm.core.constrained.vocab import TokenVocab
+
+MAX_PATHS = 128  # byte strings looked up where the two part, at most; past it the general walk does
+
+
+def body_of(key: str, dfa: ByteDFA, state: int) -> int | None:
+    """The state most of `state`'s bytes lead to, when that is another state most of whose own bytes lead
+    back to itself (a string body's character loop); else None."""
+    body = _most_common(state_row(key, dfa, state)[1])
+    if body is None or body == state or _most_common(state_row(key, dfa, body)[1]) != body:
+        return None
+    return body
+
+
+def paths_apart(key: str, dfa: ByteDFA, state: int, body: int, vocab: TokenVocab) -> tuple[bytes, ...] | None:
+    """The byte strings on which `state` dies where `body` reads on, having parted from it (both alive,
+    neither accepting) on every byte before; only those some token starts with, sorted. The tokens that
+    start with them are the ones whose classes from `state` differ from those from `body` (there they are
+    neither inside nor exits). None where the two part otherwise (`state` reads on where the body dies, or
+    either accepts before they meet: its exits would differ) or on too many bytes."""
+    data = vocab.sorted_tokens[0]
+    accepting = dfa.accepting
+    dying: list[bytes] = []
+    paths = [(b"", state, body)]  # bytes read, and the two states after them: apart, both alive, not accepting
+    looked_up = 0
+    while paths:
+        read, a, b = paths.pop()
+        differing = _differing(key, dfa, a, b)
+        looked_up += len(differing)
+        if looked_up > MAX_PATHS:  # not a body but for a few names (a pattern's states, a counted string's)
+            return None
+        for byte, to_a, to_b in differing:
+            path = read + bytes((byte,))
+            lo, hi = starting_with(data, path)
+            if lo == hi:  # no token runs this way
+                continue
+            if to_a < 0:
+                dying.append(path)
+            elif to_b < 0 or accepting[to_a] or accepting[to_b]:
+                return None
+            else:  # tokens that end here stay inside from both; the ones going on are looked at below
+                paths.append((path, to_a, to_b))
+    return tuple(sorted(dying))
+
+
+def tokens_starting(vocab: TokenVocab, paths: tuple[bytes, ...]) -> np.ndarray:
+    """Ids (int64) of the tokens that start with one of `paths` (none a prefix of another)."""
+    data, ids, _ = vocab.sorted_tokens
+    return np.concatenate([ids[slice(*starting_with(data, p))] for p in paths]).astype(np.int64)
+
+
+def _most_common(targets: list[int]) -> int | None:
+    return Counter(targets).most_common(1)[0][0] if targets else None
+
+
+_differing_cache: dict[tuple[str, int, int], list[tuple[int, int, int]]] = {}
+DIFFERING = 1 << 14
+
+
+def _differing(key: str, dfa: ByteDFA, a: int, b: int) -> list[tuple[int, int, int]]:
+    """(byte, a's target, b's target) for the bytes on which states a and b move apart (-1: no move);
+    cached: a name's later states are met again from the walks of the states before them."""
+    found = _differing_cache.get((key, a, b))
+    if found is None:
+        row_a, row_b = dfa.transitions[a], dfa.transitions[b]
+        differ = np.flatnonzero(row_a != row_b)
+        found = list(zip(differ.tolist(), row_a[differ].tolist(), row_b[differ].tolist()))
+        if len(_differing_cache) >= DIFFERING:
+            _differing_cache.clear()
+        _differing_cache[key, a, b] = found
+    return found
