@@ -309,3 +309,26 @@ def test_states_apart_from_the_body_equal_a_whole_walk(qwen):
             patched += 1
         assert body_of(name, dfa, 0) is None  # the opening quote leads to no body loop
     assert patched > 10
+
+
+def test_states_apart_from_the_body_refused_where_exits_or_reads_differ(qwen):
+    """Where the two states part on a byte after which the state accepts and the body does not (the state's
+    exits there differ), or the state reads a byte the body dies on, the state is left to the general walk:
+    hand-made automata, a body (1) of letters, spaces and dots closed by `"` (2), and a state 0 like it but
+    for its dot, which leads to 3: the body's row, accepting; or the body's row and a newline."""
+    from radixlm.core.constrained.body_states import paths_apart
+    from radixlm.core.constrained.regex_dfa import ByteDFA
+
+    vocab = prepare_vocab(qwen)
+    body = [*range(ord("a"), ord("z") + 1), ord(" "), ord(".")]
+    for variant in ("accepting", "newline"):
+        trans = np.full((4, 256), -1, dtype=np.int32)
+        for q in (0, 1, 3):
+            trans[q, body] = 1
+            trans[q, ord('"')] = 2
+        trans[0, ord(".")] = 3
+        if variant == "newline":
+            trans[3, ord("\n")] = 1  # `.\n` goes on from state 0, dies from the body
+        dfa = ByteDFA(trans, np.array([False, False, True, variant == "accepting"]))
+        assert paths_apart(f"test:{variant}", dfa, 0, 1, vocab) is None, variant
+        assert terminal_tokens._patched(f"test:{variant}", dfa, 0, vocab) is None, variant
