@@ -24,6 +24,7 @@ from radixlm.core.constrained.regex_dfa import ByteDFA
 from radixlm.core.constrained.vocab import TokenVocab
 
 MAX_PATHS = 128  # byte strings looked up where the two part, at most; past it the general walk does
+MAX_DYING = 2048  # tokens taken out of the body's classes, at most (clearing each costs; a name's `"` has 424)
 
 
 def body_of(key: str, dfa: ByteDFA, state: int) -> int | None:
@@ -40,12 +41,13 @@ def paths_apart(key: str, dfa: ByteDFA, state: int, body: int, vocab: TokenVocab
     neither accepting) on every byte before; only those some token starts with, sorted. The tokens that
     start with them are the ones whose classes from `state` differ from those from `body` (there they are
     neither inside nor exits). None where the two part otherwise (`state` reads on where the body dies, or
-    either accepts before they meet: its exits would differ) or on too many bytes."""
+    either accepts before they meet: its exits would differ), on too many bytes or for too many tokens (a
+    UTF-8 continuation state parts from the body on every ASCII byte)."""
     data = vocab.sorted_tokens[0]
     accepting = dfa.accepting
     dying: list[bytes] = []
     paths = [(b"", state, body)]  # bytes read, and the two states after them: apart, both alive, not accepting
-    looked_up = 0
+    looked_up = tokens = 0
     while paths:
         read, a, b = paths.pop()
         differing = _differing(key, dfa, a, b)
@@ -59,6 +61,9 @@ def paths_apart(key: str, dfa: ByteDFA, state: int, body: int, vocab: TokenVocab
                 continue
             if to_a < 0:
                 dying.append(path)
+                tokens += hi - lo
+                if tokens > MAX_DYING:
+                    return None
             elif to_b < 0 or accepting[to_a] or accepting[to_b]:
                 return None
             else:  # tokens that end here stay inside from both; the ones going on are looked at below
