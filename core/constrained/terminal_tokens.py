@@ -32,7 +32,7 @@ import numpy as np
 from radixlm.core.constrained.body_states import body_of, paths_apart, tokens_starting
 from radixlm.core.constrained.counted_string import CountedStringDFA, string_tokens
 from radixlm.core.constrained.literal_tokens import literal_classes, literal_rest
-from radixlm.core.constrained.narrow_walk import moves_of, narrow_walk, state_row
+from radixlm.core.constrained.narrow_walk import NARROW_NODES, moves_of, narrow_walk, state_row
 from radixlm.core.constrained.regex_dfa import ByteDFA
 from radixlm.core.constrained.vocab import TokenVocab, byte_matrix, clear_bits, expand_ranges, set_bits
 
@@ -158,8 +158,11 @@ def state_tokens(key: str, dfa: ByteDFA, state: int, vocab: TokenVocab) -> State
     else:
         # A small future is named and shared by that name (states of different terminals end alike); a
         # larger one only if the state is wide (_classify): a bounded number's ~50 states hashed for each
-        # of its states would cost more than walking it.
-        future = _future(key, dfa, state, SMALL_FUTURE)
+        # of its states would cost more than walking it. A state that reads many bytes is wide: _classify
+        # names its future whole, or patches its body's classes (a key past its names' letters), so a
+        # search that stops past SMALL_FUTURE states would be spent for nothing.
+        reads_many = len(state_row(key, dfa, state)[1]) > NARROW_NODES
+        future = None if reads_many else _future(key, dfa, state, SMALL_FUTURE)
         found = _cached((future, vocab.fingerprint)) if future is not None else None
         if found is None:
             found = _classify(key, dfa, state, vocab)
