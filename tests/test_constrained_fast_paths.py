@@ -332,3 +332,40 @@ def test_states_apart_from_the_body_refused_where_exits_or_reads_differ(qwen):
         dfa = ByteDFA(trans, np.array([False, False, True, variant == "accepting"]))
         assert paths_apart(f"test:{variant}", dfa, 0, 1, vocab) is None, variant
         assert terminal_tokens._patched(f"test:{variant}", dfa, 0, vocab) is None, variant
+
+
+def test_states_read_like_another_equal_a_whole_walk(qwen):
+    """A wide state read as another state of its terminal (a string body) but for the tokens containing the
+    bytes on which the two may stop agreeing, which are read again from it (terminal_tokens._reread), equals a
+    walk of the whole vocabulary from the state: pattern keys before and after their pattern matches,
+    anchored and not, an escape, digits, a non-ASCII letter. The bytes apart of a pattern key's state before
+    its match and its matched state are the closing quote alone."""
+    from radixlm.core.constrained.body_states import bytes_apart
+
+    vocab = prepare_vocab(qwen)
+    first = vocab.trie.byte[1].astype(np.int64)
+    terminals = []
+    for pattern in ["f.*o", "^x-", "[0-9]", "é\\\\n", "b.r"]:
+        grammar = build_constraint("json_schema", {"type": "object", "patternProperties": {pattern: {}}},
+                                   qwen).index.grammar
+        terminals += zip(grammar.terminal_names, grammar.terminals)
+    reread = 0
+    for name, dfa in terminals:
+        for q in range(min(dfa.num_states, 40)):
+            found = terminal_tokens._reread(name, dfa, q, vocab)
+            if found is None:
+                continue
+            nxt = dfa.transitions[q, first]
+            live = np.flatnonzero(nxt >= 0)
+            inside, uncertain = terminal_tokens._walk(dfa, live, nxt[live], vocab)
+            tokens, starts = terminal_tokens._exit_pairs(dfa, uncertain, terminal_tokens._after_first(
+                nxt, live, vocab, uncertain), vocab)
+            got = np.unpackbits(found.inside, count=vocab.size, bitorder="little").astype(bool)
+            assert (got == inside).all(), (name, q)
+            pairs = {(t, vocab.token_bytes[t][j:]) for t, j in zip(tokens.tolist(), starts.tolist())}
+            assert _exit_pairs_of(found.exits) == pairs, (name, q)
+            reread += name.startswith("key:")
+    assert reread > 5
+    key = next((n, d) for n, d in terminals if "[\\U00000066]" in n and n.startswith("key:"))
+    matched = key[1].walk(b'"fo')
+    assert np.flatnonzero(bytes_apart(key[1], 1, matched)).tolist() == [ord('"')]

@@ -21,7 +21,7 @@ import numpy as np
 from radixlm.core.constrained.literal_tokens import starting_with
 from radixlm.core.constrained.narrow_walk import state_row
 from radixlm.core.constrained.regex_dfa import ByteDFA
-from radixlm.core.constrained.vocab import TokenVocab
+from radixlm.core.constrained.vocab import TokenVocab, byte_matrix
 
 MAX_PATHS = 128  # byte strings looked up where the two part, at most; past it the general walk does
 MAX_DYING = 2048  # tokens taken out of the body's classes, at most (clearing each costs; a name's `"` has 424)
@@ -97,3 +97,84 @@ def _differing(key: str, dfa: ByteDFA, a: int, b: int) -> list[tuple[int, int, i
             _differing_cache.clear()
         _differing_cache[key, a, b] = found
     return found
+
+
+MAX_PAIRS = 64  # pairs of states followed by bytes_apart, at most
+MAX_REREAD = 4096  # tokens read again from the state, at most
+LOOPS = 4  # other states tried as the one to read like, at most
+
+
+def loops(key: str, dfa: ByteDFA, state: int) -> list[int]:
+    """States other than `state` most of whose bytes lead back to themselves (string bodies: a pattern
+    key's state once its pattern has matched), at most LOOPS."""
+    found = []
+    for q in range(dfa.num_states):
+        if q != state and _most_common(state_row(key, dfa, q)[1]) == q:
+            found.append(q)
+            if len(found) == LOOPS:
+                break
+    return found
+
+
+def bytes_apart(dfa: ByteDFA, state: int, other: int) -> np.ndarray | None:
+    """bool [256]: the bytes on which the automaton run from `state` and from `other` together may stop
+    agreeing (one alive and not the other, or both alive and one accepting); None past MAX_PAIRS pairs of
+    states. A token none of whose bytes is one of these is read alike from both: alive through the same
+    bytes, accepting after the same ones, so it has the same classes (inside, or exits with the same
+    suffixes). Before a pattern key's pattern matches, its state reads like the string body's except on
+    `"`, which the body may close on and it may not."""
+    trans, accepting = dfa.transitions, dfa.accepting
+    bad = np.zeros(256, dtype=bool)
+    seen = {(state, other)}
+    pairs = [(state, other)]
+    while pairs:
+        a, b = pairs.pop()
+        row_a, row_b = trans[a], trans[b]
+        alive_a, alive_b = row_a >= 0, row_b >= 0
+        both = alive_a & alive_b
+        bad |= (alive_a != alive_b) | both & (accepting[row_a] != accepting[row_b])
+        on = both & ~bad & (row_a != row_b)  # where they go on agreeing so far, to states of their own
+        for pair in set(zip(row_a[on].tolist(), row_b[on].tolist())):
+            if pair not in seen:
+                if len(seen) >= MAX_PAIRS:
+                    return None
+                seen.add(pair)
+                pairs.append(pair)
+    return bad
+
+
+def tokens_with(vocab: TokenVocab, found: np.ndarray) -> np.ndarray | None:
+    """Ids (int64, sorted) of the tokens containing one of the bytes `found` (bool [256]); None past
+    MAX_REREAD."""
+    ids, ptr = vocab.tokens_by_byte
+    groups = [ids[ptr[b]:ptr[b + 1]] for b in np.flatnonzero(found).tolist()]
+    if sum(map(len, groups)) > MAX_REREAD:
+        return None
+    return np.unique(np.concatenate(groups)) if groups else np.zeros(0, dtype=np.int64)
+
+
+def read_from(dfa: ByteDFA, state: int, ids: np.ndarray, vocab: TokenVocab
+              ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The classes of tokens `ids` from `state`, as the trie walk gives them: (ids alive through their last
+    byte; the others' exits, as token ids and where their suffix starts: after each of their first j >= 1
+    bytes, short of the last, at which the automaton is alive and accepting)."""
+    mat, lens = byte_matrix([vocab.token_bytes[i] for i in ids.tolist()])
+    rows, cur = np.arange(len(ids)), np.full(len(ids), state, dtype=np.int64)
+    ended, exit_rows, exit_starts = [], [np.zeros(0, dtype=np.int64)], [np.zeros(0, dtype=np.int64)]
+    for j in range(mat.shape[1] + 1):
+        more = lens[rows] > j
+        ended.append(rows[~more])  # read through their last byte, alive
+        rows, cur = rows[more], cur[more]
+        if j:
+            at = rows[dfa.accepting[cur]]
+            exit_rows.append(at)
+            exit_starts.append(np.full(len(at), j, dtype=np.int64))
+        if not len(rows):
+            break
+        cur = dfa.transitions[cur, mat[rows, j]].astype(np.int64)
+        rows, cur = rows[cur >= 0], cur[cur >= 0]
+    inside = np.zeros(len(ids), dtype=bool)
+    inside[np.concatenate(ended)] = True
+    exit_rows, exit_starts = np.concatenate(exit_rows), np.concatenate(exit_starts)
+    uncertain = ~inside[exit_rows]
+    return ids[inside], ids[exit_rows[uncertain]], exit_starts[uncertain]

@@ -29,7 +29,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from radixlm.core.constrained.body_states import body_of, paths_apart, tokens_starting
+from radixlm.core.constrained.body_states import (body_of, bytes_apart, loops, paths_apart, read_from, tokens_starting,
+                                                  tokens_with)
 from radixlm.core.constrained.counted_string import CountedStringDFA, string_tokens
 from radixlm.core.constrained.literal_tokens import literal_classes, literal_rest
 from radixlm.core.constrained.narrow_walk import NARROW_NODES, moves_of, narrow_walk, state_row
@@ -379,12 +380,14 @@ def _classify(key: str, dfa: ByteDFA, state: int, vocab: TokenVocab) -> StateTok
     shared = (_future(key, dfa, state) or (key, state), vocab.fingerprint)
     found = _cached(shared)
     if found is None:
+        found = _reread(key, dfa, state, vocab)
+    if found is None:
         have, keys = _wide(key, dfa, nxt, live, vocab)
         nodes = sorted(have)
         exits_key = tuple(keys[n] for n in nodes if len(have[n][1]))
         tokens, starts = (np.concatenate([have[n][i] for n in nodes] or [np.zeros(0, np.int32)]) for i in (1, 2))
         found = StateTokens(_inside_bits(have, keys, vocab), _exits(exits_key, tokens, starts, vocab))
-        _keep(shared, found)
+    _keep(shared, found)
     return found
 
 
@@ -424,6 +427,54 @@ def _patched(key: str, dfa: ByteDFA, state: int, vocab: TokenVocab) -> StateToke
         if len(_apart) > APART:
             _apart.popitem(last=False)
     return found
+
+
+def _reread(key: str, dfa: ByteDFA, state: int, vocab: TokenVocab) -> StateTokens | None:
+    """A wide state that reads like another state of its terminal except on a few bytes (a pattern key
+    before its pattern has matched, like its state after: a string body, except on `"`): that state's
+    classes, when known, with the tokens containing those bytes read again from this one (body_states.py);
+    None if no such state is found. A walk of the whole vocabulary is ~10 ms."""
+    for other in loops(key, dfa, state):
+        bad = bytes_apart(dfa, state, other)
+        ids = None if bad is None else tokens_with(vocab, bad)
+        base = None if ids is None else _known(key, dfa, other, vocab)
+        if base is None or base.inside is None or base.closing is not None:
+            continue
+        inside, tokens, starts = read_from(dfa, state, ids, vocab)
+        bits = base.inside.copy()
+        clear_bits(bits, ids)
+        set_bits(bits, inside)
+        return StateTokens(bits, _exits_replacing(base.exits, ids, tokens, starts, vocab))
+    return None
+
+
+def _known(key: str, dfa: ByteDFA, state: int, vocab: TokenVocab) -> StateTokens | None:
+    """The state's classes if they are cached, by its name or its future; None rather than a walk."""
+    found = _cached((key, state, vocab.fingerprint))
+    if found is None:
+        future = _future(key, dfa, state)
+        found = _cached((future, vocab.fingerprint)) if future is not None else None
+    return found
+
+
+def _exits_replacing(base: Exits | None, ids: np.ndarray, tokens: np.ndarray, starts: np.ndarray,
+                     vocab: TokenVocab) -> Exits | None:
+    """`base`'s exit pairs less those of tokens `ids`, and the pairs (tokens, where their suffix starts)."""
+    token_bytes = vocab.token_bytes
+    new = [token_bytes[t][j:] for t, j in zip(tokens.tolist(), starts.tolist())]
+    if base is None:
+        return Exits.build(tokens.tolist(), new) if new else None
+    keep = ~np.isin(base.pair_token, ids)
+    old = base.tree.suffixes
+    distinct = sorted({old[i] for i in np.unique(base.pair_suffix[keep]).tolist()}.union(new))
+    if not distinct:
+        return None
+    index = {x: n for n, x in enumerate(distinct)}
+    remap = np.fromiter((index.get(x, -1) for x in old), np.int64, count=len(old))
+    return Exits(suffix_tree(distinct),
+                 np.concatenate([remap[base.pair_suffix[keep]], np.fromiter(map(index.__getitem__, new), np.int64,
+                                                                            count=len(new))]),
+                 np.concatenate([base.pair_token[keep], tokens.astype(np.int64)]))
 
 
 # The last wide states built: (their subtree per level-1 node and its name, their inside bits). A key terminal

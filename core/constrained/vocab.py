@@ -259,6 +259,18 @@ class TokenVocab:
         return self._trie
 
     @functools.cached_property
+    def tokens_by_byte(self) -> tuple[np.ndarray, np.ndarray]:
+        """The ids (int64) of the tokens containing each byte value: ids[ptr[b]:ptr[b + 1]] for byte b."""
+        n = self.size
+        owner = np.repeat(np.arange(n), np.fromiter(map(len, self.token_bytes), np.int64, count=n))
+        flat = np.frombuffer(b"".join(self.token_bytes), dtype=np.uint8)
+        order = np.argsort(flat, kind="stable")  # by byte, then token (a radix sort of uint8)
+        flat, owner = flat[order], owner[order]
+        first = np.ones(len(flat), dtype=bool)  # a token's repeats of a byte are neighbours now
+        first[1:] = (flat[1:] != flat[:-1]) | (owner[1:] != owner[:-1])
+        return owner[first], np.searchsorted(flat[first], np.arange(257))
+
+    @functools.cached_property
     def sorted_tokens(self) -> tuple[list[bytes], np.ndarray, dict[bytes, int]]:
         """The non-empty tokens' bytes in sorted order, their ids (int32), and where each distinct byte
         string first appears in that order: tokens that start with some bytes are a contiguous range
