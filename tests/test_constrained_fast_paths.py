@@ -338,9 +338,11 @@ def test_states_read_like_another_equal_a_whole_walk(qwen):
     """A wide state read as another state of its terminal (a string body) but for the tokens containing the
     bytes on which the two may stop agreeing, which are read again from it (terminal_tokens._reread), equals a
     walk of the whole vocabulary from the state: pattern keys before and after their pattern matches,
-    anchored and not, an escape, digits, a non-ASCII letter. The bytes apart of a pattern key's state before
-    its match and its matched state are the closing quote alone."""
+    anchored and not, an escape, digits, a non-ASCII letter; and a hand-made automaton whose state accepts
+    where the other does not, both alive. The bytes apart of a pattern key's state before its match and its
+    matched state are the closing quote alone."""
     from radixlm.core.constrained.body_states import bytes_apart
+    from radixlm.core.constrained.regex_dfa import ByteDFA
 
     vocab = prepare_vocab(qwen)
     first = vocab.trie.byte[1].astype(np.int64)
@@ -349,6 +351,16 @@ def test_states_read_like_another_equal_a_whole_walk(qwen):
         grammar = build_constraint("json_schema", {"type": "object", "patternProperties": {pattern: {}}},
                                    qwen).index.grammar
         terminals += zip(grammar.terminal_names, grammar.terminals)
+    # By hand: a loop (1) over letters, `,` and `~`, closed by `"` (3); state 0 reads like it but for `~`,
+    # after which it accepts (2, otherwise the loop): both alive there, the state accepting and the loop not,
+    # so tokens with `~` are read again, and those inside from 0 pass an accepting state before their end.
+    trans = np.full((4, 256), -1, dtype=np.int32)
+    trans[:3, [*range(ord("a"), ord("z") + 1), ord(","), ord("~")]] = 1
+    trans[:3, ord('"')] = 3
+    trans[0, ord("~")] = 2
+    tilde = ByteDFA(trans, np.array([False, False, True, True]))
+    terminal_tokens.state_tokens("test:tilde", tilde, 1, vocab)  # the loop's classes, known
+    terminals.append(("test:tilde", tilde))
     reread = 0
     for name, dfa in terminals:
         for q in range(min(dfa.num_states, 40)):
@@ -364,8 +376,9 @@ def test_states_read_like_another_equal_a_whole_walk(qwen):
             assert (got == inside).all(), (name, q)
             pairs = {(t, vocab.token_bytes[t][j:]) for t, j in zip(tokens.tolist(), starts.tolist())}
             assert _exit_pairs_of(found.exits) == pairs, (name, q)
-            reread += name.startswith("key:")
-    assert reread > 5
+            reread += 1
+    assert reread > 5 and terminal_tokens._reread("test:tilde", tilde, 0, vocab) is not None
     key = next((n, d) for n, d in terminals if "[\\U00000066]" in n and n.startswith("key:"))
     matched = key[1].walk(b'"fo')
     assert np.flatnonzero(bytes_apart(key[1], 1, matched)).tolist() == [ord('"')]
+    assert np.flatnonzero(bytes_apart(tilde, 0, 1)).tolist() == [ord("~")]
