@@ -330,9 +330,8 @@ def _row_shape(key: str, dfa: ByteDFA, state: int) -> tuple[bytes, list[int]]:
     found = _row_shapes.get((key, state))
     if found is None:
         head, targets = state_row(key, dfa, state)
-        distinct = dict.fromkeys(targets)  # in order of first use; C loops over a string body's ~200 moves
-        rank = dict(zip(distinct, range(len(distinct))))
-        shape = bytes(map(rank.__getitem__, targets))
+        rank: dict[int, int] = {}
+        shape = bytes(rank.setdefault(t, len(rank)) for t in targets)
         if len(_row_shapes) > 1 << 16:  # ~0.5 KB each at most (a string body state)
             _row_shapes.clear()
         found = _row_shapes[key, state] = (len(targets).to_bytes(2, "little") + head + shape, list(rank))
