@@ -1,15 +1,23 @@
-"""Wide terminal states that are their terminal's string body except along a few byte paths.
+"""Wide terminal states read off another state's token classes, where the two read alike but for a few
+tokens (terminal_tokens._classify; a walk of the whole vocabulary from a wide state is ~1-10 ms).
 
-A key terminal that excludes the listed names (`additionalProperties`, `patternProperties`) is, past its
-opening quote, a JSON string body except along those names: after `"f` of a key excluding `"foo"`, the
-byte `o` leads to a state of its own and `o"` to none, while every other byte leads where the body's
-does. Walked together from both states, the two automata part on a few paths only, and wherever they
-meet again (the same state: terminal DFAs are minimal) every token below reads alike. So a token's
+Paths apart. A key terminal that excludes the listed names (`additionalProperties`, `patternProperties`)
+is, past its opening quote, a JSON string body except along those names: after `"f` of a key excluding
+`"foo"`, the byte `o` leads to a state of its own and `o"` to none, while every other byte leads where the
+body's does. Walked together from both states, the two automata part on a few paths only, and wherever
+they meet again (the same state: terminal DFAs are minimal) every token below reads alike. So a token's
 classes differ from the body's only if it runs along such a path to where this state dies: those tokens
 are taken out of the body's classes (terminal_tokens._patched, which keeps the result per body and paths:
 the state after a whole name dies on `"` alone, whatever the name), instead of walking every token that
-starts with each excluded name's letters (~1 ms a state, the top of the corpus's mask tail). Tokens that
-start with some bytes are one range of the sorted vocabulary (literal_tokens.py), so no trie is walked.
+starts with each excluded name's letters (~1 ms a state). Tokens that start with some bytes are one range
+of the sorted vocabulary (literal_tokens.py), so no trie is walked.
+
+Bytes apart. A pattern key before its pattern has matched (`f.*o`: after `"x`, or `"f`) never meets its
+string body again, yet reads like it: alive on the same bytes, accepting after the same ones, except on
+`"`, which closes the key only once the pattern has matched. Run together from the two states, the pairs
+of states they reach are few, and the bytes on which some pair stops agreeing are few: a token without
+any of them reads alike from both, so only the tokens containing one are read again from this state
+(terminal_tokens._reread), a few thousand at most, in one numpy pass per byte position.
 """
 
 from __future__ import annotations
@@ -133,7 +141,9 @@ def bytes_apart(dfa: ByteDFA, state: int, other: int) -> np.ndarray | None:
         alive_a, alive_b = row_a >= 0, row_b >= 0
         both = alive_a & alive_b
         bad |= (alive_a != alive_b) | both & (accepting[row_a] != accepting[row_b])
-        on = both & ~bad & (row_a != row_b)  # where they go on agreeing so far, to states of their own
+        # Where they go on agreeing, to states of their own. Bytes already apart are not followed: every
+        # token containing one is read again anyway.
+        on = both & ~bad & (row_a != row_b)
         for pair in set(zip(row_a[on].tolist(), row_b[on].tolist())):
             if pair not in seen:
                 if len(seen) >= MAX_PAIRS:
