@@ -112,16 +112,25 @@ MAX_REREAD = 4096  # tokens read again from the state, at most
 LOOPS = 4  # other states tried as the one to read like, at most
 
 
+_loops: dict[str, list[int]] = {}
+LOOPS_KEPT = 1 << 12
+
+
 def loops(key: str, dfa: ByteDFA, state: int) -> list[int]:
     """States other than `state` most of whose bytes lead back to themselves (string bodies: a pattern
-    key's state once its pattern has matched), at most LOOPS."""
-    found = []
-    for q in range(dfa.num_states):
-        if q != state and _most_common(state_row(key, dfa, q)[1]) == q:
-            found.append(q)
-            if len(found) == LOOPS:
-                break
-    return found
+    key's state once its pattern has matched), at most LOOPS; the terminal's are found once."""
+    found = _loops.get(key)
+    if found is None:
+        found = []
+        for q in range(dfa.num_states):
+            if _most_common(state_row(key, dfa, q)[1]) == q:
+                found.append(q)
+                if len(found) > LOOPS:
+                    break
+        if len(_loops) >= LOOPS_KEPT:
+            _loops.clear()
+        _loops[key] = found
+    return [q for q in found if q != state][:LOOPS]
 
 
 def bytes_apart(dfa: ByteDFA, state: int, other: int) -> np.ndarray | None:
