@@ -144,21 +144,18 @@ def bytes_apart(dfa: ByteDFA, state: int, other: int) -> np.ndarray | None:
     bad = np.zeros(256, dtype=bool)
     seen = {(state, other)}
     pairs = [(state, other)]
-    while pairs:
-        a, b = pairs.pop()
-        row_a, row_b = trans[a], trans[b]
-        alive_a, alive_b = row_a >= 0, row_b >= 0
+    while pairs:  # breadth first, a level of pairs at once
+        rows_a, rows_b = trans[[a for a, _ in pairs]], trans[[b for _, b in pairs]]
+        alive_a, alive_b = rows_a >= 0, rows_b >= 0
         both = alive_a & alive_b
-        bad |= (alive_a != alive_b) | both & (accepting[row_a] != accepting[row_b])
+        bad |= ((alive_a != alive_b) | both & (accepting[rows_a] != accepting[rows_b])).any(axis=0)
         # Where they go on agreeing, to states of their own. Bytes already apart are not followed: every
         # token containing one is read again anyway.
-        on = both & ~bad & (row_a != row_b)
-        for pair in set(zip(row_a[on].tolist(), row_b[on].tolist())):
-            if pair not in seen:
-                if len(seen) >= MAX_PAIRS:
-                    return None
-                seen.add(pair)
-                pairs.append(pair)
+        on = both & ~bad & (rows_a != rows_b)
+        pairs = list(set(zip(rows_a[on].tolist(), rows_b[on].tolist())) - seen)
+        seen.update(pairs)
+        if len(seen) > MAX_PAIRS:
+            return None
     return bad
 
 
@@ -169,7 +166,12 @@ def tokens_with(vocab: TokenVocab, found: np.ndarray) -> np.ndarray | None:
     groups = [ids[ptr[b]:ptr[b + 1]] for b in np.flatnonzero(found).tolist()]
     if sum(map(len, groups)) > MAX_REREAD:
         return None
-    return np.unique(np.concatenate(groups)) if groups else np.zeros(0, dtype=np.int64)
+    if len(groups) == 1:
+        return groups[0]
+    marked = np.zeros(vocab.size, dtype=bool)  # cheaper than sorting them together
+    for group in groups:
+        marked[group] = True
+    return np.flatnonzero(marked)
 
 
 def read_from(dfa: ByteDFA, state: int, ids: np.ndarray, vocab: TokenVocab
