@@ -159,27 +159,39 @@ def bytes_apart(dfa: ByteDFA, state: int, other: int) -> np.ndarray | None:
     return bad
 
 
-def tokens_with(vocab: TokenVocab, found: np.ndarray) -> np.ndarray | None:
-    """Ids (int64, sorted) of the tokens containing one of the bytes `found` (bool [256]); None past
-    MAX_REREAD."""
+_with: dict[tuple[str, bytes], tuple[np.ndarray, np.ndarray, np.ndarray] | None] = {}
+WITH_KEPT = 256
+
+
+def tokens_with(vocab: TokenVocab, found: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """The tokens containing one of the bytes `found` (bool [256]): their ids (int64, sorted), and their
+    bytes as one matrix with their lengths (vocab.byte_matrix); None past MAX_REREAD. Cached per set of
+    bytes: most states read again have the same (`"`)."""
+    key = (vocab.fingerprint, np.packbits(found).tobytes())
+    if key in _with:
+        return _with[key]
     ids, ptr = vocab.tokens_by_byte
     groups = [ids[ptr[b]:ptr[b + 1]] for b in np.flatnonzero(found).tolist()]
     if sum(map(len, groups)) > MAX_REREAD:
-        return None
-    if len(groups) == 1:
-        return groups[0]
-    marked = np.zeros(vocab.size, dtype=bool)  # cheaper than sorting them together
-    for group in groups:
-        marked[group] = True
-    return np.flatnonzero(marked)
+        tokens = None
+    else:
+        marked = np.zeros(vocab.size, dtype=bool)  # cheaper than sorting them together
+        for group in groups:
+            marked[group] = True
+        chosen = np.flatnonzero(marked)
+        tokens = (chosen, *byte_matrix([vocab.token_bytes[i] for i in chosen.tolist()]))
+    if len(_with) >= WITH_KEPT:
+        _with.clear()
+    _with[key] = tokens
+    return tokens
 
 
-def read_from(dfa: ByteDFA, state: int, ids: np.ndarray, vocab: TokenVocab
+def read_from(dfa: ByteDFA, state: int, tokens: tuple[np.ndarray, np.ndarray, np.ndarray]
               ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The classes of tokens `ids` from `state`, as the trie walk gives them: (ids alive through their last
-    byte; the others' exits, as token ids and where their suffix starts: after each of their first j >= 1
-    bytes, short of the last, at which the automaton is alive and accepting)."""
-    mat, lens = byte_matrix([vocab.token_bytes[i] for i in ids.tolist()])
+    """The classes from `state` of `tokens` (tokens_with's), as the trie walk gives them: (ids alive through
+    their last byte; the others' exits, as token ids and where their suffix starts: after each of their
+    first j >= 1 bytes, short of the last, at which the automaton is alive and accepting)."""
+    ids, mat, lens = tokens
     rows, cur = np.arange(len(ids)), np.full(len(ids), state, dtype=np.int64)
     ended, exit_rows, exit_starts = [], [np.zeros(0, dtype=np.int64)], [np.zeros(0, dtype=np.int64)]
     for j in range(mat.shape[1] + 1):
