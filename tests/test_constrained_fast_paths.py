@@ -212,6 +212,7 @@ def test_wide_states_bits_patched_from_recent_ones_equal_a_whole_walk(qwen, monk
     inside_bits = terminal_tokens._inside_bits
     monkeypatch.setattr(terminal_tokens, "_inside_bits",
                         lambda have, keys, v: patched.append(len(terminal_tokens._bases)) or inside_bits(have, keys, v))
+    monkeypatch.setattr(terminal_tokens, "_patched", lambda *args: None)  # the general path (body_states.py aside)
     with terminal_tokens._lock:
         terminal_tokens._cache.clear()
     # Plain string bodies first, then keys that exclude names (differing subtrees: the names' letters),
@@ -273,3 +274,111 @@ def test_literal_classes_equal_the_general_walk(qwen):
     ab = terminal_dfa("ab(cd)?", 1000)
     assert literal_rest("test:ab(cd)?", ab, 0) is None  # `ab` accepts before the chain's end
     assert literal_rest("test:ab(cd)?", ab, int(ab.transitions[int(ab.transitions[0, ord("a")]), ord("b")])) is None
+
+
+def test_states_apart_from_the_body_equal_a_whole_walk(qwen):
+    """A key terminal's states past letters of the names it excludes, classified as its string body less the
+    tokens that die where the two part (body_states.py), equal a walk of the whole vocabulary from the state:
+    the same inside bits, the same exit pairs. Names share prefixes, one is a prefix of another, one is
+    empty, one escaped, one not ASCII; the patterned key's states past `x-` are a body of their own."""
+    from radixlm.core.constrained.body_states import body_of
+
+    vocab = prepare_vocab(qwen)
+    first = vocab.trie.byte[1].astype(np.int64)
+    names = ["foo", "fob", "bar", "ab", "abc", "", "x\"y", "é", "a\\b", "zz"]
+    schema = {"type": "object", "properties": {n: {} for n in names},
+              "patternProperties": {"^x-": {"type": "integer"}}, "additionalProperties": {"type": "string"}}
+    grammar = build_constraint("json_schema", schema, qwen).index.grammar
+    patched = 0
+    for name, dfa in zip(grammar.terminal_names, grammar.terminals):
+        if not name.startswith("key:"):
+            continue
+        for q in range(dfa.num_states):
+            found = terminal_tokens._patched(name, dfa, q, vocab)
+            if found is None:
+                continue
+            nxt = dfa.transitions[q, first]
+            live = np.flatnonzero(nxt >= 0)
+            inside, uncertain = terminal_tokens._walk(dfa, live, nxt[live], vocab)
+            tokens, starts = terminal_tokens._exit_pairs(dfa, uncertain, terminal_tokens._after_first(
+                nxt, live, vocab, uncertain), vocab)
+            got = np.unpackbits(found.inside, count=vocab.size, bitorder="little").astype(bool)
+            assert (got == inside).all(), (name, q)
+            pairs = {(t, vocab.token_bytes[t][j:]) for t, j in zip(tokens.tolist(), starts.tolist())}
+            assert _exit_pairs_of(found.exits) == pairs, (name, q)
+            patched += 1
+        assert body_of(name, dfa, 0) is None  # the opening quote leads to no body loop
+    assert patched > 10
+
+
+def test_states_apart_from_the_body_refused_where_exits_or_reads_differ(qwen):
+    """Where the two states part on a byte after which the state accepts and the body does not (the state's
+    exits there differ), or the state reads a byte the body dies on, the state is left to the general walk:
+    hand-made automata, a body (1) of letters, spaces and dots closed by `"` (2), and a state 0 like it but
+    for its dot, which leads to 3: the body's row, accepting; or the body's row and a newline."""
+    from radixlm.core.constrained.body_states import paths_apart
+    from radixlm.core.constrained.regex_dfa import ByteDFA
+
+    vocab = prepare_vocab(qwen)
+    body = [*range(ord("a"), ord("z") + 1), ord(" "), ord(".")]
+    for variant in ("accepting", "newline"):
+        trans = np.full((4, 256), -1, dtype=np.int32)
+        for q in (0, 1, 3):
+            trans[q, body] = 1
+            trans[q, ord('"')] = 2
+        trans[0, ord(".")] = 3
+        if variant == "newline":
+            trans[3, ord("\n")] = 1  # `.\n` goes on from state 0, dies from the body
+        dfa = ByteDFA(trans, np.array([False, False, True, variant == "accepting"]))
+        assert paths_apart(f"test:{variant}", dfa, 0, 1, vocab) is None, variant
+        assert terminal_tokens._patched(f"test:{variant}", dfa, 0, vocab) is None, variant
+
+
+def test_states_read_like_another_equal_a_whole_walk(qwen):
+    """A wide state read as another state of its terminal (a string body) but for the tokens containing the
+    bytes on which the two may stop agreeing, which are read again from it (terminal_tokens._reread), equals a
+    walk of the whole vocabulary from the state: pattern keys before and after their pattern matches,
+    anchored and not, an escape, digits, a non-ASCII letter; and a hand-made automaton whose state accepts
+    where the other does not, both alive. The bytes apart of a pattern key's state before its match and its
+    matched state are the closing quote alone."""
+    from radixlm.core.constrained.body_states import bytes_apart
+    from radixlm.core.constrained.regex_dfa import ByteDFA
+
+    vocab = prepare_vocab(qwen)
+    first = vocab.trie.byte[1].astype(np.int64)
+    terminals = []
+    for pattern in ["f.*o", "^x-", "[0-9]", "é\\\\n", "b.r"]:
+        grammar = build_constraint("json_schema", {"type": "object", "patternProperties": {pattern: {}}},
+                                   qwen).index.grammar
+        terminals += zip(grammar.terminal_names, grammar.terminals)
+    # By hand: a loop (1) over letters, `,` and `~`, closed by `"` (3); state 0 reads like it but for `~`,
+    # after which it accepts (2, otherwise the loop): both alive there, the state accepting and the loop not,
+    # so tokens with `~` are read again, and those inside from 0 pass an accepting state before their end.
+    trans = np.full((4, 256), -1, dtype=np.int32)
+    trans[:3, [*range(ord("a"), ord("z") + 1), ord(","), ord("~")]] = 1
+    trans[:3, ord('"')] = 3
+    trans[0, ord("~")] = 2
+    tilde = ByteDFA(trans, np.array([False, False, True, True]))
+    terminal_tokens.state_tokens("test:tilde", tilde, 1, vocab)  # the loop's classes, known
+    terminals.append(("test:tilde", tilde))
+    reread = 0
+    for name, dfa in terminals:
+        for q in range(min(dfa.num_states, 40)):
+            found = terminal_tokens._reread(name, dfa, q, vocab)
+            if found is None:
+                continue
+            nxt = dfa.transitions[q, first]
+            live = np.flatnonzero(nxt >= 0)
+            inside, uncertain = terminal_tokens._walk(dfa, live, nxt[live], vocab)
+            tokens, starts = terminal_tokens._exit_pairs(dfa, uncertain, terminal_tokens._after_first(
+                nxt, live, vocab, uncertain), vocab)
+            got = np.unpackbits(found.inside, count=vocab.size, bitorder="little").astype(bool)
+            assert (got == inside).all(), (name, q)
+            pairs = {(t, vocab.token_bytes[t][j:]) for t, j in zip(tokens.tolist(), starts.tolist())}
+            assert _exit_pairs_of(found.exits) == pairs, (name, q)
+            reread += 1
+    assert reread > 5 and terminal_tokens._reread("test:tilde", tilde, 0, vocab) is not None
+    key = next((n, d) for n, d in terminals if "[\\U00000066]" in n and n.startswith("key:"))
+    matched = key[1].walk(b'"fo')
+    assert np.flatnonzero(bytes_apart(key[1], 1, matched)).tolist() == [ord('"')]
+    assert np.flatnonzero(bytes_apart(tilde, 0, 1)).tolist() == [ord("~")]

@@ -59,12 +59,17 @@ def literal_classes(rest: bytes, vocab: TokenVocab) -> tuple[np.ndarray, np.ndar
         while i is not None and i < len(data) and data[i] == rest[:n]:
             inside.append(int(ids[i]))
             i += 1
-    lo = bisect.bisect_left(data, rest)
-    hi = bisect.bisect_left(data, _after_prefix(rest), lo) if rest.rstrip(b"\xff") else len(data)
+    lo, hi = starting_with(data, rest)
     while lo < hi and data[lo] == rest:  # rest itself is inside (counted above), not an exit
         lo += 1
     exits = ids[lo:hi]
     return np.asarray(inside, dtype=np.int32), exits, np.full(len(exits), len(rest), dtype=np.int32)
+
+
+def starting_with(data: list[bytes], prefix: bytes) -> tuple[int, int]:
+    """The range [lo, hi) of the sorted byte strings `data` that start with `prefix`."""
+    lo = bisect.bisect_left(data, prefix)
+    return lo, bisect.bisect_left(data, _after_prefix(prefix), lo) if prefix.rstrip(b"\xff") else len(data)
 
 
 def _after_prefix(prefix: bytes) -> bytes:

@@ -346,9 +346,13 @@ class GrammarIndex:
         found = self._exits.get(key)
         if found is None:
             tree = exits.tree
-            taken = np.zeros(len(tree.suffixes), dtype=bool)
-            taken[self._suffixes_taken(tree, tree.root, self._intern(self._follow(k)))] = True
-            found = exits.pair_token[taken[exits.pair_suffix]]
+            suffixes = self._suffixes_taken(tree, tree.root, self._intern(self._follow(k)))
+            if suffixes:
+                taken = np.zeros(len(tree.suffixes), dtype=bool)
+                taken[suffixes] = True
+                found = exits.pair_token[taken[exits.pair_suffix]]
+            else:  # a third of the walks: no numpy calls for them
+                found = _NO_TOKENS
             if len(self._exits) >= EXITS_CACHE_SIZE:
                 self._exits.clear()
             self._exits[key] = found
@@ -373,6 +377,9 @@ class GrammarIndex:
                     alive += self._suffixes_taken(tree, sub, resume)
         return alive
 
+
+_NO_TOKENS = np.zeros(0, dtype=np.int64)
+_NO_TOKENS.flags.writeable = False
 
 # Item move tables by (terminal names and states, vocabulary), shared by every index of the process.
 _shared_moves: OrderedDict[tuple, tuple[np.ndarray, list[list[int]], np.ndarray]] = OrderedDict()

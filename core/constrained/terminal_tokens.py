@@ -29,11 +29,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from radixlm.core.constrained.body_states import (body_of, bytes_apart, loops, paths_apart, read_from, tokens_starting,
+                                                  tokens_with)
 from radixlm.core.constrained.counted_string import CountedStringDFA, string_tokens
 from radixlm.core.constrained.literal_tokens import literal_classes, literal_rest
-from radixlm.core.constrained.narrow_walk import moves_of, narrow_walk, state_row
+from radixlm.core.constrained.narrow_walk import NARROW_NODES, moves_of, narrow_walk, state_row
 from radixlm.core.constrained.regex_dfa import ByteDFA
-from radixlm.core.constrained.vocab import TokenVocab, byte_matrix, expand_ranges, set_bits
+from radixlm.core.constrained.vocab import TokenVocab, byte_matrix, clear_bits, expand_ranges, set_bits
 
 DENSE_RATIO = 8  # a trie level is walked densely when over 1/8 of the previous level's nodes are alive
 CLASSES_PER_TREE = 4096  # (node, terminal, state) entries per SuffixTree, cleared when full
@@ -157,8 +159,11 @@ def state_tokens(key: str, dfa: ByteDFA, state: int, vocab: TokenVocab) -> State
     else:
         # A small future is named and shared by that name (states of different terminals end alike); a
         # larger one only if the state is wide (_classify): a bounded number's ~50 states hashed for each
-        # of its states would cost more than walking it.
-        future = _future(key, dfa, state, SMALL_FUTURE)
+        # of its states would cost more than walking it. A state that reads many bytes is wide: _classify
+        # names its future whole, or patches its body's classes (a key past its names' letters), so a
+        # search that stops past SMALL_FUTURE states would be spent for nothing.
+        reads_many = len(state_row(key, dfa, state)[1]) > NARROW_NODES
+        future = None if reads_many else _future(key, dfa, state, SMALL_FUTURE)
         found = _cached((future, vocab.fingerprint)) if future is not None else None
         if found is None:
             found = _classify(key, dfa, state, vocab)
@@ -286,6 +291,7 @@ def _quote_exits(vocab: TokenVocab, opening: bool) -> Exits | None:
 _futures: dict[tuple[str, int], bytes | int] = {}  # a name, or the number of states it is known to exceed
 MAX_FUTURE_STATES = 512  # larger futures are named by (terminal, state) instead
 SMALL_FUTURE = 4  # futures named before a state is known to be wide
+SHARED_FUTURE = 24  # a wide state's future named before it is read off another state's classes
 
 
 def _future(key: str, dfa: ByteDFA, state: int, most: int = MAX_FUTURE_STATES) -> bytes | None:
@@ -368,6 +374,19 @@ def _classify(key: str, dfa: ByteDFA, state: int, vocab: TokenVocab) -> StateTok
         tokens, starts = _exit_pairs(dfa, uncertain, _after_first(nxt, live, vocab, uncertain), vocab)
         exits_key = (_future(key, dfa, state, SMALL_FUTURE) or (key, state), vocab.fingerprint)
         return StateTokens(_packed(inside, vocab.size), _exits(exits_key, tokens, starts, vocab))
+    found = _patched(key, dfa, state, vocab)
+    if found is not None:
+        return found
+    # A future of a few states (a string body's) is named first: it is often known. A pattern key's state
+    # before its match reaches every state of its terminal, ~1 ms to name: it is read again first.
+    future = _future(key, dfa, state, SHARED_FUTURE)
+    found = _cached((future, vocab.fingerprint)) if future is not None else None
+    if found is None:
+        found = _reread(key, dfa, state, vocab)
+    if found is not None:
+        if future is not None:
+            _keep((future, vocab.fingerprint), found)
+        return found
     shared = (_future(key, dfa, state) or (key, state), vocab.fingerprint)
     found = _cached(shared)
     if found is None:
@@ -376,8 +395,97 @@ def _classify(key: str, dfa: ByteDFA, state: int, vocab: TokenVocab) -> StateTok
         exits_key = tuple(keys[n] for n in nodes if len(have[n][1]))
         tokens, starts = (np.concatenate([have[n][i] for n in nodes] or [np.zeros(0, np.int32)]) for i in (1, 2))
         found = StateTokens(_inside_bits(have, keys, vocab), _exits(exits_key, tokens, starts, vocab))
-        _keep(shared, found)
+    _keep(shared, found)
     return found
+
+
+_apart: OrderedDict[tuple, tuple[StateTokens, StateTokens]] = OrderedDict()  # see _patched
+APART = 512  # 19 KB of bits each (Qwen2)
+
+
+def _patched(key: str, dfa: ByteDFA, state: int, vocab: TokenVocab) -> StateTokens | None:
+    """A state that is its terminal's string body except along a few paths (a key past letters of the names
+    it excludes, body_states.py): the body's classes less the tokens that die on those paths; None if it is
+    not such a state. Kept per (body's classes, paths), so terminals that exclude alike share them and
+    their exit walks (pda.py)."""
+    body = body_of(key, dfa, state)
+    dying = None if body is None else paths_apart(key, dfa, state, body, vocab)
+    if dying is None:
+        return None
+    base = state_tokens(key, dfa, body, vocab)
+    if base.inside is None or base.closing is not None:
+        return None
+    if not dying:
+        return base
+    shared = (id(base), dying)
+    with _lock:
+        found = _apart.get(shared)
+    if found is not None and found[0] is base:  # an id is the base's while the entry holds it
+        return found[1]
+    apart = tokens_starting(vocab, dying)
+    inside, exits = base.inside.copy(), base.exits
+    clear_bits(inside, apart)
+    if exits is not None:
+        keep = ~np.isin(exits.pair_token, apart, kind="table")  # ids < vocabulary: ~10x the default sort
+        if not keep.all():
+            exits = Exits(exits.tree, exits.pair_suffix[keep], exits.pair_token[keep]) if keep.any() else None
+    found = StateTokens(inside, exits)
+    with _lock:
+        _apart[shared] = (base, found)
+        if len(_apart) > APART:
+            _apart.popitem(last=False)
+    return found
+
+
+def _reread(key: str, dfa: ByteDFA, state: int, vocab: TokenVocab) -> StateTokens | None:
+    """A wide state that reads like another state of its terminal except on a few bytes (a pattern key
+    before its pattern has matched, like its state after: a string body, except on `"`): that state's
+    classes, when known, with the tokens containing those bytes read again from this one (body_states.py);
+    None if no such state is found. A walk of the whole vocabulary is ~10 ms."""
+    for other in loops(key, dfa, state):
+        bad = bytes_apart(dfa, state, other)
+        again = None if bad is None else tokens_with(vocab, bad)
+        base = None if again is None else _known(key, dfa, other, vocab)
+        if base is None or base.inside is None or base.closing is not None:
+            continue
+        ids = again[0]
+        inside, tokens, starts = read_from(dfa, state, again)
+        bits = base.inside.copy()
+        clear_bits(bits, ids)
+        set_bits(bits, inside)
+        return StateTokens(bits, _exits_replacing(base.exits, ids, tokens, starts, vocab))
+    return None
+
+
+def _known(key: str, dfa: ByteDFA, state: int, vocab: TokenVocab) -> StateTokens | None:
+    """The state's classes if they are cached, by its name or its future; None rather than a walk."""
+    found = _cached((key, state, vocab.fingerprint))
+    if found is None:
+        future = _future(key, dfa, state)
+        found = _cached((future, vocab.fingerprint)) if future is not None else None
+    return found
+
+
+def _exits_replacing(base: Exits | None, ids: np.ndarray, tokens: np.ndarray, starts: np.ndarray,
+                     vocab: TokenVocab) -> Exits | None:
+    """`base`'s exit pairs less those of tokens `ids`, and the pairs (tokens, where their suffix starts)."""
+    token_bytes = vocab.token_bytes
+    new = [token_bytes[t][j:] for t, j in zip(tokens.tolist(), starts.tolist())]
+    if base is None:
+        return Exits.build(tokens.tolist(), new) if new else None
+    keep = ~np.isin(base.pair_token, ids, kind="table")
+    old = base.tree.suffixes
+    kept = np.unique(base.pair_suffix[keep]).tolist()  # often none: a string body's exits all cross `"`
+    distinct = sorted({old[i] for i in kept}.union(new))
+    if not distinct:
+        return None
+    index = {x: n for n, x in enumerate(distinct)}
+    remap = np.full(len(old), -1, dtype=np.int64)
+    remap[kept] = [index[old[i]] for i in kept]
+    return Exits(suffix_tree(distinct),
+                 np.concatenate([remap[base.pair_suffix[keep]], np.fromiter(map(index.__getitem__, new), np.int64,
+                                                                            count=len(new))]),
+                 np.concatenate([base.pair_token[keep], tokens.astype(np.int64)]))
 
 
 # The last wide states built: (their subtree per level-1 node and its name, their inside bits). A key terminal
@@ -408,8 +516,7 @@ def _inside_bits(have: dict[int, tuple], keys: dict[int, tuple], vocab: TokenVoc
         packed = packed.copy()
         gone = [base_have[n][0] for n in best_changed if n in base_have]
         if gone:
-            ids = np.concatenate(gone).astype(np.int64)
-            np.bitwise_and.at(packed, ids >> 3, (~(1 << (ids & 7))).astype(np.uint8))
+            clear_bits(packed, np.concatenate(gone).astype(np.int64))
         new = [have[n][0] for n in best_changed if n in have]
         if new:
             set_bits(packed, np.concatenate(new).astype(np.int64))

@@ -113,6 +113,11 @@ def set_bits(packed: np.ndarray, ids: np.ndarray) -> None:
     np.bitwise_or.at(packed, ids >> 3, (1 << (ids & 7)).astype(np.uint8))
 
 
+def clear_bits(packed: np.ndarray, ids: np.ndarray) -> None:
+    """Clears the bits of token `ids` (int64) in a packed mask, as set_bits sets them."""
+    np.bitwise_and.at(packed, ids >> 3, (~(1 << (ids & 7))).astype(np.uint8))
+
+
 def whole_characters(data: bytes) -> str | None:
     """`data` cut to whole UTF-8 characters (forced bytes may end inside one), or None if nothing is left."""
     for cut in range(len(data), max(len(data) - 4, 0), -1):
@@ -252,6 +257,18 @@ class TokenVocab:
         if self._trie is None:
             self._trie = TokenTrie.build(self.token_bytes)
         return self._trie
+
+    @functools.cached_property
+    def tokens_by_byte(self) -> tuple[np.ndarray, np.ndarray]:
+        """The ids (int64) of the tokens containing each byte value: ids[ptr[b]:ptr[b + 1]] for byte b."""
+        n = self.size
+        owner = np.repeat(np.arange(n), np.fromiter(map(len, self.token_bytes), np.int64, count=n))
+        flat = np.frombuffer(b"".join(self.token_bytes), dtype=np.uint8)
+        order = np.argsort(flat, kind="stable")  # by byte, then token (a radix sort of uint8)
+        flat, owner = flat[order], owner[order]
+        first = np.ones(len(flat), dtype=bool)  # a token's repeats of a byte are neighbours now
+        first[1:] = (flat[1:] != flat[:-1]) | (owner[1:] != owner[:-1])
+        return owner[first], np.searchsorted(flat[first], np.arange(257))
 
     @functools.cached_property
     def sorted_tokens(self) -> tuple[list[bytes], np.ndarray, dict[bytes, int]]:
