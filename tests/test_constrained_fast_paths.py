@@ -236,6 +236,19 @@ def test_wide_states_bits_patched_from_recent_ones_equal_a_whole_walk(qwen, monk
     assert len(patched) > 5 and max(patched) > 0
 
 
+def _assert_reads_as_a_whole_walk(found, name: str, dfa, q: int, vocab, first: np.ndarray) -> None:
+    """The classes found for state q equal those of a walk of the whole vocabulary from it."""
+    nxt = dfa.transitions[q, first]
+    live = np.flatnonzero(nxt >= 0)
+    inside, uncertain = terminal_tokens._walk(dfa, live, nxt[live], vocab)
+    tokens, starts = terminal_tokens._exit_pairs(dfa, uncertain, terminal_tokens._after_first(
+        nxt, live, vocab, uncertain), vocab)
+    got = np.unpackbits(found.inside, count=vocab.size, bitorder="little").astype(bool)
+    assert (got == inside).all(), (name, q)
+    pairs = {(t, vocab.token_bytes[t][j:]) for t, j in zip(tokens.tolist(), starts.tolist())}
+    assert _exit_pairs_of(found.exits) == pairs, (name, q)
+
+
 def _exit_pairs_of(exits) -> set[tuple[int, bytes]]:
     if exits is None:
         return set()
@@ -297,15 +310,7 @@ def test_states_apart_from_the_body_equal_a_whole_walk(qwen):
             found = terminal_tokens._patched(name, dfa, q, vocab)
             if found is None:
                 continue
-            nxt = dfa.transitions[q, first]
-            live = np.flatnonzero(nxt >= 0)
-            inside, uncertain = terminal_tokens._walk(dfa, live, nxt[live], vocab)
-            tokens, starts = terminal_tokens._exit_pairs(dfa, uncertain, terminal_tokens._after_first(
-                nxt, live, vocab, uncertain), vocab)
-            got = np.unpackbits(found.inside, count=vocab.size, bitorder="little").astype(bool)
-            assert (got == inside).all(), (name, q)
-            pairs = {(t, vocab.token_bytes[t][j:]) for t, j in zip(tokens.tolist(), starts.tolist())}
-            assert _exit_pairs_of(found.exits) == pairs, (name, q)
+            _assert_reads_as_a_whole_walk(found, name, dfa, q, vocab, first)
             patched += 1
         assert body_of(name, dfa, 0) is None  # the opening quote leads to no body loop
     assert patched > 10
@@ -367,15 +372,7 @@ def test_states_read_like_another_equal_a_whole_walk(qwen):
             found = terminal_tokens._reread(name, dfa, q, vocab)
             if found is None:
                 continue
-            nxt = dfa.transitions[q, first]
-            live = np.flatnonzero(nxt >= 0)
-            inside, uncertain = terminal_tokens._walk(dfa, live, nxt[live], vocab)
-            tokens, starts = terminal_tokens._exit_pairs(dfa, uncertain, terminal_tokens._after_first(
-                nxt, live, vocab, uncertain), vocab)
-            got = np.unpackbits(found.inside, count=vocab.size, bitorder="little").astype(bool)
-            assert (got == inside).all(), (name, q)
-            pairs = {(t, vocab.token_bytes[t][j:]) for t, j in zip(tokens.tolist(), starts.tolist())}
-            assert _exit_pairs_of(found.exits) == pairs, (name, q)
+            _assert_reads_as_a_whole_walk(found, name, dfa, q, vocab, first)
             reread += 1
     assert reread > 5 and terminal_tokens._reread("test:tilde", tilde, 0, vocab) is not None
     key = next((n, d) for n, d in terminals if "[\\U00000066]" in n and n.startswith("key:"))

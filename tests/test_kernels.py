@@ -70,17 +70,21 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
 GQA_SHAPES = [(2, 2, 64), (4, 1, 64), (8, 1, 40)]
 
 
-@pytest.mark.parametrize("heads", GQA_SHAPES, ids=lambda s: f"H{s[0]}-KH{s[1]}-D{s[2]}")
-def test_extend_attention_fp32(heads):
+def extend_case(heads: tuple[int, int, int], prefix_lens: list[int], extend_lens: list[int]):
+    """A ragged fp32 extend batch: its paged tables, q, the extend lengths, the scale, the reference output."""
     num_heads, num_kv_heads, head_dim = heads
-    # Ragged: no prefix and 2 query blocks; a prefix spanning 2 key blocks; a prefix ending mid-block.
-    prefix_lens, extend_lens = [0, 21, 5], [20, 3, 17]
     seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
     batch = PagedBatch(seq_lens, num_kv_heads, head_dim, torch.float32, torch.int32, DEVICE)
     q = randn(sum(extend_lens), num_heads, head_dim)
     ext = torch.tensor(extend_lens, device=DEVICE, dtype=torch.int32)
     scale = head_dim**-0.5
-    expected = ref.extend_attention(q, *batch.tables(), ext, scale)
+    return batch, q, ext, scale, ref.extend_attention(q, *batch.tables(), ext, scale)
+
+
+@pytest.mark.parametrize("heads", GQA_SHAPES, ids=lambda s: f"H{s[0]}-KH{s[1]}-D{s[2]}")
+def test_extend_attention_fp32(heads):
+    # Ragged: no prefix and 2 query blocks; a prefix spanning 2 key blocks; a prefix ending mid-block.
+    batch, q, ext, scale, expected = extend_case(heads, [0, 21, 5], [20, 3, 17])
     assert_close(tri.extend_attention(q, *batch.tables(), ext, scale), expected)
 
 
@@ -128,15 +132,9 @@ def test_extend_attention_short_extends_through_the_split_kernel(heads, splits):
     among their new tokens, the keys split across programs), the longer ones through the extend kernel
     skipping the short ones; together the reference's output. Prefixes of 0 (the new tokens' keys only),
     1, one mid-block and ones spanning several key blocks; a padding request (no tokens) last."""
-    num_heads, num_kv_heads, head_dim = heads
     short = tri.SHORT_EXTEND_TOKENS
-    prefix_lens, extend_lens = [30, 0, 21, 1, 16, 5, 40, 0], [1, short, short + 1, 1, 3, 17, 2, 0]
-    seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
-    batch = PagedBatch(seq_lens, num_kv_heads, head_dim, torch.float32, torch.int32, DEVICE)
-    q = randn(sum(extend_lens), num_heads, head_dim)
-    ext = torch.tensor(extend_lens, device=DEVICE, dtype=torch.int32)
-    scale = head_dim**-0.5
-    expected = ref.extend_attention(q, *batch.tables(), ext, scale)
+    extend_lens = [1, short, short + 1, 1, 3, 17, 2, 0]
+    batch, q, ext, scale, expected = extend_case(heads, [30, 0, 21, 1, 16, 5, 40, 0], extend_lens)
     if splits is None:
         out = tri.extend_attention(q, *batch.tables(), ext, scale, split_short=True)
         assert_close(out, expected)
