@@ -204,7 +204,8 @@ def main() -> None:
     parser.add_argument("--waits", action="store_true",
                         help="also the time the host waited for the device, and (CUDA) the other syncs by line")
     parser.add_argument("--jump-gather-steps", type=int, nargs="+", default=[jump_gathering.JUMP_GATHER_STEPS],
-                        help="json_jump once per value: decode steps jump-forward continuations may wait to gather")
+                        help="json_jump once per value: decode steps jump-forward continuations may wait to gather "
+                             "(before an extend step that would not chain: with overlap on, they never wait)")
     args = parser.parse_args()
 
     if args.model == "default":
