@@ -347,12 +347,7 @@ class GrammarIndex:
         if found is None:
             tree = exits.tree
             suffixes = self._suffixes_taken(tree, tree.root, self._intern(self._follow(k)))
-            if suffixes:
-                taken = np.zeros(len(tree.suffixes), dtype=bool)
-                taken[suffixes] = True
-                found = exits.pair_token[taken[exits.pair_suffix]]
-            else:  # a third of the walks: no numpy calls for them
-                found = _NO_TOKENS
+            found = exits.tokens_of(suffixes) if suffixes else _NO_TOKENS  # a third take none
             if len(self._exits) >= EXITS_CACHE_SIZE:
                 self._exits.clear()
             self._exits[key] = found
