@@ -346,28 +346,31 @@ class GrammarIndex:
         found = self._exits.get(key)
         if found is None:
             tree = exits.tree
-            suffixes = self._suffixes_taken(tree, tree.root, self._intern(self._follow(k)))
+            suffixes = self._suffixes_taken(tree, tree.root, self._follow(k))
             found = exits.tokens_of(suffixes) if suffixes else _NO_TOKENS  # a third take none
             if len(self._exits) >= EXITS_CACHE_SIZE:
                 self._exits.clear()
             self._exits[key] = found
         return found
 
-    def _suffixes_taken(self, tree: SuffixTree, node: dict, c: int) -> list[int]:
-        """Ids of the suffixes below `node` of `tree` whose bytes all lead somewhere from configuration c.
-        c takes a suffix iff one of its items does: by staying inside the item's terminal, or by ending it
-        part way and going on from what follows the item. The first part depends on the terminal state
+    def _suffixes_taken(self, tree: SuffixTree, node: dict, items: frozenset) -> list[int]:
+        """Ids of the suffixes below `node` of `tree` whose bytes all lead somewhere from the configuration
+        of `items` (as _follow gives them, not interned: a walk needs only the items). It takes a suffix
+        iff one of its items does: by staying inside the item's terminal, or by ending it part way and
+        going on from what follows the item. The first part depends on the terminal state
         alone (SuffixTree.classes, shared by every continuation and schema); past the points where the
         terminal may end, the rest is the same question from the configuration where the item resumes.
         So no configuration is stepped: suffixes die or stay inside their first terminals at once (after
         a number only `,` `}` `]` go on, say)."""
         names, terminals = self.grammar.terminal_names, self.grammar.terminals
         alive: list[int] = []
-        for t, q, after in self._items[c]:
+        for t, q, after in items:
+            if t < 0:  # END: the output may end here, no suffix goes on
+                continue
             inside, ends_at = tree.classes(node, names[t], terminals[t], q)
             alive += inside
             if ends_at:
-                resume = self._intern(self._follow(after))
+                resume = self._follow(after)
                 for sub in ends_at:
                     alive += self._suffixes_taken(tree, sub, resume)
         return alive
