@@ -300,23 +300,26 @@ class GrammarIndex:
 
     def _allowed_bits(self, state: int, vocab_size: int) -> np.ndarray:
         """Packed bits (little bit order), uint8 [4 * ceil(vocab_size / 32)]."""
-        allowed = np.zeros(-(-vocab_size // 32) * 4, dtype=np.uint8)
-        with self._lock:
-            walked = self._walk(state)
-        if vocab_size < self.vocab_size:  # logits narrower than the vocabulary: drop the ids past them
+        width = -(-vocab_size // 32) * 4
+        if vocab_size >= self.vocab_size:  # the walk's bits padded to the width: no second array to copy into
+            with self._lock:
+                allowed = self._walk(state, width)
+        else:  # logits narrower than the vocabulary: drop the ids past them
+            with self._lock:
+                walked = self._walk(state)
             walked = np.packbits(np.unpackbits(walked, count=vocab_size, bitorder="little"), bitorder="little")
-        n = min(len(allowed), len(walked))
-        allowed[:n] = walked[:n]
+            allowed = np.zeros(width, dtype=np.uint8)
+            allowed[:len(walked)] = walked
         if self._can_end[state]:
             eos = self.eos_ids[self.eos_ids < vocab_size]
             set_bits(allowed, eos)
         return allowed
 
-    def _walk(self, state: int) -> np.ndarray:
-        """Packed bits [ceil(vocab / 8)]: the tokens whose bytes all lead somewhere from `state`: for each
-        item, the tokens that stay inside its terminal (shared per terminal state, terminal_tokens.py), and
-        those leaving it mid-token whose suffix the item's continuation takes."""
-        packed = np.zeros(-(-self.vocab_size // 8), dtype=np.uint8)
+    def _walk(self, state: int, width: int = 0) -> np.ndarray:
+        """Packed bits [max(width, ceil(vocab / 8))]: the tokens whose bytes all lead somewhere from `state`:
+        for each item, the tokens that stay inside its terminal (shared per terminal state,
+        terminal_tokens.py), and those leaving it mid-token whose suffix the item's continuation takes."""
+        packed = np.zeros(max(width, -(-self.vocab_size // 8)), dtype=np.uint8)
         ids: list[np.ndarray] = []  # set at the end, in one pass
         classes_of: dict[tuple[int, int], object] = {}
         for t, q, k in self._items[state]:
