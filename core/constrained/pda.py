@@ -319,7 +319,9 @@ class GrammarIndex:
         """Packed bits [max(width, ceil(vocab / 8))]: the tokens whose bytes all lead somewhere from `state`:
         for each item, the tokens that stay inside its terminal (shared per terminal state,
         terminal_tokens.py), and those leaving it mid-token whose suffix the item's continuation takes."""
-        packed = np.zeros(max(width, -(-self.vocab_size // 8)), dtype=np.uint8)
+        whole = -(-self.vocab_size // 8)
+        packed = np.zeros(max(width, whole), dtype=np.uint8)
+        bits = packed[:whole]  # the width the classes' bits have
         ids: list[np.ndarray] = []  # set at the end, in one pass
         classes_of: dict[tuple[int, int], object] = {}
         for t, q, k in self._items[state]:
@@ -330,7 +332,7 @@ class GrammarIndex:
                 if classes.inside is None:
                     ids.append(classes.inside_ids)
                 else:
-                    packed |= classes.inside
+                    bits |= classes.inside
             if classes.exits is not None:
                 ids.append(self._exits_taken(classes.exits, k))
             if classes.closing is not None and classes.after_quote is not None:
