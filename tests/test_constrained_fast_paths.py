@@ -145,6 +145,21 @@ def test_exit_pairs_equal_stepping_each_token(qwen):
     assert checked > 100
 
 
+def test_exit_tokens_kept_per_set_of_suffixes_equal_selecting_them():
+    """Exits.tokens_of, kept per set of suffixes, equals selecting the pairs of those suffixes, whatever
+    order a walk found them in and for sets of the same size (a key on anything less than the set fails)."""
+    rng = np.random.default_rng(5)
+    suffixes = [b",", b",\"", b",{", b"}", b"}}", b"]", b" "]
+    tokens = rng.permutation(200)[:60].tolist()
+    exits = terminal_tokens.Exits.build(tokens, [suffixes[i] for i in rng.integers(0, len(suffixes), 60)])
+    pairs = list(zip(exits.pair_suffix.tolist(), exits.pair_token.tolist()))
+    for _ in range(3):  # the second and third rounds read the kept sets
+        for taken in ([0, 3], [3, 0], [1, 4], [2], [6, 5, 4, 3, 2, 1, 0], [5, 1]):
+            got = exits.tokens_of(taken)
+            assert not got.flags.writeable
+            assert sorted(got.tolist()) == sorted(t for s, t in pairs if s in taken)
+
+
 def test_counted_string_classes_cached_equal_fresh(qwen):
     """A counted string boundary's classes, cached by (opening, characters still required, room), equal
     those computed afresh for every boundary of strings with different bounds."""

@@ -300,23 +300,28 @@ class GrammarIndex:
 
     def _allowed_bits(self, state: int, vocab_size: int) -> np.ndarray:
         """Packed bits (little bit order), uint8 [4 * ceil(vocab_size / 32)]."""
-        allowed = np.zeros(-(-vocab_size // 32) * 4, dtype=np.uint8)
-        with self._lock:
-            walked = self._walk(state)
-        if vocab_size < self.vocab_size:  # logits narrower than the vocabulary: drop the ids past them
+        width = -(-vocab_size // 32) * 4
+        if vocab_size >= self.vocab_size:  # the walk's bits padded to the width: no second array to copy into
+            with self._lock:
+                allowed = self._walk(state, width)
+        else:  # logits narrower than the vocabulary: drop the ids past them
+            with self._lock:
+                walked = self._walk(state)
             walked = np.packbits(np.unpackbits(walked, count=vocab_size, bitorder="little"), bitorder="little")
-        n = min(len(allowed), len(walked))
-        allowed[:n] = walked[:n]
+            allowed = np.zeros(width, dtype=np.uint8)
+            allowed[:len(walked)] = walked
         if self._can_end[state]:
             eos = self.eos_ids[self.eos_ids < vocab_size]
             set_bits(allowed, eos)
         return allowed
 
-    def _walk(self, state: int) -> np.ndarray:
-        """Packed bits [ceil(vocab / 8)]: the tokens whose bytes all lead somewhere from `state`: for each
-        item, the tokens that stay inside its terminal (shared per terminal state, terminal_tokens.py), and
-        those leaving it mid-token whose suffix the item's continuation takes."""
-        packed = np.zeros(-(-self.vocab_size // 8), dtype=np.uint8)
+    def _walk(self, state: int, width: int = 0) -> np.ndarray:
+        """Packed bits [max(width, ceil(vocab / 8))]: the tokens whose bytes all lead somewhere from `state`:
+        for each item, the tokens that stay inside its terminal (shared per terminal state,
+        terminal_tokens.py), and those leaving it mid-token whose suffix the item's continuation takes."""
+        whole = -(-self.vocab_size // 8)
+        packed = np.zeros(max(width, whole), dtype=np.uint8)
+        bits = packed[:whole]  # the width the classes' bits have
         ids: list[np.ndarray] = []  # set at the end, in one pass
         classes_of: dict[tuple[int, int], object] = {}
         for t, q, k in self._items[state]:
@@ -327,7 +332,7 @@ class GrammarIndex:
                 if classes.inside is None:
                     ids.append(classes.inside_ids)
                 else:
-                    packed |= classes.inside
+                    bits |= classes.inside
             if classes.exits is not None:
                 ids.append(self._exits_taken(classes.exits, k))
             if classes.closing is not None and classes.after_quote is not None:
@@ -346,33 +351,31 @@ class GrammarIndex:
         found = self._exits.get(key)
         if found is None:
             tree = exits.tree
-            suffixes = self._suffixes_taken(tree, tree.root, self._intern(self._follow(k)))
-            if suffixes:
-                taken = np.zeros(len(tree.suffixes), dtype=bool)
-                taken[suffixes] = True
-                found = exits.pair_token[taken[exits.pair_suffix]]
-            else:  # a third of the walks: no numpy calls for them
-                found = _NO_TOKENS
+            suffixes = self._suffixes_taken(tree, tree.root, self._follow(k))
+            found = exits.tokens_of(suffixes) if suffixes else _NO_TOKENS  # a third take none
             if len(self._exits) >= EXITS_CACHE_SIZE:
                 self._exits.clear()
             self._exits[key] = found
         return found
 
-    def _suffixes_taken(self, tree: SuffixTree, node: dict, c: int) -> list[int]:
-        """Ids of the suffixes below `node` of `tree` whose bytes all lead somewhere from configuration c.
-        c takes a suffix iff one of its items does: by staying inside the item's terminal, or by ending it
-        part way and going on from what follows the item. The first part depends on the terminal state
+    def _suffixes_taken(self, tree: SuffixTree, node: dict, items: frozenset) -> list[int]:
+        """Ids of the suffixes below `node` of `tree` whose bytes all lead somewhere from the configuration
+        of `items` (as _follow gives them, not interned: a walk needs only the items). It takes a suffix
+        iff one of its items does: by staying inside the item's terminal, or by ending it part way and
+        going on from what follows the item. The first part depends on the terminal state
         alone (SuffixTree.classes, shared by every continuation and schema); past the points where the
         terminal may end, the rest is the same question from the configuration where the item resumes.
         So no configuration is stepped: suffixes die or stay inside their first terminals at once (after
         a number only `,` `}` `]` go on, say)."""
         names, terminals = self.grammar.terminal_names, self.grammar.terminals
         alive: list[int] = []
-        for t, q, after in self._items[c]:
+        for t, q, after in items:
+            if t < 0:  # END: the output may end here, no suffix goes on
+                continue
             inside, ends_at = tree.classes(node, names[t], terminals[t], q)
             alive += inside
             if ends_at:
-                resume = self._intern(self._follow(after))
+                resume = self._follow(after)
                 for sub in ends_at:
                     alive += self._suffixes_taken(tree, sub, resume)
         return alive
