@@ -175,7 +175,9 @@ class Scheduler:
         # With a decode step pending (overlap), this plans on the state before its results: requests it
         # finishes still count as running and hold their KV, which only makes planning cautious.
         pending, self.pending = self.pending, None
-        chains = pending is not None and self.executor.chains_extend(pending)
+        # Whether waiting continuations' extend step would chain (they then do not wait to gather); not
+        # asked on plain decode steps, where nothing waits: it walks the running requests.
+        chains = pending is not None and bool(queues.waiting) and self.executor.chains_extend(pending)
         plan = self.planner.plan(queues.waiting, queues.running, queues.chunked, chains)
         queues.chunked = plan.chunked
         if plan.extends:
