@@ -10,7 +10,9 @@ import numpy as np
 import pytest
 
 from radixlm.core.constrained import build_constraint, grammar_index_cache, narrow_walk, terminal_tokens
+from radixlm.core.constrained.grammar_compiler import GrammarBudget, compile_grammar
 from radixlm.core.constrained.grammar_index_cache import prepare_vocab
+from radixlm.core.constrained.pda import GrammarIndex
 from radixlm.core.constrained.testing import qwen2_tokenizer, random_walk
 
 SCHEMAS = [
@@ -394,3 +396,43 @@ def test_states_read_like_another_equal_a_whole_walk(qwen):
     matched = key[1].walk(b'"fo')
     assert np.flatnonzero(bytes_apart(key[1], 1, matched)).tolist() == [ord('"')]
     assert np.flatnonzero(bytes_apart(tilde, 0, 1)).tolist() == [ord("~")]
+
+
+def _exit_walks_ready(index, state: int) -> bool:
+    """Whether every exit walk of `state`'s items is in `index`'s cache (built before its mask is asked)."""
+    names, terminals = index.grammar.terminal_names, index.grammar.terminals
+    for t, q, k in index._items[state]:
+        classes = terminal_tokens.state_tokens(names[t], terminals[t], q, index.vocab)
+        if any(e is not None and (e, k) not in index._exits for e in (classes.exits, classes.after_quote)):
+            return False
+    return True
+
+
+def test_masks_warmed_at_compile_equal_cold_ones(qwen):
+    """An index warmed with the compile (GrammarBudget.warm_seconds) has the exit walks of the configuration
+    after `{"` and of a key's value ready before any mask, one without a warm-up budget does not, and
+    both give equal masks along random walks."""
+    vocab = prepare_vocab(qwen)
+    schema = {"type": "object", "properties": {"name": {"type": "string"},
+                                               "tags": {"type": "array", "items": {"type": "string"}}},
+              "additionalProperties": {"type": "boolean"}}
+    grammar = grammar_index_cache.grammar_of("json_schema", schema)
+    warm = GrammarIndex(compile_grammar(grammar, GrammarBudget(warm_seconds=10.0)), vocab)
+    cold = GrammarIndex(compile_grammar(grammar, GrammarBudget(warm_seconds=0.0)), vocab)
+    for prefix in (b'{"', b'{"name":'):  # two bytes from the start; where a value resumes
+        ready = []
+        for index in (warm, cold):
+            state = index.start
+            for b in prefix:
+                state = index.byte_successors(state)[b]
+            ready.append(_exit_walks_ready(index, state))
+        assert ready == [True, False], prefix
+    rng = np.random.default_rng(2)
+    compared = 0
+    for _ in range(8):
+        states = [warm.start, cold.start]
+        for token in random_walk(build_constraint("json_schema", schema, qwen), rng, max_tokens=30):
+            assert np.array_equal(warm.mask(states[0], vocab.size).numpy(), cold.mask(states[1], vocab.size).numpy())
+            states = [index.next_state(s, token) for index, s in zip((warm, cold), states)]
+            compared += 1
+    assert compared > 50
