@@ -36,6 +36,7 @@ import torch
 
 from radixlm.core.constrained.counted_string import CountedStringDFA, string_tokens
 from radixlm.core.constrained.grammar_compiler import CompiledGrammar, terminal_tables
+from radixlm.core.constrained.literal_tokens import literal_rest
 from radixlm.core.constrained.masks import MaskCache
 from radixlm.core.constrained.terminal_tokens import Exits, SuffixTree, state_tokens
 from radixlm.core.constrained.vocab import TokenVocab, set_bits, whole_characters
@@ -80,6 +81,7 @@ class GrammarIndex:
         self._spellable = _spellable_bytes(vocab)
         self.spells_every_byte = bool(self._spellable.all())
         self.start = self._intern(self._follow(self._cont(grammar.start, 0, -1)))
+        self._start_bits: np.ndarray | None = None
         if any(isinstance(t, CountedStringDFA) for t in grammar.terminals):
             # The vocabulary read as string content, once per process (~0.5 s): here, where constraints
             # are built (off the scheduler loop), rather than at the first mask.
@@ -88,7 +90,9 @@ class GrammarIndex:
         # Every output begins at the start configuration, so its token classes and exit walks are built
         # here, with the compile (off the decode loop), not in the first request's first mask: that mask
         # was the largest piece of the corpus's mask tail (round 12 in docs/benchmarks.md).
-        self._pieces(self.start)
+        # Its bits are kept too (19 KB for a 152k vocabulary): the union of an any-value start's pieces costs
+        # ~0.1 ms, in every new schema's first mask.
+        self._start_bits = self._walk(self.start)
         self._warm(grammar.budget.warm_seconds)
 
     def _warm(self, seconds: float) -> None:
@@ -96,8 +100,10 @@ class GrammarIndex:
         masks, built here with the compile until `seconds` (wall clock) are spent, breadth first: those one
         and two bytes from the start (most outputs' first token is `{"`, `[` or `"`), then where each of
         their items' continuations resumes (a key's value, what follows a value or a key) and one and two
-        bytes from there. Work the first masks of every new schema did fresh, the bulk of the mask tail
-        (round 16 in docs/benchmarks.md); a state or walk a request never meets costs only compile time."""
+        bytes from there; and with each, its literals' last two states (a key's `":` and `:`, where a
+        tokenizer most often splits: `{"name` then `":`). Work the first masks of every new schema did
+        fresh, the bulk of the mask tail (round 16 in docs/benchmarks.md); a state or walk a request never
+        meets costs only compile time."""
         end = time.monotonic() + seconds
         seen = {self.start}
         queue = deque([(self.start, 0, False)])  # (configuration, bytes from its resume point, past a resume)
@@ -106,7 +112,8 @@ class GrammarIndex:
             if c != self.start:  # done above
                 if time.monotonic() > end:
                     return
-                self._pieces(c)
+                self._pieces(self._items[c])
+                self._pieces(self._literal_tails(self._items[c]))
             found = []
             if depth < WARM_BYTES:
                 found += [(target, depth + 1, resumed) for target in set(self._row(c)) if target >= 0]
@@ -116,6 +123,19 @@ class GrammarIndex:
                 if item[0] not in seen:
                     seen.add(item[0])
                     queue.append(item)
+
+    def _literal_tails(self, items: tuple) -> list[tuple[int, int, int]]:
+        """The items whose terminal state is a literal's (a chain: literal_tokens.literal_rest) moved to
+        where WARM_BYTES bytes or fewer of it are left."""
+        tails = []
+        for t, q, k in items:
+            dfa = self.grammar.terminals[t]
+            rest = None if isinstance(dfa, CountedStringDFA) else literal_rest(self.grammar.terminal_names[t], dfa, q)
+            for n, b in enumerate(rest or b""):
+                if len(rest) - n <= WARM_BYTES:
+                    tails.append((t, q, k))
+                q = int(self._trans[t][q, b])
+        return tails
 
     # ---- configurations ----------------------------------------------------------------------------
 
@@ -349,21 +369,24 @@ class GrammarIndex:
         whole = -(-self.vocab_size // 8)
         packed = np.zeros(max(width, whole), dtype=np.uint8)
         bits = packed[:whole]  # the width the classes' bits have
-        insides, ids = self._pieces(state)
+        if state == self.start and self._start_bits is not None:
+            bits[:] = self._start_bits
+            return packed
+        insides, ids = self._pieces(self._items[state])
         for inside in insides:
             bits |= inside
         if ids:
             set_bits(packed, np.concatenate(ids))  # in one pass
         return packed
 
-    def _pieces(self, state: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
-        """The allowed tokens from `state` in pieces: (packed bits, arrays of ids). For each item, the tokens
+    def _pieces(self, items) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        """The tokens `items` allow, in pieces: (packed bits, arrays of ids). For each item, the tokens
         that stay inside its terminal (shared per terminal state, terminal_tokens.py), and those leaving it
         mid-token whose suffix the item's continuation takes."""
         insides: list[np.ndarray] = []
         ids: list[np.ndarray] = []
         classes_of: dict[tuple[int, int], object] = {}
-        for t, q, k in self._items[state]:
+        for t, q, k in items:
             classes = classes_of.get((t, q))
             if classes is None:
                 classes = classes_of[t, q] = state_tokens(self.grammar.terminal_names[t], self.grammar.terminals[t],
