@@ -30,6 +30,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict, deque
+from collections.abc import Iterable
 
 import numpy as np
 import torch
@@ -109,11 +110,11 @@ class GrammarIndex:
         queue = deque([(self.start, 0, False)])  # (configuration, bytes from its resume point, past a resume)
         while queue:
             c, depth, resumed = queue.popleft()
-            if c != self.start:  # done above
+            if c != self.start:  # its own pieces are built above
                 if time.monotonic() > end:
                     return
                 self._pieces(self._items[c])
-                self._pieces(self._literal_tails(self._items[c]))
+            self._pieces(self._literal_tails(self._items[c]))
             found = []
             if depth < WARM_BYTES:
                 found += [(target, depth + 1, resumed) for target in set(self._row(c)) if target >= 0]
@@ -124,7 +125,7 @@ class GrammarIndex:
                     seen.add(item[0])
                     queue.append(item)
 
-    def _literal_tails(self, items: tuple) -> list[tuple[int, int, int]]:
+    def _literal_tails(self, items: Iterable[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
         """The items whose terminal state is a literal's (a chain: literal_tokens.literal_rest) moved to
         where WARM_BYTES bytes or fewer of it are left."""
         tails = []
@@ -379,7 +380,7 @@ class GrammarIndex:
             set_bits(packed, np.concatenate(ids))  # in one pass
         return packed
 
-    def _pieces(self, items) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    def _pieces(self, items: Iterable[tuple[int, int, int]]) -> tuple[list[np.ndarray], list[np.ndarray]]:
         """The tokens `items` allow, in pieces: (packed bits, arrays of ids). For each item, the tokens
         that stay inside its terminal (shared per terminal state, terminal_tokens.py), and those leaving it
         mid-token whose suffix the item's continuation takes."""
