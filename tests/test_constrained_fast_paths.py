@@ -15,6 +15,8 @@ from radixlm.core.constrained.grammar_index_cache import prepare_vocab
 from radixlm.core.constrained.literal_tokens import literal_rest
 from radixlm.core.constrained.pda import GrammarIndex
 from radixlm.core.constrained.testing import qwen2_tokenizer, random_walk
+from radixlm.core.engine.options import EngineOptions
+from radixlm.core.errors import InvalidRequestError
 
 SCHEMAS = [
     {"type": "object", "properties": {"customer_id": {"type": "integer", "minimum": 3},
@@ -443,3 +445,10 @@ def test_masks_warmed_at_compile_equal_cold_ones(qwen):
             states = [index.next_state(s, token) for index, s in zip((warm, cold), states)]
             compared += 1
     assert compared > 50
+
+
+def test_warm_seconds_option_is_checked():
+    """The engine option behind GrammarBudget.warm_seconds: 0 turns the warm-up off, a negative time is refused."""
+    assert EngineOptions.from_kwargs({"grammar_warm_seconds": 0}).grammar_warm_seconds == 0.0
+    with pytest.raises(InvalidRequestError, match="grammar_warm_seconds"):
+        EngineOptions.from_kwargs({"grammar_warm_seconds": -0.001})
