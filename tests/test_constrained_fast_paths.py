@@ -10,8 +10,13 @@ import numpy as np
 import pytest
 
 from radixlm.core.constrained import build_constraint, grammar_index_cache, narrow_walk, terminal_tokens
+from radixlm.core.constrained.grammar_compiler import GrammarBudget, compile_grammar
 from radixlm.core.constrained.grammar_index_cache import prepare_vocab
+from radixlm.core.constrained.literal_tokens import literal_rest
+from radixlm.core.constrained.pda import GrammarIndex
 from radixlm.core.constrained.testing import qwen2_tokenizer, random_walk
+from radixlm.core.engine.options import EngineOptions
+from radixlm.core.errors import InvalidRequestError
 
 SCHEMAS = [
     {"type": "object", "properties": {"customer_id": {"type": "integer", "minimum": 3},
@@ -394,3 +399,56 @@ def test_states_read_like_another_equal_a_whole_walk(qwen):
     matched = key[1].walk(b'"fo')
     assert np.flatnonzero(bytes_apart(key[1], 1, matched)).tolist() == [ord('"')]
     assert np.flatnonzero(bytes_apart(tilde, 0, 1)).tolist() == [ord("~")]
+
+
+def _exit_walks_ready(index, state: int, literals_only: bool) -> bool:
+    """Whether every exit walk of `state`'s items (those in a literal, or all) is in `index`'s cache."""
+    names, terminals = index.grammar.terminal_names, index.grammar.terminals
+    for t, q, k in index._items[state]:
+        if literals_only and literal_rest(names[t], terminals[t], q) is None:
+            continue
+        classes = terminal_tokens.state_tokens(names[t], terminals[t], q, index.vocab)
+        if any(e is not None and (e, k) not in index._exits for e in (classes.exits, classes.after_quote)):
+            return False
+    return True
+
+
+def test_masks_warmed_at_compile_equal_cold_ones(qwen):
+    """An index warmed with the compile (GrammarBudget.warm_seconds) has the exit walks of the configuration
+    after `{"` and of a key's value ready before any mask, one without a warm-up budget does not; the start's
+    kept bits equal its pieces joined; both indexes give equal masks along random walks."""
+    vocab = prepare_vocab(qwen)
+    schema = {"type": "object", "properties": {"name": {"type": "string"},
+                                               "tags": {"type": "array", "items": {"type": "string"}}},
+              "additionalProperties": {"type": "boolean"}}
+    grammar = grammar_index_cache.grammar_of("json_schema", schema)
+    warm = GrammarIndex(compile_grammar(grammar, GrammarBudget(warm_seconds=10.0)), vocab)
+    cold = GrammarIndex(compile_grammar(grammar, GrammarBudget(warm_seconds=0.0)), vocab)
+    # Two bytes from the start; where a value resumes; a key literal two bytes before its end (its `":`).
+    for prefix, literals_only in ((b'{"', False), (b'{"name":', False), (b'{"name', True)):
+        ready = []
+        for index in (warm, cold):
+            state = index.start
+            for b in prefix:
+                state = index.byte_successors(state)[b]
+            ready.append(_exit_walks_ready(index, state, literals_only))
+        assert ready == [True, False], prefix
+    kept = warm._walk(warm.start, 4 * -(-vocab.size // 32))  # the start's bits, kept with the compile
+    warm._start_bits = None
+    assert np.array_equal(kept, warm._walk(warm.start, len(kept)))
+    rng = np.random.default_rng(2)
+    compared = 0
+    for _ in range(8):
+        states = [warm.start, cold.start]
+        for token in random_walk(build_constraint("json_schema", schema, qwen), rng, max_tokens=30):
+            assert np.array_equal(warm.mask(states[0], vocab.size).numpy(), cold.mask(states[1], vocab.size).numpy())
+            states = [index.next_state(s, token) for index, s in zip((warm, cold), states)]
+            compared += 1
+    assert compared > 50
+
+
+def test_warm_seconds_option_is_checked():
+    """The engine option behind GrammarBudget.warm_seconds: 0 turns the warm-up off, a negative time is refused."""
+    assert EngineOptions.from_kwargs({"grammar_warm_seconds": 0}).grammar_warm_seconds == 0.0
+    with pytest.raises(InvalidRequestError, match="grammar_warm_seconds"):
+        EngineOptions.from_kwargs({"grammar_warm_seconds": -0.001})

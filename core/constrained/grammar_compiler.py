@@ -32,6 +32,9 @@ class GrammarBudget:
     max_rule_states: int = 200_000  # states of all rule automata together
     # Parser configurations (~1.2 KB each) one shared index holds before new requests get a fresh one.
     max_configs: int = 200_000
+    # Wall-clock seconds a new index spends building the token classes and exit walks of the configurations
+    # a request most likely meets first (GrammarIndex._warm), so its first masks find them ready; 0: none.
+    warm_seconds: float = 0.004
 
 
 DEFAULT_BUDGET = GrammarBudget()

@@ -28,13 +28,16 @@ This object offers the interface FSMConstraint (fsm.py) drives, so both engines 
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
+import time
+from collections import OrderedDict, deque
+from collections.abc import Iterable
 
 import numpy as np
 import torch
 
 from radixlm.core.constrained.counted_string import CountedStringDFA, string_tokens
 from radixlm.core.constrained.grammar_compiler import CompiledGrammar, terminal_tables
+from radixlm.core.constrained.literal_tokens import literal_rest
 from radixlm.core.constrained.masks import MaskCache
 from radixlm.core.constrained.terminal_tokens import Exits, SuffixTree, state_tokens
 from radixlm.core.constrained.vocab import TokenVocab, set_bits, whole_characters
@@ -45,6 +48,7 @@ MAX_FORCED_BYTES = 4096
 MOVES_CACHE_SIZE = 50_000  # item move tables per index (~1 KB each), cleared when full
 FEW_STEPS = 8  # bytes stepped one by one from a configuration before its whole row is built
 EXITS_CACHE_SIZE = 20_000  # exit tokens taken per (terminal state's exits, continuation), cleared when full
+WARM_BYTES = 2  # configurations warmed at compile: up to this many bytes from the start or a resume point
 
 
 class GrammarIndex:
@@ -78,6 +82,7 @@ class GrammarIndex:
         self._spellable = _spellable_bytes(vocab)
         self.spells_every_byte = bool(self._spellable.all())
         self.start = self._intern(self._follow(self._cont(grammar.start, 0, -1)))
+        self._start_bits: np.ndarray | None = None
         if any(isinstance(t, CountedStringDFA) for t in grammar.terminals):
             # The vocabulary read as string content, once per process (~0.5 s): here, where constraints
             # are built (off the scheduler loop), rather than at the first mask.
@@ -86,7 +91,52 @@ class GrammarIndex:
         # Every output begins at the start configuration, so its token classes and exit walks are built
         # here, with the compile (off the decode loop), not in the first request's first mask: that mask
         # was the largest piece of the corpus's mask tail (round 12 in docs/benchmarks.md).
-        self._walk(self.start)
+        # Its bits are kept too (19 KB for a 152k vocabulary): the union of an any-value start's pieces costs
+        # ~0.1 ms, in every new schema's first mask.
+        self._start_bits = self._walk(self.start)
+        self._warm(grammar.budget.warm_seconds)
+
+    def _warm(self, seconds: float) -> None:
+        """The token classes and exit walks of the configurations a request most likely meets in its first
+        masks, built here with the compile until `seconds` (wall clock) are spent, breadth first: those one
+        and two bytes from the start (most outputs' first token is `{"`, `[` or `"`), then where each of
+        their items' continuations resumes (a key's value, what follows a value or a key) and one and two
+        bytes from there; and with each, its literals' last two states (a key's `":` and `:`, where a
+        tokenizer most often splits: `{"name` then `":`). Work the first masks of every new schema did
+        fresh, the bulk of the mask tail (round 16 in docs/benchmarks.md); a state or walk a request never
+        meets costs only compile time."""
+        end = time.monotonic() + seconds
+        seen = {self.start}
+        queue = deque([(self.start, 0, False)])  # (configuration, bytes from its resume point, past a resume)
+        while queue:
+            c, depth, resumed = queue.popleft()
+            if c != self.start:  # its own pieces are built above
+                if time.monotonic() > end:
+                    return
+                self._pieces(self._items[c])
+            self._pieces(self._literal_tails(self._items[c]))
+            found = []
+            if depth < WARM_BYTES:
+                found += [(target, depth + 1, resumed) for target in set(self._row(c)) if target >= 0]
+            if not resumed:
+                found += [(self._intern(self._follow(k)), 0, True) for k in {k for _, _, k in self._items[c]} if k >= 0]
+            for item in found:
+                if item[0] not in seen:
+                    seen.add(item[0])
+                    queue.append(item)
+
+    def _literal_tails(self, items: Iterable[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
+        """The items whose terminal state is a literal's (a chain: literal_tokens.literal_rest) moved to
+        where WARM_BYTES bytes or fewer of it are left."""
+        tails = []
+        for t, q, k in items:
+            dfa = self.grammar.terminals[t]
+            rest = None if isinstance(dfa, CountedStringDFA) else literal_rest(self.grammar.terminal_names[t], dfa, q)
+            for n, b in enumerate(rest or b""):
+                if len(rest) - n <= WARM_BYTES:
+                    tails.append((t, q, k))
+                q = int(self._trans[t][q, b])
+        return tails
 
     # ---- configurations ----------------------------------------------------------------------------
 
@@ -316,15 +366,28 @@ class GrammarIndex:
         return allowed
 
     def _walk(self, state: int, width: int = 0) -> np.ndarray:
-        """Packed bits [max(width, ceil(vocab / 8))]: the tokens whose bytes all lead somewhere from `state`:
-        for each item, the tokens that stay inside its terminal (shared per terminal state,
-        terminal_tokens.py), and those leaving it mid-token whose suffix the item's continuation takes."""
+        """Packed bits [max(width, ceil(vocab / 8))]: the tokens whose bytes all lead somewhere from `state`."""
         whole = -(-self.vocab_size // 8)
         packed = np.zeros(max(width, whole), dtype=np.uint8)
         bits = packed[:whole]  # the width the classes' bits have
-        ids: list[np.ndarray] = []  # set at the end, in one pass
+        if state == self.start and self._start_bits is not None:
+            bits[:] = self._start_bits
+            return packed
+        insides, ids = self._pieces(self._items[state])
+        for inside in insides:
+            bits |= inside
+        if ids:
+            set_bits(packed, np.concatenate(ids))  # in one pass
+        return packed
+
+    def _pieces(self, items: Iterable[tuple[int, int, int]]) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        """The tokens `items` allow, in pieces: (packed bits, arrays of ids). For each item, the tokens
+        that stay inside its terminal (shared per terminal state, terminal_tokens.py), and those leaving it
+        mid-token whose suffix the item's continuation takes."""
+        insides: list[np.ndarray] = []
+        ids: list[np.ndarray] = []
         classes_of: dict[tuple[int, int], object] = {}
-        for t, q, k in self._items[state]:
+        for t, q, k in items:
             classes = classes_of.get((t, q))
             if classes is None:
                 classes = classes_of[t, q] = state_tokens(self.grammar.terminal_names[t], self.grammar.terminals[t],
@@ -332,7 +395,7 @@ class GrammarIndex:
                 if classes.inside is None:
                     ids.append(classes.inside_ids)
                 else:
-                    bits |= classes.inside
+                    insides.append(classes.inside)
             if classes.exits is not None:
                 ids.append(self._exits_taken(classes.exits, k))
             if classes.closing is not None and classes.after_quote is not None:
@@ -340,9 +403,7 @@ class GrammarIndex:
                 # from where k resumes: those taken by k (a few hundred ids) that close within its bounds.
                 taken = self._exits_taken(classes.after_quote, k)
                 ids.append(taken[((classes.closing[taken >> 3] >> (taken & 7)) & 1).astype(bool)])
-        if ids:
-            set_bits(packed, np.concatenate(ids))
-        return packed
+        return insides, ids
 
     def _exits_taken(self, exits: Exits, k: int) -> np.ndarray:
         """Ids of the tokens among `exits` whose suffix leads somewhere from where continuation k resumes

@@ -415,7 +415,8 @@ class FrontEnd:
         from radixlm.core.constrained import GrammarBudget, build_constraint
 
         budget = GrammarBudget(max_compile_seconds=self.options.grammar_max_compile_seconds,
-                               max_configs=self.options.grammar_max_configs)
+                               max_configs=self.options.grammar_max_configs,
+                               warm_seconds=self.options.grammar_warm_seconds)
         for spec in dict.fromkeys(r.constraint for r in reqs if r.constraint is not None):
             try:
                 build_constraint(spec.kind, spec.value(), self.tokenizer, eos_token_ids=self.eos_token_ids,

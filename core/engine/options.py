@@ -123,6 +123,10 @@ class EngineOptions:
     grammar_max_configs: int = option(
         200_000, "parser configurations (about 1.2 KB each) a schema's shared tables hold before new "
         "requests get fresh ones")
+    grammar_warm_seconds: float = option(
+        0.004, "wall-clock seconds a new constraint's compile spends building the token classes and exit walks "
+        "of the parser configurations its first masks most likely need (radixlm backend; 0: none, they are "
+        "built by those masks)")
     gc_freeze: bool = option(
         True, "once the engine has started (and again when the vocabulary's grammar tables are built), move the "
         "objects alive then out of Python's garbage collector's generations (gc.freeze; undone at shutdown): a full "
@@ -235,6 +239,8 @@ class EngineOptions:
             self.chunked_prefill_size = -1
         elif self.chunked_prefill_size < 1:
             raise InvalidRequestError("chunked_prefill_size must be positive or -1", "chunked_prefill_size")
+        if self.grammar_warm_seconds < 0:
+            raise InvalidRequestError("grammar_warm_seconds must be >= 0 (0: no warm-up)", "grammar_warm_seconds")
         if self.hicache_size_gb < 0:
             raise InvalidRequestError("hicache_size_gb must be >= 0 (0: no host tier)", "hicache_size_gb")
         if self.enable_overlap_schedule and self.tp_size > 1:

@@ -84,7 +84,8 @@ class Scheduler:
         self.publish_interval: float | None = None
         self._published_at = 0.0
         self._budget = GrammarBudget(max_compile_seconds=opts.grammar_max_compile_seconds,
-                                     max_configs=opts.grammar_max_configs)
+                                     max_configs=opts.grammar_max_configs,
+                                     warm_seconds=opts.grammar_warm_seconds)
         self.gc_pauses = gc_heap.watch(opts.gc_warning_threshold_ms)
         if opts.json_schema_documents:  # in this process too (the loop may run in its own)
             from radixlm.core.constrained.schema_refs import register_documents  # imports `referencing`
