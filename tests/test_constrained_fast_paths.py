@@ -401,12 +401,10 @@ def test_states_read_like_another_equal_a_whole_walk(qwen):
     assert np.flatnonzero(bytes_apart(tilde, 0, 1)).tolist() == [ord("~")]
 
 
-def _exit_walks_ready(index, state: int, literals_only: bool) -> bool:
-    """Whether every exit walk of `state`'s items (those in a literal, or all) is in `index`'s cache."""
+def _exit_walks_ready(index, state: int) -> bool:
+    """Whether every exit walk of `state`'s items is in `index`'s cache."""
     names, terminals = index.grammar.terminal_names, index.grammar.terminals
     for t, q, k in index._items[state]:
-        if literals_only and literal_rest(names[t], terminals[t], q) is None:
-            continue
         classes = terminal_tokens.state_tokens(names[t], terminals[t], q, index.vocab)
         if any(e is not None and (e, k) not in index._exits for e in (classes.exits, classes.after_quote)):
             return False
@@ -415,8 +413,9 @@ def _exit_walks_ready(index, state: int, literals_only: bool) -> bool:
 
 def test_masks_warmed_at_compile_equal_cold_ones(qwen):
     """An index warmed with the compile (GrammarBudget.warm_seconds) has the exit walks of the configuration
-    after `{"` and of a key's value ready before any mask, one without a warm-up budget does not; the start's
-    kept bits equal its pieces joined; both indexes give equal masks along random walks."""
+    after `{"`, of a key's value and of a key two bytes before its end (the literal and the key terminal
+    excluding that name, moved along it) ready before any mask, one without a warm-up budget does not; the
+    start's kept bits equal its pieces joined; both indexes give equal masks along random walks."""
     vocab = prepare_vocab(qwen)
     schema = {"type": "object", "properties": {"name": {"type": "string"},
                                                "tags": {"type": "array", "items": {"type": "string"}}},
@@ -424,14 +423,16 @@ def test_masks_warmed_at_compile_equal_cold_ones(qwen):
     grammar = grammar_index_cache.grammar_of("json_schema", schema)
     warm = GrammarIndex(compile_grammar(grammar, GrammarBudget(warm_seconds=10.0)), vocab)
     cold = GrammarIndex(compile_grammar(grammar, GrammarBudget(warm_seconds=0.0)), vocab)
-    # Two bytes from the start; where a value resumes; a key literal two bytes before its end (its `":`).
-    for prefix, literals_only in ((b'{"', False), (b'{"name":', False), (b'{"name', True)):
+    # Two bytes from the start; where a value resumes; a key two bytes before its end (its `":`), where the
+    # additional key terminal is past the name's letters.
+    for prefix, items in ((b'{"', 0), (b'{"name":', 0), (b'{"name', 2), (b'{"name"', 1)):
         ready = []
         for index in (warm, cold):
             state = index.start
             for b in prefix:
                 state = index.byte_successors(state)[b]
-            ready.append(_exit_walks_ready(index, state, literals_only))
+            assert len(index._items[state]) >= items
+            ready.append(_exit_walks_ready(index, state))
         assert ready == [True, False], prefix
     kept = warm._walk(warm.start, 4 * -(-vocab.size // 32))  # the start's bits, kept with the compile
     warm._start_bits = None

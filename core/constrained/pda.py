@@ -106,7 +106,7 @@ class GrammarIndex:
         fresh, the bulk of the mask tail (round 16 in docs/benchmarks.md); a state or walk a request never
         meets costs only compile time."""
         end = time.monotonic() + seconds
-        seen = {self.start}
+        seen, tails_seen = {self.start}, set()
         queue = deque([(self.start, 0, False)])  # (configuration, bytes from its resume point, past a resume)
         while queue:
             c, depth, resumed = queue.popleft()
@@ -114,7 +114,12 @@ class GrammarIndex:
                 if time.monotonic() > end:
                     return
                 self._pieces(self._items[c])
-            self._pieces(self._literal_tails(self._items[c]))
+            for tail in self._literal_tails(c):
+                if tail not in tails_seen:
+                    if time.monotonic() > end:
+                        return
+                    tails_seen.add(tail)
+                    self._pieces(self._items[tail])
             found = []
             if depth < WARM_BYTES:
                 found += [(target, depth + 1, resumed) for target in set(self._row(c)) if target >= 0]
@@ -125,17 +130,21 @@ class GrammarIndex:
                     seen.add(item[0])
                     queue.append(item)
 
-    def _literal_tails(self, items: Iterable[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
-        """The items whose terminal state is a literal's (a chain: literal_tokens.literal_rest) moved to
-        where WARM_BYTES bytes or fewer of it are left."""
+    def _literal_tails(self, c: int) -> list[int]:
+        """The configurations that configuration c reaches along the rest of each of its literals (a key's
+        name) where WARM_BYTES bytes or fewer of it are left: every item that reads along moves too (a key
+        terminal excluding that name, other names with the same prefix), as a request meets them."""
         tails = []
-        for t, q, k in items:
+        for t, q, _ in self._items[c]:
             dfa = self.grammar.terminals[t]
             rest = None if isinstance(dfa, CountedStringDFA) else literal_rest(self.grammar.terminal_names[t], dfa, q)
-            for n, b in enumerate(rest or b""):
-                if len(rest) - n <= WARM_BYTES:
-                    tails.append((t, q, k))
-                q = int(self._trans[t][q, b])
+            s = c
+            for n, b in enumerate((rest or b"")[:-1]):  # not past its end: there its continuation resumes
+                s = self._step(s, b)
+                if s < 0:
+                    break
+                if len(rest) - n - 1 <= WARM_BYTES:
+                    tails.append(s)
         return tails
 
     # ---- configurations ----------------------------------------------------------------------------
