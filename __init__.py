@@ -14,7 +14,7 @@ def __getattr__(name: str) -> Any:
         from radixlm.core.engine.engine import Engine
 
         return Engine
-    # `from radixlm import kernels` asks here before importing the submodule: not the frontend for that.
+    # `from radixlm import server` asks here before importing the submodule: not the frontend for that.
     if not name.startswith("__") and importlib.util.find_spec(f"radixlm.{name}") is None:
         import radixlm.adapters.native as native
 

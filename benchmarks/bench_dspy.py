@@ -41,7 +41,8 @@ import uvicorn  # noqa: E402
 
 import radixlm  # noqa: E402
 from radixlm.adapters.dspy import SGLangLM, chat_regex  # noqa: E402
-from radixlm.server import ServerArgs, create_app  # noqa: E402
+from radixlm.server.app import create_app  # noqa: E402
+from radixlm.server.args import ServerArgs  # noqa: E402
 from machine_info import cpu_name  # noqa: E402
 
 DEMOS = [

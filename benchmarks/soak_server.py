@@ -30,7 +30,8 @@ import httpx
 import uvicorn
 
 import radixlm
-from radixlm.server import ServerArgs, create_app
+from radixlm.server.app import create_app
+from radixlm.server.args import ServerArgs
 
 HOSTILE = [
     b'{"text": "x", "sampling_params": {"temperature": Infinity}}',

@@ -2,6 +2,6 @@
 
 import sys
 
-from radixlm.cli import main
+from radixlm.server.cli import main
 
 sys.exit(main(["serve", *sys.argv[1:]]))

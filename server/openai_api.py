@@ -24,7 +24,7 @@ from radixlm.core.engine.frontend import branch_dicts
 from radixlm.core.openai_output import (TokenText, chat_logprobs, completion_logprobs, finish_reason, tool_call,
                                         usage)
 from radixlm.core.engine.sampling_params import SamplingParams
-from radixlm.server import tools as toolcalls
+import radixlm.server.tools as toolcalls
 from radixlm.server.body import parse_body
 from radixlm.server.errors import APIError, bad_request, error_body
 from radixlm.server.generation import (Branch, EngineClient, EventStreamResponse, MergedStream, as_list,

@@ -20,7 +20,8 @@ import httpx
 import uvicorn
 
 from radixlm import Engine
-from radixlm.server import ServerArgs, create_app
+from radixlm.server.app import create_app
+from radixlm.server.args import ServerArgs
 
 
 class LiveServer:

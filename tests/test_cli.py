@@ -18,16 +18,18 @@ import httpx
 import pytest
 from starlette.testclient import TestClient
 
-from radixlm import Engine, cli
+from radixlm import Engine
+from radixlm.server import cli
 from radixlm.core.engine.options import EngineOptions
 from radixlm.core.testing import tiny_model_path
-from radixlm.server import ServerArgs, create_app
+from radixlm.server.app import create_app
+from radixlm.server.args import ServerArgs
 from server_harness import ServerProcess, shared_server
 
 
 def run_cli(*args: str, timeout: float = 60) -> tuple[subprocess.CompletedProcess, float]:
     start = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "radixlm.cli", *args], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-m", "radixlm.server.cli", *args], capture_output=True, text=True,
                           timeout=timeout)
     return proc, time.monotonic() - start
 
@@ -148,7 +150,7 @@ def test_cors_preflight(llama_ckpt):
 
 def test_docs_table_is_generated_from_the_options():
     docs = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "server.md").read_text()
-    assert cli.options_table() in docs, "regenerate docs/server.md's flag table with radixlm.cli.options_table()"
+    assert cli.options_table() in docs, "regenerate docs/server.md's flag table with radixlm.server.cli.options_table()"
 
 
 def test_serve_https_root_path_api_key_and_request_log(tmp_path):

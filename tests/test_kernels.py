@@ -23,7 +23,7 @@ pytest.importorskip("triton")
 
 from paged_kv import PagedBatch  # noqa: E402
 
-from radixlm import kernels  # noqa: E402
+from radixlm.kernels import registry as kernels  # noqa: E402
 from radixlm.core.layers.attention_backend import AttentionBackend  # noqa: E402
 from radixlm.core.layers.forward_batch import ForwardBatch  # noqa: E402
 from radixlm.core.models.config import ModelConfig  # noqa: E402

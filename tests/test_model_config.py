@@ -98,7 +98,7 @@ def test_registry_places_every_checkpoint_weight(arch):
     parameter, and every parameter of ours gets a weight."""
     import transformers
 
-    from radixlm import kernels
+    from radixlm.kernels import cpu as cpu_ops
     from radixlm.core.models.registry import model_spec
 
     shape = {**SHAPE, "num_key_value_heads": 2}
@@ -107,7 +107,7 @@ def test_registry_places_every_checkpoint_weight(arch):
     cfg = ModelConfig.from_hf_dict({"architectures": [arch], **shape}, eos=None)
     spec = model_spec(arch)
     with torch.device("meta"):
-        params = dict(spec.model_class(cfg, kernels.cpu).named_parameters())
+        params = dict(spec.model_class(cfg, cpu_ops).named_parameters())
     blocks: dict[str, list[slice]] = {}
     for name, weight in hf.state_dict().items():
         ours, block = spec.parameter_for(name)

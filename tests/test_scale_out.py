@@ -131,7 +131,7 @@ def test_scale_out_options_are_checked_before_anything_starts(llama_ckpt: str) -
 
 
 def test_serve_has_scale_out_flags(capsys: pytest.CaptureFixture) -> None:
-    from radixlm.cli import main
+    from radixlm.server.cli import main
 
     with pytest.raises(SystemExit):
         main(["serve", "--help"])

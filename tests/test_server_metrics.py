@@ -11,7 +11,8 @@ from openai import OpenAI
 from prometheus_client.parser import text_string_to_metric_families
 from starlette.testclient import TestClient
 
-from radixlm.server import ServerArgs, create_app
+from radixlm.server.app import create_app
+from radixlm.server.args import ServerArgs
 from server_harness import shared_server, wait_idle
 
 # Every series the issue asks for, by family name (prometheus_client drops a counter's _total suffix).

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from server_harness import render_chat, shared_server
-from radixlm.server import tools as toolcalls
+import radixlm.server.tools as toolcalls
 from radixlm.server.openai_protocol import Tool
 
 MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a colour."}]

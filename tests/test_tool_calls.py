@@ -22,7 +22,7 @@ from radixlm.core.constrained import build_constraint
 from radixlm.core.constrained.testing import random_walk
 from radixlm.core.openai_output import tool_call
 from radixlm.core.tool_calls import Call, call_array_schema, find_calls, parse_call_array
-from radixlm.server import tools as server_tools
+import radixlm.server.tools as server_tools
 from radixlm.server.openai_protocol import Tool
 
 PARAMETERS = {

@@ -10,7 +10,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
-from radixlm.kernels import get_ops
+from radixlm.kernels.registry import get_ops
 
 
 class MaskCache:

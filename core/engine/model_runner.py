@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from radixlm import kernels
+from radixlm.kernels import registry as kernels
 from radixlm.core.engine.memory_pool import KVPool, ReqToTokenPool, host_int64
 from radixlm.core.engine.options import EngineOptions
 from radixlm.core.layers.attention_backend import AttentionBackend

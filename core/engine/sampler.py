@@ -12,7 +12,7 @@ import torch
 
 from radixlm.core.constrained.masks import apply_token_masks
 from radixlm.core.engine.request import Req
-from radixlm.kernels import get_ops
+from radixlm.kernels.registry import get_ops
 
 
 _ARGMAX_CHUNKS = 64

@@ -14,7 +14,7 @@ from types import ModuleType
 import torch
 from torch import nn
 
-from radixlm import kernels
+from radixlm.kernels.reference import GEMV_MAX_ROWS
 from radixlm.core.layers.forward_batch import ForwardBatch, ImageBatch
 from radixlm.core.models.config import ModelConfig
 
@@ -136,8 +136,8 @@ class LlamaForCausalLM(nn.Module):
         """Forwards of at most `max_rows` tokens (decode) run each layer's projections as the kernel set's
         fused GEMVs (0: never). False, changing nothing, where the set lacks them (the CPU set) or a
         projection is not a plain nn.Linear (tensor-parallel shards, quantized layers)."""
-        if max_rows > kernels.GEMV_MAX_ROWS:
-            raise ValueError(f"fused GEMV rows must be at most {kernels.GEMV_MAX_ROWS} (got {max_rows})")
+        if max_rows > GEMV_MAX_ROWS:
+            raise ValueError(f"fused GEMV rows must be at most {GEMV_MAX_ROWS} (got {max_rows})")
         ops = self.layers[0].ops
         projections = [self.lm_head] + [p for layer in self.layers for p in (
             layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)]

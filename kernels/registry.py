@@ -1,4 +1,5 @@
-"""radixlm.kernels: Triton kernels, each with a pure-torch reference twin (kernels.reference).
+"""Which kernel set a device gets. Triton kernels live in kernels.triton, each with a pure-torch reference
+twin in kernels.reference.
 
 `get_ops(device)` returns the kernel set for a device; every set has the same function names and
 signatures (OP_NAMES), so the engine never asks which one it holds. CUDA devices get the Triton set
@@ -16,7 +17,6 @@ from types import ModuleType
 import torch
 
 from radixlm.kernels import cpu
-from radixlm.kernels.reference import GEMV_MAX_ROWS  # noqa: F401  (part of this package's interface)
 
 OP_NAMES = (
     "apply_rotary",
