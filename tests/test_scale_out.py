@@ -17,9 +17,10 @@ import pytest
 import torch.distributed
 
 import radixlm
-from radixlm.core.engine.dp_router import DataParallelRouter, MetaRadixTree
+from radixlm.core.engine.dp_router import DataParallelRouter
 from radixlm.core.engine.messages import Abort, FinishReason, GenerateOutput, GenerateRequest
 from radixlm.core.engine.options import EngineOptions
+from radixlm.core.engine.prefix_routing import MetaRadixTree, PrefixRouter
 from radixlm.core.engine.sampling_params import SamplingParams
 from radixlm.core.errors import InvalidRequestError, UnsupportedModelError
 from radixlm.core.testing import build_checkpoint
@@ -148,7 +149,7 @@ def _random_seq(rng: random.Random) -> list[int]:
 
 def test_meta_tree_matches_brute_force() -> None:
     rng = random.Random(0)
-    tree = MetaRadixTree(3, [10**9] * 3)
+    tree = MetaRadixTree(dict.fromkeys(range(3), 10**9))
     held: list[list[list[int]]] = [[], [], []]
     for _ in range(400):
         seq, worker = _random_seq(rng), rng.randrange(3)
@@ -156,8 +157,8 @@ def test_meta_tree_matches_brute_force() -> None:
         held[worker].append(seq)
         query = _random_seq(rng)
         expected = [max((_lcp(query, s) for s in seqs), default=0) for seqs in held]
-        assert tree.match(query) == expected
-        assert tree.sizes == [_held_tokens(tree, w) for w in range(3)]
+        assert tree.match(query) == dict(enumerate(expected))
+        assert tree.sizes == {w: _held_tokens(tree, w) for w in range(3)}
 
 
 def _held_tokens(tree: MetaRadixTree, worker: int) -> int:
@@ -166,18 +167,57 @@ def _held_tokens(tree: MetaRadixTree, worker: int) -> int:
 
 def test_meta_tree_eviction_stays_within_capacity_and_keeps_recent() -> None:
     rng = random.Random(1)
-    tree = MetaRadixTree(2, [40, 24])
+    tree = MetaRadixTree({0: 40, 1: 24})
     held: list[list[list[int]]] = [[], []]
     for _ in range(300):
         seq, worker = _random_seq(rng), rng.randrange(2)
         tree.insert(seq, worker)
         held[worker].append(seq)
         assert tree.sizes[worker] <= tree.capacity[worker]
-        assert tree.sizes == [_held_tokens(tree, w) for w in range(2)]
+        assert tree.sizes == {w: _held_tokens(tree, w) for w in range(2)}
         assert tree.match(seq)[worker] == len(seq)  # the newest sequence is never the one evicted
         query = _random_seq(rng)
         brute = [max((_lcp(query, s) for s in seqs), default=0) for seqs in held]
-        assert all(m <= b for m, b in zip(tree.match(query), brute))  # the tree only forgets
+        assert all(m <= b for m, b in zip(tree.match(query).values(), brute))  # the tree only forgets
+
+
+def test_meta_tree_workers_join_and_leave_at_run_time() -> None:
+    """The HTTP router's replicas come and go: a removed worker's marks vanish (nodes held by it alone
+    with them), a worker added later starts empty, and the others' matches stay as brute force says."""
+    rng = random.Random(3)
+    tree = MetaRadixTree(dict.fromkeys("ab", 10**9))
+    held: dict[str, list[list[int]]] = {"a": [], "b": []}
+    for step in range(300):
+        if step % 50 == 25:
+            gone = rng.choice(sorted(held))
+            tree.remove_worker(gone)
+            del held[gone]
+            new = f"w{step}"
+            tree.add_worker(new, 10**9)
+            held[new] = []
+        seq, worker = _random_seq(rng), rng.choice(sorted(held))
+        tree.insert(seq, worker)
+        held[worker].append(seq)
+        query = _random_seq(rng)
+        assert tree.match(query) == {w: max((_lcp(query, s) for s in seqs), default=0) for w, seqs in held.items()}
+        assert tree.sizes == {w: _held_tokens(tree, w) for w in held}
+        assert all(n.workers for n in tree._nodes())  # no node left without a holder
+
+
+def test_prefix_router_routes_only_among_the_given_workers() -> None:
+    policy = PrefixRouter()
+    for w in ("x", "y", "z"):
+        policy.add_worker(w, 1000)
+    assert policy.route([1, 2, 3]) == ("x", 0)
+    assert policy.route([1, 2, 3, 4]) == ("x", 3)  # the prefix holder
+    assert policy.route([1, 2, 3, 4], among=["y", "z"]) == ("y", 0)  # x failed or was tried already
+    policy.finish("x")
+    assert policy.loads == {"x": 1, "y": 1, "z": 0}
+    policy.remove_worker("x")
+    policy.finish("x")  # a request of a removed worker ends: nothing to count
+    assert policy.route([1, 2, 3, 4]) == ("y", 4)
+    with pytest.raises(LookupError):
+        policy.route([1], among=[])
 
 
 # ---- the router -------------------------------------------------------------------------------------
