@@ -1,4 +1,5 @@
-"""The `radixlm` command. Subcommands: `serve` (the HTTP server); more can be added to _COMMANDS.
+"""The `radixlm` command. Subcommands: `serve` (the HTTP server) and `router` (a cache-aware HTTP front over
+several servers, server/router); more can be added to _COMMANDS.
 
 `serve`'s flags are generated from the option dataclasses (ServerArgs and EngineOptions): each field's
 help text, choices and aliases are its documentation, so the two cannot drift apart. SGLang's names
@@ -149,8 +150,42 @@ def _run_serve(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _router_parser(sub: Any) -> argparse.ArgumentParser:
+    from radixlm.server.router.args import RouterArgs
+
+    p = sub.add_parser("router", help="route requests over several `radixlm serve` replicas by cached prefix",
+                       description="An HTTP front over `radixlm serve` replicas (the same endpoints): each "
+                                   "request goes to the replica most likely to hold its prefix in cache, "
+                                   "within a load bound; unhealthy replicas are taken out, replicas join and "
+                                   "leave at run time (docs/scale_out.md).")
+    p.add_argument("--version", action="version", version=_version())
+    _add_option_flags(p.add_argument_group("router options"), RouterArgs)
+    return p
+
+
+def _run_router(ns: argparse.Namespace) -> int:
+    from radixlm.server.router.args import RouterArgs
+    from radixlm.server.router.replicas import normalize_url
+
+    args = RouterArgs(**{k: v for k, v in vars(ns).items() if k != "command"})
+    _check_port(args.host, args.port)
+    try:
+        args.worker_urls = [normalize_url(u) for u in args.worker_urls or []]
+    except ValueError as exc:
+        raise UsageError(f"--worker-urls: {exc}") from None
+    if args.worker_urls_file is not None and not os.path.isfile(args.worker_urls_file):
+        raise UsageError(f"--worker-urls-file {args.worker_urls_file!r}: no such file")
+    if args.worker_dns is not None and not args.worker_dns.rpartition(":")[2].isdigit():
+        raise UsageError(f"--worker-dns {args.worker_dns!r}: expected NAME:PORT")
+    from radixlm.server.router.launch import serve_router
+
+    serve_router(args)
+    return 0
+
+
 _COMMANDS: dict[str, tuple[Callable[[Any], argparse.ArgumentParser], Callable[[argparse.Namespace], int]]] = {
     "serve": (_serve_parser, _run_serve),
+    "router": (_router_parser, _run_router),
 }
 
 
