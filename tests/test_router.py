@@ -115,7 +115,8 @@ def test_greedy_outputs_through_the_router_equal_a_replica_called_directly(clust
     via_stream = httpx.post(router + "/v1/chat/completions", json=chat, timeout=120)
     direct_stream = httpx.post(a + "/v1/chat/completions", json=chat, timeout=120)
     assert via_stream.headers["content-type"] == direct_stream.headers["content-type"]
-    (via_parts, via_lines), (direct_parts, direct_lines) = _sse_contents(via_stream.text), _sse_contents(direct_stream.text)
+    via_parts, via_lines = _sse_contents(via_stream.text)
+    direct_parts, direct_lines = _sse_contents(direct_stream.text)
     assert via_parts == direct_parts and "".join(via_parts)  # chunk by chunk, not only the joined text
     assert via_lines[-1] == direct_lines[-1] == "data: [DONE]"
 

@@ -175,8 +175,9 @@ class Router:
         return JSONResponse({"url": url, "removed": True})
 
     async def list_workers(self, request: Request) -> Response:
-        replicas = [{"url": r.url, "healthy": r.healthy, "source": r.source, "in_flight": self.policy.loads.get(r.url, 0),
-                     "kv_capacity_tokens": r.capacity, "requests_total": r.requests_total}
+        replicas = [{"url": r.url, "healthy": r.healthy, "source": r.source,
+                     "in_flight": self.policy.loads.get(r.url, 0), "kv_capacity_tokens": r.capacity,
+                     "requests_total": r.requests_total}
                     for r in self.replicas.replicas.values()]
         return JSONResponse({"urls": [r["url"] for r in replicas], "replicas": replicas})
 

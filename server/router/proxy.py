@@ -35,7 +35,8 @@ T = TypeVar("T")
 
 # Not passed on in either direction (RFC 9110 hop-by-hop fields, and what httpx or starlette set).
 _DROPPED_HEADERS = {"host", "content-length", "connection", "keep-alive", "transfer-encoding", "te", "trailer",
-                    "upgrade", "proxy-authorization", "proxy-connection", "accept-encoding", "content-encoding", "date", "server"}
+                    "upgrade", "proxy-authorization", "proxy-connection", "accept-encoding", "content-encoding",
+                    "date", "server"}
 _RESPONSE_ID = re.compile(rb'"id"\s*:\s*"(resp_[0-9A-Za-z_-]+)"')
 _MAX_STICKY = 100_000  # /v1/responses ids remembered (their replica holds the stored conversation)
 
