@@ -143,6 +143,11 @@ def _run_serve(ns: argparse.Namespace) -> int:
 
         run_launched_rank(model_path, **options)
         return 0
+    if options.get("node_rank", 0) > 0:  # machines 1.. of --nnodes run their ranks only (docs/scale_out.md)
+        from radixlm.core.engine.tp_worker import run_node
+
+        run_node(model_path, **options)
+        return 0
     _preflight(model_path, server, options)
     from radixlm.server.launch import serve
 

@@ -8,6 +8,7 @@ import json
 import os
 import queue
 import random
+import socket
 import subprocess
 import sys
 import threading
@@ -120,6 +121,39 @@ def test_tp2_under_torchrun_matches_tp1(mistral_ckpt: str, tmp_path) -> None:
         lp = [x[0] for x in o["meta_info"]["output_token_logprobs"]]
         assert lp == pytest.approx([x[0] for x in r["meta_info"]["output_token_logprobs"]], abs=1e-4)
     assert result["free"] == result["total"]
+
+
+def test_tp4_over_two_nodes_with_sglang_flags_matches_tp1(mistral_ckpt: str) -> None:
+    """SGLang's --nnodes / --node-rank / --dist-init-addr on one machine over gloo: "node" 0 is this
+    process's Engine with its spawned rank 1, "node" 1 is `radixlm serve --node-rank 1` in another
+    process with its ranks 2 (there) and 3 (spawned); all four meet at dist_init_addr. 8 query heads and 2
+    KV heads over 4 ranks: each KV head is replicated on two ranks, on different "nodes"."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    nodes = {"tp_size": 4, "nnodes": 2, "dist_init_addr": f"127.0.0.1:{port}"}
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in {**ENGINE, **nodes, "node_rank": 1}.items()]
+    node1 = subprocess.Popen([sys.executable, "-m", "radixlm.server.cli", "serve", "--model-path", mistral_ckpt,
+                              *flags], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        got, stats = _two_waves(mistral_ckpt, node_rank=0, **nodes)
+        out, _ = node1.communicate(timeout=120)  # machine 1 returns once machine 0 shut down
+        assert node1.returncode == 0, out[-3000:]
+    finally:
+        node1.kill()
+    ref, _ = _two_waves(mistral_ckpt)
+    _assert_same_greedy_run(got, ref)
+    assert stats["kv_slots_free"] == stats["kv_slots_total"] == ENGINE["max_total_tokens"]
+
+
+def test_multi_node_options_are_checked() -> None:
+    for bad, param in (({"tp_size": 2, "nnodes": 2}, "dist_init_addr"),
+                       ({"tp_size": 3, "nnodes": 2, "dist_init_addr": "h:1"}, "nnodes"),
+                       ({"tp_size": 2, "nnodes": 2, "node_rank": 2, "dist_init_addr": "h:1"}, "node_rank"),
+                       ({"tp_size": 2, "nnodes": 2, "dist_init_addr": "h:99999"}, "dist_init_addr")):
+        with pytest.raises(InvalidRequestError) as err:
+            EngineOptions.from_kwargs(bad)
+        assert err.value.param == param
 
 
 def test_scale_out_options_are_checked_before_anything_starts(llama_ckpt: str) -> None:

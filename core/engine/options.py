@@ -178,6 +178,11 @@ class EngineOptions:
                           aliases=("--tensor-parallel-size", "-tp"))
     dp_size: int = option(1, "data-parallel engine workers behind one cache-aware router (docs/scale_out.md)",
                           aliases=("--data-parallel-size", "-dp"))
+    nnodes: int = option(1, "machines the tensor-parallel ranks span, tp_size / nnodes ranks on each; every "
+                         "machine runs the same command with its own --node-rank (docs/scale_out.md)")
+    node_rank: int = option(0, "this machine's index among --nnodes: 0 serves HTTP, the others run their ranks")
+    dist_init_addr: str | None = option(None, "HOST:PORT on machine 0 where the ranks of all machines meet (needed "
+                                        "with --nnodes > 1; the port must be free there and reachable)")
     scheduler_process: bool = option(False, "run the scheduler loop (model, KV pool, radix cache) in its own "
                                      "process; the front end talks to it through messages only (docs/engine.md)")
 
@@ -190,6 +195,20 @@ class EngineOptions:
         opts = cls(**kwargs)
         opts._resolve()
         return opts
+
+    def _check_nodes(self) -> None:
+        if not 0 <= self.node_rank < self.nnodes:
+            raise InvalidRequestError(f"node_rank must be in [0, nnodes) (got {self.node_rank}, nnodes "
+                                      f"{self.nnodes})", "node_rank")
+        if self.nnodes == 1:
+            return
+        if self.tp_size % self.nnodes:
+            raise InvalidRequestError(f"tp_size ({self.tp_size}) must be a multiple of nnodes ({self.nnodes})",
+                                      "nnodes")
+        host, _, port = (self.dist_init_addr or "").rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise InvalidRequestError(f"nnodes > 1 needs dist_init_addr as HOST:PORT (got {self.dist_init_addr!r})",
+                                      "dist_init_addr")
 
     def _resolve(self) -> None:
         for f in dataclasses.fields(self):
@@ -209,15 +228,16 @@ class EngineOptions:
             self.enable_overlap_schedule = self.device.startswith("cuda") and self.tp_size == self.dp_size == 1
         if self.max_running_requests is None:
             self.max_running_requests = 512 if self.device.startswith("cuda") else 64
-        for name in ("max_running_requests", "schedule_fairness_bound", "tp_size", "dp_size", "stream_interval",
-                     "max_requests_per_call", "prepare_workers", "max_image_bytes", "max_image_pixels",
-                     "max_video_frames"):
+        for name in ("max_running_requests", "schedule_fairness_bound", "tp_size", "dp_size", "nnodes",
+                     "stream_interval", "max_requests_per_call", "prepare_workers", "max_image_bytes",
+                     "max_image_pixels", "max_video_frames"):
             if getattr(self, name) < 1:
                 raise InvalidRequestError(f"{name} must be >= 1", name)
         if self.schedule_admission_batch < 0:
             raise InvalidRequestError("schedule_admission_batch must be >= 0", "schedule_admission_batch")
         if self.tp_size > 1 and self.dp_size > 1:
             raise InvalidRequestError("tp_size > 1 and dp_size > 1 together are not supported yet", "dp_size")
+        self._check_nodes()
         if self.scheduler_process and (self.tp_size > 1 or self.dp_size > 1):
             raise InvalidRequestError("scheduler_process with tp_size or dp_size > 1 is not supported yet",
                                       "scheduler_process")
