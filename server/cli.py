@@ -59,13 +59,24 @@ def options_table() -> str:
     """The flags of `radixlm serve` as the Markdown table in docs/server.md (a test keeps them equal)."""
     rows = ["| flag | default | meaning |", "|---|---|---|",
             "| `MODEL`, `--model-path`, `--model` | SmolLM2-135M-Instruct | model directory, GGUF file or hub id |"]
-    for cls in (ServerArgs, EngineOptions):
-        for f in dataclasses.fields(cls):
-            names = ", ".join(f"`{n}`" for n in ["--" + f.name.replace("_", "-"), *f.metadata.get("aliases", ())])
-            default = "" if f.default is None else f"`{f.default}`" if f.default != "" else '`""`'
-            choices = f" (one of {', '.join(f.metadata['choices'])})" if f.metadata.get("choices") else ""
-            rows.append(f"| {names} | {default} | {f.metadata.get('help', '')}{choices} |")
-    return "\n".join(rows) + "\n"
+    return "\n".join(rows + _option_rows(ServerArgs) + _option_rows(EngineOptions)) + "\n"
+
+
+def router_options_table() -> str:
+    """The flags of `radixlm router` as the Markdown table in docs/scale_out.md (a test keeps them equal)."""
+    from radixlm.server.router.args import RouterArgs
+
+    return "\n".join(["| flag | default | meaning |", "|---|---|---|", *_option_rows(RouterArgs)]) + "\n"
+
+
+def _option_rows(cls: type) -> list[str]:
+    rows = []
+    for f in dataclasses.fields(cls):
+        names = ", ".join(f"`{n}`" for n in ["--" + f.name.replace("_", "-"), *f.metadata.get("aliases", ())])
+        default = "" if f.default is None else f"`{f.default}`" if f.default != "" else '`""`'
+        choices = f" (one of {', '.join(f.metadata['choices'])})" if f.metadata.get("choices") else ""
+        rows.append(f"| {names} | {default} | {f.metadata.get('help', '')}{choices} |")
+    return rows
 
 
 def _serve_parser(sub: Any) -> argparse.ArgumentParser:

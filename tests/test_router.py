@@ -264,3 +264,12 @@ def test_router_command_line(capsys: pytest.CaptureFixture) -> None:
     with pytest.raises(SystemExit) as exit_info:
         main(["router", "--port", "0", "--worker-urls", "ftp://nope"])
     assert exit_info.value.code == 2 and "--worker-urls" in capsys.readouterr().err
+
+
+def test_docs_list_every_router_flag() -> None:
+    from pathlib import Path
+
+    from radixlm.server.cli import router_options_table
+
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "scale_out.md").read_text()
+    assert router_options_table() in docs, "regenerate docs/scale_out.md's router table with router_options_table()"

@@ -12,6 +12,9 @@ from radixlm.server.router.app import Router, create_router_app
 from radixlm.server.router.args import RouterArgs
 
 logger = logging.getLogger("radixlm.router")
+# The URL and start/stop lines, shown whatever --log-level says (they go through the router's handler).
+lifecycle = logging.getLogger("radixlm.router.lifecycle")
+lifecycle.setLevel(logging.INFO)
 GRACEFUL_SHUTDOWN_S = 30
 
 
@@ -20,7 +23,7 @@ class _Server(uvicorn.Server):
         await super().startup(sockets)
         if self.started and self.servers and self.servers[0].sockets:
             host, port = self.servers[0].sockets[0].getsockname()[:2]
-            logger.info("radixlm router listening on http://%s:%s (OpenAI base_url http://%s:%s/v1)",
+            lifecycle.info("radixlm router listening on http://%s:%s (OpenAI base_url http://%s:%s/v1)",
                         host, port, host, port)
 
 
@@ -36,4 +39,4 @@ def serve_router(args: RouterArgs) -> None:
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, lifespan="on", access_log=False)
     _Server(config).run()
-    logger.info("radixlm router stopped")
+    lifecycle.info("radixlm router stopped")
