@@ -122,35 +122,44 @@ def main() -> None:
     args = parser.parse_args()
 
     flags = ["--max-total-tokens", str(args.max_total_tokens), "--log-interval", "0"]
-    replicas = [Process("serve", *flags, threads=args.threads) for _ in range(args.replicas)]
-    urls = [r.url for r in replicas]
-    policies = {"router": "cache_aware", "round_robin": "round_robin"}
-    front = {s: Process("router", "--worker-urls", *urls, "--policy", policies[s], "--log-level", "warning",
-                        threads=1) for s in args.systems if s in policies}
+    started: list[Process] = []
+    try:
+        for _ in range(args.replicas):
+            started.append(Process("serve", *flags, threads=args.threads))
+        replicas = list(started)
+        policies = {"router": "cache_aware", "round_robin": "round_robin"}
+        front = {}
+        for system in (s for s in args.systems if s in policies):
+            front[system] = Process("router", "--worker-urls", *[r.url for r in replicas], "--policy",
+                                    policies[system], "--log-level", "warning", threads=1)
+            started.append(front[system])
+        results = measure(args, replicas, front)
+    finally:
+        for p in started:
+            p.stop()
+    if args.markdown:
+        args.markdown.write_text(markdown(results))
+
+
+def measure(args: argparse.Namespace, replicas: list[Process], front: dict[str, Process]) -> dict[str, Any]:
     results: dict[str, Any] = {
         "machine": {"cpu": cpu_name(), "cores_visible": os.cpu_count(), "threads_per_replica": args.threads,
                     "replicas": args.replicas, "max_total_tokens": args.max_total_tokens,
                     "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())},
         "workloads": {}}
-    try:
-        for r in replicas:  # warm each replica's first call (kernels, allocator)
-            httpx.post(r.url + "/generate", json={"text": "Hello", "sampling_params": {"max_new_tokens": 2}},
-                       timeout=300)
-        for name in args.workloads:
-            results["workloads"][name] = {}
-            for system in args.systems:
-                url, counted = (replicas[0].url, replicas[:1]) if system == "single" else (front[system].url, replicas)
-                runs = [run_one(name, url, counted, seed) for seed in range(args.repeats)]
-                runs.sort(key=lambda r: r["throughput"])
-                results["workloads"][name][system] = runs[len(runs) // 2]
-                print(name, system, results["workloads"][name][system], flush=True)
-                if args.out:
-                    args.out.write_text(json.dumps(results, indent=1))
-    finally:
-        for p in [*front.values(), *replicas]:
-            p.stop()
-    if args.markdown:
-        args.markdown.write_text(markdown(results))
+    for r in replicas:  # warm each replica's first call (kernels, allocator)
+        httpx.post(r.url + "/generate", json={"text": "Hello", "sampling_params": {"max_new_tokens": 2}}, timeout=300)
+    for name in args.workloads:
+        results["workloads"][name] = {}
+        for system in args.systems:
+            url, counted = (replicas[0].url, replicas[:1]) if system == "single" else (front[system].url, replicas)
+            runs = sorted((run_one(name, url, counted, seed) for seed in range(args.repeats)),
+                          key=lambda r: r["throughput"])
+            results["workloads"][name][system] = runs[len(runs) // 2]
+            print(name, system, results["workloads"][name][system], flush=True)
+            if args.out:
+                args.out.write_text(json.dumps(results, indent=1))
+    return results
 
 
 def markdown(results: dict[str, Any]) -> str:

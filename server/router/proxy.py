@@ -86,7 +86,10 @@ class Forwarder:
         for _ in range(1 + self.args.retry_max_retries):
             candidates = [u for u in self.replicas.healthy() if u not in tried]
             if owner is not None:  # the stored conversation lives on one replica
-                candidates = [owner] if owner in candidates else []
+                if owner not in candidates:
+                    raise APIError(503, f"The replica that stored previous_response_id ({owner}) is not available",
+                                   "previous_response_id", code="replica_unavailable")
+                candidates = [owner]
             if not candidates:
                 break
             url, matched = self.policy.route(ids, among=candidates)
