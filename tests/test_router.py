@@ -174,10 +174,11 @@ def test_a_replica_killed_under_load_loses_no_request_that_had_not_started_strea
         assert httpx.post(router.url + "/add_worker", params={"url": d.url}, timeout=30).status_code == 200
         params = {"max_new_tokens": 400, "temperature": 0, "ignore_eos": True}
         bodies = [{"input_ids": [20 + i, 21 + i, 22 + i], "sampling_params": params} for i in range(9)]
+        streams = [{"input_ids": [60 + i, 61, 62], "sampling_params": params, "stream": True} for i in range(3)]
 
         async def load_then_kill() -> tuple[list[httpx.Response], int]:
             async with httpx.AsyncClient(base_url=router.url, timeout=300) as client:
-                calls = [asyncio.ensure_future(client.post("/generate", json=b)) for b in bodies]
+                calls = [asyncio.ensure_future(client.post("/generate", json=b)) for b in bodies + streams]
                 while _replicas(router)[d.url]["in_flight"] == 0:  # d has requests running
                     await asyncio.sleep(0.02)
                 on_d = _replicas(router)[d.url]["in_flight"]
@@ -186,10 +187,21 @@ def test_a_replica_killed_under_load_loses_no_request_that_had_not_started_strea
 
         replies, on_d = asyncio.run(load_then_kill())
         killed = time.monotonic()
-        assert [r.status_code for r in replies] == [200] * len(bodies)
-        direct = _post_all(cluster.a.url, "/generate", bodies)  # the oracle: the same greedy requests
-        assert [r.json()["output_ids"] for r in replies] == [r.json()["output_ids"] for r in direct]
-        assert on_d >= 1 and _metric(router, "failovers_total") >= on_d
+        assert [r.status_code for r in replies] == [200] * (len(bodies) + len(streams))
+        unstreamed = [{k: v for k, v in b.items() if k != "stream"} for b in streams]
+        direct = _post_all(cluster.a.url, "/generate", bodies + unstreamed)  # the oracle: the same requests
+        expected = [r.json()["output_ids"] for r in direct]
+        assert [r.json()["output_ids"] for r in replies[:len(bodies)]] == expected[:len(bodies)]
+        broken = 0
+        for reply, ids in zip(replies[len(bodies):], expected[len(bodies):]):
+            events = [line[6:] for line in reply.text.splitlines() if line.startswith("data: ")]
+            if "replica_lost" in events[-1]:  # it had started streaming on d: cut, with an error event
+                broken += 1
+                assert ids[:len(json.loads(events[-2])["output_ids"])] == json.loads(events[-2])["output_ids"]
+            else:  # finished where it was, or failed over before its first chunk
+                assert events[-1] == "[DONE]" and json.loads(events[-2])["output_ids"] == ids
+        assert _metric(router, "broken_streams_total") == broken
+        assert on_d >= 1 and _metric(router, "failovers_total") >= on_d - broken
         out_after = _wait_for(lambda: not _replicas(router)[d.url]["healthy"], 2 * HEALTH_INTERVAL + 1, "d taken out")
         assert out_after <= 2 * HEALTH_INTERVAL + 1
         routed = _replicas(router)[d.url]["requests_total"]

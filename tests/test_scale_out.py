@@ -254,6 +254,23 @@ def test_prefix_router_routes_only_among_the_given_workers() -> None:
         policy.route([1], among=[])
 
 
+def test_a_short_shared_header_does_not_pile_requests_up_under_a_cache_threshold() -> None:
+    """Two subjects whose prompts share a 4-token header: without a threshold the header alone sends the
+    second subject to the first's worker; with cache_threshold 0.5 it goes to the idle worker, and later
+    questions of each subject follow their subject (their match covers most of the prompt)."""
+    header = [1, 2, 3, 4]
+    subject = {s: header + [100 * s + k for k in range(12)] for s in (1, 2)}
+    plain, thresholded = PrefixRouter(), PrefixRouter(cache_threshold=0.5)
+    for policy in (plain, thresholded):
+        policy.add_worker("a", 1000)
+        policy.add_worker("b", 1000)
+        assert policy.route(subject[1] + [7])[0] == "a"
+    assert plain.route(subject[2] + [7]) == ("a", 4)
+    assert thresholded.route(subject[2] + [7]) == ("b", 0)
+    assert thresholded.route(subject[1] + [8]) == ("a", 16)
+    assert thresholded.route(subject[2] + [8]) == ("b", 16)
+
+
 # ---- the router -------------------------------------------------------------------------------------
 
 

@@ -13,7 +13,10 @@ candidate workers of load. A request goes to the worker with the longest matched
 
     load(w) <= m + slack(m),   slack(m) = abs_slack + floor(rel_slack * m)   (defaults 4 and 0.25),
 
-ties broken by lower load, then by the order the workers were added. Bound: no request is ever routed to
+ties broken by lower load, then by the order the workers were added. A match shorter than
+cache_threshold * len(prompt) counts as none (default 0: every match counts): otherwise a short prefix
+every prompt shares (a common header, a system prompt) piles unrelated requests onto one worker up to the
+slack, where they recompute their real prefixes. Bound: no request is ever routed to
 a worker more than slack(m) requests busier than the least busy one; while requests only arrive (a
 burst), the spread max(load) - min(load) stays <= slack(m) + 1 at all times. Without cache awareness
 every match is empty and the rule is plain least-loaded routing.
@@ -159,9 +162,11 @@ class PrefixRouter:
     """The routing state: the meta tree and the load of each worker. Not thread-safe: callers that route
     from several threads hold a lock around it."""
 
-    def __init__(self, cache_aware: bool = True, abs_slack: int = 4, rel_slack: float = 0.25) -> None:
+    def __init__(self, cache_aware: bool = True, abs_slack: int = 4, rel_slack: float = 0.25,
+                 cache_threshold: float = 0.0) -> None:
         self.cache_aware = cache_aware
         self.abs_slack, self.rel_slack = abs_slack, rel_slack
+        self.cache_threshold = cache_threshold
         self.tree = MetaRadixTree()
         self.loads: dict[Worker, int] = {}
 
@@ -188,7 +193,8 @@ class PrefixRouter:
         if not candidates:
             raise LookupError("no worker to route to")
         matched = self.tree.match(ids) if self.cache_aware else {}
-        worker = choose_worker(matched, candidates, self.abs_slack, self.rel_slack)
+        counted = {w: m for w, m in matched.items() if m >= self.cache_threshold * len(ids)}
+        worker = choose_worker(counted, candidates, self.abs_slack, self.rel_slack)
         self.loads[worker] += 1
         if self.cache_aware and ids:
             self.tree.insert(ids, worker)

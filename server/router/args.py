@@ -30,6 +30,9 @@ class RouterArgs:
     balance_abs_slack: int = option(4, "the load bound's absolute slack: a request goes to a replica with at most "
                                     "min_load + abs + floor(rel * min_load) requests in flight")
     balance_rel_slack: float = option(0.25, "the load bound's relative slack (see --balance-abs-slack)")
+    cache_threshold: float = option(0.5, "a replica's cached prefix counts only if it covers at least this "
+                                    "fraction of the prompt (shorter: routed as if no replica had it, to the least "
+                                    "loaded), so that a header every prompt shares does not pile requests up")
     tokenizer_path: str | None = option(None, "tokenizer that turns prompts into the token ids routing keys on; "
                                         "default: the one the first replica reports, if the router can load "
                                         "it, else routing keys on the prompt text's UTF-8 bytes")

@@ -45,4 +45,8 @@ class RoundRobin:
 def make_policy(args: RouterArgs) -> PrefixRouter | RoundRobin:
     if args.policy == "round_robin":
         return RoundRobin()
-    return PrefixRouter(True, args.balance_abs_slack, args.balance_rel_slack)
+    if not 0.0 <= args.cache_threshold <= 1.0:
+        raise ValueError(f"--cache-threshold must be in [0, 1] (got {args.cache_threshold})")
+    if args.balance_abs_slack < 0 or args.balance_rel_slack < 0:
+        raise ValueError("--balance-abs-slack and --balance-rel-slack must be >= 0")
+    return PrefixRouter(True, args.balance_abs_slack, args.balance_rel_slack, args.cache_threshold)
