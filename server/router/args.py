@@ -38,8 +38,8 @@ class RouterArgs:
                                         "it, else routing keys on the prompt text's UTF-8 bytes")
     health_check_interval_secs: float = option(5.0, "seconds between health checks (GET /health) of every "
                                                "replica")
-    health_check_timeout_secs: float = option(2.0, "a health check answered later than this failed")
-    health_failure_threshold: int = option(2, "consecutive failed health checks that take a replica out of "
+    health_check_timeout_secs: float = option(5.0, "a health check answered later than this failed")
+    health_failure_threshold: int = option(3, "consecutive failed health checks that take a replica out of "
                                            "routing (a request that cannot reach it takes it out at once)")
     health_success_threshold: int = option(1, "consecutive passed health checks that bring a replica back")
     retry_max_retries: int = option(2, "other replicas a request is sent to when its replica fails before "
