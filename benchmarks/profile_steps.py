@@ -37,11 +37,11 @@ from bench_constrained import E2E_SCHEMA  # noqa: E402
 from bench_engine import make_model_dir  # noqa: E402  (also makes radixlm importable from a checkout)
 
 import radixlm  # noqa: E402
-from radixlm.core.engine.scheduler import constraints as jump_gathering  # noqa: E402
-from radixlm.core.engine.model_runner import ModelRunner  # noqa: E402
-from radixlm.core.engine.sampler import DeviceSample  # noqa: E402
-from radixlm.core.engine.scheduler.execute import Executor  # noqa: E402
-from radixlm.core.models.default_model import default_model_path  # noqa: E402
+from radixlm.core.runtime.scheduler import constraints as jump_gathering  # noqa: E402
+from radixlm.core.runtime.execution.model_runner import ModelRunner  # noqa: E402
+from radixlm.core.runtime.execution.sampler import DeviceSample  # noqa: E402
+from radixlm.core.runtime.scheduler.execute import Executor  # noqa: E402
+from radixlm.core.runtime.models.default_model import default_model_path  # noqa: E402
 
 CASES = ("plain", "json", "json_jump")
 

@@ -7,11 +7,11 @@ import os
 import pytest
 import torch
 
-from radixlm.core.engine import model_runner
-from radixlm.core.engine.memory_pool import KVPool
-from radixlm.core.engine.model_runner import ModelRunner
-from radixlm.core.engine.options import EngineOptions
-from radixlm.core.models.config import ModelConfig
+from radixlm.core.runtime.execution import model_runner
+from radixlm.core.runtime.memory.memory_pool import KVPool
+from radixlm.core.runtime.execution.model_runner import ModelRunner
+from radixlm.core.runtime.options import EngineOptions
+from radixlm.core.runtime.models.config import ModelConfig
 
 
 def _rss_bytes() -> int:

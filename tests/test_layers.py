@@ -1,12 +1,13 @@
-"""The runtime's layers import downward only, read from the source with `ast` (every import statement:
+"""The library's layers import downward only, read from the source with `ast` (every import statement:
 module level, inside functions, under TYPE_CHECKING).
 
-- no import cycles among runtime modules (core.engine, core.models, core.constrained, core.layers,
-  core.tokenizer, kernels);
-- models, kernels, layers and tokenizer never import core.engine; constrained never imports models;
+- no import cycles among runtime modules (core.runtime, core.constrained, kernels);
+- the runtime's lower floors (models, layers, tokenizer) and kernels never import the engine's floors
+  above them (the boundary, scheduler, memory, execution, distributed); constrained never imports models;
   layers (below the models) import no other runtime package but kernels; kernels import nothing of core;
-- the runtime never imports the frontend (core.program, core.backends), server, adapters or the
-  top-level package (whose attributes lazily load the frontend).
+- the runtime never imports the language (core.lang), the chat formats (core.chat), server, adapters or
+  the top-level package (whose attributes lazily load the language); core.chat imports neither system;
+- no library module imports the test fixtures (radixlm.testing).
 
 Rules are checked on what a module reaches through imports, not only on what it names.
 """
@@ -19,18 +20,28 @@ from pathlib import Path
 PACKAGE = "radixlm"
 ROOT = Path(__file__).resolve().parents[1]  # the repository root is the package `radixlm`
 
-RUNTIME = ("radixlm.core.engine", "radixlm.core.models", "radixlm.core.constrained", "radixlm.core.layers",
-           "radixlm.core.tokenizer", "radixlm.kernels")
-FRONTEND = ("radixlm.core.program", "radixlm.core.backends", "radixlm.server", "radixlm.adapters")
+RUNTIME = ("radixlm.core.runtime", "radixlm.core.constrained", "radixlm.kernels")
+LOWER = ("radixlm.core.runtime.models", "radixlm.core.runtime.layers", "radixlm.core.runtime.tokenizer")
+# the engine's floors above the models: every module of core.runtime but the lower floors and the cache folder
+ENGINE = ("radixlm.core.runtime.scheduler", "radixlm.core.runtime.memory", "radixlm.core.runtime.execution",
+          "radixlm.core.runtime.distributed",
+          *(f"radixlm.core.runtime.{p.stem}" for p in (ROOT / "core" / "runtime").glob("*.py")
+            if p.stem not in ("__init__", "cache")))
+LANGUAGE = ("radixlm.core.lang", "radixlm.core.chat", "radixlm.server", "radixlm.adapters")
+LIBRARY = ("radixlm.core", "radixlm.kernels", "radixlm.server", "radixlm.adapters")
 # (importers, what they must never reach)
 RULES = [
-    (("radixlm.core.models", "radixlm.kernels", "radixlm.core.layers", "radixlm.core.tokenizer"),
-     ("radixlm.core.engine",)),
-    (("radixlm.core.constrained",), ("radixlm.core.models",)),
-    (("radixlm.core.layers",), ("radixlm.core.models", "radixlm.core.constrained", "radixlm.core.tokenizer")),
+    ((*LOWER, "radixlm.kernels"), ENGINE),
+    (("radixlm.core.constrained",), ("radixlm.core.runtime.models",)),
+    (("radixlm.core.runtime.layers",), ("radixlm.core.runtime.models", "radixlm.core.constrained",
+                                        "radixlm.core.runtime.tokenizer")),
     (("radixlm.kernels",), ("radixlm.core",)),
-    (RUNTIME, (*FRONTEND, PACKAGE)),
+    (RUNTIME, (*LANGUAGE, PACKAGE)),
+    (("radixlm.core.chat",), ("radixlm.core.lang", "radixlm.core.runtime", "radixlm.core.constrained")),
+    (LIBRARY, ("radixlm.testing",)),
 ]
+# top-level folders that are no part of the package
+NOT_PACKAGE = {"tests", "benchmarks", "examples", "scripts", "docs", "build"}
 
 
 def _within(module: str, names: tuple[str, ...]) -> bool:
@@ -39,18 +50,23 @@ def _within(module: str, names: tuple[str, ...]) -> bool:
 
 
 def package_modules(root: Path, package: str) -> dict[str, Path]:
-    """Every module of the package whose folder is `root`: the folders reached through __init__.py files."""
-    modules: dict[str, Path] = {}
+    """Every module of the package whose folder is `root`: its top-level folders (namespace portions, with
+    no __init__.py) and, below them, the folders reached through __init__.py files."""
+    modules: dict[str, Path] = {package: root / "__init__.py"}
 
     def walk(folder: Path, name: str) -> None:
-        modules[name] = folder / "__init__.py"
         for path in sorted(folder.iterdir()):
             if path.is_dir() and (path / "__init__.py").is_file():
+                modules[f"{name}.{path.name}"] = path / "__init__.py"
                 walk(path, f"{name}.{path.name}")
             elif path.suffix == ".py" and path.name != "__init__.py":
                 modules[f"{name}.{path.stem}"] = path
 
     walk(root, package)
+    for portion in sorted(root.iterdir()):
+        if (portion.is_dir() and not portion.name.startswith(".") and portion.name not in NOT_PACKAGE
+                and not (portion / "__init__.py").exists() and any(portion.rglob("*.py"))):
+            walk(portion, f"{package}.{portion.name}")
     return modules
 
 
@@ -165,9 +181,10 @@ def test_layers_import_downward_only():
 def test_graph_sees_the_package():
     """The checks above read the real tree: the known downward imports are there."""
     graph = import_graph(ROOT, PACKAGE)
-    assert "radixlm.core.layers.forward_batch" in graph["radixlm.core.models.llama"]
-    assert "radixlm.core.tokenizer.fast_path" in graph["radixlm.core.constrained.fsm"]
-    assert "radixlm.kernels.registry" in graph["radixlm.core.engine.model_runner"]
+    assert "radixlm.core.runtime.layers.forward_batch" in graph["radixlm.core.runtime.models.llama"]
+    assert "radixlm.core.runtime.tokenizer.fast_path" in graph["radixlm.core.constrained.fsm"]
+    assert "radixlm.kernels.registry" in graph["radixlm.core.runtime.execution.model_runner"]
+    assert "radixlm.testing.checkpoints" in graph["radixlm.testing.vision"]
 
 
 def _write(root: Path, files: dict[str, str]) -> None:
