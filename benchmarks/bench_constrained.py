@@ -40,6 +40,8 @@ import time
 import numpy as np
 import torch
 
+from schemas import E2E_SCHEMA
+
 SCHEMA = {
     "type": "object",
     "properties": {
@@ -57,22 +59,6 @@ SCHEMA = {
         "active": {"type": "boolean"},
     },
     "required": ["name", "age", "email", "address", "role", "active"],
-}
-
-
-# For end-to-end runs: bounded strings, so that even a random model's outputs end.
-E2E_SCHEMA = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 12},
-        "age": {"type": "integer", "minimum": 0, "maximum": 150},
-        "city": {"type": "string", "maxLength": 12},
-        "zip": {"type": "string", "pattern": "^[0-9]{5}$"},
-        "tags": {"type": "array", "items": {"enum": ["new", "vip", "staff"]}, "maxItems": 3},
-        "role": {"enum": ["admin", "user", "guest"]},
-        "active": {"type": "boolean"},
-    },
-    "required": ["name", "age", "city", "zip", "tags", "role", "active"],
 }
 
 

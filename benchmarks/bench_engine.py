@@ -246,7 +246,7 @@ def bench_prefill(engine, w, cfg, repeats: int) -> dict[str, Any]:
 def _forward_only_prefill(s, batch: int, length: int, vocab: int, repeats: int) -> float:
     """The model forward alone for the prefill batch (the scheduler loop paused, nothing else running):
     the number comparable to HF's forward, without scheduling, sampling and radix-cache work."""
-    from radixlm.core.runtime.execution.model_runner import BatchInput
+    from radixlm.core.runtime.execution.batch_input import BatchInput
 
     runner = s.runner
     slots = s.allocator.alloc(batch * length)

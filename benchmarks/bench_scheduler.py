@@ -34,7 +34,7 @@ from types import SimpleNamespace
 import torch
 
 from radixlm.core.runtime.memory.memory_pool import ReqToTokenPool
-from radixlm.core.runtime.execution.model_runner import BatchInput
+from radixlm.core.runtime.execution.batch_input import BatchInput
 from radixlm.core.runtime.options import EngineOptions
 from radixlm.core.runtime.messages import GenerateRequest
 from radixlm.core.runtime.sampling_params import SamplingParams

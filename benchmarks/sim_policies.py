@@ -44,7 +44,7 @@ from workloads.recorder import RecordingEngine, hit_rates
 import radixlm
 import radixlm.core.runtime.engine as engine_module
 from radixlm.core.runtime.memory.memory_pool import ReqToTokenPool
-from radixlm.core.runtime.execution.model_runner import BatchInput
+from radixlm.core.runtime.execution.batch_input import BatchInput
 from radixlm.testing.checkpoints import build_tokenizer
 from radixlm.core.runtime.tokenizer.loader import load_tokenizer
 

@@ -14,7 +14,8 @@ from radixlm.core.runtime.execution.cuda_graph_runner import (DecodeGraphRunner,
                                                    extend_buckets)
 from radixlm.core.runtime.tokenizer.detokenizer import IncrementalDetokenizer
 from radixlm.core.runtime.memory.memory_pool import ReqToTokenPool
-from radixlm.core.runtime.execution.model_runner import BatchInput, ModelRunner
+from radixlm.core.runtime.execution.batch_input import BatchInput
+from radixlm.core.runtime.execution.model_runner import ModelRunner
 from radixlm.core.runtime.options import EngineOptions
 from radixlm.core.runtime.messages import GenerateRequest
 from radixlm.core.runtime.request import Req

@@ -58,7 +58,7 @@ def test_cpu_default_pool_size(runner, monkeypatch):
     assert 256 < 2 * weights // per_token < 64 * cfg.context_len
     assert _size(runner) == 2 * weights // per_token
     # ... within a quarter of mem_fraction_static of the available RAM ...
-    monkeypatch.setattr(model_runner, "_host_available_bytes", lambda: 8 << 20)
+    monkeypatch.setattr(model_runner, "host_available_bytes", lambda: 8 << 20)
     ram_bound = int((8 << 20) * 0.5 * 0.25 // per_token)
     assert 256 < ram_bound < 2 * weights // per_token
     assert _size(runner, mem_fraction_static=0.5) == ram_bound

@@ -1,7 +1,8 @@
 """The library's layers import downward only, read from the source with `ast` (every import statement:
 module level, inside functions, under TYPE_CHECKING).
 
-- no import cycles among runtime modules (core.runtime, core.constrained, kernels);
+- no import cycle in the library (core, kernels, server, adapters, testing) nor among the benchmark
+  scripts, counting the imports under TYPE_CHECKING;
 - the runtime's lower floors (models, layers, tokenizer) and kernels never import the engine's floors
   above them (the boundary, scheduler, memory, execution, distributed); constrained never imports models;
   layers (below the models) import no other runtime package but kernels; kernels import nothing of core;
@@ -79,11 +80,21 @@ def _type_checking_only(tree: ast.Module) -> set[int]:
     return skipped
 
 
-def import_graph(root: Path, package: str, type_checking: bool = True) -> dict[str, set[str]]:
+def script_modules(folder: Path) -> dict[str, Path]:
+    """The modules of a folder of scripts run from inside it (benchmarks/): each script by its name, and
+    the packages beside them."""
+    modules = {path.stem: path for path in sorted(folder.glob("*.py"))}
+    for sub in sorted(p for p in folder.iterdir() if (p / "__init__.py").is_file()):
+        modules.update(package_modules(sub, sub.name))
+    return modules
+
+
+def import_graph(root: Path, package: str, type_checking: bool = True,
+                 modules: dict[str, Path] | None = None) -> dict[str, set[str]]:
     """module -> the package's modules it imports. `from a import b` counts as importing a.b where that
     is a module (else a); relative imports are resolved. type_checking False leaves out the imports made
     for annotations alone, which never run."""
-    modules = package_modules(root, package)
+    modules = package_modules(root, package) if modules is None else modules
     graph: dict[str, set[str]] = {}
     for name, path in modules.items():
         is_package = path.name == "__init__.py"
@@ -168,10 +179,18 @@ def violations(graph: dict[str, set[str]], rules: list[tuple[tuple[str, ...], tu
     return found
 
 
-def test_runtime_modules_form_no_import_cycle():
-    """Imports that run (module level and inside functions). Annotation-only imports (under
-    TYPE_CHECKING) never run, so they make no cycle; the layering rules below count them too."""
-    assert cycles(import_graph(ROOT, PACKAGE, type_checking=False), RUNTIME) == []
+def test_library_forms_no_import_cycle():
+    """No cycle anywhere in the library, neither among the imports that run (module level and inside
+    functions) nor counting those made for annotations alone (under TYPE_CHECKING): a module that needs
+    another's type only names it by what it offers (a Protocol) or takes the type from a lower module."""
+    assert cycles(import_graph(ROOT, PACKAGE), LIBRARY + ("radixlm.testing",)) == []
+    assert cycles(import_graph(ROOT, PACKAGE, type_checking=False), LIBRARY + ("radixlm.testing",)) == []
+
+
+def test_benchmarks_form_no_import_cycle():
+    """The benchmark scripts import each other (a script's helpers, its workloads): downward too."""
+    modules = script_modules(ROOT / "benchmarks")
+    assert cycles(import_graph(ROOT, "", modules=modules), tuple(modules)) == []
 
 
 def test_layers_import_downward_only():
@@ -230,6 +249,14 @@ def test_checker_finds_cycles_and_upward_imports(tmp_path):
         "pkg.core.constrained.fsm -> pkg.core.tokenizer.load -> pkg.core.models.hub",
         "pkg.core.engine.options -> pkg.core.program",
     ]
+    # a folder of scripts: a cycle through a lazy import and a relative one inside its package
+    _write(tmp_path / "bench", {"a.py": "import b\n", "b.py": "def f():\n    from a import x\n",
+                                "c.py": "from work import load\n", "work/__init__.py": "from .load import go\n",
+                                "work/load.py": "from work import helper\n", "work/helper.py": ""})
+    scripts = script_modules(tmp_path / "bench")
+    graph = import_graph(tmp_path, "", modules=scripts)
+    assert graph["c"] == {"work.load"} and graph["work"] == {"work.load"}
+    assert cycles(graph, tuple(scripts)) == [["a", "b"]]
     # and a clean tree passes
     _write(tmp_path, {"core/models/llama.py": "", "core/tokenizer/load.py": "", "core/engine/options.py": ""})
     graph = import_graph(tmp_path, "pkg", type_checking=False)

@@ -19,7 +19,8 @@ import torch
 
 import radixlm
 from radixlm.core.runtime.execution.cuda_graph_runner import DecodeGraphRunner
-from radixlm.core.runtime.execution.model_runner import BatchInput, ModelRunner
+from radixlm.core.runtime.execution.batch_input import BatchInput
+from radixlm.core.runtime.execution.model_runner import ModelRunner
 from radixlm.core.runtime.options import EngineOptions
 from radixlm.core.runtime.models.config import ModelConfig
 from test_scheduler_units import EOS, load_bench_scheduler, oracle, prompts_with_shared_prefixes, run_scheduler

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from radixlm.core.runtime.memory.memory_pool import ReqToTokenPool, SlotAllocator
-from radixlm.core.runtime.execution.model_runner import BatchInput
+from radixlm.core.runtime.execution.batch_input import BatchInput
 from radixlm.core.runtime.options import EngineOptions
 from radixlm.core.runtime.memory.radix_cache import RadixCache
 from radixlm.core.runtime.messages import Abort, FinishReason, GenerateOutput, GenerateRequest

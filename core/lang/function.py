@@ -5,36 +5,15 @@ from __future__ import annotations
 
 import functools
 import inspect
-import multiprocessing
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
+from radixlm.core.lang.compiler import CompiledFunction
 from radixlm.core.lang.config import global_config
 from radixlm.core.lang.interpreter import ProgramState, new_state, resolve_backend, run_function
 from radixlm.core.lang.ir import GenParams
-
-# The sampling parameters that run()/run_batch() accept as defaults for every gen (SGLang's names);
-# every other keyword is an argument of the program.
-RUN_SAMPLING_NAMES = frozenset({
-    "max_new_tokens", "min_new_tokens", "stop", "stop_token_ids", "temperature", "top_p", "top_k", "min_p",
-    "frequency_penalty", "presence_penalty", "ignore_eos", "return_logprob", "logprob_start_len",
-    "top_logprobs_num", "return_text_in_logprobs",
-})
-
-
-def split_run_kwargs(kwargs: dict[str, Any]) -> tuple[GenParams, dict[str, Any]]:
-    """(the run's default GenParams, the program's own keyword arguments)."""
-    sampling = {k: v for k, v in kwargs.items() if k in RUN_SAMPLING_NAMES}
-    program = {k: v for k, v in kwargs.items() if k not in RUN_SAMPLING_NAMES}
-    return GenParams.run_defaults(**sampling), program
-
-
-def batch_threads(num_threads: int | str, batch_size: int) -> int:
-    if num_threads == "auto":
-        num_threads = max(64, multiprocessing.cpu_count() * 16)
-    return max(1, min(int(num_threads), batch_size))
-
+from radixlm.core.lang.running import RUN_SAMPLING_NAMES, run_threaded, split_run_kwargs
+from radixlm.core.lang.tracer import cache_program, precache_batch, trace_program
 
 class SglFunction:
     def __init__(self, func: Callable[..., Any], num_api_spec_tokens: int | None = None,
@@ -86,7 +65,6 @@ class SglFunction:
         backend = resolve_backend(backend)
         defaults = GenParams.run_defaults(**sampling)
         if len(batch) > 1 and global_config.enable_precache_with_tracing:
-            from radixlm.core.lang.tracer import precache_batch
             precache_batch(self, backend, batch)
 
         def run_one(kwargs: dict[str, Any]) -> ProgramState:
@@ -107,35 +85,18 @@ class SglFunction:
 
     def trace(self, *, backend: Any = None, **kwargs: Any) -> Any:
         """The program's graph, built without running a model (see tracer.py)."""
-        from radixlm.core.lang.tracer import trace_program
         return trace_program(self, kwargs, backend)
 
     def cache(self, backend: Any = None) -> str:
         """Pre-fills the program's constant prefix (found by tracing) into the backend's cache;
         returns that prefix."""
-        from radixlm.core.lang.tracer import cache_program
         return cache_program(self, resolve_backend(backend))
 
     def compile(self, *, backend: Any = None) -> Any:
-        from radixlm.core.lang.compiler import CompiledFunction
         return CompiledFunction(self, backend)
 
     def __call__(self, *args: Any, **kwargs: Any) -> ProgramState:
         return self.run(*args, **kwargs)
-
-
-def run_threaded(run_one: Callable[[Any], ProgramState], items: list[Any], num_threads: int | str,
-                 progress_bar: bool) -> list[ProgramState]:
-    threads = batch_threads(num_threads, len(items))
-    with ThreadPoolExecutor(threads) as pool:
-        futures = [pool.submit(run_one, item) for item in items]
-        if progress_bar:
-            import tqdm
-            with tqdm.tqdm(total=len(futures)) as bar:
-                for future in futures:
-                    future.add_done_callback(lambda _: bar.update())
-                return [f.result() for f in futures]
-        return [f.result() for f in futures]
 
 
 def function(func: Callable[..., Any] | None = None, num_api_spec_tokens: int | None = None) -> Any:

@@ -44,18 +44,6 @@ class EngineStats:
         return out
 
 
-@dataclass
-class TierStats:
-    """Counters of the radix cache's host tier (core/runtime/memory/hicache.py)."""
-
-    hicache_host_hit_tokens_total: int = 0  # prompt tokens loaded back from host memory, not recomputed
-    hicache_loads_total: int = 0
-    hicache_writes_total: int = 0  # evicted nodes written back to host memory
-    hicache_bytes_to_host_total: int = 0
-    hicache_bytes_to_device_total: int = 0
-    hicache_load_wait_s: float = 0.0  # summed over loads: seconds from issue until seen complete
-
-
 class TimedRadixCache:
     """The scheduler's view of a RadixCache: its bookkeeping calls (match, insert, evict, lock and
     unlock, caching a request's tokens) add their wall time to `stats.radix_cache_time_s`; everything

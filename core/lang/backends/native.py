@@ -12,16 +12,15 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Iterator
 
-from radixlm.core.lang.backends.base import BaseBackend
+from radixlm.core.lang.backends.base import BaseBackend, StreamState
 from radixlm.core.errors import InvalidRequestError
 from radixlm.core.lang.choices import ChoicesDecision, ChoicesSamplingMethod
 
 if TYPE_CHECKING:
-    from radixlm.core.lang.interpreter import StreamExecutor
     from radixlm.core.lang.ir import GenParams
 
 
-def _images(s: "StreamExecutor") -> dict[str, Any]:
+def _images(s: "StreamState") -> dict[str, Any]:
     """The state's images (sgl.image) and videos (sgl.video) as the request's image_data and
     video_data: data URLs in prompt order (a video's: a list, one per frame)."""
     out: dict[str, Any] = {}
@@ -61,18 +60,18 @@ class NativeGenerateBackend(BaseBackend):
 
     # ----- gen -----
 
-    def _request(self, s: "StreamExecutor", params: "GenParams") -> dict[str, Any]:
+    def _request(self, s: "StreamState", params: "GenParams") -> dict[str, Any]:
         return {"text": s.text_, "sampling_params": params.sampling_params(), **params.logprob_options(),
                 **_images(s)}
 
-    def generate(self, s: "StreamExecutor", params: "GenParams") -> tuple[str, dict[str, Any]]:
+    def generate(self, s: "StreamState", params: "GenParams") -> tuple[str, dict[str, Any]]:
         out = self._generate(self._request(s, params))
         meta = out["meta_info"]
         if params.return_text_in_logprobs:
             self._add_token_texts(meta)
         return out["text"], meta
 
-    def generate_stream(self, s: "StreamExecutor", params: "GenParams") -> Iterator[tuple[str, dict[str, Any]]]:
+    def generate_stream(self, s: "StreamState", params: "GenParams") -> Iterator[tuple[str, dict[str, Any]]]:
         for chunk in self._generate_stream(self._request(s, params)):
             meta = chunk["meta_info"]
             if params.return_text_in_logprobs:
@@ -98,12 +97,12 @@ class NativeGenerateBackend(BaseBackend):
         if prefix:
             self._generate({"text": prefix, "sampling_params": {"max_new_tokens": 0}, **(images or {})})
 
-    def commit_lazy_operations(self, s: "StreamExecutor", extra_text: str = "") -> None:
+    def commit_lazy_operations(self, s: "StreamState", extra_text: str = "") -> None:
         self.cache_prefix(s.text_ + extra_text, _images(s))
 
     # ----- select -----
 
-    def select(self, s: "StreamExecutor", choices: list[str], temperature: float,
+    def select(self, s: "StreamState", choices: list[str], temperature: float,
                choices_method: ChoicesSamplingMethod) -> ChoicesDecision:
         if temperature > 1e-5:
             raise InvalidRequestError("select on a local or native-endpoint backend picks the best choice "

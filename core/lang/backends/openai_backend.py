@@ -13,14 +13,13 @@ import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterator
 
-from radixlm.core.lang.backends.base import BaseBackend
+from radixlm.core.lang.backends.base import BaseBackend, StreamState
 from radixlm.core.errors import InvalidRequestError
 from radixlm.core.lang.chat_template import ChatTemplate, get_chat_template, get_chat_template_by_model_path
 from radixlm.core.lang.errors import ProgramError
 
 if TYPE_CHECKING:
     from radixlm.core.lang.choices import ChoicesDecision, ChoicesSamplingMethod
-    from radixlm.core.lang.interpreter import StreamExecutor
     from radixlm.core.lang.ir import GenParams
 
 # OpenAI models that only have the completions API; every other name is taken for a chat model.
@@ -63,7 +62,7 @@ class OpenAI(BaseBackend):
 
     # ----- calls -----
 
-    def _arguments(self, s: "StreamExecutor", params: "GenParams") -> dict[str, Any]:
+    def _arguments(self, s: "StreamState", params: "GenParams") -> dict[str, Any]:
         if params.constraint()[0]:
             raise InvalidRequestError("regex, json_schema and dtype gens need constrained decoding, which the "
                                       "OpenAI API does not offer; use a radixlm Engine or RuntimeEndpoint", "regex")
@@ -80,7 +79,7 @@ class OpenAI(BaseBackend):
                 arguments["logprobs"] = params.top_logprobs_num or 0
         return arguments
 
-    def _messages(self, s: "StreamExecutor") -> list[dict[str, Any]]:
+    def _messages(self, s: "StreamState") -> list[dict[str, Any]]:
         """The conversation so far. A chat model writes whole assistant messages, so a gen must be
         inside an assistant role; text the program already put in that message is sent as a final
         assistant message for the model to continue."""
@@ -100,7 +99,7 @@ class OpenAI(BaseBackend):
                 self.token_usage.prompt_tokens += usage.prompt_tokens
                 self.token_usage.completion_tokens += usage.completion_tokens
 
-    def generate(self, s: "StreamExecutor", params: "GenParams") -> tuple[str, dict[str, Any]]:
+    def generate(self, s: "StreamState", params: "GenParams") -> tuple[str, dict[str, Any]]:
         arguments = self._arguments(s, params)
         if self.is_chat_model:
             response = self.client.chat.completions.create(**arguments)
@@ -121,7 +120,7 @@ class OpenAI(BaseBackend):
             meta["output_token_logprobs"] = [(lp, None, token) for lp, token in tokens]
         return text, meta
 
-    def generate_stream(self, s: "StreamExecutor", params: "GenParams") -> Iterator[tuple[str, dict[str, Any]]]:
+    def generate_stream(self, s: "StreamState", params: "GenParams") -> Iterator[tuple[str, dict[str, Any]]]:
         arguments = self._arguments(s, params)
         arguments.update(stream=True, stream_options={"include_usage": True})
         create = self.client.chat.completions.create if self.is_chat_model else self.client.completions.create
@@ -137,7 +136,7 @@ class OpenAI(BaseBackend):
                 yield text, {"finish_reason": choice.finish_reason}
         self._count(usage)
 
-    def select(self, s: "StreamExecutor", choices: list[str], temperature: float,
+    def select(self, s: "StreamState", choices: list[str], temperature: float,
                choices_method: "ChoicesSamplingMethod") -> "ChoicesDecision":
         """Completion models: one call scores every choice (echo of prompt + choice with logprobs,
         no new tokens); the choice's tokens are those that end past the prompt's text."""

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 from radixlm.core.lang.ir import GenParams
 
 if TYPE_CHECKING:
-    from radixlm.core.lang.interpreter import StreamExecutor
+    from radixlm.core.lang.backends.base import StreamState
 
 
 @dataclass
@@ -114,7 +114,7 @@ class CompletionSpeculation:
         else:
             self.text = None
 
-    def generate(self, executor: "StreamExecutor", params: GenParams) -> tuple[str, dict[str, Any]]:
+    def generate(self, executor: "StreamState", params: GenParams) -> tuple[str, dict[str, Any]]:
         """The gen's text, from speculated text when it matches, else from a (speculative) call.
         The speculated text is consumed when the interpreter appends the returned text."""
         backend = executor.backend
@@ -164,7 +164,7 @@ def match_turn(items: list[TurnItem], output: str, complete: bool, key: tuple,
     return values
 
 
-def speculate_turn(executor: "StreamExecutor", items: list[TurnItem]) -> list[str | None]:
+def speculate_turn(executor: "StreamState", items: list[TurnItem]) -> list[str | None]:
     """One chat call for a whole assistant turn, matched against the turn's pieces."""
     gens = [item for item in items if not item.is_text]
     if not gens:

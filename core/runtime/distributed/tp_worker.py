@@ -28,7 +28,8 @@ import torch
 import torch.distributed as dist
 
 from radixlm.core.runtime.launcher import launched_rank  # noqa: F401  (part of this module's API)
-from radixlm.core.runtime.execution.model_runner import BatchInput, ModelRunner
+from radixlm.core.runtime.execution.batch_input import BatchInput
+from radixlm.core.runtime.execution.model_runner import ModelRunner
 from radixlm.core.runtime.options import EngineOptions
 from radixlm.core.runtime.scheduler import Scheduler
 from radixlm.core.errors import InvalidRequestError

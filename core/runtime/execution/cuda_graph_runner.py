@@ -24,14 +24,15 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 
+from radixlm.core.runtime.execution.batch_input import BatchInput
+from radixlm.core.runtime.layers.attention_backend import AttentionBackend
 from radixlm.core.runtime.layers.forward_batch import ForwardBatch
-
-if TYPE_CHECKING:
-    from radixlm.core.runtime.execution.model_runner import BatchInput, ModelRunner
+from radixlm.core.runtime.memory.memory_pool import KVPool, ReqToTokenPool
+from radixlm.core.runtime.models.config import ModelConfig
 
 logger = logging.getLogger("radixlm")
 
@@ -41,6 +42,21 @@ _TOKEN_FIELDS = 3  # extend: input_ids, positions, out_cache_loc (each T long) .
 _REQ_FIELDS = 5  # ... then rows, seq_lens, extend_lens, extend_start_loc, logit_index (each bs long)
 _CAPTURE_LOCK = threading.Lock()  # one capture at a time per process (data-parallel workers start together)
 EXTEND_TOKEN_BUCKETS = (16, 32, 48, 64, 80, 96, 128, 160, 192, 256, 320, 384, 512, 768, 1024)
+
+
+class GraphHost(Protocol):
+    """What the graphs read of the model runner that builds them (model_runner.ModelRunner, which sits
+    above this module)."""
+
+    device: torch.device
+    cfg: ModelConfig
+    model: Any  # the model: forward(ForwardBatch) -> hidden states; compute_logits(hidden) -> logits
+    kv_pool: KVPool
+    req_to_token: ReqToTokenPool
+    attn_backend: AttentionBackend
+    cos_sin_cache: torch.Tensor
+
+    def record_decode_slots(self, fb: ForwardBatch) -> None: ...
 
 
 def batch_size_ladder(max_bs: int) -> list[int]:
@@ -59,7 +75,7 @@ def extend_buckets(max_bs: int, max_tokens: int) -> list[tuple[int, int, int]]:
     return [(bs, t, t - smaller) for t in tokens for smaller, bs in zip([0, *counts], counts) if bs <= t]
 
 
-def _capture(runner: "ModelRunner", keys: Iterable, prepare: Callable, forward: Callable,
+def _capture(runner: "GraphHost", keys: Iterable, prepare: Callable, forward: Callable,
              pool) -> dict:
     """One graph per key, largest first (the shared pool is sized by it and the smaller graphs reuse
     its blocks); each after an eager warm-up, so that Triton compiles and cuBLAS picks its kernels
@@ -84,7 +100,7 @@ class DecodeGraphRunner:
     """Replays captured decode forwards. With capture=False the same padded, static-buffer path runs
     eagerly (what the CPU tests exercise)."""
 
-    def __init__(self, runner: "ModelRunner", max_bs: int, capture: bool = True, pool=None) -> None:
+    def __init__(self, runner: "GraphHost", max_bs: int, capture: bool = True, pool=None) -> None:
         self.runner = runner
         self.sizes = batch_size_ladder(max_bs)
         self.max_bs = self.sizes[-1]
@@ -133,7 +149,7 @@ class DecodeGraphRunner:
         logger.info("captured %d decode CUDA graphs (batch sizes 1..%d) in %.1f s", len(self.sizes), self.max_bs,
                     time.perf_counter() - start)
 
-    def run(self, batch: "BatchInput") -> torch.Tensor:
+    def run(self, batch: BatchInput) -> torch.Tensor:
         """Logits [n, vocab] of a decode batch of n <= max_bs rows (a view, valid until the next step)."""
         n = len(batch.rows)
         bs = self.sizes[bisect.bisect_left(self.sizes, n)]
@@ -162,7 +178,7 @@ class ExtendGraphRunner:
     """Replays captured extend forwards for (requests, tokens) buckets (extend_buckets). With
     capture=False the same padded, static-buffer path runs eagerly (what the CPU tests exercise)."""
 
-    def __init__(self, runner: "ModelRunner", max_bs: int, max_tokens: int, capture: bool = True,
+    def __init__(self, runner: "GraphHost", max_bs: int, max_tokens: int, capture: bool = True,
                  pool=None) -> None:
         self.runner = runner
         self.buckets = extend_buckets(max_bs, max_tokens)
@@ -209,7 +225,7 @@ class ExtendGraphRunner:
             t.zero_()
         rows.fill_(self._padding_row)
 
-    def bucket_for(self, batch: "BatchInput") -> tuple[int, int, int] | None:
+    def bucket_for(self, batch: BatchInput) -> tuple[int, int, int] | None:
         """The smallest captured bucket that holds the batch, or None (it then runs eagerly): too many
         requests or tokens, an extend too long for the bucket, or logits wanted anywhere but at a
         request's last token."""
@@ -225,7 +241,7 @@ class ExtendGraphRunner:
         fits = [k for k in self.buckets if k[0] == bs and k[1] >= tokens and k[2] >= longest]
         return min(fits, key=lambda k: k[1]) if fits else None
 
-    def run(self, batch: "BatchInput", key: tuple[int, int, int]) -> torch.Tensor:
+    def run(self, batch: BatchInput, key: tuple[int, int, int]) -> torch.Tensor:
         """Logits [len(batch.logit_rows), vocab] (a view or copy, valid until the next step)."""
         n, tokens = len(batch.rows), len(batch.input_ids)
         bs, size, _ = key

@@ -15,17 +15,17 @@ import logging
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from radixlm.kernels import registry as kernels
-from radixlm.core.runtime.memory.memory_pool import KVPool, ReqToTokenPool, host_int64
+from radixlm.core.runtime.memory.memory_pool import KVPool, ReqToTokenPool, host_available_bytes, host_int64
 from radixlm.core.runtime.options import EngineOptions
+from radixlm.core.runtime.execution.batch_input import BatchInput, ImageSpan
+from radixlm.core.runtime.execution.cuda_graph_runner import DecodeGraphRunner, ExtendGraphRunner
 from radixlm.core.runtime.layers.attention_backend import AttentionBackend
-from radixlm.core.runtime.messages import ImageInput
 from radixlm.core.runtime.layers.forward_batch import ForwardBatch, ImageBatch
 from radixlm.core.runtime.layers.mrope import mrope_cos_sin
 from radixlm.core.runtime.models.config import ModelConfig
@@ -44,43 +44,6 @@ _CUDA_SLACK_BYTES = 1 << 30
 _SAMPLER_BYTES_PER_LOGIT = 32
 # The least KV pool a CPU engine sizes for by default (lazily backed: unused pages cost no RAM).
 _CPU_KV_MIN_BYTES = 256 << 20
-
-
-@dataclass
-class ImageSpan:
-    """Feature rows [first_row, first_row + count) of an image go to the step's new tokens from
-    token_start on."""
-
-    image: ImageInput
-    token_start: int
-    first_row: int
-    count: int
-
-
-@dataclass
-class BatchInput:
-    """One step's work in host lists, as the scheduler hands it over.
-
-    For a decode batch the runner itself records each request's new slot in the request-to-token table
-    (table[rows[i], positions[i]] = out_cache_loc[i]); extend batches find their slots already written
-    by the scheduler (ReqToTokenPool.write)."""
-
-    is_decode: bool
-    input_ids: list[int]
-    positions: list[int]
-    out_cache_loc: list[int]
-    rows: list[int]
-    seq_lens: list[int]
-    extend_lens: list[int]
-    logit_rows: list[int]  # which of the new tokens need logits (indices into input_ids)
-    # Overlap scheduling: the step's input ids as a device tensor (a decode step's: the previous step's
-    # sampled tokens, not yet on the host; an extend step's: its ids with such tokens scattered in); when
-    # set, input_ids holds placeholders where those tokens go.
-    input_future: torch.Tensor | None = None
-    images: list[ImageSpan] = field(default_factory=list)  # extend steps over image positions
-    # M-RoPE models (Qwen2-VL), steps holding requests with images: the rotary positions (t, h, w rows);
-    # None: the rotary positions are `positions`.
-    rope_positions: list[list[int]] | None = None
 
 
 class ModelRunner:
@@ -129,8 +92,6 @@ class ModelRunner:
             self._capture_graphs(opts)
 
     def _capture_graphs(self, opts: EngineOptions) -> None:
-        from radixlm.core.runtime.execution.cuda_graph_runner import DecodeGraphRunner, ExtendGraphRunner
-
         pool = torch.cuda.graph_pool_handle()  # shared: steps never run concurrently
         try:
             self.graph_runner = DecodeGraphRunner(self, opts.cuda_graph_max_bs, pool=pool)
@@ -168,7 +129,7 @@ class ModelRunner:
             # _CPU_KV_MIN_BYTES): a decode step reading a pool that full already spends more time in
             # attention than in the weights, so more KV would buy cache the CPU cannot use at speed.
             weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
-            budget = min(_host_available_bytes() * opts.mem_fraction_static * 0.25,
+            budget = min(host_available_bytes() * opts.mem_fraction_static * 0.25,
                          max(2 * weights, _CPU_KV_MIN_BYTES))
         # On CPU there is no point holding more than every running request could use at once.
         ceiling = opts.max_running_requests * self.cfg.context_len
@@ -291,14 +252,3 @@ def _return_unused_memory(device: torch.device) -> None:
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
-
-
-def _host_available_bytes() -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 8 * 2**30

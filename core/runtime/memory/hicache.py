@@ -27,9 +27,21 @@ from typing import Any
 
 import torch
 
-from radixlm.core.runtime.memory.memory_pool import KVPool, SlotAllocator
-from radixlm.core.runtime.stats import TierStats
+from radixlm.core.runtime.memory.memory_pool import KVPool, SlotAllocator, host_available_bytes
 from radixlm.core.errors import InvalidRequestError
+
+
+
+@dataclass
+class TierStats:
+    """Counters of the host tier."""
+
+    hicache_host_hit_tokens_total: int = 0  # prompt tokens loaded back from host memory, not recomputed
+    hicache_loads_total: int = 0
+    hicache_writes_total: int = 0  # evicted nodes written back to host memory
+    hicache_bytes_to_host_total: int = 0
+    hicache_bytes_to_device_total: int = 0
+    hicache_load_wait_s: float = 0.0  # summed over loads: seconds from issue until seen complete
 
 
 class HostKVPool:
@@ -83,8 +95,6 @@ class HostTier:
     @classmethod
     def create(cls, size_gb: float, device_pool: KVPool) -> HostTier:
         """The tier for the `hicache_size_gb` option."""
-        from radixlm.core.runtime.execution.model_runner import _host_available_bytes as host_available_bytes
-
         num_slots = HostKVPool.slots_for(size_gb, device_pool)
         if num_slots < 1:
             raise InvalidRequestError(f"hicache_size_gb={size_gb} holds no token of this model's KV", "hicache_size_gb")

@@ -28,6 +28,18 @@ def host_int64(parts: Sequence[Sequence[int]], pin: bool) -> torch.Tensor:
     return host
 
 
+def host_available_bytes() -> int:
+    """The host memory free for use (MemAvailable), or 8 GiB where /proc/meminfo cannot tell."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 8 * 2**30
+
+
 class KVPool:
     """Per-layer key and value buffers of shape [num_slots + 1, num_kv_heads, head_dim], views of one
     zeroed allocation. On the CPU that allocation is an anonymous memory map: the OS hands its pages out

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from radixlm.core.runtime.execution.model_runner import BatchInput, ImageSpan
+from radixlm.core.runtime.execution.batch_input import BatchInput, ImageSpan
 from radixlm.core.runtime.request import Req
 from radixlm.core.runtime.execution.sampler import device_tensor, top_logprob_entries
 from radixlm.core.runtime.scheduler.prefill import Extend
