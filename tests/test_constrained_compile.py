@@ -21,7 +21,7 @@ from radixlm.core.constrained.masks import unpack_bitmask
 from radixlm.core.constrained.grammar_index_cache import (gc_paused, grammar_of, prepare_common_terminals,
                                                           prepare_vocab)
 from radixlm.core.constrained.pda import GrammarIndex
-from radixlm.core.constrained.testing import qwen2_tokenizer
+from radixlm.testing.constrained import qwen2_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -14,8 +14,8 @@ from radixlm.core.constrained.grammar_compiler import GrammarBudget, compile_gra
 from radixlm.core.constrained.grammar_index_cache import prepare_vocab
 from radixlm.core.constrained.literal_tokens import literal_rest
 from radixlm.core.constrained.pda import GrammarIndex
-from radixlm.core.constrained.testing import qwen2_tokenizer, random_walk
-from radixlm.core.engine.options import EngineOptions
+from radixlm.testing.constrained import qwen2_tokenizer, random_walk
+from radixlm.core.runtime.options import EngineOptions
 from radixlm.core.errors import InvalidRequestError
 
 SCHEMAS = [

@@ -12,7 +12,7 @@ import torch
 
 from radixlm.core.constrained import apply_token_masks, build_constraint, json_schema_to_regex, regex_to_dfa
 from radixlm.core.constrained.masks import unpack_bitmask
-from radixlm.core.constrained.testing import qwen2_tokenizer, random_walk
+from radixlm.testing.constrained import qwen2_tokenizer, random_walk
 from radixlm.core.constrained.vocab import token_bytes_of, vocab_of
 
 # Regexes on which the two dialects agree: no \d, \w, \s, \b (Unicode tables differ), and no accepting

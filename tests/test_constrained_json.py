@@ -17,7 +17,7 @@ import pytest
 
 from radixlm.core.constrained import build_constraint, json_schema_to_regex, regex_to_dfa
 from radixlm.core.constrained.json_schema import int_range_regex, json_string_pattern, number_range_regex
-from radixlm.core.constrained.testing import qwen2_tokenizer, random_walk
+from radixlm.testing.constrained import qwen2_tokenizer, random_walk
 
 STR = {"type": "string"}
 INT = {"type": "integer"}
