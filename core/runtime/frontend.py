@@ -101,7 +101,7 @@ class FrontEnd:
         self.eos_token_ids = eos_token_ids
         self.scheduler = scheduler  # a LocalScheduler or SchedulerProcess (core.runtime.scheduler_client)
         if opts.json_schema_documents:  # refs request schemas may name (a bad directory fails the start)
-            from radixlm.core.constrained.schema_refs import register_documents  # imports `referencing`
+            from radixlm.core.runtime.constrained.schema.schema_refs import register_documents  # imports `referencing`
 
             register_documents(opts.json_schema_documents)
         # A prompt longer than this many UTF-8 bytes has more tokens than the context holds whatever
@@ -115,7 +115,7 @@ class FrontEnd:
         self._compile_pool = concurrent.futures.ThreadPoolExecutor(opts.prepare_workers,
                                                                    thread_name_prefix="radixlm-compile")
         if opts.grammar_backend == "radixlm" and opts.grammar_prepare_at_start:
-            from radixlm.core.constrained.grammar_index_cache import prepare_in_background
+            from radixlm.core.runtime.constrained.grammar_index_cache import prepare_in_background
 
             prepare_in_background(tokenizer, eos_token_ids)
         self._lock = threading.Lock()  # the tables below: callers' threads add, the drain thread removes
@@ -412,7 +412,7 @@ class FrontEnd:
     def check_constraints(self, reqs: list[GenerateRequest]) -> None:
         """Compiles each distinct constraint spec once, on a compile thread, so that a bad pattern or
         schema fails before anything is queued; the scheduler's own build is then a cache hit."""
-        from radixlm.core.constrained import GrammarBudget, build_constraint
+        from radixlm.core.runtime.constrained import GrammarBudget, build_constraint
 
         budget = GrammarBudget(max_compile_seconds=self.options.grammar_max_compile_seconds,
                                max_configs=self.options.grammar_max_configs,

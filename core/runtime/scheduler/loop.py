@@ -25,8 +25,8 @@ from typing import Any, Iterator
 
 import torch
 
-from radixlm.core.constrained import GrammarBudget, build_constraint
-from radixlm.core.constrained.grammar_index_cache import prepare_in_background
+from radixlm.core.runtime.constrained import GrammarBudget, build_constraint
+from radixlm.core.runtime.constrained.grammar_index_cache import prepare_in_background
 from radixlm.core.runtime.messages import (
     Abort, CallReply, CheckInvariants, FlushCache, GenerateRequest, GetStats, InboxMessage, OutboxMessage,
     StatsSnapshot,
@@ -88,7 +88,7 @@ class Scheduler:
                                      warm_seconds=opts.grammar_warm_seconds)
         self.gc_pauses = gc_heap.watch(opts.gc_warning_threshold_ms)
         if opts.json_schema_documents:  # in this process too (the loop may run in its own)
-            from radixlm.core.constrained.schema_refs import register_documents  # imports `referencing`
+            from radixlm.core.runtime.constrained.schema.schema_refs import register_documents  # imports `referencing`
 
             register_documents(opts.json_schema_documents)
         # Read by other threads without waiting for the loop: when it last got anything done, and the
