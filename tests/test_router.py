@@ -231,8 +231,8 @@ def test_dns_discovery_finds_a_replica_by_name(cluster) -> None:
 
 
 def test_routing_keys_are_token_ids_of_what_the_replica_will_see(llama_ckpt: str) -> None:
-    from radixlm.core.chat_render import render_chat
-    from radixlm.core.tokenizer.loader import load_tokenizer
+    from radixlm.core.chat.render import render_chat
+    from radixlm.core.runtime.tokenizer.loader import load_tokenizer
 
     keys, tok = RoutingKeys(llama_ckpt), load_tokenizer(llama_ckpt)
     assert keys.key("/generate", {"text": "hello there"}) == tok.encode("hello there", add_special_tokens=False)

@@ -10,8 +10,8 @@ import json
 import logging
 from typing import Any
 
-from radixlm.core.chat_render import render_chat
-from radixlm.core.tokenizer.loader import load_tokenizer
+from radixlm.core.chat.render import render_chat
+from radixlm.core.runtime.tokenizer.loader import load_tokenizer
 
 logger = logging.getLogger("radixlm.router")
 

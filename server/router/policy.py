@@ -1,4 +1,4 @@
-"""The routing policies: cache_aware is core.engine.prefix_routing's PrefixRouter (the rule `--dp-size`
+"""The routing policies: cache_aware is core.runtime.distributed.prefix_routing's PrefixRouter (the rule `--dp-size`
 uses); round_robin sends each request to the next replica in turn, as a plain load balancer does (the
 baseline the benchmark compares against). Both count requests in flight per replica the same way."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Iterable, Sequence
 
-from radixlm.core.engine.prefix_routing import PrefixRouter
+from radixlm.core.runtime.distributed.prefix_routing import PrefixRouter
 from radixlm.server.router.args import RouterArgs
 
 
