@@ -37,12 +37,13 @@ from workloads import WORKLOADS  # noqa: E402
 
 import radixlm as sgl  # noqa: E402
 
-# Sizes between the workloads' "tiny" and "gpu" presets: seconds per run on a CPU with SmolLM2.
+# Sizes between the workloads' "tiny" and "gpu" presets, small enough for minutes per run on a shared
+# CPU with SmolLM2 (--max-total-tokens 1024 per replica).
 SIZES = {
-    "mmlu": ({"subjects": 6, "question_words": 16, "option_words": 4}, 48),
-    "chat_short": ({"system_sentences": 8, "question_sentences": 2, "turns": 3, "answer_tokens": 4}, 16),
-    # 24 documents of ~350 tokens: about twice one replica's pool, two thirds of it split three ways.
-    "prefix_pressure": ({"documents": 24, "document_sentences": 20, "answer_tokens": 4}, 48),
+    "mmlu": ({"subjects": 6, "question_words": 12, "option_words": 3}, 24),
+    "chat_short": ({"system_sentences": 6, "question_sentences": 1, "turns": 3, "answer_tokens": 4}, 12),
+    # 12 documents of ~190 tokens: more than one replica's pool holds, a third of them fits in it.
+    "prefix_pressure": ({"documents": 12, "document_sentences": 12, "answer_tokens": 4}, 24),
 }
 
 
@@ -96,7 +97,7 @@ def run_one(name: str, url: str, replicas: list[Process], seed: int) -> dict[str
     batch = workload.make_args(n, size, random.Random(seed))
     for r in replicas:
         assert httpx.post(r.url + "/flush_cache", timeout=60).status_code == 200
-    backend = sgl.RuntimeEndpoint(url)
+    backend = sgl.RuntimeEndpoint(url, timeout=3600)  # a starved CPU can take long
     before = _counters(replicas)
     start = time.perf_counter()
     workload.run_batch(backend, batch)
@@ -113,7 +114,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--replicas", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1, help="torch threads per replica (OMP_NUM_THREADS)")
-    parser.add_argument("--max-total-tokens", type=int, default=4096, help="each replica's KV pool (tokens)")
+    parser.add_argument("--max-total-tokens", type=int, default=1024, help="each replica's KV pool (tokens)")
     parser.add_argument("--workloads", nargs="+", default=list(SIZES))
     parser.add_argument("--systems", nargs="+", default=["router", "round_robin", "single"])
     parser.add_argument("--repeats", type=int, default=1, help="runs per workload and system (the median is kept)")
