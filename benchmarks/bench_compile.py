@@ -25,11 +25,11 @@ import bench_grammar  # noqa: E402
 
 
 def main() -> None:
-    from radixlm.core.constrained import grammar_index_cache
+    from radixlm.core.runtime.constrained import grammar_index_cache
     from radixlm.testing.constrained import qwen2_tokenizer
-    from radixlm.core.constrained.grammar_compiler import Deadline, GrammarBudget, compile_grammar
-    from radixlm.core.constrained.pda import GrammarIndex
-    from radixlm.core.constrained.schema_refs import register_documents
+    from radixlm.core.runtime.constrained.automata.grammar_compiler import Deadline, GrammarBudget, compile_grammar
+    from radixlm.core.runtime.constrained.pda import GrammarIndex
+    from radixlm.core.runtime.constrained.schema.schema_refs import register_documents
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--suite", required=True, help="the JSON-Schema-Test-Suite's draft2020-12 folder")

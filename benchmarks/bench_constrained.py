@@ -63,10 +63,10 @@ SCHEMA = {
 
 
 def bench_index(tokenizer, repeats: int) -> dict:
-    from radixlm.core.constrained import compile_grammar
-    from radixlm.core.constrained.grammar_index_cache import grammar_of
-    from radixlm.core.constrained.pda import GrammarIndex
-    from radixlm.core.constrained.vocab import TokenTrie, vocab_of
+    from radixlm.core.runtime.constrained import compile_grammar
+    from radixlm.core.runtime.constrained.grammar_index_cache import grammar_of
+    from radixlm.core.runtime.constrained.pda import GrammarIndex
+    from radixlm.core.runtime.constrained.tokens.vocab import TokenTrie, vocab_of
 
     t = time.perf_counter()
     vocab = vocab_of(tokenizer)
@@ -96,8 +96,8 @@ def bench_index(tokenizer, repeats: int) -> dict:
 
 
 def bench_masks(tokenizer, batch: int, device: str, seed: int = 0) -> dict:
-    from radixlm.core.constrained import apply_token_masks, build_constraint
-    from radixlm.core.constrained import grammar_index_cache
+    from radixlm.core.runtime.constrained import apply_token_masks, build_constraint
+    from radixlm.core.runtime.constrained import grammar_index_cache
     from radixlm.testing.constrained import random_walk
 
     rng = np.random.default_rng(seed)

@@ -14,9 +14,9 @@ from importlib import resources
 
 import numpy as np
 
-from radixlm.core.constrained.fsm import FSMConstraint
+from radixlm.core.runtime.constrained.fsm import FSMConstraint
 from radixlm.core.runtime.cache import cache_dir
-from radixlm.core.constrained.pda import bytes_to_accept, shortest_bytes_to_accept
+from radixlm.core.runtime.constrained.pda import bytes_to_accept, shortest_bytes_to_accept
 
 QWEN2_PATTERN = (
     r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""

@@ -21,7 +21,7 @@ from pathlib import Path
 PACKAGE = "radixlm"
 ROOT = Path(__file__).resolve().parents[1]  # the repository root is the package `radixlm`
 
-RUNTIME = ("radixlm.core.runtime", "radixlm.core.constrained", "radixlm.kernels")
+RUNTIME = ("radixlm.core.runtime", "radixlm.core.runtime.constrained", "radixlm.kernels")
 LOWER = ("radixlm.core.runtime.models", "radixlm.core.runtime.layers", "radixlm.core.runtime.tokenizer")
 # the engine's floors above the models: every module of core.runtime but the lower floors and the cache folder
 ENGINE = ("radixlm.core.runtime.scheduler", "radixlm.core.runtime.memory", "radixlm.core.runtime.execution",
@@ -33,12 +33,12 @@ LIBRARY = ("radixlm.core", "radixlm.kernels", "radixlm.server", "radixlm.adapter
 # (importers, what they must never reach)
 RULES = [
     ((*LOWER, "radixlm.kernels"), ENGINE),
-    (("radixlm.core.constrained",), ("radixlm.core.runtime.models",)),
-    (("radixlm.core.runtime.layers",), ("radixlm.core.runtime.models", "radixlm.core.constrained",
+    (("radixlm.core.runtime.constrained",), ("radixlm.core.runtime.models",)),
+    (("radixlm.core.runtime.layers",), ("radixlm.core.runtime.models", "radixlm.core.runtime.constrained",
                                         "radixlm.core.runtime.tokenizer")),
     (("radixlm.kernels",), ("radixlm.core",)),
     (RUNTIME, (*LANGUAGE, PACKAGE)),
-    (("radixlm.core.chat",), ("radixlm.core.lang", "radixlm.core.runtime", "radixlm.core.constrained")),
+    (("radixlm.core.chat",), ("radixlm.core.lang", "radixlm.core.runtime", "radixlm.core.runtime.constrained")),
     (LIBRARY, ("radixlm.testing",)),
 ]
 # top-level folders that are no part of the package
@@ -201,7 +201,7 @@ def test_graph_sees_the_package():
     """The checks above read the real tree: the known downward imports are there."""
     graph = import_graph(ROOT, PACKAGE)
     assert "radixlm.core.runtime.layers.forward_batch" in graph["radixlm.core.runtime.models.llama"]
-    assert "radixlm.core.runtime.tokenizer.fast_path" in graph["radixlm.core.constrained.fsm"]
+    assert "radixlm.core.runtime.tokenizer.fast_path" in graph["radixlm.core.runtime.constrained.fsm"]
     assert "radixlm.kernels.registry" in graph["radixlm.core.runtime.execution.model_runner"]
     assert "radixlm.testing.checkpoints" in graph["radixlm.testing.vision"]
 

@@ -18,7 +18,7 @@ from openai.types.chat import ChatCompletionMessageFunctionToolCall
 from transformers import PreTrainedTokenizerFast
 
 from radixlm.adapters.langchain.tools import parse_reply, tool_mode
-from radixlm.core.constrained import build_constraint
+from radixlm.core.runtime.constrained import build_constraint
 from radixlm.testing.constrained import random_walk
 from radixlm.core.chat.openai_output import tool_call
 from radixlm.core.chat.tool_calls import Call, call_array_schema, find_calls, parse_call_array

@@ -1,4 +1,4 @@
-"""The seam between the engine and constrained decoding (core.constrained).
+"""The seam between the engine and constrained decoding (core.runtime.constrained).
 
 A request with a constraint carries one `TokenConstraint` object. Each step the scheduler asks it for
 the tokens allowed next, the sampler masks everything else out, and the sampled token is fed back.

@@ -1,4 +1,4 @@
-"""The one place where constraint specs become live constraints (core.constrained): the GrammarBudget
+"""The one place where constraint specs become live constraints (core.runtime.constrained): the GrammarBudget
 built from the engine's options, the schema documents registered, the grammar tables prepared in the
 background, and the compile itself.
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from radixlm.core.constrained import GrammarBudget, build_constraint
+from radixlm.core.runtime.constrained import GrammarBudget, build_constraint
 from radixlm.core.errors import GrammarBudgetError, InvalidRequestError
 from radixlm.core.runtime.constraint import TokenConstraint
 from radixlm.core.runtime.messages import ConstraintSpec
@@ -28,7 +28,7 @@ class ConstraintCompiler:
                                     max_configs=opts.grammar_max_configs, warm_seconds=opts.grammar_warm_seconds)
         self._prepare_pending = opts.grammar_backend == "radixlm" and opts.grammar_prepare_at_start
         if opts.json_schema_documents:  # refs request schemas may name (a bad directory fails the start)
-            from radixlm.core.constrained.schema_refs import register_documents  # imports `referencing`
+            from radixlm.core.runtime.constrained.schema.schema_refs import register_documents  # imports `referencing`
 
             register_documents(opts.json_schema_documents)
 
@@ -38,7 +38,7 @@ class ConstraintCompiler:
         if not self._prepare_pending:
             return
         self._prepare_pending = False
-        from radixlm.core.constrained.grammar_index_cache import prepare_in_background
+        from radixlm.core.runtime.constrained.grammar_index_cache import prepare_in_background
 
         prepare_in_background(self.tokenizer, self.eos_token_ids, then)
 

@@ -30,7 +30,7 @@ class SamplingParams:
     seed: int | None = None
     # Additive biases on the logits, token id -> bias in [-100, 100] (OpenAI's logit_bias).
     logit_bias: dict[int, float] = field(default_factory=dict)
-    # Constrained decoding (core.constrained); at most one of them.
+    # Constrained decoding (core.runtime.constrained); at most one of them.
     regex: str | None = None
     json_schema: str | None = None
     choices: list[str] | None = None

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from radixlm.core.constrained.masks import apply_token_masks
+from radixlm.core.runtime.constrained.tokens.masks import apply_token_masks
 from radixlm.core.runtime.request import Req
 from radixlm.kernels.registry import get_ops
 

@@ -21,9 +21,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from radixlm.core.constrained import json_schema as js
-from radixlm.core.constrained.regex_dfa import ByteDFA, regex_to_dfa
-from radixlm.core.constrained.vocab import TokenTrie, TokenVocab, byte_matrix
+from radixlm.core.runtime.constrained.schema import json_schema as js
+from radixlm.core.runtime.constrained.automata.regex_dfa import ByteDFA, regex_to_dfa
+from radixlm.core.runtime.constrained.tokens.vocab import TokenTrie, TokenVocab, byte_matrix
 
 QUOTE = ord('"')
 _PURE, _PARTIAL, _CLOSED, _BAD = 0, 1, 2, 3  # token kinds, read from a character boundary

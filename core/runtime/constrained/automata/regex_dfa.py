@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from radixlm.core.constrained import charsets
+from radixlm.core.runtime.constrained.automata import charsets
 from radixlm.core.errors import GrammarBudgetError
 
 try:  # Python >= 3.11

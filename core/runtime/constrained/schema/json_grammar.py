@@ -26,30 +26,31 @@ import math
 import re
 from typing import TYPE_CHECKING, Any
 
-from radixlm.core.constrained import json_schema as js
-from radixlm.core.constrained.grammar import Expr, Grammar, Ref, Repeat, Terminal, alt, lit, opt, seq
-from radixlm.core.constrained.grammar_compiler import DEFAULT_BUDGET, Deadline, GrammarBudget
-from radixlm.core.constrained.json_allof import AllOfRules
-from radixlm.core.constrained.json_arrays import ArrayRules
-from radixlm.core.constrained.json_common import (
-    _CONFLICT, _DEPENDENT, _IGNORED, _NOT_STRINGS, _REFUSED, _TYPES, BOOLEAN, NOTHING, NULL, NUMBER, SchemaError,
-    _json_type, _negated, _opened, _same_json, _with_parts, string_terminal)
-from radixlm.core.constrained.json_conditional import ConditionalRules
-from radixlm.core.constrained.json_exclusion import MAX_NEGATION_DEPTH, ExclusionRules, _types_only
-from radixlm.core.constrained.json_numbers import NumberRules
-from radixlm.core.constrained.json_objects import ObjectRules
-from radixlm.core.constrained.json_strings import StringRules, _asserts_formats
-from radixlm.core.constrained.json_unique import UniqueRules
+from radixlm.core.runtime.constrained.schema import json_schema as js
+from radixlm.core.runtime.constrained.automata.grammar import Expr, Grammar, Ref, Repeat, Terminal, alt, lit, opt, seq
+from radixlm.core.runtime.constrained.automata.grammar_compiler import DEFAULT_BUDGET, Deadline, GrammarBudget
+from radixlm.core.runtime.constrained.schema.json_allof import AllOfRules
+from radixlm.core.runtime.constrained.schema.json_arrays import ArrayRules
+from radixlm.core.runtime.constrained.schema.json_common import (_CONFLICT, _DEPENDENT, _IGNORED, _NOT_STRINGS,
+                                                                 _REFUSED, _TYPES, BOOLEAN, NOTHING, NULL, NUMBER,
+                                                                 SchemaError, _json_type, _negated, _opened, _same_json,
+                                                                 _with_parts, string_terminal)
+from radixlm.core.runtime.constrained.schema.json_conditional import ConditionalRules
+from radixlm.core.runtime.constrained.schema.json_exclusion import MAX_NEGATION_DEPTH, ExclusionRules, _types_only
+from radixlm.core.runtime.constrained.schema.json_numbers import NumberRules
+from radixlm.core.runtime.constrained.schema.json_objects import ObjectRules
+from radixlm.core.runtime.constrained.schema.json_strings import StringRules, _asserts_formats
+from radixlm.core.runtime.constrained.schema.json_unique import UniqueRules
 
 if TYPE_CHECKING:
-    from radixlm.core.constrained.schema_refs import SchemaRefs
+    from radixlm.core.runtime.constrained.schema.schema_refs import SchemaRefs
 
 def json_schema_to_grammar(schema: Any, whitespace_pattern: str | None = None,
                            budget: GrammarBudget = DEFAULT_BUDGET, deadline: Deadline | None = None) -> Grammar:
     """The grammar of compact JSON documents valid under `schema` (a JSON string, dict, bool or pydantic
     model class). ValueError naming the keyword and where (JSON pointer) for whatever is refused."""
     # Imported here: `referencing` takes ~0.3 s to import, which the engine's start need not pay.
-    from radixlm.core.constrained.schema_refs import SchemaRefs
+    from radixlm.core.runtime.constrained.schema.schema_refs import SchemaRefs
 
     refs = SchemaRefs(js._load_schema(schema))
     if whitespace_pattern:

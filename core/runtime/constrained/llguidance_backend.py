@@ -12,8 +12,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from radixlm.core.constrained.json_schema import _load_schema
-from radixlm.core.constrained.vocab import TokenVocab, whole_characters
+from radixlm.core.runtime.constrained.schema.json_schema import _load_schema
+from radixlm.core.runtime.constrained.tokens.vocab import TokenVocab, whole_characters
 
 _tokenizers: "weakref.WeakKeyDictionary[object, dict]" = weakref.WeakKeyDictionary()
 _lock = threading.Lock()

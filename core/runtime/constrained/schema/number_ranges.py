@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from decimal import Decimal, InvalidOperation
 
-from radixlm.core.constrained.json_schema import _natural_range
+from radixlm.core.runtime.constrained.schema.json_schema import _natural_range
 
 MAX_FRACTION_DIGITS = 30
 _FRACTION = r"(?:\.[0-9]+)?"

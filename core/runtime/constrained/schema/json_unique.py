@@ -18,8 +18,8 @@ from __future__ import annotations
 import json
 from typing import Any, Callable
 
-from radixlm.core.constrained.grammar import EMPTY, Expr, Ref, alt, seq
-from radixlm.core.constrained.json_common import NOTHING, SchemaError, _json_type
+from radixlm.core.runtime.constrained.automata.grammar import EMPTY, Expr, Ref, alt, seq
+from radixlm.core.runtime.constrained.schema.json_common import NOTHING, SchemaError, _json_type
 
 MAX_UNIQUE_ANY_ORDER = 6  # constants taken in any order: a rule per subset (2**n per position)
 MAX_UNIQUE_ASCENDING = 64  # constants taken in their order: n**2 alternatives in all

@@ -21,8 +21,8 @@ import re
 from typing import Any
 from urllib.parse import unquote
 
-from radixlm.core.constrained import charsets
-from radixlm.core.constrained.regex_dfa import char_set_ranges, sre_c, sre_p, unsupported_construct
+from radixlm.core.runtime.constrained.automata import charsets
+from radixlm.core.runtime.constrained.automata.regex_dfa import char_set_ranges, sre_c, sre_p, unsupported_construct
 
 # One JSON string character: unescaped (no quote, backslash or control character) or an escape. \u
 # escapes of surrogates are left out: they decode to lone surrogates, or a pair counts as two.

@@ -16,9 +16,9 @@ import bisect
 
 import numpy as np
 
-from radixlm.core.constrained.narrow_walk import dfa_rows
-from radixlm.core.constrained.regex_dfa import ByteDFA
-from radixlm.core.constrained.vocab import TokenVocab
+from radixlm.core.runtime.constrained.tokens.narrow_walk import dfa_rows
+from radixlm.core.runtime.constrained.automata.regex_dfa import ByteDFA
+from radixlm.core.runtime.constrained.tokens.vocab import TokenVocab
 
 MAX_REST = 256  # chain states followed at most; a longer literal takes the general walk
 _rests: dict[tuple[str, int], bytes | None] = {}

@@ -15,8 +15,8 @@ import bisect
 
 import numpy as np
 
-from radixlm.core.constrained.regex_dfa import ByteDFA
-from radixlm.core.constrained.vocab import TokenVocab
+from radixlm.core.runtime.constrained.automata.regex_dfa import ByteDFA
+from radixlm.core.runtime.constrained.tokens.vocab import TokenVocab
 
 NARROW_NODES = 32  # live nodes per level at most
 

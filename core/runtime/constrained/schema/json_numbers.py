@@ -8,12 +8,12 @@ from typing import Any
 
 import numpy as np
 
-from radixlm.core.constrained import json_schema as js
-from radixlm.core.constrained import number_ranges
-from radixlm.core.constrained.grammar import Expr, Terminal, lit
-from radixlm.core.constrained.grammar_compiler import terminal_dfa
-from radixlm.core.constrained.json_common import INTEGER, NOTHING, NUMBER, SchemaError
-from radixlm.core.constrained.regex_dfa import ByteDFA, dfa_intersection
+from radixlm.core.runtime.constrained.schema import json_schema as js
+from radixlm.core.runtime.constrained.schema import number_ranges
+from radixlm.core.runtime.constrained.automata.grammar import Expr, Terminal, lit
+from radixlm.core.runtime.constrained.automata.grammar_compiler import terminal_dfa
+from radixlm.core.runtime.constrained.schema.json_common import INTEGER, NOTHING, NUMBER, SchemaError
+from radixlm.core.runtime.constrained.automata.regex_dfa import ByteDFA, dfa_intersection
 
 
 MAX_MODULUS = 10_000  # multipleOf's DFA has a state per remainder

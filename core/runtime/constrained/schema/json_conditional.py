@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from radixlm.core.constrained.grammar import Expr, alt
-from radixlm.core.constrained.json_common import _DEPENDENT, SchemaError, _escape, _opened, _with_parts
+from radixlm.core.runtime.constrained.automata.grammar import Expr, alt
+from radixlm.core.runtime.constrained.schema.json_common import _DEPENDENT, SchemaError, _escape, _opened, _with_parts
 
 
 class ConditionalRules:

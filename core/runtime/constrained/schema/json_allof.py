@@ -6,10 +6,10 @@ import json
 import math
 from typing import Any
 
-from radixlm.core.constrained.json_common import (
-    _CONFLICT, _LOWER_BOUNDS, _NEGATED, _NOT_STRINGS, _SCHEMA_VALUED, _UPPER_BOUNDS, _negated, _pattern_matches,
-    _same_json, _with_parts)
-from radixlm.core.constrained.json_conditional import _discriminated, _through_if
+from radixlm.core.runtime.constrained.schema.json_common import (_CONFLICT, _LOWER_BOUNDS, _NEGATED, _NOT_STRINGS,
+                                                                 _SCHEMA_VALUED, _UPPER_BOUNDS, _negated,
+                                                                 _pattern_matches, _same_json, _with_parts)
+from radixlm.core.runtime.constrained.schema.json_conditional import _discriminated, _through_if
 
 
 # The keywords that constrain values (JSON Schema 2020-12 and earlier drafts, OpenAPI's nullable);

@@ -13,16 +13,16 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from radixlm.core.constrained.counted_string import string_tokens
-from radixlm.core.constrained.grammar import Grammar, choices_grammar, regex_grammar
-from radixlm.core.constrained.grammar_compiler import (DEFAULT_BUDGET, Deadline, GrammarBudget, compile_grammar,
-                                                      terminal_dfa)
-from radixlm.core.constrained.json_grammar import json_schema_to_grammar
-from radixlm.core.constrained.json_schema import _load_schema as load_schema
-from radixlm.core.constrained.schema_prune import prune_definitions
-from radixlm.core.constrained.pda import GrammarIndex
-from radixlm.core.constrained.terminal_tokens import state_tokens
-from radixlm.core.constrained.vocab import TokenVocab, vocab_of
+from radixlm.core.runtime.constrained.tokens.counted_string import string_tokens
+from radixlm.core.runtime.constrained.automata.grammar import Grammar, choices_grammar, regex_grammar
+from radixlm.core.runtime.constrained.automata.grammar_compiler import (DEFAULT_BUDGET, Deadline, GrammarBudget,
+                                                                        compile_grammar, terminal_dfa)
+from radixlm.core.runtime.constrained.schema.json_grammar import json_schema_to_grammar
+from radixlm.core.runtime.constrained.schema.json_schema import _load_schema as load_schema
+from radixlm.core.runtime.constrained.schema.schema_prune import prune_definitions
+from radixlm.core.runtime.constrained.pda import GrammarIndex
+from radixlm.core.runtime.constrained.tokens.terminal_tokens import state_tokens
+from radixlm.core.runtime.constrained.tokens.vocab import TokenVocab, vocab_of
 
 CACHE_SIZE = 64
 

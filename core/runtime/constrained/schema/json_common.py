@@ -7,9 +7,9 @@ import json
 import re
 from typing import Any
 
-from radixlm.core.constrained import json_schema as js
-from radixlm.core.constrained.counted_string import counted_string_dfa
-from radixlm.core.constrained.grammar import Alt, Terminal, lit
+from radixlm.core.runtime.constrained.schema import json_schema as js
+from radixlm.core.runtime.constrained.tokens.counted_string import counted_string_dfa
+from radixlm.core.runtime.constrained.automata.grammar import Alt, Terminal, lit
 
 
 CHAR = Terminal(regex=js.STRING_CHAR)

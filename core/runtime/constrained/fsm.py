@@ -8,10 +8,10 @@ from typing import Any, Callable
 
 import torch
 
-from radixlm.core.constrained.grammar_compiler import DEFAULT_BUDGET, GrammarBudget
-from radixlm.core.constrained.grammar_index_cache import get_grammar_index
-from radixlm.core.constrained.pda import GrammarIndex, can_finish
-from radixlm.core.constrained.vocab import vocab_of
+from radixlm.core.runtime.constrained.automata.grammar_compiler import DEFAULT_BUDGET, GrammarBudget
+from radixlm.core.runtime.constrained.grammar_index_cache import get_grammar_index
+from radixlm.core.runtime.constrained.pda import GrammarIndex, can_finish
+from radixlm.core.runtime.constrained.tokens.vocab import vocab_of
 from radixlm.core.runtime.tokenizer.fast_path import encoder_for
 
 KINDS = ("regex", "json_schema", "choices")
@@ -177,7 +177,7 @@ def build_constraint(kind: str, spec: Any, tokenizer: object, *, eos_token_ids: 
             raise ValueError(f"no sequence of this tokenizer's tokens matches the {kind} {spec!r}")
         return FSMConstraint(index)
     if backend == "llguidance":
-        from radixlm.core.constrained.llguidance_backend import build_llguidance_constraint
+        from radixlm.core.runtime.constrained.llguidance_backend import build_llguidance_constraint
 
         return build_llguidance_constraint(kind, spec, tokenizer, vocab, whitespace_pattern)
     raise ValueError(f"unknown grammar backend {backend!r}; expected one of {BACKENDS}")

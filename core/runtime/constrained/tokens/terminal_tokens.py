@@ -29,13 +29,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from radixlm.core.constrained.body_states import (body_of, bytes_apart, loops, paths_apart, read_from, tokens_starting,
-                                                  tokens_with)
-from radixlm.core.constrained.counted_string import CountedStringDFA, string_tokens
-from radixlm.core.constrained.literal_tokens import literal_classes, literal_rest
-from radixlm.core.constrained.narrow_walk import NARROW_NODES, moves_of, narrow_walk, state_row
-from radixlm.core.constrained.regex_dfa import ByteDFA
-from radixlm.core.constrained.vocab import TokenVocab, byte_matrix, clear_bits, expand_ranges, set_bits
+from radixlm.core.runtime.constrained.tokens.body_states import (body_of, bytes_apart, loops, paths_apart, read_from,
+                                                                 tokens_starting, tokens_with)
+from radixlm.core.runtime.constrained.tokens.counted_string import CountedStringDFA, string_tokens
+from radixlm.core.runtime.constrained.tokens.literal_tokens import literal_classes, literal_rest
+from radixlm.core.runtime.constrained.tokens.narrow_walk import NARROW_NODES, moves_of, narrow_walk, state_row
+from radixlm.core.runtime.constrained.automata.regex_dfa import ByteDFA
+from radixlm.core.runtime.constrained.tokens.vocab import TokenVocab, byte_matrix, clear_bits, expand_ranges, set_bits
 
 DENSE_RATIO = 8  # a trie level is walked densely when over 1/8 of the previous level's nodes are alive
 CLASSES_PER_TREE = 4096  # (node, terminal, state) entries per SuffixTree, cleared when full

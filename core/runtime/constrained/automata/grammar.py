@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Union
 
-from radixlm.core.constrained.regex_dfa import ByteDFA, literal_dfa
+from radixlm.core.runtime.constrained.automata.regex_dfa import ByteDFA, literal_dfa
 
 
 @dataclass(frozen=True)

@@ -7,13 +7,14 @@ import itertools
 import json
 from typing import Any
 
-from radixlm.core.constrained import json_schema as js
-from radixlm.core.constrained.counted_string import counted_string_dfa
-from radixlm.core.constrained.grammar import EMPTY, Expr, Ref, Terminal, alt, lit, seq
-from radixlm.core.constrained.grammar_compiler import derived_dfa, terminal_dfa
-from radixlm.core.constrained.json_common import NOTHING, _IGNORED, SchemaError, _counts, _escape, _pattern_matches
-from radixlm.core.constrained.json_strings import MAX_PRODUCT_LENGTH, ecma_string_pattern
-from radixlm.core.constrained.regex_dfa import ByteDFA, dfa_difference, dfa_intersection, literals_dfa
+from radixlm.core.runtime.constrained.schema import json_schema as js
+from radixlm.core.runtime.constrained.tokens.counted_string import counted_string_dfa
+from radixlm.core.runtime.constrained.automata.grammar import EMPTY, Expr, Ref, Terminal, alt, lit, seq
+from radixlm.core.runtime.constrained.automata.grammar_compiler import derived_dfa, terminal_dfa
+from radixlm.core.runtime.constrained.schema.json_common import (NOTHING, _IGNORED, SchemaError, _counts, _escape,
+                                                                 _pattern_matches)
+from radixlm.core.runtime.constrained.schema.json_strings import MAX_PRODUCT_LENGTH, ecma_string_pattern
+from radixlm.core.runtime.constrained.automata.regex_dfa import ByteDFA, dfa_difference, dfa_intersection, literals_dfa
 
 
 MAX_PATTERN_OVERLAP = 3  # patternProperties: up to this many, a key may match several (2**n - 1 key kinds)

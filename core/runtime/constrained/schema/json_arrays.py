@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from radixlm.core.constrained.grammar import EMPTY, Expr, Ref, Repeat, alt, opt, seq
-from radixlm.core.constrained.json_common import NOTHING, SchemaError, _counts
+from radixlm.core.runtime.constrained.automata.grammar import EMPTY, Expr, Ref, Repeat, alt, opt, seq
+from radixlm.core.runtime.constrained.schema.json_common import NOTHING, SchemaError, _counts
 
 
 MAX_COUNTED_RULES = 1024  # contains with counts: a rule per (items so far, matches so far)

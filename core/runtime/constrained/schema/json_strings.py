@@ -5,12 +5,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from radixlm.core.constrained import json_schema as js
-from radixlm.core.constrained.counted_string import counted_states, counted_string_dfa
-from radixlm.core.constrained.grammar import Expr, Repeat, Terminal, lit, seq
-from radixlm.core.constrained.grammar_compiler import derived_dfa, terminal_dfa
-from radixlm.core.constrained.json_common import CHAR, NOTHING, _NOT_STRINGS, SchemaError, _counts, string_terminal
-from radixlm.core.constrained.regex_dfa import ByteDFA, dfa_difference, dfa_intersection
+from radixlm.core.runtime.constrained.schema import json_schema as js
+from radixlm.core.runtime.constrained.tokens.counted_string import counted_states, counted_string_dfa
+from radixlm.core.runtime.constrained.automata.grammar import Expr, Repeat, Terminal, lit, seq
+from radixlm.core.runtime.constrained.automata.grammar_compiler import derived_dfa, terminal_dfa
+from radixlm.core.runtime.constrained.schema.json_common import (CHAR, NOTHING, _NOT_STRINGS, SchemaError, _counts,
+                                                                 string_terminal)
+from radixlm.core.runtime.constrained.automata.regex_dfa import ByteDFA, dfa_difference, dfa_intersection
 
 
 _IPV4_PART = r"(?:25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])"

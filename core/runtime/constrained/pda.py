@@ -35,12 +35,12 @@ from collections.abc import Iterable
 import numpy as np
 import torch
 
-from radixlm.core.constrained.counted_string import CountedStringDFA, string_tokens
-from radixlm.core.constrained.grammar_compiler import CompiledGrammar, terminal_tables
-from radixlm.core.constrained.literal_tokens import literal_rest
-from radixlm.core.constrained.masks import MaskCache
-from radixlm.core.constrained.terminal_tokens import Exits, SuffixTree, state_tokens
-from radixlm.core.constrained.vocab import TokenVocab, set_bits, whole_characters
+from radixlm.core.runtime.constrained.tokens.counted_string import CountedStringDFA, string_tokens
+from radixlm.core.runtime.constrained.automata.grammar_compiler import CompiledGrammar, terminal_tables
+from radixlm.core.runtime.constrained.tokens.literal_tokens import literal_rest
+from radixlm.core.runtime.constrained.tokens.masks import MaskCache
+from radixlm.core.runtime.constrained.tokens.terminal_tokens import Exits, SuffixTree, state_tokens
+from radixlm.core.runtime.constrained.tokens.vocab import TokenVocab, set_bits, whole_characters
 
 END = (-1, 0, -1)  # the item "the output may end here"
 MASK_CACHE_SIZE = 1024

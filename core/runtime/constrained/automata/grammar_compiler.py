@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from radixlm.core.constrained.grammar import Alt, Expr, Grammar, Ref, Repeat, Seq, Terminal
-from radixlm.core.constrained.regex_dfa import ByteDFA, epsilon_reachable, regex_to_dfa
+from radixlm.core.runtime.constrained.automata.grammar import Alt, Expr, Grammar, Ref, Repeat, Seq, Terminal
+from radixlm.core.runtime.constrained.automata.regex_dfa import ByteDFA, epsilon_reachable, regex_to_dfa
 from radixlm.core.errors import GrammarBudgetError
 
 

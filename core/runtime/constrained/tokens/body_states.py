@@ -26,10 +26,10 @@ from collections import Counter
 
 import numpy as np
 
-from radixlm.core.constrained.literal_tokens import starting_with
-from radixlm.core.constrained.narrow_walk import state_row
-from radixlm.core.constrained.regex_dfa import ByteDFA
-from radixlm.core.constrained.vocab import TokenVocab, byte_matrix
+from radixlm.core.runtime.constrained.tokens.literal_tokens import starting_with
+from radixlm.core.runtime.constrained.tokens.narrow_walk import state_row
+from radixlm.core.runtime.constrained.automata.regex_dfa import ByteDFA
+from radixlm.core.runtime.constrained.tokens.vocab import TokenVocab, byte_matrix
 
 MAX_PATHS = 128  # byte strings looked up where the two part, at most; past it the general walk does
 MAX_DYING = 2048  # tokens taken out of the body's classes, at most (clearing each costs; a name's `"` has 424)

@@ -7,10 +7,10 @@ import json
 import re
 from typing import Any
 
-from radixlm.core.constrained.grammar import Expr
-from radixlm.core.constrained.json_common import (
-    _CONFLICT, _IGNORED, _NOT_STRINGS, _TYPES, NOTHING, SchemaError, _json_type, _same_json, _with_parts)
-from radixlm.core.constrained.json_strings import ecma_string_pattern
+from radixlm.core.runtime.constrained.automata.grammar import Expr
+from radixlm.core.runtime.constrained.schema.json_common import (_CONFLICT, _IGNORED, _NOT_STRINGS, _TYPES, NOTHING,
+                                                                 SchemaError, _json_type, _same_json, _with_parts)
+from radixlm.core.runtime.constrained.schema.json_strings import ecma_string_pattern
 
 
 MAX_NEGATION_DEPTH = 8  # `not` of nested schemas: levels looked into (a recursive schema has no end)
