@@ -1,4 +1,4 @@
-"""allOf: parts merged into one schema (a mixin of json_grammar._Converter over json_schema's merge)."""
+"""allOf: parts merged into one schema (a mixin of json_grammar._Converter over schema_merge.py's merge)."""
 
 from __future__ import annotations
 

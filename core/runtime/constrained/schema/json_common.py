@@ -7,16 +7,16 @@ import json
 import re
 from typing import Any
 
-from radixlm.core.runtime.constrained.schema import json_schema as js
+from radixlm.core.runtime.constrained.automata import json_lexical
 from radixlm.core.runtime.constrained.tokens.counted_string import counted_string_dfa
 from radixlm.core.runtime.constrained.automata.grammar import Alt, Terminal, lit
 
 
-CHAR = Terminal(regex=js.STRING_CHAR)
-NUMBER = Terminal(regex=js.NUMBER)
+CHAR = Terminal(regex=json_lexical.STRING_CHAR)
+NUMBER = Terminal(regex=json_lexical.NUMBER)
 # Integers are generated canonically ("1", never "1.0"), though JSON Schema (draft 6 on) counts 1.0 as an
 # integer too: programs read the output with json.loads, where 1.0 is a float (range(x) fails on it).
-INTEGER = Terminal(regex=js.INTEGER)
+INTEGER = Terminal(regex=json_lexical.INTEGER)
 NULL = lit("null")
 BOOLEAN = Terminal(regex="true|false")
 NOTHING = Alt(())  # no output at all
@@ -43,7 +43,8 @@ _SCHEMA_VALUED = {"items", "additionalProperties", "propertyNames", "additionalI
 
 def string_terminal(lo: int = 0, hi: int | None = None) -> Terminal:
     """A JSON string of lo..hi characters, quotes included; its masks are counted (counted_string.py)."""
-    return Terminal(key=f"counted:{lo}:{hi}", dfa=counted_string_dfa(lo, hi))
+    regex = f'"{json_lexical.STRING_CHAR}{{{lo},{"" if hi is None else hi}}}"'
+    return Terminal(regex=regex, key=f"counted:{lo}:{hi}", dfa=counted_string_dfa(lo, hi))
 
 
 class SchemaError(ValueError):

@@ -26,7 +26,6 @@ import math
 import re
 from typing import TYPE_CHECKING, Any
 
-from radixlm.core.runtime.constrained.schema import json_schema as js
 from radixlm.core.runtime.constrained.automata.grammar import Expr, Grammar, Ref, Repeat, Terminal, alt, lit, opt, seq
 from radixlm.core.runtime.constrained.automata.grammar_compiler import DEFAULT_BUDGET, Deadline, GrammarBudget
 from radixlm.core.runtime.constrained.schema.json_allof import AllOfRules
@@ -41,6 +40,8 @@ from radixlm.core.runtime.constrained.schema.json_numbers import NumberRules
 from radixlm.core.runtime.constrained.schema.json_objects import ObjectRules
 from radixlm.core.runtime.constrained.schema.json_strings import StringRules, _asserts_formats
 from radixlm.core.runtime.constrained.schema.json_unique import UniqueRules
+from radixlm.core.runtime.constrained.schema.schema_input import load_schema
+from radixlm.core.runtime.constrained.schema.schema_merge import SchemaMerge
 
 if TYPE_CHECKING:
     from radixlm.core.runtime.constrained.schema.schema_refs import SchemaRefs
@@ -52,7 +53,7 @@ def json_schema_to_grammar(schema: Any, whitespace_pattern: str | None = None,
     # Imported here: `referencing` takes ~0.3 s to import, which the engine's start need not pay.
     from radixlm.core.runtime.constrained.schema.schema_refs import SchemaRefs
 
-    refs = SchemaRefs(js._load_schema(schema))
+    refs = SchemaRefs(load_schema(schema))
     if whitespace_pattern:
         try:
             re.compile(whitespace_pattern)
@@ -101,14 +102,13 @@ def _scalar_keywords_admit(value: Any, schema: dict) -> bool:
 
 
 class _Converter(ExclusionRules, ConditionalRules, AllOfRules, StringRules, NumberRules, ObjectRules, ArrayRules,
-                 UniqueRules, js._Converter):
+                 UniqueRules, SchemaMerge):
     """value() dispatches on the keywords; each kind of value has its rules in a mixin (json_strings.py,
     json_numbers.py, json_objects.py, json_arrays.py and json_unique.py for uniqueItems, json_exclusion.py
-    for not/oneOf, json_conditional.py for if/then/else and dependencies, json_allof.py for allOf). Reuses
-    the regex converter's $ref resolution, allOf merging and ref expansion (for merges)."""
+    for not/oneOf, json_conditional.py for if/then/else and dependencies, json_allof.py for allOf) over
+    schema_merge.py's allOf merging and ref expansion (for merges)."""
 
     def __init__(self, refs: SchemaRefs, ws: str, budget: GrammarBudget, deadline: Deadline) -> None:
-        super().__init__(refs.root, ws, js.DEFAULT_MAX_RECURSION)
         self.refs = refs
         self.budget = budget
         self.deadline = deadline

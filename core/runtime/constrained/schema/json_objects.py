@@ -7,7 +7,7 @@ import itertools
 import json
 from typing import Any
 
-from radixlm.core.runtime.constrained.schema import json_schema as js
+from radixlm.core.runtime.constrained.automata import json_lexical
 from radixlm.core.runtime.constrained.tokens.counted_string import counted_string_dfa
 from radixlm.core.runtime.constrained.automata.grammar import EMPTY, Expr, Ref, Terminal, alt, lit, seq
 from radixlm.core.runtime.constrained.automata.grammar_compiler import derived_dfa, terminal_dfa
@@ -77,7 +77,7 @@ class ObjectRules:
                 extras.append(seq(key, self._punct(":"), self._shared(value, p2)))
         if extra is not False:
             others = [f'"{ecma_string_pattern(p)}"' for p in patterns]
-            key = self._key_terminal(js.STRING, listed, others, key_names)
+            key = self._key_terminal(json_lexical.STRING, listed, others, key_names)
             if key is not None:
                 value = self._any() if extra is True else self.value(extra, f"{ptr}/additionalProperties")
                 extras.append(seq(key, self._punct(":"), self._shared(value, f"{ptr}/additionalProperties")))
@@ -252,7 +252,8 @@ class ObjectRules:
             excluded.append(f"propertyNames:{allowed[1]}")
         key = "key:" + "\0and:".join(regexes) + "\0" + "\0".join(excluded)
         dfa = derived_dfa(key, budget, build)
-        return None if dfa is None else Terminal(key=key, dfa=dfa)
+        plain = regexes[0] if len(regexes) == 1 and not excluded else None  # the same language, as a regex
+        return None if dfa is None else Terminal(regex=plain, key=key, dfa=dfa)
 
 
 def _name_rule(rule: Any, ptr: str) -> dict | bool:
