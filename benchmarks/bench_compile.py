@@ -26,7 +26,7 @@ import bench_grammar  # noqa: E402
 
 def main() -> None:
     from radixlm.core.runtime.constrained import grammar_index_cache
-    from radixlm.core.constrained import testing
+    from radixlm.testing.constrained import qwen2_tokenizer
     from radixlm.core.runtime.constrained.automata.grammar_compiler import Deadline, GrammarBudget, compile_grammar
     from radixlm.core.runtime.constrained.pda import GrammarIndex
     from radixlm.core.runtime.constrained.schema.schema_refs import register_documents
@@ -38,7 +38,7 @@ def main() -> None:
     parser.add_argument("--budget", type=float, default=2.0, help="max_compile_seconds")
     parser.add_argument("--profile", action="store_true", help="cProfile of the compiles, by cumulative and by own time")
     args = parser.parse_args()
-    tokenizer = testing.qwen2_tokenizer()
+    tokenizer = qwen2_tokenizer()
     start = time.process_time()
     vocab = grammar_index_cache.prepare_vocab(tokenizer)
     print(f"tokenizer prepared once (prepare_vocab): {time.process_time() - start:.2f} s CPU")

@@ -46,7 +46,7 @@ from urllib.parse import urljoin
 import numpy as np
 import valid_misses
 
-from radixlm.core.cache import cache_dir
+from radixlm.core.runtime.cache import cache_dir
 
 RESULTS = cache_dir() / "bench_grammar"  # one JSON per engine run; --report reads them
 MASK_CLOCK = time.perf_counter  # --cpu-time: the thread's CPU time, which other jobs on a shared machine disturb less
@@ -225,9 +225,9 @@ class Engine:
 
 def run(engine_name: str, suite_dir: str, limit: int | None, cold: bool, vocab_name: str, samples: int,
         freeze: bool = True) -> dict:
-    from radixlm.core.constrained import testing
+    from radixlm.testing.constrained import llama3_tokenizer, qwen2_tokenizer
 
-    tokenizer = {"qwen2": testing.qwen2_tokenizer, "llama3": testing.llama3_tokenizer}[vocab_name]()
+    tokenizer = {"qwen2": qwen2_tokenizer, "llama3": llama3_tokenizer}[vocab_name]()
     setup = time.perf_counter()
     from radixlm.core.runtime.constrained.grammar_index_cache import prepare_vocab
 
@@ -252,7 +252,7 @@ def run(engine_name: str, suite_dir: str, limit: int | None, cold: bool, vocab_n
         # are built (EngineOptions.gc_freeze, gc_heap.py): the vocabulary's tables and this harness's own
         # corpus (~370k lists and dicts of instances), which no engine holds; else every full collection
         # walks them, inside whichever compile or mask it falls in (~0.1-0.17 s).
-        from radixlm.core.engine import gc_heap
+        from radixlm.core.runtime import gc_heap
 
         gc_heap.freeze_heap()
     compile_s, refused, mask_us, mask_again_us = [], {}, [], []
@@ -341,7 +341,7 @@ def _sample(engine: Engine, name: str, schema, n: int, seed: int, bad: list[str]
     import jsonschema
 
     from radixlm.core.runtime.constrained.schema.json_grammar import _asserts_formats
-    from radixlm.core.constrained.testing import random_walk
+    from radixlm.testing.constrained import random_walk
 
     cls = jsonschema.validators.validator_for(schema) if isinstance(schema, dict) else jsonschema.Draft202012Validator
     validator = cls(schema, format_checker=cls.FORMAT_CHECKER if _asserts_formats(schema) else None, registry=remotes)

@@ -14,14 +14,14 @@ import threading
 import numpy as np
 import pytest
 
-from radixlm.core.runtime.constrained.tokens import terminal_tokens
+from radixlm.core.runtime.constrained import terminal_tokens
 from radixlm.core.runtime.constrained.tokens.counted_string import string_tokens
 from radixlm.core.runtime.constrained.automata.grammar_compiler import compile_grammar
 from radixlm.core.runtime.constrained.tokens.masks import unpack_bitmask
 from radixlm.core.runtime.constrained.grammar_index_cache import (gc_paused, grammar_of, prepare_common_terminals,
-                                                                  prepare_vocab)
+                                                          prepare_vocab)
 from radixlm.core.runtime.constrained.pda import GrammarIndex
-from radixlm.core.constrained.testing import qwen2_tokenizer
+from radixlm.testing.constrained import qwen2_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ import radixlm
 from radixlm.core.runtime.constrained import build_constraint, grammar_to_regex, json_schema_to_grammar, regex_to_dfa
 from radixlm.core.runtime.constrained.tokens.vocab import vocab_of
 from radixlm.core.errors import InvalidRequestError
-from radixlm.core.testing import tiny_model_path
+from radixlm.testing.checkpoints import tiny_model_path
 from test_constrained_json import SCHEMAS, _schema_dict
 from test_constrained_regex import REGEXES
 

@@ -9,14 +9,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from radixlm.core.runtime.constrained import build_constraint, grammar_index_cache
-from radixlm.core.runtime.constrained.tokens import narrow_walk, terminal_tokens
+from radixlm.core.runtime.constrained import build_constraint, grammar_index_cache, narrow_walk, terminal_tokens
 from radixlm.core.runtime.constrained.automata.grammar_compiler import GrammarBudget, compile_grammar
 from radixlm.core.runtime.constrained.grammar_index_cache import prepare_vocab
 from radixlm.core.runtime.constrained.tokens.literal_tokens import literal_rest
 from radixlm.core.runtime.constrained.pda import GrammarIndex
-from radixlm.core.constrained.testing import qwen2_tokenizer, random_walk
-from radixlm.core.engine.options import EngineOptions
+from radixlm.testing.constrained import qwen2_tokenizer, random_walk
+from radixlm.core.runtime.options import EngineOptions
 from radixlm.core.errors import InvalidRequestError
 
 SCHEMAS = [

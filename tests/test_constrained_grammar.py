@@ -14,7 +14,7 @@ import pytest
 
 from radixlm.core.runtime.constrained import GrammarBudget, build_constraint, compile_grammar, json_schema_to_grammar
 from radixlm.core.runtime.constrained.automata.grammar import Grammar, Ref, Repeat, alt, lit, opt, seq
-from radixlm.core.constrained.testing import random_walk
+from radixlm.testing.constrained import random_walk
 from radixlm.core.errors import GrammarBudgetError
 
 INT = {"type": "integer"}

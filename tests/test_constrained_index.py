@@ -13,7 +13,7 @@ import torch
 from radixlm.core.runtime.constrained import (apply_token_masks, build_constraint, grammar_to_regex,
                                               json_schema_to_grammar, regex_to_dfa)
 from radixlm.core.runtime.constrained.tokens.masks import unpack_bitmask
-from radixlm.core.constrained.testing import qwen2_tokenizer, random_walk
+from radixlm.testing.constrained import qwen2_tokenizer, random_walk
 from radixlm.core.runtime.constrained.tokens.vocab import token_bytes_of, vocab_of
 
 # Regexes on which the two dialects agree: no \d, \w, \s, \b (Unicode tables differ), and no accepting

@@ -18,7 +18,7 @@ import pytest
 from radixlm.core.runtime.constrained import build_constraint, grammar_to_regex, json_schema_to_grammar, regex_to_dfa
 from radixlm.core.runtime.constrained.schema.number_ranges import int_range_regex
 from radixlm.core.runtime.constrained.schema.string_patterns import json_string_pattern
-from radixlm.core.constrained.testing import qwen2_tokenizer, random_walk
+from radixlm.testing.constrained import qwen2_tokenizer, random_walk
 
 STR = {"type": "string"}
 INT = {"type": "integer"}

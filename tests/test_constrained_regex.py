@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from radixlm.core.runtime.constrained import build_constraint, regex_to_dfa
-from radixlm.core.constrained.testing import qwen2_tokenizer, random_walk
+from radixlm.testing.constrained import qwen2_tokenizer, random_walk
 
 REGEXES = [
     # IP addresses

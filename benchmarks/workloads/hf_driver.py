@@ -28,7 +28,7 @@ import torch
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 
 from radixlm.core.runtime.constrained import apply_token_masks, build_constraint
-from radixlm.core.engine.sampling_params import SamplingParams
+from radixlm.core.runtime.sampling_params import SamplingParams
 
 from .common import TokenizerFrontEnd, generate_inputs
 

@@ -1,4 +1,4 @@
-"""The per-request constraint (core.engine.constraint.TokenConstraint) and the factory the engine calls."""
+"""The per-request constraint (core.runtime.constraint.TokenConstraint) and the factory the engine calls."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from radixlm.core.runtime.constrained.automata.grammar_compiler import DEFAULT_B
 from radixlm.core.runtime.constrained.grammar_index_cache import get_grammar_index
 from radixlm.core.runtime.constrained.pda import GrammarIndex, can_finish
 from radixlm.core.runtime.constrained.tokens.vocab import vocab_of
-from radixlm.core.tokenizer.fast_path import encoder_for
+from radixlm.core.runtime.tokenizer.fast_path import encoder_for
 
 KINDS = ("regex", "json_schema", "choices")
 

@@ -1,5 +1,5 @@
 """The optional llguidance backend (PyPI `llguidance`, as SGLang's `--grammar-backend llguidance`): the
-same TokenConstraint interface (core.engine.constraint) over llguidance's LLMatcher."""
+same TokenConstraint interface (core.runtime.constraint) over llguidance's LLMatcher."""
 
 from __future__ import annotations
 
