@@ -10,7 +10,7 @@ from radixlm.core.runtime.constrained.schema.string_patterns import json_string_
 from radixlm.core.runtime.constrained.tokens.counted_string import counted_states, counted_string_dfa
 from radixlm.core.runtime.constrained.automata.grammar import Expr, Repeat, Terminal, lit, seq
 from radixlm.core.runtime.constrained.automata.grammar_compiler import derived_dfa, terminal_dfa
-from radixlm.core.runtime.constrained.schema.json_common import (CHAR, NOTHING, _NOT_STRINGS, SchemaError, _counts,
+from radixlm.core.runtime.constrained.schema.json_common import (CHAR, NOTHING, NOT_STRINGS, SchemaError, count_bounds,
                                                                  string_terminal)
 from radixlm.core.runtime.constrained.automata.regex_dfa import ByteDFA, dfa_difference, dfa_intersection, sre_c, sre_p
 
@@ -47,7 +47,7 @@ class StringRules:
     def _string(self, schema: dict, ptr: str) -> Expr:
         """The strings `schema` allows, less those a `not` excluded (_negation)."""
         expr = self._string_body(schema, ptr)
-        excluded = schema.get(_NOT_STRINGS)
+        excluded = schema.get(NOT_STRINGS)
         if not excluded or expr is NOTHING:
             return expr
         if not isinstance(expr, Terminal):
@@ -67,7 +67,7 @@ class StringRules:
         return NOTHING if dfa is None else Terminal(key=key, dfa=dfa)
 
     def _string_body(self, schema: dict, ptr: str) -> Expr:
-        lo, hi = _counts(schema, "minLength", "maxLength", ptr)
+        lo, hi = count_bounds(schema, "minLength", "maxLength", ptr)
         if hi is not None and hi < lo:
             return NOTHING
         fmt, pattern = schema.get("format"), schema.get("pattern")
@@ -113,7 +113,7 @@ class StringRules:
         return NOTHING if dfa is None else Terminal(key=key, dfa=dfa)
 
 
-def _asserts_formats(root: Any) -> bool:
+def asserts_formats(root: Any) -> bool:
     """Whether `format` constrains strings: yes, unless the schema declares draft 2019-09 or 2020-12,
     where `format` is an annotation (only a metaschema's format-assertion vocabulary makes it assert,
     and metaschemas are remote)."""
