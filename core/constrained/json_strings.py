@@ -6,10 +6,10 @@ from __future__ import annotations
 from typing import Any
 
 from radixlm.core.constrained import json_schema as js
-from radixlm.core.constrained.counted_string import counted_states, counted_string_dfa
-from radixlm.core.constrained.grammar import Expr, Repeat, Terminal, lit, seq
+from radixlm.core.constrained.counted_string import counted_string_dfa
+from radixlm.core.constrained.grammar import Expr, Terminal
 from radixlm.core.constrained.grammar_compiler import derived_dfa, terminal_dfa
-from radixlm.core.constrained.json_common import CHAR, NOTHING, _NOT_STRINGS, SchemaError, _counts, string_terminal
+from radixlm.core.constrained.json_common import NOTHING, _NOT_STRINGS, SchemaError, _counts, string_terminal
 from radixlm.core.constrained.regex_dfa import ByteDFA, dfa_difference, dfa_intersection
 
 
@@ -48,10 +48,10 @@ class StringRules:
         excluded = schema.get(_NOT_STRINGS)
         if not excluded or expr is NOTHING:
             return expr
-        if not isinstance(expr, Terminal):
+        budget = self.budget.max_terminal_states
+        if not isinstance(expr, Terminal) or expr.dfa is not None and len(expr.dfa.transitions) > budget:
             raise SchemaError(f"{ptr}/not: excluding strings from one of over {self.budget.max_terminal_states} "
                               "states is not supported")
-        budget = self.budget.max_terminal_states
 
         def build() -> ByteDFA | None:
             dfa = expr.dfa if expr.dfa is not None else terminal_dfa(expr.regex, budget)
@@ -84,10 +84,7 @@ class StringRules:
         if regexes:
             where = f"{ptr}/pattern" if pattern is not None else f"{ptr}/format"
             return self._within(regexes, lo, hi, bounded, where)
-        if counted_states(lo, hi) <= self.budget.max_terminal_states:
-            return string_terminal(lo, hi)
-        tail = Repeat(CHAR, 0, hi - lo) if hi is not None else Terminal(regex=f"{js.STRING_CHAR}*")
-        return seq(lit('"'), Repeat(CHAR, lo, lo), tail, lit('"')) if lo else seq(lit('"'), tail, lit('"'))
+        return string_terminal(lo, hi)  # any length: a long one's moves are computed, not stored
 
     def _within(self, regexes: list[str], lo: int, hi: int | None, bounded: bool, ptr: str) -> Expr:
         """The JSON strings matching every regex of `regexes` (quotes included), with lo..hi characters

@@ -39,7 +39,8 @@ from radixlm.core.constrained.counted_string import CountedStringDFA, string_tok
 from radixlm.core.constrained.grammar_compiler import CompiledGrammar, terminal_tables
 from radixlm.core.constrained.literal_tokens import literal_rest
 from radixlm.core.constrained.masks import MaskCache
-from radixlm.core.constrained.terminal_tokens import Exits, SuffixTree, state_tokens
+from radixlm.core.constrained.terminal_tokens import state_tokens
+from radixlm.core.constrained.token_classes import Exits, SuffixTree
 from radixlm.core.constrained.vocab import TokenVocab, set_bits, whole_characters
 
 END = (-1, 0, -1)  # the item "the output may end here"
