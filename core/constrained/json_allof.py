@@ -7,8 +7,8 @@ import math
 from typing import Any
 
 from radixlm.core.constrained.json_common import (
-    _CONFLICT, _LOWER_BOUNDS, _NEGATED, _NOT_STRINGS, _SCHEMA_VALUED, _UPPER_BOUNDS, _negated, _pattern_matches,
-    _same_json, _with_parts)
+    _CONFLICT, _LOWER_BOUNDS, _NEGATED, _NOT_STRINGS, _SCHEMA_VALUED, _UPPER_BOUNDS, NOT_MULTIPLE_OF, _negated,
+    _pattern_matches, _same_json, _with_parts)
 from radixlm.core.constrained.json_conditional import _discriminated, _through_if
 
 
@@ -21,7 +21,7 @@ _KNOWN = {
     "uniqueItems", "minLength", "maxLength", "pattern", "format", "minimum", "maximum", "exclusiveMinimum",
     "exclusiveMaximum", "multipleOf", "anyOf", "oneOf", "allOf", "not", "if", "then", "else", "$ref",
     "nullable", "dependentRequired", "dependentSchemas", "dependencies", "$dynamicRef", "$recursiveRef",
-    _NOT_STRINGS, _NEGATED,
+    _NOT_STRINGS, _NEGATED, NOT_MULTIPLE_OF,
 }
 MAX_COMBINATIONS = 256  # allOf of several anyOf/oneOf: branch combinations generated at most
 
@@ -129,6 +129,11 @@ class AllOfRules:
             # Items valid under both: a sound subset (a single item then satisfies each part's contains;
             # the tighter min/maxContains of the merge hold for each part's count too).
             return {"allOf": [a, b]}
+        if key == "enum":  # the values both list (none: no value)
+            if a is _CONFLICT or b is _CONFLICT or not isinstance(a, list) or not isinstance(b, list):
+                return _CONFLICT
+            both = [v for v in a if any(_same_json(v, w) for w in b)]
+            return both or _CONFLICT
         if key == "const":  # two different constants: no value
             return a if a is not _CONFLICT and b is not _CONFLICT and _same_json(a, b) else _CONFLICT
         if key == "prefixItems" and isinstance(a, list) and isinstance(b, list):

@@ -35,6 +35,7 @@ _LOWER_BOUNDS = {"minimum", "exclusiveMinimum", "minLength", "minItems", "minPro
 _UPPER_BOUNDS = {"maximum", "exclusiveMaximum", "maxLength", "maxItems", "maxProperties", "maxContains"}
 _CONFLICT = object()  # internal: the `const` of allOf parts with different constants (no value)
 _NOT_STRINGS = "x-radixlm-not-strings"  # internal: regexes of the JSON strings a `not` excludes
+NOT_MULTIPLE_OF = "x-radixlm-not-multiple-of"  # internal: [p, q] of a `not` of multipleOf p/q (integers p does not divide)
 # internal: a `not`'s positive form (json_exclusion.py), whose keys and items a validator does not count
 # as evaluated (json_allof.py holds them to the parent's unevaluatedProperties/Items)
 _NEGATED = "x-radixlm-negated"
