@@ -26,6 +26,12 @@ FORMATS = js.FORMATS | {
     "ipv4": rf"{_IPV4_PART}(?:\.{_IPV4_PART}){{3}}",
     "ipv6": f"(?:{_IPV6})",
 }
+# RFC 6570 URI templates, conservatively (a subset that the `uri-template` package, jsonschema's checker,
+# accepts too): literals from the URI characters or %XX; expressions of variables [A-Za-z0-9_] with dots, an
+# operator of level 2-3, prefix lengths 1-999 or explode.
+_VARSPEC = r"[A-Za-z0-9_](?:\.?[A-Za-z0-9_])*(?::[1-9][0-9]{0,2}|\*)?"
+FORMATS["uri-template"] = (rf"(?:[A-Za-z0-9\-._~:/?#\[\]@!$&'()*+,;=]|%[0-9A-Fa-f]{{2}}"
+                           rf"|\{{[+#./;?&]?{_VARSPEC}(?:,{_VARSPEC})*\}})*")
 # Lookahead is not regular in our engine: durations are "P", then at least one component.
 FORMATS["duration"] = (r"P(?:[0-9]+W|[0-9]+Y(?:[0-9]+M)?(?:[0-9]+D)?(?:T_TIME)?|[0-9]+M(?:[0-9]+D)?(?:T_TIME)?"
                        r"|[0-9]+D(?:T_TIME)?|T_TIME)").replace(
