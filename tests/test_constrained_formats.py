@@ -9,8 +9,8 @@ import jsonschema
 import numpy as np
 import pytest
 
-from radixlm.core.constrained import build_constraint
-from radixlm.core.constrained.testing import random_walk
+from radixlm.core.runtime.constrained import build_constraint
+from radixlm.testing.constrained import random_walk
 
 uri_template = pytest.importorskip("uri_template")  # what jsonschema's checker uses for this format
 

@@ -11,11 +11,12 @@ import jsonschema
 import numpy as np
 import pytest
 
-import radixlm.core.constrained.counted_string as counted_string
-from radixlm.core.constrained import build_constraint, terminal_tokens
-from radixlm.core.constrained.counted_table import CountedTable
-from radixlm.core.constrained.grammar_index_cache import prepare_vocab
-from radixlm.core.constrained.testing import qwen2_tokenizer
+import radixlm.core.runtime.constrained.tokens.counted_string as counted_string
+from radixlm.core.runtime.constrained import build_constraint
+from radixlm.core.runtime.constrained.tokens import terminal_tokens
+from radixlm.core.runtime.constrained.tokens.counted_table import CountedTable
+from radixlm.core.runtime.constrained.grammar_index_cache import prepare_vocab
+from radixlm.testing.constrained import qwen2_tokenizer
 
 TEXT = ('Die Straße führt nach Zürich; 日本語のテキストと絵文字 😀🎉, "quoted", back\\slash, tab\tand\nnewline, '
         'Ελληνικά, العربية, ꙮ 𝔘𝔫𝔦𝔠𝔬𝔡𝔢 \u2028 end.')

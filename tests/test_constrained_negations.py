@@ -12,8 +12,8 @@ import jsonschema
 import numpy as np
 import pytest
 
-from radixlm.core.constrained import build_constraint
-from radixlm.core.constrained.testing import random_walk
+from radixlm.core.runtime.constrained import build_constraint
+from radixlm.testing.constrained import random_walk
 
 # (schema, valid instances the grammar accepts, invalid instances)
 CASES = [

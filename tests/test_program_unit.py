@@ -12,11 +12,11 @@ import time
 import pytest
 
 import radixlm as sgl
-from radixlm.core.backends.base import BaseBackend
-from radixlm.core.program.chat_template import chat_template_from_tokenizer, get_chat_template
-from radixlm.core.program.compiler import CompiledFunction
-from radixlm.core.program.ir import REGEX_INT, Constant, Fork, GenParams, GetForkItem, Select
-from radixlm.core.program.speculative import TurnItem, cap_tokens, cut_at_stop, match_turn, token_ends
+from radixlm.core.lang.backends.base import BaseBackend
+from radixlm.core.lang.chat_template import chat_template_from_tokenizer, get_chat_template
+from radixlm.core.lang.compiler import CompiledFunction
+from radixlm.core.lang.ir import REGEX_INT, Constant, Fork, GenParams, GetForkItem, Select
+from radixlm.core.lang.backends.speculative import TurnItem, cap_tokens, cut_at_stop, match_turn, token_ends
 
 
 # ----- IR and parameters -----
@@ -68,7 +68,7 @@ def test_choice_methods() -> None:
 # ----- chat templates -----
 
 def test_chat_template_from_tokenizer_reproduces_the_jinja_template(tokenizer_path: str) -> None:
-    from radixlm.core.tokenizer.loader import load_tokenizer
+    from radixlm.core.runtime.tokenizer.loader import load_tokenizer
 
     tokenizer = load_tokenizer(tokenizer_path)
     template = chat_template_from_tokenizer(tokenizer)
@@ -308,3 +308,30 @@ def test_a_read_waits_for_the_last_gen_of_a_name() -> None:
 
     state = twice.run(backend=Counting())
     assert state["x"] == "<3>" and state.text() == "<1><2><3>"
+
+
+def test_set_default_backend_keeps_a_runtime_as_given() -> None:
+    """As SGLang does: a Runtime stays what it is (code reads `default_backend.endpoint`), and programs
+    resolve it to its endpoint where they run; a backend stays as given; anything else fails at once."""
+    class Runtime:  # SGLang's Runtime shape: a launched server behind `.endpoint`
+        def __init__(self) -> None:
+            self.endpoint = ScriptedBackend()
+
+    @sgl.function
+    def hello(s):
+        s += "Hi " + sgl.gen("g", max_tokens=2)
+
+    runtime = Runtime()
+    try:
+        sgl.set_default_backend(runtime)
+        assert sgl.global_config.default_backend is runtime
+        assert sgl.global_config.default_backend.endpoint is runtime.endpoint
+        assert hello.run()["g"] == "<out>" and runtime.endpoint.prompts == ["Hi "]
+        backend = ScriptedBackend()
+        sgl.set_default_backend(backend)
+        assert sgl.global_config.default_backend is backend
+        with pytest.raises(TypeError, match="not a backend"):
+            sgl.set_default_backend(object())
+        assert sgl.global_config.default_backend is backend
+    finally:
+        sgl.global_config.default_backend = None

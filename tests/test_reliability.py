@@ -13,10 +13,11 @@ import time
 import pytest
 
 import radixlm
-from radixlm.core.engine.scheduler import loop as scheduler_loop
-from radixlm.core.tokenizer.detokenizer import IncrementalDetokenizer
-from radixlm.core.engine.messages import ConstraintSpec
-from radixlm.core.engine.sampling_params import SamplingParams
+from radixlm.core.runtime import constraint_compiler
+from radixlm.core.runtime.scheduler import loop as scheduler_loop
+from radixlm.core.runtime.tokenizer.detokenizer import IncrementalDetokenizer
+from radixlm.core.runtime.messages import ConstraintSpec
+from radixlm.core.runtime.sampling_params import SamplingParams
 from radixlm.core.errors import InvalidRequestError, TooComplexError
 
 CLEAN = ["The harbour at dawn", "A list of colours:", "Once upon a time"]
@@ -124,8 +125,8 @@ def _one(engine, params: dict, prompt: str = "fault") -> list:
 
 def test_raising_constraint_ends_only_its_request(fault_engine, clean_outputs, monkeypatch):
     # The scheduler builds constraints from their specs: this spec builds one that breaks.
-    real_build = scheduler_loop.build_constraint
-    monkeypatch.setattr(scheduler_loop, "build_constraint", lambda kind, spec, *a, **kw: (
+    real_build = constraint_compiler.build_constraint
+    monkeypatch.setattr(constraint_compiler, "build_constraint", lambda kind, spec, *a, **kw: (
         _RaisingConstraint(fail_after=3) if spec == "FAULT" else real_build(kind, spec, *a, **kw)))
     faulty = _one(fault_engine, {**GREEDY})
     faulty[0].constraint = ConstraintSpec("regex", "FAULT")
