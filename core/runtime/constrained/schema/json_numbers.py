@@ -8,7 +8,6 @@ from typing import Any
 
 import numpy as np
 
-from radixlm.core.runtime.constrained.schema import json_schema as js
 from radixlm.core.runtime.constrained.schema import number_ranges
 from radixlm.core.runtime.constrained.automata.grammar import Expr, Terminal, lit
 from radixlm.core.runtime.constrained.automata.grammar_compiler import terminal_dfa
@@ -32,7 +31,7 @@ class NumberRules:
         step = fractions.Fraction(repr(step)).numerator
         avoid = schema.get(NOT_MULTIPLE_OF)  # a `not` of multipleOf: integers that p does not divide
         try:
-            lo, hi = js._int_bounds(schema)
+            lo, hi = number_ranges.int_bounds(schema)
         except ValueError as e:
             raise SchemaError(f"{ptr}: {e}") from None
         if lo is not None and hi is not None and lo > hi:
@@ -41,15 +40,15 @@ class NumberRules:
             zero = (lo is None or lo <= 0) and (hi is None or hi >= 0) and avoid is None
             return lit("0") if zero else NOTHING
         if int(step) == 1 and avoid is None:
-            return INTEGER if lo is None and hi is None else Terminal(regex=f"(?:{js.int_range_regex(lo, hi)})")
+            return INTEGER if lo is None and hi is None else Terminal(regex=f"(?:{number_ranges.int_range_regex(lo, hi)})")
         budget = self.budget.max_terminal_states
         dfas = [multiples_dfa(int(step))] if int(step) > 1 else []
         if avoid is not None:
             dfas.append(non_multiples_dfa(int(avoid[0])))
             if avoid[1] > 1:  # validators divide doubles: n / 1.5 is exact only for fewer digits than a double has
-                dfas.append(terminal_dfa(f"(?:{js.int_range_regex(-EXACT_INTEGER, EXACT_INTEGER)})", budget))
+                dfas.append(terminal_dfa(f"(?:{number_ranges.int_range_regex(-EXACT_INTEGER, EXACT_INTEGER)})", budget))
         if lo is not None or hi is not None:
-            dfas.append(terminal_dfa(f"(?:{js.int_range_regex(lo, hi)})", budget))
+            dfas.append(terminal_dfa(f"(?:{number_ranges.int_range_regex(lo, hi)})", budget))
         dfa = dfas[0]
         for other in dfas[1:]:
             dfa = dfa_intersection(dfa, other, budget, self.deadline.check) if dfa is not None else None
