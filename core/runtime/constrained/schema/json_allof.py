@@ -7,7 +7,8 @@ import math
 from typing import Any
 
 from radixlm.core.runtime.constrained.schema.json_common import (CONFLICT, LOWER_BOUNDS, NEGATED, NOT_STRINGS,
-                                                                 SCHEMA_VALUED, UPPER_BOUNDS, NOT_MULTIPLE_OF, mark_negated,
+                                                                 SCHEMA_VALUED, UPPER_BOUNDS, NOT_MULTIPLE_OF,
+                                                                 mark_negated,
                                                                  pattern_matches, same_json, with_parts)
 from radixlm.core.runtime.constrained.schema.json_conditional import discriminated, through_if_branch
 

@@ -40,7 +40,8 @@ class NumberRules:
             zero = (lo is None or lo <= 0) and (hi is None or hi >= 0) and avoid is None
             return lit("0") if zero else NOTHING
         if int(step) == 1 and avoid is None:
-            return INTEGER if lo is None and hi is None else Terminal(regex=f"(?:{number_ranges.int_range_regex(lo, hi)})")
+            whole = number_ranges.int_range_regex(lo, hi) if lo is not None or hi is not None else None
+            return INTEGER if whole is None else Terminal(regex=f"(?:{whole})")
         budget = self.budget.max_terminal_states
         dfas = [multiples_dfa(int(step))] if int(step) > 1 else []
         if avoid is not None:

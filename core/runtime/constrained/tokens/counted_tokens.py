@@ -73,7 +73,8 @@ def _inner_exits(vocab: TokenVocab, slot: int) -> Exits | None:
     if key not in _exits:
         reads = inner_tokens(vocab, slot)
         going_on = np.flatnonzero(reads.closes & ~reads.ends_at_quote).tolist()
-        found = Exits.build(reads.ids[going_on].tolist(), [reads.after_quote[n] for n in going_on]) if going_on else None
+        found = None if not going_on else Exits.build(reads.ids[going_on].tolist(),
+                                                      [reads.after_quote[n] for n in going_on])
         with _lock:
             _exits.setdefault(key, found)
     return _exits[key]
