@@ -39,7 +39,8 @@ from radixlm.core.runtime.constrained.tokens.counted_string import CountedString
 from radixlm.core.runtime.constrained.automata.grammar_compiler import CompiledGrammar, terminal_tables
 from radixlm.core.runtime.constrained.tokens.literal_tokens import literal_rest
 from radixlm.core.runtime.constrained.tokens.masks import MaskCache
-from radixlm.core.runtime.constrained.tokens.terminal_tokens import Exits, SuffixTree, state_tokens
+from radixlm.core.runtime.constrained.tokens.terminal_tokens import state_tokens
+from radixlm.core.runtime.constrained.tokens.token_classes import Exits, SuffixTree
 from radixlm.core.runtime.constrained.tokens.vocab import TokenVocab, set_bits, whole_characters
 
 END = (-1, 0, -1)  # the item "the output may end here"

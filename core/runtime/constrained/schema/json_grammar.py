@@ -32,7 +32,7 @@ from radixlm.core.runtime.constrained.schema.json_allof import AllOfRules
 from radixlm.core.runtime.constrained.schema.json_arrays import ArrayRules
 from radixlm.core.runtime.constrained.schema.json_common import (CONFLICT, DEPENDENT_KEYWORDS, IGNORED_KEYWORDS,
                                                                  NOT_STRINGS, REFUSED_KEYWORDS, JSON_TYPES, BOOLEAN,
-                                                                 NOTHING, NULL, NUMBER, SchemaError, json_type,
+                                                                 NOT_MULTIPLE_OF, NOTHING, NULL, NUMBER, SchemaError, json_type,
                                                                  mark_negated, open_part, same_json, with_parts,
                                                                  string_terminal)
 from radixlm.core.runtime.constrained.schema.json_conditional import ConditionalRules
@@ -65,6 +65,15 @@ def json_schema_to_grammar(schema: Any, whitespace_pattern: str | None = None,
     return Grammar(conv.rules, "start")
 
 
+def _of_types(value: Any, negated: Any) -> bool:
+    """Whether `value` is of a type that `negated` (true, {} or a schema of `type` alone) allows."""
+    if not isinstance(negated, dict) or "type" not in negated:
+        return negated is True or negated == {}
+    types = {negated["type"]} if isinstance(negated["type"], str) else set(negated["type"])
+    kind = json_type(value)
+    return kind in types or kind == "integer" and "number" in types
+
+
 def _scalar_keywords_admit(value: Any, schema: dict) -> bool:
     """Whether a string or number constant meets its schema's length, pattern and range keywords (the
     siblings of enum/const that apply to a constant; object and array keywords are not checked here).
@@ -92,6 +101,9 @@ def _scalar_keywords_admit(value: Any, schema: dict) -> bool:
         return False
     low, high = number("exclusiveMinimum"), number("exclusiveMaximum")
     if (low is not None and value <= low) or (high is not None and value >= high):
+        return False
+    avoid = schema.get(NOT_MULTIPLE_OF)  # a `not` of multipleOf p/q: integers p does not divide
+    if avoid is not None and float(value).is_integer() and int(value) % avoid[0] == 0:
         return False
     step = number("multipleOf")
     if step is None or step <= 0:
@@ -214,6 +226,8 @@ class _Converter(ExclusionRules, ConditionalRules, AllOfRules, StringRules, Numb
                 return NOTHING
             return self._literal(schema["const"], schema, ptr)
         if "enum" in schema:
+            if schema["enum"] is CONFLICT:  # allOf parts whose enums share no value
+                return NOTHING
             if not isinstance(schema["enum"], list) or not schema["enum"]:
                 raise SchemaError(f"{ptr}/enum: must be a non-empty list")
             return alt(*(self._literal(v, schema, ptr) for v in schema["enum"]))
@@ -257,6 +271,8 @@ class _Converter(ExclusionRules, ConditionalRules, AllOfRules, StringRules, Numb
         text = json.dumps(value, ensure_ascii=False)
         if isinstance(value, str) and any(re.fullmatch(r, text) for r in schema.get(NOT_STRINGS, ())):
             return NOTHING  # a `not` excludes it
+        if "not" in schema and types_only(schema["not"]) and _of_types(value, schema["not"]):
+            return NOTHING  # {"enum": [3, 4.5], "not": {"type": "integer"}}: 3 is excluded
         if not _scalar_keywords_admit(value, schema):
             return NOTHING  # a sibling keyword excludes it: {"enum": ["abc"], "maxLength": 2}
         return self._constant(value)
