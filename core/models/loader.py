@@ -21,6 +21,7 @@ from radixlm.core.models.hub import find_gguf
 from radixlm.core.models.registry import model_spec
 from radixlm.core.runtime.quantization.config import QuantConfig, quant_config
 from radixlm.core.runtime.quantization.fp8 import add_scale_parameters, check_fp8_device, quantize_linears
+from radixlm.core.runtime.quantization.gguf_cpu import check_gguf_device, keep_gguf_quantized
 
 if TYPE_CHECKING:
     from radixlm.core.models.parallel import TensorParallel
@@ -88,8 +89,10 @@ def load_model(
     (core.runtime.quantization) once the weights are in."""
     spec = model_spec(cfg.architecture)
     qc = quant_config(quantization, path)
-    if qc is not None:
+    if qc is not None and qc.method == "fp8":
         check_fp8_device(device)
+    if qc is not None and qc.method == "gguf":
+        check_gguf_device(device, find_gguf(path))
     from_checkpoint = qc is not None and qc.checkpoint_format is not None and load_format != "dummy"
     with torch.device("meta"):
         model = spec.model_class(cfg, ops)
@@ -104,7 +107,7 @@ def load_model(
         _set_parameter(model, name, model.get_parameter(source))
     if load_format == "dummy":
         _init_dummy(model)
-        return _quantized(model, qc, ops, from_checkpoint).eval()
+        return _quantized(model, qc, ops, from_checkpoint, path).eval()
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded: set[str] = set()
     for hf_name, w in checkpoint_weights(path, qc):
@@ -130,13 +133,18 @@ def load_model(
     missing = sorted(expected - loaded)
     if missing:
         raise UnsupportedModelError(f"checkpoint {path} lacks weights: {missing[:5]}{'...' if len(missing) > 5 else ''}")
-    return _quantized(model, qc, ops, from_checkpoint).eval()
+    return _quantized(model, qc, ops, from_checkpoint, path).eval()
 
 
-def _quantized(model: nn.Module, qc: QuantConfig | None, ops: ModuleType, from_checkpoint: bool) -> nn.Module:
+def _quantized(model: nn.Module, qc: QuantConfig | None, ops: ModuleType, from_checkpoint: bool,
+               path: str) -> nn.Module:
     """The model with its projections quantized as qc says (unchanged without qc); the memory of the
     weights they replace goes back to the device."""
     if qc is None:
+        return model
+    if qc.method == "gguf":
+        cfg = model.config
+        keep_gguf_quantized(model, find_gguf(path), model_spec(cfg.architecture), cfg.tie_word_embeddings)
         return model
     quantize_linears(model, ops, from_checkpoint)
     if next(model.parameters()).is_cuda:

@@ -11,13 +11,13 @@ from typing import Any
 from radixlm.core.errors import UnsupportedModelError
 
 # The `quantization` option's values (vLLM's and SGLang's names).
-METHODS = ("fp8",)
+METHODS = ("fp8", "gguf")
 
 
 @dataclass(frozen=True)
 class QuantConfig:
     """method: the linear layers' scheme ("fp8": e4m3 weights with one scale per output feature,
-    activations quantized per token as they come). checkpoint_format: how the checkpoint stores them
+    activations quantized per token as they come; "gguf": a GGUF file's Q4_0/Q4_1/Q8_0 blocks kept). checkpoint_format: how the checkpoint stores them
     (None: in bf16/fp16/fp32, quantized at load; "fp8": `quant_method: fp8` (per-tensor `weight_scale`,
     or `weight_scale_inv` blocks with `weight_block_size`); "compressed-tensors": float8 weights with
     `weight_scale` per tensor or per channel). block_size: (rows, cols) of a scale block, if any."""
