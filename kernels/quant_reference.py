@@ -27,3 +27,26 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     xq, x_scale = quantize_fp8_rows(x)
     out = (xq.float() @ weight.float().t()) * x_scale[:, None] * weight_scale[None, :]
     return (out if bias is None else out + bias.float()).to(x.dtype)
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """[N, K / 2] uint8 (element 2j in the low nibble of byte j, 2j + 1 in the high one) -> [N, K] uint8."""
+    return torch.stack((packed & 0x0F, packed >> 4), dim=-1).reshape(packed.shape[0], -1)
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """unpack_int4's inverse: q [N, K] of values 0..15 (K even) -> [N, K / 2] uint8."""
+    q = q.to(torch.uint8).reshape(q.shape[0], -1, 2)
+    return q[..., 0] | (q[..., 1] << 4)
+
+
+def int4_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+    """4-bit weight-only product (AWQ, GPTQ): the weight [N, K] is (q - zero) * scale with q the unpacked
+    `packed` [N, K / 2] and one fp32 scale and zero per row and group of K / scales.shape[1] columns;
+    x [M, K] times its transpose, accumulated in fp32, plus bias, returned in x's dtype."""
+    q = unpack_int4(packed).float()
+    group = q.shape[1] // scales.shape[1]
+    w = (q - zeros.repeat_interleave(group, 1)) * scales.repeat_interleave(group, 1)
+    out = x.float() @ w.t()
+    return (out if bias is None else out + bias.float()).to(x.dtype)

@@ -36,7 +36,7 @@ OP_NAMES = (
 OPTIONAL_OP_NAMES = ("apply_rotary_store_kv", "gemv", "residual_gemv", "rms_scaled_gemv", "rotary_qkv_gemv")
 # Quantized-weight products (core.runtime.quantization); every set has them, their twins are in
 # kernels.quant_reference.
-QUANT_OP_NAMES = ("fp8_linear",)
+QUANT_OP_NAMES = ("fp8_linear", "int4_linear")
 
 
 def triton_enabled(device: torch.device | str) -> bool:

@@ -176,8 +176,9 @@ class EngineOptions:
         None, "quantized weights: fp8 (e4m3 weights with per-channel scales, activations quantized per token; "
         "CUDA needs compute capability 8.9+) quantizes a bf16 checkpoint at load; a checkpoint's own "
         "quantization_config (fp8, compressed-tensors float8) is read without it; gguf (CPU): a GGUF file's "
-        "Q4_0/Q4_1/Q8_0 weights stay quantized (docs/quantization.md)",
-        choices=("fp8", "gguf"))
+        "Q4_0/Q4_1/Q8_0 weights stay quantized; awq, gptq: 4-bit checkpoints (read from their config without "
+        "it) (docs/quantization.md)",
+        choices=("fp8", "gguf", "awq", "gptq"))
     load_format: str = option("auto", "auto: weights from the model path; dummy: random weights (benchmarks)",
                               choices=("auto", "dummy"))
     tp_size: int = option(1, "tensor-parallel ranks, one process each (docs/scale_out.md)",

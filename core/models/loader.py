@@ -22,6 +22,7 @@ from radixlm.core.models.registry import model_spec
 from radixlm.core.runtime.quantization.config import QuantConfig, quant_config
 from radixlm.core.runtime.quantization.fp8 import add_scale_parameters, check_fp8_device, quantize_linears
 from radixlm.core.runtime.quantization.gguf_cpu import check_gguf_device, keep_gguf_quantized
+from radixlm.core.runtime.quantization.int4 import add_int4_parameters, quantize_int4_linears
 
 if TYPE_CHECKING:
     from radixlm.core.models.parallel import TensorParallel
@@ -69,12 +70,14 @@ def _quantized_weights(files: list[str], qc: QuantConfig, path: str) -> Iterator
     from safetensors import safe_open
 
     from radixlm.core.runtime.quantization.fp8_checkpoint import fp8_weights
+    from radixlm.core.runtime.quantization.int4_checkpoint import int4_weights
 
+    read = fp8_weights if qc.method == "fp8" else int4_weights
     with ExitStack() as stack:
         handles = [stack.enter_context(safe_open(file, framework="pt", device="cpu")) for file in files]
         where = {name: f for f in handles for name in f.keys()}
-        yield from tqdm(fp8_weights(list(where), lambda name: where[name].get_tensor(name), qc, path),
-                        desc="Loading fp8 weights", unit="tensor")
+        yield from tqdm(read(list(where), lambda name: where[name].get_tensor(name), qc, path),
+                        desc=f"Loading {qc.method} weights", unit="tensor")
 
 
 def load_model(
@@ -94,12 +97,16 @@ def load_model(
     if qc is not None and qc.method == "gguf":
         check_gguf_device(device, find_gguf(path))
     from_checkpoint = qc is not None and qc.checkpoint_format is not None and load_format != "dummy"
+    if qc is not None and qc.method in ("awq", "gptq") and (tp is not None or load_format == "dummy"):
+        raise UnsupportedModelError(f"{qc.method} checkpoints run without tensor parallelism, from their files")
     with torch.device("meta"):
         model = spec.model_class(cfg, ops)
         if tp is not None:
             tp.shard_model(model, spec)
-        if from_checkpoint:
+        if from_checkpoint and qc.method == "fp8":
             add_scale_parameters(model)
+        elif from_checkpoint:
+            add_int4_parameters(model, qc.group_size)
     optional = {name for name, p in model.named_parameters() if getattr(p, "quant_scale", False)}
     _materialize(model, dtype, device)
     tied = spec.tied if cfg.tie_word_embeddings else {}
@@ -146,7 +153,10 @@ def _quantized(model: nn.Module, qc: QuantConfig | None, ops: ModuleType, from_c
         cfg = model.config
         keep_gguf_quantized(model, find_gguf(path), model_spec(cfg.architecture), cfg.tie_word_embeddings)
         return model
-    quantize_linears(model, ops, from_checkpoint)
+    if qc.method in ("awq", "gptq"):
+        quantize_int4_linears(model, ops)
+    else:
+        quantize_linears(model, ops, from_checkpoint)
     if next(model.parameters()).is_cuda:
         torch.cuda.empty_cache()
     return model
