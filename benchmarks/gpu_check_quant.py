@@ -1,8 +1,9 @@
 """gpu_check.py's step for quantized weights (quantization="fp8"), on the GPU:
 
 1. Kernels at the Llama-3-8B sizes: the per-token activation quantizer equal to its reference to the bit;
-   the fp8 decode GEMVs (1 and 4 rows) and the W8A8 GEMM (torch._scaled_mm, 16 and 300 rows) against
-   the fp32 product of the same e4m3 values and scales, within 1 % of the output's largest magnitude.
+   the fp8 decode GEMVs (1 and 4 rows), the W8A8 GEMM (torch._scaled_mm, 16 and 300 rows) and the 4-bit
+   GEMM (AWQ/GPTQ, bf16 activations, 1, 16 and 300 rows) against the fp32 product of the same quantized
+   values and scales, within 1 % of the output's largest magnitude.
 2. The engine on the tiny Llama with quantization=fp8, against transformers (fp32) whose projections
    compute the reference W8A8 product of the same e4m3 weights (tests/test_quant_fp8.py's oracle): prompt
    logprobs (prefill: the fp8 GEMM path) mean error under 5e-3 in fp32 (the GEMM writes bf16); in bf16,
@@ -50,8 +51,13 @@ def check_kernels() -> dict[str, Any]:
             out["quantize_rows_bit_equal"] &= bool(torch.equal(xq.view(torch.uint8), rq.view(torch.uint8))
                                                    and torch.equal(xs, rs))
             out[f"gemm_{m}x{n}x{k}"] = _rel_err(tri.fp8_linear(x, wq, ws), qref.fp8_linear(x.float(), wq, ws))
+        packed, scales, zeros = qref.quantize_int4_rows(w, 128)
+        for m in (1, 16, 300):
+            x = torch.randn(m, k, device="cuda", generator=g).bfloat16()
+            out[f"int4_{m}x{n}x{k}"] = _rel_err(tri.int4_linear(x, packed, scales, zeros),
+                                                qref.int4_linear(x.float(), packed, scales, zeros))
     out["ok"] = out["quantize_rows_bit_equal"] and all(v < 1e-2 for key, v in out.items()
-                                                       if key.startswith(("gemv", "gemm")))
+                                                       if key.startswith(("gemv", "gemm", "int4")))
     return out
 
 

@@ -40,6 +40,18 @@ def pack_int4(q: torch.Tensor) -> torch.Tensor:
     return q[..., 0] | (q[..., 1] << 4)
 
 
+def quantize_int4_rows(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(packed [N, K / 2], fp32 scales [N, K / group], fp32 zeros) of w: asymmetric min-max 4-bit per
+    group (AWQ's and GPTQ's grid; for random weights of benchmarks, which no checkpoint gives)."""
+    n, k = w.shape
+    g = w.float().view(n, k // group, group)
+    lo, hi = g.amin(-1).clamp(max=0), g.amax(-1).clamp(min=0)
+    scale = ((hi - lo) / 15).clamp_min(MIN_SCALE)
+    zero = (-lo / scale).round().clamp(0, 15)
+    q = (g / scale[..., None] + zero[..., None]).round().clamp(0, 15).view(n, k)
+    return pack_int4(q), scale, zero
+
+
 def int4_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                 bias: torch.Tensor | None = None) -> torch.Tensor:
     """4-bit weight-only product (AWQ, GPTQ): the weight [N, K] is (q - zero) * scale with q the unpacked

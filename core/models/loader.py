@@ -22,7 +22,7 @@ from radixlm.core.models.registry import model_spec
 from radixlm.core.runtime.quantization.config import QuantConfig, quant_config
 from radixlm.core.runtime.quantization.fp8 import add_scale_parameters, check_fp8_device, quantize_linears
 from radixlm.core.runtime.quantization.gguf_cpu import check_gguf_device, keep_gguf_quantized
-from radixlm.core.runtime.quantization.int4 import add_int4_parameters, quantize_int4_linears
+from radixlm.core.runtime.quantization.int4 import add_int4_parameters, quantize_int4_linears, quantize_random_int4
 
 if TYPE_CHECKING:
     from radixlm.core.models.parallel import TensorParallel
@@ -91,14 +91,14 @@ def load_model(
     A quantized checkpoint, or `quantization` ("fp8"), makes the projections quantized layers
     (core.runtime.quantization) once the weights are in."""
     spec = model_spec(cfg.architecture)
-    qc = quant_config(quantization, path)
+    qc = quant_config(quantization, path, dummy=load_format == "dummy")
     if qc is not None and qc.method == "fp8":
         check_fp8_device(device)
     if qc is not None and qc.method == "gguf":
         check_gguf_device(device, find_gguf(path))
     from_checkpoint = qc is not None and qc.checkpoint_format is not None and load_format != "dummy"
-    if qc is not None and qc.method in ("awq", "gptq") and (tp is not None or load_format == "dummy"):
-        raise UnsupportedModelError(f"{qc.method} checkpoints run without tensor parallelism, from their files")
+    if qc is not None and qc.method in ("awq", "gptq") and tp is not None:
+        raise UnsupportedModelError(f"{qc.method} checkpoints run without tensor parallelism")
     with torch.device("meta"):
         model = spec.model_class(cfg, ops)
         if tp is not None:
@@ -154,7 +154,7 @@ def _quantized(model: nn.Module, qc: QuantConfig | None, ops: ModuleType, from_c
         keep_gguf_quantized(model, find_gguf(path), model_spec(cfg.architecture), cfg.tie_word_embeddings)
         return model
     if qc.method in ("awq", "gptq"):
-        quantize_int4_linears(model, ops)
+        quantize_int4_linears(model, ops) if from_checkpoint else quantize_random_int4(model, ops)
     else:
         quantize_linears(model, ops, from_checkpoint)
     if next(model.parameters()).is_cuda:

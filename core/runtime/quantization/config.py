@@ -32,15 +32,15 @@ class QuantConfig:
     zero_offset: int = 0  # gptq's original format stores zero - 1
 
 
-def quant_config(quantization: str | None, model_path: str) -> QuantConfig | None:
+def quant_config(quantization: str | None, model_path: str, dummy: bool = False) -> QuantConfig | None:
     """The QuantConfig for a model: the checkpoint's quantization_config where it has one (the option
     must then be unset or name the same method), else the option's (a bf16 checkpoint quantized at
-    load), else None."""
+    load), else None. With `dummy` (random weights, benchmarks) awq and gptq quantize them.)"""
     if quantization is not None and quantization not in METHODS:
         raise UnsupportedModelError(f"quantization={quantization!r} is not supported; supported: {list(METHODS)}")
     stored = _checkpoint_config(model_path)
     if stored is None:
-        if quantization in CHECKPOINT_ONLY:
+        if quantization in CHECKPOINT_ONLY and not dummy:
             raise UnsupportedModelError(f"quantization={quantization!r} needs a checkpoint quantized with it "
                                         f"({model_path} has no quantization_config)")
         return QuantConfig(quantization) if quantization else None

@@ -14,7 +14,7 @@ from torch import nn
 
 from radixlm.core.errors import UnsupportedModelError
 from radixlm.core.runtime.quantization.fp8 import PROJECTIONS
-from radixlm.kernels.quant_reference import pack_int4
+from radixlm.kernels.quant_reference import pack_int4, quantize_int4_rows
 
 SCALE, ZERO = "weight_scale", "weight_zero"
 
@@ -56,6 +56,19 @@ def add_int4_parameters(model: nn.Module, group: int) -> None:
                                          requires_grad=False)
                     param.quant_scale = True
                     setattr(child, attr, param)
+
+
+@torch.no_grad()
+def quantize_random_int4(model: nn.Module, ops: ModuleType, group: int = 128) -> int:
+    """load_format "dummy" with awq/gptq (benchmarks): every projection's random weight quantized to 4 bits
+    in groups of `group` (min-max, with zeros), as a checkpoint of that shape would hold it."""
+    swapped = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if name in PROJECTIONS and isinstance(child, nn.Linear):
+                setattr(parent, name, Int4Linear(*quantize_int4_rows(child.weight, group), child.bias, ops))
+                swapped += 1
+    return swapped
 
 
 @torch.no_grad()
