@@ -271,8 +271,8 @@ def test_fp8_checkpoints_load_directly(form, llama_ckpt, qwen2_ckpt, tmp_path):
 def test_fp8_checkpoint_values_load_unchanged(llama_ckpt, tmp_path):
     """Per-tensor scales of q, k and v become the fused layer's per-row scales; the e4m3 values are the
     checkpoint's to the bit."""
-    from radixlm.core.models.config import ModelConfig
-    from radixlm.core.models.loader import load_model
+    from radixlm.core.runtime.models.config import ModelConfig
+    from radixlm.core.runtime.models.loader import load_model
     from radixlm.kernels import cpu
 
     dst = str(tmp_path / "ckpt")

@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM
 
 import radixlm
 from radixlm.core.errors import UnsupportedModelError
-from radixlm.core.models import gguf_dequant
+from radixlm.core.runtime.models import gguf_dequant
 from radixlm.core.runtime.quantization.gguf_cpu import Int4GroupLinear, Int8GroupLinear
 
 LAYER_TYPES = [

@@ -26,7 +26,7 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 import radixlm  # noqa: E402
 from radixlm.core.errors import UnsupportedModelError  # noqa: E402
 from radixlm.core.runtime.quantization.int4 import Int4Linear  # noqa: E402
-from radixlm.core.testing import build_checkpoint  # noqa: E402
+from radixlm.testing.checkpoints import build_checkpoint  # noqa: E402
 from radixlm.kernels import quant_reference as qref  # noqa: E402
 
 GROUP = 128

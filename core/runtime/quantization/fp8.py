@@ -1,7 +1,7 @@
 """FP8 W8A8 linear layers: e4m3 weights with one fp32 scale per output feature, activations quantized to
 e4m3 a token at a time (dynamic scales), products through the kernel set's `fp8_linear` (on CUDA one
 cuBLASLt fp8 GEMM; on the CPU its pure-torch twin, so CPU tests run the same model code). Batch-1
-decode streams the fp8 weight through the fused decode GEMVs instead (core.models.llama reads
+decode streams the fp8 weight through the fused decode GEMVs instead (core.runtime.models.llama reads
 `weight` and `weight_scale`), with activations left in bf16.
 
 `quantize_linears` swaps a loaded model's projections for Fp8Linear: from their bf16 weights

@@ -19,8 +19,8 @@ import torch
 from torch import nn
 
 from radixlm.core.errors import UnsupportedModelError
-from radixlm.core.models.gguf_checkpoint import GGUFCheckpoint, hf_tensor_name
-from radixlm.core.models.registry import ModelSpec
+from radixlm.core.runtime.models.gguf_checkpoint import GGUFCheckpoint, hf_tensor_name
+from radixlm.core.runtime.models.registry import ModelSpec
 from radixlm.core.runtime.quantization.fp8 import PROJECTIONS
 
 logger = logging.getLogger("radixlm")
