@@ -172,6 +172,13 @@ class EngineOptions:
     # graphs: the short extends the radix cache and jump-forward leave.
     cuda_graph_max_extend_tokens: int = option(512, "extends of at most this many tokens replay CUDA graphs; "
                                                "0 runs every extend eagerly")
+    quantization: str | None = option(
+        None, "quantized weights: fp8 (e4m3 weights with per-channel scales, activations quantized per token; "
+        "CUDA needs compute capability 8.9+) quantizes a bf16 checkpoint at load; a checkpoint's own "
+        "quantization_config (fp8, compressed-tensors float8) is read without it; gguf (CPU): a GGUF file's "
+        "Q4_0/Q4_1/Q8_0 weights stay quantized; awq, gptq: 4-bit checkpoints (read from their config without "
+        "it) (docs/quantization.md)",
+        choices=("fp8", "gguf", "awq", "gptq"))
     load_format: str = option("auto", "auto: weights from the model path; dummy: random weights (benchmarks)",
                               choices=("auto", "dummy"))
     tp_size: int = option(1, "tensor-parallel ranks, one process each (docs/scale_out.md)",
@@ -220,7 +227,7 @@ class EngineOptions:
         self.log_level = self.log_level.lower()
         for f in dataclasses.fields(self):
             choices, value = f.metadata.get("choices"), getattr(self, f.name)
-            if choices and value not in choices:
+            if choices and value is not None and value not in choices:
                 raise InvalidRequestError(f"{f.name} must be one of {list(choices)} (got {value!r})", f.name)
         if self.device is None:
             import torch
