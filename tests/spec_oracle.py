@@ -8,9 +8,10 @@ from __future__ import annotations
 class OracleProposer:
     name = "oracle"
 
-    def __init__(self, expected: dict[tuple[int, ...], list[int]], vocab_size: int) -> None:
+    def __init__(self, expected: dict[tuple[int, ...], list[int]], vocab_size: int, corrupt: bool = True) -> None:
         self.expected = expected  # prompt ids -> output ids without speculation
         self.vocab_size = vocab_size
+        self.corrupt = corrupt  # False: the expected tokens as they are, the whole budget
         self.calls = 0
 
     def propose(self, reqs, budgets):
@@ -19,6 +20,9 @@ class OracleProposer:
             self.calls += 1
             truth = self.expected.get(tuple(req.inp.input_ids), [])
             n = len(req.output_ids)
+            if not self.corrupt:
+                drafts.append(list(truth[n:n + k]))
+                continue
             # the request's own guess length varies: k, k - 1, ... per request and step
             draft = list(truth[n:n + max(0, k - (self.calls + n) % 3)])
             wrong = (self.calls * 7 + n) % (k + 3)

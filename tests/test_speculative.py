@@ -11,6 +11,7 @@ next steps attend over that KV) or the slot accounting checked after every step
 from __future__ import annotations
 
 import pytest
+import torch
 
 import radixlm
 from radixlm.core.engine.options import EngineOptions
@@ -27,9 +28,9 @@ def engine(ckpt: str, **kw) -> radixlm.Engine:
     return radixlm.Engine(ckpt, max_total_tokens=kw.pop("max_total_tokens", 4096), debug_check_invariants=True, **kw)
 
 
-def with_oracle(e: radixlm.Engine, expected: dict) -> OracleProposer:
+def with_oracle(e: radixlm.Engine, expected: dict, corrupt: bool = True) -> OracleProposer:
     sched = e.frontend.scheduler.scheduler
-    sched.speculator.proposer = OracleProposer(expected, sched.sampler.vocab_size)
+    sched.speculator.proposer = OracleProposer(expected, sched.sampler.vocab_size, corrupt)
     return sched.speculator.proposer
 
 
@@ -163,6 +164,57 @@ def test_ngram_proposer_on_the_tiny_model_keeps_outputs(llama_ckpt):
         assert_kv_whole(e)
     assert [o["output_ids"] for o in spec] == [o["output_ids"] for o in base]
     assert stats["spec_draft_tokens_total"] > 0 and stats["spec_algorithm"] == "ngram"
+
+
+def chi_square_p_value(observed: dict, expected: dict, n: int) -> float:
+    """Pearson's test of counts against probabilities; cells expected fewer than 5 times are pooled."""
+    stat, dof, pooled_obs, pooled_exp = 0.0, -1, 0, 0.0
+    for cell, p in expected.items():
+        if p * n < 5:
+            pooled_obs, pooled_exp = pooled_obs + observed.get(cell, 0), pooled_exp + p * n
+            continue
+        stat, dof = stat + (observed.get(cell, 0) - p * n) ** 2 / (p * n), dof + 1
+    if pooled_exp > 0:
+        stat, dof = stat + (pooled_obs - pooled_exp) ** 2 / pooled_exp, dof + 1
+    assert sum(observed.values()) == n and set(observed) <= set(expected)
+    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64),
+                                         torch.tensor(stat / 2, dtype=torch.float64)))
+
+
+def test_sampled_outputs_keep_the_target_distribution(llama_ckpt):
+    """Temperature 1 over the top 4 tokens, 3 tokens a sample (the prefill samples the first; a verify
+    step the second, drafted as the greedy one, and the third where the draft is accepted): the joint
+    distribution over 3,000 samples against the exact one (from the model's logprobs), by a chi-square
+    test at p > 0.001. Accepting a draft token more often than p gives it (e.g. resampling a rejected
+    position from p instead of the residual: p + (1 - p) p) fails it."""
+    prompt, n = [5, 17, 300, 41], 3000
+    with engine(llama_ckpt) as e:
+        greedy = e.generate(input_ids=prompt, sampling_params={"max_new_tokens": 3, "temperature": 0})["output_ids"]
+
+        def top4(ids):
+            out = e.generate(input_ids=ids, sampling_params={"max_new_tokens": 1, "temperature": 0},
+                             return_logprob=True, top_logprobs_num=4)
+            tops = out["meta_info"]["output_top_logprobs"][0]
+            probs = torch.tensor([v for v, _, _ in tops]).softmax(0).tolist()
+            return {t: p for (_, t, _), p in zip(tops, probs)}
+
+        exact = {(): 1.0}
+        for _ in range(3):
+            exact = {seq + (t,): p * q for seq, p in exact.items() for t, q in top4(prompt + list(seq)).items()}
+        p_draft = top4(prompt + greedy[:1])[greedy[1]]
+    with engine(llama_ckpt, speculative_algorithm="ngram", speculative_adaptive=False, max_requests_per_call=n,
+                max_running_requests=256) as e:
+        with_oracle(e, {tuple(prompt): greedy}, corrupt=False)
+        outs = e.generate(input_ids=[prompt] * (n // 100), sampling_params={
+            "max_new_tokens": 3, "temperature": 1.0, "top_k": 4, "n": 100, "ignore_eos": True})
+        stats = e.get_stats()
+        assert_kv_whole(e)
+    counts: dict = {}
+    for o in outs:
+        counts[tuple(o["output_ids"])] = counts.get(tuple(o["output_ids"]), 0) + 1
+    assert stats["spec_verifies_total"] == n and 0 < stats["spec_accepted_tokens_total"] < n
+    assert 0.1 < p_draft < 0.9  # the draft is often accepted and often not: both branches of the rule run
+    assert chi_square_p_value(counts, exact, n) > 1e-3
 
 
 # ---- the units -------------------------------------------------------------------------------------
