@@ -278,3 +278,30 @@ def test_sglang_spellings_are_taken():
     opts = EngineOptions.from_kwargs({"device": "cpu", "speculative_algorithm": "STANDALONE",
                                       "speculative_draft_model_path": "x"})
     assert opts.speculative_algorithm == "draft" and not opts.enable_overlap_schedule
+
+
+def test_metrics_and_native_meta_info_over_http(llama_ckpt):
+    """/metrics (parsed by prometheus_client) carries the counters by proposer; /generate's meta_info
+    carries the request's."""
+    from prometheus_client.parser import text_string_to_metric_families
+    from server_harness import LiveServer
+
+    e = engine(llama_ckpt, speculative_algorithm="ngram", speculative_ngram_min_match_window_size=1,
+               speculative_adaptive=False)
+    live = LiveServer(e)
+    try:
+        with live.client() as http:
+            body = {"input_ids": [9, 8, 7] * 10, "sampling_params": {"max_new_tokens": 32, "temperature": 0,
+                                                                      "ignore_eos": True}}
+            meta = http.post("/generate", json=body).json()["meta_info"]
+            text = http.get("/metrics").text
+    finally:
+        live.stop()
+        e.shutdown()
+    assert meta["spec_verify_ct"] > 0 and meta["spec_accept_length"] >= 1.0
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    drafted = families["radixlm:spec_draft_tokens"].samples[0]
+    assert drafted.labels["algorithm"] == "ngram" and drafted.value > 0
+    for name in ("radixlm:spec_verify_steps", "radixlm:spec_verify", "radixlm:spec_accepted_tokens"):
+        assert families[name].type == "counter"
+    assert families["radixlm:spec_accept_length"].samples[0].value >= 1.0
