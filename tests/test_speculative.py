@@ -305,3 +305,65 @@ def test_metrics_and_native_meta_info_over_http(llama_ckpt):
     for name in ("radixlm:spec_verify_steps", "radixlm:spec_verify", "radixlm:spec_accepted_tokens"):
         assert families[name].type == "counter"
     assert families["radixlm:spec_accept_length"].samples[0].value >= 1.0
+
+
+# ---- the draft-model proposer -------------------------------------------------------------------------
+
+MIXED = [  # greedy, a stop token, a seeded sample, a constraint: one continuous batch
+    {"max_new_tokens": 40, "temperature": 0, "ignore_eos": True},
+    {"max_new_tokens": 40, "temperature": 0, "ignore_eos": True, "stop_token_ids": [17, 300]},
+    {"max_new_tokens": 30, "temperature": 0.9, "seed": 5, "ignore_eos": True},
+    {"max_new_tokens": 40, "temperature": 0, "regex": r"(ab|cd)[0-9]{3,12}(x|yz){2,6}"},
+]
+
+
+def draft_pool_whole(e: radixlm.Engine) -> None:
+    proposer = e.frontend.scheduler.scheduler.speculator.proposer
+    assert proposer.slots_held() == 0 and not proposer.held
+    assert proposer.allocator.available() == proposer.allocator.num_slots
+
+
+@pytest.mark.parametrize("draft", ["same", "other"])
+def test_draft_model_keeps_outputs(llama_ckpt, llama_tied_ckpt, draft):
+    """The target itself as its draft (every draft accepted but for float noise) and another model of
+    the tokenizer (nearly every draft rejected): outputs equal those without speculation."""
+    path = llama_ckpt if draft == "same" else llama_tied_ckpt
+    with engine(llama_ckpt) as e:
+        base = e.generate(input_ids=PROMPTS, sampling_params=MIXED)
+    with engine(llama_ckpt, speculative_algorithm="draft", speculative_draft_model_path=path,
+                speculative_num_draft_tokens=5) as e:
+        spec = e.generate(input_ids=PROMPTS, sampling_params=MIXED)
+        stats = e.get_stats()
+        assert_kv_whole(e)
+        draft_pool_whole(e)
+    assert [o["output_ids"] for o in spec] == [o["output_ids"] for o in base]
+    assert stats["spec_algorithm"] == "draft" and stats["spec_verifies_total"] > 0
+    rate = stats["spec_accepted_tokens_total"] / stats["spec_draft_tokens_total"]
+    assert rate > 0.8 if draft == "same" else rate < 0.5
+
+
+def test_draft_model_under_retraction(llama_ckpt):
+    prompts = [list(range(10 + i, 40 + i)) for i in range(6)]
+    params = {"max_new_tokens": 40, "temperature": 0, "ignore_eos": True}
+    with engine(llama_ckpt, max_total_tokens=160) as e:
+        base = e.generate(input_ids=prompts, sampling_params=params)
+    with engine(llama_ckpt, max_total_tokens=160, speculative_algorithm="draft",
+                speculative_draft_model_path=llama_ckpt) as e:
+        spec = e.generate(input_ids=prompts, sampling_params=params)
+        stats = e.get_stats()
+        assert_kv_whole(e)
+        draft_pool_whole(e)
+    assert [o["output_ids"] for o in spec] == [o["output_ids"] for o in base]
+    assert stats["retractions_total"] > 0 and stats["spec_accepted_tokens_total"] > 0
+
+
+def test_a_draft_model_with_a_shorter_context_is_refused(llama_ckpt, tmp_path):
+    from radixlm.core.testing import build_checkpoint
+
+    short = build_checkpoint(str(tmp_path / "short"), "llama", max_position_embeddings=256)
+    with pytest.raises(InvalidRequestError) as err:
+        radixlm.Engine(llama_ckpt, speculative_algorithm="draft", speculative_draft_model_path=short)
+    assert err.value.param == "speculative_draft_model_path"
+    with radixlm.Engine(llama_ckpt, context_length=256, speculative_algorithm="draft",
+                        speculative_draft_model_path=short) as e:
+        assert e.generate(input_ids=[1, 2, 3], sampling_params={"max_new_tokens": 4})["meta_info"]["completion_tokens"] == 4
