@@ -151,7 +151,7 @@ def main() -> None:
     args = ap.parse_args()
     model, extra = args.model, {"device": "cpu"}
     if model == "tiny":
-        from radixlm.core.testing import build_checkpoint
+        from radixlm.testing.checkpoints import build_checkpoint
 
         model = build_checkpoint(os.path.join(tempfile.mkdtemp(), "tiny"))
     results = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": cpu_name(),

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import radixlm
-from radixlm.core.engine.options import EngineOptions
+from radixlm.core.runtime.options import EngineOptions
 from radixlm.core.errors import InvalidRequestError
 from radixlm.core.runtime.speculative.ngram import NgramIndex
 from radixlm.core.runtime.speculative.state import MAX_SKIP_STEPS, SpecState
@@ -358,7 +358,7 @@ def test_draft_model_under_retraction(llama_ckpt):
 
 
 def test_a_draft_model_with_a_shorter_context_is_refused(llama_ckpt, tmp_path):
-    from radixlm.core.testing import build_checkpoint
+    from radixlm.testing.checkpoints import build_checkpoint
 
     short = build_checkpoint(str(tmp_path / "short"), "llama", max_position_embeddings=256)
     with pytest.raises(InvalidRequestError) as err:

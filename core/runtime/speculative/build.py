@@ -5,11 +5,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from radixlm.core.engine.model_runner import ModelRunner
-from radixlm.core.engine.options import EngineOptions
+from radixlm.core.runtime.execution.model_runner import ModelRunner
+from radixlm.core.runtime.options import EngineOptions
 from radixlm.core.errors import InvalidRequestError
-from radixlm.core.models.config import ModelConfig
-from radixlm.core.models.hub import locate_model
+from radixlm.core.runtime.models.config import ModelConfig
+from radixlm.core.runtime.models.hub import locate_model
 from radixlm.core.runtime.speculative.draft_model import DraftModelProposer
 from radixlm.core.runtime.speculative.ngram import NgramProposer
 from radixlm.core.runtime.speculative.proposer import Proposer

@@ -10,9 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from radixlm.core.engine.memory_pool import SlotAllocator
-from radixlm.core.engine.model_runner import BatchInput
-from radixlm.core.engine.request import Req
+from radixlm.core.runtime.memory.memory_pool import SlotAllocator
+from radixlm.core.runtime.execution.model_runner import BatchInput
+from radixlm.core.runtime.request import Req
 
 
 @dataclass

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import weakref
 
-from radixlm.core.engine.request import Req
+from radixlm.core.runtime.request import Req
 
 
 class NgramIndex:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from radixlm.core.engine.request import Req
+from radixlm.core.runtime.request import Req
 
 
 class Proposer(Protocol):

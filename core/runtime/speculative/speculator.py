@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
-from radixlm.core.engine.request import Req, Status
-from radixlm.core.engine.sampler import SampleResult, device_tensor
+from radixlm.core.runtime.request import Req, Status
+from radixlm.core.runtime.execution.sampler import SampleResult, device_tensor
 from radixlm.core.runtime.speculative.proposer import Proposer
 from radixlm.core.runtime.speculative.state import SpecState
 from radixlm.core.runtime.speculative.verify import accepted_length, constrained_draft, verify_batch, views

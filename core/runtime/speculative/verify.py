@@ -8,8 +8,8 @@ from typing import Any
 
 import torch
 
-from radixlm.core.engine.model_runner import BatchInput
-from radixlm.core.engine.request import Req
+from radixlm.core.runtime.execution.model_runner import BatchInput
+from radixlm.core.runtime.request import Req
 
 
 class DraftView:
