@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_engine import make_model_dir  # noqa: E402
 
 import radixlm  # noqa: E402
-from radixlm.core.runtime.execution.model_runner import BatchInput  # noqa: E402
+from radixlm.core.runtime.execution.batch_input import BatchInput  # noqa: E402
 
 
 def step_ms(runner: Any, batch_fn: Any, iters: int) -> float:

@@ -203,6 +203,12 @@ class EngineOptions:
         True, "a request whose drafts fail drafts fewer tokens, and after repeated misses skips drafting for up to "
         "32 steps (it then pays nothing for drafts that do not come true); false: always the full draft")
 
+    def __post_init__(self) -> None:
+        # Each value against its field's type, however the options are built (from_kwargs, the CLI, or
+        # EngineOptions(...) directly).
+        for f in dataclasses.fields(self):
+            setattr(self, f.name, _checked_type(f.name, f.type, getattr(self, f.name)))
+
     @classmethod
     def from_kwargs(cls, kwargs: dict[str, Any]) -> "EngineOptions":
         known = {f.name for f in dataclasses.fields(cls)}
@@ -214,8 +220,6 @@ class EngineOptions:
         return opts
 
     def _resolve(self) -> None:
-        for f in dataclasses.fields(self):
-            setattr(self, f.name, _checked_type(f.name, f.type, getattr(self, f.name)))
         self.log_level = self.log_level.lower()
         if self.speculative_algorithm is not None:
             name = self.speculative_algorithm.lower()

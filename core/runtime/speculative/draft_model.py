@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from radixlm.core.runtime.memory.memory_pool import SlotAllocator
-from radixlm.core.runtime.execution.model_runner import BatchInput
+from radixlm.core.runtime.execution.batch_input import BatchInput
 from radixlm.core.runtime.request import Req
 
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from radixlm.core.runtime.execution.model_runner import BatchInput
+from radixlm.core.runtime.execution.batch_input import BatchInput
 from radixlm.core.runtime.request import Req
 
 
