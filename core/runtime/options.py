@@ -20,6 +20,10 @@ _DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf1
            "float16": "float16", "fp16": "float16", "half": "float16"}
 
 # kv_cache_dtype's names (SGLang's and vLLM's --kv-cache-dtype) and their torch dtypes; "auto": the model's.
+# speculative_algorithm's values; SGLang's STANDALONE is `draft` (`_resolve` takes either, in any case).
+SPECULATIVE_ALGORITHMS = ("ngram", "draft")
+SPECULATIVE_ALIASES = {"standalone": "draft"}
+
 KV_CACHE_DTYPES = {"auto": None, "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
 
 
@@ -192,6 +196,24 @@ class EngineOptions:
                                         "with --nnodes > 1; the port must be free there and reachable)")
     scheduler_process: bool = option(False, "run the scheduler loop (model, KV pool, radix cache) in its own "
                                      "process; the front end talks to it through messages only (docs/engine.md)")
+    speculative_algorithm: str | None = option(
+        None, "speculative decoding (docs/speculative.md): ngram (drafts looked up in the request's own prompt and "
+        "output: pays where the output repeats its input: extraction, quoting, code edits) or draft (a smaller "
+        "checkpoint sharing the tokenizer, speculative_draft_model_path); None: off. Greedy outputs are unchanged "
+        "and sampled ones keep the target's distribution; SGLang's upper-case names and STANDALONE (draft) are taken too")
+    speculative_num_draft_tokens: int = option(
+        4, "most draft tokens one verify step checks per request (the step computes this many plus one)",
+        aliases=("--num-speculative-tokens",))
+    speculative_ngram_min_match_window_size: int = option(
+        2, "ngram: the shortest suffix of the request's tokens looked up in them", aliases=("--prompt-lookup-min",))
+    speculative_ngram_max_match_window_size: int = option(
+        8, "ngram: the longest suffix looked up (the longest that matches gives the draft)",
+        aliases=("--prompt-lookup-max",))
+    speculative_draft_model_path: str | None = option(
+        None, "draft: the draft checkpoint (a path, .gguf or hub id) whose tokenizer is the target's")
+    speculative_adaptive: bool = option(
+        True, "a request whose drafts fail drafts fewer tokens, and after repeated misses skips drafting for up to "
+        "32 steps (it then pays nothing for drafts that do not come true); false: always the full draft")
 
     def __post_init__(self) -> None:
         # Each value against its field's type, however the options are built (from_kwargs, the CLI, or
@@ -225,6 +247,9 @@ class EngineOptions:
 
     def _resolve(self) -> None:
         self.log_level = self.log_level.lower()
+        if self.speculative_algorithm is not None:
+            name = self.speculative_algorithm.lower()
+            self.speculative_algorithm = SPECULATIVE_ALIASES.get(name, name)
         for f in dataclasses.fields(self):
             choices, value = f.metadata.get("choices"), getattr(self, f.name)
             if choices and value is not None and value not in choices:
@@ -236,7 +261,9 @@ class EngineOptions:
         if self.dtype == "auto":
             self.dtype = "bfloat16" if self.device.startswith("cuda") else "float32"
         if self.enable_overlap_schedule is None:
-            self.enable_overlap_schedule = self.device.startswith("cuda") and self.tp_size == self.dp_size == 1
+            self.enable_overlap_schedule = (self.device.startswith("cuda") and self.tp_size == self.dp_size == 1
+                                            and self.speculative_algorithm is None)
+        self._check_speculative()
         if self.max_running_requests is None:
             self.max_running_requests = 512 if self.device.startswith("cuda") else 64
         for name in ("max_running_requests", "schedule_fairness_bound", "tp_size", "dp_size", "nnodes",
@@ -290,6 +317,29 @@ class EngineOptions:
         for name in ("prepare_timeout", "stall_timeout"):
             if not getattr(self, name) > 0:
                 raise InvalidRequestError(f"{name} must be > 0 seconds", name)
+
+    def _check_speculative(self) -> None:
+        if self.speculative_algorithm is None:
+            return
+        if self.speculative_algorithm not in SPECULATIVE_ALGORITHMS:
+            built = " (EAGLE draft heads are not built yet)" if self.speculative_algorithm.startswith("eagle") else ""
+            raise InvalidRequestError(f"speculative_algorithm must be one of {list(SPECULATIVE_ALGORITHMS)} (got "
+                                      f"{self.speculative_algorithm!r}){built}", "speculative_algorithm")
+        for name in ("speculative_num_draft_tokens", "speculative_ngram_min_match_window_size"):
+            if getattr(self, name) < 1:
+                raise InvalidRequestError(f"{name} must be >= 1", name)
+        if self.speculative_ngram_max_match_window_size < self.speculative_ngram_min_match_window_size:
+            raise InvalidRequestError("speculative_ngram_max_match_window_size must be >= the min window size",
+                                      "speculative_ngram_max_match_window_size")
+        if self.speculative_algorithm == "draft" and not self.speculative_draft_model_path:
+            raise InvalidRequestError("speculative_algorithm draft needs speculative_draft_model_path",
+                                      "speculative_draft_model_path")
+        if self.enable_overlap_schedule:
+            raise InvalidRequestError("enable_overlap_schedule with speculative_algorithm is not supported yet",
+                                      "enable_overlap_schedule")
+        if self.tp_size > 1 or self.dp_size > 1:
+            raise InvalidRequestError("speculative_algorithm with tp_size or dp_size > 1 is not supported yet",
+                                      "speculative_algorithm")
 
     @property
     def torch_dtype(self) -> "torch.dtype":

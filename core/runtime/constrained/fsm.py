@@ -50,6 +50,11 @@ class FSMConstraint:
     def is_finished(self) -> bool:
         return self._finished or self.index.is_terminal(self.state)
 
+    def fork(self) -> "FSMConstraint":
+        twin = FSMConstraint(self.index)
+        twin.state, twin._finished, twin._states = self.state, self._finished, list(self._states)
+        return twin
+
     def forced_text(self) -> str | None:
         if self.is_finished():
             return None
