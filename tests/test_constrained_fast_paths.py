@@ -9,7 +9,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from radixlm.core.runtime.constrained import build_constraint, grammar_index_cache, narrow_walk, terminal_tokens
+from radixlm.core.runtime.constrained import build_constraint, grammar_index_cache
+from radixlm.core.runtime.constrained.tokens import narrow_walk, terminal_tokens
 from radixlm.core.runtime.constrained.automata.grammar_compiler import GrammarBudget, compile_grammar
 from radixlm.core.runtime.constrained.grammar_index_cache import prepare_vocab
 from radixlm.core.runtime.constrained.tokens.literal_tokens import literal_rest
