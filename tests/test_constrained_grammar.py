@@ -530,8 +530,8 @@ def test_a_recursive_grammar_counts_brackets(tiny_tokenizer):
 
     g = Grammar({"s": Repeat(seq(lit("("), Ref("s"), lit(")")))}, "s")
     index = GrammarIndex(compile_grammar(g), vocab_of(tiny_tokenizer))
-    from radixlm.core.runtime.constrained.fsm import FSMConstraint
-    c = FSMConstraint(index)
+    from radixlm.core.runtime.constrained.grammar_constraint import GrammarConstraint
+    c = GrammarConstraint(index)
     for text, ok in [("(()())", True), ("((())", False), ("())", False), ("", True)]:
         assert _accepts(c, text) == ok, text
 

@@ -22,7 +22,8 @@ GrammarBudget.max_configs, so a running request is never failed for it and memor
 
 Jump-forward. A configuration that cannot end and that exactly one byte leaves is singular; a chain of
 singular configurations spells forced text (the compressed FSM of the SGLang paper, on the grammar).
-This object offers the interface FSMConstraint (fsm.py) drives, so both engines share jump-forward.
+GrammarIndex is shared by the requests of one spec; each request's GrammarConstraint
+(grammar_constraint.py) holds its own configuration and drives masks and jump-forward through it.
 """
 
 from __future__ import annotations
@@ -299,7 +300,7 @@ class GrammarIndex:
             self._closed_items[item] = found
         return found
 
-    # ---- the interface FSMConstraint drives ------------------------------------------------------
+    # ---- the interface GrammarConstraint drives ---------------------------------------------------
 
     def is_eos(self, token_id: int) -> bool:
         return token_id in self._eos_set
