@@ -53,8 +53,8 @@ class GrammarConstraint:
     def is_finished(self) -> bool:
         return self._finished or self.index.is_terminal(self.state)
 
-    def fork(self) -> "FSMConstraint":
-        twin = FSMConstraint(self.index)
+    def fork(self) -> "GrammarConstraint":
+        twin = GrammarConstraint(self.index)
         twin.state, twin._finished, twin._states = self.state, self._finished, list(self._states)
         return twin
 
