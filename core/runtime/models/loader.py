@@ -21,7 +21,6 @@ from radixlm.core.runtime.models.hub import find_gguf
 from radixlm.core.runtime.models.registry import model_spec
 from radixlm.core.runtime.quantization.config import QuantConfig, quant_config
 from radixlm.core.runtime.quantization.fp8 import add_scale_parameters, check_fp8_device, quantize_linears
-from radixlm.core.runtime.quantization.gguf_cpu import check_gguf_device, keep_gguf_quantized
 from radixlm.core.runtime.quantization.int4 import add_int4_parameters, quantize_int4_linears, quantize_random_int4
 
 if TYPE_CHECKING:
@@ -95,6 +94,7 @@ def load_model(
     if qc is not None and qc.method == "fp8":
         check_fp8_device(device)
     if qc is not None and qc.method == "gguf":
+        from radixlm.core.runtime.quantization.gguf_cpu import check_gguf_device  # `gguf` only for GGUF files
         check_gguf_device(device, find_gguf(path))
     from_checkpoint = qc is not None and qc.checkpoint_format is not None and load_format != "dummy"
     if qc is not None and qc.method in ("awq", "gptq") and tp is not None:
@@ -150,6 +150,7 @@ def _quantized(model: nn.Module, qc: QuantConfig | None, ops: ModuleType, from_c
     if qc is None:
         return model
     if qc.method == "gguf":
+        from radixlm.core.runtime.quantization.gguf_cpu import keep_gguf_quantized  # `gguf` only for GGUF files
         cfg = model.config
         keep_gguf_quantized(model, find_gguf(path), model_spec(cfg.architecture), cfg.tie_word_embeddings)
         return model
