@@ -194,7 +194,7 @@ def begin_shutdown(app: Starlette) -> None:
 
     def on_loop() -> None:
         app.state.native.closing = True
-        app.state.client.abort_all()
+        app.state.client.end_all(APIError(503, "The server is shutting down", code="shutdown"))
 
     loop = getattr(app.state, "loop", None)
     if loop is not None and not loop.is_closed():

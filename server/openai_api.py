@@ -26,7 +26,7 @@ from radixlm.core.openai_output import (TokenText, chat_logprobs, completion_log
 from radixlm.core.engine.sampling_params import SamplingParams
 import radixlm.server.tools as toolcalls
 from radixlm.server.body import parse_body
-from radixlm.server.errors import APIError, bad_request, error_body
+from radixlm.server.errors import APIError, bad_request, error_body, failure_code
 from radixlm.server.generation import (Branch, EngineClient, EventStreamResponse, MergedStream, as_list,
                                        raise_if_failed, sse)
 from radixlm.server.openai_protocol import (ChatCompletionRequest, CompletionRequest, Message,
@@ -50,9 +50,17 @@ class ToolMode:
 
 
 def check_aborted(meta: dict[str, Any]) -> None:
+    """A failed output becomes its HTTP error; one aborted on request (/abort_request) is answered with
+    finish_reason "abort", as SGLang does."""
     raise_if_failed(meta)
-    if finish_reason(meta) == "abort":
-        raise APIError(500, f"The request was aborted: {meta.get('error', 'unknown reason')}", code="aborted")
+
+
+def failure_event(meta: dict[str, Any]) -> bytes | None:
+    """The error event a stream sends before its last chunk when the engine ended it by a failure."""
+    status = (meta.get("finish_reason") or {}).get("status_code")
+    if status is None:
+        return None
+    return sse(json.dumps(error_body(status, meta.get("error") or "generation failed", code=failure_code(status))))
 
 
 class OpenAIAPI:
@@ -322,8 +330,9 @@ class OpenAIAPI:
                 elif content:
                     yield chunk(i, {"content": content})
             finish = finish_reason(meta, tool_calls=called)
-            if finish == "abort" and meta.get("error"):
-                yield sse(json.dumps(error_body(500, f"The request was aborted: {meta['error']}", code="aborted")))
+            failure = failure_event(meta) if finish is not None else None
+            if failure is not None:
+                yield failure
             yield chunk(i, {}, finish)
         if include_usage:
             yield sse(json.dumps({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
@@ -422,8 +431,9 @@ class OpenAIAPI:
                 if include_usage:
                     body["usage"] = None
                 yield sse(json.dumps(body))
-            if finish == "abort" and meta.get("error"):
-                yield sse(json.dumps(error_body(500, f"The request was aborted: {meta['error']}", code="aborted")))
+            failure = failure_event(meta) if finish is not None else None
+            if failure is not None:
+                yield failure
         if include_usage:
             yield sse(json.dumps({"id": rid, "object": "text_completion", "created": created, "model": model,
                                   "choices": [], "usage": usage(finals, req.n)}))

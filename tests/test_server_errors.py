@@ -226,8 +226,8 @@ def test_cli_queue_full_then_sigterm_shuts_down_cleanly(proc):
     assert time.monotonic() - t0 < 30
     holder.join(10)
     assert not holder.is_alive()
-    last = json.loads(lines[-2].removeprefix("data: "))
-    assert last["meta_info"]["finish_reason"]["type"] == "abort" and lines[-1] == "data: [DONE]"
+    last = json.loads(lines[-2].removeprefix("data: "))  # the stream's end, naming the cause
+    assert last["error"]["code"] == "shutdown" and lines[-1] == "data: [DONE]"
     log = "".join(proc.log)
     assert "listening on http://127.0.0.1:" in log and "radixlm server stopped" in log
     assert "Traceback" not in log

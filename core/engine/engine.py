@@ -169,9 +169,14 @@ class Engine:
                                                  logprob_start_len, top_logprobs_num, stream, rid, image_data,
                                                  video_data)
 
-    def abort_request(self, rid: str) -> None:
-        """Aborts the request `rid` (with all its n > 1 samples); nothing when it has finished."""
-        if self._frontend is not None:
+    def abort_request(self, rid: str = "", abort_all: bool = False) -> None:
+        """Aborts the request `rid` (with all its n > 1 samples; nothing when it has finished), or with
+        `abort_all` every request in flight. Aborted requests end with finish reason "abort"."""
+        if self._frontend is None:
+            return
+        if abort_all:
+            self._frontend.abort_all()
+        else:
             self._frontend.abort_request(rid)
 
     # ---- cache, stats, checks ------------------------------------------------------------------

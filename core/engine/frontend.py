@@ -229,6 +229,15 @@ class FrontEnd:
         for r in rids:
             self.scheduler.inbox.put(Abort(r))
 
+    def abort_all(self) -> None:
+        """Aborts every request in flight; each ends with finish reason "abort" (SGLang's abort_all)."""
+        if self._closed:
+            return
+        with self._lock:
+            rids = list(self._pending)
+        for r in rids:
+            self.scheduler.inbox.put(Abort(r))
+
     def _wait(self, box: queue.Queue) -> Output:
         while True:
             try:
