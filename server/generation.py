@@ -47,6 +47,7 @@ class Branch:
     top_logprobs_num: int = 0
     image_data: list[str] | None = None  # the prompt's images (data URLs), in order
     video_data: list[Any] | None = None  # its videos (lists of frames), in order
+    timeout: float | None = None  # seconds (its deadline); None: the engine's request_timeout
 
 
 def as_list(result: Output | list[Output]) -> list[Output]:
@@ -59,6 +60,15 @@ def raise_if_failed(meta: dict[str, Any]) -> None:
     status = reason.get("status_code")
     if status is not None:
         raise APIError(status, meta.get("error") or "generation failed", code=failure_code(status))
+
+
+def failure_event(meta: dict[str, Any]) -> bytes | None:
+    """The error event a stream sends after its last chunk when the engine ended it by a failure (a
+    deadline, memory, the engine stopping): the status and code its non-streaming twin would get."""
+    status = (meta.get("finish_reason") or {}).get("status_code")
+    if status is None:
+        return None
+    return sse(json.dumps(error_body(status, meta.get("error") or "generation failed", code=failure_code(status))))
 
 
 async def _wait_for_disconnect(receive: Receive) -> None:
@@ -171,7 +181,8 @@ class MergedStream:
             it = await self.client.engine.async_generate(
                 prompt=b.prompt, input_ids=b.input_ids, sampling_params=b.sampling_params, stream=True,
                 rid=b.rid, return_logprob=b.return_logprob, logprob_start_len=b.logprob_start_len,
-                top_logprobs_num=b.top_logprobs_num, image_data=b.image_data, video_data=b.video_data)
+                top_logprobs_num=b.top_logprobs_num, image_data=b.image_data, video_data=b.video_data,
+                timeout=b.timeout)
             self._iters.append(it)
             self.client._stream_rids.add(b.rid)
         # The engine submits a stream's request on its first iteration: pull one chunk from each

@@ -26,7 +26,7 @@ from radixlm.core.engine.sampling_params import SamplingParams
 from radixlm.server.body import parse_body
 from radixlm.server.errors import APIError, bad_request, error_body
 from radixlm.server.generation import (Branch, EngineClient, EventStreamResponse, MergedStream, as_list,
-                                       raise_if_failed, sse)
+                                       failure_event, raise_if_failed, sse)
 
 _LOGPROB_KEYS = ("input_token_logprobs", "output_token_logprobs")
 _TOP_KEYS = ("input_top_logprobs", "output_top_logprobs")
@@ -50,6 +50,8 @@ class GenerateRequest(BaseModel):
     # Videos (Qwen2-VL), each a list of frames (data URLs or base64): for one prompt a video or a list
     # of videos, for a batch one entry (or null) per prompt.
     video_data: list[Any] | None = None
+    # Seconds the request may take (its deadline); default: the server's --request-timeout.
+    timeout: float | None = Field(None, gt=0)
 
 
 class AbortRequest(BaseModel):
@@ -71,7 +73,7 @@ class NativeAPI:
         if (req.text is None) == (req.input_ids is None):
             raise bad_request("give exactly one of text and input_ids", "text")
         logprob_args = {"return_logprob": req.return_logprob, "logprob_start_len": req.logprob_start_len,
-                        "top_logprobs_num": req.top_logprobs_num}
+                        "top_logprobs_num": req.top_logprobs_num, "timeout": req.timeout}
         if req.stream:
             branches = self._branches(req, logprob_args)
             stream = await self.client.open_stream(request, branches)
@@ -135,6 +137,9 @@ class NativeAPI:
             if batch:
                 out["index"] = i
             yield sse(json.dumps(out))
+            failure = failure_event(meta) if meta["finish_reason"] is not None else None
+            if failure is not None:
+                yield failure
         yield sse("[DONE]")
 
     def _add_token_text(self, meta: dict[str, Any]) -> None:

@@ -109,3 +109,95 @@ def test_abort_all_answers_finish_reason_abort_not_503(live):
     assert chat_resp.status_code == 200, chat_resp.text
     assert chat_resp.json()["choices"][0]["finish_reason"] == "abort"
     assert_kv_accounted(live)
+
+
+# ---- deadlines ------------------------------------------------------------------------------------
+
+LONG = {"max_new_tokens": 1800, "ignore_eos": True, "temperature": 0}
+
+
+def test_engine_timeout_ends_request_and_frees_kv(live):
+    """Engine.generate(timeout=...): the request ends within 1 s of its limit, finish reason abort with
+    status 408 and the cause; its KV comes back."""
+    engine = live.engine
+    t0 = time.monotonic()
+    out = engine.generate("a long one", LONG, timeout=0.4)
+    took = time.monotonic() - t0
+    meta = out["meta_info"]
+    assert 0.4 <= took < 1.4, took
+    assert meta["finish_reason"]["type"] == "abort" and meta["finish_reason"]["status_code"] == 408, meta
+    assert "time limit" in meta["error"] and 0 < meta["completion_tokens"] < LONG["max_new_tokens"]
+    with pytest.raises(ValueError, match="timeout"):
+        engine.generate("x", {"max_new_tokens": 1}, timeout=0)
+    with pytest.raises(ValueError, match="timeout"):
+        engine.generate("x", {"max_new_tokens": 1}, timeout=float("inf"))
+    assert_kv_accounted(live)
+
+
+def _sse_events(resp: httpx.Response) -> list:
+    return [line[6:] for line in resp.text.splitlines() if line.startswith("data: ")]
+
+
+def test_http_timeouts_under_load(live):
+    """Deadlines under load (8 requests at once, native and OpenAI, streaming and not): each ends within
+    1 s of its limit: a non-streaming call gets 408 code timeout, a stream one error event with that code
+    at its end; a request within its limit is untouched; no KV slot leaks."""
+    expected = live.engine.generate(BYSTANDER["text"], BYSTANDER["sampling_params"])["output_ids"]
+    calls = {
+        "native": ("/generate", {"text": "native", "sampling_params": LONG, "timeout": 0.5}),
+        "native_stream": ("/generate", {"text": "stream", "sampling_params": LONG, "stream": True, "timeout": 0.5}),
+        "chat": ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1800,
+                                          "ignore_eos": True, "timeout": 0.7}),
+        "chat_stream": ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1800,
+                                                 "ignore_eos": True, "stream": True, "timeout": 0.7}),
+        "completion": ("/v1/completions", {"prompt": "once", "max_tokens": 1800, "ignore_eos": True, "timeout": 0.6}),
+        "bystander": ("/generate", {**BYSTANDER, "timeout": 60}),
+    }
+    results: dict[str, tuple[httpx.Response, float]] = {}
+
+    go = threading.Barrier(len(calls))
+
+    def call(name: str) -> None:
+        path, body = calls[name]
+        with live.client() as c:
+            c.get("/health")  # the connection is open before the clock starts
+            go.wait()
+            t0 = time.monotonic()
+            resp = c.post(path, json=body)
+        results[name] = (resp, time.monotonic() - t0)
+
+    threads = [threading.Thread(target=call, args=(n,)) for n in calls]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    # (Measured by the client, whose clock starts before the server's; the server runs in this test's
+    # process, and shares its garbage collector's pauses.)
+    for name in ("native", "chat", "completion"):
+        resp, took = results[name]
+        assert resp.status_code == 408 and resp.json()["error"]["code"] == "timeout", (name, resp.text[:200])
+        assert took < calls[name][1]["timeout"] + 1.0, (name, took)
+    for name in ("native_stream", "chat_stream"):
+        resp, took = results[name]
+        events = _sse_events(resp)
+        assert resp.status_code == 200 and events[-1] == "[DONE]", (name, events[-3:])
+        errors = [json.loads(e)["error"] for e in events[:-1] if "error" in json.loads(e)]
+        assert [e["code"] for e in errors] == ["timeout"] and took < calls[name][1]["timeout"] + 1.0, (name, took)
+    resp, _ = results["bystander"]
+    assert resp.status_code == 200 and resp.json()["output_ids"] == expected
+    assert_kv_accounted(live)
+
+
+def test_request_timeout_option(llama_ckpt):
+    """The engine's default (request_timeout, `--request-timeout`) applies to requests without their
+    own; a request's own timeout wins."""
+    with radixlm.Engine(llama_ckpt, max_total_tokens=POOL, request_timeout=0.4) as engine:
+        t0 = time.monotonic()
+        out = engine.generate("default limit", LONG)
+        assert out["meta_info"]["finish_reason"]["status_code"] == 408 and time.monotonic() - t0 < 1.4
+        out = engine.generate("own limit", {"max_new_tokens": 8}, timeout=30)
+        assert out["meta_info"]["finish_reason"]["type"] == "length"
+        stats = engine.get_stats()
+        assert stats["kv_slots_free"] + stats["kv_slots_cached"] == stats["kv_slots_total"]
+    with pytest.raises(ValueError, match="request_timeout"):
+        radixlm.Engine(llama_ckpt, request_timeout=-1)

@@ -148,9 +148,10 @@ class Engine:
         rid: str | list[str] | None = None,
         image_data: Any = None,
         video_data: Any = None,
+        timeout: float | None = None,
     ) -> Output | list[Output] | Iterator[Output]:
         return self._open().generate(prompt, sampling_params, input_ids, return_logprob, logprob_start_len,
-                                     top_logprobs_num, stream, rid, image_data, video_data)
+                                     top_logprobs_num, stream, rid, image_data, video_data, timeout)
 
     async def async_generate(
         self,
@@ -164,10 +165,11 @@ class Engine:
         rid: str | list[str] | None = None,
         image_data: Any = None,
         video_data: Any = None,
+        timeout: float | None = None,
     ) -> Output | list[Output] | AsyncIterator[Output]:
         return await self._open().async_generate(prompt, sampling_params, input_ids, return_logprob,
                                                  logprob_start_len, top_logprobs_num, stream, rid, image_data,
-                                                 video_data)
+                                                 video_data, timeout)
 
     def abort_request(self, rid: str = "", abort_all: bool = False) -> None:
         """Aborts the request `rid` (with all its n > 1 samples; nothing when it has finished), or with

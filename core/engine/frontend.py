@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Iterator
 
 from radixlm.core.tokenizer.detokenizer import IncrementalDetokenizer
+from radixlm.core.engine.deadline import deadline_of
 from radixlm.core.engine.images import ImagePreparer, images_of, videos_of
 from radixlm.core.engine.messages import (
     Abort, Call, CallReply, CheckInvariants, ConstraintSpec, FlushCache, GenerateOutput, GenerateRequest,
@@ -150,9 +151,11 @@ class FrontEnd:
 
     def generate(self, prompt=None, sampling_params=None, input_ids=None, return_logprob=False,
                  logprob_start_len=None, top_logprobs_num=0, stream=False, rid=None, image_data=None,
-                 video_data=None):
+                 video_data=None, timeout=None):
+        deadline = deadline_of(timeout, self.options.request_timeout)  # counted from the call
         reqs, single = self.prepare(prompt, sampling_params, input_ids, return_logprob, logprob_start_len,
                                     top_logprobs_num, stream, rid, image_data, video_data)  # on the caller's own thread
+        _set_deadline(reqs, deadline)
         kind = _constraint_kind(reqs)
         if kind is not None:
             self._within_budget(self._compile_pool.submit(self.check_constraints, reqs), kind)
@@ -165,7 +168,8 @@ class FrontEnd:
 
     async def async_generate(self, prompt=None, sampling_params=None, input_ids=None, return_logprob=False,
                              logprob_start_len=None, top_logprobs_num=0, stream=False, rid=None, image_data=None,
-                             video_data=None):
+                             video_data=None, timeout=None):
+        deadline = deadline_of(timeout, self.options.request_timeout)  # counted from the call
         args = (prompt, sampling_params, input_ids, return_logprob, logprob_start_len, top_logprobs_num, stream, rid,
                 image_data, video_data)
         # Microseconds of work: less than a hop to a worker, and keeps arrival order (images are decoded: not small).
@@ -173,6 +177,7 @@ class FrontEnd:
             reqs, single = self.prepare(*args)
         else:
             reqs, single = await self.offload(self.prepare, *args)
+        _set_deadline(reqs, deadline)
         kind = _constraint_kind(reqs)
         if kind is not None:
             await self._within_budget_async(self._compile_pool.submit(self.check_constraints, reqs), kind)
@@ -610,6 +615,11 @@ def _longest_token_bytes(tokenizer: Any) -> int:
     """An upper bound on the UTF-8 bytes one token stands for: its longest vocabulary entry (byte-level
     and SentencePiece entries spell each byte with one character of at least one byte)."""
     return max(len(piece.encode("utf-8")) for piece in tokenizer.get_vocab())
+
+
+def _set_deadline(reqs: list[GenerateRequest], deadline: float | None) -> None:
+    for req in reqs:
+        req.deadline = deadline
 
 
 def _set_result(fut: asyncio.Future, out: Any) -> None:

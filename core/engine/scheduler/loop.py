@@ -39,9 +39,13 @@ from radixlm.core.engine.options import EngineOptions
 from radixlm.core.engine.radix_cache import RadixCache
 from radixlm.core.engine.request import Req
 from radixlm.core.engine.sampler import Sampler
+from radixlm.core.engine.deadline import TIMEOUT_MESSAGE
+from radixlm.core.engine.faults import inject_faults
+from radixlm.core.engine.scheduler.deadlines import Deadlines
 from radixlm.core.engine.scheduler.execute import Executor, PendingDecode
 from radixlm.core.engine.scheduler.finish import Finish
 from radixlm.core.engine.scheduler.memory import KVMemory
+from radixlm.core.engine.scheduler.oom import OOMRecovery, is_out_of_memory
 from radixlm.core.engine.scheduler.policy import SchedulePolicy
 from radixlm.core.engine.scheduler.prefill import Extend, PrefillPlanner
 from radixlm.core.engine.scheduler.queues import RequestQueues
@@ -78,6 +82,9 @@ class Scheduler:
                                  eos_token_ids, self.context_len)
         # Overlap scheduling: the decode step launched but not yet applied (execute.py).
         self.pending: PendingDecode | None = None
+        self.deadlines = Deadlines()
+        self.oom = OOMRecovery(self.queues, self.memory, self.planner)
+        self.faults = inject_faults(runner)  # test-only (RADIXLM_INJECT_FAULTS); None otherwise
         self.inbox: "queue.Queue[InboxMessage]" = queue.Queue()
         self.outbox = queue.Queue()
         # In its own process the loop also puts its statistics on the outbox, at most this often (s).
@@ -124,8 +131,17 @@ class Scheduler:
     # ---- the loop --------------------------------------------------------------------------
 
     def run_forever(self) -> None:
+        try:
+            self._run()
+        except BaseException:  # outside any request: the front end notices the loop is gone and fails its callers
+            logger.critical("the scheduler loop died", exc_info=True)
+            raise
+
+    def _run(self) -> None:
         self._publish()
         while not self._stop.is_set():
+            if self.faults is not None:
+                self.faults.before_iteration()
             if self._pause_wanted.is_set():
                 self.settle()  # the pausing thread sees every sampled token
                 self._paused.set()
@@ -134,17 +150,31 @@ class Scheduler:
             self._drain_inbox(block=not self.queues.busy())
             if self._stop.is_set():
                 break
+            self._end_overdue()
             try:
                 self.step()
-            except Exception:  # a failure of the batch itself (not of one request's own work)
-                logger.exception("scheduler step failed; aborting the requests in flight")
+                self.oom.step_succeeded()
+            except Exception as exc:  # a failure of the batch itself (not of one request's own work)
                 self.pending = None
                 self.executor.discard_unapplied()
-                self.queues.abort_all("internal server error (the server log has the details)", status_code=500)
+                if is_out_of_memory(exc):
+                    self.oom.recover(exc)
+                else:
+                    logger.exception("scheduler step failed; aborting the requests in flight")
+                    self.queues.abort_all("internal server error (the server log has the details)", status_code=500)
             self._publish()
         self.settle()
-        self.queues.abort_all("engine shut down")
+        self.queues.abort_all("the engine shut down", status_code=503)
         self._publish()
+
+    def _end_overdue(self) -> None:
+        """Ends the requests past their deadline, with their KV as of their last applied token."""
+        overdue = self.deadlines.due(time.time()) if len(self.deadlines) else []
+        if overdue:
+            self.settle()
+        for req in overdue:
+            if not req.finished:
+                self.queues.finish(req, Finish("abort"), error=TIMEOUT_MESSAGE, status_code=408)
 
     def _publish(self, force: bool = False) -> None:
         self.snapshot = self.get_stats()
@@ -262,7 +292,10 @@ class Scheduler:
         req = Req(inp=inp, detok=detok, arrival=self._arrivals)
         self._arrivals += 1
         self.stats.requests_total += 1
-        if self.queues.add(req) and inp.constraint is not None:
+        added = self.queues.add(req)
+        if added:
+            self.deadlines.add(req)
+        if added and inp.constraint is not None:
             try:
                 req.constraint = self._build_constraint(inp)
                 self.executor.advance.jump(req)  # text forced from the very start goes in with the prompt
