@@ -145,8 +145,7 @@ def _run_serve(ns: argparse.Namespace) -> int:
     _preflight(model_path, server, options)
     from radixlm.server.launch import serve
 
-    serve(model_path, server, **options)
-    return 0
+    return serve(model_path, server, **options)
 
 
 _COMMANDS: dict[str, tuple[Callable[[Any], argparse.ArgumentParser], Callable[[argparse.Namespace], int]]] = {

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.concurrency import run_in_threadpool
@@ -66,7 +66,9 @@ class NativeAPI:
         self.engine = engine
         self.client = client
         self.server_info = server_info
-        self.closing = False  # set at shutdown: /health answers 503 so balancers stop sending
+        # Why the server refuses work now (draining, the engine dead: server.lifecycle), which /health
+        # answers with a 503 so that balancers stop sending; None while it serves.
+        self.refusal: Callable[[], APIError | None] = lambda: None
 
     async def generate(self, request: Request) -> Response:
         req = await parse_body(request, GenerateRequest)
@@ -159,8 +161,9 @@ class NativeAPI:
     # ---- service endpoints ----------------------------------------------------------------------
 
     async def health(self, request: Request) -> Response:
-        if self.closing:
-            raise APIError(503, "The server is shutting down")
+        refusal = self.refusal()
+        if refusal is not None:
+            raise refusal
         stalled = self.engine.stalled_for()
         if stalled > self.engine.options.stall_timeout:
             raise APIError(503, f"The engine has made no progress for {stalled:.0f} s with requests pending "
@@ -169,8 +172,9 @@ class NativeAPI:
 
     async def health_generate(self, request: Request) -> Response:
         """Healthy only if the engine produces a token within a few seconds."""
-        if self.closing:
-            raise APIError(503, "The server is shutting down")
+        refusal = self.refusal()
+        if refusal is not None:
+            raise refusal
         try:
             await asyncio.wait_for(self.client.generate(
                 request, input_ids=[0], sampling_params={"max_new_tokens": 1, "temperature": 0.0}), timeout=20)
@@ -204,6 +208,8 @@ class NativeAPI:
             "model_path": self.engine.model_path, "served_model_name": self.engine.served_model_name,
             "context_len": self.engine.context_len, "version": radixlm.__version__,
             "inflight_http_requests": self.client.inflight, "internal_states": [stats],
+            # The scheduler's own process (scheduler_process), for an operator's tools; None: a thread here.
+            "scheduler_pid": getattr(self.engine.frontend.scheduler, "pid", None),
         })
 
     async def flush_cache(self, request: Request) -> Response:

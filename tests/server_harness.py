@@ -90,8 +90,8 @@ def render_chat(engine: Engine, messages: list[dict[str, Any]], **kwargs: Any) -
 class ServerProcess:
     """`radixlm serve` in a subprocess on a free port (read back from its log line)."""
 
-    def __init__(self, *flags: str) -> None:
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+    def __init__(self, *flags: str, env: dict[str, str] | None = None) -> None:
+        env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
         self.proc = subprocess.Popen([sys.executable, "-m", "radixlm.server", "--port", "0", *flags],
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
         self.log: list[str] = []

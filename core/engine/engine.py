@@ -181,6 +181,16 @@ class Engine:
         else:
             self._frontend.abort_request(rid)
 
+    def alive(self) -> bool:
+        """Whether the engine takes requests: started, not shut down, and its scheduler loop running
+        (False once that loop died or its process was killed)."""
+        return self._frontend is not None and self._frontend.alive()
+
+    def fail_in_flight(self) -> None:
+        """Once the scheduler has died: fails every request still waiting on it (nothing otherwise)."""
+        if self._frontend is not None:
+            self._frontend.fail_in_flight()
+
     # ---- cache, stats, checks ------------------------------------------------------------------
 
     def flush_cache(self) -> bool:

@@ -143,6 +143,16 @@ class FrontEnd:
         self.scheduler.outbox.put(None)
         self._drain.join(timeout=30)
 
+    def alive(self) -> bool:
+        """Whether the engine takes requests: not shut down and its scheduler loop running."""
+        return not self._closed and self.scheduler.alive()
+
+    def fail_in_flight(self) -> None:
+        """When the scheduler has died: every request in flight fails now (the drain thread does the same
+        within a second of noticing, unless it is stuck reading a message the dead process half wrote)."""
+        if not self.scheduler.alive():
+            self._fail_all(EngineShutdownError("the engine's scheduler died before the request finished"))
+
     def _check_open(self) -> None:
         if self._closed or not self.scheduler.alive():
             raise EngineShutdownError("the engine has been shut down")
