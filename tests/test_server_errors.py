@@ -185,7 +185,7 @@ def test_stream_error_is_an_http_error_not_a_broken_stream(live):
 def proc(llama_ckpt):
     # max_queued_requests 0 and one running request: a second concurrent request overflows the queue.
     p = ServerProcess("--model-path", llama_ckpt, "--api-key", "sekret", "--max-queued-requests", "0",
-                      "--max-running-requests", "1")
+                      "--max-running-requests", "1", "--drain-timeout", "1")
     yield p
     p.kill()
 

@@ -44,7 +44,7 @@ class FaultPlan:
             if not sep or not value.isdigit():
                 raise ValueError(f"{ENV}: cannot read {item!r} (e.g. oom@12, host_oom@3, oom_over=512, loop_crash@40)")
             target = {"oom": plan.oom_at, "host_oom": plan.host_oom_at, "loop_crash": plan.loop_crash_at}.get(name)
-            if name == "oom_over":
+            if name == "oom_over" and sep == "=":
                 plan.oom_over = int(value)
             elif target is not None and sep == "@":
                 target.add(int(value))
