@@ -41,7 +41,7 @@ def assert_kv_accounted(engine: radixlm.Engine) -> None:
     engine.check_invariants()
 
 
-@pytest.mark.parametrize("spec", ["oom@4", "host_oom@20", "oom@2,oom@9,host_oom@30"])
+@pytest.mark.parametrize("spec", ["oom@4", "host_oom@20", "oom@2,oom@9,host_oom@30", "oom_every=7"])
 def test_out_of_memory_step_retries_with_the_same_outputs(monkeypatch, llama_ckpt, clean, spec):
     with faulty_engine(monkeypatch, llama_ckpt, spec) as engine:
         outs = engine.generate(PROMPTS, [GREEDY] * 3 + [SEEDED] * 3)
@@ -66,7 +66,8 @@ def test_request_that_cannot_run_alone_ends_with_507(monkeypatch, llama_ckpt, cl
 def test_fault_spec_is_checked():
     plan = FaultPlan.parse("oom@3, host_oom@5,oom_over=64,loop_crash@9")
     assert plan.oom_at == {3} and plan.host_oom_at == {5} and plan.oom_over == 64 and plan.loop_crash_at == {9}
-    for bad in ("oom", "oom@x", "segfault@3", "oom_over@3"):
+    assert FaultPlan.parse("oom_every=50").oom_every == 50
+    for bad in ("oom", "oom@x", "segfault@3", "oom_over@3", "oom_every=0"):
         with pytest.raises(ValueError, match="RADIXLM_INJECT_FAULTS"):
             FaultPlan.parse(bad)
 

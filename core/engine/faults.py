@@ -6,6 +6,7 @@ The value is a comma-separated list of:
 
   oom@N         the N-th forward (counted from 1) raises torch.OutOfMemoryError (CUDA's)
   host_oom@N    the N-th forward raises MemoryError
+  oom_every=K   every K-th forward raises torch.OutOfMemoryError
   oom_over=T    every forward of more than T tokens raises torch.OutOfMemoryError (a request that
                 cannot run even alone)
   loop_crash@N  the scheduler loop raises at its N-th iteration, outside any request
@@ -32,6 +33,7 @@ class FaultPlan:
     oom_at: set[int] = field(default_factory=set)
     host_oom_at: set[int] = field(default_factory=set)
     oom_over: int | None = None
+    oom_every: int | None = None
     loop_crash_at: set[int] = field(default_factory=set)
     forwards: int = 0
     iterations: int = 0
@@ -42,10 +44,11 @@ class FaultPlan:
         for item in filter(None, (part.strip() for part in spec.split(","))):
             name, sep, value = item.partition("@") if "@" in item else item.partition("=")
             if not sep or not value.isdigit():
-                raise ValueError(f"{ENV}: cannot read {item!r} (e.g. oom@12, host_oom@3, oom_over=512, loop_crash@40)")
+                raise ValueError(f"{ENV}: cannot read {item!r} (e.g. oom@12, host_oom@3, oom_every=50, oom_over=512, "
+                                 "loop_crash@40)")
             target = {"oom": plan.oom_at, "host_oom": plan.host_oom_at, "loop_crash": plan.loop_crash_at}.get(name)
-            if name == "oom_over" and sep == "=":
-                plan.oom_over = int(value)
+            if name in ("oom_over", "oom_every") and sep == "=" and int(value) > 0:
+                setattr(plan, name, int(value))
             elif target is not None and sep == "@":
                 target.add(int(value))
             else:
@@ -54,7 +57,8 @@ class FaultPlan:
 
     def before_forward(self, tokens: int) -> None:
         self.forwards += 1
-        if self.forwards in self.oom_at or (self.oom_over is not None and tokens > self.oom_over):
+        if self.forwards in self.oom_at or (self.oom_over is not None and tokens > self.oom_over) \
+                or (self.oom_every is not None and self.forwards % self.oom_every == 0):
             logger.warning("injected fault: CUDA out of memory in forward %d (%d tokens)", self.forwards, tokens)
             raise torch.OutOfMemoryError(f"injected fault ({ENV}): CUDA out of memory in forward {self.forwards}")
         if self.forwards in self.host_oom_at:
