@@ -11,7 +11,7 @@ def __getattr__(name: str) -> Any:
     # imported on first use, so that the command line answers --help and its pre-load checks at once
     # instead of after importing torch.
     if name == "Engine":
-        from radixlm.core.engine.engine import Engine
+        from radixlm.core.runtime.engine import Engine
 
         return Engine
     # `from radixlm import server` asks here before importing the submodule: not the frontend for that.

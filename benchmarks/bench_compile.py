@@ -25,10 +25,11 @@ import bench_grammar  # noqa: E402
 
 
 def main() -> None:
-    from radixlm.core.constrained import grammar_index_cache, testing
-    from radixlm.core.constrained.grammar_compiler import Deadline, GrammarBudget, compile_grammar
-    from radixlm.core.constrained.pda import GrammarIndex
-    from radixlm.core.constrained.schema_refs import register_documents
+    from radixlm.core.runtime.constrained import grammar_index_cache
+    from radixlm.testing.constrained import qwen2_tokenizer
+    from radixlm.core.runtime.constrained.automata.grammar_compiler import Deadline, GrammarBudget, compile_grammar
+    from radixlm.core.runtime.constrained.pda import GrammarIndex
+    from radixlm.core.runtime.constrained.schema.schema_refs import register_documents
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--suite", required=True, help="the JSON-Schema-Test-Suite's draft2020-12 folder")
@@ -37,7 +38,7 @@ def main() -> None:
     parser.add_argument("--budget", type=float, default=2.0, help="max_compile_seconds")
     parser.add_argument("--profile", action="store_true", help="cProfile of the compiles, by cumulative and by own time")
     args = parser.parse_args()
-    tokenizer = testing.qwen2_tokenizer()
+    tokenizer = qwen2_tokenizer()
     start = time.process_time()
     vocab = grammar_index_cache.prepare_vocab(tokenizer)
     print(f"tokenizer prepared once (prepare_vocab): {time.process_time() - start:.2f} s CPU")

@@ -40,6 +40,8 @@ import time
 import numpy as np
 import torch
 
+from schemas import E2E_SCHEMA
+
 SCHEMA = {
     "type": "object",
     "properties": {
@@ -60,27 +62,11 @@ SCHEMA = {
 }
 
 
-# For end-to-end runs: bounded strings, so that even a random model's outputs end.
-E2E_SCHEMA = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 12},
-        "age": {"type": "integer", "minimum": 0, "maximum": 150},
-        "city": {"type": "string", "maxLength": 12},
-        "zip": {"type": "string", "pattern": "^[0-9]{5}$"},
-        "tags": {"type": "array", "items": {"enum": ["new", "vip", "staff"]}, "maxItems": 3},
-        "role": {"enum": ["admin", "user", "guest"]},
-        "active": {"type": "boolean"},
-    },
-    "required": ["name", "age", "city", "zip", "tags", "role", "active"],
-}
-
-
 def bench_index(tokenizer, repeats: int) -> dict:
-    from radixlm.core.constrained import compile_grammar
-    from radixlm.core.constrained.grammar_index_cache import grammar_of
-    from radixlm.core.constrained.pda import GrammarIndex
-    from radixlm.core.constrained.vocab import TokenTrie, vocab_of
+    from radixlm.core.runtime.constrained import compile_grammar
+    from radixlm.core.runtime.constrained.grammar_index_cache import grammar_of
+    from radixlm.core.runtime.constrained.pda import GrammarIndex
+    from radixlm.core.runtime.constrained.tokens.vocab import TokenTrie, vocab_of
 
     t = time.perf_counter()
     vocab = vocab_of(tokenizer)
@@ -110,9 +96,9 @@ def bench_index(tokenizer, repeats: int) -> dict:
 
 
 def bench_masks(tokenizer, batch: int, device: str, seed: int = 0) -> dict:
-    from radixlm.core.constrained import apply_token_masks, build_constraint
-    from radixlm.core.constrained import grammar_index_cache
-    from radixlm.core.constrained.testing import random_walk
+    from radixlm.core.runtime.constrained import apply_token_masks, build_constraint
+    from radixlm.core.runtime.constrained import grammar_index_cache
+    from radixlm.testing.constrained import random_walk
 
     rng = np.random.default_rng(seed)
     vocab_size = len(tokenizer) + 64  # a model's logits are usually a little wider than the tokenizer
@@ -255,7 +241,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    from radixlm.core.constrained.testing import qwen2_tokenizer
+    from radixlm.testing.constrained import qwen2_tokenizer
 
     print(f"# {time.strftime('%Y-%m-%d %H:%M')} {platform.node()} {platform.processor() or platform.machine()}, "
           f"torch {torch.__version__}, {torch.get_num_threads()} threads")
@@ -288,7 +274,7 @@ def main() -> None:
 def _extend_chaining(on: bool):
     """Overlap's chaining across jump-forward extend steps, or (off) those steps apply the pending decode
     step first, as before it was built: an ablation of this process's engines (the loop runs in a thread)."""
-    from radixlm.core.engine.scheduler.execute import Executor
+    from radixlm.core.runtime.scheduler.execute import Executor
 
     chains = Executor.chains_extend
     if not on:
@@ -303,7 +289,7 @@ def _extend_chaining(on: bool):
 def _gathering_before_chains(on: bool):
     """Jump-forward continuations wait to gather before a chained extend step too, as before they stopped
     waiting there: an ablation of this process's engines."""
-    from radixlm.core.engine.scheduler.constraints import JumpGather
+    from radixlm.core.runtime.scheduler.constraints import JumpGather
 
     should_wait = JumpGather.should_wait
     if on:

@@ -38,7 +38,7 @@ from typing import Any, Callable
 import torch
 from machine_info import cpu_name
 
-from radixlm.core.models.default_model import default_model_path
+from radixlm.core.runtime.models.default_model import default_model_path
 
 QUESTIONS = [
     "What is the capital of France?", "Name three primary colors.", "What is 12 times 7?",
@@ -305,7 +305,7 @@ def main() -> None:
                                                                              disable_cpu_prepack=True)
                 keep.append(plain)
     if tokenizer is None:
-        from radixlm.core.tokenizer.loader import load_tokenizer
+        from radixlm.core.runtime.tokenizer.loader import load_tokenizer
 
         tokenizer = load_tokenizer(args.model)
     prompts = prompt_ids(tokenizer, max(args.batch))

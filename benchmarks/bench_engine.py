@@ -7,7 +7,7 @@ with HF transformers `generate` on the same weights and workloads as the peer, i
 Models: `llama3-8b-shape` is Llama-3-8B's shape (hidden 4096, 32 layers, 32 heads, 8 KV heads,
 intermediate 14336, vocab 128256) with random bf16 weights made on the device (load_format "dummy":
 nothing is downloaded or read); its tokenizer is the small local one, so prompts are random token
-ids. `tiny` is the 2-layer test checkpoint (core.testing). The HF peer is
+ids. `tiny` is the 2-layer test checkpoint (testing.checkpoints). The HF peer is
 transformers' LlamaForCausalLM whose parameters are views of radixlm's (fused QKV and gate-up split
 back), so both run exactly the same weights; it runs after radixlm's engine has been shut down and its
 KV pool freed.
@@ -49,8 +49,8 @@ from typing import Any
 import torch
 
 import radixlm
-from radixlm.core.models.registry import model_spec
-from radixlm.core.testing import build_checkpoint, build_tokenizer
+from radixlm.core.runtime.models.registry import model_spec
+from radixlm.testing.checkpoints import build_checkpoint, build_tokenizer
 
 LLAMA3_8B_SHAPE = {
     "architectures": ["LlamaForCausalLM"],
@@ -246,7 +246,7 @@ def bench_prefill(engine, w, cfg, repeats: int) -> dict[str, Any]:
 def _forward_only_prefill(s, batch: int, length: int, vocab: int, repeats: int) -> float:
     """The model forward alone for the prefill batch (the scheduler loop paused, nothing else running):
     the number comparable to HF's forward, without scheduling, sampling and radix-cache work."""
-    from radixlm.core.engine.model_runner import BatchInput
+    from radixlm.core.runtime.execution.batch_input import BatchInput
 
     runner = s.runner
     slots = s.allocator.alloc(batch * length)

@@ -4,7 +4,7 @@ the model's own time small and the path's overhead shows.
     python benchmarks/bench_frontend.py                                   # this checkout
     python benchmarks/bench_frontend.py --baseline /tmp/radixlm-main      # and another, alternating
 
-Workloads, greedy on the 2-layer test checkpoint (core.testing), ignore_eos:
+Workloads, greedy on the 2-layer test checkpoint (testing.checkpoints), ignore_eos:
 - short: 512 requests of 8-token prompts and 16 output tokens, submitted as one batch; output tokens/s.
 - stream: one request streaming 1000 tokens; output tokens/s as the consumer receives them.
 - streams: 32 concurrent async streams of 64 tokens each; output tokens/s.
@@ -86,7 +86,7 @@ def main() -> None:
         print(f"radixlm from {os.path.dirname(radixlm.__file__)}", file=sys.stderr)
         print(json.dumps(run_workloads(args.one_round, json.loads(args.options))))
         return
-    from radixlm.core.testing import build_checkpoint
+    from radixlm.testing.checkpoints import build_checkpoint
 
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = build_checkpoint(os.path.join(tmp, "tiny"), "llama")

@@ -46,7 +46,7 @@ from urllib.parse import urljoin
 import numpy as np
 import valid_misses
 
-from radixlm.core.cache import cache_dir
+from radixlm.core.runtime.cache import cache_dir
 
 RESULTS = cache_dir() / "bench_grammar"  # one JSON per engine run; --report reads them
 MASK_CLOCK = time.perf_counter  # --cpu-time: the thread's CPU time, which other jobs on a shared machine disturb less
@@ -208,8 +208,10 @@ class Engine:
         self.cold = cold
 
     def compile(self, schema):
-        from radixlm.core.constrained import build_constraint
-        from radixlm.core.constrained import counted_string, grammar_compiler, grammar_index_cache, terminal_tokens
+        from radixlm.core.runtime.constrained import build_constraint
+        from radixlm.core.runtime.constrained.tokens import counted_string, terminal_tokens
+        from radixlm.core.runtime.constrained.automata import grammar_compiler
+        from radixlm.core.runtime.constrained import grammar_index_cache
 
         if self.name == "radixlm":  # a schema never seen: its compiled grammar is not cached
             grammar_index_cache._cache.clear()
@@ -223,22 +225,22 @@ class Engine:
 
 def run(engine_name: str, suite_dir: str, limit: int | None, cold: bool, vocab_name: str, samples: int,
         freeze: bool = True) -> dict:
-    from radixlm.core.constrained import testing
+    from radixlm.testing.constrained import llama3_tokenizer, qwen2_tokenizer
 
-    tokenizer = {"qwen2": testing.qwen2_tokenizer, "llama3": testing.llama3_tokenizer}[vocab_name]()
+    tokenizer = {"qwen2": qwen2_tokenizer, "llama3": llama3_tokenizer}[vocab_name]()
     setup = time.perf_counter()
-    from radixlm.core.constrained.grammar_index_cache import prepare_vocab
+    from radixlm.core.runtime.constrained.grammar_index_cache import prepare_vocab
 
     vocab = prepare_vocab(tokenizer)  # the per-tokenizer setup, once per process, as an engine's start
     setup = time.perf_counter() - setup
     vocab_size = len(tokenizer)
     eos = tokenizer.eos_token_id
     if engine_name == "llguidance":
-        from radixlm.core.constrained.llguidance_backend import _ll_tokenizer
+        from radixlm.core.runtime.constrained.llguidance_backend import _ll_tokenizer
 
         _ll_tokenizer(tokenizer, vocab)
     if engine_name == "radixlm":  # the suite's remote documents, as a user registers theirs
-        from radixlm.core.constrained.schema_refs import register_documents
+        from radixlm.core.runtime.constrained.schema.schema_refs import register_documents
 
         register_documents(Path(suite_dir).parent.parent / "remotes", REMOTE)
     remotes = _remotes_registry(Path(suite_dir).parent.parent / "remotes")
@@ -250,7 +252,7 @@ def run(engine_name: str, suite_dir: str, limit: int | None, cold: bool, vocab_n
         # are built (EngineOptions.gc_freeze, gc_heap.py): the vocabulary's tables and this harness's own
         # corpus (~370k lists and dicts of instances), which no engine holds; else every full collection
         # walks them, inside whichever compile or mask it falls in (~0.1-0.17 s).
-        from radixlm.core.engine import gc_heap
+        from radixlm.core.runtime import gc_heap
 
         gc_heap.freeze_heap()
     compile_s, refused, mask_us, mask_again_us = [], {}, [], []
@@ -338,8 +340,8 @@ def _sample(engine: Engine, name: str, schema, n: int, seed: int, bad: list[str]
     checked with jsonschema (formats asserted where the engine asserts them; the suite's remotes known)."""
     import jsonschema
 
-    from radixlm.core.constrained.json_grammar import _asserts_formats
-    from radixlm.core.constrained.testing import random_walk
+    from radixlm.core.runtime.constrained.schema.json_grammar import _asserts_formats
+    from radixlm.testing.constrained import random_walk
 
     cls = jsonschema.validators.validator_for(schema) if isinstance(schema, dict) else jsonschema.Draft202012Validator
     validator = cls(schema, format_checker=cls.FORMAT_CHECKER if _asserts_formats(schema) else None, registry=remotes)
@@ -391,7 +393,7 @@ def _accepts(engine: Engine, schema, instance) -> bool:
 
 def _fresh(engine: Engine, schema):
     """Our engine's constraint for one more instance: the compiled grammar (and its masks) reused."""
-    from radixlm.core.constrained import build_constraint
+    from radixlm.core.runtime.constrained import build_constraint
 
     return build_constraint("json_schema", schema, engine.tokenizer, backend="radixlm")
 

@@ -14,7 +14,7 @@ requests/s, output tokens/s and the prompt tokens served from the cache.
 Models: `llava-7b-shape` is LLaVA-1.5-7B's shape (CLIP ViT-L/14 at 336 px: 576 image tokens; Llama-2-7B
 language model, vocab 32064) with random bf16 weights made on the device (load_format "dummy": nothing
 downloaded); its tokenizer is the small local one plus `<image>`, so prompts are random token ids. `tiny`
-is the test checkpoint (core.testing_vision: 16 image tokens). `qwen2vl-2b-shape` is Qwen2-VL-2B's shape
+is the test checkpoint (testing.vision: 16 image tokens). `qwen2vl-2b-shape` is Qwen2-VL-2B's shape
 (ViT 32 x 1280, Qwen2-1.5B language model with M-RoPE, vocab 151936) with dummy bf16 weights and Qwen2-VL's
 own image-processor limits (a 640x480 image takes 391 positions); `qwen2vl-tiny` the Qwen2-VL test
 checkpoint (4 image positions at 64x48).
@@ -31,7 +31,7 @@ import time
 from typing import Any
 
 import radixlm
-from radixlm.core.testing_vision import build_llava_checkpoint, build_qwen2_vl_checkpoint, png_bytes, sample_image
+from radixlm.testing.vision import build_llava_checkpoint, build_qwen2_vl_checkpoint, png_bytes, sample_image
 
 PRESETS = {
     "llava-7b-shape": dict(requests=256, shared_images=4, prefix=64, question=32, output=64, image_px=(640, 480)),

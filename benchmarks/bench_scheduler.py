@@ -33,12 +33,12 @@ from types import SimpleNamespace
 
 import torch
 
-from radixlm.core.engine.memory_pool import ReqToTokenPool
-from radixlm.core.engine.model_runner import BatchInput
-from radixlm.core.engine.options import EngineOptions
-from radixlm.core.engine.messages import GenerateRequest
-from radixlm.core.engine.sampling_params import SamplingParams
-from radixlm.core.engine.scheduler import Scheduler
+from radixlm.core.runtime.memory.memory_pool import ReqToTokenPool
+from radixlm.core.runtime.execution.batch_input import BatchInput
+from radixlm.core.runtime.options import EngineOptions
+from radixlm.core.runtime.messages import GenerateRequest
+from radixlm.core.runtime.sampling_params import SamplingParams
+from radixlm.core.runtime.scheduler import Scheduler
 
 VOCAB = 256
 

@@ -62,8 +62,8 @@ import torch  # noqa: E402
 from bench_engine import hf_model_on_shared_weights, make_model_dir, parse_engine_options  # noqa: E402
 
 import radixlm  # noqa: E402
-from radixlm.core.tokenizer.loader import load_tokenizer  # noqa: E402
-from radixlm.core.program.config import global_config  # noqa: E402
+from radixlm.core.runtime.tokenizer.loader import load_tokenizer  # noqa: E402
+from radixlm.core.lang.config import global_config  # noqa: E402
 from workloads import WORKLOADS  # noqa: E402
 from workloads.estimate import DeviceCost, Profile, estimate_seconds, profile_workload  # noqa: E402
 from workloads.recorder import RecordingEngine, hit_rates  # noqa: E402

@@ -4,7 +4,7 @@ on a tiny model (fp32 and bf16), and decode and short extends with CUDA graphs a
     python3 benchmarks/gpu_check.py [--sweep] [--tune] [--out gpu_check.json]   # on the H200; exit 1 on failure
 
 1. Kernels: benchmarks/gpu_check_kernels.py (Llama-3-8B shapes, bf16, against the fp32 references).
-2. Engine vs HF, on a tiny Llama built in-process (core.testing; 2 layers, 4 heads,
+2. Engine vs HF, on a tiny Llama built in-process (testing.checkpoints; 2 layers, 4 heads,
    2 KV heads, head_dim 16), on prompts of 3 to ~1500 tokens decoded together (the long one spans
    several decode KV splits). The oracle is HF transformers in fp32, greedy by hand (argmax of the
    last logits, no generation processors), with the top-1/top-2 logit margin of every step.
@@ -60,8 +60,8 @@ def _load(name: str, path: Path):
 kernel_check = _load("gpu_check_kernels", _HERE / "gpu_check_kernels.py")
 
 import radixlm  # noqa: E402
-from radixlm.core.models.config import ModelConfig  # noqa: E402
-from radixlm.core.testing import build_checkpoint  # noqa: E402
+from radixlm.core.runtime.models.config import ModelConfig  # noqa: E402
+from radixlm.testing.checkpoints import build_checkpoint  # noqa: E402
 
 NEW_TOKENS = 24
 GRAPH_MAX_BS = 16
@@ -302,7 +302,7 @@ def check_fp8_kv(ckpt: str, report: dict[str, Any]) -> bool:
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    from radixlm.core.engine.options import KV_CACHE_DTYPES
+    from radixlm.core.runtime.options import KV_CACHE_DTYPES
     from radixlm.kernels.reference import to_kv_dtype
 
     ok, results = True, {}
@@ -388,7 +388,7 @@ def check_qwen2vl(ckpt: str, report: dict[str, Any]) -> bool:
     rows through the rotary in the qkv GEMV (batch-1 decode) and the batched path, greedy tokens equal in
     fp32; in bf16 the first token's logprob as close to fp32 HF's as twice HF's own in bf16 (+ 0.01), as
     check_engine_vs_hf asks."""
-    from radixlm.core.testing_vision import QWEN2_VL_IMAGE, build_qwen2_vl_checkpoint, sample_image
+    from radixlm.testing.vision import QWEN2_VL_IMAGE, build_qwen2_vl_checkpoint, sample_image
 
     oracle_module = _load("qwen2vl_oracle", _HERE.parent / "tests" / "qwen2vl_oracle.py")
     path = build_qwen2_vl_checkpoint(tempfile.mkdtemp(prefix="radixlm-gpu-check-") + "/qwen2vl")

@@ -34,9 +34,9 @@ if "--tiny" in sys.argv:
 
 import torch  # noqa: E402
 
-from radixlm.core.engine.options import KV_CACHE_DTYPES  # noqa: E402
-from radixlm.core.engine.sampler import Sampler  # noqa: E402
-from radixlm.core.engine.sampling_params import SamplingParams  # noqa: E402
+from radixlm.core.runtime.options import KV_CACHE_DTYPES  # noqa: E402
+from radixlm.core.runtime.execution.sampler import Sampler  # noqa: E402
+from radixlm.core.runtime.sampling_params import SamplingParams  # noqa: E402
 from radixlm.kernels import reference as ref  # noqa: E402
 from radixlm.kernels import triton as tri  # noqa: E402
 from radixlm.kernels.triton.attention import AttnConfig, decode_config, extend_config  # noqa: E402

@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 import bench_grammar  # noqa: E402
 
-from radixlm.core.constrained import pda  # noqa: E402
+from radixlm.core.runtime.constrained import pda  # noqa: E402
 
 RANKS = (30, 45, 59, 80, 120)
 

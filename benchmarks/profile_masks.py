@@ -21,7 +21,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 import bench_grammar  # noqa: E402
 
-from radixlm.core.constrained import pda, terminal_tokens  # noqa: E402
+from radixlm.core.runtime.constrained import pda  # noqa: E402
+from radixlm.core.runtime.constrained.tokens import terminal_tokens  # noqa: E402
 
 seconds: dict[str, float] = collections.defaultdict(float)
 calls: collections.Counter = collections.Counter()

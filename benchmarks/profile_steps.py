@@ -6,7 +6,7 @@ optionally with torch.profiler's per-op table over a window of steps.
 
 Cases (each the same prompts, temperature 1 with a seed per request so runs repeat):
     plain       no constraint, ignore_eos, as many tokens as the json case produced on average
-    json        bench_constrained.E2E_SCHEMA, jump-forward off
+    json        schemas.E2E_SCHEMA, jump-forward off
     json_jump   the same with jump-forward on
 Per case and batch: steps of each kind (decode = a graph-replayed or eager decode step; extend = an
 extend step, `+ride` when running requests decoded inside it, `+ride chained` when those took a pending
@@ -33,15 +33,15 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
 
-from bench_constrained import E2E_SCHEMA  # noqa: E402
+from schemas import E2E_SCHEMA  # noqa: E402
 from bench_engine import make_model_dir  # noqa: E402  (also makes radixlm importable from a checkout)
 
 import radixlm  # noqa: E402
-from radixlm.core.engine.scheduler import constraints as jump_gathering  # noqa: E402
-from radixlm.core.engine.model_runner import ModelRunner  # noqa: E402
-from radixlm.core.engine.sampler import DeviceSample  # noqa: E402
-from radixlm.core.engine.scheduler.execute import Executor  # noqa: E402
-from radixlm.core.models.default_model import default_model_path  # noqa: E402
+from radixlm.core.runtime.scheduler import constraints as jump_gathering  # noqa: E402
+from radixlm.core.runtime.execution.model_runner import ModelRunner  # noqa: E402
+from radixlm.core.runtime.execution.sampler import DeviceSample  # noqa: E402
+from radixlm.core.runtime.scheduler.execute import Executor  # noqa: E402
+from radixlm.core.runtime.models.default_model import default_model_path  # noqa: E402
 
 CASES = ("plain", "json", "json_jump")
 

@@ -26,7 +26,7 @@ import torch
 from bench_engine import WORKLOADS as ENGINE_WORKLOADS, make_model_dir, workload  # makes radixlm importable
 
 import radixlm  # noqa: E402
-from radixlm.core.testing import build_checkpoint  # noqa: E402
+from radixlm.testing.checkpoints import build_checkpoint  # noqa: E402
 from workloads import WORKLOADS  # noqa: E402
 
 RESULTS: dict = {}

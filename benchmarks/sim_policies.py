@@ -42,11 +42,11 @@ from workloads.estimate import DeviceCost
 from workloads.recorder import RecordingEngine, hit_rates
 
 import radixlm
-import radixlm.core.engine.engine as engine_module
-from radixlm.core.engine.memory_pool import ReqToTokenPool
-from radixlm.core.engine.model_runner import BatchInput
-from radixlm.core.testing import build_tokenizer
-from radixlm.core.tokenizer.loader import load_tokenizer
+import radixlm.core.runtime.engine as engine_module
+from radixlm.core.runtime.memory.memory_pool import ReqToTokenPool
+from radixlm.core.runtime.execution.batch_input import BatchInput
+from radixlm.testing.checkpoints import build_tokenizer
+from radixlm.core.runtime.tokenizer.loader import load_tokenizer
 
 KV_POOL_TOKENS = 800_000  # the H200 run's pool for the 8B shape (a workload's engine_options may set less)
 SIM_ENGINE = {"chunked_prefill_size": 16384, "max_running_requests": 256}  # bench_workloads' 8B preset

@@ -36,7 +36,7 @@ class QueueFullError(RadixLMError, RuntimeError):
 
 class GrammarBudgetError(TooComplexError):
     """Compiling a constraint's grammar would pass a budget (compile time, automaton states); the budgets
-    are options of core.constrained.grammar_compiler.GrammarBudget."""
+    are options of core.runtime.constrained.automata.grammar_compiler.GrammarBudget."""
 
 
 class ModelNotFoundError(RadixLMError, FileNotFoundError):

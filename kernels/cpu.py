@@ -12,7 +12,7 @@ hundreds of small ops, so their count is what this set saves. tests/test_cpu_ker
 op here against its reference.
 
 Linear layers, 80% of a decode step, run on weights reordered once at load into oneDNN's blocked
-layout (`prepack_linear_weight`, `prepacked_linear`; core.models.cpu_linear swaps them in): torch's own
+layout (`prepack_linear_weight`, `prepacked_linear`; core.runtime.models.cpu_linear swaps them in): torch's own
 F.linear goes to MKL, which runs a decode step's skinny products (a few rows) at 55 to 80% of the
 prepacked oneDNN speed on this project's AMD Zen 4 CPU, and the LM head at 40%
 (benchmarks/bench_cpu_linear.py). Their twin is F.linear on the plain weight.

@@ -31,7 +31,7 @@ OP_NAMES = (
     "store_kv",
 )
 # Fusions a set may add (same signature as the reference's); where a set lacks one, its callers compose
-# the unfused ops it stands for (core.layers.attention_backend, core.models.llama). The GEMV ops take at
+# the unfused ops it stands for (core.runtime.layers.attention_backend, core.runtime.models.llama). The GEMV ops take at
 # most GEMV_MAX_ROWS rows (decode).
 OPTIONAL_OP_NAMES = ("apply_rotary_store_kv", "gemv", "residual_gemv", "rms_scaled_gemv", "rotary_qkv_gemv")
 

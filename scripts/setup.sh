@@ -16,7 +16,7 @@ pip install -q --upgrade pip
 python -c "import torch" 2>/dev/null || pip install -q torch==2.13.0
 if [ "${RADIXLM_NEWEST:-0}" = 1 ]; then
     # torch stays the CPU build on disk (the newest release allowed there is a multi-GB CUDA build).
-    held_torch="torch==$(python -c 'import torch; print(torch.__version__.split("+")[0])')"
+    held_torch="torch==$(python -c 'import importlib.metadata as m; print(m.version("torch").split("+")[0])')"
     pip install -q --upgrade --upgrade-strategy eager -e ".[$1]" "$held_torch"
 else
     pip install -q -c constraints.txt -e ".[$1]"

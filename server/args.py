@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from radixlm.core.engine.options import LOG_LEVELS, option
+from radixlm.core.runtime.options import LOG_LEVELS, option
 
 
 @dataclass

@@ -19,8 +19,8 @@ import sys
 import typing
 from typing import Any, Callable
 
-from radixlm.core.engine.launcher import launched_rank
-from radixlm.core.engine.options import EngineOptions
+from radixlm.core.runtime.launcher import launched_rank
+from radixlm.core.runtime.options import EngineOptions
 from radixlm.server.args import ServerArgs
 
 
@@ -130,7 +130,7 @@ def _preflight(model_path: str | None, server: ServerArgs, engine_options: dict[
             raise UsageError(f"--{name.replace('_', '-')} {path!r}: no such file")
     _check_device(engine_options.get("device"))
     if model_path is not None:  # a hub id is looked up (cache first) here, before anything loads
-        from radixlm.core.models.hub import resolve_model_path
+        from radixlm.core.runtime.models.hub import resolve_model_path
 
         resolve_model_path(model_path)
 
@@ -138,7 +138,7 @@ def _preflight(model_path: str | None, server: ServerArgs, engine_options: dict[
 def _run_serve(ns: argparse.Namespace) -> int:
     model_path, server, options = _split(ns)
     if launched_rank():  # under torchrun, ranks 1.. follow rank 0's engine (docs/scale_out.md)
-        from radixlm.core.engine.tp_worker import run_launched_rank
+        from radixlm.core.runtime.distributed.tp_worker import run_launched_rank
 
         run_launched_rank(model_path, **options)
         return 0

@@ -95,7 +95,7 @@ class _EngineCollector:
             yield from self._gc(s["gc"])
 
     def _gc(self, gc: dict[str, Any]) -> Iterator[Metric]:
-        """The scheduler process's garbage collections (core/engine/gc_heap.py)."""
+        """The scheduler process's garbage collections (core/runtime/gc_heap.py)."""
         m = self.model_name
         count = CounterMetricFamily(PREFIX + "gc_collections", "Garbage collections of the scheduler's process, by "
                                     "generation (2: full).", labels=["model_name", "generation"])

@@ -20,9 +20,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 
 import radixlm
-from radixlm.core.engine.frontend import branch_params, branch_rid
-from radixlm.core.engine.images import images_of, videos_of
-from radixlm.core.engine.sampling_params import SamplingParams
+from radixlm.core.runtime.frontend import branch_params, branch_rid
+from radixlm.core.runtime.images import images_of, videos_of
+from radixlm.core.runtime.sampling_params import SamplingParams
 from radixlm.server.body import parse_body
 from radixlm.server.errors import APIError, bad_request, error_body
 from radixlm.server.generation import (Branch, EngineClient, EventStreamResponse, MergedStream, as_list,

@@ -19,11 +19,11 @@ import jsonschema
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from radixlm.core.chat_render import render_chat
-from radixlm.core.engine.frontend import branch_dicts
-from radixlm.core.openai_output import (TokenText, chat_logprobs, completion_logprobs, finish_reason, tool_call,
+from radixlm.core.chat.render import render_chat
+from radixlm.core.runtime.frontend import branch_dicts
+from radixlm.core.chat.openai_output import (TokenText, chat_logprobs, completion_logprobs, finish_reason, tool_call,
                                         usage)
-from radixlm.core.engine.sampling_params import SamplingParams
+from radixlm.core.runtime.sampling_params import SamplingParams
 import radixlm.server.tools as toolcalls
 from radixlm.server.body import parse_body
 from radixlm.server.errors import APIError, bad_request, error_body

@@ -22,7 +22,7 @@ from typing import Any, AsyncIterator
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from radixlm.core.openai_output import finish_reason, responses_usage
+from radixlm.core.chat.openai_output import finish_reason, responses_usage
 from radixlm.server.body import parse_body
 from radixlm.server.errors import APIError, bad_request
 from radixlm.server.generation import Branch, EngineClient, EventStreamResponse, MergedStream

@@ -1,4 +1,4 @@
-"""Tool calling on the server's pydantic request models, in the formats of core/tool_calls.py (shared
+"""Tool calling on the server's pydantic request models, in the formats of core/chat/tool_calls.py (shared
 with ChatSGLang): the schema that forces a "required" call, and replies read back as OpenAI tool_calls
 entries (arguments serialized as JSON strings).
 """
@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from radixlm.core.openai_output import tool_call
-from radixlm.core.tool_calls import call_array_schema, find_calls, parse_call_array
+from radixlm.core.chat.openai_output import tool_call
+from radixlm.core.chat.tool_calls import call_array_schema, find_calls, parse_call_array
 from radixlm.server.openai_protocol import Tool
 
 __all__ = ["parse_auto", "parse_required", "required_schema", "template_tools", "tool_call"]

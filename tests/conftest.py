@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from radixlm.core.testing import build_checkpoint, build_tokenizer
+from radixlm.testing.checkpoints import build_checkpoint, build_tokenizer
 
 # Llama 3.1's rope scaling, with original_max_position_embeddings small enough (256) that the
 # 16-dim heads of the tiny models have rotary frequencies in all three regimes: kept (wavelength

@@ -16,7 +16,7 @@ import traceback
 from typing import Any
 
 import radixlm
-from radixlm.core.engine.engine import Engine
+from radixlm.core.runtime.engine import Engine
 
 
 class BlockTimeout(Exception):

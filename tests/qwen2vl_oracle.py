@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from transformers import AutoImageProcessor, AutoTokenizer, Qwen2VLForConditionalGeneration
 
-from radixlm.core.testing_vision import QWEN2_VL_IMAGE
+from radixlm.testing.vision import QWEN2_VL_IMAGE
 
 
 class Qwen2VLOracle:

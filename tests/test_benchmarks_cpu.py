@@ -48,7 +48,7 @@ def test_prefill_flops_match_torch_flop_counter(bench, llama_ckpt):
     from torch.utils.flop_counter import FlopCounterMode
     from transformers import AutoModelForCausalLM
 
-    from radixlm.core.models.config import ModelConfig
+    from radixlm.core.runtime.models.config import ModelConfig
 
     cfg = ModelConfig.from_dir(llama_ckpt)
     model = AutoModelForCausalLM.from_pretrained(llama_ckpt, dtype=torch.float32, attn_implementation="eager")

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from transformers import AutoTokenizer
 
-from radixlm.core.chat_render import render_chat, template_knows_tools
-from radixlm.core.tool_calls import Call, find_calls
+from radixlm.core.chat.render import render_chat, template_knows_tools
+from radixlm.core.chat.tool_calls import Call, find_calls
 
 # SmolLM2-135M-Instruct's template: role and content only.
 PLAIN_TEMPLATE = (

@@ -20,8 +20,8 @@ from starlette.testclient import TestClient
 
 from radixlm import Engine
 from radixlm.server import cli
-from radixlm.core.engine.options import EngineOptions
-from radixlm.core.testing import tiny_model_path
+from radixlm.core.runtime.options import EngineOptions
+from radixlm.testing.checkpoints import tiny_model_path
 from radixlm.server.app import create_app
 from radixlm.server.args import ServerArgs
 from server_harness import ServerProcess, shared_server

@@ -14,14 +14,14 @@ import threading
 import numpy as np
 import pytest
 
-from radixlm.core.constrained import terminal_tokens
-from radixlm.core.constrained.counted_string import string_tokens
-from radixlm.core.constrained.grammar_compiler import compile_grammar
-from radixlm.core.constrained.masks import unpack_bitmask
-from radixlm.core.constrained.grammar_index_cache import (gc_paused, grammar_of, prepare_common_terminals,
+from radixlm.core.runtime.constrained import terminal_tokens
+from radixlm.core.runtime.constrained.tokens.counted_string import string_tokens
+from radixlm.core.runtime.constrained.automata.grammar_compiler import compile_grammar
+from radixlm.core.runtime.constrained.tokens.masks import unpack_bitmask
+from radixlm.core.runtime.constrained.grammar_index_cache import (gc_paused, grammar_of, prepare_common_terminals,
                                                           prepare_vocab)
-from radixlm.core.constrained.pda import GrammarIndex
-from radixlm.core.constrained.testing import qwen2_tokenizer
+from radixlm.core.runtime.constrained.pda import GrammarIndex
+from radixlm.testing.constrained import qwen2_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +62,7 @@ def _body(data: bytes) -> int | None:
 def test_prepare_vocab_prepares_a_vocabulary_once(vocab, monkeypatch):
     """A front end and its scheduler in one process both prepare at start: the second call finds the
     vocabulary prepared and compiles nothing (the common terminals' schema is compiled once)."""
-    from radixlm.core.constrained import grammar_index_cache
+    from radixlm.core.runtime.constrained import grammar_index_cache
 
     compiles = []
 
@@ -181,8 +181,8 @@ def test_gc_is_paused_while_any_compile_runs_and_restored_after():
 
 _NO_CYCLES = """
 import gc, json, sys
-from radixlm.core.constrained.grammar_compiler import compile_grammar
-from radixlm.core.constrained.grammar_index_cache import grammar_of
+from radixlm.core.runtime.constrained.automata.grammar_compiler import compile_grammar
+from radixlm.core.runtime.constrained.grammar_index_cache import grammar_of
 schemas = json.loads(sys.argv[1])
 for schema in schemas:  # first compiles import modules lazily (classes hold cycles of their own)
     compile_grammar(grammar_of("json_schema", schema))
@@ -214,7 +214,7 @@ def test_compiles_leave_no_cycles():
 
 def _random_expr(rng: np.random.Generator, leaves: list, depth: int):
     """A random grammar expression over `leaves`, with the regex it stands for."""
-    from radixlm.core.constrained.grammar import Alt, Repeat, Seq
+    from radixlm.core.runtime.constrained.automata.grammar import Alt, Repeat, Seq
 
     kind = rng.integers(4) if depth else 0
     if kind == 0:
@@ -237,7 +237,7 @@ def test_rules_sharing_a_shape_keep_their_own_languages(vocab):
     import itertools
     import re
 
-    from radixlm.core.constrained.grammar import Grammar, Ref, lit, seq
+    from radixlm.core.runtime.constrained.automata.grammar import Grammar, Ref, lit, seq
 
     strings = ["".join(p) for n in range(6) for p in itertools.product("abc", repeat=n)]
     leaves = [(lit("a"), "a"), (lit("b"), "b"), (lit("ab"), "ab"), (Ref("c"), "c"), (Ref("bc"), "bc")]
@@ -263,7 +263,7 @@ def test_the_start_configurations_classes_are_built_with_the_compile(monkeypatch
     """The start configuration's token classes and exit walks are built when the index is (with the compile),
     so a request's first mask classifies no terminal state and walks no exits (the tokens `{"zqxwv_...` cross
     from the brace into keys no other test uses)."""
-    from radixlm.core.constrained import build_constraint
+    from radixlm.core.runtime.constrained import build_constraint
 
     classified = []
     classify = terminal_tokens._classify

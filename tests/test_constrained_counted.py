@@ -10,9 +10,9 @@ import jsonschema
 import numpy as np
 import pytest
 
-from radixlm.core.constrained import build_constraint
-from radixlm.core.constrained.counted_string import counted_string_dfa
-from radixlm.core.constrained.testing import qwen2_tokenizer, random_walk
+from radixlm.core.runtime.constrained import build_constraint
+from radixlm.core.runtime.constrained.tokens.counted_string import counted_string_dfa
+from radixlm.testing.constrained import qwen2_tokenizer, random_walk
 
 TEXTS = ["", "a", "ab", "abc", "abcd", "é€😀", 'q"uote', "back\\slash", "tab\tnew\nline", "\u0001", "x" * 9,
          "日本語のテキスト", "\ud7ff\ue000"]

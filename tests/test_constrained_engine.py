@@ -11,10 +11,10 @@ import jsonschema
 import pytest
 
 import radixlm
-from radixlm.core.constrained import build_constraint, json_schema_to_regex, regex_to_dfa
-from radixlm.core.constrained.vocab import vocab_of
+from radixlm.core.runtime.constrained import build_constraint, json_schema_to_regex, regex_to_dfa
+from radixlm.core.runtime.constrained.tokens.vocab import vocab_of
 from radixlm.core.errors import InvalidRequestError
-from radixlm.core.testing import tiny_model_path
+from radixlm.testing.checkpoints import tiny_model_path
 from test_constrained_json import SCHEMAS, _schema_dict
 from test_constrained_regex import REGEXES
 

@@ -9,13 +9,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from radixlm.core.constrained import build_constraint, grammar_index_cache, narrow_walk, terminal_tokens
-from radixlm.core.constrained.grammar_compiler import GrammarBudget, compile_grammar
-from radixlm.core.constrained.grammar_index_cache import prepare_vocab
-from radixlm.core.constrained.literal_tokens import literal_rest
-from radixlm.core.constrained.pda import GrammarIndex
-from radixlm.core.constrained.testing import qwen2_tokenizer, random_walk
-from radixlm.core.engine.options import EngineOptions
+from radixlm.core.runtime.constrained import build_constraint, grammar_index_cache, narrow_walk, terminal_tokens
+from radixlm.core.runtime.constrained.automata.grammar_compiler import GrammarBudget, compile_grammar
+from radixlm.core.runtime.constrained.grammar_index_cache import prepare_vocab
+from radixlm.core.runtime.constrained.tokens.literal_tokens import literal_rest
+from radixlm.core.runtime.constrained.pda import GrammarIndex
+from radixlm.testing.constrained import qwen2_tokenizer, random_walk
+from radixlm.core.runtime.options import EngineOptions
 from radixlm.core.errors import InvalidRequestError
 
 SCHEMAS = [
@@ -168,7 +168,7 @@ def test_exit_tokens_kept_per_set_of_suffixes_equal_selecting_them():
 def test_counted_string_classes_cached_equal_fresh(qwen):
     """A counted string boundary's classes, cached by (opening, characters still required, room), equal
     those computed afresh for every boundary of strings with different bounds."""
-    from radixlm.core.constrained.counted_string import counted_string_dfa
+    from radixlm.core.runtime.constrained.tokens.counted_string import counted_string_dfa
 
     vocab = prepare_vocab(qwen)
     dfas = [counted_string_dfa(lo, hi) for lo, hi in [(0, 3), (2, 5), (1, None), (4, None)]]
@@ -209,7 +209,7 @@ def test_state_rows_cut_on_demand_equal_the_dfa(qwen):
 def test_futures_name_equal_automata_alike_and_differ_otherwise():
     """Futures are named by the automaton reachable from a state: a literal's tail has the name of the
     shorter literal it spells, whatever the terminal; another tail, or a longer future, has another."""
-    from radixlm.core.constrained.regex_dfa import literal_dfa, regex_to_dfa
+    from radixlm.core.runtime.constrained.automata.regex_dfa import literal_dfa, regex_to_dfa
 
     terminal_tokens._futures.clear()
     abc, xabc, abd = literal_dfa(b"abc"), literal_dfa(b"xabc"), literal_dfa(b"abd")
@@ -280,8 +280,8 @@ def test_literal_classes_equal_the_general_walk(qwen):
     from the sorted vocabulary equal the general walk's classes: the same inside bits, the same exit pairs.
     States that are not the rest of a chain (a string body, a number, a literal that may end early) are left
     to the general walk."""
-    from radixlm.core.constrained.grammar_compiler import terminal_dfa
-    from radixlm.core.constrained.literal_tokens import literal_rest
+    from radixlm.core.runtime.constrained.automata.grammar_compiler import terminal_dfa
+    from radixlm.core.runtime.constrained.tokens.literal_tokens import literal_rest
 
     vocab = prepare_vocab(qwen)
     checked = 0
@@ -314,7 +314,7 @@ def test_states_apart_from_the_body_equal_a_whole_walk(qwen):
     tokens that die where the two part (body_states.py), equal a walk of the whole vocabulary from the state:
     the same inside bits, the same exit pairs. Names share prefixes, one is a prefix of another, one is
     empty, one escaped, one not ASCII; the patterned key's states past `x-` are a body of their own."""
-    from radixlm.core.constrained.body_states import body_of
+    from radixlm.core.runtime.constrained.tokens.body_states import body_of
 
     vocab = prepare_vocab(qwen)
     first = vocab.trie.byte[1].astype(np.int64)
@@ -341,8 +341,8 @@ def test_states_apart_from_the_body_refused_where_exits_or_reads_differ(qwen):
     exits there differ), or the state reads a byte the body dies on, the state is left to the general walk:
     hand-made automata, a body (1) of letters, spaces and dots closed by `"` (2), and a state 0 like it but
     for its dot, which leads to 3: the body's row, accepting; or the body's row and a newline."""
-    from radixlm.core.constrained.body_states import paths_apart
-    from radixlm.core.constrained.regex_dfa import ByteDFA
+    from radixlm.core.runtime.constrained.tokens.body_states import paths_apart
+    from radixlm.core.runtime.constrained.automata.regex_dfa import ByteDFA
 
     vocab = prepare_vocab(qwen)
     body = [*range(ord("a"), ord("z") + 1), ord(" "), ord(".")]
@@ -366,8 +366,8 @@ def test_states_read_like_another_equal_a_whole_walk(qwen):
     anchored and not, an escape, digits, a non-ASCII letter; and a hand-made automaton whose state accepts
     where the other does not, both alive. The bytes apart of a pattern key's state before its match and its
     matched state are the closing quote alone."""
-    from radixlm.core.constrained.body_states import bytes_apart
-    from radixlm.core.constrained.regex_dfa import ByteDFA
+    from radixlm.core.runtime.constrained.tokens.body_states import bytes_apart
+    from radixlm.core.runtime.constrained.automata.regex_dfa import ByteDFA
 
     vocab = prepare_vocab(qwen)
     first = vocab.trie.byte[1].astype(np.int64)

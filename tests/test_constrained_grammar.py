@@ -12,9 +12,9 @@ import jsonschema
 import numpy as np
 import pytest
 
-from radixlm.core.constrained import GrammarBudget, build_constraint, compile_grammar, json_schema_to_grammar
-from radixlm.core.constrained.grammar import Grammar, Ref, Repeat, alt, lit, opt, seq
-from radixlm.core.constrained.testing import random_walk
+from radixlm.core.runtime.constrained import GrammarBudget, build_constraint, compile_grammar, json_schema_to_grammar
+from radixlm.core.runtime.constrained.automata.grammar import Grammar, Ref, Repeat, alt, lit, opt, seq
+from radixlm.testing.constrained import random_walk
 from radixlm.core.errors import GrammarBudgetError
 
 INT = {"type": "integer"}
@@ -397,7 +397,7 @@ def test_refusals_name_keyword_and_json_pointer(schema, where, tiny_tokenizer):
 
 
 def test_refs_to_registered_documents_resolve(tmp_path, tiny_tokenizer):
-    from radixlm.core.constrained.schema_refs import register_documents
+    from radixlm.core.runtime.constrained.schema.schema_refs import register_documents
 
     (tmp_path / "sub").mkdir()
     (tmp_path / "int.json").write_text(json.dumps({"$id": "http://example.com/int.json", "type": "integer"}))
@@ -465,8 +465,8 @@ def test_budgets_raise_grammar_budget_error(tiny_tokenizer):
 def test_automaton_products_check_the_compile_deadline():
     """Intersecting and subtracting automata (length bounds with a pattern, propertyNames) can take long:
     the compile deadline is checked inside them, not only between them."""
-    from radixlm.core.constrained.counted_string import counted_string_dfa
-    from radixlm.core.constrained.regex_dfa import dfa_intersection, regex_to_dfa
+    from radixlm.core.runtime.constrained.tokens.counted_string import counted_string_dfa
+    from radixlm.core.runtime.constrained.automata.regex_dfa import dfa_intersection, regex_to_dfa
 
     calls = []
 
@@ -484,7 +484,7 @@ def test_automaton_products_match_python_re():
     string of up to 5 characters over the alphabet the patterns use."""
     import itertools
 
-    from radixlm.core.constrained.regex_dfa import dfa_difference, dfa_intersection, regex_to_dfa
+    from radixlm.core.runtime.constrained.automata.regex_dfa import dfa_difference, dfa_intersection, regex_to_dfa
 
     pairs = [("a[ab]*", "[ab]*b"), ("(ab|ba)+", "a.*"), ("a{2,4}", "a{3}"), ("[abc]{1,3}", "c?"), ("ab", "ba")]
     for p, q in pairs:
@@ -525,12 +525,12 @@ def test_left_recursion_through_rules_that_read_nothing(rules, refused):
 
 def test_a_recursive_grammar_counts_brackets(tiny_tokenizer):
     """Balanced brackets: not regular, so no DFA path could do this."""
-    from radixlm.core.constrained.grammar_index_cache import GrammarIndex
-    from radixlm.core.constrained.vocab import vocab_of
+    from radixlm.core.runtime.constrained.grammar_index_cache import GrammarIndex
+    from radixlm.core.runtime.constrained.tokens.vocab import vocab_of
 
     g = Grammar({"s": Repeat(seq(lit("("), Ref("s"), lit(")")))}, "s")
     index = GrammarIndex(compile_grammar(g), vocab_of(tiny_tokenizer))
-    from radixlm.core.constrained.fsm import FSMConstraint
+    from radixlm.core.runtime.constrained.fsm import FSMConstraint
     c = FSMConstraint(index)
     for text, ok in [("(()())", True), ("((())", False), ("())", False), ("", True)]:
         assert _accepts(c, text) == ok, text
@@ -618,8 +618,8 @@ def test_token_classes_assembled_per_first_byte_equal_a_whole_walk(tiny_tokenize
     """A state's token classes reuse earlier states' subtrees or are walked node by node
     (terminal_tokens._classify): they must equal one walk of the whole vocabulary from that state, for key
     terminals that exclude listed names too."""
-    from radixlm.core.constrained import terminal_tokens
-    from radixlm.core.constrained.vocab import vocab_of
+    from radixlm.core.runtime.constrained.tokens import terminal_tokens
+    from radixlm.core.runtime.constrained.tokens.vocab import vocab_of
 
     vocab = vocab_of(tiny_tokenizer)
     first = vocab.trie.byte[1].astype(np.int64)
@@ -660,7 +660,7 @@ def test_depth_first_completion_finds_the_way_breadth_first_drowns_in(tiny_token
     """Inside a value of any shape, with a long required key still ahead, a breadth-first search runs
     out of states (the random walks' helper gave up so on two Kubernetes schemas); the depth-first
     search, closing bytes first, reaches an end, and the text it completes is valid."""
-    from radixlm.core.constrained.pda import bytes_to_accept, shortest_bytes_to_accept
+    from radixlm.core.runtime.constrained.pda import bytes_to_accept, shortest_bytes_to_accept
 
     schema = {"type": "object", "properties": {"a": {}, "a_rather_long_required_key_name": STR},
               "required": ["a", "a_rather_long_required_key_name"]}
@@ -679,7 +679,7 @@ def test_move_tables_shared_by_schemas_give_the_masks_of_an_index_alone(tiny_tok
     """Item move tables are kept process-wide by terminal name (pda.py): a schema whose strings and
     numbers an earlier schema's index already moved through gets, configuration by configuration, the
     masks of an index built with nothing shared."""
-    from radixlm.core.constrained import grammar_index_cache, pda
+    from radixlm.core.runtime.constrained import grammar_index_cache, pda
 
     def reached(index, limit=60):
         seen, queue, masks = [0], [0], []

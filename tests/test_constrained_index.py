@@ -10,10 +10,10 @@ import outlines_core
 import pytest
 import torch
 
-from radixlm.core.constrained import apply_token_masks, build_constraint, json_schema_to_regex, regex_to_dfa
-from radixlm.core.constrained.masks import unpack_bitmask
-from radixlm.core.constrained.testing import qwen2_tokenizer, random_walk
-from radixlm.core.constrained.vocab import token_bytes_of, vocab_of
+from radixlm.core.runtime.constrained import apply_token_masks, build_constraint, json_schema_to_regex, regex_to_dfa
+from radixlm.core.runtime.constrained.tokens.masks import unpack_bitmask
+from radixlm.testing.constrained import qwen2_tokenizer, random_walk
+from radixlm.core.runtime.constrained.tokens.vocab import token_bytes_of, vocab_of
 
 # Regexes on which the two dialects agree: no \d, \w, \s, \b (Unicode tables differ), and no accepting
 # state that a longer match could leave through a non-accepting one. outlines-core builds its index with

@@ -15,9 +15,9 @@ import numpy as np
 import pydantic
 import pytest
 
-from radixlm.core.constrained import build_constraint, json_schema_to_regex, regex_to_dfa
-from radixlm.core.constrained.json_schema import int_range_regex, json_string_pattern, number_range_regex
-from radixlm.core.constrained.testing import qwen2_tokenizer, random_walk
+from radixlm.core.runtime.constrained import build_constraint, json_schema_to_regex, regex_to_dfa
+from radixlm.core.runtime.constrained.schema.json_schema import int_range_regex, json_string_pattern, number_range_regex
+from radixlm.testing.constrained import qwen2_tokenizer, random_walk
 
 STR = {"type": "string"}
 INT = {"type": "integer"}
@@ -302,7 +302,7 @@ def test_searched_patterns_keep_their_language_with_repeats_at_free_ends_cut(pat
     5 long is accepted exactly when Python's re.search finds the pattern in it."""
     import itertools
 
-    from radixlm.core.constrained.json_strings import ecma_string_pattern
+    from radixlm.core.runtime.constrained.schema.json_strings import ecma_string_pattern
 
     body = re.compile(ecma_string_pattern(pattern))
     for n in range(6):

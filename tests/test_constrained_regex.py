@@ -9,8 +9,8 @@ import zlib
 import numpy as np
 import pytest
 
-from radixlm.core.constrained import build_constraint, regex_to_dfa
-from radixlm.core.constrained.testing import qwen2_tokenizer, random_walk
+from radixlm.core.runtime.constrained import build_constraint, regex_to_dfa
+from radixlm.testing.constrained import qwen2_tokenizer, random_walk
 
 REGEXES = [
     # IP addresses

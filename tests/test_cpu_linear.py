@@ -1,4 +1,4 @@
-"""Linear layers on prepacked weights (kernels.cpu.prepacked_linear, core.models.cpu_linear) against
+"""Linear layers on prepacked weights (kernels.cpu.prepacked_linear, core.runtime.models.cpu_linear) against
 their twin, F.linear on the plain weight."""
 
 from __future__ import annotations
@@ -8,11 +8,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from radixlm.core.engine.model_runner import ModelRunner
-from radixlm.core.engine.options import EngineOptions
-from radixlm.core.models.config import ModelConfig
-from radixlm.core.models.cpu_linear import PrepackedLinear, prepack_linears
-from radixlm.core.models.parallel import RowParallelLinear
+from radixlm.core.runtime.execution.model_runner import ModelRunner
+from radixlm.core.runtime.options import EngineOptions
+from radixlm.core.runtime.models.config import ModelConfig
+from radixlm.core.runtime.models.cpu_linear import PrepackedLinear, prepack_linears
+from radixlm.core.runtime.models.parallel import RowParallelLinear
 from radixlm.kernels import cpu
 
 pytestmark = pytest.mark.skipif(cpu.prepack_linear_weight(torch.ones(2, 2)) is None,

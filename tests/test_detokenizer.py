@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
-from radixlm.core.tokenizer.detokenizer import IncrementalDetokenizer
+from radixlm.core.runtime.tokenizer.detokenizer import IncrementalDetokenizer
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +60,7 @@ def test_stop_string_found_wherever_it_falls(tok, text, start, length):
 def test_backend_fast_path_equals_transformers(tok, text, skip):
     """The Rust-backend encode/decode used per token must give transformers' own results, special
     tokens included."""
-    from radixlm.core.tokenizer.fast_path import decoder_for, encoder_for
+    from radixlm.core.runtime.tokenizer.fast_path import decoder_for, encoder_for
 
     specials = [t for t in (tok.bos_token_id, tok.eos_token_id) if t is not None]
     assert encoder_for(tok)(text) == tok.encode(text, add_special_tokens=False)
@@ -69,7 +69,7 @@ def test_backend_fast_path_equals_transformers(tok, text, skip):
 
 
 def test_fast_path_steps_aside_when_transformers_would_clean_up(tok):
-    from radixlm.core.tokenizer.fast_path import decoder_for
+    from radixlm.core.runtime.tokenizer.fast_path import decoder_for
 
     tok2 = AutoTokenizer.from_pretrained(tok.name_or_path, clean_up_tokenization_spaces=True)
     ids = tok2.encode("a , b .", add_special_tokens=False)

@@ -10,17 +10,18 @@ import pytest
 import torch
 
 import radixlm
-from radixlm.core.engine.cuda_graph_runner import (DecodeGraphRunner, ExtendGraphRunner, batch_size_ladder,
+from radixlm.core.runtime.execution.cuda_graph_runner import (DecodeGraphRunner, ExtendGraphRunner, batch_size_ladder,
                                                    extend_buckets)
-from radixlm.core.tokenizer.detokenizer import IncrementalDetokenizer
-from radixlm.core.engine.memory_pool import ReqToTokenPool
-from radixlm.core.engine.model_runner import BatchInput, ModelRunner
-from radixlm.core.engine.options import EngineOptions
-from radixlm.core.engine.messages import GenerateRequest
-from radixlm.core.engine.request import Req
-from radixlm.core.engine.sampler import Sampler, chunked_argmax
-from radixlm.core.engine.sampling_params import SamplingParams
-from radixlm.core.models.config import ModelConfig
+from radixlm.core.runtime.tokenizer.detokenizer import IncrementalDetokenizer
+from radixlm.core.runtime.memory.memory_pool import ReqToTokenPool
+from radixlm.core.runtime.execution.batch_input import BatchInput
+from radixlm.core.runtime.execution.model_runner import ModelRunner
+from radixlm.core.runtime.options import EngineOptions
+from radixlm.core.runtime.messages import GenerateRequest
+from radixlm.core.runtime.request import Req
+from radixlm.core.runtime.execution.sampler import Sampler, chunked_argmax
+from radixlm.core.runtime.sampling_params import SamplingParams
+from radixlm.core.runtime.models.config import ModelConfig
 
 
 # ---- request-to-token table ------------------------------------------------------------------------------

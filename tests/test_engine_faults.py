@@ -14,7 +14,7 @@ import time
 import pytest
 
 import radixlm
-from radixlm.core.engine.faults import FaultPlan
+from radixlm.core.runtime.faults import FaultPlan
 from radixlm.core.errors import EngineShutdownError
 
 PROMPTS = ["The harbour at dawn", "A list of colours:", "Once upon a time", "Tell me about the sea",

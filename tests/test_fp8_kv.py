@@ -12,13 +12,13 @@ import pytest
 import torch
 
 import radixlm
-from radixlm.core.engine import model_runner
-from radixlm.core.engine.hicache import HostKVPool, HostTier
-from radixlm.core.engine.memory_pool import KVPool
-from radixlm.core.engine.model_runner import ModelRunner
-from radixlm.core.engine.options import EngineOptions
+from radixlm.core.runtime.execution import model_runner
+from radixlm.core.runtime.memory.hicache import HostKVPool, HostTier
+from radixlm.core.runtime.memory.memory_pool import KVPool
+from radixlm.core.runtime.execution.model_runner import ModelRunner
+from radixlm.core.runtime.options import EngineOptions
 from radixlm.core.errors import InvalidRequestError
-from radixlm.core.models.config import ModelConfig
+from radixlm.core.runtime.models.config import ModelConfig
 from radixlm.kernels.reference import to_kv_dtype
 
 FORMATS = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}

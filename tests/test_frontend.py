@@ -1,4 +1,4 @@
-"""The request front end (core.engine.frontend): streams of batches and n > 1, aborting a request with its
+"""The request front end (core.runtime.frontend): streams of batches and n > 1, aborting a request with its
 n samples, and its detokenizer stage. Oracle: the same requests without streaming (whole outputs)."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import threading
 import pytest
 
 import radixlm
-from radixlm.core.engine.frontend import branch_params, branch_rid
-from radixlm.core.engine.sampling_params import SamplingParams
+from radixlm.core.runtime.frontend import branch_params, branch_rid
+from radixlm.core.runtime.sampling_params import SamplingParams
 
 GREEDY = {"max_new_tokens": 10, "temperature": 0, "ignore_eos": True}
 PROMPTS = ["The harbour at dawn", "A list of colours:"]

@@ -1,4 +1,4 @@
-"""The serving process's garbage collector (core/engine/gc_heap.py): collections counted by generation, long
+"""The serving process's garbage collector (core/runtime/gc_heap.py): collections counted by generation, long
 ones logged, the engine's startup heap frozen while it runs and given back at shutdown."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import gc
 import logging
 
 from radixlm import Engine
-from radixlm.core.engine import gc_heap
+from radixlm.core.runtime import gc_heap
 
 
 def test_collections_counted_by_generation_and_long_ones_logged(caplog):

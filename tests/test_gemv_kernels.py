@@ -22,10 +22,10 @@ from paged_kv import PagedBatch  # noqa: E402
 from test_kernels import DEVICE, assert_close, randn  # noqa: E402
 
 import radixlm  # noqa: E402
-from radixlm.core.layers.attention_backend import AttentionBackend  # noqa: E402
-from radixlm.core.layers.forward_batch import ForwardBatch  # noqa: E402
-from radixlm.core.models.config import ModelConfig  # noqa: E402
-from radixlm.core.models.llama import LlamaForCausalLM  # noqa: E402
+from radixlm.core.runtime.layers.attention_backend import AttentionBackend  # noqa: E402
+from radixlm.core.runtime.layers.forward_batch import ForwardBatch  # noqa: E402
+from radixlm.core.runtime.models.config import ModelConfig  # noqa: E402
+from radixlm.core.runtime.models.llama import LlamaForCausalLM  # noqa: E402
 from radixlm.kernels import reference as ref  # noqa: E402
 from radixlm.kernels import triton as tri  # noqa: E402
 from radixlm.kernels.triton import decode_gemv as gemv_module  # noqa: E402
@@ -208,7 +208,7 @@ def test_engine_greedy_tokens_fused_equal_unfused(llama_ckpt, monkeypatch):
     """The engine on the tiny Llama with the Triton kernel set (interpreted on the CPU, about a minute):
     with decode_fused_gemv=4 against 0, the greedy tokens of 3 requests (each decode step fused; the
     prefills are longer than 4 tokens) and of 5 (more rows than the bound: unfused) must be equal."""
-    from radixlm.core.engine import model_runner
+    from radixlm.core.runtime.execution import model_runner
 
     monkeypatch.setattr(model_runner.kernels, "get_ops", lambda device: tri)  # on the CPU too
     prompts = [[5, 9, 13], [7] * 11, list(range(20, 32))]

@@ -21,11 +21,11 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 import radixlm
 from radixlm.core.errors import UnsupportedModelError
-from radixlm.core.models.config import ModelConfig
-from radixlm.core.models.default_model import default_model_path
-from radixlm.core.models.hub import find_gguf
-from radixlm.core.tokenizer.loader import load_tokenizer
-from radixlm.core.testing import (
+from radixlm.core.runtime.models.config import ModelConfig
+from radixlm.core.runtime.models.default_model import default_model_path
+from radixlm.core.runtime.models.hub import find_gguf
+from radixlm.core.runtime.tokenizer.loader import load_tokenizer
+from radixlm.testing.checkpoints import (
     BOS_TOKEN, CHAT_TEMPLATE, EOS_TOKEN, IM_END, SPECIAL_TOKENS, VOCAB_SIZE, build_tokenizer,
 )
 
@@ -53,7 +53,7 @@ K_QUANT_SCALES = {Q.Q2_K: (80, 82), Q.Q3_K: (108,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 
 def _random_tensor(rng: np.random.Generator, rows: int, cols: int, qtype: Q, std: float = 0.2) -> np.ndarray:
     """(rows, cols) weights of about `std` stored as `qtype`: gguf quantizes the simple types; K-quant
     blocks are random bytes whose f16 scales are then set so the weights come out at `std`. 0.2, as in
-    radixlm.core.testing: logits spread over a few units, so greedy picks are not near-ties."""
+    radixlm.testing.checkpoints: logits spread over a few units, so greedy picks are not near-ties."""
     block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
     blocks = rng.integers(0, 256, (rows * cols // block_size, type_size), dtype=np.uint8)
     if qtype not in K_QUANT_SCALES:

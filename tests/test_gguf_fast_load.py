@@ -14,11 +14,11 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from transformers import PreTrainedTokenizerFast
 
-from radixlm.core.cache import cache_dir
-from radixlm.core.models import gguf_dequant
-from radixlm.core.models.default_model import default_model_path
-from radixlm.core.models.gguf_checkpoint import GGUFCheckpoint, _runs
-from radixlm.core.tokenizer.loader import load_gguf_tokenizer
+from radixlm.core.runtime.cache import cache_dir
+from radixlm.core.runtime.models import gguf_dequant
+from radixlm.core.runtime.models.default_model import default_model_path
+from radixlm.core.runtime.models.gguf_checkpoint import GGUFCheckpoint, _runs
+from radixlm.core.runtime.tokenizer.loader import load_gguf_tokenizer
 
 FAST_TYPES = [Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1]
 SHAPES = [(3, 64), (32, 96), (1, 32), (5, 7, 128)]

@@ -1,4 +1,4 @@
-"""The radix cache's host tier (core/engine/hicache.py, radix_cache.py): write-back on eviction, load on a
+"""The radix cache's host tier (core/runtime/memory/hicache.py, radix_cache.py): write-back on eviction, load on a
 hit, the host LRU, loads in flight, and the two-tier slot invariant under random operation sequences.
 
 The oracle for the KV itself: every token's KV is a function of the token sequence up to it (what a
@@ -16,9 +16,9 @@ from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from radixlm.core.engine.hicache import HostKVPool, HostTier, tier_stats
-from radixlm.core.engine.memory_pool import KVPool, SlotAllocator
-from radixlm.core.engine.radix_cache import RadixCache, TreeNode
+from radixlm.core.runtime.memory.hicache import HostKVPool, HostTier, tier_stats
+from radixlm.core.runtime.memory.memory_pool import KVPool, SlotAllocator
+from radixlm.core.runtime.memory.radix_cache import RadixCache, TreeNode
 from radixlm.core.errors import InvalidRequestError
 
 LAYERS, HEADS, HEAD_DIM = 2, 1, 2
@@ -189,8 +189,8 @@ def test_the_planner_admits_a_request_once_its_prefix_has_landed():
     planned meanwhile), and is planned with the whole prefix cached once the load has landed."""
     from test_scheduler_units import make_planner, make_req
 
-    from radixlm.core.engine.memory_pool import ReqToTokenPool
-    from radixlm.core.engine.scheduler.memory import KVMemory
+    from radixlm.core.runtime.memory.memory_pool import ReqToTokenPool
+    from radixlm.core.runtime.scheduler.memory import KVMemory
 
     s = Setup(device_slots=16, host_slots=16)
     landings = deferred(s.tier)
@@ -235,7 +235,7 @@ def test_check_invariants_catches_a_leaked_host_slot():
     ({"hicache_size_gb": 1, "hicache_write_policy": "sometimes"}, "write_back"),
 ])
 def test_options_are_validated(kwargs, message):
-    from radixlm.core.engine.options import EngineOptions
+    from radixlm.core.runtime.options import EngineOptions
 
     with pytest.raises(InvalidRequestError, match=message) as err:
         EngineOptions.from_kwargs({"device": "cpu", **kwargs})

@@ -24,9 +24,9 @@ pytest.importorskip("triton")
 from paged_kv import PagedBatch  # noqa: E402
 
 from radixlm.kernels import registry as kernels  # noqa: E402
-from radixlm.core.layers.attention_backend import AttentionBackend  # noqa: E402
-from radixlm.core.layers.forward_batch import ForwardBatch  # noqa: E402
-from radixlm.core.models.config import ModelConfig  # noqa: E402
+from radixlm.core.runtime.layers.attention_backend import AttentionBackend  # noqa: E402
+from radixlm.core.runtime.layers.forward_batch import ForwardBatch  # noqa: E402
+from radixlm.core.runtime.models.config import ModelConfig  # noqa: E402
 from radixlm.kernels import cpu as cpu_ops  # noqa: E402
 from radixlm.kernels import reference as ref  # noqa: E402
 from radixlm.kernels import triton as tri  # noqa: E402

@@ -7,11 +7,11 @@ import os
 import pytest
 import torch
 
-from radixlm.core.engine import model_runner
-from radixlm.core.engine.memory_pool import KVPool
-from radixlm.core.engine.model_runner import ModelRunner
-from radixlm.core.engine.options import EngineOptions
-from radixlm.core.models.config import ModelConfig
+from radixlm.core.runtime.execution import model_runner
+from radixlm.core.runtime.memory.memory_pool import KVPool
+from radixlm.core.runtime.execution.model_runner import ModelRunner
+from radixlm.core.runtime.options import EngineOptions
+from radixlm.core.runtime.models.config import ModelConfig
 
 
 def _rss_bytes() -> int:
@@ -58,7 +58,7 @@ def test_cpu_default_pool_size(runner, monkeypatch):
     assert 256 < 2 * weights // per_token < 64 * cfg.context_len
     assert _size(runner) == 2 * weights // per_token
     # ... within a quarter of mem_fraction_static of the available RAM ...
-    monkeypatch.setattr(model_runner, "_host_available_bytes", lambda: 8 << 20)
+    monkeypatch.setattr(model_runner, "host_available_bytes", lambda: 8 << 20)
     ram_bound = int((8 << 20) * 0.5 * 0.25 // per_token)
     assert 256 < ram_bound < 2 * weights // per_token
     assert _size(runner, mem_fraction_static=0.5) == ram_bound

@@ -24,7 +24,7 @@ from typing_extensions import TypedDict
 
 from radixlm.adapters.langchain import ChatSGLang
 from radixlm.adapters.langchain.tools import parse_reply, tool_mode
-from radixlm.core.testing import tiny_model_path
+from radixlm.testing.checkpoints import tiny_model_path
 from server_harness import LiveServer, render_chat, shared_server
 
 MAX = 12

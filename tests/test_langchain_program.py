@@ -16,7 +16,7 @@ from langchain_core.runnables import RunnableLambda, RunnableParallel
 from pydantic import BaseModel
 
 from radixlm.adapters.langchain import ChatSGLang, LangChainProgram, to_program
-from radixlm.core.testing import tiny_model_path
+from radixlm.testing.checkpoints import tiny_model_path
 from server_harness import render_chat, shared_server, wait_idle
 
 SYSTEM = "You are a careful assistant who explains how a radix-tree KV cache shares prompt prefixes. " * 4

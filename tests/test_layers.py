@@ -1,12 +1,14 @@
-"""The runtime's layers import downward only, read from the source with `ast` (every import statement:
+"""The library's layers import downward only, read from the source with `ast` (every import statement:
 module level, inside functions, under TYPE_CHECKING).
 
-- no import cycles among runtime modules (core.engine, core.models, core.constrained, core.layers,
-  core.tokenizer, kernels);
-- models, kernels, layers and tokenizer never import core.engine; constrained never imports models;
+- no import cycle in the library (core, kernels, server, adapters, testing) nor among the benchmark
+  scripts, counting the imports under TYPE_CHECKING;
+- the runtime's lower floors (models, layers, tokenizer) and kernels never import the engine's floors
+  above them (the boundary, scheduler, memory, execution, distributed); constrained never imports models;
   layers (below the models) import no other runtime package but kernels; kernels import nothing of core;
-- the runtime never imports the frontend (core.program, core.backends), server, adapters or the
-  top-level package (whose attributes lazily load the frontend).
+- the runtime never imports the language (core.lang), the chat formats (core.chat), server, adapters or
+  the top-level package (whose attributes lazily load the language); core.chat imports neither system;
+- no library module imports the test fixtures (radixlm.testing).
 
 Rules are checked on what a module reaches through imports, not only on what it names.
 """
@@ -14,24 +16,33 @@ Rules are checked on what a module reaches through imports, not only on what it 
 from __future__ import annotations
 
 import ast
-import tomllib
 from pathlib import Path
 
 PACKAGE = "radixlm"
 ROOT = Path(__file__).resolve().parents[1]  # the repository root is the package `radixlm`
 
-RUNTIME = ("radixlm.core.engine", "radixlm.core.models", "radixlm.core.constrained", "radixlm.core.layers",
-           "radixlm.core.tokenizer", "radixlm.kernels")
-FRONTEND = ("radixlm.core.program", "radixlm.core.backends", "radixlm.server", "radixlm.adapters")
+RUNTIME = ("radixlm.core.runtime", "radixlm.core.runtime.constrained", "radixlm.kernels")
+LOWER = ("radixlm.core.runtime.models", "radixlm.core.runtime.layers", "radixlm.core.runtime.tokenizer")
+# the engine's floors above the models: every module of core.runtime but the lower floors and the cache folder
+ENGINE = ("radixlm.core.runtime.scheduler", "radixlm.core.runtime.memory", "radixlm.core.runtime.execution",
+          "radixlm.core.runtime.distributed",
+          *(f"radixlm.core.runtime.{p.stem}" for p in (ROOT / "core" / "runtime").glob("*.py")
+            if p.stem not in ("__init__", "cache")))
+LANGUAGE = ("radixlm.core.lang", "radixlm.core.chat", "radixlm.server", "radixlm.adapters")
+LIBRARY = ("radixlm.core", "radixlm.kernels", "radixlm.server", "radixlm.adapters")
 # (importers, what they must never reach)
 RULES = [
-    (("radixlm.core.models", "radixlm.kernels", "radixlm.core.layers", "radixlm.core.tokenizer"),
-     ("radixlm.core.engine",)),
-    (("radixlm.core.constrained",), ("radixlm.core.models",)),
-    (("radixlm.core.layers",), ("radixlm.core.models", "radixlm.core.constrained", "radixlm.core.tokenizer")),
+    ((*LOWER, "radixlm.kernels"), ENGINE),
+    (("radixlm.core.runtime.constrained",), ("radixlm.core.runtime.models",)),
+    (("radixlm.core.runtime.layers",), ("radixlm.core.runtime.models", "radixlm.core.runtime.constrained",
+                                        "radixlm.core.runtime.tokenizer")),
     (("radixlm.kernels",), ("radixlm.core",)),
-    (RUNTIME, (*FRONTEND, PACKAGE)),
+    (RUNTIME, (*LANGUAGE, PACKAGE)),
+    (("radixlm.core.chat",), ("radixlm.core.lang", "radixlm.core.runtime", "radixlm.core.runtime.constrained")),
+    (LIBRARY, ("radixlm.testing",)),
 ]
+# top-level folders that are no part of the package
+NOT_PACKAGE = {"tests", "benchmarks", "examples", "scripts", "docs", "build"}
 
 
 def _within(module: str, names: tuple[str, ...]) -> bool:
@@ -39,32 +50,24 @@ def _within(module: str, names: tuple[str, ...]) -> bool:
     return any(module == n or ("." in n and module.startswith(n + ".")) for n in names)
 
 
-def namespace_portions(root: Path, package: str) -> set[str]:
-    """The top-level folders pyproject.toml lists as the package's subpackages: namespace portions, with no
-    __init__.py (docs/layers.md says why)."""
-    pyproject = root / "pyproject.toml"
-    if not pyproject.is_file():
-        return set()
-    listed = tomllib.loads(pyproject.read_text())["tool"]["setuptools"]["packages"]
-    return {name.split(".")[1] for name in listed if name.count(".") == 1 and name.startswith(package + ".")}
-
-
 def package_modules(root: Path, package: str) -> dict[str, Path]:
-    """Every module of the package whose folder is `root`: the folders reached through __init__.py files,
-    and the top-level namespace portions (which hold no __init__.py of their own)."""
-    modules: dict[str, Path] = {}
-    portions = namespace_portions(root, package)
+    """Every module of the package whose folder is `root`: its top-level folders (namespace portions, with
+    no __init__.py) and, below them, the folders reached through __init__.py files."""
+    modules: dict[str, Path] = {package: root / "__init__.py"}
 
     def walk(folder: Path, name: str) -> None:
-        if (folder / "__init__.py").is_file():
-            modules[name] = folder / "__init__.py"
         for path in sorted(folder.iterdir()):
-            if path.is_dir() and ((path / "__init__.py").is_file() or (folder == root and path.name in portions)):
+            if path.is_dir() and (path / "__init__.py").is_file():
+                modules[f"{name}.{path.name}"] = path / "__init__.py"
                 walk(path, f"{name}.{path.name}")
             elif path.suffix == ".py" and path.name != "__init__.py":
                 modules[f"{name}.{path.stem}"] = path
 
     walk(root, package)
+    for portion in sorted(root.iterdir()):
+        if (portion.is_dir() and not portion.name.startswith(".") and portion.name not in NOT_PACKAGE
+                and not (portion / "__init__.py").exists() and any(portion.rglob("*.py"))):
+            walk(portion, f"{package}.{portion.name}")
     return modules
 
 
@@ -77,11 +80,21 @@ def _type_checking_only(tree: ast.Module) -> set[int]:
     return skipped
 
 
-def import_graph(root: Path, package: str, type_checking: bool = True) -> dict[str, set[str]]:
+def script_modules(folder: Path) -> dict[str, Path]:
+    """The modules of a folder of scripts run from inside it (benchmarks/): each script by its name, and
+    the packages beside them."""
+    modules = {path.stem: path for path in sorted(folder.glob("*.py"))}
+    for sub in sorted(p for p in folder.iterdir() if (p / "__init__.py").is_file()):
+        modules.update(package_modules(sub, sub.name))
+    return modules
+
+
+def import_graph(root: Path, package: str, type_checking: bool = True,
+                 modules: dict[str, Path] | None = None) -> dict[str, set[str]]:
     """module -> the package's modules it imports. `from a import b` counts as importing a.b where that
     is a module (else a); relative imports are resolved. type_checking False leaves out the imports made
     for annotations alone, which never run."""
-    modules = package_modules(root, package)
+    modules = package_modules(root, package) if modules is None else modules
     graph: dict[str, set[str]] = {}
     for name, path in modules.items():
         is_package = path.name == "__init__.py"
@@ -166,10 +179,18 @@ def violations(graph: dict[str, set[str]], rules: list[tuple[tuple[str, ...], tu
     return found
 
 
-def test_runtime_modules_form_no_import_cycle():
-    """Imports that run (module level and inside functions). Annotation-only imports (under
-    TYPE_CHECKING) never run, so they make no cycle; the layering rules below count them too."""
-    assert cycles(import_graph(ROOT, PACKAGE, type_checking=False), RUNTIME) == []
+def test_library_forms_no_import_cycle():
+    """No cycle anywhere in the library, neither among the imports that run (module level and inside
+    functions) nor counting those made for annotations alone (under TYPE_CHECKING): a module that needs
+    another's type only names it by what it offers (a Protocol) or takes the type from a lower module."""
+    assert cycles(import_graph(ROOT, PACKAGE), LIBRARY + ("radixlm.testing",)) == []
+    assert cycles(import_graph(ROOT, PACKAGE, type_checking=False), LIBRARY + ("radixlm.testing",)) == []
+
+
+def test_benchmarks_form_no_import_cycle():
+    """The benchmark scripts import each other (a script's helpers, its workloads): downward too."""
+    modules = script_modules(ROOT / "benchmarks")
+    assert cycles(import_graph(ROOT, "", modules=modules), tuple(modules)) == []
 
 
 def test_layers_import_downward_only():
@@ -179,9 +200,10 @@ def test_layers_import_downward_only():
 def test_graph_sees_the_package():
     """The checks above read the real tree: the known downward imports are there."""
     graph = import_graph(ROOT, PACKAGE)
-    assert "radixlm.core.layers.forward_batch" in graph["radixlm.core.models.llama"]
-    assert "radixlm.core.tokenizer.fast_path" in graph["radixlm.core.constrained.fsm"]
-    assert "radixlm.kernels.registry" in graph["radixlm.core.engine.model_runner"]
+    assert "radixlm.core.runtime.layers.forward_batch" in graph["radixlm.core.runtime.models.llama"]
+    assert "radixlm.core.runtime.tokenizer.fast_path" in graph["radixlm.core.runtime.constrained.fsm"]
+    assert "radixlm.kernels.registry" in graph["radixlm.core.runtime.execution.model_runner"]
+    assert "radixlm.testing.checkpoints" in graph["radixlm.testing.vision"]
 
 
 def _write(root: Path, files: dict[str, str]) -> None:
@@ -227,6 +249,14 @@ def test_checker_finds_cycles_and_upward_imports(tmp_path):
         "pkg.core.constrained.fsm -> pkg.core.tokenizer.load -> pkg.core.models.hub",
         "pkg.core.engine.options -> pkg.core.program",
     ]
+    # a folder of scripts: a cycle through a lazy import and a relative one inside its package
+    _write(tmp_path / "bench", {"a.py": "import b\n", "b.py": "def f():\n    from a import x\n",
+                                "c.py": "from work import load\n", "work/__init__.py": "from .load import go\n",
+                                "work/load.py": "from work import helper\n", "work/helper.py": ""})
+    scripts = script_modules(tmp_path / "bench")
+    graph = import_graph(tmp_path, "", modules=scripts)
+    assert graph["c"] == {"work.load"} and graph["work"] == {"work.load"}
+    assert cycles(graph, tuple(scripts)) == [["a", "b"]]
     # and a clean tree passes
     _write(tmp_path, {"core/models/llama.py": "", "core/tokenizer/load.py": "", "core/engine/options.py": ""})
     graph = import_graph(tmp_path, "pkg", type_checking=False)

@@ -14,7 +14,7 @@ from transformers import LlamaConfig, MistralConfig, Qwen2Config
 
 import radixlm
 from radixlm.core.errors import UnsupportedModelError
-from radixlm.core.models.config import ModelConfig
+from radixlm.core.runtime.models.config import ModelConfig
 
 SHAPE = {"vocab_size": 100, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
          "num_attention_heads": 4}
@@ -93,13 +93,13 @@ def test_unsupported_config_fields_are_named(field, value, message):
 
 @pytest.mark.parametrize("arch", sorted(CLASSES))
 def test_registry_places_every_checkpoint_weight(arch):
-    """Each weight of transformers' model of the architecture maps (core.models.registry) onto a
+    """Each weight of transformers' model of the architecture maps (core.runtime.models.registry) onto a
     parameter of ours of its shape, or onto one block of a fused one; the blocks tile each fused
     parameter, and every parameter of ours gets a weight."""
     import transformers
 
     from radixlm.kernels import cpu as cpu_ops
-    from radixlm.core.models.registry import model_spec
+    from radixlm.core.runtime.models.registry import model_spec
 
     shape = {**SHAPE, "num_key_value_heads": 2}
     with torch.device("meta"):
@@ -125,7 +125,7 @@ def test_registry_places_every_checkpoint_weight(arch):
 
 
 def test_registry_refuses_an_unknown_architecture():
-    from radixlm.core.models.registry import model_spec
+    from radixlm.core.runtime.models.registry import model_spec
 
     with pytest.raises(UnsupportedModelError, match="GPTNeoXForCausalLM.*LlamaForCausalLM"):
         model_spec("GPTNeoXForCausalLM")

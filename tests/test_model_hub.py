@@ -12,8 +12,8 @@ from huggingface_hub import constants, scan_cache_dir
 
 import radixlm
 from radixlm.core.errors import ModelNotFoundError
-from radixlm.core.models import default_model
-from radixlm.core.models.hub import locate_model, resolve_model_path
+from radixlm.core.runtime.models import default_model
+from radixlm.core.runtime.models.hub import locate_model, resolve_model_path
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 

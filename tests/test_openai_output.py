@@ -1,4 +1,4 @@
-"""core.openai_output, the one shaping of OpenAI outputs, checked against the official `openai` client's
+"""core.chat.openai_output, the one shaping of OpenAI outputs, checked against the official `openai` client's
 types (what a client parses) and strict JSON; ChatSGLang's usage and finish reason come from it too."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from openai.types.responses import ResponseUsage
 
 from radixlm.adapters.langchain.messages import response_metadata, usage_metadata
 from radixlm.adapters.langchain.tools import ParsedCalls
-from radixlm.core.openai_output import (MIN_LOGPROB, TokenText, chat_logprobs, completion_logprobs, finish_reason,
+from radixlm.core.chat.openai_output import (MIN_LOGPROB, TokenText, chat_logprobs, completion_logprobs, finish_reason,
                                         responses_usage, usage)
 
 INF = math.inf

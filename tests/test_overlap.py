@@ -18,10 +18,11 @@ import pytest
 import torch
 
 import radixlm
-from radixlm.core.engine.cuda_graph_runner import DecodeGraphRunner
-from radixlm.core.engine.model_runner import BatchInput, ModelRunner
-from radixlm.core.engine.options import EngineOptions
-from radixlm.core.models.config import ModelConfig
+from radixlm.core.runtime.execution.cuda_graph_runner import DecodeGraphRunner
+from radixlm.core.runtime.execution.batch_input import BatchInput
+from radixlm.core.runtime.execution.model_runner import ModelRunner
+from radixlm.core.runtime.options import EngineOptions
+from radixlm.core.runtime.models.config import ModelConfig
 from test_scheduler_units import EOS, load_bench_scheduler, oracle, prompts_with_shared_prefixes, run_scheduler
 
 # ---- the scheduler with a fake runner ---------------------------------------------------------------
@@ -60,7 +61,7 @@ def test_fake_runner_retracts_under_memory_pressure_with_overlap():
 def test_fake_runner_applies_a_pending_step_under_the_next_extend(monkeypatch):
     """Requests admitted while others decode: the extend step is launched before the pending decode
     step is applied (its host work hides under the extend), and outputs stay the oracle's."""
-    from radixlm.core.engine.scheduler.execute import Executor
+    from radixlm.core.runtime.scheduler.execute import Executor
 
     under_extend = []
     run_extend = Executor.run_extend
@@ -87,7 +88,7 @@ def test_fake_runner_streams_and_aborts_with_overlap():
     def collect_and_abort(sched, i: int, out) -> None:
         chunks[i] += out.output_ids
         if i == 0 and len(chunks[0]) >= 5:
-            sched.inbox.put(radixlm.core.engine.messages.Abort("q0"))
+            sched.inbox.put(radixlm.core.runtime.messages.Abort("q0"))
 
     sched, finals = run_scheduler(256, prompts, params, on_chunk=collect_and_abort, enable_overlap_schedule=True)
     assert finals[0].finish.type == "abort" and finals[0].completion_tokens < 40
@@ -128,8 +129,8 @@ def test_fake_runner_constrained_jumps_equal_with_late_sampled_chained_steps(mon
     """Constrained requests chain too, sampled late: launched with the pending tokens, sampled once
     they are applied. A request that jumps forward when its pending token is applied is then without
     the chained step's slot, as without overlap, so its jump may replace that token (max_replace 1)."""
-    from radixlm.core.engine.messages import ConstraintSpec
-    from radixlm.core.engine.scheduler import loop as scheduler_loop
+    from radixlm.core.runtime.messages import ConstraintSpec
+    from radixlm.core.runtime.scheduler import loop as scheduler_loop
 
     prompts = prompts_with_shared_prefixes(6)
     params = [{"max_new_tokens": 14 + i, "ignore_eos": True, "constraint": ConstraintSpec("regex", "stub")}
@@ -153,8 +154,8 @@ def test_fake_runner_chains_across_extend_steps_with_mixed_requests(monkeypatch)
     """Jumping requests beside plain and penalized ones: the extend steps computing the jumped text take
     the other requests riding on the pending decode step's tokens (chained), and the outputs equal
     those without overlap, where every such step first applies the pending one."""
-    from radixlm.core.engine.messages import ConstraintSpec
-    from radixlm.core.engine.scheduler import loop as scheduler_loop
+    from radixlm.core.runtime.messages import ConstraintSpec
+    from radixlm.core.runtime.scheduler import loop as scheduler_loop
 
     monkeypatch.setattr(scheduler_loop, "build_constraint", lambda *a, **kw: JumpEveryThird())
     prompts = prompts_with_shared_prefixes(12)
@@ -177,8 +178,8 @@ def test_fake_runner_chained_extends_under_memory_pressure(monkeypatch, num_slot
     """A small pool: requests are retracted, and jump-forward continuations wait holding their KV; they go
     first when planned (behind a request that cannot fit until their KV is freed they waited forever
     with overlap on). Outputs equal those without overlap, with extend steps chained."""
-    from radixlm.core.engine.messages import ConstraintSpec
-    from radixlm.core.engine.scheduler import loop as scheduler_loop
+    from radixlm.core.runtime.messages import ConstraintSpec
+    from radixlm.core.runtime.scheduler import loop as scheduler_loop
 
     monkeypatch.setattr(scheduler_loop, "build_constraint", lambda *a, **kw: JumpEveryThird())
     prompts = prompts_with_shared_prefixes(8)
@@ -203,10 +204,10 @@ def test_a_failure_applying_a_late_sampled_step_leaks_no_kv(monkeypatch, caller)
     not chain: the requests in flight are aborted with a 500 and every KV slot comes back."""
     import sys
 
-    from radixlm.core.engine.scheduler import loop as scheduler_loop
-    from radixlm.core.engine.scheduler.execute import Executor
-    from radixlm.core.engine.scheduler.prefill import PrefillPlanner
-    from radixlm.core.engine.messages import ConstraintSpec
+    from radixlm.core.runtime.scheduler import loop as scheduler_loop
+    from radixlm.core.runtime.scheduler.execute import Executor
+    from radixlm.core.runtime.scheduler.prefill import PrefillPlanner
+    from radixlm.core.runtime.messages import ConstraintSpec
 
     monkeypatch.setattr(scheduler_loop, "build_constraint", lambda *a, **kw: JumpEveryThird())
     if caller == "_extend_step":  # riders cannot chain (as when memory is short): applied first
@@ -282,9 +283,9 @@ def test_extend_input_from_the_device_matches_host_ids(llama_ckpt):
     """An extend batch whose riding rows take their input ids from a device tensor (extend_batch with
     `future`: the ids go to the device with those tokens scattered in) gives the logits of the same
     batch with host ids, eagerly and on the padded static buffers that the extend CUDA graphs replay."""
-    from radixlm.core.engine.cuda_graph_runner import ExtendGraphRunner
-    from radixlm.core.engine.scheduler.batch import extend_batch
-    from radixlm.core.engine.scheduler.prefill import Extend
+    from radixlm.core.runtime.execution.cuda_graph_runner import ExtendGraphRunner
+    from radixlm.core.runtime.scheduler.batch import extend_batch
+    from radixlm.core.runtime.scheduler.prefill import Extend
     from test_scheduler_units import make_req
 
     opts = EngineOptions.from_kwargs({"device": "cpu", "max_total_tokens": 256, "max_running_requests": 4})

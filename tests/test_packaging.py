@@ -16,7 +16,7 @@ from pathlib import Path
 from test_layers import PACKAGE, ROOT, package_modules
 
 def _package_files() -> list[str]:
-    """The package's modules as paths inside a wheel (radixlm/core/engine/engine.py, ...)."""
+    """The package's modules as paths inside a wheel (radixlm/core/runtime/engine.py, ...)."""
     return sorted(PACKAGE + "/" + path.relative_to(ROOT).as_posix()
                   for path in package_modules(ROOT, PACKAGE).values())
 
@@ -63,4 +63,4 @@ def test_wheel_installs_and_imports_in_a_fresh_venv(tmp_path):
     assert ran.returncode == 0, ran.stderr
     location, engine_module = ran.stdout.split()
     assert Path(location).is_relative_to(env_dir), location
-    assert engine_module == "radixlm.core.engine.engine"
+    assert engine_module == "radixlm.core.runtime.engine"

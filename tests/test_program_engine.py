@@ -17,7 +17,7 @@ import pytest
 
 import radixlm
 import radixlm as sgl
-from radixlm.core.program.config import global_config
+from radixlm.core.lang.config import global_config
 
 MAX = 8
 

@@ -12,11 +12,11 @@ import time
 import pytest
 
 import radixlm as sgl
-from radixlm.core.backends.base import BaseBackend
-from radixlm.core.program.chat_template import chat_template_from_tokenizer, get_chat_template
-from radixlm.core.program.compiler import CompiledFunction
-from radixlm.core.program.ir import REGEX_INT, Constant, Fork, GenParams, GetForkItem, Select
-from radixlm.core.program.speculative import TurnItem, cap_tokens, cut_at_stop, match_turn, token_ends
+from radixlm.core.lang.backends.base import BaseBackend
+from radixlm.core.lang.chat_template import chat_template_from_tokenizer, get_chat_template
+from radixlm.core.lang.compiler import CompiledFunction
+from radixlm.core.lang.ir import REGEX_INT, Constant, Fork, GenParams, GetForkItem, Select
+from radixlm.core.lang.backends.speculative import TurnItem, cap_tokens, cut_at_stop, match_turn, token_ends
 
 
 # ----- IR and parameters -----
@@ -68,7 +68,7 @@ def test_choice_methods() -> None:
 # ----- chat templates -----
 
 def test_chat_template_from_tokenizer_reproduces_the_jinja_template(tokenizer_path: str) -> None:
-    from radixlm.core.tokenizer.loader import load_tokenizer
+    from radixlm.core.runtime.tokenizer.loader import load_tokenizer
 
     tokenizer = load_tokenizer(tokenizer_path)
     template = chat_template_from_tokenizer(tokenizer)

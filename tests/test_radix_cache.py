@@ -12,8 +12,8 @@ from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from radixlm.core.engine.memory_pool import SlotAllocator
-from radixlm.core.engine.radix_cache import RadixCache, TreeNode
+from radixlm.core.runtime.memory.memory_pool import SlotAllocator
+from radixlm.core.runtime.memory.radix_cache import RadixCache, TreeNode
 
 
 def path_key(node: TreeNode) -> list[int]:

@@ -13,10 +13,10 @@ import time
 import pytest
 
 import radixlm
-from radixlm.core.engine.scheduler import loop as scheduler_loop
-from radixlm.core.tokenizer.detokenizer import IncrementalDetokenizer
-from radixlm.core.engine.messages import ConstraintSpec
-from radixlm.core.engine.sampling_params import SamplingParams
+from radixlm.core.runtime.scheduler import loop as scheduler_loop
+from radixlm.core.runtime.tokenizer.detokenizer import IncrementalDetokenizer
+from radixlm.core.runtime.messages import ConstraintSpec
+from radixlm.core.runtime.sampling_params import SamplingParams
 from radixlm.core.errors import InvalidRequestError, TooComplexError
 
 CLEAN = ["The harbour at dawn", "A list of colours:", "Once upon a time"]

@@ -17,12 +17,12 @@ import pytest
 import torch.distributed
 
 import radixlm
-from radixlm.core.engine.dp_router import DataParallelRouter, MetaRadixTree
-from radixlm.core.engine.messages import Abort, FinishReason, GenerateOutput, GenerateRequest
-from radixlm.core.engine.options import EngineOptions
-from radixlm.core.engine.sampling_params import SamplingParams
+from radixlm.core.runtime.distributed.dp_router import DataParallelRouter, MetaRadixTree
+from radixlm.core.runtime.messages import Abort, FinishReason, GenerateOutput, GenerateRequest
+from radixlm.core.runtime.options import EngineOptions
+from radixlm.core.runtime.sampling_params import SamplingParams
 from radixlm.core.errors import InvalidRequestError, UnsupportedModelError
-from radixlm.core.testing import build_checkpoint
+from radixlm.testing.checkpoints import build_checkpoint
 
 GREEDY = {"max_new_tokens": 10, "temperature": 0, "ignore_eos": True}
 # Small chunks and pool: prompts prefill over several steps, so table writes cross step boundaries.
@@ -85,7 +85,7 @@ def test_tp2_in_spawned_processes_matches_tp1(qwen2_mqa_ckpt: str) -> None:
 _TORCHRUN_SCRIPT = """
 import json, sys
 import radixlm
-from radixlm.core.engine.tp_worker import launched_rank, run_launched_rank
+from radixlm.core.runtime.distributed.tp_worker import launched_rank, run_launched_rank
 
 path, out_path, options = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
 if launched_rank() == 0:

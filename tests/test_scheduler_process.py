@@ -18,8 +18,8 @@ import jsonschema
 import pytest
 
 import radixlm
-from radixlm.core.engine import messages as m
-from radixlm.core.engine.sampling_params import SamplingParams
+from radixlm.core.runtime import messages as m
+from radixlm.core.runtime.sampling_params import SamplingParams
 from radixlm.core.errors import EngineShutdownError, InvalidRequestError
 
 GREEDY = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}

@@ -18,23 +18,23 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from radixlm.core.engine.memory_pool import ReqToTokenPool, SlotAllocator
-from radixlm.core.engine.model_runner import BatchInput
-from radixlm.core.engine.options import EngineOptions
-from radixlm.core.engine.radix_cache import RadixCache
-from radixlm.core.engine.messages import Abort, FinishReason, GenerateOutput, GenerateRequest
-from radixlm.core.engine.request import Req
-from radixlm.core.engine.sampling_params import SamplingParams
-from radixlm.core.engine.scheduler import Scheduler
-from radixlm.core.engine.scheduler.batch import extend_batch
-from radixlm.core.engine.scheduler.constraints import JUMP_GATHER_RATIO, JUMP_GATHER_STEPS, JumpGather, jump_forward
-from radixlm.core.engine.scheduler.finish import Finish, check_finish
-from radixlm.core.engine.scheduler.memory import KVMemory
-from radixlm.core.engine.scheduler.policy import SchedulePolicy
-from radixlm.core.engine.scheduler.prefill import IN_BATCH_SHARED_PREFIX, PrefillPlanner
-from radixlm.core.engine.scheduler.queues import RequestQueues
-from radixlm.core.engine.stats import EngineStats
-from radixlm.core.tokenizer.detokenizer import IncrementalDetokenizer
+from radixlm.core.runtime.memory.memory_pool import ReqToTokenPool, SlotAllocator
+from radixlm.core.runtime.execution.batch_input import BatchInput
+from radixlm.core.runtime.options import EngineOptions
+from radixlm.core.runtime.memory.radix_cache import RadixCache
+from radixlm.core.runtime.messages import Abort, FinishReason, GenerateOutput, GenerateRequest
+from radixlm.core.runtime.request import Req
+from radixlm.core.runtime.sampling_params import SamplingParams
+from radixlm.core.runtime.scheduler import Scheduler
+from radixlm.core.runtime.scheduler.batch import extend_batch
+from radixlm.core.runtime.scheduler.constraints import JUMP_GATHER_RATIO, JUMP_GATHER_STEPS, JumpGather, jump_forward
+from radixlm.core.runtime.scheduler.finish import Finish, check_finish
+from radixlm.core.runtime.scheduler.memory import KVMemory
+from radixlm.core.runtime.scheduler.policy import SchedulePolicy
+from radixlm.core.runtime.scheduler.prefill import IN_BATCH_SHARED_PREFIX, PrefillPlanner
+from radixlm.core.runtime.scheduler.queues import RequestQueues
+from radixlm.core.runtime.stats import EngineStats
+from radixlm.core.runtime.tokenizer.detokenizer import IncrementalDetokenizer
 
 V = 32
 ALPHABET = "abcdefghijklmnopqrstuvwxyz012345"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import jsonschema
 import pytest
 
-from radixlm.core.constrained.schema_prune import MIN_PRUNE_KEYS, prune_definitions
+from radixlm.core.runtime.constrained.schema.schema_prune import MIN_PRUNE_KEYS, prune_definitions
 
 
 def _big(root: dict, extra: dict | None = None) -> dict:

@@ -16,7 +16,7 @@ from safetensors import safe_open
 from tokenizers import Tokenizer
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from radixlm.core.testing import (
+from radixlm.testing.checkpoints import (
     SPECIAL_TOKENS,
     VOCAB_SIZE,
     build_checkpoint,

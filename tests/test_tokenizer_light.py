@@ -1,5 +1,5 @@
 """The default model's tokenizer as radixlm reads it back from its cache without transformers
-(core.tokenizer.light) against transformers' tokenizer of the same files, the oracle: tokens, special
+(core.runtime.tokenizer.light) against transformers' tokenizer of the same files, the oracle: tokens, special
 tokens, vocabulary, decoding and the chat template, rendered here and there; the calls it leaves to
 transformers give transformers' answers; and a default engine never imports transformers."""
 
@@ -12,9 +12,9 @@ import sys
 import pytest
 from transformers import PreTrainedTokenizerFast
 
-from radixlm.core.models.default_model import default_model_path
-from radixlm.core.tokenizer.light import MANIFEST, LightTokenizer
-from radixlm.core.tokenizer.loader import load_gguf_tokenizer
+from radixlm.core.runtime.models.default_model import default_model_path
+from radixlm.core.runtime.tokenizer.light import MANIFEST, LightTokenizer
+from radixlm.core.runtime.tokenizer.loader import load_gguf_tokenizer
 
 TEXTS = ["Hello world", "<|im_start|>user\nhi<|im_end|>\n", "  spaces  \n\n tabs\t", "héllo 日本語 🤖 naïve",
          "", "<|endoftext|><repo_name>x<file_sep>", "def f(x):\n    return x ** 2  # ok", "1234567 + 89 = ?"]
@@ -160,8 +160,8 @@ def test_a_damaged_manifest_is_rebuilt(tmp_path, monkeypatch):
 def test_the_default_engine_never_imports_transformers():
     """Engine() and a chat request on the default model, in a fresh process, once the tokenizer cache is
     warm (the fixture's build went to another folder: a first process warms the user's own)."""
-    warm = "from radixlm.core.models.default_model import default_model_path as p\n" \
-           "from radixlm.core.tokenizer.loader import load_gguf_tokenizer\nload_gguf_tokenizer(p())\n"
+    warm = "from radixlm.core.runtime.models.default_model import default_model_path as p\n" \
+           "from radixlm.core.runtime.tokenizer.loader import load_gguf_tokenizer\nload_gguf_tokenizer(p())\n"
     subprocess.run([sys.executable, "-c", warm], check=True, timeout=300)
     code = (
         "import sys, radixlm\n"

@@ -1,4 +1,4 @@
-"""core/tool_calls.py, the tool-call formats the server and ChatSGLang share: the schema that forces a
+"""core/chat/tool_calls.py, the tool-call formats the server and ChatSGLang share: the schema that forces a
 call array, reading replies back as calls, and OpenAI's shape of a call.
 
 Oracles: `jsonschema` against each tool's own parameters (for outputs that constrained decoding of the
@@ -18,10 +18,10 @@ from openai.types.chat import ChatCompletionMessageFunctionToolCall
 from transformers import PreTrainedTokenizerFast
 
 from radixlm.adapters.langchain.tools import parse_reply, tool_mode
-from radixlm.core.constrained import build_constraint
-from radixlm.core.constrained.testing import random_walk
-from radixlm.core.openai_output import tool_call
-from radixlm.core.tool_calls import Call, call_array_schema, find_calls, parse_call_array
+from radixlm.core.runtime.constrained import build_constraint
+from radixlm.testing.constrained import random_walk
+from radixlm.core.chat.openai_output import tool_call
+from radixlm.core.chat.tool_calls import Call, call_array_schema, find_calls, parse_call_array
 import radixlm.server.tools as server_tools
 from radixlm.server.openai_protocol import Tool
 

@@ -20,7 +20,7 @@ from transformers import AutoImageProcessor, AutoTokenizer, LlavaForConditionalG
 import radixlm
 import radixlm as sgl
 from radixlm.core.errors import InvalidRequestError
-from radixlm.core.testing_vision import build_llava_checkpoint, png_bytes, sample_image
+from radixlm.testing.vision import build_llava_checkpoint, png_bytes, sample_image
 from server_harness import LiveServer
 
 IMAGE, OTHER_IMAGE = sample_image(3), sample_image(4, (50, 60))

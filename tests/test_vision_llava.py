@@ -12,7 +12,7 @@ from transformers import AutoImageProcessor, AutoTokenizer, LlavaForConditionalG
 
 import radixlm
 from radixlm.core.errors import InvalidRequestError
-from radixlm.core.testing_vision import build_llava_checkpoint, png_bytes, sample_image
+from radixlm.testing.vision import build_llava_checkpoint, png_bytes, sample_image
 
 QUESTION = "<|im_start|>user\n<image>\nWhat is in this picture? Describe it.<|im_end|>\n<|im_start|>assistant\n"
 OTHER = "<|im_start|>user\n<image>\nWhat colour is it?<|im_end|>\n<|im_start|>assistant\n"

@@ -10,7 +10,7 @@ import torch
 
 import radixlm
 from radixlm.core.errors import InvalidRequestError
-from radixlm.core.testing_vision import QWEN2_VL_IMAGE, build_qwen2_vl_checkpoint, png_bytes, sample_image
+from radixlm.testing.vision import QWEN2_VL_IMAGE, build_qwen2_vl_checkpoint, png_bytes, sample_image
 from qwen2vl_oracle import Qwen2VLOracle, video_inputs
 from test_vision_llava import check_logprobs  # any oracle with logprobs(prompt, images) and the model
 
@@ -207,7 +207,7 @@ def test_hub_qwen2vl_2b_config_is_read_as_transformers_reads_it():
     the tower's shape, the placeholder ids; compared with transformers' Qwen2VLConfig."""
     from transformers import Qwen2VLConfig
 
-    from radixlm.core.models.config import ModelConfig
+    from radixlm.core.runtime.models.config import ModelConfig
 
     hub = {"architectures": ["Qwen2VLForConditionalGeneration"], "model_type": "qwen2_vl", "hidden_size": 1536,
            "intermediate_size": 8960, "num_hidden_layers": 28, "num_attention_heads": 12, "num_key_value_heads": 2,
@@ -230,7 +230,7 @@ def test_hub_qwen2vl_2b_config_is_read_as_transformers_reads_it():
 def test_decodes_through_the_cuda_graph_path(qwen2vl, oracle):
     """The decode graphs' padded static-buffer path (run eagerly here, as on CPU) carries M-RoPE
     decodes' shifted rotary positions: greedy tokens are transformers' with images and without."""
-    from radixlm.core.engine.cuda_graph_runner import DecodeGraphRunner
+    from radixlm.core.runtime.execution.cuda_graph_runner import DecodeGraphRunner
 
     text = "<|im_start|>user\nHello there!<|im_end|>\n<|im_start|>assistant\n"
     expected = [oracle.greedy(QUESTION, IMAGES[1], 8), oracle.greedy(TWO, [IMAGES[2], IMAGES[0]], 8)]

@@ -15,7 +15,7 @@ from langchain_core.messages import HumanMessage
 
 import radixlm
 import radixlm as sgl
-from radixlm.core.testing_vision import QWEN2_VL_IMAGE, build_qwen2_vl_checkpoint, png_bytes, sample_image
+from radixlm.testing.vision import QWEN2_VL_IMAGE, build_qwen2_vl_checkpoint, png_bytes, sample_image
 from qwen2vl_oracle import Qwen2VLOracle
 from server_harness import LiveServer
 from test_vision_frontdoors import image_pick, image_qa  # the same programs as on LLaVA

@@ -35,7 +35,7 @@ from typing import Any, Literal, Union, get_args, get_origin
 
 import pydantic
 
-from radixlm.core.constrained.json_schema import json_schema_to_regex
+from radixlm.core.runtime.constrained.schema.json_schema import json_schema_to_regex
 
 logger = logging.getLogger("radixlm")
 

@@ -27,9 +27,9 @@ from dspy.lm15 import (Config, ImagePart, InvalidRequestError, Message, Request,
 
 from radixlm.adapters.dspy.formats import bound_schema, format_for_call
 from radixlm.adapters.dspy.program import CallBatcher, LMCall, Sample, build_tree, content_text, run_program
-from radixlm.core.engine.sampling_params import SamplingParams
-from radixlm.core.program.interpreter import resolve_backend
-from radixlm.core.program.ir import GenParams
+from radixlm.core.runtime.sampling_params import SamplingParams
+from radixlm.core.lang.interpreter import resolve_backend
+from radixlm.core.lang.ir import GenParams
 
 # The OpenAI-style call parameters DSPy can hand an engine and SGLangLM honours (`supported_params`).
 _CALL_PARAMS = frozenset({
@@ -54,7 +54,7 @@ class SGLangLM(dspy.LM):
     `max_field_chars`: bound each free-text value and JSON string of a constrained reply (for models
     that do not end them by themselves, like the random-weight test model); None leaves it to the model.
     `batch_window_s`: how long a call waits for more calls while others are in flight (see CallBatcher).
-    `chat_template`: a named template (core.program.chat_template) for a server whose tokenizer cannot
+    `chat_template`: a named template (core.lang.chat_template) for a server whose tokenizer cannot
     be loaded on this machine. Other keywords are default call parameters (`supported_params`).
     `lm.engine` is the DSPy engine (`ProgramEngine`), which holds the radixlm backend.
     """
@@ -80,7 +80,7 @@ class SGLangLM(dspy.LM):
             names = (engine.served_model_name, engine.model_path)
             context_len = engine.context_len
         else:
-            from radixlm.core.backends.runtime_endpoint import RuntimeEndpoint
+            from radixlm.core.lang.backends.runtime_endpoint import RuntimeEndpoint
 
             base_url = base_url.rstrip("/").removesuffix("/v1")
             backend = RuntimeEndpoint(base_url, api_key=api_key, chat_template_name=chat_template)

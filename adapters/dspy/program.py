@@ -2,7 +2,7 @@
 
 The calls that a DSPy module makes together (`Module.batch`, `dspy.Parallel`) share a prefix: the
 same instructions and demos, a different input at the end. They become one program of the program
-model (core.program), shaped as the prefix tree of their messages:
+model (core.lang), shaped as the prefix tree of their messages:
 
     root stream: the messages every call starts with (system prompt, demos)
     fork(k):     one branch per next message that differs
@@ -23,9 +23,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from radixlm.core.program.errors import ProgramError
-from radixlm.core.program.interpreter import ProgramState, new_state
-from radixlm.core.program.ir import Constant, ExprList, Gen, GenParams, Image, RoleBegin, RoleEnd
+from radixlm.core.lang.errors import ProgramError
+from radixlm.core.lang.interpreter import ProgramState, new_state
+from radixlm.core.lang.ir import Constant, ExprList, Gen, GenParams, Image, RoleBegin, RoleEnd
 
 # A message's content: its text, or its text and images (encoded image bytes) in order.
 Content = str | tuple[str | bytes, ...]

@@ -31,8 +31,8 @@ from radixlm.adapters.langchain.connection import Connection, engine_connection,
 from radixlm.adapters.langchain.messages import ai_message, final_chunk, template_messages
 from radixlm.adapters.langchain.program import ChatCall, precache, result, run_call, stream_call
 from radixlm.adapters.langchain.tools import bound_strings, forced_schema, parse_reply, tool_mode
-from radixlm.core.openai_output import chat_logprobs
-from radixlm.core.program.ir import GenParams
+from radixlm.core.chat.openai_output import chat_logprobs
+from radixlm.core.lang.ir import GenParams
 
 # Keyword arguments a call (invoke(..., **kwargs), or a binding) may carry.
 _CALL_OPTIONS = {"model", "temperature", "max_tokens", "top_p", "top_k", "min_p", "frequency_penalty",

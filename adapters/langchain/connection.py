@@ -9,9 +9,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from radixlm.adapters.langchain.messages import ChatRenderer
-from radixlm.core.backends.base import BaseBackend
-from radixlm.core.backends.runtime_endpoint import RuntimeEndpoint, _check
-from radixlm.core.program.interpreter import resolve_backend
+from radixlm.core.lang.backends.base import BaseBackend
+from radixlm.core.lang.backends.runtime_endpoint import RuntimeEndpoint, _check
+from radixlm.core.lang.interpreter import resolve_backend
 
 # Statuses worth retrying: the server's queue is full or it is (re)starting.
 _RETRY_STATUSES = {429, 502, 503, 504}
@@ -46,7 +46,7 @@ def shared_engine(model_path: str | None, options: dict[str, Any]) -> Any:
     key = (model_path, repr(sorted(options.items())))
     with _engines_lock:
         if key not in _engines:
-            from radixlm.core.engine.engine import Engine
+            from radixlm.core.runtime.engine import Engine
             _engines[key] = Engine(model_path, **options)
         return _engines[key]
 
@@ -83,7 +83,7 @@ def server_connection(base_url: str, api_key: str | None, timeout: float | None,
     endpoint = RetryingEndpoint(root, api_key, timeout, max_retries)
     tokenizer = endpoint.tokenizer
     if tokenizer_path is not None:
-        from radixlm.core.tokenizer.loader import load_tokenizer
+        from radixlm.core.runtime.tokenizer.loader import load_tokenizer
         tokenizer = endpoint.tokenizer = load_tokenizer(tokenizer_path)
     if tokenizer is None:
         raise ValueError(f"ChatSGLang renders chats with the model's own chat template, so it needs the model's "

@@ -18,8 +18,8 @@ from langchain_core.messages import (
 from langchain_core.messages.ai import InputTokenDetails, UsageMetadata
 
 from radixlm.adapters.langchain.tools import ParsedCalls, template_tool_calls
-from radixlm.core.chat_render import render_chat
-from radixlm.core.openai_output import TokenText, finish_reason, usage
+from radixlm.core.chat.render import render_chat
+from radixlm.core.chat.openai_output import TokenText, finish_reason, usage
 
 # Content blocks of an assistant message that are not its text: the tool calls are rendered from
 # `tool_calls`, reasoning is not part of the prompt.

@@ -1,4 +1,4 @@
-"""Chat-model calls as programs of radixlm's program model (core.program), run by its interpreter.
+"""Chat-model calls as programs of radixlm's program model (core.lang), run by its interpreter.
 
 A call is the rendered prompt followed by one gen:
 
@@ -22,11 +22,11 @@ from dataclasses import dataclass
 from typing import Any, Iterator
 
 from radixlm.adapters.langchain.tools import ToolMode
-from radixlm.core.backends.base import BaseBackend
-from radixlm.core.program.function import function
-from radixlm.core.program.interpreter import ProgramState
-from radixlm.core.program.ir import Gen, GenParams, Image
-from radixlm.core.program.tracer import precache_batch
+from radixlm.core.lang.backends.base import BaseBackend
+from radixlm.core.lang.function import function
+from radixlm.core.lang.interpreter import ProgramState
+from radixlm.core.lang.ir import Gen, GenParams, Image
+from radixlm.core.lang.tracer import precache_batch
 
 
 @dataclass

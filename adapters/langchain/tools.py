@@ -1,7 +1,7 @@
 """Tool calling for ChatSGLang: what `tool_choice` asks for, the JSON schema that constrained decoding
 enforces for it, and how the generated text becomes LangChain tool calls.
 
-The formats are core/tool_calls.py's, which radixlm's OpenAI-compatible server uses too, so a model
+The formats are core/chat/tool_calls.py's, which radixlm's OpenAI-compatible server uses too, so a model
 behaves the same behind ChatSGLang and behind ChatOpenAI pointed at `radixlm serve`. What is LangChain's
 own is here: tool_choice as LangChain users give it ("any", True, a name), arguments closed to the
 declared properties, and calls as LangChain tool calls (arguments decoded, bad ones in invalid_tool_calls).
@@ -14,7 +14,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from radixlm.core.tool_calls import Call, call_array_schema, find_calls, new_call_id, parse_call_array
+from radixlm.core.chat.tool_calls import Call, call_array_schema, find_calls, new_call_id, parse_call_array
 
 # Keywords whose value maps names to subschemas, and keywords whose value holds no subschema.
 _SCHEMA_MAPS = {"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"}

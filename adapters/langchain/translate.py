@@ -28,7 +28,7 @@ from langchain_core.runnables.config import get_config_list, run_in_executor
 
 from radixlm.adapters.langchain.chat_model import ChatSGLang
 from radixlm.adapters.langchain.program import ChatCall, run_forked, shared_prefix
-from radixlm.core.program.ir import GenParams
+from radixlm.core.lang.ir import GenParams
 
 # Stand-ins for the inputs when the program is shown: private-use characters cannot clash with text.
 _OPEN, _CLOSE = "\ue000", "\ue001"

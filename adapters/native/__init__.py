@@ -6,17 +6,17 @@ from radixlm.adapters.native.api import (
     gen_string, get_server_info, global_config, image, select, set_default_backend, system,
     system_begin, system_end, user, user_begin, user_end, video,
 )
-from radixlm.core.backends.base import BaseBackend
-from radixlm.core.backends.local_engine import EngineBackend
-from radixlm.core.backends.openai_backend import OpenAI, TokenUsage
-from radixlm.core.backends.runtime_endpoint import Runtime, RuntimeEndpoint
-from radixlm.core.program.chat_template import ChatTemplate, get_chat_template
-from radixlm.core.program.choices import (
+from radixlm.core.lang.backends.base import BaseBackend
+from radixlm.core.lang.backends.local_engine import EngineBackend
+from radixlm.core.lang.backends.openai_backend import OpenAI, TokenUsage
+from radixlm.core.lang.backends.runtime_endpoint import Runtime, RuntimeEndpoint
+from radixlm.core.lang.chat_template import ChatTemplate, get_chat_template
+from radixlm.core.lang.choices import (
     ChoicesDecision, ChoicesSamplingMethod, greedy_token_selection, token_length_normalized,
     unconditional_likelihood_normalized,
 )
-from radixlm.core.program.errors import ProgramError, TracingError
-from radixlm.core.program.interpreter import ProgramState, ProgramStateGroup
+from radixlm.core.lang.errors import ProgramError, TracingError
+from radixlm.core.lang.interpreter import ProgramState, ProgramStateGroup
 
 __all__ = [
     "function", "SglFunction", "gen", "gen_int", "gen_string", "select", "image", "video",

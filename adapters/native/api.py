@@ -5,12 +5,12 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from radixlm.core.program.choices import ChoicesSamplingMethod, token_length_normalized
-from radixlm.core.program.config import global_config
-from radixlm.core.program.errors import ProgramError
-from radixlm.core.program.function import SglFunction, function  # noqa: F401  (re-exported)
-from radixlm.core.program.interpreter import resolve_backend
-from radixlm.core.program.ir import (
+from radixlm.core.lang.choices import ChoicesSamplingMethod, token_length_normalized
+from radixlm.core.lang.config import global_config
+from radixlm.core.lang.errors import ProgramError
+from radixlm.core.lang.function import SglFunction, function  # noqa: F401  (re-exported)
+from radixlm.core.lang.interpreter import resolve_backend
+from radixlm.core.lang.ir import (
     Expr, ExprList, Gen, GenParams, Image, RoleBegin, RoleEnd, Select, Video, as_expr, dtype_name,
 )
 

@@ -27,8 +27,8 @@ from typing import Any
 import torch
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 
-from radixlm.core.constrained import apply_token_masks, build_constraint
-from radixlm.core.engine.sampling_params import SamplingParams
+from radixlm.core.runtime.constrained import apply_token_masks, build_constraint
+from radixlm.core.runtime.sampling_params import SamplingParams
 
 from .common import TokenizerFrontEnd, generate_inputs
 

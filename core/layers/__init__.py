@@ -1,2 +1,0 @@
-"""radixlm.core.layers: the types a model forward and the engine both use (ForwardBatch, the attention
-backend). Models import these, never core.engine, so the runtime's layers import downward only."""

@@ -1,1 +1,0 @@
-"""radixlm.core.models."""

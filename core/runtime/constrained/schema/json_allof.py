@@ -1,0 +1,210 @@
+"""allOf: parts merged into one schema (a mixin of json_grammar._Converter over json_schema's merge)."""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+from radixlm.core.runtime.constrained.schema.json_common import (_CONFLICT, _LOWER_BOUNDS, _NEGATED, _NOT_STRINGS,
+                                                                 _SCHEMA_VALUED, _UPPER_BOUNDS, _negated,
+                                                                 _pattern_matches, _same_json, _with_parts)
+from radixlm.core.runtime.constrained.schema.json_conditional import _discriminated, _through_if
+
+
+# The keywords that constrain values (JSON Schema 2020-12 and earlier drafts, OpenAPI's nullable);
+# anything else is an annotation (description, markdownDescription, x-..., ...) and is ignored.
+_KNOWN = {
+    "type", "enum", "const", "properties", "required", "additionalProperties", "patternProperties",
+    "minProperties", "maxProperties", "propertyNames", "unevaluatedProperties", "unevaluatedItems", "items",
+    "prefixItems", "additionalItems", "minItems", "maxItems", "contains", "minContains", "maxContains",
+    "uniqueItems", "minLength", "maxLength", "pattern", "format", "minimum", "maximum", "exclusiveMinimum",
+    "exclusiveMaximum", "multipleOf", "anyOf", "oneOf", "allOf", "not", "if", "then", "else", "$ref",
+    "nullable", "dependentRequired", "dependentSchemas", "dependencies", "$dynamicRef", "$recursiveRef",
+    _NOT_STRINGS, _NEGATED,
+}
+MAX_COMBINATIONS = 256  # allOf of several anyOf/oneOf: branch combinations generated at most
+
+
+class AllOfRules:
+    """allOf's merge (_merge, _combine, _flat_parts)."""
+
+    def _merge(self, schemas: list[Any], refs: tuple) -> dict | bool:
+        """allOf merged; a part's additionalProperties also constrains the properties that only other
+        parts list (it does not look into them), and its items the other parts' extra prefix items, so
+        those carry it along before the merge."""
+        parts = self._flat_parts(schemas, refs)
+        choosing = [p for p in parts if isinstance(p, dict) and ("anyOf" in p or "oneOf" in p)]
+        if len(choosing) > 1 or choosing and "anyOf" in choosing[0] and "oneOf" in choosing[0]:
+            combinations = math.prod(len(p[k]) for p in choosing for k in ("anyOf", "oneOf")
+                                     if isinstance(p.get(k), list))
+            if combinations > MAX_COMBINATIONS:  # each would become a schema of its own
+                raise ValueError(f"allOf of choices with over {MAX_COMBINATIONS} combinations of branches "
+                                 "is not supported")
+            # Several choices in one allOf: distribute over the first one's branches (each branch an
+            # in-place part of its schema, so it goes first and the parent stays last).
+            first = choosing[0]
+            key = "oneOf" if "oneOf" in first else "anyOf"
+            index = parts.index(first)
+            rest = {k: v for k, v in first.items() if k != key}
+            alternatives = []
+            for branch in first[key]:
+                branch = _negated(branch) if first.get(_NEGATED) else branch
+                new = list(parts)
+                new[index] = rest
+                alternatives.append(_with_parts(new[-1], branch, *new[:-1]))  # the parent stays the parent
+            return {key: alternatives}
+        # The last part is the parent: its unevaluated* keywords see the evaluations of every part. Any
+        # other part's see only its own, which (stricter, so still sound) is what additionalProperties
+        # and items mean.
+        parts = [_own_evaluations_only(p) for p in parts[:-1]] + parts[-1:]
+        parts = _unevaluated_in_negations(parts)
+        closing = [p for p in parts if isinstance(p, dict) and p.get("additionalProperties", True) is not True]
+        if closing:
+            adjusted = []
+            for part in parts:
+                if isinstance(part, dict) and isinstance(part.get("properties"), dict):
+                    props = dict(part["properties"])
+                    for c in closing:
+                        if c is part:
+                            continue
+                        for name in props:
+                            patterns = c.get("patternProperties") or {}
+                            if name not in (c.get("properties") or {}) and not any(
+                                    _pattern_matches(p, name) for p in patterns):
+                                props[name] = {"allOf": [props[name], c["additionalProperties"]]}
+                    part = dict(part, properties=props)
+                adjusted.append(part)
+            parts = adjusted
+        covering = [p for p in parts if isinstance(p, dict) and isinstance(p.get("items", True), (dict, bool))
+                    and p.get("items", True) is not True]
+        if covering:  # likewise a part's items covers the other parts' prefix items past its own prefix
+            adjusted = []
+            for part in parts:
+                if isinstance(part, dict) and isinstance(part.get("prefixItems"), list):
+                    prefix = list(part["prefixItems"])
+                    for c in covering:
+                        if c is not part:
+                            for j in range(len(c.get("prefixItems") or []), len(prefix)):
+                                prefix[j] = {"allOf": [prefix[j], c["items"]]}
+                    part = dict(part, prefixItems=prefix)
+                adjusted.append(part)
+            parts = adjusted
+        containing = [p for p in parts if isinstance(p, dict) and "contains" in p]
+        if len({json.dumps(p["contains"], sort_keys=True, default=str) for p in containing}) > 1 and any(
+                "minContains" in p for p in containing):
+            # minContains: 0 beside one part's contains would drop the other part's (see _combine)
+            raise ValueError("allOf with different values for 'contains' and a minContains is not supported")
+        merged = super()._merge(parts, refs)
+        parent = parts[-1] if parts else None
+        if isinstance(merged, dict) and isinstance(parent, dict) and isinstance(parent.get("properties"), dict) \
+                and isinstance(merged.get("properties"), dict):
+            # The parent's own properties first: the order one reads the schema in (its keys, then allOf's
+            # or a branch's), which generation follows.
+            props = merged["properties"]
+            merged["properties"] = {**{k: props[k] for k in parent["properties"] if k in props}, **props}
+        return merged
+
+    def _combine(self, key: str, a: Any, b: Any) -> Any:
+        """Two allOf parts' values of one keyword as one: the tighter bound, the schema keywords as an
+        allOf of both (each part's additionalProperties and items were already carried onto the other
+        parts' own properties and prefix items by _merge), prefixItems position by position, integer
+        multipleOf as the least common multiple. Others are refused."""
+        numbers = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (a, b))
+        if key in _LOWER_BOUNDS and numbers:
+            return max(a, b)
+        if key in _UPPER_BOUNDS and numbers:
+            return min(a, b)
+        if key == "multipleOf" and numbers and float(a).is_integer() and float(b).is_integer():
+            return math.lcm(int(a), int(b))
+        if key in _SCHEMA_VALUED:
+            return {"allOf": [a, b]}
+        if key == "not":  # not A and not B: not (A or B)
+            return {"anyOf": [a, b]}
+        if key == _NOT_STRINGS:
+            return a + b
+        if key == "pattern":  # both hold: a list (json_strings.py intersects their automata)
+            return [p for v in (a, b) for p in (v if isinstance(v, list) else [v])]
+        if key == "contains" and isinstance(a, (dict, bool)) and isinstance(b, (dict, bool)):
+            # Items valid under both: a sound subset (a single item then satisfies each part's contains;
+            # the tighter min/maxContains of the merge hold for each part's count too).
+            return {"allOf": [a, b]}
+        if key == "const":  # two different constants: no value
+            return a if a is not _CONFLICT and b is not _CONFLICT and _same_json(a, b) else _CONFLICT
+        if key == "prefixItems" and isinstance(a, list) and isinstance(b, list):
+            short, long = sorted((a, b), key=len)
+            return [{"allOf": [x, y]} for x, y in zip(short, long)] + long[len(short):]
+        return super()._combine(key, a, b)
+
+    def _flat_parts(self, schemas: list[Any], refs: tuple) -> list[Any]:
+        """allOf's parts, dereferenced, with nested allOfs spliced in (so that a nested part's
+        additionalProperties also sees the properties the outer parts list)."""
+        parts = []
+        derefed = []
+        for s in schemas:  # (a `not`'s positive form stays marked through its refs and nested allOfs)
+            part, sub_refs = self._deref(s, refs)
+            derefed.append((_negated(part) if isinstance(s, dict) and s.get(_NEGATED) else part, sub_refs))
+        derefed = _discriminated([(_known_keywords(part), sub_refs) for part, sub_refs in derefed])
+        for part, sub_refs in derefed:
+            if isinstance(part, dict) and "if" in part:
+                part = _through_if(part)
+            if isinstance(part, dict) and isinstance(part.get("allOf"), list):
+                inner = self._flat_parts(part["allOf"], sub_refs)
+                parts.extend([_negated(p) for p in inner] if part.get(_NEGATED) else inner)
+                part = {k: v for k, v in part.items() if k != "allOf"}
+            parts.append(part)
+        return parts
+
+
+def _known_keywords(schema: Any) -> Any:
+    if not isinstance(schema, dict) or all(k in _KNOWN for k in schema):
+        return schema
+    return {k: v for k, v in schema.items() if k in _KNOWN}
+
+
+def _own_evaluations_only(schema: Any) -> Any:
+    """unevaluatedProperties / unevaluatedItems as additionalProperties / items (where those are absent)."""
+    if not isinstance(schema, dict) or not ({"unevaluatedProperties", "unevaluatedItems"} & set(schema)):
+        return schema
+    out = {k: v for k, v in schema.items() if k not in ("unevaluatedProperties", "unevaluatedItems")}
+    if "unevaluatedProperties" in schema:
+        out.setdefault("additionalProperties", schema["unevaluatedProperties"])
+    if "unevaluatedItems" in schema and "contains" not in schema:
+        out.setdefault("items", schema["unevaluatedItems"])
+    elif "unevaluatedItems" in schema:
+        out["unevaluatedItems"] = schema["unevaluatedItems"]
+    return out
+
+
+def _unevaluated_in_negations(parts: list[Any]) -> list[Any]:
+    """The parent's (last part's) unevaluatedProperties/unevaluatedItems carried onto the keys and items
+    only a `not`'s positive form (a _NEGATED part) lists: a validator counts nothing a `not` says as
+    evaluated, while the merge would."""
+    parent = parts[-1] if parts and isinstance(parts[-1], dict) else {}
+    marked = [p for p in parts if isinstance(p, dict) and p.get(_NEGATED)]
+    real = [p for p in parts if isinstance(p, dict) and not p.get(_NEGATED)]
+    if not marked:
+        return parts
+    props_rule = parent.get("unevaluatedProperties", True)
+    if any("additionalProperties" in p for p in real):
+        props_rule = True  # every key is evaluated by it
+    items_rule = parent.get("unevaluatedItems", True)
+    if any("items" in p for p in real):
+        items_rule = True
+    listed = {k for p in real for k in (p.get("properties") or {})}
+    patterns = [k for p in real for k in (p.get("patternProperties") or {})]
+    prefix = max((len(p.get("prefixItems") or []) for p in real), default=0)
+    out = []
+    for part in parts:
+        if isinstance(part, dict) and part.get(_NEGATED):
+            part = {k: v for k, v in part.items() if k != _NEGATED}  # (the merged schema is not one)
+            if props_rule is not True and isinstance(part.get("properties"), dict):
+                part["properties"] = {k: v if k in listed or any(_pattern_matches(p, k) for p in patterns)
+                                      else {"allOf": [v, props_rule]} for k, v in part["properties"].items()}
+            if items_rule is not True and isinstance(part.get("prefixItems"), list):
+                part["prefixItems"] = [v if i < prefix else {"allOf": [v, items_rule]}
+                                       for i, v in enumerate(part["prefixItems"])]
+            if items_rule is not True and "items" in part:
+                part["items"] = {"allOf": [part["items"], items_rule]}
+        out.append(part)
+    return out

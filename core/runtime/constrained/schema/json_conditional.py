@@ -1,0 +1,89 @@
+"""if/then/else and dependentRequired/dependentSchemas (a mixin of json_grammar._Converter)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from radixlm.core.runtime.constrained.automata.grammar import Expr, alt
+from radixlm.core.runtime.constrained.schema.json_common import _DEPENDENT, SchemaError, _escape, _opened, _with_parts
+
+
+class ConditionalRules:
+    """if/then/else (_conditional) and dependencies (_dependents)."""
+
+    @staticmethod
+    def _dependents(schema: dict, ptr: str) -> dict:
+        """dependentRequired / dependentSchemas (and draft 7's dependencies) as an allOf of choices, one per
+        key: the key absent, or present with what depends on it."""
+        rest = {k: v for k, v in schema.items() if k not in _DEPENDENT}
+        opened = _opened(schema)
+        parts = []
+        for keyword in _DEPENDENT:
+            table = schema.get(keyword, {})
+            if not isinstance(table, dict):
+                raise SchemaError(f"{ptr}/{keyword}: must be an object")
+            for key, then in table.items():
+                if isinstance(then, list):  # dependentRequired (and dependencies' list form)
+                    then = {"required": then}
+                elif keyword == "dependentRequired":
+                    raise SchemaError(f"{ptr}/{keyword}/{_escape(key)}: must be a list of property names")
+                present = {"allOf": [{"required": [key], **opened}, then]}
+                parts.append({"anyOf": [{"properties": {key: False}, **opened}, present]})
+        return _with_parts(rest, *parts)
+
+
+    def _conditional(self, schema: dict, ptr: str) -> Expr:
+        """if/then/else: values of `if` and `then`, or of `not: if` and `else` where `not` can say it
+        (else the former only: a sound subset)."""
+        through_if = self.value(_through_if(schema), ptr)
+        if schema["if"] is False or schema["if"] is True:
+            return through_if
+        rest = {k: v for k, v in schema.items() if k not in ("if", "then", "else")}
+        other = self._attempt(_with_parts(rest, {"not": schema["if"]}, schema.get("else", True)), f"{ptr}/else")
+        return through_if if isinstance(other, SchemaError) else alt(through_if, other)
+
+
+def _discriminated(parts: list[tuple[Any, tuple]]) -> list[tuple[Any, tuple]]:
+    """allOf parts `{"if": {"properties": {"kind": {"const": c_i}}}, "then": T_i, "else": E_i}` with one
+    key and different constants (a discriminator, as in GitHub's issue forms) as one choice: objects with
+    kind c_i, T_i and every other part's E_i. Through `if` alone, every part's T_i would apply at once."""
+    def key_const(part):
+        cond = part.get("if") if isinstance(part, dict) else None
+        if (isinstance(cond, dict) and set(cond) <= {"properties", "required", "type"}
+                and cond.get("type", "object") == "object"):
+            props = cond.get("properties")
+            if isinstance(props, dict) and len(props) == 1:
+                (key, sub), = props.items()
+                if isinstance(sub, dict) and set(sub) == {"const"} and set(cond.get("required", [key])) == {key}:
+                    return key, json.dumps(sub["const"], sort_keys=True)
+        return None
+    found = [(i, key_const(p)) for i, (p, _) in enumerate(parts)]
+    found = [(i, kc) for i, kc in found if kc is not None]
+    keys = {kc[0] for _, kc in found}
+    if len(found) < 2 or len(keys) != 1 or len({kc[1] for _, kc in found}) != len(found):
+        return parts
+    chosen = [i for i, _ in found]
+    branches = []
+    for i in chosen:
+        part = parts[i][0]
+        elses = [parts[j][0]["else"] for j in chosen if j != i and "else" in parts[j][0]]
+        branches.append({"allOf": [{**part["if"], "required": [next(iter(keys))]}, part.get("then", True), *elses]})
+    out = []  # in place of the first part chosen, the choice; of each chosen one, its other keywords
+    for i, (part, refs) in enumerate(parts):
+        if i == chosen[0]:
+            out.append(({"anyOf": branches}, refs))
+        rest = {k: v for k, v in part.items() if k not in ("if", "then", "else")} if i in chosen else part
+        if i not in chosen or rest:
+            out.append((rest, refs))
+    return out
+
+
+def _through_if(schema: dict) -> dict:
+    """if/then/else generated through its `if` branch: instances of if and then (a sound subset)."""
+    rest = {k: v for k, v in schema.items() if k not in ("if", "then", "else")}
+    if "then" not in schema and "else" not in schema:  # an `if` alone constrains nothing
+        return rest
+    if schema["if"] is False:  # no value matches `if`: every value takes `else`
+        return _with_parts(rest, schema.get("else", True))
+    return _with_parts(rest, schema["if"], schema.get("then", True))

@@ -1,0 +1,150 @@
+"""Strings: length bounds (counted strings), ECMA-262 `pattern`, `format`, and the strings a `not`
+excludes (a mixin of json_grammar._Converter)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from radixlm.core.runtime.constrained.schema import json_schema as js
+from radixlm.core.runtime.constrained.tokens.counted_string import counted_states, counted_string_dfa
+from radixlm.core.runtime.constrained.automata.grammar import Expr, Repeat, Terminal, lit, seq
+from radixlm.core.runtime.constrained.automata.grammar_compiler import derived_dfa, terminal_dfa
+from radixlm.core.runtime.constrained.schema.json_common import (CHAR, NOTHING, _NOT_STRINGS, SchemaError, _counts,
+                                                                 string_terminal)
+from radixlm.core.runtime.constrained.automata.regex_dfa import ByteDFA, dfa_difference, dfa_intersection
+
+
+_IPV4_PART = r"(?:25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])"
+_H16 = r"[0-9A-Fa-f]{1,4}"
+_IPV6 = "|".join([
+    rf"(?:{_H16}:){{7}}{_H16}", rf"(?:{_H16}:){{1,7}}:",
+    *(rf"(?:{_H16}:){{1,{6 - k}}}(?::{_H16}){{1,{k + 1}}}" for k in range(6)),
+    rf":(?::{_H16}){{1,7}}", "::",
+])
+FORMATS = js.FORMATS | {
+    "duration": r"P(?:[0-9]+W|(?=[0-9T])(?:[0-9]+Y)?(?:[0-9]+M)?(?:[0-9]+D)?(?:T(?=[0-9])(?:[0-9]+H)?(?:[0-9]+M)?(?:[0-9]+S)?)?)",
+    "hostname": r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*",
+    "ipv4": rf"{_IPV4_PART}(?:\.{_IPV4_PART}){{3}}",
+    "ipv6": f"(?:{_IPV6})",
+}
+# Lookahead is not regular in our engine: durations are "P", then at least one component.
+FORMATS["duration"] = (r"P(?:[0-9]+W|[0-9]+Y(?:[0-9]+M)?(?:[0-9]+D)?(?:T_TIME)?|[0-9]+M(?:[0-9]+D)?(?:T_TIME)?"
+                       r"|[0-9]+D(?:T_TIME)?|T_TIME)").replace(
+    "T_TIME", r"T(?:[0-9]+H(?:[0-9]+M)?(?:[0-9]+S)?|[0-9]+M(?:[0-9]+S)?|[0-9]+S)")
+
+
+# Length bounds intersected with another automaton (pattern, propertyNames): the product has a copy of it
+# per character position and minimizing it is quadratic, so the bounds are kept small. propertyNames'
+# maxLength is tightened to this for keys beyond the listed properties (sound: fewer keys), and so is a
+# string's maxLength next to a pattern or format (fewer strings); larger minLengths there are refused.
+MAX_PRODUCT_LENGTH = 64
+
+
+class StringRules:
+    """The `string` type's rules."""
+
+    def _string(self, schema: dict, ptr: str) -> Expr:
+        """The strings `schema` allows, less those a `not` excluded (_negation)."""
+        expr = self._string_body(schema, ptr)
+        excluded = schema.get(_NOT_STRINGS)
+        if not excluded or expr is NOTHING:
+            return expr
+        if not isinstance(expr, Terminal):
+            raise SchemaError(f"{ptr}/not: excluding strings from one of over {self.budget.max_terminal_states} "
+                              "states is not supported")
+        budget = self.budget.max_terminal_states
+
+        def build() -> ByteDFA | None:
+            dfa = expr.dfa if expr.dfa is not None else terminal_dfa(expr.regex, budget)
+            for regex in excluded:
+                other = terminal_dfa(regex, budget) if dfa is not None else None
+                dfa = dfa_difference(dfa, other, budget, self.deadline.check) if other is not None else dfa
+            return dfa
+
+        key = f"{expr.ident}\0not:" + "\0".join(excluded)
+        dfa = derived_dfa(key, budget, build)
+        return NOTHING if dfa is None else Terminal(key=key, dfa=dfa)
+
+    def _string_body(self, schema: dict, ptr: str) -> Expr:
+        lo, hi = _counts(schema, "minLength", "maxLength", ptr)
+        if hi is not None and hi < lo:
+            return NOTHING
+        fmt, pattern = schema.get("format"), schema.get("pattern")
+        bounded = "minLength" in schema or "maxLength" in schema
+        regexes = []  # the patterns and the format all hold where several are given
+        # Several patterns: allOf parts with different ones (merged as a list, json_allof.py).
+        for p in pattern if isinstance(pattern, list) else [] if pattern is None else [pattern]:
+            try:
+                regexes.append(f'"{ecma_string_pattern(p)}"')
+            except ValueError as e:
+                raise SchemaError(f"{ptr}/pattern: {e}") from None
+        if fmt in FORMATS and self.formats_asserted:
+            regexes.append(f'"{FORMATS[fmt]}"')
+        if len(regexes) == 1 and not bounded:
+            return Terminal(regex=regexes[0])
+        if regexes:
+            where = f"{ptr}/pattern" if pattern is not None else f"{ptr}/format"
+            return self._within(regexes, lo, hi, bounded, where)
+        if counted_states(lo, hi) <= self.budget.max_terminal_states:
+            return string_terminal(lo, hi)
+        tail = Repeat(CHAR, 0, hi - lo) if hi is not None else Terminal(regex=f"{js.STRING_CHAR}*")
+        return seq(lit('"'), Repeat(CHAR, lo, lo), tail, lit('"')) if lo else seq(lit('"'), tail, lit('"'))
+
+    def _within(self, regexes: list[str], lo: int, hi: int | None, bounded: bool, ptr: str) -> Expr:
+        """The JSON strings matching every regex of `regexes` (quotes included), with lo..hi characters
+        if `bounded`: their DFAs intersected (with the counted string's)."""
+        budget = self.budget.max_terminal_states
+        if bounded and lo > MAX_PRODUCT_LENGTH:
+            raise SchemaError(f"{ptr}: minLength over {MAX_PRODUCT_LENGTH} together with it is not supported")
+        if bounded and hi is not None and hi > MAX_PRODUCT_LENGTH:
+            hi = MAX_PRODUCT_LENGTH  # fewer strings (sound); the product stays small
+
+        def build() -> ByteDFA | None:
+            dfa = terminal_dfa(regexes[0], budget)
+            others = [terminal_dfa(r, budget) for r in regexes[1:]] + ([counted_string_dfa(lo, hi)] if bounded else [])
+            for other in others:
+                if dfa is not None:
+                    dfa = dfa_intersection(dfa, other, budget, self.deadline.check) if other is not None else None
+            return dfa
+
+        key = "re:" + "\0and:".join(regexes) + (f"\0length:{lo}:{hi}" if bounded else "")
+        dfa = derived_dfa(key, budget, build)
+        return NOTHING if dfa is None else Terminal(key=key, dfa=dfa)
+
+
+def _asserts_formats(root: Any) -> bool:
+    """Whether `format` constrains strings: yes, unless the schema declares draft 2019-09 or 2020-12,
+    where `format` is an annotation (only a metaschema's format-assertion vocabulary makes it assert,
+    and metaschemas are remote)."""
+    declared = root.get("$schema") if isinstance(root, dict) else None
+    return not (isinstance(declared, str) and ("/draft/2019-09/" in declared or "/draft/2020-12/" in declared))
+
+
+def ecma_string_pattern(pattern: str) -> str:
+    """A JSON schema `pattern` (ECMA-262: a search, `\\d` `\\w` ASCII) as a regex over the JSON-escaped
+    string content, for a full match between the quotes: an end without an anchor accepts any characters
+    there. An end anchored on some alternatives only is treated as anchored (a subset: still sound)."""
+    tree = list(js.sre_p.parse(pattern))
+    free = (_anchor(tree, 0) == "none", _anchor(tree, -1) == "none")
+    body = js.json_string_pattern(pattern, ascii_classes=True, free=free)
+    any_chars = f"{js.STRING_CHAR}*"
+    return (any_chars if free[0] else "") + body + (any_chars if free[1] else "")
+
+
+_STARTS = (js.sre_c.AT_BEGINNING, js.sre_c.AT_BEGINNING_STRING)
+_ENDS = (js.sre_c.AT_END, js.sre_c.AT_END_STRING)
+
+
+def _anchor(items: list, side: int) -> str:
+    """'all', 'none' or 'mixed': whether the parsed pattern is anchored at its start (side 0) or end (-1)."""
+    if not items:
+        return "none"
+    op, av = items[side]
+    if op is js.sre_c.AT:
+        return "all" if av in (_STARTS if side == 0 else _ENDS) else "none"
+    if op is js.sre_c.SUBPATTERN:
+        return _anchor(list(av[3]), side)
+    if op is js.sre_c.BRANCH:
+        kinds = {_anchor(list(b), side) for b in av[1]}
+        return kinds.pop() if len(kinds) == 1 else "mixed"
+    return "none"

@@ -1,0 +1,663 @@
+"""Per terminal DFA state, the tokens whose fate does not depend on the parser stack (the XGrammar idea).
+
+From state q of terminal t, a token either stays inside t for all its bytes (allowed whatever follows:
+*context-independent*), or passes an accepting state of t after j >= 1 of its bytes (it may end t there
+and go on in whatever the stack says follows: an *exit*), or neither (never allowed through t). The
+first set is kept as packed bits; the exits as the distinct suffixes the tokens leave t with (the token
+`1,"` leaves a number with `,"`), each with the tokens that have it. Both are computed once per
+(terminal, state, vocabulary) and shared by every grammar using the terminal (JSON strings, numbers and
+keys recur across schemas). A parser configuration's mask is then the union of its items'
+context-independent bits and, per item, the tokens whose suffix the configuration after t's end takes
+(pda.py): that configuration depends on the item's continuation alone, so only suffixes are walked
+there, once per (state's exits, continuation), never the bytes inside t (XGrammar's context expansion).
+Exits at j = 0 (t may end before the token) need nothing here: a configuration is closed, so it holds
+what follows t's end as items of its own.
+
+A bounded string's character boundaries (counted_string.py) are counted instead: their exits are the
+tokens that close the string, and only their bytes after the quote are walked, once per continuation
+(pda.py).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import threading
+from array import array
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from radixlm.core.runtime.constrained.tokens.body_states import (body_of, bytes_apart, loops, paths_apart, read_from,
+                                                                 tokens_starting, tokens_with)
+from radixlm.core.runtime.constrained.tokens.counted_string import CountedStringDFA, string_tokens
+from radixlm.core.runtime.constrained.tokens.literal_tokens import literal_classes, literal_rest
+from radixlm.core.runtime.constrained.tokens.narrow_walk import NARROW_NODES, moves_of, narrow_walk, state_row
+from radixlm.core.runtime.constrained.automata.regex_dfa import ByteDFA
+from radixlm.core.runtime.constrained.tokens.vocab import TokenVocab, byte_matrix, clear_bits, expand_ranges, set_bits
+
+DENSE_RATIO = 8  # a trie level is walked densely when over 1/8 of the previous level's nodes are alive
+CLASSES_PER_TREE = 4096  # (node, terminal, state) entries per SuffixTree, cleared when full
+TAKEN_SETS = 256  # sets of suffixes taken kept per Exits, cleared when full
+CACHE_SIZE = 8192  # (terminal, state) entries per process; a 151k vocabulary's bits are 19 KB each
+
+
+class SuffixTree:
+    """Distinct exit suffixes (sorted) as nested dicts, {byte: (children, ids of the suffixes ending at that
+    byte)}, and their classes per terminal state. One per distinct list of suffixes (suffix_tree), shared by
+    the Exits that have it: states with different subtrees often leave with the same suffixes (a string's
+    closing quote and what follows it)."""
+
+    def __init__(self, suffixes: list[bytes]) -> None:
+        self.suffixes = suffixes
+        self._classes: dict[tuple[int, str, int], tuple[list[int], list[dict]]] = {}
+
+    @functools.cached_property
+    def root(self) -> dict[int, tuple[dict, list[int]]]:
+        root: dict[int, tuple[dict, list[int]]] = {}
+        for n, data in enumerate(self.suffixes):
+            node = root
+            for b in data[:-1]:
+                node = node.setdefault(b, ({}, []))[0]
+            node.setdefault(data[-1], ({}, []))[1].append(n)
+        return root
+
+    def classes(self, node: dict, key: str, dfa: ByteDFA, state: int) -> tuple[list[int], list[dict]]:
+        """The suffixes below `node` (the root or a node's children) read from `state` of terminal `dfa`
+        (named `key`), as the vocabulary is in state_tokens: (ids of those alive in the terminal through
+        their last byte, the nodes (their children) after which the terminal may end and the rest go on
+        from whatever follows it). Context-independent, so cached per (node, terminal, state): pda.py's
+        exit walks need nothing else inside a terminal."""
+        found = self._classes.get((id(node), key, state))  # nodes live as long as the tree: ids stay theirs
+        if found is None:
+            inside: list[int] = []
+            ends_at: list[dict] = []
+            accepting = dfa.accepting
+            stack = [(state, node)]
+            while stack:
+                q, children = stack.pop()
+                moves = moves_of(key, dfa, q)
+                # The fewer of the two: a literal's one move among a root's ~50 first bytes, or a
+                # string body's ~200 moves against a node's few children.
+                if len(moves) < len(children):
+                    pairs = [(t, children[b]) for b, t in moves.items() if b in children]
+                else:
+                    pairs = [(moves[b], child) for b, child in children.items() if b in moves]
+                for nxt, (sub, ends) in pairs:
+                    inside += ends
+                    if sub:
+                        if accepting[nxt]:
+                            ends_at.append(sub)
+                        stack.append((nxt, sub))
+            if len(self._classes) >= CLASSES_PER_TREE:
+                self._classes.clear()
+            found = self._classes[id(node), key, state] = (inside, ends_at)
+        return found
+
+
+_trees: dict[tuple[bytes, ...], SuffixTree] = {}
+TREES = 4096
+
+
+def suffix_tree(suffixes: list[bytes]) -> SuffixTree:
+    """The SuffixTree of these distinct sorted suffixes, shared process-wide."""
+    key = tuple(suffixes)
+    found = _trees.get(key)
+    if found is None:
+        if len(_trees) >= TREES:
+            _trees.clear()
+        found = _trees.setdefault(key, SuffixTree(suffixes))
+    return found
+
+
+@dataclass(eq=False)
+class Exits:
+    """Tokens that may leave a terminal state mid-token: the distinct suffixes they leave it with (as a
+    tree), and the (suffix, token) pairs."""
+
+    tree: SuffixTree
+    pair_suffix: np.ndarray  # int64 [pairs]: index into tree.suffixes
+    pair_token: np.ndarray  # int64 [pairs]: token id
+    # Tokens per set of suffixes taken (see tokens_of); a corpus run has ~30 Exits walked ~4,600 times
+    # under fresh continuations, and 95 % of those walks take a set of suffixes already met.
+    _taken: dict[frozenset, np.ndarray] = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def build(cls, tokens: list[int], suffixes: list[bytes]) -> "Exits":
+        """From pairs: token tokens[i] leaves with suffixes[i] (non-empty)."""
+        distinct = sorted(set(suffixes))
+        index = {x: n for n, x in enumerate(distinct)}
+        return cls(suffix_tree(distinct), np.fromiter(map(index.__getitem__, suffixes), np.int64, count=len(suffixes)),
+                   np.asarray(tokens, dtype=np.int64))
+
+    def tokens_of(self, suffixes: list[int]) -> np.ndarray:
+        """Ids of the tokens that leave with one of `suffixes` (ids into tree.suffixes); read-only, kept
+        per set of suffixes: the walks under different continuations mostly take the same few sets."""
+        key = frozenset(suffixes)
+        found = self._taken.get(key)
+        if found is None:
+            taken = np.zeros(len(self.tree.suffixes), dtype=bool)
+            taken[suffixes] = True
+            found = self.pair_token[taken[self.pair_suffix]]
+            found.flags.writeable = False
+            if len(self._taken) >= TAKEN_SETS:
+                self._taken.clear()
+            self._taken[key] = found
+        return found
+
+
+@dataclass
+class StateTokens:
+    inside: np.ndarray | None  # uint8 packed bits (little bit order) of the context-independent tokens
+    exits: Exits | None = None
+    # A literal's few inside tokens as ids instead (inside is then None): a mask sets them with its exits'
+    # in one pass, rather than packing and OR-ing 19 KB of bits per fresh state.
+    inside_ids: np.ndarray | None = None
+    # Counted string boundaries: packed bits of the tokens that close the string and go on after the
+    # quote, and their bytes after the quote as exits (exits is then None).
+    closing: np.ndarray | None = None
+    after_quote: Exits | None = None
+
+
+_cache: OrderedDict[tuple, StateTokens] = OrderedDict()
+_lock = threading.Lock()
+
+
+def state_tokens(key: str, dfa: ByteDFA, state: int, vocab: TokenVocab) -> StateTokens:
+    """The token classes of `state` in terminal `dfa` (named `key`: equal keys, equal DFAs), cached."""
+    if isinstance(dfa, CountedStringDFA) and (written := dfa.written(state)) is not None:
+        return _counted(dfa, written, state == 0, vocab)
+    named = (key, state, vocab.fingerprint)
+    found = _cached(named)
+    if found is not None:
+        return found
+    rest = literal_rest(key, dfa, state)
+    if rest is not None:
+        found = _literal(rest, vocab)
+    else:
+        # A small future is named and shared by that name (states of different terminals end alike); a
+        # larger one only if the state is wide (_classify): a bounded number's ~50 states hashed for each
+        # of its states would cost more than walking it. A state that reads many bytes is wide: _classify
+        # names its future whole, or patches its body's classes (a key past its names' letters), so a
+        # search that stops past SMALL_FUTURE states would be spent for nothing.
+        reads_many = len(state_row(key, dfa, state)[1]) > NARROW_NODES
+        future = None if reads_many else _future(key, dfa, state, SMALL_FUTURE)
+        found = _cached((future, vocab.fingerprint)) if future is not None else None
+        if found is None:
+            found = _classify(key, dfa, state, vocab)
+            if future is not None:
+                _keep((future, vocab.fingerprint), found)
+    _keep(named, found)
+    return found
+
+
+def _literal(rest: bytes, vocab: TokenVocab) -> StateTokens:
+    """The classes of a literal's state with `rest` left to read (literal_tokens.py), shared by that rest."""
+    shared = ("literal", rest, vocab.fingerprint)
+    found = _cached(shared)
+    if found is None:
+        inside, tokens, starts = literal_classes(rest, vocab)
+        found = StateTokens(None, _exits(shared, tokens, starts, vocab), inside_ids=inside)
+        _keep(shared, found)
+    return found
+
+
+def _cached(cache_key: tuple) -> StateTokens | None:
+    with _lock:
+        found = _cache.get(cache_key)
+        if found is not None:
+            _cache.move_to_end(cache_key)
+        return found
+
+
+def _keep(cache_key: tuple, found: StateTokens) -> None:
+    with _lock:
+        _cache[cache_key] = found
+        if len(_cache) > CACHE_SIZE:
+            _cache.popitem(last=False)
+
+
+def _packed(ids: np.ndarray, size: int) -> np.ndarray:
+    """Packed bits (little bit order) of token `ids` among `size`: set one by one when they are few."""
+    if len(ids) * 16 < size:
+        packed = np.zeros(-(-size // 8), dtype=np.uint8)
+        set_bits(packed, ids)
+        return packed
+    inside = np.zeros(size, dtype=bool)
+    inside[ids] = True
+    return np.packbits(inside, bitorder="little")
+
+
+_exits_cache: OrderedDict[tuple, Exits] = OrderedDict()
+
+
+def _exits(key: tuple, tokens: np.ndarray, starts: np.ndarray, vocab: TokenVocab) -> Exits | None:
+    """The Exits of pairs (token, where its suffix starts), named by `key` (the subtrees they come from:
+    states whose exits come from the same subtrees share them, and their walks in pda.py), cached."""
+    if not len(tokens):
+        return None
+    with _lock:
+        found = _exits_cache.get(key)
+        if found is not None:
+            _exits_cache.move_to_end(key)
+            return found
+    token_bytes = vocab.token_bytes
+    tokens = tokens.tolist()
+    found = Exits.build(tokens, [token_bytes[i][j:] for i, j in zip(tokens, starts.tolist())])
+    with _lock:
+        _exits_cache[key] = found
+        if len(_exits_cache) > CACHE_SIZE:
+            _exits_cache.popitem(last=False)
+    return found
+
+
+def _exit_pairs(dfa: ByteDFA, ids: np.ndarray, states: np.ndarray, vocab: TokenVocab) -> tuple[np.ndarray, np.ndarray]:
+    """(token, j) for every position j >= 1 where the DFA, alive so far, accepts before the token's end,
+    for tokens `ids` in DFA states `states` after their first byte. One numpy step per byte position,
+    over all the tokens at once."""
+    if not len(ids):
+        return np.zeros(0, dtype=np.int32), np.zeros(0, dtype=np.int32)
+    mat, lens = byte_matrix([vocab.token_bytes[i] for i in ids.tolist()])
+    alive, cur = np.arange(len(ids)), states.astype(np.int64)  # rows still in the DFA, and their states
+    rows, cols = [np.zeros(0, dtype=np.int64)], [np.zeros(0, dtype=np.int32)]
+    for j in range(1, mat.shape[1]):
+        keep = (cur >= 0) & (lens[alive] > j)
+        alive, cur = alive[keep], cur[keep]
+        if not len(alive):  # every token dead or read: the longest ones (whitespace runs) step no further
+            break
+        at = alive[dfa.accepting[cur]]
+        rows.append(at)
+        cols.append(np.full(len(at), j, dtype=np.int32))
+        cur = dfa.transitions[cur, mat[alive, j]].astype(np.int64)
+    rows = np.concatenate(rows)
+    return ids[rows].astype(np.int32), np.concatenate(cols)
+
+
+def _counted(dfa: CountedStringDFA, written: int, opening: bool, vocab: TokenVocab) -> StateTokens:
+    """A counted string boundary's classes: a few operations on 19 KB bit sets (~20 µs, in most first
+    masks of a schema with a string value), cached by what they depend on."""
+    room = None if dfa.hi is None else dfa.hi - written
+    cache_key = ("counted", vocab.fingerprint, opening, dfa.lo - written, room)
+    found = _cached(cache_key)
+    if found is None:
+        strings = string_tokens(vocab, opening)
+        closing = strings.closing_between(dfa.lo - written, room)
+        inside = strings.allowed_inside(room) | (closing & strings.ends_at_quote)
+        found = StateTokens(inside, closing=closing & ~strings.ends_at_quote, after_quote=_quote_exits(vocab, opening))
+        _keep(cache_key, found)
+    return found
+
+
+_quote_exits_cache: dict[tuple[str, bool], Exits | None] = {}
+
+
+def _quote_exits(vocab: TokenVocab, opening: bool) -> Exits | None:
+    """The bytes after the closing quote of the tokens that close a string and go on (counted_string.py's
+    suffix trie, read back as exits), cached per vocabulary."""
+    key = (vocab.fingerprint, opening)
+    if key not in _quote_exits_cache:
+        found, trie = None, string_tokens(vocab, opening).suffixes
+        if trie is not None:
+            tokens = [int(i) for d in range(1, trie.depth + 1) for i in trie.end_tokens[d]]
+            lengths = [d for d in range(1, trie.depth + 1) for _ in range(len(trie.end_tokens[d]))]
+            found = Exits.build(tokens, [vocab.token_bytes[i][-n:] for i, n in zip(tokens, lengths)])
+        with _lock:
+            _quote_exits_cache.setdefault(key, found)
+    return _quote_exits_cache[key]
+
+
+_futures: dict[tuple[str, int], bytes | int] = {}  # a name, or the number of states it is known to exceed
+MAX_FUTURE_STATES = 512  # larger futures are named by (terminal, state) instead
+SMALL_FUTURE = 4  # futures named before a state is known to be wide
+SHARED_FUTURE = 24  # a wide state's future named before it is read off another state's classes
+
+
+def _future(key: str, dfa: ByteDFA, state: int, most: int = MAX_FUTURE_STATES) -> bytes | None:
+    """A name for what the DFA can still read from `state`: a hash of the automaton reachable from it,
+    its states numbered in breadth-first order; None if over `most` states are reachable and it was not
+    named before. Token classes depend on nothing else, so states of different terminals with the same
+    future (a key terminal past the names it excludes and a plain string's body, say) share them.
+    Memoized per (terminal, state)."""
+    found = _futures.get((key, state))
+    if isinstance(found, bytes) or found is not None and found >= most:
+        return found if isinstance(found, bytes) else None
+    order, queue = {state: 0}, [state]
+    digest = hashlib.blake2b(digest_size=16)
+    i = 0
+    while i < len(queue) and len(queue) <= most:
+        record, distinct = _row_shape(key, dfa, queue[i])
+        i += 1
+        for t in distinct:
+            if t not in order:
+                order[t] = len(queue)
+                queue.append(t)
+        digest.update(record + array("i", [order[t] for t in distinct]).tobytes())
+    found = digest.digest() if len(queue) <= most else None
+    if len(_futures) > 1 << 18:
+        _futures.clear()
+    _futures[key, state] = most if found is None else found
+    return found
+
+
+_row_shapes: dict[tuple[str, int], tuple[bytes, list[int]]] = {}
+
+
+def _row_shape(key: str, dfa: ByteDFA, state: int) -> tuple[bytes, list[int]]:
+    """(the state's row as bytes: number of live bytes, accepting, the live bytes, and per live byte the
+    rank of its target among the distinct targets; the distinct targets in order of first use). A string
+    body's ~200 moves go to a handful of states: a search numbers those, not every move."""
+    found = _row_shapes.get((key, state))
+    if found is None:
+        head, targets = state_row(key, dfa, state)
+        rank: dict[int, int] = {}
+        shape = bytes(rank.setdefault(t, len(rank)) for t in targets)
+        if len(_row_shapes) > 1 << 16:  # ~0.5 KB each at most (a string body state)
+            _row_shapes.clear()
+        found = _row_shapes[key, state] = (len(targets).to_bytes(2, "little") + head + shape, list(rank))
+    return found
+
+
+_nonempty_cache: dict[str, np.ndarray] = {}
+
+
+def _nonempty(vocab: TokenVocab) -> np.ndarray:
+    found = _nonempty_cache.get(vocab.fingerprint)
+    if found is None:
+        found = _nonempty_cache[vocab.fingerprint] = np.fromiter(map(len, vocab.token_bytes), np.int64) > 0
+    return found
+
+
+# Per (future of the state after first byte x, x, vocabulary): (ids of the tokens starting with x that stay
+# inside, and the exits of those that may leave the terminal mid-token: token ids and where their suffix
+# starts). Most of a state's first bytes lead where other states' do (a key terminal past the names it
+# excludes is a plain string's body), so a state met for the first time walks only the subtrees of the
+# first bytes whose future is new.
+_subtrees: OrderedDict[tuple, tuple[np.ndarray, np.ndarray, np.ndarray]] = OrderedDict()
+_subtree_ids = 0  # ids held by _subtrees, bounded by SUBTREE_IDS
+SUBTREE_IDS = 16_000_000  # 64 MB of int32 ids
+
+
+def _classify(key: str, dfa: ByteDFA, state: int, vocab: TokenVocab) -> StateTokens:
+    """The token classes of `state`. A state few tokens follow (a literal, a number) is walked whole. A
+    wide state (a string body) is shared by its future with every state that has it, whatever its
+    terminal (a key past its excluded names and a plain string), and is built from per-first-byte
+    subtrees shared the same way."""
+    trie = vocab.trie
+    first_bytes = trie.byte[1].astype(np.int64)  # the byte of each level-1 node
+    nxt = dfa.transitions[state, first_bytes]
+    live = np.flatnonzero(nxt >= 0)
+    walked = narrow_walk(key, dfa, live, nxt[live], vocab)
+    if walked is not None:
+        inside, uncertain = walked
+        tokens, starts = _exit_pairs(dfa, uncertain, _after_first(nxt, live, vocab, uncertain), vocab)
+        exits_key = (_future(key, dfa, state, SMALL_FUTURE) or (key, state), vocab.fingerprint)
+        return StateTokens(_packed(inside, vocab.size), _exits(exits_key, tokens, starts, vocab))
+    found = _patched(key, dfa, state, vocab)
+    if found is not None:
+        return found
+    # A future of a few states (a string body's) is named first: it is often known. A pattern key's state
+    # before its match reaches every state of its terminal, ~1 ms to name: it is read again first.
+    future = _future(key, dfa, state, SHARED_FUTURE)
+    found = _cached((future, vocab.fingerprint)) if future is not None else None
+    if found is None:
+        found = _reread(key, dfa, state, vocab)
+    if found is not None:
+        if future is not None:
+            _keep((future, vocab.fingerprint), found)
+        return found
+    shared = (_future(key, dfa, state) or (key, state), vocab.fingerprint)
+    found = _cached(shared)
+    if found is None:
+        have, keys = _wide(key, dfa, nxt, live, vocab)
+        nodes = sorted(have)
+        exits_key = tuple(keys[n] for n in nodes if len(have[n][1]))
+        tokens, starts = (np.concatenate([have[n][i] for n in nodes] or [np.zeros(0, np.int32)]) for i in (1, 2))
+        found = StateTokens(_inside_bits(have, keys, vocab), _exits(exits_key, tokens, starts, vocab))
+    _keep(shared, found)
+    return found
+
+
+_apart: OrderedDict[tuple, tuple[StateTokens, StateTokens]] = OrderedDict()  # see _patched
+APART = 512  # 19 KB of bits each (Qwen2)
+
+
+def _patched(key: str, dfa: ByteDFA, state: int, vocab: TokenVocab) -> StateTokens | None:
+    """A state that is its terminal's string body except along a few paths (a key past letters of the names
+    it excludes, body_states.py): the body's classes less the tokens that die on those paths; None if it is
+    not such a state. Kept per (body's classes, paths), so terminals that exclude alike share them and
+    their exit walks (pda.py)."""
+    body = body_of(key, dfa, state)
+    dying = None if body is None else paths_apart(key, dfa, state, body, vocab)
+    if dying is None:
+        return None
+    base = state_tokens(key, dfa, body, vocab)
+    if base.inside is None or base.closing is not None:
+        return None
+    if not dying:
+        return base
+    shared = (id(base), dying)
+    with _lock:
+        found = _apart.get(shared)
+    if found is not None and found[0] is base:  # an id is the base's while the entry holds it
+        return found[1]
+    apart = tokens_starting(vocab, dying)
+    inside, exits = base.inside.copy(), base.exits
+    clear_bits(inside, apart)
+    if exits is not None:
+        keep = ~np.isin(exits.pair_token, apart, kind="table")  # ids < vocabulary: ~10x the default sort
+        if not keep.all():
+            exits = Exits(exits.tree, exits.pair_suffix[keep], exits.pair_token[keep]) if keep.any() else None
+    found = StateTokens(inside, exits)
+    with _lock:
+        _apart[shared] = (base, found)
+        if len(_apart) > APART:
+            _apart.popitem(last=False)
+    return found
+
+
+def _reread(key: str, dfa: ByteDFA, state: int, vocab: TokenVocab) -> StateTokens | None:
+    """A wide state that reads like another state of its terminal except on a few bytes (a pattern key
+    before its pattern has matched, like its state after: a string body, except on `"`): that state's
+    classes, when known, with the tokens containing those bytes read again from this one (body_states.py);
+    None if no such state is found. A walk of the whole vocabulary is ~10 ms."""
+    for other in loops(key, dfa, state):
+        bad = bytes_apart(dfa, state, other)
+        again = None if bad is None else tokens_with(vocab, bad)
+        base = None if again is None else _known(key, dfa, other, vocab)
+        if base is None or base.inside is None or base.closing is not None:
+            continue
+        ids = again[0]
+        inside, tokens, starts = read_from(dfa, state, again)
+        bits = base.inside.copy()
+        clear_bits(bits, ids)
+        set_bits(bits, inside)
+        return StateTokens(bits, _exits_replacing(base.exits, ids, tokens, starts, vocab))
+    return None
+
+
+def _known(key: str, dfa: ByteDFA, state: int, vocab: TokenVocab) -> StateTokens | None:
+    """The state's classes if they are cached, by its name or its future; None rather than a walk."""
+    found = _cached((key, state, vocab.fingerprint))
+    if found is None:
+        future = _future(key, dfa, state)
+        found = _cached((future, vocab.fingerprint)) if future is not None else None
+    return found
+
+
+def _exits_replacing(base: Exits | None, ids: np.ndarray, tokens: np.ndarray, starts: np.ndarray,
+                     vocab: TokenVocab) -> Exits | None:
+    """`base`'s exit pairs less those of tokens `ids`, and the pairs (tokens, where their suffix starts)."""
+    token_bytes = vocab.token_bytes
+    new = [token_bytes[t][j:] for t, j in zip(tokens.tolist(), starts.tolist())]
+    if base is None:
+        return Exits.build(tokens.tolist(), new) if new else None
+    keep = ~np.isin(base.pair_token, ids, kind="table")
+    old = base.tree.suffixes
+    kept = np.unique(base.pair_suffix[keep]).tolist()  # often none: a string body's exits all cross `"`
+    distinct = sorted({old[i] for i in kept}.union(new))
+    if not distinct:
+        return None
+    index = {x: n for n, x in enumerate(distinct)}
+    remap = np.full(len(old), -1, dtype=np.int64)
+    remap[kept] = [index[old[i]] for i in kept]
+    return Exits(suffix_tree(distinct),
+                 np.concatenate([remap[base.pair_suffix[keep]], np.fromiter(map(index.__getitem__, new), np.int64,
+                                                                            count=len(new))]),
+                 np.concatenate([base.pair_token[keep], tokens.astype(np.int64)]))
+
+
+# The last wide states built: (their subtree per level-1 node and its name, their inside bits). A key terminal
+# past one letter of its excluded names differs from a plain string body in that letter's subtree alone, so
+# its bits are the body's with that subtree's tokens changed, not ~150k ids packed anew (~300 µs).
+_bases: list[tuple[dict[int, tuple], dict[int, tuple], np.ndarray]] = []
+BASES = 4
+
+
+def _inside_bits(have: dict[int, tuple], keys: dict[int, tuple], vocab: TokenVocab) -> np.ndarray:
+    """Packed bits of the inside tokens of the subtrees `have` (per level-1 node, named by `keys`): a recent
+    wide state's bits with the differing subtrees' tokens cleared and set, when they are few."""
+    total = sum(len(x[0]) for x in have.values())
+    best, fewest, best_changed = None, total // 4, set()  # patching over a quarter of the ids costs a pack
+    with _lock:
+        bases = list(_bases)
+    for base in bases:
+        base_have, base_keys, _ = base
+        changed = {n for n, _ in keys.items() ^ base_keys.items()}  # nodes whose subtree differs, or is missing
+        ids = sum(len(base_have[n][0]) if n in base_have else 0 for n in changed)
+        ids += sum(len(have[n][0]) if n in have else 0 for n in changed)
+        if ids < fewest:
+            best, fewest, best_changed = base, ids, changed
+    if best is None:
+        packed = _packed(np.concatenate([have[n][0] for n in sorted(have)] or [np.zeros(0, np.int32)]), vocab.size)
+    else:
+        base_have, _, packed = best
+        packed = packed.copy()
+        gone = [base_have[n][0] for n in best_changed if n in base_have]
+        if gone:
+            clear_bits(packed, np.concatenate(gone).astype(np.int64))
+        new = [have[n][0] for n in best_changed if n in have]
+        if new:
+            set_bits(packed, np.concatenate(new).astype(np.int64))
+    with _lock:
+        _bases.insert(0, (have, keys, packed))
+        del _bases[BASES:]
+    return packed
+
+
+def _wide(key: str, dfa: ByteDFA, nxt: np.ndarray, live: np.ndarray,
+          vocab: TokenVocab) -> tuple[dict[int, tuple], dict[int, tuple]]:
+    """From a state (nxt: the state after each level-1 trie node's byte, live: the nodes where it is
+    alive), per level-1 node: (ids of the tokens below it alive in the DFA through their last byte; the
+    exits of the other tokens that pass an accepting state after their first byte and before their last,
+    as token ids and the positions where they may leave), and the subtree's name. Most of a state's first
+    bytes lead where other states' do, so only the subtrees of first bytes whose future is new are
+    walked."""
+    first_bytes = vocab.trie.byte[1].astype(np.int64)
+    futures = {q: _future(key, dfa, q) or (key, q) for q in set(nxt[live].tolist())}
+    keys = {n: (futures[q], b, vocab.fingerprint) for n, q, b in
+            zip(live.tolist(), nxt[live].tolist(), first_bytes[live].tolist())}
+    with _lock:
+        have = {}
+        for n, k in keys.items():
+            if k in _subtrees:
+                _subtrees.move_to_end(k)
+                have[n] = _subtrees[k]
+    missing = np.array([n for n in keys if n not in have], dtype=np.int64)
+    if len(missing):
+        walked = narrow_walk(key, dfa, missing, nxt[missing], vocab)
+        if walked is None:
+            inside, uncertain = _walk(dfa, missing, nxt[missing], vocab)
+            walked = np.flatnonzero(inside), uncertain
+        inside, uncertain = walked
+        tokens, starts = _exit_pairs(dfa, uncertain, _after_first(nxt, missing, vocab, uncertain), vocab)
+        have.update(_store({int(n): keys[int(n)] for n in missing}, inside, tokens, starts, vocab))
+    return have, keys
+
+
+def _after_first(nxt: np.ndarray, nodes: np.ndarray, vocab: TokenVocab, ids: np.ndarray) -> np.ndarray:
+    """The DFA state after the first byte of each token of `ids` (below level-1 `nodes`; nxt: the state
+    after each level-1 node's byte)."""
+    if not len(ids):  # most narrow states: no token leaves mid-way
+        return np.zeros(0, dtype=np.int64)
+    after = np.full(len(nxt), -1, dtype=np.int64)
+    after[nodes] = nxt[nodes]
+    return after[_first_node(vocab)[ids]]
+
+
+def _store(keys: dict[int, tuple], inside: np.ndarray, tokens: np.ndarray, starts: np.ndarray,
+           vocab: TokenVocab) -> dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """A walk's result (ids of the inside tokens, exit pairs) split by level-1 node (the tokens' first
+    byte), kept in _subtrees and returned."""
+    global _subtree_ids
+    nodes = np.fromiter(keys, np.int64, count=len(keys))
+    if len(nodes) == 1:  # one first byte (a literal, a narrow walk's usual case): nothing to split
+        ins, exit_tokens, exit_starts = [inside.astype(np.int32)], [tokens], [starts]
+    else:
+        ins = _split(inside, nodes, vocab)[0]
+        exit_tokens, exit_starts = _split(tokens, nodes, vocab, starts)
+    out = {n: (a, b, c) for n, a, b, c in zip(keys, ins, exit_tokens, exit_starts)}
+    with _lock:
+        for n, k in keys.items():
+            if k not in _subtrees:
+                _subtrees[k] = out[n]
+                _subtree_ids += len(out[n][0]) + 2 * len(out[n][1])
+        while _subtree_ids > SUBTREE_IDS and _subtrees:
+            ins, exit_tokens, _ = _subtrees.popitem(last=False)[1]
+            _subtree_ids -= len(ins) + 2 * len(exit_tokens)
+    return out
+
+
+def _split(ids: np.ndarray, nodes: np.ndarray, vocab: TokenVocab,
+           *also: np.ndarray) -> list[list[np.ndarray]]:
+    """`ids` (token ids, sorted by id within each first byte) grouped by the level-1 node they start at,
+    one group per node of `nodes`; arrays `also` (aligned with ids) grouped alike."""
+    owner = _first_node(vocab)[ids]
+    # As int16 (level-1 nodes are < 256), numpy's stable sort is a radix sort: ~4x faster on 150k ids.
+    order = np.argsort(owner.astype(np.int16), kind="stable")
+    owner = owner[order]
+    bounds = list(zip(np.searchsorted(owner, nodes).tolist(), np.searchsorted(owner, nodes, side="right").tolist()))
+    return [[x[a:b] for a, b in bounds] for x in (ids[order].astype(np.int32), *(x[order] for x in also))]
+
+
+_first_nodes: dict[str, np.ndarray] = {}
+
+
+def _first_node(vocab: TokenVocab) -> np.ndarray:
+    """int64 [vocab]: the level-1 trie node each token starts at (-1 for empty tokens)."""
+    found = _first_nodes.get(vocab.fingerprint)
+    if found is None:
+        index = np.full(256, -1, dtype=np.int64)
+        index[vocab.trie.byte[1]] = np.arange(len(vocab.trie.byte[1]))
+        first = np.fromiter((b[0] if b else 0 for b in vocab.token_bytes), np.int64, count=vocab.size)
+        found = _first_nodes[vocab.fingerprint] = np.where(_nonempty(vocab), index[first], -1)
+    return found
+
+
+def _walk(dfa: ByteDFA, nodes: np.ndarray, states: np.ndarray, vocab: TokenVocab) -> tuple[np.ndarray, np.ndarray]:
+    """From level-1 trie nodes `nodes` in DFA states `states`: (bool [vocab]: tokens below them alive
+    through their last byte, ids of tokens strictly below a node where the DFA accepts). Level by level,
+    following live nodes and the nodes under an exit; a level where many nodes are alive (a string body
+    walks most of the trie) is stepped densely, every node through its parent's state, as pda.py's
+    _walk_trie does."""
+    trie = vocab.trie
+    trans, accepting = dfa.transitions, dfa.accepting
+    inside = np.zeros(vocab.size, dtype=bool)
+    uncertain: list[np.ndarray] = []
+    cur = states.astype(np.int64)
+    below = np.zeros(0, dtype=np.int64)  # nodes of this level strictly under an exit node
+    for d in range(1, trie.depth + 1):
+        eptr, level = trie.end_ptr[d], len(trie.byte[d])
+        dense = len(nodes) * DENSE_RATIO > level
+        trie.mark_ends(d, nodes, inside, dense)
+        if len(below):
+            _, idx = expand_ranges(eptr[below], eptr[below + 1] - eptr[below])
+            uncertain.append(trie.end_tokens[d][idx])
+        under = np.union1d(below, nodes[accepting[cur]])  # this level's nodes at or under an exit
+        if d == trie.depth or not len(nodes) and not len(under):
+            break
+        ptr = trie.child_ptr[d + 1]
+        _, below = expand_ranges(ptr[under], ptr[under + 1] - ptr[under])
+        nodes, cur = trie.step(d + 1, nodes, cur, trans, dense)
+    ids = np.unique(np.concatenate(uncertain)) if uncertain else np.zeros(0, dtype=np.int64)
+    return inside, ids[~inside[ids]]

@@ -1,0 +1,1 @@
+"""Scale-out: tensor-parallel ranks and the data-parallel router."""

@@ -1,0 +1,1 @@
+"""KV memory: the radix cache, its host-memory tier, the token-paged KV pool."""

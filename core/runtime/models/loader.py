@@ -1,0 +1,138 @@
+"""Loads a local checkpoint's model: an HF-format directory (config, safetensors weights single or
+sharded) or a GGUF file (core.runtime.models.gguf_checkpoint). Both yield (HF name, tensor) pairs to one loop."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+from collections.abc import Iterator
+from types import ModuleType
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from radixlm.core.errors import UnsupportedModelError
+from radixlm.core.runtime.models.config import ModelConfig
+from radixlm.core.runtime.models.hub import find_gguf
+from radixlm.core.runtime.models.registry import model_spec
+
+if TYPE_CHECKING:
+    from radixlm.core.runtime.models.parallel import TensorParallel
+
+
+def _weight_files(path: str) -> list[str]:
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            shards = sorted(set(json.load(f)["weight_map"].values()))
+        return [os.path.join(path, s) for s in shards]
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        raise UnsupportedModelError(f"no *.safetensors weights in {path} (only safetensors checkpoints load)")
+    return files
+
+
+def checkpoint_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, tensor) of every weight of the checkpoint at path, with a progress bar: the tensors
+    of its safetensors shards, or a GGUF file's tensors dequantized (float32) and renamed."""
+    gguf_path = find_gguf(path)
+    if gguf_path is not None:
+        from radixlm.core.runtime.models.gguf_checkpoint import GGUFCheckpoint  # `gguf` only where a GGUF is loaded
+
+        yield from GGUFCheckpoint(gguf_path).weights()
+        return
+    from safetensors import safe_open  # not for a GGUF file
+
+    files = _weight_files(path)
+    with tqdm(total=len(files), desc="Loading weights", unit="shard") as bar:
+        for file in files:
+            with safe_open(file, framework="pt", device="cpu") as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
+            bar.update(1)
+
+
+def load_model(
+    path: str, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, ops: ModuleType,
+    load_format: str = "auto", tp: "TensorParallel | None" = None,
+) -> nn.Module:
+    """Builds the model of cfg's architecture (core.runtime.models.registry) on the meta device, then fills each
+    parameter straight from the checkpoint's weights, converted to `dtype` as they are copied
+    (load_format "auto"), or with random values made on the device ("dummy": no files read).
+    With `tp` (cfg is then tp.local_config()), the model holds this rank's share of every layer."""
+    spec = model_spec(cfg.architecture)
+    with torch.device("meta"):
+        model = spec.model_class(cfg, ops)
+        if tp is not None:
+            tp.shard_model(model, spec)
+    _materialize(model, dtype, device)
+    tied = spec.tied if cfg.tie_word_embeddings else {}
+    for name, source in tied.items():
+        _set_parameter(model, name, model.get_parameter(source))
+    if load_format == "dummy":
+        _init_dummy(model)
+        return model.eval()
+    params = dict(model.named_parameters(remove_duplicate=False))
+    loaded: set[str] = set()
+    for hf_name, w in checkpoint_weights(path):
+        mapped = spec.parameter_for(hf_name)
+        if mapped is None:
+            continue
+        name, shard = mapped
+        if name not in params:
+            if name in tied:
+                continue
+            raise UnsupportedModelError(f"unexpected weight {hf_name!r} in {path}")
+        if tp is not None:
+            tp.load_weight(model, name, shard, w)
+        else:
+            _copy_into(params[name], w, None if shard is None else spec.block_rows(name, shard, cfg))
+        loaded.add(name if shard is None else f"{name}#{shard}")
+    expected = set()
+    for name in params:
+        if name in tied:
+            continue
+        blocks = spec.fused_blocks(name)
+        expected.update([name] if blocks is None else (f"{name}#{i}" for i in range(len(blocks))))
+    missing = sorted(expected - loaded)
+    if missing:
+        raise UnsupportedModelError(f"checkpoint {path} lacks weights: {missing[:5]}{'...' if len(missing) > 5 else ''}")
+    model.eval()
+    return model
+
+
+def _set_parameter(model: nn.Module, name: str, param: nn.Parameter) -> None:
+    owner, _, attr = name.rpartition(".")
+    setattr(model.get_submodule(owner), attr, param)
+
+
+def _materialize(model: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> None:
+    """Gives every meta parameter uninitialised storage on `device`, in `dtype` (so the device holds the
+    weights once, in their final dtype). Module.to_empty would do it through torch's Python reference
+    of empty_like, whose first call imports sympy: a second of start-up."""
+    for module in model.modules():
+        for name, param in module.named_parameters(recurse=False):
+            empty = torch.empty(param.shape, dtype=dtype, device=device)
+            setattr(module, name, torch.nn.Parameter(empty, requires_grad=param.requires_grad))
+
+
+def _init_dummy(model: nn.Module, seed: int = 0) -> None:
+    """Random weights in the scale of a trained model: N(0, 0.02) matrices, unit norms, zero biases."""
+    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(".weight") and "norm" in name.rsplit(".", 2)[-2]:  # RMS and layer norms
+                param.fill_(1.0)
+            elif name.endswith(".bias"):
+                param.zero_()
+            else:
+                param.normal_(0.0, 0.02, generator=gen)
+
+
+def _copy_into(param: torch.Tensor, w: torch.Tensor, rows: slice | None) -> None:
+    """Copies checkpoint tensor w into param, or into its `rows` when w is one block of a fused param."""
+    with torch.no_grad():
+        (param if rows is None else param[rows]).copy_(w)

@@ -1,4 +1,0 @@
-"""radixlm.core.tokenizer: tokenizer loading (HF folders and GGUF files), the encode/decode fast path
-and the incremental detokenizer, shared by the engine and constrained decoding (which never imports
-core.models). Import the submodules: this package imports nothing, so importing the fast path stays
-free of the loader's dependencies."""
