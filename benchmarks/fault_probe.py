@@ -324,10 +324,8 @@ def main() -> None:
     p.add_argument("--out", help="append the Markdown report to this file")
     args = p.parse_args()
     if args.model_path is None:
-        try:
-            from radixlm.testing import tiny_model_path
-        except ImportError:  # before the test fixtures moved (issue 34)
-            from radixlm.core.testing import tiny_model_path
+        from radixlm.testing.checkpoints import tiny_model_path
+
         args.model_path = tiny_model_path()
     results = {}
     for name in args.scenarios:

@@ -20,7 +20,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from radixlm.core.errors import EngineShutdownError, QueueFullError
 from radixlm.server.args import ServerArgs
 from radixlm.server.errors import EXCEPTION_HANDLERS, APIError, error_body, error_response
-from radixlm.server.generation import ClientGone, EngineClient
+from radixlm.server.generation import ClientGone, EngineClient, engine_down_code
 from radixlm.server.lifecycle import AdmissionMiddleware, Lifecycle
 from radixlm.server.metrics import CONTENT_TYPE, Metrics, Throughput, kv_tokens_used
 from radixlm.server.native import NativeAPI
@@ -97,7 +97,7 @@ async def _queue_full(request: Request, exc: Exception) -> Response:
 
 
 async def _engine_down(request: Request, exc: Exception) -> Response:
-    return error_response(APIError(503, str(exc), code="engine_shutdown"))
+    return error_response(APIError(503, str(exc), code=engine_down_code(exc)))
 
 
 async def _client_gone(request: Request, exc: Exception) -> Response:

@@ -22,7 +22,7 @@ from starlette.requests import Request
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from radixlm.core.errors import EngineShutdownError
+from radixlm.core.errors import EngineDeadError, EngineShutdownError
 from radixlm.server.errors import APIError, error_body, failure_code
 from radixlm.server.metrics import Metrics
 
@@ -290,13 +290,18 @@ class EventStreamResponse(StreamingResponse):
                 await self.on_close()
 
 
+def engine_down_code(exc: EngineShutdownError) -> str:
+    """The error code of a request the engine could not finish: its scheduler died, or it was shut down."""
+    return "engine_dead" if isinstance(exc, EngineDeadError) else "engine_shutdown"
+
+
 def stream_error_body(exc: Exception) -> dict[str, Any]:
     """The final error event of a stream that `exc` ended: the server stopping, the engine gone, or an
     unexpected failure (logged)."""
     if isinstance(exc, APIError):
         return error_body(exc.status, exc.message, exc.param, exc.code)
     if isinstance(exc, EngineShutdownError):
-        return error_body(503, str(exc), code="engine_shutdown")
+        return error_body(503, str(exc), code=engine_down_code(exc))
     logger.error("stream failed", exc_info=exc)
     return error_body(500, "Generation failed (a server error; the server log has the details)")
 

@@ -15,7 +15,7 @@ import pytest
 
 import radixlm
 from radixlm.core.runtime.faults import FaultPlan
-from radixlm.core.errors import EngineShutdownError
+from radixlm.core.errors import EngineDeadError
 
 PROMPTS = ["The harbour at dawn", "A list of colours:", "Once upon a time", "Tell me about the sea",
            "Numbers: 1, 2,", "Why is the sky"]
@@ -111,9 +111,9 @@ def test_loop_raising_outside_a_request_fails_every_caller(monkeypatch, llama_ck
         for t, _ in calls:
             t.join(30)
             assert not t.is_alive()
-        assert isinstance(calls[0][1][-1], EngineShutdownError) and isinstance(calls[1][1][-1], EngineShutdownError)
+        assert isinstance(calls[0][1][-1], EngineDeadError) and isinstance(calls[1][1][-1], EngineDeadError)
         assert not engine.alive()
-        with pytest.raises(EngineShutdownError):
+        with pytest.raises(EngineDeadError):
             engine.generate("after", {"max_new_tokens": 2})
 
 
@@ -128,5 +128,5 @@ def test_killed_scheduler_process_fails_every_caller_within_seconds(llama_ckpt):
             t.join(10)
             assert not t.is_alive()
         assert time.monotonic() - t0 < 5
-        assert isinstance(calls[0][1][-1], EngineShutdownError) and isinstance(calls[1][1][-1], EngineShutdownError)
+        assert isinstance(calls[0][1][-1], EngineDeadError) and isinstance(calls[1][1][-1], EngineDeadError)
         assert not engine.alive()

@@ -119,7 +119,8 @@ def test_drain_timeout_ends_the_rest_with_their_cause(server_factory, llama_ckpt
     for c in clients:
         c.join(10)
     assert [c.outcome for c in clients] == ["shutdown"] * 3
-    assert all(c.ended_at - t0 < 1 + 3 for c in clients)
+    # Within the drain timeout plus the grace the ended requests get to send their last bytes (5 s).
+    assert all(c.ended_at - t0 < 1 + 5 for c in clients), [c.ended_at - t0 for c in clients]
     assert waiting["resp"].status_code == 503 and waiting["resp"].json()["error"]["code"] == "shutdown"
 
 
@@ -192,10 +193,9 @@ def test_dead_scheduler_fails_every_client_and_exits_nonzero(server_factory, lla
     stop.set()
     watcher.join(10)
     assert code == 1
-    assert [c.outcome for c in clients] == ["engine_dead"] * CLIENTS or \
-        all(c.outcome in ("engine_dead", "engine_shutdown") for c in clients), [c.outcome for c in clients]
+    assert [c.outcome for c in clients] == ["engine_dead"] * CLIENTS
     assert all(c.ended_at - t0 < 5 for c in clients) if scheduler_pid is not None else True
-    assert answers[0].status_code == 503 and answers[0].json()["error"]["code"] in ("engine_dead", "engine_shutdown")
+    assert answers[0].status_code == 503 and answers[0].json()["error"]["code"] == "engine_dead"
     assert (503, "engine_dead") in seen, seen[-5:]
     assert scheduler_pid is None or _gone(scheduler_pid)
     assert "the engine's scheduler died" in "".join(proc.log)

@@ -30,7 +30,7 @@ from radixlm.core.runtime.messages import (
 from radixlm.core.runtime.options import EngineOptions
 from radixlm.core.runtime.sampling_params import SamplingParams
 from radixlm.core.errors import (
-    EngineShutdownError, GrammarBudgetError, InvalidRequestError, QueueFullError, TooComplexError,
+    EngineDeadError, EngineShutdownError, GrammarBudgetError, InvalidRequestError, QueueFullError, TooComplexError,
 )
 
 logger = logging.getLogger("radixlm")
@@ -139,8 +139,10 @@ class FrontEnd:
         self._closed = True
         for pool in (self._tokenize_pool, self._compile_pool):
             pool.shutdown(wait=False, cancel_futures=True)
+        was_alive = self.scheduler.alive()
         self.scheduler.stop()
-        self.scheduler.outbox.put(None)
+        if was_alive:  # (a killed scheduler process may hold its outbox's write lock forever: no put then;
+            self.scheduler.outbox.put(None)  # the drain thread sees it gone within a second)
         self._drain.join(timeout=30)
 
     def alive(self) -> bool:
@@ -151,11 +153,13 @@ class FrontEnd:
         """When the scheduler has died: every request in flight fails now (the drain thread does the same
         within a second of noticing, unless it is stuck reading a message the dead process half wrote)."""
         if not self.scheduler.alive():
-            self._fail_all(EngineShutdownError("the engine's scheduler died before the request finished"))
+            self._fail_all(EngineDeadError("the engine's scheduler died before the request finished"))
 
     def _check_open(self) -> None:
-        if self._closed or not self.scheduler.alive():
+        if self._closed:
             raise EngineShutdownError("the engine has been shut down")
+        if not self.scheduler.alive():
+            raise EngineDeadError("the engine's scheduler has died")
 
     # ---- generation ------------------------------------------------------------------------
 
@@ -495,7 +499,10 @@ class FrontEnd:
                 self._dispatch(msg)
             except Exception:  # one output's failure must not stop the others being delivered
                 logger.exception("delivering a scheduler message failed")
-        self._fail_all(EngineShutdownError("the engine stopped before the request finished"))
+        if self._closed:
+            self._fail_all(EngineShutdownError("the engine stopped before the request finished"))
+        else:
+            self._fail_all(EngineDeadError("the engine's scheduler died before the request finished"))
 
     def _dispatch(self, msg: Any) -> None:
         if isinstance(msg, GenerateOutput):
