@@ -110,7 +110,7 @@ def workload(p: dict[str, Any], image_token: int, shared: bool, seed: int = 0) -
 
 
 def run_one(engine: Any, p: dict[str, Any], shared: bool, seed: int) -> dict[str, Any]:
-    prompts, images = workload(p, engine.frontend.images.image_token_id, shared, seed)
+    prompts, images = workload(p, engine.images.image_token_id, shared, seed)
     assert engine.flush_cache()
     params = {"max_new_tokens": p["output"], "temperature": 0, "ignore_eos": True}
     start = time.perf_counter()

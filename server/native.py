@@ -20,7 +20,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 
 import radixlm
-from radixlm.core.runtime.frontend import branch_params, branch_rid
+from radixlm.core.runtime.branches import branch_params, branch_rid
 from radixlm.core.runtime.images import images_of, videos_of
 from radixlm.core.runtime.sampling_params import SamplingParams
 from radixlm.server.body import parse_body
@@ -193,7 +193,7 @@ class NativeAPI:
 
     def _vision_info(self) -> dict[str, Any]:
         """For a vision-language model: its image placeholder and the positions each image takes."""
-        images = self.engine.frontend.images
+        images = self.engine.images
         if images is None:
             return {}
         video = images.placeholder(self.engine.tokenizer, video=True)

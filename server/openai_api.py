@@ -20,7 +20,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from radixlm.core.chat.render import render_chat
-from radixlm.core.runtime.frontend import branch_dicts
+from radixlm.core.runtime.branches import branch_dicts
 from radixlm.core.chat.openai_output import (TokenText, chat_logprobs, completion_logprobs, finish_reason, tool_call,
                                         usage)
 from radixlm.core.runtime.sampling_params import SamplingParams
@@ -156,7 +156,7 @@ class OpenAIAPI:
         return mode, input_ids, params, images or None
 
     def _image_width(self) -> int:
-        images = self.engine.frontend.images
+        images = self.engine.images
         # Qwen2-VL's images take as many positions as their size gives: counted as one here, the
         # engine checks the expanded prompt's length.
         return (images.vision.tokens_per_image or 1) if images is not None else 1
@@ -253,7 +253,7 @@ class OpenAIAPI:
         if clash:
             raise bad_request(f"chat_template_kwargs may not set {clash}", "chat_template_kwargs")
         tools = toolcalls.template_tools(mode.tools) if mode.kind != "none" and mode.tools else None
-        images = self.engine.frontend.images
+        images = self.engine.images
         messages, image_urls = _template_messages(
             req.messages, None if images is None else images.placeholder(self.tokenizer))
         try:
@@ -266,7 +266,7 @@ class OpenAIAPI:
         except RecursionError:
             raise bad_request("could not render the chat template: the messages are nested too deeply",
                               "messages") from None
-        return self.engine.frontend.encode(text, add_special_tokens=False), image_urls
+        return self.engine.encode(text, add_special_tokens=False), image_urls
 
     def tool_calls(self, mode: ToolMode, text: str) -> tuple[str | None, list[dict[str, Any]]]:
         if mode.kind == "named":
@@ -385,7 +385,7 @@ class OpenAIAPI:
         self.engine.check_fan_out(len(prompt))
         for p in prompt:
             if isinstance(p, str):
-                ids = self.engine.frontend.encode_prompt(p)
+                ids = self.engine.encode_prompt(p)
                 text = p
             else:
                 if not all(0 <= t < self.engine.vocab_size for t in p):

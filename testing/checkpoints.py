@@ -269,7 +269,7 @@ def build_checkpoint(
 
 
 # Model init draws from torch's global generator; builds in several threads would interleave draws.
-_build_lock = threading.Lock()
+build_lock = threading.Lock()
 
 
 def _write_checkpoint(
@@ -328,7 +328,7 @@ def _write_checkpoint(
     # editing the dicts it is given: hence the copy, which keeps fields and the caller's dicts intact).
     config = config_cls(**copy.deepcopy(fields))
 
-    with _build_lock, torch.random.fork_rng(devices=[]):
+    with build_lock, torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = model_cls(config).to(torch.float32).eval()
     # About 800 KB of float32 weights: 200 KB shards make four files.

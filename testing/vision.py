@@ -10,7 +10,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from radixlm.testing.checkpoints import IM_END, IM_START, _build_lock, build_tokenizer
+from radixlm.testing.checkpoints import IM_END, IM_START, build_lock, build_tokenizer
 
 IMAGE_TOKEN = "<image>"
 TINY_LLAVA_NAME = "default-tiny-llava-v1"
@@ -46,7 +46,7 @@ def build_llava_checkpoint(out_dir: str, *, seed: int = 0, image_size: int = 56,
     config = LlavaConfig(text_config=text, vision_config=vision, image_token_index=image_token_id,
                          vision_feature_select_strategy=select_strategy, vision_feature_layer=-2,
                          image_seq_length=(image_size // patch_size) ** 2)
-    with _build_lock, torch.random.fork_rng(devices=[]):
+    with build_lock, torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = LlavaForConditionalGeneration(config).to(torch.float32).eval()
         # transformers zero-initialises the class embedding scale; random values make every part count.
@@ -134,7 +134,7 @@ def build_qwen2_vl_checkpoint(out_dir: str, *, seed: int = 0) -> str:
     config = Qwen2VLConfig(text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
                            video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
                            vision_end_token_id=ids["<|vision_end|>"], tie_word_embeddings=False)
-    with _build_lock, torch.random.fork_rng(devices=[]):
+    with build_lock, torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = Qwen2VLForConditionalGeneration(config).to(torch.float32).eval()
         with torch.no_grad():  # random biases and norms too, so that every part counts

@@ -31,7 +31,7 @@ from radixlm.adapters.dspy import (  # noqa: E402
     LMCall, SGLangLM, build_tree, chat_regex, format_for_call, json_schema, run_program,
 )
 from radixlm.adapters.dspy.program import CallBatcher, Sample  # noqa: E402
-from radixlm.core.lang.interpreter import resolve_backend  # noqa: E402
+from radixlm.core.lang.backends.resolve import resolve_backend  # noqa: E402
 from radixlm.core.lang.ir import GenParams  # noqa: E402
 
 ADAPTERS = [pytest.param(dspy.ChatAdapter, id="chat"), pytest.param(dspy.JSONAdapter, id="json")]

@@ -382,6 +382,10 @@ def test_new_options_are_validated():
     ("tp_size", True, "must be an integer"),
     ("mem_fraction_static", "0.5", "must be a number"),
     ("schedule_policy", None, "must be a string"),
+    ("device", 0, "must be a string or None"),  # str | None
+    ("enable_overlap_schedule", 0, "must be true or false or None"),  # bool | None
+    ("context_length", 2048.0, "must be an integer or None"),  # int | None: a float is not an int
+    ("prepare_timeout", "1", "must be a number"),
 ])
 def test_option_values_of_the_wrong_type_are_refused(name, value, message):
     """Options given from Python are checked against their types (the CLI's parser already gives them)."""
@@ -389,9 +393,19 @@ def test_option_values_of_the_wrong_type_are_refused(name, value, message):
 
     with pytest.raises(InvalidRequestError, match=f"{name} {message}"):
         EngineOptions.from_kwargs({"device": "cpu", name: value})
+    with pytest.raises(InvalidRequestError, match=f"{name} {message}"):
+        EngineOptions(**{name: value})  # built directly, too
     opts = EngineOptions.from_kwargs({"device": "cpu", "mem_fraction_static": 0.5, "hicache_size_gb": 1,
                                       "max_total_tokens": None})
     assert opts.hicache_size_gb == 1.0 and isinstance(opts.hicache_size_gb, float)
+
+
+def test_every_option_type_is_one_the_check_knows():
+    """The type check covers each kind of annotation the options use: a field of a new kind fails here."""
+    import dataclasses
+
+    kinds = {f.type for f in dataclasses.fields(EngineOptions)}
+    assert kinds <= {f"{t}{o}" for t in ("bool", "int", "float", "str") for o in ("", " | None")}, kinds
 
 
 def test_overlap_is_on_by_default_for_one_cuda_device_only():

@@ -9,7 +9,7 @@ import threading
 import pytest
 
 import radixlm
-from radixlm.core.runtime.frontend import branch_params, branch_rid
+from radixlm.core.runtime.branches import branch_params, branch_rid
 from radixlm.core.runtime.sampling_params import SamplingParams
 
 GREEDY = {"max_new_tokens": 10, "temperature": 0, "ignore_eos": True}

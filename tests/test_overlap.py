@@ -130,7 +130,7 @@ def test_fake_runner_constrained_jumps_equal_with_late_sampled_chained_steps(mon
     they are applied. A request that jumps forward when its pending token is applied is then without
     the chained step's slot, as without overlap, so its jump may replace that token (max_replace 1)."""
     from radixlm.core.runtime.messages import ConstraintSpec
-    from radixlm.core.runtime.scheduler import loop as scheduler_loop
+    from radixlm.core.runtime import constraint_compiler
 
     prompts = prompts_with_shared_prefixes(6)
     params = [{"max_new_tokens": 14 + i, "ignore_eos": True, "constraint": ConstraintSpec("regex", "stub")}
@@ -138,7 +138,7 @@ def test_fake_runner_constrained_jumps_equal_with_late_sampled_chained_steps(mon
     got = {}
     for overlap in (False, True):
         made: list[JumpEveryThird] = []
-        monkeypatch.setattr(scheduler_loop, "build_constraint", lambda *a, **kw: made.append(JumpEveryThird()) or made[-1])
+        monkeypatch.setattr(constraint_compiler, "build_constraint", lambda *a, **kw: made.append(JumpEveryThird()) or made[-1])
         sched, finals = run_scheduler(512, prompts, params, enable_overlap_schedule=overlap)
         got[overlap] = ([out.output_ids for out in finals], [c.asked for c in made])
         assert (chained_steps(sched) > 0) == overlap and (chained_extends(sched) > 0) == overlap
@@ -155,9 +155,9 @@ def test_fake_runner_chains_across_extend_steps_with_mixed_requests(monkeypatch)
     the other requests riding on the pending decode step's tokens (chained), and the outputs equal
     those without overlap, where every such step first applies the pending one."""
     from radixlm.core.runtime.messages import ConstraintSpec
-    from radixlm.core.runtime.scheduler import loop as scheduler_loop
+    from radixlm.core.runtime import constraint_compiler
 
-    monkeypatch.setattr(scheduler_loop, "build_constraint", lambda *a, **kw: JumpEveryThird())
+    monkeypatch.setattr(constraint_compiler, "build_constraint", lambda *a, **kw: JumpEveryThird())
     prompts = prompts_with_shared_prefixes(12)
     kinds = [{"constraint": ConstraintSpec("regex", "stub")}, {}, {"frequency_penalty": 1.5}]
     params = [{"max_new_tokens": 16 + i, "ignore_eos": i % 2 == 0, **kinds[i % 3]} for i in range(12)]
@@ -179,9 +179,9 @@ def test_fake_runner_chained_extends_under_memory_pressure(monkeypatch, num_slot
     first when planned (behind a request that cannot fit until their KV is freed they waited forever
     with overlap on). Outputs equal those without overlap, with extend steps chained."""
     from radixlm.core.runtime.messages import ConstraintSpec
-    from radixlm.core.runtime.scheduler import loop as scheduler_loop
+    from radixlm.core.runtime import constraint_compiler
 
-    monkeypatch.setattr(scheduler_loop, "build_constraint", lambda *a, **kw: JumpEveryThird())
+    monkeypatch.setattr(constraint_compiler, "build_constraint", lambda *a, **kw: JumpEveryThird())
     prompts = prompts_with_shared_prefixes(8)
     kinds = [{"constraint": ConstraintSpec("regex", "stub")}, {}]
     params = [{"max_new_tokens": 24, "ignore_eos": True, **kinds[i % 2]} for i in range(8)]
@@ -204,12 +204,12 @@ def test_a_failure_applying_a_late_sampled_step_leaks_no_kv(monkeypatch, caller)
     not chain: the requests in flight are aborted with a 500 and every KV slot comes back."""
     import sys
 
-    from radixlm.core.runtime.scheduler import loop as scheduler_loop
+    from radixlm.core.runtime import constraint_compiler
     from radixlm.core.runtime.scheduler.execute import Executor
     from radixlm.core.runtime.scheduler.prefill import PrefillPlanner
     from radixlm.core.runtime.messages import ConstraintSpec
 
-    monkeypatch.setattr(scheduler_loop, "build_constraint", lambda *a, **kw: JumpEveryThird())
+    monkeypatch.setattr(constraint_compiler, "build_constraint", lambda *a, **kw: JumpEveryThird())
     if caller == "_extend_step":  # riders cannot chain (as when memory is short): applied first
         monkeypatch.setattr(PrefillPlanner, "ride_ahead", lambda self, reqs: None)
     calls, resolve, chain_extend, extended = [0], Executor.resolve, Executor.chain_extend, [False]

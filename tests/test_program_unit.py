@@ -308,3 +308,30 @@ def test_a_read_waits_for_the_last_gen_of_a_name() -> None:
 
     state = twice.run(backend=Counting())
     assert state["x"] == "<3>" and state.text() == "<1><2><3>"
+
+
+def test_set_default_backend_keeps_a_runtime_as_given() -> None:
+    """As SGLang does: a Runtime stays what it is (code reads `default_backend.endpoint`), and programs
+    resolve it to its endpoint where they run; a backend stays as given; anything else fails at once."""
+    class Runtime:  # SGLang's Runtime shape: a launched server behind `.endpoint`
+        def __init__(self) -> None:
+            self.endpoint = ScriptedBackend()
+
+    @sgl.function
+    def hello(s):
+        s += "Hi " + sgl.gen("g", max_tokens=2)
+
+    runtime = Runtime()
+    try:
+        sgl.set_default_backend(runtime)
+        assert sgl.global_config.default_backend is runtime
+        assert sgl.global_config.default_backend.endpoint is runtime.endpoint
+        assert hello.run()["g"] == "<out>" and runtime.endpoint.prompts == ["Hi "]
+        backend = ScriptedBackend()
+        sgl.set_default_backend(backend)
+        assert sgl.global_config.default_backend is backend
+        with pytest.raises(TypeError, match="not a backend"):
+            sgl.set_default_backend(object())
+        assert sgl.global_config.default_backend is backend
+    finally:
+        sgl.global_config.default_backend = None

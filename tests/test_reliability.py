@@ -13,6 +13,7 @@ import time
 import pytest
 
 import radixlm
+from radixlm.core.runtime import constraint_compiler
 from radixlm.core.runtime.scheduler import loop as scheduler_loop
 from radixlm.core.runtime.tokenizer.detokenizer import IncrementalDetokenizer
 from radixlm.core.runtime.messages import ConstraintSpec
@@ -124,8 +125,8 @@ def _one(engine, params: dict, prompt: str = "fault") -> list:
 
 def test_raising_constraint_ends_only_its_request(fault_engine, clean_outputs, monkeypatch):
     # The scheduler builds constraints from their specs: this spec builds one that breaks.
-    real_build = scheduler_loop.build_constraint
-    monkeypatch.setattr(scheduler_loop, "build_constraint", lambda kind, spec, *a, **kw: (
+    real_build = constraint_compiler.build_constraint
+    monkeypatch.setattr(constraint_compiler, "build_constraint", lambda kind, spec, *a, **kw: (
         _RaisingConstraint(fail_after=3) if spec == "FAULT" else real_build(kind, spec, *a, **kw)))
     faulty = _one(fault_engine, {**GREEDY})
     faulty[0].constraint = ConstraintSpec("regex", "FAULT")

@@ -166,9 +166,9 @@ def test_lpm_at_a_long_queue_follows_the_tree_as_it_grows_and_shrinks():
         def key(r: Req) -> tuple[int, int]:
             return (-max((lcp(r.inp.input_ids, c) for c in cached), default=0), r.arrival)
 
-        before = [(n.key, n.last_access) for n in memory.tree._nodes()]
+        before = [(n.key, n.last_access) for n in memory.tree.nodes()]
         assert rids(policy.order(reqs)) == rids(sorted(reqs, key=key))
-        assert [(n.key, n.last_access) for n in memory.tree._nodes()] == before
+        assert [(n.key, n.last_access) for n in memory.tree.nodes()] == before
 
     check()
     for head in heads[:3]:  # a prefix of a sequence first, then the whole: the walk goes on from its node

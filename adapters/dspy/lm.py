@@ -28,7 +28,7 @@ from dspy.lm15 import (Config, ImagePart, InvalidRequestError, Message, Request,
 from radixlm.adapters.dspy.formats import bound_schema, format_for_call
 from radixlm.adapters.dspy.program import CallBatcher, LMCall, Sample, build_tree, content_text, run_program
 from radixlm.core.runtime.sampling_params import SamplingParams
-from radixlm.core.lang.interpreter import resolve_backend
+from radixlm.core.lang.backends.resolve import resolve_backend
 from radixlm.core.lang.ir import GenParams
 
 # The OpenAI-style call parameters DSPy can hand an engine and SGLangLM honours (`supported_params`).

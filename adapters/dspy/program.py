@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from radixlm.core.lang.errors import ProgramError
-from radixlm.core.lang.interpreter import ProgramState, new_state
+from radixlm.core.lang.state import ProgramState, new_state
 from radixlm.core.lang.ir import Constant, ExprList, Gen, GenParams, Image, RoleBegin, RoleEnd
 
 # A message's content: its text, or its text and images (encoded image bytes) in order.

@@ -10,8 +10,8 @@ from typing import Any
 
 from radixlm.adapters.langchain.messages import ChatRenderer
 from radixlm.core.lang.backends.base import BaseBackend
-from radixlm.core.lang.backends.runtime_endpoint import RuntimeEndpoint, _check
-from radixlm.core.lang.interpreter import resolve_backend
+from radixlm.core.lang.backends.runtime_endpoint import RuntimeEndpoint, check_response
+from radixlm.core.lang.backends.resolve import resolve_backend
 
 # Statuses worth retrying: the server's queue is full or it is (re)starting.
 _RETRY_STATUSES = {429, 502, 503, 504}
@@ -71,7 +71,7 @@ class RetryingEndpoint(RuntimeEndpoint):
                     raise
             else:
                 if last or response.status_code not in _RETRY_STATUSES:
-                    _check(response)
+                    check_response(response)
                     return response.json()
             time.sleep(min(0.25 * 2 ** attempt, 4.0))
 

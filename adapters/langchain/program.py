@@ -24,7 +24,7 @@ from typing import Any, Iterator
 from radixlm.adapters.langchain.tools import ToolMode
 from radixlm.core.lang.backends.base import BaseBackend
 from radixlm.core.lang.function import function
-from radixlm.core.lang.interpreter import ProgramState
+from radixlm.core.lang.state import ProgramState
 from radixlm.core.lang.ir import Gen, GenParams, Image
 from radixlm.core.lang.tracer import precache_batch
 

@@ -16,7 +16,7 @@ from radixlm.core.lang.choices import (
     unconditional_likelihood_normalized,
 )
 from radixlm.core.lang.errors import ProgramError, TracingError
-from radixlm.core.lang.interpreter import ProgramState, ProgramStateGroup
+from radixlm.core.lang.state import ProgramState, ProgramStateGroup
 
 __all__ = [
     "function", "SglFunction", "gen", "gen_int", "gen_string", "select", "image", "video",

@@ -5,11 +5,12 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from radixlm.core.lang.backends.base import BaseBackend
 from radixlm.core.lang.choices import ChoicesSamplingMethod, token_length_normalized
 from radixlm.core.lang.config import global_config
 from radixlm.core.lang.errors import ProgramError
 from radixlm.core.lang.function import SglFunction, function  # noqa: F401  (re-exported)
-from radixlm.core.lang.interpreter import resolve_backend
+from radixlm.core.lang.backends.resolve import resolve_backend
 from radixlm.core.lang.ir import (
     Expr, ExprList, Gen, GenParams, Image, RoleBegin, RoleEnd, Select, Video, as_expr, dtype_name,
 )
@@ -129,8 +130,14 @@ def assistant_end() -> Expr:
 
 
 def set_default_backend(backend: Any) -> None:
-    """Where programs run by default: a backend, a `radixlm.Engine`, or a `Runtime`."""
-    global_config.default_backend = resolve_backend(backend)
+    """Where programs run by default: a backend, a `Runtime` (kept as given, as SGLang does, so that code
+    reading `global_config.default_backend.endpoint` works; programs resolve it where they run), or a
+    `radixlm.Engine` (kept as its program backend: SGLang's default backend is always a backend or a
+    Runtime, and SGLang code calls backend methods on it)."""
+    if isinstance(backend, BaseBackend) or hasattr(backend, "endpoint"):
+        global_config.default_backend = backend
+    else:  # a radixlm.Engine becomes its program backend; anything else is a TypeError here
+        global_config.default_backend = resolve_backend(backend)
 
 
 def flush_cache(backend: Any = None) -> bool:

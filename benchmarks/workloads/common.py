@@ -98,9 +98,9 @@ def _raise_error(state: Any) -> None:
         raise RuntimeError(f"a program failed: {state.error()!r}") from state.error()
 
 
-class TokenizerFrontEnd:
-    """The part of an engine's front end (`engine.frontend`) that the program backend calls, for the
-    engine-shaped stand-ins: prompts tokenized as radixlm's front end does."""
+class TokenizerEncoding:
+    """The part of an Engine's surface that the program backend calls (`encode`, `images`), for the
+    engine-shaped stand-ins to inherit: prompts tokenized as radixlm's Engine does."""
 
     images = None  # text models only: no image preparation
 
@@ -117,7 +117,7 @@ def generate_inputs(tokenizer: Any, prompt: Any, input_ids: Any,
     prompt), for the engine-shaped stand-ins (the HF driver, the estimator's NullEngine)."""
     single = isinstance(prompt, str) or (input_ids is not None and bool(input_ids) and isinstance(input_ids[0], int))
     if prompt is not None:
-        id_lists = [TokenizerFrontEnd(tokenizer).encode(p) for p in ([prompt] if single else prompt)]
+        id_lists = [TokenizerEncoding(tokenizer).encode(p) for p in ([prompt] if single else prompt)]
     else:
         id_lists = [input_ids] if single else input_ids
     params = sampling_params if isinstance(sampling_params, list) else [sampling_params or {}] * len(id_lists)

@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from .common import TokenizerFrontEnd, Workload, generate_inputs
+from .common import TokenizerEncoding, Workload, generate_inputs
 from .recorder import RecordingEngine, optimal_cached_tokens
 
 UNIT_S = 0.003  # NullEngine's time unit: one per call and one per generated token
@@ -60,14 +60,13 @@ class Profile:
     depth: float  # steps on one instance's critical path
 
 
-class NullEngine:
+class NullEngine(TokenizerEncoding):
     """The part of an engine's interface the workloads use, answering without a model."""
 
     served_model_name = "null"
 
     def __init__(self, tokenizer: Any, unit_s: float = UNIT_S) -> None:
         self.tokenizer = tokenizer
-        self.frontend = TokenizerFrontEnd(tokenizer)
         self.unit_s = unit_s
         self.filler = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
 

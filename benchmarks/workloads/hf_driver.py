@@ -30,7 +30,7 @@ from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList,
 from radixlm.core.runtime.constrained import apply_token_masks, build_constraint
 from radixlm.core.runtime.sampling_params import SamplingParams
 
-from .common import TokenizerFrontEnd, generate_inputs
+from .common import TokenizerEncoding, generate_inputs
 
 
 @dataclass
@@ -45,12 +45,11 @@ class _Job:
     done: threading.Event = field(default_factory=threading.Event)
 
 
-class HFEngine:
+class HFEngine(TokenizerEncoding):
     def __init__(self, model: Any, tokenizer: Any, device: torch.device, *, model_path: str, context_len: int,
                  eos_token_ids: list[int], max_batch: int, max_batch_tokens: int, window_s: float = 0.01) -> None:
         self.model = model
         self.tokenizer = tokenizer
-        self.frontend = TokenizerFrontEnd(tokenizer)
         self.device = device
         self.model_path = model_path
         self.served_model_name = "hf-transformers"

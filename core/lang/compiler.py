@@ -18,13 +18,13 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from radixlm.core.lang.interpreter import (
-    GatherVariables, ProgramState, StreamExecutor, ForkItem, resolve_backend,
-)
+from radixlm.core.lang.backends.resolve import resolve_backend
+from radixlm.core.lang.interpreter import ForkItem, GatherVariables, StreamExecutor
 from radixlm.core.lang.ir import (
     Argument, ConcateAndAppend, Constant, Expr, Fork, GenParams, GetForkItem, Variable, as_expr,
 )
 from radixlm.core.lang.running import RUN_SAMPLING_NAMES, run_threaded, split_run_kwargs
+from radixlm.core.lang.state import ProgramState
 from radixlm.core.lang.tracer import TracerProgramState, trace_program
 
 

@@ -10,7 +10,8 @@ from typing import Any, Callable
 
 from radixlm.core.lang.compiler import CompiledFunction
 from radixlm.core.lang.config import global_config
-from radixlm.core.lang.interpreter import ProgramState, new_state, resolve_backend, run_function
+from radixlm.core.lang.backends.resolve import resolve_backend
+from radixlm.core.lang.state import ProgramState, new_state, run_function
 from radixlm.core.lang.ir import GenParams
 from radixlm.core.lang.running import RUN_SAMPLING_NAMES, run_threaded, split_run_kwargs
 from radixlm.core.lang.tracer import cache_program, precache_batch, trace_program

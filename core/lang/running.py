@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from radixlm.core.lang.ir import GenParams
 
 if TYPE_CHECKING:
-    from radixlm.core.lang.interpreter import ProgramState
+    from radixlm.core.lang.state import ProgramState
 
 # The sampling parameters that run()/run_batch() accept as defaults for every gen (SGLang's names);
 # every other keyword is an argument of the program.

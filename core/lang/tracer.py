@@ -19,7 +19,8 @@ from typing import Any, Iterator
 
 from radixlm.core.lang.chat_template import ChatTemplate, get_chat_template
 from radixlm.core.lang.errors import TracingError
-from radixlm.core.lang.interpreter import GatherVariables, ProgramState, ProgramStateGroup
+from radixlm.core.lang.interpreter import GatherVariables
+from radixlm.core.lang.state import ProgramState, ProgramStateGroup
 from radixlm.core.lang.ir import (
     Argument, Constant, Expr, ExprList, Fork, Gen, GetForkItem, RoleBegin, RoleEnd, Select, Variable,
     VarScopeBegin, VarScopeEnd, as_expr,
@@ -194,7 +195,7 @@ def _template_of(backend: Any) -> ChatTemplate:
         backend = global_config.default_backend
     if backend is None:
         return get_chat_template("default")
-    from radixlm.core.lang.interpreter import resolve_backend
+    from radixlm.core.lang.backends.resolve import resolve_backend
     return resolve_backend(backend).get_chat_template()
 
 

@@ -11,6 +11,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, AsyncIterator, Iterator
 
+from radixlm.core.runtime.constraint_compiler import ConstraintCompiler
 from radixlm.core.runtime.frontend import FrontEnd, Output
 from radixlm.core.runtime.gc_heap import freeze_heap, unfreeze_heap
 from radixlm.core.runtime.images import ImagePreparer
@@ -76,8 +77,13 @@ class Engine:
             loop, self.kv_pool_size = build_scheduler(model_path, self.model_config, self.options,
                                                       self.tokenizer, self.eos_token_ids)
             scheduler = LocalScheduler(loop)
-        elif process is None:
-            scheduler = LocalScheduler(Scheduler(self._runner, self.options, self.tokenizer, self.eos_token_ids))
+        constraints = None
+        if process is None and self.options.tp_size == 1 and self.options.dp_size == 1:
+            # One compiler for the front end and the loop on its thread: documents registered and grammar
+            # tables prepared once, and the loop's build of a spec the front end checked is a cache hit.
+            constraints = ConstraintCompiler(self.tokenizer, self.eos_token_ids, self.options)
+            scheduler = LocalScheduler(Scheduler(self._runner, self.options, self.tokenizer, self.eos_token_ids,
+                                                 constraints))
             self.kv_pool_size = self._runner.num_slots
         # What one request may use in all: the model's context, or less when the KV pool holds less, so
         # that nothing is admitted that could never finish (also /v1/models' max_model_len).
@@ -88,8 +94,8 @@ class Engine:
                                    self.options.max_image_bytes, self.options.max_image_pixels,
                                    self.options.max_video_frames)
         self._frontend = FrontEnd(self.tokenizer, self.options, self.vocab_size, self.context_len,
-                                  self.eos_token_ids, scheduler, images)
-        self.max_prompt_bytes = self._frontend.max_prompt_bytes
+                                  self.eos_token_ids, scheduler, images, constraints)
+        self.max_prompt_bytes = self._frontend.builder.max_prompt_bytes
         if self.options.gc_freeze:  # the heap that lives as long as the engine, out of the collector's way
             freeze_heap()
         # Wall seconds of the constructor and its stages (the tokenizer's overlap the weights'), for
@@ -106,8 +112,13 @@ class Engine:
 
     @property
     def frontend(self) -> FrontEnd:
-        """The request front end: what the server, the backends and the adapters prepare requests with."""
+        """The request front end (its parts: core.runtime.frontend). Callers use the Engine's methods."""
         return self._frontend
+
+    @property
+    def images(self) -> ImagePreparer | None:
+        """A vision-language model's image preparation (its placeholders, positions per image), else None."""
+        return self._open().builder.images
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -229,18 +240,26 @@ class Engine:
 
     # ---- request preparation, for callers that prepare their own (server, backends, adapters) -------
 
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """The token ids of a prompt's text (with the tokenizer's BOS where add_special_tokens)."""
+        return self._open().builder.encode(text, add_special_tokens)
+
+    def encode_prompt(self, text: str, param: str = "prompt", add_special_tokens: bool = True) -> list[int]:
+        """`encode` after the size check: a prompt the context cannot hold is refused untokenized."""
+        return self._open().builder.encode_prompt(text, param, add_special_tokens)
+
     async def offload(self, fn: Any, *args: Any) -> Any:
         """Runs `fn(*args)` (tokenizing, templating) on the engine's worker threads under the
         `prepare_timeout` budget, so that an event loop keeps serving meanwhile."""
-        return await self._open().offload(fn, *args)
+        return await self._open().workers.offload(fn, *args)
 
     def check_prompt_size(self, size_bytes: int, param: str = "prompt") -> None:
         """Refuses, before tokenizing, a prompt of more UTF-8 bytes than the context can hold as tokens."""
-        self._open().check_prompt_size(size_bytes, param)
+        self._open().builder.check_prompt_size(size_bytes, param)
 
     def check_fan_out(self, count: int) -> None:
         """Refuses a call that would make more engine requests (prompts x n) than max_requests_per_call."""
-        self._open().check_fan_out(count)
+        self._open().builder.check_fan_out(count)
 
     def _open(self) -> FrontEnd:
         if self._frontend is None:

@@ -79,10 +79,12 @@ class FinishReason:
 class GenerateOutput:
     """One output of a request: a stream chunk, or its final output (`finish` set). `output_ids` are the
     ids new since the previous output of this request; they replace its last `replaced` ids first
-    (jump-forward re-tokenized a tail that had already been sent)."""
+    (jump-forward re-tokenized a tail that had already been sent). `text` is a stream chunk's new text,
+    or the whole text of a final output that was not streamed."""
 
     rid: str
     output_ids: list[int]
+    text: str = ""
     replaced: int = 0
     prompt_tokens: int = 0
     completion_tokens: int = 0

@@ -185,6 +185,12 @@ class EngineOptions:
     scheduler_process: bool = option(False, "run the scheduler loop (model, KV pool, radix cache) in its own "
                                      "process; the front end talks to it through messages only (docs/engine.md)")
 
+    def __post_init__(self) -> None:
+        # Each value against its field's type, however the options are built (from_kwargs, the CLI, or
+        # EngineOptions(...) directly).
+        for f in dataclasses.fields(self):
+            setattr(self, f.name, _checked_type(f.name, f.type, getattr(self, f.name)))
+
     @classmethod
     def from_kwargs(cls, kwargs: dict[str, Any]) -> "EngineOptions":
         known = {f.name for f in dataclasses.fields(cls)}
@@ -196,8 +202,6 @@ class EngineOptions:
         return opts
 
     def _resolve(self) -> None:
-        for f in dataclasses.fields(self):
-            setattr(self, f.name, _checked_type(f.name, f.type, getattr(self, f.name)))
         self.log_level = self.log_level.lower()
         for f in dataclasses.fields(self):
             choices, value = f.metadata.get("choices"), getattr(self, f.name)

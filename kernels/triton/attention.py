@@ -326,10 +326,8 @@ def _decode_split_kernel(
     r_mask = (offs_r < GROUP * TOKENS) & (token < ext_len)
     offs_d = tl.arange(0, BLOCK_D)
     hd_mask = r_mask[:, None] & (offs_d < HEAD_DIM)[None, :]
-    q = tl.load(
-        Q + (q_start + token)[:, None] * stride_qb + heads[:, None] * stride_qh + offs_d[None, :] * stride_qd,
-        mask=hd_mask, other=0.0,
-    )
+    q_ptrs = Q + (q_start + token)[:, None] * stride_qb + heads[:, None] * stride_qh + offs_d[None, :] * stride_qd
+    q = tl.load(q_ptrs, mask=hd_mask, other=0.0)
     q_pos = seq_len - ext_len + token
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)

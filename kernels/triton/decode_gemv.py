@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from radixlm.kernels.reference import GEMV_MAX_ROWS
-from radixlm.kernels.triton.elementwise import _saturation, _to_kv
+from radixlm.kernels.triton.elementwise import kv_limit, to_kv
 
 # (rows rounded up to a power of two, N, K) -> (BLOCK_N, BLOCK_K, num_warps, stages), from bench_gemv's
 # measurements; missing shapes take the guess in `gemv_config`. RADIXLM_GEMV_CONFIGS names a JSON file
@@ -195,8 +195,8 @@ def _rotary_qkv_kernel(
             kv_dst = KBuf + slot[:, None] * stride_kbs + (head - NUM_HEADS) * stride_kbh + offs_d[None, :]
         else:
             kv_dst = VBuf + slot[:, None] * stride_vbs + (head - NUM_HEADS - NUM_KV_HEADS) * stride_vbh + offs_d[None, :]
-        tl.store(kv_dst, _to_kv(x1, kv_dst, SAT), mask=mask)
-        tl.store(kv_dst + HALF, _to_kv(x2, kv_dst, SAT), mask=mask)
+        tl.store(kv_dst, to_kv(x1, kv_dst, SAT), mask=mask)
+        tl.store(kv_dst + HALF, to_kv(x2, kv_dst, SAT), mask=mask)
 
 
 def _check_rows(x: torch.Tensor, weight: torch.Tensor) -> None:
@@ -296,6 +296,6 @@ def rotary_qkv_gemv(
         eps, NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, HAS_BIAS=bias is not None,
         SCALED=sums is not None, BLOCK_M=triton.next_power_of_2(m), PAIRS=pairs, BLOCK_K=block_k,
         BLOCK_S=triton.next_power_of_2(held.shape[1]) if sums is not None else 1, STAGES=stages,
-        SAT=_saturation(k_buffer), num_warps=warps,
+        SAT=kv_limit(k_buffer), num_warps=warps,
     )
     return q

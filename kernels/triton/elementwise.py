@@ -27,12 +27,13 @@ def _row_warps(block: int) -> int:
     return max(1, min(16, block // 512))
 
 
-def _saturation(buffer: torch.Tensor) -> float:
+def kv_limit(buffer: torch.Tensor) -> float:
+    """The clamp a store into `buffer` applies (an fp8 pool's largest finite value), else 0: none."""
     return kv_saturation(buffer.dtype) or 0.0
 
 
 @triton.jit
-def _to_kv(x, Out, SAT: tl.constexpr):
+def to_kv(x, Out, SAT: tl.constexpr):
     """x cast to Out's element type, clamped to [-SAT, SAT] first when SAT > 0 (an fp8 pool; in fp32,
     which holds any input exactly)."""
     if SAT > 0:
@@ -51,7 +52,7 @@ def _copy_heads(
     offs_d = tl.arange(0, BLOCK_D)
     mask = (offs_h < NUM_HEADS)[:, None] & (offs_d < HEAD_DIM)[None, :]
     x = tl.load(XRow + offs_h[:, None] * stride_xh + offs_d[None, :] * stride_xd, mask=mask)
-    tl.store(OutRow + offs_h[:, None] * stride_oh + offs_d[None, :] * stride_od, _to_kv(x, OutRow, SAT), mask=mask)
+    tl.store(OutRow + offs_h[:, None] * stride_oh + offs_d[None, :] * stride_od, to_kv(x, OutRow, SAT), mask=mask)
 
 
 @triton.jit
@@ -84,7 +85,7 @@ def store_kv(
         *k.stride(), *v.stride(), *k_buffer.stride(), *v_buffer.stride(),
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
         BLOCK_H=triton.next_power_of_2(num_kv_heads), BLOCK_D=triton.next_power_of_2(head_dim),
-        SAT=_saturation(k_buffer), num_warps=4,
+        SAT=kv_limit(k_buffer), num_warps=4,
     )
 
 
@@ -191,8 +192,8 @@ def _rotate_heads(
     x2 = tl.load(base + HALF * stride_xd, mask=mask, other=0.0).to(tl.float32)
     out = OutRow + offs_h[:, None] * stride_oh + offs_d[None, :] * stride_od
     dtype = XRow.dtype.element_ty
-    tl.store(out, _to_kv((x1 * cos - x2 * sin).to(dtype), OutRow, SAT), mask=mask)
-    tl.store(out + HALF * stride_od, _to_kv((x2 * cos + x1 * sin).to(dtype), OutRow, SAT), mask=mask)
+    tl.store(out, to_kv((x1 * cos - x2 * sin).to(dtype), OutRow, SAT), mask=mask)
+    tl.store(out + HALF * stride_od, to_kv((x2 * cos + x1 * sin).to(dtype), OutRow, SAT), mask=mask)
 
 
 @triton.jit
@@ -297,6 +298,6 @@ def apply_rotary_store_kv(
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, HALF=half,
         BLOCK_H=triton.next_power_of_2(num_heads), BLOCK_KH=triton.next_power_of_2(num_kv_heads),
         BLOCK_HALF=triton.next_power_of_2(half), BLOCK_D=triton.next_power_of_2(head_dim),
-        SAT=_saturation(k_buffer), K_OUT=k_out is not None, num_warps=4,
+        SAT=kv_limit(k_buffer), K_OUT=k_out is not None, num_warps=4,
     )
     return q_out

@@ -15,7 +15,7 @@ class EngineBackend(NativeGenerateBackend):
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.chat_template = chat_template_from_tokenizer(self.tokenizer) or self.chat_template
-        images = engine.frontend.images
+        images = engine.images
         self.supports_vision = images is not None
         if images is not None:  # sgl.image writes the checkpoint's own placeholder
             video = images.placeholder(self.tokenizer, video=True)
@@ -24,7 +24,7 @@ class EngineBackend(NativeGenerateBackend):
                                                      video_token=video or self.chat_template.video_token)
 
     def _encode(self, text: str) -> list[int]:
-        return self.engine.frontend.encode(text)
+        return self.engine.encode(text)
 
     def _generate(self, request: dict[str, Any]) -> Any:
         return self.engine.generate(**_engine_arguments(request))

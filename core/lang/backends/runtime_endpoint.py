@@ -54,12 +54,12 @@ class RuntimeEndpoint(NativeGenerateBackend):
 
     def _get(self, path: str) -> Any:
         response = self._http.get(path)
-        _check(response)
+        check_response(response)
         return response.json()
 
     def _generate(self, request: dict[str, Any]) -> Any:
         response = self._http.post("/generate", json=request)
-        _check(response)
+        check_response(response)
         return response.json()
 
     def _generate_stream(self, request: dict[str, Any]) -> Iterator[dict[str, Any]]:
@@ -70,7 +70,7 @@ class RuntimeEndpoint(NativeGenerateBackend):
         with connect_sse(self._http, "POST", "/generate", json={**request, "stream": True}) as source:
             if source.response.status_code != 200:
                 source.response.read()
-                _check(source.response)
+                check_response(source.response)
             for event in source.iter_sse():
                 if event.data == "[DONE]":
                     return
@@ -99,7 +99,7 @@ class RuntimeEndpoint(NativeGenerateBackend):
         return self._get("/get_server_info")
 
 
-def _check(response: "httpx.Response") -> None:
+def check_response(response: "httpx.Response") -> None:
     if response.status_code != 200:
         try:
             body = response.json()

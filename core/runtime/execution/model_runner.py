@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from radixlm.kernels import registry as kernels
+from radixlm.core.runtime.messages import ImageInput
 from radixlm.core.runtime.memory.memory_pool import KVPool, ReqToTokenPool, host_available_bytes, host_int64
 from radixlm.core.runtime.options import EngineOptions
 from radixlm.core.runtime.execution.batch_input import BatchInput, ImageSpan

@@ -25,13 +25,12 @@ from typing import Any, Iterator
 
 import torch
 
-from radixlm.core.runtime.constrained import GrammarBudget, build_constraint
-from radixlm.core.runtime.constrained.grammar_index_cache import prepare_in_background
 from radixlm.core.runtime.messages import (
     Abort, CallReply, CheckInvariants, FlushCache, GenerateRequest, GetStats, InboxMessage, OutboxMessage,
     StatsSnapshot,
 )
 from radixlm.core.runtime import gc_heap
+from radixlm.core.runtime.constraint_compiler import ConstraintCompiler
 from radixlm.core.runtime.memory.hicache import HostTier, tier_stats
 from radixlm.core.runtime.memory.memory_pool import SlotAllocator
 from radixlm.core.runtime.execution.model_runner import ModelRunner
@@ -56,7 +55,8 @@ logger = logging.getLogger("radixlm")
 
 
 class Scheduler:
-    def __init__(self, runner: ModelRunner, opts: EngineOptions, tokenizer, eos_token_ids: list[int]) -> None:
+    def __init__(self, runner: ModelRunner, opts: EngineOptions, tokenizer, eos_token_ids: list[int],
+                 constraints: ConstraintCompiler | None = None) -> None:
         self.runner = runner
         self.opts = opts
         self.tokenizer = tokenizer
@@ -90,14 +90,9 @@ class Scheduler:
         # In its own process the loop also puts its statistics on the outbox, at most this often (s).
         self.publish_interval: float | None = None
         self._published_at = 0.0
-        self._budget = GrammarBudget(max_compile_seconds=opts.grammar_max_compile_seconds,
-                                     max_configs=opts.grammar_max_configs,
-                                     warm_seconds=opts.grammar_warm_seconds)
+        # The engine's own when the loop shares its process; else this process's (documents registered here too).
+        self.constraints = constraints or ConstraintCompiler(tokenizer, eos_token_ids, opts)
         self.gc_pauses = gc_heap.watch(opts.gc_warning_threshold_ms)
-        if opts.json_schema_documents:  # in this process too (the loop may run in its own)
-            from radixlm.core.runtime.constrained.schema.schema_refs import register_documents  # imports `referencing`
-
-            register_documents(opts.json_schema_documents)
         # Read by other threads without waiting for the loop: when it last got anything done, and the
         # statistics as of then (replaced whole, never mutated).
         self.last_progress = time.monotonic()
@@ -106,10 +101,8 @@ class Scheduler:
         self._stop = threading.Event()
         # paused(): the loop waits between two iterations while another thread works on the scheduler.
         self._pause_wanted, self._paused, self._resume = threading.Event(), threading.Event(), threading.Event()
-        if opts.grammar_backend == "radixlm" and opts.grammar_prepare_at_start:  # (in a scheduler process too)
-            # The grammar tables are part of the heap that lives as long as the engine (gc_heap.py).
-            then = self._freeze_heap_while_running if opts.gc_freeze else None
-            prepare_in_background(tokenizer, eos_token_ids, then)
+        # The grammar tables are part of the heap that lives as long as the engine (gc_heap.py).
+        self.constraints.prepare_in_background(self._freeze_heap_while_running if opts.gc_freeze else None)
 
     @property
     def outbox(self) -> "queue.Queue[OutboxMessage]":
@@ -284,10 +277,9 @@ class Scheduler:
 
     def _add_request(self, inp: GenerateRequest) -> None:
         p = inp.sampling_params
-        # The scheduler decodes only to find stop strings (the output text is the front end's); a
-        # constrained stream decodes as it goes too, so that jump-forward replaces only tokens the front
-        # end has decoded.
-        lazy = not (p.stop or (inp.stream and inp.constraint is not None))
+        # The one detokenizer of the request: it finds stop strings and writes the outputs' text. Decoded
+        # once at the end when nothing reads the text earlier (no stream, no stop strings).
+        lazy = not (p.stop or inp.stream)
         detok = IncrementalDetokenizer(self.tokenizer, p.skip_special_tokens, p.stop, p.no_stop_trim, lazy=lazy)
         req = Req(inp=inp, detok=detok, arrival=self._arrivals)
         self._arrivals += 1
@@ -297,19 +289,12 @@ class Scheduler:
             self.deadlines.add(req)
         if added and inp.constraint is not None:
             try:
-                req.constraint = self._build_constraint(inp)
+                req.constraint = self.constraints.build(inp.constraint)
                 self.executor.advance.jump(req)  # text forced from the very start goes in with the prompt
             except ValueError as e:  # the front end validated the spec: only another front end gets here
                 self.queues.finish(req, Finish("abort"), error=f"invalid {inp.constraint.kind}: {e}", status_code=400)
             except Exception:
                 self.queues.fail(req, "constraining")
-
-    def _build_constraint(self, inp: GenerateRequest) -> Any:
-        """The request's live constraint, built from its spec (a cache hit when the front end compiled
-        the same spec in this process to validate it)."""
-        spec = inp.constraint
-        return build_constraint(spec.kind, spec.value(), self.tokenizer, eos_token_ids=self.eos_token_ids,
-                                backend=self.opts.grammar_backend, budget=self._budget)
 
     # ---- flush, stats, invariants ----------------------------------------------------------------
 

@@ -1,14 +1,17 @@
 """What a request's client receives: a `GenerateOutput` (core.runtime.messages) per stream chunk, or
-one with the whole output when it finishes, put on the scheduler's outbox. Its text is the front
-end's to decode."""
+one with the whole output when it finishes, put on the scheduler's outbox, with its text from the
+request's detokenizer (the one that found its stop strings)."""
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
 from radixlm.core.runtime.messages import FinishReason, GenerateOutput
 from radixlm.core.runtime.request import Req
+
+logger = logging.getLogger("radixlm")
 
 
 def emit(req: Req, outbox: Any, final: bool) -> None:
@@ -23,7 +26,8 @@ def emit(req: Req, outbox: Any, final: bool) -> None:
         return
     lp_start = req.streamed_logprobs if stream else 0
     out = GenerateOutput(
-        rid=req.rid, output_ids=ids, replaced=req.replaced_sent, prompt_tokens=len(req.inp.input_ids),
+        rid=req.rid, output_ids=ids, text=_text(req, final), replaced=req.replaced_sent,
+        prompt_tokens=len(req.inp.input_ids),
         completion_tokens=len(req.output_ids), cached_tokens=req.cached_tokens or 0)
     req.streamed_ids = len(req.output_ids)
     req.streamed_logprobs = len(req.output_token_logprobs)
@@ -42,3 +46,16 @@ def emit(req: Req, outbox: Any, final: bool) -> None:
         if req.scheduled_time is not None:
             out.queue_time = req.scheduled_time - req.created
     outbox.put(out)
+
+
+def _text(req: Req, final: bool) -> str:
+    """A stream's text new since its last output (holding back what may start a stop string), or the
+    whole text at the end. A decoding failure leaves the output with the text decoded so far."""
+    detok = req.detok
+    try:
+        if final:
+            detok.flush()
+        return detok.take_new_text(final) if req.inp.stream else detok.text
+    except Exception:
+        logger.exception("request %s: decoding its output failed", req.rid)
+        return "" if req.inp.stream else detok.text
