@@ -340,11 +340,11 @@ def _sample(engine: Engine, name: str, schema, n: int, seed: int, bad: list[str]
     checked with jsonschema (formats asserted where the engine asserts them; the suite's remotes known)."""
     import jsonschema
 
-    from radixlm.core.runtime.constrained.schema.json_grammar import _asserts_formats
+    from radixlm.core.runtime.constrained.schema.json_strings import asserts_formats
     from radixlm.testing.constrained import random_walk
 
     cls = jsonschema.validators.validator_for(schema) if isinstance(schema, dict) else jsonschema.Draft202012Validator
-    validator = cls(schema, format_checker=cls.FORMAT_CHECKER if _asserts_formats(schema) else None, registry=remotes)
+    validator = cls(schema, format_checker=cls.FORMAT_CHECKER if asserts_formats(schema) else None, registry=remotes)
     rng = np.random.default_rng(seed)
     out = []
     for _ in range(n):

@@ -10,7 +10,8 @@ import outlines_core
 import pytest
 import torch
 
-from radixlm.core.runtime.constrained import apply_token_masks, build_constraint, json_schema_to_regex, regex_to_dfa
+from radixlm.core.runtime.constrained import (apply_token_masks, build_constraint, grammar_to_regex,
+                                              json_schema_to_grammar, regex_to_dfa)
 from radixlm.core.runtime.constrained.tokens.masks import unpack_bitmask
 from radixlm.testing.constrained import qwen2_tokenizer, random_walk
 from radixlm.core.runtime.constrained.tokens.vocab import token_bytes_of, vocab_of
@@ -34,8 +35,8 @@ SHARED_DIALECT = [
     r"[\U0001F600-\U0001F64F]{1,2} ok",
     r"[^a-z]{2}",
     r"\[([0-9]+(, [0-9]+)*)?\]",
-    json_schema_to_regex({"type": "object", "properties": {"id": {"type": "integer"}, "tags": {
-        "type": "array", "items": {"type": "string", "maxLength": 3}, "maxItems": 2}}, "required": ["id"]}),
+    grammar_to_regex(json_schema_to_grammar({"type": "object", "properties": {"id": {"type": "integer"}, "tags": {
+        "type": "array", "items": {"type": "string", "maxLength": 3}, "maxItems": 2}}, "required": ["id"]})),
 ]
 QWEN_SHARED_DIALECT = [SHARED_DIALECT[i] for i in (0, 1, 4, 5, 6, 10, 12)]
 

@@ -35,7 +35,7 @@ from typing import Any, Literal, Union, get_args, get_origin
 
 import pydantic
 
-from radixlm.core.runtime.constrained.schema.json_schema import json_schema_to_regex
+from radixlm.core.runtime.constrained import grammar_to_regex, json_schema_to_grammar
 
 logger = logging.getLogger("radixlm")
 
@@ -64,6 +64,13 @@ def free_text_regex(max_chars: int | None) -> str:
     if max_chars < 1:
         raise ValueError("max_field_chars must be at least 1")
     return _TEXT_FIRST + (_TEXT_UNIT + f"{{0,{max_chars - 1}}}" if max_chars > 1 else "")
+
+
+def json_value_regex(schema: Any) -> str:
+    """The JSON values valid under `schema`, spaced as DSPy writes them or compact, as one regex: the
+    grammar engine's JSON grammar written out (recursion cut at grammar_to_regex's depth). ValueError for
+    what the grammar refuses or cannot write as a regex."""
+    return grammar_to_regex(json_schema_to_grammar(schema, whitespace_pattern=_JSON_SPACE))
 
 
 def _is_text(annotation: Any) -> bool:
@@ -122,7 +129,7 @@ def _chat_value_regex(annotation: Any, max_chars: int | None) -> str:
         return "(?:" + "|".join(re.escape(str(v)) for v in get_args(annotation)) + ")"
     if isinstance(annotation, enum.EnumMeta):
         return "(?:" + "|".join(re.escape(str(m.value)) for m in annotation) + ")"
-    return json_schema_to_regex(_annotation_schema(annotation, max_chars), whitespace_pattern=_JSON_SPACE)
+    return json_value_regex(_annotation_schema(annotation, max_chars))
 
 
 def _has_tool_pair(names: list[str], tools: dict[str, Any] | None) -> bool:
@@ -144,7 +151,7 @@ def chat_regex(signature: Any, max_field_chars: int | None = None, tools: dict[s
         name = names[i]
         if joint and name == TOOL_NAME_FIELD:
             choices = [re.escape(tool_name) + _CHAT_SEPARATOR + _chat_header(TOOL_ARGS_FIELD)
-                       + json_schema_to_regex(_tool_args_schema(tool, max_field_chars), whitespace_pattern=_JSON_SPACE)
+                       + json_value_regex(_tool_args_schema(tool, max_field_chars))
                        for tool_name, tool in tools.items()]
             parts.append(_chat_header(name) + "(?:" + "|".join(choices) + ")")
             i += 2

@@ -34,8 +34,6 @@ class FrontEnd:
     def __init__(self, tokenizer: Any, opts: EngineOptions, vocab_size: int, context_len: int,
                  eos_token_ids: list[int], scheduler: Any, images: ImagePreparer | None = None,
                  constraints: ConstraintCompiler | None = None) -> None:
-        self.tokenizer = tokenizer
-        self.options = opts
         self.builder = RequestBuilder(tokenizer, opts, vocab_size, context_len, images)
         self.constraints = constraints or ConstraintCompiler(tokenizer, eos_token_ids, opts)
         self.constraints.prepare_in_background()

@@ -5,13 +5,13 @@ optional llguidance package behind the same interface). See docs/constrained.md.
 from radixlm.core.runtime.constrained.fsm import FSMConstraint, build_constraint
 from radixlm.core.runtime.constrained.automata.grammar import Grammar
 from radixlm.core.runtime.constrained.automata.grammar_compiler import GrammarBudget, compile_grammar
+from radixlm.core.runtime.constrained.automata.grammar_regex import grammar_to_regex
 from radixlm.core.runtime.constrained.schema.json_grammar import json_schema_to_grammar
-from radixlm.core.runtime.constrained.schema.json_schema import json_schema_to_regex
 from radixlm.core.runtime.constrained.tokens.masks import apply_token_masks
 from radixlm.core.runtime.constrained.pda import GrammarIndex
 from radixlm.core.runtime.constrained.automata.regex_dfa import ByteDFA, regex_to_dfa
 
 __all__ = [
     "ByteDFA", "FSMConstraint", "Grammar", "GrammarBudget", "GrammarIndex", "apply_token_masks", "build_constraint",
-    "compile_grammar", "json_schema_to_grammar", "json_schema_to_regex", "regex_to_dfa",
+    "compile_grammar", "grammar_to_regex", "json_schema_to_grammar", "regex_to_dfa",
 ]

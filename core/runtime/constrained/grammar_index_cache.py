@@ -18,7 +18,7 @@ from radixlm.core.runtime.constrained.automata.grammar import Grammar, choices_g
 from radixlm.core.runtime.constrained.automata.grammar_compiler import (DEFAULT_BUDGET, Deadline, GrammarBudget,
                                                                         compile_grammar, terminal_dfa)
 from radixlm.core.runtime.constrained.schema.json_grammar import json_schema_to_grammar
-from radixlm.core.runtime.constrained.schema.json_schema import _load_schema as load_schema
+from radixlm.core.runtime.constrained.schema.schema_input import load_schema
 from radixlm.core.runtime.constrained.schema.schema_prune import prune_definitions
 from radixlm.core.runtime.constrained.pda import GrammarIndex
 from radixlm.core.runtime.constrained.tokens.terminal_tokens import state_tokens

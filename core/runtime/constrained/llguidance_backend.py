@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from radixlm.core.runtime.constrained.schema.json_schema import _load_schema
+from radixlm.core.runtime.constrained.schema.schema_input import load_schema
 from radixlm.core.runtime.constrained.tokens.vocab import TokenVocab, whole_characters
 
 _tokenizers: "weakref.WeakKeyDictionary[object, dict]" = weakref.WeakKeyDictionary()
@@ -45,7 +45,7 @@ def llguidance_grammar(kind: str, spec: Any, whitespace_pattern: str | None = No
         options = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
         if whitespace_pattern:
             options = {"whitespace_flexible": True, "whitespace_pattern": whitespace_pattern}
-        return LLMatcher.grammar_from_json_schema(_load_schema(spec), defaults=options)
+        return LLMatcher.grammar_from_json_schema(load_schema(spec), defaults=options)
     if kind == "regex":
         return LLMatcher.grammar_from_regex(spec)
     if kind == "choices":

@@ -1,4 +1,4 @@
-"""allOf: parts merged into one schema (a mixin of json_grammar._Converter over json_schema's merge)."""
+"""allOf: parts merged into one schema (a mixin of json_grammar._Converter over schema_merge.py's merge)."""
 
 from __future__ import annotations
 
@@ -6,10 +6,10 @@ import json
 import math
 from typing import Any
 
-from radixlm.core.runtime.constrained.schema.json_common import (_CONFLICT, _LOWER_BOUNDS, _NEGATED, _NOT_STRINGS,
-                                                                 _SCHEMA_VALUED, _UPPER_BOUNDS, _negated,
-                                                                 _pattern_matches, _same_json, _with_parts)
-from radixlm.core.runtime.constrained.schema.json_conditional import _discriminated, _through_if
+from radixlm.core.runtime.constrained.schema.json_common import (CONFLICT, LOWER_BOUNDS, NEGATED, NOT_STRINGS,
+                                                                 SCHEMA_VALUED, UPPER_BOUNDS, mark_negated,
+                                                                 pattern_matches, same_json, with_parts)
+from radixlm.core.runtime.constrained.schema.json_conditional import discriminated, through_if_branch
 
 
 # The keywords that constrain values (JSON Schema 2020-12 and earlier drafts, OpenAPI's nullable);
@@ -21,7 +21,7 @@ _KNOWN = {
     "uniqueItems", "minLength", "maxLength", "pattern", "format", "minimum", "maximum", "exclusiveMinimum",
     "exclusiveMaximum", "multipleOf", "anyOf", "oneOf", "allOf", "not", "if", "then", "else", "$ref",
     "nullable", "dependentRequired", "dependentSchemas", "dependencies", "$dynamicRef", "$recursiveRef",
-    _NOT_STRINGS, _NEGATED,
+    NOT_STRINGS, NEGATED,
 }
 MAX_COMBINATIONS = 256  # allOf of several anyOf/oneOf: branch combinations generated at most
 
@@ -49,10 +49,10 @@ class AllOfRules:
             rest = {k: v for k, v in first.items() if k != key}
             alternatives = []
             for branch in first[key]:
-                branch = _negated(branch) if first.get(_NEGATED) else branch
+                branch = mark_negated(branch) if first.get(NEGATED) else branch
                 new = list(parts)
                 new[index] = rest
-                alternatives.append(_with_parts(new[-1], branch, *new[:-1]))  # the parent stays the parent
+                alternatives.append(with_parts(new[-1], branch, *new[:-1]))  # the parent stays the parent
             return {key: alternatives}
         # The last part is the parent: its unevaluated* keywords see the evaluations of every part. Any
         # other part's see only its own, which (stricter, so still sound) is what additionalProperties
@@ -71,7 +71,7 @@ class AllOfRules:
                         for name in props:
                             patterns = c.get("patternProperties") or {}
                             if name not in (c.get("properties") or {}) and not any(
-                                    _pattern_matches(p, name) for p in patterns):
+                                    pattern_matches(p, name) for p in patterns):
                                 props[name] = {"allOf": [props[name], c["additionalProperties"]]}
                     part = dict(part, properties=props)
                 adjusted.append(part)
@@ -111,17 +111,17 @@ class AllOfRules:
         parts' own properties and prefix items by _merge), prefixItems position by position, integer
         multipleOf as the least common multiple. Others are refused."""
         numbers = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (a, b))
-        if key in _LOWER_BOUNDS and numbers:
+        if key in LOWER_BOUNDS and numbers:
             return max(a, b)
-        if key in _UPPER_BOUNDS and numbers:
+        if key in UPPER_BOUNDS and numbers:
             return min(a, b)
         if key == "multipleOf" and numbers and float(a).is_integer() and float(b).is_integer():
             return math.lcm(int(a), int(b))
-        if key in _SCHEMA_VALUED:
+        if key in SCHEMA_VALUED:
             return {"allOf": [a, b]}
         if key == "not":  # not A and not B: not (A or B)
             return {"anyOf": [a, b]}
-        if key == _NOT_STRINGS:
+        if key == NOT_STRINGS:
             return a + b
         if key == "pattern":  # both hold: a list (json_strings.py intersects their automata)
             return [p for v in (a, b) for p in (v if isinstance(v, list) else [v])]
@@ -130,7 +130,7 @@ class AllOfRules:
             # the tighter min/maxContains of the merge hold for each part's count too).
             return {"allOf": [a, b]}
         if key == "const":  # two different constants: no value
-            return a if a is not _CONFLICT and b is not _CONFLICT and _same_json(a, b) else _CONFLICT
+            return a if a is not CONFLICT and b is not CONFLICT and same_json(a, b) else CONFLICT
         if key == "prefixItems" and isinstance(a, list) and isinstance(b, list):
             short, long = sorted((a, b), key=len)
             return [{"allOf": [x, y]} for x, y in zip(short, long)] + long[len(short):]
@@ -143,14 +143,14 @@ class AllOfRules:
         derefed = []
         for s in schemas:  # (a `not`'s positive form stays marked through its refs and nested allOfs)
             part, sub_refs = self._deref(s, refs)
-            derefed.append((_negated(part) if isinstance(s, dict) and s.get(_NEGATED) else part, sub_refs))
-        derefed = _discriminated([(_known_keywords(part), sub_refs) for part, sub_refs in derefed])
+            derefed.append((mark_negated(part) if isinstance(s, dict) and s.get(NEGATED) else part, sub_refs))
+        derefed = discriminated([(_known_keywords(part), sub_refs) for part, sub_refs in derefed])
         for part, sub_refs in derefed:
             if isinstance(part, dict) and "if" in part:
-                part = _through_if(part)
+                part = through_if_branch(part)
             if isinstance(part, dict) and isinstance(part.get("allOf"), list):
                 inner = self._flat_parts(part["allOf"], sub_refs)
-                parts.extend([_negated(p) for p in inner] if part.get(_NEGATED) else inner)
+                parts.extend([mark_negated(p) for p in inner] if part.get(NEGATED) else inner)
                 part = {k: v for k, v in part.items() if k != "allOf"}
             parts.append(part)
         return parts
@@ -178,11 +178,11 @@ def _own_evaluations_only(schema: Any) -> Any:
 
 def _unevaluated_in_negations(parts: list[Any]) -> list[Any]:
     """The parent's (last part's) unevaluatedProperties/unevaluatedItems carried onto the keys and items
-    only a `not`'s positive form (a _NEGATED part) lists: a validator counts nothing a `not` says as
+    only a `not`'s positive form (a NEGATED part) lists: a validator counts nothing a `not` says as
     evaluated, while the merge would."""
     parent = parts[-1] if parts and isinstance(parts[-1], dict) else {}
-    marked = [p for p in parts if isinstance(p, dict) and p.get(_NEGATED)]
-    real = [p for p in parts if isinstance(p, dict) and not p.get(_NEGATED)]
+    marked = [p for p in parts if isinstance(p, dict) and p.get(NEGATED)]
+    real = [p for p in parts if isinstance(p, dict) and not p.get(NEGATED)]
     if not marked:
         return parts
     props_rule = parent.get("unevaluatedProperties", True)
@@ -196,10 +196,10 @@ def _unevaluated_in_negations(parts: list[Any]) -> list[Any]:
     prefix = max((len(p.get("prefixItems") or []) for p in real), default=0)
     out = []
     for part in parts:
-        if isinstance(part, dict) and part.get(_NEGATED):
-            part = {k: v for k, v in part.items() if k != _NEGATED}  # (the merged schema is not one)
+        if isinstance(part, dict) and part.get(NEGATED):
+            part = {k: v for k, v in part.items() if k != NEGATED}  # (the merged schema is not one)
             if props_rule is not True and isinstance(part.get("properties"), dict):
-                part["properties"] = {k: v if k in listed or any(_pattern_matches(p, k) for p in patterns)
+                part["properties"] = {k: v if k in listed or any(pattern_matches(p, k) for p in patterns)
                                       else {"allOf": [v, props_rule]} for k, v in part["properties"].items()}
             if items_rule is not True and isinstance(part.get("prefixItems"), list):
                 part["prefixItems"] = [v if i < prefix else {"allOf": [v, items_rule]}

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from radixlm.core.runtime.constrained.automata.grammar import EMPTY, Expr, Ref, Repeat, alt, opt, seq
-from radixlm.core.runtime.constrained.schema.json_common import NOTHING, SchemaError, _counts
+from radixlm.core.runtime.constrained.schema.json_common import NOTHING, SchemaError, count_bounds
 
 
 MAX_COUNTED_RULES = 1024  # contains with counts: a rule per (items so far, matches so far)
@@ -15,7 +15,7 @@ class ArrayRules:
     """The `array` type's rules."""
 
     def _array(self, schema: dict, ptr: str) -> Expr:
-        lo, hi = _counts(schema, "minItems", "maxItems", ptr)
+        lo, hi = count_bounds(schema, "minItems", "maxItems", ptr)
         # Items past the prefix that `items` does not cover are the unevaluated ones.
         items, prefix = schema.get("items", schema.get("unevaluatedItems", True)), schema.get("prefixItems")
         if "contains" in schema and "items" not in schema and schema.get("unevaluatedItems", True) is not True:
@@ -31,7 +31,7 @@ class ArrayRules:
                                   "(items that refer to other schemas, or contains)")
             hi = 1 if hi is None else min(hi, 1)
         if "contains" in schema:
-            contains_lo, contains_hi = _counts(schema, "minContains", "maxContains", ptr)
+            contains_lo, contains_hi = count_bounds(schema, "minContains", "maxContains", ptr)
             if "minContains" not in schema:
                 contains_lo = 1
             if contains_lo or contains_hi is not None:

@@ -7,50 +7,51 @@ import json
 import re
 from typing import Any
 
-from radixlm.core.runtime.constrained.schema import json_schema as js
+from radixlm.core.runtime.constrained.automata import json_lexical
 from radixlm.core.runtime.constrained.tokens.counted_string import counted_string_dfa
 from radixlm.core.runtime.constrained.automata.grammar import Alt, Terminal, lit
 
 
-CHAR = Terminal(regex=js.STRING_CHAR)
-NUMBER = Terminal(regex=js.NUMBER)
+CHAR = Terminal(regex=json_lexical.STRING_CHAR)
+NUMBER = Terminal(regex=json_lexical.NUMBER)
 # Integers are generated canonically ("1", never "1.0"), though JSON Schema (draft 6 on) counts 1.0 as an
 # integer too: programs read the output with json.loads, where 1.0 is a float (range(x) fails on it).
-INTEGER = Terminal(regex=js.INTEGER)
+INTEGER = Terminal(regex=json_lexical.INTEGER)
 NULL = lit("null")
 BOOLEAN = Terminal(regex="true|false")
 NOTHING = Alt(())  # no output at all
 
-_TYPES = ("null", "boolean", "object", "array", "string", "number")
-_IGNORED = {
+JSON_TYPES = ("null", "boolean", "object", "array", "string", "number")
+IGNORED_KEYWORDS = {
     "title", "description", "default", "examples", "$schema", "$id", "$anchor", "$comment", "$defs", "definitions",
     "readOnly", "writeOnly", "deprecated", "contentMediaType", "contentEncoding", "contentSchema", "discriminator",
     "format", "$vocabulary", "$dynamicAnchor", "x-", "externalDocs", "xml", "example",
 }
-_REFUSED = {"$dynamicRef": "a $dynamicRef that does not resolve, or whose target depends on the path taken "
+REFUSED_KEYWORDS = {"$dynamicRef": "a $dynamicRef that does not resolve, or whose target depends on the path taken "
                            "(the dynamic scope),",
             "$recursiveRef": "keyword '$recursiveRef'"}
-_DEPENDENT = ("dependentRequired", "dependentSchemas", "dependencies")
-_LOWER_BOUNDS = {"minimum", "exclusiveMinimum", "minLength", "minItems", "minProperties", "minContains"}
-_UPPER_BOUNDS = {"maximum", "exclusiveMaximum", "maxLength", "maxItems", "maxProperties", "maxContains"}
-_CONFLICT = object()  # internal: the `const` of allOf parts with different constants (no value)
-_NOT_STRINGS = "x-radixlm-not-strings"  # internal: regexes of the JSON strings a `not` excludes
+DEPENDENT_KEYWORDS = ("dependentRequired", "dependentSchemas", "dependencies")
+LOWER_BOUNDS = {"minimum", "exclusiveMinimum", "minLength", "minItems", "minProperties", "minContains"}
+UPPER_BOUNDS = {"maximum", "exclusiveMaximum", "maxLength", "maxItems", "maxProperties", "maxContains"}
+CONFLICT = object()  # internal: the `const` of allOf parts with different constants (no value)
+NOT_STRINGS = "x-radixlm-not-strings"  # internal: regexes of the JSON strings a `not` excludes
 # internal: a `not`'s positive form (json_exclusion.py), whose keys and items a validator does not count
 # as evaluated (json_allof.py holds them to the parent's unevaluatedProperties/Items)
-_NEGATED = "x-radixlm-negated"
-_SCHEMA_VALUED = {"items", "additionalProperties", "propertyNames", "additionalItems"}
+NEGATED = "x-radixlm-negated"
+SCHEMA_VALUED = {"items", "additionalProperties", "propertyNames", "additionalItems"}
 
 
 def string_terminal(lo: int = 0, hi: int | None = None) -> Terminal:
     """A JSON string of lo..hi characters, quotes included; its masks are counted (counted_string.py)."""
-    return Terminal(key=f"counted:{lo}:{hi}", dfa=counted_string_dfa(lo, hi))
+    regex = f'"{json_lexical.STRING_CHAR}{{{lo},{"" if hi is None else hi}}}"'
+    return Terminal(regex=regex, key=f"counted:{lo}:{hi}", dfa=counted_string_dfa(lo, hi))
 
 
 class SchemaError(ValueError):
     """A schema the converter refuses; the message names the keyword and its JSON pointer."""
 
 
-def _pattern_matches(pattern: str, name: str, ptr: str = "#") -> bool:
+def pattern_matches(pattern: str, name: str, ptr: str = "#") -> bool:
     """ECMA-262 search of `pattern` in a property name (Python's `re` with ASCII classes)."""
     try:
         return re.search(pattern, name, re.ASCII) is not None
@@ -58,7 +59,7 @@ def _pattern_matches(pattern: str, name: str, ptr: str = "#") -> bool:
         raise SchemaError(f"{ptr}/patternProperties: invalid pattern {pattern!r}: {e}") from None
 
 
-def _counts(schema: dict, low: str, high: str, ptr: str) -> tuple[int, int | None]:
+def count_bounds(schema: dict, low: str, high: str, ptr: str) -> tuple[int, int | None]:
     """(schema[low] or 0, schema[high] or None) as ints: whole numbers, 2.0 included (JSON Schema's
     non-negative integers may be written so)."""
     out = []
@@ -72,7 +73,7 @@ def _counts(schema: dict, low: str, high: str, ptr: str) -> tuple[int, int | Non
     return out[0], out[1]
 
 
-def _with_parts(schema: Any, *parts: Any) -> Any:
+def with_parts(schema: Any, *parts: Any) -> Any:
     """`schema` with `parts` applied in place (an allOf beside its keywords: a $ref target, an anyOf
     branch, the `if` taken). Its keywords stay the allOf's parent (json_allof.py), so its
     unevaluatedProperties/Items see what the parts evaluate. Not for a `not`'s positive form, whose
@@ -82,31 +83,31 @@ def _with_parts(schema: Any, *parts: Any) -> Any:
     return {**schema, "allOf": [*parts, *schema.get("allOf", [])]}
 
 
-def _negated(schema: Any) -> Any:
-    """A `not`'s positive form, marked as such (_NEGATED), its anyOf/allOf branches too."""
+def mark_negated(schema: Any) -> Any:
+    """A `not`'s positive form, marked as such (NEGATED), its anyOf/allOf branches too."""
     if not isinstance(schema, dict):
         return schema
-    out = {**schema, _NEGATED: True}
+    out = {**schema, NEGATED: True}
     for key in ("anyOf", "allOf"):
         if isinstance(schema.get(key), list):
-            out[key] = [_negated(b) for b in schema[key]]
+            out[key] = [mark_negated(b) for b in schema[key]]
     return out
 
 
-def _opened(schema: dict) -> dict:
+def open_part(schema: dict) -> dict:
     """What a part added to `schema` by an allOf must carry so that an object listing no keys stays open
     (_object closes objects that list keys and say nothing of others: the documented strictness)."""
     listed = ("properties", "patternProperties", "additionalProperties", "unevaluatedProperties")
     return {} if any(k in schema for k in listed) else {"additionalProperties": True}
 
 
-def _same_json(a: Any, b: Any) -> bool:
+def same_json(a: Any, b: Any) -> bool:
     """Equal as JSON Schema compares values (1 == 1.0; true is not 1)."""
-    return _json_type(a) in ("integer", "number") and _json_type(b) in ("integer", "number") and a == b or \
+    return json_type(a) in ("integer", "number") and json_type(b) in ("integer", "number") and a == b or \
         json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)
 
 
-def _json_type(value: Any) -> str:
+def json_type(value: Any) -> str:
     if value is None:
         return "null"
     if isinstance(value, bool):
@@ -120,5 +121,5 @@ def _json_type(value: Any) -> str:
     return "array" if isinstance(value, list) else "object"
 
 
-def _escape(name: str) -> str:
+def escape_pointer(name: str) -> str:
     return name.replace("~", "~0").replace("/", "~1")

@@ -6,7 +6,8 @@ import json
 from typing import Any
 
 from radixlm.core.runtime.constrained.automata.grammar import Expr, alt
-from radixlm.core.runtime.constrained.schema.json_common import _DEPENDENT, SchemaError, _escape, _opened, _with_parts
+from radixlm.core.runtime.constrained.schema.json_common import (DEPENDENT_KEYWORDS, SchemaError, escape_pointer,
+                                                                 open_part, with_parts)
 
 
 class ConditionalRules:
@@ -16,10 +17,10 @@ class ConditionalRules:
     def _dependents(schema: dict, ptr: str) -> dict:
         """dependentRequired / dependentSchemas (and draft 7's dependencies) as an allOf of choices, one per
         key: the key absent, or present with what depends on it."""
-        rest = {k: v for k, v in schema.items() if k not in _DEPENDENT}
-        opened = _opened(schema)
+        rest = {k: v for k, v in schema.items() if k not in DEPENDENT_KEYWORDS}
+        opened = open_part(schema)
         parts = []
-        for keyword in _DEPENDENT:
+        for keyword in DEPENDENT_KEYWORDS:
             table = schema.get(keyword, {})
             if not isinstance(table, dict):
                 raise SchemaError(f"{ptr}/{keyword}: must be an object")
@@ -27,24 +28,24 @@ class ConditionalRules:
                 if isinstance(then, list):  # dependentRequired (and dependencies' list form)
                     then = {"required": then}
                 elif keyword == "dependentRequired":
-                    raise SchemaError(f"{ptr}/{keyword}/{_escape(key)}: must be a list of property names")
+                    raise SchemaError(f"{ptr}/{keyword}/{escape_pointer(key)}: must be a list of property names")
                 present = {"allOf": [{"required": [key], **opened}, then]}
                 parts.append({"anyOf": [{"properties": {key: False}, **opened}, present]})
-        return _with_parts(rest, *parts)
+        return with_parts(rest, *parts)
 
 
     def _conditional(self, schema: dict, ptr: str) -> Expr:
         """if/then/else: values of `if` and `then`, or of `not: if` and `else` where `not` can say it
         (else the former only: a sound subset)."""
-        through_if = self.value(_through_if(schema), ptr)
+        through_if = self.value(through_if_branch(schema), ptr)
         if schema["if"] is False or schema["if"] is True:
             return through_if
         rest = {k: v for k, v in schema.items() if k not in ("if", "then", "else")}
-        other = self._attempt(_with_parts(rest, {"not": schema["if"]}, schema.get("else", True)), f"{ptr}/else")
+        other = self._attempt(with_parts(rest, {"not": schema["if"]}, schema.get("else", True)), f"{ptr}/else")
         return through_if if isinstance(other, SchemaError) else alt(through_if, other)
 
 
-def _discriminated(parts: list[tuple[Any, tuple]]) -> list[tuple[Any, tuple]]:
+def discriminated(parts: list[tuple[Any, tuple]]) -> list[tuple[Any, tuple]]:
     """allOf parts `{"if": {"properties": {"kind": {"const": c_i}}}, "then": T_i, "else": E_i}` with one
     key and different constants (a discriminator, as in GitHub's issue forms) as one choice: objects with
     kind c_i, T_i and every other part's E_i. Through `if` alone, every part's T_i would apply at once."""
@@ -79,11 +80,11 @@ def _discriminated(parts: list[tuple[Any, tuple]]) -> list[tuple[Any, tuple]]:
     return out
 
 
-def _through_if(schema: dict) -> dict:
+def through_if_branch(schema: dict) -> dict:
     """if/then/else generated through its `if` branch: instances of if and then (a sound subset)."""
     rest = {k: v for k, v in schema.items() if k not in ("if", "then", "else")}
     if "then" not in schema and "else" not in schema:  # an `if` alone constrains nothing
         return rest
     if schema["if"] is False:  # no value matches `if`: every value takes `else`
-        return _with_parts(rest, schema.get("else", True))
-    return _with_parts(rest, schema["if"], schema.get("then", True))
+        return with_parts(rest, schema.get("else", True))
+    return with_parts(rest, schema["if"], schema.get("then", True))

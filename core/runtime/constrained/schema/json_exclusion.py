@@ -8,8 +8,8 @@ import re
 from typing import Any
 
 from radixlm.core.runtime.constrained.automata.grammar import Expr
-from radixlm.core.runtime.constrained.schema.json_common import (_CONFLICT, _IGNORED, _NOT_STRINGS, _TYPES, NOTHING,
-                                                                 SchemaError, _json_type, _same_json, _with_parts)
+from radixlm.core.runtime.constrained.schema.json_common import (CONFLICT, IGNORED_KEYWORDS, NOT_STRINGS, JSON_TYPES,
+                                                                 NOTHING, SchemaError, json_type, same_json, with_parts)
 from radixlm.core.runtime.constrained.schema.json_strings import ecma_string_pattern
 
 
@@ -27,7 +27,7 @@ class ExclusionRules:
         type it does not allow, a string, number, array or object past one of its keywords, a value its
         `not` accepts. A keyword with no such form here is left out (a sound subset: fewer values); if
         that leaves nothing, it is refused naming the keywords. `opened` keeps an object that lists no
-        keys open (see _opened)."""
+        keys open (see open_part)."""
         if depth > MAX_NEGATION_DEPTH:  # a recursive schema: its negation would never end
             raise SchemaError(f"{ptr}: 'not' nested deeper than {MAX_NEGATION_DEPTH} levels is not supported")
         try:
@@ -40,14 +40,15 @@ class ExclusionRules:
             return True
         if not isinstance(sub, dict):
             raise SchemaError(f"{ptr}: a JSON schema must be an object or a boolean, got {sub!r}")
-        body = {k: v for k, v in sub.items() if k not in _IGNORED}
+        body = {k: v for k, v in sub.items() if k not in IGNORED_KEYWORDS}
         types = body.get("type")
         types = None if types is None else {types} if isinstance(types, str) else set(types)
         if types is not None and body.get("nullable") is True:  # OpenAPI's nullable widens the type
             types.add("null")
         ways, skipped = [], ["format"] if "format" in sub and self.formats_asserted else []
         if types is not None:  # a value of another type fails it
-            others = {"type": sorted(set(_TYPES) - types)} if types <= set(_TYPES) else {"not": {"type": body["type"]}}
+            others = ({"type": sorted(set(JSON_TYPES) - types)} if types <= set(JSON_TYPES)
+                      else {"not": {"type": body["type"]}})
             ways.append(others)
 
         def of_type(kind: str, schema: dict) -> None:
@@ -95,7 +96,7 @@ class ExclusionRules:
             return [(kind, {low: int(value) + 1})]
         if key == "pattern" and isinstance(value, str):
             try:
-                return [("string", {_NOT_STRINGS: [f'"{ecma_string_pattern(value)}"']})]
+                return [("string", {NOT_STRINGS: [f'"{ecma_string_pattern(value)}"']})]
             except ValueError as e:
                 raise SchemaError(f"{ptr}/pattern: {e}") from None
         if key in ("enum", "const"):
@@ -150,7 +151,7 @@ class ExclusionRules:
     def _without(self, types: list[str], sub: Any, ptr: str) -> list[str]:
         if sub is True or sub == {}:
             return []
-        if isinstance(sub, dict) and set(sub) - _IGNORED == {"type"}:
+        if isinstance(sub, dict) and set(sub) - IGNORED_KEYWORDS == {"type"}:
             excluded = {sub["type"]} if isinstance(sub["type"], str) else set(sub["type"])
             if "number" in excluded:
                 excluded.add("integer")
@@ -172,7 +173,7 @@ class ExclusionRules:
             others = set().union(*(s["types"] for j, s in enumerate(sigs) if j != i))
             types = {t for t in sig["types"] if t not in others and not (t == "number" and "integer" in others)}
             if types:
-                kept.append(_with_parts(branch, {"type": sorted(types - {"integer"} if "number" in types else types)}))
+                kept.append(with_parts(branch, {"type": sorted(types - {"integer"} if "number" in types else types)}))
                 kept_sigs.append(dict(sig, types=types | ({"integer"} if "number" in types else set())))
         if kept and _pairwise_exclusive(kept_sigs):
             lost = len(kept) < len(branches) or any(k["types"] != s["types"] for k, s in zip(kept_sigs, sigs))
@@ -199,7 +200,7 @@ class ExclusionRules:
         for i, branch in enumerate(branches):
             overlapping = [b for j, b in enumerate(own)
                            if j != i and not (_excludes(sigs[i], sigs[j]) and _excludes(sigs[j], sigs[i]))]
-            candidate = _with_parts(branch, *({"not": b} for b in overlapping))
+            candidate = with_parts(branch, *({"not": b} for b in overlapping))
             expr = self._attempt(candidate, f"{ptr}/{i}")
             if isinstance(expr, SchemaError):
                 first_error = first_error or expr
@@ -247,8 +248,8 @@ class ExclusionRules:
         if isinstance(schema, dict) and "allOf" in schema:
             schema = self._merge(schema["allOf"] + [{k: v for k, v in schema.items() if k != "allOf"}], ())
         if not isinstance(schema, dict):
-            return {"types": set(_TYPES) | {"integer"}, "consts": None}
-        if schema.get("const") is _CONFLICT:
+            return {"types": set(JSON_TYPES) | {"integer"}, "consts": None}
+        if schema.get("const") is CONFLICT:
             return {"types": set(), "consts": None}
         consts = None
         if "const" in schema:
@@ -256,9 +257,9 @@ class ExclusionRules:
         elif isinstance(schema.get("enum"), list):
             consts = schema["enum"]
         if consts is not None:
-            types = {_json_type(c) for c in consts}
+            types = {json_type(c) for c in consts}
         else:
-            t = schema.get("type", list(_TYPES))
+            t = schema.get("type", list(JSON_TYPES))
             types = {t} if isinstance(t, str) else set(t)
             choice = schema.get("anyOf", schema.get("oneOf"))
             if isinstance(choice, list) and depth < 8:  # the types its branches allow, within its own
@@ -266,7 +267,7 @@ class ExclusionRules:
                 types = types | ({"integer"} if "number" in types else set())
                 types = types & inner | ({"integer"} if "number" in types & inner else set())
             elif choice is not None or "not" in schema:
-                types = set(_TYPES)
+                types = set(JSON_TYPES)
         if "number" in types:
             types.add("integer")
         if schema.get("nullable") is True:
@@ -292,7 +293,7 @@ def _consts_within(schema: Any) -> list | None:
     for part in schema.get("allOf", ()) if isinstance(schema, dict) and isinstance(schema.get("allOf"), list) else ():
         more = _consts_within(part)
         if more is not None:
-            consts = more if consts is None else [c for c in consts if any(_same_json(c, m) for m in more)]
+            consts = more if consts is None else [c for c in consts if any(same_json(c, m) for m in more)]
     return consts
 
 
@@ -311,7 +312,7 @@ def _excludes(a: dict, b: dict) -> bool:
         others = b["consts"]
         if others is not None:
             return all(c not in others for c in a["consts"])
-        return all(_json_type(c) not in b["types"] for c in a["consts"])
+        return all(json_type(c) not in b["types"] for c in a["consts"])
     if not (a["types"] & b["types"]):
         return True
     if a["types"] & b["types"] - {"object"}:
@@ -338,12 +339,12 @@ def _other_than(values: list) -> list:
     those strings; numbers in the open intervals between those numbers; the other boolean."""
     strings = [re.escape(json.dumps(v, ensure_ascii=False)) for v in values if isinstance(v, str)]
     if len(strings) == len(values):
-        return [(None, {_NOT_STRINGS: strings})]
-    numbers = sorted({v for v in values if _json_type(v) in ("integer", "number")})
-    kinds = {"number" if _json_type(v) == "integer" else _json_type(v) for v in values}
-    ways = [(None, {"type": sorted(set(_TYPES) - kinds)})]
+        return [(None, {NOT_STRINGS: strings})]
+    numbers = sorted({v for v in values if json_type(v) in ("integer", "number")})
+    kinds = {"number" if json_type(v) == "integer" else json_type(v) for v in values}
+    ways = [(None, {"type": sorted(set(JSON_TYPES) - kinds)})]
     if strings:
-        ways.append(("string", {_NOT_STRINGS: strings}))
+        ways.append(("string", {NOT_STRINGS: strings}))
     if numbers:
         ways += [("number", {"exclusiveMaximum": numbers[0]}), ("number", {"exclusiveMinimum": numbers[-1]})]
         ways += [("number", {"exclusiveMinimum": a, "exclusiveMaximum": b}) for a, b in zip(numbers, numbers[1:])]
@@ -352,6 +353,6 @@ def _other_than(values: list) -> list:
     return ways
 
 
-def _types_only(sub: Any) -> bool:
+def types_only(sub: Any) -> bool:
     """Whether `not: sub` only removes types (value() filters the types for it)."""
-    return sub is True or sub == {} or isinstance(sub, dict) and set(sub) - _IGNORED == {"type"}
+    return sub is True or sub == {} or isinstance(sub, dict) and set(sub) - IGNORED_KEYWORDS == {"type"}

@@ -26,21 +26,23 @@ import math
 import re
 from typing import TYPE_CHECKING, Any
 
-from radixlm.core.runtime.constrained.schema import json_schema as js
 from radixlm.core.runtime.constrained.automata.grammar import Expr, Grammar, Ref, Repeat, Terminal, alt, lit, opt, seq
 from radixlm.core.runtime.constrained.automata.grammar_compiler import DEFAULT_BUDGET, Deadline, GrammarBudget
 from radixlm.core.runtime.constrained.schema.json_allof import AllOfRules
 from radixlm.core.runtime.constrained.schema.json_arrays import ArrayRules
-from radixlm.core.runtime.constrained.schema.json_common import (_CONFLICT, _DEPENDENT, _IGNORED, _NOT_STRINGS,
-                                                                 _REFUSED, _TYPES, BOOLEAN, NOTHING, NULL, NUMBER,
-                                                                 SchemaError, _json_type, _negated, _opened, _same_json,
-                                                                 _with_parts, string_terminal)
+from radixlm.core.runtime.constrained.schema.json_common import (CONFLICT, DEPENDENT_KEYWORDS, IGNORED_KEYWORDS,
+                                                                 NOT_STRINGS, REFUSED_KEYWORDS, JSON_TYPES, BOOLEAN,
+                                                                 NOTHING, NULL, NUMBER, SchemaError, json_type,
+                                                                 mark_negated, open_part, same_json, with_parts,
+                                                                 string_terminal)
 from radixlm.core.runtime.constrained.schema.json_conditional import ConditionalRules
-from radixlm.core.runtime.constrained.schema.json_exclusion import MAX_NEGATION_DEPTH, ExclusionRules, _types_only
+from radixlm.core.runtime.constrained.schema.json_exclusion import MAX_NEGATION_DEPTH, ExclusionRules, types_only
 from radixlm.core.runtime.constrained.schema.json_numbers import NumberRules
 from radixlm.core.runtime.constrained.schema.json_objects import ObjectRules
-from radixlm.core.runtime.constrained.schema.json_strings import StringRules, _asserts_formats
+from radixlm.core.runtime.constrained.schema.json_strings import StringRules, asserts_formats
 from radixlm.core.runtime.constrained.schema.json_unique import UniqueRules
+from radixlm.core.runtime.constrained.schema.schema_input import load_schema
+from radixlm.core.runtime.constrained.schema.schema_merge import SchemaMerge
 
 if TYPE_CHECKING:
     from radixlm.core.runtime.constrained.schema.schema_refs import SchemaRefs
@@ -52,7 +54,7 @@ def json_schema_to_grammar(schema: Any, whitespace_pattern: str | None = None,
     # Imported here: `referencing` takes ~0.3 s to import, which the engine's start need not pay.
     from radixlm.core.runtime.constrained.schema.schema_refs import SchemaRefs
 
-    refs = SchemaRefs(js._load_schema(schema))
+    refs = SchemaRefs(load_schema(schema))
     if whitespace_pattern:
         try:
             re.compile(whitespace_pattern)
@@ -101,14 +103,13 @@ def _scalar_keywords_admit(value: Any, schema: dict) -> bool:
 
 
 class _Converter(ExclusionRules, ConditionalRules, AllOfRules, StringRules, NumberRules, ObjectRules, ArrayRules,
-                 UniqueRules, js._Converter):
+                 UniqueRules, SchemaMerge):
     """value() dispatches on the keywords; each kind of value has its rules in a mixin (json_strings.py,
     json_numbers.py, json_objects.py, json_arrays.py and json_unique.py for uniqueItems, json_exclusion.py
-    for not/oneOf, json_conditional.py for if/then/else and dependencies, json_allof.py for allOf). Reuses
-    the regex converter's $ref resolution, allOf merging and ref expansion (for merges)."""
+    for not/oneOf, json_conditional.py for if/then/else and dependencies, json_allof.py for allOf) over
+    schema_merge.py's allOf merging and ref expansion (for merges)."""
 
     def __init__(self, refs: SchemaRefs, ws: str, budget: GrammarBudget, deadline: Deadline) -> None:
-        super().__init__(refs.root, ws, js.DEFAULT_MAX_RECURSION)
         self.refs = refs
         self.budget = budget
         self.deadline = deadline
@@ -117,7 +118,7 @@ class _Converter(ExclusionRules, ConditionalRules, AllOfRules, StringRules, Numb
         self.ws_term = Terminal(regex=f"(?:{ws})") if ws else None
         self.negations = 0  # `not`s being converted inside one another (value())
         self.converted: dict[tuple[int, int], tuple[Any, Expr]] = {}  # value()'s, by (not depth, id)
-        self.formats_asserted = _asserts_formats(refs.root)
+        self.formats_asserted = asserts_formats(refs.root)
 
     # ---- helpers -------------------------------------------------------------------------------------
     def _punct(self, text: str) -> Expr:
@@ -146,9 +147,9 @@ class _Converter(ExclusionRules, ConditionalRules, AllOfRules, StringRules, Numb
             ref = schema["$ref"]
             if not isinstance(ref, str):
                 raise SchemaError(f"{ptr}/$ref: must be a string")
-            rest = {k: v for k, v in schema.items() if k != "$ref" and k not in _IGNORED}
+            rest = {k: v for k, v in schema.items() if k != "$ref" and k not in IGNORED_KEYWORDS}
             if rest:  # sibling keywords: merged with the target (which is inlined for the merge)
-                return self._remember(memo, schema, self.value(_with_parts(rest, self._target(ref, ptr)), ptr))
+                return self._remember(memo, schema, self.value(with_parts(rest, self._target(ref, ptr)), ptr))
             name = self.ref_rules.get(ref)
             if name is None:
                 name = self.ref_rules[ref] = f"ref:{ref}"
@@ -162,9 +163,9 @@ class _Converter(ExclusionRules, ConditionalRules, AllOfRules, StringRules, Numb
         if not isinstance(schema, dict):
             raise SchemaError(f"{ptr}: a JSON schema must be an object or a boolean, got {schema!r}")
         for key in schema:
-            if key in _REFUSED:
-                raise SchemaError(f"{ptr}/{key}: {_REFUSED[key]} is not supported")
-        if any(k in schema for k in _DEPENDENT):
+            if key in REFUSED_KEYWORDS:
+                raise SchemaError(f"{ptr}/{key}: {REFUSED_KEYWORDS[key]} is not supported")
+        if any(k in schema for k in DEPENDENT_KEYWORDS):
             return self._remember(memo, schema, self.value(self._dependents(schema, ptr), ptr))
         if "if" in schema and ("then" in schema or "else" in schema):
             return self._remember(memo, schema, self._conditional(schema, ptr))
@@ -173,16 +174,16 @@ class _Converter(ExclusionRules, ConditionalRules, AllOfRules, StringRules, Numb
         if "if" in schema:  # alone it constrains nothing, but what it evaluates when it holds counts
             rest = {k: v for k, v in schema.items() if k != "if"}
             if "unevaluatedProperties" in rest or "unevaluatedItems" in rest:
-                return alt(self.value(_with_parts(rest, schema["if"]), ptr), self.value(rest, ptr))
+                return alt(self.value(with_parts(rest, schema["if"]), ptr), self.value(rest, ptr))
             schema = rest
-        if "not" in schema and not _types_only(schema["not"]):  # as positive keywords, merged in
+        if "not" in schema and not types_only(schema["not"]):  # as positive keywords, merged in
             rest = {k: v for k, v in schema.items() if k != "not"}
             if self.negations >= MAX_NEGATION_DEPTH:  # a `not` whose positive form holds a `not`, ... (refs)
                 raise SchemaError(f"{ptr}/not: 'not' nested deeper than {MAX_NEGATION_DEPTH} levels is not supported")
-            negation = self._negation(schema["not"], _opened(rest), f"{ptr}/not")
+            negation = self._negation(schema["not"], open_part(rest), f"{ptr}/not")
             self.negations += 1
             try:
-                return self.value(_with_parts(rest, _negated(negation)), ptr)
+                return self.value(with_parts(rest, mark_negated(negation)), ptr)
             finally:
                 self.negations -= 1
         if "allOf" in schema:
@@ -198,8 +199,8 @@ class _Converter(ExclusionRules, ConditionalRules, AllOfRules, StringRules, Numb
             branches = schema[key]
             if not isinstance(branches, list) or not branches:
                 raise SchemaError(f"{ptr}/{key}: must be a non-empty list")
-            rest = {k: v for k, v in schema.items() if k != key and k not in _IGNORED}
-            subs = [_with_parts(rest, b) if rest else b for b in branches]
+            rest = {k: v for k, v in schema.items() if k != key and k not in IGNORED_KEYWORDS}
+            subs = [with_parts(rest, b) if rest else b for b in branches]
             if key == "oneOf":
                 return self._remember(memo, original, alt(*self._exclusive(subs, branches, f"{ptr}/oneOf")))
             expr = alt(*(self.value(s, f"{ptr}/{key}/{i}") for i, s in enumerate(subs)))
@@ -208,15 +209,15 @@ class _Converter(ExclusionRules, ConditionalRules, AllOfRules, StringRules, Numb
             return alt(self.value({k: v for k, v in schema.items() if k != "nullable"}, ptr), NULL)
         if "const" in schema:
             enum = schema.get("enum")  # both, from an allOf merge: the constant only if the enum has it
-            if schema["const"] is _CONFLICT or isinstance(enum, list) and not any(
-                    _same_json(schema["const"], v) for v in enum):
+            if schema["const"] is CONFLICT or isinstance(enum, list) and not any(
+                    same_json(schema["const"], v) for v in enum):
                 return NOTHING
             return self._literal(schema["const"], schema, ptr)
         if "enum" in schema:
             if not isinstance(schema["enum"], list) or not schema["enum"]:
                 raise SchemaError(f"{ptr}/enum: must be a non-empty list")
             return alt(*(self._literal(v, schema, ptr) for v in schema["enum"]))
-        types = schema.get("type", list(_TYPES))
+        types = schema.get("type", list(JSON_TYPES))
         types = [types] if isinstance(types, str) else list(types)
         if "not" in schema:
             types = self._without(types, schema["not"], ptr)
@@ -250,11 +251,11 @@ class _Converter(ExclusionRules, ConditionalRules, AllOfRules, StringRules, Numb
         types = schema.get("type")
         if types is not None:
             types = {types} if isinstance(types, str) else set(types)
-            kind = _json_type(value)
+            kind = json_type(value)
             if kind not in types and not (kind == "integer" and "number" in types):
                 return NOTHING
         text = json.dumps(value, ensure_ascii=False)
-        if isinstance(value, str) and any(re.fullmatch(r, text) for r in schema.get(_NOT_STRINGS, ())):
+        if isinstance(value, str) and any(re.fullmatch(r, text) for r in schema.get(NOT_STRINGS, ())):
             return NOTHING  # a `not` excludes it
         if not _scalar_keywords_admit(value, schema):
             return NOTHING  # a sibling keyword excludes it: {"enum": ["abc"], "maxLength": 2}

@@ -8,7 +8,6 @@ from typing import Any
 
 import numpy as np
 
-from radixlm.core.runtime.constrained.schema import json_schema as js
 from radixlm.core.runtime.constrained.schema import number_ranges
 from radixlm.core.runtime.constrained.automata.grammar import Expr, Terminal, lit
 from radixlm.core.runtime.constrained.automata.grammar_compiler import terminal_dfa
@@ -30,7 +29,7 @@ class NumberRules:
         # exactly when p divides it.
         step = fractions.Fraction(repr(step)).numerator
         try:
-            lo, hi = js._int_bounds(schema)
+            lo, hi = number_ranges.int_bounds(schema)
         except ValueError as e:
             raise SchemaError(f"{ptr}: {e}") from None
         if lo is not None and hi is not None and lo > hi:
@@ -38,11 +37,11 @@ class NumberRules:
         if step > MAX_MODULUS:  # past the DFA's budget: 0 alone, a multiple of everything (a sound subset)
             return lit("0") if (lo is None or lo <= 0) and (hi is None or hi >= 0) else NOTHING
         if int(step) == 1:
-            return INTEGER if lo is None and hi is None else Terminal(regex=f"(?:{js.int_range_regex(lo, hi)})")
+            return INTEGER if lo is None and hi is None else Terminal(regex=f"(?:{number_ranges.int_range_regex(lo, hi)})")
         dfa = multiples_dfa(int(step))
         if lo is not None or hi is not None:
             budget = self.budget.max_terminal_states
-            bounds = terminal_dfa(f"(?:{js.int_range_regex(lo, hi)})", budget)
+            bounds = terminal_dfa(f"(?:{number_ranges.int_range_regex(lo, hi)})", budget)
             dfa = dfa_intersection(dfa, bounds, budget, self.deadline.check)
         return NOTHING if dfa is None else Terminal(key=f"multiples:{int(step)}:{lo}:{hi}", dfa=dfa)
 

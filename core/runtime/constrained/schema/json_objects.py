@@ -7,12 +7,12 @@ import itertools
 import json
 from typing import Any
 
-from radixlm.core.runtime.constrained.schema import json_schema as js
+from radixlm.core.runtime.constrained.automata import json_lexical
 from radixlm.core.runtime.constrained.tokens.counted_string import counted_string_dfa
 from radixlm.core.runtime.constrained.automata.grammar import EMPTY, Expr, Ref, Terminal, alt, lit, seq
 from radixlm.core.runtime.constrained.automata.grammar_compiler import derived_dfa, terminal_dfa
-from radixlm.core.runtime.constrained.schema.json_common import (NOTHING, _IGNORED, SchemaError, _counts, _escape,
-                                                                 _pattern_matches)
+from radixlm.core.runtime.constrained.schema.json_common import (NOTHING, IGNORED_KEYWORDS, SchemaError, count_bounds,
+                                                                 escape_pointer, pattern_matches)
 from radixlm.core.runtime.constrained.schema.json_strings import MAX_PRODUCT_LENGTH, ecma_string_pattern
 from radixlm.core.runtime.constrained.automata.regex_dfa import ByteDFA, dfa_difference, dfa_intersection, literals_dfa
 
@@ -38,7 +38,7 @@ class ObjectRules:
         # lists its keys (properties or required) gets exactly those (the documented strictness).
         explicit = schema.get("additionalProperties", schema.get("unevaluatedProperties"))
         extra = explicit if explicit is not None else not props and not patterns and not required
-        lo, hi = _counts(schema, "minProperties", "maxProperties", ptr)
+        lo, hi = count_bounds(schema, "minProperties", "maxProperties", ptr)
         names = list(props) + [r for r in required if r not in props]
         key_filter = schema.get("propertyNames", True)
         if key_filter is not True:
@@ -50,12 +50,12 @@ class ObjectRules:
             key_names = self._names_dfa(key_filter, ptr)
         members: list[tuple[Expr, bool]] = []
         for name in names:
-            matching = [ps for pattern, ps in patterns.items() if _pattern_matches(pattern, name, ptr)]
+            matching = [ps for pattern, ps in patterns.items() if pattern_matches(pattern, name, ptr)]
             # A key listed only in required: its value is additional unless a pattern matches the key.
             sub = props.get(name, True if matching or explicit is None else explicit)
             if matching:  # patternProperties apply to listed properties too
                 sub = {"allOf": [sub, *matching]}
-            key_ptr = f"{ptr}/properties/{_escape(name)}"
+            key_ptr = f"{ptr}/properties/{escape_pointer(name)}"
             value = self.value(sub, key_ptr)
             members.append((seq(self._key(name), self._shared(value, key_ptr)), name in required))
         extras: list[Expr] = []  # one '"key":value' alternative per kind of extra key
@@ -72,12 +72,12 @@ class ObjectRules:
             key = self._key_terminal([key_regexes[j] for j in chosen], listed, others, key_names)
             if key is not None:
                 subs = [list(patterns.values())[j] for j in chosen]
-                p2 = f"{ptr}/patternProperties/{_escape(list(patterns)[chosen[0]])}"
+                p2 = f"{ptr}/patternProperties/{escape_pointer(list(patterns)[chosen[0]])}"
                 value = self.value(subs[0] if len(subs) == 1 else {"allOf": subs}, p2)
                 extras.append(seq(key, self._punct(":"), self._shared(value, p2)))
         if extra is not False:
             others = [f'"{ecma_string_pattern(p)}"' for p in patterns]
-            key = self._key_terminal(js.STRING, listed, others, key_names)
+            key = self._key_terminal(json_lexical.STRING, listed, others, key_names)
             if key is not None:
                 value = self._any() if extra is True else self.value(extra, f"{ptr}/additionalProperties")
                 extras.append(seq(key, self._punct(":"), self._shared(value, f"{ptr}/additionalProperties")))
@@ -131,7 +131,7 @@ class ObjectRules:
         else:
             def ok(name: str, rule: dict) -> bool:
                 return (len(name) <= rule.get("maxLength", len(name)) and len(name) >= rule.get("minLength", 0)
-                        and ("pattern" not in rule or _pattern_matches(rule["pattern"], name, ptr))
+                        and ("pattern" not in rule or pattern_matches(rule["pattern"], name, ptr))
                         and ("enum" not in rule or name in rule["enum"])
                         and ("const" not in rule or name == rule["const"])
                         and ("not" not in rule or not ok(name, rule["not"])))
@@ -252,7 +252,8 @@ class ObjectRules:
             excluded.append(f"propertyNames:{allowed[1]}")
         key = "key:" + "\0and:".join(regexes) + "\0" + "\0".join(excluded)
         dfa = derived_dfa(key, budget, build)
-        return None if dfa is None else Terminal(key=key, dfa=dfa)
+        plain = regexes[0] if len(regexes) == 1 and not excluded else None  # the same language, as a regex
+        return None if dfa is None else Terminal(regex=plain, key=key, dfa=dfa)
 
 
 def _name_rule(rule: Any, ptr: str) -> dict | bool:
@@ -261,7 +262,7 @@ def _name_rule(rule: Any, ptr: str) -> dict | bool:
     names (they are strings); one that does not allows none."""
     if rule is False:
         return False
-    body = {k: v for k, v in rule.items() if k not in _IGNORED} if isinstance(rule, dict) else None
+    body = {k: v for k, v in rule.items() if k not in IGNORED_KEYWORDS} if isinstance(rule, dict) else None
     if body is not None and "type" in body:
         types = [body.pop("type")] if isinstance(rule["type"], str) else body.pop("type")
         if "string" not in types:
@@ -269,7 +270,7 @@ def _name_rule(rule: Any, ptr: str) -> dict | bool:
     negated = body.get("not") if body is not None else None
     if body is None or set(body) - {"pattern", "maxLength", "minLength", "enum", "const", "not"} or (
             "not" in body and not (isinstance(negated, dict) and negated
-                                   and set(negated) - _IGNORED <= {"pattern", "enum", "const"})):
+                                   and set(negated) - IGNORED_KEYWORDS <= {"pattern", "enum", "const"})):
         raise SchemaError(f"{ptr}/propertyNames: only type, pattern, lengths, enum, const and a not of "
                           "pattern/enum/const are supported")
     return body

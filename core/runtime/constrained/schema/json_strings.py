@@ -5,13 +5,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from radixlm.core.runtime.constrained.schema import json_schema as js
+from radixlm.core.runtime.constrained.automata import json_lexical
+from radixlm.core.runtime.constrained.schema.string_patterns import json_string_pattern
 from radixlm.core.runtime.constrained.tokens.counted_string import counted_states, counted_string_dfa
 from radixlm.core.runtime.constrained.automata.grammar import Expr, Repeat, Terminal, lit, seq
 from radixlm.core.runtime.constrained.automata.grammar_compiler import derived_dfa, terminal_dfa
-from radixlm.core.runtime.constrained.schema.json_common import (CHAR, NOTHING, _NOT_STRINGS, SchemaError, _counts,
+from radixlm.core.runtime.constrained.schema.json_common import (CHAR, NOTHING, NOT_STRINGS, SchemaError, count_bounds,
                                                                  string_terminal)
-from radixlm.core.runtime.constrained.automata.regex_dfa import ByteDFA, dfa_difference, dfa_intersection
+from radixlm.core.runtime.constrained.automata.regex_dfa import ByteDFA, dfa_difference, dfa_intersection, sre_c, sre_p
 
 
 _IPV4_PART = r"(?:25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])"
@@ -21,7 +22,7 @@ _IPV6 = "|".join([
     *(rf"(?:{_H16}:){{1,{6 - k}}}(?::{_H16}){{1,{k + 1}}}" for k in range(6)),
     rf":(?::{_H16}){{1,7}}", "::",
 ])
-FORMATS = js.FORMATS | {
+FORMATS = json_lexical.FORMATS | {
     "duration": r"P(?:[0-9]+W|(?=[0-9T])(?:[0-9]+Y)?(?:[0-9]+M)?(?:[0-9]+D)?(?:T(?=[0-9])(?:[0-9]+H)?(?:[0-9]+M)?(?:[0-9]+S)?)?)",
     "hostname": r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*",
     "ipv4": rf"{_IPV4_PART}(?:\.{_IPV4_PART}){{3}}",
@@ -46,7 +47,7 @@ class StringRules:
     def _string(self, schema: dict, ptr: str) -> Expr:
         """The strings `schema` allows, less those a `not` excluded (_negation)."""
         expr = self._string_body(schema, ptr)
-        excluded = schema.get(_NOT_STRINGS)
+        excluded = schema.get(NOT_STRINGS)
         if not excluded or expr is NOTHING:
             return expr
         if not isinstance(expr, Terminal):
@@ -66,7 +67,7 @@ class StringRules:
         return NOTHING if dfa is None else Terminal(key=key, dfa=dfa)
 
     def _string_body(self, schema: dict, ptr: str) -> Expr:
-        lo, hi = _counts(schema, "minLength", "maxLength", ptr)
+        lo, hi = count_bounds(schema, "minLength", "maxLength", ptr)
         if hi is not None and hi < lo:
             return NOTHING
         fmt, pattern = schema.get("format"), schema.get("pattern")
@@ -87,7 +88,7 @@ class StringRules:
             return self._within(regexes, lo, hi, bounded, where)
         if counted_states(lo, hi) <= self.budget.max_terminal_states:
             return string_terminal(lo, hi)
-        tail = Repeat(CHAR, 0, hi - lo) if hi is not None else Terminal(regex=f"{js.STRING_CHAR}*")
+        tail = Repeat(CHAR, 0, hi - lo) if hi is not None else Terminal(regex=f"{json_lexical.STRING_CHAR}*")
         return seq(lit('"'), Repeat(CHAR, lo, lo), tail, lit('"')) if lo else seq(lit('"'), tail, lit('"'))
 
     def _within(self, regexes: list[str], lo: int, hi: int | None, bounded: bool, ptr: str) -> Expr:
@@ -112,7 +113,7 @@ class StringRules:
         return NOTHING if dfa is None else Terminal(key=key, dfa=dfa)
 
 
-def _asserts_formats(root: Any) -> bool:
+def asserts_formats(root: Any) -> bool:
     """Whether `format` constrains strings: yes, unless the schema declares draft 2019-09 or 2020-12,
     where `format` is an annotation (only a metaschema's format-assertion vocabulary makes it assert,
     and metaschemas are remote)."""
@@ -124,15 +125,15 @@ def ecma_string_pattern(pattern: str) -> str:
     """A JSON schema `pattern` (ECMA-262: a search, `\\d` `\\w` ASCII) as a regex over the JSON-escaped
     string content, for a full match between the quotes: an end without an anchor accepts any characters
     there. An end anchored on some alternatives only is treated as anchored (a subset: still sound)."""
-    tree = list(js.sre_p.parse(pattern))
+    tree = list(sre_p.parse(pattern))
     free = (_anchor(tree, 0) == "none", _anchor(tree, -1) == "none")
-    body = js.json_string_pattern(pattern, ascii_classes=True, free=free)
-    any_chars = f"{js.STRING_CHAR}*"
+    body = json_string_pattern(pattern, ascii_classes=True, free=free)
+    any_chars = f"{json_lexical.STRING_CHAR}*"
     return (any_chars if free[0] else "") + body + (any_chars if free[1] else "")
 
 
-_STARTS = (js.sre_c.AT_BEGINNING, js.sre_c.AT_BEGINNING_STRING)
-_ENDS = (js.sre_c.AT_END, js.sre_c.AT_END_STRING)
+_STARTS = (sre_c.AT_BEGINNING, sre_c.AT_BEGINNING_STRING)
+_ENDS = (sre_c.AT_END, sre_c.AT_END_STRING)
 
 
 def _anchor(items: list, side: int) -> str:
@@ -140,11 +141,11 @@ def _anchor(items: list, side: int) -> str:
     if not items:
         return "none"
     op, av = items[side]
-    if op is js.sre_c.AT:
+    if op is sre_c.AT:
         return "all" if av in (_STARTS if side == 0 else _ENDS) else "none"
-    if op is js.sre_c.SUBPATTERN:
+    if op is sre_c.SUBPATTERN:
         return _anchor(list(av[3]), side)
-    if op is js.sre_c.BRANCH:
+    if op is sre_c.BRANCH:
         kinds = {_anchor(list(b), side) for b in av[1]}
         return kinds.pop() if len(kinds) == 1 else "mixed"
     return "none"

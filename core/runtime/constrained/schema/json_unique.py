@@ -19,7 +19,7 @@ import json
 from typing import Any, Callable
 
 from radixlm.core.runtime.constrained.automata.grammar import EMPTY, Expr, Ref, alt, seq
-from radixlm.core.runtime.constrained.schema.json_common import NOTHING, SchemaError, _json_type
+from radixlm.core.runtime.constrained.schema.json_common import NOTHING, SchemaError, json_type
 
 MAX_UNIQUE_ANY_ORDER = 6  # constants taken in any order: a rule per subset (2**n per position)
 MAX_UNIQUE_ASCENDING = 64  # constants taken in their order: n**2 alternatives in all
@@ -78,7 +78,7 @@ class UniqueRules:
         for v in values:
             expr = self._literal(v, schema, "#")
             if expr != NOTHING:  # 1 and 1.0 are one constant to JSON Schema
-                key = json.dumps(int(v) if _json_type(v) == "integer" and not isinstance(v, bool) else v)
+                key = json.dumps(int(v) if json_type(v) == "integer" and not isinstance(v, bool) else v)
                 out.append((key, expr))
         return out
 

@@ -1,5 +1,6 @@
-"""Regexes for the JSON numbers on one side of a bound: x > a, x >= a, x < b, x <= b, for any decimal
-bound (fractional, negative, exclusive). Numbers are written without an exponent: an optional `-`, an
+"""Regexes for JSON numbers in ranges: the integers in [lo, hi] (int_range_regex, canonical forms), and
+the numbers on one side of a bound: x > a, x >= a, x < b, x <= b, for any decimal bound (fractional,
+negative, exclusive). Numbers are written without an exponent: an optional `-`, an
 integer part without leading zeros, an optional fraction. Both sides of a range are intersected as
 automata by the caller (json_grammar.py).
 
@@ -10,12 +11,71 @@ nothing: 1.50 equals 1.5).
 
 from __future__ import annotations
 
+import math
 from decimal import Decimal, InvalidOperation
-
-from radixlm.core.runtime.constrained.schema.json_schema import _natural_range
 
 MAX_FRACTION_DIGITS = 30
 _FRACTION = r"(?:\.[0-9]+)?"
+
+
+def int_bounds(schema: dict) -> tuple[int | None, int | None]:
+    """The integers an integer schema's minimum, maximum and exclusive bounds allow: (lo, hi), None where
+    unbounded. ValueError for draft 4's boolean exclusive bounds."""
+    lo = hi = None
+    if "minimum" in schema:
+        lo = math.ceil(schema["minimum"])
+    if "exclusiveMinimum" in schema and not isinstance(schema["exclusiveMinimum"], bool):
+        lo = max(lo if lo is not None else -math.inf, math.floor(schema["exclusiveMinimum"]) + 1)
+    if "maximum" in schema:
+        hi = math.floor(schema["maximum"])
+    if "exclusiveMaximum" in schema and not isinstance(schema["exclusiveMaximum"], bool):
+        hi = min(hi if hi is not None else math.inf, math.ceil(schema["exclusiveMaximum"]) - 1)
+    if isinstance(schema.get("exclusiveMinimum"), bool) or isinstance(schema.get("exclusiveMaximum"), bool):
+        raise ValueError("boolean exclusiveMinimum/exclusiveMaximum (draft 4) are not supported")
+    return (None if lo is None else int(lo)), (None if hi is None else int(hi))
+
+
+def _digits_range(a: str, b: str) -> list[str]:
+    """Alternatives matching the digit strings of one length from a to b (a <= b, same length)."""
+    n = len(a)
+    if a == b:
+        return [a]
+    if a == "0" * n and b == "9" * n:
+        return [f"[0-9]{{{n}}}" if n > 1 else "[0-9]"]
+    if n == 1:
+        return [f"[{a}-{b}]"]
+    if a[0] == b[0]:
+        return [a[0] + r for r in _digits_range(a[1:], b[1:])]
+    out = [a[0] + r for r in _digits_range(a[1:], "9" * (n - 1))]
+    if int(b[0]) - int(a[0]) > 1:
+        out.append(f"[{int(a[0]) + 1}-{int(b[0]) - 1}][0-9]{{{n - 1}}}")
+    out += [b[0] + r for r in _digits_range("0" * (n - 1), b[1:])]
+    return out
+
+
+def _natural_range(a: int, b: int | None) -> list[str]:
+    """Alternatives for the canonical decimal forms of a..b (b None: unbounded), 0 <= a."""
+    out = []
+    top_len = len(str(b)) if b is not None else len(str(a))
+    for length in range(len(str(a)), top_len + 1):
+        lo = max(a, 10 ** (length - 1) if length > 1 else 0)
+        hi = 10 ** length - 1 if b is None or length < len(str(b)) else b
+        if lo <= hi:
+            out += _digits_range(str(lo), str(hi))
+    if b is None:
+        out.append(f"[1-9][0-9]{{{len(str(a))},}}")
+    return out
+
+
+def int_range_regex(lo: int | None, hi: int | None) -> str:
+    """The canonical JSON forms of the integers in [lo, hi] (None: unbounded on that side)."""
+    parts = []
+    if hi is None or hi >= 0:  # the non-negative part
+        parts += _natural_range(max(lo, 0) if lo is not None else 0, hi)
+    if lo is None or lo < 0:  # the negative part: '-' and a magnitude in [max(1, -hi), -lo]
+        mags = _natural_range(max(1, -hi) if hi is not None else 1, None if lo is None else -lo)
+        parts += ["-" + m for m in mags]
+    return "(?:" + "|".join(parts) + ")"
 
 
 def _parts(value: float | int, what: str) -> tuple[int, str]:

@@ -1,7 +1,7 @@
 """Bounded JSON strings (minLength / maxLength) as one terminal whose token classes are counted, not walked.
 
 The terminal is `"`, between lo and hi JSON string characters, `"`; its DFA is the product of one
-character's DFA (UTF-8 and escapes, json_schema.STRING_CHAR) with a counter of the characters written,
+character's DFA (UTF-8 and escapes, json_lexical.STRING_CHAR) with a counter of the characters written,
 built directly (no regex): state 1 + i * width + j is "i characters written, j bytes into the next one".
 Every character position is a state of its own, so walking the vocabulary from each (what the general
 token classes of terminal_tokens.py do) would cost milliseconds per position. Instead each token is
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from radixlm.core.runtime.constrained.schema import json_schema as js
+from radixlm.core.runtime.constrained.automata import json_lexical
 from radixlm.core.runtime.constrained.automata.regex_dfa import ByteDFA, regex_to_dfa
 from radixlm.core.runtime.constrained.tokens.vocab import TokenTrie, TokenVocab, byte_matrix
 
@@ -49,7 +49,7 @@ class CountedStringDFA(ByteDFA):
 
 @functools.lru_cache(maxsize=1)
 def _char_dfa() -> ByteDFA:
-    return regex_to_dfa(js.STRING_CHAR)
+    return regex_to_dfa(json_lexical.STRING_CHAR)
 
 
 def counted_states(lo: int, hi: int | None) -> int:
