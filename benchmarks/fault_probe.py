@@ -33,6 +33,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -171,9 +172,12 @@ async def drain(args: argparse.Namespace) -> dict:
     finally:
         server.stop()
     done = [s for s in streams if s.outcome == "length"]
+    if len(done) < args.clients:
+        print("".join(server.log[-40:]), flush=True)
     return {
         "admitted streams": args.clients,
         "finished normally": len(done),
+        "outcomes": dict(Counter(s.outcome for s in streams)),
         "last stream ended after SIGTERM (s)": round(max(s.ended for s in streams) - t0, 2),
         "late requests": len(late),
         "late requests answered 503 draining": sum(1 for st, c in late if st == 503 and c == "draining"),

@@ -39,6 +39,7 @@ class FrontEnd:
         self.constraints.prepare_in_background()
         self.workers = PrepareWorkers(opts.prepare_workers, opts.prepare_timeout)
         self.delivery = Delivery(scheduler, opts)
+        self.request_timeout = opts.request_timeout  # the default deadline of a call (core.runtime.deadline)
 
     @property
     def scheduler(self) -> Any:
@@ -58,7 +59,7 @@ class FrontEnd:
     def generate(self, prompt=None, sampling_params=None, input_ids=None, return_logprob=False,
                  logprob_start_len=None, top_logprobs_num=0, stream=False, rid=None, image_data=None,
                  video_data=None, timeout=None):
-        deadline = deadline_of(timeout, self.options.request_timeout)  # counted from the call
+        deadline = deadline_of(timeout, self.request_timeout)  # counted from the call
         reqs, single = self.prepare(prompt, sampling_params, input_ids, return_logprob, logprob_start_len,
                                     top_logprobs_num, stream, rid, image_data, video_data)  # on the caller's own thread
         _set_deadline(reqs, deadline)
@@ -75,7 +76,7 @@ class FrontEnd:
     async def async_generate(self, prompt=None, sampling_params=None, input_ids=None, return_logprob=False,
                              logprob_start_len=None, top_logprobs_num=0, stream=False, rid=None, image_data=None,
                              video_data=None, timeout=None):
-        deadline = deadline_of(timeout, self.options.request_timeout)  # counted from the call
+        deadline = deadline_of(timeout, self.request_timeout)  # counted from the call
         args = (prompt, sampling_params, input_ids, return_logprob, logprob_start_len, top_logprobs_num, stream, rid,
                 image_data, video_data)
         # Microseconds of work: less than a hop to a worker, and keeps arrival order (images are decoded: not small).
