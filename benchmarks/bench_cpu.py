@@ -18,7 +18,8 @@ sequence per request, --threads threads (default: torch's). Peer columns need `t
 
 The greedy tokens of each radixlm variant (and of HF bf16) are compared with HF fp32's on every request,
 up to radixlm's first end-of-sequence token: a speed-up that changed the answers would show there.
---plain-linear DTYPE adds radixlm on F.linear over the plain weights (disable_cpu_prepack): before and
+--gguf-quantized adds radixlm fp32 with the GGUF's Q4_0/Q4_1/Q8_0 weights kept quantized
+(quantization="gguf", docs/quantization.md). --plain-linear DTYPE adds radixlm on F.linear over the plain weights (disable_cpu_prepack): before and
 after of the prepacked linear layers in one run.
 """
 
@@ -254,6 +255,8 @@ def main() -> None:
                         choices=["radixlm", "hf", "llama.cpp"])
     parser.add_argument("--plain-linear", nargs="*", default=[], choices=["float32", "bfloat16"],
                         help="dtypes to also run radixlm in with F.linear on the plain weights (disable_cpu_prepack)")
+    parser.add_argument("--gguf-quantized", action="store_true",
+                        help="add radixlm fp32 with the GGUF's weights kept quantized (quantization=gguf)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own)")
     parser.add_argument("--startup-runs", type=int, default=3, help="fresh processes timed for start-up; 0 skips")
     parser.add_argument("--startup", action="store_true",
@@ -300,6 +303,10 @@ def main() -> None:
             runners[f"radixlm {dtype}"] = run
             keep.append(engine)
             tokenizer = engine.tokenizer
+            if args.gguf_quantized and dtype == "float32":  # docs/quantization.md
+                runners["radixlm float32 gguf-quantized"], quantized = radixlm_runner(
+                    args.model, dtype, args.new_tokens, quantization="gguf")
+                keep.append(quantized)
             if dtype in args.plain_linear:
                 runners[f"radixlm {dtype} F.linear"], plain = radixlm_runner(args.model, dtype, args.new_tokens,
                                                                              disable_cpu_prepack=True)
@@ -376,10 +383,11 @@ def print_table(results: dict[str, Any], batches: list[int]) -> None:
                                                           for b in batches))
             ours, hf = per_cpu[f"radixlm {dtype}"], per_cpu[f"hf {dtype}"]
             print("  per CPU second: " + ", ".join(f"batch {b} {ours[str(b)] / hf[str(b)]:.2f}x" for b in batches))
-    if "llama.cpp" in tps and "radixlm float32" in tps:
-        ours, peer = tps["radixlm float32"], tps["llama.cpp"]
-        print("radixlm fp32 / llama.cpp: " + ", ".join(f"batch {b} {ours[str(b)] / peer[str(b)]:.2f}x"
-                                                       for b in batches))
+    for name in ("radixlm float32", "radixlm float32 gguf-quantized"):
+        if "llama.cpp" in tps and name in tps:
+            ours, peer = tps[name], tps["llama.cpp"]
+            print(f"{name} / llama.cpp: " + ", ".join(f"batch {b} {ours[str(b)] / peer[str(b)]:.2f}x"
+                                                      for b in batches))
     for name, equal in results.get("greedy_tokens_equal_to_hf_fp32", {}).items():
         print(f"{name}: requests whose greedy tokens equal HF fp32's (up to the first EOS), by batch:", equal)
     if "startup" in results:

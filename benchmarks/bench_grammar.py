@@ -11,7 +11,8 @@
 Corpus: the JSON-Schema-Test-Suite's draft2020-12 cases (each with its valid and invalid instances; the
 suite ships inside jsonschema's source distribution), the schemas check-jsonschema vendors (GitHub
 workflows, GitLab CI, Renovate, ...), a deterministic sample of Kubernetes schemas from
-kubernetes-validate (file refs to `_definitions.json` bundled into `#/$defs`), and pydantic
+kubernetes-validate (file refs to `_definitions.json` bundled into `#/$defs`), long strings of real text
+(long_string_cases.py: maxLength 32767), and pydantic
 models of function-calling tools (with instances). Schemas needing remote refs stay in the corpus and
 count as refused.
 
@@ -45,6 +46,7 @@ from urllib.parse import urljoin
 
 import numpy as np
 import valid_misses
+from long_string_cases import long_string_cases
 
 from radixlm.core.runtime.cache import cache_dir
 
@@ -185,7 +187,7 @@ def _tool_cases() -> list[dict]:
 
 
 def corpus(suite_dir: str) -> list[dict]:
-    return _suite_cases(suite_dir) + _vendored_cases() + _k8s_cases() + _tool_cases()
+    return _suite_cases(suite_dir) + _vendored_cases() + _k8s_cases() + _tool_cases() + long_string_cases()
 
 
 def _ordered(instance, schema):
@@ -209,9 +211,9 @@ class Engine:
 
     def compile(self, schema):
         from radixlm.core.runtime.constrained import build_constraint
-        from radixlm.core.runtime.constrained.tokens import counted_string, terminal_tokens
-        from radixlm.core.runtime.constrained.automata import grammar_compiler
         from radixlm.core.runtime.constrained import grammar_index_cache
+        from radixlm.core.runtime.constrained.automata import grammar_compiler
+        from radixlm.core.runtime.constrained.tokens import counted_string, counted_tokens, terminal_tokens
 
         if self.name == "radixlm":  # a schema never seen: its compiled grammar is not cached
             grammar_index_cache._cache.clear()
@@ -220,6 +222,7 @@ class Engine:
                 grammar_compiler._derived.clear()
                 counted_string.counted_string_dfa.cache_clear()
                 terminal_tokens._cache.clear()
+                counted_tokens._cache.clear()
         return build_constraint("json_schema", schema, self.tokenizer, backend=self.name)
 
 

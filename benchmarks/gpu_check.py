@@ -31,6 +31,7 @@ on a tiny model (fp32 and bf16), and decode and short extends with CUDA graphs a
    too) + 0.01, as in step 2. Greedy agreement with the fp8 oracle is reported.
 7. The fused decode GEMVs (decode_fused_gemv=8 vs 0), with CUDA graphs: fp32 greedy tokens equal at
    batch 1, 5 (fused) and 13 (not), first-token logprobs within 1e-3 (fp32) and 5e-2 (bf16).
+8. FP8 weights (quantization=fp8): benchmarks/gpu_check_quant.py.
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ def _load(name: str, path: Path):
 
 
 kernel_check = _load("gpu_check_kernels", _HERE / "gpu_check_kernels.py")
+quant_check = _load("gpu_check_quant", _HERE / "gpu_check_quant.py")
 
 import radixlm  # noqa: E402
 from radixlm.core.runtime.models.config import ModelConfig  # noqa: E402
@@ -451,7 +453,10 @@ ENGINE_CHECKS = {"hf": ("engine vs HF transformers (tiny Llama)", check_engine_v
                  "overlap": ("overlap scheduling on vs off", check_overlap),
                  "fp8_kv": ("an fp8 KV cache (kv_cache_dtype)", check_fp8_kv),
                  "fused_gemv": ("decode_fused_gemv on vs off", check_fused_gemv),
-                 "qwen2vl": ("Qwen2-VL (M-RoPE) vs HF transformers", check_qwen2vl)}
+                 "qwen2vl": ("Qwen2-VL (M-RoPE) vs HF transformers", check_qwen2vl),
+                 "fp8_weights": ("fp8 weights (quantization=fp8; gpu_check_quant.py)", lambda ckpt, report:
+                                 quant_check.check_fp8_weights(ckpt, report, DEVICE, prompts_for(
+                                     ModelConfig.from_dir(ckpt).vocab_size)))}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -31,6 +31,7 @@ from radixlm.kernels.reference import (  # noqa: F401  (re-exported: this set's 
     seeded_exponential,
     silu_and_mul,
 )
+from radixlm.kernels.quant_reference import fp8_linear, int4_linear  # noqa: F401  (re-exported)
 from radixlm.kernels.reference import to_kv_dtype
 
 # A group may hold this many padded (query, key) pairs beyond twice its real ones: small requests

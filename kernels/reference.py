@@ -38,28 +38,34 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 GEMV_MAX_ROWS = 16
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """A linear layer on a few rows (decode): x [M, K], weight [N, K] -> [M, N]."""
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+         weight_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """A linear layer on a few rows (decode): x [M, K], weight [N, K] -> [M, N]. With `weight_scale` [N]
+    (fp32), weight holds fp8 values and row n of the real weight is weight[n] * weight_scale[n]."""
+    if weight_scale is not None:
+        out = torch.nn.functional.linear(x.float(), weight.float() * weight_scale[:, None])
+        return (out if bias is None else out + bias.float()).to(x.dtype)
     return torch.nn.functional.linear(x, weight, bias)
 
 
 def residual_gemv(
     x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, silu: bool = False,
+    weight_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A projection ending a sublayer with the residual add and the next RMSNorm's first half after it:
     returns h = gemv(x) + residual (the residual stream), h * norm_weight, and h's sum of squares [M, 1]
     in fp32 (kernel sets may return it as several partial sums per row: [M, S]). With `silu`, x holds
     [gate | up] and ``silu_and_mul`` goes first."""
-    h = gemv(silu_and_mul(x) if silu else x, weight) + residual
+    h = gemv(silu_and_mul(x) if silu else x, weight, weight_scale=weight_scale) + residual
     return h, h * norm_weight, h.float().pow(2).sum(-1, keepdim=True)
 
 
 def rms_scaled_gemv(x: torch.Tensor, sums: torch.Tensor, eps: float, weight: torch.Tensor,
-                    bias: torch.Tensor | None = None) -> torch.Tensor:
+                    bias: torch.Tensor | None = None, weight_scale: torch.Tensor | None = None) -> torch.Tensor:
     """The projection after an RMSNorm given as ``residual_gemv``'s second and third outputs: x is the
     norm's input times its weight, `sums` the input's sums of squares (summed over the last dim)."""
     rstd = torch.rsqrt(sums.sum(-1, keepdim=True) / x.shape[-1] + eps)
-    return gemv((x.float() * rstd).to(x.dtype), weight, bias)
+    return gemv((x.float() * rstd).to(x.dtype), weight, bias, weight_scale)
 
 
 def apply_rotary(
@@ -118,11 +124,12 @@ def apply_rotary_store_kv(
 def rotary_qkv_gemv(
     x: torch.Tensor, sums: torch.Tensor | None, eps: float, weight: torch.Tensor, bias: torch.Tensor | None,
     positions: torch.Tensor, cos_sin_cache: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
-    loc: torch.Tensor, num_heads: int, num_kv_heads: int,
+    loc: torch.Tensor, num_heads: int, num_kv_heads: int, weight_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """A decode layer's qkv projection (``rms_scaled_gemv``; ``gemv`` of an already normed x where `sums`
     is None) then ``apply_rotary_store_kv``: returns the rotated q [M, H, D]."""
-    qkv = gemv(x, weight, bias) if sums is None else rms_scaled_gemv(x, sums, eps, weight, bias)
+    qkv = (gemv(x, weight, bias, weight_scale) if sums is None
+           else rms_scaled_gemv(x, sums, eps, weight, bias, weight_scale))
     head_dim = cos_sin_cache.shape[-1]
     q, k, v = qkv.view(qkv.shape[0], -1, head_dim).split([num_heads, num_kv_heads, num_kv_heads], dim=1)
     return apply_rotary_store_kv(q, k, v, positions, cos_sin_cache, k_buffer, v_buffer, loc)

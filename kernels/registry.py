@@ -34,6 +34,9 @@ OP_NAMES = (
 # the unfused ops it stands for (core.runtime.layers.attention_backend, core.runtime.models.llama). The GEMV ops take at
 # most GEMV_MAX_ROWS rows (decode).
 OPTIONAL_OP_NAMES = ("apply_rotary_store_kv", "gemv", "residual_gemv", "rms_scaled_gemv", "rotary_qkv_gemv")
+# Quantized-weight products (core.runtime.quantization); every set has them, their twins are in
+# kernels.quant_reference.
+QUANT_OP_NAMES = ("fp8_linear", "int4_linear")
 
 
 def triton_enabled(device: torch.device | str) -> bool:

@@ -1,4 +1,5 @@
-"""The `radixlm` command. Subcommands: `serve` (the HTTP server); more can be added to _COMMANDS.
+"""The `radixlm` command. Subcommands: `serve` (the HTTP server) and `router` (a cache-aware HTTP front over
+several servers, server/router); more can be added to _COMMANDS.
 
 `serve`'s flags are generated from the option dataclasses (ServerArgs and EngineOptions): each field's
 help text, choices and aliases are its documentation, so the two cannot drift apart. SGLang's names
@@ -58,13 +59,24 @@ def options_table() -> str:
     """The flags of `radixlm serve` as the Markdown table in docs/server.md (a test keeps them equal)."""
     rows = ["| flag | default | meaning |", "|---|---|---|",
             "| `MODEL`, `--model-path`, `--model` | SmolLM2-135M-Instruct | model directory, GGUF file or hub id |"]
-    for cls in (ServerArgs, EngineOptions):
-        for f in dataclasses.fields(cls):
-            names = ", ".join(f"`{n}`" for n in ["--" + f.name.replace("_", "-"), *f.metadata.get("aliases", ())])
-            default = "" if f.default is None else f"`{f.default}`" if f.default != "" else '`""`'
-            choices = f" (one of {', '.join(f.metadata['choices'])})" if f.metadata.get("choices") else ""
-            rows.append(f"| {names} | {default} | {f.metadata.get('help', '')}{choices} |")
-    return "\n".join(rows) + "\n"
+    return "\n".join(rows + _option_rows(ServerArgs) + _option_rows(EngineOptions)) + "\n"
+
+
+def router_options_table() -> str:
+    """The flags of `radixlm router` as the Markdown table in docs/scale_out.md (a test keeps them equal)."""
+    from radixlm.server.router.args import RouterArgs
+
+    return "\n".join(["| flag | default | meaning |", "|---|---|---|", *_option_rows(RouterArgs)]) + "\n"
+
+
+def _option_rows(cls: type) -> list[str]:
+    rows = []
+    for f in dataclasses.fields(cls):
+        names = ", ".join(f"`{n}`" for n in ["--" + f.name.replace("_", "-"), *f.metadata.get("aliases", ())])
+        default = "" if f.default is None else f"`{f.default}`" if f.default != "" else '`""`'
+        choices = f" (one of {', '.join(f.metadata['choices'])})" if f.metadata.get("choices") else ""
+        rows.append(f"| {names} | {default} | {f.metadata.get('help', '')}{choices} |")
+    return rows
 
 
 def _serve_parser(sub: Any) -> argparse.ArgumentParser:
@@ -142,14 +154,53 @@ def _run_serve(ns: argparse.Namespace) -> int:
 
         run_launched_rank(model_path, **options)
         return 0
+    if options.get("node_rank", 0) > 0:  # machines 1.. of --nnodes run their ranks only (docs/scale_out.md)
+        from radixlm.core.runtime.distributed.tp_worker import run_node
+
+        run_node(model_path, **options)
+        return 0
     _preflight(model_path, server, options)
     from radixlm.server.launch import serve
 
     return serve(model_path, server, **options)
 
 
+def _router_parser(sub: Any) -> argparse.ArgumentParser:
+    from radixlm.server.router.args import RouterArgs
+
+    p = sub.add_parser("router", help="route requests over several `radixlm serve` replicas by cached prefix",
+                       description="An HTTP front over `radixlm serve` replicas (the same endpoints): each "
+                                   "request goes to the replica most likely to hold its prefix in cache, "
+                                   "within a load bound; unhealthy replicas are taken out, replicas join and "
+                                   "leave at run time (docs/scale_out.md).")
+    p.add_argument("--version", action="version", version=_version())
+    _add_option_flags(p.add_argument_group("router options"), RouterArgs)
+    return p
+
+
+def _run_router(ns: argparse.Namespace) -> int:
+    from radixlm.server.router.args import RouterArgs
+    from radixlm.server.router.replicas import normalize_url
+
+    args = RouterArgs(**{k: v for k, v in vars(ns).items() if k != "command"})
+    _check_port(args.host, args.port)
+    try:
+        args.worker_urls = [normalize_url(u) for u in args.worker_urls or []]
+    except ValueError as exc:
+        raise UsageError(f"--worker-urls: {exc}") from None
+    if args.worker_urls_file is not None and not os.path.isfile(args.worker_urls_file):
+        raise UsageError(f"--worker-urls-file {args.worker_urls_file!r}: no such file")
+    if args.worker_dns is not None and not args.worker_dns.rpartition(":")[2].isdigit():
+        raise UsageError(f"--worker-dns {args.worker_dns!r}: expected NAME:PORT")
+    from radixlm.server.router.launch import serve_router
+
+    serve_router(args)
+    return 0
+
+
 _COMMANDS: dict[str, tuple[Callable[[Any], argparse.ArgumentParser], Callable[[argparse.Namespace], int]]] = {
     "serve": (_serve_parser, _run_serve),
+    "router": (_router_parser, _run_router),
 }
 
 

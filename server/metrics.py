@@ -91,6 +91,8 @@ class _EngineCollector:
             yield counter
         if s.get("hicache_slots_total"):
             yield from self._host_tier(s, gauge)
+        if s.get("spec_algorithm"):
+            yield from self._speculative(s)
         if "gc" in s:
             yield from self._gc(s["gc"])
 
@@ -106,6 +108,23 @@ class _EngineCollector:
             pause.add_metric([m, str(generation)], seconds)
         yield count
         yield pause
+
+    def _speculative(self, s: dict[str, Any]) -> Iterator[Metric]:
+        """Speculative decoding's counters, labelled by proposer (speculative_algorithm), when it is on."""
+        labels, values = ["model_name", "algorithm"], [self.model_name, s["spec_algorithm"]]
+        for name, doc, key in (
+                ("spec_verify_steps", "Verify steps run (each checks the drafts of a batch in one forward).",
+                 "spec_verify_steps_total"),
+                ("spec_verify", "Request drafts checked by verify steps.", "spec_verifies_total"),
+                ("spec_draft_tokens", "Draft tokens proposed.", "spec_draft_tokens_total"),
+                ("spec_accepted_tokens", "Draft tokens accepted.", "spec_accepted_tokens_total")):
+            counter = CounterMetricFamily(PREFIX + name, doc, labels=labels)
+            counter.add_metric(values, s[key])
+            yield counter
+        length = GaugeMetricFamily(PREFIX + "spec_accept_length", "Tokens a request gains per verified draft on "
+                                   "average (accepted draft tokens plus the target's own), since start.", labels=labels)
+        length.add_metric(values, s["spec_accept_length"])
+        yield length
 
     def _host_tier(self, s: dict[str, Any], gauge: Any) -> Iterator[Metric]:
         """The radix cache's host tier (hicache_size_gb), when it is on."""

@@ -14,7 +14,7 @@ from importlib import resources
 
 import numpy as np
 
-from radixlm.core.runtime.constrained.fsm import FSMConstraint
+from radixlm.core.runtime.constrained.grammar_constraint import GrammarConstraint
 from radixlm.core.runtime.cache import cache_dir
 from radixlm.core.runtime.constrained.pda import bytes_to_accept, shortest_bytes_to_accept
 
@@ -66,7 +66,7 @@ def llama3_tokenizer():
                                        clean_up_tokenization_spaces=False)
 
 
-def random_walk(constraint: FSMConstraint, rng: np.random.Generator, max_tokens: int = 48,
+def random_walk(constraint: GrammarConstraint, rng: np.random.Generator, max_tokens: int = 48,
                 stop_prob: float = 0.3) -> list[int]:
     """Token ids of one random walk through `constraint` (EOS not included), ending in an accepting state.
 

@@ -88,11 +88,12 @@ def render_chat(engine: Engine, messages: list[dict[str, Any]], **kwargs: Any) -
 
 
 class ServerProcess:
-    """`radixlm serve` in a subprocess on a free port (read back from its log line)."""
+    """`radixlm serve` (or another subcommand, e.g. `router`) in a subprocess on a free port (read back from
+    its log line)."""
 
-    def __init__(self, *flags: str, env: dict[str, str] | None = None) -> None:
+    def __init__(self, *flags: str, command: str = "serve", env: dict[str, str] | None = None) -> None:
         env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
-        self.proc = subprocess.Popen([sys.executable, "-m", "radixlm.server", "--port", "0", *flags],
+        self.proc = subprocess.Popen([sys.executable, "-m", "radixlm.server.cli", command, "--port", "0", *flags],
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
         self.log: list[str] = []
         self.url: str | None = None

@@ -14,7 +14,7 @@ import threading
 import numpy as np
 import pytest
 
-from radixlm.core.runtime.constrained import terminal_tokens
+from radixlm.core.runtime.constrained.tokens import terminal_tokens
 from radixlm.core.runtime.constrained.tokens.counted_string import string_tokens
 from radixlm.core.runtime.constrained.automata.grammar_compiler import compile_grammar
 from radixlm.core.runtime.constrained.tokens.masks import unpack_bitmask

@@ -9,7 +9,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from radixlm.core.runtime.constrained import build_constraint, grammar_index_cache, narrow_walk, terminal_tokens
+from radixlm.core.runtime.constrained import build_constraint, grammar_index_cache
+from radixlm.core.runtime.constrained.tokens import narrow_walk, terminal_tokens
 from radixlm.core.runtime.constrained.automata.grammar_compiler import GrammarBudget, compile_grammar
 from radixlm.core.runtime.constrained.grammar_index_cache import prepare_vocab
 from radixlm.core.runtime.constrained.tokens.literal_tokens import literal_rest
@@ -166,22 +167,27 @@ def test_exit_tokens_kept_per_set_of_suffixes_equal_selecting_them():
 
 
 def test_counted_string_classes_cached_equal_fresh(qwen):
-    """A counted string boundary's classes, cached by (opening, characters still required, room), equal
-    those computed afresh for every boundary of strings with different bounds."""
+    """A counted string's classes, cached by (opening, place in a character, characters still required, room),
+    equal those computed afresh for every state of strings with different bounds."""
+    from radixlm.core.runtime.constrained.tokens import counted_tokens
     from radixlm.core.runtime.constrained.tokens.counted_string import counted_string_dfa
 
     vocab = prepare_vocab(qwen)
     dfas = [counted_string_dfa(lo, hi) for lo, hi in [(0, 3), (2, 5), (1, None), (4, None)]]
-    boundaries = [(dfa, state) for dfa in dfas for state in range(dfa.num_states) if dfa.written(state) is not None]
-    with terminal_tokens._lock:
-        terminal_tokens._cache.clear()
-    got = [terminal_tokens.state_tokens("counted", dfa, state, vocab) for dfa, state in boundaries]  # some hits
-    for (dfa, state), found in zip(boundaries, got):
-        with terminal_tokens._lock:
-            terminal_tokens._cache.clear()
+    states = [(dfa, state) for dfa in dfas for state in range(dfa.num_states - 1)]
+    with counted_tokens._lock:
+        counted_tokens._cache.clear()
+    got = [terminal_tokens.state_tokens("counted", dfa, state, vocab) for dfa, state in states]  # some hits
+    for (dfa, state), found in zip(states, got):
+        with counted_tokens._lock:
+            counted_tokens._cache.clear()
         want = terminal_tokens.state_tokens("counted", dfa, state, vocab)
-        assert (found.inside == want.inside).all() and (found.closing == want.closing).all(), (dfa.lo, dfa.hi, state)
-    assert len(boundaries) > 15
+        assert (found.closing == want.closing).all(), (dfa.lo, dfa.hi, state)
+        if found.inside is None:
+            assert np.array_equal(found.inside_ids, want.inside_ids), (dfa.lo, dfa.hi, state)
+        else:
+            assert (found.inside == want.inside).all(), (dfa.lo, dfa.hi, state)
+    assert sum(dfa.written(state) is not None for dfa, state in states) > 15
 
 
 def test_state_rows_cut_on_demand_equal_the_dfa(qwen):

@@ -530,8 +530,8 @@ def test_a_recursive_grammar_counts_brackets(tiny_tokenizer):
 
     g = Grammar({"s": Repeat(seq(lit("("), Ref("s"), lit(")")))}, "s")
     index = GrammarIndex(compile_grammar(g), vocab_of(tiny_tokenizer))
-    from radixlm.core.runtime.constrained.fsm import FSMConstraint
-    c = FSMConstraint(index)
+    from radixlm.core.runtime.constrained.grammar_constraint import GrammarConstraint
+    c = GrammarConstraint(index)
     for text, ok in [("(()())", True), ("((())", False), ("())", False), ("", True)]:
         assert _accepts(c, text) == ok, text
 
@@ -678,7 +678,9 @@ def test_depth_first_completion_finds_the_way_breadth_first_drowns_in(tiny_token
 def test_move_tables_shared_by_schemas_give_the_masks_of_an_index_alone(tiny_tokenizer):
     """Item move tables are kept process-wide by terminal name (pda.py): a schema whose strings and
     numbers an earlier schema's index already moved through gets, configuration by configuration, the
-    masks of an index built with nothing shared."""
+    masks of an index built with nothing shared. (No warm-up: it interns configurations for a wall-clock
+    budget, so their numbering would depend on the machine's load.)"""
+    budget = GrammarBudget(warm_seconds=0)
     from radixlm.core.runtime.constrained import grammar_index_cache, pda
 
     def reached(index, limit=60):
@@ -696,16 +698,16 @@ def test_move_tables_shared_by_schemas_give_the_masks_of_an_index_alone(tiny_tok
 
     first = {"type": "object", "properties": {"a": STR, "n": {"type": "number"}}, "required": ["a", "n"]}
     second = {"type": "array", "items": {"anyOf": [STR, {"type": "number"}]}, "maxItems": 3}
-    reached(build_constraint("json_schema", first, tiny_tokenizer).index)
+    reached(build_constraint("json_schema", first, tiny_tokenizer, budget=budget).index)
     before = set(pda._shared_moves)
-    shared = build_constraint("json_schema", second, tiny_tokenizer).index
+    shared = build_constraint("json_schema", second, tiny_tokenizer, budget=budget).index
     seen, masks = reached(shared)
     names, fingerprint = shared.grammar.terminal_names, shared.vocab.fingerprint
     used = {(tuple((names[t], q) for t, q in key), fingerprint) for key in shared._moves}
     assert used & before  # some tables came from the first schema's index
     pda._shared_moves.clear()
     grammar_index_cache._cache.clear()
-    alone = build_constraint("json_schema", second, tiny_tokenizer).index
+    alone = build_constraint("json_schema", second, tiny_tokenizer, budget=budget).index
     alone_seen, alone_masks = reached(alone)
     assert seen == alone_seen and len(seen) > 10
     for a, b in zip(masks, alone_masks):

@@ -8,7 +8,9 @@ module level, inside functions, under TYPE_CHECKING).
   layers (below the models) import no other runtime package but kernels; kernels import nothing of core;
 - the runtime never imports the language (core.lang), the chat formats (core.chat), server, adapters or
   the top-level package (whose attributes lazily load the language); core.chat imports neither system;
-- no library module imports the test fixtures (radixlm.testing).
+- no library module imports the test fixtures (radixlm.testing);
+- constrained decoding's floors import downward: automata, then tokens, then schema, then the package
+  level (docs/constrained.md's Layout).
 
 Rules are checked on what a module reaches through imports, not only on what it names.
 """
@@ -30,6 +32,11 @@ ENGINE = ("radixlm.core.runtime.scheduler", "radixlm.core.runtime.memory", "radi
             if p.stem not in ("__init__", "cache")))
 LANGUAGE = ("radixlm.core.lang", "radixlm.core.chat", "radixlm.server", "radixlm.adapters")
 LIBRARY = ("radixlm.core", "radixlm.kernels", "radixlm.server", "radixlm.adapters")
+# constrained decoding's floors, in the order a spec travels: automata, token tables, schema -> grammar, and
+# the package level (the index, its cache, the per-request constraint, llguidance)
+CONSTRAINED_FLOORS = [tuple(f"radixlm.core.runtime.constrained.{m}" for m in floor) for floor in (
+    ("automata",), ("tokens",), ("schema",),
+    ("pda", "grammar_index_cache", "grammar_constraint", "llguidance_backend"))]
 # (importers, what they must never reach)
 RULES = [
     ((*LOWER, "radixlm.kernels"), ENGINE),
@@ -40,6 +47,9 @@ RULES = [
     (RUNTIME, (*LANGUAGE, PACKAGE)),
     (("radixlm.core.chat",), ("radixlm.core.lang", "radixlm.core.runtime", "radixlm.core.runtime.constrained")),
     (LIBRARY, ("radixlm.testing",)),
+    # each floor of constrained decoding imports none of the floors after it
+    *((floor, tuple(m for upper in CONSTRAINED_FLOORS[i + 1:] for m in upper))
+      for i, floor in enumerate(CONSTRAINED_FLOORS[:-1])),
 ]
 # top-level folders that are no part of the package
 NOT_PACKAGE = {"tests", "benchmarks", "examples", "scripts", "docs", "build"}
@@ -201,7 +211,7 @@ def test_graph_sees_the_package():
     """The checks above read the real tree: the known downward imports are there."""
     graph = import_graph(ROOT, PACKAGE)
     assert "radixlm.core.runtime.layers.forward_batch" in graph["radixlm.core.runtime.models.llama"]
-    assert "radixlm.core.runtime.tokenizer.fast_path" in graph["radixlm.core.runtime.constrained.fsm"]
+    assert "radixlm.core.runtime.tokenizer.fast_path" in graph["radixlm.core.runtime.constrained.grammar_constraint"]
     assert "radixlm.kernels.registry" in graph["radixlm.core.runtime.execution.model_runner"]
     assert "radixlm.testing.checkpoints" in graph["radixlm.testing.vision"]
 

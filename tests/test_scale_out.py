@@ -8,6 +8,7 @@ import json
 import os
 import queue
 import random
+import socket
 import subprocess
 import sys
 import threading
@@ -17,7 +18,8 @@ import pytest
 import torch.distributed
 
 import radixlm
-from radixlm.core.runtime.distributed.dp_router import DataParallelRouter, MetaRadixTree
+from radixlm.core.runtime.distributed.dp_router import DataParallelRouter
+from radixlm.core.runtime.distributed.prefix_routing import MetaRadixTree, PrefixRouter
 from radixlm.core.runtime.messages import Abort, FinishReason, GenerateOutput, GenerateRequest
 from radixlm.core.runtime.options import EngineOptions
 from radixlm.core.runtime.sampling_params import SamplingParams
@@ -121,6 +123,39 @@ def test_tp2_under_torchrun_matches_tp1(mistral_ckpt: str, tmp_path) -> None:
     assert result["free"] == result["total"]
 
 
+def test_tp4_over_two_nodes_with_sglang_flags_matches_tp1(mistral_ckpt: str) -> None:
+    """SGLang's --nnodes / --node-rank / --dist-init-addr on one machine over gloo: "node" 0 is this
+    process's Engine with its spawned rank 1, "node" 1 is `radixlm serve --node-rank 1` in another
+    process with its ranks 2 (there) and 3 (spawned); all four meet at dist_init_addr. 8 query heads and 2
+    KV heads over 4 ranks: each KV head is replicated on two ranks, on different "nodes"."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    nodes = {"tp_size": 4, "nnodes": 2, "dist_init_addr": f"127.0.0.1:{port}"}
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in {**ENGINE, **nodes, "node_rank": 1}.items()]
+    node1 = subprocess.Popen([sys.executable, "-m", "radixlm.server.cli", "serve", "--model-path", mistral_ckpt,
+                              *flags], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        got, stats = _two_waves(mistral_ckpt, node_rank=0, **nodes)
+        out, _ = node1.communicate(timeout=120)  # machine 1 returns once machine 0 shut down
+        assert node1.returncode == 0, out[-3000:]
+    finally:
+        node1.kill()
+    ref, _ = _two_waves(mistral_ckpt)
+    _assert_same_greedy_run(got, ref)
+    assert stats["kv_slots_free"] == stats["kv_slots_total"] == ENGINE["max_total_tokens"]
+
+
+def test_multi_node_options_are_checked() -> None:
+    for bad, param in (({"tp_size": 2, "nnodes": 2}, "dist_init_addr"),
+                       ({"tp_size": 3, "nnodes": 2, "dist_init_addr": "h:1"}, "nnodes"),
+                       ({"tp_size": 2, "nnodes": 2, "node_rank": 2, "dist_init_addr": "h:1"}, "node_rank"),
+                       ({"tp_size": 2, "nnodes": 2, "dist_init_addr": "h:99999"}, "dist_init_addr")):
+        with pytest.raises(InvalidRequestError) as err:
+            EngineOptions.from_kwargs(bad)
+        assert err.value.param == param
+
+
 def test_scale_out_options_are_checked_before_anything_starts(llama_ckpt: str) -> None:
     with pytest.raises(InvalidRequestError):
         EngineOptions.from_kwargs({"tp_size": 2, "dp_size": 2})
@@ -148,7 +183,7 @@ def _random_seq(rng: random.Random) -> list[int]:
 
 def test_meta_tree_matches_brute_force() -> None:
     rng = random.Random(0)
-    tree = MetaRadixTree(3, [10**9] * 3)
+    tree = MetaRadixTree(dict.fromkeys(range(3), 10**9))
     held: list[list[list[int]]] = [[], [], []]
     for _ in range(400):
         seq, worker = _random_seq(rng), rng.randrange(3)
@@ -156,8 +191,8 @@ def test_meta_tree_matches_brute_force() -> None:
         held[worker].append(seq)
         query = _random_seq(rng)
         expected = [max((_lcp(query, s) for s in seqs), default=0) for seqs in held]
-        assert tree.match(query) == expected
-        assert tree.sizes == [_held_tokens(tree, w) for w in range(3)]
+        assert tree.match(query) == dict(enumerate(expected))
+        assert tree.sizes == {w: _held_tokens(tree, w) for w in range(3)}
 
 
 def _held_tokens(tree: MetaRadixTree, worker: int) -> int:
@@ -166,18 +201,74 @@ def _held_tokens(tree: MetaRadixTree, worker: int) -> int:
 
 def test_meta_tree_eviction_stays_within_capacity_and_keeps_recent() -> None:
     rng = random.Random(1)
-    tree = MetaRadixTree(2, [40, 24])
+    tree = MetaRadixTree({0: 40, 1: 24})
     held: list[list[list[int]]] = [[], []]
     for _ in range(300):
         seq, worker = _random_seq(rng), rng.randrange(2)
         tree.insert(seq, worker)
         held[worker].append(seq)
         assert tree.sizes[worker] <= tree.capacity[worker]
-        assert tree.sizes == [_held_tokens(tree, w) for w in range(2)]
+        assert tree.sizes == {w: _held_tokens(tree, w) for w in range(2)}
         assert tree.match(seq)[worker] == len(seq)  # the newest sequence is never the one evicted
         query = _random_seq(rng)
         brute = [max((_lcp(query, s) for s in seqs), default=0) for seqs in held]
-        assert all(m <= b for m, b in zip(tree.match(query), brute))  # the tree only forgets
+        assert all(m <= b for m, b in zip(tree.match(query).values(), brute))  # the tree only forgets
+
+
+def test_meta_tree_workers_join_and_leave_at_run_time() -> None:
+    """The HTTP router's replicas come and go: a removed worker's marks vanish (nodes held by it alone
+    with them), a worker added later starts empty, and the others' matches stay as brute force says."""
+    rng = random.Random(3)
+    tree = MetaRadixTree(dict.fromkeys("ab", 10**9))
+    held: dict[str, list[list[int]]] = {"a": [], "b": []}
+    for step in range(300):
+        if step % 50 == 25:
+            gone = rng.choice(sorted(held))
+            tree.remove_worker(gone)
+            del held[gone]
+            new = f"w{step}"
+            tree.add_worker(new, 10**9)
+            held[new] = []
+        seq, worker = _random_seq(rng), rng.choice(sorted(held))
+        tree.insert(seq, worker)
+        held[worker].append(seq)
+        query = _random_seq(rng)
+        assert tree.match(query) == {w: max((_lcp(query, s) for s in seqs), default=0) for w, seqs in held.items()}
+        assert tree.sizes == {w: _held_tokens(tree, w) for w in held}
+        assert all(n.workers for n in tree._nodes())  # no node left without a holder
+
+
+def test_prefix_router_routes_only_among_the_given_workers() -> None:
+    policy = PrefixRouter()
+    for w in ("x", "y", "z"):
+        policy.add_worker(w, 1000)
+    assert policy.route([1, 2, 3]) == ("x", 0)
+    assert policy.route([1, 2, 3, 4]) == ("x", 3)  # the prefix holder
+    assert policy.route([1, 2, 3, 4], among=["y", "z"]) == ("y", 0)  # x failed or was tried already
+    policy.finish("x")
+    assert policy.loads == {"x": 1, "y": 1, "z": 0}
+    policy.remove_worker("x")
+    policy.finish("x")  # a request of a removed worker ends: nothing to count
+    assert policy.route([1, 2, 3, 4]) == ("y", 4)
+    with pytest.raises(LookupError):
+        policy.route([1], among=[])
+
+
+def test_a_short_shared_header_does_not_pile_requests_up_under_a_cache_threshold() -> None:
+    """Two subjects whose prompts share a 4-token header: without a threshold the header alone sends the
+    second subject to the first's worker; with cache_threshold 0.5 it goes to the idle worker, and later
+    questions of each subject follow their subject (their match covers most of the prompt)."""
+    header = [1, 2, 3, 4]
+    subject = {s: header + [100 * s + k for k in range(12)] for s in (1, 2)}
+    plain, thresholded = PrefixRouter(), PrefixRouter(cache_threshold=0.5)
+    for policy in (plain, thresholded):
+        policy.add_worker("a", 1000)
+        policy.add_worker("b", 1000)
+        assert policy.route(subject[1] + [7])[0] == "a"
+    assert plain.route(subject[2] + [7]) == ("a", 4)
+    assert thresholded.route(subject[2] + [7]) == ("b", 0)
+    assert thresholded.route(subject[1] + [8]) == ("a", 16)
+    assert thresholded.route(subject[2] + [8]) == ("b", 16)
 
 
 # ---- the router -------------------------------------------------------------------------------------

@@ -24,6 +24,10 @@ class TokenConstraint(Protocol):
     def is_finished(self) -> bool:
         """True once nothing but the end of the output can follow."""
 
+    def fork(self) -> "TokenConstraint":
+        """An independent copy at the same point, sharing the compiled grammar: speculative decoding
+        walks a draft with it to mask each draft position, leaving this one where it is."""
+
     def forced_text(self) -> str | None:
         """The string the constraint forces from here, or None."""
 

@@ -239,4 +239,9 @@ def output_dict(out: GenerateOutput, req: GenerateRequest) -> Output:
         meta["replaced_ids"] = out.replaced  # a stream chunk whose ids replace that many sent ones
     if out.dp_rank is not None:
         meta["dp_rank"] = out.dp_rank
+    if out.spec_verify_ct is not None:
+        meta["spec_verify_ct"] = out.spec_verify_ct
+        meta["spec_accepted_tokens"] = out.spec_accepted_tokens
+        # Tokens per verify step: the accepted draft tokens plus the target's own (SGLang's name).
+        meta["spec_accept_length"] = 1.0 + out.spec_accepted_tokens / out.spec_verify_ct if out.spec_verify_ct else 0.0
     return {"text": out.text, "output_ids": out.output_ids, "meta_info": meta}

@@ -100,6 +100,10 @@ class GenerateOutput:
     ttft: float | None = None
     queue_time: float | None = None
     dp_rank: int | None = None  # the data-parallel worker that ran it (dp_size > 1)
+    # Speculative decoding (on the final output, when on): verify steps that checked a draft of this
+    # request, and the draft tokens accepted in all.
+    spec_verify_ct: int | None = None
+    spec_accepted_tokens: int | None = None
 
 
 @dataclass

@@ -20,6 +20,10 @@ _DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf1
            "float16": "float16", "fp16": "float16", "half": "float16"}
 
 # kv_cache_dtype's names (SGLang's and vLLM's --kv-cache-dtype) and their torch dtypes; "auto": the model's.
+# speculative_algorithm's values; SGLang's STANDALONE is `draft` (`_resolve` takes either, in any case).
+SPECULATIVE_ALGORITHMS = ("ngram", "draft")
+SPECULATIVE_ALIASES = {"standalone": "draft"}
+
 KV_CACHE_DTYPES = {"auto": None, "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
 
 
@@ -176,14 +180,44 @@ class EngineOptions:
     # graphs: the short extends the radix cache and jump-forward leave.
     cuda_graph_max_extend_tokens: int = option(512, "extends of at most this many tokens replay CUDA graphs; "
                                                "0 runs every extend eagerly")
+    quantization: str | None = option(
+        None, "quantized weights: fp8 (e4m3 weights with per-channel scales, activations quantized per token; "
+        "CUDA needs compute capability 8.9+) quantizes a bf16 checkpoint at load; a checkpoint's own "
+        "quantization_config (fp8, compressed-tensors float8) is read without it; gguf (CPU): a GGUF file's "
+        "Q4_0/Q4_1/Q8_0 weights stay quantized; awq, gptq: 4-bit checkpoints (read from their config without "
+        "it) (docs/quantization.md)",
+        choices=("fp8", "gguf", "awq", "gptq"))
     load_format: str = option("auto", "auto: weights from the model path; dummy: random weights (benchmarks)",
                               choices=("auto", "dummy"))
     tp_size: int = option(1, "tensor-parallel ranks, one process each (docs/scale_out.md)",
                           aliases=("--tensor-parallel-size", "-tp"))
     dp_size: int = option(1, "data-parallel engine workers behind one cache-aware router (docs/scale_out.md)",
                           aliases=("--data-parallel-size", "-dp"))
+    nnodes: int = option(1, "machines the tensor-parallel ranks span, tp_size / nnodes ranks on each; every "
+                         "machine runs the same command with its own --node-rank (docs/scale_out.md)")
+    node_rank: int = option(0, "this machine's index among --nnodes: 0 serves HTTP, the others run their ranks")
+    dist_init_addr: str | None = option(None, "HOST:PORT on machine 0 where the ranks of all machines meet (needed "
+                                        "with --nnodes > 1; the port must be free there and reachable)")
     scheduler_process: bool = option(False, "run the scheduler loop (model, KV pool, radix cache) in its own "
                                      "process; the front end talks to it through messages only (docs/engine.md)")
+    speculative_algorithm: str | None = option(
+        None, "speculative decoding (docs/speculative.md): ngram (drafts looked up in the request's own prompt and "
+        "output: pays where the output repeats its input: extraction, quoting, code edits) or draft (a smaller "
+        "checkpoint sharing the tokenizer, speculative_draft_model_path); None: off. Greedy outputs are unchanged "
+        "and sampled ones keep the target's distribution; SGLang's upper-case names and STANDALONE (draft) are taken too")
+    speculative_num_draft_tokens: int = option(
+        4, "most draft tokens one verify step checks per request (the step computes this many plus one)",
+        aliases=("--num-speculative-tokens",))
+    speculative_ngram_min_match_window_size: int = option(
+        2, "ngram: the shortest suffix of the request's tokens looked up in them", aliases=("--prompt-lookup-min",))
+    speculative_ngram_max_match_window_size: int = option(
+        8, "ngram: the longest suffix looked up (the longest that matches gives the draft)",
+        aliases=("--prompt-lookup-max",))
+    speculative_draft_model_path: str | None = option(
+        None, "draft: the draft checkpoint (a path, .gguf or hub id) whose tokenizer is the target's")
+    speculative_adaptive: bool = option(
+        True, "a request whose drafts fail drafts fewer tokens, and after repeated misses skips drafting for up to "
+        "32 steps (it then pays nothing for drafts that do not come true); false: always the full draft")
 
     def __post_init__(self) -> None:
         # Each value against its field's type, however the options are built (from_kwargs, the CLI, or
@@ -201,11 +235,28 @@ class EngineOptions:
         opts._resolve()
         return opts
 
+    def _check_nodes(self) -> None:
+        if not 0 <= self.node_rank < self.nnodes:
+            raise InvalidRequestError(f"node_rank must be in [0, nnodes) (got {self.node_rank}, nnodes "
+                                      f"{self.nnodes})", "node_rank")
+        if self.nnodes == 1:
+            return
+        if self.tp_size % self.nnodes:
+            raise InvalidRequestError(f"tp_size ({self.tp_size}) must be a multiple of nnodes ({self.nnodes})",
+                                      "nnodes")
+        host, _, port = (self.dist_init_addr or "").rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise InvalidRequestError(f"nnodes > 1 needs dist_init_addr as HOST:PORT (got {self.dist_init_addr!r})",
+                                      "dist_init_addr")
+
     def _resolve(self) -> None:
         self.log_level = self.log_level.lower()
+        if self.speculative_algorithm is not None:
+            name = self.speculative_algorithm.lower()
+            self.speculative_algorithm = SPECULATIVE_ALIASES.get(name, name)
         for f in dataclasses.fields(self):
             choices, value = f.metadata.get("choices"), getattr(self, f.name)
-            if choices and value not in choices:
+            if choices and value is not None and value not in choices:
                 raise InvalidRequestError(f"{f.name} must be one of {list(choices)} (got {value!r})", f.name)
         if self.device is None:
             import torch
@@ -214,18 +265,21 @@ class EngineOptions:
         if self.dtype == "auto":
             self.dtype = "bfloat16" if self.device.startswith("cuda") else "float32"
         if self.enable_overlap_schedule is None:
-            self.enable_overlap_schedule = self.device.startswith("cuda") and self.tp_size == self.dp_size == 1
+            self.enable_overlap_schedule = (self.device.startswith("cuda") and self.tp_size == self.dp_size == 1
+                                            and self.speculative_algorithm is None)
+        self._check_speculative()
         if self.max_running_requests is None:
             self.max_running_requests = 512 if self.device.startswith("cuda") else 64
-        for name in ("max_running_requests", "schedule_fairness_bound", "tp_size", "dp_size", "stream_interval",
-                     "max_requests_per_call", "prepare_workers", "max_image_bytes", "max_image_pixels",
-                     "max_video_frames"):
+        for name in ("max_running_requests", "schedule_fairness_bound", "tp_size", "dp_size", "nnodes",
+                     "stream_interval", "max_requests_per_call", "prepare_workers", "max_image_bytes",
+                     "max_image_pixels", "max_video_frames"):
             if getattr(self, name) < 1:
                 raise InvalidRequestError(f"{name} must be >= 1", name)
         if self.schedule_admission_batch < 0:
             raise InvalidRequestError("schedule_admission_batch must be >= 0", "schedule_admission_batch")
         if self.tp_size > 1 and self.dp_size > 1:
             raise InvalidRequestError("tp_size > 1 and dp_size > 1 together are not supported yet", "dp_size")
+        self._check_nodes()
         if self.scheduler_process and (self.tp_size > 1 or self.dp_size > 1):
             raise InvalidRequestError("scheduler_process with tp_size or dp_size > 1 is not supported yet",
                                       "scheduler_process")
@@ -269,6 +323,29 @@ class EngineOptions:
                 raise InvalidRequestError(f"{name} must be > 0 seconds", name)
         if self.request_timeout is not None and not 0 < self.request_timeout < float("inf"):
             raise InvalidRequestError("request_timeout must be a number of seconds > 0", "request_timeout")
+
+    def _check_speculative(self) -> None:
+        if self.speculative_algorithm is None:
+            return
+        if self.speculative_algorithm not in SPECULATIVE_ALGORITHMS:
+            built = " (EAGLE draft heads are not built yet)" if self.speculative_algorithm.startswith("eagle") else ""
+            raise InvalidRequestError(f"speculative_algorithm must be one of {list(SPECULATIVE_ALGORITHMS)} (got "
+                                      f"{self.speculative_algorithm!r}){built}", "speculative_algorithm")
+        for name in ("speculative_num_draft_tokens", "speculative_ngram_min_match_window_size"):
+            if getattr(self, name) < 1:
+                raise InvalidRequestError(f"{name} must be >= 1", name)
+        if self.speculative_ngram_max_match_window_size < self.speculative_ngram_min_match_window_size:
+            raise InvalidRequestError("speculative_ngram_max_match_window_size must be >= the min window size",
+                                      "speculative_ngram_max_match_window_size")
+        if self.speculative_algorithm == "draft" and not self.speculative_draft_model_path:
+            raise InvalidRequestError("speculative_algorithm draft needs speculative_draft_model_path",
+                                      "speculative_draft_model_path")
+        if self.enable_overlap_schedule:
+            raise InvalidRequestError("enable_overlap_schedule with speculative_algorithm is not supported yet",
+                                      "enable_overlap_schedule")
+        if self.tp_size > 1 or self.dp_size > 1:
+            raise InvalidRequestError("speculative_algorithm with tp_size or dp_size > 1 is not supported yet",
+                                      "speculative_algorithm")
 
     @property
     def torch_dtype(self) -> "torch.dtype":

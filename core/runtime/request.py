@@ -52,6 +52,7 @@ class Req:
     created: float = field(default_factory=time.monotonic)
     scheduled_time: float | None = None  # when first given KV (the end of its queue time)
     first_token_time: float | None = None
+    spec: Any = None  # speculative decoding's state (core.runtime.speculative.state.SpecState), when on
 
     @property
     def rid(self) -> str:

@@ -22,6 +22,11 @@ class EngineStats:
     generated_tokens_total: int = 0
     retractions_total: int = 0
     cache_aware_admissions_total: int = 0  # admission steps that lpm/dfs-weight ordered (past the pressure gate)
+    # Speculative decoding: verify steps run, request drafts they checked, draft tokens and accepted ones.
+    spec_verify_steps_total: int = 0
+    spec_verifies_total: int = 0
+    spec_draft_tokens_total: int = 0
+    spec_accepted_tokens_total: int = 0
     radix_cache_time_s: float = 0.0  # scheduler time in radix cache match/insert/evict/lock calls
     e2e_latency_sum: float = 0.0
     ttft_sum: float = 0.0
@@ -36,8 +41,16 @@ class EngineStats:
         if req.first_token_time is not None:
             self.ttft_sum += req.first_token_time - req.created
 
+    def record_verify(self, drafted: int, accepted: int) -> None:
+        self.spec_verifies_total += 1
+        self.spec_draft_tokens_total += drafted
+        self.spec_accepted_tokens_total += accepted
+
     def snapshot(self, **gauges: Any) -> dict[str, Any]:
         out = {k: v for k, v in self.__dict__.items() if k != "started"}
+        # Tokens a request gains per verified draft: the accepted draft tokens plus the target's own.
+        out["spec_accept_length"] = (1.0 + self.spec_accepted_tokens_total / self.spec_verifies_total
+                                     if self.spec_verifies_total else 0.0)
         out["cache_hit_rate"] = self.cached_tokens_total / self.prompt_tokens_total if self.prompt_tokens_total else 0.0
         out["uptime_s"] = time.monotonic() - self.started
         out.update(gauges)

@@ -5,6 +5,8 @@ radixlm.kernels.reference (see radixlm.kernels.OP_NAMES). Importing it needs the
 from radixlm.kernels.reference import pack_token_mask
 from radixlm.kernels.triton.attention import SHORT_EXTEND_TOKENS, decode_attention, extend_attention
 from radixlm.kernels.triton.decode_gemv import gemv, residual_gemv, rms_scaled_gemv, rotary_qkv_gemv
+from radixlm.kernels.triton.fp8_gemm import fp8_linear
+from radixlm.kernels.triton.int4_gemm import int4_linear
 from radixlm.kernels.triton.elementwise import (
     apply_rotary,
     apply_rotary_store_kv,

@@ -42,28 +42,38 @@ CONFIGS: dict[tuple[int, int, int], tuple[int, int, int, int]] = {
     (1, 6144, 4096): (4, 2048, 4, 3), (1, 4096, 4096): (8, 512, 4, 3), (1, 28672, 4096): (4, 2048, 8, 3),
     (1, 4096, 14336): (8, 512, 4, 3), (1, 128256, 4096): (16, 1024, 8, 3),
 }
+# The same for fp8 weights (quantization="fp8"), measured apart: a step of BLOCK_K fp8 values is half the bytes.
+CONFIGS_FP8: dict[tuple[int, int, int], tuple[int, int, int, int]] = {}
 if os.environ.get("RADIXLM_GEMV_CONFIGS"):
     with open(os.environ["RADIXLM_GEMV_CONFIGS"]) as f:
         CONFIGS.update({tuple(int(v) for v in key.split(",")): tuple(c) for key, c in json.load(f).items()})
 
 
-def gemv_config(m: int, n: int, k: int) -> tuple[int, int, int, int]:
+def gemv_config(m: int, n: int, k: int, weight_bytes: int = 2) -> tuple[int, int, int, int]:
     """The launch shape (BLOCK_N, BLOCK_K, num_warps, stages) for an [m, k] x [n, k].T product:
     RADIXLM_GEMV_CONFIG ("block_n,block_k,warps,stages", for ablations), else CONFIGS, else a guess:
     weight tiles of 16 KB (bf16) a step and 64 fp32 accumulator registers a thread, the loop's loads
     pipelined 3 deep through shared memory (cp.async), so that each SM has ~100 KB in flight; 8 output
     rows a program, 4 where that leaves under two programs per SM (132 on an H200). stages=1 is the
-    plain loop (registers only)."""
+    plain loop (registers only). A weight of `weight_bytes` 1 (fp8) takes CONFIGS_FP8's shape, else the
+    bf16 one with BLOCK_K doubled (the same bytes a step), BLOCK_N halved where that keeps 64
+    accumulators a thread."""
     override = os.environ.get("RADIXLM_GEMV_CONFIG")
     if override:
         block_n, block_k, warps, stages = (int(v) for v in override.split(","))
         return block_n, block_k, warps, stages
     block_m = triton.next_power_of_2(m)
+    if weight_bytes == 1 and (block_m, n, k) in CONFIGS_FP8:
+        return CONFIGS_FP8[(block_m, n, k)]
     if (block_m, n, k) in CONFIGS:
         block_n, block_k, warps, stages = CONFIGS[(block_m, n, k)]
     else:
         block_k = max(32, min(1024, triton.next_power_of_2(k)) // block_m)
         block_n, warps, stages = (8 if triton.cdiv(n, 8) >= 264 else 4), 4, 3
+    if weight_bytes == 1:
+        block_k *= 2
+        if block_m * block_n * block_k > 64 * 32 * warps and block_n > 1:
+            block_n //= 2
     return block_n, block_k, warps, stages
 
 
@@ -104,10 +114,14 @@ def _load_sums(Sums, offs_m, m_mask, num_sums, stride_sm, SCALED: tl.constexpr, 
 
 
 @triton.jit
-def _scale_and_bias(out, sums, Bias, offs_n, n_mask, k, eps, SCALED: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """The epilogue of a product before any residual: with SCALED, x was an RMSNorm's input times its
-    weight (`residual_gemv`'s second output) and the norm's scale comes from the partial sums of squares
-    the producer left, one per producer program; then the bias."""
+def _scale_and_bias(out, sums, Bias, WScale, offs_n, n_mask, k, eps, SCALED: tl.constexpr, HAS_BIAS: tl.constexpr,
+                    W_SCALED: tl.constexpr):
+    """The epilogue of a product before any residual: with W_SCALED, the weight held fp8 values and each
+    output feature takes its row's scale; with SCALED, x was an RMSNorm's input times its weight
+    (`residual_gemv`'s second output) and the norm's scale comes from the partial sums of squares the
+    producer left, one per producer program; then the bias."""
+    if W_SCALED:
+        out = out * tl.load(WScale + offs_n, mask=n_mask, other=0.0)[None, :]
     if SCALED:
         out = out * tl.rsqrt(tl.sum(sums, axis=1) / k + eps)[:, None]
     if HAS_BIAS:
@@ -117,10 +131,10 @@ def _scale_and_bias(out, sums, Bias, offs_n, n_mask, k, eps, SCALED: tl.constexp
 
 @triton.jit
 def _gemv_kernel(
-    X, Res, NormW, W, Bias, Out, Summed, Sums,
+    X, Res, NormW, W, Bias, WScale, Out, Summed, Sums,
     m, n, k, num_sums, stride_xm, stride_rm, stride_wn, stride_om, stride_hm, stride_sm, eps,
     SILU: tl.constexpr, HAS_BIAS: tl.constexpr, SCALED: tl.constexpr, RESIDUAL: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr,
+    W_SCALED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr,
     STAGES: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -136,7 +150,7 @@ def _gemv_kernel(
         norm_w = tl.load(NormW + offs_n, mask=n_mask, other=0.0)
     out = _product(X, W, offs_m, offs_n, m_mask, n_mask, k, stride_xm, stride_wn,
                    SILU, BLOCK_M, BLOCK_N, BLOCK_K, STAGES)
-    out = _scale_and_bias(out, sums, Bias, offs_n, n_mask, k, eps, SCALED, HAS_BIAS)
+    out = _scale_and_bias(out, sums, Bias, WScale, offs_n, n_mask, k, eps, SCALED, HAS_BIAS, W_SCALED)
     if RESIDUAL:
         # h = product + residual is the residual stream (rounded to its dtype, as the reference's sum is);
         # Out gets h times the next RMSNorm's weight, Sums this program's part of h's sum of squares.
@@ -150,11 +164,11 @@ def _gemv_kernel(
 
 @triton.jit
 def _rotary_qkv_kernel(
-    X, W, Bias, Sums, Q, KBuf, VBuf, Positions, CosSin, Loc,
+    X, W, Bias, WScale, Sums, Q, KBuf, VBuf, Positions, CosSin, Loc,
     m, n, k, num_sums, stride_xm, stride_wn, stride_sm, stride_qm, stride_kbs, stride_kbh, stride_vbs,
     stride_vbh, stride_cp, eps,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HAS_BIAS: tl.constexpr,
-    SCALED: tl.constexpr, BLOCK_M: tl.constexpr, PAIRS: tl.constexpr, BLOCK_K: tl.constexpr,
+    SCALED: tl.constexpr, W_SCALED: tl.constexpr, BLOCK_M: tl.constexpr, PAIRS: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_S: tl.constexpr, STAGES: tl.constexpr, SAT: tl.constexpr,
 ):
     """The qkv projection with the rotary and the KV store in its epilogue. A program owns PAIRS pairs of
@@ -174,7 +188,7 @@ def _rotary_qkv_kernel(
     out = _product(X, W, offs_m, offs_n, m_mask, n_mask, k, stride_xm, stride_wn,
                    False, BLOCK_M, 2 * PAIRS, BLOCK_K, STAGES)
     # Rounded where the reference's projection output is, then split into the partners' halves.
-    out = _scale_and_bias(out, sums, Bias, offs_n, n_mask, k, eps, SCALED, HAS_BIAS)
+    out = _scale_and_bias(out, sums, Bias, WScale, offs_n, n_mask, k, eps, SCALED, HAS_BIAS, W_SCALED)
     out = out.to(X.dtype.element_ty).to(tl.float32)
     x1, x2 = tl.split(tl.reshape(out, (BLOCK_M, PAIRS, 2)))
     mask = m_mask[:, None] & (offs_d < HALF)[None, :]
@@ -199,24 +213,27 @@ def _rotary_qkv_kernel(
         tl.store(kv_dst + HALF, to_kv(x2, kv_dst, SAT), mask=mask)
 
 
-def _check_rows(x: torch.Tensor, weight: torch.Tensor) -> None:
+def _check_rows(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None) -> None:
     # More rows want a GEMM (and would spill the 3D accumulator).
     assert x.shape[0] <= GEMV_MAX_ROWS, f"the decode GEMV takes at most {GEMV_MAX_ROWS} rows (got {x.shape[0]})"
     assert weight.stride(1) == 1 and x.stride(-1) == 1, "weight and x must be contiguous along K"
+    assert weight_scale is None or (weight_scale.dtype == torch.float32 and weight_scale.shape == weight.shape[:1]), \
+        "weight_scale must be fp32 [N]"
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, silu: bool = False,
             residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
-            sums: torch.Tensor | None = None, eps: float = 0.0):
-    """One launch: the product (of silu_and_mul(x) with `silu`); with `sums`, scaled by the RMSNorm of
-    those sums of squares; with `residual`, the residual epilogue (returns h, h * norm_weight, sums)."""
+            sums: torch.Tensor | None = None, eps: float = 0.0, weight_scale: torch.Tensor | None = None):
+    """One launch: the product (of silu_and_mul(x) with `silu`; each output feature times its
+    `weight_scale` where the weight is fp8); with `sums`, scaled by the RMSNorm of those sums of squares;
+    with `residual`, the residual epilogue (returns h, h * norm_weight, sums)."""
     m = x.shape[0]
     n, k = weight.shape
-    _check_rows(x, weight)
+    _check_rows(x, weight, weight_scale)
     if silu:
         assert x.shape[-1] == 2 * k, "gate_up must hold [gate | up] of the weight's K each"
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    block_n, block_k, warps, stages = gemv_config(m, n, k)
+    block_n, block_k, warps, stages = gemv_config(m, n, k, weight.element_size())
     programs = triton.cdiv(n, block_n)
     summed = out
     if residual is not None:
@@ -229,10 +246,11 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
         res, held = residual if residual is not None else x, sums if sums is not None else out
         _gemv_kernel[(programs,)](
             x, res, norm_weight if norm_weight is not None else weight, weight,
-            bias if bias is not None else weight, out, summed, held,
+            bias if bias is not None else weight, weight_scale if weight_scale is not None else out, out, summed, held,
             m, n, k, held.shape[1], x.stride(0), res.stride(0), weight.stride(0), out.stride(0), summed.stride(0),
             held.stride(0), eps,
             SILU=silu, HAS_BIAS=bias is not None, SCALED=scaled, RESIDUAL=residual is not None,
+            W_SCALED=weight_scale is not None,
             BLOCK_M=triton.next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k,
             # Only a scaled product reads the partial sums; elsewhere a constant, so that no other launch
             # compiles a variant per N.
@@ -241,33 +259,36 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
     return (summed, out, sums) if residual is not None else out
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(x, weight, bias) for x [M <= GEMV_MAX_ROWS, K]. Twin: ``reference.gemv``."""
-    return _launch(x, weight, bias)
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+         weight_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias) for x [M <= GEMV_MAX_ROWS, K]; an fp8 weight streams as it is, each row
+    times its `weight_scale` [N]. Twin: ``reference.gemv``."""
+    return _launch(x, weight, bias, weight_scale=weight_scale)
 
 
 def residual_gemv(
     x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, silu: bool = False,
+    weight_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A projection that ends a sublayer (o_proj, down_proj) with the residual add and the next RMSNorm's
     first half in its epilogue: h = F.linear(x, weight) + residual (the residual stream), h times
     `norm_weight`, and h's sum of squares as [M, S] partial sums (for ``rms_scaled_gemv``). With
     `silu`, x holds [gate | up] and silu_and_mul goes first. Twin: ``reference.residual_gemv``."""
-    return _launch(x, weight, silu=silu, residual=residual, norm_weight=norm_weight)
+    return _launch(x, weight, silu=silu, residual=residual, norm_weight=norm_weight, weight_scale=weight_scale)
 
 
 def rms_scaled_gemv(x: torch.Tensor, sums: torch.Tensor, eps: float, weight: torch.Tensor,
-                    bias: torch.Tensor | None = None) -> torch.Tensor:
+                    bias: torch.Tensor | None = None, weight_scale: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(x * rsqrt(sums.sum(-1) / K + eps), weight, bias): the projection after an RMSNorm whose
     input times weight is x and whose input's sums of squares are `sums` (``residual_gemv``'s outputs),
     so that the norm costs no launch. Twin: ``reference.rms_scaled_gemv``."""
-    return _launch(x, weight, bias, sums=sums, eps=eps)
+    return _launch(x, weight, bias, sums=sums, eps=eps, weight_scale=weight_scale)
 
 
 def rotary_qkv_gemv(
     x: torch.Tensor, sums: torch.Tensor | None, eps: float, weight: torch.Tensor, bias: torch.Tensor | None,
     positions: torch.Tensor, cos_sin_cache: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
-    loc: torch.Tensor, num_heads: int, num_kv_heads: int,
+    loc: torch.Tensor, num_heads: int, num_kv_heads: int, weight_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The qkv projection (``rms_scaled_gemv``, or ``gemv`` of an already normed x where `sums` is None)
     with ``apply_rotary_store_kv`` in its epilogue: returns the rotated q [M, H, D]; k, rotated, and v go
@@ -275,7 +296,7 @@ def rotary_qkv_gemv(
     m, k = x.shape
     n = weight.shape[0]
     head_dim = cos_sin_cache.shape[-1]
-    _check_rows(x, weight)
+    _check_rows(x, weight, weight_scale)
     assert n == (num_heads + 2 * num_kv_heads) * head_dim and head_dim % 2 == 0, \
         "weight must hold q, k and v heads of the rotary cache's head_dim"
     assert cos_sin_cache.stride(-1) == 1, "cos_sin_cache must be contiguous along its last dim"
@@ -283,18 +304,18 @@ def rotary_qkv_gemv(
     q = torch.empty((m, num_heads, head_dim), dtype=x.dtype, device=x.device)
     if m == 0:
         return q
-    block_n, block_k, warps, stages = gemv_config(m, n, k)
+    block_n, block_k, warps, stages = gemv_config(m, n, k, weight.element_size())
     half = head_dim // 2
     pairs = max(1, block_n // 2)
     while half % pairs:  # a program's pairs must lie in one head
         pairs //= 2
     held = sums if sums is not None else x
     _rotary_qkv_kernel[(n // 2 // pairs,)](
-        x, weight, bias if bias is not None else weight, held, q, k_buffer, v_buffer, positions, cos_sin_cache,
+        x, weight, bias if bias is not None else weight, weight_scale if weight_scale is not None else q, held, q, k_buffer, v_buffer, positions, cos_sin_cache,
         loc, m, n, k, held.shape[1], x.stride(0), weight.stride(0), held.stride(0), q.stride(0),
         k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1), cos_sin_cache.stride(0),
         eps, NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, HAS_BIAS=bias is not None,
-        SCALED=sums is not None, BLOCK_M=triton.next_power_of_2(m), PAIRS=pairs, BLOCK_K=block_k,
+        SCALED=sums is not None, W_SCALED=weight_scale is not None, BLOCK_M=triton.next_power_of_2(m), PAIRS=pairs, BLOCK_K=block_k,
         BLOCK_S=triton.next_power_of_2(held.shape[1]) if sums is not None else 1, STAGES=stages,
         SAT=kv_limit(k_buffer), num_warps=warps,
     )

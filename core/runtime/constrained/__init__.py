@@ -2,7 +2,7 @@
 a lazily determinized pushdown automaton -> token masks and jump-forward per request (one engine; the
 optional llguidance package behind the same interface). See docs/constrained.md."""
 
-from radixlm.core.runtime.constrained.fsm import FSMConstraint, build_constraint
+from radixlm.core.runtime.constrained.grammar_constraint import GrammarConstraint, build_constraint
 from radixlm.core.runtime.constrained.automata.grammar import Grammar
 from radixlm.core.runtime.constrained.automata.grammar_compiler import GrammarBudget, compile_grammar
 from radixlm.core.runtime.constrained.automata.grammar_regex import grammar_to_regex
@@ -11,7 +11,9 @@ from radixlm.core.runtime.constrained.tokens.masks import apply_token_masks
 from radixlm.core.runtime.constrained.pda import GrammarIndex
 from radixlm.core.runtime.constrained.automata.regex_dfa import ByteDFA, regex_to_dfa
 
+FSMConstraint = GrammarConstraint  # its name until 2026-12 (it runs a pushdown automaton, not an FSM)
+
 __all__ = [
-    "ByteDFA", "FSMConstraint", "Grammar", "GrammarBudget", "GrammarIndex", "apply_token_masks", "build_constraint",
-    "compile_grammar", "grammar_to_regex", "json_schema_to_grammar", "regex_to_dfa",
+    "ByteDFA", "FSMConstraint", "Grammar", "GrammarBudget", "GrammarConstraint", "GrammarIndex", "apply_token_masks",
+    "build_constraint", "compile_grammar", "grammar_to_regex", "json_schema_to_grammar", "regex_to_dfa",
 ]

@@ -82,6 +82,9 @@ class LLGuidanceConstraint:
     def is_finished(self) -> bool:
         return self.matcher.is_stopped()
 
+    def fork(self) -> "LLGuidanceConstraint":
+        return LLGuidanceConstraint(self.matcher.deep_copy(), self.vocab)
+
     def forced_text(self) -> str | None:
         return whole_characters(self.matcher.compute_ff_bytes())
 

@@ -22,7 +22,8 @@ GrammarBudget.max_configs, so a running request is never failed for it and memor
 
 Jump-forward. A configuration that cannot end and that exactly one byte leaves is singular; a chain of
 singular configurations spells forced text (the compressed FSM of the SGLang paper, on the grammar).
-This object offers the interface FSMConstraint (fsm.py) drives, so both engines share jump-forward.
+GrammarIndex is shared by the requests of one spec; each request's GrammarConstraint
+(grammar_constraint.py) holds its own configuration and drives masks and jump-forward through it.
 """
 
 from __future__ import annotations
@@ -39,7 +40,8 @@ from radixlm.core.runtime.constrained.tokens.counted_string import CountedString
 from radixlm.core.runtime.constrained.automata.grammar_compiler import CompiledGrammar, terminal_tables
 from radixlm.core.runtime.constrained.tokens.literal_tokens import literal_rest
 from radixlm.core.runtime.constrained.tokens.masks import MaskCache
-from radixlm.core.runtime.constrained.tokens.terminal_tokens import Exits, SuffixTree, state_tokens
+from radixlm.core.runtime.constrained.tokens.terminal_tokens import state_tokens
+from radixlm.core.runtime.constrained.tokens.token_classes import Exits, SuffixTree
 from radixlm.core.runtime.constrained.tokens.vocab import TokenVocab, set_bits, whole_characters
 
 END = (-1, 0, -1)  # the item "the output may end here"
@@ -298,7 +300,7 @@ class GrammarIndex:
             self._closed_items[item] = found
         return found
 
-    # ---- the interface FSMConstraint drives ------------------------------------------------------
+    # ---- the interface GrammarConstraint drives ---------------------------------------------------
 
     def is_eos(self, token_id: int) -> bool:
         return token_id in self._eos_set

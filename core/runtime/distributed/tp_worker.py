@@ -11,7 +11,9 @@ gloo on CPU) leave the full logits on every rank, and rank 0 samples. No other s
 Launch. On one machine the Engine spawns ranks 1..tp-1 itself (torch.multiprocessing, rendezvous
 through a TCPStore on a free port). Under torchrun (RANK and WORLD_SIZE set, e.g. across machines)
 every process already is a rank: rank 0 builds the Engine (or runs `radixlm serve`), the others call
-`run_launched_rank`, which `radixlm serve` does for them.
+`run_launched_rank`, which `radixlm serve` does for them. Across machines without torchrun (SGLang's
+nnodes / node_rank / dist_init_addr), machine 0's Engine listens at dist_init_addr and spawns its own
+ranks; every other machine runs `run_node`, which starts its share of the ranks, and they all meet there.
 """
 
 from __future__ import annotations
@@ -74,14 +76,12 @@ def start_tensor_parallel(model_path: str, cfg: ModelConfig, opts: EngineOptions
                                   "engine needs its own (one per process)", "tp_size")
     procs: list[Any] = []
     if launched_rank() is None:
-        store = dist.TCPStore("127.0.0.1", 0, size, True, wait_for_workers=False,
+        # One machine: a store on a free loopback port. Several (nnodes): machine 0 listens at
+        # dist_init_addr, where the other machines' ranks connect (run_node).
+        host, port = ("127.0.0.1", 0) if opts.nnodes == 1 else _host_port(opts.dist_init_addr)
+        store = dist.TCPStore(host, port, size, True, wait_for_workers=False,
                               timeout=timedelta(seconds=_START_TIMEOUT_S))
-        ctx = torch.multiprocessing.get_context("spawn")
-        for r in range(1, size):
-            p = ctx.Process(target=_spawned_rank_main, args=(r, size, store.port, model_path, opts),
-                            name=f"radixlm-tp{r}", daemon=True)
-            p.start()
-            procs.append(p)
+        procs = _spawn_ranks(range(1, size // opts.nnodes), size, host, store.port, model_path, opts)
         init: dict[str, Any] = {"store": store}
     else:
         if launched_rank() != 0 or int(os.environ["WORLD_SIZE"]) != size:
@@ -189,7 +189,7 @@ def _join_group(rank: int, size: int, cfg: ModelConfig, opts: EngineOptions,
                 **init: Any) -> tuple[TensorParallel, EngineOptions]:
     """Joins the process group: NCCL on CUDA (one GPU per rank), gloo on CPU; plus a gloo group for the
     per-step broadcast, which waits as long as the engine is idle."""
-    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    local_rank = int(os.environ.get("LOCAL_RANK", _local_rank(rank, size, opts)))
     rank_opts = dataclasses.replace(opts, device=rank_device(opts.device, local_rank))
     backend = "nccl" if torch.device(rank_opts.device).type == "cuda" else "gloo"
     dist.init_process_group(backend, rank=rank, world_size=size, **init)
@@ -217,12 +217,58 @@ def _follow_rank0(rank: int, size: int, model_path: str, opts: EngineOptions, **
         dist.destroy_process_group()
 
 
-def _spawned_rank_main(rank: int, size: int, port: int, model_path: str, opts: EngineOptions) -> None:
-    if torch.device(opts.device).type == "cpu":  # the ranks share the machine's cores
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
-    store = dist.TCPStore("127.0.0.1", port, size, False, timeout=timedelta(seconds=_START_TIMEOUT_S))
+def _host_port(addr: str) -> tuple[str, int]:
+    host, _, port = addr.rpartition(":")  # checked by EngineOptions
+    return host.strip("[]"), int(port)
+
+
+def _local_rank(rank: int, size: int, opts: EngineOptions) -> int:
+    """The rank's index on its machine (its GPU): ranks fill machines in order, tp_size / nnodes each."""
+    return rank % (size // opts.nnodes)
+
+
+def _spawn_ranks(ranks: range, size: int, host: str, port: int, model_path: str, opts: EngineOptions) -> list[Any]:
+    ctx = torch.multiprocessing.get_context("spawn")
+    procs = []
+    for r in ranks:
+        p = ctx.Process(target=_spawned_rank_main, args=(r, size, host, port, model_path, opts),
+                        name=f"radixlm-tp{r}", daemon=True)
+        p.start()
+        procs.append(p)
+    return procs
+
+
+def _spawned_rank_main(rank: int, size: int, host: str, port: int, model_path: str, opts: EngineOptions) -> None:
+    _share_cores(size // opts.nnodes, opts)
+    store = dist.TCPStore(host, port, size, False, timeout=timedelta(seconds=_START_TIMEOUT_S))
     store.set(f"radixlm-rank{rank}", "started")
     _follow_rank0(rank, size, model_path, opts, store=store)
+
+
+def _share_cores(local_ranks: int, opts: EngineOptions) -> None:
+    if torch.device(opts.device).type == "cpu":  # the machine's ranks share its cores
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_ranks))
+
+
+def run_node(model_path: str | None = None, **options: Any) -> None:
+    """The body of machines 1.. of a multi-machine tensor-parallel engine (nnodes > 1, node_rank > 0,
+    SGLang's flags): runs this machine's tp_size / nnodes ranks (the first in this process, the others
+    spawned), which join machine 0 at dist_init_addr and follow its engine until it shuts down."""
+    opts = EngineOptions.from_kwargs(options)
+    if opts.nnodes == 1 or opts.node_rank == 0:
+        raise InvalidRequestError("run_node is for machines 1.. of nnodes > 1 (machine 0 builds the Engine)",
+                                  "node_rank")
+    model_path, _ = locate_model(model_path)
+    size, local = opts.tp_size, opts.tp_size // opts.nnodes
+    first = opts.node_rank * local
+    host, port = _host_port(opts.dist_init_addr)
+    procs = _spawn_ranks(range(first + 1, first + local), size, host, port, model_path, opts)
+    try:
+        _share_cores(local, opts)
+        store = dist.TCPStore(host, port, size, False, timeout=timedelta(seconds=_START_TIMEOUT_S))
+        _follow_rank0(first, size, model_path, opts, store=store)
+    finally:
+        _stop(procs)
 
 
 def run_launched_rank(model_path: str | None = None, **options: Any) -> None:

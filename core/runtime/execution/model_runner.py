@@ -61,7 +61,8 @@ class ModelRunner:
         self.load_seconds: dict[str, float] = {}
         start = time.perf_counter()
         with _one_thread_on_cpu(self.device) as threads:
-            self.model = load_model(model_path, cfg, self.dtype, self.device, self.ops, opts.load_format, tp=tp)
+            self.model = load_model(model_path, cfg, self.dtype, self.device, self.ops, opts.load_format, tp=tp,
+                                    quantization=opts.quantization)
             self.load_seconds["weights"] = time.perf_counter() - start
             if self.device.type == "cpu" and not opts.disable_cpu_prepack:
                 prepack_linears(self.model, plain_max_rows=opts.cpu_plain_linear_max_rows, workers=threads)

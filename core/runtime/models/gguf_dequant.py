@@ -68,3 +68,22 @@ def _q4_1(blocks: torch.Tensor, out: torch.Tensor) -> None:  # d, m (fp16), 16 b
 
 _BLOCKS = {_Q.Q8_0: _q8_0, _Q.Q4_0: _q4_0, _Q.Q4_1: _q4_1}
 _FLOATS = {_Q.F16: torch.float16, _Q.BF16: torch.bfloat16}
+
+
+def integer_blocks(raw: torch.Tensor, qtype: _Q, shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor,
+                                                                                    torch.Tensor | None]:
+    """A Q8_0, Q4_0 or Q4_1 tensor's fields as they are stored, for products on the quantized values:
+    (integers [rows, cols] (int8 for Q8_0, 0..15 as uint8 for Q4_x), scales d [rows, cols/32] (fp32, from
+    fp16), mins m [rows, cols/32] (Q4_1; else None)). The real weight is d * q (Q8_0), d * (q - 8)
+    (Q4_0), d * q + m (Q4_1), 32 values a block."""
+    if qtype not in _BLOCKS:
+        raise ValueError(f"{qtype.name} has no integer-block form here (Q8_0, Q4_0 and Q4_1 do)")
+    _, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    rows, cols = shape[0], shape[-1]
+    blocks = raw.view(-1, type_size)
+    d = _scale(blocks, 0).view(rows, cols // 32)
+    if qtype == _Q.Q8_0:
+        return blocks[:, 2:].view(torch.int8).reshape(rows, cols), d, None
+    first = 4 if qtype == _Q.Q4_1 else 2
+    q = _nibbles(blocks[:, first:]).reshape(rows, cols)
+    return q, d, _scale(blocks, 2).view(rows, cols // 32) if qtype == _Q.Q4_1 else None

@@ -17,8 +17,14 @@ from torch import nn
 from radixlm.kernels.reference import GEMV_MAX_ROWS
 from radixlm.core.runtime.layers.forward_batch import ForwardBatch, ImageBatch
 from radixlm.core.runtime.models.config import ModelConfig
+from radixlm.core.runtime.quantization.fp8 import Fp8Linear
 
 _FUSED_GEMV_OPS = ("gemv", "residual_gemv", "rms_scaled_gemv")
+
+
+def _weight_scale(projection: nn.Module) -> torch.Tensor | None:
+    """An fp8 projection's per-row scales (the GEMVs stream its e4m3 weight); None for a plain one."""
+    return getattr(projection, "weight_scale", None)
 
 
 class RMSNorm(nn.Module):
@@ -100,20 +106,23 @@ class DecoderLayer(nn.Module):
         norm = self.input_layernorm
         if sums is None:
             normed = norm(h)
-        w, b = attn.qkv_proj.weight, attn.qkv_proj.bias
+        w, b, ws = attn.qkv_proj.weight, attn.qkv_proj.bias, _weight_scale(attn.qkv_proj)
         if fb.attn_backend.fuses_rotary_into_qkv:
             # The rotary and the KV store in the projection's epilogue: attention reads q only.
             q = ops.rotary_qkv_gemv(normed, sums, norm.eps, w, b, fb.rotary_positions, fb.cos_sin_cache,
                                     fb.kv_pool.k_buffers[attn.layer_id], fb.kv_pool.v_buffers[attn.layer_id],
-                                    fb.out_cache_loc, attn.num_heads, attn.num_kv_heads)
+                                    fb.out_cache_loc, attn.num_heads, attn.num_kv_heads, ws)
             attended = fb.attn_backend.attend(q, attn.layer_id, fb).reshape(-1, attn.q_size)
         else:
-            qkv = ops.gemv(normed, w, b) if sums is None else ops.rms_scaled_gemv(normed, sums, norm.eps, w, b)
+            qkv = ops.gemv(normed, w, b, ws) if sums is None else ops.rms_scaled_gemv(normed, sums, norm.eps, w, b, ws)
             attended = attn.attend(qkv, fb)
         norm = self.post_attention_layernorm
-        h, normed, sums = ops.residual_gemv(attended, attn.o_proj.weight, h, norm.weight)
-        gate_up = ops.rms_scaled_gemv(normed, sums, norm.eps, mlp.gate_up_proj.weight)
-        return ops.residual_gemv(gate_up, mlp.down_proj.weight, h, next_norm.weight, silu=True)
+        h, normed, sums = ops.residual_gemv(attended, attn.o_proj.weight, h, norm.weight,
+                                            weight_scale=_weight_scale(attn.o_proj))
+        gate_up = ops.rms_scaled_gemv(normed, sums, norm.eps, mlp.gate_up_proj.weight,
+                                      weight_scale=_weight_scale(mlp.gate_up_proj))
+        return ops.residual_gemv(gate_up, mlp.down_proj.weight, h, next_norm.weight, silu=True,
+                                 weight_scale=_weight_scale(mlp.down_proj))
 
 
 class LlamaForCausalLM(nn.Module):
@@ -135,14 +144,14 @@ class LlamaForCausalLM(nn.Module):
     def enable_fused_gemv(self, max_rows: int) -> bool:
         """Forwards of at most `max_rows` tokens (decode) run each layer's projections as the kernel set's
         fused GEMVs (0: never). False, changing nothing, where the set lacks them (the CPU set) or a
-        projection is not a plain nn.Linear (tensor-parallel shards, quantized layers)."""
+        projection is neither a plain nn.Linear nor an fp8 one (tensor-parallel shards, 4-bit layers)."""
         if max_rows > GEMV_MAX_ROWS:
             raise ValueError(f"fused GEMV rows must be at most {GEMV_MAX_ROWS} (got {max_rows})")
         ops = self.layers[0].ops
         projections = [self.lm_head] + [p for layer in self.layers for p in (
             layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)]
-        if not all(hasattr(ops, name) for name in _FUSED_GEMV_OPS) or any(type(p) is not nn.Linear
-                                                                          for p in projections):
+        if not all(hasattr(ops, name) for name in _FUSED_GEMV_OPS) or any(
+                type(p) not in (nn.Linear, Fp8Linear) or getattr(p, "reduce", None) for p in projections):
             return False
         if any(layer.self_attn.o_proj.bias is not None or layer.mlp.down_proj.bias is not None
                for layer in self.layers):

@@ -7,6 +7,7 @@ import glob
 import json
 import os
 from collections.abc import Iterator
+from contextlib import ExitStack
 from types import ModuleType
 from typing import TYPE_CHECKING
 
@@ -18,6 +19,10 @@ from radixlm.core.errors import UnsupportedModelError
 from radixlm.core.runtime.models.config import ModelConfig
 from radixlm.core.runtime.models.hub import find_gguf
 from radixlm.core.runtime.models.registry import model_spec
+from radixlm.core.runtime.quantization.config import QuantConfig, quant_config
+from radixlm.core.runtime.quantization.fp8 import add_scale_parameters, check_fp8_device, quantize_linears
+from radixlm.core.runtime.quantization.gguf_cpu import check_gguf_device, keep_gguf_quantized
+from radixlm.core.runtime.quantization.int4 import add_int4_parameters, quantize_int4_linears, quantize_random_int4
 
 if TYPE_CHECKING:
     from radixlm.core.runtime.models.parallel import TensorParallel
@@ -35,9 +40,10 @@ def _weight_files(path: str) -> list[str]:
     return files
 
 
-def checkpoint_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
+def checkpoint_weights(path: str, qc: QuantConfig | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, tensor) of every weight of the checkpoint at path, with a progress bar: the tensors
-    of its safetensors shards, or a GGUF file's tensors dequantized (float32) and renamed."""
+    of its safetensors shards, or a GGUF file's tensors dequantized (float32) and renamed; those of a
+    quantized checkpoint (qc.checkpoint_format) in the form core.runtime.quantization.fp8_checkpoint gives."""
     gguf_path = find_gguf(path)
     if gguf_path is not None:
         from radixlm.core.runtime.models.gguf_checkpoint import GGUFCheckpoint  # `gguf` only where a GGUF is loaded
@@ -47,6 +53,9 @@ def checkpoint_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
     from safetensors import safe_open  # not for a GGUF file
 
     files = _weight_files(path)
+    if qc is not None and qc.checkpoint_format is not None:
+        yield from _quantized_weights(files, qc, path)
+        return
     with tqdm(total=len(files), desc="Loading weights", unit="shard") as bar:
         for file in files:
             with safe_open(file, framework="pt", device="cpu") as f:
@@ -55,29 +64,60 @@ def checkpoint_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
             bar.update(1)
 
 
+def _quantized_weights(files: list[str], qc: QuantConfig, path: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """The tensors of a quantized safetensors checkpoint, each read where fp8_checkpoint asks for it
+    (a weight's scales may lie in another shard)."""
+    from safetensors import safe_open
+
+    from radixlm.core.runtime.quantization.fp8_checkpoint import fp8_weights
+    from radixlm.core.runtime.quantization.int4_checkpoint import int4_weights
+
+    read = fp8_weights if qc.method == "fp8" else int4_weights
+    with ExitStack() as stack:
+        handles = [stack.enter_context(safe_open(file, framework="pt", device="cpu")) for file in files]
+        where = {name: f for f in handles for name in f.keys()}
+        yield from tqdm(read(list(where), lambda name: where[name].get_tensor(name), qc, path),
+                        desc=f"Loading {qc.method} weights", unit="tensor")
+
+
 def load_model(
     path: str, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, ops: ModuleType,
-    load_format: str = "auto", tp: "TensorParallel | None" = None,
+    load_format: str = "auto", tp: "TensorParallel | None" = None, quantization: str | None = None,
 ) -> nn.Module:
     """Builds the model of cfg's architecture (core.runtime.models.registry) on the meta device, then fills each
     parameter straight from the checkpoint's weights, converted to `dtype` as they are copied
     (load_format "auto"), or with random values made on the device ("dummy": no files read).
-    With `tp` (cfg is then tp.local_config()), the model holds this rank's share of every layer."""
+    With `tp` (cfg is then tp.local_config()), the model holds this rank's share of every layer.
+    A quantized checkpoint, or `quantization` ("fp8"), makes the projections quantized layers
+    (core.runtime.quantization) once the weights are in."""
     spec = model_spec(cfg.architecture)
+    qc = quant_config(quantization, path, dummy=load_format == "dummy")
+    if qc is not None and qc.method == "fp8":
+        check_fp8_device(device)
+    if qc is not None and qc.method == "gguf":
+        check_gguf_device(device, find_gguf(path))
+    from_checkpoint = qc is not None and qc.checkpoint_format is not None and load_format != "dummy"
+    if qc is not None and qc.method in ("awq", "gptq") and tp is not None:
+        raise UnsupportedModelError(f"{qc.method} checkpoints run without tensor parallelism")
     with torch.device("meta"):
         model = spec.model_class(cfg, ops)
         if tp is not None:
             tp.shard_model(model, spec)
+        if from_checkpoint and qc.method == "fp8":
+            add_scale_parameters(model)
+        elif from_checkpoint:
+            add_int4_parameters(model, qc.group_size)
+    optional = {name for name, p in model.named_parameters() if getattr(p, "quant_scale", False)}
     _materialize(model, dtype, device)
     tied = spec.tied if cfg.tie_word_embeddings else {}
     for name, source in tied.items():
         _set_parameter(model, name, model.get_parameter(source))
     if load_format == "dummy":
         _init_dummy(model)
-        return model.eval()
+        return _quantized(model, qc, ops, from_checkpoint, path).eval()
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded: set[str] = set()
-    for hf_name, w in checkpoint_weights(path):
+    for hf_name, w in checkpoint_weights(path, qc):
         mapped = spec.parameter_for(hf_name)
         if mapped is None:
             continue
@@ -93,14 +133,32 @@ def load_model(
         loaded.add(name if shard is None else f"{name}#{shard}")
     expected = set()
     for name in params:
-        if name in tied:
+        if name in tied or name in optional:
             continue
         blocks = spec.fused_blocks(name)
         expected.update([name] if blocks is None else (f"{name}#{i}" for i in range(len(blocks))))
     missing = sorted(expected - loaded)
     if missing:
         raise UnsupportedModelError(f"checkpoint {path} lacks weights: {missing[:5]}{'...' if len(missing) > 5 else ''}")
-    model.eval()
+    return _quantized(model, qc, ops, from_checkpoint, path).eval()
+
+
+def _quantized(model: nn.Module, qc: QuantConfig | None, ops: ModuleType, from_checkpoint: bool,
+               path: str) -> nn.Module:
+    """The model with its projections quantized as qc says (unchanged without qc); the memory of the
+    weights they replace goes back to the device."""
+    if qc is None:
+        return model
+    if qc.method == "gguf":
+        cfg = model.config
+        keep_gguf_quantized(model, find_gguf(path), model_spec(cfg.architecture), cfg.tie_word_embeddings)
+        return model
+    if qc.method in ("awq", "gptq"):
+        quantize_int4_linears(model, ops) if from_checkpoint else quantize_random_int4(model, ops)
+    else:
+        quantize_linears(model, ops, from_checkpoint)
+    if next(model.parameters()).is_cuda:
+        torch.cuda.empty_cache()
     return model
 
 
@@ -115,7 +173,10 @@ def _materialize(model: torch.nn.Module, dtype: torch.dtype, device: torch.devic
     of empty_like, whose first call imports sympy: a second of start-up."""
     for module in model.modules():
         for name, param in module.named_parameters(recurse=False):
-            empty = torch.empty(param.shape, dtype=dtype, device=device)
+            if getattr(param, "quant_scale", False):  # core.runtime.quantization.fp8.add_scale_parameters
+                empty = torch.full(param.shape, float("nan"), device=device)
+            else:
+                empty = torch.empty(param.shape, dtype=dtype, device=device)
             setattr(module, name, torch.nn.Parameter(empty, requires_grad=param.requires_grad))
 
 

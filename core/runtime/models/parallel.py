@@ -162,7 +162,8 @@ class RowParallelLinear(nn.Linear):
         return self.tp.all_reduce(F.linear(x, self.weight))
 
     def weight_loader(self, param: torch.Tensor, w: torch.Tensor, shard: int | None) -> None:
-        param.copy_(w[:, self.first : self.first + param.shape[1]])
+        # A 1-D tensor holds one value per output row (an fp8 checkpoint's scales): every rank holds all.
+        param.copy_(w if w.dim() == 1 else w[:, self.first : self.first + param.shape[1]])
 
 
 class _VocabShard(nn.Module):

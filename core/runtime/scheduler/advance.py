@@ -59,39 +59,42 @@ class TokenAdvance:
         stream chunk."""
         now = time.monotonic()
         for req, row in zip(reqs, rows):
-            if row is None:
-                continue
-            result, i = row
-            stage = "sampling"
-            try:
-                if i in result.invalid:
-                    raise ValueError("its adjusted logits or sampling distribution are not numbers")
+            if row is not None:
+                self.apply_token(req, *row, now)
+
+    def apply_token(self, req: Req, result: SampleResult, i: int, now: float) -> None:
+        """Appends row i's token to the request, then its finish, constraint and stream chunk (a verify
+        step of speculative decoding applies several rows to one request, one by one)."""
+        stage = "sampling"
+        try:
+            if i in result.invalid:
+                raise ValueError("its adjusted logits or sampling distribution are not numbers")
+            stage = "constraining"
+            token = result.token_ids[i]
+            req.output_ids.append(token)
+            self.stats.generated_tokens_total += 1
+            if req.first_token_time is None:
+                req.first_token_time = now
+            if req.inp.return_logprob:
+                req.output_token_logprobs.append((result.logprobs[i], token, None))
+                req.output_top_logprobs.append(result.top_logprobs[i])
+            if req.constraint is not None:
+                req.constraint.advance(token)
+            stage = "detokenizing"
+            finish = check_finish(req, token, self.eos_token_ids, self.context_len)
+            if finish is not None:
+                self.queues.finish(req, finish)
+                return
+            if req.constraint is not None:
                 stage = "constraining"
-                token = result.token_ids[i]
-                req.output_ids.append(token)
-                self.stats.generated_tokens_total += 1
-                if req.first_token_time is None:
-                    req.first_token_time = now
-                if req.inp.return_logprob:
-                    req.output_token_logprobs.append((result.logprobs[i], token, None))
-                    req.output_top_logprobs.append(result.top_logprobs[i])
-                if req.constraint is not None:
-                    req.constraint.advance(token)
+                self._after_constrained_token(req)
+                if req.finished:
+                    return
+            if req.inp.stream and len(req.output_ids) - req.streamed_ids >= self.opts.stream_interval:
                 stage = "detokenizing"
-                finish = check_finish(req, token, self.eos_token_ids, self.context_len)
-                if finish is not None:
-                    self.queues.finish(req, finish)
-                    continue
-                if req.constraint is not None:
-                    stage = "constraining"
-                    self._after_constrained_token(req)
-                    if req.finished:
-                        continue
-                if req.inp.stream and len(req.output_ids) - req.streamed_ids >= self.opts.stream_interval:
-                    stage = "detokenizing"
-                    emit(req, self.queues.outbox, final=False)
-            except Exception:
-                self.queues.fail(req, stage)
+                emit(req, self.queues.outbox, final=False)
+        except Exception:
+            self.queues.fail(req, stage)
 
     def jump(self, req: Req) -> bool:
         """Jumps the request forward over the text its constraint forces (finishing it if that ends it).

@@ -49,6 +49,7 @@ from radixlm.core.runtime.scheduler.policy import SchedulePolicy
 from radixlm.core.runtime.scheduler.prefill import Extend, PrefillPlanner
 from radixlm.core.runtime.scheduler.queues import RequestQueues
 from radixlm.core.runtime.stats import EngineStats, TimedRadixCache
+from radixlm.core.runtime.speculative.build import build_speculator
 from radixlm.core.runtime.tokenizer.detokenizer import IncrementalDetokenizer
 
 logger = logging.getLogger("radixlm")
@@ -80,6 +81,8 @@ class Scheduler:
         self.sampler = Sampler(runner.cfg.vocab_size, eos_token_ids, self.generator)
         self.executor = Executor(runner, self.sampler, self.memory, self.queues, self.stats, opts, tokenizer,
                                  eos_token_ids, self.context_len)
+        # Speculative decoding (speculative_algorithm): verify steps where decode steps would run.
+        self.speculator = build_speculator(opts, runner, self.executor, self.context_len)
         # Overlap scheduling: the decode step launched but not yet applied (execute.py).
         self.pending: PendingDecode | None = None
         self.deadlines = Deadlines()
@@ -210,7 +213,7 @@ class Scheduler:
             queues.admitting = []
         elif pending is not None:
             self.pending = self.executor.chain_decode(pending)
-        elif queues.running:
+        elif queues.running and not (self.speculator is not None and self.speculator.step()):
             self.pending = self.executor.run_decode(defer=self.opts.enable_overlap_schedule)
         elif queues.waiting:
             self.tree.wait_for_load()  # nothing to run until a prefix comes back from host memory
@@ -282,6 +285,8 @@ class Scheduler:
         lazy = not (p.stop or inp.stream)
         detok = IncrementalDetokenizer(self.tokenizer, p.skip_special_tokens, p.stop, p.no_stop_trim, lazy=lazy)
         req = Req(inp=inp, detok=detok, arrival=self._arrivals)
+        if self.speculator is not None:
+            self.speculator.state(req)
         self._arrivals += 1
         self.stats.requests_total += 1
         added = self.queues.add(req)
@@ -312,6 +317,7 @@ class Scheduler:
     def get_stats(self) -> dict[str, Any]:
         self.queues.sweep()
         return self.stats.snapshot(
+            spec_algorithm=self.speculator.proposer.name if self.speculator is not None else None,
             kv_slots_total=self.allocator.num_slots,
             kv_slots_free=self.allocator.available(),
             kv_slots_cached=self.tree.total_size(),

@@ -5,7 +5,7 @@ decode step does not fit."""
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Callable
 
 from radixlm.core.runtime.memory.memory_pool import SlotAllocator
 from radixlm.core.runtime.request import Req
@@ -19,6 +19,9 @@ class KVMemory:
         self.allocator = allocator
         self.tree = tree
         self.table = table
+        # Called with each request that gives its KV back (finished or retracted): the draft model's KV
+        # of that request goes too (core.runtime.speculative).
+        self.release_hooks: list[Callable[[Req], None]] = []
 
     def alloc(self, n: int) -> list[int] | None:
         """`n` free slots, evicting cached prefixes if needed; None (nothing taken) when even that fails."""
@@ -42,6 +45,8 @@ class KVMemory:
 
     def release(self, req: Req) -> None:
         """Gives the request's KV to the radix cache (evictable) and its table row back."""
+        for hook in self.release_hooks:
+            hook(req)
         if req.row is None:
             return
         self.tree.cache_finished(req.fill_ids[: req.kv_len], req.slots, req.cached_len, req.last_node)

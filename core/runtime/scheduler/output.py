@@ -45,6 +45,8 @@ def emit(req: Req, outbox: Any, final: bool) -> None:
             out.ttft = req.first_token_time - req.created
         if req.scheduled_time is not None:
             out.queue_time = req.scheduled_time - req.created
+        if req.spec is not None:
+            out.spec_verify_ct, out.spec_accepted_tokens = req.spec.verify_ct, req.spec.accepted
     outbox.put(out)
 
 

@@ -399,8 +399,13 @@ def _check_left_recursion(rules: list[RuleAutomaton], terminals: list[ByteDFA | 
         del visit  # its closure holds itself and the rules: no cycle left for the collector
 
 
+LIST_FLAGS = 1 << 14
+
+
 def terminal_tables(grammar: CompiledGrammar) -> tuple[list[np.ndarray], list[list[bool]]]:
     """Per terminal: its transition table [n, 256] (-1 = none) and accepting flags (empty for None)."""
     trans = [t.transitions if t is not None else np.zeros((0, 256), np.int32) for t in grammar.terminals]
-    acc = [t.accepting.tolist() if t is not None else [] for t in grammar.terminals]
+    # A long counted string's ~460k flags stay an array (a list of them would cost ms per index).
+    acc = [[] if t is None else t.accepting if len(t.accepting) > LIST_FLAGS else t.accepting.tolist()
+           for t in grammar.terminals]
     return trans, acc

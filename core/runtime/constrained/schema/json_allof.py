@@ -7,7 +7,8 @@ import math
 from typing import Any
 
 from radixlm.core.runtime.constrained.schema.json_common import (CONFLICT, LOWER_BOUNDS, NEGATED, NOT_STRINGS,
-                                                                 SCHEMA_VALUED, UPPER_BOUNDS, mark_negated,
+                                                                 SCHEMA_VALUED, UPPER_BOUNDS, NOT_MULTIPLE_OF,
+                                                                 mark_negated,
                                                                  pattern_matches, same_json, with_parts)
 from radixlm.core.runtime.constrained.schema.json_conditional import discriminated, through_if_branch
 
@@ -21,7 +22,7 @@ _KNOWN = {
     "uniqueItems", "minLength", "maxLength", "pattern", "format", "minimum", "maximum", "exclusiveMinimum",
     "exclusiveMaximum", "multipleOf", "anyOf", "oneOf", "allOf", "not", "if", "then", "else", "$ref",
     "nullable", "dependentRequired", "dependentSchemas", "dependencies", "$dynamicRef", "$recursiveRef",
-    NOT_STRINGS, NEGATED,
+    NOT_STRINGS, NEGATED, NOT_MULTIPLE_OF,
 }
 MAX_COMBINATIONS = 256  # allOf of several anyOf/oneOf: branch combinations generated at most
 
@@ -129,6 +130,11 @@ class AllOfRules:
             # Items valid under both: a sound subset (a single item then satisfies each part's contains;
             # the tighter min/maxContains of the merge hold for each part's count too).
             return {"allOf": [a, b]}
+        if key == "enum":  # the values both list (none: no value)
+            if a is CONFLICT or b is CONFLICT or not isinstance(a, list) or not isinstance(b, list):
+                return CONFLICT
+            both = [v for v in a if any(same_json(v, w) for w in b)]
+            return both or CONFLICT
         if key == "const":  # two different constants: no value
             return a if a is not CONFLICT and b is not CONFLICT and same_json(a, b) else CONFLICT
         if key == "prefixItems" and isinstance(a, list) and isinstance(b, list):

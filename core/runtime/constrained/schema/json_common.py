@@ -35,6 +35,8 @@ LOWER_BOUNDS = {"minimum", "exclusiveMinimum", "minLength", "minItems", "minProp
 UPPER_BOUNDS = {"maximum", "exclusiveMaximum", "maxLength", "maxItems", "maxProperties", "maxContains"}
 CONFLICT = object()  # internal: the `const` of allOf parts with different constants (no value)
 NOT_STRINGS = "x-radixlm-not-strings"  # internal: regexes of the JSON strings a `not` excludes
+# internal: [p, q] of a `not` of multipleOf p/q (the integers p does not divide)
+NOT_MULTIPLE_OF = "x-radixlm-not-multiple-of"
 # internal: a `not`'s positive form (json_exclusion.py), whose keys and items a validator does not count
 # as evaluated (json_allof.py holds them to the parent's unevaluatedProperties/Items)
 NEGATED = "x-radixlm-negated"

@@ -3,13 +3,16 @@ json_grammar._Converter)."""
 
 from __future__ import annotations
 
+import fractions
 import json
 import re
 from typing import Any
 
 from radixlm.core.runtime.constrained.automata.grammar import Expr
 from radixlm.core.runtime.constrained.schema.json_common import (CONFLICT, IGNORED_KEYWORDS, NOT_STRINGS, JSON_TYPES,
-                                                                 NOTHING, SchemaError, json_type, same_json, with_parts)
+                                                                 NOT_MULTIPLE_OF, NOTHING, SchemaError, json_type,
+                                                                 same_json, with_parts)
+from radixlm.core.runtime.constrained.schema.json_numbers import MAX_MODULUS
 from radixlm.core.runtime.constrained.schema.json_strings import ecma_string_pattern
 
 
@@ -54,7 +57,7 @@ class ExclusionRules:
         def of_type(kind: str, schema: dict) -> None:
             if kind == "number" and types is not None and "number" not in types:
                 kind = "integer"  # {"type": "integer", "minimum": 3}: the integers below 3
-            if types is None or kind in types:
+            if types is None or kind in types or kind == "integer" and "number" in types:
                 ways.append({"type": kind, **schema})
 
         for key, value in body.items():
@@ -101,9 +104,29 @@ class ExclusionRules:
                 raise SchemaError(f"{ptr}/pattern: {e}") from None
         if key in ("enum", "const"):
             values = body["enum"] if key == "enum" else [body["const"]]
-            if not isinstance(values, list) or any(isinstance(v, (dict, list)) for v in values):
+            if not isinstance(values, list):
                 return None
-            return _other_than(values)
+            return _other_than(values) + _other_containers(values, opened)
+        if key == "multipleOf" and number and value > 0:  # a number that is not a multiple
+            step = fractions.Fraction(repr(value))
+            ways = [("integer", {NOT_MULTIPLE_OF: [step.numerator, step.denominator]})] \
+                if 1 < step.numerator <= MAX_MODULUS else []
+            if step.denominator == 1:  # of a whole number: every number that is not an integer too
+                ways.append((None, {"type": "number", "not": {"type": "integer"}}))
+            return ways or None  # past MAX_MODULUS, or 1/q: left out (a sound subset)
+        if key == "patternProperties" and isinstance(value, dict):
+            # Objects whose keys all match one pattern, and whose values all fail its schema (at least one
+            # key): a sound subset of those with some matching key's value failing it.
+            out = []
+            for pattern, sub in value.items():
+                try:
+                    failing = self._negation(sub, {}, f"{ptr}/patternProperties/{pattern}", depth)
+                except SchemaError:
+                    continue  # left out (a sound subset)
+                if failing is not False:
+                    out.append(("object", {"propertyNames": {"pattern": pattern}, "minProperties": 1,
+                                           "patternProperties": {pattern: failing}, "additionalProperties": False}))
+            return out
         if key == "required" and isinstance(value, list):
             return [("object", {"properties": {r: False}, **opened}) for r in value]
         if key == "properties" and isinstance(value, dict):
@@ -350,6 +373,35 @@ def _other_than(values: list) -> list:
         ways += [("number", {"exclusiveMinimum": a, "exclusiveMaximum": b}) for a, b in zip(numbers, numbers[1:])]
     ways += [("boolean", {"const": b}) for b in (True, False)
              if "boolean" in kinds and not any(v is b for v in values)]
+    return ways
+
+
+def _other_containers(values: list, opened: dict) -> list:
+    """The ways an array or object differs from each of the arrays and objects among `values`: another size
+    than theirs; with one of them of its size, another item at some position, or without one of its keys
+    or another value there. Sizes with several of them are left out (a sound subset)."""
+    ways = []
+    for kind, low, high in (("array", "minItems", "maxItems"), ("object", "minProperties", "maxProperties")):
+        listed = [v for v in values if json_type(v) == kind]
+        shape = opened if kind == "object" else {}
+        sizes = sorted({len(v) for v in listed})
+        if not sizes:
+            continue
+        ways += [(kind, {high: sizes[0] - 1, **shape})] if sizes[0] else []
+        ways += [(kind, {low: a + 1, high: b - 1, **shape}) for a, b in zip(sizes, sizes[1:]) if b > a + 1]
+        ways.append((kind, {low: sizes[-1] + 1, **shape}))
+        for n in sizes:
+            same = [v for v in listed if len(v) == n]
+            if len(same) != 1 or not n:
+                continue
+            exact = {low: n, high: n}
+            if kind == "array":
+                ways += [(kind, {**exact, "prefixItems": [True] * i + [{"not": {"const": item}}]})
+                         for i, item in enumerate(same[0])]
+            else:
+                ways += [(kind, {**exact, **shape, "properties": {k: False}}) for k in same[0]]
+                ways += [(kind, {**exact, **shape, "required": [k], "properties": {k: {"not": {"const": v}}}})
+                         for k, v in same[0].items()]
     return ways
 
 

@@ -32,7 +32,7 @@ from radixlm.core.runtime.constrained.schema.json_allof import AllOfRules
 from radixlm.core.runtime.constrained.schema.json_arrays import ArrayRules
 from radixlm.core.runtime.constrained.schema.json_common import (CONFLICT, DEPENDENT_KEYWORDS, IGNORED_KEYWORDS,
                                                                  NOT_STRINGS, REFUSED_KEYWORDS, JSON_TYPES, BOOLEAN,
-                                                                 NOTHING, NULL, NUMBER, SchemaError, json_type,
+                                                                 NOT_MULTIPLE_OF, NOTHING, NULL, NUMBER, SchemaError, json_type,
                                                                  mark_negated, open_part, same_json, with_parts,
                                                                  string_terminal)
 from radixlm.core.runtime.constrained.schema.json_conditional import ConditionalRules
@@ -65,6 +65,15 @@ def json_schema_to_grammar(schema: Any, whitespace_pattern: str | None = None,
     return Grammar(conv.rules, "start")
 
 
+def _of_types(value: Any, negated: Any) -> bool:
+    """Whether `value` is of a type that `negated` (true, {} or a schema of `type` alone) allows."""
+    if not isinstance(negated, dict) or "type" not in negated:
+        return negated is True or negated == {}
+    types = {negated["type"]} if isinstance(negated["type"], str) else set(negated["type"])
+    kind = json_type(value)
+    return kind in types or kind == "integer" and "number" in types
+
+
 def _scalar_keywords_admit(value: Any, schema: dict) -> bool:
     """Whether a string or number constant meets its schema's length, pattern and range keywords (the
     siblings of enum/const that apply to a constant; object and array keywords are not checked here).
@@ -92,6 +101,9 @@ def _scalar_keywords_admit(value: Any, schema: dict) -> bool:
         return False
     low, high = number("exclusiveMinimum"), number("exclusiveMaximum")
     if (low is not None and value <= low) or (high is not None and value >= high):
+        return False
+    avoid = schema.get(NOT_MULTIPLE_OF)  # a `not` of multipleOf p/q: integers p does not divide
+    if avoid is not None and float(value).is_integer() and int(value) % avoid[0] == 0:
         return False
     step = number("multipleOf")
     if step is None or step <= 0:
@@ -137,7 +149,8 @@ class _Converter(ExclusionRules, ConditionalRules, AllOfRules, StringRules, Numb
     def value(self, schema: Any, ptr: str) -> Expr:
         """The grammar of the values `schema` allows; `ptr` names where it sits (rule names, refusals). A
         schema object converted before (the same object, at the same `not` depth) gives its grammar again:
-        merges, oneOf exclusions and `$ref`s with siblings meet the same subschemas again and again."""
+        merges, oneOf exclusions and `$ref`s with siblings meet the same subschemas again and again. (A $ref
+        and the types are handled here, not in helpers: a chain of refs nests value() once per link.)"""
         self.deadline.check()
         memo = (self.negations, id(schema))
         found = self.converted.get(memo)
@@ -177,46 +190,11 @@ class _Converter(ExclusionRules, ConditionalRules, AllOfRules, StringRules, Numb
                 return alt(self.value(with_parts(rest, schema["if"]), ptr), self.value(rest, ptr))
             schema = rest
         if "not" in schema and not types_only(schema["not"]):  # as positive keywords, merged in
-            rest = {k: v for k, v in schema.items() if k != "not"}
-            if self.negations >= MAX_NEGATION_DEPTH:  # a `not` whose positive form holds a `not`, ... (refs)
-                raise SchemaError(f"{ptr}/not: 'not' nested deeper than {MAX_NEGATION_DEPTH} levels is not supported")
-            negation = self._negation(schema["not"], open_part(rest), f"{ptr}/not")
-            self.negations += 1
-            try:
-                return self.value(with_parts(rest, mark_negated(negation)), ptr)
-            finally:
-                self.negations -= 1
-        if "allOf" in schema:
-            try:
-                merged = self._merge(schema["allOf"] + [{k: v for k, v in schema.items() if k != "allOf"}], ())
-            except ValueError as e:
-                raise SchemaError(f"{ptr}/allOf: {e}") from None
-            return self._remember(memo, original, self.value(merged, ptr))
-        if "anyOf" in schema or "oneOf" in schema:
-            key = "anyOf" if "anyOf" in schema else "oneOf"
-            if "anyOf" in schema and "oneOf" in schema:
-                raise SchemaError(f"{ptr}: anyOf together with oneOf is not supported")
-            branches = schema[key]
-            if not isinstance(branches, list) or not branches:
-                raise SchemaError(f"{ptr}/{key}: must be a non-empty list")
-            rest = {k: v for k, v in schema.items() if k != key and k not in IGNORED_KEYWORDS}
-            subs = [with_parts(rest, b) if rest else b for b in branches]
-            if key == "oneOf":
-                return self._remember(memo, original, alt(*self._exclusive(subs, branches, f"{ptr}/oneOf")))
-            expr = alt(*(self.value(s, f"{ptr}/{key}/{i}") for i, s in enumerate(subs)))
-            return self._remember(memo, original, expr)
-        if schema.get("nullable") is True:
-            return alt(self.value({k: v for k, v in schema.items() if k != "nullable"}, ptr), NULL)
-        if "const" in schema:
-            enum = schema.get("enum")  # both, from an allOf merge: the constant only if the enum has it
-            if schema["const"] is CONFLICT or isinstance(enum, list) and not any(
-                    same_json(schema["const"], v) for v in enum):
-                return NOTHING
-            return self._literal(schema["const"], schema, ptr)
-        if "enum" in schema:
-            if not isinstance(schema["enum"], list) or not schema["enum"]:
-                raise SchemaError(f"{ptr}/enum: must be a non-empty list")
-            return alt(*(self._literal(v, schema, ptr) for v in schema["enum"]))
+            return self._with_negation(schema, ptr)
+        if "allOf" in schema or "anyOf" in schema or "oneOf" in schema:
+            return self._remember(memo, original, self._combined(schema, ptr))
+        if schema.get("nullable") is True or "const" in schema or "enum" in schema:
+            return self._enumerated(schema, ptr)
         types = schema.get("type", list(JSON_TYPES))
         types = [types] if isinstance(types, str) else list(types)
         if "not" in schema:
@@ -231,6 +209,55 @@ class _Converter(ExclusionRules, ConditionalRules, AllOfRules, StringRules, Numb
                 raise SchemaError(f"{ptr}/type: unknown JSON schema type {t!r}")
             out.append(handlers[t](schema, ptr))
         return self._remember(memo, original, alt(*out) if out else NOTHING)
+
+    def _with_negation(self, schema: dict, ptr: str) -> Expr:
+        """`not` (beyond types) as positive keywords merged into the rest of the schema."""
+        rest = {k: v for k, v in schema.items() if k != "not"}
+        if self.negations >= MAX_NEGATION_DEPTH:  # a `not` whose positive form holds a `not`, ... (refs)
+            raise SchemaError(f"{ptr}/not: 'not' nested deeper than {MAX_NEGATION_DEPTH} levels is not supported")
+        negation = self._negation(schema["not"], open_part(rest), f"{ptr}/not")
+        self.negations += 1
+        try:
+            return self.value(with_parts(rest, mark_negated(negation)), ptr)
+        finally:
+            self.negations -= 1
+
+    def _combined(self, schema: dict, ptr: str) -> Expr:
+        """allOf (merged into one schema), anyOf and oneOf (exclusive branches), each branch with the
+        schema's other keywords."""
+        if "allOf" in schema:
+            try:
+                merged = self._merge(schema["allOf"] + [{k: v for k, v in schema.items() if k != "allOf"}], ())
+            except ValueError as e:
+                raise SchemaError(f"{ptr}/allOf: {e}") from None
+            return self.value(merged, ptr)
+        key = "anyOf" if "anyOf" in schema else "oneOf"
+        if "anyOf" in schema and "oneOf" in schema:
+            raise SchemaError(f"{ptr}: anyOf together with oneOf is not supported")
+        branches = schema[key]
+        if not isinstance(branches, list) or not branches:
+            raise SchemaError(f"{ptr}/{key}: must be a non-empty list")
+        rest = {k: v for k, v in schema.items() if k != key and k not in IGNORED_KEYWORDS}
+        subs = [with_parts(rest, b) if rest else b for b in branches]
+        if key == "oneOf":
+            return alt(*self._exclusive(subs, branches, f"{ptr}/oneOf"))
+        return alt(*(self.value(s, f"{ptr}/{key}/{i}") for i, s in enumerate(subs)))
+
+    def _enumerated(self, schema: dict, ptr: str) -> Expr:
+        """nullable (the schema or null), const and enum."""
+        if schema.get("nullable") is True:
+            return alt(self.value({k: v for k, v in schema.items() if k != "nullable"}, ptr), NULL)
+        if "const" in schema:
+            enum = schema.get("enum")  # both, from an allOf merge: the constant only if the enum has it
+            if schema["const"] is CONFLICT or isinstance(enum, list) and not any(
+                    same_json(schema["const"], v) for v in enum):
+                return NOTHING
+            return self._literal(schema["const"], schema, ptr)
+        if schema["enum"] is CONFLICT:  # allOf parts whose enums share no value
+            return NOTHING
+        if not isinstance(schema["enum"], list) or not schema["enum"]:
+            raise SchemaError(f"{ptr}/enum: must be a non-empty list")
+        return alt(*(self._literal(v, schema, ptr) for v in schema["enum"]))
 
     def _remember(self, memo: tuple[int, int], schema: Any, expr: Expr) -> Expr:
         """Keeps value()'s result for `schema` (which the entry holds, so that its id stays its own)."""
@@ -257,6 +284,8 @@ class _Converter(ExclusionRules, ConditionalRules, AllOfRules, StringRules, Numb
         text = json.dumps(value, ensure_ascii=False)
         if isinstance(value, str) and any(re.fullmatch(r, text) for r in schema.get(NOT_STRINGS, ())):
             return NOTHING  # a `not` excludes it
+        if "not" in schema and types_only(schema["not"]) and _of_types(value, schema["not"]):
+            return NOTHING  # {"enum": [3, 4.5], "not": {"type": "integer"}}: 3 is excluded
         if not _scalar_keywords_admit(value, schema):
             return NOTHING  # a sibling keyword excludes it: {"enum": ["abc"], "maxLength": 2}
         return self._constant(value)

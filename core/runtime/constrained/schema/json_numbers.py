@@ -11,11 +11,12 @@ import numpy as np
 from radixlm.core.runtime.constrained.schema import number_ranges
 from radixlm.core.runtime.constrained.automata.grammar import Expr, Terminal, lit
 from radixlm.core.runtime.constrained.automata.grammar_compiler import terminal_dfa
-from radixlm.core.runtime.constrained.schema.json_common import INTEGER, NOTHING, NUMBER, SchemaError
+from radixlm.core.runtime.constrained.schema.json_common import INTEGER, NOT_MULTIPLE_OF, NOTHING, NUMBER, SchemaError
 from radixlm.core.runtime.constrained.automata.regex_dfa import ByteDFA, dfa_intersection
 
 
 MAX_MODULUS = 10_000  # multipleOf's DFA has a state per remainder
+EXACT_INTEGER = 10**15 - 1  # a `not` of a fractional multipleOf: integers of at most 15 digits (see _integer)
 
 
 class NumberRules:
@@ -28,6 +29,7 @@ class NumberRules:
         # An integer is a multiple of p/q (in lowest terms, from the decimal as written: 1.5 is 3/2)
         # exactly when p divides it.
         step = fractions.Fraction(repr(step)).numerator
+        avoid = schema.get(NOT_MULTIPLE_OF)  # a `not` of multipleOf: integers that p does not divide
         try:
             lo, hi = number_ranges.int_bounds(schema)
         except ValueError as e:
@@ -35,15 +37,24 @@ class NumberRules:
         if lo is not None and hi is not None and lo > hi:
             return NOTHING
         if step > MAX_MODULUS:  # past the DFA's budget: 0 alone, a multiple of everything (a sound subset)
-            return lit("0") if (lo is None or lo <= 0) and (hi is None or hi >= 0) else NOTHING
-        if int(step) == 1:
-            return INTEGER if lo is None and hi is None else Terminal(regex=f"(?:{number_ranges.int_range_regex(lo, hi)})")
-        dfa = multiples_dfa(int(step))
+            zero = (lo is None or lo <= 0) and (hi is None or hi >= 0) and avoid is None
+            return lit("0") if zero else NOTHING
+        if int(step) == 1 and avoid is None:
+            whole = number_ranges.int_range_regex(lo, hi) if lo is not None or hi is not None else None
+            return INTEGER if whole is None else Terminal(regex=f"(?:{whole})")
+        budget = self.budget.max_terminal_states
+        dfas = [multiples_dfa(int(step))] if int(step) > 1 else []
+        if avoid is not None:
+            dfas.append(non_multiples_dfa(int(avoid[0])))
+            if avoid[1] > 1:  # validators divide doubles: n / 1.5 is exact only for fewer digits than a double has
+                dfas.append(terminal_dfa(f"(?:{number_ranges.int_range_regex(-EXACT_INTEGER, EXACT_INTEGER)})", budget))
         if lo is not None or hi is not None:
-            budget = self.budget.max_terminal_states
-            bounds = terminal_dfa(f"(?:{number_ranges.int_range_regex(lo, hi)})", budget)
-            dfa = dfa_intersection(dfa, bounds, budget, self.deadline.check)
-        return NOTHING if dfa is None else Terminal(key=f"multiples:{int(step)}:{lo}:{hi}", dfa=dfa)
+            dfas.append(terminal_dfa(f"(?:{number_ranges.int_range_regex(lo, hi)})", budget))
+        dfa = dfas[0]
+        for other in dfas[1:]:
+            dfa = dfa_intersection(dfa, other, budget, self.deadline.check) if dfa is not None else None
+        key = f"multiples:{int(step)}:{lo}:{hi}" + ("" if avoid is None else f":not:{avoid[0]}/{avoid[1]}")
+        return NOTHING if dfa is None else Terminal(key=key, dfa=dfa)
 
     def _number(self, schema: dict, ptr: str, fraction: bool = False) -> Expr:
         """Numbers within the bounds (any decimal bound, exclusive or not); with `fraction`, only those
@@ -101,4 +112,16 @@ def multiples_dfa(m: int) -> ByteDFA:
     trans[rem:, digits] = rem + (10 * np.arange(m)[:, None] + np.arange(10)[None, :]) % m
     accepting = np.zeros(rem + m, dtype=bool)
     accepting[[zero, rem]] = True
+    return ByteDFA(transitions=trans, accepting=accepting)
+
+
+@functools.lru_cache(maxsize=64)
+def non_multiples_dfa(m: int) -> ByteDFA:
+    """JSON integers that m (>= 2) does not divide: multiples_dfa's states, accepting where the remainder
+    is not 0 (0 and -0 lead nowhere)."""
+    multiples = multiples_dfa(m)
+    trans = multiples.transitions.copy()
+    trans[trans == 2] = -1  # the state after a leading 0: a multiple of everything
+    accepting = np.zeros(len(trans), dtype=bool)
+    accepting[4:] = True  # remainders 1 .. m-1 (state 3 + r)
     return ByteDFA(transitions=trans, accepting=accepting)

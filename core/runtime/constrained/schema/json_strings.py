@@ -7,10 +7,10 @@ from typing import Any
 
 from radixlm.core.runtime.constrained.automata import json_lexical
 from radixlm.core.runtime.constrained.schema.string_patterns import json_string_pattern
-from radixlm.core.runtime.constrained.tokens.counted_string import counted_states, counted_string_dfa
-from radixlm.core.runtime.constrained.automata.grammar import Expr, Repeat, Terminal, lit, seq
+from radixlm.core.runtime.constrained.tokens.counted_string import counted_string_dfa
+from radixlm.core.runtime.constrained.automata.grammar import Expr, Terminal
 from radixlm.core.runtime.constrained.automata.grammar_compiler import derived_dfa, terminal_dfa
-from radixlm.core.runtime.constrained.schema.json_common import (CHAR, NOTHING, NOT_STRINGS, SchemaError, count_bounds,
+from radixlm.core.runtime.constrained.schema.json_common import (NOTHING, NOT_STRINGS, SchemaError, count_bounds,
                                                                  string_terminal)
 from radixlm.core.runtime.constrained.automata.regex_dfa import ByteDFA, dfa_difference, dfa_intersection, sre_c, sre_p
 
@@ -28,6 +28,12 @@ FORMATS = json_lexical.FORMATS | {
     "ipv4": rf"{_IPV4_PART}(?:\.{_IPV4_PART}){{3}}",
     "ipv6": f"(?:{_IPV6})",
 }
+# RFC 6570 URI templates, conservatively (a subset that the `uri-template` package, jsonschema's checker,
+# accepts too): literals from the URI characters or %XX; expressions of variables [A-Za-z0-9_] with dots, an
+# operator of level 2-3, prefix lengths 1-999 or explode.
+_VARSPEC = r"[A-Za-z0-9_](?:\.?[A-Za-z0-9_])*(?::[1-9][0-9]{0,2}|\*)?"
+FORMATS["uri-template"] = (rf"(?:[A-Za-z0-9\-._~:/?#\[\]@!$&'()*+,;=]|%[0-9A-Fa-f]{{2}}"
+                           rf"|\{{[+#./;?&]?{_VARSPEC}(?:,{_VARSPEC})*\}})*")
 # Lookahead is not regular in our engine: durations are "P", then at least one component.
 FORMATS["duration"] = (r"P(?:[0-9]+W|[0-9]+Y(?:[0-9]+M)?(?:[0-9]+D)?(?:T_TIME)?|[0-9]+M(?:[0-9]+D)?(?:T_TIME)?"
                        r"|[0-9]+D(?:T_TIME)?|T_TIME)").replace(
@@ -50,10 +56,10 @@ class StringRules:
         excluded = schema.get(NOT_STRINGS)
         if not excluded or expr is NOTHING:
             return expr
-        if not isinstance(expr, Terminal):
+        budget = self.budget.max_terminal_states
+        if not isinstance(expr, Terminal) or expr.dfa is not None and len(expr.dfa.transitions) > budget:
             raise SchemaError(f"{ptr}/not: excluding strings from one of over {self.budget.max_terminal_states} "
                               "states is not supported")
-        budget = self.budget.max_terminal_states
 
         def build() -> ByteDFA | None:
             dfa = expr.dfa if expr.dfa is not None else terminal_dfa(expr.regex, budget)
@@ -86,10 +92,7 @@ class StringRules:
         if regexes:
             where = f"{ptr}/pattern" if pattern is not None else f"{ptr}/format"
             return self._within(regexes, lo, hi, bounded, where)
-        if counted_states(lo, hi) <= self.budget.max_terminal_states:
-            return string_terminal(lo, hi)
-        tail = Repeat(CHAR, 0, hi - lo) if hi is not None else Terminal(regex=f"{json_lexical.STRING_CHAR}*")
-        return seq(lit('"'), Repeat(CHAR, lo, lo), tail, lit('"')) if lo else seq(lit('"'), tail, lit('"'))
+        return string_terminal(lo, hi)  # any length: a long one's moves are computed, not stored
 
     def _within(self, regexes: list[str], lo: int, hi: int | None, bounded: bool, ptr: str) -> Expr:
         """The JSON strings matching every regex of `regexes` (quotes included), with lo..hi characters

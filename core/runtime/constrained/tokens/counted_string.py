@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from radixlm.core.runtime.constrained.automata import json_lexical
+from radixlm.core.runtime.constrained.tokens.counted_table import CountedTable
 from radixlm.core.runtime.constrained.automata.regex_dfa import ByteDFA, regex_to_dfa
 from radixlm.core.runtime.constrained.tokens.vocab import TokenTrie, TokenVocab, byte_matrix
 
@@ -46,6 +47,11 @@ class CountedStringDFA(ByteDFA):
             return None
         return s // self.width
 
+    @property
+    def stored(self) -> bool:
+        """Whether the move table is stored (else computed from the state number: a long string)."""
+        return isinstance(self.transitions, np.ndarray)
+
 
 @functools.lru_cache(maxsize=1)
 def _char_dfa() -> ByteDFA:
@@ -58,7 +64,12 @@ def counted_states(lo: int, hi: int | None) -> int:
     return 1 + (lo if hi is None else hi) * width + (width if hi is None else 1) + 1
 
 
-@functools.lru_cache(maxsize=16)  # a 255-character bound is ~3,600 states, 3.7 MB of table (20 MB at most)
+# Past this many states a counted string's table is computed from the state number (counted_table.py), not
+# stored: 8,192 states are ~540 characters and 8 MB of table.
+STORED_STATES = 8192
+
+
+@functools.lru_cache(maxsize=16)  # stored tables: 8 MB each at most
 def counted_string_dfa(lo: int, hi: int | None) -> CountedStringDFA:
     """The DFA of a JSON string of lo..hi characters, quotes included (hi None: at least lo)."""
     char = _char_dfa()
@@ -68,25 +79,14 @@ def counted_string_dfa(lo: int, hi: int | None) -> CountedStringDFA:
     slot = np.full(char.num_states, -1, dtype=np.int64)
     slot[inner] = np.arange(width)
     done = int(np.flatnonzero(char.accepting)[0])
-    cap = lo if hi is None else hi  # the positions told apart; past lo, unbounded strings loop at lo
-    n = counted_states(lo, hi)
-    final = n - 1
-    trans = np.full((n, 256), -1, dtype=np.int32)
-    trans[0, QUOTE] = 1
     step = char.transitions[inner]  # [width, 256]
-    for i in range(cap + 1):
-        base = 1 + i * width
-        if i == cap and hi is not None:  # no room for another character: only the closing quote
-            trans[base, QUOTE] = final if i >= lo else -1
-            break
-        after = min(i + 1, cap)
-        block = np.where(step == done, 1 + after * width, np.where(step >= 0, base + slot[np.maximum(step, 0)], -1))
-        trans[base:base + width] = block
-        if i >= lo:
-            trans[base, QUOTE] = final
+    n = counted_states(lo, hi)
     accepting = np.zeros(n, dtype=bool)
-    accepting[final] = True
-    return CountedStringDFA(transitions=trans, accepting=accepting, lo=lo, hi=hi, width=width)
+    accepting[n - 1] = True
+    table = CountedTable(np.where(step >= 0, slot[np.maximum(step, 0)], -1), step == done, lo, hi, n)
+    if n > STORED_STATES:
+        return CountedStringDFA(transitions=table, accepting=accepting, lo=lo, hi=hi, width=width)
+    return CountedStringDFA(transitions=table[np.arange(n)], accepting=accepting, lo=lo, hi=hi, width=width)
 
 
 @dataclass(eq=False)
@@ -127,21 +127,43 @@ def string_tokens(vocab: TokenVocab, opening: bool = False) -> StringTokens:
         found = _tokens.get(key)
         if found is None:
             found = _tokens[key] = _read_tokens(vocab.token_bytes, opening)
+    if not opening:
+        inner_tokens(vocab, 1)  # and from inside a character, with it: a mask never waits for them
     return found
 
 
 def _read_tokens(token_bytes: list[bytes], opening: bool) -> StringTokens:
-    """All tokens through the character DFA at once, one byte position per numpy step (empty tokens,
-    and with `opening` those without a leading quote, are never allowed; the quote is skipped)."""
-    char = _char_dfa()
-    done = int(np.flatnonzero(char.accepting)[0])
+    """All tokens read from a character boundary (empty tokens, and with `opening` those without a leading
+    quote, are never allowed; the quote is skipped), as cumulated bitsets."""
     mat, lens = byte_matrix(token_bytes)
     skip = int(opening)
     allowed = (lens > 0) & (mat[:, 0] == QUOTE) if opening else lens > 0
     mat, lens = mat[:, skip:], np.maximum(lens - skip, 0)
-    size = len(token_bytes)
+    kind, count, quote_at = _read(mat, lens, allowed, 0)
+    need = np.where(kind == _PARTIAL, count + 1, count)  # a partial character needs room for itself
+    top = int(need[kind != _BAD].max(initial=0))
+    by_count = np.arange(top + 1)[:, None]
+    inside = ((kind == _PURE) | (kind == _PARTIAL))[None, :] & (need[None, :] <= by_count)
+    closing = (kind == _CLOSED)[None, :] & (count[None, :] <= by_count)
+    pack = functools.partial(np.packbits, bitorder="little", axis=-1)
+    ends = (kind == _CLOSED) & (quote_at == lens - 1)
+    tails = np.flatnonzero((kind == _CLOSED) & ~ends)
+    suffix_bytes = [b""] * len(token_bytes)
+    for t in tails.tolist():
+        suffix_bytes[t] = token_bytes[t][skip + quote_at[t] + 1:]
+    suffixes = TokenTrie.build(suffix_bytes, tails.tolist()) if len(tails) else None
+    return StringTokens(pack(inside), pack(closing), pack(ends), suffixes)
+
+
+def _read(mat: np.ndarray, lens: np.ndarray, allowed: np.ndarray, start: int) -> tuple[np.ndarray, ...]:
+    """Every allowed token (rows of `mat`, `lens` bytes each) through the character DFA from its state
+    `start`, one byte position per numpy step: (kind, whole characters written before the token ends or
+    closes the string, where the closing quote is (-1 if none))."""
+    char = _char_dfa()
+    done = int(np.flatnonzero(char.accepting)[0])
+    size = len(lens)
     kind = np.where(allowed, _PURE, _BAD)
-    state = np.zeros(size, dtype=np.int64)
+    state = np.full(size, start, dtype=np.int64)
     count = np.zeros(size, dtype=np.int64)
     quote_at = np.full(size, -1, dtype=np.int64)
     live = np.flatnonzero(allowed)
@@ -160,17 +182,56 @@ def _read_tokens(token_bytes: list[bytes], opening: bool) -> StringTokens:
         count[live[whole]] += 1
         state[live] = np.where(whole | (nxt < 0), 0, nxt)
     kind[(kind == _PURE) & (state != 0)] = _PARTIAL
-    # A partial character needs room for itself: it counts as one more.
-    need = np.where(kind == _PARTIAL, count + 1, count)
-    top = int(need[kind != _BAD].max(initial=0))
-    by_count = np.arange(top + 1)[:, None]
-    inside = ((kind == _PURE) | (kind == _PARTIAL))[None, :] & (need[None, :] <= by_count)
-    closing = (kind == _CLOSED)[None, :] & (count[None, :] <= by_count)
-    pack = functools.partial(np.packbits, bitorder="little", axis=-1)
-    ends = (kind == _CLOSED) & (quote_at == lens - 1)
-    tails = np.flatnonzero((kind == _CLOSED) & ~ends)
-    suffix_bytes = [b""] * size
-    for t in tails.tolist():
-        suffix_bytes[t] = token_bytes[t][skip + quote_at[t] + 1:]
-    suffixes = TokenTrie.build(suffix_bytes, tails.tolist()) if len(tails) else None
-    return StringTokens(pack(inside), pack(closing), pack(ends), suffixes)
+    return kind, count, quote_at
+
+
+@dataclass(eq=False)
+class InnerTokens:
+    """The tokens that read on from one byte inside a character (a UTF-8 sequence or an escape begun), as
+    ids: a few thousand (those starting with a continuation byte, or an escape's rest), so kept sparse.
+    Per token: the characters it needs room for (the one begun included), whether it closes the string,
+    and the characters before its quote."""
+
+    ids: np.ndarray  # int64, sorted: the tokens not dead from this byte
+    need: np.ndarray  # room needed to stay inside (tokens that close: the characters before the quote)
+    closes: np.ndarray  # bool: the token closes the string
+    ends_at_quote: np.ndarray  # bool: ... with its last byte
+    after_quote: list[bytes]  # per token: its bytes after the quote (b"" if none)
+
+    def inside(self, need: int, room: int | None) -> np.ndarray:
+        """Ids of the tokens that stay in the string or end it with its quote, from a place where `need`
+        more characters are needed and `room` are left (None: no bound)."""
+        fits = self.need <= (self.need.max(initial=0) if room is None else room)
+        return self.ids[fits & (~self.closes | self.ends_at_quote & (self.need >= need))]
+
+    def closing(self, need: int, room: int | None) -> np.ndarray:
+        """Ids of the tokens that close the string within the bounds and go on after the quote."""
+        fits = self.need <= (self.need.max(initial=0) if room is None else room)
+        return self.ids[fits & self.closes & ~self.ends_at_quote & (self.need >= need)]
+
+
+_inner: dict[str, list[InnerTokens]] = {}
+
+
+def inner_tokens(vocab: TokenVocab, slot: int) -> InnerTokens:
+    """The vocabulary read from `slot` bytes into a character (slot >= 1: counted state 1 + i * width +
+    slot); every slot's built together, once per vocabulary (with string_tokens, where constraints are
+    built: a mask never waits for them)."""
+    with _lock:
+        found = _inner.get(vocab.fingerprint)
+    if found is None:
+        char = _char_dfa()
+        mat, lens = byte_matrix(vocab.token_bytes)
+        found = []
+        for start in np.flatnonzero(~char.accepting).tolist():
+            ids = np.flatnonzero((lens > 0) & (char.transitions[start, mat[:, 0]] >= 0))  # a few thousand
+            kind, count, quote_at = _read(mat[ids], lens[ids], np.ones(len(ids), dtype=bool), start)
+            alive = kind != _BAD
+            ids, kind, count, quote_at, n = ids[alive], kind[alive], count[alive], quote_at[alive], lens[ids][alive]
+            closes = kind == _CLOSED
+            after = [vocab.token_bytes[t][q + 1:] for t, q in zip(ids.tolist(), quote_at.tolist())]
+            found.append(InnerTokens(ids, np.where(kind == _PARTIAL, count + 1, count), closes,
+                                     closes & (quote_at == n - 1), after))
+        with _lock:
+            found = _inner.setdefault(vocab.fingerprint, found)
+    return found[slot]

@@ -13,151 +13,32 @@ there, once per (state's exits, continuation), never the bytes inside t (XGramma
 Exits at j = 0 (t may end before the token) need nothing here: a configuration is closed, so it holds
 what follows t's end as items of its own.
 
-A bounded string's character boundaries (counted_string.py) are counted instead: their exits are the
-tokens that close the string, and only their bytes after the quote are walked, once per continuation
+A counted string's states (counted_string.py) are counted instead (counted_tokens.py): their exits are
+the tokens that close the string, and only their bytes after the quote are walked, once per continuation
 (pda.py).
 """
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import threading
 from array import array
 from collections import OrderedDict
-from dataclasses import dataclass, field
 
 import numpy as np
 
-from radixlm.core.runtime.constrained.tokens.body_states import (body_of, bytes_apart, loops, paths_apart, read_from,
-                                                                 tokens_starting, tokens_with)
-from radixlm.core.runtime.constrained.tokens.counted_string import CountedStringDFA, string_tokens
+from radixlm.core.runtime.constrained.tokens.body_states import (body_of, bytes_apart, loops, paths_apart, read_from, tokens_starting,
+                                                  tokens_with)
+from radixlm.core.runtime.constrained.tokens.counted_string import CountedStringDFA
+from radixlm.core.runtime.constrained.tokens.counted_tokens import counted_state_tokens
 from radixlm.core.runtime.constrained.tokens.literal_tokens import literal_classes, literal_rest
-from radixlm.core.runtime.constrained.tokens.narrow_walk import NARROW_NODES, moves_of, narrow_walk, state_row
+from radixlm.core.runtime.constrained.tokens.narrow_walk import NARROW_NODES, narrow_walk, state_row
 from radixlm.core.runtime.constrained.automata.regex_dfa import ByteDFA
+from radixlm.core.runtime.constrained.tokens.token_classes import Exits, StateTokens, exits_replacing
 from radixlm.core.runtime.constrained.tokens.vocab import TokenVocab, byte_matrix, clear_bits, expand_ranges, set_bits
 
 DENSE_RATIO = 8  # a trie level is walked densely when over 1/8 of the previous level's nodes are alive
-CLASSES_PER_TREE = 4096  # (node, terminal, state) entries per SuffixTree, cleared when full
-TAKEN_SETS = 256  # sets of suffixes taken kept per Exits, cleared when full
 CACHE_SIZE = 8192  # (terminal, state) entries per process; a 151k vocabulary's bits are 19 KB each
-
-
-class SuffixTree:
-    """Distinct exit suffixes (sorted) as nested dicts, {byte: (children, ids of the suffixes ending at that
-    byte)}, and their classes per terminal state. One per distinct list of suffixes (suffix_tree), shared by
-    the Exits that have it: states with different subtrees often leave with the same suffixes (a string's
-    closing quote and what follows it)."""
-
-    def __init__(self, suffixes: list[bytes]) -> None:
-        self.suffixes = suffixes
-        self._classes: dict[tuple[int, str, int], tuple[list[int], list[dict]]] = {}
-
-    @functools.cached_property
-    def root(self) -> dict[int, tuple[dict, list[int]]]:
-        root: dict[int, tuple[dict, list[int]]] = {}
-        for n, data in enumerate(self.suffixes):
-            node = root
-            for b in data[:-1]:
-                node = node.setdefault(b, ({}, []))[0]
-            node.setdefault(data[-1], ({}, []))[1].append(n)
-        return root
-
-    def classes(self, node: dict, key: str, dfa: ByteDFA, state: int) -> tuple[list[int], list[dict]]:
-        """The suffixes below `node` (the root or a node's children) read from `state` of terminal `dfa`
-        (named `key`), as the vocabulary is in state_tokens: (ids of those alive in the terminal through
-        their last byte, the nodes (their children) after which the terminal may end and the rest go on
-        from whatever follows it). Context-independent, so cached per (node, terminal, state): pda.py's
-        exit walks need nothing else inside a terminal."""
-        found = self._classes.get((id(node), key, state))  # nodes live as long as the tree: ids stay theirs
-        if found is None:
-            inside: list[int] = []
-            ends_at: list[dict] = []
-            accepting = dfa.accepting
-            stack = [(state, node)]
-            while stack:
-                q, children = stack.pop()
-                moves = moves_of(key, dfa, q)
-                # The fewer of the two: a literal's one move among a root's ~50 first bytes, or a
-                # string body's ~200 moves against a node's few children.
-                if len(moves) < len(children):
-                    pairs = [(t, children[b]) for b, t in moves.items() if b in children]
-                else:
-                    pairs = [(moves[b], child) for b, child in children.items() if b in moves]
-                for nxt, (sub, ends) in pairs:
-                    inside += ends
-                    if sub:
-                        if accepting[nxt]:
-                            ends_at.append(sub)
-                        stack.append((nxt, sub))
-            if len(self._classes) >= CLASSES_PER_TREE:
-                self._classes.clear()
-            found = self._classes[id(node), key, state] = (inside, ends_at)
-        return found
-
-
-_trees: dict[tuple[bytes, ...], SuffixTree] = {}
-TREES = 4096
-
-
-def suffix_tree(suffixes: list[bytes]) -> SuffixTree:
-    """The SuffixTree of these distinct sorted suffixes, shared process-wide."""
-    key = tuple(suffixes)
-    found = _trees.get(key)
-    if found is None:
-        if len(_trees) >= TREES:
-            _trees.clear()
-        found = _trees.setdefault(key, SuffixTree(suffixes))
-    return found
-
-
-@dataclass(eq=False)
-class Exits:
-    """Tokens that may leave a terminal state mid-token: the distinct suffixes they leave it with (as a
-    tree), and the (suffix, token) pairs."""
-
-    tree: SuffixTree
-    pair_suffix: np.ndarray  # int64 [pairs]: index into tree.suffixes
-    pair_token: np.ndarray  # int64 [pairs]: token id
-    # Tokens per set of suffixes taken (see tokens_of); a corpus run has ~30 Exits walked ~4,600 times
-    # under fresh continuations, and 95 % of those walks take a set of suffixes already met.
-    _taken: dict[frozenset, np.ndarray] = field(default_factory=dict, repr=False)
-
-    @classmethod
-    def build(cls, tokens: list[int], suffixes: list[bytes]) -> "Exits":
-        """From pairs: token tokens[i] leaves with suffixes[i] (non-empty)."""
-        distinct = sorted(set(suffixes))
-        index = {x: n for n, x in enumerate(distinct)}
-        return cls(suffix_tree(distinct), np.fromiter(map(index.__getitem__, suffixes), np.int64, count=len(suffixes)),
-                   np.asarray(tokens, dtype=np.int64))
-
-    def tokens_of(self, suffixes: list[int]) -> np.ndarray:
-        """Ids of the tokens that leave with one of `suffixes` (ids into tree.suffixes); read-only, kept
-        per set of suffixes: the walks under different continuations mostly take the same few sets."""
-        key = frozenset(suffixes)
-        found = self._taken.get(key)
-        if found is None:
-            taken = np.zeros(len(self.tree.suffixes), dtype=bool)
-            taken[suffixes] = True
-            found = self.pair_token[taken[self.pair_suffix]]
-            found.flags.writeable = False
-            if len(self._taken) >= TAKEN_SETS:
-                self._taken.clear()
-            self._taken[key] = found
-        return found
-
-
-@dataclass
-class StateTokens:
-    inside: np.ndarray | None  # uint8 packed bits (little bit order) of the context-independent tokens
-    exits: Exits | None = None
-    # A literal's few inside tokens as ids instead (inside is then None): a mask sets them with its exits'
-    # in one pass, rather than packing and OR-ing 19 KB of bits per fresh state.
-    inside_ids: np.ndarray | None = None
-    # Counted string boundaries: packed bits of the tokens that close the string and go on after the
-    # quote, and their bytes after the quote as exits (exits is then None).
-    closing: np.ndarray | None = None
-    after_quote: Exits | None = None
 
 
 _cache: OrderedDict[tuple, StateTokens] = OrderedDict()
@@ -166,8 +47,8 @@ _lock = threading.Lock()
 
 def state_tokens(key: str, dfa: ByteDFA, state: int, vocab: TokenVocab) -> StateTokens:
     """The token classes of `state` in terminal `dfa` (named `key`: equal keys, equal DFAs), cached."""
-    if isinstance(dfa, CountedStringDFA) and (written := dfa.written(state)) is not None:
-        return _counted(dfa, written, state == 0, vocab)
+    if isinstance(dfa, CountedStringDFA) and (found := counted_state_tokens(dfa, state, vocab)) is not None:
+        return found
     named = (key, state, vocab.fingerprint)
     found = _cached(named)
     if found is not None:
@@ -272,39 +153,6 @@ def _exit_pairs(dfa: ByteDFA, ids: np.ndarray, states: np.ndarray, vocab: TokenV
         cur = dfa.transitions[cur, mat[alive, j]].astype(np.int64)
     rows = np.concatenate(rows)
     return ids[rows].astype(np.int32), np.concatenate(cols)
-
-
-def _counted(dfa: CountedStringDFA, written: int, opening: bool, vocab: TokenVocab) -> StateTokens:
-    """A counted string boundary's classes: a few operations on 19 KB bit sets (~20 µs, in most first
-    masks of a schema with a string value), cached by what they depend on."""
-    room = None if dfa.hi is None else dfa.hi - written
-    cache_key = ("counted", vocab.fingerprint, opening, dfa.lo - written, room)
-    found = _cached(cache_key)
-    if found is None:
-        strings = string_tokens(vocab, opening)
-        closing = strings.closing_between(dfa.lo - written, room)
-        inside = strings.allowed_inside(room) | (closing & strings.ends_at_quote)
-        found = StateTokens(inside, closing=closing & ~strings.ends_at_quote, after_quote=_quote_exits(vocab, opening))
-        _keep(cache_key, found)
-    return found
-
-
-_quote_exits_cache: dict[tuple[str, bool], Exits | None] = {}
-
-
-def _quote_exits(vocab: TokenVocab, opening: bool) -> Exits | None:
-    """The bytes after the closing quote of the tokens that close a string and go on (counted_string.py's
-    suffix trie, read back as exits), cached per vocabulary."""
-    key = (vocab.fingerprint, opening)
-    if key not in _quote_exits_cache:
-        found, trie = None, string_tokens(vocab, opening).suffixes
-        if trie is not None:
-            tokens = [int(i) for d in range(1, trie.depth + 1) for i in trie.end_tokens[d]]
-            lengths = [d for d in range(1, trie.depth + 1) for _ in range(len(trie.end_tokens[d]))]
-            found = Exits.build(tokens, [vocab.token_bytes[i][-n:] for i, n in zip(tokens, lengths)])
-        with _lock:
-            _quote_exits_cache.setdefault(key, found)
-    return _quote_exits_cache[key]
 
 
 _futures: dict[tuple[str, int], bytes | int] = {}  # a name, or the number of states it is known to exceed
@@ -472,7 +320,7 @@ def _reread(key: str, dfa: ByteDFA, state: int, vocab: TokenVocab) -> StateToken
         bits = base.inside.copy()
         clear_bits(bits, ids)
         set_bits(bits, inside)
-        return StateTokens(bits, _exits_replacing(base.exits, ids, tokens, starts, vocab))
+        return StateTokens(bits, exits_replacing(base.exits, ids, tokens, starts, vocab))
     return None
 
 
@@ -483,28 +331,6 @@ def _known(key: str, dfa: ByteDFA, state: int, vocab: TokenVocab) -> StateTokens
         future = _future(key, dfa, state)
         found = _cached((future, vocab.fingerprint)) if future is not None else None
     return found
-
-
-def _exits_replacing(base: Exits | None, ids: np.ndarray, tokens: np.ndarray, starts: np.ndarray,
-                     vocab: TokenVocab) -> Exits | None:
-    """`base`'s exit pairs less those of tokens `ids`, and the pairs (tokens, where their suffix starts)."""
-    token_bytes = vocab.token_bytes
-    new = [token_bytes[t][j:] for t, j in zip(tokens.tolist(), starts.tolist())]
-    if base is None:
-        return Exits.build(tokens.tolist(), new) if new else None
-    keep = ~np.isin(base.pair_token, ids, kind="table")
-    old = base.tree.suffixes
-    kept = np.unique(base.pair_suffix[keep]).tolist()  # often none: a string body's exits all cross `"`
-    distinct = sorted({old[i] for i in kept}.union(new))
-    if not distinct:
-        return None
-    index = {x: n for n, x in enumerate(distinct)}
-    remap = np.full(len(old), -1, dtype=np.int64)
-    remap[kept] = [index[old[i]] for i in kept]
-    return Exits(suffix_tree(distinct),
-                 np.concatenate([remap[base.pair_suffix[keep]], np.fromiter(map(index.__getitem__, new), np.int64,
-                                                                            count=len(new))]),
-                 np.concatenate([base.pair_token[keep], tokens.astype(np.int64)]))
 
 
 # The last wide states built: (their subtree per level-1 node and its name, their inside bits). A key terminal

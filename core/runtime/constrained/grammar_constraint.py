@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import weakref
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
@@ -14,10 +14,13 @@ from radixlm.core.runtime.constrained.pda import GrammarIndex, can_finish
 from radixlm.core.runtime.constrained.tokens.vocab import vocab_of
 from radixlm.core.runtime.tokenizer.fast_path import encoder_for
 
+if TYPE_CHECKING:
+    from radixlm.core.runtime.constrained.llguidance_backend import LLGuidanceConstraint
+
 KINDS = ("regex", "json_schema", "choices")
 
 
-class FSMConstraint:
+class GrammarConstraint:
     """Follows one request's output through a grammar index (pda.py): the configuration after the tokens
     fed so far."""
 
@@ -49,6 +52,11 @@ class FSMConstraint:
 
     def is_finished(self) -> bool:
         return self._finished or self.index.is_terminal(self.state)
+
+    def fork(self) -> "GrammarConstraint":
+        twin = GrammarConstraint(self.index)
+        twin.state, twin._finished, twin._states = self.state, self._finished, list(self._states)
+        return twin
 
     def forced_text(self) -> str | None:
         if self.is_finished():
@@ -162,7 +170,7 @@ REACH_CHECK_STATES = 2_000  # configurations a build may explore to find that so
 
 def build_constraint(kind: str, spec: Any, tokenizer: object, *, eos_token_ids: list[int] | None = None,
                      whitespace_pattern: str | None = None, backend: str = "radixlm",
-                     budget: GrammarBudget = DEFAULT_BUDGET) -> FSMConstraint:
+                     budget: GrammarBudget = DEFAULT_BUDGET) -> GrammarConstraint | LLGuidanceConstraint:
     """A fresh constraint for one request. kind: 'regex' (a Python regex, fullmatch semantics),
     'json_schema' (a JSON string, dict or pydantic model class) or 'choices' (a list of strings).
     EOS ids default to the tokenizer's eos_token_id. Invalid input raises ValueError naming the problem,
@@ -175,7 +183,7 @@ def build_constraint(kind: str, spec: Any, tokenizer: object, *, eos_token_ids: 
             # No output can be written with the bytes this vocabulary's tokens contain. (With every byte
             # in some token, the compiler's pruning of rules that cannot finish already guarantees one.)
             raise ValueError(f"no sequence of this tokenizer's tokens matches the {kind} {spec!r}")
-        return FSMConstraint(index)
+        return GrammarConstraint(index)
     if backend == "llguidance":
         from radixlm.core.runtime.constrained.llguidance_backend import build_llguidance_constraint
 

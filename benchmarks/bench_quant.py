@@ -1,0 +1,215 @@
+"""Quantized weights against the unquantized model, side by side in one run (docs/quantization.md).
+
+    python benchmarks/bench_quant.py --engine --sweep-gemv --out-dir OUT      # the GPU: the 8B shape
+    python benchmarks/bench_quant.py --accuracy --model-path M [--quantization fp8] [--cpu]
+    python benchmarks/bench_quant.py --engine --model tiny --cpu               # the script's logic, seconds
+
+--engine: benchmarks/bench_engine.py on the Llama-3-8B shape (random weights made on the device) once
+per variant (bf16, then each of --variants: fp8, ...), in this process one after another with the same
+options (overlap scheduling on, admissions of 64): batch-1 decode ms/token, 16 x 1024 prefill TFLOP/s,
+the 1,000-request offline set, the weights' GiB and the KV tokens that fit.
+--sweep-gemv: first times the fp8 decode GEMV's launch shapes on the 8B projections at one row and
+keeps the fastest for the engine runs (decode_gemv.CONFIGS_FP8), beside the bf16 GEMV on the same shape.
+--accuracy: the quantized model against the unquantized one on real text (this repository's README,
+the first --steps tokens, teacher-forced): mean |delta logprob| of each next token and top-1 agreement;
+then greedy continuations of the quick start's six questions and of the text's first 32 tokens
+(--steps tokens long), compared token by token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import radixlm
+
+_HERE = Path(__file__).resolve().parent
+QUESTIONS = ["What is the capital of France?", "What is the capital of Japan?", "How many legs does a spider have?",
+             "What is 12 plus 7?", "What is the largest ocean on Earth?", "Which planet is known as the Red Planet?"]
+SYSTEM = ("You are a concise assistant for a geography and general-knowledge quiz. Answer each question "
+          "in one short sentence.")
+SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
+CANDIDATES = [(4, 1024, 4, 3), (8, 1024, 4, 3), (4, 2048, 4, 3), (8, 2048, 8, 3), (4, 4096, 8, 3), (16, 1024, 8, 3)]
+
+
+def _bench_engine():
+    spec = importlib.util.spec_from_file_location("bench_engine", _HERE / "bench_engine.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _time_cuda(fn, iters: int = 200) -> float:
+    for _ in range(10):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters * 1e3  # microseconds
+
+
+def sweep_gemv() -> dict[str, Any]:
+    """The fastest fp8 GEMV launch shape per 8B projection at one row (installed in CONFIGS_FP8), with
+    the bf16 GEMV's time on the same shape (its own tuned shape) and the fp8 one's bandwidth."""
+    from radixlm.kernels import triton as tri
+    from radixlm.kernels.quant_reference import quantize_fp8_rows
+    from radixlm.kernels.triton import decode_gemv
+
+    results = {}
+    for n, k in SHAPES:
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
+        wq, ws = quantize_fp8_rows(w)
+        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+        bf16_us = _time_cuda(lambda: tri.gemv(x, w))
+        timed = {}
+        for cfg in CANDIDATES:
+            os.environ["RADIXLM_GEMV_CONFIG"] = ",".join(map(str, cfg))
+            try:
+                timed[cfg] = _time_cuda(lambda: tri.gemv(x, wq, None, ws))
+            except Exception as exc:  # a shape the compiler refuses (registers, shared memory)
+                print(f"  {n}x{k} {cfg}: {type(exc).__name__}", flush=True)
+        os.environ.pop("RADIXLM_GEMV_CONFIG", None)
+        best = min(timed, key=timed.get)
+        decode_gemv.CONFIGS_FP8[(1, n, k)] = best
+        results[f"{n}x{k}"] = {"bf16_us": bf16_us, "fp8_us": timed[best], "fp8_config": list(best),
+                               "fp8_GBps": n * k / timed[best] / 1e3,
+                               "all_fp8_us": {",".join(map(str, c)): t for c, t in timed.items()}}
+        print(f"gemv {n}x{k}: bf16 {bf16_us:.1f} us, fp8 {timed[best]:.1f} us with {best} "
+              f"({n * k / timed[best] / 1e3:.0f} GB/s)", flush=True)
+    return results
+
+
+def run_engines(args: argparse.Namespace) -> dict[str, Any]:
+    bench = _bench_engine()
+    out: dict[str, Any] = {}
+    for spec in ["bf16", *args.variants]:
+        variant, _, parts = spec.partition(":")
+        path = os.path.join(args.out_dir, f"bench_quant_{variant}.json")
+        argv = ["--model", args.model, "--no-hf", "--overlap", "--parts", *(parts.split(",") if parts else args.parts),
+                "--out", path,
+                "--engine-option", "schedule_admission_batch=64", *(["--cpu"] if args.cpu else [])]
+        if variant != "bf16":
+            argv += ["--engine-option", f"quantization={variant}"]
+        if args.requests:
+            argv += ["--requests", str(args.requests)]
+        print(f"== {variant}: bench_engine {' '.join(argv)}", flush=True)
+        bench.main(argv)
+        with open(path) as f:
+            out[variant] = json.load(f)
+        torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    return out
+
+
+def table(results: dict[str, Any]) -> str:
+    rows = ["| weights | batch-1 decode ms/token | prefill 16x1024 TFLOP/s | offline out tok/s | weights GiB | "
+            "KV tokens | peak GiB |", "|---|---|---|---|---|---|---|"]
+    for variant, r in results.items():
+        ours, mem = r.get("radixlm", {}), r.get("memory", {})
+
+        def get(part, key, fmt):
+            value = (ours.get(part) or {}).get(key)
+            return "-" if value is None else format(value, fmt)
+        rows.append(f"| {variant} | {get('latency', 'ms_per_token', '.2f')} | {get('prefill', 'tflops', '.0f')} | "
+                    f"{get('throughput', 'output_tok_s', ',.0f')} | {mem.get('weights_gib', float('nan')):.2f} | "
+                    f"{r['engine']['kv_pool_tokens']:,} | {mem.get('peak_used_gib', float('nan')):.1f} |")
+    return "\n".join(rows)
+
+
+# ---- accuracy on real text --------------------------------------------------------------------------
+
+def real_text_ids(tokenizer, steps: int) -> list[int]:
+    text = (_HERE.parent / "README.md").read_text()
+    ids = tokenizer(text)["input_ids"]
+    if len(ids) < steps + 1:
+        raise SystemExit(f"README.md has {len(ids)} tokens, fewer than --steps {steps} + 1")
+    return ids[: steps + 1]
+
+
+def run_model(path: str | None, options: dict[str, Any], steps: int) -> dict[str, Any]:
+    with radixlm.Engine(path, log_level="warning", max_total_tokens=16384, **options) as engine:
+        tok = engine.tokenizer
+        ids = real_text_ids(tok, steps)
+        scored = engine.generate(input_ids=ids, sampling_params={"max_new_tokens": 1, "temperature": 0},
+                                 return_logprob=True, logprob_start_len=0, top_logprobs_num=1)
+        meta = scored["meta_info"]
+        prompts = [tok.apply_chat_template([{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}],
+                                           tokenize=False, add_generation_prompt=True) for q in QUESTIONS]
+        answers = [o["text"] for o in engine.generate(prompts, {"max_new_tokens": 32, "temperature": 0})]
+        free = engine.generate(input_ids=ids[:32], sampling_params={"max_new_tokens": steps, "temperature": 0,
+                                                                    "ignore_eos": True})["output_ids"]
+    return {"logprobs": [lp for lp, _, _ in meta["input_token_logprobs"][1:]],
+            "top1": [top[0][1] for top in meta["input_top_logprobs"][1:]], "answers": answers, "free": free}
+
+
+def accuracy(args: argparse.Namespace) -> dict[str, Any]:
+    base_opts = {"device": "cpu"} if args.cpu else {}
+    quant_opts = {**base_opts, **dict(kv.split("=", 1) for kv in args.quant_option)}
+    t0 = time.perf_counter()
+    base = run_model(args.model_path, base_opts, args.steps)
+    quant = run_model(args.model_path, quant_opts, args.steps)
+    delta = torch.tensor(base["logprobs"]) - torch.tensor(quant["logprobs"])
+    equal_prefix = next((i for i, (a, b) in enumerate(zip(base["free"], quant["free"])) if a != b), len(base["free"]))
+    result = {"steps": args.steps, "options": quant_opts, "mean_abs_dlogprob": float(delta.abs().mean()),
+              "max_abs_dlogprob": float(delta.abs().max()),
+              "top1_agreement": sum(a == b for a, b in zip(base["top1"], quant["top1"])) / len(base["top1"]),
+              "greedy_equal_prefix": equal_prefix,
+              "greedy_equal_tokens": sum(a == b for a, b in zip(base["free"], quant["free"])),
+              "quick_start_answers_equal": sum(a == b for a, b in zip(base["answers"], quant["answers"])),
+              "answers": {"unquantized": base["answers"], "quantized": quant["answers"]},
+              "seconds": time.perf_counter() - t0}
+    print(f"{args.steps} steps of README text, {quant_opts} vs unquantized: mean |dlogprob| "
+          f"{result['mean_abs_dlogprob']:.4f} (max {result['max_abs_dlogprob']:.3f}), top-1 agreement "
+          f"{result['top1_agreement']:.1%}; greedy continuation equal for {equal_prefix} of {args.steps} tokens "
+          f"({result['greedy_equal_tokens']} equal in all); quick start answers equal "
+          f"{result['quick_start_answers_equal']} of 6", flush=True)
+    for a, b in zip(base["answers"], quant["answers"]):
+        print(f"  {a!r}\n  {'==' if a == b else '!='} {b!r}", flush=True)
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--engine", action="store_true", help="engine benchmarks, bf16 then each variant")
+    p.add_argument("--sweep-gemv", action="store_true", help="time fp8 GEMV launch shapes first (CUDA)")
+    p.add_argument("--accuracy", action="store_true", help="the quantized model against the unquantized on text")
+    p.add_argument("--model", default="llama3-8b-shape", help="bench_engine's model (--engine)")
+    p.add_argument("--variants", nargs="+", default=["fp8"],
+                   help="quantization values to run beside bf16, each optionally NAME:PART,PART (its parts)")
+    p.add_argument("--parts", nargs="+", default=["latency", "prefill", "throughput"])
+    p.add_argument("--requests", type=int, help="offline requests (default: bench_engine's 1,000)")
+    p.add_argument("--model-path", help="--accuracy: the model (default: the embedded SmolLM2)")
+    p.add_argument("--quant-option", action="append", default=[], metavar="KEY=VALUE",
+                   help="--accuracy: the quantized run's Engine options (e.g. quantization=fp8)")
+    p.add_argument("--steps", type=int, default=256)
+    p.add_argument("--cpu", action="store_true")
+    p.add_argument("--out-dir", default=".")
+    args = p.parse_args(argv)
+    os.makedirs(args.out_dir, exist_ok=True)
+    report: dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+                              "device": torch.cuda.get_device_name() if torch.cuda.is_available() and not args.cpu
+                              else "cpu"}
+    if args.sweep_gemv:
+        report["gemv"] = sweep_gemv()
+    if args.engine:
+        report["engine"] = run_engines(args)
+        print(f"\n{report['device']}, {args.model}:\n" + table(report["engine"]), flush=True)
+    if args.accuracy:
+        report["accuracy"] = accuracy(args)
+    with open(os.path.join(args.out_dir, "bench_quant.json"), "w") as f:
+        json.dump(report, f, indent=2, default=str)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

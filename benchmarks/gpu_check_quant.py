@@ -1,0 +1,145 @@
+"""gpu_check.py's step for quantized weights (quantization="fp8"), on the GPU:
+
+1. Kernels at the Llama-3-8B sizes: the per-token activation quantizer equal to its reference to the bit;
+   the fp8 decode GEMVs (1 and 4 rows), the W8A8 GEMM (torch._scaled_mm, 16 and 300 rows) and the 4-bit
+   GEMM (AWQ/GPTQ, bf16 activations, 1, 16 and 300 rows) against the fp32 product of the same quantized
+   values and scales, within 1 % of the output's largest magnitude.
+2. The engine on the tiny Llama with quantization=fp8, against transformers (fp32) whose projections
+   compute the reference W8A8 product of the same e4m3 weights (tests/test_quant_fp8.py's oracle): prompt
+   logprobs (prefill: the fp8 GEMM path) mean error under 5e-3 in fp32 (the GEMM writes bf16); in bf16,
+   against the same oracle in bf16, under twice that oracle's own error against the fp32 one + 0.01. Greedy tokens equal with CUDA graphs on and off, overlap on and off (fp32);
+   with an fp8 KV cache as well it runs and its logprob error is reported.
+3. What fp8 costs: mean |delta logprob| and greedy agreement against the unquantized bf16 engine.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+import radixlm
+from radixlm.kernels import quant_reference as qref
+from radixlm.kernels import reference as ref
+
+SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
+PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+GREEDY = {"max_new_tokens": 24, "temperature": 0.0, "ignore_eos": True}
+
+
+def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.float() - want.float()).abs().max() / want.float().abs().max())
+
+
+def check_kernels() -> dict[str, Any]:
+    from radixlm.kernels import triton as tri
+    from radixlm.kernels.triton import fp8_gemm
+
+    out: dict[str, Any] = {}
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for n, k in SHAPES:
+        w = torch.randn(n, k, device="cuda", generator=g) / k**0.5
+        wq, ws = qref.quantize_fp8_rows(w)
+        for m in (1, 4):
+            x = torch.randn(m, k, device="cuda", generator=g).bfloat16()
+            out[f"gemv_{m}x{n}x{k}"] = _rel_err(tri.gemv(x, wq, None, ws), ref.gemv(x.float(), wq, None, ws))
+        for m in (16, 300):
+            x = torch.randn(m, k, device="cuda", generator=g).bfloat16()
+            xq, xs = fp8_gemm.quantize_fp8_rows(x)
+            rq, rs = qref.quantize_fp8_rows(x)
+            out.setdefault("quantize_rows_bit_equal", True)
+            out["quantize_rows_bit_equal"] &= bool(torch.equal(xq.view(torch.uint8), rq.view(torch.uint8))
+                                                   and torch.equal(xs, rs))
+            out[f"gemm_{m}x{n}x{k}"] = _rel_err(tri.fp8_linear(x, wq, ws), qref.fp8_linear(x.float(), wq, ws))
+        packed, scales, zeros = qref.quantize_int4_rows(w, 128)
+        for m in (1, 16, 300):
+            x = torch.randn(m, k, device="cuda", generator=g).bfloat16()
+            out[f"int4_{m}x{n}x{k}"] = _rel_err(tri.int4_linear(x, packed, scales, zeros),
+                                                qref.int4_linear(x.float(), packed, scales, zeros))
+    out["ok"] = out["quantize_rows_bit_equal"] and all(v < 1e-2 for key, v in out.items()
+                                                       if key.startswith(("gemv", "gemm", "int4")))
+    return out
+
+
+def w8a8_oracle(ckpt: str, device: str, dtype: torch.dtype = torch.float32):
+    """transformers in `dtype` with every projection replaced by the reference W8A8 product of its weight
+    quantized as quantization=fp8 does (from the weight in the model dtype: per-row e4m3, per-token
+    activations)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=dtype).to(device).eval()
+
+    class W8A8(torch.nn.Module):
+        def __init__(self, linear):
+            super().__init__()
+            self.q, self.s = qref.quantize_fp8_rows(linear.weight.detach())
+            self.bias = linear.bias
+
+        def forward(self, x):
+            return qref.fp8_linear(x.reshape(-1, x.shape[-1]), self.q, self.s, self.bias).reshape(*x.shape[:-1], -1)
+
+    for name, module in list(model.named_modules()):
+        if name.rpartition(".")[2] in PROJ:
+            owner, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(owner), attr, W8A8(module))
+    return model
+
+
+def _prompt_logprobs(engine, prompts) -> list[torch.Tensor]:
+    outs = engine.generate(input_ids=prompts, sampling_params={**GREEDY, "max_new_tokens": 1}, return_logprob=True,
+                           logprob_start_len=0)
+    return [torch.tensor([lp for lp, _, _ in o["meta_info"]["input_token_logprobs"][1:]]) for o in outs]
+
+
+def _hf_logprobs(model, prompts, device: str) -> list[torch.Tensor]:
+    rows = []
+    with torch.inference_mode():
+        for p in prompts:
+            lsm = torch.log_softmax(model(torch.tensor([p], device=device)).logits[0].float(), -1).cpu()
+            rows.append(lsm[torch.arange(len(p) - 1), torch.tensor(p[1:])])
+    return rows
+
+
+def _mean_err(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+    return float(torch.cat([(x - y).abs() for x, y in zip(a, b)]).mean())
+
+
+def check_fp8_weights(ckpt: str, report: dict[str, Any], device: str, prompts: list[list[int]]) -> bool:
+    entry: dict[str, Any] = {}
+    ok = True
+    if device == "cuda":
+        entry["kernels"] = check_kernels()
+        ok = entry["kernels"]["ok"]
+        print(f"fp8 kernels: {'ok' if ok else 'FAIL'} {entry['kernels']}", flush=True)
+    oracle = _hf_logprobs(w8a8_oracle(ckpt, device), prompts, device)
+    oracle_bf16 = _hf_logprobs(w8a8_oracle(ckpt, device, torch.bfloat16), prompts, device)
+    hf_bf16_err = _mean_err(oracle_bf16, oracle)
+    common = dict(device=device, log_level="warning", max_total_tokens=16384, cuda_graph_max_bs=16)
+    runs: dict[str, Any] = {}
+    for name, opts in {"fp32": dict(dtype="float32"), "fp32_no_graphs": dict(dtype="float32", disable_cuda_graph=True),
+                       "fp32_overlap_off": dict(dtype="float32", enable_overlap_schedule=False),
+                       "bf16": dict(dtype="bfloat16"), "bf16_kv_fp8": dict(dtype="bfloat16", kv_cache_dtype="fp8_e4m3"),
+                       "bf16_unquantized": dict(dtype="bfloat16", quantization=None)}.items():
+        opts = {"quantization": "fp8", **opts}
+        with radixlm.Engine(ckpt, **common, **opts) as engine:
+            runs[name] = {"tokens": [o["output_ids"] for o in engine.generate(input_ids=prompts, sampling_params=GREEDY)],
+                          "logprobs": _prompt_logprobs(engine, prompts)}
+    errs = {name: _mean_err(r["logprobs"], oracle_bf16 if name.startswith("bf16") else oracle)
+            for name, r in runs.items()}
+    bounds = {"fp32": 5e-3, "bf16": 2 * hf_bf16_err + 1e-2}
+    equal = {name: sum(a == b for a, b in zip(runs[name]["tokens"], runs["fp32"]["tokens"]))
+             for name in ("fp32_no_graphs", "fp32_overlap_off")}
+    agree = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), len(x))
+             for x, y in zip(runs["bf16"]["tokens"], runs["bf16_unquantized"]["tokens"])]
+    entry.update({"logprob_mean_err_vs_w8a8_oracle": errs, "bounds": bounds, "hf_bf16_mean_err": hf_bf16_err,
+                  "greedy_equal_requests_vs_fp32": equal, "of": len(prompts),
+                  "fp8_vs_bf16_mean_abs_dlogprob": _mean_err(runs["bf16"]["logprobs"], runs["bf16_unquantized"]["logprobs"]),
+                  "fp8_vs_bf16_greedy_equal_prefix": agree})
+    passed = all(errs[k] <= b for k, b in bounds.items()) and all(v == len(prompts) for v in equal.values())
+    entry["ok"] = ok and passed
+    report["fp8_weights"] = entry
+    print(f"fp8 weights: {'ok' if entry['ok'] else 'FAIL'} logprob mean err vs the W8A8 oracle {errs} "
+          f"(bounds {bounds}); greedy equal with graphs off / overlap off {equal} of {len(prompts)}; "
+          f"vs unquantized bf16: mean |dlogprob| {entry['fp8_vs_bf16_mean_abs_dlogprob']:.3f}, greedy equal "
+          f"prefix {agree} of {GREEDY['max_new_tokens']}", flush=True)
+    return entry["ok"]

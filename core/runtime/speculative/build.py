@@ -1,0 +1,47 @@
+"""The speculator an engine's options ask for (None when speculative decoding is off)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from radixlm.core.runtime.execution.model_runner import ModelRunner
+from radixlm.core.runtime.options import EngineOptions
+from radixlm.core.errors import InvalidRequestError
+from radixlm.core.runtime.models.config import ModelConfig
+from radixlm.core.runtime.models.hub import locate_model
+from radixlm.core.runtime.speculative.draft_model import DraftModelProposer
+from radixlm.core.runtime.speculative.ngram import NgramProposer
+from radixlm.core.runtime.speculative.proposer import Proposer
+from radixlm.core.runtime.speculative.speculator import Speculator
+
+
+def build_speculator(opts: EngineOptions, runner: Any, executor: Any, context_len: int) -> Speculator | None:
+    algorithm = opts.speculative_algorithm
+    if algorithm is None:
+        return None
+    proposer: Proposer
+    if algorithm == "ngram":
+        proposer = NgramProposer(opts.speculative_ngram_min_match_window_size,
+                                 opts.speculative_ngram_max_match_window_size)
+    else:
+        proposer = draft_proposer(opts, runner)
+    executor.memory.release_hooks.append(proposer.release)
+    return Speculator(proposer, executor, opts.speculative_num_draft_tokens, opts.speculative_adaptive, context_len)
+
+
+def draft_runner(opts: EngineOptions, target: Any) -> ModelRunner:
+    """The draft checkpoint's runner: a KV pool of as many tokens as the target's, the same dtype and
+    request rows. On CUDA its weights and pool come out of the memory the target left free."""
+    path, _ = locate_model(opts.speculative_draft_model_path)
+    cfg = ModelConfig.from_dir(path)
+    if cfg.context_len < (opts.context_length or target.cfg.context_len):
+        raise InvalidRequestError(f"the draft model's context ({cfg.context_len} tokens) is shorter than the "
+                                  "target's: lower context_length to it", "speculative_draft_model_path")
+    draft_opts = dataclasses.replace(opts, max_total_tokens=target.num_slots, speculative_algorithm=None)
+    return ModelRunner(path, cfg, draft_opts)
+
+
+def draft_proposer(opts: EngineOptions, target: Any) -> DraftModelProposer:
+    # Models of one family may pad their vocabularies differently: drafts stay within the target's.
+    return DraftModelProposer(draft_runner(opts, target), target.cfg.vocab_size)

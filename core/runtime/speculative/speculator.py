@@ -1,0 +1,130 @@
+"""The scheduler's speculative unit: where a decode step would run, it asks the proposer for drafts and,
+when any request has one, runs a verify step instead: one extend step of every running request's newest
+token and its draft (requests without one ride along as one-token extends), sampled at every position.
+Each request keeps the draft tokens the target agrees with and the target's own token after them; the
+KV slots of the rejected positions are freed at once, so the request (and the radix cache after it) only
+ever holds KV of accepted tokens."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import torch
+
+from radixlm.core.runtime.request import Req, Status
+from radixlm.core.runtime.execution.sampler import SampleResult, device_tensor
+from radixlm.core.runtime.speculative.proposer import Proposer
+from radixlm.core.runtime.speculative.state import SpecState
+from radixlm.core.runtime.speculative.verify import accepted_length, constrained_draft, verify_batch, views
+
+logger = logging.getLogger("radixlm")
+
+
+class Speculator:
+    def __init__(self, proposer: Proposer, executor: Any, max_draft: int, adaptive: bool, context_len: int) -> None:
+        """`executor` is the scheduler's Executor: its runner, sampler, memory, queues, stats and
+        TokenAdvance are the ones a decode step uses."""
+        self.proposer = proposer
+        self.executor = executor
+        self.max_draft = max_draft
+        self.adaptive = adaptive
+        self.context_len = context_len
+        self.packed = executor.runner.device.type == "cuda"  # as TokenAdvance.masks
+
+    def state(self, req: Req) -> SpecState:
+        if req.spec is None:
+            req.spec = SpecState(self.max_draft, self.adaptive)
+        return req.spec
+
+    def step(self) -> bool:
+        """Runs a verify step for the running requests if any has a draft; False (nothing done) when none
+        has, or memory is short (a decode step then runs, retracting if it must)."""
+        ex = self.executor
+        reqs = list(ex.queues.running)
+        budgets = [self._budget(r) for r in reqs]
+        if not any(budgets):
+            return False
+        drafts = self.proposer.propose(reqs, budgets)
+        masks: list[list[torch.Tensor | None]] = []
+        for i, req in enumerate(reqs):
+            try:
+                drafts[i], req_masks = constrained_draft(req, drafts[i][:budgets[i]], ex.sampler.vocab_size, self.packed)
+            except Exception:  # its constraint fails: the decode path finds that and ends the request
+                logger.exception("drafting for request %s failed; it decodes without a draft", req.rid)
+                drafts[i], req_masks = [], [None]
+            masks.append(req_masks)
+        if not any(drafts):
+            return False
+        slots = ex.memory.alloc(sum(len(d) + 1 for d in drafts))
+        if slots is None:
+            return False
+        batch, own = verify_batch(reqs, drafts, slots, ex.memory.table)
+        ex.stats.spec_verify_steps_total += 1
+        logits = ex.runner.forward(batch)
+        self._accept(reqs, drafts, own, masks, logits)
+        return True
+
+    def _budget(self, req: Req) -> int:
+        """Draft tokens the request may take this step: its adaptive length, within max_new_tokens (the
+        target adds one after the draft) and the context."""
+        room = min(req.params.max_new_tokens - len(req.output_ids), self.context_len - req.seq_len) - 1
+        return max(0, min(self.state(req).budget(), room))
+
+    def _accept(self, reqs: list[Req], drafts: list[list[int]], own: list[list[int]],
+                masks: list[list[torch.Tensor | None]], logits: torch.Tensor) -> None:
+        """Samples every position and applies each request's accepted tokens."""
+        ex = self.executor
+        rows = [v for req, draft in zip(reqs, drafts) for v in views(req, draft)]
+        try:
+            result = ex.sampler.sample(logits, rows, [m for ms in masks for m in ms])
+            results: list[tuple[SampleResult, int] | None] = []
+            at = 0
+            for draft in drafts:
+                results.append((result, at))
+                at += len(draft) + 1
+        except Exception:  # find the request(s) at fault: sample each alone
+            logger.warning("sampling a verify step of %d requests failed; sampling them one by one", len(reqs))
+            results = self._sample_alone(reqs, drafts, masks, logits)
+        now = time.monotonic()
+        for req, draft, slots, row in zip(reqs, drafts, own, results):
+            if row is None:
+                ex.memory.allocator.free(slots)
+                ex.queues.fail(req, "sampling")
+                continue
+            result, first = row
+            accepted = accepted_length(draft, result.token_ids[first:first + len(draft) + 1])
+            ex.memory.allocator.free(slots[accepted + 1:])  # the rejected positions' KV
+            if draft:
+                req.spec.record(len(draft), accepted)
+                ex.stats.record_verify(len(draft), accepted)
+            self._apply(req, result, first, slots[:accepted + 1], now)
+
+    def _apply(self, req: Req, result: SampleResult, first: int, slots: list[int], now: float) -> None:
+        """Applies the request's accepted tokens one by one, as decode steps would, its KV growing with
+        them: after each token the request holds the KV of every token but its newest. A token that ends
+        the request, or makes it jump forward (it waits again), ends the run; the rest's KV is freed."""
+        advance = self.executor.advance
+        req.slots.append(slots[0])  # its newest token, computed by this step
+        for j in range(len(slots)):
+            advance.apply_token(req, result, first + j, now)
+            if req.status is not Status.RUNNING:
+                self.executor.memory.allocator.free(slots[j + 1:])
+                return
+            if j + 1 < len(slots):
+                req.slots.append(slots[j + 1])
+
+    def _sample_alone(self, reqs: list[Req], drafts: list[list[int]], masks: list[list[torch.Tensor | None]],
+                      logits: torch.Tensor) -> list[tuple[SampleResult, int] | None]:
+        ex, out, at = self.executor, [], 0
+        for req, draft, req_masks in zip(reqs, drafts, masks):
+            n = len(draft) + 1
+            index = device_tensor(list(range(at, at + n)), torch.int64, logits.device)
+            at += n
+            try:
+                out.append((ex.sampler.sample(logits[index], views(req, draft), req_masks), 0))
+            except Exception:
+                logger.exception("sampling the verify rows of request %s failed", req.rid)
+                out.append(None)
+        return out

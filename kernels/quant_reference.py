@@ -1,0 +1,64 @@
+"""Pure-torch reference twins of the quantized-weight kernels (fp8 W8A8 linears; 4-bit group-quantized
+weights), run by the CPU kernel set and used as the oracle of the Triton ones."""
+
+from __future__ import annotations
+
+import torch
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8).max  # 448
+# Rows whose largest magnitude is below this get this scale (an all-zero row would divide by zero).
+MIN_SCALE = 1e-12
+
+
+def quantize_fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 values, fp32 scale [M]) of x [M, K], one scale a row: its largest magnitude maps to 448,
+    values round to nearest (never past 448: torch's cast would make NaN of them)."""
+    xf = x.float()
+    scale = (xf.abs().amax(dim=-1) / FP8_MAX).clamp_min(MIN_SCALE)
+    return (xf / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+    """W8A8: x [M, K] quantized to e4m3 a token at a time (dynamic scales), times the e4m3 weight [N, K]
+    with its per-row fp32 scales [N], accumulated in fp32, plus bias; returned in x's dtype. The same
+    rounding as the CUDA kernel's (torch._scaled_mm with row-wise scales), up to the order of the sum."""
+    xq, x_scale = quantize_fp8_rows(x)
+    out = (xq.float() @ weight.float().t()) * x_scale[:, None] * weight_scale[None, :]
+    return (out if bias is None else out + bias.float()).to(x.dtype)
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """[N, K / 2] uint8 (element 2j in the low nibble of byte j, 2j + 1 in the high one) -> [N, K] uint8."""
+    return torch.stack((packed & 0x0F, packed >> 4), dim=-1).reshape(packed.shape[0], -1)
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """unpack_int4's inverse: q [N, K] of values 0..15 (K even) -> [N, K / 2] uint8."""
+    q = q.to(torch.uint8).reshape(q.shape[0], -1, 2)
+    return q[..., 0] | (q[..., 1] << 4)
+
+
+def quantize_int4_rows(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(packed [N, K / 2], fp32 scales [N, K / group], fp32 zeros) of w: asymmetric min-max 4-bit per
+    group (AWQ's and GPTQ's grid; for random weights of benchmarks, which no checkpoint gives)."""
+    n, k = w.shape
+    g = w.float().view(n, k // group, group)
+    lo, hi = g.amin(-1).clamp(max=0), g.amax(-1).clamp(min=0)
+    scale = ((hi - lo) / 15).clamp_min(MIN_SCALE)
+    zero = (-lo / scale).round().clamp(0, 15)
+    q = (g / scale[..., None] + zero[..., None]).round().clamp(0, 15).view(n, k)
+    return pack_int4(q), scale, zero
+
+
+def int4_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+    """4-bit weight-only product (AWQ, GPTQ): the weight [N, K] is (q - zero) * scale with q the unpacked
+    `packed` [N, K / 2] and one fp32 scale and zero per row and group of K / scales.shape[1] columns;
+    x [M, K] times its transpose, accumulated in fp32, plus bias, returned in x's dtype."""
+    q = unpack_int4(packed).float()
+    group = q.shape[1] // scales.shape[1]
+    w = (q - zeros.repeat_interleave(group, 1)) * scales.repeat_interleave(group, 1)
+    out = x.float() @ w.t()
+    return (out if bias is None else out + bias.float()).to(x.dtype)

@@ -1,0 +1,35 @@
+"""A proposer for tests: it knows each prompt's output without speculation and drafts it, corrupted at
+a position that varies from step to step (sometimes none), so that verify steps see every accepted
+length from 0 to the whole draft, with per-request draft lengths."""
+
+from __future__ import annotations
+
+
+class OracleProposer:
+    name = "oracle"
+
+    def __init__(self, expected: dict[tuple[int, ...], list[int]], vocab_size: int, corrupt: bool = True) -> None:
+        self.expected = expected  # prompt ids -> output ids without speculation
+        self.vocab_size = vocab_size
+        self.corrupt = corrupt  # False: the expected tokens as they are, the whole budget
+        self.calls = 0
+
+    def propose(self, reqs, budgets):
+        drafts = []
+        for req, k in zip(reqs, budgets):
+            self.calls += 1
+            truth = self.expected.get(tuple(req.inp.input_ids), [])
+            n = len(req.output_ids)
+            if not self.corrupt:
+                drafts.append(list(truth[n:n + k]))
+                continue
+            # the request's own guess length varies: k, k - 1, ... per request and step
+            draft = list(truth[n:n + max(0, k - (self.calls + n) % 3)])
+            wrong = (self.calls * 7 + n) % (k + 3)
+            if wrong < len(draft):
+                draft[wrong] = (draft[wrong] + 1) % self.vocab_size
+            drafts.append(draft)
+        return drafts
+
+    def release(self, req) -> None:
+        pass

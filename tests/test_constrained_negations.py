@@ -1,0 +1,86 @@
+"""Schemas the converter used to refuse (issue 38): `not` of enum (arrays and objects among the values),
+of multipleOf, of patternProperties; allOf parts with different enums; oneOf whose branches overlap, or
+whose items/contains only look contradictory. Checked against `jsonschema`: the given valid instances
+accepted where the documented reading keeps them, every given invalid one rejected, and random walks
+(generated instances) valid."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import numpy as np
+import pytest
+
+from radixlm.core.runtime.constrained import build_constraint
+from radixlm.testing.constrained import random_walk
+
+# (schema, valid instances the grammar accepts, invalid instances)
+CASES = [
+    ({"not": {"enum": [1, "x", None, [1], {"b": 2}]}},
+     [2, "y", True, [], [2], [1, 1], {}, {"b": 3}], [1, "x", None, [1], {"b": 2}]),
+    ({"type": "array", "not": {"enum": [[1, 2], ["a"]]}, "items": {"type": ["integer", "string"]}},
+     [[], [1], [2, 1], [1, 3], ["b"], [1, 2, 3]], [[1, 2], ["a"], [1.5]]),
+    ({"type": "integer", "not": {"multipleOf": 3}}, [1, 2, -4, 100], [0, 3, -9, 300, 1.5]),
+    ({"not": {"multipleOf": 2}}, [1, -3, 2.5], [0, 2, -4, 10, "a", None]),
+    ({"type": "integer", "minimum": 0, "maximum": 20, "multipleOf": 2, "not": {"multipleOf": 3}},
+     [2, 4, 8, 10, 14, 16, 20], [0, 6, 12, 18, 3, 22]),
+    ({"enum": [3, 4, 6, 7], "not": {"multipleOf": 3}}, [4, 7], [3, 6, 5]),
+    ({"type": "integer", "not": {"multipleOf": 1.5}}, [1, 2, 4], [0, 3, 6]),
+    ({"type": "object", "not": {"patternProperties": {"^x-": {"type": "string"}}}},
+     [{"x-a": 1}, {"x-a": 1, "x-b": None}], [{}, {"x-a": "s"}, {"y": 1}, {"x-a": "s", "y": 2}]),
+    ({"allOf": [{"enum": [1, 2, 3, "a"]}, {"enum": [2, 3, "a", "b"]}]}, [2, 3, "a"], [1, "b", 4]),
+    ({"oneOf": [{"type": "string", "maxLength": 3}, {"type": "string", "pattern": "^a"}]},
+     ["b", "xyz", "abcd"], ["ab", "a", 1]),
+    ({"oneOf": [{"type": "array", "items": {"type": "integer"}}, {"type": "array", "contains": {"type": "string"}}]},
+     [[], [1, 2], ["a"], [1, "a"]], [[1.5], [None]]),
+    ({"type": "array", "oneOf": [{"items": {"type": "integer"}}, {"items": {"type": "string"}}]},
+     [[1], ["a"]], [[], [1, "a"], [None]]),
+]
+
+
+def _accepts(constraint, text: str) -> bool:
+    """Whether the grammar accepts `text` as a whole output (walked byte by byte, no tokenizer)."""
+    index, state = constraint.index, constraint.index.start
+    for b in text.encode():
+        state = index.byte_successors(state)[b]
+        if state < 0:
+            return False
+    return index.is_accepting(state)
+
+
+@pytest.fixture(scope="module")
+def tiny_tokenizer(tokenizer_path):
+    """The test checkpoints' byte-level BPE tokenizer (1000 tokens)."""
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast.from_pretrained(tokenizer_path)
+
+
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_given_instances(case, tiny_tokenizer):
+    schema, valid, invalid = CASES[case]
+    validator = jsonschema.Draft202012Validator(schema)
+    constraint = build_constraint("json_schema", schema, tiny_tokenizer)
+    for instance in valid:
+        assert validator.is_valid(instance), instance  # the oracle agrees that it is valid
+        assert _accepts(constraint, json.dumps(instance, separators=(",", ":"))), instance
+    for instance in invalid:
+        assert not validator.is_valid(instance), instance
+        assert not _accepts(constraint, json.dumps(instance, separators=(",", ":"))), instance
+
+
+@pytest.mark.parametrize("case", [c for c in range(len(CASES)) if CASES[c][1]])
+def test_generated_instances_are_valid(case, tiny_tokenizer):
+    schema = CASES[case][0]
+    validator = jsonschema.Draft202012Validator(schema)
+    rng = np.random.default_rng(case)
+    for _ in range(40):
+        constraint = build_constraint("json_schema", schema, tiny_tokenizer)
+        text = tiny_tokenizer.decode(random_walk(constraint, rng, max_tokens=24), clean_up_tokenization_spaces=False)
+        assert validator.is_valid(json.loads(text)), text
+
+
+def test_enums_without_a_common_value_admit_nothing(tiny_tokenizer):
+    with pytest.raises(ValueError, match="admits no value"):
+        build_constraint("json_schema", {"allOf": [{"enum": [1, 2]}, {"enum": [3]}]}, tiny_tokenizer)

@@ -1,0 +1,369 @@
+"""Speculative decoding (core/runtime/speculative): outputs with it on equal those with it off.
+
+The oracle is the same engine with speculation off. Most tests draft with `OracleProposer`
+(tests/spec_oracle.py): it drafts the output without speculation, corrupted at a varying position, so
+that every accepted length from none to the whole draft occurs, per request. A verify step that kept a
+rejected token, lost an accepted one, or left a KV slot at the wrong position changes the output (the
+next steps attend over that KV) or the slot accounting checked after every step
+(debug_check_invariants) and at the end (free + cached = total after a flush).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import radixlm
+from radixlm.core.runtime.options import EngineOptions
+from radixlm.core.errors import InvalidRequestError
+from radixlm.core.runtime.speculative.ngram import NgramIndex
+from radixlm.core.runtime.speculative.state import MAX_SKIP_STEPS, SpecState
+from radixlm.core.runtime.speculative.verify import accepted_length
+from spec_oracle import OracleProposer
+
+PROMPTS = [[5, 17, 300, 41, 41, 9], [7] * 3, list(range(100, 160)), [999, 3, 71, 2, 500, 17, 44]]
+
+
+def engine(ckpt: str, **kw) -> radixlm.Engine:
+    return radixlm.Engine(ckpt, max_total_tokens=kw.pop("max_total_tokens", 4096), debug_check_invariants=True, **kw)
+
+
+def with_oracle(e: radixlm.Engine, expected: dict, corrupt: bool = True) -> OracleProposer:
+    sched = e.frontend.scheduler.scheduler
+    sched.speculator.proposer = OracleProposer(expected, sched.sampler.vocab_size, corrupt)
+    return sched.speculator.proposer
+
+
+def assert_kv_whole(e: radixlm.Engine) -> None:
+    assert e.flush_cache()
+    stats = e.get_stats()
+    assert stats["kv_slots_free"] == stats["kv_slots_total"], stats
+
+
+def run_pair(ckpt: str, prompts, params, spec_kw=None, **kw):
+    """Outputs with speculation off and with the oracle drafting; the spec engine's stats."""
+    with engine(ckpt, **kw) as e:
+        base = e.generate(input_ids=prompts, sampling_params=params)
+    expected = {tuple(p): o["output_ids"] for p, o in zip(prompts, base)}
+    with engine(ckpt, speculative_algorithm="ngram", speculative_adaptive=False, **(spec_kw or {}), **kw) as e:
+        oracle = with_oracle(e, expected)
+        spec = e.generate(input_ids=prompts, sampling_params=params)
+        stats = e.get_stats()
+        assert_kv_whole(e)
+    assert oracle.calls > 0
+    return base, spec, stats
+
+
+def test_greedy_outputs_equal_with_every_accepted_length(llama_ckpt):
+    params = [{"max_new_tokens": 20 + 9 * i, "temperature": 0, "ignore_eos": True} for i in range(len(PROMPTS))]
+    base, spec, stats = run_pair(llama_ckpt, PROMPTS, params, spec_kw={"speculative_num_draft_tokens": 5})
+    assert [o["output_ids"] for o in spec] == [o["output_ids"] for o in base]
+    assert stats["spec_verify_steps_total"] > 0
+    # Some drafts were accepted whole, some in part (the oracle corrupts one position of most).
+    assert 0 < stats["spec_accepted_tokens_total"] < stats["spec_draft_tokens_total"]
+    for o in spec:
+        meta = o["meta_info"]
+        assert meta["spec_verify_ct"] > 0 and meta["spec_accept_length"] > 1.0
+        # fewer forward steps than tokens: each verify step gave accept_length tokens on average
+        assert meta["spec_verify_ct"] < meta["completion_tokens"]
+
+
+def test_stop_strings_stop_tokens_and_logprobs_equal(llama_ckpt):
+    with engine(llama_ckpt) as e:  # stop strings taken from the plain output, so that they do match
+        probe = e.generate(input_ids=PROMPTS, sampling_params={"max_new_tokens": 30, "temperature": 0,
+                                                               "ignore_eos": True})
+    params = []
+    for i, o in enumerate(probe):
+        ids = o["output_ids"]
+        p = {"max_new_tokens": 30, "temperature": 0, "ignore_eos": True}
+        if i % 2:
+            p["stop"] = [o["text"][len(o["text"]) // 2:][:3]] if len(o["text"]) > 6 else []
+        else:
+            p["stop_token_ids"] = [ids[11]]
+        params.append(p)
+    with engine(llama_ckpt) as e:
+        base = e.generate(input_ids=PROMPTS, sampling_params=params, return_logprob=True, top_logprobs_num=3)
+    expected = {tuple(p): o["output_ids"] for p, o in zip(PROMPTS, base)}
+    with engine(llama_ckpt, speculative_algorithm="ngram", speculative_adaptive=False) as e:
+        with_oracle(e, expected)
+        spec = e.generate(input_ids=PROMPTS, sampling_params=params, return_logprob=True, top_logprobs_num=3)
+        assert_kv_whole(e)
+    assert any(o["meta_info"]["finish_reason"]["matched"] is not None for o in base)
+    for a, b in zip(base, spec):
+        assert b["output_ids"] == a["output_ids"] and b["text"] == a["text"]
+        assert b["meta_info"]["finish_reason"] == a["meta_info"]["finish_reason"]
+        la, lb = a["meta_info"]["output_token_logprobs"], b["meta_info"]["output_token_logprobs"]
+        assert [t for _, t, _ in lb] == [t for _, t, _ in la]
+        assert [v for v, _, _ in lb] == pytest.approx([v for v, _, _ in la], abs=1e-4)
+        tops_a, tops_b = a["meta_info"]["output_top_logprobs"], b["meta_info"]["output_top_logprobs"]
+        assert [[t for _, t, _ in x] for x in tops_b] == [[t for _, t, _ in x] for x in tops_a]
+
+
+def test_seeded_samples_and_n_equal(llama_ckpt):
+    """A seeded draw is keyed by the output position, so the sample at a draft position is the one drawn
+    there without speculation: seeded outputs, `n` of them, are the same tokens."""
+    params = {"max_new_tokens": 25, "temperature": 0.8, "top_p": 0.95, "seed": 11, "n": 3, "ignore_eos": True}
+    with engine(llama_ckpt) as e:
+        base = e.generate(input_ids=PROMPTS[:2], sampling_params=params)
+    # each prompt's n samples differ: the oracle drafts the first, and the others verify against it
+    expected = {tuple(PROMPTS[i]): base[3 * i]["output_ids"] for i in range(2)}
+    with engine(llama_ckpt, speculative_algorithm="ngram", speculative_adaptive=False) as e:
+        with_oracle(e, expected)
+        spec = e.generate(input_ids=PROMPTS[:2], sampling_params=params)
+        assert_kv_whole(e)
+    assert len(spec) == 6 and [o["output_ids"] for o in spec] == [o["output_ids"] for o in base]
+    assert len({tuple(o["output_ids"]) for o in base[:3]}) > 1
+
+
+def test_retraction_under_a_small_pool_keeps_outputs(llama_ckpt):
+    prompts = [list(range(10 + i, 40 + i)) for i in range(6)]
+    params = {"max_new_tokens": 40, "temperature": 0, "ignore_eos": True}
+    base, spec, stats = run_pair(llama_ckpt, prompts, params, max_total_tokens=160)
+    assert [o["output_ids"] for o in spec] == [o["output_ids"] for o in base]
+    assert stats["retractions_total"] > 0 and stats["spec_accepted_tokens_total"] > 0
+
+
+def test_constraint_masks_every_draft_position(llama_ckpt):
+    """The grammar masks each verify row as of the draft before it; a draft token it forbids ends the
+    draft. The outputs match the pattern and equal those without speculation."""
+    import re
+
+    pattern = r"(ab|cd)[0-9]{3,12}(x|yz){2,6}"
+    params = {"max_new_tokens": 40, "temperature": 0, "regex": pattern}
+    base, spec, stats = run_pair(llama_ckpt, PROMPTS, params)
+    assert [o["output_ids"] for o in spec] == [o["output_ids"] for o in base]
+    assert all(re.fullmatch(pattern, o["text"]) for o in spec)
+    assert stats["spec_verify_steps_total"] > 0
+
+
+def test_abort_mid_generation_frees_everything(llama_ckpt):
+    import threading
+
+    with engine(llama_ckpt, speculative_algorithm="ngram", speculative_adaptive=False) as e:
+        with_oracle(e, {})  # no expectations: empty drafts, plain decodes
+        sched = e.frontend.scheduler.scheduler
+        sched.speculator.proposer.expected = {tuple(PROMPTS[2]): list(range(1, 400))}  # wrong drafts, all long
+        stream = e.generate(input_ids=PROMPTS[2], sampling_params={"max_new_tokens": 300, "temperature": 0,
+                                                                    "ignore_eos": True}, stream=True, rid="victim")
+        next(stream)
+        threading.Timer(0.05, e.abort_request, args=("victim",)).start()
+        last = list(stream)[-1]
+        assert last["meta_info"]["finish_reason"]["type"] == "abort"
+        assert_kv_whole(e)
+
+
+def test_ngram_proposer_on_the_tiny_model_keeps_outputs(llama_ckpt):
+    prompt = [list(range(200, 230)) * 3 + [200, 201], [9, 8, 7] * 10]
+    params = {"max_new_tokens": 48, "temperature": 0, "ignore_eos": True}
+    with engine(llama_ckpt) as e:
+        base = e.generate(input_ids=prompt, sampling_params=params)
+    with engine(llama_ckpt, speculative_algorithm="ngram", speculative_ngram_min_match_window_size=1,
+                speculative_adaptive=False) as e:
+        spec = e.generate(input_ids=prompt, sampling_params=params)
+        stats = e.get_stats()
+        assert_kv_whole(e)
+    assert [o["output_ids"] for o in spec] == [o["output_ids"] for o in base]
+    assert stats["spec_draft_tokens_total"] > 0 and stats["spec_algorithm"] == "ngram"
+
+
+def chi_square_p_value(observed: dict, expected: dict, n: int) -> float:
+    """Pearson's test of counts against probabilities; cells expected fewer than 5 times are pooled."""
+    stat, dof, pooled_obs, pooled_exp = 0.0, -1, 0, 0.0
+    for cell, p in expected.items():
+        if p * n < 5:
+            pooled_obs, pooled_exp = pooled_obs + observed.get(cell, 0), pooled_exp + p * n
+            continue
+        stat, dof = stat + (observed.get(cell, 0) - p * n) ** 2 / (p * n), dof + 1
+    if pooled_exp > 0:
+        stat, dof = stat + (pooled_obs - pooled_exp) ** 2 / pooled_exp, dof + 1
+    assert sum(observed.values()) == n and set(observed) <= set(expected)
+    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64),
+                                         torch.tensor(stat / 2, dtype=torch.float64)))
+
+
+def test_sampled_outputs_keep_the_target_distribution(llama_ckpt):
+    """Temperature 1 over the top 4 tokens, 3 tokens a sample (the prefill samples the first; a verify
+    step the second, drafted as the greedy one, and the third where the draft is accepted): the joint
+    distribution over 3,000 samples against the exact one (from the model's logprobs), by a chi-square
+    test at p > 0.001. Accepting a draft token more often than p gives it (e.g. resampling a rejected
+    position from p instead of the residual: p + (1 - p) p) fails it."""
+    prompt, n = [5, 17, 300, 41], 3000
+    with engine(llama_ckpt) as e:
+        greedy = e.generate(input_ids=prompt, sampling_params={"max_new_tokens": 3, "temperature": 0})["output_ids"]
+
+        def top4(ids):
+            out = e.generate(input_ids=ids, sampling_params={"max_new_tokens": 1, "temperature": 0},
+                             return_logprob=True, top_logprobs_num=4)
+            tops = out["meta_info"]["output_top_logprobs"][0]
+            probs = torch.tensor([v for v, _, _ in tops]).softmax(0).tolist()
+            return {t: p for (_, t, _), p in zip(tops, probs)}
+
+        exact = {(): 1.0}
+        for _ in range(3):
+            exact = {seq + (t,): p * q for seq, p in exact.items() for t, q in top4(prompt + list(seq)).items()}
+        p_draft = top4(prompt + greedy[:1])[greedy[1]]
+    with engine(llama_ckpt, speculative_algorithm="ngram", speculative_adaptive=False, max_requests_per_call=n,
+                max_running_requests=256) as e:
+        with_oracle(e, {tuple(prompt): greedy}, corrupt=False)
+        outs = e.generate(input_ids=[prompt] * (n // 100), sampling_params={
+            "max_new_tokens": 3, "temperature": 1.0, "top_k": 4, "n": 100, "ignore_eos": True})
+        stats = e.get_stats()
+        assert_kv_whole(e)
+    counts: dict = {}
+    for o in outs:
+        counts[tuple(o["output_ids"])] = counts.get(tuple(o["output_ids"]), 0) + 1
+    assert stats["spec_verifies_total"] == n and 0 < stats["spec_accepted_tokens_total"] < n
+    assert 0.1 < p_draft < 0.9  # the draft is often accepted and often not: both branches of the rule run
+    assert chi_square_p_value(counts, exact, n) > 1e-3
+
+
+# ---- the units -------------------------------------------------------------------------------------
+
+
+def test_ngram_index_finds_the_longest_latest_match():
+    index = NgramIndex(2, 4)
+    tokens = [1, 2, 3, 4, 5, 9, 1, 2, 3]
+    assert index.propose(tokens, 3) == [4, 5, 9]  # after [1, 2, 3]
+    tokens += [4, 7]
+    assert index.propose(tokens, 3) == []  # [4, 7] never occurred before
+    tokens += [1, 2, 3, 4, 8, 0, 3, 4]
+    assert index.propose(tokens, 2) == [8, 0]  # the latest [3, 4] is followed by 8, 0
+    assert NgramIndex(2, 4).propose([5, 5], 4) == []  # a suffix needs an earlier occurrence
+    assert NgramIndex(1, 4).propose([5, 6, 5], 4) == [6, 5]
+
+
+def test_accepted_length_counts_the_leading_agreement():
+    assert accepted_length([4, 5, 6], [4, 5, 6, 7]) == 3
+    assert accepted_length([4, 5, 6], [4, 9, 6, 7]) == 1
+    assert accepted_length([4], [3, 1]) == 0
+    assert accepted_length([], [3]) == 0
+
+
+def test_adaptive_state_backs_off_and_recovers():
+    s = SpecState(max_draft=6)
+    assert s.budget() == 6
+    s.record(6, 0)  # a miss: half the length, skip one step
+    assert s.budget() == 0 and s.budget() == 3
+    for _ in range(10):
+        s.record(3, 0)
+    assert s.skip == MAX_SKIP_STEPS and s.draft_len == 1
+    for _ in range(MAX_SKIP_STEPS):
+        assert s.budget() == 0
+    assert s.budget() == 1
+    s.record(1, 1)  # a full accept doubles the length again
+    assert s.misses == 0 and s.budget() == 2
+    s.record(2, 1)
+    assert s.budget() == 2  # accepted + 1
+    fixed = SpecState(max_draft=4, adaptive=False)
+    fixed.record(4, 0)
+    assert fixed.budget() == 4 and fixed.accept_length == 1.0
+
+
+@pytest.mark.parametrize("kw,param", [
+    ({"speculative_algorithm": "eagle"}, "speculative_algorithm"),
+    ({"speculative_algorithm": "draft"}, "speculative_draft_model_path"),
+    ({"speculative_algorithm": "ngram", "speculative_num_draft_tokens": 0}, "speculative_num_draft_tokens"),
+    ({"speculative_algorithm": "ngram", "speculative_ngram_min_match_window_size": 3,
+      "speculative_ngram_max_match_window_size": 2}, "speculative_ngram_max_match_window_size"),
+    ({"speculative_algorithm": "ngram", "enable_overlap_schedule": True}, "enable_overlap_schedule"),
+])
+def test_bad_options_are_named(kw, param):
+    with pytest.raises(InvalidRequestError) as err:
+        EngineOptions.from_kwargs({"device": "cpu", **kw})
+    assert err.value.param == param
+
+
+def test_sglang_spellings_are_taken():
+    assert EngineOptions.from_kwargs({"device": "cpu", "speculative_algorithm": "NGRAM"}).speculative_algorithm == "ngram"
+    opts = EngineOptions.from_kwargs({"device": "cpu", "speculative_algorithm": "STANDALONE",
+                                      "speculative_draft_model_path": "x"})
+    assert opts.speculative_algorithm == "draft" and not opts.enable_overlap_schedule
+
+
+def test_metrics_and_native_meta_info_over_http(llama_ckpt):
+    """/metrics (parsed by prometheus_client) carries the counters by proposer; /generate's meta_info
+    carries the request's."""
+    from prometheus_client.parser import text_string_to_metric_families
+    from server_harness import LiveServer
+
+    e = engine(llama_ckpt, speculative_algorithm="ngram", speculative_ngram_min_match_window_size=1,
+               speculative_adaptive=False)
+    live = LiveServer(e)
+    try:
+        with live.client() as http:
+            body = {"input_ids": [9, 8, 7] * 10, "sampling_params": {"max_new_tokens": 32, "temperature": 0,
+                                                                      "ignore_eos": True}}
+            meta = http.post("/generate", json=body).json()["meta_info"]
+            text = http.get("/metrics").text
+    finally:
+        live.stop()
+        e.shutdown()
+    assert meta["spec_verify_ct"] > 0 and meta["spec_accept_length"] >= 1.0
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    drafted = families["radixlm:spec_draft_tokens"].samples[0]
+    assert drafted.labels["algorithm"] == "ngram" and drafted.value > 0
+    for name in ("radixlm:spec_verify_steps", "radixlm:spec_verify", "radixlm:spec_accepted_tokens"):
+        assert families[name].type == "counter"
+    assert families["radixlm:spec_accept_length"].samples[0].value >= 1.0
+
+
+# ---- the draft-model proposer -------------------------------------------------------------------------
+
+MIXED = [  # greedy, a stop token, a seeded sample, a constraint: one continuous batch
+    {"max_new_tokens": 40, "temperature": 0, "ignore_eos": True},
+    {"max_new_tokens": 40, "temperature": 0, "ignore_eos": True, "stop_token_ids": [17, 300]},
+    {"max_new_tokens": 30, "temperature": 0.9, "seed": 5, "ignore_eos": True},
+    {"max_new_tokens": 40, "temperature": 0, "regex": r"(ab|cd)[0-9]{3,12}(x|yz){2,6}"},
+]
+
+
+def draft_pool_whole(e: radixlm.Engine) -> None:
+    proposer = e.frontend.scheduler.scheduler.speculator.proposer
+    assert proposer.slots_held() == 0 and not proposer.held
+    assert proposer.allocator.available() == proposer.allocator.num_slots
+
+
+@pytest.mark.parametrize("draft", ["same", "other"])
+def test_draft_model_keeps_outputs(llama_ckpt, llama_tied_ckpt, draft):
+    """The target itself as its draft (every draft accepted but for float noise) and another model of
+    the tokenizer (nearly every draft rejected): outputs equal those without speculation."""
+    path = llama_ckpt if draft == "same" else llama_tied_ckpt
+    with engine(llama_ckpt) as e:
+        base = e.generate(input_ids=PROMPTS, sampling_params=MIXED)
+    with engine(llama_ckpt, speculative_algorithm="draft", speculative_draft_model_path=path,
+                speculative_num_draft_tokens=5) as e:
+        spec = e.generate(input_ids=PROMPTS, sampling_params=MIXED)
+        stats = e.get_stats()
+        assert_kv_whole(e)
+        draft_pool_whole(e)
+    assert [o["output_ids"] for o in spec] == [o["output_ids"] for o in base]
+    assert stats["spec_algorithm"] == "draft" and stats["spec_verifies_total"] > 0
+    rate = stats["spec_accepted_tokens_total"] / stats["spec_draft_tokens_total"]
+    assert rate > 0.8 if draft == "same" else rate < 0.5
+
+
+def test_draft_model_under_retraction(llama_ckpt):
+    prompts = [list(range(10 + i, 40 + i)) for i in range(6)]
+    params = {"max_new_tokens": 40, "temperature": 0, "ignore_eos": True}
+    with engine(llama_ckpt, max_total_tokens=160) as e:
+        base = e.generate(input_ids=prompts, sampling_params=params)
+    with engine(llama_ckpt, max_total_tokens=160, speculative_algorithm="draft",
+                speculative_draft_model_path=llama_ckpt) as e:
+        spec = e.generate(input_ids=prompts, sampling_params=params)
+        stats = e.get_stats()
+        assert_kv_whole(e)
+        draft_pool_whole(e)
+    assert [o["output_ids"] for o in spec] == [o["output_ids"] for o in base]
+    assert stats["retractions_total"] > 0 and stats["spec_accepted_tokens_total"] > 0
+
+
+def test_a_draft_model_with_a_shorter_context_is_refused(llama_ckpt, tmp_path):
+    from radixlm.testing.checkpoints import build_checkpoint
+
+    short = build_checkpoint(str(tmp_path / "short"), "llama", max_position_embeddings=256)
+    with pytest.raises(InvalidRequestError) as err:
+        radixlm.Engine(llama_ckpt, speculative_algorithm="draft", speculative_draft_model_path=short)
+    assert err.value.param == "speculative_draft_model_path"
+    with radixlm.Engine(llama_ckpt, context_length=256, speculative_algorithm="draft",
+                        speculative_draft_model_path=short) as e:
+        assert e.generate(input_ids=[1, 2, 3], sampling_params={"max_new_tokens": 4})["meta_info"]["completion_tokens"] == 4
