@@ -30,6 +30,10 @@ class EngineShutdownError(RadixLMError, RuntimeError):
     """The engine was shut down before the request finished."""
 
 
+class EngineDeadError(EngineShutdownError):
+    """The engine's scheduler died (its loop raised outside any request, or its process was killed)."""
+
+
 class QueueFullError(RadixLMError, RuntimeError):
     """The engine's bounded queue is full; retry later (the server answers 503 with retry-after)."""
 

@@ -20,7 +20,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from radixlm.core.errors import EngineShutdownError, QueueFullError
 from radixlm.server.args import ServerArgs
 from radixlm.server.errors import EXCEPTION_HANDLERS, APIError, error_body, error_response
-from radixlm.server.generation import ClientGone, EngineClient
+from radixlm.server.generation import ClientGone, EngineClient, engine_down_code
+from radixlm.server.lifecycle import AdmissionMiddleware, Lifecycle
 from radixlm.server.metrics import CONTENT_TYPE, Metrics, Throughput, kv_tokens_used
 from radixlm.server.native import NativeAPI
 from radixlm.server.openai_api import OpenAIAPI
@@ -96,7 +97,7 @@ async def _queue_full(request: Request, exc: Exception) -> Response:
 
 
 async def _engine_down(request: Request, exc: Exception) -> Response:
-    return error_response(APIError(503, str(exc), code="engine_shutdown"))
+    return error_response(APIError(503, str(exc), code=engine_down_code(exc)))
 
 
 async def _client_gone(request: Request, exc: Exception) -> Response:
@@ -111,6 +112,8 @@ def create_app(engine: Any, args: ServerArgs | None = None) -> Starlette:
     openai = OpenAIAPI(engine, client)
     responses = ResponsesAPI(openai, client, args.max_stored_responses)
     native = NativeAPI(engine, client, {"api_key_set": bool(args.api_key)})
+    lifecycle = Lifecycle(engine, client, args.drain_timeout)
+    native.refusal = lifecycle.refusal
     spec = openapi_document()
 
     async def metrics_endpoint(request: Request) -> Response:
@@ -142,10 +145,13 @@ def create_app(engine: Any, args: ServerArgs | None = None) -> Starlette:
                                         allow_headers=["*"], allow_credentials=True))
     if args.api_key:
         middleware.append(Middleware(_APIKeyMiddleware, api_key=args.api_key))
+    middleware.append(Middleware(AdmissionMiddleware, lifecycle=lifecycle, paths=_COUNTED_PATHS,
+                                 route_path=_route_path))
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         app.state.loop = asyncio.get_running_loop()
+        watch = asyncio.ensure_future(lifecycle.watch_engine())
         ticker = None
         if args.log_interval > 0:
             throughput = Throughput()
@@ -154,6 +160,7 @@ def create_app(engine: Any, args: ServerArgs | None = None) -> Starlette:
         try:
             yield
         finally:
+            watch.cancel()
             if ticker is not None:
                 ticker.cancel()
 
@@ -163,6 +170,7 @@ def create_app(engine: Any, args: ServerArgs | None = None) -> Starlette:
     app.state.client = client
     app.state.native = native
     app.state.metrics = metrics
+    app.state.lifecycle = lifecycle
     return app
 
 
@@ -189,14 +197,10 @@ async def _log_load(engine: Any, interval: float, throughput: Throughput) -> Non
                         100 * stats["cache_hit_rate"], gen)
 
 
-def begin_shutdown(app: Starlette) -> None:
-    """Stops new work and aborts everything in flight; safe to call from a signal handler or any thread."""
-
-    def on_loop() -> None:
-        app.state.native.closing = True
-        app.state.client.abort_all()
-
+def begin_drain(app: Starlette) -> None:
+    """Starts the drain (server.lifecycle): no new work, the requests in flight finish up to
+    drain_timeout, then the server stops. Safe to call from a signal handler or any thread."""
     loop = getattr(app.state, "loop", None)
     if loop is not None and not loop.is_closed():
-        loop.call_soon_threadsafe(on_loop)
+        loop.call_soon_threadsafe(app.state.lifecycle.begin_drain)
 

@@ -26,3 +26,6 @@ class ServerArgs:
     uvicorn_log_level: str = option("warning", "level of uvicorn's own log", choices=LOG_LEVELS)
     max_stored_responses: int = option(1024, "responses of /v1/responses kept in memory for "
                                        "previous_response_id (oldest dropped first)")
+    drain_timeout: float = option(30.0, "seconds, after SIGTERM, that requests in flight get to finish while new ones "
+                                  "get 503 (draining); then the rest end with a 503 or a final error event and the "
+                                  "server exits 0 (a second signal exits at once)")

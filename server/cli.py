@@ -162,8 +162,7 @@ def _run_serve(ns: argparse.Namespace) -> int:
     _preflight(model_path, server, options)
     from radixlm.server.launch import serve
 
-    serve(model_path, server, **options)
-    return 0
+    return serve(model_path, server, **options)
 
 
 def _router_parser(sub: Any) -> argparse.ArgumentParser:

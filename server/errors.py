@@ -26,9 +26,13 @@ _TYPES = {
     405: "invalid_request_error",
     413: "invalid_request_error",
     415: "invalid_request_error",
+    408: "timeout_error",
     500: "server_error",
     503: "service_unavailable_error",
+    507: "server_error",
 }
+# The error `code` of a request the engine ended by a failure, by the HTTP status it carries.
+_FAILURE_CODES = {408: "timeout", 503: "shutdown", 507: "out_of_memory"}
 
 
 class APIError(Exception):
@@ -49,6 +53,12 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
     return {"error": {"message": message, "type": _TYPES.get(status, "invalid_request_error"),
                       "param": param, "code": code}}
+
+
+def failure_code(status: int) -> str:
+    """The `code` of a request the engine ended by a failure with this status: a deadline (408), the
+    engine stopping (503), memory (507), else a generation failure."""
+    return _FAILURE_CODES.get(status, "generation_failed")
 
 
 def error_response(err: APIError) -> JSONResponse:

@@ -22,7 +22,8 @@ from starlette.requests import Request
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from radixlm.server.errors import APIError, error_body
+from radixlm.core.errors import EngineDeadError, EngineShutdownError
+from radixlm.server.errors import APIError, error_body, failure_code
 from radixlm.server.metrics import Metrics
 
 Output = dict[str, Any]
@@ -46,6 +47,7 @@ class Branch:
     top_logprobs_num: int = 0
     image_data: list[str] | None = None  # the prompt's images (data URLs), in order
     video_data: list[Any] | None = None  # its videos (lists of frames), in order
+    timeout: float | None = None  # seconds (its deadline); None: the engine's request_timeout
 
 
 def as_list(result: Output | list[Output]) -> list[Output]:
@@ -57,7 +59,16 @@ def raise_if_failed(meta: dict[str, Any]) -> None:
     reason = meta.get("finish_reason") or {}
     status = reason.get("status_code")
     if status is not None:
-        raise APIError(status, meta.get("error") or "generation failed", code="generation_failed")
+        raise APIError(status, meta.get("error") or "generation failed", code=failure_code(status))
+
+
+def failure_event(meta: dict[str, Any]) -> bytes | None:
+    """The error event a stream sends after its last chunk when the engine ended it by a failure (a
+    deadline, memory, the engine stopping): the status and code its non-streaming twin would get."""
+    status = (meta.get("finish_reason") or {}).get("status_code")
+    if status is None:
+        return None
+    return sse(json.dumps(error_body(status, meta.get("error") or "generation failed", code=failure_code(status))))
 
 
 async def _wait_for_disconnect(receive: Receive) -> None:
@@ -75,10 +86,12 @@ class EngineClient:
         self.inflight = 0  # HTTP generation requests admitted and not finished
         self._tasks: set[asyncio.Task] = set()  # engine calls awaited by a handler
         self._stream_rids: set[str] = set()  # branches of open streams that have not finished
+        # Set by end_all (the server stops): what every request it ends answers, and why.
+        self.ending: APIError | None = None
 
     async def _unless_disconnected(self, request: Request, work: Awaitable[Any]) -> Any:
         """Runs `work`; if the client disconnects first (or the handler is cancelled), cancels it, which
-        makes the engine abort the request and free its KV. abort_all() cancels it too."""
+        makes the engine abort the request and free its KV. end_all() cancels it too."""
         task = asyncio.ensure_future(work)
         watcher = asyncio.ensure_future(_wait_for_disconnect(request.receive))
         self._tasks.add(task)
@@ -93,7 +106,7 @@ class EngineClient:
         if task.cancelled():
             if watcher.done() and not watcher.cancelled():
                 raise ClientGone()
-            raise APIError(503, "The request was aborted (server shutting down or abort_request)", code="aborted")
+            raise self.ending or APIError(503, "The request was cancelled: the server is stopping", code="shutdown")
         return task.result()
 
     async def generate(self, request: Request, **kwargs: Any) -> Output | list[Output]:
@@ -135,8 +148,14 @@ class EngineClient:
         self.engine.abort_request(rid)
 
     def abort_all(self) -> None:
-        """Aborts everything in flight: open streams end with finish_reason 'abort', waiting non-streaming
-        calls answer 503."""
+        """/abort_request's abort_all: every engine request in flight ends with finish_reason "abort"
+        (streams and non-streaming calls alike, answered as any aborted request is)."""
+        self.engine.abort_request(abort_all=True)
+
+    def end_all(self, reason: APIError) -> None:
+        """The server stops: every request still in flight ends with `reason` (a non-streaming call as
+        its HTTP error, a stream as its final error event)."""
+        self.ending = reason
         for rid in list(self._stream_rids):
             self.engine.abort_request(rid)
         for task in list(self._tasks):
@@ -162,7 +181,8 @@ class MergedStream:
             it = await self.client.engine.async_generate(
                 prompt=b.prompt, input_ids=b.input_ids, sampling_params=b.sampling_params, stream=True,
                 rid=b.rid, return_logprob=b.return_logprob, logprob_start_len=b.logprob_start_len,
-                top_logprobs_num=b.top_logprobs_num, image_data=b.image_data, video_data=b.video_data)
+                top_logprobs_num=b.top_logprobs_num, image_data=b.image_data, video_data=b.video_data,
+                timeout=b.timeout)
             self._iters.append(it)
             self.client._stream_rids.add(b.rid)
         # The engine submits a stream's request on its first iteration: pull one chunk from each
@@ -186,6 +206,11 @@ class MergedStream:
             if chunk is None:
                 remaining -= 1
                 continue
+            ending = self.client.ending
+            if ending is not None and chunk["meta_info"]["finish_reason"] is not None \
+                    and chunk["meta_info"]["finish_reason"]["type"] == "abort":
+                self._note(i, chunk)
+                raise ending  # ended by the server stopping: the stream's last event says so
             yield self._note(i, chunk)
 
     async def _pump(self, i: int, it: AsyncIterator[Output]) -> None:
@@ -246,9 +271,8 @@ class EventStreamResponse(StreamingResponse):
                         await self.stream_response(send)
                     except OSError:
                         pass  # the client went away while we were sending
-                    except Exception:  # the engine failed mid-stream: say so, end the stream properly
-                        logger.exception("stream failed")
-                        body = error_body(500, "Generation failed (a server error; the server log has the details)")
+                    except Exception as exc:  # the engine failed mid-stream: say so, end the stream properly
+                        body = stream_error_body(exc)
                         with contextlib.suppress(OSError):
                             await send({"type": "http.response.body", "more_body": False,
                                         "body": sse(json.dumps(body)) + sse("[DONE]")})
@@ -264,6 +288,22 @@ class EventStreamResponse(StreamingResponse):
             with anyio.CancelScope(shield=True):
                 await self.body_iterator.aclose()  # type: ignore[attr-defined]
                 await self.on_close()
+
+
+def engine_down_code(exc: EngineShutdownError) -> str:
+    """The error code of a request the engine could not finish: its scheduler died, or it was shut down."""
+    return "engine_dead" if isinstance(exc, EngineDeadError) else "engine_shutdown"
+
+
+def stream_error_body(exc: Exception) -> dict[str, Any]:
+    """The final error event of a stream that `exc` ended: the server stopping, the engine gone, or an
+    unexpected failure (logged)."""
+    if isinstance(exc, APIError):
+        return error_body(exc.status, exc.message, exc.param, exc.code)
+    if isinstance(exc, EngineShutdownError):
+        return error_body(503, str(exc), code=engine_down_code(exc))
+    logger.error("stream failed", exc_info=exc)
+    return error_body(500, "Generation failed (a server error; the server log has the details)")
 
 
 def sse(payload: bytes | str) -> bytes:

@@ -1,21 +1,23 @@
-"""Running the server: an engine, the app, and uvicorn with a clean shutdown on SIGINT/SIGTERM.
+"""Running the server: an engine, the app, and uvicorn with a drain on SIGTERM/SIGINT.
 
-On the first signal the server stops accepting connections, aborts every request in flight (streams end
-with finish_reason "abort"), waits for the responses to close, shuts the engine down and returns; the
-process then exits with status 0. A second SIGINT forces the exit.
+On the first signal the server drains (server.lifecycle): new requests get 503 `draining`, the ones in
+flight finish for up to --drain-timeout seconds, the rest then end with a 503 or a final error event;
+then it shuts the engine down and the process exits 0. A second signal exits at once (status 1). When
+the engine's scheduler dies the server stops and exits 1.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import signal
 import threading
 from typing import Any, Iterator
 
 import uvicorn
 
-from radixlm.server.app import ServerArgs, begin_shutdown, create_app
+from radixlm.server.app import ServerArgs, begin_drain, create_app
 
 logger = logging.getLogger("radixlm.server")
 
@@ -24,6 +26,7 @@ class _Server(uvicorn.Server):
     def __init__(self, config: uvicorn.Config) -> None:
         super().__init__(config)
         self.url: str | None = None
+        self.draining = False
 
     async def startup(self, sockets: Any = None) -> None:
         await super().startup(sockets)
@@ -34,9 +37,11 @@ class _Server(uvicorn.Server):
             logger.info("radixlm server listening on %s (OpenAI base_url %s/v1)", self.url, self.url)
 
     def handle_exit(self, sig: int, frame: Any) -> None:
-        if not self.should_exit:
-            begin_shutdown(self.config.app)
-        super().handle_exit(sig, frame)
+        if self.draining:  # the second signal: no more waiting
+            logger.warning("second %s: exiting now", signal.Signals(sig).name)
+            os._exit(1)  # a scheduler process exits with its parent (scheduler_client)
+        self.draining = True
+        begin_drain(self.config.app)
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
@@ -53,8 +58,9 @@ class _Server(uvicorn.Server):
                 signal.signal(sig, handler)
 
 
-def serve(model_path: str | None = None, args: ServerArgs | None = None, **engine_options: Any) -> None:
-    """Starts an engine and serves it until SIGINT/SIGTERM."""
+def serve(model_path: str | None = None, args: ServerArgs | None = None, **engine_options: Any) -> int:
+    """Starts an engine and serves it until SIGINT/SIGTERM (then drains) or its scheduler dies; returns the
+    process's exit status: 0 after a drain, 1 when the engine died."""
     from radixlm import Engine
 
     args = args or ServerArgs()
@@ -70,7 +76,11 @@ def serve(model_path: str | None = None, args: ServerArgs | None = None, **engin
                                 timeout_graceful_shutdown=10, lifespan="on", root_path=args.root_path,
                                 ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,
                                 access_log=False)  # the app logs each request itself (radixlm.server.access)
-        _Server(config).run()
+        server = _Server(config)
+        lifecycle = app.state.lifecycle
+        lifecycle.stop_server = lambda: setattr(server, "should_exit", True)
+        server.run()
     finally:
         engine.shutdown()
         logger.info("radixlm server stopped")
+    return lifecycle.exit_code

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.concurrency import run_in_threadpool
@@ -26,7 +26,7 @@ from radixlm.core.runtime.sampling_params import SamplingParams
 from radixlm.server.body import parse_body
 from radixlm.server.errors import APIError, bad_request, error_body
 from radixlm.server.generation import (Branch, EngineClient, EventStreamResponse, MergedStream, as_list,
-                                       raise_if_failed, sse)
+                                       failure_event, raise_if_failed, sse)
 
 _LOGPROB_KEYS = ("input_token_logprobs", "output_token_logprobs")
 _TOP_KEYS = ("input_top_logprobs", "output_top_logprobs")
@@ -50,6 +50,8 @@ class GenerateRequest(BaseModel):
     # Videos (Qwen2-VL), each a list of frames (data URLs or base64): for one prompt a video or a list
     # of videos, for a batch one entry (or null) per prompt.
     video_data: list[Any] | None = None
+    # Seconds the request may take (its deadline); default: the server's --request-timeout.
+    timeout: float | None = Field(None, gt=0)
 
 
 class AbortRequest(BaseModel):
@@ -64,14 +66,16 @@ class NativeAPI:
         self.engine = engine
         self.client = client
         self.server_info = server_info
-        self.closing = False  # set at shutdown: /health answers 503 so balancers stop sending
+        # Why the server refuses work now (draining, the engine dead: server.lifecycle), which /health
+        # answers with a 503 so that balancers stop sending; None while it serves.
+        self.refusal: Callable[[], APIError | None] = lambda: None
 
     async def generate(self, request: Request) -> Response:
         req = await parse_body(request, GenerateRequest)
         if (req.text is None) == (req.input_ids is None):
             raise bad_request("give exactly one of text and input_ids", "text")
         logprob_args = {"return_logprob": req.return_logprob, "logprob_start_len": req.logprob_start_len,
-                        "top_logprobs_num": req.top_logprobs_num}
+                        "top_logprobs_num": req.top_logprobs_num, "timeout": req.timeout}
         if req.stream:
             branches = self._branches(req, logprob_args)
             stream = await self.client.open_stream(request, branches)
@@ -135,6 +139,9 @@ class NativeAPI:
             if batch:
                 out["index"] = i
             yield sse(json.dumps(out))
+            failure = failure_event(meta) if meta["finish_reason"] is not None else None
+            if failure is not None:
+                yield failure
         yield sse("[DONE]")
 
     def _add_token_text(self, meta: dict[str, Any]) -> None:
@@ -154,8 +161,9 @@ class NativeAPI:
     # ---- service endpoints ----------------------------------------------------------------------
 
     async def health(self, request: Request) -> Response:
-        if self.closing:
-            raise APIError(503, "The server is shutting down")
+        refusal = self.refusal()
+        if refusal is not None:
+            raise refusal
         stalled = self.engine.stalled_for()
         if stalled > self.engine.options.stall_timeout:
             raise APIError(503, f"The engine has made no progress for {stalled:.0f} s with requests pending "
@@ -164,8 +172,9 @@ class NativeAPI:
 
     async def health_generate(self, request: Request) -> Response:
         """Healthy only if the engine produces a token within a few seconds."""
-        if self.closing:
-            raise APIError(503, "The server is shutting down")
+        refusal = self.refusal()
+        if refusal is not None:
+            raise refusal
         try:
             await asyncio.wait_for(self.client.generate(
                 request, input_ids=[0], sampling_params={"max_new_tokens": 1, "temperature": 0.0}), timeout=20)
@@ -199,6 +208,8 @@ class NativeAPI:
             "model_path": self.engine.model_path, "served_model_name": self.engine.served_model_name,
             "context_len": self.engine.context_len, "version": radixlm.__version__,
             "inflight_http_requests": self.client.inflight, "internal_states": [stats],
+            # The scheduler's own process (scheduler_process), for an operator's tools; None: a thread here.
+            "scheduler_pid": getattr(self.engine.frontend.scheduler, "pid", None),
         })
 
     async def flush_cache(self, request: Request) -> Response:

@@ -28,7 +28,7 @@ import radixlm.server.tools as toolcalls
 from radixlm.server.body import parse_body
 from radixlm.server.errors import APIError, bad_request, error_body
 from radixlm.server.generation import (Branch, EngineClient, EventStreamResponse, MergedStream, as_list,
-                                       raise_if_failed, sse)
+                                       failure_event, raise_if_failed, sse)
 from radixlm.server.openai_protocol import (ChatCompletionRequest, CompletionRequest, Message,
                                             NamedToolChoice, SamplingFields)
 
@@ -50,9 +50,9 @@ class ToolMode:
 
 
 def check_aborted(meta: dict[str, Any]) -> None:
+    """A failed output becomes its HTTP error; one aborted on request (/abort_request) is answered with
+    finish_reason "abort", as SGLang does."""
     raise_if_failed(meta)
-    if finish_reason(meta) == "abort":
-        raise APIError(500, f"The request was aborted: {meta.get('error', 'unknown reason')}", code="aborted")
 
 
 class OpenAIAPI:
@@ -168,14 +168,14 @@ class OpenAIAPI:
         mode, input_ids, params, images = await self.prepare_chat(req)
         top_n = req.top_logprobs or 0
         if req.stream:
-            branches = [Branch(sp, input_ids=input_ids, rid=f"chatcmpl-{uuid.uuid4().hex}",
+            branches = [Branch(sp, input_ids=input_ids, rid=f"chatcmpl-{uuid.uuid4().hex}", timeout=req.timeout,
                                return_logprob=req.logprobs, top_logprobs_num=top_n, image_data=images)
                         for sp in branch_dicts(params)]
             stream = await self.client.open_stream(request, branches)
             return EventStreamResponse(self._chat_events(req, mode, stream, top_n), stream.close)
         outputs = as_list(await self.client.generate(request, input_ids=input_ids, sampling_params=params,
                                                      return_logprob=req.logprobs, top_logprobs_num=top_n,
-                                                     image_data=images))
+                                                     image_data=images, timeout=req.timeout))
         choices = []
         for i, out in enumerate(outputs):
             meta = out["meta_info"]
@@ -322,8 +322,9 @@ class OpenAIAPI:
                 elif content:
                     yield chunk(i, {"content": content})
             finish = finish_reason(meta, tool_calls=called)
-            if finish == "abort" and meta.get("error"):
-                yield sse(json.dumps(error_body(500, f"The request was aborted: {meta['error']}", code="aborted")))
+            failure = failure_event(meta) if finish is not None else None
+            if failure is not None:
+                yield failure
             yield chunk(i, {}, finish)
         if include_usage:
             yield sse(json.dumps({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
@@ -351,12 +352,12 @@ class OpenAIAPI:
         logprob_args = {"return_logprob": want_logprobs, "top_logprobs_num": req.logprobs or 0,
                         "logprob_start_len": 0 if (want_logprobs and req.echo) else None}
         if req.stream:
-            branches = [Branch(sp, input_ids=ids, rid=f"cmpl-{uuid.uuid4().hex}", **logprob_args)
+            branches = [Branch(sp, input_ids=ids, rid=f"cmpl-{uuid.uuid4().hex}", timeout=req.timeout, **logprob_args)
                         for _, ids in prompts for sp in branch_dicts(params)]
             stream = await self.client.open_stream(request, branches)
             return EventStreamResponse(self._completion_events(req, prompts, stream), stream.close)
         outputs = as_list(await self.client.generate(request, input_ids=[ids for _, ids in prompts],
-                                                     sampling_params=params, **logprob_args))
+                                                     sampling_params=params, timeout=req.timeout, **logprob_args))
         choices = []
         for i, out in enumerate(outputs):
             meta = out["meta_info"]
@@ -422,8 +423,9 @@ class OpenAIAPI:
                 if include_usage:
                     body["usage"] = None
                 yield sse(json.dumps(body))
-            if finish == "abort" and meta.get("error"):
-                yield sse(json.dumps(error_body(500, f"The request was aborted: {meta['error']}", code="aborted")))
+            failure = failure_event(meta) if finish is not None else None
+            if failure is not None:
+                yield failure
         if include_usage:
             yield sse(json.dumps({"id": rid, "object": "text_completion", "created": created, "model": model,
                                   "choices": [], "usage": usage(finals, req.n)}))

@@ -109,6 +109,7 @@ class SamplingFields(_Strict):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool | None = None
     no_stop_trim: bool | None = None
+    timeout: float | None = Field(None, gt=0)  # seconds (the request's deadline); default: --request-timeout
 
 
 class ChatCompletionRequest(SamplingFields):

@@ -91,8 +91,8 @@ class ServerProcess:
     """`radixlm serve` (or another subcommand, e.g. `router`) in a subprocess on a free port (read back from
     its log line)."""
 
-    def __init__(self, *flags: str, command: str = "serve") -> None:
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+    def __init__(self, *flags: str, command: str = "serve", env: dict[str, str] | None = None) -> None:
+        env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
         self.proc = subprocess.Popen([sys.executable, "-m", "radixlm.server.cli", command, "--port", "0", *flags],
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
         self.log: list[str] = []

@@ -185,7 +185,7 @@ def test_stream_error_is_an_http_error_not_a_broken_stream(live):
 def proc(llama_ckpt):
     # max_queued_requests 0 and one running request: a second concurrent request overflows the queue.
     p = ServerProcess("--model-path", llama_ckpt, "--api-key", "sekret", "--max-queued-requests", "0",
-                      "--max-running-requests", "1")
+                      "--max-running-requests", "1", "--drain-timeout", "1")
     yield p
     p.kill()
 
@@ -226,8 +226,8 @@ def test_cli_queue_full_then_sigterm_shuts_down_cleanly(proc):
     assert time.monotonic() - t0 < 30
     holder.join(10)
     assert not holder.is_alive()
-    last = json.loads(lines[-2].removeprefix("data: "))
-    assert last["meta_info"]["finish_reason"]["type"] == "abort" and lines[-1] == "data: [DONE]"
+    last = json.loads(lines[-2].removeprefix("data: "))  # the stream's end, naming the cause
+    assert last["error"]["code"] == "shutdown" and lines[-1] == "data: [DONE]"
     log = "".join(proc.log)
     assert "listening on http://127.0.0.1:" in log and "radixlm server stopped" in log
     assert "Traceback" not in log

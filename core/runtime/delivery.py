@@ -13,7 +13,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from radixlm.core.errors import EngineShutdownError, InvalidRequestError, QueueFullError
+from radixlm.core.errors import EngineDeadError, EngineShutdownError, InvalidRequestError, QueueFullError
 from radixlm.core.runtime.branches import branch_parent
 from radixlm.core.runtime.messages import Abort, Call, CallReply, GenerateOutput, GenerateRequest, StatsSnapshot
 from radixlm.core.runtime.options import EngineOptions
@@ -50,16 +50,30 @@ class Delivery:
         return len(self._pending)
 
     def check_open(self) -> None:
-        if self._closed or not self.scheduler.alive():
+        if self._closed:
             raise EngineShutdownError("the engine has been shut down")
+        if not self.scheduler.alive():
+            raise EngineDeadError("the engine's scheduler has died")
+
+    def alive(self) -> bool:
+        """Whether requests are taken: not closed and the scheduler loop running."""
+        return not self._closed and self.scheduler.alive()
+
+    def fail_in_flight(self) -> None:
+        """When the scheduler has died: every request in flight fails now (the drain thread does the same
+        within a second of noticing, unless it is stuck reading a message the dead process half wrote)."""
+        if not self.scheduler.alive():
+            self._fail_all(EngineDeadError("the engine's scheduler died before the request finished"))
 
     def close(self) -> None:
         """Stops the scheduler (which ends what is in flight with an abort output), then the drain thread."""
         if self._closed:
             return
         self._closed = True
+        was_alive = self.scheduler.alive()
         self.scheduler.stop()
-        self.scheduler.outbox.put(None)
+        if was_alive:  # (a killed scheduler process may hold its outbox's write lock forever: no put then;
+            self.scheduler.outbox.put(None)  # the drain thread sees it gone within a second)
         self._drain.join(timeout=30)
 
     def abort(self, rid: str) -> None:
@@ -68,6 +82,15 @@ class Delivery:
             return
         with self._lock:
             rids = [rid, *self._branches.get(rid, ())]
+        for r in rids:
+            self.scheduler.inbox.put(Abort(r))
+
+    def abort_all(self) -> None:
+        """Aborts every request in flight; each ends with finish reason "abort" (SGLang's abort_all)."""
+        if self._closed:
+            return
+        with self._lock:
+            rids = list(self._pending)
         for r in rids:
             self.scheduler.inbox.put(Abort(r))
 
@@ -137,7 +160,10 @@ class Delivery:
                 self._dispatch(msg)
             except Exception:  # one output's failure must not stop the others being delivered
                 logger.exception("delivering a scheduler message failed")
-        self._fail_all(EngineShutdownError("the engine stopped before the request finished"))
+        if self._closed:
+            self._fail_all(EngineShutdownError("the engine stopped before the request finished"))
+        else:
+            self._fail_all(EngineDeadError("the engine's scheduler died before the request finished"))
 
     def _dispatch(self, msg: Any) -> None:
         if isinstance(msg, GenerateOutput):

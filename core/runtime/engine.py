@@ -159,9 +159,10 @@ class Engine:
         rid: str | list[str] | None = None,
         image_data: Any = None,
         video_data: Any = None,
+        timeout: float | None = None,
     ) -> Output | list[Output] | Iterator[Output]:
         return self._open().generate(prompt, sampling_params, input_ids, return_logprob, logprob_start_len,
-                                     top_logprobs_num, stream, rid, image_data, video_data)
+                                     top_logprobs_num, stream, rid, image_data, video_data, timeout)
 
     async def async_generate(
         self,
@@ -175,15 +176,31 @@ class Engine:
         rid: str | list[str] | None = None,
         image_data: Any = None,
         video_data: Any = None,
+        timeout: float | None = None,
     ) -> Output | list[Output] | AsyncIterator[Output]:
         return await self._open().async_generate(prompt, sampling_params, input_ids, return_logprob,
                                                  logprob_start_len, top_logprobs_num, stream, rid, image_data,
-                                                 video_data)
+                                                 video_data, timeout)
 
-    def abort_request(self, rid: str) -> None:
-        """Aborts the request `rid` (with all its n > 1 samples); nothing when it has finished."""
-        if self._frontend is not None:
+    def abort_request(self, rid: str = "", abort_all: bool = False) -> None:
+        """Aborts the request `rid` (with all its n > 1 samples; nothing when it has finished), or with
+        `abort_all` every request in flight. Aborted requests end with finish reason "abort"."""
+        if self._frontend is None:
+            return
+        if abort_all:
+            self._frontend.abort_all()
+        else:
             self._frontend.abort_request(rid)
+
+    def alive(self) -> bool:
+        """Whether the engine takes requests: started, not shut down, and its scheduler loop running
+        (False once that loop died or its process was killed)."""
+        return self._frontend is not None and self._frontend.alive()
+
+    def fail_in_flight(self) -> None:
+        """Once the scheduler has died: fails every request still waiting on it (nothing otherwise)."""
+        if self._frontend is not None:
+            self._frontend.fail_in_flight()
 
     # ---- cache, stats, checks ------------------------------------------------------------------
 

@@ -18,6 +18,7 @@ import queue
 from typing import Any, AsyncIterator, Callable, Iterator
 
 from radixlm.core.runtime.constraint_compiler import ConstraintCompiler
+from radixlm.core.runtime.deadline import deadline_of
 from radixlm.core.runtime.delivery import Delivery, Output, Sink
 from radixlm.core.runtime.images import ImagePreparer
 from radixlm.core.runtime.messages import CheckInvariants, FlushCache, GenerateRequest, GetStats
@@ -38,6 +39,7 @@ class FrontEnd:
         self.constraints.prepare_in_background()
         self.workers = PrepareWorkers(opts.prepare_workers, opts.prepare_timeout)
         self.delivery = Delivery(scheduler, opts)
+        self.request_timeout = opts.request_timeout  # the default deadline of a call (core.runtime.deadline)
 
     @property
     def scheduler(self) -> Any:
@@ -56,9 +58,11 @@ class FrontEnd:
 
     def generate(self, prompt=None, sampling_params=None, input_ids=None, return_logprob=False,
                  logprob_start_len=None, top_logprobs_num=0, stream=False, rid=None, image_data=None,
-                 video_data=None):
+                 video_data=None, timeout=None):
+        deadline = deadline_of(timeout, self.request_timeout)  # counted from the call
         reqs, single = self.prepare(prompt, sampling_params, input_ids, return_logprob, logprob_start_len,
                                     top_logprobs_num, stream, rid, image_data, video_data)  # on the caller's own thread
+        _set_deadline(reqs, deadline)
         kind = _constraint_kind(reqs)
         if kind is not None:
             self.workers.compile(self.check_constraints, kind, reqs)
@@ -71,7 +75,8 @@ class FrontEnd:
 
     async def async_generate(self, prompt=None, sampling_params=None, input_ids=None, return_logprob=False,
                              logprob_start_len=None, top_logprobs_num=0, stream=False, rid=None, image_data=None,
-                             video_data=None):
+                             video_data=None, timeout=None):
+        deadline = deadline_of(timeout, self.request_timeout)  # counted from the call
         args = (prompt, sampling_params, input_ids, return_logprob, logprob_start_len, top_logprobs_num, stream, rid,
                 image_data, video_data)
         # Microseconds of work: less than a hop to a worker, and keeps arrival order (images are decoded: not small).
@@ -79,6 +84,7 @@ class FrontEnd:
             reqs, single = self.prepare(*args)
         else:
             reqs, single = await self.workers.offload(self.prepare, *args)
+        _set_deadline(reqs, deadline)
         kind = _constraint_kind(reqs)
         if kind is not None:
             await self.workers.compile_async(self.check_constraints, kind, reqs)
@@ -129,6 +135,18 @@ class FrontEnd:
     def abort_request(self, rid: str) -> None:
         """Aborts the request `rid`, or all n branches of the request the caller named `rid`."""
         self.delivery.abort(rid)
+
+    def abort_all(self) -> None:
+        """Aborts every request in flight (each ends with finish reason "abort")."""
+        self.delivery.abort_all()
+
+    def alive(self) -> bool:
+        """Whether the engine takes requests: not shut down and its scheduler loop running."""
+        return self.delivery.alive()
+
+    def fail_in_flight(self) -> None:
+        """Once the scheduler has died: fails every request still waiting on it."""
+        self.delivery.fail_in_flight()
 
     def flush_cache(self) -> bool:
         return self.delivery.call(FlushCache())
@@ -188,6 +206,11 @@ def _is_small(prompt: Any, input_ids: Any) -> bool:
 def _constraint_kind(reqs: list[GenerateRequest]) -> str | None:
     """The first constraint kind among the requests (what a too-complex error names), or None."""
     return next((r.constraint.kind for r in reqs if r.constraint is not None), None)
+
+
+def _set_deadline(reqs: list[GenerateRequest], deadline: float | None) -> None:
+    for req in reqs:
+        req.deadline = deadline
 
 
 def _set_result(fut: asyncio.Future, out: Any) -> None:

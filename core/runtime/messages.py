@@ -64,6 +64,7 @@ class GenerateRequest:
     # and the offset of every later position (output tokens): position = index + rope_delta.
     rope_positions: Any = None
     rope_delta: int = 0
+    deadline: float | None = None  # time.time() past which the scheduler ends it (a timeout); None: none
 
 
 @dataclass

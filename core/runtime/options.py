@@ -157,6 +157,10 @@ class EngineOptions:
     prepare_workers: int = option(2, "threads for tokenizing big prompts, and as many for compiling constraints")
     stall_timeout: float = option(60.0, "seconds the scheduler loop may go without progress while requests are "
                                   "in flight before /health answers 503")
+    request_timeout: float | None = option(
+        None, "seconds a request may take from its arrival to its last token, unless it sets its own `timeout`; "
+        "past it the request ends with its KV freed (HTTP 408, code timeout; a stream's last event says so). "
+        "None: no limit")
     debug_check_invariants: bool = option(False, "verify the KV slot invariant after every step (slow)")
     disable_cuda_graph: bool = option(False, "CUDA only: run decode eagerly instead of replaying captured graphs")
     disable_cpu_prepack: bool = option(False, "CPU only: run linear layers with F.linear on the plain weights "
@@ -317,6 +321,8 @@ class EngineOptions:
         for name in ("prepare_timeout", "stall_timeout"):
             if not getattr(self, name) > 0:
                 raise InvalidRequestError(f"{name} must be > 0 seconds", name)
+        if self.request_timeout is not None and not 0 < self.request_timeout < float("inf"):
+            raise InvalidRequestError("request_timeout must be a number of seconds > 0", "request_timeout")
 
     def _check_speculative(self) -> None:
         if self.speculative_algorithm is None:

@@ -116,6 +116,10 @@ class SchedulerProcess:
         return self._proc.is_alive()
 
     def stop(self, timeout: float = 30) -> None:
+        if not self._proc.is_alive():  # killed: exiting must not wait on a queue's pipe it left behind
+            self.inbox.cancel_join_thread()
+            self.outbox.cancel_join_thread()
+            return
         if self._proc.is_alive():
             self.inbox.put(None)
             self._proc.join(timeout=timeout)

@@ -75,6 +75,8 @@ class RuntimeEndpoint(NativeGenerateBackend):
                 if event.data == "[DONE]":
                     return
                 chunk = json.loads(event.data)
+                if "error" in chunk:  # the server ended the stream (a deadline, the engine stopping, ...)
+                    raise ProgramError(f"the server ended the stream: {chunk['error']['message']}")
                 meta = chunk["meta_info"]
                 text = chunk["text"]
                 if "output_token_logprobs" in meta:

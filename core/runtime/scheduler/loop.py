@@ -38,9 +38,13 @@ from radixlm.core.runtime.options import EngineOptions
 from radixlm.core.runtime.memory.radix_cache import RadixCache
 from radixlm.core.runtime.request import Req
 from radixlm.core.runtime.execution.sampler import Sampler
+from radixlm.core.runtime.deadline import TIMEOUT_MESSAGE
+from radixlm.core.runtime.faults import inject_faults
+from radixlm.core.runtime.scheduler.deadlines import Deadlines
 from radixlm.core.runtime.scheduler.execute import Executor, PendingDecode
 from radixlm.core.runtime.scheduler.finish import Finish
 from radixlm.core.runtime.scheduler.memory import KVMemory
+from radixlm.core.runtime.scheduler.oom import OOMRecovery, is_out_of_memory
 from radixlm.core.runtime.scheduler.policy import SchedulePolicy
 from radixlm.core.runtime.scheduler.prefill import Extend, PrefillPlanner
 from radixlm.core.runtime.scheduler.queues import RequestQueues
@@ -81,6 +85,9 @@ class Scheduler:
         self.speculator = build_speculator(opts, runner, self.executor, self.context_len)
         # Overlap scheduling: the decode step launched but not yet applied (execute.py).
         self.pending: PendingDecode | None = None
+        self.deadlines = Deadlines()
+        self.oom = OOMRecovery(self.queues, self.memory, self.planner)
+        self.faults = inject_faults(runner)  # test-only (RADIXLM_INJECT_FAULTS); None otherwise
         self.inbox: "queue.Queue[InboxMessage]" = queue.Queue()
         self.outbox = queue.Queue()
         # In its own process the loop also puts its statistics on the outbox, at most this often (s).
@@ -120,8 +127,17 @@ class Scheduler:
     # ---- the loop --------------------------------------------------------------------------
 
     def run_forever(self) -> None:
+        try:
+            self._run()
+        except BaseException:  # outside any request: the front end notices the loop is gone and fails its callers
+            logger.critical("the scheduler loop died", exc_info=True)
+            raise
+
+    def _run(self) -> None:
         self._publish()
         while not self._stop.is_set():
+            if self.faults is not None:
+                self.faults.before_iteration()
             if self._pause_wanted.is_set():
                 self.settle()  # the pausing thread sees every sampled token
                 self._paused.set()
@@ -130,17 +146,31 @@ class Scheduler:
             self._drain_inbox(block=not self.queues.busy())
             if self._stop.is_set():
                 break
+            self._end_overdue()
             try:
                 self.step()
-            except Exception:  # a failure of the batch itself (not of one request's own work)
-                logger.exception("scheduler step failed; aborting the requests in flight")
+                self.oom.step_succeeded()
+            except Exception as exc:  # a failure of the batch itself (not of one request's own work)
                 self.pending = None
                 self.executor.discard_unapplied()
-                self.queues.abort_all("internal server error (the server log has the details)", status_code=500)
+                if is_out_of_memory(exc):
+                    self.oom.recover(exc)
+                else:
+                    logger.exception("scheduler step failed; aborting the requests in flight")
+                    self.queues.abort_all("internal server error (the server log has the details)", status_code=500)
             self._publish()
         self.settle()
-        self.queues.abort_all("engine shut down")
+        self.queues.abort_all("the engine shut down", status_code=503)
         self._publish()
+
+    def _end_overdue(self) -> None:
+        """Ends the requests past their deadline, with their KV as of their last applied token."""
+        overdue = self.deadlines.due(time.time()) if len(self.deadlines) else []
+        if overdue:
+            self.settle()
+        for req in overdue:
+            if not req.finished:
+                self.queues.finish(req, Finish("abort"), error=TIMEOUT_MESSAGE, status_code=408)
 
     def _publish(self, force: bool = False) -> None:
         self.snapshot = self.get_stats()
@@ -259,7 +289,10 @@ class Scheduler:
             self.speculator.state(req)
         self._arrivals += 1
         self.stats.requests_total += 1
-        if self.queues.add(req) and inp.constraint is not None:
+        added = self.queues.add(req)
+        if added:
+            self.deadlines.add(req)
+        if added and inp.constraint is not None:
             try:
                 req.constraint = self.constraints.build(inp.constraint)
                 self.executor.advance.jump(req)  # text forced from the very start goes in with the prompt

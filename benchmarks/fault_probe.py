@@ -1,0 +1,347 @@
+"""Fault probe (issue 37): what clients of a `radixlm serve` process see when the operator's world goes
+wrong, measured from outside with N concurrent clients, and whether every KV slot came back.
+
+    python benchmarks/fault_probe.py                                  # the tiny model, 200 clients, all
+    python benchmarks/fault_probe.py --model-path DIR --clients 200 --scenarios drain kill
+    python benchmarks/fault_probe.py --out benchmarks/results/DATE-faults.md
+
+Each scenario starts its own server (it signals or breaks it), on a free loopback port:
+
+- drain: N streaming clients admitted, then SIGTERM; a late request every 50 ms during the drain. Every
+  admitted stream must finish normally, every late request get 503 (draining), /health say 503, and the
+  process exit 0 within --drain-timeout.
+- kill: the server with --scheduler-process; N streaming clients, then kill -9 of the scheduler's
+  process. Every client must get an error (event or status) within 5 s, /health turn 503, the server
+  exit non-zero, and no process be left behind.
+- oom: N greedy requests on a server whose every 50th forward raises CUDA's out-of-memory error
+  (RADIXLM_INJECT_FAULTS=oom_every=50, a test-only hook); their outputs must equal those of a server
+  without it, and KV free + cached = total afterwards.
+- deadline: N streaming requests with `timeout` T beside N/4 short ones without; each must end within
+  1 s of its limit (an error event with code timeout), the short ones normally, and no slot leak.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+
+class Server:
+    """`radixlm serve` in a subprocess; its URL read from its log."""
+
+    def __init__(self, model: str, *flags: str, env: dict[str, str] | None = None) -> None:
+        cmd = [sys.executable, "-m", "radixlm.server", "--model-path", model, "--port", "0", "--log-interval", "0",
+               *flags]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+        self.log: list[str] = []
+        found = threading.Event()
+        self.url = ""
+
+        def read() -> None:
+            for line in self.proc.stdout:
+                self.log.append(line)
+                match = re.search(r"listening on (http://\S+?) ", line)
+                if match:
+                    self.url = match.group(1)
+                    found.set()
+
+        threading.Thread(target=read, daemon=True).start()
+        if not found.wait(300):
+            self.proc.kill()
+            raise RuntimeError("the server did not start:\n" + "".join(self.log[-30:]))
+
+    def info(self) -> dict[str, Any]:
+        return httpx.get(self.url + "/get_server_info", timeout=30).json()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+@dataclass
+class Stream:
+    """One streaming request's outcome."""
+
+    started: float = 0.0
+    first: float | None = None
+    ended: float | None = None
+    status: int | None = None
+    outcome: str = "cut"  # finish type, an error event's code, "http <status>", or "cut"
+    ids: list[int] = field(default_factory=list)
+
+
+async def stream(client: httpx.AsyncClient, path: str, body: dict, first: asyncio.Event | None = None) -> Stream:
+    s = Stream(started=time.monotonic())
+    try:
+        async with client.stream("POST", path, json=body) as r:
+            s.status = r.status_code
+            if r.status_code != 200:
+                await r.aread()
+                s.outcome = f"http {r.status_code} {r.json()['error'].get('code')}"
+            else:
+                async for line in r.aiter_lines():
+                    if not line.startswith("data: "):
+                        continue
+                    if s.first is None:
+                        s.first = time.monotonic()
+                        if first is not None:
+                            first.set()
+                    if line == "data: [DONE]":
+                        break
+                    event = json.loads(line[6:])
+                    if "error" in event:
+                        s.outcome = event["error"]["code"]
+                    elif event["meta_info"]["finish_reason"] is not None and s.outcome == "cut":
+                        s.outcome = event["meta_info"]["finish_reason"]["type"]
+                        s.ids = event["output_ids"]
+    except httpx.HTTPError as exc:
+        s.outcome = s.outcome if s.outcome != "cut" else f"cut ({type(exc).__name__})"
+    s.ended = time.monotonic()
+    if first is not None:
+        first.set()
+    return s
+
+
+def limits(n: int) -> httpx.Limits:
+    return httpx.Limits(max_connections=n + 50, max_keepalive_connections=n + 50)
+
+
+def body(i: int, tokens: int, **extra: Any) -> dict:
+    return {"text": f"client {i} writes about", "stream": True, **extra,
+            "sampling_params": {"max_new_tokens": tokens, "ignore_eos": True, "temperature": 0}}
+
+
+async def start_clients(url: str, n: int, tokens: int, **extra: Any) -> tuple[list[asyncio.Task], httpx.AsyncClient]:
+    client = httpx.AsyncClient(base_url=url, timeout=300, limits=limits(n))
+    firsts = [asyncio.Event() for _ in range(n)]
+    tasks = [asyncio.ensure_future(stream(client, "/generate", body(i, tokens, **extra), firsts[i])) for i in range(n)]
+    await asyncio.gather(*(f.wait() for f in firsts))
+    return tasks, client
+
+
+def kv_accounted(url: str, timeout: float = 120) -> tuple[bool, dict]:
+    """Waits until the engine is idle; whether free + cached = total then."""
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = httpx.get(url + "/get_server_info", timeout=30).json()["internal_states"][0]
+        if (stats["running"] == 0 and stats["waiting"] == 0) or time.monotonic() > deadline:
+            return stats["kv_slots_free"] + stats["kv_slots_cached"] == stats["kv_slots_total"], stats
+        time.sleep(0.2)
+
+
+# ---- scenarios --------------------------------------------------------------------------------------
+
+async def drain(args: argparse.Namespace) -> dict:
+    server = Server(args.model_path, "--max-total-tokens", str(args.max_total_tokens), "--drain-timeout",
+                    str(args.drain_timeout))
+    try:
+        tasks, client = await start_clients(server.url, args.clients, args.tokens)
+        t0 = time.monotonic()
+        server.proc.send_signal(signal.SIGTERM)
+        late, health = [], []
+        async with httpx.AsyncClient(base_url=server.url, timeout=30) as probe:
+            while server.proc.poll() is None:
+                try:
+                    r = await probe.post("/generate", json={"text": "late", "sampling_params": {"max_new_tokens": 2}})
+                    late.append((r.status_code, r.json().get("error", {}).get("code")))
+                    h = await probe.get("/health")
+                    health.append(h.status_code)
+                except httpx.HTTPError:
+                    break
+                await asyncio.sleep(0.05)
+        streams = await asyncio.gather(*tasks)
+        await client.aclose()
+        code = await asyncio.to_thread(server.proc.wait, 60)
+        exited = time.monotonic() - t0
+    finally:
+        server.stop()
+    done = [s for s in streams if s.outcome == "length"]
+    if len(done) < args.clients:
+        print("".join(server.log[-40:]), flush=True)
+    return {
+        "admitted streams": args.clients,
+        "finished normally": len(done),
+        "outcomes": dict(Counter(s.outcome for s in streams)),
+        "last stream ended after SIGTERM (s)": round(max(s.ended for s in streams) - t0, 2),
+        "late requests": len(late),
+        "late requests answered 503 draining": sum(1 for st, c in late if st == 503 and c == "draining"),
+        "/health during drain": sorted(set(health)),
+        "exit code": code,
+        "exited after SIGTERM (s)": round(exited, 2),
+        "pass": len(done) == args.clients and code == 0 and all(st == 503 for st, _ in late)
+                and exited < args.drain_timeout + 10,
+    }
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie is not left behind: it has exited
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+async def kill(args: argparse.Namespace) -> dict:
+    server = Server(args.model_path, "--max-total-tokens", str(args.max_total_tokens), "--scheduler-process")
+    try:
+        pid = server.info()["scheduler_pid"]
+        tasks, client = await start_clients(server.url, args.clients, 4 * args.tokens)
+        health: list = []
+        t0 = time.monotonic()
+        os.kill(pid, signal.SIGKILL)
+
+        async def watch() -> None:
+            async with httpx.AsyncClient(base_url=server.url, timeout=5) as probe:
+                while server.proc.poll() is None:
+                    try:
+                        r = await probe.get("/health")
+                        health.append((r.status_code, r.json()["error"]["code"] if r.status_code != 200 else None))
+                    except httpx.HTTPError:
+                        break
+                    await asyncio.sleep(0.05)
+
+        watcher = asyncio.ensure_future(watch())
+        streams = await asyncio.gather(*tasks)
+        await client.aclose()
+        code = await asyncio.to_thread(server.proc.wait, 60)
+        await watcher
+        left = [p for p in (pid, server.proc.pid) if _alive(p)]
+    finally:
+        server.stop()
+    errors = [s for s in streams if s.outcome not in ("length", "stop") and not s.outcome.startswith("cut")]
+    worst = max(s.ended for s in streams) - t0
+    return {
+        "clients": args.clients,
+        "clients given an error": len(errors),
+        "error codes": sorted({s.outcome for s in streams}),
+        "last error after kill -9 (s)": round(worst, 2),
+        "/health after kill": sorted({f"{st} {c}" for st, c in health if st != 200}),
+        "exit code": code,
+        "processes left": len(left),
+        "pass": len(errors) == args.clients and worst < 5 and code != 0 and not left,
+    }
+
+
+async def _greedy_run(url: str, n: int, tokens: int) -> list[list[int]]:
+    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits(n)) as client:
+        streams = await asyncio.gather(*(stream(client, "/generate", body(i, tokens)) for i in range(n)))
+    return [s.ids if s.outcome == "length" else [s.outcome] for s in streams]
+
+
+async def oom(args: argparse.Namespace) -> dict:
+    flags = ("--max-total-tokens", str(args.max_total_tokens))
+    clean = Server(args.model_path, *flags)
+    try:
+        expected = await _greedy_run(clean.url, args.clients, args.tokens)
+    finally:
+        clean.stop()
+    faulty = Server(args.model_path, *flags, env={"RADIXLM_INJECT_FAULTS": f"oom_every={args.oom_every}"})
+    try:
+        t0 = time.monotonic()
+        got = await _greedy_run(faulty.url, args.clients, args.tokens)
+        took = time.monotonic() - t0
+        accounted, stats = kv_accounted(faulty.url)
+    finally:
+        faulty.stop()
+    injected = sum(1 for line in faulty.log if "injected fault: CUDA out of memory" in line)
+    same = sum(1 for a, b in zip(expected, got) if a == b)
+    return {
+        "requests": args.clients,
+        "injected out-of-memory steps": injected,
+        "outputs equal to the run without faults": same,
+        "retractions": stats.get("retractions_total"),
+        "KV free + cached = total": accounted,
+        "run time with faults (s)": round(took, 1),
+        "pass": same == args.clients and accounted and injected > 0,
+    }
+
+
+async def deadline(args: argparse.Namespace) -> dict:
+    server = Server(args.model_path, "--max-total-tokens", str(args.max_total_tokens))
+    try:
+        n_short = max(1, args.clients // 4)
+        async with httpx.AsyncClient(base_url=server.url, timeout=300, limits=limits(args.clients + n_short)) as c:
+            limited = [stream(c, "/generate", body(i, 4 * args.tokens, timeout=args.timeout)) for i in range(args.clients)]
+            short = [stream(c, "/generate", body(i, 8)) for i in range(n_short)]
+            results = await asyncio.gather(*limited, *short)
+        accounted, stats = kv_accounted(server.url)
+    finally:
+        server.stop()
+    limited_r, short_r = results[:args.clients], results[args.clients:]
+    late = [s.ended - s.started - args.timeout for s in limited_r]
+    return {
+        "requests with a limit": args.clients,
+        "limit (s)": args.timeout,
+        "ended with code timeout": sum(1 for s in limited_r if s.outcome == "timeout"),
+        "latest end past the limit (s)": round(max(late), 2),
+        "short requests without a limit finished normally": f"{sum(1 for s in short_r if s.outcome == 'length')}/{n_short}",
+        "KV free + cached = total": accounted,
+        "pass": all(s.outcome == "timeout" for s in limited_r) and max(late) < 1.0 and accounted
+                and all(s.outcome == "length" for s in short_r),
+    }
+
+
+SCENARIOS = {"drain": drain, "kill": kill, "oom": oom, "deadline": deadline}
+
+
+def report(args: argparse.Namespace, results: dict[str, dict]) -> str:
+    lines = [f"Command: `python benchmarks/fault_probe.py {' '.join(sys.argv[1:])}`",
+             f"Machine: {platform.node()} ({os.cpu_count()} CPUs, {platform.platform()}), "
+             f"date {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}", ""]
+    for name, figures in results.items():
+        lines += [f"### {name}", "", "| figure | value |", "|---|---|"]
+        lines += [f"| {k} | {v} |" for k, v in figures.items()]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model-path", default=None, help="default: the tiny random Llama the tests use")
+    p.add_argument("--clients", type=int, default=200)
+    p.add_argument("--tokens", type=int, default=64, help="tokens each streaming client asks for")
+    p.add_argument("--max-total-tokens", type=int, default=60000)
+    p.add_argument("--drain-timeout", type=float, default=30.0)
+    p.add_argument("--timeout", type=float, default=2.0, help="the deadline scenario's per-request limit (s)")
+    p.add_argument("--oom-every", type=int, default=50)
+    p.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), choices=list(SCENARIOS))
+    p.add_argument("--out", help="append the Markdown report to this file")
+    args = p.parse_args()
+    if args.model_path is None:
+        from radixlm.testing.checkpoints import tiny_model_path
+
+        args.model_path = tiny_model_path()
+    results = {}
+    for name in args.scenarios:
+        print(f"--- {name}", flush=True)
+        results[name] = asyncio.run(SCENARIOS[name](args))
+        print(json.dumps(results[name], indent=1), flush=True)
+    text = report(args, results)
+    print(text)
+    if args.out:
+        with open(args.out, "a") as f:
+            f.write(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
