@@ -35,7 +35,8 @@ measurement, so a run stopped from outside keeps what it measured.
 Models (the helpers of bench_engine.py): `tiny` is the 2-layer test checkpoint, sizes scaled down
 to seconds on a CPU; `llama3-8b-shape` is Llama-3-8B's shape with random bf16 weights made on the
 GPU, with the small local tokenizer (token ids the tokenizer does not have decode to nothing, so a
-random model's generated text mostly vanishes from later prompts there; see docs/benchmarks.md).
+random model's generated text mostly vanishes from later prompts there; see
+benchmarks/results/2026-11-29-paper-workloads.md).
 """
 
 from __future__ import annotations
@@ -77,7 +78,8 @@ ON_REQUEST = ("dfs_weight", "lpm_always")  # run only when --systems names them
 DEFAULT_SYSTEMS = tuple(s for s in SYSTEMS if s not in ON_REQUEST)
 PARTS = ("throughput", "latency")
 
-# The device model behind the time estimate, fitted to the H200 run of 2026-11-29 (docs/benchmarks.md:
+# The device model behind the time estimate, fitted to the H200 run of 2026-11-29
+# (benchmarks/results/2026-11-29-paper-workloads.md:
 # engine prefill ~41k tokens/s in large batches, decode ~4.7 ms at batch 1 plus the rows' GEMM share
 # and KV reads, HF generate ~90 ms per step and ~17k prefill tokens/s); within ~20% per measurement there.
 H200_LLAMA3_8B = DeviceCost(

@@ -6,7 +6,7 @@ Prints the run's mask summary, the computed masks' 30th/45th/59th/80th/120th lar
 exceed 100 µs, 300 µs and 1 ms (and their sum over 100 µs), and the garbage collections that ran inside
 masks. Only GrammarIndex._allowed_bits is wrapped: a timer around a step called thousands of times a run
 (profile_masks.py's) adds its own cost to that step, enough to make a change that calls it less look
-faster when it is not (round 11 in docs/benchmarks.md).
+faster when it is not (benchmarks/results/2026-12-02-grammar-masks.md).
 """
 
 from __future__ import annotations

@@ -58,8 +58,8 @@ mkdir -p /tmp/p && ln -sfn "$PWD" /tmp/p/radixlm
 export PYTHONPATH=/tmp/p${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 # Python packages the image lacks (referencing with attrs and rpds-py, a core dependency for JSON schemas'
 # $ref; DSPy and the dependencies it imports, for the dspy_rag workload), carried as wheels for its
-# Python 3.12 in .whl (docs/benchmarks.md says which): installed to /tmp/site, which PYTHONPATH
-# puts before the image's site-packages.
+# Python 3.12 in .whl (benchmarks/results/2026-11-29-paper-workloads.md says which): installed to
+# /tmp/site, which PYTHONPATH puts before the image's site-packages.
 if compgen -G ".whl/*.whl" >/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=/tmp/site:$PYTHONPATH

@@ -16,7 +16,7 @@ import numpy as np
 
 from radixlm.core.runtime.constrained.grammar_constraint import GrammarConstraint
 from radixlm.core.runtime.cache import cache_dir
-from radixlm.core.runtime.constrained.pda import bytes_to_accept, shortest_bytes_to_accept
+from radixlm.core.runtime.constrained.accept_paths import bytes_to_accept, shortest_bytes_to_accept
 
 QWEN2_PATTERN = (
     r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
@@ -73,7 +73,7 @@ def random_walk(constraint: GrammarConstraint, rng: np.random.Generator, max_tok
     Each step picks uniformly among the allowed tokens; in an accepting state the walk stops with
     probability `stop_prob`. After `max_tokens` it heads for the nearest accepting state, one
     single-byte token at a time (byte-level vocabularies have one for every byte): the shortest way
-    where a bounded breadth-first search finds it, else a depth-first one (pda.bytes_to_accept)."""
+    where a bounded breadth-first search finds it, else a depth-first one (accept_paths.bytes_to_accept)."""
     index = constraint.index
     single = getattr(index, "_test_single_byte", None)
     if single is None:

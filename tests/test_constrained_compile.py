@@ -199,8 +199,9 @@ print(json.dumps([type(o).__qualname__ for o in gc.garbage]))
 def test_compiles_leave_no_cycles():
     """A compile's objects are freed by reference counting when it returns: compiles run with the collector
     paused, and cycles left behind (recursive closures holding the converter, its rules, SchemaRefs) were
-    collected inside the next masks (round 11 in docs/benchmarks.md). It runs in a process of its own: in the
-    test process, other tests' servers and event loops leave garbage of their own at any moment."""
+    collected inside the next masks (benchmarks/results/2026-12-02-grammar-masks.md). It runs in a
+    process of its own: in the test process, other tests' servers and event loops leave garbage of their
+    own at any moment."""
     schemas = [
         {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string"}}},  # any order
         {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string"}},  # in order

@@ -660,7 +660,7 @@ def test_depth_first_completion_finds_the_way_breadth_first_drowns_in(tiny_token
     """Inside a value of any shape, with a long required key still ahead, a breadth-first search runs
     out of states (the random walks' helper gave up so on two Kubernetes schemas); the depth-first
     search, closing bytes first, reaches an end, and the text it completes is valid."""
-    from radixlm.core.runtime.constrained.pda import bytes_to_accept, shortest_bytes_to_accept
+    from radixlm.core.runtime.constrained.accept_paths import bytes_to_accept, shortest_bytes_to_accept
 
     schema = {"type": "object", "properties": {"a": {}, "a_rather_long_required_key_name": STR},
               "required": ["a", "a_rather_long_required_key_name"]}

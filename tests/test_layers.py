@@ -36,7 +36,7 @@ LIBRARY = ("radixlm.core", "radixlm.kernels", "radixlm.server", "radixlm.adapter
 # the package level (the index, its cache, the per-request constraint, llguidance)
 CONSTRAINED_FLOORS = [tuple(f"radixlm.core.runtime.constrained.{m}" for m in floor) for floor in (
     ("automata",), ("tokens",), ("schema",),
-    ("pda", "grammar_index_cache", "grammar_constraint", "llguidance_backend"))]
+    ("pda", "accept_paths", "grammar_index_cache", "grammar_constraint", "llguidance_backend"))]
 # (importers, what they must never reach)
 RULES = [
     ((*LOWER, "radixlm.kernels"), ENGINE),

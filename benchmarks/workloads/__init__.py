@@ -2,7 +2,8 @@
 
 Each module reproduces the token-sharing structure of one or two workloads; `WORKLOADS` lists them in
 the order of the paper's figures. `benchmarks/bench_workloads.py` runs them on radixlm (and its
-ablations) and on HF transformers; see docs/benchmarks.md.
+ablations) and on HF transformers; see
+benchmarks/results/2026-11-29-paper-workloads.md.
 """
 
 from __future__ import annotations

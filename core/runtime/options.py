@@ -172,8 +172,7 @@ class EngineOptions:
     decode_fused_gemv: int = option(
         1, "CUDA only: forwards of at most this many tokens (at most 16) run each layer's projections and the "
         "LM head as Triton GEMVs, SiLU-and-mul fused into the down projection's (docs/engine.md); default 1: "
-        "batch-1 decode (on the H200 4.66 -> 4.30 ms/token for the 8B shape; at 4 and 8 rows cuBLAS is "
-        "faster); 0: off")
+        "batch-1 decode, where they beat cuBLAS (at 4 and 8 rows cuBLAS is faster); 0: off")
     cuda_graph_max_bs: int | None = option(None, "largest decode batch captured in a CUDA graph; default "
                                            "min(max_running_requests, 512)")
     # Extends of at most this many tokens (and min(cuda_graph_max_bs, 256) requests) replay captured

@@ -48,7 +48,8 @@ def extend_config(head_dim: int, device: torch.device) -> AttnConfig:
     if _block_d(head_dim) <= 64:
         return AttnConfig(128, 64, 4, 3)
     if _block_d(head_dim) <= 128:
-        # Fastest of the H200 sweep at 16 x 1024 prefill, bf16 (2026-11-29, docs/benchmarks.md):
+        # Fastest of the H200 sweep at 16 x 1024 prefill, bf16
+        # (benchmarks/results/2026-11-29-h200-gpu-check.md):
         # 0.61 ms against 0.92 ms for the earlier (128, 64, 8, 2).
         return AttnConfig(64, 32, 4, 3)
     return AttnConfig(64, 32, 8, 2)
@@ -63,8 +64,9 @@ def decode_config(head_dim: int, device: torch.device) -> AttnConfig:
         block_n, warps, stages = (int(x) for x in override.split(","))
         return AttnConfig(0, block_n, warps, stages)
     if _block_d(head_dim) <= 128:
-        # Measured on the H200 (2026-11-29, docs/benchmarks.md): (0, 128, 8, 3) is 25% faster at
-        # B=256 with lengths 128..1536 but 25% slower on short contexts, and no faster end to end.
+        # Measured on the H200 (benchmarks/results/2026-11-29-h200-gpu-check.md): (0, 128, 8, 3) is
+        # 25% faster at B=256 with lengths 128..1536 but 25% slower on short contexts, and no faster
+        # end to end.
         return AttnConfig(0, 64, 4, 2)
     return AttnConfig(0, 32, 4, 2)
 

@@ -16,9 +16,9 @@ walks all of K, loading [BLOCK_N, BLOCK_K] weight tiles (16-byte vectors along K
 shared memory) and multiplying them by the x rows in fp32; partial products accumulate per lane and are
 reduced once at the end. The x rows (at most GEMV_MAX_ROWS x K) are re-read by every program from L2,
 so the epilogues are where the neighbouring ops go: a norm in a prologue would re-read the residual
-and the norm weight with every weight tile (measured slower, docs/benchmarks.md), an epilogue touches
-only the program's own BLOCK_N outputs once. Launch shapes come from `gemv_config`
-(benchmarks/bench_gemv.py measures them).
+and the norm weight with every weight tile (measured slower:
+benchmarks/results/2026-12-02-h200-decode-gemv-fp8-kv.md), an epilogue touches only the program's own
+BLOCK_N outputs once. Launch shapes come from `gemv_config` (benchmarks/bench_gemv.py measures them).
 """
 
 from __future__ import annotations
@@ -38,7 +38,8 @@ from radixlm.kernels.triton.elementwise import kv_limit, to_kv
 # of more ({"rows,N,K": [block_n, block_k, warps, stages]}, what bench_gemv --configs-out writes): a tuned run
 # without a code change.
 CONFIGS: dict[tuple[int, int, int], tuple[int, int, int, int]] = {
-    # One H200, bf16, the Llama-3-8B shapes at one row (2026-12-02, bench_gemv.py; docs/benchmarks.md).
+    # One H200, bf16, the Llama-3-8B shapes at one row (bench_gemv.py;
+    # benchmarks/results/2026-12-02-h200-decode-gemv-fp8-kv.md).
     (1, 6144, 4096): (4, 2048, 4, 3), (1, 4096, 4096): (8, 512, 4, 3), (1, 28672, 4096): (4, 2048, 8, 3),
     (1, 4096, 14336): (8, 512, 4, 3), (1, 128256, 4096): (16, 1024, 8, 3),
 }

@@ -8,9 +8,10 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
+from radixlm.core.runtime.constrained.accept_paths import can_finish
 from radixlm.core.runtime.constrained.automata.grammar_compiler import DEFAULT_BUDGET, GrammarBudget
 from radixlm.core.runtime.constrained.grammar_index_cache import get_grammar_index
-from radixlm.core.runtime.constrained.pda import GrammarIndex, can_finish
+from radixlm.core.runtime.constrained.pda import GrammarIndex
 from radixlm.core.runtime.constrained.tokens.vocab import vocab_of
 from radixlm.core.runtime.tokenizer.fast_path import encoder_for
 

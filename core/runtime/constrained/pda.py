@@ -92,7 +92,7 @@ class GrammarIndex:
             string_tokens(vocab, opening=True)
         # Every output begins at the start configuration, so its token classes and exit walks are built
         # here, with the compile (off the decode loop), not in the first request's first mask: that mask
-        # was the largest piece of the corpus's mask tail (round 12 in docs/benchmarks.md).
+        # was the largest piece of the corpus's mask tail (benchmarks/results/2026-12-02-grammar-masks.md).
         # Its bits are kept too (19 KB for a 152k vocabulary): the union of an any-value start's pieces costs
         # ~0.1 ms, in every new schema's first mask.
         self._start_bits = self._walk(self.start)
@@ -105,7 +105,7 @@ class GrammarIndex:
         their items' continuations resumes (a key's value, what follows a value or a key) and one and two
         bytes from there; and with each, its literals' last two states (a key's `":` and `:`, where a
         tokenizer most often splits: `{"name` then `":`). Work the first masks of every new schema did
-        fresh, the bulk of the mask tail (round 16 in docs/benchmarks.md); a state or walk a request never
+        fresh, the bulk of the mask tail (benchmarks/results/2026-12-03-grammar-masks-warmup.md); a state or walk a request never
         meets costs only compile time."""
         end = time.monotonic() + seconds
         seen, tails_seen = {self.start}, set()
@@ -485,72 +485,3 @@ def _spellable_bytes(vocab: TokenVocab) -> np.ndarray:
         found[np.unique(np.frombuffer(b"".join(vocab.token_bytes), dtype=np.uint8))] = True
         _spellable_cache[vocab.fingerprint] = found
     return found
-
-
-def shortest_bytes_to_accept(index, state: int, max_states: int = 100_000) -> bytes | None:
-    """Breadth first from `state` over `index.byte_successors` to an accepting state: the bytes of the
-    shortest path, or None if none is found within `max_states` states. For either engine's index."""
-    return _search(index, state, max_states)[0]
-
-
-# Closing bytes first, opening ones last: a depth-first search in this order ends values quickly.
-_COMPLETION_ORDER = [*b'"}]0,:', *(b for b in range(256) if b not in b'"}]0,:[{'), *b"[{"]
-
-
-def bytes_to_accept(index, state: int, max_states: int = 100_000) -> bytes | None:
-    """Depth first from `state`, closing bytes first: the bytes of a path to an accepting state (not
-    the shortest), or None if none is found within `max_states` states. Where a breadth-first search
-    drowns (a required key far ahead, behind values of any shape), this one walks straight there."""
-    path, seen = bytearray(), {state}
-    stack = [(state, iter(_COMPLETION_ORDER))]
-    while stack:
-        current, moves = stack[-1]
-        if index.is_accepting(current):
-            return bytes(path)
-        successors = index.byte_successors(current)
-        for byte in moves:
-            nxt = successors[byte]
-            if nxt >= 0 and nxt not in seen:
-                if len(seen) >= max_states:
-                    return None
-                seen.add(nxt)
-                path.append(byte)
-                stack.append((nxt, iter(_COMPLETION_ORDER)))
-                break
-        else:
-            stack.pop()
-            if path:
-                path.pop()
-    return None
-
-
-def can_finish(index, state: int, max_states: int) -> bool:
-    """False only when the search ran out of states to visit without reaching an accepting one."""
-    path, exhausted = _search(index, state, max_states)
-    return path is not None or not exhausted
-
-
-def _search(index, state: int, max_states: int) -> tuple[bytes | None, bool]:
-    """(shortest path to acceptance or None, whether every reachable state was visited)."""
-    if index.is_accepting(state):
-        return b"", False
-    back: dict[int, tuple[int, int] | None] = {state: None}
-    frontier = [state]
-    while frontier:
-        if len(back) >= max_states:
-            return None, False
-        nxt = []
-        for s in frontier:
-            for byte, t in enumerate(index.byte_successors(s)):
-                if t < 0 or t in back:
-                    continue
-                back[t] = (s, byte)
-                if index.is_accepting(t):
-                    path = bytearray()
-                    while back[t] is not None:
-                        t, b = back[t]
-                        path.append(b)
-                    return bytes(reversed(path)), False
-                nxt.append(t)
-        frontier = nxt
-    return None, True

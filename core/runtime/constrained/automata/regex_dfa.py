@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from radixlm.core.runtime.constrained.automata import charsets
+from radixlm.core.runtime.constrained.automata.dfa_minimize import live_states, minimize
 from radixlm.core.errors import GrammarBudgetError
 
 try:  # Python >= 3.11
@@ -122,7 +123,7 @@ def regex_to_dfa(pattern: str, max_states: int = MAX_DFA_STATES) -> ByteDFA:
     nfa = _NFA(2 * max_states)
     start, accept = nfa.compile(tree, tree.state.flags, at_start=True, at_end=True)
     trans, accepting = _determinize(nfa, start, accept, max_states)
-    return _minimize(trans, accepting, nfa.byte_classes(), pattern)
+    return ByteDFA(*minimize(trans, accepting, nfa.byte_classes(), pattern))
 
 
 def char_set_ranges(op, av, flags: int) -> charsets.Ranges:
@@ -365,93 +366,6 @@ def _determinize(nfa: _NFA, start: int, accept: int, max_states: int) -> tuple[n
     return trans, accepting
 
 
-def _live_states(trans: np.ndarray, accepting: np.ndarray) -> np.ndarray:
-    """bool [n]: states from which an accepting state is reachable (reverse BFS on the edge list)."""
-    src, cls = np.nonzero(trans >= 0)
-    dst = trans[src, cls]
-    order = np.argsort(dst, kind="stable")
-    src, dst = src[order], dst[order]
-    ptr = np.searchsorted(dst, np.arange(trans.shape[0] + 1))
-    live = accepting.copy()
-    frontier = np.flatnonzero(live)
-    while frontier.size:
-        counts = ptr[frontier + 1] - ptr[frontier]
-        starts = np.repeat(ptr[frontier], counts)
-        offsets = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
-        preds = np.unique(src[starts + offsets])
-        frontier = preds[~live[preds]]
-        live[frontier] = True
-    return live
-
-
-def _refine(trans: np.ndarray, accepting: np.ndarray, exact: bool,
-            check: Callable[[], None] | None = None) -> np.ndarray:
-    """Moore partition refinement: block id per state of the coarsest partition respecting transitions
-    (`check`, if given, is called every round: a deadline that may raise).
-
-    The per-round signature (own block, successor blocks) is hashed to one uint64 so a round is a 1-D
-    unique; `exact` uses the rows themselves (the fallback should a hash collision ever show up)."""
-    n, k = trans.shape
-    rng = np.random.default_rng(0x5EED)
-    weights = rng.integers(1, 2**63, size=k + 1, dtype=np.uint64) | np.uint64(1)
-    block = accepting.astype(np.int64)
-    num_blocks = len(np.unique(block))
-    while True:
-        if check is not None:
-            check()
-        succ = np.where(trans >= 0, block[np.maximum(trans, 0)], -1) + 1
-        sig = np.concatenate([block[:, None], succ], axis=1)
-        if exact:
-            _, new_block = np.unique(sig, axis=0, return_inverse=True)
-        else:
-            hashed = (sig.astype(np.uint64) * weights).sum(axis=1, dtype=np.uint64)
-            _, new_block = np.unique(hashed, return_inverse=True)
-        new_block = new_block.reshape(-1)
-        new_num = int(new_block.max()) + 1 if n else 0
-        block = new_block
-        if new_num == num_blocks:
-            return block
-        num_blocks = new_num
-
-
-def _minimize(trans: np.ndarray, accepting: np.ndarray, classes: np.ndarray, pattern: str,
-              check: Callable[[], None] | None = None) -> ByteDFA:
-    live = _live_states(trans, accepting)
-    if not live[0]:
-        raise ValueError(f"regex {pattern!r} matches no string")
-    keep = np.flatnonzero(live)
-    renum = np.full(trans.shape[0], -1, dtype=np.int32)
-    renum[keep] = np.arange(len(keep), dtype=np.int32)
-    trans = np.where(trans >= 0, renum[np.maximum(trans, 0)], -1)[keep]
-    accepting = accepting[keep]
-
-    block = _refine(trans, accepting, exact=False, check=check)
-    rep = np.zeros(int(block.max()) + 1, dtype=np.int64)
-    rep[block[::-1]] = np.arange(len(block))[::-1]  # first state of each block
-    succ_block = np.where(trans >= 0, block[np.maximum(trans, 0)], -1)
-    if not np.array_equal(succ_block, succ_block[rep[block]]):  # a hash collision merged two states
-        block = _refine(trans, accepting, exact=True, check=check)
-        rep = np.zeros(int(block.max()) + 1, dtype=np.int64)
-        rep[block[::-1]] = np.arange(len(block))[::-1]
-        succ_block = np.where(trans >= 0, block[np.maximum(trans, 0)], -1)
-    small = succ_block[rep]  # [num_blocks, K] transitions between blocks
-    small_accepting = accepting[rep]
-
-    # Renumber in breadth-first order from the start so state ids are deterministic and start is 0.
-    order, seen = [int(block[0])], {int(block[0])}
-    for b in order:
-        for t in small[b]:
-            t = int(t)
-            if t >= 0 and t not in seen:
-                seen.add(t)
-                order.append(t)
-    final = np.full(len(rep), -1, dtype=np.int32)
-    final[order] = np.arange(len(order), dtype=np.int32)
-    small = np.where(small >= 0, final[np.maximum(small, 0)], -1)[order]
-    by_byte = np.ascontiguousarray(small[:, classes], dtype=np.int32)
-    return ByteDFA(transitions=by_byte, accepting=small_accepting[order].copy())
-
-
 def dfa_difference(a: ByteDFA, b: ByteDFA, max_states: int = MAX_DFA_STATES,
                    check: Callable[[], None] | None = None) -> ByteDFA | None:
     """The minimal DFA of L(a) minus L(b) (product construction), or None if that language is empty;
@@ -517,6 +431,6 @@ def _product(a: ByteDFA, b: ByteDFA, both: bool, max_states: int,
     xa, xb = np.divmod(np.concatenate(codes), base)
     accepting = a.accepting[xa] & (acc_b[xb] == both)
     trans = np.concatenate(rows)
-    if not _live_states(trans, accepting)[0]:
+    if not live_states(trans, accepting)[0]:
         return None  # the language is empty
-    return _minimize(trans, accepting, classes, "product", check)
+    return ByteDFA(*minimize(trans, accepting, classes, "product", check))

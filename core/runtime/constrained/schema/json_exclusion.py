@@ -19,6 +19,9 @@ from radixlm.core.runtime.constrained.schema.json_strings import ecma_string_pat
 MAX_NEGATION_DEPTH = 8  # `not` of nested schemas: levels looked into (a recursive schema has no end)
 MAX_ONEOF_PAIRS = 4  # `not` of a oneOf: with up to this many branches, the values of each pair too
 MAX_EXACT_ONEOF = 400  # oneOf branches split by type that lose values: up to this size (JSON), by `not`
+# keywords failed through their subschemas (the applicators, and `required`: a property that must be absent)
+SUBSCHEMA_KEYWORDS = frozenset({"patternProperties", "required", "properties", "items", "contains", "prefixItems",
+                                "oneOf", "not", "anyOf", "allOf"})
 
 
 class ExclusionRules:
@@ -81,6 +84,12 @@ class ExclusionRules:
     def _failing(self, key: str, value: Any, body: dict, opened: dict, ptr: str, depth: int) -> list | None:
         """The ways a value fails keyword `key` of a `not`'s schema, as (type or None, schema) pairs;
         [] when every value passes it; None when there is no positive form here."""
+        if key in SUBSCHEMA_KEYWORDS:
+            return self._failing_subschemas(key, value, body, opened, ptr, depth)
+        return self._failing_assertion(key, value, body, opened, ptr)
+
+    def _failing_assertion(self, key: str, value: Any, body: dict, opened: dict, ptr: str) -> list | None:
+        """_failing for a keyword that asserts on the value itself (type, bounds, pattern, enum...)."""
         number = isinstance(value, (int, float)) and not isinstance(value, bool)
         flips = {"minimum": "exclusiveMaximum", "maximum": "exclusiveMinimum", "exclusiveMinimum": "maximum",
                  "exclusiveMaximum": "minimum"}
@@ -114,6 +123,11 @@ class ExclusionRules:
             if step.denominator == 1:  # of a whole number: every number that is not an integer too
                 ways.append((None, {"type": "number", "not": {"type": "integer"}}))
             return ways or None  # past MAX_MODULUS, or 1/q: left out (a sound subset)
+        return None
+
+    def _failing_subschemas(self, key: str, value: Any, body: dict, opened: dict, ptr: str,
+                            depth: int) -> list | None:
+        """_failing for a keyword of SUBSCHEMA_KEYWORDS: a value fails it through its subschemas' failures."""
         if key == "patternProperties" and isinstance(value, dict):
             # Objects whose keys all match one pattern, and whose values all fail its schema (at least one
             # key): a sound subset of those with some matching key's value failing it.
