@@ -80,3 +80,18 @@ def test_server_module_from_the_root_serves_a_checkpoint(root_cwd, llama_ckpt):
             assert reply.status == 200
     finally:
         assert server.signal() == 0
+
+
+def test_an_hf_checkpoint_serves_without_the_gguf_package(llama_ckpt):
+    # The GPU image has no `gguf`: it may be imported only where a GGUF file is loaded.
+    code = ("import sys, importlib.abc\n"
+            "class NoGGUF(importlib.abc.MetaPathFinder):\n"
+            "    def find_spec(self, name, path, target=None):\n"
+            "        if name.split('.')[0] == 'gguf':\n"
+            "            raise ModuleNotFoundError(name)\n"
+            "sys.meta_path.insert(0, NoGGUF())\n"
+            "import radixlm\n"
+            f"with radixlm.Engine(model_path={llama_ckpt!r}, device='cpu') as engine:\n"
+            "    out = engine.generate('Hello', {'max_new_tokens': 4, 'temperature': 0})\n"
+            "print(out['meta_info']['completion_tokens'])\n")
+    assert run_from_root("-c", code).strip().splitlines()[-1] == "4"
