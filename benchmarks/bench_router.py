@@ -21,10 +21,7 @@ import argparse
 import json
 import os
 import random
-import re
-import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -36,6 +33,7 @@ from machine_info import cpu_name  # noqa: E402
 from workloads import WORKLOADS  # noqa: E402
 
 import radixlm as sgl  # noqa: E402
+from radixlm.testing.servers import ServerProcess  # noqa: E402
 
 # Sizes between the workloads' "tiny" and "gpu" presets, small enough for minutes per run on a shared
 # CPU with SmolLM2 (--max-total-tokens 1024 per replica).
@@ -47,40 +45,12 @@ SIZES = {
 }
 
 
-class Process:
-    """`radixlm <command>` on a free loopback port, read back from its log line."""
-
-    def __init__(self, command: str, *flags: str, threads: int) -> None:
-        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=str(threads))
-        self.proc = subprocess.Popen([sys.executable, "-m", "radixlm.server.cli", command, "--port", "0", *flags],
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-        self.log: list[str] = []
-        self.url: str | None = None
-        found = threading.Event()
-
-        def read() -> None:
-            for line in self.proc.stdout:
-                self.log.append(line)
-                match = re.search(r"listening on (http://\S+?) ", line)
-                if match:
-                    self.url = match.group(1)
-                    found.set()
-
-        threading.Thread(target=read, daemon=True).start()
-        if not found.wait(600):
-            self.stop()
-            raise RuntimeError(f"radixlm {command} did not start:\n" + "".join(self.log[-40:]))
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
+def start(command: str, *flags: str, threads: int) -> ServerProcess:
+    """`radixlm <command>` on a free loopback port, its torch threads capped."""
+    return ServerProcess(*flags, command=command, env={"OMP_NUM_THREADS": str(threads)}, start_timeout=600)
 
 
-def _counters(replicas: list[Process]) -> dict[str, float]:
+def _counters(replicas: list[ServerProcess]) -> dict[str, float]:
     keys = ("prompt_tokens_total", "cached_tokens_total", "ttft_sum", "finished_total")
     total = dict.fromkeys(keys, 0.0)
     for r in replicas:
@@ -90,7 +60,7 @@ def _counters(replicas: list[Process]) -> dict[str, float]:
     return total
 
 
-def run_one(name: str, url: str, replicas: list[Process], seed: int) -> dict[str, Any]:
+def run_one(name: str, url: str, replicas: list[ServerProcess], seed: int) -> dict[str, Any]:
     """One workload through `url`, the replicas' caches flushed first; its figures."""
     workload = WORKLOADS[name]
     size, n = SIZES[name]
@@ -123,18 +93,18 @@ def main() -> None:
     args = parser.parse_args()
 
     flags = ["--max-total-tokens", str(args.max_total_tokens), "--log-interval", "0"]
-    started: list[Process] = []
+    started: list[ServerProcess] = []
     try:
         for _ in range(args.replicas):
-            started.append(Process("serve", *flags, threads=args.threads))
+            started.append(start("serve", *flags, threads=args.threads))
         replicas = list(started)
         policies = {"router": "cache_aware", "round_robin": "round_robin"}
         front = {}
         for system in (s for s in args.systems if s in policies):
             # Replicas starved of CPU (a shared machine) answer /health late: a long timeout keeps them in.
-            front[system] = Process("router", "--worker-urls", *[r.url for r in replicas], "--policy",
-                                    policies[system], "--health-check-timeout-secs", "60", "--log-level",
-                                    "warning", threads=1)
+            front[system] = start("router", "--worker-urls", *[r.url for r in replicas], "--policy",
+                                  policies[system], "--health-check-timeout-secs", "60", "--log-level",
+                                  "warning", threads=1)
             started.append(front[system])
         results = measure(args, replicas, front)
     finally:
@@ -144,7 +114,7 @@ def main() -> None:
         args.markdown.write_text(markdown(results))
 
 
-def measure(args: argparse.Namespace, replicas: list[Process], front: dict[str, Process]) -> dict[str, Any]:
+def measure(args: argparse.Namespace, replicas: list[ServerProcess], front: dict[str, ServerProcess]) -> dict[str, Any]:
     results: dict[str, Any] = {
         "machine": {"cpu": cpu_name(), "cores_visible": os.cpu_count(), "threads_per_replica": args.threads,
                     "replicas": args.replicas, "max_total_tokens": args.max_total_tokens,

@@ -27,11 +27,8 @@ import asyncio
 import json
 import os
 import platform
-import re
 import signal
-import subprocess
 import sys
-import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -39,39 +36,15 @@ from typing import Any
 
 import httpx
 
+from radixlm.testing.servers import ServerProcess
 
-class Server:
-    """`radixlm serve` in a subprocess; its URL read from its log."""
 
-    def __init__(self, model: str, *flags: str, env: dict[str, str] | None = None) -> None:
-        cmd = [sys.executable, "-m", "radixlm.server", "--model-path", model, "--port", "0", "--log-interval", "0",
-               *flags]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
-        self.log: list[str] = []
-        found = threading.Event()
-        self.url = ""
+def start_server(model: str, *flags: str, env: dict[str, str] | None = None) -> ServerProcess:
+    return ServerProcess("--model-path", model, "--log-interval", "0", *flags, env=env, start_timeout=300)
 
-        def read() -> None:
-            for line in self.proc.stdout:
-                self.log.append(line)
-                match = re.search(r"listening on (http://\S+?) ", line)
-                if match:
-                    self.url = match.group(1)
-                    found.set()
 
-        threading.Thread(target=read, daemon=True).start()
-        if not found.wait(300):
-            self.proc.kill()
-            raise RuntimeError("the server did not start:\n" + "".join(self.log[-30:]))
-
-    def info(self) -> dict[str, Any]:
-        return httpx.get(self.url + "/get_server_info", timeout=30).json()
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
+def server_info(server: ServerProcess) -> dict[str, Any]:
+    return httpx.get(server.url + "/get_server_info", timeout=30).json()
 
 
 @dataclass
@@ -148,7 +121,7 @@ def kv_accounted(url: str, timeout: float = 120) -> tuple[bool, dict]:
 # ---- scenarios --------------------------------------------------------------------------------------
 
 async def drain(args: argparse.Namespace) -> dict:
-    server = Server(args.model_path, "--max-total-tokens", str(args.max_total_tokens), "--drain-timeout",
+    server = start_server(args.model_path, "--max-total-tokens", str(args.max_total_tokens), "--drain-timeout",
                     str(args.drain_timeout))
     try:
         tasks, client = await start_clients(server.url, args.clients, args.tokens)
@@ -170,7 +143,7 @@ async def drain(args: argparse.Namespace) -> dict:
         code = await asyncio.to_thread(server.proc.wait, 60)
         exited = time.monotonic() - t0
     finally:
-        server.stop()
+        server.kill()
     done = [s for s in streams if s.outcome == "length"]
     if len(done) < args.clients:
         print("".join(server.log[-40:]), flush=True)
@@ -202,9 +175,9 @@ def _alive(pid: int) -> bool:
 
 
 async def kill(args: argparse.Namespace) -> dict:
-    server = Server(args.model_path, "--max-total-tokens", str(args.max_total_tokens), "--scheduler-process")
+    server = start_server(args.model_path, "--max-total-tokens", str(args.max_total_tokens), "--scheduler-process")
     try:
-        pid = server.info()["scheduler_pid"]
+        pid = server_info(server)["scheduler_pid"]
         tasks, client = await start_clients(server.url, args.clients, 4 * args.tokens)
         health: list = []
         t0 = time.monotonic()
@@ -227,7 +200,7 @@ async def kill(args: argparse.Namespace) -> dict:
         await watcher
         left = [p for p in (pid, server.proc.pid) if _alive(p)]
     finally:
-        server.stop()
+        server.kill()
     errors = [s for s in streams if s.outcome not in ("length", "stop") and not s.outcome.startswith("cut")]
     worst = max(s.ended for s in streams) - t0
     return {
@@ -250,19 +223,19 @@ async def _greedy_run(url: str, n: int, tokens: int) -> list[list[int]]:
 
 async def oom(args: argparse.Namespace) -> dict:
     flags = ("--max-total-tokens", str(args.max_total_tokens))
-    clean = Server(args.model_path, *flags)
+    clean = start_server(args.model_path, *flags)
     try:
         expected = await _greedy_run(clean.url, args.clients, args.tokens)
     finally:
-        clean.stop()
-    faulty = Server(args.model_path, *flags, env={"RADIXLM_INJECT_FAULTS": f"oom_every={args.oom_every}"})
+        clean.kill()
+    faulty = start_server(args.model_path, *flags, env={"RADIXLM_INJECT_FAULTS": f"oom_every={args.oom_every}"})
     try:
         t0 = time.monotonic()
         got = await _greedy_run(faulty.url, args.clients, args.tokens)
         took = time.monotonic() - t0
         accounted, stats = kv_accounted(faulty.url)
     finally:
-        faulty.stop()
+        faulty.kill()
     injected = sum(1 for line in faulty.log if "injected fault: CUDA out of memory" in line)
     same = sum(1 for a, b in zip(expected, got) if a == b)
     return {
@@ -277,7 +250,7 @@ async def oom(args: argparse.Namespace) -> dict:
 
 
 async def deadline(args: argparse.Namespace) -> dict:
-    server = Server(args.model_path, "--max-total-tokens", str(args.max_total_tokens))
+    server = start_server(args.model_path, "--max-total-tokens", str(args.max_total_tokens))
     try:
         n_short = max(1, args.clients // 4)
         async with httpx.AsyncClient(base_url=server.url, timeout=300, limits=limits(args.clients + n_short)) as c:
@@ -286,7 +259,7 @@ async def deadline(args: argparse.Namespace) -> dict:
             results = await asyncio.gather(*limited, *short)
         accounted, stats = kv_accounted(server.url)
     finally:
-        server.stop()
+        server.kill()
     limited_r, short_r = results[:args.clients], results[args.clients:]
     late = [s.ended - s.started - args.timeout for s in limited_r]
     return {

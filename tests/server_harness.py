@@ -7,11 +7,6 @@ the slow part); it stops when the session ends.
 from __future__ import annotations
 
 import atexit
-import os
-import re
-import signal
-import subprocess
-import sys
 import threading
 import time
 from typing import Any
@@ -87,40 +82,3 @@ def render_chat(engine: Engine, messages: list[dict[str, Any]], **kwargs: Any) -
     return engine.tokenizer.encode(text, add_special_tokens=False)
 
 
-class ServerProcess:
-    """`radixlm serve` (or another subcommand, e.g. `router`) in a subprocess on a free port (read back from
-    its log line)."""
-
-    def __init__(self, *flags: str, command: str = "serve", env: dict[str, str] | None = None) -> None:
-        env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
-        self.proc = subprocess.Popen([sys.executable, "-m", "radixlm.server.cli", command, "--port", "0", *flags],
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-        self.log: list[str] = []
-        self.url: str | None = None
-        found = threading.Event()
-
-        def read() -> None:
-            assert self.proc.stdout is not None
-            for line in self.proc.stdout:
-                self.log.append(line)
-                match = re.search(r"listening on (https?://\S+?) ", line)
-                if match:
-                    self.url = match.group(1)
-                    found.set()
-
-        self.reader = threading.Thread(target=read, daemon=True)
-        self.reader.start()
-        if not found.wait(180):
-            self.proc.kill()
-            raise RuntimeError("server process did not start:\n" + "".join(self.log))
-
-    def signal(self, sig: int = signal.SIGTERM) -> int:
-        self.proc.send_signal(sig)
-        code = self.proc.wait(timeout=60)
-        self.reader.join(timeout=10)
-        return code
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()

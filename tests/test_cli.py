@@ -24,7 +24,8 @@ from radixlm.core.runtime.options import EngineOptions
 from radixlm.testing.checkpoints import tiny_model_path
 from radixlm.server.app import create_app
 from radixlm.server.args import ServerArgs
-from server_harness import ServerProcess, shared_server
+from radixlm.testing.servers import ServerProcess
+from server_harness import shared_server
 
 
 def run_cli(*args: str, timeout: float = 60) -> tuple[subprocess.CompletedProcess, float]:

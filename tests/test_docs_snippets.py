@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from server_harness import ServerProcess
+from radixlm.testing.servers import ServerProcess
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from server_harness import ServerProcess
+from radixlm.testing.servers import ServerProcess
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -21,7 +21,7 @@ from radixlm.server.router.args import RouterArgs
 from radixlm.server.router.keys import RoutingKeys
 from radixlm.server.router.policy import RoundRobin
 from radixlm.server.router.replicas import ReplicaSet, normalize_url
-from server_harness import ServerProcess
+from radixlm.testing.servers import ServerProcess
 
 HEALTH_INTERVAL = 0.5
 GREEDY = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}

@@ -12,7 +12,8 @@ import time
 import httpx
 import pytest
 
-from server_harness import ServerProcess, shared_server, wait_idle
+from radixlm.testing.servers import ServerProcess
+from server_harness import shared_server, wait_idle
 
 CHAT = "/v1/chat/completions"
 COMP = "/v1/completions"

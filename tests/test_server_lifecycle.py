@@ -15,7 +15,7 @@ import time
 import httpx
 import pytest
 
-from server_harness import ServerProcess
+from radixlm.testing.servers import ServerProcess
 
 CLIENTS = 8  # streaming clients per test (the probe, benchmarks/fault_probe.py, runs 200)
 
