@@ -118,7 +118,6 @@ class AttentionPlan:
     """The batch layout every layer's attention shares (see `plan_attention`)."""
 
     groups: list[_Group]
-    has_empty: bool  # some request has length 0 (a padding row): its output rows are zeros
 
 
 def plan_attention(
@@ -143,7 +142,7 @@ def plan_attention(
         planned.append(_plan_group(req_to_token, req_pool_indices, seq_lens, group, [starts[i] for i in group],
                                    [ext_list[i] for i in group], min(seq_list[i] for i in group),
                                    max(seq_list[i] for i in group), whole))
-    return AttentionPlan(planned, 0 in seq_list)
+    return AttentionPlan(planned)
 
 
 def _plan_group(req_to_token, req_pool_indices, seq_lens, group: list[int], starts: list[int], ext: list[int],
@@ -209,7 +208,9 @@ def _attend(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, sm_
             plan: AttentionPlan) -> torch.Tensor:
     if len(plan.groups) == 1 and plan.groups[0].token is None:
         return _attend_group(q, k_buffer, v_buffer, sm_scale, plan.groups[0])
-    out = torch.zeros_like(q) if plan.has_empty else torch.empty_like(q)
+    # Zeros, not empty: rows no group covers (padding rows and a padded graph's spare tokens) must not carry
+    # garbage, which their KV store would write into the reserved slot 0 that masked key positions gather.
+    out = torch.zeros_like(q)
     for group in plan.groups:
         if group.q_valid is None:
             out[group.token] = _attend_group(q[group.token], k_buffer, v_buffer, sm_scale, group)
