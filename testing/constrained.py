@@ -105,3 +105,13 @@ def random_walk(constraint: GrammarConstraint, rng: np.random.Generator, max_tok
         constraint.advance(token)
         ids.append(token)
     return ids
+
+
+def accepts_text(constraint: GrammarConstraint, text: str) -> bool:
+    """Whether the grammar accepts `text` as a whole output (walked byte by byte, no tokenizer)."""
+    index, state = constraint.index, constraint.index.start
+    for b in text.encode():
+        state = index.byte_successors(state)[b]
+        if state < 0:
+            return False
+    return index.is_accepting(state)

@@ -11,6 +11,7 @@ import pytest
 
 from radixlm.core.runtime.constrained import build_constraint
 from radixlm.testing.constrained import random_walk
+from radixlm.testing.constrained import accepts_text
 
 uri_template = pytest.importorskip("uri_template")  # what jsonschema's checker uses for this format
 
@@ -30,21 +31,12 @@ def _checker_valid(text: str) -> bool:
     return jsonschema.Draft7Validator(SCHEMA, format_checker=jsonschema.Draft7Validator.FORMAT_CHECKER).is_valid(text)
 
 
-def _accepts(constraint, text: str) -> bool:
-    index, state = constraint.index, constraint.index.start
-    for b in text.encode():
-        state = index.byte_successors(state)[b]
-        if state < 0:
-            return False
-    return index.is_accepting(state)
-
-
 def test_given_templates(tiny_tokenizer):
     constraint = build_constraint("json_schema", SCHEMA, tiny_tokenizer)
     for text in VALID:
-        assert _checker_valid(text) and _accepts(constraint, json.dumps(text)), text
+        assert _checker_valid(text) and accepts_text(constraint, json.dumps(text)), text
     for text in INVALID:
-        assert not _checker_valid(text) and not _accepts(constraint, json.dumps(text)), text
+        assert not _checker_valid(text) and not accepts_text(constraint, json.dumps(text)), text
 
 
 def test_generated_templates_are_valid(tiny_tokenizer):

@@ -16,6 +16,7 @@ from radixlm.core.runtime.constrained import GrammarBudget, build_constraint, co
 from radixlm.core.runtime.constrained.automata.grammar import Grammar, Ref, Repeat, alt, lit, opt, seq
 from radixlm.testing.constrained import random_walk
 from radixlm.core.errors import GrammarBudgetError
+from radixlm.testing.constrained import accepts_text
 
 INT = {"type": "integer"}
 STR = {"type": "string"}
@@ -31,16 +32,6 @@ def tiny_tokenizer(tokenizer_path):
 def _validator(schema):
     cls = jsonschema.validators.validator_for(schema)
     return cls(schema, format_checker=cls.FORMAT_CHECKER)
-
-
-def _accepts(constraint, text: str) -> bool:
-    """Whether the grammar accepts `text` as a whole output (walked byte by byte, no tokenizer)."""
-    index, state = constraint.index, constraint.index.start
-    for b in text.encode():
-        state = index.byte_successors(state)[b]
-        if state < 0:
-            return False
-    return index.is_accepting(state)
 
 
 # Schemas the regex-DFA converter refused or got wrong, each with documents the schema accepts and rejects.
@@ -310,11 +301,11 @@ def test_accepts_valid_rejects_invalid_and_samples_validate(case, tiny_tokenizer
     c = build_constraint("json_schema", schema, tiny_tokenizer)
     for doc in good:
         assert validator.is_valid(doc), doc  # the oracle agrees with the case table
-        assert _accepts(c, json.dumps(doc, separators=(",", ":"), ensure_ascii=False)), doc
+        assert accepts_text(c, json.dumps(doc, separators=(",", ":"), ensure_ascii=False)), doc
     for doc in bad:
         text = json.dumps(doc, separators=(",", ":"), ensure_ascii=False)
         assert not validator.is_valid(doc), doc
-        assert not _accepts(c, text), doc
+        assert not accepts_text(c, text), doc
     rng = np.random.default_rng(case)
     for _ in range(60):  # a uniform random policy: the harshest sampler
         c = build_constraint("json_schema", schema, tiny_tokenizer)
@@ -346,7 +337,7 @@ def test_exclusive_oneof_drops_a_branch_it_cannot_convert(tiny_tokenizer):
               "required": ["kind", "value"]}
     schema = {**DISCRIMINATED, "oneOf": [*DISCRIMINATED["oneOf"], broken]}
     c = build_constraint("json_schema", schema, tiny_tokenizer)
-    assert _accepts(c, '{"kind":"s","value":"x"}') and not _accepts(c, '{"kind":"r","value":1}')
+    assert accepts_text(c, '{"kind":"s","value":"x"}') and not accepts_text(c, '{"kind":"r","value":1}')
     with pytest.raises(ValueError, match=re.escape("#/oneOf/0/properties/value/$ref")):
         other = {**broken, "properties": {**broken["properties"], "kind": {"const": "q"}}}
         build_constraint("json_schema", {"type": "object", "oneOf": [broken, other]}, tiny_tokenizer)
@@ -357,9 +348,9 @@ def test_format_is_an_annotation_where_the_schema_declares_draft_2020_12(tiny_to
     validator = jsonschema.Draft202012Validator(declared)  # the draft's default: no format assertion
     c = build_constraint("json_schema", declared, tiny_tokenizer)
     for doc in ["2024-02-29", "06/19/1963", 1]:
-        assert _accepts(c, json.dumps(doc)) == validator.is_valid(doc), doc
+        assert accepts_text(c, json.dumps(doc)) == validator.is_valid(doc), doc
     strict = build_constraint("json_schema", {k: v for k, v in declared.items() if k != "$schema"}, tiny_tokenizer)
-    assert _accepts(strict, '"2024-02-29"') and not _accepts(strict, '"06/19/1963"')
+    assert accepts_text(strict, '"2024-02-29"') and not accepts_text(strict, '"06/19/1963"')
 
 
 def test_pattern_classes_are_ecma_262_ascii(tiny_tokenizer):
@@ -367,7 +358,7 @@ def test_pattern_classes_are_ecma_262_ascii(tiny_tokenizer):
     would take Unicode digits); the oracle here is `re` with re.ASCII, searching."""
     schema = {"type": "string", "pattern": r"^\d+-\w+$"}
     c = build_constraint("json_schema", schema, tiny_tokenizer)
-    assert _accepts(c, '"12-ab_"') and not _accepts(c, '"١٢-ab"') and not _accepts(c, '"12-é"')
+    assert accepts_text(c, '"12-ab_"') and not accepts_text(c, '"١٢-ab"') and not accepts_text(c, '"12-é"')
     rng = np.random.default_rng(0)
     for _ in range(40):
         c = build_constraint("json_schema", schema, tiny_tokenizer)
@@ -411,8 +402,8 @@ def test_refs_to_registered_documents_resolve(tmp_path, tiny_tokenizer):
         build_constraint("json_schema", schema, tiny_tokenizer)
     assert register_documents(tmp_path, "http://remote.test/") == 4  # int.json under its $id and its path
     c = build_constraint("json_schema", schema, tiny_tokenizer)
-    assert _accepts(c, '{"a":1,"b":["xy"]}')
-    assert not _accepts(c, '{"a":1,"b":["xyz"]}') and not _accepts(c, '{"a":"1","b":["x"]}')
+    assert accepts_text(c, '{"a":1,"b":["xy"]}')
+    assert not accepts_text(c, '{"a":1,"b":["xyz"]}') and not accepts_text(c, '{"a":"1","b":["x"]}')
     (tmp_path / "bad.json").write_text("{")
     with pytest.raises(ValueError, match="bad.json"):
         register_documents(tmp_path)
@@ -438,11 +429,11 @@ def test_optional_properties_grow_the_grammar_linearly():
 def test_long_max_length_and_many_refs_compile_without_building_a_whole_dfa(tiny_tokenizer):
     """A `maxLength: 255` string was a 3,573-state DFA (1.5 s); here it is a rule of 257 symbol states."""
     c = build_constraint("json_schema", {"type": "string", "maxLength": 255}, tiny_tokenizer)
-    assert _accepts(c, json.dumps("x" * 255)) and not _accepts(c, json.dumps("x" * 256))
+    assert accepts_text(c, json.dumps("x" * 255)) and not accepts_text(c, json.dumps("x" * 256))
     defs = {f"d{i}": {"type": "object", "properties": {"n": {"$ref": f"#/$defs/d{i + 1}"}}} for i in range(300)}
     defs["d300"] = INT
     c = build_constraint("json_schema", {"$defs": defs, "$ref": "#/$defs/d0"}, tiny_tokenizer)
-    assert _accepts(c, '{"n":{"n":{}}}')
+    assert accepts_text(c, '{"n":{"n":{}}}')
 
 
 def test_budgets_raise_grammar_budget_error(tiny_tokenizer):
@@ -533,7 +524,7 @@ def test_a_recursive_grammar_counts_brackets(tiny_tokenizer):
     from radixlm.core.runtime.constrained.grammar_constraint import GrammarConstraint
     c = GrammarConstraint(index)
     for text, ok in [("(()())", True), ("((())", False), ("())", False), ("", True)]:
-        assert _accepts(c, text) == ok, text
+        assert accepts_text(c, text) == ok, text
 
 
 @pytest.mark.parametrize("schema", [{"type": "integer"}, {"type": "integer", "maximum": 3},
@@ -542,8 +533,8 @@ def test_integers_are_canonical(schema, tiny_tokenizer):
     """JSON Schema counts 1.0 as an integer, but json.loads reads it as a float: never generated."""
     c = build_constraint("json_schema", schema, tiny_tokenizer)
     whole = {"const": 2, "enum": 0}.get(next(iter(schema)), 0)
-    assert _accepts(c, str(whole))
-    assert not _accepts(build_constraint("json_schema", schema, tiny_tokenizer), f"{whole}.0")
+    assert accepts_text(c, str(whole))
+    assert not accepts_text(build_constraint("json_schema", schema, tiny_tokenizer), f"{whole}.0")
 
 
 def _whole(data: bytes) -> bool:
@@ -671,7 +662,7 @@ def test_depth_first_completion_finds_the_way_breadth_first_drowns_in(tiny_token
         state = index.byte_successors(state)[b]
     assert shortest_bytes_to_accept(index, state, 2_000) is None
     rest = bytes_to_accept(index, state)
-    assert rest is not None and _accepts(c, prefix + rest.decode())
+    assert rest is not None and accepts_text(c, prefix + rest.decode())
     _validator(schema).validate(json.loads(prefix + rest.decode()))
 
 
@@ -730,7 +721,7 @@ def test_valid_misses_name_the_documented_cause(tiny_tokenizer):
             c = build_constraint("json_schema", schema, tiny_tokenizer)
         except ValueError:
             return False
-        return _accepts(c, json.dumps(instance, separators=(",", ":")))
+        return accepts_text(c, json.dumps(instance, separators=(",", ":")))
 
     cases = [({"type": "integer"}, 1.0, "integer written 1.0"),
              ({"properties": {"a": INT}}, {"a": 1, "b": 2}, "additionalProperties"),

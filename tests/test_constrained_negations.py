@@ -14,6 +14,7 @@ import pytest
 
 from radixlm.core.runtime.constrained import build_constraint
 from radixlm.testing.constrained import random_walk
+from radixlm.testing.constrained import accepts_text
 
 # (schema, valid instances the grammar accepts, invalid instances)
 CASES = [
@@ -39,16 +40,6 @@ CASES = [
 ]
 
 
-def _accepts(constraint, text: str) -> bool:
-    """Whether the grammar accepts `text` as a whole output (walked byte by byte, no tokenizer)."""
-    index, state = constraint.index, constraint.index.start
-    for b in text.encode():
-        state = index.byte_successors(state)[b]
-        if state < 0:
-            return False
-    return index.is_accepting(state)
-
-
 @pytest.fixture(scope="module")
 def tiny_tokenizer(tokenizer_path):
     """The test checkpoints' byte-level BPE tokenizer (1000 tokens)."""
@@ -64,10 +55,10 @@ def test_given_instances(case, tiny_tokenizer):
     constraint = build_constraint("json_schema", schema, tiny_tokenizer)
     for instance in valid:
         assert validator.is_valid(instance), instance  # the oracle agrees that it is valid
-        assert _accepts(constraint, json.dumps(instance, separators=(",", ":"))), instance
+        assert accepts_text(constraint, json.dumps(instance, separators=(",", ":"))), instance
     for instance in invalid:
         assert not validator.is_valid(instance), instance
-        assert not _accepts(constraint, json.dumps(instance, separators=(",", ":"))), instance
+        assert not accepts_text(constraint, json.dumps(instance, separators=(",", ":"))), instance
 
 
 @pytest.mark.parametrize("case", [c for c in range(len(CASES)) if CASES[c][1]])
