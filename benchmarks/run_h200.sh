@@ -47,6 +47,10 @@
 #                                   # image QA on the LLaVA-1.5-7B shape, shared vs distinct images (issue 21)
 #   RUN_GPU_CHECK=0 RUN_ENGINE_BENCH=0 RUN_CONSTRAINED=0 RUN_QWEN2VL=1 bash benchmarks/run_h200.sh
 #                                   # image QA on the Qwen2-VL-2B shape (M-RoPE), shared vs distinct images (issue 21)
+#   RUN_GPU_CHECK=0 RUN_ENGINE_BENCH=0 RUN_CONSTRAINED=0 RUN_QUANT=1 bash benchmarks/run_h200.sh
+#                                   # bf16 beside fp8 and AWQ 4-bit on the 8B shape (issue 35, ~8 minutes)
+#   RUN_GPU_CHECK=0 RUN_ENGINE_BENCH=0 RUN_CONSTRAINED=0 RUN_SPEC=1 bash benchmarks/run_h200.sh
+#                                   # speculative decoding's verify-step cost and greedy equality (issue 36)
 #
 # Each step has its own time limit (seconds, overridable) so that one hang cannot eat the others.
 set -u -o pipefail
@@ -239,5 +243,21 @@ if [ "${RUN_QWEN2VL:-0}" = 1 ]; then
   timeout "${QWEN2VL_S:-420}" python3 benchmarks/bench_images.py --model qwen2vl-2b-shape ${QWEN2VL_ARGS:-} \
     --out "$OUT/qwen2vl.json" 2>&1 | tee "$OUT/qwen2vl.log"
   echo "bench_images qwen2vl exit ${PIPESTATUS[0]}" | tee -a "$OUT/env.txt"
+fi
+if [ "${RUN_QUANT:-0}" = 1 ]; then
+  # Issue 35: bf16 beside fp8 (W8A8) and AWQ 4-bit on the 8B shape in one call: batch-1 decode, prefill
+  # TFLOP/s, the 1,000-request offline set (bench_quant.py writes one JSON per variant and a summary).
+  # shellcheck disable=SC2086  # QUANT_ARGS is a list of flags
+  timeout "${QUANT_S:-540}" python3 benchmarks/bench_quant.py \
+    ${QUANT_ARGS:---sweep-gemv --engine --variants fp8 awq:latency,prefill} --out-dir "$OUT" 2>&1 | tee "$OUT/bench_quant.log"
+  echo "bench_quant exit ${PIPESTATUS[0]}" | tee -a "$OUT/env.txt"
+fi
+if [ "${RUN_SPEC:-0}" = 1 ]; then
+  # Issue 36: a verify step of 8 drafts against a decode step at batch 1, 8, 64, then greedy equality with
+  # speculation on and off (bench_spec_gpu.py).
+  # shellcheck disable=SC2086  # SPEC_ARGS is a list of flags
+  timeout "${SPEC_S:-300}" python3 benchmarks/bench_spec_gpu.py ${SPEC_ARGS:-} --out "$OUT/bench_spec_gpu.json" \
+    2>&1 | tee "$OUT/bench_spec_gpu.log"
+  echo "bench_spec_gpu exit ${PIPESTATUS[0]}" | tee -a "$OUT/env.txt"
 fi
 nvidia-smi --query-gpu=clocks.sm,clocks.mem,power.draw,temperature.gpu --format=csv 2>&1 | tee -a "$OUT/env.txt"
