@@ -170,7 +170,9 @@ class MergedStream:
         self.branches = branches
         self.finished = [False] * len(branches)
         self._iters: list[AsyncIterator[Output]] = []
-        self._queue: asyncio.Queue = asyncio.Queue()
+        # Bounded: a chunk the client has not taken yet stays in the engine's stream, where a request past
+        # its deadline skips what is queued (core.runtime.frontend), not here, behind the send.
+        self._queue: asyncio.Queue = asyncio.Queue(maxsize=len(branches))
         self._pumps: list[asyncio.Task] = []
         self._first: list[Output] = []
         self._closed = False

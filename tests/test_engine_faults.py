@@ -64,8 +64,9 @@ def test_request_that_cannot_run_alone_ends_with_507(monkeypatch, llama_ckpt, cl
 
 
 def test_fault_spec_is_checked():
-    plan = FaultPlan.parse("oom@3, host_oom@5,oom_over=64,loop_crash@9")
+    plan = FaultPlan.parse("oom@3, host_oom@5,oom_over=64,loop_crash@9,stall_over=90")
     assert plan.oom_at == {3} and plan.host_oom_at == {5} and plan.oom_over == 64 and plan.loop_crash_at == {9}
+    assert plan.stall_over == 90
     assert FaultPlan.parse("oom_every=50").oom_every == 50
     for bad in ("oom", "oom@x", "segfault@3", "oom_over@3", "oom_every=0"):
         with pytest.raises(ValueError, match="RADIXLM_INJECT_FAULTS"):
@@ -130,3 +131,48 @@ def test_killed_scheduler_process_fails_every_caller_within_seconds(llama_ckpt):
         assert time.monotonic() - t0 < 5
         assert isinstance(calls[0][1][-1], EngineDeadError) and isinstance(calls[1][1][-1], EngineDeadError)
         assert not engine.alive()
+
+
+def test_deadline_met_while_the_scheduler_is_in_a_long_step(monkeypatch, llama_ckpt):
+    """Every forward of over 200 tokens stalls for STALL_S (2 s): requests with a 0.5 s limit whose
+    prefill is that step (sync and async, streaming and not) still end within 1 s of their limit, with
+    the timeout ending (the front end's own, the scheduler being busy), and their KV comes back once the
+    step is over. (Before the front end kept the deadline, they ended after the step: over 2 s.)"""
+    import asyncio
+
+    from radixlm.core.runtime.faults import STALL_S
+
+    prompt, limit, params = "x " * 300, 0.5, {"max_new_tokens": 1000, "ignore_eos": True}
+    with faulty_engine(monkeypatch, llama_ckpt, "stall_over=200") as engine:
+        async def async_calls() -> list:
+            whole = engine.async_generate(prompt, params, timeout=limit)
+            async def streamed() -> list:
+                return [c async for c in await engine.async_generate(prompt, params, stream=True, timeout=limit)]
+            return await asyncio.gather(whole, streamed())
+
+        ended: dict[str, tuple[float, object]] = {}
+
+        def timed(name, call) -> None:
+            t0 = time.monotonic()
+            out = call()
+            ended[name] = (time.monotonic() - t0, out)
+
+        calls = {"sync": lambda: engine.generate(prompt, params, timeout=limit),
+                 "sync_stream": lambda: list(engine.generate(prompt, params, stream=True, timeout=limit)),
+                 "async": lambda: asyncio.run(async_calls())}
+        threads = [threading.Thread(target=timed, args=item) for item in calls.items()]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        finals = [ended["sync"][1], ended["sync_stream"][1][-1], *(o if isinstance(o, dict) else o[-1]
+                                                                   for o in ended["async"][1])]
+        for meta in (f["meta_info"] for f in finals):
+            assert meta["finish_reason"] == {"type": "abort", "matched": None, "status_code": 408}, meta
+            assert "time limit" in meta["error"] and meta["prompt_tokens"] > 200
+        for name, (took, _) in ended.items():
+            assert limit <= took < limit + 1.0 < STALL_S, (name, took)
+        deadline = time.monotonic() + 30
+        while engine.get_stats()["running"] + engine.get_stats()["waiting"] and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert_kv_accounted(engine)

@@ -10,6 +10,7 @@ import itertools
 import logging
 import queue
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -94,12 +95,15 @@ class Delivery:
         for r in rids:
             self.scheduler.inbox.put(Abort(r))
 
-    def wait(self, box: queue.Queue) -> Output:
-        """The next output a sink put on `box` (raising the request's exception)."""
+    def wait(self, box: queue.Queue, until: float | None = None) -> Output | None:
+        """The next output a sink put on `box` (raising the request's exception); None once time.time()
+        is past `until` with nothing there."""
         while True:
             try:
-                out = box.get(timeout=1.0)
+                out = box.get(timeout=1.0 if until is None else min(1.0, max(0.0, until - time.time())))
             except queue.Empty:
+                if until is not None and time.time() >= until:
+                    return None
                 if not self._drain.is_alive():
                     raise EngineShutdownError("the engine stopped before the request finished") from None
                 continue

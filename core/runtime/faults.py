@@ -10,6 +10,8 @@ The value is a comma-separated list of:
   oom_over=T    every forward of more than T tokens raises torch.OutOfMemoryError (a request that
                 cannot run even alone)
   loop_crash@N  the scheduler loop raises at its N-th iteration, outside any request
+  stall_over=T  every forward of more than T tokens first sleeps STALL_S seconds (a step that takes
+                long: a huge prefill, a slow device)
 
 e.g. `RADIXLM_INJECT_FAULTS=oom@25 radixlm serve ...`. A scheduler in its own process reads it too
 (it inherits the environment).
@@ -19,12 +21,14 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 ENV = "RADIXLM_INJECT_FAULTS"
+STALL_S = 2.0
 logger = logging.getLogger("radixlm")
 
 
@@ -34,6 +38,7 @@ class FaultPlan:
     host_oom_at: set[int] = field(default_factory=set)
     oom_over: int | None = None
     oom_every: int | None = None
+    stall_over: int | None = None
     loop_crash_at: set[int] = field(default_factory=set)
     forwards: int = 0
     iterations: int = 0
@@ -45,9 +50,9 @@ class FaultPlan:
             name, sep, value = item.partition("@") if "@" in item else item.partition("=")
             if not sep or not value.isdigit():
                 raise ValueError(f"{ENV}: cannot read {item!r} (e.g. oom@12, host_oom@3, oom_every=50, oom_over=512, "
-                                 "loop_crash@40)")
+                                 "loop_crash@40, stall_over=512)")
             target = {"oom": plan.oom_at, "host_oom": plan.host_oom_at, "loop_crash": plan.loop_crash_at}.get(name)
-            if name in ("oom_over", "oom_every") and sep == "=" and int(value) > 0:
+            if name in ("oom_over", "oom_every", "stall_over") and sep == "=" and int(value) > 0:
                 setattr(plan, name, int(value))
             elif target is not None and sep == "@":
                 target.add(int(value))
@@ -57,6 +62,9 @@ class FaultPlan:
 
     def before_forward(self, tokens: int) -> None:
         self.forwards += 1
+        if self.stall_over is not None and tokens > self.stall_over:
+            logger.warning("injected fault: forward %d (%d tokens) stalls %g s", self.forwards, tokens, STALL_S)
+            time.sleep(STALL_S)
         if self.forwards in self.oom_at or (self.oom_over is not None and tokens > self.oom_over) \
                 or (self.oom_every is not None and self.forwards % self.oom_every == 0):
             logger.warning("injected fault: CUDA out of memory in forward %d (%d tokens)", self.forwards, tokens)

@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import asyncio
 import queue
+import time
 from typing import Any, AsyncIterator, Callable, Iterator
 
 from radixlm.core.runtime.constraint_compiler import ConstraintCompiler
-from radixlm.core.runtime.deadline import deadline_of
-from radixlm.core.runtime.delivery import Delivery, Output, Sink
+from radixlm.core.runtime.deadline import caller_limit, deadline_of, seconds_left, timeout_output
+from radixlm.core.runtime.delivery import Delivery, Output, Sink, output_dict
 from radixlm.core.runtime.images import ImagePreparer
 from radixlm.core.runtime.messages import CheckInvariants, FlushCache, GenerateRequest, GetStats
 from radixlm.core.runtime.options import EngineOptions
@@ -70,7 +71,9 @@ class FrontEnd:
             return self._stream_sync(reqs)
         boxes: list[queue.Queue] = [queue.Queue(maxsize=1) for _ in reqs]
         self.delivery.submit(reqs, [box.put for box in boxes])
-        outs = [self.delivery.wait(box) for box in boxes]
+        until = caller_limit(deadline)
+        outs = [self.delivery.wait(box, until) for box in boxes]
+        outs = [self._timed_out(req) if out is None else out for req, out in zip(reqs, outs)]
         return outs[0] if single else outs
 
     async def async_generate(self, prompt=None, sampling_params=None, input_ids=None, return_logprob=False,
@@ -94,25 +97,30 @@ class FrontEnd:
         futures = [loop.create_future() for _ in reqs]
         self.delivery.submit(reqs, [lambda out, fut=fut: loop.call_soon_threadsafe(_set_result, fut, out) for fut in futures])
         try:
-            outs = list(await asyncio.gather(*futures))
+            await asyncio.wait(futures, timeout=seconds_left(caller_limit(deadline)))
         except asyncio.CancelledError:
             for req in reqs:
                 self.abort_request(req.rid)
             raise
+        outs = [fut.result() if fut.done() else self._timed_out(req) for req, fut in zip(reqs, futures)]
         return outs[0] if single else outs
 
     def _stream_sync(self, reqs: list[GenerateRequest]) -> Iterator[Output]:
         chunks: queue.Queue = queue.Queue()
         self.delivery.submit(reqs, _indexed_sinks(chunks.put, len(reqs)))
+        until = caller_limit(reqs[0].deadline)
 
         def iterate() -> Iterator[Output]:
-            live = set(range(len(reqs)))
+            stream = _StreamState(len(reqs))
             try:
-                while live:
-                    chunk = self.delivery.wait(chunks)
-                    yield _noted(chunk, live, len(reqs))
+                while stream.live:
+                    chunk = self.delivery.wait(chunks, until)
+                    if chunk is None or _past(until):
+                        yield from self._end_overdue(reqs, stream, [chunk, *_drain(chunks)])
+                        return
+                    yield stream.noted(chunk)
             finally:
-                for i in live:  # the consumer stopped early: free the requests' memory
+                for i in stream.live:  # the consumer stopped early: free the requests' memory
                     self.abort_request(reqs[i].rid)
 
         return iterate()
@@ -121,16 +129,53 @@ class FrontEnd:
         loop = asyncio.get_running_loop()
         chunks: asyncio.Queue = asyncio.Queue()
         self.delivery.submit(reqs, _indexed_sinks(lambda item: loop.call_soon_threadsafe(chunks.put_nowait, item), len(reqs)))
-        live = set(range(len(reqs)))
+        until = caller_limit(reqs[0].deadline)
+        # Wakes a consumer waiting at the deadline; one that is behind notices when it takes its next chunk.
+        timer = None if until is None else loop.call_later(seconds_left(until), chunks.put_nowait, None)
+        stream = _StreamState(len(reqs))
         try:
-            while live:
+            while stream.live:
                 chunk = await chunks.get()
+                if chunk is None or _past(until):
+                    for out in self._end_overdue(reqs, stream, [chunk, *_drain(chunks)]):
+                        yield out
+                    return
                 if isinstance(chunk, BaseException):
                     raise chunk
-                yield _noted(chunk, live, len(reqs))
+                yield stream.noted(chunk)
         finally:
-            for i in live:
+            if timer is not None:
+                timer.cancel()
+            for i in stream.live:
                 self.abort_request(reqs[i].rid)
+
+    def _timed_out(self, req: GenerateRequest, completion_tokens: int = 0) -> Output:
+        """The timeout ending of a request the scheduler has not ended by the caller's limit; aborted."""
+        self.abort_request(req.rid)
+        return output_dict(timeout_output(req, completion_tokens), req)
+
+    def _end_overdue(self, reqs: list[GenerateRequest], stream: "_StreamState", queued: list[Any]) -> list[Output]:
+        """A stream past its deadline ends now, without the token chunks still queued: each request the
+        scheduler ended gets its ending (with its queued chunks when it ended by itself before the
+        deadline), each other one a timeout ending here (and an abort)."""
+        error = next((c for c in queued if isinstance(c, BaseException)), None)
+        if error is not None:
+            raise error
+        got: dict[int, list[Output]] = {}
+        for chunk in queued:
+            if chunk is not None:
+                got.setdefault(chunk["index"] if len(reqs) > 1 else 0, []).append(chunk)
+        outs: list[Output] = []
+        for i in sorted(stream.live):
+            mine = got.get(i, [])
+            reason = mine[-1]["meta_info"]["finish_reason"] if mine else None
+            if reason is None:
+                out = self._timed_out(reqs[i], stream.tokens[i])
+                outs.append({**out, "index": i} if len(reqs) > 1 else out)
+            else:
+                outs.extend(mine[-1:] if reason.get("status_code") == 408 else mine)
+        stream.live.clear()
+        return outs
 
     def abort_request(self, rid: str) -> None:
         """Aborts the request `rid`, or all n branches of the request the caller named `rid`."""
@@ -185,11 +230,35 @@ def _indexed_sinks(put: Callable[[Any], None], count: int) -> list[Sink]:
     return [sink_for(i) for i in range(count)]
 
 
-def _noted(chunk: Output, live: set[int], count: int) -> Output:
-    """Marks the chunk's request finished in `live` when the chunk is its last."""
-    if chunk["meta_info"]["finish_reason"] is not None:
-        live.discard(chunk["index"] if count > 1 else 0)
-    return chunk
+class _StreamState:
+    """The requests of a stream that have not finished, and the tokens each one's caller was given."""
+
+    def __init__(self, count: int) -> None:
+        self.count = count
+        self.live = set(range(count))
+        self.tokens = [0] * count
+
+    def noted(self, chunk: Output) -> Output:
+        """Notes what the chunk gives its request's caller (and that it ended, when it is the last)."""
+        i = chunk["index"] if self.count > 1 else 0
+        self.tokens[i] = chunk["meta_info"]["completion_tokens"]
+        if chunk["meta_info"]["finish_reason"] is not None:
+            self.live.discard(i)
+        return chunk
+
+
+def _past(until: float | None) -> bool:
+    return until is not None and time.time() > until
+
+
+def _drain(box: Any) -> list[Any]:
+    """What is queued on `box` now (a queue.Queue or an asyncio.Queue)."""
+    out = []
+    while True:
+        try:
+            out.append(box.get_nowait())
+        except (queue.Empty, asyncio.QueueEmpty):
+            return out
 
 
 def _is_small(prompt: Any, input_ids: Any) -> bool:
