@@ -28,6 +28,8 @@ from radixlm.server.metrics import Metrics
 
 Output = dict[str, Any]
 logger = logging.getLogger("radixlm.server")
+# The limit given to the engine for a request that reached it with no time left: it ends at once (408).
+_MIN_TIME_LEFT_S = 1e-3
 
 
 class ClientGone(Exception):
@@ -109,8 +111,18 @@ class EngineClient:
             raise self.ending or APIError(503, "The request was cancelled: the server is stopping", code="shutdown")
         return task.result()
 
+    def time_left(self, request: Request, timeout: float | None) -> float | None:
+        """The request's limit (its own `timeout`, else the engine's request_timeout) less the time since
+        it arrived (AdmissionMiddleware's stamp): what is left of it for the engine call."""
+        timeout = timeout if timeout is not None else self.engine.options.request_timeout
+        arrival = request.scope.get("state", {}).get("arrival")
+        if timeout is None or arrival is None:
+            return timeout
+        return max(timeout - (time.time() - arrival), _MIN_TIME_LEFT_S)
+
     async def generate(self, request: Request, **kwargs: Any) -> Output | list[Output]:
         """A non-streaming call, with the engine's arguments; returns what the engine returns."""
+        kwargs["timeout"] = self.time_left(request, kwargs.get("timeout"))
         self.inflight += 1
         try:
             result = await self._unless_disconnected(request, self.engine.async_generate(**kwargs))
@@ -134,6 +146,8 @@ class EngineClient:
         """Opens one engine stream per branch and waits for the first chunk of each, so that invalid
         input and a full queue surface as HTTP errors before any response byte is sent."""
         self.engine.check_fan_out(len(branches))
+        for b in branches:
+            b.timeout = self.time_left(request, b.timeout)
         stream = MergedStream(self, branches)
         self.inflight += 1
         try:

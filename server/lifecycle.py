@@ -117,6 +117,9 @@ class AdmissionMiddleware:
         if refusal is not None:
             await error_response(refusal)(scope, receive, send)
             return
+        # A request's time limit counts from here, its arrival (EngineClient.time_left), not from the engine
+        # call, which a busy event loop may reach seconds later.
+        scope.setdefault("state", {})["arrival"] = time.time()
         self.lifecycle.active += 1
         try:
             await self.app(scope, receive, send)

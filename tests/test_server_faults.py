@@ -201,3 +201,20 @@ def test_request_timeout_option(llama_ckpt):
         assert stats["kv_slots_free"] + stats["kv_slots_cached"] == stats["kv_slots_total"]
     with pytest.raises(ValueError, match="request_timeout"):
         radixlm.Engine(llama_ckpt, request_timeout=-1)
+
+
+def test_limit_counts_from_the_arrival_at_the_server():
+    """A request's limit counts from its arrival (AdmissionMiddleware's stamp), not from the engine call
+    that a busy event loop reaches later; with none of it left the engine gets a limit that ends it at once."""
+    from types import SimpleNamespace
+
+    from radixlm.server.generation import EngineClient
+
+    client = EngineClient(SimpleNamespace(options=SimpleNamespace(request_timeout=5.0)), metrics=None)
+    arrived = SimpleNamespace(scope={"state": {"arrival": time.time() - 0.3}})
+    assert 0.6 < client.time_left(arrived, 1.0) <= 0.7
+    assert 4.6 < client.time_left(arrived, None) <= 4.7  # the server's default limit
+    assert client.time_left(arrived, 0.1) == pytest.approx(1e-3)
+    assert client.time_left(SimpleNamespace(scope={}), 1.0) == 1.0  # not a counted request: from the call
+    client.engine.options.request_timeout = None
+    assert client.time_left(arrived, None) is None
