@@ -44,6 +44,11 @@ def start_server(model: str, *flags: str, env: dict[str, str] | None = None) -> 
     return ServerProcess("--model-path", model, "--log-interval", "0", *flags, env=env, start_timeout=300)
 
 
+def capacity(args: argparse.Namespace) -> tuple[str, ...]:
+    """The KV pool, and room for every client to run at once (the CPU default runs 64)."""
+    return ("--max-total-tokens", str(args.max_total_tokens), "--max-running-requests", str(args.max_running_requests))
+
+
 def server_info(server: ServerProcess) -> dict[str, Any]:
     return httpx.get(server.url + "/get_server_info", timeout=30).json()
 
@@ -124,15 +129,19 @@ def kv_accounted(url: str, timeout: float = 120) -> tuple[bool, dict]:
 # ---- scenarios --------------------------------------------------------------------------------------
 
 async def drain(args: argparse.Namespace) -> dict:
-    server = start_server(args.model_path, "--max-total-tokens", str(args.max_total_tokens), "--drain-timeout",
+    server = start_server(args.model_path, *capacity(args), "--drain-timeout",
                     str(args.drain_timeout))
     try:
         tasks, client = await start_clients(server.url, args.clients, args.tokens)
         t0 = time.monotonic()
         server.proc.send_signal(signal.SIGTERM)
+        live = sum(1 for t in tasks if not t.done())
+        exit_at: list[float] = []
+        waiter = asyncio.ensure_future(asyncio.to_thread(server.proc.wait, args.drain_timeout + 60))
+        waiter.add_done_callback(lambda _: exit_at.append(time.monotonic()))
         late, health = [], []
         async with httpx.AsyncClient(base_url=server.url, timeout=30) as probe:
-            while server.proc.poll() is None:
+            while not waiter.done():
                 try:
                     r = await probe.post("/generate", json={"text": "late", "sampling_params": {"max_new_tokens": 2}})
                     late.append((r.status_code, r.json().get("error", {}).get("code")))
@@ -143,8 +152,8 @@ async def drain(args: argparse.Namespace) -> dict:
                 await asyncio.sleep(0.05)
         streams = await asyncio.gather(*tasks)
         await client.aclose()
-        code = await asyncio.to_thread(server.proc.wait, 60)
-        exited = time.monotonic() - t0
+        code = await waiter
+        exited = exit_at[0] - t0
     finally:
         server.kill()
     done = [s for s in streams if s.outcome == "length"]
@@ -152,6 +161,7 @@ async def drain(args: argparse.Namespace) -> dict:
         print("".join(server.log[-40:]), flush=True)
     return {
         "admitted streams": args.clients,
+        "streams still running at SIGTERM": live,
         "finished normally": len(done),
         "outcomes": dict(Counter(s.outcome for s in streams)),
         "last stream ended after SIGTERM (s)": round(max(s.ended for s in streams) - t0, 2),
@@ -160,8 +170,9 @@ async def drain(args: argparse.Namespace) -> dict:
         "/health during drain": sorted(set(health)),
         "exit code": code,
         "exited after SIGTERM (s)": round(exited, 2),
+        "exited after the last stream ended (s)": round(exited - (max(s.ended for s in streams) - t0), 2),
         "pass": len(done) == args.clients and code == 0 and all(st == 503 for st, _ in late)
-                and exited < args.drain_timeout + 10,
+                and exited < args.drain_timeout + 10 and live == args.clients,
     }
 
 
@@ -178,13 +189,14 @@ def _alive(pid: int) -> bool:
 
 
 async def kill(args: argparse.Namespace) -> dict:
-    server = start_server(args.model_path, "--max-total-tokens", str(args.max_total_tokens), "--scheduler-process")
+    server = start_server(args.model_path, *capacity(args), "--scheduler-process")
     try:
         pid = server_info(server)["scheduler_pid"]
         tasks, client = await start_clients(server.url, args.clients, 4 * args.tokens)
         health: list = []
         t0 = time.monotonic()
         os.kill(pid, signal.SIGKILL)
+        live = sum(1 for t in tasks if not t.done())
 
         async def watch() -> None:
             async with httpx.AsyncClient(base_url=server.url, timeout=5) as probe:
@@ -208,6 +220,7 @@ async def kill(args: argparse.Namespace) -> dict:
     worst = max(s.ended for s in streams) - t0
     return {
         "clients": args.clients,
+        "streams still running at the kill": live,
         "clients given an error": len(errors),
         "error codes": sorted({s.outcome for s in streams}),
         "last error after kill -9 (s)": round(worst, 2),
@@ -225,7 +238,7 @@ async def _greedy_run(url: str, n: int, tokens: int) -> list[list[int]]:
 
 
 async def oom(args: argparse.Namespace) -> dict:
-    flags = ("--max-total-tokens", str(args.max_total_tokens))
+    flags = capacity(args)
     clean = start_server(args.model_path, *flags)
     try:
         expected = await _greedy_run(clean.url, args.clients, args.tokens)
@@ -253,7 +266,7 @@ async def oom(args: argparse.Namespace) -> dict:
 
 
 async def deadline(args: argparse.Namespace) -> dict:
-    server = start_server(args.model_path, "--max-total-tokens", str(args.max_total_tokens))
+    server = start_server(args.model_path, *capacity(args))
     try:
         n_short = max(1, args.clients // 4)
         async with httpx.AsyncClient(base_url=server.url, timeout=300, limits=limits(args.clients + n_short)) as c:
@@ -300,6 +313,7 @@ def main() -> None:
     p.add_argument("--clients", type=int, default=200)
     p.add_argument("--tokens", type=int, default=64, help="tokens each streaming client asks for")
     p.add_argument("--max-total-tokens", type=int, default=60000)
+    p.add_argument("--max-running-requests", type=int, default=256, help="the servers' limit (room for every client)")
     p.add_argument("--drain-timeout", type=float, default=30.0)
     p.add_argument("--timeout", type=float, default=2.0, help="the deadline scenario's per-request limit (s)")
     p.add_argument("--oom-every", type=int, default=50)

@@ -162,7 +162,7 @@ def _run_serve(ns: argparse.Namespace) -> int:
     _preflight(model_path, server, options)
     from radixlm.server.launch import serve
 
-    return serve(model_path, server, **options)
+    return serve(model_path, server, exit_process=True, **options)
 
 
 def _router_parser(sub: Any) -> argparse.ArgumentParser:
