@@ -83,3 +83,45 @@ def test_stream_text_is_the_whole_text_with_stop_strings_and_multibyte_tokens(en
         chunks = list(engine.generate(prompt, params, stream=True))
         assert "".join(c["text"] for c in chunks) == whole["text"]
         assert chunks[-1]["meta_info"]["finish_reason"] == whole["meta_info"]["finish_reason"]
+
+
+def test_a_stream_that_fell_behind_gets_its_queued_chunks_merged(engine):
+    """An async consumer that falls behind (a busy event loop) takes what was queued meanwhile as one
+    chunk per request: fewer chunks, the same texts, ids and logprobs as the whole outputs."""
+    params = {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True, "n": 2}
+    whole = engine.generate("The harbour at dawn", params, return_logprob=True)
+
+    async def slow() -> list[dict]:
+        stream = await engine.async_generate("The harbour at dawn", params, return_logprob=True, stream=True)
+        first = await stream.__anext__()  # (the requests go in on the first step)
+        await asyncio.sleep(1.5)  # the rest is queued meanwhile
+        return [first] + [c async for c in stream]
+
+    chunks = asyncio.run(slow())
+    assert len(chunks) < 2 * params["max_new_tokens"]
+    assert _joined(chunks, 2) == [(w["text"], w["output_ids"]) for w in whole]
+    for i, w in enumerate(whole):
+        mine = [c for c in chunks if c["index"] == i]
+        logprobs = [lp for c in mine for lp in c["meta_info"]["output_token_logprobs"]]
+        expected = w["meta_info"]["output_token_logprobs"]  # (a cached prefix may change the last digits)
+        assert [lp[1] for lp in logprobs] == [lp[1] for lp in expected]
+        assert [lp[0] for lp in logprobs] == pytest.approx([lp[0] for lp in expected], abs=1e-4)
+        assert mine[-1]["meta_info"]["finish_reason"] == w["meta_info"]["finish_reason"]
+
+
+def test_merging_chunks_carries_replaced_ids():
+    """A jump-forward chunk's ids replace the last ones sent: merged, they come off the earlier chunk's
+    new ids first, and only the rest is still to replace."""
+    from radixlm.core.runtime.delivery import merge_chunks
+
+    def chunk(text, ids, replaced=0, finish=None):
+        meta = {"completion_tokens": 0, "finish_reason": finish, **({"replaced_ids": replaced} if replaced else {})}
+        return {"text": text, "output_ids": ids, "meta_info": meta}
+
+    merged = merge_chunks(chunk("a", [1, 2], replaced=1), chunk("b", [7, 8, 9], replaced=1))
+    assert merged["output_ids"] == [1, 7, 8, 9] and merged["text"] == "ab"
+    assert merged["meta_info"]["replaced_ids"] == 1
+    merged = merge_chunks(chunk("a", [1, 2]), chunk("b", [7], replaced=3, finish={"type": "length"}))
+    assert merged["output_ids"] == [7] and merged["meta_info"]["replaced_ids"] == 1
+    assert merged["meta_info"]["finish_reason"] == {"type": "length"}
+    assert "replaced_ids" not in merge_chunks(chunk("a", [1]), chunk("b", [2]))["meta_info"]

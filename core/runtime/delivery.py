@@ -249,3 +249,24 @@ def output_dict(out: GenerateOutput, req: GenerateRequest) -> Output:
         # Tokens per verify step: the accepted draft tokens plus the target's own (SGLang's name).
         meta["spec_accept_length"] = 1.0 + out.spec_accepted_tokens / out.spec_verify_ct if out.spec_verify_ct else 0.0
     return {"text": out.text, "output_ids": out.output_ids, "meta_info": meta}
+
+
+def merge_chunks(first: Output, then: Output) -> Output:
+    """Two consecutive stream chunks of one request as one, as if sent together: texts, new ids and their
+    logprobs joined (`then`'s `replaced_ids` taken off `first`'s ids first, the rest carried over),
+    everything else `then`'s."""
+    meta_a, meta_b = first["meta_info"], then["meta_info"]
+    ids, replaced = first["output_ids"], meta_a.get("replaced_ids", 0)
+    drop = meta_b.get("replaced_ids", 0)
+    if drop:
+        kept = max(len(ids) - drop, 0)
+        replaced += drop - (len(ids) - kept)
+        ids = ids[:kept]
+    meta = dict(meta_b)
+    for key in ("output_token_logprobs", "output_top_logprobs"):
+        if key in meta_b:
+            meta[key] = meta_a[key] + meta_b[key]
+    meta.pop("replaced_ids", None)
+    if replaced:
+        meta["replaced_ids"] = replaced
+    return {**then, "text": first["text"] + then["text"], "output_ids": ids + then["output_ids"], "meta_info": meta}

@@ -20,7 +20,7 @@ from typing import Any, AsyncIterator, Callable, Iterator
 
 from radixlm.core.runtime.constraint_compiler import ConstraintCompiler
 from radixlm.core.runtime.deadline import caller_limit, deadline_of, seconds_left, timeout_output
-from radixlm.core.runtime.delivery import Delivery, Output, Sink, output_dict
+from radixlm.core.runtime.delivery import Delivery, Output, Sink, merge_chunks, output_dict
 from radixlm.core.runtime.images import ImagePreparer
 from radixlm.core.runtime.messages import CheckInvariants, FlushCache, GenerateRequest, GetStats
 from radixlm.core.runtime.options import EngineOptions
@@ -135,14 +135,17 @@ class FrontEnd:
         stream = _StreamState(len(reqs))
         try:
             while stream.live:
-                chunk = await chunks.get()
-                if chunk is None or _past(until):
-                    for out in self._end_overdue(reqs, stream, [chunk, *_drain(chunks)]):
+                # Everything queued at once: a consumer that fell behind (a busy event loop) takes the
+                # chunks queued meanwhile as one per request, not one per token.
+                batch = [await chunks.get(), *_drain(chunks)]
+                if any(c is None for c in batch) or _past(until):
+                    for out in self._end_overdue(reqs, stream, batch):
                         yield out
                     return
-                if isinstance(chunk, BaseException):
-                    raise chunk
-                yield stream.noted(chunk)
+                for chunk in _coalesced(batch):
+                    if isinstance(chunk, BaseException):
+                        raise chunk
+                    yield stream.noted(chunk)
         finally:
             if timer is not None:
                 timer.cancel()
@@ -249,6 +252,28 @@ class _StreamState:
 
 def _past(until: float | None) -> bool:
     return until is not None and time.time() > until
+
+
+def _coalesced(items: list[Any]) -> list[Any]:
+    """The queued chunks with each request's merged into one (delivery.merge_chunks), in the order the
+    requests first appear; a request's last chunk closes its merge."""
+    out: list[Any] = []
+    open_at: dict[Any, int] = {}  # request index -> where its merged chunk is in `out`
+    for item in items:
+        if not isinstance(item, dict):  # the exception that ends the stream
+            out.append(item)
+            continue
+        i = item.get("index")
+        at = open_at.get(i)
+        if at is None:
+            out.append(item)
+            at = len(out) - 1
+        else:
+            out[at] = merge_chunks(out[at], item)
+        open_at[i] = at
+        if item["meta_info"]["finish_reason"] is not None:
+            del open_at[i]
+    return out
 
 
 def _drain(box: Any) -> list[Any]:
