@@ -46,7 +46,8 @@ def start_server(model: str, *flags: str, env: dict[str, str] | None = None) -> 
 
 def capacity(args: argparse.Namespace) -> tuple[str, ...]:
     """The KV pool, and room for every client to run at once (the CPU default runs 64)."""
-    return ("--max-total-tokens", str(args.max_total_tokens), "--max-running-requests", str(args.max_running_requests))
+    flags = ("--max-total-tokens", str(args.max_total_tokens), "--max-running-requests", str(args.max_running_requests))
+    return flags + (("--scheduler-process",) if args.scheduler_process else ())
 
 
 def server_info(server: ServerProcess) -> dict[str, Any]:
@@ -189,7 +190,7 @@ def _alive(pid: int) -> bool:
 
 
 async def kill(args: argparse.Namespace) -> dict:
-    server = start_server(args.model_path, *capacity(args), "--scheduler-process")
+    server = start_server(args.model_path, *capacity(argparse.Namespace(**{**vars(args), "scheduler_process": True})))
     try:
         pid = server_info(server)["scheduler_pid"]
         tasks, client = await start_clients(server.url, args.clients, 4 * args.tokens)
@@ -314,6 +315,8 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=64, help="tokens each streaming client asks for")
     p.add_argument("--max-total-tokens", type=int, default=60000)
     p.add_argument("--max-running-requests", type=int, default=256, help="the servers' limit (room for every client)")
+    p.add_argument("--scheduler-process", action="store_true",
+                   help="every server runs its scheduler in its own process (the kill scenario's always does)")
     p.add_argument("--drain-timeout", type=float, default=30.0)
     p.add_argument("--timeout", type=float, default=2.0, help="the deadline scenario's per-request limit (s)")
     p.add_argument("--oom-every", type=int, default=50)
