@@ -10,6 +10,8 @@ import asyncio
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
@@ -246,6 +248,44 @@ def test_routing_keys_are_token_ids_of_what_the_replica_will_see(llama_ckpt: str
     assert no_tokenizer.key("/v1/completions", {"prompt": "hé"}) == list("hé".encode())
     with pytest.raises(ValueError, match="tokenizer-path"):
         RoutingKeys(os.devnull)
+
+
+# Run in a fresh interpreter: imports the router's entry points, reads a tokenizer, renders a chat key,
+# answers `radixlm router --help`, then names the heavy modules it loaded (none expected).
+_LIGHT_ROUTER = """
+import contextlib, io, sys
+import radixlm.server.router.launch
+from radixlm.server.cli import main
+from radixlm.server.router.keys import RoutingKeys
+keys = RoutingKeys(sys.argv[1])
+assert keys.key("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})
+out = io.StringIO()
+with contextlib.redirect_stdout(out):
+    try:
+        main(["router", "--help"])
+    except SystemExit as exit:
+        assert exit.code == 0, exit.code
+assert "--worker-urls" in out.getvalue()
+print(sorted(m for m in ("torch", "transformers", "numpy") if m in sys.modules))
+"""
+
+
+def test_the_router_imports_neither_torch_nor_transformers(llama_ckpt: str) -> None:
+    """A router runs on a small CPU machine: its import path, its tokenizer and its --help load no torch."""
+    done = subprocess.run([sys.executable, "-c", _LIGHT_ROUTER, llama_ckpt], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
+
+
+def test_a_gguf_tokenizer_not_yet_cached_is_refused_by_the_light_loader(tmp_path, monkeypatch) -> None:
+    from radixlm.core.runtime.models.default_model import default_model_path
+    from radixlm.core.runtime.tokenizer.loader import load_light_tokenizer
+
+    monkeypatch.setenv("RADIXLM_CACHE", str(tmp_path))
+    with pytest.raises(ValueError, match="no tokenizer of"):
+        load_light_tokenizer(default_model_path())
+    assert RoutingKeys().key("/generate", {"text": "ab"}) == [97, 98]  # the router's fallback: bytes
 
 
 def test_round_robin_cycles_over_the_candidates() -> None:
