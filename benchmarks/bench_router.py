@@ -88,7 +88,7 @@ def main() -> None:
     parser.add_argument("--workloads", nargs="+", default=list(SIZES))
     parser.add_argument("--systems", nargs="+", default=["router", "round_robin", "single"])
     parser.add_argument("--repeats", type=int, default=1, help="runs per workload and system, seeds 0, 1, ... (the "
-                        "run of median throughput is reported, with every run's throughput beside it)")
+                        "run of median throughput is reported, with every run's throughput beside it, in seed order)")
     parser.add_argument("--out", type=Path)
     parser.add_argument("--markdown", type=Path)
     args = parser.parse_args()
@@ -124,7 +124,7 @@ def measure(args: argparse.Namespace, replicas: list[ServerProcess], front: dict
     for r in replicas:  # warm each replica's first call (kernels, allocator)
         httpx.post(r.url + "/generate", json={"text": "Hello", "sampling_params": {"max_new_tokens": 2}}, timeout=300)
     # One untimed pass of each workload over all replicas: a replica's first batches of a new size run slow,
-    # which would fall on whichever system is measured first (it did: the router's first run, 0.56x its next).
+    # which would fall on whichever system is measured first.
     warm_url = next((front[s].url for s in ("round_robin", "router") if s in front), replicas[0].url)
     for name in args.workloads:
         run_one(name, warm_url, replicas, seed=1000)
@@ -132,10 +132,9 @@ def measure(args: argparse.Namespace, replicas: list[ServerProcess], front: dict
         results["workloads"][name] = {}
         for system in args.systems:
             url, counted = (replicas[0].url, replicas[:1]) if system == "single" else (front[system].url, replicas)
-            runs = sorted((run_one(name, url, counted, seed) for seed in range(args.repeats)),
-                          key=lambda r: r["throughput"])
-            results["workloads"][name][system] = {**runs[len(runs) // 2],
-                                                  "throughputs": sorted(r["throughput"] for r in runs)}
+            runs = [run_one(name, url, counted, seed) for seed in range(args.repeats)]
+            median = sorted(runs, key=lambda r: r["throughput"])[len(runs) // 2]
+            results["workloads"][name][system] = {**median, "throughputs": [r["throughput"] for r in runs]}
             print(name, system, results["workloads"][name][system], flush=True)
             if args.out:
                 args.out.write_text(json.dumps(results, indent=1))
@@ -143,7 +142,7 @@ def measure(args: argparse.Namespace, replicas: list[ServerProcess], front: dict
 
 
 def markdown(results: dict[str, Any]) -> str:
-    rows = ["| workload | system | hit rate | throughput (programs/s) | runs' throughputs | mean TTFT (s) | prompt tokens |",
+    rows = ["| workload | system | hit rate | throughput (programs/s) | throughput by seed | mean TTFT (s) | prompt tokens |",
             "|---|---|---|---|---|---|---|"]
     for name, systems in results["workloads"].items():
         for system, r in systems.items():
