@@ -40,8 +40,11 @@ from radixlm.testing.servers import ServerProcess  # noqa: E402
 SIZES = {
     "mmlu": ({"subjects": 6, "question_words": 12, "option_words": 3}, 24),
     "chat_short": ({"system_sentences": 6, "question_sentences": 1, "turns": 3, "answer_tokens": 4}, 12),
-    # 12 documents of ~190 tokens: more than one replica's pool holds, a third of them fits in it.
-    "prefix_pressure": ({"documents": 12, "document_sentences": 12, "answer_tokens": 4}, 24),
+    # 8 documents of 250 to 300 tokens (about 2,250 in all): one replica's pool holds 3 of them, the three
+    # pools all; each asked 3 times. 8, not a multiple of the 3 replicas, so that round-robin in arrival
+    # order does not send each document to one replica by chance. (Until 2026-12-07 04:55: 12 documents of
+    # ~145 tokens asked twice, where per-request work outweighed the prefix computed: see the results file.)
+    "prefix_pressure": ({"documents": 8, "document_sentences": 24, "answer_tokens": 4}, 24),
 }
 
 
