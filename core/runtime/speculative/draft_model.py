@@ -26,6 +26,7 @@ class DraftKV:
 
 class DraftModelProposer:
     name = "draft"
+    free = False
 
     def __init__(self, runner: Any, vocab_size: int) -> None:
         """`runner`: the draft model's ModelRunner; `vocab_size`: the target's (drafts stay below it)."""
@@ -50,6 +51,9 @@ class DraftModelProposer:
             for i, token in zip(active, self._decode([reqs[i] for i in active], [drafts[i][-1] for i in active], slots)):
                 drafts[i].append(token)
         return drafts
+
+    def draft_class(self, req: Req) -> int:
+        return 0  # one class: the model's drafts
 
     def release(self, req: Req) -> None:
         kv = self.held.pop(req, None)
