@@ -360,6 +360,13 @@ def test_bad_options_are_named(kw, param):
     assert err.value.param == param
 
 
+def test_overlap_schedule_falls_back_off_with_speculation():
+    """On one CUDA device overlap scheduling is on by default; with speculation it is off (documented), and
+    asking for both is refused (test_bad_options_are_named)."""
+    assert EngineOptions.from_kwargs({"device": "cuda"}).enable_overlap_schedule is True
+    assert EngineOptions.from_kwargs({"device": "cuda", "speculative_algorithm": "ngram"}).enable_overlap_schedule is False
+
+
 def test_sglang_spellings_are_taken():
     assert EngineOptions.from_kwargs({"device": "cpu", "speculative_algorithm": "NGRAM"}).speculative_algorithm == "ngram"
     opts = EngineOptions.from_kwargs({"device": "cpu", "speculative_algorithm": "STANDALONE",
