@@ -11,6 +11,8 @@ time for batch + T tokens), against batch / (the decode step's time) for T = 0."
 
 from __future__ import annotations
 
+import bisect
+
 from radixlm.core.runtime.speculative.state import SpecState
 
 # Step-time averages: each new time counts this much.
@@ -37,11 +39,14 @@ class StepTimes:
         self.token_cost = token_cost  # PRIOR_TOKEN_COST for the device
         self.decode: dict[int, float] = {}
         self.verify: dict[int, float] = {}
+        self._verify_sizes: list[int] = []  # verify's keys, sorted
 
     def record_decode(self, batch: int, seconds: float) -> None:
         _average(self.decode, batch, seconds)
 
     def record_verify(self, tokens: int, seconds: float) -> None:
+        if tokens not in self.verify:
+            bisect.insort(self._verify_sizes, tokens)
         _average(self.verify, tokens, seconds)
 
     def decode_time(self, batch: int) -> float | None:
@@ -55,8 +60,10 @@ class StepTimes:
         size's plus the prior cost of the difference, else the decode step's plus the prior cost."""
         if tokens in self.verify:
             return self.verify[tokens]
-        if self.verify:
-            near = min(self.verify, key=lambda n: (abs(n - tokens), n))
+        sizes = self._verify_sizes
+        if sizes:
+            at = bisect.bisect_left(sizes, tokens)
+            near = min(sizes[max(0, at - 1):at + 1], key=lambda n: (abs(n - tokens), n))
             return max(decode, self.verify[near] + self.token_cost * decode * (tokens - near))
         return decode * (1.0 + self.token_cost * (tokens - batch))
 
