@@ -3,8 +3,9 @@ tokens in one extend step, logits at every position) against a decode step, at b
 the Llama-3-8B shape (random bf16 weights made on the device); then end-to-end generation at batch 1
 on that shape: plain, with `draft` where the draft is the Llama-3.2-1B shape (random bf16 weights too,
 so its drafts are nearly all rejected: drafts of a fixed length show what a step costs, the adaptive
-policy shows how far it falls back to plain decoding), and with the target as its own draft (nearly
-every draft kept: the acceptance upper bound); then greedy equality, speculation off against on, with
+policy shows how far it falls back to plain decoding), with the target as its own draft (nearly
+every draft kept: the acceptance upper bound), and with a random EAGLE head of the 8B shape (its step
+cost: the target's steps run without CUDA graphs under EAGLE); then greedy equality, speculation off against on, with
 ngram and draft on the tiny test checkpoint in float32 and with ngram on the 8B shape in bf16.
 
     python benchmarks/bench_spec_gpu.py --out spec_gpu.json         # a GPU, about 4 minutes on an H100
@@ -40,6 +41,7 @@ from bench_engine import LLAMA3_8B_SHAPE, make_model_dir, random_prompts  # noqa
 import radixlm  # noqa: E402
 from radixlm.core.runtime.execution.batch_input import BatchInput  # noqa: E402
 from radixlm.testing.checkpoints import build_checkpoint, build_tokenizer  # noqa: E402
+from radixlm.testing.eagle import build_eagle_head  # noqa: E402
 
 # Llama-3.2-1B's shape (rope scaling left out: the weights are random, only the cost counts).
 LLAMA32_1B_SHAPE = {**LLAMA3_8B_SHAPE, "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
@@ -146,9 +148,15 @@ def end_to_end(e: radixlm.Engine, label: str, prompts: list[list[int]], new_toke
     return out
 
 
-def projection(step_s: float, drafts: int, rates: tuple[float, ...] = (0.5, 0.6, 0.7, 0.8, 0.9)) -> dict[str, float]:
-    """Tokens/s a draft of this cost would give at each per-token acceptance rate (see the docstring)."""
-    return {str(a): sum(a ** j for j in range(drafts + 1)) / step_s for a in rates}
+def add_projection(run: dict[str, Any], drafts: int, rates: tuple[float, ...] = (0.5, 0.6, 0.7, 0.8, 0.9)) -> None:
+    """Adds to a fixed-length run (nearly nothing kept: one verify step per token) the tokens/s a proposer
+    of its step cost would give at each per-token acceptance rate (see the docstring)."""
+    step = run["seconds_per_verify_step"]
+    if not step:
+        return
+    run["projected_tokens_per_s"] = {str(a): sum(a ** j for j in range(drafts + 1)) / step for a in rates}
+    print("  projected tok/s at acceptance rate " + "  ".join(
+        f"{a}: {v:.1f}" for a, v in run["projected_tokens_per_s"].items()), flush=True)
 
 
 def draft_runs(target: str, draft: str, opts: dict[str, Any], prompts: list[list[int]], new_tokens: int,
@@ -161,11 +169,7 @@ def draft_runs(target: str, draft: str, opts: dict[str, Any], prompts: list[list
         out["fixed"] = end_to_end(e, f"{Path(draft).name} drafts {drafts} fixed", prompts, new_tokens)
     with radixlm.Engine(target, **spec, **opts) as e:
         out["adaptive"] = end_to_end(e, f"{Path(draft).name} drafts {drafts} adaptive", prompts, new_tokens)
-    step = out["fixed"]["seconds_per_verify_step"]
-    if step:
-        out["projected_tokens_per_s"] = projection(step, drafts)
-        print("  projected tok/s at acceptance rate " + "  ".join(
-            f"{a}: {v:.1f}" for a, v in out["projected_tokens_per_s"].items()), flush=True)
+    add_projection(out["fixed"], drafts)
     return out
 
 
@@ -195,6 +199,12 @@ def speed(args: argparse.Namespace, target: str, draft: str, opts: dict[str, Any
     with radixlm.Engine(target, speculative_algorithm="draft", speculative_draft_model_path=target,
                         speculative_num_draft_tokens=args.e2e_drafts, speculative_adaptive=False, **small) as e:
         results["draft_self"] = end_to_end(e, f"target as its own draft {args.e2e_drafts}", prompts, args.new_tokens)
+    head = build_eagle_head(os.path.join(os.path.dirname(draft), "eagle-head"), target, embedding=False)
+    with radixlm.Engine(target, speculative_algorithm="eagle", speculative_draft_model_path=head,
+                        speculative_num_steps=args.e2e_drafts, speculative_adaptive=False, **small) as e:
+        results["eagle_fixed"] = end_to_end(e, f"random EAGLE head, {args.e2e_drafts} steps fixed", prompts,
+                                            args.new_tokens)
+    add_projection(results["eagle_fixed"], args.e2e_drafts)
     return results
 
 

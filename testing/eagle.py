@@ -10,11 +10,11 @@ import torch
 
 
 def build_eagle_head(out_dir: str, target_dir: str, *, seed: int = 0, fc_bias: bool = True,
-                     scale: float = 0.2) -> str:
+                     scale: float = 0.2, embedding: bool = True) -> str:
     """Writes a random head for the checkpoint at target_dir into out_dir (config.json as the EAGLE
     repository writes it: the target's config with one layer; model.safetensors with fc and layers.0
-    without an input norm, and the target-sized embed_tokens the published heads carry too); returns
-    out_dir."""
+    without an input norm, and, with `embedding`, the target-sized embed_tokens the published heads
+    carry too); returns out_dir."""
     from safetensors.torch import save_file
 
     cfg = json.loads(Path(target_dir, "config.json").read_text())
@@ -27,7 +27,7 @@ def build_eagle_head(out_dir: str, target_dir: str, *, seed: int = 0, fc_bias: b
     def rand(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=g) * scale
 
-    tensors = {"fc.weight": rand(h, 2 * h), "embed_tokens.weight": rand(cfg["vocab_size"], h),
+    tensors = {"fc.weight": rand(h, 2 * h),
                "layers.0.self_attn.q_proj.weight": rand(q, h), "layers.0.self_attn.k_proj.weight": rand(kv, h),
                "layers.0.self_attn.v_proj.weight": rand(kv, h), "layers.0.self_attn.o_proj.weight": rand(h, q),
                "layers.0.mlp.gate_proj.weight": rand(i, h), "layers.0.mlp.up_proj.weight": rand(i, h),
@@ -35,6 +35,8 @@ def build_eagle_head(out_dir: str, target_dir: str, *, seed: int = 0, fc_bias: b
                "layers.0.post_attention_layernorm.weight": 1 + rand(h)}
     if fc_bias:
         tensors["fc.bias"] = rand(h)
+    if embedding:
+        tensors["embed_tokens.weight"] = rand(cfg["vocab_size"], h)
     os.makedirs(out_dir, exist_ok=True)
     save_file(tensors, os.path.join(out_dir, "model.safetensors"))
     Path(out_dir, "config.json").write_text(json.dumps(cfg, indent=2))
