@@ -5,8 +5,9 @@ on that shape: plain, with `draft` where the draft is the Llama-3.2-1B shape (ra
 so its drafts are nearly all rejected: drafts of a fixed length show what a step costs, the adaptive
 policy shows how far it falls back to plain decoding), with the target as its own draft (nearly
 every draft kept: the acceptance upper bound), and with a random EAGLE head of the 8B shape (its step
-cost: the target's steps run without CUDA graphs under EAGLE); then greedy equality, speculation off against on, with
-ngram and draft on the tiny test checkpoint in float32 and with ngram on the 8B shape in bf16.
+cost: the target's steps run without CUDA graphs under EAGLE); then greedy equality, speculation off
+against on, with ngram, draft and eagle on the tiny test checkpoint in float32 and with ngram and eagle
+on the 8B shape in bf16.
 
     python benchmarks/bench_spec_gpu.py --out spec_gpu.json         # a GPU, about 4 minutes on an H100
     python benchmarks/bench_spec_gpu.py --device cpu                 # a dry run of every path, tiny models
@@ -104,11 +105,14 @@ def outputs(e: radixlm.Engine) -> list[list[int]]:
 
 def greedy_equal(path: str, extra: dict[str, Any], label: str, base: list[list[int]],
                  algorithms: tuple[str, ...]) -> dict[str, Any]:
-    """Outputs with speculation on (ngram; the target as its own draft), drafting at every step whether it
-    pays or not, against `base` (off)."""
+    """Outputs with speculation on (ngram; the target as its own draft; a random EAGLE head), drafting at
+    every step whether it pays or not, against `base` (off)."""
     result = {}
     kwargs = {"ngram": {"speculative_ngram_min_match_window_size": 1},
               "draft": {"speculative_draft_model_path": path}}
+    if "eagle" in algorithms:
+        head = build_eagle_head(tempfile.mkdtemp(prefix="eagle-"), path, embedding=False)
+        kwargs["eagle"] = {"speculative_draft_model_path": head}
     for algo in algorithms:
         with radixlm.Engine(path, speculative_algorithm=algo, speculative_num_draft_tokens=8, **kwargs[algo],
                             speculative_adaptive=False, **extra) as e:  # every step drafts
@@ -236,12 +240,12 @@ def main() -> None:
     tiny_opts = {"dtype": "float32", "device": args.device}
     with radixlm.Engine(tiny, **tiny_opts) as e:
         base = outputs(e)
-    results["greedy_tiny_fp32"] = greedy_equal(tiny, tiny_opts, "tiny fp32", base, ("ngram", "draft"))
+    results["greedy_tiny_fp32"] = greedy_equal(tiny, tiny_opts, "tiny fp32", base, ("ngram", "draft", "eagle"))
     if args.device != "cpu":
         opts = {**opts, "max_total_tokens": 16_384}
         with radixlm.Engine(target, **opts) as e:
             base = outputs(e)
-        results["greedy_8b_bf16"] = greedy_equal(target, opts, "8B bf16", base, ("ngram",))
+        results["greedy_8b_bf16"] = greedy_equal(target, opts, "8B bf16", base, ("ngram", "eagle"))
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
 
