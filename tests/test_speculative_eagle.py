@@ -138,3 +138,21 @@ def test_eagle_options_are_checked(llama_ckpt, eagle_head):
     with pytest.raises(InvalidRequestError) as err:
         radixlm.Engine(llama_ckpt, speculative_algorithm="EAGLE")
     assert err.value.param == "speculative_draft_model_path"
+
+
+def test_eagle_under_retraction_and_abort(llama_ckpt, eagle_head):
+    """A small pool retracts requests mid-way (their head KV and kept states go, and come back as they
+    resume); outputs equal, every slot of both pools comes back."""
+    prompts = [list(range(10 + i, 40 + i)) for i in range(6)]
+    params = {"max_new_tokens": 40, "temperature": 0, "ignore_eos": True}
+    with engine(llama_ckpt, max_total_tokens=160) as e:
+        base = e.generate(input_ids=prompts, sampling_params=params)
+    with engine(llama_ckpt, max_total_tokens=160, speculative_algorithm="eagle", speculative_draft_model_path=eagle_head,
+                speculative_adaptive=False) as e:
+        spec = e.generate(input_ids=prompts, sampling_params=params)
+        stats = e.get_stats()
+        assert_kv_whole(e)
+        draft_pool_whole(e)
+        assert not e.frontend.scheduler.scheduler.speculator.proposer.states
+    assert [o["output_ids"] for o in spec] == [o["output_ids"] for o in base]
+    assert stats["retractions_total"] > 0 and stats["spec_verifies_total"] > 0
