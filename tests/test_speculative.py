@@ -347,7 +347,7 @@ def test_adaptive_lengths_stop_failing_drafts_and_grow_kept_ones(llama_ckpt, kin
 
 
 @pytest.mark.parametrize("kw,param", [
-    ({"speculative_algorithm": "eagle3"}, "speculative_algorithm"),
+    ({"speculative_algorithm": "medusa"}, "speculative_algorithm"),
     ({"speculative_algorithm": "draft"}, "speculative_draft_model_path"),
     ({"speculative_algorithm": "ngram", "speculative_num_draft_tokens": 0}, "speculative_num_draft_tokens"),
     ({"speculative_algorithm": "ngram", "speculative_ngram_min_match_window_size": 3,

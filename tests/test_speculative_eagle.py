@@ -23,71 +23,150 @@ def eagle_head(llama_ckpt, tmp_path_factory) -> str:
     return build_eagle_head(str(tmp_path_factory.mktemp("eagle") / "head"), llama_ckpt)
 
 
-def reference_drafts(target_dir: str, head_dir: str, prompt: list[int], k: int) -> tuple[int, list[int]]:
-    """The target's greedy token after the prompt and the head's chain of k drafts after it, computed
-    from scratch: transformers' final hidden states h, then per position i fc([embed(x_{i+1}), h_i]),
-    causal attention with RoPE, SiLU MLP, residuals, and the target's lm_head."""
-    from safetensors.torch import load_file
-    from transformers import AutoModelForCausalLM
+class Reference:
+    """EAGLE heads computed from scratch in plain torch, fed with transformers' hidden states of the
+    target: causal attention with RoPE over the whole sequence each step, SiLU MLP, residuals."""
 
-    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
-    cfg = json.loads(Path(head_dir, "config.json").read_text())
-    w = load_file(str(Path(head_dir, "model.safetensors")))
-    nh, nkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    d = cfg["hidden_size"] // nh
-    theta = cfg.get("rope_theta", 10000.0)
-    embed, lm_head = target.get_input_embeddings().weight, target.get_output_embeddings().weight
+    def __init__(self, target_dir: str, head_dir: str) -> None:
+        from safetensors.torch import load_file
+        from transformers import AutoModelForCausalLM
 
-    def rms(x, weight):
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + cfg["rms_norm_eps"]) * weight
+        self.target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+        self.cfg = json.loads(Path(head_dir, "config.json").read_text())
+        self.w = load_file(str(Path(head_dir, "model.safetensors")))
+        self.embed = self.target.get_input_embeddings().weight
+        self.lm_head = self.target.get_output_embeddings().weight
 
-    def rope(x, pos):  # x [T, heads, d]
-        inv = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
-        ang = torch.outer(torch.tensor(pos, dtype=torch.float64), inv)
-        cos, sin = torch.cat([ang.cos(), ang.cos()], -1)[:, None].float(), torch.cat([ang.sin(), ang.sin()], -1)[:, None].float()
-        x1, x2 = x[..., :d // 2], x[..., d // 2:]
-        return x * cos + torch.cat([-x2, x1], -1) * sin
+    def rms(self, x, weight):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.cfg["rms_norm_eps"]) * weight
 
-    def head(feats, tokens):  # positions 0..T-1; returns the head's outputs [T, hidden]
-        x = torch.cat([embed[tokens], feats], -1) @ w["fc.weight"].T + w["fc.bias"]
-        p = "layers.0."
-        t = len(tokens)
-        q = rope((x @ w[p + "self_attn.q_proj.weight"].T).view(t, nh, d), list(range(t)))
-        kk = rope((x @ w[p + "self_attn.k_proj.weight"].T).view(t, nkv, d), list(range(t)))
-        v = (x @ w[p + "self_attn.v_proj.weight"].T).view(t, nkv, d)
-        kk, v = kk.repeat_interleave(nh // nkv, 1), v.repeat_interleave(nh // nkv, 1)
-        scores = torch.einsum("qhd,khd->hqk", q, kk) / d ** 0.5
+    def attention(self, x, p):  # x [T, in]: the layer's attention input, positions 0..T-1
+        nh, nkv = self.cfg["num_attention_heads"], self.cfg["num_key_value_heads"]
+        d, t, w = self.cfg["hidden_size"] // nh, len(x), self.w
+        inv = 1.0 / self.cfg.get("rope_theta", 10000.0) ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
+        ang = torch.outer(torch.arange(t, dtype=torch.float64), inv)
+        cos, sin = (torch.cat([f(ang), f(ang)], -1)[:, None].float() for f in (torch.cos, torch.sin))
+
+        def rope(y):
+            return y * cos + torch.cat([-y[..., d // 2:], y[..., :d // 2]], -1) * sin
+
+        q = rope((x @ w[p + "self_attn.q_proj.weight"].T).view(t, nh, d))
+        k = rope((x @ w[p + "self_attn.k_proj.weight"].T).view(t, nkv, d)).repeat_interleave(nh // nkv, 1)
+        v = (x @ w[p + "self_attn.v_proj.weight"].T).view(t, nkv, d).repeat_interleave(nh // nkv, 1)
+        scores = torch.einsum("qhd,khd->hqk", q, k) / d ** 0.5
         scores = scores.masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), float("-inf"))
-        attn = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(t, nh * d)
-        h = x + attn @ w[p + "self_attn.o_proj.weight"].T
-        m = rms(h, w[p + "post_attention_layernorm.weight"])
-        gate, up = m @ w[p + "mlp.gate_proj.weight"].T, m @ w[p + "mlp.up_proj.weight"].T
-        return h + (torch.nn.functional.silu(gate) * up) @ w[p + "mlp.down_proj.weight"].T
+        return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(t, nh * d) @ w[p + "self_attn.o_proj.weight"].T
 
-    with torch.no_grad():
-        out = target(torch.tensor([prompt]), output_hidden_states=True)
-        first = int(out.logits[0, -1].argmax())
-        feats, tokens = out.hidden_states[-1][0], prompt[1:] + [first]
-        drafts = []
-        for _ in range(k):
-            f = head(feats, torch.tensor(tokens))[-1]
-            drafts.append(int((f @ lm_head.T).argmax()))
-            feats, tokens = torch.cat([feats, f[None]]), tokens + [drafts[-1]]
-    return first, drafts
+    def mlp(self, x, p):
+        w = self.w
+        m = self.rms(x, w[p + "post_attention_layernorm.weight"])
+        return (torch.nn.functional.silu(m @ w[p + "mlp.gate_proj.weight"].T) * (m @ w[p + "mlp.up_proj.weight"].T)) \
+            @ w[p + "mlp.down_proj.weight"].T
+
+    def head(self, version, feats, tokens):  # the head's outputs [T, hidden] at positions 0..T-1
+        w, emb = self.w, self.embed[tokens]
+        if version == 1:
+            x = torch.cat([emb, feats], -1) @ w["fc.weight"].T + w["fc.bias"]
+            h = x + self.attention(x, "layers.0.")
+            return h + self.mlp(h, "layers.0.")
+        p = "midlayer."
+        h = feats + self.attention(torch.cat([self.rms(emb, w[p + "input_layernorm.weight"]),
+                                              self.rms(feats, w[p + "hidden_norm.weight"])], -1), p)
+        return h + self.mlp(h, p)
+
+    def token(self, version, f):
+        if version == 1:
+            return int((f @ self.lm_head.T).argmax())
+        j = int((self.rms(f, self.w["norm.weight"]) @ self.w["lm_head.weight"].T).argmax())
+        return j + int(self.w["d2t"][j]) if "d2t" in self.w else j
+
+    def drafts(self, version: int, prompt: list[int], k: int) -> tuple[int, list[int]]:
+        """The target's greedy token after the prompt and the head's chain of k drafts after it."""
+        with torch.no_grad():
+            out = self.target(torch.tensor([prompt]), output_hidden_states=True)
+            hs = [h[0] for h in out.hidden_states]  # hs[i]: what enters layer i; hs[-1]: the final, normed
+            if version == 1:
+                feats = hs[-1]
+            else:
+                n = len(hs) - 1
+                feats = torch.cat([hs[2], hs[n // 2], hs[n - 3]], -1) @ self.w["fc.weight"].T
+            first = int(out.logits[0, -1].argmax())
+            tokens, drafts = prompt[1:] + [first], []
+            for _ in range(k):
+                f = self.head(version, feats, torch.tensor(tokens))[-1]
+                drafts.append(self.token(version, f))
+                feats, tokens = torch.cat([feats, f[None]]), tokens + [drafts[-1]]
+        return first, drafts
+
+
+def first_proposals(e: radixlm.Engine) -> list:
+    proposer = e.frontend.scheduler.scheduler.speculator.proposer
+    seen: list = []
+    propose = proposer.propose
+    proposer.propose = lambda reqs, budgets: seen.append(propose(reqs, budgets)) or seen[-1]
+    return seen
 
 
 def test_eagle_drafts_equal_the_reference(llama_ckpt, eagle_head):
     prompt = PROMPTS[2]
     with engine(llama_ckpt, speculative_algorithm="eagle", speculative_draft_model_path=eagle_head,
                 speculative_num_steps=4, speculative_adaptive=False) as e:
-        proposer = e.frontend.scheduler.scheduler.speculator.proposer
-        seen = []
-        propose = proposer.propose
-        proposer.propose = lambda reqs, budgets: seen.append(propose(reqs, budgets)) or seen[-1]
+        seen = first_proposals(e)
         out = e.generate(input_ids=prompt, sampling_params={"max_new_tokens": 8, "temperature": 0, "ignore_eos": True})
-    first, drafts = reference_drafts(llama_ckpt, eagle_head, prompt, 4)
+    first, drafts = Reference(llama_ckpt, eagle_head).drafts(1, prompt, 4)
     assert out["output_ids"][0] == first
     assert seen[0] == [drafts]
+
+
+@pytest.fixture(scope="module")
+def deep_llama(tmp_path_factory) -> str:
+    """The tiny Llama with 8 layers: EAGLE-3 reads the inputs of layers 2, 4 and 5."""
+    from radixlm.testing.checkpoints import build_checkpoint
+
+    return build_checkpoint(str(tmp_path_factory.mktemp("deep") / "llama8"), "llama", num_hidden_layers=8)
+
+
+@pytest.fixture(scope="module")
+def eagle3_head(deep_llama, tmp_path_factory) -> str:
+    from radixlm.testing.eagle import build_eagle3_head
+
+    return build_eagle3_head(str(tmp_path_factory.mktemp("eagle3") / "head"), deep_llama, draft_vocab=300)
+
+
+def test_eagle3_drafts_equal_the_reference_and_outputs_equal(deep_llama, eagle3_head):
+    prompt = PROMPTS[2]
+    params = {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}
+    with engine(deep_llama) as e:
+        base = e.generate(input_ids=PROMPTS, sampling_params=params)
+    with engine(deep_llama, speculative_algorithm="eagle3", speculative_draft_model_path=eagle3_head,
+                speculative_num_steps=4, speculative_adaptive=False) as e:
+        seen = first_proposals(e)
+        one = e.generate(input_ids=prompt, sampling_params=params)
+        spec = e.generate(input_ids=PROMPTS, sampling_params=params)
+        stats = e.get_stats()
+        assert_kv_whole(e)
+        draft_pool_whole(e)
+    first, drafts = Reference(deep_llama, eagle3_head).drafts(3, prompt, 4)
+    assert one["output_ids"][0] == first and seen[0] == [drafts]
+    assert [o["output_ids"] for o in spec] == [o["output_ids"] for o in base]
+    assert stats["spec_algorithm"] == "eagle3" and stats["spec_verifies_total"] > 0
+
+
+def test_an_eagle3_head_lacking_a_tensor_or_a_deep_enough_target_is_refused(llama_ckpt, deep_llama, eagle3_head,
+                                                                            tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    head = str(tmp_path / "head")
+    shutil.copytree(eagle3_head, head)
+    tensors = load_file(f"{head}/model.safetensors")
+    del tensors["midlayer.hidden_norm.weight"]
+    save_file(tensors, f"{head}/model.safetensors")
+    with pytest.raises(UnsupportedModelError, match=r"midlayer\.hidden_norm\.weight"):
+        radixlm.Engine(deep_llama, speculative_algorithm="eagle3", speculative_draft_model_path=head)
+    with pytest.raises(UnsupportedModelError, match="at least 7 layers"):  # the 2-layer model
+        radixlm.Engine(llama_ckpt, speculative_algorithm="eagle3", speculative_draft_model_path=eagle3_head)
 
 
 @pytest.mark.parametrize("adaptive", [False, True])

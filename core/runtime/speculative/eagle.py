@@ -1,5 +1,5 @@
-"""The `eagle` proposer: an EAGLE-1/2 head (core.runtime.models.eagle) drafts a chain of tokens from the
-target's final hidden states. It is the draft-model proposer with another input per position: where a
+"""The `eagle` and `eagle3` proposers: an EAGLE head (core.runtime.models.eagle) drafts a chain of tokens
+from the target's hidden states (EAGLE-1/2: the final ones; EAGLE-3: three layers' inputs). It is the draft-model proposer with another input per position: where a
 draft model reads token x_i at position i, the head reads the target's hidden state h_i with the token
 after it, x_{i+1}; a draft step past the target's tokens reads the head's own output instead of h.
 
@@ -21,12 +21,15 @@ from radixlm.core.runtime.speculative.draft_model import DraftModelProposer
 
 
 class EagleProposer(DraftModelProposer):
-    name = "eagle"
+    name = "eagle"  # "eagle3" for an EAGLE-3 head (set by the builder)
 
-    def __init__(self, runner: Any, target_runner: Any, vocab_size: int) -> None:
-        """`runner`: a ModelRunner over the EagleHead; `target_runner`: the target's, observed."""
+    def __init__(self, runner: Any, target_runner: Any, vocab_size: int, aux: bool = False) -> None:
+        """`runner`: a ModelRunner over the head; `target_runner`: the target's, observed; `aux`: the head
+        reads the target's aux_hidden (EAGLE-3: three layers' inputs) instead of its final hidden states."""
         super().__init__(runner, vocab_size)
-        self.hidden_size = target_runner.cfg.hidden_size
+        self.target_model = target_runner.model
+        self.aux = aux
+        self.width = target_runner.cfg.hidden_size * (3 if aux else 1)  # of a target state
         # target row -> [(first position, hidden states of it and the next positions)], in position order
         self.states: dict[int, list[tuple[int, torch.Tensor]]] = {}
         self.out: dict[Req, torch.Tensor] = {}  # the head's newest output per request, [1, hidden]
@@ -37,6 +40,8 @@ class EagleProposer(DraftModelProposer):
     def observe_target(self, batch: BatchInput, hidden: torch.Tensor) -> None:
         """Keeps each request's hidden states of the step's positions; what it held at those positions or
         after them was computed on tokens since rejected (or recomputed), and goes."""
+        if self.aux:
+            hidden = self.target_model.aux_hidden
         at = 0
         for row, n in zip(batch.rows, batch.extend_lens):
             first = batch.positions[at]
@@ -84,7 +89,7 @@ class EagleProposer(DraftModelProposer):
     def _target_states(self, row: int, start: int, end: int) -> torch.Tensor:
         """The target's hidden states of positions [start, end) of a request, zeros where it has none."""
         runner = self.runner
-        out = torch.zeros(end - start, self.hidden_size, dtype=runner.dtype, device=runner.device)
+        out = torch.zeros(end - start, self.width, dtype=runner.dtype, device=runner.device)
         for s, h in self.states.get(row, []):
             lo, hi = max(s, start), min(s + len(h), end)
             if lo < hi:
