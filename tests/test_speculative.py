@@ -17,7 +17,7 @@ import radixlm
 from radixlm.core.runtime.options import EngineOptions
 from radixlm.core.errors import InvalidRequestError
 from radixlm.core.runtime.speculative.ngram import NgramIndex
-from radixlm.core.runtime.speculative.policy import StepTimes, choose_lengths
+from radixlm.core.runtime.speculative.policy import MIN_GAIN, StepTimes, choose_lengths
 from radixlm.core.runtime.speculative.state import SpecState
 from radixlm.core.runtime.speculative.verify import accepted_length
 from spec_oracle import OracleProposer
@@ -252,10 +252,12 @@ def cpu_like_times(token_cost: float = 0.25, base: float = 0.3) -> StepTimes:
 
 
 def expected_rate(rates, lengths, times):
+    """Expected tokens per second of a step; a decode step's counted MIN_GAIN times (what drafts must beat)."""
     b = len(lengths)
     tokens = b + sum(sum(r ** j for j in range(1, k + 1)) for r, k in zip(rates, lengths))
-    t = times.decode_time(b) if not any(lengths) else times.verify_time(b, b + sum(lengths), times.decode_time(b))
-    return tokens / t
+    if not any(lengths):
+        return MIN_GAIN * tokens / times.decode_time(b)
+    return tokens / times.verify_time(b, b + sum(lengths), times.decode_time(b))
 
 
 @pytest.mark.parametrize("seed", range(6))

@@ -7,7 +7,8 @@ by tokens computed.
 A draft token is kept only when every one before it is, so with rate r the j-th token of a draft adds
 r**j expected tokens: per request the gains fall with j, and the best drafts of T tokens in all take
 the T largest gains across requests. The step's rate is (batch + those gains) / (the verify step's
-time for batch + T tokens), against batch / (the decode step's time) for T = 0."""
+time for batch + T tokens), against batch / (the decode step's time) for T = 0, which a draft must beat
+by MIN_GAIN."""
 
 from __future__ import annotations
 
@@ -25,6 +26,10 @@ PRIOR_TOKEN_COST = {"cpu": 0.25, "cuda": 0.03}
 PRIOR_RATE, PRIOR_DRAFTS = 0.5, 2.0
 # A draft class's evidence decays by this per draft of it checked.
 CLASS_DECAY = 0.98
+# A step drafts only where its expected tokens per second beat a decode step's by this factor: rates and
+# times are estimates (the times of a loaded machine swing by tens of percent), and a draft that only
+# breaks even on them risks a slowdown for nothing.
+MIN_GAIN = 1.1
 
 
 def _average(table: dict[int, float], key: int, seconds: float) -> None:
@@ -70,14 +75,15 @@ class StepTimes:
 
 def choose_lengths(rates: list[float], caps: list[int], times: StepTimes) -> list[int]:
     """Per request the draft length (at most caps[i]) that, with the others', gives the step the most
-    expected tokens per second; all 0 where a decode step does best (or none is measured yet)."""
+    expected tokens per second; all 0 where that does not beat a decode step's by MIN_GAIN (or no decode
+    step is measured yet)."""
     batch = len(caps)
     decode = times.decode_time(batch)
     if decode is None:
         return [0] * batch
     gains = sorted(((r ** j, i) for i, (r, cap) in enumerate(zip(rates, caps)) for j in range(1, cap + 1)),
                    reverse=True)
-    best, best_rate, tokens = 0, batch / decode, float(batch)
+    best, best_rate, tokens = 0, MIN_GAIN * batch / decode, float(batch)
     for t, (gain, _) in enumerate(gains, 1):
         tokens += gain
         rate = tokens / times.verify_time(batch, batch + t, decode)
