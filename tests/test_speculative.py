@@ -427,15 +427,16 @@ def test_draft_model_keeps_outputs(llama_ckpt, llama_tied_ckpt, draft):
     with engine(llama_ckpt) as e:
         base = e.generate(input_ids=PROMPTS, sampling_params=MIXED)
     with engine(llama_ckpt, speculative_algorithm="draft", speculative_draft_model_path=path,
-                speculative_num_draft_tokens=5) as e:
+                speculative_num_draft_tokens=5, speculative_adaptive=False) as e:  # drafts every step
         spec = e.generate(input_ids=PROMPTS, sampling_params=MIXED)
         stats = e.get_stats()
         assert_kv_whole(e)
         draft_pool_whole(e)
     assert [o["output_ids"] for o in spec] == [o["output_ids"] for o in base]
     assert stats["spec_algorithm"] == "draft" and stats["spec_verifies_total"] > 0
-    rate = stats["spec_accepted_tokens_total"] / stats["spec_draft_tokens_total"]
-    assert rate > 0.8 if draft == "same" else rate < 0.5
+    # The greedy request (the first): the target's own drafts are kept but for float noise.
+    greedy = spec[0]["meta_info"]["spec_accept_length"]
+    assert greedy > 5 if draft == "same" else greedy < 2, greedy
 
 
 def test_draft_model_under_retraction(llama_ckpt):
@@ -444,7 +445,7 @@ def test_draft_model_under_retraction(llama_ckpt):
     with engine(llama_ckpt, max_total_tokens=160) as e:
         base = e.generate(input_ids=prompts, sampling_params=params)
     with engine(llama_ckpt, max_total_tokens=160, speculative_algorithm="draft",
-                speculative_draft_model_path=llama_ckpt) as e:
+                speculative_draft_model_path=llama_ckpt, speculative_adaptive=False) as e:
         spec = e.generate(input_ids=prompts, sampling_params=params)
         stats = e.get_stats()
         assert_kv_whole(e)
