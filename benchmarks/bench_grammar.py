@@ -54,7 +54,8 @@ RESULTS = cache_dir() / "bench_grammar"  # one JSON per engine run; --report rea
 MASK_CLOCK = time.perf_counter  # --cpu-time: the thread's CPU time, which other jobs on a shared machine disturb less
 K8S_SAMPLE = 40
 SAMPLE_TOKENS = 48
-MASKBENCH_PER_SPLIT = 5  # a random walk heads for the nearest end after this many tokens
+MASKBENCH_PER_SPLIT = 5
+WARM_SECONDS: float | None = None  # --warm-seconds: radixlm's GrammarBudget.warm_seconds (None: its default)  # a random walk heads for the nearest end after this many tokens
 
 
 # ---- the corpus ----------------------------------------------------------------------------------------
@@ -242,7 +243,13 @@ class Engine:
                 counted_string.counted_string_dfa.cache_clear()
                 terminal_tokens._cache.clear()
                 counted_tokens._cache.clear()
-        return build_constraint("json_schema", schema, self.tokenizer, backend=self.name)
+        return build_constraint("json_schema", schema, self.tokenizer, backend=self.name, **_budget())
+
+
+def _budget() -> dict:
+    from radixlm.core.runtime.constrained.automata.grammar_compiler import GrammarBudget
+
+    return {} if WARM_SECONDS is None else {"budget": GrammarBudget(warm_seconds=WARM_SECONDS)}
 
 
 def run(engine_name: str, suite_dir: str, limit: int | None, cold: bool, vocab_name: str, samples: int,
@@ -428,7 +435,7 @@ def _fresh(engine: Engine, schema):
     """Our engine's constraint for one more instance: the compiled grammar (and its masks) reused."""
     from radixlm.core.runtime.constrained import build_constraint
 
-    return build_constraint("json_schema", schema, engine.tokenizer, backend="radixlm")
+    return build_constraint("json_schema", schema, engine.tokenizer, backend="radixlm", **_budget())
 
 
 def report() -> str:
@@ -490,11 +497,14 @@ def main() -> None:
     parser.add_argument("--maskbench", metavar="DIR",
                         help=f"also {MASKBENCH_PER_SPLIT} schemas per split from MaskBench's data/ folder "
                              "(guidance-ai/jsonschemabench, maskbench/data)")
+    parser.add_argument("--warm-seconds", type=float, default=None,
+                        help="radixlm: GrammarBudget.warm_seconds (the compile's warm-up of the first masks' pieces)")
     parser.add_argument("--cpu-time", action="store_true",
                         help="time masks in the thread's CPU time instead of wall time (a shared machine)")
     args = parser.parse_args()
+    global MASK_CLOCK, WARM_SECONDS
+    WARM_SECONDS = args.warm_seconds
     if args.cpu_time:
-        global MASK_CLOCK
         MASK_CLOCK = time.thread_time
     if args.report:
         print(report())
@@ -504,7 +514,7 @@ def main() -> None:
     result = run(args.engine, args.suite, args.limit, args.cold, args.vocab, args.samples, not args.no_freeze,
                  args.maskbench)
     RESULTS.mkdir(parents=True, exist_ok=True)
-    name = (args.engine + ("-cold" if args.cold else "") + ("" if args.vocab == "qwen2" else f"-{args.vocab}")
+    name = (args.engine + ("-cold" if args.cold else "") + ("" if args.warm_seconds is None else f"-warm{args.warm_seconds}") + ("" if args.vocab == "qwen2" else f"-{args.vocab}")
             + ("-samples" if args.samples else ""))
     (RESULTS / f"{name}.json").write_text(json.dumps(dict(result, engine=name), indent=1))
     print(json.dumps({k: v for k, v in result.items() if k not in ("refused", "invalid_accepted_examples", "valid_rejected_examples",

@@ -81,22 +81,19 @@ class GrammarIndex:
         self._moves: dict[tuple, tuple[np.ndarray, list[list[int]], np.ndarray]] = {}  # see _moves_of
         self._masks = MaskCache(MASK_CACHE_SIZE)
         self._same_pieces: OrderedDict[tuple, tuple[np.ndarray, list[StateTokens]]] = OrderedDict()
+        self._counted = {t for t, dfa in enumerate(grammar.terminals) if isinstance(dfa, CountedStringDFA)}
         self._exits: dict[tuple, np.ndarray] = {}  # see _exits_taken
         self._lock = threading.RLock()
         self._spellable = spellable_bytes(vocab)
         self.spells_every_byte = bool(self._spellable.all())
         self.start = self._intern(self._follow(self._cont(grammar.start, 0, -1)))
         self._start_bits: np.ndarray | None = None
-        if any(isinstance(t, CountedStringDFA) for t in grammar.terminals):
-            # The vocabulary read as string content, once per process (~0.5 s): here, where constraints
-            # are built (off the scheduler loop), rather than at the first mask.
+        if self._counted:  # the vocabulary read as string content (once per process, ~0.5 s): here, off the loop
             string_tokens(vocab)
             string_tokens(vocab, opening=True)
-        # Every output begins at the start configuration, so its token classes and exit walks are built
-        # here, with the compile (off the decode loop), not in the first request's first mask: that mask
-        # was the largest piece of the corpus's mask tail (benchmarks/results/2026-12-02-grammar-masks.md).
-        # Its bits are kept too (19 KB for a 152k vocabulary): the union of an any-value start's pieces costs
-        # ~0.1 ms, in every new schema's first mask.
+        # Every output begins at the start configuration: its bits are built with the compile (off the decode
+        # loop), not in the first mask, the largest piece of the corpus's mask tail once
+        # (benchmarks/results/2026-12-02-grammar-masks.md), and kept (19 KB for a 152k vocabulary).
         self._start_bits = self._walk(self.start)
         self._warm(grammar.budget.warm_seconds)
 
@@ -361,14 +358,16 @@ class GrammarIndex:
         return self._masks.get(state, vocab_size, packed, lambda width: self._allowed_bits(state, width))
 
     def _allowed_bits(self, state: int, vocab_size: int) -> np.ndarray:
-        """Packed bits (little bit order), uint8 [4 * ceil(vocab_size / 32)], kept per signature (the items'
-        classes and continuations): a counted string's positions are configurations of their own whose
-        classes repeat. The classes are held with the bits, so their ids stay theirs."""
+        """Packed bits (little bit order), uint8 [4 * ceil(vocab_size / 32)]. A counted string's positions
+        are configurations of their own whose classes repeat: there the bits are kept per signature (the
+        items' classes and continuations), the classes held with them so that their ids stay theirs."""
+        items = self._items[state]
+        if not any(t in self._counted for t, _, _ in items):
+            return self._computed_bits(state, vocab_size, None)
         with self._lock:
-            classes = self._classes(self._items[state])
+            classes = self._classes(items)
         signature = (tuple((id(c), k if c.exits is not None or c.after_quote is not None else -2)
-                           for c, (_, _, k) in zip(classes, self._items[state])),
-                     self._can_end[state], vocab_size, state == self.start)
+                           for c, (_, _, k) in zip(classes, items)), self._can_end[state], vocab_size, state == self.start)
         with self._lock:
             found = self._same_pieces.get(signature)
             if found is not None:
@@ -414,8 +413,9 @@ class GrammarIndex:
 
     def _classes(self, items: Iterable[tuple[int, int, int]]) -> list[StateTokens]:
         """The token classes of each item's terminal state (terminal_tokens.py's shared cache)."""
-        names, terminals = self.grammar.terminal_names, self.grammar.terminals
-        return [state_tokens(names[t], terminals[t], q, self.vocab) for t, q, _ in items]
+        names, terminals, of = self.grammar.terminal_names, self.grammar.terminals, {}
+        return [of.get((t, q)) or of.setdefault((t, q), state_tokens(names[t], terminals[t], q, self.vocab))
+                for t, q, _ in items]
 
     def _pieces(self, items: Iterable[tuple[int, int, int]], classes: list[StateTokens] | None = None,
                 ) -> tuple[list[np.ndarray], list[np.ndarray]]:
