@@ -24,14 +24,11 @@ from starlette.types import Receive, Scope, Send
 
 from radixlm.core.errors import EngineDeadError, EngineShutdownError
 from radixlm.server.errors import APIError, error_body, failure_code
+from radixlm.server.front import ClientGone
 from radixlm.server.metrics import Metrics
 
 Output = dict[str, Any]
 logger = logging.getLogger("radixlm.server")
-
-
-class ClientGone(Exception):
-    """The client disconnected before its result was ready; there is no one to answer."""
 
 
 @dataclass

@@ -128,7 +128,7 @@ class EngineOptions:
         200_000, "parser configurations (about 1.2 KB each) a schema's shared tables hold before new "
         "requests get fresh ones")
     grammar_warm_seconds: float = option(
-        0.004, "wall-clock seconds a new constraint's compile spends building the token classes and exit walks "
+        0.0, "wall-clock seconds a new constraint's compile spends building the token classes and exit walks "
         "of the parser configurations its first masks most likely need (radixlm backend; 0: none, they are "
         "built by those masks)")
     gc_freeze: bool = option(
