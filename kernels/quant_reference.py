@@ -22,11 +22,13 @@ def quantize_fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                bias: torch.Tensor | None = None) -> torch.Tensor:
     """W8A8: x [M, K] quantized to e4m3 a token at a time (dynamic scales), times the e4m3 weight [N, K]
-    with its per-row fp32 scales [N], accumulated in fp32, plus bias; returned in x's dtype. The same
-    rounding as the CUDA kernel's (torch._scaled_mm with row-wise scales), up to the order of the sum."""
+    with its per-row fp32 scales [N], accumulated in fp32, written in bf16, then in x's dtype plus bias.
+    The same rounding as the CUDA kernel's (torch._scaled_mm with row-wise scales writes bf16), up to the
+    order of the sum, so that a float32 run on the CPU has the numerics of one on the GPU."""
     xq, x_scale = quantize_fp8_rows(x)
     out = (xq.float() @ weight.float().t()) * x_scale[:, None] * weight_scale[None, :]
-    return (out if bias is None else out + bias.float()).to(x.dtype)
+    out = out.to(torch.bfloat16).to(x.dtype)
+    return out if bias is None else out + bias
 
 
 def unpack_int4(packed: torch.Tensor) -> torch.Tensor:

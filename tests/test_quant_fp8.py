@@ -64,8 +64,11 @@ def test_fp8_linear_reference_is_the_dequantized_product():
     w, b = torch.randn(40, 96) / 10, torch.randn(40)
     wq, ws = qref.quantize_fp8_rows(w)
     xq, xs = qref.quantize_fp8_rows(x)
-    want = (xq.float() * xs[:, None]) @ (wq.float() * ws[:, None]).t() + b
+    product = (xq.float() * xs[:, None]) @ (wq.float() * ws[:, None]).t()
+    # written in bf16 before the bias, as cuBLASLt's row-wise scaled GEMM does
+    want = product.to(torch.bfloat16).float() + b
     torch.testing.assert_close(qref.fp8_linear(x, wq, ws, b), want, rtol=1e-5, atol=1e-5)
+    assert not torch.equal(qref.fp8_linear(x, wq, ws, b), product + b)
     # and within fp8's error of the unquantized product: |err| <= 2 * 2^-4 of sum |x||w| (both rounded)
     bound = 2 * 2 ** -4 * (x.abs() @ w.abs().t())
     assert bool(((qref.fp8_linear(x, wq, ws) - x @ w.t()).abs() <= bound).all())

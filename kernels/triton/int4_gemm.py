@@ -1,8 +1,10 @@
 """4-bit weight-only products on CUDA (AWQ and GPTQ checkpoints): the weight streams as packed nibbles
 [N, K / 2] (two values a byte) with one fp32 scale and zero per row and group, and is dequantized to the
 activation dtype in registers, a [BLOCK_N, BLOCK_K] tile at a time, inside the GEMM's K loop (tl.dot),
-so that no dequantized copy is ever written. The same kernel serves decode (BLOCK_M 16, the weight read
-once) and prefill. Twin: ``quant_reference.int4_linear``."""
+so that no dequantized copy is ever written. Decode batches of at most GEMV_MAX_ROWS rows take a GEMV
+instead: a tl.dot pads them to 16 rows and its tiles leave too few programs to stream the weight (82.96
+ms/token at batch 1 on the 8B shape, an H100: benchmarks/results/2026-12-07-h100-run3.md).
+Twin: ``quant_reference.int4_linear``."""
 
 from __future__ import annotations
 
@@ -39,6 +41,44 @@ def _int4_gemm_kernel(X, W, Scale, Zero, Bias, Out, m, n, k, group, num_groups, 
              mask=m_mask[:, None] & n_mask[None, :])
 
 
+# Decode batches up to this many rows take the GEMV.
+GEMV_MAX_ROWS = 4
+
+
+@triton.jit
+def _int4_gemv_kernel(X, W, Scale, Zero, Bias, Out, m, n, k, num_groups, stride_xm, stride_wn, stride_om,
+                      HAS_BIAS: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Each program owns BLOCK_N output features and walks K one group (BLOCK_K columns) a step. With one
+    scale s and zero z per row and group, sum_k (q - z) s x = s (sum_k q x - z sum_k x): the nibbles
+    multiply x as they are and the group's scale and zero apply once per row."""
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_r = tl.arange(0, ROWS)
+    offs_b = tl.arange(0, BLOCK_K // 2)
+    n_mask, r_mask = offs_n < n, offs_r < m
+    acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
+    for g in range(0, num_groups):
+        packed = tl.load(W + offs_n[:, None] * stride_wn + g * (BLOCK_K // 2) + offs_b[None, :],
+                         mask=n_mask[:, None], other=0)
+        q = tl.reshape(tl.join(packed & 0x0F, packed >> 4), (BLOCK_N, BLOCK_K)).to(tl.float32)
+        offs_k = g * BLOCK_K + tl.arange(0, BLOCK_K)
+        x = tl.load(X + offs_r[:, None] * stride_xm + offs_k[None, :], mask=r_mask[:, None], other=0.0).to(tl.float32)
+        qx = tl.sum(q[None, :, :] * x[:, None, :], axis=2)  # [ROWS, BLOCK_N]
+        xs = tl.sum(x, axis=1)  # [ROWS]
+        scale = tl.load(Scale + offs_n * num_groups + g, mask=n_mask, other=0.0)
+        zero = tl.load(Zero + offs_n * num_groups + g, mask=n_mask, other=0.0)
+        acc += scale[None, :] * (qx - zero[None, :] * xs[:, None])
+    if HAS_BIAS:
+        acc += tl.load(Bias + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    tl.store(Out + offs_r[:, None] * stride_om + offs_n[None, :], acc.to(Out.dtype.element_ty),
+             mask=r_mask[:, None] & n_mask[None, :])
+
+
+def _gemv_fits(m: int, group: int) -> bool:
+    """The GEMV walks one group a step: a power-of-two group of 16 to 512 columns (AWQ's and GPTQ's 32 to
+    128 are)."""
+    return m <= GEMV_MAX_ROWS and 16 <= group <= 512 and group & (group - 1) == 0
+
+
 def int4_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                 bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] @ ((unpack(packed) - zeros) * scales).T + bias. Twin: ``quant_reference.int4_linear``."""
@@ -48,11 +88,20 @@ def int4_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zer
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return out
+    group = k // num_groups
+    if _gemv_fits(m, group):
+        # 8 features a program: 512 programs for a 4096-feature projection, several per SM.
+        block_n = 8
+        _int4_gemv_kernel[(triton.cdiv(n, block_n),)](
+            x, packed, scales, zeros, bias if bias is not None else scales, out, m, n, k, num_groups, x.stride(0),
+            packed.stride(0), out.stride(0), HAS_BIAS=bias is not None, ROWS=triton.next_power_of_2(m),
+            BLOCK_N=block_n, BLOCK_K=group, num_warps=4, num_stages=3)
+        return out
     block_m = max(16, min(64, triton.next_power_of_2(m)))
     block_n, block_k = (32, 128) if m <= 16 else (64, 64)
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
     _int4_gemm_kernel[grid](x, packed, scales, zeros, bias if bias is not None else scales, out, m, n, k,
-                            k // num_groups, num_groups, x.stride(0), packed.stride(0), out.stride(0),
+                            group, num_groups, x.stride(0), packed.stride(0), out.stride(0),
                             HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
                             num_warps=4, num_stages=3)
     return out
