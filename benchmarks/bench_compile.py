@@ -6,7 +6,7 @@ What belongs to the tokenizer and not to a schema (its TokenVocab, byte trie, an
 string content: grammar_index_cache.prepare_vocab) is built once before the first schema is timed, as an
 engine does at start and as bench_grammar.py builds llguidance's tokenizer once; its cost is printed.
 
-    python benchmarks/bench_compile.py --suite /tmp/js/jsonschema-*/json/tests/draft2020-12 [--only NAME] [--profile]
+    python benchmarks/bench_compile.py --suite /tmp/js/jsonschema-*/json/tests/draft2020-12 [--maskbench DIR] [--only NAME] [--profile]
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ def main() -> None:
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--suite", required=True, help="the JSON-Schema-Test-Suite's draft2020-12 folder")
+    parser.add_argument("--maskbench", metavar="DIR", help="also bench_grammar.py's MaskBench sample (its data/ folder)")
     parser.add_argument("--only", help="schemas whose name contains this")
     parser.add_argument("--top", type=int, default=20, help="slowest schemas listed")
     parser.add_argument("--budget", type=float, default=2.0, help="max_compile_seconds")
@@ -46,7 +47,7 @@ def main() -> None:
     budget = GrammarBudget(max_compile_seconds=args.budget)
     profile = cProfile.Profile() if args.profile else None
     rows, refused = [], 0
-    for case in bench_grammar.corpus(args.suite):
+    for case in bench_grammar.corpus(args.suite, args.maskbench):
         if args.only and args.only not in case["name"]:
             continue
         grammar_index_cache._cache.clear()  # a schema never seen

@@ -53,7 +53,9 @@ from radixlm.core.runtime.cache import cache_dir
 RESULTS = cache_dir() / "bench_grammar"  # one JSON per engine run; --report reads them
 MASK_CLOCK = time.perf_counter  # --cpu-time: the thread's CPU time, which other jobs on a shared machine disturb less
 K8S_SAMPLE = 40
-SAMPLE_TOKENS = 48  # a random walk heads for the nearest end after this many tokens
+SAMPLE_TOKENS = 48
+MASKBENCH_PER_SPLIT = 5
+WARM_SECONDS: float | None = None  # --warm-seconds: radixlm's GrammarBudget.warm_seconds (None: its default)  # a random walk heads for the nearest end after this many tokens
 
 
 # ---- the corpus ----------------------------------------------------------------------------------------
@@ -186,8 +188,26 @@ def _tool_cases() -> list[dict]:
              "valid": [i.model_dump(mode="json") for i in insts], "invalid": bad[m]} for m, insts in instances.items()]
 
 
-def corpus(suite_dir: str) -> list[dict]:
-    return _suite_cases(suite_dir) + _vendored_cases() + _k8s_cases() + _tool_cases() + long_string_cases()
+def _maskbench_cases(data_dir: str) -> list[dict]:
+    """MASKBENCH_PER_SPLIT schemas with tests from each split of MaskBench's data/ folder (a file's split is
+    its name up to `---` or its trailing `_N`), drawn with a fixed seed: the same sample every run."""
+    splits: dict[str, list[Path]] = {}
+    for path in sorted(Path(data_dir).glob("*.json")):
+        splits.setdefault(re.sub(r"(---.*|_\d+)$", "", path.stem), []).append(path)
+    out = []
+    for split, paths in sorted(splits.items()):
+        docs = [(p, json.load(open(p))) for p in paths]
+        docs = [(p, d) for p, d in docs if d.get("tests")]
+        for p, d in random.Random(0).sample(docs, min(MASKBENCH_PER_SPLIT, len(docs))):
+            out.append({"name": f"maskbench/{split}/{p.stem}", "schema": d["schema"],
+                        "valid": [t["data"] for t in d["tests"] if t["valid"]],
+                        "invalid": [t["data"] for t in d["tests"] if not t["valid"]]})
+    return out
+
+
+def corpus(suite_dir: str, maskbench: str | None = None) -> list[dict]:
+    return (_suite_cases(suite_dir) + _vendored_cases() + _k8s_cases() + _tool_cases() + long_string_cases()
+            + (_maskbench_cases(maskbench) if maskbench else []))
 
 
 def _ordered(instance, schema):
@@ -223,11 +243,17 @@ class Engine:
                 counted_string.counted_string_dfa.cache_clear()
                 terminal_tokens._cache.clear()
                 counted_tokens._cache.clear()
-        return build_constraint("json_schema", schema, self.tokenizer, backend=self.name)
+        return build_constraint("json_schema", schema, self.tokenizer, backend=self.name, **_budget())
+
+
+def _budget() -> dict:
+    from radixlm.core.runtime.constrained.automata.grammar_compiler import GrammarBudget
+
+    return {} if WARM_SECONDS is None else {"budget": GrammarBudget(warm_seconds=WARM_SECONDS)}
 
 
 def run(engine_name: str, suite_dir: str, limit: int | None, cold: bool, vocab_name: str, samples: int,
-        freeze: bool = True) -> dict:
+        freeze: bool = True, maskbench: str | None = None) -> dict:
     from radixlm.testing.constrained import llama3_tokenizer, qwen2_tokenizer
 
     tokenizer = {"qwen2": qwen2_tokenizer, "llama3": llama3_tokenizer}[vocab_name]()
@@ -249,7 +275,7 @@ def run(engine_name: str, suite_dir: str, limit: int | None, cold: bool, vocab_n
     remotes = _remotes_registry(Path(suite_dir).parent.parent / "remotes")
     engine = Engine(engine_name, tokenizer, cold)
     rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    cases = corpus(suite_dir)[:limit]
+    cases = corpus(suite_dir, maskbench)[:limit]
     if freeze:
         # Out of the collector's generations, as an engine freezes its startup heap once the grammar tables
         # are built (EngineOptions.gc_freeze, gc_heap.py): the vocabulary's tables and this harness's own
@@ -259,6 +285,9 @@ def run(engine_name: str, suite_dir: str, limit: int | None, cold: bool, vocab_n
 
         gc_heap.freeze_heap()
     compile_s, refused, mask_us, mask_again_us = [], {}, [], []
+    compile_by_schema: dict[str, float] = {}  # ms, for the same-schemas comparison (--report)
+    slowest: list[tuple[float, str]] = []  # each schema's slowest mask (µs)
+    walks_by_source: dict[str, list[int]] = {}  # valid accepted, valid, invalid accepted, invalid
     sampled: list[bool] = []
     bad_samples: list[str] = []
     valid_total = valid_ok = invalid_total = invalid_ok = 0
@@ -274,10 +303,15 @@ def run(engine_name: str, suite_dir: str, limit: int | None, cold: bool, vocab_n
             refused[case["name"]] = f"{type(e).__name__}: {e}"[:200]
             continue
         compile_s.append(seconds)
+        compile_by_schema[case["name"]] = seconds * 1e3
+        first_mask = len(mask_us)
+        tally = walks_by_source.setdefault(case["name"].split("/")[0], [0, 0, 0, 0])
         walks = [(v, True) for v in case["valid"]] + [(v, False) for v in case["invalid"]]
         for instance, valid in walks:
             text = json.dumps(_ordered(instance, schema), separators=(",", ":"), ensure_ascii=False)
             accepted = _walk(engine, schema, _encode(tokenizer, text) + [eos], eos, vocab_size, mask_us)
+            tally[0 if valid else 2] += accepted
+            tally[1 if valid else 3] += 1
             if valid:
                 valid_total += 1
                 valid_ok += accepted
@@ -290,6 +324,8 @@ def run(engine_name: str, suite_dir: str, limit: int | None, cold: bool, vocab_n
                 invalid_ok += accepted
                 if accepted:
                     invalid_accepted_names.append(f"{case['name']}: {text[:80]}")
+        if len(mask_us) > first_mask:
+            slowest.append((max(mask_us[first_mask:]), case["name"]))
         for instance, _ in walks:  # the same outputs again: what a schema used again costs
             text = json.dumps(_ordered(instance, schema), separators=(",", ":"), ensure_ascii=False)
             _walk(engine, schema, _encode(tokenizer, text) + [eos], eos, vocab_size, mask_again_us)
@@ -305,7 +341,8 @@ def run(engine_name: str, suite_dir: str, limit: int | None, cold: bool, vocab_n
     pct = lambda xs, q: float(np.percentile(xs, q)) if xs else float("nan")  # noqa: E731
     return {
         "engine": engine_name, "schemas": len(cases), "compiled": len(compile_s), "refused": refused,
-        "compiled_by_source": sources,
+        "compiled_by_source": sources, "compile_ms_by_schema": compile_by_schema,
+        "walks_by_source": walks_by_source, "slowest_masks_us": sorted(slowest, reverse=True)[:10],
         "compile_ms": {"p50": pct(ms, 50), "p90": pct(ms, 90), "p99": pct(ms, 99), "max": max(ms) if ms else None},
         "valid": [valid_ok, valid_total], "valid_rejected_by_cause": misses,
         "valid_documented_excluded": [valid_ok, valid_total - sum(n for c, n in misses.items()
@@ -398,7 +435,7 @@ def _fresh(engine: Engine, schema):
     """Our engine's constraint for one more instance: the compiled grammar (and its masks) reused."""
     from radixlm.core.runtime.constrained import build_constraint
 
-    return build_constraint("json_schema", schema, engine.tokenizer, backend="radixlm")
+    return build_constraint("json_schema", schema, engine.tokenizer, backend="radixlm", **_budget())
 
 
 def report() -> str:
@@ -427,7 +464,21 @@ def report() -> str:
                     f"{i[0]} / {i[1]} | "
                     f"{m['mean']:.0f} / {m['p50']:.1f} / {m['p99']:.0f} | {again} | {r['max_rss_mb']['before_corpus']:.0f} → "
                     f"{r['max_rss_mb']['after']:.0f} |")
-    return "\n".join(rows)
+    return "\n".join(rows + same_schemas(results))
+
+
+def same_schemas(results: dict) -> list[str]:
+    """Compile ms of each engine over the schemas every engine compiled (the fair comparison: each engine
+    refuses different ones)."""
+    timed = {n: r["compile_ms_by_schema"] for n, r in results.items() if "compile_ms_by_schema" in r}
+    if len(timed) < 2:
+        return []
+    both = set.intersection(*(set(t) for t in timed.values()))
+    rows = ["", f"Compile on the {len(both)} schemas all engines compiled: p50 / p90 / p99 / max (ms)", ""]
+    for name, times in timed.items():
+        ms = [times[s] for s in both]
+        rows.append(f"- {name}: " + " / ".join(f"{np.percentile(ms, q):.2f}" for q in (50, 90, 99)) + f" / {max(ms):.1f}")
+    return rows
 
 
 def main() -> None:
@@ -443,23 +494,31 @@ def main() -> None:
                         help="radixlm: random walks per compiled schema, each validated with jsonschema")
     parser.add_argument("--no-freeze", action="store_true",
                         help="leave the heap after the vocabulary's setup unfrozen (an engine freezes it: gc_freeze)")
+    parser.add_argument("--maskbench", metavar="DIR",
+                        help=f"also {MASKBENCH_PER_SPLIT} schemas per split from MaskBench's data/ folder "
+                             "(guidance-ai/jsonschemabench, maskbench/data)")
+    parser.add_argument("--warm-seconds", type=float, default=None,
+                        help="radixlm: GrammarBudget.warm_seconds (the compile's warm-up of the first masks' pieces)")
     parser.add_argument("--cpu-time", action="store_true",
                         help="time masks in the thread's CPU time instead of wall time (a shared machine)")
     args = parser.parse_args()
+    global MASK_CLOCK, WARM_SECONDS
+    WARM_SECONDS = args.warm_seconds
     if args.cpu_time:
-        global MASK_CLOCK
         MASK_CLOCK = time.thread_time
     if args.report:
         print(report())
         return
     if not args.suite or not args.engine:
         parser.error("--suite and --engine are needed (or --report)")
-    result = run(args.engine, args.suite, args.limit, args.cold, args.vocab, args.samples, not args.no_freeze)
+    result = run(args.engine, args.suite, args.limit, args.cold, args.vocab, args.samples, not args.no_freeze,
+                 args.maskbench)
     RESULTS.mkdir(parents=True, exist_ok=True)
-    name = (args.engine + ("-cold" if args.cold else "") + ("" if args.vocab == "qwen2" else f"-{args.vocab}")
+    name = (args.engine + ("-cold" if args.cold else "") + ("" if args.warm_seconds is None else f"-warm{args.warm_seconds}") + ("" if args.vocab == "qwen2" else f"-{args.vocab}")
             + ("-samples" if args.samples else ""))
     (RESULTS / f"{name}.json").write_text(json.dumps(dict(result, engine=name), indent=1))
-    print(json.dumps({k: v for k, v in result.items() if k not in ("refused", "invalid_accepted_examples", "valid_rejected_examples")}, indent=1))
+    print(json.dumps({k: v for k, v in result.items() if k not in ("refused", "invalid_accepted_examples", "valid_rejected_examples",
+                                                             "compile_ms_by_schema")}, indent=1))
 
 
 if __name__ == "__main__":

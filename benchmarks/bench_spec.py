@@ -9,8 +9,9 @@ source) and on plain chat, in one run, off and on alternating prompt by prompt.
 Every prompt is run once on each engine to cache it (and warm up), then `--repeats` times on each,
 alternating; a run's time is from submission to the last token (the prompt is cached, so this is the
 decode phase plus one token's prefill). Greedy outputs of the two engines must be equal (checked).
-The report per workload: output tokens/s off and on, their ratio, and the accepted tokens per verify
-step (meta_info's spec_accept_length, weighted by verify steps).
+A round runs every prompt of a workload once on each engine; the report per workload: the medians over
+`--repeats` rounds of output tokens/s off and on and of their ratio (each round's too), and the accepted
+tokens per verify step (meta_info's spec_accept_length, weighted by verify steps).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import argparse
 import json
 import os
 import platform
+import statistics
 import sys
 import tempfile
 import time
@@ -113,14 +115,15 @@ def run(model: str | None, draft_tokens: int, max_new_tokens: int, repeats: int,
     with radixlm.Engine(model, **extra) as off, radixlm.Engine(model, **spec_opts, **extra) as on:
         report: dict[str, Any] = {}
         for name, texts in workloads().items():
-            tokens = {"off": 0, "on": 0}
-            seconds = {"off": 0.0, "on": 0.0}
-            verify_ct, accepted, mismatches = 0, 0, 0
-            for text in texts:
-                ids = _chat_prompt(off, text)
-                base = off.generate(input_ids=ids, sampling_params=params)  # caches the prompt, warms up
+            prompts = [_chat_prompt(off, text) for text in texts]
+            bases = [off.generate(input_ids=ids, sampling_params=params) for ids in prompts]  # caches, warms up
+            for ids in prompts:
                 on.generate(input_ids=ids, sampling_params=params)
-                for _ in range(repeats):
+            rounds, verify_ct, accepted, mismatches = [], 0, 0, 0
+            for _ in range(repeats):  # a round: every prompt once on each engine, alternating
+                tokens = {"off": 0, "on": 0}
+                seconds = {"off": 0.0, "on": 0.0}
+                for ids, base in zip(prompts, bases):
                     for key, engine in (("off", off), ("on", on)):
                         out, dt = _timed(engine, ids, params)
                         tokens[key] += out["meta_info"]["completion_tokens"]
@@ -129,14 +132,17 @@ def run(model: str | None, draft_tokens: int, max_new_tokens: int, repeats: int,
                             mismatches += out["output_ids"] != base["output_ids"]
                             verify_ct += out["meta_info"]["spec_verify_ct"]
                             accepted += out["meta_info"]["spec_accepted_tokens"]
-            rate = {k: tokens[k] / seconds[k] for k in tokens}
-            report[name] = {"tokens_per_s_off": rate["off"], "tokens_per_s_on": rate["on"],
-                            "speedup": rate["on"] / rate["off"], "output_tokens": tokens["on"],
-                            "accept_length": 1 + accepted / verify_ct if verify_ct else 0.0,
+                rate = {k: tokens[k] / seconds[k] for k in tokens}
+                rounds.append({"tokens_per_s_off": rate["off"], "tokens_per_s_on": rate["on"],
+                               "speedup": rate["on"] / rate["off"]})
+            med = {k: statistics.median(r[k] for r in rounds) for k in rounds[0]}
+            report[name] = {**med, "rounds": rounds, "accept_length": 1 + accepted / verify_ct if verify_ct else 0.0,
                             "verify_steps": verify_ct, "greedy_mismatches": mismatches}
-            print(f"draft {draft_tokens}  {name:10s}  off {rate['off']:6.1f} tok/s  on {rate['on']:6.1f} tok/s  "
-                  f"x{rate['on'] / rate['off']:.2f}  accept length {report[name]['accept_length']:.2f}  "
-                  f"greedy mismatches {mismatches}", flush=True)
+            print(f"draft {draft_tokens}  {name:10s}  off {med['tokens_per_s_off']:6.1f} tok/s  on "
+                  f"{med['tokens_per_s_on']:6.1f} tok/s  x{med['speedup']:.2f} (rounds: "
+                  f"{', '.join(format(r['speedup'], '.2f') for r in rounds)})  accept length "
+                  f"{report[name]['accept_length']:.2f}  verify steps {verify_ct}  greedy mismatches {mismatches}",
+                  flush=True)
         return report
 
 
@@ -146,7 +152,7 @@ def main() -> None:
                     "'tiny': the 2-layer test checkpoint")
     ap.add_argument("--draft-tokens", type=int, nargs="+", default=[4])
     ap.add_argument("--max-new-tokens", type=int, default=128)
-    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=3, help="rounds")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     model, extra = args.model, {"device": "cpu"}

@@ -1,14 +1,27 @@
 """Speculative decoding on a GPU: the cost of a verify step (each request's newest token and 8 draft
 tokens in one extend step, logits at every position) against a decode step, at batch 1, 8 and 64, on
-the Llama-3-8B shape (random bf16 weights made on the device); then greedy equality, speculation off
-against on, with the ngram proposer and with the draft proposer (the target as its own draft, so that
-drafts are accepted), on the tiny test checkpoint in float32 and on the 8B shape in bf16.
+the Llama-3-8B shape (random bf16 weights made on the device); then end-to-end generation at batch 1
+on that shape: plain, with `draft` where the draft is the Llama-3.2-1B shape (random bf16 weights too,
+so its drafts are nearly all rejected: drafts of a fixed length show what a step costs, the adaptive
+policy shows how far it falls back to plain decoding), with the target as its own draft (nearly
+every draft kept: the acceptance upper bound), and with a random EAGLE head of the 8B shape (its step
+cost: the target's steps run without CUDA graphs under EAGLE); then greedy equality, speculation off
+against on, with ngram, draft and eagle on the tiny test checkpoint in float32 and with ngram and eagle
+on the 8B shape in bf16.
 
-    python benchmarks/bench_spec_gpu.py --out spec_gpu.json
+    python benchmarks/bench_spec_gpu.py --out spec_gpu.json         # a GPU, about 4 minutes on an H100
+    python benchmarks/bench_spec_gpu.py --device cpu                 # a dry run of every path, tiny models
 
 Step times are CUDA-event times of the model runner's forward alone (CUDA graphs where the runner
 replays them: decode up to cuda_graph_max_bs, extends up to cuda_graph_max_extend_tokens tokens), each
-request with a context of --context tokens, median of --iters after a warm-up.
+request with a context of --context tokens, median of --iters after a warm-up. The plain end-to-end
+figure is the default engine's (overlap scheduling on, as users get it; speculation turns it off).
+End-to-end tokens/s:
+--new-tokens greedy tokens (ignore_eos) after each of --prompts random prompts of --prompt-len tokens
+(each prompt cached by an untimed run first), one request at a time, from submission to the last token.
+From the fixed-length draft runs (nearly nothing kept, so one verify step per token) the report also
+projects tokens/s at per-token acceptance rates a draft model of the family would reach: the measured
+step time over the expected tokens per step, 1 + a + ... + a^k.
 """
 
 from __future__ import annotations
@@ -26,10 +39,16 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_engine import make_model_dir  # noqa: E402
+from bench_engine import LLAMA3_8B_SHAPE, make_model_dir, random_prompts  # noqa: E402
 
 import radixlm  # noqa: E402
 from radixlm.core.runtime.execution.batch_input import BatchInput  # noqa: E402
+from radixlm.testing.checkpoints import build_checkpoint, build_tokenizer  # noqa: E402
+from radixlm.testing.eagle import build_eagle_head  # noqa: E402
+
+# Llama-3.2-1B's shape (rope scaling left out: the weights are random, only the cost counts).
+LLAMA32_1B_SHAPE = {**LLAMA3_8B_SHAPE, "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
+                    "head_dim": 64, "tie_word_embeddings": True}
 
 
 def step_ms(runner: Any, batch_fn: Any, iters: int) -> float:
@@ -38,6 +57,11 @@ def step_ms(runner: Any, batch_fn: Any, iters: int) -> float:
     times = []
     for _ in range(iters):
         batch = batch_fn()
+        if runner.device.type != "cuda":  # the dry run
+            start_s = time.perf_counter()
+            runner.forward(batch)
+            times.append((time.perf_counter() - start_s) * 1e3)
+            continue
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         runner.forward(batch)
@@ -83,13 +107,17 @@ def outputs(e: radixlm.Engine) -> list[list[int]]:
 
 def greedy_equal(path: str, extra: dict[str, Any], label: str, base: list[list[int]],
                  algorithms: tuple[str, ...]) -> dict[str, Any]:
-    """Outputs with speculation on (ngram; the target as its own draft) against `base` (off)."""
+    """Outputs with speculation on (ngram; the target as its own draft; a random EAGLE head), drafting at
+    every step whether it pays or not, against `base` (off)."""
     result = {}
     kwargs = {"ngram": {"speculative_ngram_min_match_window_size": 1},
               "draft": {"speculative_draft_model_path": path}}
+    if "eagle" in algorithms:
+        head = build_eagle_head(tempfile.mkdtemp(prefix="eagle-"), path, embedding=False)
+        kwargs["eagle"] = {"speculative_draft_model_path": head}
     for algo in algorithms:
         with radixlm.Engine(path, speculative_algorithm=algo, speculative_num_draft_tokens=8, **kwargs[algo],
-                            **extra) as e:
+                            speculative_adaptive=False, **extra) as e:  # every step drafts
             spec = outputs(e)
             stats = e.get_stats()
         same = [a == b for a, b in zip(base, spec)]
@@ -101,34 +129,127 @@ def greedy_equal(path: str, extra: dict[str, Any], label: str, base: list[list[i
     return result
 
 
+def scheduler(e: radixlm.Engine) -> Any:
+    return e.frontend.scheduler.scheduler
+
+
+def end_to_end(e: radixlm.Engine, label: str, prompts: list[list[int]], new_tokens: int) -> dict[str, Any]:
+    """Batch-1 tokens/s over the prompts (each cached first), and the speculative counters."""
+    params = {"max_new_tokens": new_tokens, "temperature": 0, "ignore_eos": True}
+    for p in prompts:
+        e.generate(input_ids=p, sampling_params={**params, "max_new_tokens": 1})
+    tokens, seconds, verify, kept = 0, 0.0, 0, 0
+    for p in prompts:
+        start = time.perf_counter()
+        meta = e.generate(input_ids=p, sampling_params=params)["meta_info"]
+        seconds += time.perf_counter() - start
+        tokens += meta["completion_tokens"]
+        verify += meta.get("spec_verify_ct", 0)
+        kept += meta.get("spec_accepted_tokens", 0)
+    out = {"tokens_per_s": tokens / seconds, "tokens": tokens, "verify_steps": verify,
+           "accept_length": 1 + kept / verify if verify else 0.0, "seconds_per_verify_step":
+           seconds / verify if verify else None}
+    print(f"end to end, batch 1, {label:34s}: {out['tokens_per_s']:7.1f} tok/s  verify steps {verify:4d}  "
+          f"accept length {out['accept_length']:.2f}", flush=True)
+    return out
+
+
+def add_projection(run: dict[str, Any], drafts: int, rates: tuple[float, ...] = (0.5, 0.6, 0.7, 0.8, 0.9)) -> None:
+    """Adds to a fixed-length run (nearly nothing kept: one verify step per token) the tokens/s a proposer
+    of its step cost would give at each per-token acceptance rate (see the docstring)."""
+    step = run["seconds_per_verify_step"]
+    if not step:
+        return
+    run["projected_tokens_per_s"] = {str(a): sum(a ** j for j in range(drafts + 1)) / step for a in rates}
+    print("  projected tok/s at acceptance rate " + "  ".join(
+        f"{a}: {v:.1f}" for a, v in run["projected_tokens_per_s"].items()), flush=True)
+
+
+def draft_runs(target: str, draft: str, opts: dict[str, Any], prompts: list[list[int]], new_tokens: int,
+               drafts: int) -> dict[str, Any]:
+    """`draft` proposing for `target`: fixed lengths (speculative_adaptive off), then the adaptive policy."""
+    spec = {"speculative_algorithm": "draft", "speculative_draft_model_path": draft,
+            "speculative_num_draft_tokens": drafts}
+    out: dict[str, Any] = {}
+    with radixlm.Engine(target, **spec, speculative_adaptive=False, **opts) as e:
+        out["fixed"] = end_to_end(e, f"{Path(draft).name} drafts {drafts} fixed", prompts, new_tokens)
+    with radixlm.Engine(target, **spec, **opts) as e:
+        out["adaptive"] = end_to_end(e, f"{Path(draft).name} drafts {drafts} adaptive", prompts, new_tokens)
+    add_projection(out["fixed"], drafts)
+    return out
+
+
+def model_dirs(device: str, root: str) -> tuple[str, str, dict[str, Any]]:
+    """The target, the small draft and the target's options: the 8B and 1B shapes (random weights made on
+    the device), or on the CPU the tiny test checkpoint and another of its tokenizer."""
+    if device == "cpu":
+        target, _ = make_model_dir("tiny", root)
+        draft = build_checkpoint(os.path.join(root, "tiny-draft"), "llama", tie_word_embeddings=True, seed=1)
+        return target, draft, {"dtype": "float32", "device": "cpu", "max_running_requests": 64}
+    target, extra = make_model_dir("llama3-8b-shape", root)
+    draft = os.path.join(root, "llama3.2-1b-shape")
+    build_tokenizer(draft)
+    Path(draft, "config.json").write_text(json.dumps(LLAMA32_1B_SHAPE, indent=2))
+    return target, draft, {**extra, "max_running_requests": 64, "context_length": 4096}
+
+
+def speed(args: argparse.Namespace, target: str, draft: str, opts: dict[str, Any]) -> dict[str, Any]:
+    """The verify-step costs and the end-to-end batch-1 figures."""
+    results: dict[str, Any] = {}
+    prompts = random_prompts(args.prompts, args.prompt_len, 1000, seed=0)
+    with radixlm.Engine(target, **opts, max_total_tokens=args.pool_tokens) as e:
+        results["verify_cost"] = verify_cost(e._runner, args.batch, args.drafts, args.context, args.iters)
+        results["plain"] = end_to_end(e, "plain", prompts, args.new_tokens)
+    small = {**opts, "max_total_tokens": 8 * (args.prompt_len + args.new_tokens + 16)}
+    results["draft_small"] = draft_runs(target, draft, small, prompts, args.new_tokens, args.e2e_drafts)
+    with radixlm.Engine(target, speculative_algorithm="draft", speculative_draft_model_path=target,
+                        speculative_num_draft_tokens=args.e2e_drafts, speculative_adaptive=False, **small) as e:
+        results["draft_self"] = end_to_end(e, f"target as its own draft {args.e2e_drafts}", prompts, args.new_tokens)
+    head = build_eagle_head(os.path.join(os.path.dirname(draft), "eagle-head"), target, embedding=False)
+    with radixlm.Engine(target, speculative_algorithm="eagle", speculative_draft_model_path=head,
+                        speculative_num_steps=args.e2e_drafts, speculative_adaptive=False, **small) as e:
+        results["eagle_fixed"] = end_to_end(e, f"random EAGLE head, {args.e2e_drafts} steps fixed", prompts,
+                                            args.new_tokens)
+    add_projection(results["eagle_fixed"], args.e2e_drafts)
+    return results
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8, 64])
-    ap.add_argument("--drafts", type=int, default=8)
+    ap.add_argument("--drafts", type=int, default=8, help="draft tokens of the verify-cost steps")
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--e2e-drafts", type=int, default=4, help="draft tokens of the end-to-end draft runs")
+    ap.add_argument("--prompts", type=int, default=3)
+    ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--pool-tokens", type=int, default=140_000, help="the verify-cost engine's KV pool")
     ap.add_argument("--out", default=None)
-    ap.add_argument("--device", default="cuda", help="cpu: only the tiny model's equality (a dry run)")
+    ap.add_argument("--device", default="cuda", help="cpu: a dry run of every path on tiny checkpoints")
     args = ap.parse_args()
+    if args.device == "cpu":  # small enough for a few seconds a step on a CPU
+        args.batch, args.context, args.iters = [1, 8], 64, 3
+        args.pool_tokens, args.new_tokens, args.prompt_len = 4096, 24, 32
     root = tempfile.mkdtemp()
     gpu = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     results: dict[str, Any] = {"device": gpu, "torch": torch.__version__,
-                               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+                               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "args": vars(args)}
     print(results, flush=True)
-    tiny, _ = make_model_dir("tiny", root)
+    target, draft, opts = model_dirs(args.device, root)
+    results.update(speed(args, target, draft, opts))
+    tiny, _ = make_model_dir("tiny", os.path.join(root, "equality"))
     tiny_opts = {"dtype": "float32", "device": args.device}
-    with radixlm.Engine(tiny, **tiny_opts) as e:
+    # The baselines run as the speculative engines do, overlap scheduling off (speculation turns it off):
+    # in bf16 another batch composition or kernel path flips near-ties of random weights.
+    with radixlm.Engine(tiny, **tiny_opts, enable_overlap_schedule=False) as e:
         base = outputs(e)
-    results["greedy_tiny_fp32"] = greedy_equal(tiny, tiny_opts, "tiny fp32", base, ("ngram", "draft"))
-    if args.device == "cpu":  # a dry run of the script's paths
-        print(results)
-        return
-    path, extra = make_model_dir("llama3-8b-shape", root)
-    opts = {**extra, "max_running_requests": 64, "context_length": 4096, "max_total_tokens": 140_000}
-    with radixlm.Engine(path, **opts) as e:
-        results["verify_cost"] = verify_cost(e._runner, args.batch, args.drafts, args.context, args.iters)
-        base = outputs(e)
-    results["greedy_8b_bf16"] = greedy_equal(path, opts, "8B bf16", base, ("ngram",))
+    results["greedy_tiny_fp32"] = greedy_equal(tiny, tiny_opts, "tiny fp32", base, ("ngram", "draft", "eagle"))
+    if args.device != "cpu":
+        opts = {**opts, "max_total_tokens": 16_384}
+        with radixlm.Engine(target, **opts, enable_overlap_schedule=False) as e:
+            base = outputs(e)
+        results["greedy_8b_bf16"] = greedy_equal(target, opts, "8B bf16", base, ("ngram", "eagle"))
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import logging
 import time
 from typing import Any, AsyncIterator
@@ -14,13 +13,13 @@ from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
-from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from radixlm.core.errors import EngineShutdownError, QueueFullError
 from radixlm.server.args import ServerArgs
-from radixlm.server.errors import EXCEPTION_HANDLERS, APIError, error_body, error_response
-from radixlm.server.generation import ClientGone, EngineClient, engine_down_code
+from radixlm.server.errors import EXCEPTION_HANDLERS, APIError, error_response
+from radixlm.server.front import APIKeyMiddleware, ClientGone, api_routes, client_gone, route_path
+from radixlm.server.generation import EngineClient, engine_down_code
 from radixlm.server.lifecycle import AdmissionMiddleware, Lifecycle
 from radixlm.server.metrics import CONTENT_TYPE, Metrics, Throughput, kv_tokens_used
 from radixlm.server.native import NativeAPI
@@ -34,32 +33,6 @@ _OPEN_PATHS = ("/health", "/health_generate", "/metrics")
 _COUNTED_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/generate")
 access_log = logging.getLogger("radixlm.server.access")
 logger = logging.getLogger("radixlm.server")
-
-
-def _route_path(scope: Scope) -> str:
-    """The path the routes see: without the --root-path prefix that uvicorn puts in front of it."""
-    path, root = scope["path"], scope.get("root_path", "")
-    return path[len(root):] if root and path.startswith(root) else path
-
-
-class _APIKeyMiddleware:
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
-        self.app = app
-        self.expected = f"Bearer {api_key}".encode()
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or _route_path(scope) in _OPEN_PATHS:
-            await self.app(scope, receive, send)
-            return
-        given = dict(scope["headers"]).get(b"authorization", b"")
-        if not hmac.compare_digest(given, self.expected):
-            message = "Missing API key" if not given else "Invalid API key"
-            response = JSONResponse(error_body(401, message + " (send 'Authorization: Bearer <key>')",
-                                               code="invalid_api_key"),
-                                    status_code=401, headers={"WWW-Authenticate": "Bearer"})
-            await response(scope, receive, send)
-            return
-        await self.app(scope, receive, send)
 
 
 class _AccessLogMiddleware:
@@ -80,8 +53,8 @@ class _AccessLogMiddleware:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
-                if _route_path(scope) in _COUNTED_PATHS:
-                    self.metrics.count_request(_route_path(scope), status)
+                if route_path(scope) in _COUNTED_PATHS:
+                    self.metrics.count_request(route_path(scope), status)
             await send(message)
 
         try:
@@ -98,10 +71,6 @@ async def _queue_full(request: Request, exc: Exception) -> Response:
 
 async def _engine_down(request: Request, exc: Exception) -> Response:
     return error_response(APIError(503, str(exc), code=engine_down_code(exc)))
-
-
-async def _client_gone(request: Request, exc: Exception) -> Response:
-    return Response(status_code=499)  # nobody reads it; nginx's code for "client closed request"
 
 
 def create_app(engine: Any, args: ServerArgs | None = None) -> Starlette:
@@ -122,31 +91,23 @@ def create_app(engine: Any, args: ServerArgs | None = None) -> Starlette:
     async def openapi_endpoint(request: Request) -> Response:
         return JSONResponse(spec)
 
-    routes = [
-        Route("/v1/chat/completions", openai.chat_completions, methods=["POST"]),
-        Route("/v1/completions", openai.completions, methods=["POST"]),
-        Route("/v1/responses", responses.create, methods=["POST"]),
-        Route("/v1/responses/{response_id}", responses.retrieve, methods=["GET"]),
-        Route("/v1/models", openai.list_models, methods=["GET"]),
-        Route("/v1/models/{model:path}", openai.retrieve_model, methods=["GET"]),
-        Route("/generate", native.generate, methods=["POST"]),
-        Route("/health", native.health, methods=["GET"]),
-        Route("/health_generate", native.health_generate, methods=["GET"]),
-        Route("/get_model_info", native.get_model_info, methods=["GET"]),
-        Route("/get_server_info", native.get_server_info, methods=["GET"]),
-        Route("/flush_cache", native.flush_cache, methods=["GET", "POST"]),
-        Route("/abort_request", native.abort_request, methods=["POST"]),
-        Route("/metrics", metrics_endpoint, methods=["GET"]),
-        Route("/openapi.json", openapi_endpoint, methods=["GET"]),
-    ]
+    routes = api_routes({
+        "/v1/chat/completions": openai.chat_completions, "/v1/completions": openai.completions,
+        "/v1/responses": responses.create, "/v1/responses/{response_id}": responses.retrieve,
+        "/v1/models": openai.list_models, "/v1/models/{model:path}": openai.retrieve_model,
+        "/generate": native.generate, "/health": native.health, "/health_generate": native.health_generate,
+        "/get_model_info": native.get_model_info, "/get_server_info": native.get_server_info,
+        "/flush_cache": native.flush_cache, "/abort_request": native.abort_request,
+        "/metrics": metrics_endpoint, "/openapi.json": openapi_endpoint,
+    })
     middleware = [Middleware(_AccessLogMiddleware, metrics=metrics)]
     if args.allowed_origins:  # outside the API-key check: browsers send preflights without credentials
         middleware.insert(0, Middleware(CORSMiddleware, allow_origins=args.allowed_origins, allow_methods=["*"],
                                         allow_headers=["*"], allow_credentials=True))
     if args.api_key:
-        middleware.append(Middleware(_APIKeyMiddleware, api_key=args.api_key))
+        middleware.append(Middleware(APIKeyMiddleware, api_key=args.api_key, open_paths=_OPEN_PATHS))
     middleware.append(Middleware(AdmissionMiddleware, lifecycle=lifecycle, paths=_COUNTED_PATHS,
-                                 route_path=_route_path))
+                                 route_path=route_path))
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -165,7 +126,7 @@ def create_app(engine: Any, args: ServerArgs | None = None) -> Starlette:
                 ticker.cancel()
 
     handlers = {**EXCEPTION_HANDLERS, QueueFullError: _queue_full, EngineShutdownError: _engine_down,
-                ClientGone: _client_gone}
+                ClientGone: client_gone}
     app = Starlette(routes=routes, middleware=middleware, exception_handlers=handlers, lifespan=lifespan)
     app.state.client = client
     app.state.native = native

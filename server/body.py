@@ -7,7 +7,8 @@ from typing import TypeVar
 from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 
-from radixlm.server.errors import APIError, bad_request, from_validation_error
+from radixlm.server.errors import bad_request, from_validation_error
+from radixlm.server.front import read_body
 
 # Bigger than any prompt a context of a few hundred thousand tokens could hold as JSON.
 MAX_BODY_BYTES = 32 * 1024 * 1024
@@ -16,16 +17,7 @@ M = TypeVar("M", bound=BaseModel)
 
 
 async def parse_body(request: Request, model: type[M]) -> M:
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
-        raise APIError(413, f"Request body larger than {MAX_BODY_BYTES} bytes")
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > MAX_BODY_BYTES:
-            raise APIError(413, f"Request body larger than {MAX_BODY_BYTES} bytes")
-        chunks.append(chunk)
-    body = b"".join(chunks)
+    body = await read_body(request, MAX_BODY_BYTES)
     if not body.strip():
         raise bad_request("Request body is empty; expected a JSON object", code="invalid_json")
     try:

@@ -24,16 +24,13 @@ from starlette.types import Receive, Scope, Send
 
 from radixlm.core.errors import EngineDeadError, EngineShutdownError
 from radixlm.server.errors import APIError, error_body, failure_code
+from radixlm.server.front import ClientGone
 from radixlm.server.metrics import Metrics
 
 Output = dict[str, Any]
 logger = logging.getLogger("radixlm.server")
 # The limit given to the engine for a request that reached it with no time left: it ends at once (408).
 _MIN_TIME_LEFT_S = 1e-3
-
-
-class ClientGone(Exception):
-    """The client disconnected before its result was ready; there is no one to answer."""
 
 
 @dataclass

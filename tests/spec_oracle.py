@@ -7,6 +7,7 @@ from __future__ import annotations
 
 class OracleProposer:
     name = "oracle"
+    free = True
 
     def __init__(self, expected: dict[tuple[int, ...], list[int]], vocab_size: int, corrupt: bool = True) -> None:
         self.expected = expected  # prompt ids -> output ids without speculation
@@ -30,6 +31,9 @@ class OracleProposer:
                 draft[wrong] = (draft[wrong] + 1) % self.vocab_size
             drafts.append(draft)
         return drafts
+
+    def draft_class(self, req) -> int:
+        return 0
 
     def release(self, req) -> None:
         pass

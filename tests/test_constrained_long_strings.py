@@ -241,3 +241,23 @@ def test_one_character_past_max_length_is_refused(qwen2):
     assert np.flatnonzero(mask[:vocab.size].numpy()).tolist() == [t for t in range(vocab.size)
                                                                    if vocab.token_bytes[t].startswith(b'"')
                                                                    and len(vocab.token_bytes[t]) == 1]
+
+
+def test_positions_sharing_their_classes_share_masks_that_equal_a_brute_force_reading(qwen2):
+    """Every position of a long string is a configuration of its own, whose classes repeat: their bits
+    are computed once per signature (pda.GrammarIndex._allowed_bits) and must still be each position's."""
+    tokenizer, vocab = qwen2
+    schema = {"type": "object", "properties": {"text": {"type": "string", "maxLength": 32767}},
+              "required": ["text"], "additionalProperties": False}
+    doc = json.dumps({"text": TEXT * 2}, separators=(",", ":"), ensure_ascii=False)
+    ids = tokenizer.encode(doc, add_special_tokens=False)
+    constraint = build_constraint("json_schema", schema, tokenizer)
+    oracle, token_bytes, prefix, states = _Oracle(0, 32767), vocab.token_bytes, b"", set()
+    for n, token in enumerate(ids[:-2]):
+        mask = constraint.allowed_token_mask(len(tokenizer))[:vocab.size].numpy()
+        states.add(constraint.state)
+        if n in (30, 31, 60, len(ids) - 3):
+            assert np.array_equal(mask, oracle.mask(prefix, token_bytes)), n
+        constraint.advance(token)
+        prefix += token_bytes[token]
+    assert len(constraint.index._same_pieces) < len(states) // 2  # most masks came from shared bits

@@ -10,6 +10,8 @@ import asyncio
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
@@ -176,16 +178,24 @@ def test_a_replica_killed_under_load_loses_no_request_that_had_not_started_strea
         bodies = [{"input_ids": [20 + i, 21 + i, 22 + i], "sampling_params": params} for i in range(9)]
         streams = [{"input_ids": [60 + i, 61, 62], "sampling_params": params, "stream": True} for i in range(3)]
 
-        async def load_then_kill() -> tuple[list[httpx.Response], int]:
+        async def load_then_kill() -> tuple[list[httpx.Response], int, float]:
             async with httpx.AsyncClient(base_url=router.url, timeout=300) as client:
-                calls = [asyncio.ensure_future(client.post("/generate", json=b)) for b in bodies + streams]
-                while _replicas(router)[d.url]["in_flight"] == 0:  # d has requests running
-                    await asyncio.sleep(0.02)
-                on_d = _replicas(router)[d.url]["in_flight"]
-                d.proc.send_signal(signal.SIGKILL)
-                return await asyncio.gather(*calls), on_d
+                async def d_state() -> dict:
+                    replicas = (await client.get("/list_workers")).json()["replicas"]
+                    return next(r for r in replicas if r["url"] == d.url)
 
-        replies, on_d = asyncio.run(load_then_kill())
+                calls = [asyncio.ensure_future(client.post("/generate", json=b)) for b in bodies + streams]
+                while (await d_state())["in_flight"] == 0:  # d has requests running
+                    await asyncio.sleep(0.02)
+                on_d = (await d_state())["in_flight"]
+                d.proc.send_signal(signal.SIGKILL)
+                killed = time.monotonic()
+                while (await d_state())["healthy"]:  # out of routing, timed from the kill, under load
+                    await asyncio.sleep(0.02)
+                out_after = time.monotonic() - killed
+                return await asyncio.gather(*calls), on_d, out_after
+
+        replies, on_d, out_after = asyncio.run(load_then_kill())
         killed = time.monotonic()
         assert [r.status_code for r in replies] == [200] * (len(bodies) + len(streams))
         unstreamed = [{k: v for k, v in b.items() if k != "stream"} for b in streams]
@@ -202,12 +212,31 @@ def test_a_replica_killed_under_load_loses_no_request_that_had_not_started_strea
                 assert events[-1] == "[DONE]" and json.loads(events[-2])["output_ids"] == ids
         assert _metric(router, "broken_streams_total") == broken
         assert on_d >= 1 and _metric(router, "failovers_total") >= on_d - broken
-        out_after = _wait_for(lambda: not _replicas(router)[d.url]["healthy"], 2 * HEALTH_INTERVAL + 1, "d taken out")
-        assert out_after <= 2 * HEALTH_INTERVAL + 1
+        assert out_after <= HEALTH_INTERVAL  # its broken connections take it out before the next check
         routed = _replicas(router)[d.url]["requests_total"]
         assert all(r.status_code == 200 for r in _post_all(router.url, "/generate", bodies[:4]))
         assert _replicas(router)[d.url]["requests_total"] == routed  # nothing more went to it
         assert time.monotonic() - killed < 120
+    finally:
+        d.kill()
+        httpx.post(router.url + "/remove_worker", params={"url": d.url})
+
+
+def test_an_idle_replica_killed_is_out_of_routing_within_its_health_interval(cluster) -> None:
+    """No request on it to notice the loss: the health check alone takes it out, within one interval
+    (--health-failure-threshold 1) plus the check's own time; requests sent meanwhile fail over."""
+    router = cluster.router
+    (d,) = _start(1, "--model-path", cluster.ckpt, "--max-total-tokens", "4096")
+    try:
+        assert httpx.post(router.url + "/add_worker", params={"url": d.url}, timeout=30).status_code == 200
+        assert _replicas(router)[d.url]["healthy"] and _replicas(router)[d.url]["in_flight"] == 0
+        d.proc.send_signal(signal.SIGKILL)
+        d.proc.wait()
+        out_after = _wait_for(lambda: not _replicas(router)[d.url]["healthy"], 10, "d taken out")
+        assert out_after <= HEALTH_INTERVAL + 0.5
+        bodies = [{"input_ids": [500 + i, 501, 502], "sampling_params": GREEDY} for i in range(6)]
+        assert all(r.status_code == 200 for r in _post_all(router.url, "/generate", bodies))
+        assert _replicas(router)[d.url]["requests_total"] == 0
     finally:
         d.kill()
         httpx.post(router.url + "/remove_worker", params={"url": d.url})
@@ -246,6 +275,44 @@ def test_routing_keys_are_token_ids_of_what_the_replica_will_see(llama_ckpt: str
     assert no_tokenizer.key("/v1/completions", {"prompt": "hé"}) == list("hé".encode())
     with pytest.raises(ValueError, match="tokenizer-path"):
         RoutingKeys(os.devnull)
+
+
+# Run in a fresh interpreter: imports the router's entry points, reads a tokenizer, renders a chat key,
+# answers `radixlm router --help`, then names the heavy modules it loaded (none expected).
+_LIGHT_ROUTER = """
+import contextlib, io, sys
+import radixlm.server.router.launch
+from radixlm.server.cli import main
+from radixlm.server.router.keys import RoutingKeys
+keys = RoutingKeys(sys.argv[1])
+assert keys.key("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})
+out = io.StringIO()
+with contextlib.redirect_stdout(out):
+    try:
+        main(["router", "--help"])
+    except SystemExit as exit:
+        assert exit.code == 0, exit.code
+assert "--worker-urls" in out.getvalue()
+print(sorted(m for m in ("torch", "transformers", "numpy") if m in sys.modules))
+"""
+
+
+def test_the_router_imports_neither_torch_nor_transformers(llama_ckpt: str) -> None:
+    """A router runs on a small CPU machine: its import path, its tokenizer and its --help load no torch."""
+    done = subprocess.run([sys.executable, "-c", _LIGHT_ROUTER, llama_ckpt], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
+
+
+def test_a_gguf_tokenizer_not_yet_cached_is_refused_by_the_light_loader(tmp_path, monkeypatch) -> None:
+    from radixlm.core.runtime.models.default_model import default_model_path
+    from radixlm.core.runtime.tokenizer.loader import load_light_tokenizer
+
+    monkeypatch.setenv("RADIXLM_CACHE", str(tmp_path))
+    with pytest.raises(ValueError, match="no tokenizer of"):
+        load_light_tokenizer(default_model_path())
+    assert RoutingKeys().key("/generate", {"text": "ab"}) == [97, 98]  # the router's fallback: bytes
 
 
 def test_round_robin_cycles_over_the_candidates() -> None:

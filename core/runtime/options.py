@@ -21,7 +21,7 @@ _DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf1
 
 # kv_cache_dtype's names (SGLang's and vLLM's --kv-cache-dtype) and their torch dtypes; "auto": the model's.
 # speculative_algorithm's values; SGLang's STANDALONE is `draft` (`_resolve` takes either, in any case).
-SPECULATIVE_ALGORITHMS = ("ngram", "draft")
+SPECULATIVE_ALGORITHMS = ("ngram", "draft", "eagle", "eagle3")
 SPECULATIVE_ALIASES = {"standalone": "draft"}
 
 KV_CACHE_DTYPES = {"auto": None, "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
@@ -128,7 +128,7 @@ class EngineOptions:
         200_000, "parser configurations (about 1.2 KB each) a schema's shared tables hold before new "
         "requests get fresh ones")
     grammar_warm_seconds: float = option(
-        0.004, "wall-clock seconds a new constraint's compile spends building the token classes and exit walks "
+        0.0, "wall-clock seconds a new constraint's compile spends building the token classes and exit walks "
         "of the parser configurations its first masks most likely need (radixlm backend; 0: none, they are "
         "built by those masks)")
     gc_freeze: bool = option(
@@ -201,8 +201,9 @@ class EngineOptions:
                                      "process; the front end talks to it through messages only (docs/engine.md)")
     speculative_algorithm: str | None = option(
         None, "speculative decoding (docs/speculative.md): ngram (drafts looked up in the request's own prompt and "
-        "output: pays where the output repeats its input: extraction, quoting, code edits) or draft (a smaller "
-        "checkpoint sharing the tokenizer, speculative_draft_model_path); None: off. Greedy outputs are unchanged "
+        "output: pays where the output repeats its input: extraction, quoting, code edits), draft (a smaller "
+        "checkpoint sharing the tokenizer, speculative_draft_model_path), eagle or eagle3 (an EAGLE-1/2 or "
+        "EAGLE-3 draft head, speculative_draft_model_path); None: off. Greedy outputs are unchanged "
         "and sampled ones keep the target's distribution; SGLang's upper-case names and STANDALONE (draft) are taken too")
     speculative_num_draft_tokens: int = option(
         4, "most draft tokens one verify step checks per request (the step computes this many plus one)",
@@ -213,10 +214,18 @@ class EngineOptions:
         8, "ngram: the longest suffix looked up (the longest that matches gives the draft)",
         aliases=("--prompt-lookup-max",))
     speculative_draft_model_path: str | None = option(
-        None, "draft: the draft checkpoint (a path, .gguf or hub id) whose tokenizer is the target's")
+        None, "draft: the draft checkpoint (a path, .gguf or hub id) whose tokenizer is the target's; eagle: the "
+        "EAGLE head's checkpoint (a path or hub id)")
+    speculative_num_steps: int | None = option(
+        None, "eagle, eagle3: draft steps of the head per verify step, one token each (a chain); None: "
+        "speculative_num_draft_tokens")
+    speculative_eagle_topk: int = option(
+        1, "eagle, eagle3: branches per draft step; only 1 (a chain) is built: trees need a tree mask in the "
+        "attention kernels")
     speculative_adaptive: bool = option(
-        True, "a request whose drafts fail drafts fewer tokens, and after repeated misses skips drafting for up to "
-        "32 steps (it then pays nothing for drafts that do not come true); false: always the full draft")
+        True, "each step drafts the lengths that give the most expected tokens per second, from each request's rate "
+        "of kept draft tokens and the step times measured on the device, and none where a plain decode step does "
+        "better; false: always the most that fits")
 
     def __post_init__(self) -> None:
         # Each value against its field's type, however the options are built (from_kwargs, the CLI, or
@@ -327,18 +336,22 @@ class EngineOptions:
         if self.speculative_algorithm is None:
             return
         if self.speculative_algorithm not in SPECULATIVE_ALGORITHMS:
-            built = " (EAGLE draft heads are not built yet)" if self.speculative_algorithm.startswith("eagle") else ""
             raise InvalidRequestError(f"speculative_algorithm must be one of {list(SPECULATIVE_ALGORITHMS)} (got "
-                                      f"{self.speculative_algorithm!r}){built}", "speculative_algorithm")
+                                      f"{self.speculative_algorithm!r})", "speculative_algorithm")
         for name in ("speculative_num_draft_tokens", "speculative_ngram_min_match_window_size"):
             if getattr(self, name) < 1:
                 raise InvalidRequestError(f"{name} must be >= 1", name)
         if self.speculative_ngram_max_match_window_size < self.speculative_ngram_min_match_window_size:
             raise InvalidRequestError("speculative_ngram_max_match_window_size must be >= the min window size",
                                       "speculative_ngram_max_match_window_size")
-        if self.speculative_algorithm == "draft" and not self.speculative_draft_model_path:
-            raise InvalidRequestError("speculative_algorithm draft needs speculative_draft_model_path",
-                                      "speculative_draft_model_path")
+        if self.speculative_algorithm in ("draft", "eagle", "eagle3") and not self.speculative_draft_model_path:
+            raise InvalidRequestError(f"speculative_algorithm {self.speculative_algorithm} needs "
+                                      "speculative_draft_model_path", "speculative_draft_model_path")
+        if self.speculative_num_steps is not None and self.speculative_num_steps < 1:
+            raise InvalidRequestError("speculative_num_steps must be >= 1", "speculative_num_steps")
+        if self.speculative_eagle_topk != 1:
+            raise InvalidRequestError("speculative_eagle_topk must be 1: tree drafts (topk > 1) need tree "
+                                      "verification, which is not built", "speculative_eagle_topk")
         if self.enable_overlap_schedule:
             raise InvalidRequestError("enable_overlap_schedule with speculative_algorithm is not supported yet",
                                       "enable_overlap_schedule")

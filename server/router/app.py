@@ -6,10 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import json
 import logging
-from typing import Any, AsyncIterator
+from typing import AsyncIterator
 
 import anyio
 import httpx
@@ -18,12 +17,13 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from radixlm.server.errors import EXCEPTION_HANDLERS, APIError, bad_request, error_body
+from radixlm.server.errors import EXCEPTION_HANDLERS, APIError, bad_request
+from radixlm.server.front import APIKeyMiddleware, ClientGone, api_routes, client_gone, read_body, route_path
 from radixlm.server.router.args import RouterArgs
 from radixlm.server.router.keys import RoutingKeys
 from radixlm.server.router.metrics import render, router_registry
 from radixlm.server.router.policy import make_policy
-from radixlm.server.router.proxy import ClientGone, Forwarder
+from radixlm.server.router.proxy import Forwarder
 from radixlm.server.router.replicas import ADMIN, STATIC, Replica, ReplicaSet, normalize_url
 
 logger = logging.getLogger("radixlm.router")
@@ -88,19 +88,19 @@ class Router:
     # ---- endpoints --------------------------------------------------------------------------------
 
     async def generate(self, request: Request) -> Response:
-        raw = await _read_body(request, self.args.max_payload_size)
+        raw = await read_body(request, self.args.max_payload_size, "--max-payload-size")
         try:
             body = json.loads(raw)
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise bad_request(f"Request body is not valid JSON: {exc}", code="invalid_json") from None
         if not isinstance(body, dict):
             raise bad_request("Request body must be a JSON object", code="invalid_json")
-        path = request.url.path.removeprefix(request.scope.get("root_path", ""))
+        path = route_path(request.scope)
         return await self.forwarder.forward(request, path, raw, body)
 
     async def any_replica(self, request: Request) -> Response:
         """A read-only GET any healthy replica answers alike (models, model and server info)."""
-        path = request.url.path.removeprefix(request.scope.get("root_path", ""))
+        path = route_path(request.scope)
         return await self._get_first(path, self.replicas.healthy(), request)
 
     async def retrieve_response(self, request: Request) -> Response:
@@ -108,7 +108,7 @@ class Router:
         owner = self.forwarder.sticky.get(request.path_params["response_id"])
         healthy = self.replicas.healthy()
         order = ([owner] if owner in healthy else []) + [u for u in healthy if u != owner]
-        path = request.url.path.removeprefix(request.scope.get("root_path", ""))
+        path = route_path(request.scope)
         return await self._get_first(path, order, request, skip_404=True)
 
     async def _get_first(self, path: str, urls: list[str], request: Request, skip_404: bool = False) -> Response:
@@ -129,8 +129,8 @@ class Router:
 
     async def to_all(self, request: Request) -> Response:
         """/flush_cache and /abort_request: sent to every healthy replica; 200 if every one said 200."""
-        path = request.url.path.removeprefix(request.scope.get("root_path", ""))
-        raw = await _read_body(request, self.args.max_payload_size) if request.method == "POST" else None
+        path = route_path(request.scope)
+        raw = await read_body(request, self.args.max_payload_size, "--max-payload-size") if request.method == "POST" else None
         urls = self.replicas.healthy()
 
         async def one(url: str) -> tuple[str, int, str]:
@@ -182,19 +182,6 @@ class Router:
         return JSONResponse({"urls": [r["url"] for r in replicas], "replicas": replicas})
 
 
-async def _read_body(request: Request, limit: int) -> bytes:
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise APIError(413, f"Request body larger than {limit} bytes (--max-payload-size)")
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise APIError(413, f"Request body larger than {limit} bytes (--max-payload-size)")
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
 def _auth(request: Request) -> dict[str, str]:
     given = request.headers.get("authorization")
     return {"authorization": given} if given else {}
@@ -212,18 +199,13 @@ def _url_param(request: Request) -> str:
 
 def create_router_app(args: RouterArgs, router: Router | None = None) -> Starlette:
     router = router or Router(args)
-    generation = [Route(p, router.generate, methods=["POST"]) for p in _GENERATION_PATHS]
-    routes = generation + [
-        Route("/v1/responses/{response_id}", router.retrieve_response, methods=["GET"]),
-        Route("/v1/models", router.any_replica, methods=["GET"]),
-        Route("/v1/models/{model:path}", router.any_replica, methods=["GET"]),
-        Route("/get_model_info", router.any_replica, methods=["GET"]),
-        Route("/get_server_info", router.any_replica, methods=["GET"]),
-        Route("/health_generate", router.any_replica, methods=["GET"]),
-        Route("/flush_cache", router.to_all, methods=["GET", "POST"]),
-        Route("/abort_request", router.to_all, methods=["POST"]),
-        Route("/health", router.health, methods=["GET"]),
-        Route("/metrics", router.metrics, methods=["GET"]),
+    read_only = ("/v1/models", "/v1/models/{model:path}", "/get_model_info", "/get_server_info",
+                 "/health_generate", "/openapi.json")
+    routes = api_routes({
+        **dict.fromkeys(_GENERATION_PATHS, router.generate), **dict.fromkeys(read_only, router.any_replica),
+        "/v1/responses/{response_id}": router.retrieve_response, "/flush_cache": router.to_all,
+        "/abort_request": router.to_all, "/health": router.health, "/metrics": router.metrics,
+    }) + [
         Route("/add_worker", router.add_worker, methods=["POST"]),
         Route("/remove_worker", router.remove_worker, methods=["POST"]),
         Route("/list_workers", router.list_workers, methods=["GET"]),
@@ -239,31 +221,9 @@ def create_router_app(args: RouterArgs, router: Router | None = None) -> Starlet
             background.cancel()
             await router.http.aclose()
 
-    async def client_gone(request: Request, exc: Exception) -> Response:
-        return Response(status_code=499)
-
     app = Starlette(routes=routes, exception_handlers={**EXCEPTION_HANDLERS, ClientGone: client_gone},
                     lifespan=lifespan)
     app.state.router = router
     if args.api_key:
-        app.add_middleware(_APIKeyMiddleware, api_key=args.api_key)
+        app.add_middleware(APIKeyMiddleware, api_key=args.api_key, open_paths=_OPEN_PATHS)
     return app
-
-
-class _APIKeyMiddleware:
-    """Requires the key on every path but /health and /metrics (probes and scrapers)."""
-
-    def __init__(self, app: Any, api_key: str) -> None:
-        self.app = app
-        self.expected = f"Bearer {api_key}".encode()
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] == "http" and scope["path"].removeprefix(scope.get("root_path", "")) not in _OPEN_PATHS:
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):
-                body = error_body(401, "Missing or invalid API key (send 'Authorization: Bearer <key>')",
-                                  code="invalid_api_key")
-                response = JSONResponse(body, status_code=401, headers={"WWW-Authenticate": "Bearer"})
-                await response(scope, receive, send)
-                return
-        await self.app(scope, receive, send)

@@ -2,6 +2,9 @@
 caches key on token ids). With the replicas' tokenizer (given, or the one the first replica reports when
 the router can load it) chat messages are rendered with its chat template and text is encoded; without
 one, the key is the prompt text's UTF-8 bytes, which share prefixes where the token ids do.
+
+The tokenizer is read by the `tokenizers` library alone (tokenizer.loader.load_light_tokenizer): the router
+never imports transformers or torch, so that it runs on a small CPU machine.
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ import logging
 from typing import Any
 
 from radixlm.core.chat.render import render_chat
-from radixlm.core.runtime.tokenizer.loader import load_tokenizer
+from radixlm.core.runtime.tokenizer.loader import load_light_tokenizer
 
 logger = logging.getLogger("radixlm.router")
 
@@ -35,7 +38,7 @@ class RoutingKeys:
         """Loads the tokenizer at path; a replica's path the router cannot read leaves keys on bytes."""
         self.tried = True
         try:
-            self.tokenizer = load_tokenizer(path)
+            self.tokenizer = load_light_tokenizer(path)
         except Exception as exc:  # any failure of a checkpoint loader: the fallback still routes well
             if required:
                 raise ValueError(f"--tokenizer-path {path!r}: {exc}") from exc
@@ -57,8 +60,8 @@ class RoutingKeys:
             if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
                 return _first_ids(prompt)
             return self._text(prompt[0] if isinstance(prompt, list) and prompt else prompt)
-        except Exception:  # a malformed body: the replica answers it with the right 400
-            return []
+        except Exception:  # a malformed body (the replica answers it with the right 400), or a template
+            return []  # call only transformers renders: routed as if nothing were cached
 
     def _text(self, text: Any) -> list[int]:
         if isinstance(text, list):  # completions with token-id lists

@@ -26,6 +26,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from radixlm.server.errors import APIError, error_body
+from radixlm.server.front import ClientGone
 from radixlm.server.router.args import RouterArgs
 from radixlm.server.router.keys import RoutingKeys
 from radixlm.server.router.replicas import ReplicaSet
@@ -52,10 +53,6 @@ class RouterStats:
     failovers_total: int = 0
     no_replica_total: int = 0  # answered 503: no healthy replica left
     broken_streams_total: int = 0  # streams whose replica was lost after the first chunk
-
-
-class ClientGone(Exception):
-    """The client disconnected before an answer was ready."""
 
 
 class _Retry(Exception):

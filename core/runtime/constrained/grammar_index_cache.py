@@ -22,7 +22,7 @@ from radixlm.core.runtime.constrained.schema.schema_input import load_schema
 from radixlm.core.runtime.constrained.schema.schema_prune import prune_definitions
 from radixlm.core.runtime.constrained.pda import GrammarIndex
 from radixlm.core.runtime.constrained.tokens.terminal_tokens import state_tokens
-from radixlm.core.runtime.constrained.tokens.vocab import TokenVocab, vocab_of
+from radixlm.core.runtime.constrained.tokens.vocab import TokenVocab, spellable_bytes, vocab_of
 
 CACHE_SIZE = 64
 
@@ -73,6 +73,7 @@ def prepare_vocab(tokenizer: Any, eos_token_ids: list[int] | None = None) -> Tok
             vocab.trie
             vocab.sorted_tokens
             vocab.tokens_by_byte
+            spellable_bytes(vocab)
             string_tokens(vocab)
             string_tokens(vocab, opening=True)
             prepare_common_terminals(vocab)  # compiles COMMON_SCHEMA: not a second time

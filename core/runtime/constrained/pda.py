@@ -41,11 +41,12 @@ from radixlm.core.runtime.constrained.automata.grammar_compiler import CompiledG
 from radixlm.core.runtime.constrained.tokens.literal_tokens import literal_rest
 from radixlm.core.runtime.constrained.tokens.masks import MaskCache
 from radixlm.core.runtime.constrained.tokens.terminal_tokens import state_tokens
-from radixlm.core.runtime.constrained.tokens.token_classes import Exits, SuffixTree
-from radixlm.core.runtime.constrained.tokens.vocab import TokenVocab, set_bits, whole_characters
+from radixlm.core.runtime.constrained.tokens.token_classes import Exits, StateTokens, SuffixTree
+from radixlm.core.runtime.constrained.tokens.vocab import TokenVocab, set_bits, spellable_bytes, whole_characters
 
 END = (-1, 0, -1)  # the item "the output may end here"
 MASK_CACHE_SIZE = 1024
+SAME_PIECES_SIZE = 256  # bits per signature of a configuration's classes (19 KB each for Qwen2), see _allowed_bits
 MAX_FORCED_BYTES = 4096
 MOVES_CACHE_SIZE = 50_000  # item move tables per index (~1 KB each), cleared when full
 FEW_STEPS = 8  # bytes stepped one by one from a configuration before its whole row is built
@@ -79,22 +80,20 @@ class GrammarIndex:
         self._edges: dict[int, tuple[bytes, int]] = {}
         self._moves: dict[tuple, tuple[np.ndarray, list[list[int]], np.ndarray]] = {}  # see _moves_of
         self._masks = MaskCache(MASK_CACHE_SIZE)
+        self._same_pieces: OrderedDict[tuple, tuple[np.ndarray, list[StateTokens]]] = OrderedDict()
+        self._counted = {t for t, dfa in enumerate(grammar.terminals) if isinstance(dfa, CountedStringDFA)}
         self._exits: dict[tuple, np.ndarray] = {}  # see _exits_taken
         self._lock = threading.RLock()
-        self._spellable = _spellable_bytes(vocab)
+        self._spellable = spellable_bytes(vocab)
         self.spells_every_byte = bool(self._spellable.all())
         self.start = self._intern(self._follow(self._cont(grammar.start, 0, -1)))
         self._start_bits: np.ndarray | None = None
-        if any(isinstance(t, CountedStringDFA) for t in grammar.terminals):
-            # The vocabulary read as string content, once per process (~0.5 s): here, where constraints
-            # are built (off the scheduler loop), rather than at the first mask.
+        if self._counted:  # the vocabulary read as string content (once per process, ~0.5 s): here, off the loop
             string_tokens(vocab)
             string_tokens(vocab, opening=True)
-        # Every output begins at the start configuration, so its token classes and exit walks are built
-        # here, with the compile (off the decode loop), not in the first request's first mask: that mask
-        # was the largest piece of the corpus's mask tail (benchmarks/results/2026-12-02-grammar-masks.md).
-        # Its bits are kept too (19 KB for a 152k vocabulary): the union of an any-value start's pieces costs
-        # ~0.1 ms, in every new schema's first mask.
+        # Every output begins at the start configuration: its bits are built with the compile (off the decode
+        # loop), not in the first mask, the largest piece of the corpus's mask tail once
+        # (benchmarks/results/2026-12-02-grammar-masks.md), and kept (19 KB for a 152k vocabulary).
         self._start_bits = self._walk(self.start)
         self._warm(grammar.budget.warm_seconds)
 
@@ -247,8 +246,7 @@ class GrammarIndex:
         key = tuple((t, q) for t, q, _ in items)
         found = self._moves.get(key)
         if found is None:
-            # Terminals are named by what they match, so schemas share their tables (JSON strings and
-            # numbers recur): look in the process-wide cache before computing.
+            # Terminals are named by what they match: schemas share their tables (JSON strings, numbers).
             names = self.grammar.terminal_names
             shared = (tuple((names[t], q) for t, q in key), self.vocab.fingerprint)
             with _shared_lock:
@@ -360,14 +358,36 @@ class GrammarIndex:
         return self._masks.get(state, vocab_size, packed, lambda width: self._allowed_bits(state, width))
 
     def _allowed_bits(self, state: int, vocab_size: int) -> np.ndarray:
-        """Packed bits (little bit order), uint8 [4 * ceil(vocab_size / 32)]."""
+        """Packed bits (little bit order), uint8 [4 * ceil(vocab_size / 32)]. A counted string's positions
+        are configurations of their own whose classes repeat: there the bits are kept per signature (the
+        items' classes and continuations), the classes held with them so that their ids stay theirs."""
+        items = self._items[state]
+        if not any(t in self._counted for t, _, _ in items):
+            return self._computed_bits(state, vocab_size, None)
+        with self._lock:
+            classes = self._classes(items)
+        signature = (tuple((id(c), k if c.exits is not None or c.after_quote is not None else -2)
+                           for c, (_, _, k) in zip(classes, items)), self._can_end[state], vocab_size, state == self.start)
+        with self._lock:
+            found = self._same_pieces.get(signature)
+            if found is not None:
+                self._same_pieces.move_to_end(signature)
+                return found[0]
+        allowed = self._computed_bits(state, vocab_size, classes)
+        with self._lock:
+            self._same_pieces[signature] = (allowed, classes)
+            if len(self._same_pieces) > SAME_PIECES_SIZE:
+                self._same_pieces.popitem(last=False)
+        return allowed
+
+    def _computed_bits(self, state: int, vocab_size: int, classes: list[StateTokens]) -> np.ndarray:
         width = -(-vocab_size // 32) * 4
         if vocab_size >= self.vocab_size:  # the walk's bits padded to the width: no second array to copy into
             with self._lock:
-                allowed = self._walk(state, width)
+                allowed = self._walk(state, width, classes)
         else:  # logits narrower than the vocabulary: drop the ids past them
             with self._lock:
-                walked = self._walk(state)
+                walked = self._walk(state, 0, classes)
             walked = np.packbits(np.unpackbits(walked, count=vocab_size, bitorder="little"), bitorder="little")
             allowed = np.zeros(width, dtype=np.uint8)
             allowed[:len(walked)] = walked
@@ -376,7 +396,7 @@ class GrammarIndex:
             set_bits(allowed, eos)
         return allowed
 
-    def _walk(self, state: int, width: int = 0) -> np.ndarray:
+    def _walk(self, state: int, width: int = 0, classes: list[StateTokens] | None = None) -> np.ndarray:
         """Packed bits [max(width, ceil(vocab / 8))]: the tokens whose bytes all lead somewhere from `state`."""
         whole = -(-self.vocab_size // 8)
         packed = np.zeros(max(width, whole), dtype=np.uint8)
@@ -384,36 +404,42 @@ class GrammarIndex:
         if state == self.start and self._start_bits is not None:
             bits[:] = self._start_bits
             return packed
-        insides, ids = self._pieces(self._items[state])
+        insides, ids = self._pieces(self._items[state], classes)
         for inside in insides:
             bits |= inside
         if ids:
             set_bits(packed, np.concatenate(ids))  # in one pass
         return packed
 
-    def _pieces(self, items: Iterable[tuple[int, int, int]]) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    def _classes(self, items: Iterable[tuple[int, int, int]]) -> list[StateTokens]:
+        """The token classes of each item's terminal state (terminal_tokens.py's shared cache)."""
+        names, terminals, of = self.grammar.terminal_names, self.grammar.terminals, {}
+        return [of.get((t, q)) or of.setdefault((t, q), state_tokens(names[t], terminals[t], q, self.vocab))
+                for t, q, _ in items]
+
+    def _pieces(self, items: Iterable[tuple[int, int, int]], classes: list[StateTokens] | None = None,
+                ) -> tuple[list[np.ndarray], list[np.ndarray]]:
         """The tokens `items` allow, in pieces: (packed bits, arrays of ids). For each item, the tokens
         that stay inside its terminal (shared per terminal state, terminal_tokens.py), and those leaving it
         mid-token whose suffix the item's continuation takes."""
+        items = list(items)
         insides: list[np.ndarray] = []
         ids: list[np.ndarray] = []
-        classes_of: dict[tuple[int, int], object] = {}
-        for t, q, k in items:
-            classes = classes_of.get((t, q))
-            if classes is None:
-                classes = classes_of[t, q] = state_tokens(self.grammar.terminal_names[t], self.grammar.terminals[t],
-                                                          q, self.vocab)
-                if classes.inside is None:
-                    ids.append(classes.inside_ids)
+        seen: set[int] = set()
+        for c, (_, _, k) in zip(classes or self._classes(items), items):
+            if id(c) not in seen:  # items of one terminal state share its inside tokens
+                seen.add(id(c))
+                if c.inside is None:
+                    ids.append(c.inside_ids)
                 else:
-                    insides.append(classes.inside)
-            if classes.exits is not None:
-                ids.append(self._exits_taken(classes.exits, k))
-            if classes.closing is not None and classes.after_quote is not None:
+                    insides.append(c.inside)
+            if c.exits is not None:
+                ids.append(self._exits_taken(c.exits, k))
+            if c.closing is not None and c.after_quote is not None:
                 # The tokens that close a counted string and whose bytes after the quote lead somewhere
                 # from where k resumes: those taken by k (a few hundred ids) that close within its bounds.
-                taken = self._exits_taken(classes.after_quote, k)
-                ids.append(taken[((classes.closing[taken >> 3] >> (taken & 7)) & 1).astype(bool)])
+                taken = self._exits_taken(c.after_quote, k)
+                ids.append(taken[((c.closing[taken >> 3] >> (taken & 7)) & 1).astype(bool)])
         return insides, ids
 
     def _exits_taken(self, exits: Exits, k: int) -> np.ndarray:
@@ -472,16 +498,3 @@ def _unique_columns(moves: np.ndarray, radix: np.ndarray | None) -> tuple[np.nda
     keys = radix @ (moves.astype(np.int64) + 1)
     _, first, inverse = np.unique(keys, return_index=True, return_inverse=True)
     return moves[:, first], inverse.reshape(-1)
-
-
-_spellable_cache: dict[str, np.ndarray] = {}
-
-
-def _spellable_bytes(vocab: TokenVocab) -> np.ndarray:
-    """bool [256]: the bytes some token of `vocab` contains (cached per vocabulary)."""
-    found = _spellable_cache.get(vocab.fingerprint)
-    if found is None:
-        found = np.zeros(256, dtype=bool)
-        found[np.unique(np.frombuffer(b"".join(vocab.token_bytes), dtype=np.uint8))] = True
-        _spellable_cache[vocab.fingerprint] = found
-    return found

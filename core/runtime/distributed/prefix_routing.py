@@ -28,7 +28,7 @@ import heapq
 import itertools
 from collections.abc import Hashable, Iterable, Sequence
 
-from radixlm.core.runtime.memory.radix_cache import shared_len
+from radixlm.core.runtime.memory.token_prefix import shared_len
 
 Worker = Hashable
 

@@ -13,7 +13,7 @@ import gc
 import itertools
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
@@ -49,8 +49,9 @@ _CPU_KV_MIN_BYTES = 256 << 20
 
 class ModelRunner:
     def __init__(self, model_path: str, cfg: ModelConfig, opts: EngineOptions,
-                 tp: "TensorParallel | None" = None) -> None:
-        """With `tp` (core.runtime.models.parallel), cfg is tp.local_config() and this runner is one rank's."""
+                 tp: "TensorParallel | None" = None, model: torch.nn.Module | None = None) -> None:
+        """With `tp` (core.runtime.models.parallel), cfg is tp.local_config() and this runner is one rank's.
+        `model`: one already built (an EAGLE head), instead of loading model_path's."""
         self.cfg = cfg
         self.device = torch.device(opts.device)
         self.dtype = opts.torch_dtype
@@ -61,8 +62,9 @@ class ModelRunner:
         self.load_seconds: dict[str, float] = {}
         start = time.perf_counter()
         with _one_thread_on_cpu(self.device) as threads:
-            self.model = load_model(model_path, cfg, self.dtype, self.device, self.ops, opts.load_format, tp=tp,
-                                    quantization=opts.quantization)
+            self.model = model if model is not None else load_model(
+                model_path, cfg, self.dtype, self.device, self.ops, opts.load_format, tp=tp,
+                quantization=opts.quantization)
             self.load_seconds["weights"] = time.perf_counter() - start
             if self.device.type == "cpu" and not opts.disable_cpu_prepack:
                 prepack_linears(self.model, plain_max_rows=opts.cpu_plain_linear_max_rows, workers=threads)
@@ -90,6 +92,8 @@ class ModelRunner:
             cfg.context_len,
         )
         self.graph_runner = self.extend_graphs = None
+        # Called with each eager step's input and final hidden states of all its tokens (EAGLE's features).
+        self.hidden_sink: Callable[[BatchInput, torch.Tensor], None] | None = None
         if self.device.type == "cuda" and not opts.disable_cuda_graph:
             self._capture_graphs(opts)
 
@@ -155,10 +159,11 @@ class ModelRunner:
         """Runs one step; returns fp32 logits [len(batch.logit_rows), vocab], valid until the next step."""
         self.req_to_token.flush()
         n = len(batch.rows)
-        if batch.is_decode and self.graph_runner is not None and n <= self.graph_runner.max_bs:
+        graphs = self.hidden_sink is None  # the graphs give logits only
+        if graphs and batch.is_decode and self.graph_runner is not None and n <= self.graph_runner.max_bs:
             return self.graph_runner.run(batch)  # M-RoPE decodes too: t = h = w, a 1-D rotary position
         # Extends with M-RoPE positions run eagerly: the extend graphs take 1-D positions.
-        if not batch.is_decode and self.extend_graphs is not None and not batch.images \
+        if graphs and not batch.is_decode and self.extend_graphs is not None and not batch.images \
                 and batch.rope_positions is None:
             key = self.extend_graphs.bucket_for(batch)
             if key is not None:
@@ -167,6 +172,8 @@ class ModelRunner:
         if batch.is_decode:
             self.record_decode_slots(fb)
         hidden = self.model(fb)
+        if self.hidden_sink is not None:
+            self.hidden_sink(batch, hidden)
         if not batch.logit_rows:
             return hidden.new_empty((0, self.cfg.vocab_size), dtype=torch.float32)
         if len(batch.logit_rows) != hidden.shape[0]:

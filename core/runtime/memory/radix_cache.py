@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Callable
 
 from radixlm.core.runtime.memory.memory_pool import SlotAllocator
 from radixlm.core.runtime.memory.radix_checks import check_tree, tree_text
+from radixlm.core.runtime.memory.token_prefix import shared_len
 
 if TYPE_CHECKING:
     from radixlm.core.runtime.memory.hicache import HostTier, Transfer
@@ -70,18 +71,6 @@ class TreeNode:
     def ready(self) -> bool:
         """Its KV is in device slots a request may read now."""
         return self.value is not None and self.loading is None
-
-
-def shared_len(edge: list[int], key: list[int], pos: int = 0) -> int:
-    """How many leading tokens of `edge` equal key[pos:]. Slices only as long as the edge, so a
-    walk copies O(len(key)) in all; the whole-edge compare runs in C, the common case."""
-    if key[pos : pos + len(edge)] == edge:
-        return len(edge)
-    n = min(len(edge), len(key) - pos)
-    i = 0
-    while i < n and edge[i] == key[pos + i]:
-        i += 1
-    return i
 
 
 class RadixCache:

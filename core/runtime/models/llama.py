@@ -140,6 +140,10 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         # Forwards of at most this many tokens take the fused GEMV path (enable_fused_gemv).
         self.fused_gemv_rows = 0
+        # EAGLE-3 (core.runtime.models.eagle): each forward leaves the residual stream entering these layers
+        # in aux_hidden, concatenated in this order, [tokens, len(aux_layers) * hidden].
+        self.aux_layers: tuple[int, ...] = ()
+        self.aux_hidden: torch.Tensor | None = None
 
     def enable_fused_gemv(self, max_rows: int) -> bool:
         """Forwards of at most `max_rows` tokens (decode) run each layer's projections as the kernel set's
@@ -162,15 +166,22 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
         """Final hidden states [T, hidden] of every token in the batch."""
         x = self.embed_input(fb)
+        aux: list[torch.Tensor] = []
         if x.shape[0] <= self.fused_gemv_rows:
             normed = sums = None
-            for layer, after in zip(self.layers, [*self.layers[1:], None]):
+            for i, (layer, after) in enumerate(zip(self.layers, [*self.layers[1:], None])):
+                if i in self.aux_layers:
+                    aux.append(x)  # the residual stream itself on this path
                 x, normed, sums = layer.forward_gemv(x, normed, sums, fb,
                                                      self.norm if after is None else after.input_layernorm)
+            self.aux_hidden = torch.cat(aux, dim=-1) if aux else None
             return self.norm(x)
         residual = None
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
+            if i in self.aux_layers:
+                aux.append(x if residual is None else x + residual)
             x, residual = layer(x, residual, fb)
+        self.aux_hidden = torch.cat(aux, dim=-1) if aux else None
         x, _ = self.norm(x, residual)
         return x
 

@@ -213,7 +213,9 @@ class Scheduler:
             queues.admitting = []
         elif pending is not None:
             self.pending = self.executor.chain_decode(pending)
-        elif queues.running and not (self.speculator is not None and self.speculator.step()):
+        elif queues.running and self.speculator is not None:
+            self.speculator.step()  # a verify step, or a decode step where no draft pays
+        elif queues.running:
             self.pending = self.executor.run_decode(defer=self.opts.enable_overlap_schedule)
         elif queues.waiting:
             self.tree.wait_for_load()  # nothing to run until a prefix comes back from host memory

@@ -27,7 +27,7 @@ import random
 from typing import TYPE_CHECKING, Any
 
 from radixlm.core.runtime.options import POLICIES
-from radixlm.core.runtime.memory.radix_cache import shared_len
+from radixlm.core.runtime.memory.token_prefix import shared_len
 
 if TYPE_CHECKING:
     from radixlm.core.runtime.request import Req

@@ -4,7 +4,8 @@ in one extend step, and the tokens it agrees with are kept (docs/speculative.md)
   proposer.py    Proposer: what every proposer does (draft tokens for a batch of requests)
   ngram.py       NgramProposer: prompt lookup over the request's own tokens
   draft_model.py DraftModelProposer: a smaller checkpoint with its own KV pool, drafting greedily
-  state.py       SpecState: a request's draft length, back-off after misses, and its counters
+  state.py       SpecState: a request's rate of kept draft tokens, and its counters
+  policy.py      DraftPolicy: each step's draft lengths, from acceptance rates and measured step times
   verify.py      the verify step's model input, the draft positions' masks, the accepted length
   speculator.py  Speculator: the scheduler's unit that runs verify steps instead of decode steps
   build.py       build_speculator: the speculator the engine options ask for

@@ -10,7 +10,9 @@ from radixlm.core.runtime.options import EngineOptions
 from radixlm.core.errors import InvalidRequestError
 from radixlm.core.runtime.models.config import ModelConfig
 from radixlm.core.runtime.models.hub import locate_model
+from radixlm.core.runtime.models.eagle import eagle3_aux_layers, load_eagle_head
 from radixlm.core.runtime.speculative.draft_model import DraftModelProposer
+from radixlm.core.runtime.speculative.eagle import EagleProposer
 from radixlm.core.runtime.speculative.ngram import NgramProposer
 from radixlm.core.runtime.speculative.proposer import Proposer
 from radixlm.core.runtime.speculative.speculator import Speculator
@@ -21,13 +23,17 @@ def build_speculator(opts: EngineOptions, runner: Any, executor: Any, context_le
     if algorithm is None:
         return None
     proposer: Proposer
+    max_draft = opts.speculative_num_draft_tokens
     if algorithm == "ngram":
         proposer = NgramProposer(opts.speculative_ngram_min_match_window_size,
                                  opts.speculative_ngram_max_match_window_size)
+    elif algorithm in ("eagle", "eagle3"):
+        proposer = eagle_proposer(opts, runner)
+        max_draft = opts.speculative_num_steps or max_draft  # a chain: one token per step
     else:
         proposer = draft_proposer(opts, runner)
     executor.memory.release_hooks.append(proposer.release)
-    return Speculator(proposer, executor, opts.speculative_num_draft_tokens, opts.speculative_adaptive, context_len)
+    return Speculator(proposer, executor, max_draft, opts.speculative_adaptive, context_len)
 
 
 def draft_runner(opts: EngineOptions, target: Any) -> ModelRunner:
@@ -40,6 +46,22 @@ def draft_runner(opts: EngineOptions, target: Any) -> ModelRunner:
                                   "target's: lower context_length to it", "speculative_draft_model_path")
     draft_opts = dataclasses.replace(opts, max_total_tokens=target.num_slots, speculative_algorithm=None)
     return ModelRunner(path, cfg, draft_opts)
+
+
+def eagle_proposer(opts: EngineOptions, target: Any) -> EagleProposer:
+    """The EAGLE head over the target's model, in a runner of its own (one layer of KV, as many tokens as
+    the target's pool, the target's context; eager: the head takes the target's states as input)."""
+    path, _ = locate_model(opts.speculative_draft_model_path)
+    eagle3 = opts.speculative_algorithm == "eagle3"
+    head, cfg = load_eagle_head(path, target.model, target.dtype, target.device, target.ops, 3 if eagle3 else 1)
+    if eagle3:
+        target.model.aux_layers = eagle3_aux_layers(target.cfg.num_layers)
+    cfg = dataclasses.replace(cfg, context_len=target.cfg.context_len)
+    head_opts = dataclasses.replace(opts, max_total_tokens=target.num_slots, speculative_algorithm=None,
+                                    disable_cuda_graph=True)
+    proposer = EagleProposer(ModelRunner(path, cfg, head_opts, model=head), target, target.cfg.vocab_size, eagle3)
+    proposer.name = opts.speculative_algorithm
+    return proposer
 
 
 def draft_proposer(opts: EngineOptions, target: Any) -> DraftModelProposer:

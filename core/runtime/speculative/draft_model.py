@@ -26,6 +26,7 @@ class DraftKV:
 
 class DraftModelProposer:
     name = "draft"
+    free = False
 
     def __init__(self, runner: Any, vocab_size: int) -> None:
         """`runner`: the draft model's ModelRunner; `vocab_size`: the target's (drafts stay below it)."""
@@ -51,6 +52,9 @@ class DraftModelProposer:
                 drafts[i].append(token)
         return drafts
 
+    def draft_class(self, req: Req) -> int:
+        return 0  # one class: the model's drafts
+
     def release(self, req: Req) -> None:
         kv = self.held.pop(req, None)
         if kv is not None:
@@ -69,7 +73,7 @@ class DraftModelProposer:
             if self.runner.req_to_token.available() == 0:
                 return False
             kv = self.held[req] = DraftKV(self.runner.req_to_token.alloc())
-        tokens = req.fill_ids
+        tokens = self._kv_tokens(req)
         keep = 0
         limit = min(len(kv.ids), len(tokens) - 1)
         while keep < limit and kv.ids[keep] == tokens[keep]:
@@ -88,9 +92,11 @@ class DraftModelProposer:
         """One extend step computing each request's tokens the draft has not seen (slots taken by
         _catch_up_room); returns the draft's next token after each."""
         batch = BatchInput(False, [], [], [], [], [], [], [])
+        spans = []
         for req in reqs:
-            kv, tokens = self.held[req], req.fill_ids
+            kv, tokens = self.held[req], self._kv_tokens(req)
             start = len(kv.ids)
+            spans.append((req, start, len(tokens)))
             batch.input_ids.extend(tokens[start:])
             batch.positions.extend(range(start, len(tokens)))
             batch.out_cache_loc.extend(kv.slots[start:])
@@ -99,7 +105,8 @@ class DraftModelProposer:
             batch.extend_lens.append(len(tokens) - start)
             batch.logit_rows.append(len(batch.input_ids) - 1)
             kv.ids = list(tokens)
-        return self.runner.forward(batch)[:, :self.vocab_size].argmax(dim=-1).tolist()
+        self._feed(spans)
+        return self._greedy(batch)
 
     def _decode(self, reqs: list[Req], inputs: list[int], slots: list[int]) -> list[int]:
         """One decode step of the draft model over each request's newest draft token."""
@@ -112,4 +119,20 @@ class DraftModelProposer:
             batch.seq_lens.append(len(kv.ids) + 1)
             kv.ids.append(token)
             kv.slots.append(slot)
+        self._feed_chain(reqs)
+        return self._greedy(batch)
+
+    def _greedy(self, batch: BatchInput) -> list[int]:
         return self.runner.forward(batch)[:, :self.vocab_size].argmax(dim=-1).tolist()
+
+    # What a draft model reads per position, which the EAGLE proposer (core.runtime.speculative.eagle)
+    # changes: the token there, and nothing else.
+    def _kv_tokens(self, req: Req) -> list[int]:
+        """The tokens the draft KV follows, one per position: the request's."""
+        return req.fill_ids
+
+    def _feed(self, spans: list[tuple[Req, int, int]]) -> None:
+        """Inputs beside the tokens for the catch-up of positions [start, end) of each request: none."""
+
+    def _feed_chain(self, reqs: list[Req]) -> None:
+        """Inputs beside the tokens for a draft decode step of these requests: none."""

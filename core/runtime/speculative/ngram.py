@@ -17,6 +17,7 @@ class NgramIndex:
         self.min_n, self.max_n = min_n, max_n
         self.ends: dict[tuple[int, ...], int] = {}  # n-gram -> the index just past its latest occurrence
         self.indexed = 0  # n-grams ending at or before this index are in `ends`
+        self.matched = 0  # the length of the suffix the latest proposal matched (0: none)
 
     def propose(self, tokens: list[int], k: int) -> list[int]:
         """The k tokens that followed the latest earlier occurrence of the longest matching suffix."""
@@ -29,12 +30,15 @@ class NgramIndex:
         for n in range(min(self.max_n, end - 1), self.min_n - 1, -1):
             at = self.ends.get(tuple(tokens[end - n:]))
             if at is not None:
+                self.matched = n
                 return tokens[at:at + k]
+        self.matched = 0
         return []
 
 
 class NgramProposer:
     name = "ngram"
+    free = True
 
     def __init__(self, min_n: int, max_n: int) -> None:
         self.min_n, self.max_n = min_n, max_n
@@ -49,6 +53,11 @@ class NgramProposer:
                 index = self.indexes[req] = NgramIndex(self.min_n, self.max_n)
             drafts.append(index.propose(req.fill_ids, k) if k > 0 else [])
         return drafts
+
+    def draft_class(self, req: Req) -> int:
+        """The matched suffix's length: a longer match predicts a longer run of kept tokens."""
+        index = self.indexes.get(req)
+        return index.matched if index is not None else 0
 
     def release(self, req: Req) -> None:
         self.indexes.pop(req, None)

@@ -9,10 +9,17 @@ from radixlm.core.runtime.request import Req
 
 class Proposer(Protocol):
     name: str  # the speculative_algorithm it implements (the label of its metrics)
+    # True when drafting costs nothing worth counting (a lookup): it drafts its whole budget and the
+    # speculator cuts the drafts; False (a model runs per token): the speculator sizes budgets first.
+    free: bool
 
     def propose(self, reqs: list[Req], budgets: list[int]) -> list[list[int]]:
         """Up to budgets[i] draft tokens to follow reqs[i]'s newest token (fewer, or none, where it has
         no good guess; nothing where the budget is 0)."""
+
+    def draft_class(self, req: Req) -> int:
+        """The class of the request's newest draft: drafts of one class are kept at a similar rate (ngram:
+        its match length), which is what a request's first drafts are judged by."""
 
     def release(self, req: Req) -> None:
         """Drops what the proposer holds for a request that finished or was retracted."""

@@ -1,5 +1,5 @@
-"""The scheduler's speculative unit: where a decode step would run, it asks the proposer for drafts and,
-when any request has one, runs a verify step instead: one extend step of every running request's newest
+"""The scheduler's speculative unit: where a decode step would run, it asks the proposer for drafts (of the
+lengths the DraftPolicy finds worth checking) and, when any request has one, runs a verify step instead: one extend step of every running request's newest
 token and its draft (requests without one ride along as one-token extends), sampled at every position.
 Each request keeps the draft tokens the target agrees with and the target's own token after them; the
 KV slots of the rejected positions are freed at once, so the request (and the radix cache after it) only
@@ -15,6 +15,7 @@ import torch
 
 from radixlm.core.runtime.request import Req, Status
 from radixlm.core.runtime.execution.sampler import SampleResult, device_tensor
+from radixlm.core.runtime.speculative.policy import DraftPolicy
 from radixlm.core.runtime.speculative.proposer import Proposer
 from radixlm.core.runtime.speculative.state import SpecState
 from radixlm.core.runtime.speculative.verify import accepted_length, constrained_draft, verify_batch, views
@@ -25,52 +26,72 @@ logger = logging.getLogger("radixlm")
 class Speculator:
     def __init__(self, proposer: Proposer, executor: Any, max_draft: int, adaptive: bool, context_len: int) -> None:
         """`executor` is the scheduler's Executor: its runner, sampler, memory, queues, stats and
-        TokenAdvance are the ones a decode step uses."""
+        TokenAdvance are the ones a decode step uses. `adaptive`: draft lengths from a DraftPolicy (else
+        always the most that fits)."""
         self.proposer = proposer
         self.executor = executor
         self.max_draft = max_draft
-        self.adaptive = adaptive
+        self.policy = DraftPolicy(executor.runner.device.type) if adaptive else None
         self.context_len = context_len
         self.packed = executor.runner.device.type == "cuda"  # as TokenAdvance.masks
 
     def state(self, req: Req) -> SpecState:
         if req.spec is None:
-            req.spec = SpecState(self.max_draft, self.adaptive)
+            req.spec = SpecState()
         return req.spec
 
-    def step(self) -> bool:
-        """Runs a verify step for the running requests if any has a draft; False (nothing done) when none
-        has, or memory is short (a decode step then runs, retracting if it must)."""
+    def step(self) -> None:
+        """One step of the running requests: a verify step where any has a draft worth checking, else a
+        decode step (also when memory is short: it retracts if it must). Both are timed for the policy."""
         ex = self.executor
+        start = time.perf_counter()
         reqs = list(ex.queues.running)
-        budgets = [self._budget(r) for r in reqs]
-        if not any(budgets):
-            return False
-        drafts = self.proposer.propose(reqs, budgets)
-        masks: list[list[torch.Tensor | None]] = []
-        for i, req in enumerate(reqs):
-            try:
-                drafts[i], req_masks = constrained_draft(req, drafts[i][:budgets[i]], ex.sampler.vocab_size, self.packed)
-            except Exception:  # its constraint fails: the decode path finds that and ends the request
-                logger.exception("drafting for request %s failed; it decodes without a draft", req.rid)
-                drafts[i], req_masks = [], [None]
-            masks.append(req_masks)
-        if not any(drafts):
-            return False
-        slots = ex.memory.alloc(sum(len(d) + 1 for d in drafts))
+        drafts, masks = self._drafts(reqs)
+        slots = ex.memory.alloc(sum(len(d) + 1 for d in drafts)) if any(drafts) else None
         if slots is None:
-            return False
+            ex.run_decode()
+            if self.policy is not None:
+                self.policy.times.record_decode(len(reqs), time.perf_counter() - start)
+            return
         batch, own = verify_batch(reqs, drafts, slots, ex.memory.table)
         ex.stats.spec_verify_steps_total += 1
         logits = ex.runner.forward(batch)
         self._accept(reqs, drafts, own, masks, logits)
-        return True
+        if self.policy is not None:
+            self.policy.times.record_verify(len(batch.input_ids), time.perf_counter() - start)
 
-    def _budget(self, req: Req) -> int:
-        """Draft tokens the request may take this step: its adaptive length, within max_new_tokens (the
-        target adds one after the draft) and the context."""
+    def _drafts(self, reqs: list[Req]) -> tuple[list[list[int]], list[list[torch.Tensor | None]]]:
+        """Each request's draft (cut where its grammar forbids a token, and to the policy's length) and the
+        grammar's mask at each of its verify rows."""
+        caps = [self._room(r) for r in reqs]
+        states = [self.state(r) for r in reqs]
+        if self.policy is not None and not self.proposer.free:  # size the drafts before paying for them
+            caps = self.policy.lengths(states, [s.draft_class for s in states], caps)
+        drafts = self.proposer.propose(reqs, caps) if any(caps) else [[] for _ in reqs]
+        masks: list[list[torch.Tensor | None]] = []
+        for i, req in enumerate(reqs):
+            try:
+                drafts[i], req_masks = constrained_draft(req, drafts[i][:caps[i]], self.executor.sampler.vocab_size,
+                                                         self.packed)
+            except Exception:  # its constraint fails: the decode path finds that and ends the request
+                logger.exception("drafting for request %s failed; it decodes without a draft", req.rid)
+                drafts[i], req_masks = [], [None]
+            masks.append(req_masks)
+            if drafts[i]:
+                states[i].draft_class = self.proposer.draft_class(req)
+        if self.policy is not None:
+            lengths = self.policy.lengths(states, [s.draft_class for s in states], [len(d) for d in drafts])
+            for i, k in enumerate(lengths):
+                drafts[i], masks[i] = drafts[i][:k], masks[i][:k + 1]
+                if not k:
+                    states[i].idle()
+        return drafts, masks
+
+    def _room(self, req: Req) -> int:
+        """Draft tokens the request may take this step: speculative_num_draft_tokens, within max_new_tokens
+        (the target adds one after the draft) and the context."""
         room = min(req.params.max_new_tokens - len(req.output_ids), self.context_len - req.seq_len) - 1
-        return max(0, min(self.state(req).budget(), room))
+        return max(0, min(self.max_draft, room))
 
     def _accept(self, reqs: list[Req], drafts: list[list[int]], own: list[list[int]],
                 masks: list[list[torch.Tensor | None]], logits: torch.Tensor) -> None:
@@ -97,7 +118,10 @@ class Speculator:
             accepted = accepted_length(draft, result.token_ids[first:first + len(draft) + 1])
             ex.memory.allocator.free(slots[accepted + 1:])  # the rejected positions' KV
             if draft:
-                req.spec.record(len(draft), accepted)
+                if self.policy is not None:
+                    self.policy.record(req.spec, len(draft), accepted)
+                else:
+                    req.spec.record(len(draft), accepted)
                 ex.stats.record_verify(len(draft), accepted)
             self._apply(req, result, first, slots[:accepted + 1], now)
 

@@ -48,6 +48,32 @@ def write_manifest(tok: Any, folder: str) -> bool:
     return True
 
 
+def checkpoint_manifest(folder: str) -> dict[str, Any]:
+    """The manifest of an HF checkpoint folder's tokenizer, read from its tokenizer_config.json (special
+    tokens, chat template; a chat_template.jinja beside it wins, as in transformers) without transformers.
+    The special ids are those of tokenizer.json's special added tokens. ValueError when there is no
+    tokenizer.json. Encoding with it is transformers' wherever transformers uses tokenizer.json as it is
+    (PreTrainedTokenizerFast; classes that rebuild the tokenizer from its vocabulary may differ)."""
+    def read(name: str) -> Any:
+        path = os.path.join(folder, name)
+        if not os.path.isfile(path):
+            return None
+        with open(path, encoding="utf-8") as f:
+            return f.read() if name.endswith(".jinja") else json.load(f)
+
+    backend = read("tokenizer.json")
+    if backend is None:
+        raise ValueError(f"{folder} has no tokenizer.json")
+    config = {**(read("special_tokens_map.json") or {}), **(read("tokenizer_config.json") or {})}
+    names = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+    special = {n: t.get("content") if isinstance(t, dict) else t for n in names if (t := config.get(n))}
+    template = read("chat_template.jinja") or config.get("chat_template")
+    if isinstance(template, list):  # named templates: the default one
+        template = next((t["template"] for t in template if t.get("name") == "default"), None)
+    ids = [t["id"] for t in backend.get("added_tokens", []) if t.get("special")]
+    return {"special_tokens_map": special, "all_special_ids": ids, "chat_template": template}
+
+
 class Encoding(dict):
     """What calling the tokenizer returns, as transformers' BatchEncoding: input_ids and attention_mask,
     by key or by attribute."""
@@ -81,11 +107,15 @@ class LightTokenizer:
 
     _handed_over = False
 
-    def __init__(self, folder: str) -> None:
-        """The tokenizer saved in `folder` (tokenizer.json and the manifest; OSError/ValueError if unreadable)."""
-        with open(os.path.join(folder, MANIFEST), encoding="utf-8") as f:
-            manifest = json.load(f)
+    def __init__(self, folder: str, manifest: dict[str, Any] | None = None, transformers_ok: bool = True) -> None:
+        """The tokenizer saved in `folder` (tokenizer.json and the manifest, read from the folder unless
+        given; OSError/ValueError if unreadable). With transformers_ok=False a call this class does not
+        answer itself raises NotImplementedError instead of importing transformers (and torch)."""
+        if manifest is None:
+            with open(os.path.join(folder, MANIFEST), encoding="utf-8") as f:
+                manifest = json.load(f)
         self.name_or_path = folder
+        self._transformers_ok = transformers_ok
         try:
             self.backend_tokenizer = Tokenizer.from_file(os.path.join(folder, "tokenizer.json"))
         except Exception as e:  # the library raises a bare Exception for a file it cannot parse
@@ -104,6 +134,8 @@ class LightTokenizer:
     # ---- transformers' tokenizer, for everything not answered here -------------------------------
 
     def _hf(self) -> Any:
+        if not self._transformers_ok:
+            raise NotImplementedError("this call needs transformers' tokenizer, which this process does not load")
         with self._hf_lock:
             if self._hf_tokenizer is None:
                 from transformers import PreTrainedTokenizerFast

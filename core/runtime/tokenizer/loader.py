@@ -16,11 +16,12 @@ import os
 import shutil
 import tempfile
 from importlib.metadata import version
+from pathlib import Path
 from typing import Any
 
 from radixlm.core.runtime.cache import cache_dir
-from radixlm.core.runtime.models.hub import find_gguf
-from radixlm.core.runtime.tokenizer.light import MANIFEST, LightTokenizer, write_manifest
+from radixlm.core.runtime.models.hub import find_gguf, resolve_model_path
+from radixlm.core.runtime.tokenizer.light import MANIFEST, LightTokenizer, checkpoint_manifest, write_manifest
 
 logger = logging.getLogger("radixlm")
 
@@ -49,10 +50,7 @@ def load_gguf_tokenizer(path: str) -> Any:
     read it without transformers (core.runtime.tokenizer.light), or with it where the light tokenizer cannot
     stand in for it."""
     path = os.path.abspath(path)
-    stat = os.stat(path)
-    # transformers' version by its metadata: importing it is what the cache saves
-    key = f"{path}\0{stat.st_size}\0{stat.st_mtime_ns}\0{version('transformers')}\0{_CACHE_FORMAT}"
-    cached = cache_dir() / "gguf-tokenizers" / hashlib.sha256(key.encode()).hexdigest()[:32]
+    cached = _cache_entry(path)
     if cached.is_dir():
         try:
             if (cached / MANIFEST).is_file():
@@ -71,6 +69,32 @@ def load_gguf_tokenizer(path: str) -> Any:
     if (cached / MANIFEST).is_file():  # the same kind of tokenizer as every later start gets
         return LightTokenizer(str(cached))
     return tok
+
+
+def _cache_entry(gguf_path: str) -> Path:
+    """Where the tokenizer built from the GGUF file is saved."""
+    stat = os.stat(gguf_path)
+    # transformers' version by its metadata: importing it is what the cache saves
+    key = f"{gguf_path}\0{stat.st_size}\0{stat.st_mtime_ns}\0{version('transformers')}\0{_CACHE_FORMAT}"
+    return cache_dir() / "gguf-tokenizers" / hashlib.sha256(key.encode()).hexdigest()[:32]
+
+
+def load_light_tokenizer(path: str) -> LightTokenizer:
+    """The tokenizer of a checkpoint folder, GGUF file or hub id, read by the `tokenizers` library alone:
+    never imports transformers (nor torch), for processes that only encode and render chat templates
+    (the router). A GGUF file's is the one the first engine start on this machine saved in the cache;
+    a folder's (or a hub snapshot's) is its tokenizer.json with its tokenizer_config.json
+    (light.checkpoint_manifest). ValueError (or ModelNotFoundError) where there is none to read."""
+    path = resolve_model_path(path)
+    gguf_path = find_gguf(path)
+    if gguf_path is None:
+        return LightTokenizer(path, checkpoint_manifest(path), transformers_ok=False)
+    cached = _cache_entry(os.path.abspath(gguf_path))
+    if not (cached / MANIFEST).is_file():
+        raise ValueError(f"no tokenizer of {gguf_path} in the cache {cached.parent} (it is saved there when "
+                         f"`radixlm serve` first loads the file on this machine), and building it needs "
+                         f"transformers; pass an HF checkpoint folder or hub id of the same tokenizer")
+    return LightTokenizer(str(cached), transformers_ok=False)
 
 
 def _save(tok: Any, target: Any) -> None:

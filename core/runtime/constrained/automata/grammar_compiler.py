@@ -33,8 +33,9 @@ class GrammarBudget:
     # Parser configurations (~1.2 KB each) one shared index holds before new requests get a fresh one.
     max_configs: int = 200_000
     # Wall-clock seconds a new index spends building the token classes and exit walks of the configurations
-    # a request most likely meets first (GrammarIndex._warm), so its first masks find them ready; 0: none.
-    warm_seconds: float = 0.004
+    # a request most likely meets first (GrammarIndex._warm), so its first masks find them ready; 0: none,
+    # those masks build them (the default: a compile's median was this warm-up's 4 ms, docs/constrained.md).
+    warm_seconds: float = 0.0
 
 
 DEFAULT_BUDGET = GrammarBudget()

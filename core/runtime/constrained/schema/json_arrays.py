@@ -115,7 +115,10 @@ class ArrayRules:
                 self.rules[name] = alt(EMPTY, more) if n >= lo and m >= contains_lo else more
             return Ref(name)
 
-        return seq(self._punct("["), rest(0, 0), self._punct("]"))
+        try:
+            return seq(self._punct("["), rest(0, 0), self._punct("]"))
+        finally:
+            del rest  # as in json_objects._any_order: no cycle left through the closure
 
     def _prefix_body(self, parts: list[Expr], rest: Expr, lo: int, hi: int | None) -> Expr:
         comma = self._punct(",")

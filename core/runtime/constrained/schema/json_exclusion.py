@@ -274,7 +274,7 @@ class ExclusionRules:
             return self.value(schema, ptr)
         except SchemaError as e:
             self.rules, self.ref_rules, self.converted = rules, ref_rules, converted
-            return e
+            return e.with_traceback(None)  # its frames hold this one (and self): no cycle kept for the collector
 
 
     def _signature(self, schema: Any, depth: int = 0) -> dict:

@@ -61,8 +61,14 @@ def json_schema_to_grammar(schema: Any, whitespace_pattern: str | None = None,
         except re.error as e:
             raise ValueError(f"invalid whitespace_pattern {whitespace_pattern!r}: {e}") from None
     conv = _Converter(refs, whitespace_pattern or "", budget, deadline or Deadline(budget))
-    conv.rules["start"] = conv.value(refs.root, "#")
-    return Grammar(conv.rules, "start")
+    try:
+        conv.rules["start"] = conv.value(refs.root, "#")
+        return Grammar(conv.rules, "start")
+    finally:
+        # Closures and refusals' tracebacks kept during the conversion refer to the converter: cycles,
+        # which would hold every schema copy and rule it made until a full collection (their traversal
+        # was the largest garbage collection pauses of compiles). Emptied, it holds nothing.
+        vars(conv).clear()
 
 
 def _of_types(value: Any, negated: Any) -> bool:

@@ -86,7 +86,7 @@ def counted_string_dfa(lo: int, hi: int | None) -> CountedStringDFA:
     table = CountedTable(np.where(step >= 0, slot[np.maximum(step, 0)], -1), step == done, lo, hi, n)
     if n > STORED_STATES:
         return CountedStringDFA(transitions=table, accepting=accepting, lo=lo, hi=hi, width=width)
-    return CountedStringDFA(transitions=table[np.arange(n)], accepting=accepting, lo=lo, hi=hi, width=width)
+    return CountedStringDFA(transitions=table.stored(), accepting=accepting, lo=lo, hi=hi, width=width)
 
 
 @dataclass(eq=False)

@@ -76,3 +76,21 @@ class CountedTable:
         out = np.where(s == 0, np.where(b == QUOTE, 1, -1), out)
         out[s >= self.final] = -1
         return out.astype(np.int32)
+
+    def stored(self) -> np.ndarray:
+        """The whole table, as self[np.arange(num_states)] gives it, built from one row per slot shifted
+        per position (two passes over the table instead of move()'s dozen: ~10x faster)."""
+        n, w = self.num_states, self.width
+        out = np.full((n, 256), -1, dtype=np.int32)
+        out[0, QUOTE] = 1
+        full = self.cap if self.hi is not None else self.cap + 1  # positions with all their slots
+        rel = np.where(self.ends, w, self.slot).astype(np.int32)  # the target less 1 + i * width
+        i = np.arange(full, dtype=np.int32)
+        block = np.where((self.ends | (self.slot >= 0))[None], rel[None] + (1 + i * w)[:, None, None], -1)
+        if self.hi is None:  # the last position loops: a character ended there stays at position cap
+            block[-1][self.ends] -= w
+        block[:, 0, QUOTE] = np.where(i >= self.lo, self.final, -1)
+        out[1:1 + full * w] = block.reshape(full * w, 256)
+        if self.hi is not None:  # position hi: its boundary, where only the closing quote goes on
+            out[1 + self.hi * w, QUOTE] = self.final if self.hi >= self.lo else -1
+        return out

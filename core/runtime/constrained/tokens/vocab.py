@@ -307,3 +307,16 @@ def vocab_of(tokenizer, eos_token_ids: tuple[int, ...] | list[int] | None = None
             digest.update(repr(eos_ids).encode())
             found = per_tokenizer[eos_ids] = TokenVocab(token_bytes, frozenset(special), eos_ids, digest.hexdigest())
     return found
+
+
+_spellable: dict[str, np.ndarray] = {}
+
+
+def spellable_bytes(vocab: TokenVocab) -> np.ndarray:
+    """bool [256]: the bytes some token of `vocab` contains (cached per vocabulary)."""
+    found = _spellable.get(vocab.fingerprint)
+    if found is None:
+        found = np.zeros(256, dtype=bool)
+        found[np.unique(np.frombuffer(b"".join(vocab.token_bytes), dtype=np.uint8))] = True
+        _spellable[vocab.fingerprint] = found
+    return found

@@ -1,0 +1,81 @@
+"""Tiny EAGLE-1/2 heads for tests: the published layout (core.runtime.models.eagle) for a target checkpoint."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+
+
+def build_eagle_head(out_dir: str, target_dir: str, *, seed: int = 0, fc_bias: bool = True,
+                     scale: float = 0.2, embedding: bool = True) -> str:
+    """Writes a random head for the checkpoint at target_dir into out_dir (config.json as the EAGLE
+    repository writes it: the target's config with one layer; model.safetensors with fc and layers.0
+    without an input norm, and, with `embedding`, the target-sized embed_tokens the published heads
+    carry too); returns out_dir."""
+    from safetensors.torch import save_file
+
+    cfg = json.loads(Path(target_dir, "config.json").read_text())
+    cfg.update(num_hidden_layers=1, bias=fc_bias)
+    h, i = cfg["hidden_size"], cfg["intermediate_size"]
+    d = cfg.get("head_dim") or h // cfg["num_attention_heads"]
+    q, kv = cfg["num_attention_heads"] * d, cfg["num_key_value_heads"] * d
+    g = torch.Generator().manual_seed(seed)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g) * scale
+
+    tensors = {"fc.weight": rand(h, 2 * h),
+               "layers.0.self_attn.q_proj.weight": rand(q, h), "layers.0.self_attn.k_proj.weight": rand(kv, h),
+               "layers.0.self_attn.v_proj.weight": rand(kv, h), "layers.0.self_attn.o_proj.weight": rand(h, q),
+               "layers.0.mlp.gate_proj.weight": rand(i, h), "layers.0.mlp.up_proj.weight": rand(i, h),
+               "layers.0.mlp.down_proj.weight": rand(h, i),
+               "layers.0.post_attention_layernorm.weight": 1 + rand(h)}
+    if fc_bias:
+        tensors["fc.bias"] = rand(h)
+    if embedding:
+        tensors["embed_tokens.weight"] = rand(cfg["vocab_size"], h)
+    os.makedirs(out_dir, exist_ok=True)
+    save_file(tensors, os.path.join(out_dir, "model.safetensors"))
+    Path(out_dir, "config.json").write_text(json.dumps(cfg, indent=2))
+    return out_dir
+
+
+def build_eagle3_head(out_dir: str, target_dir: str, *, seed: int = 0, draft_vocab: int | None = None,
+                      scale: float = 0.2) -> str:
+    """Writes a random EAGLE-3 head for the checkpoint at target_dir into out_dir: config.json with one
+    layer and draft_vocab_size; model.safetensors with fc (3 x hidden -> hidden), midlayer (q/k/v over
+    2 x hidden), norm, lm_head over `draft_vocab` tokens (default: the target's vocabulary) and, when
+    smaller, d2t mapping them to every few target ids (t2d beside it); returns out_dir."""
+    from safetensors.torch import save_file
+
+    cfg = json.loads(Path(target_dir, "config.json").read_text())
+    vocab = cfg["vocab_size"]
+    draft_vocab = draft_vocab or vocab
+    cfg.update(num_hidden_layers=1, draft_vocab_size=draft_vocab, architectures=["LlamaForCausalLMEagle3"])
+    h, i = cfg["hidden_size"], cfg["intermediate_size"]
+    d = cfg.get("head_dim") or h // cfg["num_attention_heads"]
+    q, kv = cfg["num_attention_heads"] * d, cfg["num_key_value_heads"] * d
+    g = torch.Generator().manual_seed(seed)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g) * scale
+
+    p = "midlayer."
+    tensors = {"fc.weight": rand(h, 3 * h), f"{p}self_attn.q_proj.weight": rand(q, 2 * h),
+               f"{p}self_attn.k_proj.weight": rand(kv, 2 * h), f"{p}self_attn.v_proj.weight": rand(kv, 2 * h),
+               f"{p}self_attn.o_proj.weight": rand(h, q), f"{p}mlp.gate_proj.weight": rand(i, h),
+               f"{p}mlp.up_proj.weight": rand(i, h), f"{p}mlp.down_proj.weight": rand(h, i),
+               f"{p}hidden_norm.weight": 1 + rand(h), f"{p}input_layernorm.weight": 1 + rand(h),
+               f"{p}post_attention_layernorm.weight": 1 + rand(h), "norm.weight": 1 + rand(h),
+               "lm_head.weight": rand(draft_vocab, h)}
+    if draft_vocab < vocab:
+        ids = torch.randperm(vocab, generator=g)[:draft_vocab].sort().values
+        tensors["d2t"] = ids - torch.arange(draft_vocab)
+        tensors["t2d"] = torch.zeros(vocab, dtype=torch.bool).index_fill(0, ids, True)
+    os.makedirs(out_dir, exist_ok=True)
+    save_file(tensors, os.path.join(out_dir, "model.safetensors"))
+    Path(out_dir, "config.json").write_text(json.dumps(cfg, indent=2))
+    return out_dir

@@ -1,0 +1,237 @@
+"""The `eagle` proposer (core/runtime/speculative/eagle.py, core/runtime/models/eagle.py) on the tiny Llama.
+
+Oracles: the head's drafts against a plain-torch EAGLE forward written here from the EAGLE repository's
+description, fed with transformers' hidden states of the target; outputs against the same engine with
+speculation off."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import radixlm
+from radixlm.core.errors import UnsupportedModelError
+from radixlm.testing.eagle import build_eagle_head
+from test_speculative import MIXED, PROMPTS, assert_kv_whole, draft_pool_whole, engine
+
+
+@pytest.fixture(scope="module")
+def eagle_head(llama_ckpt, tmp_path_factory) -> str:
+    return build_eagle_head(str(tmp_path_factory.mktemp("eagle") / "head"), llama_ckpt)
+
+
+class Reference:
+    """EAGLE heads computed from scratch in plain torch, fed with transformers' hidden states of the
+    target: causal attention with RoPE over the whole sequence each step, SiLU MLP, residuals."""
+
+    def __init__(self, target_dir: str, head_dir: str) -> None:
+        from safetensors.torch import load_file
+        from transformers import AutoModelForCausalLM
+
+        self.target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+        self.cfg = json.loads(Path(head_dir, "config.json").read_text())
+        self.w = load_file(str(Path(head_dir, "model.safetensors")))
+        self.embed = self.target.get_input_embeddings().weight
+        self.lm_head = self.target.get_output_embeddings().weight
+
+    def rms(self, x, weight):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.cfg["rms_norm_eps"]) * weight
+
+    def attention(self, x, p):  # x [T, in]: the layer's attention input, positions 0..T-1
+        nh, nkv = self.cfg["num_attention_heads"], self.cfg["num_key_value_heads"]
+        d, t, w = self.cfg["hidden_size"] // nh, len(x), self.w
+        inv = 1.0 / self.cfg.get("rope_theta", 10000.0) ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
+        ang = torch.outer(torch.arange(t, dtype=torch.float64), inv)
+        cos, sin = (torch.cat([f(ang), f(ang)], -1)[:, None].float() for f in (torch.cos, torch.sin))
+
+        def rope(y):
+            return y * cos + torch.cat([-y[..., d // 2:], y[..., :d // 2]], -1) * sin
+
+        q = rope((x @ w[p + "self_attn.q_proj.weight"].T).view(t, nh, d))
+        k = rope((x @ w[p + "self_attn.k_proj.weight"].T).view(t, nkv, d)).repeat_interleave(nh // nkv, 1)
+        v = (x @ w[p + "self_attn.v_proj.weight"].T).view(t, nkv, d).repeat_interleave(nh // nkv, 1)
+        scores = torch.einsum("qhd,khd->hqk", q, k) / d ** 0.5
+        scores = scores.masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), float("-inf"))
+        return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(t, nh * d) @ w[p + "self_attn.o_proj.weight"].T
+
+    def mlp(self, x, p):
+        w = self.w
+        m = self.rms(x, w[p + "post_attention_layernorm.weight"])
+        return (torch.nn.functional.silu(m @ w[p + "mlp.gate_proj.weight"].T) * (m @ w[p + "mlp.up_proj.weight"].T)) \
+            @ w[p + "mlp.down_proj.weight"].T
+
+    def head(self, version, feats, tokens):  # the head's outputs [T, hidden] at positions 0..T-1
+        w, emb = self.w, self.embed[tokens]
+        if version == 1:
+            x = torch.cat([emb, feats], -1) @ w["fc.weight"].T + w["fc.bias"]
+            h = x + self.attention(x, "layers.0.")
+            return h + self.mlp(h, "layers.0.")
+        p = "midlayer."
+        h = feats + self.attention(torch.cat([self.rms(emb, w[p + "input_layernorm.weight"]),
+                                              self.rms(feats, w[p + "hidden_norm.weight"])], -1), p)
+        return h + self.mlp(h, p)
+
+    def token(self, version, f):
+        if version == 1:
+            return int((f @ self.lm_head.T).argmax())
+        j = int((self.rms(f, self.w["norm.weight"]) @ self.w["lm_head.weight"].T).argmax())
+        return j + int(self.w["d2t"][j]) if "d2t" in self.w else j
+
+    def drafts(self, version: int, prompt: list[int], k: int) -> tuple[int, list[int]]:
+        """The target's greedy token after the prompt and the head's chain of k drafts after it."""
+        with torch.no_grad():
+            out = self.target(torch.tensor([prompt]), output_hidden_states=True)
+            hs = [h[0] for h in out.hidden_states]  # hs[i]: what enters layer i; hs[-1]: the final, normed
+            if version == 1:
+                feats = hs[-1]
+            else:
+                n = len(hs) - 1
+                feats = torch.cat([hs[2], hs[n // 2], hs[n - 3]], -1) @ self.w["fc.weight"].T
+            first = int(out.logits[0, -1].argmax())
+            tokens, drafts = prompt[1:] + [first], []
+            for _ in range(k):
+                f = self.head(version, feats, torch.tensor(tokens))[-1]
+                drafts.append(self.token(version, f))
+                feats, tokens = torch.cat([feats, f[None]]), tokens + [drafts[-1]]
+        return first, drafts
+
+
+def first_proposals(e: radixlm.Engine) -> list:
+    proposer = e.frontend.scheduler.scheduler.speculator.proposer
+    seen: list = []
+    propose = proposer.propose
+    proposer.propose = lambda reqs, budgets: seen.append(propose(reqs, budgets)) or seen[-1]
+    return seen
+
+
+def test_eagle_drafts_equal_the_reference(llama_ckpt, eagle_head):
+    prompt = PROMPTS[2]
+    with engine(llama_ckpt, speculative_algorithm="eagle", speculative_draft_model_path=eagle_head,
+                speculative_num_steps=4, speculative_adaptive=False) as e:
+        seen = first_proposals(e)
+        out = e.generate(input_ids=prompt, sampling_params={"max_new_tokens": 8, "temperature": 0, "ignore_eos": True})
+    first, drafts = Reference(llama_ckpt, eagle_head).drafts(1, prompt, 4)
+    assert out["output_ids"][0] == first
+    assert seen[0] == [drafts]
+
+
+@pytest.fixture(scope="module")
+def deep_llama(tmp_path_factory) -> str:
+    """The tiny Llama with 8 layers: EAGLE-3 reads the inputs of layers 2, 4 and 5."""
+    from radixlm.testing.checkpoints import build_checkpoint
+
+    return build_checkpoint(str(tmp_path_factory.mktemp("deep") / "llama8"), "llama", num_hidden_layers=8)
+
+
+@pytest.fixture(scope="module")
+def eagle3_head(deep_llama, tmp_path_factory) -> str:
+    from radixlm.testing.eagle import build_eagle3_head
+
+    return build_eagle3_head(str(tmp_path_factory.mktemp("eagle3") / "head"), deep_llama, draft_vocab=300)
+
+
+def test_eagle3_drafts_equal_the_reference_and_outputs_equal(deep_llama, eagle3_head):
+    prompt = PROMPTS[2]
+    params = {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}
+    with engine(deep_llama) as e:
+        base = e.generate(input_ids=PROMPTS, sampling_params=params)
+    with engine(deep_llama, speculative_algorithm="eagle3", speculative_draft_model_path=eagle3_head,
+                speculative_num_steps=4, speculative_adaptive=False) as e:
+        seen = first_proposals(e)
+        one = e.generate(input_ids=prompt, sampling_params=params)
+        spec = e.generate(input_ids=PROMPTS, sampling_params=params)
+        stats = e.get_stats()
+        assert_kv_whole(e)
+        draft_pool_whole(e)
+    first, drafts = Reference(deep_llama, eagle3_head).drafts(3, prompt, 4)
+    assert one["output_ids"][0] == first and seen[0] == [drafts]
+    assert [o["output_ids"] for o in spec] == [o["output_ids"] for o in base]
+    assert stats["spec_algorithm"] == "eagle3" and stats["spec_verifies_total"] > 0
+
+
+def test_an_eagle3_head_lacking_a_tensor_or_a_deep_enough_target_is_refused(llama_ckpt, deep_llama, eagle3_head,
+                                                                            tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    head = str(tmp_path / "head")
+    shutil.copytree(eagle3_head, head)
+    tensors = load_file(f"{head}/model.safetensors")
+    del tensors["midlayer.hidden_norm.weight"]
+    save_file(tensors, f"{head}/model.safetensors")
+    with pytest.raises(UnsupportedModelError, match=r"midlayer\.hidden_norm\.weight"):
+        radixlm.Engine(deep_llama, speculative_algorithm="eagle3", speculative_draft_model_path=head)
+    with pytest.raises(UnsupportedModelError, match="at least 7 layers"):  # the 2-layer model
+        radixlm.Engine(llama_ckpt, speculative_algorithm="eagle3", speculative_draft_model_path=eagle3_head)
+
+
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_eagle_greedy_outputs_equal_and_metrics(llama_ckpt, eagle_head, adaptive):
+    with engine(llama_ckpt) as e:
+        base = e.generate(input_ids=PROMPTS, sampling_params=MIXED)
+    with engine(llama_ckpt, speculative_algorithm="eagle", speculative_draft_model_path=eagle_head,
+                speculative_num_steps=3, speculative_adaptive=adaptive) as e:
+        spec = e.generate(input_ids=PROMPTS, sampling_params=MIXED)
+        again = e.generate(input_ids=PROMPTS, sampling_params=MIXED)  # prompts from the radix cache now
+        stats = e.get_stats()
+        assert_kv_whole(e)
+        draft_pool_whole(e)
+    assert [o["output_ids"] for o in spec] == [o["output_ids"] for o in base]
+    assert [o["output_ids"] for o in again] == [o["output_ids"] for o in base]
+    assert stats["spec_algorithm"] == "eagle" and "spec_accept_length" in stats
+    if not adaptive:
+        assert stats["spec_verifies_total"] > 0
+        assert all("spec_accept_length" in o["meta_info"] for o in spec)
+
+
+@pytest.mark.parametrize("damage,name", [("drop", "layers.0.mlp.up_proj.weight"), ("reshape", "fc.weight"),
+                                         ("extra", "layers.0.input_layernorm.weight")])
+def test_a_damaged_eagle_head_is_refused_naming_the_tensor(llama_ckpt, tmp_path, damage, name):
+    from safetensors.torch import load_file, save_file
+
+    head = build_eagle_head(str(tmp_path / "head"), llama_ckpt)
+    path = Path(head, "model.safetensors")
+    tensors = load_file(str(path))
+    if damage == "drop":
+        del tensors[name]
+    elif damage == "reshape":
+        tensors[name] = tensors[name][:, :-1].contiguous()
+    else:
+        tensors[name] = torch.ones(tensors["fc.bias"].shape)
+    save_file(tensors, str(path))
+    with pytest.raises(UnsupportedModelError, match=name.replace(".", r"\.")):
+        radixlm.Engine(llama_ckpt, speculative_algorithm="eagle", speculative_draft_model_path=head)
+
+
+def test_eagle_options_are_checked(llama_ckpt, eagle_head):
+    from radixlm.core.errors import InvalidRequestError
+
+    with pytest.raises(InvalidRequestError) as err:
+        radixlm.Engine(llama_ckpt, speculative_algorithm="eagle", speculative_draft_model_path=eagle_head,
+                       speculative_eagle_topk=4)
+    assert err.value.param == "speculative_eagle_topk"
+    with pytest.raises(InvalidRequestError) as err:
+        radixlm.Engine(llama_ckpt, speculative_algorithm="EAGLE")
+    assert err.value.param == "speculative_draft_model_path"
+
+
+def test_eagle_under_retraction_and_abort(llama_ckpt, eagle_head):
+    """A small pool retracts requests mid-way (their head KV and kept states go, and come back as they
+    resume); outputs equal, every slot of both pools comes back."""
+    prompts = [list(range(10 + i, 40 + i)) for i in range(6)]
+    params = {"max_new_tokens": 40, "temperature": 0, "ignore_eos": True}
+    with engine(llama_ckpt, max_total_tokens=160) as e:
+        base = e.generate(input_ids=prompts, sampling_params=params)
+    with engine(llama_ckpt, max_total_tokens=160, speculative_algorithm="eagle", speculative_draft_model_path=eagle_head,
+                speculative_adaptive=False) as e:
+        spec = e.generate(input_ids=prompts, sampling_params=params)
+        stats = e.get_stats()
+        assert_kv_whole(e)
+        draft_pool_whole(e)
+        assert not e.frontend.scheduler.scheduler.speculator.proposer.states
+    assert [o["output_ids"] for o in spec] == [o["output_ids"] for o in base]
+    assert stats["retractions_total"] > 0 and stats["spec_verifies_total"] > 0
