@@ -9,24 +9,40 @@ from pathlib import Path
 import torch
 
 
+class _Head:
+    """What both layouts' builders share: the target's config with `updates`, its sizes (hidden h,
+    intermediate i, q and kv widths), a seeded random source, and the writing of the head."""
+
+    def __init__(self, target_dir: str, seed: int, scale: float, **updates) -> None:
+        self.cfg = json.loads(Path(target_dir, "config.json").read_text())
+        self.vocab = self.cfg["vocab_size"]
+        self.cfg.update(num_hidden_layers=1, **updates)
+        self.h, self.i = self.cfg["hidden_size"], self.cfg["intermediate_size"]
+        d = self.cfg.get("head_dim") or self.h // self.cfg["num_attention_heads"]
+        self.q, self.kv = self.cfg["num_attention_heads"] * d, self.cfg["num_key_value_heads"] * d
+        self.g = torch.Generator().manual_seed(seed)
+        self.scale = scale
+
+    def rand(self, *shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=self.g) * self.scale
+
+    def write(self, out_dir: str, tensors: dict[str, torch.Tensor]) -> str:
+        from safetensors.torch import save_file
+
+        os.makedirs(out_dir, exist_ok=True)
+        save_file(tensors, os.path.join(out_dir, "model.safetensors"))
+        Path(out_dir, "config.json").write_text(json.dumps(self.cfg, indent=2))
+        return out_dir
+
+
 def build_eagle_head(out_dir: str, target_dir: str, *, seed: int = 0, fc_bias: bool = True,
                      scale: float = 0.2, embedding: bool = True) -> str:
     """Writes a random head for the checkpoint at target_dir into out_dir (config.json as the EAGLE
     repository writes it: the target's config with one layer; model.safetensors with fc and layers.0
     without an input norm, and, with `embedding`, the target-sized embed_tokens the published heads
     carry too); returns out_dir."""
-    from safetensors.torch import save_file
-
-    cfg = json.loads(Path(target_dir, "config.json").read_text())
-    cfg.update(num_hidden_layers=1, bias=fc_bias)
-    h, i = cfg["hidden_size"], cfg["intermediate_size"]
-    d = cfg.get("head_dim") or h // cfg["num_attention_heads"]
-    q, kv = cfg["num_attention_heads"] * d, cfg["num_key_value_heads"] * d
-    g = torch.Generator().manual_seed(seed)
-
-    def rand(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=g) * scale
-
+    head = _Head(target_dir, seed, scale, bias=fc_bias)
+    h, i, q, kv, rand = head.h, head.i, head.q, head.kv, head.rand
     tensors = {"fc.weight": rand(h, 2 * h),
                "layers.0.self_attn.q_proj.weight": rand(q, h), "layers.0.self_attn.k_proj.weight": rand(kv, h),
                "layers.0.self_attn.v_proj.weight": rand(kv, h), "layers.0.self_attn.o_proj.weight": rand(h, q),
@@ -36,11 +52,8 @@ def build_eagle_head(out_dir: str, target_dir: str, *, seed: int = 0, fc_bias: b
     if fc_bias:
         tensors["fc.bias"] = rand(h)
     if embedding:
-        tensors["embed_tokens.weight"] = rand(cfg["vocab_size"], h)
-    os.makedirs(out_dir, exist_ok=True)
-    save_file(tensors, os.path.join(out_dir, "model.safetensors"))
-    Path(out_dir, "config.json").write_text(json.dumps(cfg, indent=2))
-    return out_dir
+        tensors["embed_tokens.weight"] = rand(head.vocab, h)
+    return head.write(out_dir, tensors)
 
 
 def build_eagle3_head(out_dir: str, target_dir: str, *, seed: int = 0, draft_vocab: int | None = None,
@@ -49,20 +62,10 @@ def build_eagle3_head(out_dir: str, target_dir: str, *, seed: int = 0, draft_voc
     layer and draft_vocab_size; model.safetensors with fc (3 x hidden -> hidden), midlayer (q/k/v over
     2 x hidden), norm, lm_head over `draft_vocab` tokens (default: the target's vocabulary) and, when
     smaller, d2t mapping them to every few target ids (t2d beside it); returns out_dir."""
-    from safetensors.torch import save_file
-
-    cfg = json.loads(Path(target_dir, "config.json").read_text())
-    vocab = cfg["vocab_size"]
-    draft_vocab = draft_vocab or vocab
-    cfg.update(num_hidden_layers=1, draft_vocab_size=draft_vocab, architectures=["LlamaForCausalLMEagle3"])
-    h, i = cfg["hidden_size"], cfg["intermediate_size"]
-    d = cfg.get("head_dim") or h // cfg["num_attention_heads"]
-    q, kv = cfg["num_attention_heads"] * d, cfg["num_key_value_heads"] * d
-    g = torch.Generator().manual_seed(seed)
-
-    def rand(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=g) * scale
-
+    head = _Head(target_dir, seed, scale, architectures=["LlamaForCausalLMEagle3"])
+    vocab = head.vocab
+    draft_vocab = head.cfg["draft_vocab_size"] = draft_vocab or vocab
+    h, i, q, kv, rand, g = head.h, head.i, head.q, head.kv, head.rand, head.g
     p = "midlayer."
     tensors = {"fc.weight": rand(h, 3 * h), f"{p}self_attn.q_proj.weight": rand(q, 2 * h),
                f"{p}self_attn.k_proj.weight": rand(kv, 2 * h), f"{p}self_attn.v_proj.weight": rand(kv, 2 * h),
@@ -75,7 +78,4 @@ def build_eagle3_head(out_dir: str, target_dir: str, *, seed: int = 0, draft_voc
         ids = torch.randperm(vocab, generator=g)[:draft_vocab].sort().values
         tensors["d2t"] = ids - torch.arange(draft_vocab)
         tensors["t2d"] = torch.zeros(vocab, dtype=torch.bool).index_fill(0, ids, True)
-    os.makedirs(out_dir, exist_ok=True)
-    save_file(tensors, os.path.join(out_dir, "model.safetensors"))
-    Path(out_dir, "config.json").write_text(json.dumps(cfg, indent=2))
-    return out_dir
+    return head.write(out_dir, tensors)
