@@ -6,6 +6,7 @@ from __future__ import annotations
 import fractions
 import json
 import re
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 from radixlm.core.runtime.constrained.automata.grammar import Expr
@@ -125,49 +126,39 @@ class ExclusionRules:
             return ways or None  # past MAX_MODULUS, or 1/q: left out (a sound subset)
         return None
 
+    def _each_failing(self, subs: Iterable[tuple[Any, Any]], where: str, depth: int) -> Iterator[tuple[Any, Any]]:
+        """(key, failing schema) of each (key, subschema) of `subs` that some value fails; one whose
+        failures this converter cannot write is left out (a sound subset)."""
+        for key, sub in subs:
+            try:
+                failing = self._negation(sub, {}, f"{where}/{key}", depth)
+            except SchemaError:
+                continue
+            if failing is not False:
+                yield key, failing
+
     def _failing_subschemas(self, key: str, value: Any, body: dict, opened: dict, ptr: str,
                             depth: int) -> list | None:
         """_failing for a keyword of SUBSCHEMA_KEYWORDS: a value fails it through its subschemas' failures."""
         if key == "patternProperties" and isinstance(value, dict):
             # Objects whose keys all match one pattern, and whose values all fail its schema (at least one
             # key): a sound subset of those with some matching key's value failing it.
-            out = []
-            for pattern, sub in value.items():
-                try:
-                    failing = self._negation(sub, {}, f"{ptr}/patternProperties/{pattern}", depth)
-                except SchemaError:
-                    continue  # left out (a sound subset)
-                if failing is not False:
-                    out.append(("object", {"propertyNames": {"pattern": pattern}, "minProperties": 1,
-                                           "patternProperties": {pattern: failing}, "additionalProperties": False}))
-            return out
+            return [("object", {"propertyNames": {"pattern": pattern}, "minProperties": 1,
+                                "patternProperties": {pattern: failing}, "additionalProperties": False})
+                    for pattern, failing in self._each_failing(value.items(), f"{ptr}/patternProperties", depth)]
         if key == "required" and isinstance(value, list):
             return [("object", {"properties": {r: False}, **opened}) for r in value]
         if key == "properties" and isinstance(value, dict):
-            out = []
-            for name, sub in value.items():
-                try:
-                    failing = self._negation(sub, {}, f"{ptr}/properties/{name}", depth)
-                except SchemaError:
-                    continue  # this key's failures left out (a sound subset)
-                if failing is not False:
-                    out.append(("object", {"required": [name], "properties": {name: failing}, **opened}))
-            return out
+            return [("object", {"required": [name], "properties": {name: failing}, **opened})
+                    for name, failing in self._each_failing(value.items(), f"{ptr}/properties", depth)]
         if key == "items" and isinstance(value, (dict, bool)) and "prefixItems" not in body:
             failing = self._negation(value, {}, f"{ptr}/items", depth)
             return [] if failing is False else [("array", {"contains": failing})]
         if key == "contains" and not {"minContains", "maxContains"} & set(body):
             return [("array", {"items": self._negation(value, {}, f"{ptr}/contains", depth)})]
         if key == "prefixItems" and isinstance(value, list):  # an item at position i failing its schema
-            out = []
-            for i, sub in enumerate(value):
-                try:
-                    failing = self._negation(sub, {}, f"{ptr}/prefixItems/{i}", depth)
-                except SchemaError:
-                    continue  # left out (a sound subset)
-                if failing is not False:
-                    out.append(("array", {"minItems": i + 1, "prefixItems": [True] * i + [failing]}))
-            return out
+            return [("array", {"minItems": i + 1, "prefixItems": [True] * i + [failing]})
+                    for i, failing in self._each_failing(enumerate(value), f"{ptr}/prefixItems", depth)]
         if key == "oneOf" and isinstance(value, list) and value:
             # no branch matches (each one's failures), or two do (a few branches: each pair's values)
             ways = [(None, {"allOf": [b, c]}) for i, b in enumerate(value) for c in value[i + 1:]
