@@ -25,7 +25,7 @@ from radixlm.core.runtime.messages import ImageInput
 from radixlm.core.runtime.memory.memory_pool import KVPool, ReqToTokenPool, host_available_bytes, host_int64
 from radixlm.core.runtime.options import EngineOptions
 from radixlm.core.runtime.execution.batch_input import BatchInput, ImageSpan
-from radixlm.core.runtime.execution.cuda_graph_runner import DecodeGraphRunner, ExtendGraphRunner
+from radixlm.core.runtime.execution.cuda_graph_runner import DecodeGraphRunner, ExtendGraphRunner, as_decode_rows
 from radixlm.core.runtime.layers.attention_backend import AttentionBackend
 from radixlm.core.runtime.layers.forward_batch import ForwardBatch, ImageBatch
 from radixlm.core.runtime.layers.mrope import mrope_cos_sin
@@ -162,6 +162,12 @@ class ModelRunner:
         graphs = self.hidden_sink is None  # the graphs give logits only
         if graphs and batch.is_decode and self.graph_runner is not None and n <= self.graph_runner.max_bs:
             return self.graph_runner.run(batch)  # M-RoPE decodes too: t = h = w, a 1-D rotary position
+        # Verify steps (logits at every token) replay the decode graphs, a row per token.
+        if graphs and not batch.is_decode and self.graph_runner is not None \
+                and len(batch.input_ids) <= self.graph_runner.max_bs:
+            rows = as_decode_rows(batch)
+            if rows is not None:
+                return self.graph_runner.run(rows)
         # Extends with M-RoPE positions run eagerly: the extend graphs take 1-D positions.
         if graphs and not batch.is_decode and self.extend_graphs is not None and not batch.images \
                 and batch.rope_positions is None:
