@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import radixlm
+from radixlm.core.runtime.execution.cuda_graph_runner import DecodeGraphRunner
 from radixlm.core.runtime.options import EngineOptions
 from radixlm.core.errors import InvalidRequestError
 from radixlm.core.runtime.speculative.ngram import NgramIndex
@@ -67,6 +68,52 @@ def test_greedy_outputs_equal_with_every_accepted_length(llama_ckpt):
         assert meta["spec_verify_ct"] > 0 and meta["spec_accept_length"] > 1.0
         # fewer forward steps than tokens: each verify step gave accept_length tokens on average
         assert meta["spec_verify_ct"] < meta["completion_tokens"]
+
+
+def decode_graph_twin(runner, max_bs: int = 32) -> list[tuple[bool, int]]:
+    """Gives a CPU runner the eager twin of CUDA decode graphs (the same padded static buffers, run
+    without capture), so that its steps take the paths they take on a GPU; returns the list each replay's
+    (rows all of one request's tokens?, row count) is appended to."""
+    graphs = DecodeGraphRunner(runner, max_bs, capture=False)
+    replays: list[tuple[bool, int]] = []
+    real_run = graphs.run
+
+    def run(batch):
+        replays.append((len(set(batch.rows)) < len(batch.rows), len(batch.rows)))
+        return real_run(batch)
+
+    graphs.run = run
+    runner.graph_runner = graphs
+    return replays
+
+
+@pytest.mark.parametrize("algorithm", ["oracle", "draft"])
+def test_verify_steps_on_the_decode_graphs_keep_outputs(llama_ckpt, algorithm):
+    """With decode graphs (their eager twin on the CPU) verify steps replay them, one row per token, and
+    outputs stay those without speculation at every accepted length; the `draft` proposer's model
+    decodes on its own runner's graphs too."""
+    params = [{"max_new_tokens": 20 + 9 * i, "temperature": 0, "ignore_eos": True} for i in range(len(PROMPTS))]
+    with engine(llama_ckpt) as e:
+        base = e.generate(input_ids=PROMPTS, sampling_params=params)
+    expected = {tuple(p): o["output_ids"] for p, o in zip(PROMPTS, base)}
+    kw = {"speculative_draft_model_path": llama_ckpt} if algorithm == "draft" else {}
+    with engine(llama_ckpt, speculative_algorithm="draft" if kw else "ngram", speculative_adaptive=False,
+                speculative_num_draft_tokens=5, **kw) as e:
+        replays = decode_graph_twin(e._runner)
+        speculator = e.frontend.scheduler.scheduler.speculator
+        if kw:
+            draft_replays = decode_graph_twin(speculator.proposer.runner)
+        else:
+            with_oracle(e, expected)
+        spec = e.generate(input_ids=PROMPTS, sampling_params=params)
+        stats = e.get_stats()
+        assert_kv_whole(e)
+    assert [o["output_ids"] for o in spec] == [o["output_ids"] for o in base]
+    assert stats["spec_verify_steps_total"] > 0 and stats["spec_accepted_tokens_total"] > 0
+    verify_replays = [n for shared, n in replays if shared]  # rows of one request: a verify step's
+    assert len(verify_replays) == stats["spec_verify_steps_total"]
+    if kw:
+        assert draft_replays and not any(shared for shared, _ in draft_replays)
 
 
 def test_stop_strings_stop_tokens_and_logprobs_equal(llama_ckpt):
