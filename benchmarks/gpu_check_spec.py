@@ -11,8 +11,9 @@ weights):
    (max |on - off| / max |off|): 1e-4 in float32 (the two paths differ in summation order only), 5e-2 in
    bfloat16 (rounding; a wrong key, slot or mask moves a row by its whole size). Rows whose argmax
    differs are reported.
-2. Greedy tokens with `ngram` speculation drafting at every step (speculative_adaptive off, prompts that
-   repeat themselves), graphs on against off, and against speculation off: float32 equal; bfloat16
+2. Greedy tokens with speculation drafting at every step (speculative_adaptive off; the drafts are the
+   output without speculation, one token of most corrupted, so that every accepted length occurs),
+   graphs on against off, and against speculation off: float32 equal; bfloat16
    reported (the two paths round differently, so near-ties of random weights may go either way). The
    graphs-on engine's verify steps must have replayed the decode graphs.
 
@@ -40,7 +41,7 @@ GRAPH_MAX_BS = 32  # 3 requests x 9 rows fit
 REL_BOUND = {"float32": 1e-4, "bfloat16": 5e-2}
 # (context lengths, draft lengths) of the verify steps of check 1
 VERIFY_CASES = [([1500], [8]), ([40, 300, 7], [4, 4, 4]), ([20, 90, 3, 64, 1, 200, 33, 5], [8, 0, 3, 1, 0, 6, 2, 2])]
-PROMPTS = [list(range(200, 230)) * 3 + [200, 201], [9, 8, 7] * 10, list(range(50, 120)) * 2]
+PROMPTS = [list(range(200, 230)) * 3 + [200, 201], [9, 8, 7] * 10, list(range(50, 120)) * 2]  # distinct
 GREEDY = {"max_new_tokens": 32, "temperature": 0.0, "ignore_eos": True}
 
 
@@ -112,17 +113,50 @@ def logits_on_off(engine: radixlm.Engine, dtype: str, device: str) -> dict[str, 
     return {"ok": ok, "graph_replays": len(replays), "cases": cases}
 
 
+class PlainOutputProposer:
+    """Drafts each request's output without speculation (the plain engine's), one token of most drafts
+    corrupted at a position that varies from step to step, so that verify steps see every accepted length
+    (tests/spec_oracle.py's proposer; random weights give `ngram` nothing to look up)."""
+
+    name = "ngram"
+    free = True
+
+    def __init__(self, expected: dict[tuple[int, ...], list[int]], vocab_size: int) -> None:
+        self.expected, self.vocab_size, self.calls = expected, vocab_size, 0
+
+    def propose(self, reqs: list[Any], budgets: list[int]) -> list[list[int]]:
+        drafts = []
+        for req, k in zip(reqs, budgets):
+            self.calls += 1
+            n = len(req.output_ids)
+            draft = list(self.expected.get(tuple(req.inp.input_ids), [])[n:n + max(0, k - (self.calls + n) % 3)])
+            wrong = (self.calls * 7 + n) % (k + 3)
+            if wrong < len(draft):
+                draft[wrong] = (draft[wrong] + 1) % self.vocab_size
+            drafts.append(draft)
+        return drafts
+
+    def draft_class(self, req: Any) -> int:
+        return 0
+
+    def release(self, req: Any) -> None:
+        pass
+
+
 def greedy_on_off(ckpt: str, dtype: str, device: str, opts: dict[str, Any]) -> dict[str, Any]:
     common = {"dtype": dtype, "device": device, "log_level": "warning", "max_total_tokens": 16384,
               "cuda_graph_max_bs": GRAPH_MAX_BS, "enable_overlap_schedule": False, **opts}
-    spec = {"speculative_algorithm": "ngram", "speculative_num_draft_tokens": 8, "speculative_adaptive": False,
-            "speculative_ngram_min_match_window_size": 1}
+    spec = {"speculative_algorithm": "ngram", "speculative_num_draft_tokens": 8, "speculative_adaptive": False}
     out: dict[str, list[list[int]]] = {}
     verify_replays: list[int] = []
     for label, kw in (("plain", {}), ("spec_graphs", spec), ("spec_eager", {**spec, "disable_cuda_graph": True})):
         with radixlm.Engine(ckpt, **common, **kw) as e:
             if label == "spec_graphs":
                 verify_replays = replay_counter(e._runner, device)
+            if kw:
+                speculator = e.frontend.scheduler.scheduler.speculator
+                expected = {tuple(p): o for p, o in zip(PROMPTS, out["plain"])}
+                speculator.proposer = PlainOutputProposer(expected, e.vocab_size)
             out[label] = [o["output_ids"] for o in e.generate(input_ids=PROMPTS, sampling_params=GREEDY)]
             out[label] += [e.generate(input_ids=PROMPTS[0], sampling_params=GREEDY)["output_ids"]]  # batch 1
             if kw:
