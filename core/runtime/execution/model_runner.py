@@ -163,9 +163,9 @@ class ModelRunner:
         layers = c.num_layers if algorithm == "draft" else 1
         per_token = KVPool.bytes_per_token(layers, c.num_kv_heads, c.head_dim, self.kv_dtype)
         elt = torch.empty((), dtype=self.dtype).element_size()
-        # fp32 logits buffers of its decode and extend graphs, and its graph pool and workspaces
-        graphs = 2 * (opts.cuda_graph_max_bs or opts.max_running_requests) * c.vocab_size * 4 + _CUDA_SLACK_BYTES
-        return weights * elt + graphs, per_token
+        # the fp32 logits buffers of a draft's decode and extend graphs (an EAGLE head runs eagerly); workspaces
+        graphs = 0 if algorithm != "draft" or opts.disable_cuda_graph else 2 * opts.cuda_graph_max_bs * c.vocab_size * 4
+        return weights * elt + graphs + _CUDA_SLACK_BYTES, per_token
 
     def _activation_reserve(self, opts: EngineOptions) -> int:
         """Bytes the forward passes and the sampler may hold at their peak, beside weights and KV."""
