@@ -224,7 +224,9 @@ def test_as_decode_rows_takes_only_what_the_decode_path_computes(runner):
     at_most = _verify_batch(runner, gen, [4], [0], [DECODE_ROWS_MAX_EXTEND], slot_iter)
     assert as_decode_rows(at_most) is not None
     rope = _verify_batch(runner, gen, [1], [2], [2], slot_iter)
-    rope.rope_positions = [rope.positions] * 3  # M-RoPE positions: the decode graphs take 1-D ones
+    rope.rope_positions = [[p + 5 for p in rope.positions]] * 3  # shifted M-RoPE positions, t = h = w: a decode's
+    assert as_decode_rows(rope).rope_positions == rope.rope_positions
+    rope.rope_positions = [rope.rope_positions[0], rope.positions, rope.positions]  # t != h: an image's
     assert as_decode_rows(rope) is None
     shifted = _verify_batch(runner, gen, [1], [2], [2], slot_iter)
     shifted.positions = [p + 1 for p in shifted.positions]  # positions not the table's

@@ -282,11 +282,11 @@ class ExtendGraphRunner:
 
 def as_decode_rows(batch: BatchInput) -> BatchInput | None:
     """The extend `batch` as a decode batch of one row per new token (see the module's docstring), or None
-    where the decode path cannot compute it: images, M-RoPE positions, logits wanted at some tokens only
-    or in another order, a request with more than DECODE_ROWS_MAX_EXTEND new tokens, positions that are
-    not the table's (the decode step records each row's slot at its position)."""
-    tokens = len(batch.input_ids)
-    if (batch.is_decode or batch.images or batch.rope_positions is not None or not tokens
+    where the decode path cannot compute it: images, M-RoPE positions other than t = h = w (a decode's),
+    logits wanted at some tokens only or in another order, a request with more than DECODE_ROWS_MAX_EXTEND
+    new tokens, positions that are not the table's (the decode step records each row's slot there)."""
+    tokens, rope = len(batch.input_ids), batch.rope_positions
+    if (batch.is_decode or batch.images or (rope is not None and not rope[0] == rope[1] == rope[2]) or not tokens
             or batch.logit_rows != list(range(tokens)) or max(batch.extend_lens) > DECODE_ROWS_MAX_EXTEND):
         return None
     rows: list[int] = []
@@ -297,7 +297,7 @@ def as_decode_rows(batch: BatchInput) -> BatchInput | None:
     if any(p + 1 != s for p, s in zip(batch.positions, seq_lens)):
         return None
     return BatchInput(True, batch.input_ids, batch.positions, batch.out_cache_loc, rows, seq_lens, [1] * tokens,
-                      batch.logit_rows, input_future=batch.input_future)
+                      batch.logit_rows, input_future=batch.input_future, rope_positions=rope)
 
 
 def _last_token_index(extend_lens: list[int]) -> list[int]:
