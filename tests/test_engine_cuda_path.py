@@ -247,6 +247,8 @@ def test_the_runner_replays_verify_steps_on_the_decode_graphs(runner, monkeypatc
     assert seen == [8]
     runner.forward(_verify_batch(runner, gen, [1, 4], [9, 9], [5, 4], slot_iter))  # 9 tokens: eager
     runner.forward(_extend_batch(runner, gen, [2], [0], [4], slot_iter))  # last-token logits: eager
+    monkeypatch.setattr(runner, "hidden_sink", lambda batch, hidden: None)  # EAGLE reads every step's states
+    runner.forward(_verify_batch(runner, gen, [1, 4], [3, 5], [5, 3], slot_iter))
     assert seen == [8]
 
 
