@@ -89,7 +89,7 @@ def apply_rotary(
     plan: AttentionPlan | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """reference.apply_rotary as x * [cos | cos] + [x2 | x1] * [-sin | sin]: the same products and
-    sums, on q and k together, in a fifth of the ops. `plan` (the batch's, see `plan_attention`) keeps
+    sums, on q and k together, in under half the ops. `plan` (the batch's, see `plan_attention`) keeps
     the step's [cos | cos] and [-sin | sin] rows for the other layers, which rotate the same positions."""
     tables = None if plan is None else plan.rotary
     if tables is None:
