@@ -70,10 +70,8 @@ def cffi_binding(folder: str) -> LlamaApi:
         return np.frombuffer(ffi.buffer(lib.llama_get_logits_ith(ctx, i), 4 * vocab), dtype=np.float32)
 
     version = os.path.basename(glob.glob(os.path.join(folder, "llama_cpp_cffi-*.dist-info"))[0])
-    api = LlamaApi(lib, logits, lib.llama_kv_self_clear, version.removesuffix(".dist-info"),
-                   ffi.string(lib.llama_print_system_info()).decode())
-    api.keep = quiet  # the callback lives as long as the library may call it
-    return api
+    return LlamaApi(lib, logits, lib.llama_kv_self_clear, version.removesuffix(".dist-info"),
+                    ffi.string(lib.llama_print_system_info()).decode(), keep=quiet)
 
 
 def _load_extension(path: str) -> Any:
