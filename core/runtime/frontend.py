@@ -56,6 +56,7 @@ class FrontEnd:
         return self.delivery.in_flight
 
     def close(self) -> None:
+        self.constraints.close()
         self.workers.close()
         self.delivery.close()
 
