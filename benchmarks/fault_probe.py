@@ -19,7 +19,7 @@ Each scenario starts its own server (it signals or breaks it), on a free loopbac
 - deadline: N streaming requests with `timeout` T beside N/4 short ones without, each on a connection
   opened beforehand; each must end (an error event with code timeout) within 1 s of its limit, the short
   ones normally, and no slot leak. The client measures from the moment its request's bytes were written
-  to the socket to the moment it read the error event's bytes. These clients are aiohttp's (C parser,
+  to the socket to the moment it read the final chunk's bytes (the error event follows). These clients are aiohttp's (C parser,
   no connection limit) reading raw bytes: with httpx, whose connection pool re-scans every connection on
   each request's start and end (seconds of this process's CPU with 250 connections), and a parsed line
   per token event, the figure was mostly the client's own work (benchmarks/results/2026-12-07-faults.md).
@@ -354,7 +354,7 @@ async def deadline(args: argparse.Namespace) -> dict:
         "requests with a limit": args.clients,
         "limit (s)": args.timeout,
         "ended with code timeout": sum(1 for s in limited_r if s.outcome == "timeout"),
-        "latest end past the limit (s), from the request's bytes sent to the error event's bytes read":
+        "latest end past the limit (s), from the request's bytes on the socket to its final chunk read":
             round(max(late), 2),
         "the client's longest event-loop stall (s)": round(max(stalls, default=0.0), 2),
         "short requests without a limit finished normally": f"{sum(1 for s in short_r if s.outcome == 'length')}/{n_short}",
