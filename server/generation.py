@@ -212,8 +212,8 @@ class MergedStream:
         live = [(i, it) for i, it in enumerate(self._iters) if not self.finished[i]]
         if len(live) == 1:
             # One branch (most streams): its chunks taken straight from the engine's stream, in this task.
-            # A pump task would cost every chunk one more pass of a busy event loop (hop to the pump, hop
-            # back), and with 200 streams each pass takes long: a deadline's ending waited behind them.
+            # A pump task would cost every chunk a task switch and one more pass of the event loop (the
+            # queue's hand-over), which with 200 streams is busy.
             i, it = live[0]
             async for chunk in it:
                 yield self._checked(i, chunk)
