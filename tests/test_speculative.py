@@ -17,6 +17,9 @@ import radixlm
 from radixlm.core.runtime.execution.cuda_graph_runner import DecodeGraphRunner
 from radixlm.core.runtime.options import EngineOptions
 from radixlm.core.errors import InvalidRequestError
+from radixlm.core.runtime.memory.memory_pool import SlotAllocator
+from radixlm.core.runtime.memory.radix_cache import RadixCache
+from radixlm.core.runtime.memory.tree_continuation import cached_continuation
 from radixlm.core.runtime.speculative.ngram import NgramIndex
 from radixlm.core.runtime.speculative.policy import MIN_GAIN, StepTimes, choose_lengths
 from radixlm.core.runtime.speculative.state import SpecState
@@ -278,6 +281,44 @@ def test_ngram_index_finds_the_longest_latest_match():
     assert index.propose(tokens, 2) == [8, 0]  # the latest [3, 4] is followed by 8, 0
     assert NgramIndex(2, 4).propose([5, 5], 4) == []  # a suffix needs an earlier occurrence
     assert NgramIndex(1, 4).propose([5, 6, 5], 4) == [6, 5]
+
+
+def test_cached_continuation_follows_the_tree_after_a_whole_context():
+    """The tokens the radix tree holds after a context: the rest of the edge it ends in, then the most
+    recently used child at each fork; nothing where the context leaves the tree. From a request's own
+    node (its cached prefix) the walk takes only the tokens past it."""
+    alloc = SlotAllocator(64)
+    cache = RadixCache(alloc)
+    for key in ([1, 2, 3, 4, 5, 6], [1, 2, 3, 9, 9, 9, 8], [7, 7]):  # the second inserted later: more recent
+        cache.insert(key, alloc.alloc(len(key)))
+    root = cache.root
+    assert cached_continuation(root, [1, 2], 3) == [3, 9, 9]
+    assert cached_continuation(root, [1, 2], 10) == [3, 9, 9, 9, 8]
+    assert cached_continuation(root, [1, 2, 3, 4], 10) == [5, 6]
+    assert cached_continuation(root, [1, 2, 3, 4, 5, 6], 4) == []  # the tree ends there
+    assert cached_continuation(root, [1, 2, 5], 4) == [] and cached_continuation(root, [3], 4) == []
+    assert cached_continuation(root, [], 1) in ([1], [7])
+    _, node = cache.match_prefix([1, 2, 3])  # a request's last node, [1, 2, 3] cached
+    assert cached_continuation(node, [4], 2) == [5, 6] and cached_continuation(node, [], 2) == [9, 9]
+
+
+def test_ngram_drafts_a_repeated_prompt_from_the_radix_cache(llama_ckpt):
+    """The same prompt asked again: its first answer is in the radix tree after the prompt, so the second
+    call drafts it whole (every draft kept), with the same output; without the tree the prompt, which
+    repeats nothing, gives the n-grams little."""
+    prompt = [999, 3, 71, 2, 500, 17, 44]
+    params = {"max_new_tokens": 32, "temperature": 0, "ignore_eos": True}
+    runs = {}
+    for radix in (True, False):
+        with engine(llama_ckpt, speculative_algorithm="ngram", speculative_adaptive=False,
+                    speculative_ngram_radix_cache=radix) as e:
+            first = e.generate(input_ids=prompt, sampling_params=params)
+            again = e.generate(input_ids=prompt, sampling_params=params)
+            assert_kv_whole(e)
+        assert again["output_ids"] == first["output_ids"]
+        runs[radix] = again["meta_info"]
+    assert runs[True]["spec_accept_length"] > 4.5  # 4 drafts a step, all kept (5 tokens a step)
+    assert runs[False]["spec_accept_length"] < runs[True]["spec_accept_length"] - 1
 
 
 def test_accepted_length_counts_the_leading_agreement():

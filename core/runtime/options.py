@@ -213,6 +213,10 @@ class EngineOptions:
     speculative_ngram_max_match_window_size: int = option(
         8, "ngram: the longest suffix looked up (the longest that matches gives the draft)",
         aliases=("--prompt-lookup-max",))
+    speculative_ngram_radix_cache: bool = option(
+        True, "ngram: first draft what the radix cache holds after the request's whole context (another "
+        "request's continuation of the same tokens: a prompt asked again, a retried call); False: the "
+        "request's own n-grams only")
     speculative_draft_model_path: str | None = option(
         None, "draft: the draft checkpoint (a path, .gguf or hub id) whose tokenizer is the target's; eagle: the "
         "EAGLE head's checkpoint (a path or hub id)")

@@ -1,12 +1,21 @@
 """Prompt lookup (the `ngram` proposer): the longest suffix of a request's tokens (prompt and output)
 that occurred earlier in them predicts that what followed it then follows now. Free to propose (no
-model), it pays where the output repeats the input: extraction, quoting, summaries, code edits."""
+model), it pays where the output repeats the input: extraction, quoting, summaries, code edits.
+
+First, with `radix_cache` on, it asks the radix tree for the tokens another request left after this
+request's whole context (core.runtime.memory.tree_continuation): a prompt asked again, or a retried or
+forked call, then drafts its full earlier answer."""
 
 from __future__ import annotations
 
 import weakref
 
+from radixlm.core.runtime.memory.tree_continuation import cached_continuation
 from radixlm.core.runtime.request import Req
+
+# The draft class of a draft from the radix tree (core.runtime.speculative.policy learns its rate apart
+# from suffix matches, whose class is the matched length).
+TREE_MATCH = 1_000
 
 
 class NgramIndex:
@@ -40,8 +49,9 @@ class NgramProposer:
     name = "ngram"
     free = True
 
-    def __init__(self, min_n: int, max_n: int) -> None:
+    def __init__(self, min_n: int, max_n: int, radix_cache: bool = True) -> None:
         self.min_n, self.max_n = min_n, max_n
+        self.radix_cache = radix_cache
         # A request's index lives as long as the request (retracted ones keep theirs: same tokens).
         self.indexes: "weakref.WeakKeyDictionary[Req, NgramIndex]" = weakref.WeakKeyDictionary()
 
@@ -51,11 +61,19 @@ class NgramProposer:
             index = self.indexes.get(req)
             if index is None:
                 index = self.indexes[req] = NgramIndex(self.min_n, self.max_n)
-            drafts.append(index.propose(req.fill_ids, k) if k > 0 else [])
+            drafts.append(self._propose(req, index, k) if k > 0 else [])
         return drafts
 
+    def _propose(self, req: Req, index: NgramIndex, k: int) -> list[int]:
+        if self.radix_cache and req.last_node is not None:
+            draft = cached_continuation(req.last_node, req.fill_ids[req.cached_len:], k)
+            if draft:
+                index.matched = TREE_MATCH
+                return draft
+        return index.propose(req.fill_ids, k)
+
     def draft_class(self, req: Req) -> int:
-        """The matched suffix's length: a longer match predicts a longer run of kept tokens."""
+        """The matched suffix's length (a longer match predicts a longer run of kept tokens), or TREE_MATCH."""
         index = self.indexes.get(req)
         return index.matched if index is not None else 0
 
