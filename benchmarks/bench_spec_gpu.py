@@ -13,7 +13,9 @@ on the 8B shape in bf16.
     python benchmarks/bench_spec_gpu.py --device cpu                 # a dry run of every path, tiny models
 
 Step times are CUDA-event times of the model runner's forward alone (CUDA graphs where the runner
-replays them: decode up to cuda_graph_max_bs, extends up to cuda_graph_max_extend_tokens tokens), each
+replays them: decode up to cuda_graph_max_bs, extends up to cuda_graph_max_extend_tokens tokens, verify
+steps on the decode graphs with a row per token, captured here up to the largest verify step's rows; each
+verify step is also timed eagerly, as verify steps ran before, for comparison), each
 request with a context of --context tokens, median of --iters after a warm-up. The plain end-to-end
 figure is the default engine's (overlap scheduling on, as users get it; speculation turns it off).
 End-to-end tokens/s:
@@ -92,8 +94,17 @@ def verify_cost(runner: Any, batch_sizes: list[int], drafts: int, context: int, 
             return batch
 
         d, v = step_ms(runner, decode, iters), step_ms(runner, verify, iters)
-        out.append({"batch": b, "decode_ms": d, "verify_ms": v, "ratio": v / d})
-        print(f"batch {b:3d}: decode {d:7.3f} ms  verify of {drafts} drafts {v:7.3f} ms  x{v / d:.2f}", flush=True)
+        graphs = runner.graph_runner
+        replayed = graphs is not None and b * (drafts + 1) <= graphs.max_bs
+        runner.graph_runner = None  # the eager extend verify steps ran before they replayed the decode graphs
+        try:
+            eager = step_ms(runner, verify, iters)
+        finally:
+            runner.graph_runner = graphs
+        out.append({"batch": b, "decode_ms": d, "verify_ms": v, "ratio": v / d, "verify_on_graphs": replayed,
+                     "verify_eager_ms": eager, "eager_ratio": eager / d})
+        print(f"batch {b:3d}: decode {d:7.3f} ms  verify of {drafts} drafts {v:7.3f} ms  x{v / d:.2f} "
+              f"({'decode graphs' if replayed else 'eager'}); eager extend {eager:7.3f} ms  x{eager / d:.2f}", flush=True)
     return out
 
 
@@ -197,7 +208,9 @@ def speed(args: argparse.Namespace, target: str, draft: str, opts: dict[str, Any
     """The verify-step costs and the end-to-end batch-1 figures."""
     results: dict[str, Any] = {}
     prompts = random_prompts(args.prompts, args.prompt_len, 1000, seed=0)
-    with radixlm.Engine(target, **opts, max_total_tokens=args.pool_tokens) as e:
+    # Decode graphs up to the largest verify step's rows (a row per token), so that every batch replays them.
+    graph_rows = max(args.batch) * (args.drafts + 1) if args.device == "cuda" else None
+    with radixlm.Engine(target, **opts, max_total_tokens=args.pool_tokens, cuda_graph_max_bs=graph_rows) as e:
         results["verify_cost"] = verify_cost(e._runner, args.batch, args.drafts, args.context, args.iters)
         results["plain"] = end_to_end(e, "plain", prompts, args.new_tokens)
     small = {**opts, "max_total_tokens": 8 * (args.prompt_len + args.new_tokens + 16)}

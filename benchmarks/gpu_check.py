@@ -32,6 +32,8 @@ on a tiny model (fp32 and bf16), and decode and short extends with CUDA graphs a
 7. The fused decode GEMVs (decode_fused_gemv=8 vs 0), with CUDA graphs: fp32 greedy tokens equal at
    batch 1, 5 (fused) and 13 (not), first-token logprobs within 1e-3 (fp32) and 5e-2 (bf16).
 8. FP8 weights (quantization=fp8): benchmarks/gpu_check_quant.py.
+9. Speculative decoding's verify steps on the decode CUDA graphs, against eager extends: verify logits
+   and greedy tokens, the tiny Llama and the Llama-3-8B shape: benchmarks/gpu_check_spec.py.
 """
 
 from __future__ import annotations
@@ -60,6 +62,7 @@ def _load(name: str, path: Path):
 
 kernel_check = _load("gpu_check_kernels", _HERE / "gpu_check_kernels.py")
 quant_check = _load("gpu_check_quant", _HERE / "gpu_check_quant.py")
+spec_check = _load("gpu_check_spec", _HERE / "gpu_check_spec.py")
 
 import radixlm  # noqa: E402
 from radixlm.core.runtime.models.config import ModelConfig  # noqa: E402
@@ -456,7 +459,9 @@ ENGINE_CHECKS = {"hf": ("engine vs HF transformers (tiny Llama)", check_engine_v
                  "qwen2vl": ("Qwen2-VL (M-RoPE) vs HF transformers", check_qwen2vl),
                  "fp8_weights": ("fp8 weights (quantization=fp8; gpu_check_quant.py)", lambda ckpt, report:
                                  quant_check.check_fp8_weights(ckpt, report, DEVICE, prompts_for(
-                                     ModelConfig.from_dir(ckpt).vocab_size)))}
+                                     ModelConfig.from_dir(ckpt).vocab_size))),
+                 "spec_graphs": ("verify steps on the decode CUDA graphs (gpu_check_spec.py)", lambda ckpt, report:
+                                 spec_check.check_spec_graphs(ckpt, report, DEVICE))}
 
 
 def main(argv: list[str] | None = None) -> int:

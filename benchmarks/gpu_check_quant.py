@@ -23,6 +23,8 @@ from radixlm.kernels import quant_reference as qref
 from radixlm.kernels import reference as ref
 
 SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
+# SmolLM2-135M's projections (qkv, o, gate_up, down), which its GGUF stores in Q4_1.
+GGUF_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
 PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 GREEDY = {"max_new_tokens": 24, "temperature": 0.0, "ignore_eos": True}
 
@@ -56,6 +58,13 @@ def check_kernels() -> dict[str, Any]:
             x = torch.randn(m, k, device="cuda", generator=g).bfloat16()
             out[f"int4_{m}x{n}x{k}"] = _rel_err(tri.int4_linear(x, packed, scales, zeros),
                                                 qref.int4_linear(x.float(), packed, scales, zeros))
+    for n, k in GGUF_SHAPES:  # groups of 32: GGUF's Q4_0 / Q4_1 kept quantized on CUDA (gguf_kept.int4_layer)
+        w = torch.randn(n, k, device="cuda", generator=g) / k**0.5
+        packed, scales, zeros = qref.quantize_int4_rows(w, 32)
+        for m in (1, 6, 300):
+            x = torch.randn(m, k, device="cuda", generator=g).bfloat16()
+            out[f"int4_g32_{m}x{n}x{k}"] = _rel_err(tri.int4_linear(x, packed, scales, zeros),
+                                                    qref.int4_linear(x.float(), packed, scales, zeros))
     out["ok"] = out["quantize_rows_bit_equal"] and all(v < 1e-2 for key, v in out.items()
                                                        if key.startswith(("gemv", "gemm", "int4")))
     return out

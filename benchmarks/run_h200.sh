@@ -51,6 +51,10 @@
 #                                   # bf16 beside fp8 and AWQ 4-bit on the 8B shape (issue 35, ~8 minutes)
 #   RUN_GPU_CHECK=0 RUN_ENGINE_BENCH=0 RUN_CONSTRAINED=0 RUN_SPEC=1 bash benchmarks/run_h200.sh
 #                                   # speculative decoding's verify-step cost, batch-1 tokens/s with a draft model, greedy equality (issue 36)
+#   GPU_CHECK_S=200 GPU_CHECK_ARGS="--skip-kernels --checks spec_graphs" RUN_ENGINE_BENCH=0 RUN_CONSTRAINED=0 \
+#     RUN_SPEC=1 SPEC_S=380 bash benchmarks/run_h200.sh   # within one 600 s device call
+#                                   # verify steps on the decode CUDA graphs: logits and greedy tokens against eager
+#                                   # (tiny fp32/bf16, 8B bf16), then the verify cost with graphs and eager (issue 36)
 #
 # Each step has its own time limit (seconds, overridable) so that one hang cannot eat the others.
 set -u -o pipefail

@@ -303,3 +303,26 @@ def test_a_conversion_leaves_no_cyclic_garbage(schema, vocab):
     finally:
         if was:
             gc.enable()
+
+
+_STOPPED_PREPARATION = """
+import threading
+from radixlm.core.runtime.constrained.grammar_index_cache import prepare_in_background
+from radixlm.testing.constrained import qwen2_tokenizer
+called = []
+stop = prepare_in_background(qwen2_tokenizer(), None, then=lambda: called.append(1))
+stop.set()
+worker, = [t for t in threading.enumerate() if t.name == "radixlm-prepare-vocab"]
+worker.join(60)
+print(worker.daemon, worker.is_alive(), called)
+"""
+
+
+def test_a_stopped_background_preparation_ends_without_its_callback_and_is_waited_for_at_exit():
+    """An engine's close stops the preparation it started (in a fresh process, where Qwen2's takes
+    seconds): the thread ends after the part in hand without calling `then`. It is no daemon: a daemon
+    thread inside numpy's C++ code when the interpreter finalized aborted short scripts at exit."""
+    done = subprocess.run([sys.executable, "-c", _STOPPED_PREPARATION], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["False", "False", "[]"]

@@ -10,8 +10,9 @@ import pytest
 import torch
 
 import radixlm
-from radixlm.core.runtime.execution.cuda_graph_runner import (DecodeGraphRunner, ExtendGraphRunner, batch_size_ladder,
-                                                   extend_buckets)
+from radixlm.core.runtime.execution.cuda_graph_runner import (DECODE_ROWS_MAX_EXTEND, DecodeGraphRunner,
+                                                              ExtendGraphRunner, as_decode_rows, batch_size_ladder,
+                                                              extend_buckets)
 from radixlm.core.runtime.tokenizer.detokenizer import IncrementalDetokenizer
 from radixlm.core.runtime.memory.memory_pool import ReqToTokenPool
 from radixlm.core.runtime.execution.batch_input import BatchInput
@@ -163,6 +164,92 @@ def test_extend_graphs_take_only_what_they_can_replay(runner):
     middle = _extend_batch(runner, gen, [3], [0], [10], slot_iter, logits_at_last=False)
     key = graphs.bucket_for(middle)
     assert key is not None and graphs.run(middle, key).shape[0] == 0
+
+
+def _verify_batch(runner, gen, rows, prefix_lens, new_lens, slot_iter):
+    """A verify step's shape: each request's new tokens after its cached prefix, logits at every token."""
+    batch = _extend_batch(runner, gen, rows, prefix_lens, new_lens, slot_iter, logits_at_last=False)
+    batch.logit_rows = list(range(len(batch.input_ids)))
+    return batch
+
+
+@pytest.mark.parametrize("case", [
+    ([12], [9]),  # batch 1, 8 drafts
+    ([5, 20, 3], [9, 1, 4]),  # drafts of 8, none (a ride-along) and 3
+    ([0, 7], [3, 2]),  # a request with no cached prefix
+])
+def test_verify_steps_replay_the_decode_path_as_one_row_per_token(runner, case):
+    """A verify step run as decode rows on the padded static buffers of the decode graphs gives the eager
+    extend's logits at every token and writes the same KV, touching nothing else but KV slot 0 and the
+    table's padding row."""
+    prefix_lens, new_lens = case
+    gen = torch.Generator().manual_seed(7 + sum(new_lens))
+    rows = [3, 6, 0][: len(new_lens)]
+    slot_iter = iter(torch.randperm(400, generator=gen)[:150].add(1).tolist())
+    batch = _verify_batch(runner, gen, rows, prefix_lens, new_lens, slot_iter)
+    k_before = [k.clone() for k in runner.kv_pool.k_buffers]
+    runner.req_to_token.flush()
+    table_before = runner.req_to_token.table.clone()
+    eager = runner.forward(batch).clone()
+    k_eager = [k.clone() for k in runner.kv_pool.k_buffers]
+    for k, before in zip(runner.kv_pool.k_buffers, k_before):
+        k.copy_(before)
+    graphs = DecodeGraphRunner(runner, max_bs=16, capture=False)
+    decode_rows = as_decode_rows(batch)
+    assert decode_rows is not None and decode_rows.is_decode
+    padded = graphs.run(decode_rows)
+    assert padded.shape == eager.shape == (sum(new_lens), runner.cfg.vocab_size)
+    torch.testing.assert_close(padded, eager, rtol=1e-5, atol=1e-5)
+    for after, want in zip(runner.kv_pool.k_buffers, k_eager):
+        torch.testing.assert_close(after[1:], want[1:])  # only the reserved slot 0 may differ
+    changed = (runner.req_to_token.table != table_before).nonzero().tolist()
+    assert all(r == runner.req_to_token.padding_row for r, _ in changed)
+
+
+def test_as_decode_rows_takes_only_what_the_decode_path_computes(runner):
+    gen = torch.Generator().manual_seed(11)
+    slot_iter = iter(torch.randperm(400, generator=gen)[:200].add(1).tolist())
+    batch = _verify_batch(runner, gen, [2, 5], [4, 6], [3, 1], slot_iter)
+    rows = as_decode_rows(batch)
+    assert rows.rows == [2, 2, 2, 5] and rows.seq_lens == [5, 6, 7, 7] and rows.positions == [4, 5, 6, 6]
+    assert rows.out_cache_loc == batch.out_cache_loc and rows.input_ids == batch.input_ids
+    assert rows.logit_rows == [0, 1, 2, 3] and rows.extend_lens == [1] * 4
+    last_only = _extend_batch(runner, gen, [1], [2], [3], slot_iter)  # logits at the last token only
+    assert as_decode_rows(last_only) is None
+    reordered = _verify_batch(runner, gen, [1], [2], [3], slot_iter)
+    reordered.logit_rows = [2, 1, 0]
+    assert as_decode_rows(reordered) is None
+    too_long = _verify_batch(runner, gen, [4], [0], [DECODE_ROWS_MAX_EXTEND + 1], slot_iter)
+    assert as_decode_rows(too_long) is None
+    at_most = _verify_batch(runner, gen, [4], [0], [DECODE_ROWS_MAX_EXTEND], slot_iter)
+    assert as_decode_rows(at_most) is not None
+    rope = _verify_batch(runner, gen, [1], [2], [2], slot_iter)
+    rope.rope_positions = [[p + 5 for p in rope.positions]] * 3  # shifted M-RoPE positions, t = h = w: a decode's
+    assert as_decode_rows(rope).rope_positions == rope.rope_positions
+    rope.rope_positions = [rope.rope_positions[0], rope.positions, rope.positions]  # t != h: an image's
+    assert as_decode_rows(rope) is None
+    shifted = _verify_batch(runner, gen, [1], [2], [2], slot_iter)
+    shifted.positions = [p + 1 for p in shifted.positions]  # positions not the table's
+    assert as_decode_rows(shifted) is None
+
+
+def test_the_runner_replays_verify_steps_on_the_decode_graphs(runner, monkeypatch):
+    """ModelRunner.forward sends an extend with logits at every token to the decode graphs (here their
+    eager twin) when it has at most their largest batch of tokens, and runs the others eagerly."""
+    gen = torch.Generator().manual_seed(12)
+    slot_iter = iter(torch.randperm(400, generator=gen)[:200].add(1).tolist())
+    graphs = DecodeGraphRunner(runner, max_bs=8, capture=False)
+    seen: list[int] = []
+    real_run = graphs.run
+    monkeypatch.setattr(graphs, "run", lambda batch: seen.append(len(batch.rows)) or real_run(batch))
+    monkeypatch.setattr(runner, "graph_runner", graphs)
+    runner.forward(_verify_batch(runner, gen, [1, 4], [3, 5], [5, 3], slot_iter))
+    assert seen == [8]
+    runner.forward(_verify_batch(runner, gen, [1, 4], [9, 9], [5, 4], slot_iter))  # 9 tokens: eager
+    runner.forward(_extend_batch(runner, gen, [2], [0], [4], slot_iter))  # last-token logits: eager
+    monkeypatch.setattr(runner, "hidden_sink", lambda batch, hidden: None)  # EAGLE reads every step's states
+    runner.forward(_verify_batch(runner, gen, [1, 4], [3, 5], [5, 3], slot_iter))
+    assert seen == [8]
 
 
 def test_extend_buckets_bound_the_longest_extend():

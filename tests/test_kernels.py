@@ -163,6 +163,23 @@ def test_decode_attention_split_kv_fp32(heads, splits):
     assert_close(tri.decode_attention(q, *batch.tables(), head_dim**-0.5, num_kv_splits=splits), expected)
 
 
+@pytest.mark.parametrize("splits", [3, 1, None], ids=["3-splits", "direct", "default"])
+@pytest.mark.parametrize("heads", GQA_SHAPES, ids=lambda s: f"H{s[0]}-KH{s[1]}-D{s[2]}")
+def test_decode_rows_of_an_extend_are_its_causal_attention(heads, splits):
+    """Verify steps replay the decode graphs with one decode row per new token (cuda_graph_runner.
+    as_decode_rows): rows sharing their request's table row, row j's length its prefix + j + 1. The
+    decode kernel over them must equal the extend's causal attention: 8 drafts after a prefix spanning
+    key blocks, a ride-along decode, a draft of 2 with no prefix."""
+    prefix_lens, extend_lens = [37, 5, 0], [9, 1, 3]
+    batch, q, ext, scale, expected = extend_case(heads, prefix_lens, extend_lens)
+    k_buf, v_buf, req_to_token, rows, _ = batch.tables()
+    row_of = rows.repeat_interleave(ext.to(rows.device).long())
+    lens = torch.tensor([p + j + 1 for p, e in zip(prefix_lens, extend_lens) for j in range(e)], device=DEVICE,
+                        dtype=rows.dtype)
+    out = tri.decode_attention(q, k_buf, v_buf, req_to_token, row_of, lens, scale, num_kv_splits=splits)
+    assert_close(out, expected)
+
+
 def test_decode_attention_fp16_int64_default_splits():
     num_heads, num_kv_heads, head_dim = 8, 2, 64
     seq_lens = [33, 7]

@@ -1,4 +1,4 @@
-"""GGUF weights kept quantized on the CPU (quantization="gguf", core.runtime.quantization.gguf_cpu):
+"""GGUF weights kept quantized on the CPU (quantization="gguf", core.runtime.quantization.gguf_kept):
 each quantized layer against the dequantized weight (gguf's own numpy dequantizer), and the engine on
 files written with gguf's writer (Q4_0, Q4_1 and Q8_0 projections, a tied Q8_0 LM head, a fused layer
 of mixed types that stays dequantized) against transformers' loading of the same file (fp32)."""
@@ -18,7 +18,8 @@ from transformers import AutoModelForCausalLM
 import radixlm
 from radixlm.core.errors import UnsupportedModelError
 from radixlm.core.runtime.models import gguf_dequant
-from radixlm.core.runtime.quantization.gguf_cpu import Int4GroupLinear, Int8GroupLinear
+from radixlm.core.runtime.quantization.gguf_kept import Int4GroupLinear, Int8GroupLinear, int4_layer
+from radixlm.kernels import quant_reference
 
 LAYER_TYPES = [
     {"attn_q": Q.Q4_1, "attn_k": Q.Q4_1, "attn_v": Q.Q4_1, "attn_output": Q.Q4_0,
@@ -47,6 +48,25 @@ def test_quantized_layer_against_dequantized_weight(qtype):
     bound = 2 ** -7 * (x.abs() @ w.abs().t()) + 2 ** -8 * want.abs()
     assert bool(((layer(x) - want).abs() <= bound).all())
     assert layer(x).dtype == torch.float32
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1], ids=lambda q: q.name)
+def test_cuda_layer_form_equals_the_dequantized_weight(qtype):
+    """On CUDA a Q4_0 / Q4_1 weight runs as the AWQ/GPTQ layer ((q - zero) * scale, groups of 32): its
+    product (the kernels' fp32 twin) equals x @ W.T with W from gguf's dequantizer to fp32 rounding,
+    a Q4_1 block of d = 0 (m alone) included."""
+    rng = np.random.default_rng(1)
+    rows, cols = 24, 128
+    w = rng.normal(0, 0.2, (rows, cols)).astype(np.float32)
+    w[3, 32:64] = 0.125  # one constant block: Q4_1 stores d = 0, m = 0.125
+    raw = gguf.quants.quantize(w, qtype)
+    want_w = torch.from_numpy(gguf.quants.dequantize(raw, qtype)).reshape(rows, cols)
+    q, d, m = gguf_dequant.integer_blocks(torch.from_numpy(raw.reshape(-1)), qtype, (rows, cols))
+    if qtype == Q.Q4_1:
+        assert float(d[3, 1]) == 0 and float(m[3, 1]) != 0
+    layer = int4_layer(q, d, m, None, quant_reference)
+    x = torch.randn(5, cols)
+    torch.testing.assert_close(layer(x), x @ want_w.t(), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
@@ -88,6 +108,6 @@ def test_engine_keeps_gguf_quantized(arch, tmp_path):
                 break  # a near tie: the rest of the continuation may differ
 
 
-def test_gguf_quantization_needs_a_gguf_file_on_the_cpu(llama_ckpt):
+def test_gguf_quantization_needs_a_gguf_file(llama_ckpt):
     with pytest.raises(UnsupportedModelError, match="not a GGUF file"):
         radixlm.Engine(llama_ckpt, quantization="gguf", log_level="warning")

@@ -124,14 +124,16 @@ def test_int4_checkpoint_matches_dequantized_model(method, wide_ckpt, tmp_path):
         assert out["output_ids"] == want[n:]
 
 
-@pytest.mark.parametrize("rows,group", [(1, 128), (3, 32), (4, 64), (5, 128), (40, 128), (2, 96)])
-def test_triton_int4_gemm_against_reference(rows, group):
+@pytest.mark.parametrize("rows,group,groups", [(1, 128, 4), (3, 32, 4), (4, 64, 4), (5, 128, 4), (40, 128, 4),
+                                               (2, 96, 4), (1, 32, 65), (4, 32, 33)])
+def test_triton_int4_gemm_against_reference(rows, group, groups):
     """fp32 under Triton's interpreter (whose bf16 tl.dot is broken; benchmarks/gpu_check_quant.py checks
-    bf16 on the GPU): a tail in N, several K steps and groups; up to 4 rows the GEMV (a group a step),
-    more rows or a group that is no power of two the GEMM."""
+    bf16 on the GPU): a tail in N, several K steps and groups; up to 4 rows the GEMV (1,024 / rows
+    columns a step: the last two cases take several steps and a tail), more rows or a group that is no
+    power of two the GEMM."""
     from radixlm.kernels.triton import int4_gemm
 
-    n, k = 40, 4 * group
+    n, k = 40, groups * group
     packed = qref.pack_int4(torch.randint(0, 16, (n, k)))
     scales, zeros = torch.rand(n, k // group) / 50, torch.randint(0, 16, (n, k // group)).float()
     x, bias = torch.randn(rows, k), torch.randn(n)

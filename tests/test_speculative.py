@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import radixlm
+from radixlm.core.runtime.execution.cuda_graph_runner import DecodeGraphRunner
 from radixlm.core.runtime.options import EngineOptions
 from radixlm.core.errors import InvalidRequestError
 from radixlm.core.runtime.speculative.ngram import NgramIndex
@@ -67,6 +68,52 @@ def test_greedy_outputs_equal_with_every_accepted_length(llama_ckpt):
         assert meta["spec_verify_ct"] > 0 and meta["spec_accept_length"] > 1.0
         # fewer forward steps than tokens: each verify step gave accept_length tokens on average
         assert meta["spec_verify_ct"] < meta["completion_tokens"]
+
+
+def decode_graph_twin(runner, max_bs: int = 32) -> list[tuple[bool, int]]:
+    """Gives a CPU runner the eager twin of CUDA decode graphs (the same padded static buffers, run
+    without capture), so that its steps take the paths they take on a GPU; returns the list each replay's
+    (rows all of one request's tokens?, row count) is appended to."""
+    graphs = DecodeGraphRunner(runner, max_bs, capture=False)
+    replays: list[tuple[bool, int]] = []
+    real_run = graphs.run
+
+    def run(batch):
+        replays.append((len(set(batch.rows)) < len(batch.rows), len(batch.rows)))
+        return real_run(batch)
+
+    graphs.run = run
+    runner.graph_runner = graphs
+    return replays
+
+
+@pytest.mark.parametrize("algorithm", ["oracle", "draft"])
+def test_verify_steps_on_the_decode_graphs_keep_outputs(llama_ckpt, algorithm):
+    """With decode graphs (their eager twin on the CPU) verify steps replay them, one row per token, and
+    outputs stay those without speculation at every accepted length; the `draft` proposer's model
+    decodes on its own runner's graphs too."""
+    params = [{"max_new_tokens": 20 + 9 * i, "temperature": 0, "ignore_eos": True} for i in range(len(PROMPTS))]
+    with engine(llama_ckpt) as e:
+        base = e.generate(input_ids=PROMPTS, sampling_params=params)
+    expected = {tuple(p): o["output_ids"] for p, o in zip(PROMPTS, base)}
+    kw = {"speculative_draft_model_path": llama_ckpt} if algorithm == "draft" else {}
+    with engine(llama_ckpt, speculative_algorithm="draft" if kw else "ngram", speculative_adaptive=False,
+                speculative_num_draft_tokens=5, **kw) as e:
+        replays = decode_graph_twin(e._runner)
+        speculator = e.frontend.scheduler.scheduler.speculator
+        if kw:
+            draft_replays = decode_graph_twin(speculator.proposer.runner)
+        else:
+            with_oracle(e, expected)
+        spec = e.generate(input_ids=PROMPTS, sampling_params=params)
+        stats = e.get_stats()
+        assert_kv_whole(e)
+    assert [o["output_ids"] for o in spec] == [o["output_ids"] for o in base]
+    assert stats["spec_verify_steps_total"] > 0 and stats["spec_accepted_tokens_total"] > 0
+    verify_replays = [n for shared, n in replays if shared]  # rows of one request: a verify step's
+    assert len(verify_replays) == stats["spec_verify_steps_total"]
+    if kw:
+        assert draft_replays and not any(shared for shared, _ in draft_replays)
 
 
 def test_stop_strings_stop_tokens_and_logprobs_equal(llama_ckpt):
@@ -464,3 +511,48 @@ def test_a_draft_model_with_a_shorter_context_is_refused(llama_ckpt, tmp_path):
     with radixlm.Engine(llama_ckpt, context_length=256, speculative_algorithm="draft",
                         speculative_draft_model_path=short) as e:
         assert e.generate(input_ids=[1, 2, 3], sampling_params={"max_new_tokens": 4})["meta_info"]["completion_tokens"] == 4
+
+
+@pytest.mark.parametrize("ckpt", ["llama_ckpt", "llama_tied_ckpt", "qwen2_ckpt"])
+def test_parameter_count_is_the_checkpoints(ckpt, request):
+    """ModelConfig.parameter_count (what a draft model's weights take, sized before it loads) against
+    transformers' model of the checkpoint: untied and tied embeddings, qkv biases."""
+    from transformers import AutoModelForCausalLM
+
+    from radixlm.core.runtime.models.config import ModelConfig
+
+    path = request.getfixturevalue(ckpt)
+    hf = AutoModelForCausalLM.from_pretrained(path)
+    assert ModelConfig.from_dir(path).parameter_count() == sum(p.numel() for p in hf.parameters())
+
+
+def test_the_target_pool_leaves_room_for_the_draft_model(llama_ckpt, llama_tied_ckpt, monkeypatch):
+    """On CUDA the target's KV pool is sized from the memory free after its weights; the `draft`
+    proposer's runner then takes its weights, graphs and a pool of as many tokens. The target's pool must
+    leave that room: its pool and the draft's together, with the draft's weights and buffers, within the
+    bytes the target's pool alone would take. (The device's memory is mocked: sizing is arithmetic.)"""
+    from radixlm.core.runtime.execution.model_runner import ModelRunner
+    from radixlm.core.runtime.memory.memory_pool import KVPool
+    from radixlm.core.runtime.models.config import ModelConfig
+
+    gib = 1 << 30
+    sizing = {"device": "cpu", "max_running_requests": 4096}
+    runner = ModelRunner(llama_ckpt, ModelConfig.from_dir(llama_ckpt),
+                         EngineOptions.from_kwargs({**sizing, "max_total_tokens": 512}))
+    plain_opts = EngineOptions.from_kwargs(sizing)
+    total, budget = 16 * gib, 2 * gib  # memory left for the target's pool: 2 GiB
+    in_use = total * plain_opts.mem_fraction_static - runner._activation_reserve(plain_opts) - budget
+    monkeypatch.setattr(runner, "device", torch.device("cuda"))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (total - int(in_use), total))
+    plain = runner._kv_pool_size(plain_opts)
+    draft_opts = EngineOptions.from_kwargs({**sizing, "speculative_algorithm": "draft",
+                                            "speculative_draft_model_path": llama_tied_ckpt})
+    shared = runner._kv_pool_size(draft_opts)
+    target_bytes = runner._kv_bytes_per_token()
+    draft = ModelConfig.from_dir(llama_tied_ckpt)
+    draft_bytes = KVPool.bytes_per_token(draft.num_layers, draft.num_kv_heads, draft.head_dim, runner.kv_dtype)
+    draft_weights = draft.parameter_count() * 4  # float32
+    assert plain * target_bytes == pytest.approx(budget, rel=1e-3)
+    assert shared * (target_bytes + draft_bytes) + draft_weights <= plain * target_bytes
+    assert shared > plain / 5  # room left, not the floor: the draft's buffers take ~1 GiB of the 2
+    assert runner._kv_pool_size(EngineOptions.from_kwargs({**sizing, "speculative_algorithm": "ngram"})) == plain

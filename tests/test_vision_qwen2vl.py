@@ -255,3 +255,42 @@ def test_scheduler_process_runs_qwen2vl(qwen2vl):
         expected = [o["output_ids"] for o in engine.generate(prompts, params, image_data=images)]
     with radixlm.Engine(qwen2vl, max_total_tokens=2048, scheduler_process=True) as engine:
         assert [o["output_ids"] for o in engine.generate(prompts, params, image_data=images)] == expected
+
+
+class _ByPromptLength(dict):
+    """Expected outputs keyed by prompt length (an image prompt's ids are derived from its image's hash)."""
+
+    def get(self, key, default=None):
+        return super().get(len(key), default)
+
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "decode-graph-twin"])
+def test_speculation_after_images_keeps_outputs(qwen2vl, graphs):
+    """Verify steps of requests after images rotate their tokens at the shifted M-RoPE positions their
+    decode steps use: greedy outputs with drafts at every accepted length (tests/spec_oracle.py) equal
+    those without, as an eager extend and on the decode graphs' path (its eager twin here)."""
+    from spec_oracle import OracleProposer
+
+    from radixlm.core.runtime.execution.cuda_graph_runner import DecodeGraphRunner
+
+    params = {"max_new_tokens": 16, "temperature": 0, "ignore_eos": True}
+    prompts, images = [QUESTION, TWO], [IMAGES[1], [IMAGES[2], IMAGES[0]]]
+    with radixlm.Engine(qwen2vl, max_total_tokens=2048) as engine:
+        base = engine.generate(prompts, params, image_data=images)
+    expected = _ByPromptLength({o["meta_info"]["prompt_tokens"]: o["output_ids"] for o in base})
+    assert len(expected) == 2
+    with radixlm.Engine(qwen2vl, max_total_tokens=2048, speculative_algorithm="ngram",
+                        speculative_adaptive=False) as engine:
+        runs: list[int] = []
+        if graphs:
+            twin = DecodeGraphRunner(engine._runner, max_bs=16, capture=False)
+            real_run = twin.run
+            twin.run = lambda batch: (len(set(batch.rows)) < len(batch.rows) and runs.append(1)) or real_run(batch)
+            engine._runner.graph_runner = twin
+        speculator = engine.frontend.scheduler.scheduler.speculator
+        speculator.proposer = OracleProposer(expected, engine.vocab_size)
+        spec = engine.generate(prompts, params, image_data=images)
+        stats = engine.get_stats()
+    assert [o["output_ids"] for o in spec] == [o["output_ids"] for o in base]
+    assert 0 < stats["spec_accepted_tokens_total"] < stats["spec_draft_tokens_total"]
+    assert len(runs) == (stats["spec_verify_steps_total"] if graphs else 0)

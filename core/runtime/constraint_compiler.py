@@ -9,6 +9,7 @@ hit); a scheduler in its own process makes its own, since caches do not cross pr
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -27,6 +28,7 @@ class ConstraintCompiler:
         self.budget = GrammarBudget(max_compile_seconds=opts.grammar_max_compile_seconds,
                                     max_configs=opts.grammar_max_configs, warm_seconds=opts.grammar_warm_seconds)
         self._prepare_pending = opts.grammar_backend == "radixlm" and opts.grammar_prepare_at_start
+        self._prepare_stop: threading.Event | None = None
         if opts.json_schema_documents:  # refs request schemas may name (a bad directory fails the start)
             from radixlm.core.runtime.constrained.schema.schema_refs import register_documents  # imports `referencing`
 
@@ -40,7 +42,12 @@ class ConstraintCompiler:
         self._prepare_pending = False
         from radixlm.core.runtime.constrained.grammar_index_cache import prepare_in_background
 
-        prepare_in_background(self.tokenizer, self.eos_token_ids, then)
+        self._prepare_stop = prepare_in_background(self.tokenizer, self.eos_token_ids, then)
+
+    def close(self) -> None:
+        """Stops the background preparation, if it is still running (an engine's shutdown)."""
+        if self._prepare_stop is not None:
+            self._prepare_stop.set()
 
     def build(self, spec: ConstraintSpec) -> TokenConstraint:
         """A fresh live constraint for one request. ValueError naming the problem for an invalid spec,

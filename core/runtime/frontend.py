@@ -52,6 +52,7 @@ class FrontEnd:
         return self.delivery.in_flight
 
     def close(self) -> None:
+        self.constraints.close()
         self.workers.close()
         self.delivery.close()
 

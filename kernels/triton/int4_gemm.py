@@ -47,35 +47,43 @@ GEMV_MAX_ROWS = 4
 
 @triton.jit
 def _int4_gemv_kernel(X, W, Scale, Zero, Bias, Out, m, n, k, num_groups, stride_xm, stride_wn, stride_om,
-                      HAS_BIAS: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Each program owns BLOCK_N output features and walks K one group (BLOCK_K columns) a step. With one
-    scale s and zero z per row and group, sum_k (q - z) s x = s (sum_k q x - z sum_k x): the nibbles
-    multiply x as they are and the group's scale and zero apply once per row."""
+                      HAS_BIAS: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      GROUP: tl.constexpr):
+    """Each program owns BLOCK_N output features and walks K BLOCK_K columns (BLOCK_K / GROUP groups) a
+    step: the nibbles of a [BLOCK_N, BLOCK_K] tile are dequantized in registers ((q - zero) * scale, one
+    scale and zero per row and group) and multiplied by the x rows in fp32; partial products accumulate
+    per lane and are reduced once at the end (decode_gemv's layout), so that each step streams
+    BLOCK_N * BLOCK_K / 2 bytes of the weight."""
+    G: tl.constexpr = BLOCK_K // GROUP
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_r = tl.arange(0, ROWS)
     offs_b = tl.arange(0, BLOCK_K // 2)
+    offs_g = tl.arange(0, G)
     n_mask, r_mask = offs_n < n, offs_r < m
-    acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
-    for g in range(0, num_groups):
-        packed = tl.load(W + offs_n[:, None] * stride_wn + g * (BLOCK_K // 2) + offs_b[None, :],
-                         mask=n_mask[:, None], other=0)
-        q = tl.reshape(tl.join(packed & 0x0F, packed >> 4), (BLOCK_N, BLOCK_K)).to(tl.float32)
-        offs_k = g * BLOCK_K + tl.arange(0, BLOCK_K)
-        x = tl.load(X + offs_r[:, None] * stride_xm + offs_k[None, :], mask=r_mask[:, None], other=0.0).to(tl.float32)
-        qx = tl.sum(q[None, :, :] * x[:, None, :], axis=2)  # [ROWS, BLOCK_N]
-        xs = tl.sum(x, axis=1)  # [ROWS]
-        scale = tl.load(Scale + offs_n * num_groups + g, mask=n_mask, other=0.0)
-        zero = tl.load(Zero + offs_n * num_groups + g, mask=n_mask, other=0.0)
-        acc += scale[None, :] * (qx - zero[None, :] * xs[:, None])
+    acc = tl.zeros((ROWS, BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in tl.range(0, k, BLOCK_K):
+        packed = tl.load(W + offs_n[:, None] * stride_wn + k0 // 2 + offs_b[None, :],
+                         mask=n_mask[:, None] & (k0 // 2 + offs_b < k // 2)[None, :], other=0)
+        q = tl.reshape(tl.join(packed & 0x0F, packed >> 4), (BLOCK_N, G, GROUP)).to(tl.float32)
+        groups = k0 // GROUP + offs_g
+        sz_mask = n_mask[:, None] & (groups < num_groups)[None, :]
+        scale = tl.load(Scale + offs_n[:, None] * num_groups + groups[None, :], mask=sz_mask, other=0.0)
+        zero = tl.load(Zero + offs_n[:, None] * num_groups + groups[None, :], mask=sz_mask, other=0.0)
+        w = tl.reshape((q - zero[:, :, None]) * scale[:, :, None], (BLOCK_N, BLOCK_K))
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(X + offs_r[:, None] * stride_xm + offs_k[None, :], mask=r_mask[:, None] & (offs_k < k)[None, :],
+                    other=0.0).to(tl.float32)
+        acc += x[:, None, :] * w[None, :, :]
+    out = tl.sum(acc, axis=2)
     if HAS_BIAS:
-        acc += tl.load(Bias + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    tl.store(Out + offs_r[:, None] * stride_om + offs_n[None, :], acc.to(Out.dtype.element_ty),
+        out += tl.load(Bias + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    tl.store(Out + offs_r[:, None] * stride_om + offs_n[None, :], out.to(Out.dtype.element_ty),
              mask=r_mask[:, None] & n_mask[None, :])
 
 
 def _gemv_fits(m: int, group: int) -> bool:
-    """The GEMV walks one group a step: a power-of-two group of 16 to 512 columns (AWQ's and GPTQ's 32 to
-    128 are)."""
+    """The GEMV walks whole groups a step: a power-of-two group of 16 to 512 columns (GGUF's 32, AWQ's and
+    GPTQ's 32 to 128 are)."""
     return m <= GEMV_MAX_ROWS and 16 <= group <= 512 and group & (group - 1) == 0
 
 
@@ -90,12 +98,14 @@ def int4_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zer
         return out
     group = k // num_groups
     if _gemv_fits(m, group):
-        # 8 features a program: 512 programs for a 4096-feature projection, several per SM.
-        block_n = 8
+        # 8 features a program (512 programs for a 4096-feature projection, several per SM) and 64 fp32
+        # accumulators a thread: 1,024 columns a step at one row (4 KB of nibbles), fewer at more rows.
+        rows, block_n = triton.next_power_of_2(m), 8
+        block_k = max(group, 1024 // rows)
         _int4_gemv_kernel[(triton.cdiv(n, block_n),)](
             x, packed, scales, zeros, bias if bias is not None else scales, out, m, n, k, num_groups, x.stride(0),
-            packed.stride(0), out.stride(0), HAS_BIAS=bias is not None, ROWS=triton.next_power_of_2(m),
-            BLOCK_N=block_n, BLOCK_K=group, num_warps=4, num_stages=3)
+            packed.stride(0), out.stride(0), HAS_BIAS=bias is not None, ROWS=rows,
+            BLOCK_N=block_n, BLOCK_K=block_k, GROUP=group, num_warps=4, num_stages=3)
         return out
     block_m = max(16, min(64, triton.next_power_of_2(m)))
     block_n, block_k = (32, 128) if m <= 16 else (64, 64)

@@ -59,26 +59,30 @@ def gc_paused() -> Iterator[None]:
                 gc.enable()
 
 
-def prepare_vocab(tokenizer: Any, eos_token_ids: list[int] | None = None) -> TokenVocab:
+def prepare_vocab(tokenizer: Any, eos_token_ids: list[int] | None = None,
+                  stop: threading.Event | None = None) -> TokenVocab:
     """What every constraint of this tokenizer needs and no schema changes, built once per process: its
-    TokenVocab, byte trie, the vocabulary read as string content (~1.7 s of CPU for Qwen2's 152k tokens:
-    vocab_of ~0.8 s, the trie ~0.6 s and its subtrees ~0.1 s, the string read ~0.3 s, the tokens by byte ~0.03 s) and the token
-    classes of the terminals most schemas use (prepare_common_terminals). Engines call it on a thread when
+    TokenVocab, byte trie, the vocabulary read as string content (~1.8 s of CPU for Qwen2's 152k tokens:
+    vocab_of ~0.8 s, the trie ~0.6 s and its subtrees ~0.1 s, the string read ~0.3 s, the tokens by byte
+    ~0.03 s) and the token classes of the terminals most schemas use (prepare_common_terminals). Engines call it on a thread when
     they start, so that the first constrained request does not pay it; anything built later finds it
     cached. A front end and its scheduler in one process both call it: the second finds the vocabulary
-    prepared."""
+    prepared. `stop`, once set, ends the work between two of its parts (the vocabulary is then left
+    unprepared: its parts are built when first needed)."""
     with _prepare_lock:
         vocab = vocab_of(tokenizer, eos_token_ids)
         if vocab not in _prepared:
-            vocab.trie.subtrees  # the trie, and its subtrees' byte sets and ranges (trie_walk.py)
-            first_node(vocab)
-            vocab.sorted_tokens
-            vocab.tokens_by_byte
-            spellable_bytes(vocab)
-            string_tokens(vocab)
-            string_tokens(vocab, opening=True)
-            prepare_common_terminals(vocab)  # compiles COMMON_SCHEMA: not a second time
-            _prepared.add(vocab)
+            # the trie with its subtrees' byte sets and ranges (trie_walk.py), each token's first trie node
+            parts = (lambda: vocab.trie.subtrees, lambda: first_node(vocab), lambda: vocab.sorted_tokens,
+                     lambda: vocab.tokens_by_byte, lambda: spellable_bytes(vocab), lambda: string_tokens(vocab),
+                     lambda: string_tokens(vocab, opening=True),
+                     lambda: prepare_common_terminals(vocab, stop))  # compiles COMMON_SCHEMA: not a second time
+            for part in parts:
+                if stop is not None and stop.is_set():
+                    return vocab
+                part()
+            if stop is None or not stop.is_set():
+                _prepared.add(vocab)
     return vocab
 
 
@@ -93,31 +97,43 @@ COMMON_SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}, "b":
 MAX_PREPARED_STATES = 128  # states classified per terminal at most
 
 
-def prepare_common_terminals(vocab: TokenVocab) -> None:
+def prepare_common_terminals(vocab: TokenVocab, stop: threading.Event | None = None) -> None:
     """The token classes (and their exit tries) of every state of COMMON_SCHEMA's terminals, so that a
-    first schema's masks do not pay 2-100 ms per state met for the first time (~0.4 s of CPU for Qwen2)."""
+    first schema's masks do not pay 2-100 ms per state met for the first time (~0.4 s of CPU for Qwen2);
+    `stop`, once set, ends it after the state in hand."""
     grammar = compile_grammar(grammar_of("json_schema", COMMON_SCHEMA), DEFAULT_BUDGET)
     for name, dfa in zip(grammar.terminal_names, grammar.terminals):
         for state in range(min(len(dfa.transitions), MAX_PREPARED_STATES)):
+            if stop is not None and stop.is_set():
+                return
             exits = state_tokens(name, dfa, state, vocab).exits
             if exits is not None:
                 exits.tree.root  # walked by pda.py's _exits_taken
 
 
 def prepare_in_background(tokenizer: Any, eos_token_ids: list[int] | None,
-                          then: Callable[[], None] | None = None) -> None:
-    """prepare_vocab on a daemon thread (an engine's start), then `then()` if it succeeded. A tokenizer it
-    cannot read is only logged here: the first constraint raises the same error to its request."""
+                          then: Callable[[], None] | None = None) -> threading.Event:
+    """prepare_vocab on a thread (an engine's start), then `then()` if it succeeded and was not stopped.
+    Returns the event that stops it (an engine's close sets it). A tokenizer it cannot read is only logged
+    here: the first constraint raises the same error to its request.
+
+    Not a daemon thread: the interpreter's exit waits for it (a part at most, once stopped). A daemon
+    thread still inside numpy's C++ code when the interpreter finalizes is ended by pthread_exit as it
+    takes the GIL back, and unwinding through those frames aborts the process ("terminate called without
+    an active exception")."""
+    stop = threading.Event()
+
     def work() -> None:
         try:
-            prepare_vocab(tokenizer, eos_token_ids)
+            prepare_vocab(tokenizer, eos_token_ids, stop)
         except Exception as e:  # noqa: BLE001 - reported again, to a request, by build_constraint
             logging.getLogger("radixlm").debug("constrained decoding's tokenizer setup failed: %s", e)
             return
-        if then is not None:
+        if then is not None and not stop.is_set():
             then()
 
-    threading.Thread(target=work, name="radixlm-prepare-vocab", daemon=True).start()
+    threading.Thread(target=work, name="radixlm-prepare-vocab").start()
+    return stop
 
 
 def grammar_of(kind: str, spec: Any, whitespace_pattern: str | None = None,

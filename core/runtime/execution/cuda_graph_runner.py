@@ -14,6 +14,13 @@ bucket's token count (blocks past a request's new tokens exit at once). Padding 
 tokens; padding tokens belong to no request and write KV slot 0. Logits are computed for each
 request's last token only, so steps that want input logprobs run eagerly.
 
+Verify steps (speculative decoding: each request's newest token and its draft, logits at every token)
+replay the decode graphs: each token becomes a decode row of its own, at its position, whose sequence
+ends with it (as_decode_rows). Each layer stores the step's keys and values before it attends, so row j
+of a request sees the request's prefix and its first j new tokens: the extend's causal attention. The
+rows of one request read the same keys, side by side (adjacent programs of the decode kernel), and the
+decode graphs already give logits at every row; no second set of graphs, buckets or logits buffer.
+
 Each step's inputs reach the graphs' static buffers in one non-blocking copy from pinned memory.
 """
 
@@ -42,6 +49,10 @@ _TOKEN_FIELDS = 3  # extend: input_ids, positions, out_cache_loc (each T long) .
 _REQ_FIELDS = 5  # ... then rows, seq_lens, extend_lens, extend_start_loc, logit_index (each bs long)
 _CAPTURE_LOCK = threading.Lock()  # one capture at a time per process (data-parallel workers start together)
 EXTEND_TOKEN_BUCKETS = (16, 32, 48, 64, 80, 96, 128, 160, 192, 256, 320, 384, 512, 768, 1024)
+# Extends with logits at every token run as decode rows (as_decode_rows) when no request has more new tokens
+# than this: each row reads its request's whole context, so the rows of a long extend over a long prefix
+# would read it that many times. 17 covers a verify step of 16 draft tokens.
+DECODE_ROWS_MAX_EXTEND = 17
 
 
 class GraphHost(Protocol):
@@ -267,6 +278,27 @@ class ExtendGraphRunner:
         request_of = {i: j for j, i in enumerate(last)}
         wanted = [request_of[i] for i in batch.logit_rows]
         return self.logits[torch.tensor(wanted, dtype=torch.int64, device=self.logits.device)]
+
+
+def as_decode_rows(batch: BatchInput) -> BatchInput | None:
+    """The extend `batch` as a decode batch of one row per new token (see the module's docstring), or None
+    where the decode path cannot compute it: images, M-RoPE positions other than t = h = w (a decode's),
+    logits wanted at some tokens only or in another order, a request with more than DECODE_ROWS_MAX_EXTEND
+    new tokens, positions that are not the table's (the decode step records each row's slot there)."""
+    tokens, rope = len(batch.input_ids), batch.rope_positions
+    if (batch.is_decode or batch.images or (rope is not None and not rope[0] == rope[1] == rope[2]) or not tokens
+            or len(batch.logit_rows) != tokens or batch.logit_rows != list(range(tokens))
+            or max(batch.extend_lens) > DECODE_ROWS_MAX_EXTEND):
+        return None
+    rows: list[int] = []
+    seq_lens: list[int] = []
+    for row, seq_len, new in zip(batch.rows, batch.seq_lens, batch.extend_lens):
+        rows += [row] * new
+        seq_lens += range(seq_len - new + 1, seq_len + 1)  # token j of the extend sees the prefix and j + 1 new
+    if any(p + 1 != s for p, s in zip(batch.positions, seq_lens)):
+        return None
+    return BatchInput(True, batch.input_ids, batch.positions, batch.out_cache_loc, rows, seq_lens, [1] * tokens,
+                      batch.logit_rows, input_future=batch.input_future, rope_positions=rope)
 
 
 def _last_token_index(extend_lens: list[int]) -> list[int]:

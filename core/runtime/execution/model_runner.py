@@ -25,12 +25,13 @@ from radixlm.core.runtime.messages import ImageInput
 from radixlm.core.runtime.memory.memory_pool import KVPool, ReqToTokenPool, host_available_bytes, host_int64
 from radixlm.core.runtime.options import EngineOptions
 from radixlm.core.runtime.execution.batch_input import BatchInput, ImageSpan
-from radixlm.core.runtime.execution.cuda_graph_runner import DecodeGraphRunner, ExtendGraphRunner
+from radixlm.core.runtime.execution.cuda_graph_runner import DecodeGraphRunner, ExtendGraphRunner, as_decode_rows
 from radixlm.core.runtime.layers.attention_backend import AttentionBackend
 from radixlm.core.runtime.layers.forward_batch import ForwardBatch, ImageBatch
 from radixlm.core.runtime.layers.mrope import mrope_cos_sin
 from radixlm.core.runtime.models.config import ModelConfig
 from radixlm.core.runtime.models.cpu_linear import prepack_linears
+from radixlm.core.runtime.models.hub import locate_model
 from radixlm.core.runtime.models.loader import load_model
 
 if TYPE_CHECKING:
@@ -128,8 +129,12 @@ class ModelRunner:
             _return_unused_memory(self.device)  # what an earlier engine of this process left counts as free
             free, total = torch.cuda.mem_get_info(self.device)
             # Everything static and transient stays within the fraction: what is in use now (context,
-            # weights), the KV pool, and the activations, sampler temporaries and CUDA graphs to come.
-            budget = total * opts.mem_fraction_static - (total - free) - self._activation_reserve(opts)
+            # weights), the KV pool, and the activations, sampler temporaries and CUDA graphs to come;
+            # and a speculative proposer's model with its pool of as many tokens as this one's.
+            companion_bytes, companion_per_token = self._proposer_memory(opts)
+            budget = (total * opts.mem_fraction_static - (total - free) - self._activation_reserve(opts)
+                      - companion_bytes)
+            per_token += companion_per_token
         else:
             # A quarter of the RAM share, and at most twice the weights' bytes (at least
             # _CPU_KV_MIN_BYTES): a decode step reading a pool that full already spends more time in
@@ -140,6 +145,27 @@ class ModelRunner:
         # On CPU there is no point holding more than every running request could use at once.
         ceiling = opts.max_running_requests * self.cfg.context_len
         return max(256, min(int(budget // per_token), ceiling))
+
+    def _proposer_memory(self, opts: EngineOptions) -> tuple[int, int]:
+        """What the speculative proposer's own model runner (core.runtime.speculative.build) will take on the
+        device beside this one: its weights, CUDA graphs and workspaces, and its KV bytes per token (its pool
+        holds as many tokens as this one's). `draft`: the draft checkpoint's; `eagle`, `eagle3`: a head of
+        one layer of this model's shape, its fc over up to three states and its own LM head; (0, 0) for
+        `ngram` and none."""
+        algorithm, c = opts.speculative_algorithm, self.cfg
+        if algorithm not in ("draft", "eagle", "eagle3"):
+            return 0, 0
+        if algorithm == "draft":
+            c = ModelConfig.from_dir(locate_model(opts.speculative_draft_model_path)[0])
+            weights = c.parameter_count()
+        else:
+            weights = c.layer_parameter_count() + 3 * c.hidden_size ** 2 + c.vocab_size * c.hidden_size
+        layers = c.num_layers if algorithm == "draft" else 1
+        per_token = KVPool.bytes_per_token(layers, c.num_kv_heads, c.head_dim, self.kv_dtype)
+        elt = torch.empty((), dtype=self.dtype).element_size()
+        # the fp32 logits buffers of a draft's decode and extend graphs (an EAGLE head runs eagerly); workspaces
+        graphs = 0 if algorithm != "draft" or opts.disable_cuda_graph else 2 * opts.cuda_graph_max_bs * c.vocab_size * 4
+        return weights * elt + graphs + _CUDA_SLACK_BYTES, per_token
 
     def _activation_reserve(self, opts: EngineOptions) -> int:
         """Bytes the forward passes and the sampler may hold at their peak, beside weights and KV."""
@@ -162,6 +188,12 @@ class ModelRunner:
         graphs = self.hidden_sink is None  # the graphs give logits only
         if graphs and batch.is_decode and self.graph_runner is not None and n <= self.graph_runner.max_bs:
             return self.graph_runner.run(batch)  # M-RoPE decodes too: t = h = w, a 1-D rotary position
+        # Verify steps (logits at every token) replay the decode graphs, a row per token.
+        if graphs and not batch.is_decode and self.graph_runner is not None \
+                and len(batch.input_ids) <= self.graph_runner.max_bs:
+            rows = as_decode_rows(batch)
+            if rows is not None:
+                return self.graph_runner.run(rows)
         # Extends with M-RoPE positions run eagerly: the extend graphs take 1-D positions.
         if graphs and not batch.is_decode and self.extend_graphs is not None and not batch.images \
                 and batch.rope_positions is None:

@@ -177,6 +177,18 @@ class ModelConfig:
             eos_token_ids=[eos] if isinstance(eos, int) else list(eos or []),
         )
 
+    def layer_parameter_count(self) -> int:
+        """Parameters of one decoder layer: attention (with the qkv bias where there is one), MLP, norms."""
+        h, q, kv = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        bias = q + 2 * kv if self.qkv_bias else 0
+        return h * (q + 2 * kv) + bias + q * h + 3 * h * self.intermediate_size + 2 * h
+
+    def parameter_count(self) -> int:
+        """Parameters of the language model (a vision tower's left out): what its weights take in memory
+        at one element each, before any quantization."""
+        embeddings = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
+        return embeddings + self.num_layers * self.layer_parameter_count() + self.hidden_size
+
     def rope_cos_sin_cache(self, device: torch.device | str) -> torch.Tensor:
         """[context_len, head_dim] fp32 holding [cos | sin] of every position, with llama3/linear scaling
         or per-frequency divisors ("freq_factors")."""

@@ -94,8 +94,8 @@ def load_model(
     if qc is not None and qc.method == "fp8":
         check_fp8_device(device)
     if qc is not None and qc.method == "gguf":
-        from radixlm.core.runtime.quantization.gguf_cpu import check_gguf_device  # `gguf` only for GGUF files
-        check_gguf_device(device, find_gguf(path))
+        from radixlm.core.runtime.quantization.gguf_kept import check_gguf_device  # `gguf` only for GGUF files
+        check_gguf_device(device, find_gguf(path), tp is not None)
     from_checkpoint = qc is not None and qc.checkpoint_format is not None and load_format != "dummy"
     if qc is not None and qc.method in ("awq", "gptq") and tp is not None:
         raise UnsupportedModelError(f"{qc.method} checkpoints run without tensor parallelism")
@@ -150,9 +150,9 @@ def _quantized(model: nn.Module, qc: QuantConfig | None, ops: ModuleType, from_c
     if qc is None:
         return model
     if qc.method == "gguf":
-        from radixlm.core.runtime.quantization.gguf_cpu import keep_gguf_quantized  # `gguf` only for GGUF files
+        from radixlm.core.runtime.quantization.gguf_kept import keep_gguf_quantized  # `gguf` only for GGUF files
         cfg = model.config
-        keep_gguf_quantized(model, find_gguf(path), model_spec(cfg.architecture), cfg.tie_word_embeddings)
+        keep_gguf_quantized(model, find_gguf(path), model_spec(cfg.architecture), cfg.tie_word_embeddings, ops)
         return model
     if qc.method in ("awq", "gptq"):
         quantize_int4_linears(model, ops) if from_checkpoint else quantize_random_int4(model, ops)

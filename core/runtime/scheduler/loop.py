@@ -159,6 +159,7 @@ class Scheduler:
                     logger.exception("scheduler step failed; aborting the requests in flight")
                     self.queues.abort_all("internal server error (the server log has the details)", status_code=500)
             self._publish()
+        self.constraints.close()
         self.settle()
         self.queues.abort_all("the engine shut down", status_code=503)
         self._publish()

@@ -53,6 +53,10 @@ def verify_batch(reqs: list[Req], drafts: list[list[int]], slots: list[int], tab
         batch.seq_lens.append(start + n)
         batch.extend_lens.append(n)
     batch.logit_rows = list(range(len(batch.input_ids)))
+    if any(req.inp.rope_delta for req in reqs):  # M-RoPE after images: positions shifted, t = h = w (as decoding)
+        deltas = [req.inp.rope_delta for req, draft in zip(reqs, drafts) for _ in range(len(draft) + 1)]
+        shifted = [p + d for p, d in zip(batch.positions, deltas)]
+        batch.rope_positions = [shifted, shifted, shifted]
     return batch, mine
 
 

@@ -1,4 +1,4 @@
-"""GGUF weights kept quantized on the CPU (quantization="gguf", vLLM's name): each projection and the LM
+"""GGUF weights kept quantized (quantization="gguf", vLLM's name): each projection and the LM
 head whose GGUF type is Q4_0, Q4_1 or Q8_0 multiplies its stored integers, so a batch-1 step reads about
 a quarter of the bytes of the dequantized fp32 model.
 
@@ -9,11 +9,13 @@ a quarter of the bytes of the dequantized fp32 model.
 Both kernels are fast only on bf16 activations (their fp32 and fp16 paths are 10x slower): activations,
 scales and zeros go to bf16 for the product (2^-9 relative rounding, against Q4's own ~2^-4), the output
 back to the model dtype. Tensors of other types (Q4_K, Q6_K, F16, ...) stay dequantized, as before.
+On CUDA, Q4_0 / Q4_1 run as AWQ layers (int4_layer: the 4-bit Triton GEMM and GEMV); Q8_0 stays dequantized.
 """
 
 from __future__ import annotations
 
 import logging
+from types import ModuleType
 
 import torch
 from torch import nn
@@ -22,6 +24,8 @@ from radixlm.core.errors import UnsupportedModelError
 from radixlm.core.runtime.models.gguf_checkpoint import GGUFCheckpoint, hf_tensor_name
 from radixlm.core.runtime.models.registry import ModelSpec
 from radixlm.core.runtime.quantization.fp8 import PROJECTIONS
+from radixlm.core.runtime.quantization.int4 import Int4Linear
+from radixlm.kernels.quant_reference import pack_int4
 
 logger = logging.getLogger("radixlm")
 GROUP = 32  # GGUF's block of Q8_0, Q4_0 and Q4_1
@@ -70,10 +74,28 @@ class Int8GroupLinear(nn.Module):
         return out.reshape(*x.shape[:-1], self.out_features)
 
 
-def keep_gguf_quantized(model: nn.Module, gguf_path: str, spec: ModelSpec, tied: bool) -> int:
+def int4_layer(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, bias: torch.Tensor | None,
+               ops: ModuleType) -> Int4Linear:
+    """A Q4_0 / Q4_1 weight (d * q + m, or d * (q - 8)) as the AWQ/GPTQ layer the GPU runs, (q - zero) *
+    scale in groups of 32: scale = d, zero = 8 (Q4_0) or -m / d (Q4_1). A Q4_1 block whose d is 0 holds
+    m alone: there q = 0, scale = 1, zero = -m."""
+    scale = d.float()
+    if m is None:
+        zero = torch.full_like(scale, 8.0)
+    else:
+        flat = scale == 0
+        zero = torch.where(flat, -m.float(), -m.float() / torch.where(flat, 1.0, scale))
+        scale = torch.where(flat, 1.0, scale)
+        q = q.masked_fill(flat.repeat_interleave(GROUP, 1), 0)
+    return Int4Linear(pack_int4(q), scale, zero, bias, ops)
+
+
+def keep_gguf_quantized(model: nn.Module, gguf_path: str, spec: ModelSpec, tied: bool, ops: ModuleType) -> int:
     """Swaps every projection (and the LM head) whose GGUF tensors are all of one kept type for its
     quantized layer, built from the file's blocks; returns how many. The model holds the dequantized
-    weights (loaded as usual): those of the swapped layers are dropped."""
+    weights (loaded as usual): those of the swapped layers are dropped. On CUDA only Q4_0 / Q4_1 are
+    kept (through the 4-bit kernels of AWQ/GPTQ); Q8_0 layers there stay dequantized."""
+    cuda = next(model.parameters()).is_cuda
     ckpt = GGUFCheckpoint(gguf_path)
     parts: dict[str, dict[int, str]] = {}  # our module -> {block: GGUF tensor}
     for name, info in ckpt.tensors.items():
@@ -101,10 +123,15 @@ def keep_gguf_quantized(model: nn.Module, gguf_path: str, spec: ModelSpec, tied:
         fields = [ckpt.integer_weight(n)[1:] for n in names]
         q, d = torch.cat([f[0] for f in fields]), torch.cat([f[1] for f in fields])
         bias = getattr(dense, "bias", None)
-        if fields[0][0].dtype == torch.int8:
-            layer: nn.Module = Int8GroupLinear(q, d, bias)
+        mins = [f[2] for f in fields]
+        if cuda and fields[0][0].dtype == torch.int8:
+            logger.info("%s stays dequantized (Q8_0 is kept quantized on the CPU only)", module)
+            continue
+        if cuda:
+            layer: nn.Module = int4_layer(q, d, None if mins[0] is None else torch.cat(mins), bias, ops)
+        elif fields[0][0].dtype == torch.int8:
+            layer = Int8GroupLinear(q, d, bias)
         else:
-            mins = [f[2] for f in fields]
             zero = torch.zeros_like(d) if mins[0] is None else torch.cat(mins) + 8 * d
             layer = Int4GroupLinear(q, d, zero, bias)
         owner, _, attr = module.rpartition(".")
@@ -113,10 +140,13 @@ def keep_gguf_quantized(model: nn.Module, gguf_path: str, spec: ModelSpec, tied:
     return swapped
 
 
-def check_gguf_device(device: torch.device, gguf_path: str | None) -> None:
+def check_gguf_device(device: torch.device, gguf_path: str | None, tensor_parallel: bool) -> None:
     if gguf_path is None:
         raise UnsupportedModelError("quantization='gguf' keeps a GGUF file's weights quantized; this model is "
                                     "not a GGUF file")
-    if device.type != "cpu":
-        raise UnsupportedModelError(f"quantization='gguf' (GGUF weights kept quantized) runs on the CPU only; on "
-                                    f"{device} leave quantization unset: the weights are dequantized at load")
+    if device.type not in ("cpu", "cuda"):
+        raise UnsupportedModelError(f"quantization='gguf' (GGUF weights kept quantized) runs on the CPU and CUDA; "
+                                    f"on {device} leave quantization unset: the weights are dequantized at load")
+    if tensor_parallel:
+        raise UnsupportedModelError("quantization='gguf' runs without tensor parallelism; leave quantization "
+                                    "unset to shard the dequantized weights")

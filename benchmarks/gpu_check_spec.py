@@ -1,0 +1,199 @@
+"""gpu_check.py's step for speculative decoding's verify steps on CUDA graphs (issue 36). A verify step (each
+request's newest token and its draft, logits at every token) replays the decode graphs with one decode row
+per token (core/runtime/execution/cuda_graph_runner.as_decode_rows); these checks hold it against the eager
+extend it replaces, on the tiny Llama (float32 and bfloat16) and on the Llama-3-8B shape (bfloat16, random
+weights):
+
+1. Verify logits, graphs on against off, in one engine's runner: after an eager prefill of each request's
+   context (one spanning several KV splits), verify steps of 1 request with 8 drafts, 3 with 4, and 8
+   with 0 to 8 (ride-alongs among them), whose logits come from a decode-graph replay (counted), against
+   the eager extend of the same tokens into the same slots. Bound on every row's relative error
+   (max |on - off| / max |off|): 1e-4 in float32 (the two paths differ in summation order only), 5e-2 in
+   bfloat16 (rounding; a wrong key, slot or mask moves a row by its whole size). Rows whose argmax
+   differs are reported.
+2. Greedy tokens with speculation drafting at every step (speculative_adaptive off; the drafts are the
+   output without speculation, one token of most corrupted, so that every accepted length occurs),
+   graphs on against off, and against speculation off: float32 equal; bfloat16
+   reported (the two paths round differently, so near-ties of random weights may go either way). The
+   graphs-on engine's verify steps must have replayed the decode graphs.
+
+    python3 benchmarks/gpu_check.py --skip-kernels --checks spec_graphs --out gpu_check.json
+    python3 benchmarks/gpu_check.py --cpu-smoke --checks spec_graphs    # the logic, on the decode graphs' eager twin
+"""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_engine import make_model_dir  # noqa: E402
+
+import radixlm  # noqa: E402
+from radixlm.core.runtime.execution.batch_input import BatchInput  # noqa: E402
+from radixlm.core.runtime.execution.cuda_graph_runner import DecodeGraphRunner  # noqa: E402
+
+GRAPH_MAX_BS = 32  # 3 requests x 9 rows fit
+REL_BOUND = {"float32": 1e-4, "bfloat16": 5e-2}
+# (context lengths, draft lengths) of the verify steps of check 1
+VERIFY_CASES = [([1500], [8]), ([40, 300, 7], [4, 4, 4]), ([20, 90, 3, 64, 1, 200, 33, 5], [8, 0, 3, 1, 0, 6, 2, 2])]
+PROMPTS = [list(range(200, 230)) * 3 + [200, 201], [9, 8, 7] * 10, list(range(50, 120)) * 2]  # distinct
+GREEDY = {"max_new_tokens": 32, "temperature": 0.0, "ignore_eos": True}
+
+
+def replay_counter(runner: Any, device: str) -> list[int]:
+    """Counts the runner's decode-graph replays that were verify steps (rows sharing a request); on the
+    CPU first gives the runner the graphs' eager twin (the same padded static buffers, no capture)."""
+    if runner.graph_runner is None and device == "cpu":
+        runner.graph_runner = DecodeGraphRunner(runner, GRAPH_MAX_BS, capture=False)
+    graphs, verify_rows = runner.graph_runner, []
+    real_run = graphs.run
+
+    def run(batch: BatchInput) -> torch.Tensor:
+        if len(set(batch.rows)) < len(batch.rows):
+            verify_rows.append(len(batch.rows))
+        return real_run(batch)
+
+    graphs.run = run
+    return verify_rows
+
+
+def verify_logits(runner: Any, contexts: list[int], drafts: list[int], seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(graphs on, graphs off) logits of one verify step after an eager prefill of the contexts. Slots are
+    taken from 1 on: the engine is idle and its allocator never sees them."""
+    g = torch.Generator().manual_seed(seed)
+    vocab = runner.cfg.vocab_size
+    rows = [runner.req_to_token.alloc() for _ in contexts]
+    prefill = BatchInput(False, [], [], [], rows, list(contexts), list(contexts), [])
+    verify = BatchInput(False, [], [], [], rows, [c + d + 1 for c, d in zip(contexts, drafts)],
+                        [d + 1 for d in drafts], [])
+    at = 1
+    for row, context, draft in zip(rows, contexts, drafts):
+        slots = list(range(at, at + context + draft + 1))
+        at += len(slots)
+        runner.req_to_token.write(row, 0, slots)
+        prefill.input_ids += torch.randint(0, vocab, (context,), generator=g).tolist()
+        prefill.positions += range(context)
+        prefill.out_cache_loc += slots[:context]
+        verify.input_ids += torch.randint(0, vocab, (draft + 1,), generator=g).tolist()
+        verify.positions += range(context, context + draft + 1)
+        verify.out_cache_loc += slots[context:]
+    verify.logit_rows = list(range(len(verify.input_ids)))
+    graphs = runner.graph_runner
+    try:
+        runner.graph_runner = None
+        runner.forward(prefill)
+        off = runner.forward(verify).clone()
+        runner.graph_runner = graphs
+        on = runner.forward(verify).clone()
+    finally:
+        runner.graph_runner = graphs
+        for row in rows:
+            runner.req_to_token.free(row)
+    return on, off
+
+
+def logits_on_off(engine: radixlm.Engine, dtype: str, device: str) -> dict[str, Any]:
+    runner = engine._runner
+    replays = replay_counter(runner, device)
+    cases = []
+    for i, (contexts, drafts) in enumerate(VERIFY_CASES):
+        assert sum(drafts) + len(drafts) <= runner.graph_runner.max_bs
+        on, off = verify_logits(runner, contexts, drafts, seed=i)
+        rel = ((on - off).abs().amax(dim=-1) / off.abs().amax(dim=-1)).max()
+        cases.append({"contexts": contexts, "drafts": drafts, "max_rel_err": float(rel),
+                      "finite": bool(torch.isfinite(on).all()),
+                      "argmax_differs": int((on.argmax(-1) != off.argmax(-1)).sum()), "rows": on.shape[0]})
+    ok = len(replays) == len(VERIFY_CASES) and all(c["finite"] and c["max_rel_err"] <= REL_BOUND[dtype]
+                                                   for c in cases)
+    return {"ok": ok, "graph_replays": len(replays), "cases": cases}
+
+
+class PlainOutputProposer:
+    """Drafts each request's output without speculation (the plain engine's), one token of most drafts
+    corrupted at a position that varies from step to step, so that verify steps see every accepted length
+    (tests/spec_oracle.py's proposer; random weights give `ngram` nothing to look up)."""
+
+    name = "ngram"
+    free = True
+
+    def __init__(self, expected: dict[tuple[int, ...], list[int]], vocab_size: int) -> None:
+        self.expected, self.vocab_size, self.calls = expected, vocab_size, 0
+
+    def propose(self, reqs: list[Any], budgets: list[int]) -> list[list[int]]:
+        drafts = []
+        for req, k in zip(reqs, budgets):
+            self.calls += 1
+            n = len(req.output_ids)
+            draft = list(self.expected.get(tuple(req.inp.input_ids), [])[n:n + max(0, k - (self.calls + n) % 3)])
+            wrong = (self.calls * 7 + n) % (k + 3)
+            if wrong < len(draft):
+                draft[wrong] = (draft[wrong] + 1) % self.vocab_size
+            drafts.append(draft)
+        return drafts
+
+    def draft_class(self, req: Any) -> int:
+        return 0
+
+    def release(self, req: Any) -> None:
+        pass
+
+
+def greedy_on_off(ckpt: str, dtype: str, device: str, opts: dict[str, Any]) -> dict[str, Any]:
+    common = {"dtype": dtype, "device": device, "log_level": "warning", "max_total_tokens": 16384,
+              "cuda_graph_max_bs": GRAPH_MAX_BS, "enable_overlap_schedule": False, **opts}
+    spec = {"speculative_algorithm": "ngram", "speculative_num_draft_tokens": 8, "speculative_adaptive": False}
+    out: dict[str, list[list[int]]] = {}
+    verify_replays: list[int] = []
+    for label, kw in (("plain", {}), ("spec_graphs", spec), ("spec_eager", {**spec, "disable_cuda_graph": True})):
+        with radixlm.Engine(ckpt, **common, **kw) as e:
+            if label == "spec_graphs":
+                verify_replays = replay_counter(e._runner, device)
+            if kw:
+                speculator = e.frontend.scheduler.scheduler.speculator
+                expected = {tuple(p): o for p, o in zip(PROMPTS, out["plain"])}
+                speculator.proposer = PlainOutputProposer(expected, e.vocab_size)
+            out[label] = [o["output_ids"] for o in e.generate(input_ids=PROMPTS, sampling_params=GREEDY)]
+            out[label] += [e.generate(input_ids=PROMPTS[0], sampling_params=GREEDY)["output_ids"]]  # batch 1
+            if kw:
+                out[label + "_verify_steps"] = e.get_stats()["spec_verify_steps_total"]
+
+    def first_diff(a: list[list[int]], b: list[list[int]]) -> list[int | None]:
+        return [next((i for i, (x, y) in enumerate(zip(p, q)) if x != y), None) for p, q in zip(a, b)]
+
+    result = {"graphs_vs_eager_first_difference": first_diff(out["spec_graphs"], out["spec_eager"]),
+              "graphs_vs_plain_first_difference": first_diff(out["spec_graphs"], out["plain"]),
+              "verify_steps": out["spec_graphs_verify_steps"], "verify_graph_replays": len(verify_replays)}
+    equal = out["spec_graphs"] == out["spec_eager"] == out["plain"]
+    replayed = len(verify_replays) > 0 and len(verify_replays) == out["spec_graphs_verify_steps"]
+    result["ok"] = replayed and (equal or dtype == "bfloat16")
+    return result
+
+
+def check_spec_graphs(tiny: str, report: dict[str, Any], device: str) -> bool:
+    ok = True
+    models = [("tiny", tiny, "float32", {}), ("tiny", tiny, "bfloat16", {})]
+    if device == "cuda":
+        big, extra = make_model_dir("llama3-8b-shape", tempfile.mkdtemp(prefix="radixlm-spec-check-"))
+        # no extend graphs: what is checked is the decode graphs, and capturing those takes minutes at 8B
+        models.append(("llama3_8b_shape", big, "bfloat16", {**extra, "cuda_graph_max_extend_tokens": 0}))
+    for name, ckpt, dtype, opts in models:
+        with radixlm.Engine(ckpt, dtype=dtype, device=device, log_level="warning", max_total_tokens=16384,
+                            cuda_graph_max_bs=GRAPH_MAX_BS, **opts) as e:
+            logits = logits_on_off(e, dtype, device)
+        greedy = greedy_on_off(ckpt, dtype, device, opts)
+        report[f"spec_graphs_{name}_{dtype}"] = {"logits": logits, "greedy": greedy}
+        ok = ok and logits["ok"] and greedy["ok"]
+        worst = max(c["max_rel_err"] for c in logits["cases"])
+        print(f"verify on decode graphs, {name} {dtype}: logits {'ok' if logits['ok'] else 'FAIL'} (max rel err "
+              f"{worst:.2e}, bound {REL_BOUND[dtype]:.0e}, argmax differs in "
+              f"{sum(c['argmax_differs'] for c in logits['cases'])} of {sum(c['rows'] for c in logits['cases'])} rows, "
+              f"{logits['graph_replays']} replays); greedy {'ok' if greedy['ok'] else 'FAIL'} "
+              f"(first difference graphs vs eager {greedy['graphs_vs_eager_first_difference']}, vs plain "
+              f"{greedy['graphs_vs_plain_first_difference']}; {greedy['verify_graph_replays']} of "
+              f"{greedy['verify_steps']} verify steps replayed)", flush=True)
+    return ok
