@@ -1,12 +1,13 @@
 """The vocabulary trie walked node by node through a terminal DFA, for futures few tokens follow.
 
-terminal_tokens._walk steps whole trie levels with numpy: ~25 numpy calls per level, whatever the number of
+trie_walk.walk_trie steps whole trie levels with numpy: ~25 numpy calls per level, whatever the number of
 live nodes, so a literal key (`"data":`, after its `"`) costs ~40 µs a level and ~300 µs in all, though
 one node per level is alive. Here each live node's children are found by the bytes its DFA state reads
 (a binary search among the node's children) or, when the node has fewer children than the state has
 moves, by reading its children through the moves; subtrees under an exit (every token there may leave
 the terminal) are kept as node ranges, one per level. The walk gives up (None) as soon as a level has
-more than NARROW_NODES live nodes: then the level-wise walk is the cheaper one.
+more than NARROW_NODES live nodes: then the level-wise walk is the cheaper one. The level-wise walk hands
+its deep levels, once few nodes are left, to this one's loop (walk_on).
 """
 
 from __future__ import annotations
