@@ -13,8 +13,9 @@ per round, in turn, so that a load change on a shared machine hits all of them a
 the median over rounds, in tokens per wall second and per CPU second of the process (all its threads:
 on a machine others load, a wait for a core costs wall time, not CPU time). HF runs `generate` on a left-padded batch. llama.cpp runs the GGUF file (its own
 quantized weights: a different model in bytes, the same in shape) through its low-level batch API, one
-sequence per request, --threads threads (default: torch's). Peer columns need `transformers` (and the
-`gguf` package for a .gguf model) and `llama_cpp`; a missing one is skipped with a note.
+sequence per request, --threads threads (default: torch's), through llama-cpp-python or llama-cpp-cffi's
+prebuilt library (--llama-cpp-cffi; llama_cpp_api.py). Peer columns need `transformers` (and the `gguf`
+package for a .gguf model) and a llama.cpp binding; a missing one is skipped with a note.
 
 The greedy tokens of each radixlm variant (and of HF bf16) are compared with HF fp32's on every request,
 up to radixlm's first end-of-sequence token: a speed-up that changed the answers would show there.
@@ -134,42 +135,47 @@ def llama_cpp_worker(config: dict[str, Any]) -> None:
         print(json.dumps(run(json.loads(line))), flush=True)
 
 
-def llama_cpp_generator(gguf: str, new_tokens: int, threads: int, max_batch: int, max_prompt: int) -> Callable:
-    """Batched greedy decoding through llama.cpp's low-level API: one sequence id per request, each
-    step one llama_decode over every sequence's newest token. (The high-level `Llama` class ignores
-    n_seq_max, so the context is made here: one KV buffer for all sequences.)"""
-    import llama_cpp
-    import numpy as np
+def llama_cpp_generator(gguf: str, new_tokens: int, threads: int, max_batch: int, max_prompt: int,
+                        cffi_dir: str | None = None) -> Callable:
+    """Batched greedy decoding through llama.cpp's low-level API (llama_cpp_api.py: llama-cpp-python, or
+    llama-cpp-cffi's prebuilt library from cffi_dir): one sequence id per request, each step one
+    llama_decode over every sequence's newest token, in one KV buffer for all sequences."""
+    from llama_cpp_api import cffi_binding, python_binding
 
-    llama_cpp.llama_backend_init()
-    model = llama_cpp.llama_model_load_from_file(gguf.encode(), llama_cpp.llama_model_default_params())
+    api = cffi_binding(cffi_dir) if cffi_dir else python_binding()
+    lib = api.lib
+    print(f"llama.cpp through {api.name}: {api.system_info}", file=sys.stderr, flush=True)
+    lib.llama_backend_init()
+    model = lib.llama_model_load_from_file(gguf.encode(), lib.llama_model_default_params())
     if not model:
         raise RuntimeError(f"llama.cpp could not load {gguf}")
-    params = llama_cpp.llama_context_default_params()
+    params = lib.llama_context_default_params()
     params.n_ctx = max_batch * (max_prompt + new_tokens + 8)
     params.n_batch = params.n_ubatch = max_batch * max_prompt
-    params.n_seq_max, params.kv_unified = max_batch, True
+    params.n_seq_max = max_batch
+    if hasattr(params, "kv_unified"):  # newer llama.cpp; older ones always share one buffer
+        params.kv_unified = True
     params.n_threads = params.n_threads_batch = threads
-    ctx = llama_cpp.llama_init_from_model(model, params)
+    ctx = lib.llama_init_from_model(model, params)
     if not ctx:
         raise RuntimeError("llama.cpp could not make a context")
-    vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(model))
-    batch = llama_cpp.llama_batch_init(max_batch * max_prompt, 0, max_batch)
+    vocab = lib.llama_vocab_n_tokens(lib.llama_model_get_vocab(model))
+    batch = lib.llama_batch_init(max_batch * max_prompt, 0, max_batch)
 
     def submit(entries: list[tuple[int, int, int, bool]]) -> None:
         batch.n_tokens = len(entries)
         for i, (token, pos, seq, want_logits) in enumerate(entries):
             batch.token[i], batch.pos[i], batch.n_seq_id[i] = token, pos, 1
             batch.seq_id[i][0], batch.logits[i] = seq, want_logits
-        status = llama_cpp.llama_decode(ctx, batch)
+        status = lib.llama_decode(ctx, batch)
         if status != 0:
             raise RuntimeError(f"llama_decode failed ({status})")
 
     def argmax(i: int) -> int:
-        return int(np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(ctx, i), shape=(vocab,)).argmax())
+        return int(api.logits(ctx, i, vocab).argmax())
 
     def run(prompts: list[list[int]]) -> list[list[int]]:
-        llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(ctx), True)
+        api.clear(ctx)
         entries = [(t, pos, s, pos == len(p) - 1) for s, p in enumerate(prompts) for pos, t in enumerate(p)]
         submit(entries)
         last = [i for i, e in enumerate(entries) if e[3]]
@@ -267,6 +273,10 @@ def main() -> None:
     parser.add_argument("--llama-cpp-path", default=None,
                         help="a site-packages folder holding llama_cpp (a separate venv: "
                              "benchmarks/build_llama_cpp.sh), searched after this environment's own")
+    parser.add_argument("--llama-cpp-cffi", default=None,
+                        help="a folder holding llama-cpp-cffi's prebuilt CPU library (pip install --no-deps "
+                             "--target DIR llama-cpp-cffi cffi pycparser): llama.cpp's column runs it instead "
+                             "of llama_cpp (benchmarks/llama_cpp_api.py)")
     parser.add_argument("--json", default=None, help="write the results here as JSON")
     parser.add_argument("--llama-cpp-worker", default=None, help=argparse.SUPPRESS)  # the child's config
     args = parser.parse_args()
@@ -325,13 +335,13 @@ def main() -> None:
                 keep.append(model)
     clocks: dict[str, Callable[[], float]] = {}  # CPU seconds of each system's process
     if "llama.cpp" in args.systems:
-        if importlib.util.find_spec("llama_cpp") is None or gguf is None:
+        if (importlib.util.find_spec("llama_cpp") is None and not args.llama_cpp_cffi) or gguf is None:
             print("llama_cpp is not importable (or no GGUF file): its column is skipped")
         else:
             runners["llama.cpp"], clocks["llama.cpp"], child = llama_cpp_runner(
                 args.llama_cpp_path, gguf=gguf, new_tokens=args.new_tokens,
                 threads=args.threads or torch.get_num_threads(), max_batch=max(args.batch),
-                max_prompt=max(map(len, prompts)))
+                max_prompt=max(map(len, prompts)), cffi_dir=args.llama_cpp_cffi)
             keep.append(child)
 
     times: dict[tuple[str, int], list[float]] = {}

@@ -47,23 +47,36 @@ def _bench_engine():
     return module
 
 
-def _time_cuda(fn, iters: int = 200) -> float:
-    for _ in range(10):
-        fn()
+def _time_cuda(fn, iters: int = 200, per_graph: int = 20) -> float:
+    """Microseconds per call of `fn`, replayed from a CUDA graph of `per_graph` calls: a decode GEMV takes
+    10-60 us on the GPU, about what a Triton launch costs the host, so launches timed one by one would
+    measure the host (as the engine's decode steps, which replay graphs, do not)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # compiles and warms outside the capture
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(per_graph):
+            fn()
+    graph.replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
-    for _ in range(iters):
-        fn()
+    for _ in range(iters // per_graph):
+        graph.replay()
     end.record()
     torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters * 1e3  # microseconds
+    return start.elapsed_time(end) / (iters // per_graph * per_graph) * 1e3
 
 
 def sweep_gemv() -> dict[str, Any]:
     """The fastest fp8 GEMV launch shape per 8B projection at one row (installed in CONFIGS_FP8), with
-    the bf16 GEMV's time on the same shape (its own tuned shape) and the fp8 one's bandwidth."""
+    the bf16 GEMV's time on the same shape (its own tuned shape), the 4-bit GEMV's (groups of 128), and
+    each one's bandwidth."""
     from radixlm.kernels import triton as tri
-    from radixlm.kernels.quant_reference import quantize_fp8_rows
+    from radixlm.kernels.quant_reference import quantize_fp8_rows, quantize_int4_rows
     from radixlm.kernels.triton import decode_gemv
 
     results = {}
@@ -82,11 +95,15 @@ def sweep_gemv() -> dict[str, Any]:
         os.environ.pop("RADIXLM_GEMV_CONFIG", None)
         best = min(timed, key=timed.get)
         decode_gemv.CONFIGS_FP8[(1, n, k)] = best
-        results[f"{n}x{k}"] = {"bf16_us": bf16_us, "fp8_us": timed[best], "fp8_config": list(best),
-                               "fp8_GBps": n * k / timed[best] / 1e3,
+        int4 = quantize_int4_rows(w, 128)  # AWQ's layout: the 4-bit GEMV at one row
+        int4_us = _time_cuda(lambda: tri.int4_linear(x, *int4))
+        results[f"{n}x{k}"] = {"bf16_us": bf16_us, "bf16_GBps": 2 * n * k / bf16_us / 1e3, "fp8_us": timed[best],
+                               "fp8_config": list(best), "fp8_GBps": n * k / timed[best] / 1e3,
+                               "int4_us": int4_us, "int4_GBps": n * k / 2 / int4_us / 1e3,
                                "all_fp8_us": {",".join(map(str, c)): t for c, t in timed.items()}}
-        print(f"gemv {n}x{k}: bf16 {bf16_us:.1f} us, fp8 {timed[best]:.1f} us with {best} "
-              f"({n * k / timed[best] / 1e3:.0f} GB/s)", flush=True)
+        print(f"gemv {n}x{k}: bf16 {bf16_us:.1f} us ({2 * n * k / bf16_us / 1e3:.0f} GB/s), fp8 {timed[best]:.1f} us "
+              f"with {best} ({n * k / timed[best] / 1e3:.0f} GB/s), int4 g128 {int4_us:.1f} us "
+              f"({n * k / 2 / int4_us / 1e3:.0f} GB/s)", flush=True)
     return results
 
 

@@ -38,7 +38,10 @@ from radixlm.core.runtime.execution.batch_input import BatchInput  # noqa: E402
 from radixlm.core.runtime.execution.cuda_graph_runner import DecodeGraphRunner  # noqa: E402
 
 GRAPH_MAX_BS = 32  # 3 requests x 9 rows fit
-REL_BOUND = {"float32": 1e-4, "bfloat16": 5e-2}
+# fp32 checks the arithmetic (1.7e-6 measured on an H100); in bf16 the graphs' decode kernels and the eager
+# extend's round differently, through every layer: 1.8e-2 on the tiny model, 5.6e-2 on the 8B shape's 32
+# layers (2026-12-07), so bf16 is held to 1e-1 (a wrong mask or position is O(1)).
+REL_BOUND = {"float32": 1e-4, "bfloat16": 1e-1}
 # (context lengths, draft lengths) of the verify steps of check 1
 VERIFY_CASES = [([1500], [8]), ([40, 300, 7], [4, 4, 4]), ([20, 90, 3, 64, 1, 200, 33, 5], [8, 0, 3, 1, 0, 6, 2, 2])]
 PROMPTS = [list(range(200, 230)) * 3 + [200, 201], [9, 8, 7] * 10, list(range(50, 120)) * 2]  # distinct

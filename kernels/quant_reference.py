@@ -20,14 +20,15 @@ def quantize_fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-               bias: torch.Tensor | None = None) -> torch.Tensor:
+               bias: torch.Tensor | None = None, rounded: bool = True) -> torch.Tensor:
     """W8A8: x [M, K] quantized to e4m3 a token at a time (dynamic scales), times the e4m3 weight [N, K]
     with its per-row fp32 scales [N], accumulated in fp32, written in bf16, then in x's dtype plus bias.
     The same rounding as the CUDA kernel's (torch._scaled_mm with row-wise scales writes bf16), up to the
-    order of the sum, so that a float32 run on the CPU has the numerics of one on the GPU."""
+    order of the sum, so that a float32 run on the CPU has the numerics of one on the GPU. `rounded=False`
+    keeps the fp32 product (to measure what that rounding alone moves)."""
     xq, x_scale = quantize_fp8_rows(x)
     out = (xq.float() @ weight.float().t()) * x_scale[:, None] * weight_scale[None, :]
-    out = out.to(torch.bfloat16).to(x.dtype)
+    out = out.to(torch.bfloat16).to(x.dtype) if rounded else out.to(x.dtype)
     return out if bias is None else out + bias
 
 

@@ -209,8 +209,16 @@ class MergedStream:
     async def __aiter__(self) -> AsyncIterator[tuple[int, Output]]:
         for i, chunk in enumerate(self._first):
             yield self._note(i, chunk)
-        self._pumps = [asyncio.ensure_future(self._pump(i, it))
-                       for i, it in enumerate(self._iters) if not self.finished[i]]
+        live = [(i, it) for i, it in enumerate(self._iters) if not self.finished[i]]
+        if len(live) == 1:
+            # One branch (most streams): its chunks taken straight from the engine's stream, in this task.
+            # A pump task would cost every chunk a task switch and one more pass of the event loop (the
+            # queue's hand-over), which with 200 streams is busy.
+            i, it = live[0]
+            async for chunk in it:
+                yield self._checked(i, chunk)
+            return
+        self._pumps = [asyncio.ensure_future(self._pump(i, it)) for i, it in live]
         remaining = len(self._pumps)
         while remaining:
             i, chunk = await self._queue.get()
@@ -219,12 +227,15 @@ class MergedStream:
             if chunk is None:
                 remaining -= 1
                 continue
-            ending = self.client.ending
-            if ending is not None and chunk["meta_info"]["finish_reason"] is not None \
-                    and chunk["meta_info"]["finish_reason"]["type"] == "abort":
-                self._note(i, chunk)
-                raise ending  # ended by the server stopping: the stream's last event says so
-            yield self._note(i, chunk)
+            yield self._checked(i, chunk)
+
+    def _checked(self, i: int, chunk: Output) -> tuple[int, Output]:
+        ending = self.client.ending
+        if ending is not None and chunk["meta_info"]["finish_reason"] is not None \
+                and chunk["meta_info"]["finish_reason"]["type"] == "abort":
+            self._note(i, chunk)
+            raise ending  # ended by the server stopping: the stream's last event says so
+        return self._note(i, chunk)
 
     async def _pump(self, i: int, it: AsyncIterator[Output]) -> None:
         try:

@@ -117,8 +117,23 @@ def test_norms_and_rotary_match_reference(dtype):
     angles = torch.rand(50, head_dim // 2, dtype=torch.float64) * 100
     cache = torch.cat((angles.cos(), angles.sin()), dim=-1).float()
     positions = torch.randperm(50)[:num_tokens]
-    for got, want in zip(cpu.apply_rotary(q, k, positions, cache), reference.apply_rotary(q, k, positions, cache)):
-        _check(got, want)
+    want = reference.apply_rotary(q, k, positions, cache)
+    for got, expected in zip(cpu.apply_rotary(q, k, positions, cache), want):
+        _check(got, expected)
+    # With a plan, the first layer keeps the cos and sin rows and later layers rotate with them: a second
+    # layer's q and k at the same positions, then another step's positions through a fresh plan.
+    plan = cpu.AttentionPlan([])
+    for got, expected in zip(cpu.apply_rotary(q, k, positions, cache, plan), want):
+        _check(got, expected)
+    assert plan.rotary is not None
+    q2, k2 = q.flip(0), k.flip(0)
+    for got, expected in zip(cpu.apply_rotary(q2, k2, positions, cache, plan),
+                             reference.apply_rotary(q2, k2, positions, cache)):
+        _check(got, expected)
+    other = torch.randperm(50)[:num_tokens]
+    for got, expected in zip(cpu.apply_rotary(q, k, other, cache, cpu.AttentionPlan([])),
+                             reference.apply_rotary(q, k, other, cache)):
+        _check(got, expected)
 
 
 @pytest.mark.parametrize("loc_dtype", [torch.int64, torch.int32], ids=str)

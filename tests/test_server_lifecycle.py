@@ -18,7 +18,8 @@ import pytest
 from radixlm.testing.servers import ServerProcess
 
 CLIENTS = 8  # streaming clients per test (the probe, benchmarks/fault_probe.py, runs 200)
-EXIT_AFTER_DRAIN_S = 1.5  # the most seconds from the last stream's end to the process's exit
+EXIT_AFTER_DRAIN_S = 3.0  # the most seconds from the last stream's end to the exit: 0.4-0.8 s here, up to 2.85 s at load
+# average 6 on 2 cores; the interpreter's teardown it replaced took 4.5 s quiet, 24 s under load
 
 
 class StreamClient(threading.Thread):

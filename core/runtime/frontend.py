@@ -14,14 +14,17 @@ request, on the side that must stop at a stop string).
 from __future__ import annotations
 
 import asyncio
+import functools
 import queue
 import time
+import weakref
 from typing import Any, AsyncIterator, Callable, Iterator
 
 from radixlm.core.runtime.constraint_compiler import ConstraintCompiler
 from radixlm.core.runtime.deadline import caller_limit, deadline_of, seconds_left, timeout_output
 from radixlm.core.runtime.delivery import Delivery, Output, Sink, merge_chunks, output_dict
 from radixlm.core.runtime.images import ImagePreparer
+from radixlm.core.runtime.loop_mailbox import LoopMailbox
 from radixlm.core.runtime.messages import CheckInvariants, FlushCache, GenerateRequest, GetStats
 from radixlm.core.runtime.options import EngineOptions
 from radixlm.core.runtime.prepare_workers import PrepareWorkers
@@ -41,6 +44,7 @@ class FrontEnd:
         self.workers = PrepareWorkers(opts.prepare_workers, opts.prepare_timeout)
         self.delivery = Delivery(scheduler, opts)
         self.request_timeout = opts.request_timeout  # the default deadline of a call (core.runtime.deadline)
+        self._mailboxes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # event loop -> its LoopMailbox
 
     @property
     def scheduler(self) -> Any:
@@ -96,7 +100,8 @@ class FrontEnd:
             return self._stream_async(reqs)
         loop = asyncio.get_running_loop()
         futures = [loop.create_future() for _ in reqs]
-        self.delivery.submit(reqs, [lambda out, fut=fut: loop.call_soon_threadsafe(_set_result, fut, out) for fut in futures])
+        post = self._mailbox(loop).post
+        self.delivery.submit(reqs, [lambda out, fut=fut: post(functools.partial(_set_result, fut), out) for fut in futures])
         try:
             await asyncio.wait(futures, timeout=seconds_left(caller_limit(deadline)))
         except asyncio.CancelledError:
@@ -129,7 +134,8 @@ class FrontEnd:
     async def _stream_async(self, reqs: list[GenerateRequest]) -> AsyncIterator[Output]:
         loop = asyncio.get_running_loop()
         chunks: asyncio.Queue = asyncio.Queue()
-        self.delivery.submit(reqs, _indexed_sinks(lambda item: loop.call_soon_threadsafe(chunks.put_nowait, item), len(reqs)))
+        post = self._mailbox(loop).post
+        self.delivery.submit(reqs, _indexed_sinks(lambda item: post(chunks.put_nowait, item), len(reqs)))
         until = caller_limit(reqs[0].deadline)
         # Wakes a consumer waiting at the deadline; one that is behind notices when it takes its next chunk.
         timer = None if until is None else loop.call_later(seconds_left(until), chunks.put_nowait, None)
@@ -152,6 +158,13 @@ class FrontEnd:
                 timer.cancel()
             for i in stream.live:
                 self.abort_request(reqs[i].rid)
+
+    def _mailbox(self, loop: asyncio.AbstractEventLoop) -> LoopMailbox:
+        """The loop's mailbox: the outputs of all its calls reach it batched (one wake-up per batch)."""
+        mailbox = self._mailboxes.get(loop)
+        if mailbox is None:
+            mailbox = self._mailboxes[loop] = LoopMailbox(loop)
+        return mailbox
 
     def _timed_out(self, req: GenerateRequest, completion_tokens: int = 0) -> Output:
         """The timeout ending of a request the scheduler has not ended by the caller's limit; aborted."""

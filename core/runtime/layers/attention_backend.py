@@ -29,7 +29,8 @@ class AttentionBackend:
         # ...and may compute the requests with a few new tokens (decodes riding in a jump-forward step)
         # as decodes are: used where the step has at most that many tokens a request on average.
         self._short_tokens = getattr(ops, "SHORT_EXTEND_TOKENS", 0) if "split_short" in extend_params else 0
-        # The CPU set plans the batch's layout once per forward instead of once per layer.
+        # The CPU set plans the batch's layout once per forward instead of once per layer; its rotary keeps
+        # the step's cos and sin rows in the same plan.
         self._plan = getattr(ops, "plan_attention", None)
         # The Triton set rotates and stores in one launch per layer, in decode steps inside the qkv
         # projection's (core.runtime.models.llama); the CPU set runs its two ops. Ablations for benchmarks:
@@ -50,7 +51,8 @@ class AttentionBackend:
             k_rot = torch.empty(k.shape, dtype=k.dtype, device=k.device) if packed else None
             q = self._rotary_store_kv(q, k, v, positions, fb.cos_sin_cache, k_buf, v_buf, fb.out_cache_loc, k_rot)
         else:
-            q, k_rot = self.ops.apply_rotary(q, k, positions, fb.cos_sin_cache)
+            extra = {} if self._plan is None else {"plan": self._batch_plan(fb)}
+            q, k_rot = self.ops.apply_rotary(q, k, positions, fb.cos_sin_cache, **extra)
             self.ops.store_kv(k_buf, v_buf, fb.out_cache_loc, k_rot, v)
         return self.attend(q, layer_id, fb, (k_rot, v) if packed else None)
 
@@ -60,12 +62,7 @@ class AttentionBackend:
         given packed as `new_kv` where the kernel set reads them so)."""
         k_buf, v_buf = fb.kv_pool.k_buffers[layer_id], fb.kv_pool.v_buffers[layer_id]
         scale = q.shape[-1] ** -0.5
-        extra = {}
-        if self._plan is not None:
-            if fb.attn_plan is None:
-                fb.attn_plan = self._plan(fb.req_to_token, fb.req_pool_indices, fb.seq_lens,
-                                          None if fb.is_decode else fb.extend_lens)
-            extra["plan"] = fb.attn_plan
+        extra = {} if self._plan is None else {"plan": self._batch_plan(fb)}
         if fb.is_decode:
             return self.ops.decode_attention(
                 q, k_buf, v_buf, fb.req_to_token, fb.req_pool_indices, fb.seq_lens, scale, **extra
@@ -78,3 +75,10 @@ class AttentionBackend:
         if self._extend_takes_layout and fb.max_extend_len is not None:
             return self.ops.extend_attention(*args, fb.extend_start_loc, fb.max_extend_len, **extra)
         return self.ops.extend_attention(*args, **extra)
+
+    def _batch_plan(self, fb: ForwardBatch):
+        """The kernel set's layout of this batch, made at the first layer and kept for the others."""
+        if fb.attn_plan is None:
+            fb.attn_plan = self._plan(fb.req_to_token, fb.req_pool_indices, fb.seq_lens,
+                                      None if fb.is_decode else fb.extend_lens)
+        return fb.attn_plan

@@ -56,7 +56,8 @@ class Attention(nn.Module):
 
     def attend(self, qkv: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         """Attention of the projected [T, q + 2 kv] tokens; returns [T, q_size], o_proj's input."""
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        # split_with_sizes: Tensor.split's Python wrapper costs more than the split at one token
+        q, k, v = qkv.split_with_sizes([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)

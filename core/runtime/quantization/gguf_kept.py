@@ -45,10 +45,10 @@ class Int4GroupLinear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features).to(torch.bfloat16)
-        out = torch._weight_int4pack_mm_for_cpu(flat, self.weight, GROUP, self.scale_zero).to(x.dtype)
-        out = out if self.bias is None else out + self.bias
-        return out.reshape(*x.shape[:-1], self.out_features)
+        flat = x if x.dim() == 2 else x.reshape(-1, self.in_features)  # the model's [tokens, features] as it is
+        out = torch._weight_int4pack_mm_for_cpu(flat.to(torch.bfloat16), self.weight, GROUP, self.scale_zero)
+        out = out.to(x.dtype) if self.bias is None else out.to(x.dtype) + self.bias
+        return out if x.dim() == 2 else out.reshape(*x.shape[:-1], self.out_features)
 
 
 class Int8GroupLinear(nn.Module):
