@@ -10,10 +10,12 @@ import numpy as np
 import pytest
 
 from radixlm.core.runtime.constrained import build_constraint, grammar_index_cache
-from radixlm.core.runtime.constrained.tokens import narrow_walk, terminal_tokens
+from radixlm.core.runtime.constrained.tokens import narrow_walk, terminal_tokens, trie_walk
 from radixlm.core.runtime.constrained.automata.grammar_compiler import GrammarBudget, compile_grammar
 from radixlm.core.runtime.constrained.grammar_index_cache import prepare_vocab
 from radixlm.core.runtime.constrained.tokens.literal_tokens import literal_rest
+from radixlm.core.runtime.constrained.tokens.vocab import byte_matrix
+from radixlm.core.runtime.constrained.automata.regex_dfa import regex_to_dfa
 from radixlm.core.runtime.constrained.pda import GrammarIndex
 from radixlm.testing.constrained import qwen2_tokenizer, random_walk
 from radixlm.core.runtime.options import EngineOptions
@@ -90,11 +92,45 @@ def test_narrow_walk_equals_the_level_wise_walk(qwen):
                 if got is None:
                     refused += 1
                     continue
-                inside, uncertain = terminal_tokens._walk(dfa, live, nxt[live], vocab)
+                inside, uncertain = trie_walk.walk_trie(name, dfa, live, nxt[live], vocab)
                 assert got[0].tolist() == np.flatnonzero(inside).tolist(), (name, q)
                 assert got[1].tolist() == sorted(uncertain.tolist()), (name, q)
                 answered += 1
     assert answered > 50 and refused > 5
+
+
+def _read_each_token(dfa, q: int, vocab) -> tuple[np.ndarray, np.ndarray]:
+    """The oracle of trie_walk.walk_trie, token by token (no trie): every token of the vocabulary read
+    from state q, one numpy step per byte position over all tokens at once: (bool [vocab]: alive through
+    its last byte, sorted ids of the others that pass an accepting state after 1 <= j < len bytes)."""
+    mat, lens = byte_matrix(vocab.token_bytes)
+    cur = np.full(vocab.size, q, dtype=np.int64)
+    exits = np.zeros(vocab.size, dtype=bool)
+    for j in range(mat.shape[1]):
+        reading = (cur >= 0) & (lens > j)
+        if j >= 1:
+            exits |= reading & dfa.accepting[np.maximum(cur, 0)]
+        cur = np.where(reading, dfa.transitions[np.maximum(cur, 0), mat[:, j]], cur)
+    inside = (cur >= 0) & (lens > 0)
+    return inside, np.flatnonzero(exits & ~inside)
+
+
+@pytest.mark.parametrize("pattern", [r'"(?:[^"\\\x00-\x1f]|\\["\\/bfnrt])*"', r'"[A-Za-z][A-Za-z0-9+.-]*://[a-z]*"',
+                                     r'"[a-z](?:[0-9a-z_]|-)*"', r'a.*b?', r'(?:[a-z ]+x)*', r'-+[0-9]*'])
+def test_trie_walk_equals_reading_each_token(pattern, qwen):
+    """The level-wise walk, with the subtrees it takes whole (the state loops on every byte below) and
+    its node-by-node tail, against reading every token's bytes: string bodies, patterns with loops,
+    accepting loops (every token below an exit), long runs of one byte (`-----`)."""
+    vocab = prepare_vocab(qwen)
+    dfa = regex_to_dfa(pattern)
+    first = vocab.trie.byte[1].astype(np.int64)
+    for q in range(min(dfa.num_states, 6)):
+        nxt = dfa.transitions[q, first]
+        live = np.flatnonzero(nxt >= 0)
+        inside, uncertain = trie_walk.walk_trie(pattern, dfa, live, nxt[live], vocab)
+        want_inside, want_uncertain = _read_each_token(dfa, q, vocab)
+        assert np.array_equal(inside, want_inside), (pattern, q)
+        assert np.array_equal(np.sort(uncertain), want_uncertain), (pattern, q)
 
 
 def test_single_byte_steps_agree_with_rows(qwen):
@@ -134,7 +170,7 @@ def test_exit_pairs_equal_stepping_each_token(qwen):
     for terminals whose tokens pass accepting states at several positions (numbers, a string of a's)."""
     vocab = prepare_vocab(qwen)
     rng = np.random.default_rng(2)
-    first_node = terminal_tokens._first_node(vocab)
+    first_node = terminal_tokens.first_node(vocab)
     checked = 0
     for schema in [{"type": "number"}, {"type": "string", "pattern": "^a*$"}, SCHEMAS[2]]:
         grammar = build_constraint("json_schema", schema, qwen).index.grammar
@@ -257,7 +293,7 @@ def test_wide_states_bits_patched_from_recent_ones_equal_a_whole_walk(qwen, monk
                 continue
             got = np.unpackbits(terminal_tokens._classify(name, dfa, q, vocab).inside, count=vocab.size,
                                 bitorder="little")
-            whole, _ = terminal_tokens._walk(dfa, live, nxt[live], vocab)
+            whole, _ = trie_walk.walk_trie(name, dfa, live, nxt[live], vocab)
             assert (got.astype(bool) == whole).all(), (name, q)
     assert len(patched) > 5 and max(patched) > 0
 
@@ -266,7 +302,7 @@ def _assert_reads_as_a_whole_walk(found, name: str, dfa, q: int, vocab, first: n
     """The classes found for state q equal those of a walk of the whole vocabulary from it."""
     nxt = dfa.transitions[q, first]
     live = np.flatnonzero(nxt >= 0)
-    inside, uncertain = terminal_tokens._walk(dfa, live, nxt[live], vocab)
+    inside, uncertain = trie_walk.walk_trie(name, dfa, live, nxt[live], vocab)
     tokens, starts = terminal_tokens._exit_pairs(dfa, uncertain, terminal_tokens._after_first(
         nxt, live, vocab, uncertain), vocab)
     got = np.unpackbits(found.inside, count=vocab.size, bitorder="little").astype(bool)

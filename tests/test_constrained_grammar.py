@@ -609,7 +609,7 @@ def test_token_classes_assembled_per_first_byte_equal_a_whole_walk(tiny_tokenize
     """A state's token classes reuse earlier states' subtrees or are walked node by node
     (terminal_tokens._classify): they must equal one walk of the whole vocabulary from that state, for key
     terminals that exclude listed names too."""
-    from radixlm.core.runtime.constrained.tokens import terminal_tokens
+    from radixlm.core.runtime.constrained.tokens import terminal_tokens, trie_walk
     from radixlm.core.runtime.constrained.tokens.vocab import vocab_of
 
     vocab = vocab_of(tiny_tokenizer)
@@ -634,7 +634,7 @@ def test_token_classes_assembled_per_first_byte_equal_a_whole_walk(tiny_tokenize
                     assert at >= 0 and dfa.accepting[at], (name, q, i, j)
                 nxt = dfa.transitions[q, first]
                 live = np.flatnonzero(nxt >= 0)
-                whole, exits = terminal_tokens._walk(dfa, live, nxt[live], vocab)
+                whole, exits = trie_walk.walk_trie(name, dfa, live, nxt[live], vocab)
                 assert sorted(inside.tolist()) == np.flatnonzero(whole).tolist(), (name, q)
                 assert sorted(uncertain.tolist()) == sorted(exits.tolist()), (name, q)
 

@@ -13,7 +13,7 @@ import pytest
 
 import radixlm.core.runtime.constrained.tokens.counted_string as counted_string
 from radixlm.core.runtime.constrained import build_constraint
-from radixlm.core.runtime.constrained.tokens import terminal_tokens
+from radixlm.core.runtime.constrained.tokens import terminal_tokens, trie_walk
 from radixlm.core.runtime.constrained.tokens.counted_table import CountedTable
 from radixlm.core.runtime.constrained.grammar_index_cache import prepare_vocab
 from radixlm.testing.constrained import qwen2_tokenizer
@@ -69,7 +69,7 @@ def _walked(dfa, state, vocab):
     first = vocab.trie.byte[1].astype(np.int64)
     nxt = dfa.transitions[state, first]
     live = np.flatnonzero(nxt >= 0)
-    alive, uncertain = terminal_tokens._walk(dfa, live, nxt[live], vocab)
+    alive, uncertain = trie_walk.walk_trie(f"walk:{dfa.lo}:{dfa.hi}", dfa, live, nxt[live], vocab)
     tokens, starts = terminal_tokens._exit_pairs(dfa, uncertain, terminal_tokens._after_first(nxt, live, vocab, uncertain),
                                                  vocab)
     inside = set(np.flatnonzero(alive).tolist())

@@ -37,6 +37,13 @@ CASES = [
      [[], [1, 2], ["a"], [1, "a"]], [[1.5], [None]]),
     ({"type": "array", "oneOf": [{"items": {"type": "integer"}}, {"items": {"type": "string"}}]},
      [[1], ["a"]], [[], [1, "a"], [None]]),
+    # additionalProperties beside an allOf covers the keys the allOf's parts list (MaskBench Synthesized
+    # additionalProperties_id15, once refused as admitting no value)
+    ({"type": "object", "not": {"additionalProperties": {"type": "boolean"}, "allOf": [{"properties": {"foo": {}}}]}},
+     [{"foo": 1}, {"foo": 1, "bar": True}, {"foo": None, "b": 2}], [{}, {"foo": True}, {"bar": False}]),
+    ({"allOf": [{"enum": [{"bar": True, "foo": 1}]},
+                {"not": {"additionalProperties": {"type": "boolean"}, "allOf": [{"properties": {"foo": {}}}]}}]},
+     [{"bar": True, "foo": 1}], [{"bar": True, "foo": 1, "x": True}, {"bar": True}]),
 ]
 
 

@@ -21,7 +21,7 @@ from radixlm.core.runtime.constrained.schema.json_grammar import json_schema_to_
 from radixlm.core.runtime.constrained.schema.schema_input import load_schema
 from radixlm.core.runtime.constrained.schema.schema_prune import prune_definitions
 from radixlm.core.runtime.constrained.pda import GrammarIndex
-from radixlm.core.runtime.constrained.tokens.terminal_tokens import state_tokens
+from radixlm.core.runtime.constrained.tokens.terminal_tokens import first_node, state_tokens
 from radixlm.core.runtime.constrained.tokens.vocab import TokenVocab, spellable_bytes, vocab_of
 
 CACHE_SIZE = 64
@@ -62,9 +62,9 @@ def gc_paused() -> Iterator[None]:
 def prepare_vocab(tokenizer: Any, eos_token_ids: list[int] | None = None,
                   stop: threading.Event | None = None) -> TokenVocab:
     """What every constraint of this tokenizer needs and no schema changes, built once per process: its
-    TokenVocab, byte trie, the vocabulary read as string content (~1.7 s of CPU for Qwen2's 152k tokens:
-    vocab_of ~0.8 s, the trie ~0.6 s, the string read ~0.3 s, the tokens by byte ~0.03 s) and the token
-    classes of the terminals most schemas use (prepare_common_terminals). Engines call it on a thread when
+    TokenVocab, byte trie, the vocabulary read as string content (~1.8 s of CPU for Qwen2's 152k tokens:
+    vocab_of ~0.8 s, the trie ~0.6 s and its subtrees ~0.1 s, the string read ~0.3 s, the tokens by byte
+    ~0.03 s) and the token classes of the terminals most schemas use (prepare_common_terminals). Engines call it on a thread when
     they start, so that the first constrained request does not pay it; anything built later finds it
     cached. A front end and its scheduler in one process both call it: the second finds the vocabulary
     prepared. `stop`, once set, ends the work between two of its parts (the vocabulary is then left
@@ -72,8 +72,9 @@ def prepare_vocab(tokenizer: Any, eos_token_ids: list[int] | None = None,
     with _prepare_lock:
         vocab = vocab_of(tokenizer, eos_token_ids)
         if vocab not in _prepared:
-            parts = (lambda: vocab.trie, lambda: vocab.sorted_tokens, lambda: vocab.tokens_by_byte,
-                     lambda: spellable_bytes(vocab), lambda: string_tokens(vocab),
+            # the trie with its subtrees' byte sets and ranges (trie_walk.py), each token's first trie node
+            parts = (lambda: vocab.trie.subtrees, lambda: first_node(vocab), lambda: vocab.sorted_tokens,
+                     lambda: vocab.tokens_by_byte, lambda: spellable_bytes(vocab), lambda: string_tokens(vocab),
                      lambda: string_tokens(vocab, opening=True),
                      lambda: prepare_common_terminals(vocab, stop))  # compiles COMMON_SCHEMA: not a second time
             for part in parts:

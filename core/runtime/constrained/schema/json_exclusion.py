@@ -25,6 +25,9 @@ SUBSCHEMA_KEYWORDS = frozenset({"patternProperties", "required", "properties", "
                                 "oneOf", "not", "anyOf", "allOf"})
 
 
+SEES_SIBLINGS = {"additionalProperties", "unevaluatedProperties", "items", "unevaluatedItems"}
+
+
 class ExclusionRules:
     """`not` (_negation, _without) and oneOf (_exclusive, _excluding, _signature)."""
 
@@ -47,6 +50,17 @@ class ExclusionRules:
             return True
         if not isinstance(sub, dict):
             raise SchemaError(f"{ptr}: a JSON schema must be an object or a boolean, got {sub!r}")
+        if isinstance(sub.get("allOf"), list) and SEES_SIBLINGS & set(sub):
+            # additionalProperties (items) beside an allOf also covers the keys (prefix items) its parts list:
+            # negated keyword by keyword, a part's `properties: {foo: {}}` alone would have no failure.
+            try:
+                merged = self._merge(sub["allOf"] + [{k: v for k, v in sub.items() if k != "allOf"}], ())
+            except ValueError:
+                merged = None  # negated as it is
+            if merged is False:
+                return True
+            if isinstance(merged, dict) and "allOf" not in merged:
+                sub = merged
         body = {k: v for k, v in sub.items() if k not in IGNORED_KEYWORDS}
         types = body.get("type")
         types = None if types is None else {types} if isinstance(types, str) else set(types)

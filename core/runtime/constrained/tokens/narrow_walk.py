@@ -1,12 +1,13 @@
 """The vocabulary trie walked node by node through a terminal DFA, for futures few tokens follow.
 
-terminal_tokens._walk steps whole trie levels with numpy: ~25 numpy calls per level, whatever the number of
+trie_walk.walk_trie steps whole trie levels with numpy: ~25 numpy calls per level, whatever the number of
 live nodes, so a literal key (`"data":`, after its `"`) costs ~40 µs a level and ~300 µs in all, though
 one node per level is alive. Here each live node's children are found by the bytes its DFA state reads
 (a binary search among the node's children) or, when the node has fewer children than the state has
 moves, by reading its children through the moves; subtrees under an exit (every token there may leave
 the terminal) are kept as node ranges, one per level. The walk gives up (None) as soon as a level has
-more than NARROW_NODES live nodes: then the level-wise walk is the cheaper one.
+more than NARROW_NODES live nodes: then the level-wise walk is the cheaper one. The level-wise walk hands
+its deep levels, once few nodes are left, to this one's loop (walk_on).
 """
 
 from __future__ import annotations
@@ -93,18 +94,34 @@ def _read_rows(dfa: ByteDFA, states: np.ndarray) -> tuple[list[int], bytes, list
 
 def narrow_walk(key: str, dfa: ByteDFA, nodes: np.ndarray, states: np.ndarray,
                 vocab: TokenVocab) -> tuple[np.ndarray, np.ndarray] | None:
-    """terminal_tokens._walk's result as ids (sorted: the tokens below level-1 `nodes`, in DFA `states`
+    """trie_walk.walk_trie's result as ids (sorted: the tokens below level-1 `nodes`, in DFA `states`
     after their first byte, alive through their last byte; the other tokens strictly below a node where
     the DFA accepts), or None when a level has more than NARROW_NODES live nodes."""
     if len(nodes) > NARROW_NODES:
         return None
+    walked = walk_on(key, dfa, 1, list(zip(nodes.tolist(), states.tolist())), [], vocab, NARROW_NODES)
+    if walked is None:
+        return None
+    ends, exits = walked
+    # Tokens end at one node each, so `ends` are disjoint; exit ranges may nest (several exits on a path).
+    inside = np.sort(np.concatenate(ends)) if ends else np.zeros(0, dtype=np.int32)
+    if not exits:
+        return inside, np.zeros(0, dtype=np.int32)
+    uncertain = np.unique(np.concatenate(exits))
+    at = np.minimum(np.searchsorted(inside, uncertain), max(len(inside) - 1, 0))
+    return inside, uncertain[inside[at] != uncertain] if len(inside) else uncertain
+
+
+def walk_on(key: str, dfa: ByteDFA, d: int, live: list[tuple[int, int]], under: list[tuple[int, int]],
+            vocab: TokenVocab, most: int | None) -> tuple[list, list] | None:
+    """The walk from level d's `live` (node, DFA state) pairs and the node ranges [lo, hi) of level d
+    `under` an exit: (arrays of the ids of the tokens ending at a live node, arrays of the ids of the
+    tokens strictly under an exit node), or None once a level has more than `most` live nodes."""
     trie = vocab.trie
     level_bytes, child_ptr, end_ptr = trie.views
     accepting = dfa.accepting
-    live = list(zip(nodes.tolist(), states.tolist()))  # (node, DFA state) at this level
-    under: list[tuple[int, int]] = []  # node ranges [lo, hi) of this level strictly under an exit
     ends, exits = [], []
-    for d in range(1, trie.depth + 1):
+    for d in range(d, trie.depth + 1):
         eptr, tokens = end_ptr[d], trie.end_tokens[d]
         for n, _ in live:
             a, b = eptr[n], eptr[n + 1]
@@ -130,16 +147,10 @@ def narrow_walk(key: str, dfa: ByteDFA, nodes: np.ndarray, states: np.ndarray,
                     c = bisect.bisect_left(level, b, lo, hi)
                     if c < hi and level[c] == b:
                         nxt.append((c, t))
-        if len(nxt) > NARROW_NODES:
+        if most is not None and len(nxt) > most:
             return None
         live = nxt
         under = [(lo, hi) for lo, hi in under if hi > lo]
         if not live and not under:
             break
-    # Tokens end at one node each, so `ends` are disjoint; exit ranges may nest (several exits on a path).
-    inside = np.sort(np.concatenate(ends)) if ends else np.zeros(0, dtype=np.int32)
-    if not exits:
-        return inside, np.zeros(0, dtype=np.int32)
-    uncertain = np.unique(np.concatenate(exits))
-    at = np.minimum(np.searchsorted(inside, uncertain), max(len(inside) - 1, 0))
-    return inside, uncertain[inside[at] != uncertain] if len(inside) else uncertain
+    return ends, exits

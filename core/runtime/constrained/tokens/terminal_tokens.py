@@ -35,9 +35,9 @@ from radixlm.core.runtime.constrained.tokens.literal_tokens import literal_class
 from radixlm.core.runtime.constrained.tokens.narrow_walk import NARROW_NODES, narrow_walk, state_row
 from radixlm.core.runtime.constrained.automata.regex_dfa import ByteDFA
 from radixlm.core.runtime.constrained.tokens.token_classes import Exits, StateTokens, exits_replacing
-from radixlm.core.runtime.constrained.tokens.vocab import TokenVocab, byte_matrix, clear_bits, expand_ranges, set_bits
+from radixlm.core.runtime.constrained.tokens.trie_walk import walk_trie
+from radixlm.core.runtime.constrained.tokens.vocab import TokenVocab, byte_matrix, clear_bits, set_bits
 
-DENSE_RATIO = 8  # a trie level is walked densely when over 1/8 of the previous level's nodes are alive
 CACHE_SIZE = 8192  # (terminal, state) entries per process; a 151k vocabulary's bits are 19 KB each
 
 
@@ -393,7 +393,7 @@ def _wide(key: str, dfa: ByteDFA, nxt: np.ndarray, live: np.ndarray,
     if len(missing):
         walked = narrow_walk(key, dfa, missing, nxt[missing], vocab)
         if walked is None:
-            inside, uncertain = _walk(dfa, missing, nxt[missing], vocab)
+            inside, uncertain = walk_trie(key, dfa, missing, nxt[missing], vocab)
             walked = np.flatnonzero(inside), uncertain
         inside, uncertain = walked
         tokens, starts = _exit_pairs(dfa, uncertain, _after_first(nxt, missing, vocab, uncertain), vocab)
@@ -408,7 +408,7 @@ def _after_first(nxt: np.ndarray, nodes: np.ndarray, vocab: TokenVocab, ids: np.
         return np.zeros(0, dtype=np.int64)
     after = np.full(len(nxt), -1, dtype=np.int64)
     after[nodes] = nxt[nodes]
-    return after[_first_node(vocab)[ids]]
+    return after[first_node(vocab)[ids]]
 
 
 def _store(keys: dict[int, tuple], inside: np.ndarray, tokens: np.ndarray, starts: np.ndarray,
@@ -438,7 +438,7 @@ def _split(ids: np.ndarray, nodes: np.ndarray, vocab: TokenVocab,
            *also: np.ndarray) -> list[list[np.ndarray]]:
     """`ids` (token ids, sorted by id within each first byte) grouped by the level-1 node they start at,
     one group per node of `nodes`; arrays `also` (aligned with ids) grouped alike."""
-    owner = _first_node(vocab)[ids]
+    owner = first_node(vocab)[ids]
     # As int16 (level-1 nodes are < 256), numpy's stable sort is a radix sort: ~4x faster on 150k ids.
     order = np.argsort(owner.astype(np.int16), kind="stable")
     owner = owner[order]
@@ -446,44 +446,15 @@ def _split(ids: np.ndarray, nodes: np.ndarray, vocab: TokenVocab,
     return [[x[a:b] for a, b in bounds] for x in (ids[order].astype(np.int32), *(x[order] for x in also))]
 
 
-_first_nodes: dict[str, np.ndarray] = {}
+first_nodes_cache: dict[str, np.ndarray] = {}
 
 
-def _first_node(vocab: TokenVocab) -> np.ndarray:
+def first_node(vocab: TokenVocab) -> np.ndarray:
     """int64 [vocab]: the level-1 trie node each token starts at (-1 for empty tokens)."""
-    found = _first_nodes.get(vocab.fingerprint)
+    found = first_nodes_cache.get(vocab.fingerprint)
     if found is None:
         index = np.full(256, -1, dtype=np.int64)
         index[vocab.trie.byte[1]] = np.arange(len(vocab.trie.byte[1]))
         first = np.fromiter((b[0] if b else 0 for b in vocab.token_bytes), np.int64, count=vocab.size)
-        found = _first_nodes[vocab.fingerprint] = np.where(_nonempty(vocab), index[first], -1)
+        found = first_nodes_cache[vocab.fingerprint] = np.where(_nonempty(vocab), index[first], -1)
     return found
-
-
-def _walk(dfa: ByteDFA, nodes: np.ndarray, states: np.ndarray, vocab: TokenVocab) -> tuple[np.ndarray, np.ndarray]:
-    """From level-1 trie nodes `nodes` in DFA states `states`: (bool [vocab]: tokens below them alive
-    through their last byte, ids of tokens strictly below a node where the DFA accepts). Level by level,
-    following live nodes and the nodes under an exit; a level where many nodes are alive (a string body
-    walks most of the trie) is stepped densely, every node through its parent's state, as pda.py's
-    _walk_trie does."""
-    trie = vocab.trie
-    trans, accepting = dfa.transitions, dfa.accepting
-    inside = np.zeros(vocab.size, dtype=bool)
-    uncertain: list[np.ndarray] = []
-    cur = states.astype(np.int64)
-    below = np.zeros(0, dtype=np.int64)  # nodes of this level strictly under an exit node
-    for d in range(1, trie.depth + 1):
-        eptr, level = trie.end_ptr[d], len(trie.byte[d])
-        dense = len(nodes) * DENSE_RATIO > level
-        trie.mark_ends(d, nodes, inside, dense)
-        if len(below):
-            _, idx = expand_ranges(eptr[below], eptr[below + 1] - eptr[below])
-            uncertain.append(trie.end_tokens[d][idx])
-        under = np.union1d(below, nodes[accepting[cur]])  # this level's nodes at or under an exit
-        if d == trie.depth or not len(nodes) and not len(under):
-            break
-        ptr = trie.child_ptr[d + 1]
-        _, below = expand_ranges(ptr[under], ptr[under + 1] - ptr[under])
-        nodes, cur = trie.step(d + 1, nodes, cur, trans, dense)
-    ids = np.unique(np.concatenate(uncertain)) if uncertain else np.zeros(0, dtype=np.int64)
-    return inside, ids[~inside[ids]]

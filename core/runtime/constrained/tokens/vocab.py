@@ -194,6 +194,37 @@ class TokenTrie:
             out[self.end_tokens[d][idx]] = True
 
     @functools.cached_property
+    def subtrees(self) -> tuple[list[list[np.ndarray]], list[np.ndarray], list[np.ndarray], np.ndarray]:
+        """Per level d: the bytes read strictly below each node (a 256-bit set as 4 uint64 [nodes] words), where its
+        tokens (those ending at it or below) start in the sorted vocabulary and how many they are; and the
+        token ids in that sorted order (int32). A walk takes a subtree whole from these (trie_walk.py)."""
+        depth = self.depth
+        below = [np.zeros((len(self.byte[d]), 4), np.uint64) for d in range(depth + 1)]
+        count = [np.diff(self.end_ptr[d]) for d in range(depth + 1)]
+        for d in range(depth, 1, -1):  # children before parents: a node's set and count are its children's
+            parents = self.level_arrays()[0][d]
+            own = below[d].copy()
+            byte = self.byte[d].astype(np.int64)
+            own[np.arange(len(byte)), byte >> 6] |= np.left_shift(np.uint64(1), (byte & 63).astype(np.uint64))
+            for word in range(4):
+                np.bitwise_or.at(below[d - 1][:, word], parents, own[:, word])
+            count[d - 1] = count[d - 1] + np.bincount(parents, weights=count[d], minlength=len(count[d - 1])).astype(np.int64)
+        first = [np.zeros(0, np.int64), np.cumsum(count[1]) - count[1]]
+        order = np.zeros(int(count[1].sum()), dtype=np.int32)
+        for d in range(1, depth + 1):
+            ends = np.diff(self.end_ptr[d])
+            at = np.repeat(first[d] - self.end_ptr[d][:-1], ends) + np.arange(int(ends.sum()))
+            order[at] = self.end_tokens[d]  # the tokens ending at a node come first in its range
+            if d < depth:
+                parents = self.level_arrays()[0][d + 1]
+                before = np.cumsum(count[d + 1]) - count[d + 1]  # siblings before a child, and the parent's earlier ones
+                first_child = self.child_ptr[d + 1][:-1]
+                sibling_start = np.where(first_child < len(before), before[np.minimum(first_child, len(before) - 1)], 0)
+                first.append(first[d][parents] + ends[parents] + before - sibling_start[parents])
+        words = [[np.ascontiguousarray(x[:, w]) for w in range(4)] for x in below]  # gathered one word at a time
+        return words, first, count, order
+
+    @functools.cached_property
     def views(self) -> tuple[list[memoryview], list[memoryview], list[memoryview]]:
         """byte, child_ptr and end_ptr as memoryviews: their items read as Python ints (and bisect searches
         them), for walks that visit a few nodes at a time, where numpy scalars cost more than the work."""
