@@ -44,7 +44,12 @@ CONFIGS: dict[tuple[int, int, int], tuple[int, int, int, int]] = {
     (1, 4096, 14336): (8, 512, 4, 3), (1, 128256, 4096): (16, 1024, 8, 3),
 }
 # The same for fp8 weights (quantization="fp8"), measured apart: a step of BLOCK_K fp8 values is half the bytes.
-CONFIGS_FP8: dict[tuple[int, int, int], tuple[int, int, int, int]] = {}
+CONFIGS_FP8: dict[tuple[int, int, int], tuple[int, int, int, int]] = {
+    # One H100, the 8B shapes at one row, timed from CUDA graphs (bench_quant.py --sweep-gemv;
+    # benchmarks/results/2026-12-07-h100-run4.md): the same shape won on all four, 2.7-2.9 TB/s.
+    (1, 6144, 4096): (8, 1024, 4, 3), (1, 4096, 4096): (8, 1024, 4, 3), (1, 28672, 4096): (8, 1024, 4, 3),
+    (1, 4096, 14336): (8, 1024, 4, 3),
+}
 if os.environ.get("RADIXLM_GEMV_CONFIGS"):
     with open(os.environ["RADIXLM_GEMV_CONFIGS"]) as f:
         CONFIGS.update({tuple(int(v) for v in key.split(",")): tuple(c) for key, c in json.load(f).items()})
