@@ -8,8 +8,9 @@ weights):
    context (one spanning several KV splits), verify steps of 1 request with 8 drafts, 3 with 4, and 8
    with 0 to 8 (ride-alongs among them), whose logits come from a decode-graph replay (counted), against
    the eager extend of the same tokens into the same slots. Bound on every row's relative error
-   (max |on - off| / max |off|): 1e-4 in float32 (the two paths differ in summation order only), 5e-2 in
-   bfloat16 (rounding; a wrong key, slot or mask moves a row by its whole size). Rows whose argmax
+   (max |on - off| / max |off|): 1e-4 in float32 (the two paths differ in summation order only), 1e-1 in
+   bfloat16 (rounding through every layer, 5.6e-2 measured on the 8B shape; a wrong key, slot or mask
+   moves a row by its whole size). Rows whose argmax
    differs are reported.
 2. Greedy tokens with speculation drafting at every step (speculative_adaptive off; the drafts are the
    output without speculation, one token of most corrupted, so that every accepted length occurs),
@@ -36,6 +37,7 @@ from bench_engine import make_model_dir  # noqa: E402
 import radixlm  # noqa: E402
 from radixlm.core.runtime.execution.batch_input import BatchInput  # noqa: E402
 from radixlm.core.runtime.execution.cuda_graph_runner import DecodeGraphRunner  # noqa: E402
+from radixlm.testing.speculative import OracleProposer  # noqa: E402
 
 GRAPH_MAX_BS = 32  # 3 requests x 9 rows fit
 # fp32 checks the arithmetic (1.7e-6 measured on an H100); in bf16 the graphs' decode kernels and the eager
@@ -116,36 +118,6 @@ def logits_on_off(engine: radixlm.Engine, dtype: str, device: str) -> dict[str, 
     return {"ok": ok, "graph_replays": len(replays), "cases": cases}
 
 
-class PlainOutputProposer:
-    """Drafts each request's output without speculation (the plain engine's), one token of most drafts
-    corrupted at a position that varies from step to step, so that verify steps see every accepted length
-    (tests/spec_oracle.py's proposer; random weights give `ngram` nothing to look up)."""
-
-    name = "ngram"
-    free = True
-
-    def __init__(self, expected: dict[tuple[int, ...], list[int]], vocab_size: int) -> None:
-        self.expected, self.vocab_size, self.calls = expected, vocab_size, 0
-
-    def propose(self, reqs: list[Any], budgets: list[int]) -> list[list[int]]:
-        drafts = []
-        for req, k in zip(reqs, budgets):
-            self.calls += 1
-            n = len(req.output_ids)
-            draft = list(self.expected.get(tuple(req.inp.input_ids), [])[n:n + max(0, k - (self.calls + n) % 3)])
-            wrong = (self.calls * 7 + n) % (k + 3)
-            if wrong < len(draft):
-                draft[wrong] = (draft[wrong] + 1) % self.vocab_size
-            drafts.append(draft)
-        return drafts
-
-    def draft_class(self, req: Any) -> int:
-        return 0
-
-    def release(self, req: Any) -> None:
-        pass
-
-
 def greedy_on_off(ckpt: str, dtype: str, device: str, opts: dict[str, Any]) -> dict[str, Any]:
     common = {"dtype": dtype, "device": device, "log_level": "warning", "max_total_tokens": 16384,
               "cuda_graph_max_bs": GRAPH_MAX_BS, "enable_overlap_schedule": False, **opts}
@@ -159,7 +131,7 @@ def greedy_on_off(ckpt: str, dtype: str, device: str, opts: dict[str, Any]) -> d
             if kw:
                 speculator = e.frontend.scheduler.scheduler.speculator
                 expected = {tuple(p): o for p, o in zip(PROMPTS, out["plain"])}
-                speculator.proposer = PlainOutputProposer(expected, e.vocab_size)
+                speculator.proposer = OracleProposer(expected, e.vocab_size)
             out[label] = [o["output_ids"] for o in e.generate(input_ids=PROMPTS, sampling_params=GREEDY)]
             out[label] += [e.generate(input_ids=PROMPTS[0], sampling_params=GREEDY)["output_ids"]]  # batch 1
             if kw:

@@ -1,7 +1,7 @@
 """Speculative decoding (core/runtime/speculative): outputs with it on equal those with it off.
 
 The oracle is the same engine with speculation off. Most tests draft with `OracleProposer`
-(tests/spec_oracle.py): it drafts the output without speculation, corrupted at a varying position, so
+(radixlm.testing.speculative): it drafts the output without speculation, corrupted at a varying position, so
 that every accepted length from none to the whole draft occurs, per request. A verify step that kept a
 rejected token, lost an accepted one, or left a KV slot at the wrong position changes the output (the
 next steps attend over that KV) or the slot accounting checked after every step
@@ -24,7 +24,7 @@ from radixlm.core.runtime.speculative.ngram import NgramIndex
 from radixlm.core.runtime.speculative.policy import MIN_GAIN, StepTimes, choose_lengths
 from radixlm.core.runtime.speculative.state import SpecState
 from radixlm.core.runtime.speculative.verify import accepted_length
-from spec_oracle import OracleProposer
+from radixlm.testing.speculative import OracleProposer
 
 PROMPTS = [[5, 17, 300, 41, 41, 9], [7] * 3, list(range(100, 160)), [999, 3, 71, 2, 500, 17, 44]]
 

@@ -267,9 +267,9 @@ class _ByPromptLength(dict):
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "decode-graph-twin"])
 def test_speculation_after_images_keeps_outputs(qwen2vl, graphs):
     """Verify steps of requests after images rotate their tokens at the shifted M-RoPE positions their
-    decode steps use: greedy outputs with drafts at every accepted length (tests/spec_oracle.py) equal
+    decode steps use: greedy outputs with drafts at every accepted length (radixlm.testing.speculative) equal
     those without, as an eager extend and on the decode graphs' path (its eager twin here)."""
-    from spec_oracle import OracleProposer
+    from radixlm.testing.speculative import OracleProposer
 
     from radixlm.core.runtime.execution.cuda_graph_runner import DecodeGraphRunner
 

@@ -1,8 +1,11 @@
-"""A proposer for tests: it knows each prompt's output without speculation and drafts it, corrupted at
-a position that varies from step to step (sometimes none), so that verify steps see every accepted
-length from 0 to the whole draft, with per-request draft lengths."""
+"""A proposer for tests and GPU checks (tests/test_speculative.py, benchmarks/gpu_check_spec.py): it knows
+each prompt's output without speculation and drafts it, corrupted at a position that varies from step to
+step (sometimes none), so that verify steps see every accepted length from 0 to the whole draft, with
+per-request draft lengths."""
 
 from __future__ import annotations
+
+from typing import Any
 
 
 class OracleProposer:
@@ -15,7 +18,7 @@ class OracleProposer:
         self.corrupt = corrupt  # False: the expected tokens as they are, the whole budget
         self.calls = 0
 
-    def propose(self, reqs, budgets):
+    def propose(self, reqs: list[Any], budgets: list[int]) -> list[list[int]]:
         drafts = []
         for req, k in zip(reqs, budgets):
             self.calls += 1
@@ -32,8 +35,8 @@ class OracleProposer:
             drafts.append(draft)
         return drafts
 
-    def draft_class(self, req) -> int:
+    def draft_class(self, req: Any) -> int:
         return 0
 
-    def release(self, req) -> None:
+    def release(self, req: Any) -> None:
         pass
