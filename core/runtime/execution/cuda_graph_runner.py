@@ -287,7 +287,7 @@ def as_decode_rows(batch: BatchInput) -> BatchInput | None:
     new tokens, positions that are not the table's (the decode step records each row's slot there)."""
     tokens, rope = len(batch.input_ids), batch.rope_positions
     if (batch.is_decode or batch.images or (rope is not None and not rope[0] == rope[1] == rope[2]) or not tokens
-            or len(batch.logit_rows) != tokens or batch.logit_rows != list(range(tokens))
+            or batch.logit_rows != list(range(tokens))
             or max(batch.extend_lens) > DECODE_ROWS_MAX_EXTEND):
         return None
     rows: list[int] = []

@@ -120,20 +120,19 @@ def keep_gguf_quantized(model: nn.Module, gguf_path: str, spec: ModelSpec, tied:
         if len(names) != expected or len({ckpt.tensors[n].qtype for n in names}) != 1:
             logger.info("%s stays dequantized (its GGUF tensors are of mixed types)", module)
             continue
+        if cuda and ckpt.tensors[names[0]].qtype.name == "Q8_0":
+            logger.info("%s stays dequantized (Q8_0 is kept quantized on the CPU only)", module)
+            continue
         fields = [ckpt.integer_weight(n)[1:] for n in names]
         q, d = torch.cat([f[0] for f in fields]), torch.cat([f[1] for f in fields])
         bias = getattr(dense, "bias", None)
-        mins = [f[2] for f in fields]
-        if cuda and fields[0][0].dtype == torch.int8:
-            logger.info("%s stays dequantized (Q8_0 is kept quantized on the CPU only)", module)
-            continue
+        m = None if fields[0][2] is None else torch.cat([f[2] for f in fields])  # Q4_1's mins
         if cuda:
-            layer: nn.Module = int4_layer(q, d, None if mins[0] is None else torch.cat(mins), bias, ops)
+            layer: nn.Module = int4_layer(q, d, m, bias, ops)
         elif fields[0][0].dtype == torch.int8:
             layer = Int8GroupLinear(q, d, bias)
         else:
-            zero = torch.zeros_like(d) if mins[0] is None else torch.cat(mins) + 8 * d
-            layer = Int4GroupLinear(q, d, zero, bias)
+            layer = Int4GroupLinear(q, d, torch.zeros_like(d) if m is None else m + 8 * d, bias)
         owner, _, attr = module.rpartition(".")
         setattr(model.get_submodule(owner) if owner else model, attr, layer)
         swapped += 1

@@ -1,9 +1,9 @@
 """The scheduler's speculative unit: where a decode step would run, it asks the proposer for drafts (of the
-lengths the DraftPolicy finds worth checking) and, when any request has one, runs a verify step instead: one extend step of every running request's newest
-token and its draft (requests without one ride along as one-token extends), sampled at every position.
-Each request keeps the draft tokens the target agrees with and the target's own token after them; the
-KV slots of the rejected positions are freed at once, so the request (and the radix cache after it) only
-ever holds KV of accepted tokens."""
+lengths the DraftPolicy finds worth checking) and, when any request has one, runs a verify step instead:
+one extend step of every running request's newest token and its draft (requests without one ride along as
+one-token extends), sampled at every position. Each request keeps the draft tokens the target agrees
+with and the target's own token after them; the KV slots of the rejected positions are freed at once, so
+the request (and the radix cache after it) only ever holds KV of accepted tokens."""
 
 from __future__ import annotations
 

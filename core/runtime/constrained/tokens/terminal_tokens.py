@@ -446,15 +446,15 @@ def _split(ids: np.ndarray, nodes: np.ndarray, vocab: TokenVocab,
     return [[x[a:b] for a, b in bounds] for x in (ids[order].astype(np.int32), *(x[order] for x in also))]
 
 
-first_nodes_cache: dict[str, np.ndarray] = {}
+_first_nodes: dict[str, np.ndarray] = {}
 
 
 def first_node(vocab: TokenVocab) -> np.ndarray:
     """int64 [vocab]: the level-1 trie node each token starts at (-1 for empty tokens)."""
-    found = first_nodes_cache.get(vocab.fingerprint)
+    found = _first_nodes.get(vocab.fingerprint)
     if found is None:
         index = np.full(256, -1, dtype=np.int64)
         index[vocab.trie.byte[1]] = np.arange(len(vocab.trie.byte[1]))
         first = np.fromiter((b[0] if b else 0 for b in vocab.token_bytes), np.int64, count=vocab.size)
-        found = first_nodes_cache[vocab.fingerprint] = np.where(_nonempty(vocab), index[first], -1)
+        found = _first_nodes[vocab.fingerprint] = np.where(_nonempty(vocab), index[first], -1)
     return found
