@@ -8,8 +8,9 @@
 per variant (bf16, then each of --variants: fp8, ...), in this process one after another with the same
 options (overlap scheduling on, admissions of 64): batch-1 decode ms/token, 16 x 1024 prefill TFLOP/s,
 the 1,000-request offline set, the weights' GiB and the KV tokens that fit.
---sweep-gemv: first times the fp8 decode GEMV's launch shapes on the 8B projections at one row and
-keeps the fastest for the engine runs (decode_gemv.CONFIGS_FP8), beside the bf16 GEMV on the same shape.
+--sweep-gemv: first times the fp8 and the 4-bit decode GEMVs' launch shapes on the 8B projections at one
+row (4-bit: groups of 128, and groups of 32 on SmolLM2's projections) and keeps the fastest for the engine
+runs (decode_gemv.CONFIGS_FP8, int4_gemm.INT4_GEMV_CONFIGS), beside the bf16 GEMV on the same shape.
 --accuracy: the quantized model against the unquantized one on real text (this repository's README,
 the first --steps tokens, teacher-forced): mean |delta logprob| of each next token and top-1 agreement;
 then greedy continuations of the quick start's six questions and of the text's first 32 tokens
@@ -38,6 +39,14 @@ SYSTEM = ("You are a concise assistant for a geography and general-knowledge qui
           "in one short sentence.")
 SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
 CANDIDATES = [(4, 1024, 4, 3), (8, 1024, 4, 3), (4, 2048, 4, 3), (8, 2048, 8, 3), (4, 4096, 8, 3), (16, 1024, 8, 3)]
+# SmolLM2-135M's projections (qkv, o, gate_up, down), whose GGUF Q4_0/Q4_1 run in groups of 32 on CUDA.
+SMOL_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
+# The 4-bit GEMV's (BLOCK_N, BLOCKS of 32 columns a step, warps, stages): bytes a step, features a program
+# (so that x's loads and sums are shared by more of a thread's words) and the pipeline's depth.
+INT4_CANDIDATES = [(8, 64, 4, 3), (8, 32, 4, 3), (8, 128, 4, 3), (8, 64, 8, 3), (8, 64, 2, 3), (8, 32, 2, 3),
+                   (8, 64, 4, 2), (8, 64, 4, 4), (8, 32, 4, 4), (16, 32, 4, 3), (16, 64, 8, 3), (16, 32, 8, 3),
+                   (16, 16, 4, 3), (16, 32, 4, 4), (16, 64, 4, 3), (4, 64, 4, 3), (4, 128, 4, 3), (4, 64, 2, 3),
+                   (4, 32, 1, 3), (32, 32, 8, 3), (32, 16, 4, 3)]
 
 
 def _bench_engine():
@@ -71,12 +80,45 @@ def _time_cuda(fn, iters: int = 200, per_graph: int = 20) -> float:
     return start.elapsed_time(end) / (iters // per_graph * per_graph) * 1e3
 
 
-def sweep_gemv() -> dict[str, Any]:
-    """The fastest fp8 GEMV launch shape per 8B projection at one row (installed in CONFIGS_FP8), with
-    the bf16 GEMV's time on the same shape (its own tuned shape), the 4-bit GEMV's (groups of 128), and
-    each one's bandwidth."""
+def _sweep(fn, env: str, candidates: list[tuple[int, ...]], label: str) -> dict[tuple[int, ...], float]:
+    """Microseconds of `fn` under each launch shape, set through the kernel's override variable `env`."""
+    timed = {}
+    for cfg in candidates:
+        os.environ[env] = ",".join(map(str, cfg))
+        try:
+            timed[cfg] = _time_cuda(fn)
+        except Exception as exc:  # a shape the compiler refuses (registers, shared memory)
+            print(f"  {label} {cfg}: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+    os.environ.pop(env, None)
+    return timed
+
+
+def _int4_sweep(x: torch.Tensor, w: torch.Tensor, group: int, candidates: list[tuple[int, ...]],
+                label: str) -> dict[str, Any]:
+    """The 4-bit GEMV's launch shapes on one projection: the fastest installed in INT4_GEMV_CONFIGS, its GB/s
+    of nibbles and of all it reads (nibbles, fp32 scales and zeros)."""
     from radixlm.kernels import triton as tri
-    from radixlm.kernels.quant_reference import quantize_fp8_rows, quantize_int4_rows
+    from radixlm.kernels.quant_reference import quantize_int4_rows
+    from radixlm.kernels.triton import int4_gemm
+
+    n, k = w.shape
+    int4 = quantize_int4_rows(w, group)
+    timed = _sweep(lambda: tri.int4_linear(x, *int4), "RADIXLM_INT4_GEMV_CONFIG", candidates, f"int4 {label}")
+    best = min(timed, key=timed.get)
+    int4_gemm.INT4_GEMV_CONFIGS[(1, n, k)] = best
+    us = timed[best]
+    return {"int4_us": us, "int4_config": list(best), "int4_GBps": n * k / 2 / us / 1e3,
+            "int4_total_GBps": (n * k / 2 + 8 * n * k / group) / us / 1e3,
+            "all_int4_us": {",".join(map(str, c)): t for c, t in timed.items()}}
+
+
+def sweep_gemv(int4_candidates: list[tuple[int, ...]]) -> dict[str, Any]:
+    """At one row, on the 8B projections: the fastest fp8 GEMV launch shape (installed in CONFIGS_FP8) and
+    4-bit GEMV shape at groups of 128 (AWQ/GPTQ; installed in int4_gemm.INT4_GEMV_CONFIGS), beside the bf16
+    GEMV on its own tuned shape, each with its bandwidth; then the 4-bit GEMV at groups of 32 on SmolLM2's
+    projections (GGUF Q4_0/Q4_1 on CUDA). Prints the 4-bit winners as INT4_GEMV_CONFIGS entries."""
+    from radixlm.kernels import triton as tri
+    from radixlm.kernels.quant_reference import quantize_fp8_rows
     from radixlm.kernels.triton import decode_gemv
 
     results = {}
@@ -85,25 +127,28 @@ def sweep_gemv() -> dict[str, Any]:
         wq, ws = quantize_fp8_rows(w)
         x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
         bf16_us = _time_cuda(lambda: tri.gemv(x, w))
-        timed = {}
-        for cfg in CANDIDATES:
-            os.environ["RADIXLM_GEMV_CONFIG"] = ",".join(map(str, cfg))
-            try:
-                timed[cfg] = _time_cuda(lambda: tri.gemv(x, wq, None, ws))
-            except Exception as exc:  # a shape the compiler refuses (registers, shared memory)
-                print(f"  {n}x{k} {cfg}: {type(exc).__name__}", flush=True)
-        os.environ.pop("RADIXLM_GEMV_CONFIG", None)
+        timed = _sweep(lambda: tri.gemv(x, wq, None, ws), "RADIXLM_GEMV_CONFIG", CANDIDATES, f"fp8 {n}x{k}")
         best = min(timed, key=timed.get)
         decode_gemv.CONFIGS_FP8[(1, n, k)] = best
-        int4 = quantize_int4_rows(w, 128)  # AWQ's layout: the 4-bit GEMV at one row
-        int4_us = _time_cuda(lambda: tri.int4_linear(x, *int4))
+        int4 = _int4_sweep(x, w, 128, int4_candidates, f"{n}x{k}")
         results[f"{n}x{k}"] = {"bf16_us": bf16_us, "bf16_GBps": 2 * n * k / bf16_us / 1e3, "fp8_us": timed[best],
-                               "fp8_config": list(best), "fp8_GBps": n * k / timed[best] / 1e3,
-                               "int4_us": int4_us, "int4_GBps": n * k / 2 / int4_us / 1e3,
+                               "fp8_config": list(best), "fp8_GBps": n * k / timed[best] / 1e3, **int4,
                                "all_fp8_us": {",".join(map(str, c)): t for c, t in timed.items()}}
         print(f"gemv {n}x{k}: bf16 {bf16_us:.1f} us ({2 * n * k / bf16_us / 1e3:.0f} GB/s), fp8 {timed[best]:.1f} us "
-              f"with {best} ({n * k / timed[best] / 1e3:.0f} GB/s), int4 g128 {int4_us:.1f} us "
-              f"({n * k / 2 / int4_us / 1e3:.0f} GB/s)", flush=True)
+              f"with {best} ({n * k / timed[best] / 1e3:.0f} GB/s), int4 g128 {int4['int4_us']:.1f} us with "
+              f"{tuple(int4['int4_config'])} ({int4['int4_GBps']:.0f} GB/s of nibbles, "
+              f"{int4['int4_total_GBps']:.0f} with scales and zeros)", flush=True)
+    for n, k in SMOL_SHAPES:
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
+        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+        bf16_us = _time_cuda(lambda: tri.gemv(x, w))
+        int4 = _int4_sweep(x, w, 32, int4_candidates, f"g32 {n}x{k}")
+        results[f"g32_{n}x{k}"] = {"bf16_us": bf16_us, **int4}
+        print(f"gemv {n}x{k} (SmolLM2): bf16 {bf16_us:.1f} us, int4 g32 {int4['int4_us']:.1f} us with "
+              f"{tuple(int4['int4_config'])} ({int4['int4_total_GBps']:.0f} GB/s with scales and zeros)", flush=True)
+    from radixlm.kernels.triton import int4_gemm
+    print("int4_gemm.INT4_GEMV_CONFIGS = {" + ", ".join(f"{key}: {cfg}" for key, cfg in
+                                                         int4_gemm.INT4_GEMV_CONFIGS.items()) + "}", flush=True)
     return results
 
 
@@ -198,7 +243,9 @@ def accuracy(args: argparse.Namespace) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--engine", action="store_true", help="engine benchmarks, bf16 then each variant")
-    p.add_argument("--sweep-gemv", action="store_true", help="time fp8 GEMV launch shapes first (CUDA)")
+    p.add_argument("--sweep-gemv", action="store_true", help="time fp8 and 4-bit GEMV launch shapes first (CUDA)")
+    p.add_argument("--int4-configs", nargs="+", metavar="BN,BLOCKS,WARPS,STAGES",
+                   help="--sweep-gemv: the 4-bit GEMV's candidates (default: INT4_CANDIDATES)")
     p.add_argument("--accuracy", action="store_true", help="the quantized model against the unquantized on text")
     p.add_argument("--model", default="llama3-8b-shape", help="bench_engine's model (--engine)")
     p.add_argument("--variants", nargs="+", default=["fp8"],
@@ -217,7 +264,8 @@ def main(argv: list[str] | None = None) -> int:
                               "device": torch.cuda.get_device_name() if torch.cuda.is_available() and not args.cpu
                               else "cpu"}
     if args.sweep_gemv:
-        report["gemv"] = sweep_gemv()
+        int4 = [tuple(int(v) for v in c.split(",")) for c in args.int4_configs] if args.int4_configs else INT4_CANDIDATES
+        report["gemv"] = sweep_gemv(int4)
     if args.engine:
         report["engine"] = run_engines(args)
         print(f"\n{report['device']}, {args.model}:\n" + table(report["engine"]), flush=True)
