@@ -2,7 +2,7 @@
 
 1. Kernels at the Llama-3-8B sizes: the per-token activation quantizer equal to its reference to the bit;
    the fp8 decode GEMVs (1 and 4 rows), the W8A8 GEMM (torch._scaled_mm, 16 and 300 rows) and the 4-bit
-   GEMM (AWQ/GPTQ, bf16 activations, 1, 16 and 300 rows) against the fp32 product of the same quantized
+   GEMV and GEMM (AWQ/GPTQ, bf16 activations, 1 to 300 rows; groups of 128, and of 32 on SmolLM2's shapes) against the fp32 product of the same quantized
    values and scales, within 1 % of the output's largest magnitude.
 2. The engine on the tiny Llama with quantization=fp8, against transformers (fp32) whose projections
    compute the reference W8A8 product of the same e4m3 weights (tests/test_quant_fp8.py's oracle): prompt
@@ -54,14 +54,14 @@ def check_kernels() -> dict[str, Any]:
                                                    and torch.equal(xs, rs))
             out[f"gemm_{m}x{n}x{k}"] = _rel_err(tri.fp8_linear(x, wq, ws), qref.fp8_linear(x.float(), wq, ws))
         packed, scales, zeros = qref.quantize_int4_rows(w, 128)
-        for m in (1, 16, 300):
+        for m in (1, 2, 3, 16, 300):  # the GEMV at 1, 2 and 4 rows (padded), the GEMM's two launch shapes
             x = torch.randn(m, k, device="cuda", generator=g).bfloat16()
             out[f"int4_{m}x{n}x{k}"] = _rel_err(tri.int4_linear(x, packed, scales, zeros),
                                                 qref.int4_linear(x.float(), packed, scales, zeros))
     for n, k in GGUF_SHAPES:  # groups of 32: GGUF's Q4_0 / Q4_1 kept quantized on CUDA (gguf_kept.int4_layer)
         w = torch.randn(n, k, device="cuda", generator=g) / k**0.5
         packed, scales, zeros = qref.quantize_int4_rows(w, 32)
-        for m in (1, 6, 300):
+        for m in (1, 4, 6, 300):
             x = torch.randn(m, k, device="cuda", generator=g).bfloat16()
             out[f"int4_g32_{m}x{n}x{k}"] = _rel_err(tri.int4_linear(x, packed, scales, zeros),
                                                     qref.int4_linear(x.float(), packed, scales, zeros))

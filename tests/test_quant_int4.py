@@ -162,6 +162,7 @@ def test_desc_act_and_other_bits_are_refused(llama_ckpt, tmp_path):
     for i, (qcfg, message) in enumerate([
         ({"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": True}, "desc_act=true"),
         ({"quant_method": "gptq", "bits": 8, "group_size": 128}, "bits=8"),
+        ({"quant_method": "gptq", "bits": 4, "group_size": 48}, "group_size=48"),  # not whole blocks of 32
         ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemv_fast"}, "version 'gemv_fast'"),
     ]):
         dst = tmp_path / str(i)
