@@ -142,11 +142,13 @@ def test_pack_int4_layout():
 
 @pytest.mark.parametrize("rows,group,groups", [
     (1, 128, 4), (2, 32, 65), (3, 64, 5), (4, 32, 33), (1, 128, 17),  # the GEMV: 1..4 rows, K steps and tails
-    (5, 128, 4), (17, 96, 3), (40, 32, 7), (64, 64, 5)])  # the GEMM: 5..64 rows, K tails, a group of 96
+    (5, 128, 4), (17, 96, 3), (40, 32, 7), (64, 64, 5),  # the GEMM: 5..64 rows, K tails, a group of 96
+    (256, 64, 17)])  # from DEQUANT_MIN_ROWS: dequantized (K = 1,088: a tail of the 1,024-column tiles), then torch
 def test_triton_int4_gemm_against_reference(rows, group, groups):
     """fp32 under Triton's interpreter (whose bf16 tl.dot is broken; benchmarks/gpu_check_quant.py checks
     bf16 on the GPU), odd N: up to 4 rows the GEMV (64, 32 or 16 blocks of 32 columns a step: K = 2,080,
-    1,056 and 2,176 take several steps and a tail), more rows the GEMM (256 or 128 columns a step)."""
+    1,056 and 2,176 take several steps and a tail), more rows the GEMM (256 or 128 columns a step), from
+    256 rows the dequantizing kernel and torch's product."""
     from radixlm.kernels.triton import int4_gemm
 
     n, k = 41, groups * group

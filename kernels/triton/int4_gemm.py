@@ -9,7 +9,9 @@ loaded at those columns, so no unpacked values are interleaved (no layout conver
 built from the bits, not converted: the nibble q placed in mantissa bits 19..22 of 1.0 is f = 1 + q / 16
 exactly, so (q - zero) * scale = (16 f - 16 - zero) * scale.
 
-- GEMM (prefill, more than GEMV_MAX_ROWS rows): per K step, eight tl.dot's, one per nibble, each of the
+- Prefill (DEQUANT_MIN_ROWS rows or more): the weight dequantized into a transient buffer, then torch's
+  (cuBLAS's) product.
+- GEMM (more than GEMV_MAX_ROWS rows, fewer than DEQUANT_MIN_ROWS): per K step, eight tl.dot's, one per nibble, each of the
   slice's dequantized [BLOCK_N, BLOCK_K / 8] weights (f * 16 scale - (16 + zero) * scale: one FMA a
   weight, the two coefficients per word) against x's matching columns.
 - GEMV (decode): a tl.dot pads a few rows to 16 and its tiles leave too few programs to stream the weight
@@ -34,6 +36,11 @@ from radixlm.kernels.quant_reference import INT4_BLOCK
 
 # Decode batches up to this many rows take the GEMV.
 GEMV_MAX_ROWS = 4
+# Batches of at least this many rows (prefill) dequantize the weight into a transient [N, K] buffer of x's
+# dtype and multiply through torch (cuBLAS), as vLLM's AWQ path does from 256 tokens: there the product is
+# compute-bound and cuBLAS's GEMM outruns a Triton one that dequantizes inside its loop, while the extra
+# pass (reading K / 2 and writing 2K bytes a row of the weight) costs about what M = 4 rows of the product do.
+DEQUANT_MIN_ROWS = 256
 
 # The GEMV's launch shape (BLOCK_N, BLOCKS of 32 columns a step, num_warps, stages): by (rows rounded up to
 # a power of two, N, K), else by rows alone (INT4_GEMV_DEFAULTS). RADIXLM_INT4_GEMV_CONFIG
@@ -52,7 +59,10 @@ def int4_gemv_config(m: int, n: int, k: int) -> tuple[int, int, int, int]:
         block_n, blocks, warps, stages = (int(v) for v in override.split(","))
         return block_n, blocks, warps, stages
     rows = triton.next_power_of_2(m)
-    return INT4_GEMV_CONFIGS.get((rows, n, k), INT4_GEMV_DEFAULTS[rows])
+    if (rows, n, k) in INT4_GEMV_CONFIGS:
+        return INT4_GEMV_CONFIGS[(rows, n, k)]
+    block_n, blocks, warps, stages = INT4_GEMV_DEFAULTS[rows]
+    return block_n, min(blocks, triton.next_power_of_2(k // INT4_BLOCK)), warps, stages  # no step past K
 
 
 @triton.jit
@@ -95,6 +105,25 @@ def _int4_gemm_kernel(X, W, Scale, Zero, Bias, Out, m, n, k, group, num_groups, 
         acc += tl.load(Bias + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     tl.store(Out + offs_m[:, None] * stride_om + offs_n[None, :], acc.to(Out.dtype.element_ty),
              mask=m_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _int4_dequant_kernel(W, Scale, Zero, Out, n, k, group, num_groups, stride_wn, stride_on,
+                         BLOCK_N: tl.constexpr, BLOCKS: tl.constexpr):
+    """Out [N, K] = (q - zero) * scale in Out's dtype, a [BLOCK_N, BLOCKS * 32] tile a program."""
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    blocks = tl.program_id(1) * BLOCKS + tl.arange(0, BLOCKS)
+    offs_s = tl.arange(0, 4)
+    mask = (offs_n < n)[:, None] & (blocks < k // 32)[None, :]
+    words = tl.load(W + offs_n[:, None, None] * stride_wn + blocks[None, :, None] * 4 + offs_s[None, None, :],
+                    mask=mask[:, :, None], other=0)
+    sz = offs_n[:, None] * num_groups + (blocks * 32 // group)[None, :]
+    scale = tl.load(Scale + sz, mask=mask, other=0.0)
+    zero = tl.load(Zero + sz, mask=mask, other=0.0)
+    a, c = (16.0 * scale)[:, :, None], (-(16.0 + zero) * scale)[:, :, None]
+    out_ptrs = Out + offs_n[:, None, None] * stride_on + blocks[None, :, None] * 32 + offs_s[None, None, :]
+    for j in tl.static_range(8):
+        tl.store(out_ptrs + 4 * j, (_nibble_float(words, j) * a + c).to(Out.dtype.element_ty), mask=mask[:, :, None])
 
 
 @triton.jit
@@ -156,6 +185,12 @@ def int4_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zer
             *args, HAS_BIAS=bias is not None, ROWS=triton.next_power_of_2(m), BLOCK_N=block_n, BLOCKS=blocks,
             STAGES=stages, num_warps=warps)
         return out
+    if m >= DEQUANT_MIN_ROWS:
+        w = torch.empty((n, k), dtype=x.dtype, device=x.device)
+        _int4_dequant_kernel[(triton.cdiv(n, 16), triton.cdiv(k // INT4_BLOCK, 32))](
+            packed, scales, zeros, w, n, k, group, num_groups, packed.stride(0), w.stride(0), BLOCK_N=16, BLOCKS=32,
+            num_warps=4)
+        return torch.nn.functional.linear(x, w, bias)
     block_m = max(16, min(64, triton.next_power_of_2(m)))
     block_n, block_k = (32, 256) if m <= 16 else (64, 128)  # each nibble's tl.dot spans BLOCK_K / 8 >= 16 columns
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
