@@ -33,6 +33,7 @@ from radixlm.core.runtime.models.config import ModelConfig
 from radixlm.core.runtime.models.cpu_linear import prepack_linears
 from radixlm.core.runtime.models.hub import locate_model
 from radixlm.core.runtime.models.loader import load_model
+from radixlm.core.runtime.quantization.int4 import Int4Linear
 
 if TYPE_CHECKING:
     from radixlm.core.runtime.models.parallel import TensorParallel
@@ -178,7 +179,10 @@ class ModelRunner:
         chunk = opts.chunked_prefill_size if opts.chunked_prefill_size > 0 else c.context_len
         prefill = chunk * per_token
         sampler = opts.max_running_requests * c.vocab_size * _SAMPLER_BYTES_PER_LOGIT
-        return prefill + sampler + _CUDA_SLACK_BYTES
+        # A 4-bit layer's prefill dequantizes its weight into a transient buffer (kernels' int4_linear).
+        dequant = elt * max((m.out_features * m.in_features for m in self.model.modules()
+                             if isinstance(m, Int4Linear)), default=0)
+        return prefill + sampler + dequant + _CUDA_SLACK_BYTES
 
     @torch.inference_mode()
     def forward(self, batch: BatchInput) -> torch.Tensor:
