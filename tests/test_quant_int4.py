@@ -186,3 +186,18 @@ def test_act_order_g_idx_is_named(wide_ckpt, tmp_path):
     save_file(tensors, os.path.join(dst, "model.safetensors"))
     with pytest.raises(UnsupportedModelError, match=r"model.layers.1.mlp.down_proj.g_idx orders the inputs"):
         radixlm.Engine(dst, log_level="warning")
+
+
+def test_kv_sizing_reserves_the_prefill_dequantization_buffer(wide_ckpt, tmp_path):
+    """From 256 rows a 4-bit layer dequantizes its weight into a transient buffer of the model dtype: the
+    KV pool's sizing must leave room for the largest (here gate_up, 512 x 128 fp32) beside the activations."""
+    from radixlm.core.runtime.execution.model_runner import ModelRunner
+    from radixlm.core.runtime.models.config import ModelConfig
+    from radixlm.core.runtime.options import EngineOptions
+
+    dst = str(tmp_path / "awq")
+    write_int4_checkpoint(wide_ckpt, dst, "awq")
+    opts = EngineOptions.from_kwargs({"device": "cpu", "max_total_tokens": 512})
+    reserve = {path: ModelRunner(path, ModelConfig.from_dir(path), opts)._activation_reserve(opts)
+               for path in (wide_ckpt, dst)}
+    assert reserve[dst] - reserve[wide_ckpt] == 512 * 128 * 4
