@@ -10,7 +10,7 @@ options (overlap scheduling on, admissions of 64): batch-1 decode ms/token, 16 x
 the 1,000-request offline set, the weights' GiB and the KV tokens that fit.
 --sweep-gemv: first times the fp8 and the 4-bit decode GEMVs' launch shapes on the 8B projections at one
 row (4-bit: groups of 128, and groups of 32 on SmolLM2's projections) and keeps the fastest for the engine
-runs (decode_gemv.CONFIGS_FP8, int4_gemm.INT4_GEMV_CONFIGS), beside the bf16 GEMV on the same shape.
+runs (decode_gemv.CONFIGS_FP8, decode_gemv.CONFIGS_INT4), beside the bf16 GEMV on the same shape.
 --accuracy: the quantized model against the unquantized one on real text (this repository's README,
 the first --steps tokens, teacher-forced): mean |delta logprob| of each next token and top-1 agreement;
 then greedy continuations of the quick start's six questions and of the text's first 32 tokens
@@ -38,15 +38,17 @@ QUESTIONS = ["What is the capital of France?", "What is the capital of Japan?", 
 SYSTEM = ("You are a concise assistant for a geography and general-knowledge quiz. Answer each question "
           "in one short sentence.")
 SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
+OPS = ["scaled", "residual", "scaled", "silu"]  # the fused GEMV each of qkv, o, gate_up, down takes (_int4_op)
 CANDIDATES = [(4, 1024, 4, 3), (8, 1024, 4, 3), (4, 2048, 4, 3), (8, 2048, 8, 3), (4, 4096, 8, 3), (16, 1024, 8, 3)]
 # SmolLM2-135M's projections (qkv, o, gate_up, down), whose GGUF Q4_0/Q4_1 run in groups of 32 on CUDA.
 SMOL_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
-# The 4-bit GEMV's (BLOCK_N, BLOCKS of 32 columns a step, warps, stages): bytes a step, features a program
-# (so that x's loads and sums are shared by more of a thread's words) and the pipeline's depth.
-INT4_CANDIDATES = [(8, 64, 4, 3), (8, 32, 4, 3), (8, 128, 4, 3), (8, 64, 8, 3), (8, 64, 2, 3), (8, 32, 2, 3),
-                   (8, 64, 4, 2), (8, 64, 4, 4), (8, 32, 4, 4), (16, 32, 4, 3), (16, 64, 8, 3), (16, 32, 8, 3),
-                   (16, 16, 4, 3), (16, 32, 4, 4), (16, 64, 4, 3), (4, 64, 4, 3), (4, 128, 4, 3), (4, 64, 2, 3),
-                   (4, 32, 1, 3), (32, 32, 8, 3), (32, 16, 4, 3)]
+# The 4-bit GEMV's (BLOCK_N, BLOCK_K columns, a multiple of 32, warps, stages): bytes a step, features a
+# program (so that x's loads and sums are shared by more of a thread's words) and the pipeline's depth.
+INT4_CANDIDATES = [(8, 2048, 4, 3), (8, 1024, 4, 3), (8, 4096, 4, 3), (8, 2048, 8, 3), (8, 2048, 2, 3),
+                   (8, 1024, 2, 3), (8, 2048, 4, 2), (8, 2048, 4, 4), (8, 1024, 4, 4), (16, 1024, 4, 3),
+                   (16, 2048, 8, 3), (16, 1024, 8, 3), (16, 512, 4, 3), (16, 1024, 4, 4), (16, 2048, 4, 3),
+                   (4, 2048, 4, 3), (4, 4096, 4, 3), (4, 2048, 2, 3), (4, 1024, 1, 3), (32, 1024, 8, 3),
+                   (32, 512, 4, 3)]
 
 
 def _bench_engine():
@@ -93,36 +95,53 @@ def _sweep(fn, env: str, candidates: list[tuple[int, ...]], label: str) -> dict[
     return timed
 
 
-def _int4_sweep(x: torch.Tensor, w: torch.Tensor, group: int, candidates: list[tuple[int, ...]],
-                label: str) -> dict[str, Any]:
-    """The 4-bit GEMV's launch shapes on one projection: the fastest installed in INT4_GEMV_CONFIGS, its GB/s
-    of nibbles and of all it reads (nibbles, fp32 scales and zeros)."""
+def _int4_op(x: torch.Tensor, int4: tuple, op: str):
+    """The fused decode GEMV a projection takes in the engine at batch 1, on a 4-bit weight: `scaled` (qkv,
+    gate_up: rms_scaled_gemv; qkv's rotary epilogue aside), `residual` (o_proj) or `silu` (down_proj:
+    SiLU-and-mul of [gate | up] first, then the residual epilogue)."""
     from radixlm.kernels import triton as tri
+
+    packed, scales, zeros = int4
+    n, k = packed.shape[0], x.shape[1]
+    if op == "scaled":
+        sums = torch.rand(1, 8, device="cuda") * k
+        return lambda: tri.rms_scaled_gemv(x, sums, 1e-6, packed, None, scales, zeros)
+    residual, norm_w = torch.randn(1, n, device="cuda", dtype=x.dtype), torch.ones(n, device="cuda", dtype=x.dtype)
+    xs = torch.cat([x, x], dim=1) if op == "silu" else x
+    return lambda: tri.residual_gemv(xs, packed, residual, norm_w, silu=op == "silu", weight_scale=scales,
+                                     weight_zero=zeros)
+
+
+def _int4_sweep(x: torch.Tensor, w: torch.Tensor, group: int, op: str, candidates: list[tuple[int, ...]],
+                label: str) -> dict[str, Any]:
+    """The 4-bit GEMV's launch shapes on one projection, timed as the engine runs it (`_int4_op`): the
+    fastest installed in decode_gemv.CONFIGS_INT4, its GB/s of nibbles and of all it reads (nibbles, fp32
+    scales and zeros)."""
     from radixlm.kernels.quant_reference import quantize_int4_rows
-    from radixlm.kernels.triton import int4_gemm
+    from radixlm.kernels.triton import decode_gemv
 
     n, k = w.shape
-    int4 = quantize_int4_rows(w, group)
-    timed = _sweep(lambda: tri.int4_linear(x, *int4), "RADIXLM_INT4_GEMV_CONFIG", candidates, f"int4 {label}")
+    timed = _sweep(_int4_op(x, quantize_int4_rows(w, group), op), "RADIXLM_GEMV_CONFIG", candidates,
+                   f"int4 {label}")
     best = min(timed, key=timed.get)
-    int4_gemm.INT4_GEMV_CONFIGS[(1, n, k)] = best
+    decode_gemv.CONFIGS_INT4[(1, n, k)] = best
     us = timed[best]
-    return {"int4_us": us, "int4_config": list(best), "int4_GBps": n * k / 2 / us / 1e3,
+    return {"int4_op": op, "int4_us": us, "int4_config": list(best), "int4_GBps": n * k / 2 / us / 1e3,
             "int4_total_GBps": (n * k / 2 + 8 * n * k / group) / us / 1e3,
             "all_int4_us": {",".join(map(str, c)): t for c, t in timed.items()}}
 
 
 def sweep_gemv(int4_candidates: list[tuple[int, ...]]) -> dict[str, Any]:
     """At one row, on the 8B projections: the fastest fp8 GEMV launch shape (installed in CONFIGS_FP8) and
-    4-bit GEMV shape at groups of 128 (AWQ/GPTQ; installed in int4_gemm.INT4_GEMV_CONFIGS), beside the bf16
+    4-bit GEMV shape (timed as the fused op the engine runs it in) at groups of 128 (AWQ/GPTQ; installed in decode_gemv.CONFIGS_INT4), beside the bf16
     GEMV on its own tuned shape, each with its bandwidth; then the 4-bit GEMV at groups of 32 on SmolLM2's
-    projections (GGUF Q4_0/Q4_1 on CUDA). Prints the 4-bit winners as INT4_GEMV_CONFIGS entries."""
+    projections (GGUF Q4_0/Q4_1 on CUDA). Prints the 4-bit winners as CONFIGS_INT4 entries."""
     from radixlm.kernels import triton as tri
     from radixlm.kernels.quant_reference import quantize_fp8_rows
     from radixlm.kernels.triton import decode_gemv
 
     results = {}
-    for n, k in SHAPES:
+    for (n, k), op in zip(SHAPES, OPS):
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
         wq, ws = quantize_fp8_rows(w)
         x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
@@ -130,25 +149,24 @@ def sweep_gemv(int4_candidates: list[tuple[int, ...]]) -> dict[str, Any]:
         timed = _sweep(lambda: tri.gemv(x, wq, None, ws), "RADIXLM_GEMV_CONFIG", CANDIDATES, f"fp8 {n}x{k}")
         best = min(timed, key=timed.get)
         decode_gemv.CONFIGS_FP8[(1, n, k)] = best
-        int4 = _int4_sweep(x, w, 128, int4_candidates, f"{n}x{k}")
+        int4 = _int4_sweep(x, w, 128, op, int4_candidates, f"{n}x{k}")
         results[f"{n}x{k}"] = {"bf16_us": bf16_us, "bf16_GBps": 2 * n * k / bf16_us / 1e3, "fp8_us": timed[best],
                                "fp8_config": list(best), "fp8_GBps": n * k / timed[best] / 1e3, **int4,
                                "all_fp8_us": {",".join(map(str, c)): t for c, t in timed.items()}}
         print(f"gemv {n}x{k}: bf16 {bf16_us:.1f} us ({2 * n * k / bf16_us / 1e3:.0f} GB/s), fp8 {timed[best]:.1f} us "
-              f"with {best} ({n * k / timed[best] / 1e3:.0f} GB/s), int4 g128 {int4['int4_us']:.1f} us with "
+              f"with {best} ({n * k / timed[best] / 1e3:.0f} GB/s), int4 g128 ({op}) {int4['int4_us']:.1f} us with "
               f"{tuple(int4['int4_config'])} ({int4['int4_GBps']:.0f} GB/s of nibbles, "
               f"{int4['int4_total_GBps']:.0f} with scales and zeros)", flush=True)
-    for n, k in SMOL_SHAPES:
+    for (n, k), op in zip(SMOL_SHAPES, OPS):
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
         x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
         bf16_us = _time_cuda(lambda: tri.gemv(x, w))
-        int4 = _int4_sweep(x, w, 32, int4_candidates, f"g32 {n}x{k}")
+        int4 = _int4_sweep(x, w, 32, op, int4_candidates, f"g32 {n}x{k}")
         results[f"g32_{n}x{k}"] = {"bf16_us": bf16_us, **int4}
-        print(f"gemv {n}x{k} (SmolLM2): bf16 {bf16_us:.1f} us, int4 g32 {int4['int4_us']:.1f} us with "
+        print(f"gemv {n}x{k} (SmolLM2): bf16 {bf16_us:.1f} us, int4 g32 ({op}) {int4['int4_us']:.1f} us with "
               f"{tuple(int4['int4_config'])} ({int4['int4_total_GBps']:.0f} GB/s with scales and zeros)", flush=True)
-    from radixlm.kernels.triton import int4_gemm
-    print("int4_gemm.INT4_GEMV_CONFIGS = {" + ", ".join(f"{key}: {cfg}" for key, cfg in
-                                                         int4_gemm.INT4_GEMV_CONFIGS.items()) + "}", flush=True)
+    print("decode_gemv.CONFIGS_INT4 = {" + ", ".join(f"{key}: {cfg}" for key, cfg in
+                                                     decode_gemv.CONFIGS_INT4.items()) + "}", flush=True)
     return results
 
 
@@ -246,8 +264,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--engine", action="store_true", help="engine benchmarks, bf16 then each variant")
     p.add_argument("--sweep-gemv", action="store_true", help="time fp8 and 4-bit GEMV launch shapes first (CUDA)")
-    p.add_argument("--int4-configs", nargs="+", metavar="BN,BLOCKS,WARPS,STAGES",
-                   help="--sweep-gemv: the 4-bit GEMV's candidates (default: INT4_CANDIDATES)")
+    p.add_argument("--int4-configs", nargs="+", metavar="BN,BK,WARPS,STAGES",
+                   help="--sweep-gemv: the 4-bit GEMV's candidates, BLOCK_K in columns (default: INT4_CANDIDATES)")
     p.add_argument("--accuracy", action="store_true", help="the quantized model against the unquantized on text")
     p.add_argument("--model", default="llama3-8b-shape", help="bench_engine's model (--engine)")
     p.add_argument("--variants", nargs="+", default=["fp8"],
