@@ -49,11 +49,12 @@
 #                                   # image QA on the Qwen2-VL-2B shape (M-RoPE), shared vs distinct images (issue 21)
 #   RUN_GPU_CHECK=0 RUN_ENGINE_BENCH=0 RUN_CONSTRAINED=0 RUN_QUANT=1 bash benchmarks/run_h200.sh
 #                                   # bf16 beside fp8 and AWQ 4-bit on the 8B shape (issue 35, ~8 minutes)
-#   GPU_CHECK_S=150 GPU_CHECK_ARGS="--skip-kernels --checks fp8_weights" RUN_ENGINE_BENCH=0 RUN_CONSTRAINED=0 \
-#     RUN_QUANT=1 QUANT_S=400 QUANT_ARGS="--sweep-gemv --engine --parts latency prefill --variants fp8 awq" \
-#     bash benchmarks/run_h200.sh       # the 4-bit kernels against their twin (GEMV 1-4 rows, GEMM; groups of
-#                                   # 128 and 32), the fp8 and 4-bit GEMV sweeps (8B shapes; SmolLM2's at groups
-#                                   # of 32), then batch-1 decode and 16 x 1024 prefill: bf16, fp8, AWQ (~7 minutes)
+#   GPU_CHECK_S=200 GPU_CHECK_ARGS="--skip-kernels --checks fp8_weights" RUN_ENGINE_BENCH=0 RUN_CONSTRAINED=0 \
+#     RUN_QUANT=1 QUANT_S=380 QUANT_ARGS="--sweep-gemv --engine --parts latency prefill --variants awq" \
+#     bash benchmarks/run_h200.sh       # the 4-bit kernels against their twin (GEMV 1-4 rows, GEMM, prefill;
+#                                   # groups of 128 and 32) and the fused 4-bit decode against the unfused in the
+#                                   # engine, then the fp8 and 4-bit GEMV sweeps (8B shapes; SmolLM2's at groups
+#                                   # of 32), then batch-1 decode and 16 x 1024 prefill, bf16 beside AWQ (~9 minutes)
 #   RUN_GPU_CHECK=0 RUN_ENGINE_BENCH=0 RUN_CONSTRAINED=0 RUN_SPEC=1 bash benchmarks/run_h200.sh
 #                                   # speculative decoding's verify-step cost, batch-1 tokens/s with a draft model, greedy equality (issue 36)
 #   GPU_CHECK_S=200 GPU_CHECK_ARGS="--skip-kernels --checks spec_graphs" RUN_ENGINE_BENCH=0 RUN_CONSTRAINED=0 \
