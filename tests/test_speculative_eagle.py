@@ -14,7 +14,7 @@ import torch
 
 import radixlm
 from radixlm.core.errors import UnsupportedModelError
-from radixlm.testing.eagle import build_eagle_head
+from radixlm.testing.eagle import build_eagle_head, count_replays, head_inputs_differ, record_head_inputs
 from test_speculative import MIXED, PROMPTS, assert_kv_whole, draft_pool_whole, engine
 
 
@@ -186,6 +186,54 @@ def test_eagle_greedy_outputs_equal_and_metrics(llama_ckpt, eagle_head, adaptive
     if not adaptive:
         assert stats["spec_verifies_total"] > 0
         assert all("spec_accept_length" in o["meta_info"] for o in spec)
+
+
+def skip_some_drafts(e: radixlm.Engine) -> None:
+    """Makes the engine's proposer draft nothing for a request one call in three (a request of a batch that
+    the adaptive policy leaves out, or a plain decode step at batch 1), by a rule that does not depend on
+    timing: the head then catches up over target states of several steps."""
+    proposer = e.frontend.scheduler.scheduler.speculator.proposer
+    propose, calls = proposer.propose, []
+
+    def skipping(reqs, budgets):
+        calls.append(1)
+        return propose(reqs, [0 if (len(calls) + i) % 3 == 0 else k for i, k in enumerate(budgets)])
+
+    proposer.propose = skipping
+
+
+@pytest.mark.parametrize("version", [1, 3])
+def test_eagle_on_the_decode_graphs_keeps_outputs_and_the_heads_inputs(llama_ckpt, eagle_head, deep_llama,
+                                                                      eagle3_head, version):
+    """The target's and the head's decode steps on the decode graphs (their eager twin on the CPU: the same
+    padded static buffers, the states the graphs export): outputs equal to speculation off's, and the head
+    reads what it reads with every step eager (the target's states of decode steps and of verify steps
+    replayed as decode rows, kept over steps; its own outputs from its graphs' buffer); both runners
+    replayed such steps."""
+    ckpt, head = (llama_ckpt, eagle_head) if version == 1 else (deep_llama, eagle3_head)
+    params = {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}
+    spec = {"speculative_algorithm": "eagle" if version == 1 else "eagle3", "speculative_draft_model_path": head,
+            "speculative_num_steps": 4, "speculative_adaptive": False}
+    with engine(ckpt) as e:
+        base = [o["output_ids"] for o in e.generate(input_ids=PROMPTS, sampling_params=params)]
+    runs = {}
+    for graphs in (False, True):
+        with engine(ckpt, **spec) as e:
+            inputs = record_head_inputs(e)
+            skip_some_drafts(e)
+            if graphs:  # 24 rows: 4 requests x 5 verify rows (4 padding); a head step of 4 requests
+                target = count_replays(e._runner, 24)
+                heads = count_replays(e.frontend.scheduler.scheduler.speculator.proposer.runner, 24)
+            out = [o["output_ids"] for o in e.generate(input_ids=PROMPTS, sampling_params=params)]
+            out.append(e.generate(input_ids=PROMPTS[3], sampling_params=params)["output_ids"])  # batch 1
+            assert_kv_whole(e)
+            draft_pool_whole(e)
+        runs[graphs] = out, inputs
+    assert runs[True][0] == runs[False][0] == base + [base[3]]
+    assert head_inputs_differ(runs[True][1], runs[False][1], 1e-4) == []
+    assert sum(len(set(b.rows)) < len(b.rows) for b in target) > 5  # verify steps: rows sharing a request
+    assert any(len(set(b.rows)) == len(b.rows) and b.features is None for b in target)  # decode steps
+    assert sum(b.features is not None for b in heads) > 5 and all(b.features is not None for b in heads)
 
 
 @pytest.mark.parametrize("damage,name", [("drop", "layers.0.mlp.up_proj.weight"), ("reshape", "fc.weight"),
