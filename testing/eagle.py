@@ -107,12 +107,28 @@ def record_head_inputs(engine: Any) -> dict[tuple[int, ...], list[tuple[int, int
     return seen
 
 
+def skip_some_drafts(engine: Any) -> None:
+    """Makes the engine's proposer draft nothing for a request one call in three (a request of a batch that
+    the adaptive policy leaves out, or a plain decode step at batch 1), by a rule that does not depend on
+    timing: the head then catches up over target states of several steps."""
+    proposer = engine.frontend.scheduler.scheduler.speculator.proposer
+    propose, calls = proposer.propose, []
+
+    def skipping(reqs: list[Any], budgets: list[int]) -> list[list[int]]:
+        calls.append(1)
+        return propose(reqs, [0 if (len(calls) + i) % 3 == 0 else k for i, k in enumerate(budgets)])
+
+    proposer.propose = skipping
+
+
 def count_replays(runner: Any, max_bs: int) -> list[BatchInput]:
     """Starts recording the batches the runner's decode graphs replay; a runner without graphs (the CPU)
     first gets the graphs' eager twin (the same padded static buffers, no capture) of up to max_bs rows."""
     if runner.graph_runner is None and runner.device.type == "cpu":
         runner.graph_runner = DecodeGraphRunner(runner, max_bs, capture=False)
     graphs, seen = runner.graph_runner, []
+    if graphs is None:  # none captured (disable_cuda_graph, or a capture that failed): nothing replays
+        return seen
     real_run = graphs.run
     graphs.run = lambda batch: seen.append(batch) or real_run(batch)
     return seen

@@ -14,7 +14,8 @@ import torch
 
 import radixlm
 from radixlm.core.errors import UnsupportedModelError
-from radixlm.testing.eagle import build_eagle_head, count_replays, head_inputs_differ, record_head_inputs
+from radixlm.testing.eagle import (build_eagle_head, count_replays, head_inputs_differ, record_head_inputs,
+                                   skip_some_drafts)
 from test_speculative import MIXED, PROMPTS, assert_kv_whole, draft_pool_whole, engine
 
 
@@ -186,20 +187,6 @@ def test_eagle_greedy_outputs_equal_and_metrics(llama_ckpt, eagle_head, adaptive
     if not adaptive:
         assert stats["spec_verifies_total"] > 0
         assert all("spec_accept_length" in o["meta_info"] for o in spec)
-
-
-def skip_some_drafts(e: radixlm.Engine) -> None:
-    """Makes the engine's proposer draft nothing for a request one call in three (a request of a batch that
-    the adaptive policy leaves out, or a plain decode step at batch 1), by a rule that does not depend on
-    timing: the head then catches up over target states of several steps."""
-    proposer = e.frontend.scheduler.scheduler.speculator.proposer
-    propose, calls = proposer.propose, []
-
-    def skipping(reqs, budgets):
-        calls.append(1)
-        return propose(reqs, [0 if (len(calls) + i) % 3 == 0 else k for i, k in enumerate(budgets)])
-
-    proposer.propose = skipping
 
 
 @pytest.mark.parametrize("version", [1, 3])
