@@ -56,7 +56,9 @@ def eagle_proposer(opts: EngineOptions, target: Any) -> EagleProposer:
     path, _ = locate_model(opts.speculative_draft_model_path)
     version = 3 if opts.speculative_algorithm == "eagle3" else 1
     head, cfg = load_eagle_head(path, target.model, target.dtype, target.device, target.ops, version)
-    cfg = dataclasses.replace(cfg, context_len=target.cfg.context_len)
+    # its logits (its graphs' buffer) are over the target's vocabulary, whatever its config says (EAGLE-3's
+    # lm_head covers a draft vocabulary)
+    cfg = dataclasses.replace(cfg, context_len=target.cfg.context_len, vocab_size=target.cfg.vocab_size)
     head_opts = dataclasses.replace(opts, max_total_tokens=target.num_slots, speculative_algorithm=None)
     head_runner = ModelRunner(path, cfg, head_opts, model=head, export=HiddenExport())
     proposer = EagleProposer(head_runner, target, target.cfg.vocab_size)
