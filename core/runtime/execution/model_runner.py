@@ -57,6 +57,8 @@ class ModelRunner:
         `model`: one already built (an EAGLE head), instead of loading model_path's. `export`: the hidden
         states each step hands to `hidden_sink` (default: what the options' speculative proposer reads)."""
         self.cfg = cfg
+        # The hidden states each step exports (first: EAGLE-3 refuses a target too shallow before its load).
+        self.export = export or target_export(opts, cfg.num_layers)
         self.device = torch.device(opts.device)
         self.dtype = opts.torch_dtype
         self.ops = kernels.get_ops(self.device)
@@ -77,6 +79,8 @@ class ModelRunner:
             fused = self.model.enable_fused_gemv(opts.decode_fused_gemv)
             logger.info("decode_fused_gemv=%d: %s", opts.decode_fused_gemv,
                         "on" if fused else "off (this kernel set or model has no fused GEMVs)")
+        if self.export is not None:
+            self.export.prepare(self.model)
         start = time.perf_counter()
         self.attn_backend = AttentionBackend(self.ops)
         self.cos_sin_cache = cfg.rope_cos_sin_cache(self.device)
@@ -99,9 +103,6 @@ class ModelRunner:
         # Called with each step's input and exported hidden states of all its tokens (an EAGLE proposer's
         # input), valid until the next step; the graphs export them only where `export` was set before capture.
         self.hidden_sink: Callable[[BatchInput, torch.Tensor], None] | None = None
-        self.export = export or target_export(opts, cfg.num_layers)
-        if self.export is not None:
-            self.export.prepare(self.model)
         if self.device.type == "cuda" and not opts.disable_cuda_graph:
             self._capture_graphs(opts)
 
