@@ -58,7 +58,7 @@ class ModelRunner:
         states each step hands to `hidden_sink` (default: what the options' speculative proposer reads)."""
         self.cfg = cfg
         # The hidden states each step exports (first: EAGLE-3 refuses a target too shallow before its load).
-        self.export = export or target_export(opts, cfg.num_layers)
+        self.export = export if export is not None else target_export(opts, cfg.num_layers)
         self.device = torch.device(opts.device)
         self.dtype = opts.torch_dtype
         self.ops = kernels.get_ops(self.device)
