@@ -270,3 +270,52 @@ def test_eagle_under_retraction_and_abort(llama_ckpt, eagle_head):
         assert not e.frontend.scheduler.scheduler.speculator.proposer.states
     assert [o["output_ids"] for o in spec] == [o["output_ids"] for o in base]
     assert stats["retractions_total"] > 0 and stats["spec_verifies_total"] > 0
+
+
+def test_kept_target_states_are_the_latest_of_each_position_in_few_pieces():
+    """observe_target keeps, per request row, the newest state of every position (a verify step's rejected
+    positions replaced by the next step's), in at most MAX_STATE_PIECES pieces that hold no whole step's
+    copy alive; the proposal's trim keeps each piece at its own positions. Oracle: a dict of positions."""
+    from types import SimpleNamespace
+
+    from radixlm.core.runtime.execution.batch_input import BatchInput
+    from radixlm.core.runtime.execution.hidden_export import HiddenExport
+    from radixlm.core.runtime.speculative.eagle import MAX_STATE_PIECES, EagleProposer
+
+    head = SimpleNamespace(num_slots=8, export=HiddenExport(), hidden_sink=None, dtype=torch.float32,
+                           device=torch.device("cpu"))
+    target = SimpleNamespace(export=HiddenExport(), cfg=SimpleNamespace(hidden_size=4), hidden_sink=None)
+    proposer = EagleProposer(head, target, 100)
+    g = torch.Generator().manual_seed(3)
+    truth: dict[int, dict[int, torch.Tensor]] = {0: {}, 3: {}}
+
+    def step(spans: list[tuple[int, int, int]]) -> None:  # (row, first position, tokens)
+        batch = BatchInput(False, [], [], [], [], [], [], [])
+        for row, first, n in spans:
+            batch.rows.append(row)
+            batch.extend_lens.append(n)
+            batch.positions += range(first, first + n)
+            truth[row] = {p: h for p, h in truth[row].items() if p < first}
+        hidden = torch.randn(len(batch.positions), 4, generator=g)
+        at = 0
+        for row, first, n in spans:
+            truth[row].update({first + j: hidden[at + j].clone() for j in range(n)})
+            at += n
+        proposer.observe_target(batch, hidden)
+        hidden.fill_(float("nan"))  # the runner's buffer, overwritten by its next step
+
+    step([(0, 0, 5), (3, 0, 2)])
+    newest = {0: 5, 3: 2}
+    for i in range(60):  # row 0 decodes; row 3 verifies 2 drafts, keeping 1 (2 new tokens a step)
+        step([(0, newest[0], 1), (3, newest[3], 3)])
+        newest[0] += 1
+        newest[3] += 2
+        if i == 30:  # a proposal's trim of what the head has read (positions below 20 of row 3)
+            proposer._forget_states(3, 20)
+            truth[3] = {p: h for p, h in truth[3].items() if p >= 20}
+    for row, end in ((0, newest[0]), (3, newest[3] + 1)):  # row 3 holds its rejected last state too
+        pieces = proposer.states[row]
+        assert len(pieces) <= MAX_STATE_PIECES
+        assert len({h.untyped_storage().data_ptr() for _, h in pieces}) <= MAX_STATE_PIECES
+        want = torch.stack([truth[row].get(p, torch.zeros(4)) for p in range(end)])
+        torch.testing.assert_close(proposer._target_states(row, 0, end), want)

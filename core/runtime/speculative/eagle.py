@@ -20,6 +20,11 @@ from radixlm.core.runtime.execution.batch_input import BatchInput
 from radixlm.core.runtime.request import Req
 from radixlm.core.runtime.speculative.draft_model import DraftModelProposer
 
+# A request's kept states are joined into one tensor of their own once they are this many pieces (one a
+# step): each piece is a view of a whole step's copy, which would stay alive, every row of the batch,
+# for as long as one request that has not drafted since (the head has not read its states) holds it.
+MAX_STATE_PIECES = 16
+
 
 class EagleProposer(DraftModelProposer):
     name = "eagle"  # "eagle3" for an EAGLE-3 head (set by the builder)
@@ -49,7 +54,7 @@ class EagleProposer(DraftModelProposer):
             kept = [(s, h if s + len(h) <= first else h[:first - s])
                     for s, h in self.states.get(row, []) if s < first]
             kept.append((first, hidden[at:at + n]))
-            self.states[row] = kept
+            self.states[row] = kept if len(kept) <= MAX_STATE_PIECES else _joined(kept)
             at += n
 
     def _observe_head(self, batch: BatchInput, hidden: torch.Tensor) -> None:
@@ -64,10 +69,14 @@ class EagleProposer(DraftModelProposer):
             if kv is not None:
                 self.allocator.free(kv.slots[fed:])
                 del kv.slots[fed:], kv.ids[fed:]
-                self.states[req.row] = [(s, h[max(0, fed - s):]) for s, h in self.states.get(req.row, [])
-                                        if s + len(h) > fed]
+                self._forget_states(req.row, fed)
         self.out.clear()
         return drafts
+
+    def _forget_states(self, row: int, before: int) -> None:
+        """Drops the row's states of positions below `before` (the head's KV holds them now)."""
+        self.states[row] = [(max(s, before), h[max(0, before - s):]) for s, h in self.states.get(row, [])
+                            if s + len(h) > before]
 
     def release(self, req: Req) -> None:
         super().release(req)
@@ -95,3 +104,14 @@ class EagleProposer(DraftModelProposer):
             if lo < hi:
                 out[lo - start:hi - start] = h[lo - s:hi - s]
         return out
+
+
+def _joined(pieces: list[tuple[int, torch.Tensor]]) -> list[tuple[int, torch.Tensor]]:
+    """The pieces (in position order) with each run of adjacent positions copied into one tensor."""
+    runs: list[tuple[int, list[torch.Tensor]]] = []
+    for s, h in pieces:
+        if runs and runs[-1][0] + sum(len(x) for x in runs[-1][1]) == s:
+            runs[-1][1].append(h)
+        else:
+            runs.append((s, [h]))
+    return [(s, torch.cat(parts)) for s, parts in runs]
