@@ -131,11 +131,28 @@ def _int4_sweep(x: torch.Tensor, w: torch.Tensor, group: int, op: str, candidate
             "all_int4_us": {",".join(map(str, c)): t for c, t in timed.items()}}
 
 
+def _int4_gemm_times(w: torch.Tensor) -> dict[str, Any]:
+    """The 4-bit product at more rows than the GEMV takes (groups of 128): the Triton GEMM at 16 and 128
+    rows, the dequantize-then-cuBLAS path at 1,024, each beside cuBLAS on the bf16 weight, in TFLOP/s."""
+    from radixlm.kernels import triton as tri
+    from radixlm.kernels.quant_reference import quantize_int4_rows
+
+    int4, out = quantize_int4_rows(w, 128), {}
+    for m in (16, 128, 1024):
+        x = torch.randn(m, w.shape[1], device="cuda", dtype=torch.bfloat16)
+        int4_us = _time_cuda(lambda: tri.int4_linear(x, *int4), iters=40)
+        bf16_us = _time_cuda(lambda: x @ w.t(), iters=40)
+        out[m] = {"int4_us": int4_us, "bf16_us": bf16_us, "int4_TFLOPs": 2 * m * w.numel() / int4_us / 1e6,
+                  "bf16_TFLOPs": 2 * m * w.numel() / bf16_us / 1e6}
+    return out
+
+
 def sweep_gemv(int4_candidates: list[tuple[int, ...]]) -> dict[str, Any]:
     """At one row, on the 8B projections: the fastest fp8 GEMV launch shape (installed in CONFIGS_FP8) and
-    4-bit GEMV shape (timed as the fused op the engine runs it in) at groups of 128 (AWQ/GPTQ; installed in decode_gemv.CONFIGS_INT4), beside the bf16
-    GEMV on its own tuned shape, each with its bandwidth; then the 4-bit GEMV at groups of 32 on SmolLM2's
-    projections (GGUF Q4_0/Q4_1 on CUDA). Prints the 4-bit winners as CONFIGS_INT4 entries."""
+    4-bit GEMV shape (timed as the fused op the engine runs it in) at groups of 128 (AWQ/GPTQ; installed
+    in decode_gemv.CONFIGS_INT4), beside the bf16 GEMV on its own tuned shape, each with its bandwidth; then the 4-bit GEMV at groups of 32 on SmolLM2's
+    projections (GGUF Q4_0/Q4_1 on CUDA). Prints the 4-bit winners as CONFIGS_INT4 entries. Also the 4-bit
+    product at 16, 128 and 1,024 rows against cuBLAS (`_int4_gemm_times`)."""
     from radixlm.kernels import triton as tri
     from radixlm.kernels.quant_reference import quantize_fp8_rows
     from radixlm.kernels.triton import decode_gemv
@@ -150,13 +167,15 @@ def sweep_gemv(int4_candidates: list[tuple[int, ...]]) -> dict[str, Any]:
         best = min(timed, key=timed.get)
         decode_gemv.CONFIGS_FP8[(1, n, k)] = best
         int4 = _int4_sweep(x, w, 128, op, int4_candidates, f"{n}x{k}")
+        gemm = _int4_gemm_times(w)
         results[f"{n}x{k}"] = {"bf16_us": bf16_us, "bf16_GBps": 2 * n * k / bf16_us / 1e3, "fp8_us": timed[best],
                                "fp8_config": list(best), "fp8_GBps": n * k / timed[best] / 1e3, **int4,
-                               "all_fp8_us": {",".join(map(str, c)): t for c, t in timed.items()}}
+                               "int4_gemm": gemm, "all_fp8_us": {",".join(map(str, c)): t for c, t in timed.items()}}
         print(f"gemv {n}x{k}: bf16 {bf16_us:.1f} us ({2 * n * k / bf16_us / 1e3:.0f} GB/s), fp8 {timed[best]:.1f} us "
               f"with {best} ({n * k / timed[best] / 1e3:.0f} GB/s), int4 g128 ({op}) {int4['int4_us']:.1f} us with "
               f"{tuple(int4['int4_config'])} ({int4['int4_GBps']:.0f} GB/s of nibbles, "
-              f"{int4['int4_total_GBps']:.0f} with scales and zeros)", flush=True)
+              f"{int4['int4_total_GBps']:.0f} with scales and zeros); 4-bit at 16/128/1024 rows: " + ", ".join(
+                  f"{g['int4_TFLOPs']:.0f} vs bf16 {g['bf16_TFLOPs']:.0f} TFLOP/s" for g in gemm.values()), flush=True)
     for (n, k), op in zip(SMOL_SHAPES, OPS):
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
         x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
