@@ -60,9 +60,11 @@ CONFIGS_FP8: dict[tuple[int, int, int], tuple[int, int, int, int]] = {
 # INT4_DEFAULTS by rows. bench_quant.py --sweep-gemv measures and prints them.
 CONFIGS_INT4: dict[tuple[int, int, int], tuple[int, int, int, int]] = {}
 INT4_DEFAULTS: dict[int, tuple[int, int, int, int]] = {
-    # 8 KB of words a step at one row, as the fp8 GEMV's winner streams; fewer columns a step at more rows,
-    # so that each lane's sums over its word stay in registers.
-    1: (8, 2048, 4, 3), 2: (8, 1024, 4, 3), 4: (8, 512, 4, 3), 8: (8, 256, 4, 2), 16: (4, 256, 4, 2),
+    # 8 KB of words a step at one row, as the fp8 GEMV's winner streams, over 16 rows a program: x's loads,
+    # sums and (down_proj) SiLU shared by more words (sm_90 SASS: 5.45 loop instructions a weight, 6.78
+    # with SiLU, against 5.56 / 8.24 at 8 rows x 2,048 columns; benchmarks/results/2026-12-07-quantization.md);
+    # fewer columns a step at more rows, so that each lane's sums over its word stay in registers.
+    1: (16, 1024, 4, 3), 2: (8, 1024, 4, 3), 4: (8, 512, 4, 3), 8: (8, 256, 4, 2), 16: (4, 256, 4, 2),
 }
 if os.environ.get("RADIXLM_GEMV_CONFIGS"):
     with open(os.environ["RADIXLM_GEMV_CONFIGS"]) as f:
