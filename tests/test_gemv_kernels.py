@@ -209,6 +209,8 @@ def test_default_configs_cover_the_8b_shapes(monkeypatch):
         for m in (1, 4, 8):
             block_n, block_k, _, _ = gemv_module.gemv_config(m, n, k)
             assert -(-n // block_n) >= 128 and k % block_k == 0, (m, n, k)
+            block_n, block_k, _, _ = gemv_module.gemv_config(m, n, k, 0.5)  # 4-bit: steps of whole blocks of 32
+            assert -(-n // block_n) >= 128 and k % block_k == 0 and block_k % 32 == 0, (m, n, k)
     w = torch.zeros(4, 8, device=DEVICE)
     with pytest.raises(AssertionError, match="at most"):
         tri.gemv(torch.zeros(17, 8, device=DEVICE), w)
