@@ -64,12 +64,12 @@ class EagleProposer(DraftModelProposer):
 
     def propose(self, reqs: list[Req], budgets: list[int]) -> list[list[int]]:
         drafts = super().propose(reqs, budgets)
-        for req in reqs:  # keep only KV and states of positions the target computed
+        for req in reqs:  # keep only KV of positions the target computed, and states the head has not read
             kv, fed = self.held.get(req), len(req.fill_ids) - 1
             if kv is not None:
                 self.allocator.free(kv.slots[fed:])
                 del kv.slots[fed:], kv.ids[fed:]
-                self._forget_states(req.row, fed)
+                self._forget_states(req.row, len(kv.ids))  # short of fed where the head did not catch up
         self.out.clear()
         return drafts
 
