@@ -247,7 +247,8 @@ def step_costs(e: radixlm.Engine, prompt: list[int], new_tokens: int) -> dict[st
     runner.forward = timing(runner.forward, lambda b: "target_decode" if b.is_decode else
                             "target_verify" if len(b.logit_rows) > len(b.rows) else "target_other")
     try:
-        e.generate(input_ids=prompt, sampling_params={"max_new_tokens": new_tokens, "temperature": 0, "ignore_eos": True})
+        e.generate(input_ids=prompt, sampling_params={"max_new_tokens": new_tokens, "temperature": 0,
+                                                      "ignore_eos": True})
     finally:
         del proposer.propose, runner.forward  # the wrappers: instance attributes over the methods
     out = {f"{k}_ms": statistics.median(v) if v else None for k, v in timed.items()}

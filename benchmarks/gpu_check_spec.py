@@ -23,7 +23,7 @@ weights):
    replay graphs of their own. Greedy outputs and the head's every input, graphs on against off.
 
     python3 benchmarks/gpu_check.py --skip-kernels --checks spec_graphs eagle_graphs --out gpu_check.json
-    python3 benchmarks/gpu_check.py --cpu-smoke --checks spec_graphs eagle_graphs  # the logic, on the graphs' eager twin
+    python3 benchmarks/gpu_check.py --cpu-smoke --checks spec_graphs eagle_graphs  # the logic, graphs' eager twin
 """
 
 from __future__ import annotations
@@ -234,7 +234,8 @@ def check_eagle_graphs(tiny: str, report: dict[str, Any], device: str) -> bool:
             differ = head_inputs_differ(on["inputs"], off["inputs"], HEAD_INPUT_BOUND)
             result = {key: on[key] for key in ("verify_steps", "target_verify_replays", "target_decode_replays",
                                                 "head_replays")}
-            result.update(outputs_equal_eager=on["outputs"] == off["outputs"], outputs_equal_plain=on["outputs"] == plain,
+            result.update(outputs_equal_eager=on["outputs"] == off["outputs"],
+                          outputs_equal_plain=on["outputs"] == plain,
                           head_inputs_differ=differ, head_inputs=sum(len(v) for v in on["inputs"].values()))
             replayed = on["target_verify_replays"] > 0 and on["head_replays"] > 0
             exact = result["outputs_equal_eager"] and result["outputs_equal_plain"] and not differ
@@ -243,7 +244,8 @@ def check_eagle_graphs(tiny: str, report: dict[str, Any], device: str) -> bool:
             ok = ok and result["ok"]
             print(f"{algorithm} on CUDA graphs, {dtype}: {'ok' if result['ok'] else 'FAIL'} (outputs equal to eager "
                   f"{result['outputs_equal_eager']}, to plain {result['outputs_equal_plain']}; head inputs "
-                  f"{'equal' if not differ else differ[:2]} over {result['head_inputs']}; replays: {on['target_verify_replays']} "
-                  f"of {on['verify_steps']} verify steps, {on['target_decode_replays']} decode, {on['head_replays']} head)",
+                  f"{'equal' if not differ else differ[:2]} over {result['head_inputs']}; replays: "
+                  f"{on['target_verify_replays']} of {on['verify_steps']} verify steps, "
+                  f"{on['target_decode_replays']} decode, {on['head_replays']} head)",
                   flush=True)
     return ok

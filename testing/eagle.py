@@ -87,10 +87,11 @@ def build_eagle3_head(out_dir: str, target_dir: str, *, seed: int = 0, draft_voc
     return head.write(out_dir, tensors)
 
 
-def record_head_inputs(engine: Any) -> dict[tuple[int, ...], list[tuple[int, int, torch.Tensor]]]:
+def record_head_inputs(engine: Any) -> dict[tuple[int, ...], list[tuple[int, int, torch.Tensor, bool]]]:
     """Starts recording every input of the engine's EAGLE head, per prompt (its input ids) in the order the
-    head reads them: (position, token, features row: the target's states or the head's own output). A
-    request's inputs do not depend on the batch it ran in."""
+    head reads them: (position, token, features row, chain): the target's state at the position (a
+    catch-up, chain False) or the head's own last output (a chain step). A request's inputs do not depend
+    on the batch it ran in."""
     proposer = engine.frontend.scheduler.scheduler.speculator.proposer
     runner, seen = proposer.runner, {}
     forward = runner.forward
@@ -98,7 +99,8 @@ def record_head_inputs(engine: Any) -> dict[tuple[int, ...], list[tuple[int, int
     def record(batch: BatchInput) -> torch.Tensor:
         at = 0
         for req, n in zip(proposer.in_step, batch.extend_lens):
-            rows = zip(batch.positions[at:at + n], batch.input_ids[at:at + n], batch.features[at:at + n].cpu().clone())
+            rows = zip(batch.positions[at:at + n], batch.input_ids[at:at + n], batch.features[at:at + n].cpu().clone(),
+                       [batch.is_decode] * n)
             seen.setdefault(tuple(req.inp.input_ids), []).extend(rows)
             at += n
         return forward(batch)
@@ -144,10 +146,10 @@ def head_inputs_differ(a: dict, b: dict, tol: float) -> list[str]:
         if len(a[prompt]) != len(b[prompt]):
             out.append(f"prompt {prompt[:4]}...: {len(a[prompt])} vs {len(b[prompt])} inputs")
             continue
-        for i, ((pa, ta, fa), (pb, tb, fb)) in enumerate(zip(a[prompt], b[prompt])):
+        for i, ((pa, ta, fa, ca), (pb, tb, fb, cb)) in enumerate(zip(a[prompt], b[prompt])):
             err = float((fa.float() - fb.float()).abs().max() / fb.float().abs().max().clamp_min(1e-30))
-            if (pa, ta) != (pb, tb) or fa.shape != fb.shape or not err <= tol:
-                out.append(f"prompt {prompt[:4]}... input {i}: {(pa, ta, tuple(fa.shape))} vs "
-                           f"{(pb, tb, tuple(fb.shape))}, features rel err {err:.2e}")
+            if (pa, ta, ca) != (pb, tb, cb) or fa.shape != fb.shape or not err <= tol:
+                out.append(f"prompt {prompt[:4]}... input {i}: {(pa, ta, ca, tuple(fa.shape))} vs "
+                           f"{(pb, tb, cb, tuple(fb.shape))}, features rel err {err:.2e}")
                 break
     return out

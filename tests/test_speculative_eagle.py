@@ -223,6 +223,35 @@ def test_eagle_on_the_decode_graphs_keeps_outputs_and_the_heads_inputs(llama_ckp
     assert sum(b.features is not None for b in heads) > 5 and all(b.features is not None for b in heads)
 
 
+@pytest.mark.parametrize("version", [1, 3])
+def test_every_catch_up_reads_the_targets_state_at_its_position(llama_ckpt, eagle_head, deep_llama, eagle3_head,
+                                                                version):
+    """Each input the head takes from the target (a catch-up) is the target's state at that position of the
+    final sequence (transformers' hidden states: the final ones, or EAGLE-3's three layers' inputs), for a
+    request left without a draft one step in three (its head catches up over several steps' states),
+    with both runners on the decode graphs' twin. Fails where states go before the head read them (they
+    read zeros) or stand at wrong positions."""
+    ckpt, head = (llama_ckpt, eagle_head) if version == 1 else (deep_llama, eagle3_head)
+    prompt, params = PROMPTS[2], {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}
+    with engine(ckpt, speculative_algorithm="eagle" if version == 1 else "eagle3", speculative_draft_model_path=head,
+                speculative_num_steps=4, speculative_adaptive=False) as e:
+        inputs = record_head_inputs(e)
+        skip_some_drafts(e)
+        count_replays(e._runner, 24)
+        count_replays(e.frontend.scheduler.scheduler.speculator.proposer.runner, 24)
+        seq = prompt + e.generate(input_ids=prompt, sampling_params=params)["output_ids"]
+    with torch.no_grad():
+        hs = [h[0] for h in Reference(ckpt, head).target(torch.tensor([seq]), output_hidden_states=True).hidden_states]
+    n = len(hs) - 1
+    want = hs[-1] if version == 1 else torch.cat([hs[2], hs[n // 2], hs[n - 3]], -1)
+    catch_ups = [(p, t, f) for p, t, f, chain in inputs[tuple(prompt)] if not chain]
+    read = sorted({p for p, _, _ in catch_ups})  # every position, up to the last step's
+    assert read == list(range(len(read))) and len(read) >= len(seq) - 6
+    for p, t, f in catch_ups:
+        assert t == seq[p + 1]
+        torch.testing.assert_close(f, want[p], rtol=1e-3, atol=1e-3)
+
+
 @pytest.mark.parametrize("damage,name", [("drop", "layers.0.mlp.up_proj.weight"), ("reshape", "fc.weight"),
                                          ("extra", "layers.0.input_layernorm.weight")])
 def test_a_damaged_eagle_head_is_refused_naming_the_tensor(llama_ckpt, tmp_path, damage, name):

@@ -1,14 +1,16 @@
 """The `eagle` and `eagle3` proposers: an EAGLE head (core.runtime.models.eagle) drafts a chain of tokens
-from the target's hidden states (EAGLE-1/2: the final ones; EAGLE-3: three layers' inputs). It is the draft-model proposer with another input per position: where a
-draft model reads token x_i at position i, the head reads the target's hidden state h_i with the token
-after it, x_{i+1}; a draft step past the target's tokens reads the head's own output instead of h.
+from the target's hidden states (EAGLE-1/2: the final ones; EAGLE-3: three layers' inputs). It is the
+draft-model proposer with another input per position: where a draft model reads token x_i at position
+i, the head reads the target's hidden state h_i with the token after it, x_{i+1}; a draft step past the
+target's tokens reads the head's own output instead of h.
 
 The target's runner hands every step's exported hidden states (core.runtime.execution.hidden_export: the
 final ones or EAGLE-3's three; on CUDA its decode graphs and the verify steps replayed on them copy them
-into a static buffer) to `observe_target`, kept per request row and position until the head has read them. Positions
-the target did not compute for the request (a prefix found in the radix cache) enter the head with a
-zero feature: exact all the same (the target verifies), its first drafts there weaker. The head's KV
-holds only positions read from the target's states: the chain's are freed after each proposal."""
+into a static buffer) to `observe_target`, kept per request row and position until the head has read
+them. Positions the target did not compute for the request (a prefix found in the radix cache) enter
+the head with a zero feature: exact all the same (the target verifies), its first drafts there weaker.
+The head's KV holds only positions read from the target's states: the chain's are freed after each
+proposal."""
 
 from __future__ import annotations
 
@@ -64,12 +66,12 @@ class EagleProposer(DraftModelProposer):
 
     def propose(self, reqs: list[Req], budgets: list[int]) -> list[list[int]]:
         drafts = super().propose(reqs, budgets)
-        for req in reqs:  # keep only KV and states of positions the target computed
+        for req in reqs:  # keep only KV of positions the target computed, and states the head has not read
             kv, fed = self.held.get(req), len(req.fill_ids) - 1
             if kv is not None:
                 self.allocator.free(kv.slots[fed:])
                 del kv.slots[fed:], kv.ids[fed:]
-                self._forget_states(req.row, fed)
+                self._forget_states(req.row, len(kv.ids))  # short of fed where the head did not catch up
         self.out.clear()
         return drafts
 
