@@ -150,9 +150,10 @@ def _int4_gemm_times(w: torch.Tensor) -> dict[str, Any]:
 def sweep_gemv(int4_candidates: list[tuple[int, ...]]) -> dict[str, Any]:
     """At one row, on the 8B projections: the fastest fp8 GEMV launch shape (installed in CONFIGS_FP8) and
     4-bit GEMV shape (timed as the fused op the engine runs it in) at groups of 128 (AWQ/GPTQ; installed
-    in decode_gemv.CONFIGS_INT4), beside the bf16 GEMV on its own tuned shape, each with its bandwidth; then the 4-bit GEMV at groups of 32 on SmolLM2's
-    projections (GGUF Q4_0/Q4_1 on CUDA). Prints the 4-bit winners as CONFIGS_INT4 entries. Also the 4-bit
-    product at 16, 128 and 1,024 rows against cuBLAS (`_int4_gemm_times`)."""
+    in decode_gemv.CONFIGS_INT4), beside the bf16 GEMV on its own tuned shape, each with its bandwidth;
+    then the 4-bit GEMV at groups of 32 on SmolLM2's projections (GGUF Q4_0/Q4_1 on CUDA). Prints the
+    4-bit winners as CONFIGS_INT4 entries. Also the 4-bit product at 16, 128 and 1,024 rows against
+    cuBLAS (`_int4_gemm_times`)."""
     from radixlm.kernels import triton as tri
     from radixlm.kernels.quant_reference import quantize_fp8_rows
     from radixlm.kernels.triton import decode_gemv
@@ -305,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
                               "device": torch.cuda.get_device_name() if torch.cuda.is_available() and not args.cpu
                               else "cpu"}
     if args.sweep_gemv:
-        int4 = [tuple(int(v) for v in c.split(",")) for c in args.int4_configs] if args.int4_configs else INT4_CANDIDATES
+        int4 = [tuple(int(v) for v in c.split(",")) for c in args.int4_configs or []] or INT4_CANDIDATES
         report["gemv"] = sweep_gemv(int4)
     if args.engine:
         report["engine"] = run_engines(args)

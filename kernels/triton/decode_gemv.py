@@ -217,7 +217,8 @@ def _gemv_kernel(
     X, Res, NormW, W, Bias, WScale, WZero, Out, Summed, Sums,
     m, n, k, group, num_groups, num_sums, stride_xm, stride_rm, stride_wn, stride_om, stride_hm, stride_sm, eps,
     SILU: tl.constexpr, HAS_BIAS: tl.constexpr, SCALED: tl.constexpr, RESIDUAL: tl.constexpr,
-    W_SCALED: tl.constexpr, INT4: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr,
+    W_SCALED: tl.constexpr, INT4: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_S: tl.constexpr,
     STAGES: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -248,8 +249,8 @@ def _gemv_kernel(
 @triton.jit
 def _rotary_qkv_kernel(
     X, W, Bias, WScale, WZero, Sums, Q, KBuf, VBuf, Positions, CosSin, Loc,
-    m, n, k, group, num_groups, num_sums, stride_xm, stride_wn, stride_sm, stride_qm, stride_kbs, stride_kbh, stride_vbs,
-    stride_vbh, stride_cp, eps,
+    m, n, k, group, num_groups, num_sums, stride_xm, stride_wn, stride_sm, stride_qm, stride_kbs, stride_kbh,
+    stride_vbs, stride_vbh, stride_cp, eps,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HAS_BIAS: tl.constexpr,
     SCALED: tl.constexpr, W_SCALED: tl.constexpr, INT4: tl.constexpr, BLOCK_M: tl.constexpr, PAIRS: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr, STAGES: tl.constexpr, SAT: tl.constexpr,
@@ -312,7 +313,7 @@ def _weight_kind(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tens
     assert (weight.dtype == torch.int32 and weight_scale is not None and weight_scale.dtype == torch.float32
             and weight_zero.dtype == torch.float32 and weight_scale.shape == weight_zero.shape == (n, groups)
             and k % groups == 0 and (k // groups) % 32 == 0), \
-        "a 4-bit weight is pack_int4's int32 [N, K / 8] with fp32 scales and zeros [N, K / group], group a multiple of 32"
+        "a 4-bit weight is pack_int4's int32 [N, K / 8], fp32 scales and zeros [N, K / group], group a multiple of 32"
     return n, k, k // groups, groups, 0.5
 
 

@@ -108,6 +108,6 @@ def int4_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zer
     block_n, block_k = (32, 256) if m <= 16 else (64, 128)  # each nibble's tl.dot spans BLOCK_K / 8 >= 16 columns
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
     _int4_gemm_kernel[grid](x, packed, scales, zeros, bias if bias is not None else scales, out, m, n, k, group,
-                            num_groups, x.stride(0), packed.stride(0), out.stride(0), HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-                            num_warps=4, num_stages=3)
+                            num_groups, x.stride(0), packed.stride(0), out.stride(0), HAS_BIAS=bias is not None,
+                            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, num_stages=3)
     return out
