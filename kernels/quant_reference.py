@@ -44,7 +44,7 @@ _NIBBLE_SHIFTS = torch.arange(0, 32, 4, dtype=torch.int64)
 def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     """[N, K / 8] int32 (pack_int4's layout) -> [N, K] uint8 of values 0..15."""
     n, words = packed.shape
-    nibbles = (packed.to(torch.int64)[..., None] >> _NIBBLE_SHIFTS) & 0xF  # [N, K / 8, 8]: nibble j of each word
+    nibbles = (packed.to(torch.int64)[..., None] >> _NIBBLE_SHIFTS.to(packed.device)) & 0xF  # [N, K / 8, 8]: nibble j of each word
     return nibbles.view(n, words // 4, 4, 8).transpose(2, 3).reshape(n, -1).to(torch.uint8)
 
 
@@ -54,7 +54,7 @@ def pack_int4(q: torch.Tensor) -> torch.Tensor:
     if k % INT4_BLOCK:
         raise ValueError(f"4-bit weights pack in blocks of {INT4_BLOCK} columns; got {k} columns")
     q = q.to(torch.int64).view(n, k // INT4_BLOCK, 8, 4).transpose(2, 3)  # [N, blocks, word s, nibble j]
-    words = (q << _NIBBLE_SHIFTS).sum(-1).reshape(n, -1)
+    words = (q << _NIBBLE_SHIFTS.to(q.device)).sum(-1).reshape(n, -1)
     return (words - ((words >> 31) << 32)).to(torch.int32)  # two's complement into int32
 
 
