@@ -42,13 +42,13 @@ OPS = ["scaled", "residual", "scaled", "silu"]  # the fused GEMV each of qkv, o,
 CANDIDATES = [(4, 1024, 4, 3), (8, 1024, 4, 3), (4, 2048, 4, 3), (8, 2048, 8, 3), (4, 4096, 8, 3), (16, 1024, 8, 3)]
 # SmolLM2-135M's projections (qkv, o, gate_up, down), whose GGUF Q4_0/Q4_1 run in groups of 32 on CUDA.
 SMOL_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
-# The 4-bit GEMV's (BLOCK_N, BLOCK_K columns, a multiple of 32, warps, stages): bytes a step, features a
-# program (so that x's loads and sums, and down_proj's SiLU, are shared by more of a thread's words: 8.2
-# instructions a weight at 8 rows a program with SiLU, 5.8 at 32; 5.2-5.6 without, compile_check_kernels'
-# sm_90 SASS) and the pipeline's depth. Each compiles three variants (scaled, residual, SiLU).
-INT4_CANDIDATES = [(8, 2048, 4, 3), (8, 1024, 4, 3), (8, 4096, 8, 3), (16, 1024, 4, 3), (16, 2048, 4, 3),
-                   (16, 2048, 8, 3), (16, 1024, 8, 4), (32, 1024, 8, 3), (32, 512, 4, 3), (32, 1024, 4, 2),
-                   (4, 2048, 4, 3), (4, 4096, 8, 3)]
+# The 4-bit GEMV's (BLOCK_N, BLOCK_K columns, a multiple of 32, warps, stages). Run 5 (H100) found its
+# times following the warps an SM holds (latency-bound: small programs, few registers and little shared
+# memory won), so these are small programs around that run's winners. Each compiles three variants
+# (scaled, residual, SiLU).
+INT4_CANDIDATES = [(8, 1024, 4, 3), (32, 512, 4, 3), (8, 512, 4, 3), (4, 1024, 4, 3), (8, 1024, 2, 3),
+                   (4, 1024, 2, 3), (8, 512, 2, 3), (4, 512, 2, 3), (8, 1024, 4, 4), (8, 1024, 4, 2),
+                   (16, 512, 4, 3), (8, 256, 2, 3)]
 
 
 def _bench_engine():
@@ -190,6 +190,31 @@ def sweep_gemv(int4_candidates: list[tuple[int, ...]]) -> dict[str, Any]:
     return results
 
 
+def ncu_gemv() -> None:
+    """One launch each of the 4-bit GEMV (the fused RMS-scaled product on 28,672 x 4,096, groups of 128,
+    its installed launch shape) and the fp8 GEMV on the same product, after a warm-up, between
+    cudaProfilerStart and Stop: for `ncu --profile-from-start off` (benchmarks/run_h200.sh RUN_NCU_GEMV):
+    where the 4-bit one stalls, at what occupancy and issue rate."""
+    from radixlm.kernels import triton as tri
+    from radixlm.kernels.quant_reference import quantize_fp8_rows, quantize_int4_rows
+
+    n, k = 28672, 4096
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
+    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+    sums = torch.rand(1, 8, device="cuda") * k
+    wq, ws = quantize_fp8_rows(w)
+    runs = [_int4_op(x, quantize_int4_rows(w, 128), "scaled"),
+            lambda: tri.rms_scaled_gemv(x, sums, 1e-6, wq, None, ws)]
+    for fn in runs:  # compiled and warm outside the profiled range
+        fn()
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStart()
+    for fn in runs:
+        fn()
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStop()
+
+
 def run_engines(args: argparse.Namespace) -> dict[str, Any]:
     bench = _bench_engine()
     out: dict[str, Any] = {}
@@ -287,6 +312,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--int4-configs", nargs="+", metavar="BN,BK,WARPS,STAGES",
                    help="--sweep-gemv: the 4-bit GEMV's candidates, BLOCK_K in columns (default: INT4_CANDIDATES)")
     p.add_argument("--accuracy", action="store_true", help="the quantized model against the unquantized on text")
+    p.add_argument("--ncu-gemv", action="store_true", help="one 4-bit and one fp8 GEMV launch for Nsight Compute")
     p.add_argument("--model", default="llama3-8b-shape", help="bench_engine's model (--engine)")
     p.add_argument("--variants", nargs="+", default=["fp8"],
                    help="quantization values to run beside bf16, each optionally NAME:PART,PART (its parts)")
@@ -305,6 +331,8 @@ def main(argv: list[str] | None = None) -> int:
     report: dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
                               "device": torch.cuda.get_device_name() if torch.cuda.is_available() and not args.cpu
                               else "cpu"}
+    if args.ncu_gemv:
+        ncu_gemv()
     if args.sweep_gemv:
         int4 = [tuple(int(v) for v in c.split(",")) for c in args.int4_configs or []] or INT4_CANDIDATES
         report["gemv"] = sweep_gemv(int4)

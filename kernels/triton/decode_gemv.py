@@ -58,13 +58,18 @@ CONFIGS_FP8: dict[tuple[int, int, int], tuple[int, int, int, int]] = {
 # The same for 4-bit weights (AWQ/GPTQ, GGUF Q4 on CUDA: pack_int4's words with per-group scales and zeros),
 # BLOCK_K in columns (a multiple of 32, the layout's block). Measured shapes by (rows, N, K); others take
 # INT4_DEFAULTS by rows. bench_quant.py --sweep-gemv measures and prints them.
-CONFIGS_INT4: dict[tuple[int, int, int], tuple[int, int, int, int]] = {}
+CONFIGS_INT4: dict[tuple[int, int, int], tuple[int, int, int, int]] = {
+    # One H100, one row, each timed as the fused op it runs in (bench_quant.py --sweep-gemv;
+    # benchmarks/results/2026-12-07-h100-run5.md): the 8B shapes (groups of 128), SmolLM2's (groups of 32).
+    (1, 6144, 4096): (8, 1024, 4, 3), (1, 4096, 4096): (8, 1024, 4, 3), (1, 28672, 4096): (32, 512, 4, 3),
+    (1, 4096, 14336): (8, 1024, 4, 3), (1, 960, 576): (8, 1024, 4, 3), (1, 576, 576): (8, 1024, 4, 3),
+    (1, 3072, 576): (32, 512, 4, 3), (1, 576, 1536): (8, 1024, 4, 3),
+}
 INT4_DEFAULTS: dict[int, tuple[int, int, int, int]] = {
-    # 8 KB of words a step at one row, as the fp8 GEMV's winner streams, over 16 rows a program: x's loads,
-    # sums and (down_proj) SiLU shared by more words (sm_90 SASS: 5.45 loop instructions a weight, 6.78
-    # with SiLU, against 5.56 / 8.24 at 8 rows x 2,048 columns; benchmarks/results/2026-12-07-quantization.md);
-    # fewer columns a step at more rows, so that each lane's sums over its word stay in registers.
-    1: (16, 1024, 4, 3), 2: (8, 1024, 4, 3), 4: (8, 512, 4, 3), 8: (8, 256, 4, 2), 16: (4, 256, 4, 2),
+    # Small programs: the H100 sweep's times follow the warps an SM holds (this kernel is latency-bound,
+    # at ~1/3 of the issue rate), so 8 rows x 1,024 columns (56 registers, 12 KB of shared memory) won
+    # on three of the four 8B shapes; fewer columns a step at more rows (each lane's sums in registers).
+    1: (8, 1024, 4, 3), 2: (8, 1024, 4, 3), 4: (8, 512, 4, 3), 8: (8, 256, 4, 2), 16: (4, 256, 4, 2),
 }
 if os.environ.get("RADIXLM_GEMV_CONFIGS"):
     with open(os.environ["RADIXLM_GEMV_CONFIGS"]) as f:
