@@ -258,6 +258,38 @@ def step_costs(e: radixlm.Engine, prompt: list[int], new_tokens: int) -> dict[st
     return out
 
 
+def step_walls(e: radixlm.Engine, prompt: list[int], new_tokens: int) -> dict[str, Any]:
+    """One more greedy run of `prompt`, nothing synchronized: its wall time beside the wall times of the
+    speculator's steps (sum, median, longest) and the garbage collector's pauses in it, so that a token's
+    time outside the steps (the scheduler loop, delivery, collections) shows."""
+    spec = scheduler(e).speculator
+    walls: list[float] = []
+    step = spec.step
+
+    def timed_step() -> None:
+        start = time.perf_counter()
+        step()
+        walls.append(time.perf_counter() - start)
+
+    gc_before = sum(scheduler(e).gc_pauses.snapshot()["pause_seconds_total"])
+    spec.step = timed_step
+    try:
+        start = time.perf_counter()
+        e.generate(input_ids=prompt, sampling_params={"max_new_tokens": new_tokens, "temperature": 0,
+                                                      "ignore_eos": True})
+        wall = time.perf_counter() - start
+    finally:
+        del spec.step  # the wrapper: an instance attribute over the method
+    gc_s = sum(scheduler(e).gc_pauses.snapshot()["pause_seconds_total"]) - gc_before
+    out = {"wall_ms": wall * 1e3, "steps": len(walls), "steps_ms": sum(walls) * 1e3,
+           "step_median_ms": statistics.median(walls) * 1e3 if walls else None,
+           "step_max_ms": max(walls, default=0.0) * 1e3, "gc_pause_ms": gc_s * 1e3}
+    print(f"  walls: {out['wall_ms']:.1f} ms in all, {out['steps']} steps {out['steps_ms']:.1f} ms (median "
+          f"{out['step_median_ms'] or 0:.3f}, longest {out['step_max_ms']:.3f}), gc pauses {out['gc_pause_ms']:.1f} ms",
+          flush=True)
+    return out
+
+
 def eagle_runs(target: str, opts: dict[str, Any], prompts: list[list[int]], new_tokens: int,
                steps: int) -> dict[str, Any]:
     """A random EAGLE head of the target's shape (nearly every draft rejected): end to end at batch 1 with
@@ -273,6 +305,7 @@ def eagle_runs(target: str, opts: dict[str, Any], prompts: list[list[int]], new_
         with radixlm.Engine(target, **spec, **extra, **opts) as e:
             out[label] = end_to_end(e, f"random EAGLE head, {steps} steps {label[6:]}", prompts, new_tokens)
             out[label]["step_costs"] = step_costs(e, prompts[0], new_tokens)
+            out[label]["step_walls"] = step_walls(e, prompts[1 % len(prompts)], new_tokens)
     add_projection(out["eagle_fixed"], steps)
     return out
 
@@ -307,6 +340,8 @@ def main() -> None:
         small = {**opts, "max_total_tokens": 8 * (args.prompt_len + args.new_tokens + 16)}
         with radixlm.Engine(target, **small) as e:
             results["plain"] = end_to_end(e, "plain", prompts, args.new_tokens)
+        with radixlm.Engine(target, **small, enable_overlap_schedule=False) as e:  # as speculation runs
+            results["plain_no_overlap"] = end_to_end(e, "plain, overlap scheduling off", prompts, args.new_tokens)
         results.update(eagle_runs(target, small, prompts, args.new_tokens, args.e2e_drafts))
         if args.out:
             Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
