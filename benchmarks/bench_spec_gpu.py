@@ -260,33 +260,46 @@ def step_costs(e: radixlm.Engine, prompt: list[int], new_tokens: int) -> dict[st
 
 def step_walls(e: radixlm.Engine, prompt: list[int], new_tokens: int) -> dict[str, Any]:
     """One more greedy run of `prompt`, nothing synchronized: its wall time beside the wall times of the
-    speculator's steps (sum, median, longest) and the garbage collector's pauses in it, so that a token's
-    time outside the steps (the scheduler loop, delivery, collections) shows."""
+    speculator's steps (sum, median, longest), of their parts (drafting, with the proposer's proposals in
+    it; decode steps; verify steps' model forwards) and the garbage collector's pauses, so that a token's
+    time outside the steps (the scheduler loop, delivery, collections) or inside them shows."""
     spec = scheduler(e).speculator
-    walls: list[float] = []
-    step = spec.step
+    walls: dict[str, list[float]] = {"step": [], "drafts": [], "propose": [], "run_decode": [], "forward": []}
+    targets = {"step": spec, "drafts": spec, "propose": spec.proposer, "run_decode": spec.executor,
+               "forward": spec.executor.runner}
+    names = {"step": "step", "drafts": "_drafts", "propose": "propose", "run_decode": "run_decode",
+             "forward": "forward"}
 
-    def timed_step() -> None:
-        start = time.perf_counter()
-        step()
-        walls.append(time.perf_counter() - start)
+    def timed(key: str) -> Any:
+        fn = getattr(targets[key], names[key])
+
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                walls[key].append(time.perf_counter() - start)
+        return wrapped
 
     gc_before = sum(scheduler(e).gc_pauses.snapshot()["pause_seconds_total"])
-    spec.step = timed_step
+    for key in walls:
+        setattr(targets[key], names[key], timed(key))
     try:
         start = time.perf_counter()
         e.generate(input_ids=prompt, sampling_params={"max_new_tokens": new_tokens, "temperature": 0,
                                                       "ignore_eos": True})
         wall = time.perf_counter() - start
     finally:
-        del spec.step  # the wrapper: an instance attribute over the method
+        for key in walls:  # the wrappers: instance attributes over the methods
+            delattr(targets[key], names[key])
     gc_s = sum(scheduler(e).gc_pauses.snapshot()["pause_seconds_total"]) - gc_before
-    out = {"wall_ms": wall * 1e3, "steps": len(walls), "steps_ms": sum(walls) * 1e3,
-           "step_median_ms": statistics.median(walls) * 1e3 if walls else None,
-           "step_max_ms": max(walls, default=0.0) * 1e3, "gc_pause_ms": gc_s * 1e3}
-    print(f"  walls: {out['wall_ms']:.1f} ms in all, {out['steps']} steps {out['steps_ms']:.1f} ms (median "
-          f"{out['step_median_ms'] or 0:.3f}, longest {out['step_max_ms']:.3f}), gc pauses {out['gc_pause_ms']:.1f} ms",
-          flush=True)
+    out: dict[str, Any] = {"wall_ms": wall * 1e3, "gc_pause_ms": gc_s * 1e3}
+    for key, times in walls.items():
+        out[key] = {"calls": len(times), "sum_ms": sum(times) * 1e3, "max_ms": max(times, default=0.0) * 1e3,
+                    "median_ms": statistics.median(times) * 1e3 if times else None}
+    print(f"  walls (ms): {out['wall_ms']:.1f} in all, gc pauses {out['gc_pause_ms']:.1f}; " + "; ".join(
+        f"{k} x{v['calls']} {v['sum_ms']:.1f} (median {v['median_ms'] or 0:.3f}, longest {v['max_ms']:.3f})"
+        for k, v in out.items() if isinstance(v, dict)), flush=True)
     return out
 
 
