@@ -258,6 +258,51 @@ def step_costs(e: radixlm.Engine, prompt: list[int], new_tokens: int) -> dict[st
     return out
 
 
+def step_walls(e: radixlm.Engine, prompt: list[int], new_tokens: int) -> dict[str, Any]:
+    """One more greedy run of `prompt`, nothing synchronized: its wall time beside the wall times of the
+    speculator's steps (sum, median, longest), of their parts (drafting, with the proposer's proposals in
+    it; decode steps; verify steps' model forwards) and the garbage collector's pauses, so that a token's
+    time outside the steps (the scheduler loop, delivery, collections) or inside them shows."""
+    spec = scheduler(e).speculator
+    walls: dict[str, list[float]] = {"step": [], "drafts": [], "propose": [], "run_decode": [], "forward": []}
+    targets = {"step": spec, "drafts": spec, "propose": spec.proposer, "run_decode": spec.executor,
+               "forward": spec.executor.runner}
+    names = {"step": "step", "drafts": "_drafts", "propose": "propose", "run_decode": "run_decode",
+             "forward": "forward"}
+
+    def timed(key: str) -> Any:
+        fn = getattr(targets[key], names[key])
+
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                walls[key].append(time.perf_counter() - start)
+        return wrapped
+
+    gc_before = sum(scheduler(e).gc_pauses.snapshot()["pause_seconds_total"])
+    for key in walls:
+        setattr(targets[key], names[key], timed(key))
+    try:
+        start = time.perf_counter()
+        e.generate(input_ids=prompt, sampling_params={"max_new_tokens": new_tokens, "temperature": 0,
+                                                      "ignore_eos": True})
+        wall = time.perf_counter() - start
+    finally:
+        for key in walls:  # the wrappers: instance attributes over the methods
+            delattr(targets[key], names[key])
+    gc_s = sum(scheduler(e).gc_pauses.snapshot()["pause_seconds_total"]) - gc_before
+    out: dict[str, Any] = {"wall_ms": wall * 1e3, "gc_pause_ms": gc_s * 1e3}
+    for key, times in walls.items():
+        out[key] = {"calls": len(times), "sum_ms": sum(times) * 1e3, "max_ms": max(times, default=0.0) * 1e3,
+                    "median_ms": statistics.median(times) * 1e3 if times else None}
+    print(f"  walls (ms): {out['wall_ms']:.1f} in all, gc pauses {out['gc_pause_ms']:.1f}; " + "; ".join(
+        f"{k} x{v['calls']} {v['sum_ms']:.1f} (median {v['median_ms'] or 0:.3f}, longest {v['max_ms']:.3f})"
+        for k, v in out.items() if isinstance(v, dict)), flush=True)
+    return out
+
+
 def eagle_runs(target: str, opts: dict[str, Any], prompts: list[list[int]], new_tokens: int,
                steps: int) -> dict[str, Any]:
     """A random EAGLE head of the target's shape (nearly every draft rejected): end to end at batch 1 with
@@ -273,6 +318,7 @@ def eagle_runs(target: str, opts: dict[str, Any], prompts: list[list[int]], new_
         with radixlm.Engine(target, **spec, **extra, **opts) as e:
             out[label] = end_to_end(e, f"random EAGLE head, {steps} steps {label[6:]}", prompts, new_tokens)
             out[label]["step_costs"] = step_costs(e, prompts[0], new_tokens)
+            out[label]["step_walls"] = step_walls(e, prompts[1 % len(prompts)], new_tokens)
     add_projection(out["eagle_fixed"], steps)
     return out
 
@@ -307,6 +353,8 @@ def main() -> None:
         small = {**opts, "max_total_tokens": 8 * (args.prompt_len + args.new_tokens + 16)}
         with radixlm.Engine(target, **small) as e:
             results["plain"] = end_to_end(e, "plain", prompts, args.new_tokens)
+        with radixlm.Engine(target, **small, enable_overlap_schedule=False) as e:  # as speculation runs
+            results["plain_no_overlap"] = end_to_end(e, "plain, overlap scheduling off", prompts, args.new_tokens)
         results.update(eagle_runs(target, small, prompts, args.new_tokens, args.e2e_drafts))
         if args.out:
             Path(args.out).write_text(json.dumps(results, indent=2) + "\n")

@@ -65,8 +65,8 @@
 #     RUN_SPEC=1 SPEC_S=380 bash benchmarks/run_h200.sh   # within one 600 s device call
 #                                   # verify steps on the decode CUDA graphs: logits and greedy tokens against eager
 #                                   # (tiny fp32/bf16, 8B bf16), then the verify cost with graphs and eager (issue 36)
-#   GPU_CHECK_S=150 GPU_CHECK_ARGS="--skip-kernels --checks eagle_graphs" RUN_ENGINE_BENCH=0 RUN_CONSTRAINED=0 \
-#     RUN_SPEC=1 SPEC_S=400 SPEC_ARGS="--eagle-only" bash benchmarks/run_h200.sh   # within one 600 s device call
+#   GPU_CHECK_S=180 GPU_CHECK_ARGS="--skip-kernels --checks eagle_graphs" RUN_ENGINE_BENCH=0 RUN_CONSTRAINED=0 \
+#     RUN_SPEC=1 SPEC_S=390 SPEC_ARGS="--eagle-only" bash benchmarks/run_h200.sh   # within one 600 s device call
 #                                   # EAGLE on CUDA graphs: eagle/eagle3 greedy tokens and the head's inputs, graphs
 #                                   # on vs off (tiny fp32/bf16), then 8B batch-1 tok/s plain and eagle with graphs
 #                                   # and without, with the head's and the verify step's costs (issue 36)
