@@ -23,7 +23,7 @@ from radixlm.core.runtime.memory.tree_continuation import cached_continuation
 from radixlm.core.runtime.speculative.ngram import NgramIndex
 from radixlm.core.runtime.speculative.policy import MIN_GAIN, StepTimes, choose_lengths
 from radixlm.core.runtime.speculative.state import SpecState
-from radixlm.core.runtime.speculative.verify import accepted_length
+from radixlm.core.runtime.speculative.tree import DraftTree, accepted_path, merge_continuations
 from radixlm.testing.speculative import OracleProposer
 
 PROMPTS = [[5, 17, 300, 41, 41, 9], [7] * 3, list(range(100, 160)), [999, 3, 71, 2, 500, 17, 44]]
@@ -321,11 +321,26 @@ def test_ngram_drafts_a_repeated_prompt_from_the_radix_cache(llama_ckpt):
     assert runs[False]["spec_accept_length"] < runs[True]["spec_accept_length"] - 1
 
 
-def test_accepted_length_counts_the_leading_agreement():
-    assert accepted_length([4, 5, 6], [4, 5, 6, 7]) == 3
-    assert accepted_length([4, 5, 6], [4, 9, 6, 7]) == 1
-    assert accepted_length([4], [3, 1]) == 0
-    assert accepted_length([], [3]) == 0
+def test_accepted_path_descends_to_the_sampled_child():
+    chain = DraftTree.chain
+    assert accepted_path(chain([4, 5, 6]), [4, 5, 6, 7]) == [0, 1, 2]
+    assert accepted_path(chain([4, 5, 6]), [4, 9, 6, 7]) == [0]
+    assert accepted_path(chain([4]), [3, 1]) == [] and accepted_path(chain([]), [3]) == []
+    # root -> 0 (4) -> 2 (6); root -> 1 (5) -> 3 (7); samples at rows root, 0, 1, 2, 3
+    tree = DraftTree([4, 5, 6, 7], [-1, -1, 0, 1])
+    assert accepted_path(tree, [5, 9, 7, 0, 0]) == [1, 3]
+    assert accepted_path(tree, [4, 6, 0, 0, 0]) == [0, 2]
+    assert accepted_path(tree, [4, 7, 0, 0, 0]) == [0]  # 7 is under the other branch
+    assert accepted_path(tree, [8, 0, 0, 0, 0]) == []
+
+
+def test_merge_continuations_keeps_the_most_shared_nodes():
+    assert merge_continuations([[1, 2, 3]], 2) == DraftTree([1, 2], [-1, 0])  # one: a chain
+    tree = merge_continuations([[1, 2, 3, 4], [1, 2, 5], [1, 2, 3, 6], [7]], 6)
+    # 1, 2 (on 3 continuations), 3 (on 2), then the shallowest singletons: 7, then 5 (first: depth 3) ...
+    assert tree.tokens == [1, 2, 3, 7, 5, 4] and tree.parents == [-1, 0, 1, -1, 1, 2]
+    assert all(p < i for i, p in enumerate(tree.parents))
+    assert merge_continuations([[1, 2], [3, 4]], 3).tokens == [1, 3, 2]
 
 
 def cpu_like_times(token_cost: float = 0.25, base: float = 0.3) -> StepTimes:
@@ -378,13 +393,13 @@ def test_request_rate_follows_its_drafts_and_returns_to_its_class():
     s = SpecState()
     assert s.rate(0.5) == 0.5
     for _ in range(5):
-        s.record(4, 0)
+        s.record(4, 0, True)
     assert s.rate(0.5) < 0.2
     for _ in range(200):
         s.idle()
     assert s.rate(0.5) > 0.45  # long idle: its class's rate again
     for _ in range(5):
-        s.record(4, 4)
+        s.record(4, 4, False)
     assert s.rate(0.5) > 0.9 and s.verify_ct == 10 and s.accepted == 20 and s.accept_length == 3.0
 
 

@@ -45,3 +45,7 @@ class BatchInput:
     # M-RoPE models (Qwen2-VL), steps holding requests with images: the rotary positions (t, h, w rows);
     # None: the rotary positions are `positions`.
     rope_positions: list[list[int]] | None = None
+    # Verify steps of draft trees: each new token's parent, as an index among its request's new tokens (-1:
+    # the token follows the prefix); attention then sees a token's ancestors only (kernels' tree_mask).
+    # None: causal. Such steps run eagerly (no CUDA graph).
+    tree_parents: list[int] | None = None

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from radixlm.kernels import registry as kernels
+from radixlm.kernels.reference import ancestor_bits
 from radixlm.core.runtime.messages import ImageInput
 from radixlm.core.runtime.memory.memory_pool import KVPool, ReqToTokenPool, host_available_bytes, host_int64
 from radixlm.core.runtime.options import EngineOptions
@@ -185,7 +186,7 @@ class ModelRunner:
         """Runs one step; returns fp32 logits [len(batch.logit_rows), vocab], valid until the next step."""
         self.req_to_token.flush()
         n = len(batch.rows)
-        graphs = self.hidden_sink is None  # the graphs give logits only
+        graphs = self.hidden_sink is None and batch.tree_parents is None  # the graphs: logits only, causal
         if graphs and batch.is_decode and self.graph_runner is not None and n <= self.graph_runner.max_bs:
             return self.graph_runner.run(batch)  # M-RoPE decodes too: t = h = w, a 1-D rotary position
         # Verify steps (logits at every token) replay the decode graphs, a row per token.
@@ -220,10 +221,13 @@ class ModelRunner:
         """The step's index tensors (and the logit rows' index), packed into one pinned host tensor and
         moved in one copy."""
         starts = [0, *itertools.accumulate(batch.extend_lens)][:-1]
-        parts = (batch.input_ids, batch.positions, batch.out_cache_loc, batch.rows, batch.seq_lens,
-                 batch.extend_lens, starts, batch.logit_rows)
+        parts = [batch.input_ids, batch.positions, batch.out_cache_loc, batch.rows, batch.seq_lens,
+                 batch.extend_lens, starts, batch.logit_rows]
+        if batch.tree_parents is not None:
+            parts.append([bits for at, n in zip(starts, batch.extend_lens)
+                          for bits in ancestor_bits(batch.tree_parents[at:at + n])])
         views = host_int64(parts, self._pin).to(self.device, non_blocking=True).split([len(p) for p in parts])
-        ids, positions, loc, rows, seq_lens, extend_lens, starts_t, logit_index = views
+        ids, positions, loc, rows, seq_lens, extend_lens, starts_t, logit_index = views[:8]
         if batch.input_future is not None:
             ids = batch.input_future
         fb = ForwardBatch(
@@ -241,6 +245,7 @@ class ModelRunner:
             extend_start_loc=starts_t,
             max_extend_len=max(batch.extend_lens, default=0),
             images=self._image_batch(batch.images) if batch.images else None,
+            tree_mask=views[8] if batch.tree_parents is not None else None,
         )
         if batch.rope_positions is not None:
             fb.cos_sin_cache = mrope_cos_sin(self.cos_sin_cache, torch.tensor(batch.rope_positions, device=self.device),
