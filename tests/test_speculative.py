@@ -277,6 +277,58 @@ def test_sampled_outputs_keep_the_target_distribution(llama_ckpt):
     assert chi_square_p_value(counts, exact, n) > 1e-3
 
 
+class FixedTreeProposer(OracleProposer):
+    """Drafts one tree to every request with one output token (the others nothing)."""
+
+    def __init__(self, tree: DraftTree) -> None:
+        super().__init__({}, 0)
+        self.tree = tree
+
+    def propose(self, reqs, budgets):
+        self.calls += len(reqs)
+        return [self.tree if len(r.output_ids) == 1 and k else [] for r, k in zip(reqs, budgets)]
+
+
+def test_sampled_outputs_keep_the_target_distribution_with_trees(llama_ckpt):
+    """As above with a tree: the second token drafted as each of the two likeliest tokens after the greedy
+    first one (siblings; their children fall to max_new_tokens). The walk keeps the first child with p(a),
+    else the second with p(b) / (1 - p(a)) of the rest, which is what sampling from p and descending to
+    the child holding the sample does; the joint distribution of 3,000 samples against the exact one, by a
+    chi-square test. Keeping a sibling's token more often than p gives it fails it."""
+    prompt, n = [5, 17, 300, 41], 3000
+    with engine(llama_ckpt) as e:
+        greedy = e.generate(input_ids=prompt, sampling_params={"max_new_tokens": 1, "temperature": 0})["output_ids"]
+
+        def top4(ids):
+            out = e.generate(input_ids=ids, sampling_params={"max_new_tokens": 1, "temperature": 0},
+                             return_logprob=True, top_logprobs_num=4)
+            tops = out["meta_info"]["output_top_logprobs"][0]
+            probs = torch.tensor([v for v, _, _ in tops]).softmax(0).tolist()
+            return {t: p for (_, t, _), p in zip(tops, probs)}
+
+        exact = {(): 1.0}
+        for _ in range(3):
+            exact = {seq + (t,): p * q for seq, p in exact.items() for t, q in top4(prompt + list(seq)).items()}
+        second = top4(prompt + greedy)
+        (a, p_a), (b, p_b) = sorted(second.items(), key=lambda kv: -kv[1])[:2]
+        c, d = (max(top4(prompt + greedy + [t]).items(), key=lambda kv: kv[1])[0] for t in (a, b))
+    tree = DraftTree([a, b, c, d], [-1, -1, 0, 1])
+    with engine(llama_ckpt, speculative_algorithm="ngram", speculative_adaptive=False, max_requests_per_call=n,
+                max_running_requests=256, speculative_num_draft_tokens=4) as e:
+        e.frontend.scheduler.scheduler.speculator.proposer = FixedTreeProposer(tree)
+        outs = e.generate(input_ids=[prompt] * (n // 100), sampling_params={
+            "max_new_tokens": 3, "temperature": 1.0, "top_k": 4, "n": 100, "ignore_eos": True})
+        stats = e.get_stats()
+        assert_kv_whole(e)
+    counts: dict = {}
+    for o in outs:
+        counts[tuple(o["output_ids"])] = counts.get(tuple(o["output_ids"]), 0) + 1
+    on_b = sum(v for seq, v in counts.items() if seq[1] == b)
+    assert stats["spec_verifies_total"] == n and 0 < stats["spec_accepted_tokens_total"] < n
+    assert p_a + p_b < 0.95 and p_b > 0.05 and on_b > 30  # both children and the miss branch all run
+    assert chi_square_p_value(counts, exact, n) > 1e-3
+
+
 # ---- the units -------------------------------------------------------------------------------------
 
 

@@ -64,17 +64,18 @@ class Speculator:
     def _drafts(self, reqs: list[Req]) -> tuple[list[DraftTree], list[list[torch.Tensor | None]]]:
         """Each request's draft (without the nodes its grammar forbids, cut to the policy's length) and the
         grammar's mask at each of its verify rows."""
-        caps = [self._room(r) for r in reqs]
+        rooms = [self._room(r) for r in reqs]
+        caps = [nodes for nodes, _ in rooms]
         states = [self.state(r) for r in reqs]
         if self.policy is not None and not self.proposer.free:  # size the drafts before paying for them
-            caps = self.policy.lengths(states, [s.draft_class for s in states], caps)
+            caps = self.policy.lengths(states, [s.draft_class for s in states], [min(r) for r in rooms])
         proposed = self.proposer.propose(reqs, caps) if any(caps) else [[] for _ in reqs]
         drafts = [d if isinstance(d, DraftTree) else DraftTree.chain(d) for d in proposed]
         masks: list[list[torch.Tensor | None]] = []
         for i, req in enumerate(reqs):
             try:
-                drafts[i], req_masks = constrained_draft(req, drafts[i].cut(caps[i]), self.executor.sampler.vocab_size,
-                                                         self.packed)
+                drafts[i], req_masks = constrained_draft(req, drafts[i].cut(caps[i]).within_depth(rooms[i][1]),
+                                                         self.executor.sampler.vocab_size, self.packed)
             except Exception:  # its constraint fails: the decode path finds that and ends the request
                 logger.exception("drafting for request %s failed; it decodes without a draft", req.rid)
                 drafts[i], req_masks = DraftTree([], []), [None]
@@ -89,11 +90,13 @@ class Speculator:
                     states[i].idle()
         return drafts, masks
 
-    def _room(self, req: Req) -> int:
-        """Draft tokens the request may take this step: speculative_num_draft_tokens, within max_new_tokens
-        (the target adds one after the draft) and the context."""
-        room = min(req.params.max_new_tokens - len(req.output_ids), self.context_len - req.seq_len) - 1
-        return max(0, min(self.max_draft, room))
+    def _room(self, req: Req) -> tuple[int, int]:
+        """The draft nodes the request may take this step (speculative_num_draft_tokens, within the
+        context: its verify rows take table columns) and the draft's depth (within max_new_tokens and the
+        context, as the target adds one token after the kept ones). A chain's length is both."""
+        left = self.context_len - req.seq_len
+        depth = min(req.params.max_new_tokens - len(req.output_ids), left) - 1
+        return max(0, min(self.max_draft, left)), max(0, min(self.max_draft, depth))
 
     def _accept(self, reqs: list[Req], drafts: list[DraftTree], own: list[list[int]],
                 masks: list[list[torch.Tensor | None]], logits: torch.Tensor) -> None:

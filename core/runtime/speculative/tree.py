@@ -37,6 +37,14 @@ class DraftTree:
         """Its first k nodes (a tree: parents come first)."""
         return DraftTree(self.tokens[:k], self.parents[:k])
 
+    def within_depth(self, depth: int) -> "DraftTree":
+        """Without its nodes deeper than `depth` (the root's children are at depth 1)."""
+        keep = [i for i in range(len(self)) if self.depth(i) <= depth]
+        if len(keep) == len(self):
+            return self
+        index = {old: new for new, old in enumerate(keep)}
+        return DraftTree([self.tokens[i] for i in keep], [index.get(self.parents[i], -1) for i in keep])
+
     def path(self, node: int) -> list[int]:
         """The nodes from the root's first child down to `node` (none for the root, -1)."""
         out = []
