@@ -226,6 +226,30 @@ def test_ngram_proposer_on_the_tiny_model_keeps_outputs(llama_ckpt):
     assert stats["spec_draft_tokens_total"] > 0 and stats["spec_algorithm"] == "ngram"
 
 
+@pytest.mark.parametrize("radix", [False, True])
+def test_ngram_trees_keep_outputs(llama_ckpt, radix):
+    """ngram drafting trees (3 continuations merged) on prompts that repeat with variations, the second
+    call of each prompt also drafting the radix cache's answer: outputs equal those without speculation,
+    and every slot comes back."""
+    prompt = [list(range(200, 215)) + [1, 2] + list(range(200, 215)) + [3, 4] + list(range(200, 212)),
+              [9, 8, 7, 1] * 4 + [9, 8, 7, 2] * 3 + [9, 8]]
+    params = {"max_new_tokens": 40, "temperature": 0, "ignore_eos": True}
+    with engine(llama_ckpt) as e:
+        base = e.generate(input_ids=prompt, sampling_params=params)
+    with engine(llama_ckpt, speculative_algorithm="ngram", speculative_ngram_min_match_window_size=1,
+                speculative_ngram_max_bfs_breadth=3, speculative_num_draft_tokens=8, speculative_adaptive=False,
+                speculative_ngram_radix_cache=radix) as e:
+        trees = []
+        real_forward = e._runner.forward
+        e._runner.forward = lambda batch: (trees.append(batch.tree_parents is not None), real_forward(batch))[1]
+        spec = e.generate(input_ids=prompt, sampling_params=params)
+        again = e.generate(input_ids=prompt, sampling_params=params)
+        stats = e.get_stats()
+        assert_kv_whole(e)
+    assert [o["output_ids"] for o in spec] == [o["output_ids"] for o in again] == [o["output_ids"] for o in base]
+    assert any(trees) and stats["spec_accepted_tokens_total"] > 0
+
+
 def chi_square_p_value(observed: dict, expected: dict, n: int) -> float:
     """Pearson's test of counts against probabilities; cells expected fewer than 5 times are pooled."""
     stat, dof, pooled_obs, pooled_exp = 0.0, -1, 0, 0.0
@@ -335,13 +359,21 @@ def test_sampled_outputs_keep_the_target_distribution_with_trees(llama_ckpt):
 def test_ngram_index_finds_the_longest_latest_match():
     index = NgramIndex(2, 4)
     tokens = [1, 2, 3, 4, 5, 9, 1, 2, 3]
-    assert index.propose(tokens, 3) == [4, 5, 9]  # after [1, 2, 3]
+    assert index.continuations(tokens, 3) == [[4, 5, 9]]  # after [1, 2, 3]
     tokens += [4, 7]
-    assert index.propose(tokens, 3) == []  # [4, 7] never occurred before
+    assert index.continuations(tokens, 3) == []  # [4, 7] never occurred before
     tokens += [1, 2, 3, 4, 8, 0, 3, 4]
-    assert index.propose(tokens, 2) == [8, 0]  # the latest [3, 4] is followed by 8, 0
-    assert NgramIndex(2, 4).propose([5, 5], 4) == []  # a suffix needs an earlier occurrence
-    assert NgramIndex(1, 4).propose([5, 6, 5], 4) == [6, 5]
+    assert index.continuations(tokens, 2) == [[8, 0]]  # the latest [3, 4] is followed by 8, 0
+    assert NgramIndex(2, 4).continuations([5, 5], 4) == []  # a suffix needs an earlier occurrence
+    assert NgramIndex(1, 4).continuations([5, 6, 5], 4) == [[6, 5]]
+
+
+def test_ngram_index_gives_several_continuations_latest_and_longest_first():
+    index = NgramIndex(1, 3, breadth=3)
+    tokens = [7, 1, 2, 5, 6, 1, 2, 8, 9, 3, 2, 4, 1, 2]
+    # [1, 2] after 7: ... 5 6 (first), 8 9 (second, later); then the suffix [2] alone adds [4, 1]
+    assert index.continuations(tokens, 2) == [[8, 9], [5, 6], [4, 1]] and index.matched == 2
+    assert NgramIndex(1, 3, breadth=2).continuations(tokens, 2) == [[8, 9], [5, 6]]
 
 
 def test_cached_continuation_follows_the_tree_after_a_whole_context():
@@ -519,6 +551,9 @@ def test_adaptive_lengths_stop_failing_drafts_and_grow_kept_ones(llama_ckpt, kin
     ({"speculative_algorithm": "ngram", "speculative_ngram_min_match_window_size": 3,
       "speculative_ngram_max_match_window_size": 2}, "speculative_ngram_max_match_window_size"),
     ({"speculative_algorithm": "ngram", "enable_overlap_schedule": True}, "enable_overlap_schedule"),
+    ({"speculative_algorithm": "ngram", "speculative_ngram_max_bfs_breadth": 0}, "speculative_ngram_max_bfs_breadth"),
+    ({"speculative_algorithm": "ngram", "speculative_ngram_max_bfs_breadth": 2, "speculative_num_draft_tokens": 64},
+     "speculative_num_draft_tokens"),
 ])
 def test_bad_options_are_named(kw, param):
     with pytest.raises(InvalidRequestError) as err:

@@ -35,6 +35,9 @@ def option(default: Any, help: str, *, choices: Sequence[str] | None = None,
                                             "aliases": tuple(aliases)})
 
 
+# The most draft tokens a tree holds: with its root, 64 verify rows, one bit each in the kernels' tree mask.
+MAX_TREE_NODES = 63
+
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
 
@@ -217,6 +220,9 @@ class EngineOptions:
         True, "ngram: first draft what the radix cache holds after the request's whole context (another "
         "request's continuation of the same tokens: a prompt asked again, a retried call); False: the "
         "request's own n-grams only")
+    speculative_ngram_max_bfs_breadth: int = option(
+        1, "ngram: the most continuations one draft merges into a tree (the radix cache's, then those after "
+        "earlier occurrences of the matched suffix), verified at once with a tree mask; 1: a chain")
     speculative_draft_model_path: str | None = option(
         None, "draft: the draft checkpoint (a path, .gguf or hub id) whose tokenizer is the target's; eagle: the "
         "EAGLE head's checkpoint (a path or hub id)")
@@ -342,7 +348,8 @@ class EngineOptions:
         if self.speculative_algorithm not in SPECULATIVE_ALGORITHMS:
             raise InvalidRequestError(f"speculative_algorithm must be one of {list(SPECULATIVE_ALGORITHMS)} (got "
                                       f"{self.speculative_algorithm!r})", "speculative_algorithm")
-        for name in ("speculative_num_draft_tokens", "speculative_ngram_min_match_window_size"):
+        for name in ("speculative_num_draft_tokens", "speculative_ngram_min_match_window_size",
+                     "speculative_ngram_max_bfs_breadth"):
             if getattr(self, name) < 1:
                 raise InvalidRequestError(f"{name} must be >= 1", name)
         if self.speculative_ngram_max_match_window_size < self.speculative_ngram_min_match_window_size:
@@ -353,6 +360,10 @@ class EngineOptions:
                                       "speculative_draft_model_path", "speculative_draft_model_path")
         if self.speculative_num_steps is not None and self.speculative_num_steps < 1:
             raise InvalidRequestError("speculative_num_steps must be >= 1", "speculative_num_steps")
+        if self.speculative_ngram_max_bfs_breadth > 1 and self.speculative_num_draft_tokens > MAX_TREE_NODES:
+            raise InvalidRequestError(f"draft trees hold at most {MAX_TREE_NODES} tokens (the attention's tree mask "
+                                      "is 64 bits a row): lower speculative_num_draft_tokens",
+                                      "speculative_num_draft_tokens")
         if self.speculative_eagle_topk != 1:
             raise InvalidRequestError("speculative_eagle_topk must be 1: tree drafts (topk > 1) need tree "
                                       "verification, which is not built", "speculative_eagle_topk")

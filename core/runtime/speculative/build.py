@@ -26,7 +26,8 @@ def build_speculator(opts: EngineOptions, runner: Any, executor: Any, context_le
     max_draft = opts.speculative_num_draft_tokens
     if algorithm == "ngram":
         proposer = NgramProposer(opts.speculative_ngram_min_match_window_size,
-                                 opts.speculative_ngram_max_match_window_size, opts.speculative_ngram_radix_cache)
+                                 opts.speculative_ngram_max_match_window_size, opts.speculative_ngram_radix_cache,
+                                 opts.speculative_ngram_max_bfs_breadth)
     elif algorithm in ("eagle", "eagle3"):
         proposer = eagle_proposer(opts, runner)
         max_draft = opts.speculative_num_steps or max_draft  # a chain: one token per step
