@@ -58,7 +58,12 @@ class EagleProposer(DraftModelProposer):
 
     def propose(self, reqs: list[Req], budgets: list[int]) -> list[list[int]]:
         drafts = super().propose(reqs, budgets)
-        for req in reqs:  # keep only KV and states of positions the target computed
+        self._forget_drafts(reqs)
+        return drafts
+
+    def _forget_drafts(self, reqs: list[Req]) -> None:
+        """Keeps only the head's KV and states of positions the target computed."""
+        for req in reqs:
             kv, fed = self.held.get(req), len(req.fill_ids) - 1
             if kv is not None:
                 self.allocator.free(kv.slots[fed:])
@@ -66,7 +71,6 @@ class EagleProposer(DraftModelProposer):
                 self.states[req.row] = [(s, h[max(0, fed - s):]) for s, h in self.states.get(req.row, [])
                                         if s + len(h) > fed]
         self.out.clear()
-        return drafts
 
     def release(self, req: Req) -> None:
         super().release(req)

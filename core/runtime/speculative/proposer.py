@@ -22,5 +22,8 @@ class Proposer(Protocol):
         """The class of the request's newest draft: drafts of one class are kept at a similar rate (ngram:
         its match length), which is what a request's first drafts are judged by."""
 
+    # Optional: kept_rows(req, rows), told after a verify step of a tree which of the request's verify rows
+    # it kept (0: its newest token), by proposers that keep what the target computed per row (EAGLE).
+
     def release(self, req: Req) -> None:
         """Drops what the proposer holds for a request that finished or was retracted."""

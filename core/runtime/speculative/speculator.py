@@ -129,6 +129,9 @@ class Speculator:
             if draft.tokens:
                 if not draft.is_chain:  # the path's slots, scattered among the tree's, become its next positions
                     ex.memory.table.write(req.row, req.seq_len - 1, kept)
+                    kept_rows = getattr(self.proposer, "kept_rows", None)  # (Proposer's optional hook)
+                    if kept_rows is not None:
+                        kept_rows(req, on_path)
                 cut = draft.has_children(path[-1] if path else -1)
                 if self.policy is not None:
                     self.policy.record(req.spec, len(draft), len(path), cut)
