@@ -227,7 +227,7 @@ def bench_throughput(engine, prompts, out_lens, breakdown: bool = False) -> dict
     return result
 
 
-def bench_prefill(engine, w, cfg, repeats: int) -> dict[str, Any]:
+def bench_prefill(engine, w, cfg, repeats: int, profile_top: int = 0) -> dict[str, Any]:
     b, n = w["prefill_batch"], w["prefill_len"]
     times = []
     for i in range(repeats + 1):  # the first is a warm-up
@@ -238,14 +238,38 @@ def bench_prefill(engine, w, cfg, repeats: int) -> dict[str, Any]:
             times.append(t)
     t = statistics.median(times)
     flops = prefill_flops(cfg, b, n)
-    forward_s = engine.frontend.scheduler.run_paused(lambda s: _forward_only_prefill(s, b, n, cfg.vocab_size, repeats))
-    return {"batch": b, "len": n, "seconds": t, "tflops": flops / t / 1e12, "tflop": flops / 1e12,
-            "forward_s": forward_s, "forward_tflops": flops / forward_s / 1e12}
+    forward_s, kernels = engine.frontend.scheduler.run_paused(
+        lambda s: _forward_only_prefill(s, b, n, cfg.vocab_size, repeats, profile_top))
+    out = {"batch": b, "len": n, "seconds": t, "tflops": flops / t / 1e12, "tflop": flops / 1e12,
+           "forward_s": forward_s, "forward_tflops": flops / forward_s / 1e12}
+    if kernels:
+        out["forward_kernels"] = kernels
+    return out
 
 
-def _forward_only_prefill(s, batch: int, length: int, vocab: int, repeats: int) -> float:
+def _top_kernels(runner, step, top: int) -> list[dict[str, Any]]:
+    """One more forward under torch.profiler: the `top` device kernels by total time, with their share of
+    the forward's device time (where a prefill forward's time goes: GEMMs against the rest)."""
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=acts) as prof:
+        runner.forward(step)
+        sync(runner.device)
+    events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    total = sum(e.self_device_time_total for e in events) or 1.0
+    events.sort(key=lambda e: e.self_device_time_total, reverse=True)
+    kernels = [{"name": e.key[:120], "calls": e.count, "ms": e.self_device_time_total / 1e3,
+                "share": e.self_device_time_total / total} for e in events[:top]]
+    print(f"prefill forward, device time {total / 1e3:.1f} ms, top kernels:", flush=True)
+    for k in kernels:
+        print(f"  {k['share'] * 100:5.1f} %  {k['ms']:8.2f} ms  x{k['calls']:<4} {k['name']}", flush=True)
+    return kernels
+
+
+def _forward_only_prefill(s, batch: int, length: int, vocab: int, repeats: int,
+                          profile_top: int = 0) -> tuple[float, list[dict[str, Any]]]:
     """The model forward alone for the prefill batch (the scheduler loop paused, nothing else running):
-    the number comparable to HF's forward, without scheduling, sampling and radix-cache work."""
+    the number comparable to HF's forward, without scheduling, sampling and radix-cache work; with
+    `profile_top` (CUDA) also its top kernels."""
     from radixlm.core.runtime.execution.batch_input import BatchInput
 
     runner = s.runner
@@ -265,7 +289,8 @@ def _forward_only_prefill(s, batch: int, length: int, vocab: int, repeats: int) 
             sync(runner.device)
             if i:
                 times.append(time.perf_counter() - t0)
-        return statistics.median(times)
+        kernels = _top_kernels(runner, step, profile_top) if profile_top and runner.device.type == "cuda" else []
+        return statistics.median(times), kernels
     finally:
         s.allocator.free(slots)
         for row in rows:
@@ -529,7 +554,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if "latency" in parts:
         sections.run(ours, "latency", bench_latency, engine, w, cfg.vocab_size, args.repeats)
     if "prefill" in parts:
-        sections.run(ours, "prefill", bench_prefill, engine, w, cfg, args.repeats)
+        sections.run(ours, "prefill", bench_prefill, engine, w, cfg, args.repeats, args.profile_prefill)
     if "throughput" in parts:
         sections.run(ours, "throughput", bench_throughput, engine, prompts, out_lens, True)
         used_peak = max(used_peak, device_used_bytes(device) or 0)
@@ -672,6 +697,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hf-requests", type=int, help="HF throughput subset size (default: the workload's)")
     p.add_argument("--no-hf", action="store_true", help="skip the HF transformers peer")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--profile-prefill", type=int, default=0, metavar="N",
+                   help="CUDA: also profile one prefill forward and print its N longest kernels")
     p.add_argument("--mem-fraction-static", type=float, default=0.9)
     p.add_argument("--disable-cuda-graph", action="store_true")
     p.add_argument("--overlap", action="store_true", help="radixlm with enable_overlap_schedule (issue 19)")

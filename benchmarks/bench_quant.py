@@ -120,6 +120,8 @@ def run_engines(args: argparse.Namespace) -> dict[str, Any]:
             argv += ["--engine-option", f"quantization={variant}"]
         if args.requests:
             argv += ["--requests", str(args.requests)]
+        if args.profile_prefill:
+            argv += ["--profile-prefill", str(args.profile_prefill)]
         print(f"== {variant}: bench_engine {' '.join(argv)}", flush=True)
         bench.main(argv)
         with open(path) as f:
@@ -205,6 +207,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="quantization values to run beside bf16, each optionally NAME:PART,PART (its parts)")
     p.add_argument("--parts", nargs="+", default=["latency", "prefill", "throughput"])
     p.add_argument("--requests", type=int, help="offline requests (default: bench_engine's 1,000)")
+    p.add_argument("--profile-prefill", type=int, default=0, metavar="N",
+                   help="also print each variant's N longest kernels of a prefill forward (CUDA)")
     p.add_argument("--model-path", help="--accuracy: the model (default: the embedded SmolLM2)")
     p.add_argument("--quant-option", action="append", default=[], metavar="KEY=VALUE",
                    help="--accuracy: the quantized run's Engine options (e.g. quantization=fp8)")
