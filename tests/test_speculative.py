@@ -427,13 +427,13 @@ def test_accepted_path_descends_to_the_sampled_child():
     assert accepted_path(tree, [8, 0, 0, 0, 0]) == []
 
 
-def test_merge_continuations_keeps_the_most_shared_nodes():
+def test_merge_continuations_keeps_the_likeliest_nodes():
     assert merge_continuations([[1, 2, 3]], 2) == DraftTree([1, 2], [-1, 0])  # one: a chain
+    # weights 1, 1/2, 1/3, 1/4: 1 and 2 score 22/25, 3 (8/11 of them) 0.64, 4 0.48, 5 0.24, 6 0.16, 7 0.12
     tree = merge_continuations([[1, 2, 3, 4], [1, 2, 5], [1, 2, 3, 6], [7]], 6)
-    # 1, 2 (on 3 continuations), 3 (on 2), then the shallowest singletons: 7, then 5 (first: depth 3) ...
-    assert tree.tokens == [1, 2, 3, 7, 5, 4] and tree.parents == [-1, 0, 1, -1, 1, 2]
-    assert all(p < i for i, p in enumerate(tree.parents))
-    assert merge_continuations([[1, 2], [3, 4]], 3).tokens == [1, 3, 2]
+    assert tree.tokens == [1, 2, 3, 4, 5, 6] and tree.parents == [-1, 0, 1, 2, 1, 2]
+    assert merge_continuations([[1, 2, 3, 4], [1, 2, 5], [1, 2, 3, 6], [7]], 7).tokens[-1] == 7
+    assert merge_continuations([[1, 2], [3, 4]], 3).tokens == [1, 2, 3]  # the better branch first, whole
 
 
 def cpu_like_times(token_cost: float = 0.25, base: float = 0.3) -> StepTimes:

@@ -83,12 +83,15 @@ def accepted_path(tree: DraftTree, sampled: list[int]) -> list[int]:
 
 
 def merge_continuations(continuations: list[list[int]], k: int) -> DraftTree:
-    """A tree of at most k nodes from guessed continuations (best first): their trie, keeping the nodes
-    most continuations pass through (a node is on at least as many as its children, so the kept nodes are
-    a tree), ties to the shallower node, then to the earlier continuation. One continuation is a chain."""
+    """A tree of at most k nodes from guessed continuations, best first: their trie, keeping the nodes
+    likeliest to be reached. Continuation c weighs 1 / (c + 1); a node's chance given its parent is the
+    weight of the continuations through it over those through its parent, its score the product along
+    its path (so the better continuation's branch goes deeper before a worse one's). A node scores no
+    higher than its parent and ties go to the shallower node, so the kept nodes are a tree. One
+    continuation is a chain."""
     tokens: list[int] = []
     parents: list[int] = []
-    counts: list[int] = []
+    weights: list[float] = []
     first: list[int] = []  # the continuation that made the node
     children: dict[tuple[int, int], int] = {}
     for c, cont in enumerate(continuations):
@@ -99,14 +102,17 @@ def merge_continuations(continuations: list[list[int]], k: int) -> DraftTree:
                 nxt = children[(node, token)] = len(tokens)
                 tokens.append(token)
                 parents.append(node)
-                counts.append(0)
+                weights.append(0.0)
                 first.append(c)
-            counts[nxt] += 1
+            weights[nxt] += 1 / (c + 1)
             node = nxt
-    depth = [0] * len(tokens)
-    for i, p in enumerate(parents):
-        depth[i] = depth[p] + 1 if p >= 0 else 1
+    total = sum(1 / (c + 1) for c, cont in enumerate(continuations) if cont)
+    score: list[float] = []
+    depth: list[int] = []
+    for i, p in enumerate(parents):  # parents come first
+        score.append(weights[i] / total if p < 0 else score[p] * weights[i] / weights[p])
+        depth.append(1 if p < 0 else depth[p] + 1)
     # In that order parents come before their children, and a cut to fewer nodes keeps the best ones.
-    keep = sorted(range(len(tokens)), key=lambda i: (-counts[i], depth[i], first[i], i))[:k]
+    keep = sorted(range(len(tokens)), key=lambda i: (-score[i], depth[i], first[i], i))[:k]
     index = {old: new for new, old in enumerate(keep)}
     return DraftTree([tokens[i] for i in keep], [index[parents[i]] if parents[i] >= 0 else -1 for i in keep])
