@@ -236,8 +236,7 @@ def test_ngram_trees_keep_outputs(llama_ckpt):
     with engine(llama_ckpt) as e:
         base = e.generate(input_ids=prompt, sampling_params=params)
     with engine(llama_ckpt, speculative_algorithm="ngram", speculative_ngram_min_match_window_size=1,
-                speculative_ngram_max_bfs_breadth=3, speculative_num_draft_tokens=8, speculative_adaptive=False,
-                speculative_ngram_radix_cache=radix) as e:
+                speculative_ngram_max_bfs_breadth=3, speculative_num_draft_tokens=8, speculative_adaptive=False) as e:
         trees = []
         real_forward = e._runner.forward
         e._runner.forward = lambda batch: (trees.append(batch.tree_parents is not None), real_forward(batch))[1]
