@@ -432,6 +432,9 @@ def test_merge_continuations_keeps_the_likeliest_nodes():
     assert tree.tokens == [1, 2, 3, 4, 5, 6] and tree.parents == [-1, 0, 1, 2, 1, 2]
     assert merge_continuations([[1, 2, 3, 4], [1, 2, 5], [1, 2, 3, 6], [7]], 7).tokens[-1] == 7
     assert merge_continuations([[1, 2], [3, 4]], 3).tokens == [1, 2, 3]  # the better branch first, whole
+    # drafts often kept: deep along the best continuation; seldom: its first token's alternative first
+    assert merge_continuations([[1, 2, 3, 4], [5, 6]], 4, rate=0.9).tokens == [1, 2, 3, 4]
+    assert merge_continuations([[1, 2, 3, 4], [5, 6]], 4, rate=0.3).tokens == [1, 5, 2, 6]
 
 
 def cpu_like_times(token_cost: float = 0.25, base: float = 0.3) -> StepTimes:

@@ -16,6 +16,7 @@ import weakref
 
 from radixlm.core.runtime.memory.tree_continuation import cached_continuation
 from radixlm.core.runtime.request import Req
+from radixlm.core.runtime.speculative.policy import PRIOR_RATE
 from radixlm.core.runtime.speculative.tree import DraftTree, merge_continuations
 
 # The draft class of a draft from the radix tree (core.runtime.speculative.policy learns its rate apart
@@ -92,7 +93,11 @@ class NgramProposer:
             index.matched = TREE_MATCH
         if not found:
             return []
-        return found[0] if len(found) == 1 else merge_continuations(found, k)
+        if len(found) == 1:
+            return found[0]
+        # The request's own rate of kept draft tokens shapes the tree (deep where drafts are kept, wide
+        # where they are not); before any, an even chance.
+        return merge_continuations(found, k, req.spec.rate(PRIOR_RATE) if req.spec is not None else PRIOR_RATE)
 
     def draft_class(self, req: Req) -> int:
         """The matched suffix's length (a longer match predicts a longer run of kept tokens), or TREE_MATCH."""

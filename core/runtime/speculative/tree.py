@@ -82,13 +82,14 @@ def accepted_path(tree: DraftTree, sampled: list[int]) -> list[int]:
         node = child
 
 
-def merge_continuations(continuations: list[list[int]], k: int) -> DraftTree:
+def merge_continuations(continuations: list[list[int]], k: int, rate: float = 1.0) -> DraftTree:
     """A tree of at most k nodes from guessed continuations, best first: their trie, keeping the nodes
-    likeliest to be reached. Continuation c weighs 1 / (c + 1); a node's chance given its parent is the
-    weight of the continuations through it over those through its parent, its score the product along
-    its path (so the better continuation's branch goes deeper before a worse one's). A node scores no
-    higher than its parent and ties go to the shallower node, so the kept nodes are a tree. One
-    continuation is a chain."""
+    likeliest to be kept. Continuation c weighs 1 / (c + 1); a node's chance given its parent is `rate`
+    (how often a draft token is kept) times the weight of the continuations through it over those
+    through its parent, its score the product along its path: with a high rate the best continuation's
+    branch goes deep, with a low one its first tokens' alternatives come first. A node scores no higher
+    than its parent and ties go to the shallower node, so the kept nodes are a tree. One continuation
+    is a chain."""
     tokens: list[int] = []
     parents: list[int] = []
     weights: list[float] = []
@@ -110,7 +111,7 @@ def merge_continuations(continuations: list[list[int]], k: int) -> DraftTree:
     score: list[float] = []
     depth: list[int] = []
     for i, p in enumerate(parents):  # parents come first
-        score.append(weights[i] / total if p < 0 else score[p] * weights[i] / weights[p])
+        score.append(rate * (weights[i] / total if p < 0 else score[p] * weights[i] / weights[p]))
         depth.append(1 if p < 0 else depth[p] + 1)
     # In that order parents come before their children, and a cut to fewer nodes keeps the best ones.
     keep = sorted(range(len(tokens)), key=lambda i: (-score[i], depth[i], first[i], i))[:k]
