@@ -4,6 +4,7 @@ trees (core.runtime.speculative.tree; a chain is one)."""
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any
 
 import torch
@@ -93,10 +94,13 @@ def constrained_draft(req: Req, draft: DraftTree, vocab_size: int,
     row_mask = {-1: masks[0]}
     kept = DraftTree([], [])
     index: dict[int, int] = {-1: -1}  # node -> its index in `kept`
+    children_left = Counter(draft.parents)
     for i, (token, parent) in enumerate(zip(draft.tokens, draft.parents)):
+        children_left[parent] -= 1
         if parent not in index or not allows(row_mask[parent], token, packed):
             continue
-        walker = walkers[parent].fork()
+        # A parent's last child takes its walker (a chain forks nothing); earlier ones walk a copy.
+        walker = walkers.pop(parent) if children_left[parent] == 0 else walkers[parent].fork()
         walker.advance(token)
         if walker.is_finished():
             continue
