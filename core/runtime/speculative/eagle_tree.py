@@ -79,7 +79,7 @@ class EagleTreeProposer(EagleProposer):
     def _grow(self, reqs: list[Req], firsts: list[list[_Node]], budgets: list[int]) -> list[DraftTree]:
         nodes = [list(f) for f in firsts]  # every candidate so far, per request
         frontier = [list(range(len(f))) for f in firsts]  # the nodes to expand next
-        for _ in range(self.steps - 1):
+        for _ in range(min(self.steps, max(budgets)) - 1):  # a tree of k nodes is at most k deep
             expanded = self._expand(reqs, nodes, frontier)
             for j, (req_nodes, rows) in enumerate(zip(nodes, expanded)):
                 children = []
