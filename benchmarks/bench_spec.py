@@ -5,13 +5,15 @@ source) and on plain chat, in one run, off and on alternating prompt by prompt.
     python benchmarks/bench_spec.py --out spec.json                  # the default model (SmolLM2-135M), CPU
     python benchmarks/bench_spec.py --model tiny --max-new-tokens 32 # the test model, seconds (CI)
     python benchmarks/bench_spec.py --draft-tokens 4 8               # one spec engine per draft length
+    python benchmarks/bench_spec.py --draft-tokens 8 --breadth 1 3   # ngram chains against trees of 3 continuations
 
 Every prompt is run once on each engine to cache it (and warm up), then `--repeats` times on each,
 alternating; a run's time is from submission to the last token (the prompt is cached, so this is the
 decode phase plus one token's prefill). Greedy outputs of the two engines must be equal (checked).
 A round runs every prompt of a workload once on each engine; the report per workload: the medians over
 `--repeats` rounds of output tokens/s off and on and of their ratio (each round's too), and the accepted
-tokens per verify step (meta_info's spec_accept_length, weighted by verify steps).
+tokens per verify step (meta_info's spec_accept_length, weighted by verify steps) and the draft tokens
+checked per verify step.
 """
 
 from __future__ import annotations
@@ -109,9 +111,12 @@ def _timed(engine: radixlm.Engine, ids: list[int], params: dict[str, Any]) -> tu
     return out, time.perf_counter() - start
 
 
-def run(model: str | None, draft_tokens: int, max_new_tokens: int, repeats: int, extra: dict[str, Any]) -> dict[str, Any]:
+def run(model: str | None, draft_tokens: int, max_new_tokens: int, repeats: int, extra: dict[str, Any],
+        breadth: int = 1, adaptive: bool = True, radix: bool = True) -> dict[str, Any]:
     params = {"max_new_tokens": max_new_tokens, "temperature": 0}
-    spec_opts = {"speculative_algorithm": "ngram", "speculative_num_draft_tokens": draft_tokens}
+    spec_opts = {"speculative_algorithm": "ngram", "speculative_num_draft_tokens": draft_tokens,
+                 "speculative_ngram_max_bfs_breadth": breadth, "speculative_adaptive": adaptive,
+                 "speculative_ngram_radix_cache": radix}
     with radixlm.Engine(model, **extra) as off, radixlm.Engine(model, **spec_opts, **extra) as on:
         report: dict[str, Any] = {}
         for name, texts in workloads().items():
@@ -120,6 +125,7 @@ def run(model: str | None, draft_tokens: int, max_new_tokens: int, repeats: int,
             for ids in prompts:
                 on.generate(input_ids=ids, sampling_params=params)
             rounds, verify_ct, accepted, mismatches = [], 0, 0, 0
+            drafted_before = on.get_stats()["spec_draft_tokens_total"]
             for _ in range(repeats):  # a round: every prompt once on each engine, alternating
                 tokens = {"off": 0, "on": 0}
                 seconds = {"off": 0.0, "on": 0.0}
@@ -136,13 +142,15 @@ def run(model: str | None, draft_tokens: int, max_new_tokens: int, repeats: int,
                 rounds.append({"tokens_per_s_off": rate["off"], "tokens_per_s_on": rate["on"],
                                "speedup": rate["on"] / rate["off"]})
             med = {k: statistics.median(r[k] for r in rounds) for k in rounds[0]}
+            drafted = on.get_stats()["spec_draft_tokens_total"] - drafted_before
             report[name] = {**med, "rounds": rounds, "accept_length": 1 + accepted / verify_ct if verify_ct else 0.0,
-                            "verify_steps": verify_ct, "greedy_mismatches": mismatches}
-            print(f"draft {draft_tokens}  {name:10s}  off {med['tokens_per_s_off']:6.1f} tok/s  on "
+                            "verify_steps": verify_ct, "drafted_per_verify": drafted / verify_ct if verify_ct else 0.0,
+                            "greedy_mismatches": mismatches}
+            print(f"draft {draft_tokens} breadth {breadth}  {name:10s}  off {med['tokens_per_s_off']:6.1f} tok/s  on "
                   f"{med['tokens_per_s_on']:6.1f} tok/s  x{med['speedup']:.2f} (rounds: "
                   f"{', '.join(format(r['speedup'], '.2f') for r in rounds)})  accept length "
-                  f"{report[name]['accept_length']:.2f}  verify steps {verify_ct}  greedy mismatches {mismatches}",
-                  flush=True)
+                  f"{report[name]['accept_length']:.2f}  drafted/verify {report[name]['drafted_per_verify']:.2f}  "
+                  f"verify steps {verify_ct}  greedy mismatches {mismatches}", flush=True)
         return report
 
 
@@ -151,6 +159,13 @@ def main() -> None:
     ap.add_argument("--model", default=None, help="model path; default: the embedded SmolLM2-135M-Instruct; "
                     "'tiny': the 2-layer test checkpoint")
     ap.add_argument("--draft-tokens", type=int, nargs="+", default=[4])
+    ap.add_argument("--breadth", type=int, nargs="+", default=[1],
+                    help="speculative_ngram_max_bfs_breadth values (1: chains; more: trees), one engine each")
+    ap.add_argument("--no-radix-drafts", action="store_true", help="speculative_ngram_radix_cache=False: the "
+                    "timed runs repeat their prompts, whose first answers the radix cache then drafts whole; "
+                    "this measures the request's own n-grams alone")
+    ap.add_argument("--no-adaptive", action="store_true", help="speculative_adaptive=False: every step drafts "
+                    "the most that fits (acceptance without the policy's choices)")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3, help="rounds")
     ap.add_argument("--out", default=None)
@@ -162,9 +177,13 @@ def main() -> None:
         model = build_checkpoint(os.path.join(tempfile.mkdtemp(), "tiny"))
     results = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": cpu_name(),
                "cpus": os.cpu_count(), "python": platform.python_version(), "model": args.model or "SmolLM2-135M-Instruct",
-               "max_new_tokens": args.max_new_tokens, "repeats": args.repeats, "runs": {}}
+               "max_new_tokens": args.max_new_tokens, "repeats": args.repeats, "adaptive": not args.no_adaptive,
+               "radix_drafts": not args.no_radix_drafts, "runs": {}}
     for k in args.draft_tokens:
-        results["runs"][str(k)] = run(model, k, args.max_new_tokens, args.repeats, extra)
+        for b in args.breadth:
+            key = str(k) if b == 1 else f"{k}x{b}"
+            results["runs"][key] = run(model, k, args.max_new_tokens, args.repeats, extra, b, not args.no_adaptive,
+                                       not args.no_radix_drafts)
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
 

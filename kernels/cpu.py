@@ -132,8 +132,10 @@ def plan_attention(
     req_pool_indices: torch.Tensor,
     seq_lens: torch.Tensor,
     extend_lens: torch.Tensor | None,
+    tree_mask: torch.Tensor | None = None,
 ) -> AttentionPlan:
-    """The groups, KV slots and masks of a batch; extend_lens None means decode (one query each)."""
+    """The groups, KV slots and masks of a batch; extend_lens None means decode (one query each).
+    `tree_mask`: the new tokens' ancestor bits (reference.extend_attention's), masking them as a tree."""
     seq_list = seq_lens.tolist()
     ext_list = [1] * len(seq_list) if extend_lens is None else extend_lens.tolist()
     starts, total = [], 0
@@ -148,12 +150,12 @@ def plan_attention(
             group.sort()
         planned.append(_plan_group(req_to_token, req_pool_indices, seq_lens, group, [starts[i] for i in group],
                                    [ext_list[i] for i in group], min(seq_list[i] for i in group),
-                                   max(seq_list[i] for i in group), whole))
+                                   max(seq_list[i] for i in group), whole, tree_mask))
     return AttentionPlan(planned)
 
 
 def _plan_group(req_to_token, req_pool_indices, seq_lens, group: list[int], starts: list[int], ext: list[int],
-                min_len: int, max_len: int, whole: bool) -> _Group:
+                min_len: int, max_len: int, whole: bool, tree_mask: torch.Tensor | None = None) -> _Group:
     device, n, max_ext = req_to_token.device, len(group), max(ext)
     index = torch.tensor(group, device=device)
     rows, lens = req_pool_indices[index], seq_lens[index]
@@ -175,7 +177,19 @@ def _plan_group(req_to_token, req_pool_indices, seq_lens, group: list[int], star
     # queries (i >= ext) see the whole sequence, so no row is empty; their outputs are dropped.
     limit = (lens - ext_t)[:, None] + q_pos[None, :]  # [n, max_ext]
     mask = (key_pos[None, None, :] <= limit[:, :, None]) & key_valid[:, None, :]
+    if tree_mask is not None:
+        mask &= _tree_keys(tree_mask, token, q_valid, (lens - ext_t)[:, None], key_pos)
     return _Group(token, slots, mask[:, None], q_valid, n, max_len)
+
+
+def _tree_keys(tree_mask: torch.Tensor, token: torch.Tensor, q_valid: torch.Tensor, prefix: torch.Tensor,
+               key_pos: torch.Tensor) -> torch.Tensor:
+    """[n, max_ext, max_len]: which keys each (padded) query row may see by its ancestor bits: the prefix,
+    and the new tokens whose bit it sets. Padding rows see everything (as in the causal mask)."""
+    bits = torch.full(q_valid.shape, -1, dtype=torch.int64, device=q_valid.device)
+    bits[q_valid] = tree_mask[token]
+    rel = key_pos[None, None, :] - prefix[:, :, None]  # [n, 1, max_len]: a key's index among the new tokens
+    return (rel < 0) | ((bits[:, :, None] >> rel.clamp(0, 63)) & 1 == 1)
 
 
 def extend_attention(
@@ -188,10 +202,13 @@ def extend_attention(
     extend_lens: torch.Tensor,
     sm_scale: float,
     plan: AttentionPlan | None = None,
+    *,
+    tree_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """reference.extend_attention, batched: q [sum(extend_lens), H, D] packed request after request."""
+    """reference.extend_attention, batched: q [sum(extend_lens), H, D] packed request after request. A
+    given `plan` carries the tree mask (plan_attention's)."""
     if plan is None:
-        plan = plan_attention(req_to_token, req_pool_indices, seq_lens, extend_lens)
+        plan = plan_attention(req_to_token, req_pool_indices, seq_lens, extend_lens, tree_mask)
     return _attend(q, k_buffer, v_buffer, sm_scale, plan)
 
 

@@ -162,11 +162,17 @@ def extend_attention(
     seq_lens: torch.Tensor,
     extend_lens: torch.Tensor,
     sm_scale: float,
+    *,
+    tree_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of each request's new tokens over its whole sequence (prefix + new tokens).
 
     q: [sum(extend_lens), H, D], packed request after request. Request b's new tokens sit at positions
     ``seq_lens[b] - extend_lens[b] .. seq_lens[b] - 1``. Returns [sum(extend_lens), H, D] in q's dtype.
+
+    ``tree_mask`` (int64 [sum(extend_lens)]; a verify step of a draft tree): new token i of a request sees
+    its prefix and its new token j only where bit j of tree_mask[i] is set (its ancestors in the tree and
+    itself; ``ancestor_bits`` makes them from parent indices); None: every new token j <= i (causal).
     """
     out = torch.empty_like(q)
     start = 0
@@ -175,11 +181,28 @@ def extend_attention(
         prefix = seq_len - ext
         q_pos = torch.arange(prefix, seq_len, device=q.device)
         mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]
+        if tree_mask is not None:
+            new = torch.arange(ext, device=q.device)
+            mask[:, prefix:] = (tree_mask[start:start + ext, None] >> new[None, :]) & 1 == 1
         out[start : start + ext] = _attend(
             q[start : start + ext], k_buffer[slots], v_buffer[slots], mask, sm_scale
         ).to(q.dtype)
         start += ext
     return out
+
+
+def ancestor_bits(parents: list[int]) -> list[int]:
+    """One request's tree_mask (``extend_attention``) from its new tokens' parents: parents[i] < i is the
+    new token before i on its path, -1 for a token that follows the prefix. At most 64 tokens (the mask of
+    a token is one int64, its bit 63 the sign)."""
+    if len(parents) > 64:
+        raise ValueError(f"a tree of {len(parents)} tokens: at most 64 are masked")
+    bits: list[int] = []
+    for i, parent in enumerate(parents):
+        if not -1 <= parent < i:
+            raise ValueError(f"token {i}'s parent {parent} is not an earlier token")
+        bits.append((bits[parent] if parent >= 0 else 0) | 1 << i)
+    return [b - (1 << 64) if b >= 1 << 63 else b for b in bits]
 
 
 def decode_attention(

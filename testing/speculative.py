@@ -1,21 +1,27 @@
 """A proposer for tests and GPU checks (tests/test_speculative.py, benchmarks/gpu_check_spec.py): it knows
 each prompt's output without speculation and drafts it, corrupted at a position that varies from step to
 step (sometimes none), so that verify steps see every accepted length from 0 to the whole draft, with
-per-request draft lengths."""
+per-request draft lengths. With `tree`, it drafts trees: the (maybe corrupted) truth beside two wrong
+branches that share a prefix with it, the wrong ones first among siblings, so that the kept path often
+runs through later children and rows of rejected branches sit between kept ones."""
 
 from __future__ import annotations
 
 from typing import Any
+
+from radixlm.core.runtime.speculative.tree import merge_continuations
 
 
 class OracleProposer:
     name = "oracle"
     free = True
 
-    def __init__(self, expected: dict[tuple[int, ...], list[int]], vocab_size: int, corrupt: bool = True) -> None:
+    def __init__(self, expected: dict[tuple[int, ...], list[int]], vocab_size: int, corrupt: bool = True,
+                 tree: bool = False) -> None:
         self.expected = expected  # prompt ids -> output ids without speculation
         self.vocab_size = vocab_size
         self.corrupt = corrupt  # False: the expected tokens as they are, the whole budget
+        self.tree = tree
         self.calls = 0
 
     def propose(self, reqs: list[Any], budgets: list[int]) -> list[list[int]]:
@@ -32,8 +38,17 @@ class OracleProposer:
             wrong = (self.calls * 7 + n) % (k + 3)
             if wrong < len(draft):
                 draft[wrong] = (draft[wrong] + 1) % self.vocab_size
-            drafts.append(draft)
+            if self.tree and draft:
+                branches = [self._wrong(draft, (self.calls + n) % len(draft)), draft,
+                            self._wrong(truth[n:n + k], (self.calls * 3 + n) % len(draft))]
+                drafts.append(merge_continuations(branches, k))
+            else:
+                drafts.append(draft)
         return drafts
+
+    def _wrong(self, tokens: list[int], at: int) -> list[int]:
+        """The tokens with the one at `at` replaced (and cut after it)."""
+        return tokens[:at] + [(tokens[at] + 2) % self.vocab_size]
 
     def draft_class(self, req: Any) -> int:
         return 0

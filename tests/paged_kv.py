@@ -30,3 +30,33 @@ class PagedBatch:
 
     def tables(self) -> tuple[torch.Tensor, ...]:
         return self.k_buffer, self.v_buffer, self.req_to_token, self.req_pool_indices, self.seq_lens
+
+
+def random_trees(extend_lens: list[int], rng) -> list[list[int]]:
+    """Per request, its new tokens' parents as a draft tree's: each token after the first hangs off a random
+    earlier one (the first, a verify step's root, off the prefix); a chain where the draw makes one."""
+    return [[-1] + [rng.randrange(i) for i in range(1, n)] for n in extend_lens]
+
+
+def tree_oracle(q: torch.Tensor, batch: PagedBatch, extend_lens: list[int], trees: list[list[int]],
+                scale: float) -> torch.Tensor:
+    """Each query row's softmax attention over exactly the keys it should see: its request's prefix and
+    its ancestors among the new tokens (itself included), gathered one by one, in fp64."""
+    out = torch.empty(q.shape, dtype=torch.float64)
+    group = q.shape[1] // batch.k_buffer.shape[1]
+    at = 0
+    for row, seq_len, ext, parents in zip(batch.req_pool_indices.tolist(), batch.seq_lens.tolist(), extend_lens,
+                                          trees):
+        prefix = seq_len - ext
+        for i in range(ext):
+            path, node = [], i
+            while node >= 0:
+                path.append(prefix + node)
+                node = parents[node]
+            slots = batch.req_to_token[row, list(range(prefix)) + sorted(path)].long().cpu()
+            k = batch.k_buffer.cpu()[slots].double().repeat_interleave(group, 1)  # [L, H, D]
+            v = batch.v_buffer.cpu()[slots].double().repeat_interleave(group, 1)
+            w = (torch.einsum("hd,lhd->hl", q[at + i].cpu().double(), k) * scale).softmax(-1)
+            out[at + i] = torch.einsum("hl,lhd->hd", w, v)
+        at += ext
+    return out

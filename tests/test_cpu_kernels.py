@@ -7,7 +7,7 @@ import zlib
 
 import pytest
 import torch
-from paged_kv import PagedBatch
+from paged_kv import PagedBatch, random_trees, tree_oracle
 
 from radixlm.kernels import cpu, reference
 
@@ -61,6 +61,57 @@ def test_decode_attention_matches_reference(seq_lens, heads, dtype):
     plan = cpu.plan_attention(*batch.tables()[2:], None)
     assert (len(plan.groups) > 1) == (max(seq_lens) > 100)
     assert (plan.groups[0].mask is None) == (len(set(seq_lens)) == 1)
+
+
+@pytest.mark.parametrize("heads", GQA_SHAPES, ids=lambda s: f"H{s[0]}-KH{s[1]}-D{s[2]}")
+@pytest.mark.parametrize("seed", range(3))
+def test_tree_masked_extend_matches_the_oracle(heads, seed):
+    """A verify step of draft trees: each row attends to its prefix and its ancestors only (an oracle
+    gathering exactly those keys), in the reference and the CPU set, planned and not; a request of one
+    token, one with no prefix, and one far longer than the others (a group of its own) among them."""
+    rng = random.Random(seed)
+    num_heads, num_kv_heads, head_dim = heads
+    extend_lens = [rng.randint(2, 12), 1, 9, rng.randint(20, 64), 5]
+    prefix_lens = [rng.randint(1, 30), 7, 0, 3, 300]
+    trees = random_trees(extend_lens, rng)
+    batch = PagedBatch([p + e for p, e in zip(prefix_lens, extend_lens)], num_kv_heads, head_dim, torch.float32,
+                       torch.int64)
+    q = torch.randn(sum(extend_lens), num_heads, head_dim)
+    ext = torch.tensor(extend_lens)
+    mask = torch.tensor([b for parents in trees for b in reference.ancestor_bits(parents)])
+    expected = tree_oracle(q, batch, extend_lens, trees, 0.125).float()
+    _check(reference.extend_attention(q, *batch.tables(), ext, 0.125, tree_mask=mask), expected)
+    _check(cpu.extend_attention(q, *batch.tables(), ext, 0.125, tree_mask=mask), expected)
+    plan = cpu.plan_attention(*batch.tables()[2:], ext, mask)
+    assert len(plan.groups) > 1
+    _check(cpu.extend_attention(q, *batch.tables(), ext, 0.125, plan), expected)
+
+
+@pytest.mark.parametrize("ops", [reference, cpu], ids=lambda m: m.__name__.rsplit(".", 1)[-1])
+def test_a_siblings_kv_never_reaches_a_row(ops):
+    """Tree [0: root, 1 and 2 under it, 3 under 1, 4 under 2]: rewriting the keys and values of branch 2-4
+    leaves rows 0, 1 and 3 exactly as they were (and changes rows 2 and 4: the rewrite is seen where due)."""
+    parents, prefix = [-1, 0, 0, 1, 2], 6
+    batch = PagedBatch([prefix + 5], 2, 16, torch.float32, torch.int32)
+    q = torch.randn(5, 4, 16)
+    args = (torch.tensor([5]), 0.25)
+    mask = torch.tensor(reference.ancestor_bits(parents))
+    before = ops.extend_attention(q, *batch.tables(), *args, tree_mask=mask)
+    branch = batch.req_to_token[batch.req_pool_indices[0], [prefix + 2, prefix + 4]].long()
+    batch.k_buffer[branch] = 50 * torch.randn(2, 2, 16)
+    batch.v_buffer[branch] = 1e3
+    after = ops.extend_attention(q, *batch.tables(), *args, tree_mask=mask)
+    assert torch.equal(after[[0, 1, 3]], before[[0, 1, 3]])
+    assert (after[[2, 4]] - before[[2, 4]]).abs().amax(dim=(1, 2)).min() > 1
+
+
+def test_ancestor_bits_of_parent_lists():
+    assert reference.ancestor_bits([-1, 0, 1, 2]) == [1, 3, 7, 15]  # a chain: causal
+    assert reference.ancestor_bits([-1, 0, 0, 1, 2]) == [1, 3, 5, 11, 21]
+    assert reference.ancestor_bits([-1] + list(range(63)))[-1] == -1  # 64 tokens: bit 63 is the sign
+    for bad in ([0], [-1, 1], [-1] * 65):
+        with pytest.raises(ValueError):
+            reference.ancestor_bits(bad)
 
 
 def test_padding_reads_only_slot_zero():

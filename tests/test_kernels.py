@@ -21,7 +21,9 @@ import torch  # noqa: E402
 
 pytest.importorskip("triton")
 
-from paged_kv import PagedBatch  # noqa: E402
+import random  # noqa: E402
+
+from paged_kv import PagedBatch, random_trees, tree_oracle  # noqa: E402
 
 from radixlm.kernels import registry as kernels  # noqa: E402
 from radixlm.core.runtime.layers.attention_backend import AttentionBackend  # noqa: E402
@@ -122,6 +124,32 @@ def test_extend_attention_reads_the_new_tokens_packed(heads):
     expected = ref.extend_attention(q, k_buf, v_buf, req_to_token, rows, seqs, ext, 0.125)
     k_buf[new_slots], v_buf[new_slots] = float("nan"), float("nan")
     out = tri.extend_attention(q, k_buf, v_buf, req_to_token, rows, seqs, ext, 0.125, new_kv=(k_new, v_new))
+    assert_close(out, expected)
+
+
+@pytest.mark.parametrize("heads,packed", [(GQA_SHAPES[0], False), (GQA_SHAPES[1], True), (GQA_SHAPES[2], False)],
+                         ids=lambda v: f"H{v[0]}-KH{v[1]}-D{v[2]}" if isinstance(v, tuple) else ("new-kv" if v else "pool"))
+def test_extend_attention_tree_mask(heads, packed):
+    """Draft trees (random parents; once 64 tokens, the most a mask holds, across 4 query blocks): each row
+    sees its prefix and its ancestors only, against an oracle gathering exactly those keys, the new
+    tokens' keys read through the pool or packed; `split_short` is ignored for trees (every row goes
+    through the masked extend kernel)."""
+    rng = random.Random(sum(heads) + packed)
+    extend_lens = [7, 1, 64 if packed else 24, 20]
+    prefix_lens = [5, 9, 17, 0]
+    batch = PagedBatch([p + e for p, e in zip(prefix_lens, extend_lens)], heads[1], heads[2], torch.float32,
+                       torch.int32, DEVICE)
+    trees = random_trees(extend_lens, rng)
+    q = randn(sum(extend_lens), heads[0], heads[2])
+    ext = torch.tensor(extend_lens, device=DEVICE)
+    mask = torch.tensor([b for parents in trees for b in ref.ancestor_bits(parents)], device=DEVICE)
+    expected = tree_oracle(q, batch, extend_lens, trees, 0.125).float().to(DEVICE)
+    k_buf, v_buf, req_to_token, rows, seqs = batch.tables()
+    extra = {}
+    if packed:
+        new = torch.cat([req_to_token[r, p:p + e].long() for r, p, e in zip(rows.tolist(), prefix_lens, extend_lens)])
+        extra["new_kv"] = (k_buf[new].clone(), v_buf[new].clone())
+    out = tri.extend_attention(q, *batch.tables(), ext, 0.125, tree_mask=mask, split_short=True, **extra)
     assert_close(out, expected)
 
 
@@ -361,14 +389,17 @@ def test_seeded_exponential():
 
 def test_every_set_exposes_every_op_with_the_reference_signature():
     for name in kernels.OP_NAMES + kernels.OPTIONAL_OP_NAMES:
-        ref_params = list(inspect.signature(getattr(ref, name)).parameters)
+        ref_params = inspect.signature(getattr(ref, name)).parameters
         for ops in (tri, cpu_ops):
             if name in kernels.OPTIONAL_OP_NAMES and not hasattr(ops, name):
                 continue
-            # The other sets may only append optional parameters.
+            # The other sets may only append optional parameters; the reference's keyword-only ones they
+            # take too (anywhere among their keywords).
             params = inspect.signature(getattr(ops, name)).parameters
-            assert list(params)[: len(ref_params)] == ref_params, (ops.__name__, name)
-            for extra in list(params)[len(ref_params):]:
+            positional = [p for p in ref_params if ref_params[p].kind != inspect.Parameter.KEYWORD_ONLY]
+            assert list(params)[: len(positional)] == positional, (ops.__name__, name)
+            assert set(ref_params) <= set(params), (ops.__name__, name)
+            for extra in list(params)[len(positional):]:
                 assert params[extra].default is not inspect.Parameter.empty, (ops.__name__, name)
 
 

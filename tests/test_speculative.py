@@ -23,7 +23,7 @@ from radixlm.core.runtime.memory.tree_continuation import cached_continuation
 from radixlm.core.runtime.speculative.ngram import NgramIndex
 from radixlm.core.runtime.speculative.policy import MIN_GAIN, StepTimes, choose_lengths
 from radixlm.core.runtime.speculative.state import SpecState
-from radixlm.core.runtime.speculative.verify import accepted_length
+from radixlm.core.runtime.speculative.tree import DraftTree, accepted_path, merge_continuations
 from radixlm.testing.speculative import OracleProposer
 
 PROMPTS = [[5, 17, 300, 41, 41, 9], [7] * 3, list(range(100, 160)), [999, 3, 71, 2, 500, 17, 44]]
@@ -33,9 +33,9 @@ def engine(ckpt: str, **kw) -> radixlm.Engine:
     return radixlm.Engine(ckpt, max_total_tokens=kw.pop("max_total_tokens", 4096), debug_check_invariants=True, **kw)
 
 
-def with_oracle(e: radixlm.Engine, expected: dict, corrupt: bool = True) -> OracleProposer:
+def with_oracle(e: radixlm.Engine, expected: dict, corrupt: bool = True, tree: bool = False) -> OracleProposer:
     sched = e.frontend.scheduler.scheduler
-    sched.speculator.proposer = OracleProposer(expected, sched.sampler.vocab_size, corrupt)
+    sched.speculator.proposer = OracleProposer(expected, sched.sampler.vocab_size, corrupt, tree)
     return sched.speculator.proposer
 
 
@@ -45,13 +45,14 @@ def assert_kv_whole(e: radixlm.Engine) -> None:
     assert stats["kv_slots_free"] == stats["kv_slots_total"], stats
 
 
-def run_pair(ckpt: str, prompts, params, spec_kw=None, **kw):
-    """Outputs with speculation off and with the oracle drafting; the spec engine's stats."""
+def run_pair(ckpt: str, prompts, params, spec_kw=None, tree: bool = False, **kw):
+    """Outputs with speculation off and with the oracle drafting (trees with `tree`); the spec engine's
+    stats."""
     with engine(ckpt, **kw) as e:
         base = e.generate(input_ids=prompts, sampling_params=params)
     expected = {tuple(p): o["output_ids"] for p, o in zip(prompts, base)}
     with engine(ckpt, speculative_algorithm="ngram", speculative_adaptive=False, **(spec_kw or {}), **kw) as e:
-        oracle = with_oracle(e, expected)
+        oracle = with_oracle(e, expected, tree=tree)
         spec = e.generate(input_ids=prompts, sampling_params=params)
         stats = e.get_stats()
         assert_kv_whole(e)
@@ -59,9 +60,10 @@ def run_pair(ckpt: str, prompts, params, spec_kw=None, **kw):
     return base, spec, stats
 
 
-def test_greedy_outputs_equal_with_every_accepted_length(llama_ckpt):
+@pytest.mark.parametrize("tree", [False, True], ids=["chains", "trees"])
+def test_greedy_outputs_equal_with_every_accepted_length(llama_ckpt, tree):
     params = [{"max_new_tokens": 20 + 9 * i, "temperature": 0, "ignore_eos": True} for i in range(len(PROMPTS))]
-    base, spec, stats = run_pair(llama_ckpt, PROMPTS, params, spec_kw={"speculative_num_draft_tokens": 5})
+    base, spec, stats = run_pair(llama_ckpt, PROMPTS, params, spec_kw={"speculative_num_draft_tokens": 5}, tree=tree)
     assert [o["output_ids"] for o in spec] == [o["output_ids"] for o in base]
     assert stats["spec_verify_steps_total"] > 0
     # Some drafts were accepted whole, some in part (the oracle corrupts one position of most).
@@ -90,11 +92,11 @@ def decode_graph_twin(runner, max_bs: int = 32) -> list[tuple[bool, int]]:
     return replays
 
 
-@pytest.mark.parametrize("algorithm", ["oracle", "draft"])
+@pytest.mark.parametrize("algorithm", ["oracle", "draft", "oracle-tree"])
 def test_verify_steps_on_the_decode_graphs_keep_outputs(llama_ckpt, algorithm):
     """With decode graphs (their eager twin on the CPU) verify steps replay them, one row per token, and
     outputs stay those without speculation at every accepted length; the `draft` proposer's model
-    decodes on its own runner's graphs too."""
+    decodes on its own runner's graphs too. Steps holding a tree run eagerly (the graphs are causal)."""
     params = [{"max_new_tokens": 20 + 9 * i, "temperature": 0, "ignore_eos": True} for i in range(len(PROMPTS))]
     with engine(llama_ckpt) as e:
         base = e.generate(input_ids=PROMPTS, sampling_params=params)
@@ -107,19 +109,24 @@ def test_verify_steps_on_the_decode_graphs_keep_outputs(llama_ckpt, algorithm):
         if kw:
             draft_replays = decode_graph_twin(speculator.proposer.runner)
         else:
-            with_oracle(e, expected)
+            with_oracle(e, expected, tree=algorithm == "oracle-tree")
         spec = e.generate(input_ids=PROMPTS, sampling_params=params)
         stats = e.get_stats()
         assert_kv_whole(e)
     assert [o["output_ids"] for o in spec] == [o["output_ids"] for o in base]
     assert stats["spec_verify_steps_total"] > 0 and stats["spec_accepted_tokens_total"] > 0
     verify_replays = [n for shared, n in replays if shared]  # rows of one request: a verify step's
-    assert len(verify_replays) == stats["spec_verify_steps_total"]
+    if algorithm == "oracle-tree":
+        assert len(verify_replays) < stats["spec_verify_steps_total"] / 2
+    else:
+        assert len(verify_replays) == stats["spec_verify_steps_total"]
     if kw:
         assert draft_replays and not any(shared for shared, _ in draft_replays)
 
 
-def test_stop_strings_stop_tokens_and_logprobs_equal(llama_ckpt):
+@pytest.mark.parametrize("tree", [False, True], ids=["chains", "trees"])
+def test_stop_strings_stop_tokens_and_logprobs_equal(llama_ckpt, tree):
+    """Logprobs equal to 1e-4: a verify row that saw another branch's keys would be off by far more."""
     with engine(llama_ckpt) as e:  # stop strings taken from the plain output, so that they do match
         probe = e.generate(input_ids=PROMPTS, sampling_params={"max_new_tokens": 30, "temperature": 0,
                                                                "ignore_eos": True})
@@ -136,7 +143,7 @@ def test_stop_strings_stop_tokens_and_logprobs_equal(llama_ckpt):
         base = e.generate(input_ids=PROMPTS, sampling_params=params, return_logprob=True, top_logprobs_num=3)
     expected = {tuple(p): o["output_ids"] for p, o in zip(PROMPTS, base)}
     with engine(llama_ckpt, speculative_algorithm="ngram", speculative_adaptive=False) as e:
-        with_oracle(e, expected)
+        with_oracle(e, expected, tree=tree)
         spec = e.generate(input_ids=PROMPTS, sampling_params=params, return_logprob=True, top_logprobs_num=3)
         assert_kv_whole(e)
     assert any(o["meta_info"]["finish_reason"]["matched"] is not None for o in base)
@@ -174,14 +181,16 @@ def test_retraction_under_a_small_pool_keeps_outputs(llama_ckpt):
     assert stats["retractions_total"] > 0 and stats["spec_accepted_tokens_total"] > 0
 
 
-def test_constraint_masks_every_draft_position(llama_ckpt):
-    """The grammar masks each verify row as of the draft before it; a draft token it forbids ends the
-    draft. The outputs match the pattern and equal those without speculation."""
+@pytest.mark.parametrize("tree", [False, True], ids=["chains", "trees"])
+def test_constraint_masks_every_draft_position(llama_ckpt, tree):
+    """The grammar masks each verify row as of the draft before it (in a tree, as of its path: a fork per
+    node); a draft token it forbids ends the draft (its subtree). The outputs match the pattern and equal
+    those without speculation."""
     import re
 
     pattern = r"(ab|cd)[0-9]{3,12}(x|yz){2,6}"
     params = {"max_new_tokens": 40, "temperature": 0, "regex": pattern}
-    base, spec, stats = run_pair(llama_ckpt, PROMPTS, params)
+    base, spec, stats = run_pair(llama_ckpt, PROMPTS, params, tree=tree)
     assert [o["output_ids"] for o in spec] == [o["output_ids"] for o in base]
     assert all(re.fullmatch(pattern, o["text"]) for o in spec)
     assert stats["spec_verify_steps_total"] > 0
@@ -215,6 +224,28 @@ def test_ngram_proposer_on_the_tiny_model_keeps_outputs(llama_ckpt):
         assert_kv_whole(e)
     assert [o["output_ids"] for o in spec] == [o["output_ids"] for o in base]
     assert stats["spec_draft_tokens_total"] > 0 and stats["spec_algorithm"] == "ngram"
+
+
+def test_ngram_trees_keep_outputs(llama_ckpt):
+    """ngram drafting trees (3 continuations merged) on prompts that repeat with variations, the second
+    call of each prompt also drafting the radix cache's answer (the first, its own n-grams alone): outputs
+    equal those without speculation, and every slot comes back."""
+    prompt = [list(range(200, 215)) + [1, 2] + list(range(200, 215)) + [3, 4] + list(range(200, 212)),
+              [9, 8, 7, 1] * 4 + [9, 8, 7, 2] * 3 + [9, 8]]
+    params = {"max_new_tokens": 40, "temperature": 0, "ignore_eos": True}
+    with engine(llama_ckpt) as e:
+        base = e.generate(input_ids=prompt, sampling_params=params)
+    with engine(llama_ckpt, speculative_algorithm="ngram", speculative_ngram_min_match_window_size=1,
+                speculative_ngram_max_bfs_breadth=3, speculative_num_draft_tokens=8, speculative_adaptive=False) as e:
+        trees = []
+        real_forward = e._runner.forward
+        e._runner.forward = lambda batch: (trees.append(batch.tree_parents is not None), real_forward(batch))[1]
+        spec = e.generate(input_ids=prompt, sampling_params=params)
+        again = e.generate(input_ids=prompt, sampling_params=params)
+        stats = e.get_stats()
+        assert_kv_whole(e)
+    assert [o["output_ids"] for o in spec] == [o["output_ids"] for o in again] == [o["output_ids"] for o in base]
+    assert any(trees) and stats["spec_accepted_tokens_total"] > 0
 
 
 def chi_square_p_value(observed: dict, expected: dict, n: int) -> float:
@@ -268,19 +299,79 @@ def test_sampled_outputs_keep_the_target_distribution(llama_ckpt):
     assert chi_square_p_value(counts, exact, n) > 1e-3
 
 
+class FixedTreeProposer(OracleProposer):
+    """Drafts one tree to every request with one output token (the others nothing)."""
+
+    def __init__(self, tree: DraftTree) -> None:
+        super().__init__({}, 0)
+        self.tree = tree
+
+    def propose(self, reqs, budgets):
+        self.calls += len(reqs)
+        return [self.tree if len(r.output_ids) == 1 and k else [] for r, k in zip(reqs, budgets)]
+
+
+def test_sampled_outputs_keep_the_target_distribution_with_trees(llama_ckpt):
+    """As above with a tree: the second token drafted as each of the two likeliest tokens after the greedy
+    first one (siblings; their children fall to max_new_tokens). The walk keeps the first child with p(a),
+    else the second with p(b) / (1 - p(a)) of the rest, which is what sampling from p and descending to
+    the child holding the sample does; the joint distribution of 3,000 samples against the exact one, by a
+    chi-square test. Keeping a sibling's token more often than p gives it fails it."""
+    prompt, n = [5, 17, 300, 41], 3000
+    with engine(llama_ckpt) as e:
+        greedy = e.generate(input_ids=prompt, sampling_params={"max_new_tokens": 1, "temperature": 0})["output_ids"]
+
+        def top4(ids):
+            out = e.generate(input_ids=ids, sampling_params={"max_new_tokens": 1, "temperature": 0},
+                             return_logprob=True, top_logprobs_num=4)
+            tops = out["meta_info"]["output_top_logprobs"][0]
+            probs = torch.tensor([v for v, _, _ in tops]).softmax(0).tolist()
+            return {t: p for (_, t, _), p in zip(tops, probs)}
+
+        exact = {(): 1.0}
+        for _ in range(3):
+            exact = {seq + (t,): p * q for seq, p in exact.items() for t, q in top4(prompt + list(seq)).items()}
+        second = top4(prompt + greedy)
+        (a, p_a), (b, p_b) = sorted(second.items(), key=lambda kv: -kv[1])[:2]
+        c, d = (max(top4(prompt + greedy + [t]).items(), key=lambda kv: kv[1])[0] for t in (a, b))
+    tree = DraftTree([a, b, c, d], [-1, -1, 0, 1])
+    with engine(llama_ckpt, speculative_algorithm="ngram", speculative_adaptive=False, max_requests_per_call=n,
+                max_running_requests=256, speculative_num_draft_tokens=4) as e:
+        e.frontend.scheduler.scheduler.speculator.proposer = FixedTreeProposer(tree)
+        outs = e.generate(input_ids=[prompt] * (n // 100), sampling_params={
+            "max_new_tokens": 3, "temperature": 1.0, "top_k": 4, "n": 100, "ignore_eos": True})
+        stats = e.get_stats()
+        assert_kv_whole(e)
+    counts: dict = {}
+    for o in outs:
+        counts[tuple(o["output_ids"])] = counts.get(tuple(o["output_ids"]), 0) + 1
+    on_b = sum(v for seq, v in counts.items() if seq[1] == b)
+    assert stats["spec_verifies_total"] == n and 0 < stats["spec_accepted_tokens_total"] < n
+    assert p_a + p_b < 0.95 and p_b > 0.05 and on_b > 30  # both children and the miss branch all run
+    assert chi_square_p_value(counts, exact, n) > 1e-3
+
+
 # ---- the units -------------------------------------------------------------------------------------
 
 
 def test_ngram_index_finds_the_longest_latest_match():
     index = NgramIndex(2, 4)
     tokens = [1, 2, 3, 4, 5, 9, 1, 2, 3]
-    assert index.propose(tokens, 3) == [4, 5, 9]  # after [1, 2, 3]
+    assert index.continuations(tokens, 3) == [[4, 5, 9]]  # after [1, 2, 3]
     tokens += [4, 7]
-    assert index.propose(tokens, 3) == []  # [4, 7] never occurred before
+    assert index.continuations(tokens, 3) == []  # [4, 7] never occurred before
     tokens += [1, 2, 3, 4, 8, 0, 3, 4]
-    assert index.propose(tokens, 2) == [8, 0]  # the latest [3, 4] is followed by 8, 0
-    assert NgramIndex(2, 4).propose([5, 5], 4) == []  # a suffix needs an earlier occurrence
-    assert NgramIndex(1, 4).propose([5, 6, 5], 4) == [6, 5]
+    assert index.continuations(tokens, 2) == [[8, 0]]  # the latest [3, 4] is followed by 8, 0
+    assert NgramIndex(2, 4).continuations([5, 5], 4) == []  # a suffix needs an earlier occurrence
+    assert NgramIndex(1, 4).continuations([5, 6, 5], 4) == [[6, 5]]
+
+
+def test_ngram_index_gives_several_continuations_latest_and_longest_first():
+    index = NgramIndex(1, 3, breadth=3)
+    tokens = [7, 1, 2, 5, 6, 1, 2, 8, 9, 3, 2, 4, 1, 2]
+    # [1, 2] after 7: ... 5 6 (first), 8 9 (second, later); then the suffix [2] alone adds [4, 1]
+    assert index.continuations(tokens, 2) == [[8, 9], [5, 6], [4, 1]] and index.matched == 2
+    assert NgramIndex(1, 3, breadth=2).continuations(tokens, 2) == [[8, 9], [5, 6]]
 
 
 def test_cached_continuation_follows_the_tree_after_a_whole_context():
@@ -321,11 +412,29 @@ def test_ngram_drafts_a_repeated_prompt_from_the_radix_cache(llama_ckpt):
     assert runs[False]["spec_accept_length"] < runs[True]["spec_accept_length"] - 1
 
 
-def test_accepted_length_counts_the_leading_agreement():
-    assert accepted_length([4, 5, 6], [4, 5, 6, 7]) == 3
-    assert accepted_length([4, 5, 6], [4, 9, 6, 7]) == 1
-    assert accepted_length([4], [3, 1]) == 0
-    assert accepted_length([], [3]) == 0
+def test_accepted_path_descends_to_the_sampled_child():
+    chain = DraftTree.chain
+    assert accepted_path(chain([4, 5, 6]), [4, 5, 6, 7]) == [0, 1, 2]
+    assert accepted_path(chain([4, 5, 6]), [4, 9, 6, 7]) == [0]
+    assert accepted_path(chain([4]), [3, 1]) == [] and accepted_path(chain([]), [3]) == []
+    # root -> 0 (4) -> 2 (6); root -> 1 (5) -> 3 (7); samples at rows root, 0, 1, 2, 3
+    tree = DraftTree([4, 5, 6, 7], [-1, -1, 0, 1])
+    assert accepted_path(tree, [5, 9, 7, 0, 0]) == [1, 3]
+    assert accepted_path(tree, [4, 6, 0, 0, 0]) == [0, 2]
+    assert accepted_path(tree, [4, 7, 0, 0, 0]) == [0]  # 7 is under the other branch
+    assert accepted_path(tree, [8, 0, 0, 0, 0]) == []
+
+
+def test_merge_continuations_keeps_the_likeliest_nodes():
+    assert merge_continuations([[1, 2, 3]], 2) == DraftTree([1, 2], [-1, 0])  # one: a chain
+    # weights 1, 1/2, 1/3, 1/4: 1 and 2 score 22/25, 3 (8/11 of them) 0.64, 4 0.48, 5 0.24, 6 0.16, 7 0.12
+    tree = merge_continuations([[1, 2, 3, 4], [1, 2, 5], [1, 2, 3, 6], [7]], 6)
+    assert tree.tokens == [1, 2, 3, 4, 5, 6] and tree.parents == [-1, 0, 1, 2, 1, 2]
+    assert merge_continuations([[1, 2, 3, 4], [1, 2, 5], [1, 2, 3, 6], [7]], 7).tokens[-1] == 7
+    assert merge_continuations([[1, 2], [3, 4]], 3).tokens == [1, 2, 3]  # the better branch first, whole
+    # drafts often kept: deep along the best continuation; seldom: its first token's alternative first
+    assert merge_continuations([[1, 2, 3, 4], [5, 6]], 4, rate=0.9).tokens == [1, 2, 3, 4]
+    assert merge_continuations([[1, 2, 3, 4], [5, 6]], 4, rate=0.3).tokens == [1, 5, 2, 6]
 
 
 def cpu_like_times(token_cost: float = 0.25, base: float = 0.3) -> StepTimes:
@@ -378,13 +487,13 @@ def test_request_rate_follows_its_drafts_and_returns_to_its_class():
     s = SpecState()
     assert s.rate(0.5) == 0.5
     for _ in range(5):
-        s.record(4, 0)
+        s.record(4, 0, True)
     assert s.rate(0.5) < 0.2
     for _ in range(200):
         s.idle()
     assert s.rate(0.5) > 0.45  # long idle: its class's rate again
     for _ in range(5):
-        s.record(4, 4)
+        s.record(4, 4, False)
     assert s.rate(0.5) > 0.9 and s.verify_ct == 10 and s.accepted == 20 and s.accept_length == 3.0
 
 
@@ -443,6 +552,9 @@ def test_adaptive_lengths_stop_failing_drafts_and_grow_kept_ones(llama_ckpt, kin
     ({"speculative_algorithm": "ngram", "speculative_ngram_min_match_window_size": 3,
       "speculative_ngram_max_match_window_size": 2}, "speculative_ngram_max_match_window_size"),
     ({"speculative_algorithm": "ngram", "enable_overlap_schedule": True}, "enable_overlap_schedule"),
+    ({"speculative_algorithm": "ngram", "speculative_ngram_max_bfs_breadth": 0}, "speculative_ngram_max_bfs_breadth"),
+    ({"speculative_algorithm": "ngram", "speculative_ngram_max_bfs_breadth": 2, "speculative_num_draft_tokens": 64},
+     "speculative_num_draft_tokens"),
 ])
 def test_bad_options_are_named(kw, param):
     with pytest.raises(InvalidRequestError) as err:

@@ -35,6 +35,9 @@ def option(default: Any, help: str, *, choices: Sequence[str] | None = None,
                                             "aliases": tuple(aliases)})
 
 
+# The most draft tokens a tree holds: with its root, 64 verify rows, one bit each in the kernels' tree mask.
+MAX_TREE_NODES = 63
+
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
 
@@ -217,15 +220,19 @@ class EngineOptions:
         True, "ngram: first draft what the radix cache holds after the request's whole context (another "
         "request's continuation of the same tokens: a prompt asked again, a retried call); False: the "
         "request's own n-grams only")
+    speculative_ngram_max_bfs_breadth: int = option(
+        1, "ngram: the most continuations one draft merges into a tree (the radix cache's, then those after "
+        "earlier occurrences of the matched suffix), verified at once with a tree mask; 1: a chain")
     speculative_draft_model_path: str | None = option(
         None, "draft: the draft checkpoint (a path, .gguf or hub id) whose tokenizer is the target's; eagle: the "
         "EAGLE head's checkpoint (a path or hub id)")
     speculative_num_steps: int | None = option(
-        None, "eagle, eagle3: draft steps of the head per verify step, one token each (a chain); None: "
+        None, "eagle, eagle3: draft steps of the head per verify step (a chain's length, a tree's depth); None: "
         "speculative_num_draft_tokens")
     speculative_eagle_topk: int = option(
-        1, "eagle, eagle3: branches per draft step; only 1 (a chain) is built: trees need a tree mask in the "
-        "attention kernels")
+        1, "eagle, eagle3: children per expanded node and nodes expanded per draft step (a tree of "
+        "speculative_num_draft_tokens best nodes, speculative_num_steps deep, verified at once with a tree "
+        "mask); 1: a chain")
     speculative_adaptive: bool = option(
         True, "each step drafts the lengths that give the most expected tokens per second, from each request's rate "
         "of kept draft tokens and the step times measured on the device, and none where a plain decode step does "
@@ -342,7 +349,8 @@ class EngineOptions:
         if self.speculative_algorithm not in SPECULATIVE_ALGORITHMS:
             raise InvalidRequestError(f"speculative_algorithm must be one of {list(SPECULATIVE_ALGORITHMS)} (got "
                                       f"{self.speculative_algorithm!r})", "speculative_algorithm")
-        for name in ("speculative_num_draft_tokens", "speculative_ngram_min_match_window_size"):
+        for name in ("speculative_num_draft_tokens", "speculative_ngram_min_match_window_size",
+                     "speculative_ngram_max_bfs_breadth"):
             if getattr(self, name) < 1:
                 raise InvalidRequestError(f"{name} must be >= 1", name)
         if self.speculative_ngram_max_match_window_size < self.speculative_ngram_min_match_window_size:
@@ -353,9 +361,14 @@ class EngineOptions:
                                       "speculative_draft_model_path", "speculative_draft_model_path")
         if self.speculative_num_steps is not None and self.speculative_num_steps < 1:
             raise InvalidRequestError("speculative_num_steps must be >= 1", "speculative_num_steps")
-        if self.speculative_eagle_topk != 1:
-            raise InvalidRequestError("speculative_eagle_topk must be 1: tree drafts (topk > 1) need tree "
-                                      "verification, which is not built", "speculative_eagle_topk")
+        if self.speculative_eagle_topk < 1:
+            raise InvalidRequestError("speculative_eagle_topk must be >= 1", "speculative_eagle_topk")
+        trees = self.speculative_ngram_max_bfs_breadth > 1 if self.speculative_algorithm == "ngram" \
+            else self.speculative_eagle_topk > 1
+        if trees and self.speculative_num_draft_tokens > MAX_TREE_NODES:
+            raise InvalidRequestError(f"draft trees hold at most {MAX_TREE_NODES} tokens (the attention's tree mask "
+                                      "is 64 bits a row): lower speculative_num_draft_tokens",
+                                      "speculative_num_draft_tokens")
         if self.enable_overlap_schedule:
             raise InvalidRequestError("enable_overlap_schedule with speculative_algorithm is not supported yet",
                                       "enable_overlap_schedule")

@@ -93,15 +93,16 @@ def _attend_keys(
     q, m_i, l_i, acc,
     K, V, token_row_ptr, row_base, kv_head,
     stride_rc, stride_ks, stride_kh, stride_kd, stride_vs, stride_vh, stride_vd,
-    lo, hi, q_pos, scale_log2,
+    lo, hi, q_pos, scale_log2, tree_bits, tree_base,
     CAUSAL: tl.constexpr, DIRECT: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, TREE: tl.constexpr,
 ):
     """Online-softmax accumulation of the keys at positions [lo, hi) into (m_i, l_i, acc).
 
     Key position p is row ``token_row_ptr[p]`` of K and V, or with DIRECT row ``row_base + p`` (keys laid
     out contiguously: no index load, no gather). With CAUSAL, key position p is visible to query row i
-    only when p <= q_pos[i].
+    only when p <= q_pos[i]. With TREE, only when bit p - tree_base of tree_bits[i] is set (the row's
+    ancestors among its request's new tokens; see `extend_attention`'s tree_mask).
     """
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
@@ -127,6 +128,9 @@ def _attend_keys(
         keep = n_mask[None, :]
         if CAUSAL:
             keep = keep & (pos[None, :] <= q_pos[:, None])
+        if TREE:
+            rel = (pos - tree_base).to(tl.int64)
+            keep = keep & (((tree_bits[:, None] >> rel[None, :]) & 1) != 0)
         scores = tl.where(keep, scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, 1))
         alpha = tl.exp2(m_i - m_new)
@@ -143,7 +147,7 @@ def _attend_keys(
 
 @triton.jit
 def _extend_kernel(
-    Q, K, V, KNew, VNew, O, ReqToToken, ReqPoolIndices, SeqLens, ExtendLens, ExtendStartLoc,
+    Q, K, V, KNew, VNew, O, ReqToToken, ReqPoolIndices, SeqLens, ExtendLens, ExtendStartLoc, TreeMask,
     scale_log2,
     stride_qt, stride_qh, stride_qd,
     stride_ot, stride_oh, stride_od,
@@ -154,9 +158,10 @@ def _extend_kernel(
     stride_rr, stride_rc,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, NEW_KV: tl.constexpr,
-    SKIP_SHORT: tl.constexpr,
+    SKIP_SHORT: tl.constexpr, TREE: tl.constexpr,
 ):
-    """Extends of at most SKIP_SHORT tokens are left to the split kernel (`_split_kernel`, short mode)."""
+    """Extends of at most SKIP_SHORT tokens are left to the split kernel (`_split_kernel`, short mode).
+    TREE: the new keys are masked by each row's ancestor bits (TreeMask) instead of causally."""
     # Heads vary fastest so the query heads sharing a KV head run side by side and share it in L2.
     head = tl.program_id(0)
     req = tl.program_id(1)
@@ -184,6 +189,9 @@ def _extend_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     token_row_ptr = ReqToToken + row * stride_rr
     q_pos = prefix_len + offs_m
+    tree_bits = q_pos.to(tl.int64)  # (unread without TREE)
+    if TREE:
+        tree_bits = tl.load(TreeMask + q_start + offs_m, mask=m_mask, other=-1)  # padding rows: every key
 
     # The cached prefix through the pool; then the new tokens' keys, from KNew/VNew (request after request
     # like q) with NEW_KV, else through the pool too (the launcher passes K and V as KNew and VNew). Keys
@@ -194,20 +202,20 @@ def _extend_kernel(
     m_i, l_i, acc = _attend_keys(
         q, m_i, l_i, acc, K, V, token_row_ptr, 0, kv_head,
         stride_rc, stride_ks, stride_kh, stride_kd, stride_vs, stride_vh, stride_vd,
-        0, prefix_len, q_pos, scale_log2,
-        False, False, HEAD_DIM, BLOCK_D, BLOCK_N, PRECISION,
+        0, prefix_len, q_pos, scale_log2, tree_bits, prefix_len,
+        False, False, HEAD_DIM, BLOCK_D, BLOCK_N, PRECISION, False,
     )
     m_i, l_i, acc = _attend_keys(
         q, m_i, l_i, acc, KNew, VNew, token_row_ptr, new_base, kv_head,
         stride_rc, stride_nks, stride_nkh, stride_nkd, stride_nvs, stride_nvh, stride_nvd,
-        prefix_len, diag_start, q_pos, scale_log2,
-        False, NEW_KV, HEAD_DIM, BLOCK_D, BLOCK_N, PRECISION,
+        prefix_len, diag_start, q_pos, scale_log2, tree_bits, prefix_len,
+        False, NEW_KV, HEAD_DIM, BLOCK_D, BLOCK_N, PRECISION, TREE,
     )
     m_i, l_i, acc = _attend_keys(
         q, m_i, l_i, acc, KNew, VNew, token_row_ptr, new_base, kv_head,
         stride_rc, stride_nks, stride_nkh, stride_nkd, stride_nvs, stride_nvh, stride_nvd,
-        diag_start, diag_end, q_pos, scale_log2,
-        True, NEW_KV, HEAD_DIM, BLOCK_D, BLOCK_N, PRECISION,
+        diag_start, diag_end, q_pos, scale_log2, tree_bits, prefix_len,
+        True, NEW_KV, HEAD_DIM, BLOCK_D, BLOCK_N, PRECISION, TREE,
     )
     out = acc / l_i[:, None]
     tl.store(
@@ -231,6 +239,7 @@ def extend_attention(
     new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
     split_short: bool = False,
     config: AttnConfig | None = None,
+    tree_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of each request's new tokens over its prefix and new tokens, in one launch (two
     or three with ``split_short``).
@@ -246,8 +255,13 @@ def extend_attention(
     head loaded once for its query group, the keys split across programs), and only the longer ones by
     the extend kernel, whose programs (one query head, a 64-row query block) would otherwise each walk
     a one-token request's whole context.
+
+    ``tree_mask`` (int64 [T], as ``reference.extend_attention``'s): each query row sees its request's
+    prefix and those of its new tokens whose bits it sets, instead of every earlier one (a verify step
+    of a draft tree). Such a batch runs on the extend kernel alone (``split_short`` is ignored).
     """
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    split_short = split_short and tree_mask is None
     batch = extend_lens.shape[0]
     if batch == 0 or q.shape[0] == 0:
         return out
@@ -264,13 +278,14 @@ def extend_attention(
                          SHORT_EXTEND_TOKENS, extend_lens, extend_start_loc)
     _extend_kernel[grid](
         q, k_buffer, v_buffer, k_new, v_new, out, req_to_token, req_pool_indices, seq_lens, extend_lens,
-        extend_start_loc,
+        extend_start_loc, extend_lens if tree_mask is None else tree_mask,
         sm_scale * _LOG2E,
         *q.stride(), *out.stride(), *k_buffer.stride(), *v_buffer.stride(), *k_new.stride(), *v_new.stride(),
         *req_to_token.stride(),
         GROUP=num_heads // k_buffer.shape[1], HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, PRECISION=_dot_precision(q.dtype),
         NEW_KV=new_kv is not None, SKIP_SHORT=SHORT_EXTEND_TOKENS if split_short else 0,
+        TREE=tree_mask is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out
@@ -337,8 +352,8 @@ def _decode_split_kernel(
     m_i, l_i, acc = _attend_keys(
         q, m_i, l_i, acc, K, V, ReqToToken + row * stride_rr, 0, kv_head,
         stride_rc, stride_ks, stride_kh, stride_kd, stride_vs, stride_vh, stride_vd,
-        lo, hi, q_pos, scale_log2,
-        TOKENS > 1, False, HEAD_DIM, BLOCK_D, BLOCK_N, PRECISION,
+        lo, hi, q_pos, scale_log2, q_pos, 0,
+        TOKENS > 1, False, HEAD_DIM, BLOCK_D, BLOCK_N, PRECISION, False,
     )
     # An empty split stores zeros with log-sum-exp -inf, which the reduce weighs as nothing (a request
     # with no keys at all gets zeros, as in the reference).

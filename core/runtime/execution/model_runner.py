@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from radixlm.kernels import registry as kernels
+from radixlm.kernels.reference import ancestor_bits
 from radixlm.core.runtime.messages import ImageInput
 from radixlm.core.runtime.memory.memory_pool import KVPool, ReqToTokenPool, host_available_bytes, host_int64
 from radixlm.core.runtime.options import EngineOptions
@@ -207,7 +208,7 @@ class ModelRunner:
             return logits
         # Extends with M-RoPE positions run eagerly: the extend graphs take 1-D positions.
         if self.hidden_sink is None and not batch.is_decode and self.extend_graphs is not None and not batch.images \
-                and batch.rope_positions is None:
+                and batch.rope_positions is None and batch.tree_parents is None:
             key = self.extend_graphs.bucket_for(batch)
             if key is not None:
                 return self.extend_graphs.run(batch, key)
@@ -227,9 +228,10 @@ class ModelRunner:
         """The batch as rows of the decode graphs, or None where they cannot run it: no graphs, a hidden
         sink that they do not export to, more rows than they hold, inputs they lack (features of another
         width). Decodes are rows (M-RoPE ones too: t = h = w, a 1-D rotary position); so are verify steps
-        (logits at every token), a row per token (as_decode_rows)."""
+        (logits at every token), a row per token (as_decode_rows), but not those of draft trees (the
+        graphs are causal)."""
         graphs = self.graph_runner
-        if graphs is None or (self.hidden_sink is not None and graphs.hidden is None):
+        if graphs is None or (self.hidden_sink is not None and graphs.hidden is None) or batch.tree_parents is not None:
             return None
         if not batch.is_decode:
             batch = as_decode_rows(batch) if len(batch.input_ids) <= graphs.max_bs else None
@@ -243,10 +245,13 @@ class ModelRunner:
         """The step's index tensors (and the logit rows' index), packed into one pinned host tensor and
         moved in one copy."""
         starts = [0, *itertools.accumulate(batch.extend_lens)][:-1]
-        parts = (batch.input_ids, batch.positions, batch.out_cache_loc, batch.rows, batch.seq_lens,
-                 batch.extend_lens, starts, batch.logit_rows)
+        parts = [batch.input_ids, batch.positions, batch.out_cache_loc, batch.rows, batch.seq_lens,
+                 batch.extend_lens, starts, batch.logit_rows]
+        if batch.tree_parents is not None:
+            parts.append([bits for at, n in zip(starts, batch.extend_lens)
+                          for bits in ancestor_bits(batch.tree_parents[at:at + n])])
         views = host_int64(parts, self._pin).to(self.device, non_blocking=True).split([len(p) for p in parts])
-        ids, positions, loc, rows, seq_lens, extend_lens, starts_t, logit_index = views
+        ids, positions, loc, rows, seq_lens, extend_lens, starts_t, logit_index = views[:8]
         if batch.input_future is not None:
             ids = batch.input_future
         fb = ForwardBatch(
@@ -265,6 +270,7 @@ class ModelRunner:
             max_extend_len=max(batch.extend_lens, default=0),
             images=self._image_batch(batch.images) if batch.images else None,
             features=batch.features,
+            tree_mask=views[8] if batch.tree_parents is not None else None,
         )
         if batch.rope_positions is not None:
             fb.cos_sin_cache = mrope_cos_sin(self.cos_sin_cache, torch.tensor(batch.rope_positions, device=self.device),

@@ -70,7 +70,9 @@ class AttentionBackend:
         args = (q, k_buf, v_buf, fb.req_to_token, fb.req_pool_indices, fb.seq_lens, fb.extend_lens, scale)
         if new_kv is not None:
             extra["new_kv"] = new_kv
-        if q.shape[0] <= self._short_tokens * fb.extend_lens.shape[0]:
+        if fb.tree_mask is not None and self._plan is None:  # a plan holds it
+            extra["tree_mask"] = fb.tree_mask
+        elif q.shape[0] <= self._short_tokens * fb.extend_lens.shape[0]:
             extra["split_short"] = True
         if self._extend_takes_layout and fb.max_extend_len is not None:
             return self.ops.extend_attention(*args, fb.extend_start_loc, fb.max_extend_len, **extra)
@@ -80,5 +82,5 @@ class AttentionBackend:
         """The kernel set's layout of this batch, made at the first layer and kept for the others."""
         if fb.attn_plan is None:
             fb.attn_plan = self._plan(fb.req_to_token, fb.req_pool_indices, fb.seq_lens,
-                                      None if fb.is_decode else fb.extend_lens)
+                                      None if fb.is_decode else fb.extend_lens, fb.tree_mask)
         return fb.attn_plan

@@ -14,6 +14,7 @@ from radixlm.core.runtime.models.hub import locate_model
 from radixlm.core.runtime.models.eagle import load_eagle_head
 from radixlm.core.runtime.speculative.draft_model import DraftModelProposer
 from radixlm.core.runtime.speculative.eagle import EagleProposer
+from radixlm.core.runtime.speculative.eagle_tree import EagleTreeProposer
 from radixlm.core.runtime.speculative.ngram import NgramProposer
 from radixlm.core.runtime.speculative.proposer import Proposer
 from radixlm.core.runtime.speculative.speculator import Speculator
@@ -27,10 +28,12 @@ def build_speculator(opts: EngineOptions, runner: Any, executor: Any, context_le
     max_draft = opts.speculative_num_draft_tokens
     if algorithm == "ngram":
         proposer = NgramProposer(opts.speculative_ngram_min_match_window_size,
-                                 opts.speculative_ngram_max_match_window_size, opts.speculative_ngram_radix_cache)
+                                 opts.speculative_ngram_max_match_window_size, opts.speculative_ngram_radix_cache,
+                                 opts.speculative_ngram_max_bfs_breadth)
     elif algorithm in ("eagle", "eagle3"):
         proposer = eagle_proposer(opts, runner)
-        max_draft = opts.speculative_num_steps or max_draft  # a chain: one token per step
+        if opts.speculative_eagle_topk == 1:
+            max_draft = opts.speculative_num_steps or max_draft  # a chain: one token per step
     else:
         proposer = draft_proposer(opts, runner)
     executor.memory.release_hooks.append(proposer.release)
@@ -61,7 +64,11 @@ def eagle_proposer(opts: EngineOptions, target: Any) -> EagleProposer:
     cfg = dataclasses.replace(cfg, context_len=target.cfg.context_len, vocab_size=target.cfg.vocab_size)
     head_opts = dataclasses.replace(opts, max_total_tokens=target.num_slots, speculative_algorithm=None)
     head_runner = ModelRunner(path, cfg, head_opts, model=head, export=HiddenExport())
-    proposer = EagleProposer(head_runner, target, target.cfg.vocab_size)
+    if opts.speculative_eagle_topk > 1:
+        steps = opts.speculative_num_steps or opts.speculative_num_draft_tokens
+        proposer = EagleTreeProposer(head_runner, target, target.cfg.vocab_size, opts.speculative_eagle_topk, steps)
+    else:
+        proposer = EagleProposer(head_runner, target, target.cfg.vocab_size)
     proposer.name = opts.speculative_algorithm
     return proposer
 

@@ -111,8 +111,8 @@ class DraftPolicy:
         rates = [s.rate(self.class_rate(c)) for s, c in zip(states, classes)]
         return choose_lengths(rates, caps, self.times)
 
-    def record(self, state: SpecState, drafted: int, accepted: int) -> None:
+    def record(self, state: SpecState, drafted: int, accepted: int, cut: bool) -> None:
         cls = state.draft_class
         self.kept[cls] = CLASS_DECAY * self.kept.get(cls, 0.0) + accepted
-        self.cut[cls] = CLASS_DECAY * self.cut.get(cls, 0.0) + (accepted < drafted)
-        state.record(drafted, accepted)
+        self.cut[cls] = CLASS_DECAY * self.cut.get(cls, 0.0) + cut
+        state.record(drafted, accepted, cut)

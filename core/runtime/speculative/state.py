@@ -29,13 +29,15 @@ class SpecState:
         draft class's rate) as PRIOR_WEIGHT drafts' worth of evidence."""
         return (self.kept + PRIOR_WEIGHT * prior) / (self.kept + self.cut + PRIOR_WEIGHT)
 
-    def record(self, drafted: int, accepted: int) -> None:
-        """A verify step checked `drafted` tokens of this request and kept `accepted` of them."""
+    def record(self, drafted: int, accepted: int, cut: bool) -> None:
+        """A verify step checked `drafted` tokens of this request and kept `accepted` of them; `cut`: a
+        draft token after the last kept one was rejected (a chain kept short of its end; in a tree, the
+        last kept node had children)."""
         self.verify_ct += 1
         self.drafted += drafted
         self.accepted += accepted
         self.kept = DECAY * self.kept + accepted
-        self.cut = DECAY * self.cut + (accepted < drafted)
+        self.cut = DECAY * self.cut + cut
 
     def idle(self) -> None:
         """A step in which it did not draft."""

@@ -1,15 +1,17 @@
 """The verify step's pieces: its model input (each request's newest token and its draft as one extend),
-the requests as the sampler sees them at each draft position, the grammar's mask at each position, and
-how many draft tokens the target agrees with."""
+the requests as the sampler sees them at each verify row, and the grammar's mask at each row. Drafts are
+trees (core.runtime.speculative.tree; a chain is one)."""
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any
 
 import torch
 
 from radixlm.core.runtime.execution.batch_input import BatchInput
 from radixlm.core.runtime.request import Req
+from radixlm.core.runtime.speculative.tree import DraftTree
 
 
 class DraftView:
@@ -32,12 +34,16 @@ class DraftView:
         return self.inp.input_ids + self.output_ids
 
 
-def verify_batch(reqs: list[Req], drafts: list[list[int]], slots: list[int], table: Any) -> tuple[BatchInput, list[list[int]]]:
+def verify_batch(reqs: list[Req], drafts: list[DraftTree], slots: list[int], table: Any) -> tuple[BatchInput, list[list[int]]]:
     """One extend step computing, per request, its newest token (which has no KV yet) followed by its
-    draft, into `slots` (written to the request-to-token table here), with logits at every position.
-    Returns the input and each request's slots."""
+    draft's nodes, into `slots` (written to the request-to-token table here, in row order), with logits at
+    every row. A node's position is the newest token's plus its depth; where any draft is a tree (not a
+    chain) the step carries every row's parent, so that rows attend to their ancestors only. Returns the
+    input and each request's slots."""
     batch = BatchInput(False, [], [], [], [], [], [], [])
     mine: list[list[int]] = []
+    trees = not all(d.is_chain for d in drafts)
+    batch.tree_parents = [] if trees else None
     at = 0
     for req, draft in zip(reqs, drafts):
         n, start = len(draft) + 1, req.seq_len - 1
@@ -46,12 +52,15 @@ def verify_batch(reqs: list[Req], drafts: list[list[int]], slots: list[int], tab
         table.write(req.row, start, own)
         mine.append(own)
         batch.input_ids.append(req.output_ids[-1])
-        batch.input_ids.extend(draft)
-        batch.positions.extend(range(start, start + n))
+        batch.input_ids.extend(draft.tokens)
+        batch.positions.append(start)
+        batch.positions.extend(start + draft.depth(i) for i in range(len(draft)))
         batch.out_cache_loc.extend(own)
         batch.rows.append(req.row)
         batch.seq_lens.append(start + n)
         batch.extend_lens.append(n)
+        if trees:
+            batch.tree_parents.extend(draft.row_parents())
     batch.logit_rows = list(range(len(batch.input_ids)))
     if any(req.inp.rope_delta for req in reqs):  # M-RoPE after images: positions shifted, t = h = w (as decoding)
         deltas = [req.inp.rope_delta for req, draft in zip(reqs, drafts) for _ in range(len(draft) + 1)]
@@ -60,9 +69,9 @@ def verify_batch(reqs: list[Req], drafts: list[list[int]], slots: list[int], tab
     return batch, mine
 
 
-def views(req: Req, draft: list[int]) -> list[DraftView]:
-    """The request at each position of its verify rows: after 0, 1, ..., len(draft) draft tokens."""
-    return [DraftView(req, draft[:j]) for j in range(len(draft) + 1)]
+def views(req: Req, draft: DraftTree) -> list[DraftView]:
+    """The request at each of its verify rows: the root (no draft token), then each node after its path."""
+    return [DraftView(req, [])] + [DraftView(req, draft.path_tokens(i)) for i in range(len(draft))]
 
 
 def allows(mask: torch.Tensor, token: int, packed: bool) -> bool:
@@ -71,32 +80,33 @@ def allows(mask: torch.Tensor, token: int, packed: bool) -> bool:
     return token < mask.numel() and bool(mask[token])
 
 
-def constrained_draft(req: Req, draft: list[int], vocab_size: int,
-                      packed: bool) -> tuple[list[int], list[torch.Tensor | None]]:
-    """The draft cut before its first token the request's grammar forbids (or after which the grammar is
-    done: the request ends there), and the grammar's mask at each verify row. A copy of the constraint
-    walks the draft; the request's own stays where it is."""
+def constrained_draft(req: Req, draft: DraftTree, vocab_size: int,
+                      packed: bool) -> tuple[DraftTree, list[torch.Tensor | None]]:
+    """The draft without its nodes the request's grammar forbids after their path (or after which the
+    grammar is done: the request ends there), and their subtrees; and the grammar's mask at each verify
+    row. A copy of the constraint walks each node's path (a fork of its parent's); the request's own
+    stays where it is."""
     c = req.constraint
     if c is None:
         return draft, [None] * (len(draft) + 1)
-    walker = c.fork()
-    masks = [walker.allowed_token_mask(vocab_size, packed)]
-    kept: list[int] = []
-    for token in draft:
-        if not allows(masks[-1], token, packed):
-            break
+    walkers = {-1: c.fork()}
+    masks = [walkers[-1].allowed_token_mask(vocab_size, packed)]
+    row_mask = {-1: masks[0]}
+    kept = DraftTree([], [])
+    index: dict[int, int] = {-1: -1}  # node -> its index in `kept`
+    children_left = Counter(draft.parents)
+    for i, (token, parent) in enumerate(zip(draft.tokens, draft.parents)):
+        children_left[parent] -= 1
+        if parent not in index or not allows(row_mask[parent], token, packed):
+            continue
+        # A parent's last child takes its walker (a chain forks nothing); earlier ones walk a copy.
+        walker = walkers.pop(parent) if children_left[parent] == 0 else walkers[parent].fork()
         walker.advance(token)
         if walker.is_finished():
-            break
-        kept.append(token)
-        masks.append(walker.allowed_token_mask(vocab_size, packed))
+            continue
+        index[i], walkers[i] = len(kept), walker
+        kept.tokens.append(token)
+        kept.parents.append(index[parent])
+        row_mask[i] = walker.allowed_token_mask(vocab_size, packed)
+        masks.append(row_mask[i])
     return kept, masks
-
-
-def accepted_length(draft: list[int], sampled: list[int]) -> int:
-    """How many leading draft tokens equal the tokens the target sampled before them: sampled[j] is the
-    target's token after draft[:j]."""
-    a = 0
-    while a < len(draft) and draft[a] == sampled[a]:
-        a += 1
-    return a
