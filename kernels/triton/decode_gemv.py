@@ -67,7 +67,7 @@ CONFIGS_INT4: dict[tuple[int, int, int], tuple[int, int, int, int]] = {
 }
 INT4_DEFAULTS: dict[int, tuple[int, int, int, int]] = {
     # Small programs: the H100 sweep's times follow the warps an SM holds (this kernel is latency-bound,
-    # at ~1/3 of the issue rate), so 8 rows x 1,024 columns (56 registers, 12 KB of shared memory) won
+    # at ~1/3 of the issue rate), so 8 rows x 1,024 columns (12 KB of shared memory, few registers) won
     # on three of the four 8B shapes; fewer columns a step at more rows (each lane's sums in registers).
     1: (8, 1024, 4, 3), 2: (8, 1024, 4, 3), 4: (8, 512, 4, 3), 8: (8, 256, 4, 2), 16: (4, 256, 4, 2),
 }
