@@ -164,7 +164,7 @@ def end_to_end(e: radixlm.Engine, label: str, prompts: list[list[int]], new_toke
            "accept_length": 1 + kept / verify if verify else 0.0, "seconds_per_verify_step":
            seconds / verify if verify else None}
     print(f"end to end, batch 1, {label:34s}: {out['tokens_per_s']:7.1f} tok/s  verify steps {verify:4d}  "
-          f"accept length {out['accept_length']:.2f}", flush=True)
+          f"accept length {out['accept_length']:.2f}  (s each: {', '.join(f'{x:.3f}' for x in each)})", flush=True)
     return out
 
 
