@@ -44,6 +44,18 @@ CASES = [
     ({"allOf": [{"enum": [{"bar": True, "foo": 1}]},
                 {"not": {"additionalProperties": {"type": "boolean"}, "allOf": [{"properties": {"foo": {}}}]}}]},
      [{"bar": True, "foo": 1}], [{"bar": True, "foo": 1, "x": True}, {"bar": True}]),
+    # `not` of propertyNames: some key fails it; one of the listed names (exact, MaskBench pnmp10's shape) ...
+    ({"type": "object", "minProperties": 2, "not": {"anyOf": [{"propertyNames": {"not": {"enum": ["1", "3"]}}},
+                                                              {"propertyNames": {"not": {"enum": ["2", "3"]}}}]}},
+     [{"1": 0, "2": 0}, {"3": 0, "x": 1}, {"2": 1, "1": 2, "z": None}], [{"1": 0, "x": 0}, {"2": 0}, {}, [1], "a"]),
+    # ... or, for a pattern, objects all of whose keys fail it (a sound subset: {"a": 1, "b": 2} is left out)
+    ({"not": {"propertyNames": {"pattern": "^a"}}},
+     [{"b": 1}, {"xy": None, "z": 2}], [{}, {"a": 1}, {"ab": 1, "ac": 2}, 1, "s"]),
+    # a pattern's leading negative lookahead: the strings its group matches at the start excluded
+    # (MaskBench JsonSchemaStore mongodb-atlas-search-index-definition's analyzer names)
+    ({"type": "string", "pattern": "^(?!^lucene\\.|builtin\\.|mongodb\\.).*"},
+     ["", "x", "lucene", "lucenex.", "a.lucene.", "mongodb"], ["lucene.", "builtin.x", "mongodb.a", 1]),
+    ({"type": "string", "pattern": "^(?!a)(?!b)[a-d]+$"}, ["c", "cd", "da"], ["a", "b", "ab", "", "ce", "cx"]),
 ]
 
 

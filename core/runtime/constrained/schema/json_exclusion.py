@@ -22,9 +22,10 @@ MAX_ONEOF_PAIRS = 4  # `not` of a oneOf: with up to this many branches, the valu
 MAX_EXACT_ONEOF = 400  # oneOf branches split by type that lose values: up to this size (JSON), by `not`
 # keywords failed through their subschemas (the applicators, and `required`: a property that must be absent)
 SUBSCHEMA_KEYWORDS = frozenset({"patternProperties", "required", "properties", "items", "contains", "prefixItems",
-                                "oneOf", "not", "anyOf", "allOf"})
+                                "oneOf", "not", "anyOf", "allOf", "propertyNames"})
 
 
+NAME_KEYWORDS = {"type", "pattern", "maxLength", "minLength", "enum", "const"}  # propertyNames' own
 SEES_SIBLINGS = {"additionalProperties", "unevaluatedProperties", "items", "unevaluatedItems"}
 
 
@@ -91,7 +92,7 @@ class ExclusionRules:
         if not ways and skipped:
             raise SchemaError(f"{ptr}: 'not' of {', '.join(sorted(skipped))} is not supported (supported: types, "
                               "string/number/array/object bounds, pattern, string constants, required, properties, "
-                              "items, contains, not, anyOf, allOf)")
+                              "propertyNames, items, contains, not, anyOf, allOf)")
         if not ways:
             return False  # its keywords hold for every value
         return ways[0] if len(ways) == 1 else {"anyOf": ways}
@@ -162,6 +163,18 @@ class ExclusionRules:
                     for pattern, failing in self._each_failing(value.items(), f"{ptr}/patternProperties", depth)]
         if key == "required" and isinstance(value, list):
             return [("object", {"properties": {r: False}, **opened}) for r in value]
+        if key == "propertyNames" and isinstance(value, (dict, bool)):
+            # An object with a key that fails `value`: one of the names that fail it where they are listed
+            # (exact), else an object all of whose keys fail it (a sound subset).
+            failing = self._negation(value, {}, f"{ptr}/propertyNames", depth)
+            if failing is False:
+                return []
+            if isinstance(failing, dict) and failing and set(failing) <= {"enum", "const"}:
+                return [("object", {"required": [name], **opened}) for name in _const_of(failing) or ()
+                        if isinstance(name, str)]
+            names = failing if failing is True or isinstance(failing, dict) and set(failing) <= NAME_KEYWORDS \
+                else {"not": value}  # as json_objects reads propertyNames
+            return [("object", {"propertyNames": names, "minProperties": 1, **opened})]
         if key == "properties" and isinstance(value, dict):
             return [("object", {"required": [name], "properties": {name: failing}, **opened})
                     for name, failing in self._each_failing(value.items(), f"{ptr}/properties", depth)]

@@ -51,7 +51,9 @@ class StringRules:
     """The `string` type's rules."""
 
     def _string(self, schema: dict, ptr: str) -> Expr:
-        """The strings `schema` allows, less those a `not` excluded (_negation)."""
+        """The strings `schema` allows, less those a `not` excluded (_negation) or a pattern's leading
+        negative lookahead (leading_lookahead)."""
+        schema = _lookaheads_out(schema, ptr)
         expr = self._string_body(schema, ptr)
         excluded = schema.get(NOT_STRINGS)
         if not excluded or expr is NOTHING:
@@ -114,6 +116,52 @@ class StringRules:
         key = "re:" + "\0and:".join(regexes) + (f"\0length:{lo}:{hi}" if bounded else "")
         dfa = derived_dfa(key, budget, build)
         return NOTHING if dfa is None else Terminal(key=key, dfa=dfa)
+
+
+def leading_lookahead(pattern: str) -> tuple[str, str] | None:
+    """`^(?!X)Y` as (`^Y`, `^(?:X)`): a string matches it iff it matches the first and not the second (the
+    lookahead tests what follows the anchored start, as a search from there does); None for any other
+    pattern (a lookahead elsewhere is refused by the regex compiler)."""
+    if not pattern.startswith("^(?!"):
+        return None
+    depth, i, in_class = 1, 4, False
+    while i < len(pattern):
+        c = pattern[i]
+        if c == "\\":
+            i += 2
+            continue
+        if in_class:
+            in_class = c != "]"
+        elif c in "([)":
+            in_class = c == "["
+            depth += {"(": 1, ")": -1}.get(c, 0)
+            if depth == 0:
+                positive, negative = "^" + pattern[i + 1:], f"^(?:{pattern[4:i]})"
+                parsed = list(sre_p.parse(pattern))  # the split read the lookahead as the parser does
+                if len(parsed) > 1 and parsed[1][0] is sre_c.ASSERT_NOT and \
+                        len(parsed) == 1 + len(list(sre_p.parse(positive))):
+                    return positive, negative
+                return None
+        i += 1
+    return None
+
+
+def _lookaheads_out(schema: dict, ptr: str) -> dict:
+    """`schema` with its patterns' leading negative lookaheads taken out into the strings it excludes."""
+    patterns = schema.get("pattern")
+    patterns = patterns if isinstance(patterns, list) else [patterns] if isinstance(patterns, str) else []
+    if not any(p.startswith("^(?!") for p in patterns):
+        return schema
+    kept, excluded = [], list(schema.get(NOT_STRINGS) or ())
+    for pattern in patterns:
+        while (cut := leading_lookahead(pattern)) is not None:
+            pattern = cut[0]
+            try:
+                excluded.append(f'"{ecma_string_pattern(cut[1])}"')
+            except ValueError as e:
+                raise SchemaError(f"{ptr}/pattern: {e}") from None
+        kept.append(pattern)
+    return {**schema, "pattern": kept, NOT_STRINGS: excluded}
 
 
 def asserts_formats(root: Any) -> bool:
