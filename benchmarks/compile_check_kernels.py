@@ -48,6 +48,8 @@ def compile_for_hopper(kernel, constexprs: dict, dtype: str, index: str, num_war
                 signature[name] = pointers[name]
             elif name == "Bitmask":
                 signature[name] = "*i32"
+            elif name == "TreeMask":  # a draft tree's ancestor bits, 64 a row
+                signature[name] = "*i64"
             else:
                 signature[name] = (f"*{index}" if name in INDEX_PTRS else "*fp32" if name in FP32_PTRS
                                    else f"*{kv_type}" if name in pool and kv_type else f"*{dtype}")
@@ -99,14 +101,16 @@ def main(argv: list[str] | None = None) -> int:
     kv_type, sat = KV_TYPES[args.kv_dtype]
     ext, dec = attention.extend_config(d, cuda), attention.decode_config(d, cuda)
     jobs = [
-        *((f"extend_attention{' (new kv)' if new_kv else ''}", attention._extend_kernel, ext.num_warps, ext.num_stages,
+        *((f"extend_attention{' (new kv)' if new_kv else ''}{' (tree)' if tree else ''}", attention._extend_kernel,
+           ext.num_warps, ext.num_stages,
            dict(GROUP=group, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=ext.block_m, BLOCK_N=ext.block_n,
-                PRECISION=precision, NEW_KV=new_kv), ATTENTION_POOL) for new_kv in (False, True)),
+                PRECISION=precision, NEW_KV=new_kv, SKIP_SHORT=attention.SHORT_EXTEND_TOKENS, TREE=tree),
+           ATTENTION_POOL) for new_kv, tree in ((False, False), (True, False), (False, True))),
         ("decode_attention (split)", attention._decode_split_kernel, dec.num_warps, dec.num_stages,
          dict(GROUP=group, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_H=max(16, triton.next_power_of_2(group)),
-              BLOCK_N=dec.block_n, PRECISION=precision, DIRECT=False), ATTENTION_POOL),
+              BLOCK_N=dec.block_n, PRECISION=precision, DIRECT=False, TOKENS=1), ATTENTION_POOL),
         ("decode_attention (reduce)", attention._decode_reduce_kernel, 4, 3,
-         dict(HEAD_DIM=d, BLOCK_D=block_d, BLOCK_S=4)),
+         dict(HEAD_DIM=d, BLOCK_D=block_d, BLOCK_S=4, TOKENS=1)),
         ("store_kv", elementwise._store_kv_kernel, 4, 3,
          dict(NUM_KV_HEADS=args.kv_heads, HEAD_DIM=d, BLOCK_H=triton.next_power_of_2(args.kv_heads), BLOCK_D=block_d,
               SAT=sat), STORE_POOL),
