@@ -8,8 +8,9 @@
 per variant (bf16, then each of --variants: fp8, ...), in this process one after another with the same
 options (overlap scheduling on, admissions of 64): batch-1 decode ms/token, 16 x 1024 prefill TFLOP/s,
 the 1,000-request offline set, the weights' GiB and the KV tokens that fit.
---sweep-gemv: first times the fp8 decode GEMV's launch shapes on the 8B projections at one row and
-keeps the fastest for the engine runs (decode_gemv.CONFIGS_FP8), beside the bf16 GEMV on the same shape.
+--sweep-gemv: first times the fp8 and the 4-bit decode GEMVs' launch shapes on the 8B projections at one
+row (4-bit: groups of 128, and groups of 32 on SmolLM2's projections) and keeps the fastest for the engine
+runs (decode_gemv.CONFIGS_FP8, decode_gemv.CONFIGS_INT4), beside the bf16 GEMV on the same shape.
 --accuracy: the quantized model against the unquantized one on real text (this repository's README,
 the first --steps tokens, teacher-forced): mean |delta logprob| of each next token and top-1 agreement;
 then greedy continuations of the quick start's six questions and of the text's first 32 tokens
@@ -37,7 +38,17 @@ QUESTIONS = ["What is the capital of France?", "What is the capital of Japan?", 
 SYSTEM = ("You are a concise assistant for a geography and general-knowledge quiz. Answer each question "
           "in one short sentence.")
 SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
+OPS = ["scaled", "residual", "scaled", "silu"]  # the fused GEMV each of qkv, o, gate_up, down takes (_int4_op)
 CANDIDATES = [(4, 1024, 4, 3), (8, 1024, 4, 3), (4, 2048, 4, 3), (8, 2048, 8, 3), (4, 4096, 8, 3), (16, 1024, 8, 3)]
+# SmolLM2-135M's projections (qkv, o, gate_up, down), whose GGUF Q4_0/Q4_1 run in groups of 32 on CUDA.
+SMOL_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
+# The 4-bit GEMV's (BLOCK_N, BLOCK_K columns, a multiple of 32, warps, stages). Run 5 (H100) found its
+# times following the warps an SM holds (latency-bound: small programs, few registers and little shared
+# memory won), so these are small programs around that run's winners. Each compiles three variants
+# (scaled, residual, SiLU).
+INT4_CANDIDATES = [(8, 1024, 4, 3), (32, 512, 4, 3), (8, 512, 4, 3), (4, 1024, 4, 3), (8, 1024, 2, 3),
+                   (4, 1024, 2, 3), (8, 512, 2, 3), (4, 512, 2, 3), (8, 1024, 4, 4), (8, 1024, 4, 2),
+                   (16, 512, 4, 3), (8, 256, 2, 3)]
 
 
 def _bench_engine():
@@ -71,40 +82,137 @@ def _time_cuda(fn, iters: int = 200, per_graph: int = 20) -> float:
     return start.elapsed_time(end) / (iters // per_graph * per_graph) * 1e3
 
 
-def sweep_gemv() -> dict[str, Any]:
-    """The fastest fp8 GEMV launch shape per 8B projection at one row (installed in CONFIGS_FP8), with
-    the bf16 GEMV's time on the same shape (its own tuned shape), the 4-bit GEMV's (groups of 128), and
-    each one's bandwidth."""
+def _sweep(fn, env: str, candidates: list[tuple[int, ...]], label: str) -> dict[tuple[int, ...], float]:
+    """Microseconds of `fn` under each launch shape, set through the kernel's override variable `env`."""
+    timed = {}
+    for cfg in candidates:
+        os.environ[env] = ",".join(map(str, cfg))
+        try:
+            timed[cfg] = _time_cuda(fn)
+        except Exception as exc:  # a shape the compiler refuses (registers, shared memory)
+            print(f"  {label} {cfg}: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+    os.environ.pop(env, None)
+    return timed
+
+
+def _int4_op(x: torch.Tensor, int4: tuple, op: str):
+    """The fused decode GEMV a projection takes in the engine at batch 1, on a 4-bit weight: `scaled` (qkv,
+    gate_up: rms_scaled_gemv; qkv's rotary epilogue aside), `residual` (o_proj) or `silu` (down_proj:
+    SiLU-and-mul of [gate | up] first, then the residual epilogue)."""
     from radixlm.kernels import triton as tri
-    from radixlm.kernels.quant_reference import quantize_fp8_rows, quantize_int4_rows
+
+    packed, scales, zeros = int4
+    n, k = packed.shape[0], x.shape[1]
+    if op == "scaled":
+        sums = torch.rand(1, 8, device="cuda") * k
+        return lambda: tri.rms_scaled_gemv(x, sums, 1e-6, packed, None, scales, zeros)
+    residual, norm_w = torch.randn(1, n, device="cuda", dtype=x.dtype), torch.ones(n, device="cuda", dtype=x.dtype)
+    xs = torch.cat([x, x], dim=1) if op == "silu" else x
+    return lambda: tri.residual_gemv(xs, packed, residual, norm_w, silu=op == "silu", weight_scale=scales,
+                                     weight_zero=zeros)
+
+
+def _int4_sweep(x: torch.Tensor, w: torch.Tensor, group: int, op: str, candidates: list[tuple[int, ...]],
+                label: str) -> dict[str, Any]:
+    """The 4-bit GEMV's launch shapes on one projection, timed as the engine runs it (`_int4_op`): the
+    fastest installed in decode_gemv.CONFIGS_INT4, its GB/s of nibbles and of all it reads (nibbles, fp32
+    scales and zeros)."""
+    from radixlm.kernels.quant_reference import quantize_int4_rows
+    from radixlm.kernels.triton import decode_gemv
+
+    n, k = w.shape
+    timed = _sweep(_int4_op(x, quantize_int4_rows(w, group), op), "RADIXLM_GEMV_CONFIG", candidates,
+                   f"int4 {label}")
+    best = min(timed, key=timed.get)
+    decode_gemv.CONFIGS_INT4[(1, n, k)] = best
+    us = timed[best]
+    return {"int4_op": op, "int4_us": us, "int4_config": list(best), "int4_GBps": n * k / 2 / us / 1e3,
+            "int4_total_GBps": (n * k / 2 + 8 * n * k / group) / us / 1e3,
+            "all_int4_us": {",".join(map(str, c)): t for c, t in timed.items()}}
+
+
+def _int4_gemm_times(w: torch.Tensor) -> dict[str, Any]:
+    """The 4-bit product at more rows than the GEMV takes (groups of 128): the Triton GEMM at 16 and 128
+    rows, the dequantize-then-cuBLAS path at 1,024, each beside cuBLAS on the bf16 weight, in TFLOP/s."""
+    from radixlm.kernels import triton as tri
+    from radixlm.kernels.quant_reference import quantize_int4_rows
+
+    int4, out = quantize_int4_rows(w, 128), {}
+    for m in (16, 128, 1024):
+        x = torch.randn(m, w.shape[1], device="cuda", dtype=torch.bfloat16)
+        int4_us = _time_cuda(lambda: tri.int4_linear(x, *int4), iters=40)
+        bf16_us = _time_cuda(lambda: x @ w.t(), iters=40)
+        out[m] = {"int4_us": int4_us, "bf16_us": bf16_us, "int4_TFLOPs": 2 * m * w.numel() / int4_us / 1e6,
+                  "bf16_TFLOPs": 2 * m * w.numel() / bf16_us / 1e6}
+    return out
+
+
+def sweep_gemv(int4_candidates: list[tuple[int, ...]]) -> dict[str, Any]:
+    """At one row, on the 8B projections: the fastest fp8 GEMV launch shape (installed in CONFIGS_FP8) and
+    4-bit GEMV shape (timed as the fused op the engine runs it in) at groups of 128 (AWQ/GPTQ; installed
+    in decode_gemv.CONFIGS_INT4), beside the bf16 GEMV on its own tuned shape, each with its bandwidth;
+    then the 4-bit GEMV at groups of 32 on SmolLM2's projections (GGUF Q4_0/Q4_1 on CUDA). Prints the
+    4-bit winners as CONFIGS_INT4 entries. Also the 4-bit product at 16, 128 and 1,024 rows against
+    cuBLAS (`_int4_gemm_times`)."""
+    from radixlm.kernels import triton as tri
+    from radixlm.kernels.quant_reference import quantize_fp8_rows
     from radixlm.kernels.triton import decode_gemv
 
     results = {}
-    for n, k in SHAPES:
+    for (n, k), op in zip(SHAPES, OPS):
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
         wq, ws = quantize_fp8_rows(w)
         x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
         bf16_us = _time_cuda(lambda: tri.gemv(x, w))
-        timed = {}
-        for cfg in CANDIDATES:
-            os.environ["RADIXLM_GEMV_CONFIG"] = ",".join(map(str, cfg))
-            try:
-                timed[cfg] = _time_cuda(lambda: tri.gemv(x, wq, None, ws))
-            except Exception as exc:  # a shape the compiler refuses (registers, shared memory)
-                print(f"  {n}x{k} {cfg}: {type(exc).__name__}", flush=True)
-        os.environ.pop("RADIXLM_GEMV_CONFIG", None)
+        timed = _sweep(lambda: tri.gemv(x, wq, None, ws), "RADIXLM_GEMV_CONFIG", CANDIDATES, f"fp8 {n}x{k}")
         best = min(timed, key=timed.get)
         decode_gemv.CONFIGS_FP8[(1, n, k)] = best
-        int4 = quantize_int4_rows(w, 128)  # AWQ's layout: the 4-bit GEMV at one row
-        int4_us = _time_cuda(lambda: tri.int4_linear(x, *int4))
+        int4 = _int4_sweep(x, w, 128, op, int4_candidates, f"{n}x{k}")
+        gemm = _int4_gemm_times(w)
         results[f"{n}x{k}"] = {"bf16_us": bf16_us, "bf16_GBps": 2 * n * k / bf16_us / 1e3, "fp8_us": timed[best],
-                               "fp8_config": list(best), "fp8_GBps": n * k / timed[best] / 1e3,
-                               "int4_us": int4_us, "int4_GBps": n * k / 2 / int4_us / 1e3,
-                               "all_fp8_us": {",".join(map(str, c)): t for c, t in timed.items()}}
+                               "fp8_config": list(best), "fp8_GBps": n * k / timed[best] / 1e3, **int4,
+                               "int4_gemm": gemm, "all_fp8_us": {",".join(map(str, c)): t for c, t in timed.items()}}
         print(f"gemv {n}x{k}: bf16 {bf16_us:.1f} us ({2 * n * k / bf16_us / 1e3:.0f} GB/s), fp8 {timed[best]:.1f} us "
-              f"with {best} ({n * k / timed[best] / 1e3:.0f} GB/s), int4 g128 {int4_us:.1f} us "
-              f"({n * k / 2 / int4_us / 1e3:.0f} GB/s)", flush=True)
+              f"with {best} ({n * k / timed[best] / 1e3:.0f} GB/s), int4 g128 ({op}) {int4['int4_us']:.1f} us with "
+              f"{tuple(int4['int4_config'])} ({int4['int4_GBps']:.0f} GB/s of nibbles, "
+              f"{int4['int4_total_GBps']:.0f} with scales and zeros); 4-bit at 16/128/1024 rows: " + ", ".join(
+                  f"{g['int4_TFLOPs']:.0f} vs bf16 {g['bf16_TFLOPs']:.0f} TFLOP/s" for g in gemm.values()), flush=True)
+    for (n, k), op in zip(SMOL_SHAPES, OPS):
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
+        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+        bf16_us = _time_cuda(lambda: tri.gemv(x, w))
+        int4 = _int4_sweep(x, w, 32, op, int4_candidates, f"g32 {n}x{k}")
+        results[f"g32_{n}x{k}"] = {"bf16_us": bf16_us, **int4}
+        print(f"gemv {n}x{k} (SmolLM2): bf16 {bf16_us:.1f} us, int4 g32 ({op}) {int4['int4_us']:.1f} us with "
+              f"{tuple(int4['int4_config'])} ({int4['int4_total_GBps']:.0f} GB/s with scales and zeros)", flush=True)
+    print("decode_gemv.CONFIGS_INT4 = {" + ", ".join(f"{key}: {cfg}" for key, cfg in
+                                                     decode_gemv.CONFIGS_INT4.items()) + "}", flush=True)
     return results
+
+
+def ncu_gemv() -> None:
+    """One launch each of the 4-bit GEMV (the fused RMS-scaled product on 28,672 x 4,096, groups of 128,
+    its installed launch shape) and the fp8 GEMV on the same product, after a warm-up, between
+    cudaProfilerStart and Stop: for `ncu --profile-from-start off` (benchmarks/run_h200.sh RUN_NCU_GEMV):
+    where the 4-bit one stalls, at what occupancy and issue rate."""
+    from radixlm.kernels import triton as tri
+    from radixlm.kernels.quant_reference import quantize_fp8_rows, quantize_int4_rows
+
+    n, k = 28672, 4096
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
+    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+    sums = torch.rand(1, 8, device="cuda") * k
+    wq, ws = quantize_fp8_rows(w)
+    runs = [_int4_op(x, quantize_int4_rows(w, 128), "scaled"),
+            lambda: tri.rms_scaled_gemv(x, sums, 1e-6, wq, None, ws)]
+    for fn in runs:  # compiled and warm outside the profiled range
+        fn()
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStart()
+    for fn in runs:
+        fn()
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStop()
 
 
 def run_engines(args: argparse.Namespace) -> dict[str, Any]:
@@ -200,8 +308,11 @@ def accuracy(args: argparse.Namespace) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--engine", action="store_true", help="engine benchmarks, bf16 then each variant")
-    p.add_argument("--sweep-gemv", action="store_true", help="time fp8 GEMV launch shapes first (CUDA)")
+    p.add_argument("--sweep-gemv", action="store_true", help="time fp8 and 4-bit GEMV launch shapes first (CUDA)")
+    p.add_argument("--int4-configs", nargs="+", metavar="BN,BK,WARPS,STAGES",
+                   help="--sweep-gemv: the 4-bit GEMV's candidates, BLOCK_K in columns (default: INT4_CANDIDATES)")
     p.add_argument("--accuracy", action="store_true", help="the quantized model against the unquantized on text")
+    p.add_argument("--ncu-gemv", action="store_true", help="one 4-bit and one fp8 GEMV launch for Nsight Compute")
     p.add_argument("--model", default="llama3-8b-shape", help="bench_engine's model (--engine)")
     p.add_argument("--variants", nargs="+", default=["fp8"],
                    help="quantization values to run beside bf16, each optionally NAME:PART,PART (its parts)")
@@ -220,8 +331,11 @@ def main(argv: list[str] | None = None) -> int:
     report: dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
                               "device": torch.cuda.get_device_name() if torch.cuda.is_available() and not args.cpu
                               else "cpu"}
+    if args.ncu_gemv:
+        ncu_gemv()
     if args.sweep_gemv:
-        report["gemv"] = sweep_gemv()
+        int4 = [tuple(int(v) for v in c.split(",")) for c in args.int4_configs or []] or INT4_CANDIDATES
+        report["gemv"] = sweep_gemv(int4)
     if args.engine:
         report["engine"] = run_engines(args)
         print(f"\n{report['device']}, {args.model}:\n" + table(report["engine"]), flush=True)

@@ -4,13 +4,15 @@ the Llama-3-8B shape (random bf16 weights made on the device); then end-to-end g
 on that shape: plain, with `draft` where the draft is the Llama-3.2-1B shape (random bf16 weights too,
 so its drafts are nearly all rejected: drafts of a fixed length show what a step costs, the adaptive
 policy shows how far it falls back to plain decoding), with the target as its own draft (nearly
-every draft kept: the acceptance upper bound), and with a random EAGLE head of the 8B shape (its step
-cost: the target's steps run without CUDA graphs under EAGLE); then greedy equality, speculation off
+every draft kept: the acceptance upper bound), and with a random EAGLE head of the 8B shape (nearly every
+draft rejected: its step cost, with CUDA graphs and without, and the step's parts timed one by one: the
+head's proposal, the target's verify and decode steps); then greedy equality, speculation off
 against on, with ngram, draft and eagle on the tiny test checkpoint in float32 and with ngram and eagle
 on the 8B shape in bf16.
 
     python benchmarks/bench_spec_gpu.py --out spec_gpu.json         # a GPU, about 4 minutes on an H100
     python benchmarks/bench_spec_gpu.py --device cpu                 # a dry run of every path, tiny models
+    python benchmarks/bench_spec_gpu.py --eagle-only --out eagle_gpu.json   # plain and eagle at batch 1 alone
 
 Step times are CUDA-event times of the model runner's forward alone (CUDA graphs where the runner
 replays them: decode up to cuda_graph_max_bs, extends up to cuda_graph_max_extend_tokens tokens, verify
@@ -218,13 +220,107 @@ def speed(args: argparse.Namespace, target: str, draft: str, opts: dict[str, Any
     with radixlm.Engine(target, speculative_algorithm="draft", speculative_draft_model_path=target,
                         speculative_num_draft_tokens=args.e2e_drafts, speculative_adaptive=False, **small) as e:
         results["draft_self"] = end_to_end(e, f"target as its own draft {args.e2e_drafts}", prompts, args.new_tokens)
-    head = build_eagle_head(os.path.join(os.path.dirname(draft), "eagle-head"), target, embedding=False)
-    with radixlm.Engine(target, speculative_algorithm="eagle", speculative_draft_model_path=head,
-                        speculative_num_steps=args.e2e_drafts, speculative_adaptive=False, **small) as e:
-        results["eagle_fixed"] = end_to_end(e, f"random EAGLE head, {args.e2e_drafts} steps fixed", prompts,
-                                            args.new_tokens)
-    add_projection(results["eagle_fixed"], args.e2e_drafts)
+    results.update(eagle_runs(target, small, prompts, args.new_tokens, args.e2e_drafts))
     return results
+
+
+def step_costs(e: radixlm.Engine, prompt: list[int], new_tokens: int) -> dict[str, Any]:
+    """One more greedy run of `prompt` with the proposer's proposals and the target's forwards timed one by
+    one (synchronized on a GPU): median ms per proposal (an EAGLE head's catch-up and chain steps), per
+    target verify step (logits at every new token) and per target decode step, with their counts."""
+    spec = scheduler(e).speculator
+    proposer, runner = spec.proposer, spec.executor.runner
+    sync = torch.cuda.synchronize if runner.device.type == "cuda" else (lambda: None)
+    timed: dict[str, list[float]] = {"propose": [], "target_verify": [], "target_decode": [], "target_other": []}
+
+    def timing(fn: Any, key: Any) -> Any:
+        def wrapped(*args: Any) -> Any:
+            sync()
+            start = time.perf_counter()
+            out = fn(*args)
+            sync()
+            timed[key(*args)].append((time.perf_counter() - start) * 1e3)
+            return out
+        return wrapped
+
+    proposer.propose = timing(proposer.propose, lambda *_: "propose")
+    runner.forward = timing(runner.forward, lambda b: "target_decode" if b.is_decode else
+                            "target_verify" if len(b.logit_rows) > len(b.rows) else "target_other")
+    try:
+        e.generate(input_ids=prompt, sampling_params={"max_new_tokens": new_tokens, "temperature": 0,
+                                                      "ignore_eos": True})
+    finally:
+        del proposer.propose, runner.forward  # the wrappers: instance attributes over the methods
+    out = {f"{k}_ms": statistics.median(v) if v else None for k, v in timed.items()}
+    out.update({f"{k}_steps": len(v) for k, v in timed.items()})
+    print("  step costs (ms, median): " + "  ".join(f"{k} {out[k + '_ms']:.3f} x{out[k + '_steps']}"
+                                                    for k in timed if timed[k]), flush=True)
+    return out
+
+
+def step_walls(e: radixlm.Engine, prompt: list[int], new_tokens: int) -> dict[str, Any]:
+    """One more greedy run of `prompt`, nothing synchronized: its wall time beside the wall times of the
+    speculator's steps (sum, median, longest), of their parts (drafting, with the proposer's proposals in
+    it; decode steps; verify steps' model forwards) and the garbage collector's pauses, so that a token's
+    time outside the steps (the scheduler loop, delivery, collections) or inside them shows."""
+    spec = scheduler(e).speculator
+    walls: dict[str, list[float]] = {"step": [], "drafts": [], "propose": [], "run_decode": [], "forward": []}
+    targets = {"step": spec, "drafts": spec, "propose": spec.proposer, "run_decode": spec.executor,
+               "forward": spec.executor.runner}
+    names = {"step": "step", "drafts": "_drafts", "propose": "propose", "run_decode": "run_decode",
+             "forward": "forward"}
+
+    def timed(key: str) -> Any:
+        fn = getattr(targets[key], names[key])
+
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                walls[key].append(time.perf_counter() - start)
+        return wrapped
+
+    gc_before = sum(scheduler(e).gc_pauses.snapshot()["pause_seconds_total"])
+    for key in walls:
+        setattr(targets[key], names[key], timed(key))
+    try:
+        start = time.perf_counter()
+        e.generate(input_ids=prompt, sampling_params={"max_new_tokens": new_tokens, "temperature": 0,
+                                                      "ignore_eos": True})
+        wall = time.perf_counter() - start
+    finally:
+        for key in walls:  # the wrappers: instance attributes over the methods
+            delattr(targets[key], names[key])
+    gc_s = sum(scheduler(e).gc_pauses.snapshot()["pause_seconds_total"]) - gc_before
+    out: dict[str, Any] = {"wall_ms": wall * 1e3, "gc_pause_ms": gc_s * 1e3}
+    for key, times in walls.items():
+        out[key] = {"calls": len(times), "sum_ms": sum(times) * 1e3, "max_ms": max(times, default=0.0) * 1e3,
+                    "median_ms": statistics.median(times) * 1e3 if times else None}
+    print(f"  walls (ms): {out['wall_ms']:.1f} in all, gc pauses {out['gc_pause_ms']:.1f}; " + "; ".join(
+        f"{k} x{v['calls']} {v['sum_ms']:.1f} (median {v['median_ms'] or 0:.3f}, longest {v['max_ms']:.3f})"
+        for k, v in out.items() if isinstance(v, dict)), flush=True)
+    return out
+
+
+def eagle_runs(target: str, opts: dict[str, Any], prompts: list[list[int]], new_tokens: int,
+               steps: int) -> dict[str, Any]:
+    """A random EAGLE head of the target's shape (nearly every draft rejected): end to end at batch 1 with
+    `steps` drafts a step, on CUDA graphs (the target's decode and verify steps and the head's decode
+    steps) and without (disable_cuda_graph, as EAGLE ran before); the step costs of each; and the adaptive
+    policy on graphs (how far it falls back to plain decoding)."""
+    head = build_eagle_head(os.path.join(os.path.dirname(target), "eagle-head"), target, embedding=False)
+    spec = {"speculative_algorithm": "eagle", "speculative_draft_model_path": head, "speculative_num_steps": steps}
+    out: dict[str, Any] = {}
+    for label, extra in (("eagle_fixed", {"speculative_adaptive": False}),
+                         ("eagle_fixed_no_graphs", {"speculative_adaptive": False, "disable_cuda_graph": True}),
+                         ("eagle_adaptive", {})):
+        with radixlm.Engine(target, **spec, **extra, **opts) as e:
+            out[label] = end_to_end(e, f"random EAGLE head, {steps} steps {label[6:]}", prompts, new_tokens)
+            out[label]["step_costs"] = step_costs(e, prompts[0], new_tokens)
+            out[label]["step_walls"] = step_walls(e, prompts[1 % len(prompts)], new_tokens)
+    add_projection(out["eagle_fixed"], steps)
+    return out
 
 
 def main() -> None:
@@ -240,6 +336,8 @@ def main() -> None:
     ap.add_argument("--pool-tokens", type=int, default=140_000, help="the verify-cost engine's KV pool")
     ap.add_argument("--out", default=None)
     ap.add_argument("--device", default="cuda", help="cpu: a dry run of every path on tiny checkpoints")
+    ap.add_argument("--eagle-only", action="store_true", help="only the batch-1 end-to-end runs: plain, and eagle "
+                    "with CUDA graphs and without (their step costs too)")
     args = ap.parse_args()
     if args.device == "cpu":  # small enough for a few seconds a step on a CPU
         args.batch, args.context, args.iters = [1, 8], 64, 3
@@ -250,6 +348,17 @@ def main() -> None:
                                "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "args": vars(args)}
     print(results, flush=True)
     target, draft, opts = model_dirs(args.device, root)
+    if args.eagle_only:
+        prompts = random_prompts(args.prompts, args.prompt_len, 1000, seed=0)
+        small = {**opts, "max_total_tokens": 8 * (args.prompt_len + args.new_tokens + 16)}
+        with radixlm.Engine(target, **small) as e:
+            results["plain"] = end_to_end(e, "plain", prompts, args.new_tokens)
+        with radixlm.Engine(target, **small, enable_overlap_schedule=False) as e:  # as speculation runs
+            results["plain_no_overlap"] = end_to_end(e, "plain, overlap scheduling off", prompts, args.new_tokens)
+        results.update(eagle_runs(target, small, prompts, args.new_tokens, args.e2e_drafts))
+        if args.out:
+            Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
+        return
     results.update(speed(args, target, draft, opts))
     tiny, _ = make_model_dir("tiny", os.path.join(root, "equality"))
     tiny_opts = {"dtype": "float32", "device": args.device}

@@ -1,6 +1,6 @@
 """Compiles every Triton kernel for Hopper (sm_90) without a GPU and prints what the compiler made.
 
-    python benchmarks/compile_check_kernels.py [--dtype bf16] [--head-dim 128] [--kv-dtype fp8_e4m3]
+    python benchmarks/compile_check_kernels.py [--dtype bf16] [--head-dim 128] [--kv-dtype fp8_e4m3] [--only gemv]
 
 For each kernel at Llama-3-8B shapes: shared memory, registers, stack bytes (spills), and counts of the
 SASS instructions that tell whether the Hopper habits took: HGMMA (warpgroup matrix ops) or HMMA
@@ -37,13 +37,16 @@ ATTENTION_POOL, STORE_POOL = {"K", "V"}, {"KBuf", "VBuf"}
 
 
 def compile_for_hopper(kernel, constexprs: dict, dtype: str, index: str, num_warps: int, num_stages: int,
-                       pool: set[str] = frozenset(), kv_type: str | None = None):
+                       pool: set[str] = frozenset(), kv_type: str | None = None, pointers: dict | None = None):
+    """`pointers`: types of pointer arguments that differ from the rule below (a 4-bit weight's words)."""
     signature, consts, attrs = {}, dict(constexprs), {}
     for i, name in enumerate(kernel.arg_names):
         if name in consts:
             signature[name] = "constexpr"
         elif name[0].isupper():  # pointer arguments are capitalized in these kernels
-            if name == "Bitmask":
+            if pointers and name in pointers:
+                signature[name] = pointers[name]
+            elif name == "Bitmask":
                 signature[name] = "*i32"
             else:
                 signature[name] = (f"*{index}" if name in INDEX_PTRS else "*fp32" if name in FP32_PTRS
@@ -84,6 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--hidden", type=int, default=4096)
     p.add_argument("--kv-dtype", choices=list(KV_TYPES), default="auto")
+    p.add_argument("--only", help="compile only the kernels whose label contains this")
     args = p.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
         print("unset TRITON_INTERPRET: this compiles the kernels, it does not interpret them", file=sys.stderr)
@@ -128,21 +132,33 @@ def main(argv: list[str] | None = None) -> int:
             block_n, block_k, warps, stages = decode_gemv.gemv_config(rows, n, k)
             jobs.append((f"{name} M={rows} {block_n}x{block_k}", decode_gemv._gemv_kernel, warps, stages,
                          dict(dict(SILU=False, SCALED=False, RESIDUAL=False), **flags, HAS_BIAS=False,
-                              BLOCK_M=triton.next_power_of_2(rows), BLOCK_N=block_n, BLOCK_K=block_k,
-                              BLOCK_S=512 if flags.get("SCALED") else 1, STAGES=stages)))
+                              W_SCALED=False, INT4=False, BLOCK_M=triton.next_power_of_2(rows), BLOCK_N=block_n,
+                              BLOCK_K=block_k, BLOCK_S=512 if flags.get("SCALED") else 1, STAGES=stages)))
+    # The same three on 4-bit weights (AWQ/GPTQ: pack_int4's int32 words, fp32 scales and zeros) at one row.
+    int4_ptrs = {"W": "*i32", "WScale": "*fp32", "WZero": "*fp32"}
+    for name, flags, (n, k) in (("int4 rms_scaled_gemv", dict(SCALED=True), (28672, 4096)),
+                                ("int4 residual_gemv silu", dict(SILU=True, RESIDUAL=True), (4096, 14336))):
+        block_n, block_k, warps, stages = decode_gemv.gemv_config(1, n, k, 0.5)
+        jobs.append((f"{name} M=1 {block_n}x{block_k}", decode_gemv._gemv_kernel, warps, stages,
+                     dict(dict(SILU=False, SCALED=False, RESIDUAL=False), **flags, HAS_BIAS=False, W_SCALED=False,
+                          INT4=True, BLOCK_M=1, BLOCK_N=block_n, BLOCK_K=block_k,
+                          BLOCK_S=512 if flags.get("SCALED") else 1, STAGES=stages), frozenset(), int4_ptrs))
     # The qkv GEMV with the rotary and the KV store in its epilogue (1 row, scaled; 8 rows, after the
     # first layer's norm), storing into the pool.
     for rows, scaled in ((1, True), (8, False)):
         block_n, block_k, warps, stages = decode_gemv.gemv_config(rows, (args.heads + 2 * args.kv_heads) * d, 4096)
         jobs.append((f"rotary_qkv_gemv M={rows} {block_n}x{block_k}", decode_gemv._rotary_qkv_kernel, warps, stages,
                      dict(NUM_HEADS=args.heads, NUM_KV_HEADS=args.kv_heads, HEAD_DIM=d, HAS_BIAS=False, SCALED=scaled,
-                          BLOCK_M=triton.next_power_of_2(rows), PAIRS=block_n // 2, BLOCK_K=block_k,
+                          W_SCALED=False, INT4=False, BLOCK_M=triton.next_power_of_2(rows), PAIRS=block_n // 2, BLOCK_K=block_k,
                           BLOCK_S=512 if scaled else 1, STAGES=stages, SAT=sat), STORE_POOL))
     print(f"triton {triton.__version__}, sm_90, {args.dtype}, {args.index} indices, head_dim {d}, GQA {group}, "
           f"KV pool {kv_type or args.dtype}")
-    for label, kernel, warps, stages, constexprs, *pool in jobs:
+    for label, kernel, warps, stages, constexprs, *extra in jobs:
+        if args.only and args.only not in label:
+            continue
         compiled = compile_for_hopper(kernel, constexprs, args.dtype, args.index, warps, stages,
-                                      pool=pool[0] if pool else frozenset(), kv_type=kv_type)
+                                      pool=extra[0] if extra else frozenset(), kv_type=kv_type,
+                                      pointers=extra[1] if len(extra) > 1 else None)
         report(label, compiled, warps, stages)
     return 0
 

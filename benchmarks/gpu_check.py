@@ -34,6 +34,8 @@ on a tiny model (fp32 and bf16), and decode and short extends with CUDA graphs a
 8. FP8 weights (quantization=fp8): benchmarks/gpu_check_quant.py.
 9. Speculative decoding's verify steps on the decode CUDA graphs, against eager extends: verify logits
    and greedy tokens, the tiny Llama and the Llama-3-8B shape: benchmarks/gpu_check_spec.py.
+10. EAGLE and EAGLE-3 (random heads, tiny Llamas) on CUDA graphs against disable_cuda_graph: greedy tokens
+   and the head's every input (`eagle_graphs`, benchmarks/gpu_check_spec.py).
 """
 
 from __future__ import annotations
@@ -461,7 +463,9 @@ ENGINE_CHECKS = {"hf": ("engine vs HF transformers (tiny Llama)", check_engine_v
                                  quant_check.check_fp8_weights(ckpt, report, DEVICE, prompts_for(
                                      ModelConfig.from_dir(ckpt).vocab_size))),
                  "spec_graphs": ("verify steps on the decode CUDA graphs (gpu_check_spec.py)", lambda ckpt, report:
-                                 spec_check.check_spec_graphs(ckpt, report, DEVICE))}
+                                 spec_check.check_spec_graphs(ckpt, report, DEVICE)),
+                 "eagle_graphs": ("EAGLE / EAGLE-3 on CUDA graphs (gpu_check_spec.py)", lambda ckpt, report:
+                                  spec_check.check_eagle_graphs(ckpt, report, DEVICE))}
 
 
 def main(argv: list[str] | None = None) -> int:

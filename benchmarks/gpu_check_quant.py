@@ -2,7 +2,7 @@
 
 1. Kernels at the Llama-3-8B sizes: the per-token activation quantizer equal to its reference to the bit;
    the fp8 decode GEMVs (1 and 4 rows), the W8A8 GEMM (torch._scaled_mm, 16 and 300 rows) and the 4-bit
-   GEMM (AWQ/GPTQ, bf16 activations, 1, 16 and 300 rows) against the fp32 product of the same quantized
+   GEMV and GEMM (AWQ/GPTQ, bf16 activations, 1 to 300 rows; groups of 128, and of 32 on SmolLM2's shapes) against the fp32 product of the same quantized
    values and scales, within 1 % of the output's largest magnitude.
 2. The engine on the tiny Llama with quantization=fp8, against transformers (fp32) whose projections
    compute the reference W8A8 product of the same e4m3 weights (tests/test_quant_fp8.py's oracle): prompt
@@ -10,6 +10,7 @@
    against the same oracle in bf16, under twice that oracle's own error against the fp32 one + 0.01. Greedy tokens equal with CUDA graphs on and off, overlap on and off (fp32);
    with an fp8 KV cache as well it runs and its logprob error is reported.
 3. What fp8 costs: mean |delta logprob| and greedy agreement against the unquantized bf16 engine.
+4. 4-bit layers on the fused decode GEMVs in the engine against the unfused 4-bit path (check_int4_decode).
 """
 
 from __future__ import annotations
@@ -54,14 +55,14 @@ def check_kernels() -> dict[str, Any]:
                                                    and torch.equal(xs, rs))
             out[f"gemm_{m}x{n}x{k}"] = _rel_err(tri.fp8_linear(x, wq, ws), qref.fp8_linear(x.float(), wq, ws))
         packed, scales, zeros = qref.quantize_int4_rows(w, 128)
-        for m in (1, 16, 300):
+        for m in (1, 2, 3, 16, 300):  # the GEMV at 1, 2 and 4 rows (padded), the GEMM's two launch shapes
             x = torch.randn(m, k, device="cuda", generator=g).bfloat16()
             out[f"int4_{m}x{n}x{k}"] = _rel_err(tri.int4_linear(x, packed, scales, zeros),
                                                 qref.int4_linear(x.float(), packed, scales, zeros))
     for n, k in GGUF_SHAPES:  # groups of 32: GGUF's Q4_0 / Q4_1 kept quantized on CUDA (gguf_kept.int4_layer)
         w = torch.randn(n, k, device="cuda", generator=g) / k**0.5
         packed, scales, zeros = qref.quantize_int4_rows(w, 32)
-        for m in (1, 6, 300):
+        for m in (1, 4, 6, 300):
             x = torch.randn(m, k, device="cuda", generator=g).bfloat16()
             out[f"int4_g32_{m}x{n}x{k}"] = _rel_err(tri.int4_linear(x, packed, scales, zeros),
                                                     qref.int4_linear(x.float(), packed, scales, zeros))
@@ -114,6 +115,39 @@ def _mean_err(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
     return float(torch.cat([(x - y).abs() for x, y in zip(a, b)]).mean())
 
 
+def check_int4_decode(prompts: list[list[int]]) -> dict[str, Any]:
+    """4-bit layers on the fused decode GEMVs in the engine (batch 1, CUDA graphs): a tiny Llama of whole
+    groups of 128 (hidden 128, intermediate 256) with its random weights quantized as AWQ's (load_format
+    dummy), decode_fused_gemv=1 against 0 (the 4-bit GEMV per projection, norms and rotary apart): in
+    fp32 greedy tokens equal and decode logprobs within 1e-3; in bf16 the greedy agreement is reported."""
+    import tempfile
+
+    from radixlm.testing.checkpoints import build_checkpoint
+
+    ckpt = build_checkpoint(tempfile.mkdtemp(prefix="radixlm-int4-") + "/tiny", "llama", hidden_size=128,
+                            intermediate_size=256)
+    runs: dict[tuple[str, int], list] = {}
+    for dtype in ("float32", "bfloat16"):
+        for rows in (0, 1):
+            with radixlm.Engine(ckpt, device="cuda", dtype=dtype, quantization="awq", load_format="dummy",
+                                decode_fused_gemv=rows, max_total_tokens=4096, log_level="warning") as engine:
+                assert engine._runner.model.fused_gemv_rows == rows
+                runs[dtype, rows] = [engine.generate(input_ids=p, sampling_params=GREEDY, return_logprob=True)
+                                     for p in prompts]  # one at a time: batch-1 decode steps
+
+    def tokens(key):
+        return [o["output_ids"] for o in runs[key]]
+
+    def logprobs(key):
+        return torch.tensor([lp for o in runs[key] for lp, _, _ in o["meta_info"]["output_token_logprobs"]])
+
+    equal = {dtype: sum(a == b for a, b in zip(tokens((dtype, 1)), tokens((dtype, 0)))) for dtype in ("float32", "bfloat16")}
+    err = float((logprobs(("float32", 1)) - logprobs(("float32", 0))).abs().max()) if equal["float32"] == len(prompts) \
+        else float("inf")
+    return {"greedy_equal_fused_vs_unfused": equal, "of": len(prompts), "fp32_max_abs_dlogprob": err,
+            "ok": equal["float32"] == len(prompts) and err <= 1e-3}
+
+
 def check_fp8_weights(ckpt: str, report: dict[str, Any], device: str, prompts: list[list[int]]) -> bool:
     entry: dict[str, Any] = {}
     ok = True
@@ -121,6 +155,9 @@ def check_fp8_weights(ckpt: str, report: dict[str, Any], device: str, prompts: l
         entry["kernels"] = check_kernels()
         ok = entry["kernels"]["ok"]
         print(f"fp8 kernels: {'ok' if ok else 'FAIL'} {entry['kernels']}", flush=True)
+        entry["int4_decode"] = check_int4_decode(prompts)
+        ok = ok and entry["int4_decode"]["ok"]
+        print(f"4-bit fused decode: {'ok' if entry['int4_decode']['ok'] else 'FAIL'} {entry['int4_decode']}", flush=True)
     oracle = _hf_logprobs(w8a8_oracle(ckpt, device), prompts, device)
     oracle_bf16 = _hf_logprobs(w8a8_oracle(ckpt, device, torch.bfloat16), prompts, device)
     hf_bf16_err = _mean_err(oracle_bf16, oracle)

@@ -18,8 +18,12 @@ weights):
    reported (the two paths round differently, so near-ties of random weights may go either way). The
    graphs-on engine's verify steps must have replayed the decode graphs.
 
-    python3 benchmarks/gpu_check.py --skip-kernels --checks spec_graphs --out gpu_check.json
-    python3 benchmarks/gpu_check.py --cpu-smoke --checks spec_graphs    # the logic, on the decode graphs' eager twin
+3. EAGLE on the graphs (check_eagle_graphs, `--checks eagle_graphs`): the target's decode and verify steps
+   replay its decode graphs, which export the hidden states the head reads; the head's own decode steps
+   replay graphs of their own. Greedy outputs and the head's every input, graphs on against off.
+
+    python3 benchmarks/gpu_check.py --skip-kernels --checks spec_graphs eagle_graphs --out gpu_check.json
+    python3 benchmarks/gpu_check.py --cpu-smoke --checks spec_graphs eagle_graphs  # the logic, graphs' eager twin
 """
 
 from __future__ import annotations
@@ -37,6 +41,9 @@ from bench_engine import make_model_dir  # noqa: E402
 import radixlm  # noqa: E402
 from radixlm.core.runtime.execution.batch_input import BatchInput  # noqa: E402
 from radixlm.core.runtime.execution.cuda_graph_runner import DecodeGraphRunner  # noqa: E402
+from radixlm.testing.checkpoints import build_checkpoint  # noqa: E402
+from radixlm.testing.eagle import (build_eagle3_head, build_eagle_head, count_replays, head_inputs_differ,  # noqa: E402
+                                   record_head_inputs, skip_some_drafts)
 from radixlm.testing.speculative import OracleProposer  # noqa: E402
 
 GRAPH_MAX_BS = 32  # 3 requests x 9 rows fit
@@ -171,4 +178,74 @@ def check_spec_graphs(tiny: str, report: dict[str, Any], device: str) -> bool:
               f"(first difference graphs vs eager {greedy['graphs_vs_eager_first_difference']}, vs plain "
               f"{greedy['graphs_vs_plain_first_difference']}; {greedy['verify_graph_replays']} of "
               f"{greedy['verify_steps']} verify steps replayed)", flush=True)
+    return ok
+
+
+# ---- EAGLE on the CUDA graphs (issue 36): the target's steps export its hidden states from the decode graphs
+# and the head's own decode steps replay graphs of their own.
+
+EAGLE_STEPS = 4
+# fp32: the head's inputs on the graphs against eager steps differ by summation order only (the target's
+# states straight from its kernels, the head's outputs one layer later); a wrong row, position or a state
+# overwritten by a later replay is O(1).
+HEAD_INPUT_BOUND = 1e-3
+
+
+def eagle_run(ckpt: str, head: str, algorithm: str, dtype: str, device: str, graphs: bool) -> dict[str, Any]:
+    """Greedy outputs of PROMPTS (a batch, then PROMPTS[0] alone) with the head drafting EAGLE_STEPS tokens
+    at every step but one request's step in three (skip_some_drafts), the head's every input, and the
+    decode-graph replays of the target (verify steps: rows sharing a request) and of the head."""
+    opts = {"dtype": dtype, "device": device, "log_level": "warning", "max_total_tokens": 16384,
+            "cuda_graph_max_bs": GRAPH_MAX_BS, "enable_overlap_schedule": False, "speculative_algorithm": algorithm,
+            "speculative_draft_model_path": head, "speculative_num_steps": EAGLE_STEPS,
+            "speculative_adaptive": False, "disable_cuda_graph": not graphs}
+    with radixlm.Engine(ckpt, **opts) as e:
+        inputs = record_head_inputs(e)
+        skip_some_drafts(e)
+        target, heads = [], []
+        if graphs:
+            target = count_replays(e._runner, GRAPH_MAX_BS)
+            heads = count_replays(e.frontend.scheduler.scheduler.speculator.proposer.runner, GRAPH_MAX_BS)
+        out = [o["output_ids"] for o in e.generate(input_ids=PROMPTS, sampling_params=GREEDY)]
+        out.append(e.generate(input_ids=PROMPTS[0], sampling_params=GREEDY)["output_ids"])
+        verify_steps = e.get_stats()["spec_verify_steps_total"]
+    return {"outputs": out, "inputs": inputs, "verify_steps": verify_steps,
+            "target_verify_replays": sum(len(set(b.rows)) < len(b.rows) for b in target),
+            "target_decode_replays": sum(len(set(b.rows)) == len(b.rows) for b in target), "head_replays": len(heads)}
+
+
+def check_eagle_graphs(tiny: str, report: dict[str, Any], device: str) -> bool:
+    """`eagle` on the tiny Llama and `eagle3` on an 8-layer one (random heads), float32 and bfloat16: graphs
+    on against off (disable_cuda_graph) and against speculation off. float32: outputs equal, the head's
+    inputs within HEAD_INPUT_BOUND; bfloat16: reported (near-ties of random weights may round either
+    way); both: the target's verify steps and the head's steps replayed graphs."""
+    root = tempfile.mkdtemp(prefix="radixlm-eagle-check-")
+    deep = build_checkpoint(f"{root}/llama8", "llama", num_hidden_layers=8)
+    cases = [("eagle", tiny, build_eagle_head(f"{root}/eagle", tiny)),
+             ("eagle3", deep, build_eagle3_head(f"{root}/eagle3", deep, draft_vocab=300))]
+    ok = True
+    for algorithm, ckpt, head in cases:
+        for dtype in ("float32", "bfloat16"):
+            with radixlm.Engine(ckpt, dtype=dtype, device=device, log_level="warning", max_total_tokens=16384,
+                                cuda_graph_max_bs=GRAPH_MAX_BS, enable_overlap_schedule=False) as e:
+                plain = [o["output_ids"] for o in e.generate(input_ids=PROMPTS, sampling_params=GREEDY)]
+                plain.append(e.generate(input_ids=PROMPTS[0], sampling_params=GREEDY)["output_ids"])
+            on, off = (eagle_run(ckpt, head, algorithm, dtype, device, graphs) for graphs in (True, False))
+            differ = head_inputs_differ(on["inputs"], off["inputs"], HEAD_INPUT_BOUND)
+            result = {key: on[key] for key in ("verify_steps", "target_verify_replays", "target_decode_replays",
+                                                "head_replays")}
+            result.update(outputs_equal_eager=on["outputs"] == off["outputs"],
+                          outputs_equal_plain=on["outputs"] == plain,
+                          head_inputs_differ=differ, head_inputs=sum(len(v) for v in on["inputs"].values()))
+            replayed = on["target_verify_replays"] > 0 and on["head_replays"] > 0
+            exact = result["outputs_equal_eager"] and result["outputs_equal_plain"] and not differ
+            result["ok"] = replayed and (exact or dtype == "bfloat16")
+            report[f"eagle_graphs_{algorithm}_{dtype}"] = result
+            ok = ok and result["ok"]
+            print(f"{algorithm} on CUDA graphs, {dtype}: {'ok' if result['ok'] else 'FAIL'} (outputs equal to eager "
+                  f"{result['outputs_equal_eager']}, to plain {result['outputs_equal_plain']}; head inputs "
+                  f"{'equal' if not differ else differ[:2]} over {result['head_inputs']}; replays: "
+                  f"{on['target_verify_replays']} of {on['verify_steps']} verify steps, "
+                  f"{on['target_decode_replays']} decode, {on['head_replays']} head)",
+                  flush=True)
     return ok

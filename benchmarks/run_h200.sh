@@ -49,12 +49,27 @@
 #                                   # image QA on the Qwen2-VL-2B shape (M-RoPE), shared vs distinct images (issue 21)
 #   RUN_GPU_CHECK=0 RUN_ENGINE_BENCH=0 RUN_CONSTRAINED=0 RUN_QUANT=1 bash benchmarks/run_h200.sh
 #                                   # bf16 beside fp8 and AWQ 4-bit on the 8B shape (issue 35, ~8 minutes)
+#   GPU_CHECK_S=200 GPU_CHECK_ARGS="--skip-kernels --checks fp8_weights" RUN_ENGINE_BENCH=0 RUN_CONSTRAINED=0 \
+#     RUN_QUANT=1 QUANT_S=380 QUANT_ARGS="--sweep-gemv --engine --parts latency prefill --variants awq" \
+#     bash benchmarks/run_h200.sh       # the 4-bit kernels against their twin (GEMV 1-4 rows, GEMM, prefill;
+#                                   # groups of 128 and 32) and the fused 4-bit decode against the unfused in the
+#                                   # engine, then the fp8 and 4-bit GEMV sweeps (8B shapes; SmolLM2's at groups
+#                                   # of 32), then batch-1 decode and 16 x 1024 prefill, bf16 beside AWQ (~9 minutes)
 #   RUN_GPU_CHECK=0 RUN_ENGINE_BENCH=0 RUN_CONSTRAINED=0 RUN_SPEC=1 bash benchmarks/run_h200.sh
 #                                   # speculative decoding's verify-step cost, batch-1 tokens/s with a draft model, greedy equality (issue 36)
+#   RUN_GPU_CHECK=0 RUN_ENGINE_BENCH=0 RUN_CONSTRAINED=0 RUN_NCU_GEMV=1 RUN_QUANT=1 QUANT_S=330 \
+#     QUANT_ARGS="--sweep-gemv --engine --parts latency --variants awq" bash benchmarks/run_h200.sh
+#                                   # issue 35, second round: Nsight Compute on the 4-bit and fp8 GEMVs (where the
+#                                   # 4-bit one stalls), then the 4-bit sweep's smaller programs and bf16 / AWQ decode
 #   GPU_CHECK_S=200 GPU_CHECK_ARGS="--skip-kernels --checks spec_graphs" RUN_ENGINE_BENCH=0 RUN_CONSTRAINED=0 \
 #     RUN_SPEC=1 SPEC_S=380 bash benchmarks/run_h200.sh   # within one 600 s device call
 #                                   # verify steps on the decode CUDA graphs: logits and greedy tokens against eager
 #                                   # (tiny fp32/bf16, 8B bf16), then the verify cost with graphs and eager (issue 36)
+#   GPU_CHECK_S=180 GPU_CHECK_ARGS="--skip-kernels --checks eagle_graphs" RUN_ENGINE_BENCH=0 RUN_CONSTRAINED=0 \
+#     RUN_SPEC=1 SPEC_S=390 SPEC_ARGS="--eagle-only" bash benchmarks/run_h200.sh   # within one 600 s device call
+#                                   # EAGLE on CUDA graphs: eagle/eagle3 greedy tokens and the head's inputs, graphs
+#                                   # on vs off (tiny fp32/bf16), then 8B batch-1 tok/s plain and eagle with graphs
+#                                   # and without, with the head's and the verify step's costs (issue 36)
 #
 # Each step has its own time limit (seconds, overridable) so that one hang cannot eat the others.
 set -u -o pipefail
@@ -255,6 +270,14 @@ if [ "${RUN_QUANT:-0}" = 1 ]; then
   timeout "${QUANT_S:-540}" python3 benchmarks/bench_quant.py \
     ${QUANT_ARGS:---sweep-gemv --engine --variants fp8 awq:latency,prefill} --out-dir "$OUT" 2>&1 | tee "$OUT/bench_quant.log"
   echo "bench_quant exit ${PIPESTATUS[0]}" | tee -a "$OUT/env.txt"
+fi
+if [ "${RUN_NCU_GEMV:-0}" = 1 ]; then
+  # Issue 35: Nsight Compute on one launch each of the 4-bit and the fp8 decode GEMV (the fused RMS-scaled
+  # product on 28672 x 4096): stall reasons, occupancy, issue rate, shared-memory bank conflicts.
+  timeout "${NCU_S:-300}" ncu --profile-from-start off --set full --force-overwrite --export "$OUT/ncu_gemv" \
+    python3 benchmarks/bench_quant.py --ncu-gemv --out-dir /tmp/ncu-gemv 2>&1 | tail -40 | tee "$OUT/ncu_gemv.log"
+  echo "ncu exit ${PIPESTATUS[0]}" | tee -a "$OUT/env.txt"
+  ncu --import "$OUT/ncu_gemv.ncu-rep" --page details > "$OUT/ncu_gemv_details.txt" 2>&1
 fi
 if [ "${RUN_SPEC:-0}" = 1 ]; then
   # Issue 36: a verify step of 8 drafts against a decode step at batch 1, 8, 64; end-to-end batch-1 tokens/s

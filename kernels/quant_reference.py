@@ -32,19 +32,34 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     return out if bias is None else out + bias
 
 
+# 4-bit weights are packed in blocks of INT4_BLOCK columns: 4 int32 words a block, word s of a block
+# holding its columns s, 4 + s, ..., 28 + s (nibble j, bits 4j..4j+3, is column 4j + s). A kernel that
+# shifts nibble j out of a tile of words gets the columns 4j..4j+3 of every block, whose x it loads as
+# they lie: no interleave of the unpacked values. 32 is GGUF's block and divides every AWQ/GPTQ group,
+# so a block lies in one group: one layout for all of them.
+INT4_BLOCK = 32
+_NIBBLE_SHIFTS = torch.arange(0, 32, 4, dtype=torch.int64)
+
+
 def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
-    """[N, K / 2] uint8 (element 2j in the low nibble of byte j, 2j + 1 in the high one) -> [N, K] uint8."""
-    return torch.stack((packed & 0x0F, packed >> 4), dim=-1).reshape(packed.shape[0], -1)
+    """[N, K / 8] int32 (pack_int4's layout) -> [N, K] uint8 of values 0..15."""
+    n, words = packed.shape
+    nibbles = (packed.to(torch.int64)[..., None] >> _NIBBLE_SHIFTS.to(packed.device)) & 0xF  # [N, K / 8, 8]: nibble j of each word
+    return nibbles.view(n, words // 4, 4, 8).transpose(2, 3).reshape(n, -1).to(torch.uint8)
 
 
 def pack_int4(q: torch.Tensor) -> torch.Tensor:
-    """unpack_int4's inverse: q [N, K] of values 0..15 (K even) -> [N, K / 2] uint8."""
-    q = q.to(torch.uint8).reshape(q.shape[0], -1, 2)
-    return q[..., 0] | (q[..., 1] << 4)
+    """unpack_int4's inverse: q [N, K] of values 0..15 (K a multiple of INT4_BLOCK) -> [N, K / 8] int32."""
+    n, k = q.shape
+    if k % INT4_BLOCK:
+        raise ValueError(f"4-bit weights pack in blocks of {INT4_BLOCK} columns; got {k} columns")
+    q = q.to(torch.int64).view(n, k // INT4_BLOCK, 8, 4).transpose(2, 3)  # [N, blocks, word s, nibble j]
+    words = (q << _NIBBLE_SHIFTS.to(q.device)).sum(-1).reshape(n, -1)
+    return (words - ((words >> 31) << 32)).to(torch.int32)  # two's complement into int32
 
 
 def quantize_int4_rows(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(packed [N, K / 2], fp32 scales [N, K / group], fp32 zeros) of w: asymmetric min-max 4-bit per
+    """(packed [N, K / 8], fp32 scales [N, K / group], fp32 zeros) of w: asymmetric min-max 4-bit per
     group (AWQ's and GPTQ's grid; for random weights of benchmarks, which no checkpoint gives)."""
     n, k = w.shape
     g = w.float().view(n, k // group, group)
@@ -57,9 +72,10 @@ def quantize_int4_rows(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch
 
 def int4_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                 bias: torch.Tensor | None = None) -> torch.Tensor:
-    """4-bit weight-only product (AWQ, GPTQ): the weight [N, K] is (q - zero) * scale with q the unpacked
-    `packed` [N, K / 2] and one fp32 scale and zero per row and group of K / scales.shape[1] columns;
-    x [M, K] times its transpose, accumulated in fp32, plus bias, returned in x's dtype."""
+    """4-bit weight-only product (AWQ, GPTQ, GGUF Q4 on CUDA): the weight [N, K] is (q - zero) * scale with
+    q the unpacked `packed` [N, K / 8] (pack_int4's layout) and one fp32 scale and zero per row and group
+    of K / scales.shape[1] columns; x [M, K] times its transpose, accumulated in fp32, plus bias, returned
+    in x's dtype."""
     q = unpack_int4(packed).float()
     group = q.shape[1] // scales.shape[1]
     w = (q - zeros.repeat_interleave(group, 1)) * scales.repeat_interleave(group, 1)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from radixlm.kernels.quant_reference import int4_linear
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm computed in fp32, returned in the input dtype."""
@@ -39,9 +40,13 @@ GEMV_MAX_ROWS = 16
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-         weight_scale: torch.Tensor | None = None) -> torch.Tensor:
+         weight_scale: torch.Tensor | None = None, weight_zero: torch.Tensor | None = None) -> torch.Tensor:
     """A linear layer on a few rows (decode): x [M, K], weight [N, K] -> [M, N]. With `weight_scale` [N]
-    (fp32), weight holds fp8 values and row n of the real weight is weight[n] * weight_scale[n]."""
+    (fp32), weight holds fp8 values and row n of the real weight is weight[n] * weight_scale[n]; with
+    `weight_zero` too, weight is 4-bit (quant_reference.pack_int4's words [N, K / 8], fp32 scales and
+    zeros [N, K / group]: ``quant_reference.int4_linear``)."""
+    if weight_zero is not None:
+        return int4_linear(x, weight, weight_scale, weight_zero, bias)
     if weight_scale is not None:
         out = torch.nn.functional.linear(x.float(), weight.float() * weight_scale[:, None])
         return (out if bias is None else out + bias.float()).to(x.dtype)
@@ -50,22 +55,23 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 
 def residual_gemv(
     x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, silu: bool = False,
-    weight_scale: torch.Tensor | None = None,
+    weight_scale: torch.Tensor | None = None, weight_zero: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A projection ending a sublayer with the residual add and the next RMSNorm's first half after it:
     returns h = gemv(x) + residual (the residual stream), h * norm_weight, and h's sum of squares [M, 1]
     in fp32 (kernel sets may return it as several partial sums per row: [M, S]). With `silu`, x holds
     [gate | up] and ``silu_and_mul`` goes first."""
-    h = gemv(silu_and_mul(x) if silu else x, weight, weight_scale=weight_scale) + residual
+    h = gemv(silu_and_mul(x) if silu else x, weight, weight_scale=weight_scale, weight_zero=weight_zero) + residual
     return h, h * norm_weight, h.float().pow(2).sum(-1, keepdim=True)
 
 
 def rms_scaled_gemv(x: torch.Tensor, sums: torch.Tensor, eps: float, weight: torch.Tensor,
-                    bias: torch.Tensor | None = None, weight_scale: torch.Tensor | None = None) -> torch.Tensor:
+                    bias: torch.Tensor | None = None, weight_scale: torch.Tensor | None = None,
+                    weight_zero: torch.Tensor | None = None) -> torch.Tensor:
     """The projection after an RMSNorm given as ``residual_gemv``'s second and third outputs: x is the
     norm's input times its weight, `sums` the input's sums of squares (summed over the last dim)."""
     rstd = torch.rsqrt(sums.sum(-1, keepdim=True) / x.shape[-1] + eps)
-    return gemv((x.float() * rstd).to(x.dtype), weight, bias, weight_scale)
+    return gemv((x.float() * rstd).to(x.dtype), weight, bias, weight_scale, weight_zero)
 
 
 def apply_rotary(
@@ -125,11 +131,12 @@ def rotary_qkv_gemv(
     x: torch.Tensor, sums: torch.Tensor | None, eps: float, weight: torch.Tensor, bias: torch.Tensor | None,
     positions: torch.Tensor, cos_sin_cache: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
     loc: torch.Tensor, num_heads: int, num_kv_heads: int, weight_scale: torch.Tensor | None = None,
+    weight_zero: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """A decode layer's qkv projection (``rms_scaled_gemv``; ``gemv`` of an already normed x where `sums`
     is None) then ``apply_rotary_store_kv``: returns the rotated q [M, H, D]."""
-    qkv = (gemv(x, weight, bias, weight_scale) if sums is None
-           else rms_scaled_gemv(x, sums, eps, weight, bias, weight_scale))
+    qkv = (gemv(x, weight, bias, weight_scale, weight_zero) if sums is None
+           else rms_scaled_gemv(x, sums, eps, weight, bias, weight_scale, weight_zero))
     head_dim = cos_sin_cache.shape[-1]
     q, k, v = qkv.view(qkv.shape[0], -1, head_dim).split([num_heads, num_kv_heads, num_kv_heads], dim=1)
     return apply_rotary_store_kv(q, k, v, positions, cos_sin_cache, k_buffer, v_buffer, loc)

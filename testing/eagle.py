@@ -1,12 +1,18 @@
-"""Tiny EAGLE-1/2 heads for tests: the published layout (core.runtime.models.eagle) for a target checkpoint."""
+"""Tiny EAGLE-1/2 and EAGLE-3 heads for tests: the published layouts (core.runtime.models.eagle) for a target
+checkpoint; and what tests and GPU checks watch of an engine's EAGLE proposer: the head's inputs and the
+decode graphs' replays (on the CPU, of the graphs' eager twin)."""
 
 from __future__ import annotations
 
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 import torch
+
+from radixlm.core.runtime.execution.batch_input import BatchInput
+from radixlm.core.runtime.execution.cuda_graph_runner import DecodeGraphRunner
 
 
 class _Head:
@@ -79,3 +85,71 @@ def build_eagle3_head(out_dir: str, target_dir: str, *, seed: int = 0, draft_voc
         tensors["d2t"] = ids - torch.arange(draft_vocab)
         tensors["t2d"] = torch.zeros(vocab, dtype=torch.bool).index_fill(0, ids, True)
     return head.write(out_dir, tensors)
+
+
+def record_head_inputs(engine: Any) -> dict[tuple[int, ...], list[tuple[int, int, torch.Tensor, bool]]]:
+    """Starts recording every input of the engine's EAGLE head, per prompt (its input ids) in the order the
+    head reads them: (position, token, features row, chain): the target's state at the position (a
+    catch-up, chain False) or the head's own last output (a chain step). A request's inputs do not depend
+    on the batch it ran in."""
+    proposer = engine.frontend.scheduler.scheduler.speculator.proposer
+    runner, seen = proposer.runner, {}
+    forward = runner.forward
+
+    def record(batch: BatchInput) -> torch.Tensor:
+        at = 0
+        for req, n in zip(proposer.in_step, batch.extend_lens):
+            rows = zip(batch.positions[at:at + n], batch.input_ids[at:at + n], batch.features[at:at + n].cpu().clone(),
+                       [batch.is_decode] * n)
+            seen.setdefault(tuple(req.inp.input_ids), []).extend(rows)
+            at += n
+        return forward(batch)
+
+    runner.forward = record
+    return seen
+
+
+def skip_some_drafts(engine: Any) -> None:
+    """Makes the engine's proposer draft nothing for a request one call in three (a request of a batch that
+    the adaptive policy leaves out, or a plain decode step at batch 1), by a rule that does not depend on
+    timing: the head then catches up over target states of several steps."""
+    proposer = engine.frontend.scheduler.scheduler.speculator.proposer
+    propose, calls = proposer.propose, []
+
+    def skipping(reqs: list[Any], budgets: list[int]) -> list[list[int]]:
+        calls.append(1)
+        return propose(reqs, [0 if (len(calls) + i) % 3 == 0 else k for i, k in enumerate(budgets)])
+
+    proposer.propose = skipping
+
+
+def count_replays(runner: Any, max_bs: int) -> list[BatchInput]:
+    """Starts recording the batches the runner's decode graphs replay; a runner without graphs (the CPU)
+    first gets the graphs' eager twin (the same padded static buffers, no capture) of up to max_bs rows."""
+    if runner.graph_runner is None and runner.device.type == "cpu":
+        runner.graph_runner = DecodeGraphRunner(runner, max_bs, capture=False)
+    graphs, seen = runner.graph_runner, []
+    if graphs is None:  # none captured (disable_cuda_graph, or a capture that failed): nothing replays
+        return seen
+    real_run = graphs.run
+    graphs.run = lambda batch: seen.append(batch) or real_run(batch)
+    return seen
+
+
+def head_inputs_differ(a: dict, b: dict, tol: float) -> list[str]:
+    """Where two recordings of record_head_inputs differ: prompts, counts, positions or tokens, or a feature
+    row further than `tol` (relative to the row's largest value) from the other's; [] when they agree."""
+    if a.keys() != b.keys():
+        return ["the prompts differ"]
+    out = []
+    for prompt in a:
+        if len(a[prompt]) != len(b[prompt]):
+            out.append(f"prompt {prompt[:4]}...: {len(a[prompt])} vs {len(b[prompt])} inputs")
+            continue
+        for i, ((pa, ta, fa, ca), (pb, tb, fb, cb)) in enumerate(zip(a[prompt], b[prompt])):
+            err = float((fa.float() - fb.float()).abs().max() / fb.float().abs().max().clamp_min(1e-30))
+            if (pa, ta, ca) != (pb, tb, cb) or fa.shape != fb.shape or not err <= tol:
+                out.append(f"prompt {prompt[:4]}... input {i}: {(pa, ta, ca, tuple(fa.shape))} vs "
+                           f"{(pb, tb, cb, tuple(fb.shape))}, features rel err {err:.2e}")
+                break
+    return out

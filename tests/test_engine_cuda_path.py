@@ -16,6 +16,7 @@ from radixlm.core.runtime.execution.cuda_graph_runner import (DECODE_ROWS_MAX_EX
 from radixlm.core.runtime.tokenizer.detokenizer import IncrementalDetokenizer
 from radixlm.core.runtime.memory.memory_pool import ReqToTokenPool
 from radixlm.core.runtime.execution.batch_input import BatchInput
+from radixlm.core.runtime.execution.hidden_export import HiddenExport
 from radixlm.core.runtime.execution.model_runner import ModelRunner
 from radixlm.core.runtime.options import EngineOptions
 from radixlm.core.runtime.messages import GenerateRequest
@@ -502,3 +503,71 @@ def test_overlap_is_on_by_default_for_one_cuda_device_only():
     assert not EngineOptions.from_kwargs({"device": "cuda", "tp_size": 2}).enable_overlap_schedule
     assert not EngineOptions.from_kwargs({"device": "cuda", "dp_size": 2}).enable_overlap_schedule
     assert EngineOptions.from_kwargs({"device": "cpu", "enable_overlap_schedule": True}).enable_overlap_schedule
+
+
+# ---- hidden states exported by the decode graphs (an EAGLE proposer's input) ------------------------------------
+
+
+@pytest.mark.parametrize("aux_layers", [(), (0, 1)])  # the final states (EAGLE-1/2); two layers' inputs (EAGLE-3)
+def test_the_decode_graphs_export_the_states_a_hidden_sink_reads(llama_ckpt, aux_layers):
+    """With an export the runner sends verify and decode steps to the decode graphs (their eager twin here)
+    even with a hidden sink, and hands the sink the step's own batch with its tokens' exported states (no
+    padding row), equal to the eager step's, which the sink may not keep: the buffer is the next step's."""
+    opts = EngineOptions.from_kwargs({"device": "cpu", "max_total_tokens": 512, "max_running_requests": 8})
+    export = HiddenExport(aux_layers)
+    runner = ModelRunner(llama_ckpt, ModelConfig.from_dir(llama_ckpt), opts, export=export)
+    width = runner.cfg.hidden_size * max(1, len(aux_layers))
+    gen = torch.Generator().manual_seed(21)
+    slot_iter = iter(torch.randperm(400, generator=gen)[:200].add(1).tolist())
+    verify = _verify_batch(runner, gen, [1, 4], [6, 3], [4, 1], slot_iter)  # 5 rows: a graph of 8, 3 padding
+    decode = BatchInput(True, [11, 12, 13], [5, 9, 2], [next(slot_iter) for _ in range(3)], [2, 5, 6], [6, 10, 3],
+                        [1] * 3, [0, 1, 2])
+    _extend_batch(runner, gen, [2, 5, 6], [5, 9, 2], [0, 0, 0], slot_iter)  # their prefixes (prefilled)
+    seen: list[tuple[BatchInput, torch.Tensor]] = []
+    runner.hidden_sink = lambda batch, hidden: seen.append((batch, hidden.clone()))
+    k_before = [k.clone() for k in runner.kv_pool.k_buffers]
+    eager = [runner.forward(b).clone() for b in (verify, decode)]
+    for k, before in zip(runner.kv_pool.k_buffers, k_before):
+        k.copy_(before)
+    graphs = DecodeGraphRunner(runner, max_bs=16, capture=False)
+    assert graphs.hidden.shape == (16, width) and graphs.features is None
+    graphs.hidden.fill_(float("nan"))  # what no real row's state may show
+    runner.graph_runner = graphs
+    replayed: list[int] = []
+    real_run = graphs.run
+    graphs.run = lambda batch: replayed.append(len(batch.rows)) or real_run(batch)
+    on = [runner.forward(b).clone() for b in (verify, decode)]
+    assert replayed == [5, 3]
+    for off_logits, on_logits in zip(eager, on):
+        torch.testing.assert_close(on_logits, off_logits, rtol=1e-5, atol=1e-5)
+    (v_off, h_v_off), (d_off, h_d_off), (v_on, h_v_on), (d_on, h_d_on) = seen
+    assert v_on is verify and d_on is decode and v_off is verify
+    assert h_v_on.shape == h_v_off.shape == (5, width) and h_d_on.shape == h_d_off.shape == (3, width)
+    torch.testing.assert_close(h_v_on, h_v_off, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(h_d_on, h_d_off, rtol=1e-5, atol=1e-5)
+    if aux_layers:  # layer 0's input is the token embedding
+        emb = runner.model.embed_tokens.weight[torch.tensor(verify.input_ids)]
+        torch.testing.assert_close(h_v_on[:, :runner.cfg.hidden_size], emb)
+
+
+def test_the_decode_graphs_take_features_only_of_their_width(runner):
+    """A model reading per-token features (an EAGLE head) gets a static buffer of its chain width: a batch
+    with features of another width (EAGLE-3's catch-up of the target's three states), or none, runs
+    eagerly; padding rows read zeros."""
+    runner.model.feature_width = 16
+    try:
+        graphs = DecodeGraphRunner(runner, max_bs=8, capture=False)
+    finally:
+        del runner.model.feature_width
+    assert graphs.features.shape == (8, 16) and graphs.hidden is None
+    batch = BatchInput(True, [1, 2, 3], [0, 0, 0], [1, 2, 3], [0, 1, 2], [1, 1, 1], [1] * 3, [0, 1, 2])
+    assert not graphs.takes(batch)
+    batch.features = torch.ones(3, 48)
+    assert not graphs.takes(batch)
+    batch.features = torch.ones(3, 16)
+    assert graphs.takes(batch)
+    batch.rows = list(range(9))
+    assert not graphs.takes(batch)
+    plain = DecodeGraphRunner(runner, max_bs=8, capture=False)
+    assert plain.features is None and not plain.takes(batch) and not plain.takes(
+        BatchInput(True, [1], [0], [1], [0], [1], [1], [0], features=torch.ones(1, 16)))

@@ -26,6 +26,7 @@ from radixlm.core.runtime.layers.attention_backend import AttentionBackend  # no
 from radixlm.core.runtime.layers.forward_batch import ForwardBatch  # noqa: E402
 from radixlm.core.runtime.models.config import ModelConfig  # noqa: E402
 from radixlm.core.runtime.models.llama import LlamaForCausalLM  # noqa: E402
+from radixlm.kernels import quant_reference as qref  # noqa: E402
 from radixlm.kernels import reference as ref  # noqa: E402
 from radixlm.kernels import triton as tri  # noqa: E402
 from radixlm.kernels.triton import decode_gemv as gemv_module  # noqa: E402
@@ -143,6 +144,63 @@ def test_rotary_qkv_gemv(dtype, rows, scaled, shape):
         assert (ours.float() - truth).abs().max().item() <= 1.5 * plain_err + 2 * ulp
 
 
+# ----------------------------------------------------------------------------- 4-bit weights
+K4 = 96  # three blocks of 32: three K steps at the fixture's BLOCK_K
+
+
+def int4_weight(n: int, k: int, group: int = 32):
+    """A 4-bit weight as the AWQ/GPTQ/GGUF layers hold it (pack_int4's words, fp32 scales and zeros per
+    group), scaled like a trained layer's."""
+    packed = qref.pack_int4(torch.randint(0, 16, (n, k))).to(DEVICE)
+    scales = torch.rand(n, k // group, device=DEVICE) / (4 * k**0.5)
+    return packed, scales, torch.randint(0, 16, (n, k // group), device=DEVICE).float()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("rows", [1, 3, 8])
+def test_gemv_int4(dtype, rows):
+    """A 4-bit weight through the same GEMV (weight_zero given): against the twin (the dequantized fp32
+    product, quant_reference.int4_linear); N has a tail, K three steps."""
+    w, scales, zeros = int4_weight(N, K4)
+    b, x = randn(N, dtype=dtype), randn(rows, K4, dtype=dtype)
+    assert_close(tri.gemv(x, w, b, scales, zeros), ref.gemv(x, w, b, scales, zeros))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("silu", [False, True], ids=["o_proj", "down_proj"])
+def test_residual_and_scaled_gemv_int4(dtype, silu):
+    """The epilogues on a 4-bit weight: residual_gemv (SiLU-and-mul first for down_proj) then
+    rms_scaled_gemv over its outputs, against the twins."""
+    w, scales, zeros = int4_weight(N, K4)
+    x, residual = randn(2, 2 * K4 if silu else K4, dtype=dtype), randn(2, N, dtype=dtype)
+    norm_w = (torch.rand(N, device=DEVICE) + 0.5).to(dtype)
+    got = tri.residual_gemv(x, w, residual, norm_w, silu=silu, weight_scale=scales, weight_zero=zeros)
+    want = ref.residual_gemv(x, w, residual, norm_w, silu=silu, weight_scale=scales, weight_zero=zeros)
+    assert_close(got[0], want[0])
+    assert_close(got[1], want[1])
+    w2, scales2, zeros2 = int4_weight(K4, 64)  # a projection after a norm: 64 inputs, 96 outputs
+    h = randn(2, 64, dtype=dtype)
+    sums = torch.rand(2, 3, device=DEVICE) * 64
+    assert_close(tri.rms_scaled_gemv(h, sums, 1e-6, w2, None, scales2, zeros2),
+                 ref.rms_scaled_gemv(h, sums, 1e-6, w2, None, scales2, zeros2))
+
+
+def test_rotary_qkv_gemv_int4():
+    """The qkv projection with the rotary and KV store in its epilogue, on a 4-bit weight (fp32)."""
+    num_heads, num_kv_heads, head_dim = 4, 2, 16
+    n, k = (num_heads + 2 * num_kv_heads) * head_dim, 64
+    w, scales, zeros = int4_weight(n, k)
+    x, b, sums = randn(3, k, dtype=torch.float32), randn(n, dtype=torch.float32), torch.rand(3, 2, device=DEVICE) * k
+    cache = torch.randn(64, head_dim, device=DEVICE)
+    positions, loc = torch.randint(0, 64, (3,), device=DEVICE), torch.randperm(12, device=DEVICE)[:3].to(torch.int32)
+    pools = [[torch.zeros(12, num_kv_heads, head_dim, device=DEVICE) for _ in range(2)] for _ in range(2)]
+    got, want = (ops.rotary_qkv_gemv(x, sums, 1e-6, w, b, positions, cache, *pool, loc, num_heads, num_kv_heads,
+                                     scales, zeros) for ops, pool in ((tri, pools[0]), (ref, pools[1])))
+    assert_close(got, want)
+    for ours, theirs in zip(pools[0], pools[1]):
+        assert_close(ours, theirs)
+
+
 def test_default_configs_cover_the_8b_shapes(monkeypatch):
     """Without the override: every launch shape fills the GPU (>= 128 programs) and divides K, and
     bad input is refused with a message naming it."""
@@ -151,6 +209,8 @@ def test_default_configs_cover_the_8b_shapes(monkeypatch):
         for m in (1, 4, 8):
             block_n, block_k, _, _ = gemv_module.gemv_config(m, n, k)
             assert -(-n // block_n) >= 128 and k % block_k == 0, (m, n, k)
+            block_n, block_k, _, _ = gemv_module.gemv_config(m, n, k, 0.5)  # 4-bit: steps of whole blocks of 32
+            assert -(-n // block_n) >= 128 and k % block_k == 0 and block_k % 32 == 0, (m, n, k)
     w = torch.zeros(4, 8, device=DEVICE)
     with pytest.raises(AssertionError, match="at most"):
         tri.gemv(torch.zeros(17, 8, device=DEVICE), w)
@@ -202,6 +262,25 @@ def test_decoder_layers_fused_equal_unfused(qkv_bias):
     plain_err = (run_layers(model, torch.float16, 0) - exact).abs().max()
     fused_err = (run_layers(model, torch.float16, 8) - exact).abs().max()
     assert 0 < plain_err < 0.05 and fused_err <= 1.5 * plain_err, (fused_err, plain_err)
+
+
+def test_decoder_layers_fused_equal_unfused_int4():
+    """The same two layers with every projection 4-bit (groups of 32, as GGUF's Q4 on CUDA), fused GEMVs
+    (8 rows) against the unfused layers (the 4-bit GEMV or GEMM per projection), fp32: within 1e-4."""
+    from radixlm.core.runtime.quantization.int4 import Int4Linear, quantize_random_int4
+
+    cfg = ModelConfig(architecture="LlamaForCausalLM", vocab_size=64, hidden_size=96, intermediate_size=128,
+                      num_layers=2, num_heads=4, num_kv_heads=2, head_dim=24, rms_norm_eps=1e-5,
+                      rope_theta=10000.0, rope_scaling=None, max_position_embeddings=64, tie_word_embeddings=False,
+                      qkv_bias=True, context_len=64, bos_token_id=None, eos_token_ids=[0])
+    model = LlamaForCausalLM(cfg, tri).to(DEVICE)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn_like(p) / p.shape[-1] ** 0.5 + (1.0 if p.dim() == 1 and p.shape[0] == 96 else 0))
+    assert quantize_random_int4(model, tri, group=32) == 8
+    assert isinstance(model.layers[0].mlp.down_proj, Int4Linear)
+    torch.testing.assert_close(run_layers(model, torch.float32, 8), run_layers(model, torch.float32, 0),
+                               atol=1e-4, rtol=1e-4)
 
 
 def test_engine_greedy_tokens_fused_equal_unfused(llama_ckpt, monkeypatch):

@@ -7,19 +7,21 @@ from __future__ import annotations
 
 import os
 
-import gguf
-import numpy as np
-import pytest
-import torch
-from gguf import GGMLQuantizationType as Q
-from test_gguf import GGUFOracle, write_gguf
-from transformers import AutoModelForCausalLM
+os.environ.setdefault("TRITON_INTERPRET", "1")  # the 4-bit Triton kernels on the CPU
 
-import radixlm
-from radixlm.core.errors import UnsupportedModelError
-from radixlm.core.runtime.models import gguf_dequant
-from radixlm.core.runtime.quantization.gguf_kept import Int4GroupLinear, Int8GroupLinear, int4_layer
-from radixlm.kernels import quant_reference
+import gguf  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from gguf import GGMLQuantizationType as Q  # noqa: E402
+from test_gguf import GGUFOracle, write_gguf  # noqa: E402
+from transformers import AutoModelForCausalLM  # noqa: E402
+
+import radixlm  # noqa: E402
+from radixlm.core.errors import UnsupportedModelError  # noqa: E402
+from radixlm.core.runtime.models import gguf_dequant  # noqa: E402
+from radixlm.core.runtime.quantization.gguf_kept import Int4GroupLinear, Int8GroupLinear, int4_layer  # noqa: E402
+from radixlm.kernels import quant_reference  # noqa: E402
 
 LAYER_TYPES = [
     {"attn_q": Q.Q4_1, "attn_k": Q.Q4_1, "attn_v": Q.Q4_1, "attn_output": Q.Q4_0,
@@ -51,10 +53,12 @@ def test_quantized_layer_against_dequantized_weight(qtype):
 
 
 @pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1], ids=lambda q: q.name)
-def test_cuda_layer_form_equals_the_dequantized_weight(qtype):
+@pytest.mark.parametrize("kernels,rows", [("twin", 5), ("triton", 1), ("triton", 5)])
+def test_cuda_layer_form_equals_the_dequantized_weight(qtype, kernels, rows):
     """On CUDA a Q4_0 / Q4_1 weight runs as the AWQ/GPTQ layer ((q - zero) * scale, groups of 32): its
-    product (the kernels' fp32 twin) equals x @ W.T with W from gguf's dequantizer to fp32 rounding,
-    a Q4_1 block of d = 0 (m alone) included."""
+    product equals x @ W.T with W from gguf's dequantizer to fp32 rounding, a Q4_1 block of d = 0 (m
+    alone) included: the kernels' fp32 twin, and the Triton kernels themselves (interpreted on the CPU:
+    the decode GEMV at one row, the GEMM at five)."""
     rng = np.random.default_rng(1)
     rows, cols = 24, 128
     w = rng.normal(0, 0.2, (rows, cols)).astype(np.float32)
@@ -64,8 +68,12 @@ def test_cuda_layer_form_equals_the_dequantized_weight(qtype):
     q, d, m = gguf_dequant.integer_blocks(torch.from_numpy(raw.reshape(-1)), qtype, (rows, cols))
     if qtype == Q.Q4_1:
         assert float(d[3, 1]) == 0 and float(m[3, 1]) != 0
-    layer = int4_layer(q, d, m, None, quant_reference)
-    x = torch.randn(5, cols)
+    if kernels == "triton":
+        from radixlm.kernels import triton as ops
+    else:
+        ops = quant_reference
+    layer = int4_layer(q, d, m, None, ops)
+    x = torch.randn(rows, cols)
     torch.testing.assert_close(layer(x), x @ want_w.t(), rtol=1e-5, atol=1e-5)
 
 

@@ -124,27 +124,53 @@ def test_int4_checkpoint_matches_dequantized_model(method, wide_ckpt, tmp_path):
         assert out["output_ids"] == want[n:]
 
 
-@pytest.mark.parametrize("rows,group,groups", [(1, 128, 4), (3, 32, 4), (4, 64, 4), (5, 128, 4), (40, 128, 4),
-                                               (2, 96, 4), (1, 32, 65), (4, 32, 33)])
+def test_pack_int4_layout():
+    """pack_int4's layout as the kernels read it, checked bit by bit in Python integers: word 4b + s of a
+    row holds columns 32b + 4j + s in nibble j (bits 4j..4j+3); unpack_int4 inverts it."""
+    q = torch.randint(0, 16, (3, 96))
+    packed = qref.pack_int4(q)
+    assert packed.dtype == torch.int32 and packed.shape == (3, 12)
+    for row in range(3):
+        for w in range(12):
+            word = int(packed[row, w]) & 0xFFFFFFFF
+            assert [(word >> 4 * j) & 0xF for j in range(8)] == [int(q[row, 32 * (w // 4) + 4 * j + w % 4])
+                                                              for j in range(8)]
+    assert torch.equal(qref.unpack_int4(packed), q.to(torch.uint8))
+    with pytest.raises(ValueError, match="blocks of 32"):
+        qref.pack_int4(torch.zeros(2, 48))
+
+
+@pytest.mark.parametrize("rows,group,groups", [
+    (1, 128, 4), (2, 32, 65), (3, 64, 5), (4, 32, 33), (1, 128, 17),  # the GEMV: 1..4 rows, K steps and tails
+    (5, 128, 4), (17, 96, 3), (40, 32, 7), (64, 64, 5),  # the GEMM: 5..64 rows, K tails, a group of 96
+    (256, 64, 17)])  # from DEQUANT_MIN_ROWS: dequantized (K = 1,088: a tail of the 1,024-column tiles), then torch
 def test_triton_int4_gemm_against_reference(rows, group, groups):
     """fp32 under Triton's interpreter (whose bf16 tl.dot is broken; benchmarks/gpu_check_quant.py checks
-    bf16 on the GPU): a tail in N, several K steps and groups; up to 4 rows the GEMV (1,024 / rows
-    columns a step: the last two cases take several steps and a tail), more rows or a group that is no
-    power of two the GEMM."""
+    bf16 on the GPU), odd N: up to 4 rows the GEMV (64, 32 or 16 blocks of 32 columns a step: K = 2,080,
+    1,056 and 2,176 take several steps and a tail), more rows the GEMM (256 or 128 columns a step), from
+    256 rows the dequantizing kernel and torch's product."""
     from radixlm.kernels.triton import int4_gemm
 
-    n, k = 40, groups * group
-    packed = qref.pack_int4(torch.randint(0, 16, (n, k)))
+    n, k = 41, groups * group
+    q = torch.randint(0, 16, (n, k))
+    packed = qref.pack_int4(q)
     scales, zeros = torch.rand(n, k // group) / 50, torch.randint(0, 16, (n, k // group)).float()
+    zeros[0] = torch.randn(k // group) * 40  # GGUF Q4_1's zeros (-m / d) are any float
     x, bias = torch.randn(rows, k), torch.randn(n)
-    torch.testing.assert_close(int4_gemm.int4_linear(x, packed, scales, zeros, bias),
-                               qref.int4_linear(x, packed, scales, zeros, bias), rtol=1e-5, atol=1e-5)
+    got = int4_gemm.int4_linear(x, packed, scales, zeros, bias)
+    want = qref.int4_linear(x, packed, scales, zeros, bias)
+    # Both are fp32 sums of the same products in other orders (the GEMV's per group: scale * (16 sum f x
+    # - (16 + zero) sum x)): within 2^-20 of sum |x| |w| (about 16 fp32 ulps; ~1e-7 seen).
+    w = (q - zeros.repeat_interleave(group, 1)) * scales.repeat_interleave(group, 1)
+    bound = 2.0**-20 * (x.abs() @ w.abs().t() + bias.abs())
+    assert ((got - want).abs() <= bound).all(), float(((got - want).abs() / bound).max())
 
 
 def test_desc_act_and_other_bits_are_refused(llama_ckpt, tmp_path):
     for i, (qcfg, message) in enumerate([
         ({"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": True}, "desc_act=true"),
         ({"quant_method": "gptq", "bits": 8, "group_size": 128}, "bits=8"),
+        ({"quant_method": "gptq", "bits": 4, "group_size": 48}, "group_size=48"),  # not whole blocks of 32
         ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemv_fast"}, "version 'gemv_fast'"),
     ]):
         dst = tmp_path / str(i)
@@ -166,3 +192,18 @@ def test_act_order_g_idx_is_named(wide_ckpt, tmp_path):
     save_file(tensors, os.path.join(dst, "model.safetensors"))
     with pytest.raises(UnsupportedModelError, match=r"model.layers.1.mlp.down_proj.g_idx orders the inputs"):
         radixlm.Engine(dst, log_level="warning")
+
+
+def test_kv_sizing_reserves_the_prefill_dequantization_buffer(wide_ckpt, tmp_path):
+    """From 256 rows a 4-bit layer dequantizes its weight into a transient buffer of the model dtype: the
+    KV pool's sizing must leave room for the largest (here gate_up, 512 x 128 fp32) beside the activations."""
+    from radixlm.core.runtime.execution.model_runner import ModelRunner
+    from radixlm.core.runtime.models.config import ModelConfig
+    from radixlm.core.runtime.options import EngineOptions
+
+    dst = str(tmp_path / "awq")
+    write_int4_checkpoint(wide_ckpt, dst, "awq")
+    opts = EngineOptions.from_kwargs({"device": "cpu", "max_total_tokens": 512})
+    reserve = {path: ModelRunner(path, ModelConfig.from_dir(path), opts)._activation_reserve(opts)
+               for path in (wide_ckpt, dst)}
+    assert reserve[dst] - reserve[wide_ckpt] == 512 * 128 * 4

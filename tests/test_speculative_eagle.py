@@ -15,7 +15,8 @@ import torch
 import radixlm
 from radixlm.core.runtime.speculative.tree import DraftTree
 from radixlm.core.errors import UnsupportedModelError
-from radixlm.testing.eagle import build_eagle_head
+from radixlm.testing.eagle import (build_eagle_head, count_replays, head_inputs_differ, record_head_inputs,
+                                   skip_some_drafts)
 from test_speculative import MIXED, PROMPTS, assert_kv_whole, draft_pool_whole, engine
 
 
@@ -253,6 +254,69 @@ def test_eagle_greedy_outputs_equal_and_metrics(llama_ckpt, eagle_head, adaptive
         assert all("spec_accept_length" in o["meta_info"] for o in spec)
 
 
+@pytest.mark.parametrize("version", [1, 3])
+def test_eagle_on_the_decode_graphs_keeps_outputs_and_the_heads_inputs(llama_ckpt, eagle_head, deep_llama,
+                                                                      eagle3_head, version):
+    """The target's and the head's decode steps on the decode graphs (their eager twin on the CPU: the same
+    padded static buffers, the states the graphs export): outputs equal to speculation off's, and the head
+    reads what it reads with every step eager (the target's states of decode steps and of verify steps
+    replayed as decode rows, kept over steps; its own outputs from its graphs' buffer); both runners
+    replayed such steps."""
+    ckpt, head = (llama_ckpt, eagle_head) if version == 1 else (deep_llama, eagle3_head)
+    params = {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}
+    spec = {"speculative_algorithm": "eagle" if version == 1 else "eagle3", "speculative_draft_model_path": head,
+            "speculative_num_steps": 4, "speculative_adaptive": False}
+    with engine(ckpt) as e:
+        base = [o["output_ids"] for o in e.generate(input_ids=PROMPTS, sampling_params=params)]
+    runs = {}
+    for graphs in (False, True):
+        with engine(ckpt, **spec) as e:
+            inputs = record_head_inputs(e)
+            skip_some_drafts(e)
+            if graphs:  # 24 rows: 4 requests x 5 verify rows (4 padding); a head step of 4 requests
+                target = count_replays(e._runner, 24)
+                heads = count_replays(e.frontend.scheduler.scheduler.speculator.proposer.runner, 24)
+            out = [o["output_ids"] for o in e.generate(input_ids=PROMPTS, sampling_params=params)]
+            out.append(e.generate(input_ids=PROMPTS[3], sampling_params=params)["output_ids"])  # batch 1
+            assert_kv_whole(e)
+            draft_pool_whole(e)
+        runs[graphs] = out, inputs
+    assert runs[True][0] == runs[False][0] == base + [base[3]]
+    assert head_inputs_differ(runs[True][1], runs[False][1], 1e-4) == []
+    assert sum(len(set(b.rows)) < len(b.rows) for b in target) > 5  # verify steps: rows sharing a request
+    assert any(len(set(b.rows)) == len(b.rows) and b.features is None for b in target)  # decode steps
+    assert sum(b.features is not None for b in heads) > 5 and all(b.features is not None for b in heads)
+
+
+@pytest.mark.parametrize("version", [1, 3])
+def test_every_catch_up_reads_the_targets_state_at_its_position(llama_ckpt, eagle_head, deep_llama, eagle3_head,
+                                                                version):
+    """Each input the head takes from the target (a catch-up) is the target's state at that position of the
+    final sequence (transformers' hidden states: the final ones, or EAGLE-3's three layers' inputs), for a
+    request left without a draft one step in three (its head catches up over several steps' states),
+    with both runners on the decode graphs' twin. Fails where states go before the head read them (they
+    read zeros) or stand at wrong positions."""
+    ckpt, head = (llama_ckpt, eagle_head) if version == 1 else (deep_llama, eagle3_head)
+    prompt, params = PROMPTS[2], {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}
+    with engine(ckpt, speculative_algorithm="eagle" if version == 1 else "eagle3", speculative_draft_model_path=head,
+                speculative_num_steps=4, speculative_adaptive=False) as e:
+        inputs = record_head_inputs(e)
+        skip_some_drafts(e)
+        count_replays(e._runner, 24)
+        count_replays(e.frontend.scheduler.scheduler.speculator.proposer.runner, 24)
+        seq = prompt + e.generate(input_ids=prompt, sampling_params=params)["output_ids"]
+    with torch.no_grad():
+        hs = [h[0] for h in Reference(ckpt, head).target(torch.tensor([seq]), output_hidden_states=True).hidden_states]
+    n = len(hs) - 1
+    want = hs[-1] if version == 1 else torch.cat([hs[2], hs[n // 2], hs[n - 3]], -1)
+    catch_ups = [(p, t, f) for p, t, f, chain in inputs[tuple(prompt)] if not chain]
+    read = sorted({p for p, _, _ in catch_ups})  # every position, up to the last step's
+    assert read == list(range(len(read))) and len(read) >= len(seq) - 6
+    for p, t, f in catch_ups:
+        assert t == seq[p + 1]
+        torch.testing.assert_close(f, want[p], rtol=1e-3, atol=1e-3)
+
+
 @pytest.mark.parametrize("damage,name", [("drop", "layers.0.mlp.up_proj.weight"), ("reshape", "fc.weight"),
                                          ("extra", "layers.0.input_layernorm.weight")])
 def test_a_damaged_eagle_head_is_refused_naming_the_tensor(llama_ckpt, tmp_path, damage, name):
@@ -304,3 +368,52 @@ def test_eagle_under_retraction_and_abort(llama_ckpt, eagle_head):
         assert not e.frontend.scheduler.scheduler.speculator.proposer.states
     assert [o["output_ids"] for o in spec] == [o["output_ids"] for o in base]
     assert stats["retractions_total"] > 0 and stats["spec_verifies_total"] > 0
+
+
+def test_kept_target_states_are_the_latest_of_each_position_in_few_pieces():
+    """observe_target keeps, per request row, the newest state of every position (a verify step's rejected
+    positions replaced by the next step's), in at most MAX_STATE_PIECES pieces that hold no whole step's
+    copy alive; the proposal's trim keeps each piece at its own positions. Oracle: a dict of positions."""
+    from types import SimpleNamespace
+
+    from radixlm.core.runtime.execution.batch_input import BatchInput
+    from radixlm.core.runtime.execution.hidden_export import HiddenExport
+    from radixlm.core.runtime.speculative.eagle import MAX_STATE_PIECES, EagleProposer
+
+    head = SimpleNamespace(num_slots=8, export=HiddenExport(), hidden_sink=None, dtype=torch.float32,
+                           device=torch.device("cpu"))
+    target = SimpleNamespace(export=HiddenExport(), cfg=SimpleNamespace(hidden_size=4), hidden_sink=None)
+    proposer = EagleProposer(head, target, 100)
+    g = torch.Generator().manual_seed(3)
+    truth: dict[int, dict[int, torch.Tensor]] = {0: {}, 3: {}}
+
+    def step(spans: list[tuple[int, int, int]]) -> None:  # (row, first position, tokens)
+        batch = BatchInput(False, [], [], [], [], [], [], [])
+        for row, first, n in spans:
+            batch.rows.append(row)
+            batch.extend_lens.append(n)
+            batch.positions += range(first, first + n)
+            truth[row] = {p: h for p, h in truth[row].items() if p < first}
+        hidden = torch.randn(len(batch.positions), 4, generator=g)
+        at = 0
+        for row, first, n in spans:
+            truth[row].update({first + j: hidden[at + j].clone() for j in range(n)})
+            at += n
+        proposer.observe_target(batch, hidden)
+        hidden.fill_(float("nan"))  # the runner's buffer, overwritten by its next step
+
+    step([(0, 0, 5), (3, 0, 2)])
+    newest = {0: 5, 3: 2}
+    for i in range(60):  # row 0 decodes; row 3 verifies 2 drafts, keeping 1 (2 new tokens a step)
+        step([(0, newest[0], 1), (3, newest[3], 3)])
+        newest[0] += 1
+        newest[3] += 2
+        if i == 30:  # a proposal's trim of what the head has read (positions below 20 of row 3)
+            proposer._forget_states(3, 20)
+            truth[3] = {p: h for p, h in truth[3].items() if p >= 20}
+    for row, end in ((0, newest[0]), (3, newest[3] + 1)):  # row 3 holds its rejected last state too
+        pieces = proposer.states[row]
+        assert len(pieces) <= MAX_STATE_PIECES
+        assert len({h.untyped_storage().data_ptr() for _, h in pieces}) <= MAX_STATE_PIECES
+        want = torch.stack([truth[row].get(p, torch.zeros(4)) for p in range(end)])
+        torch.testing.assert_close(proposer._target_states(row, 0, end), want)

@@ -19,6 +19,10 @@ so the epilogues are where the neighbouring ops go: a norm in a prologue would r
 and the norm weight with every weight tile (measured slower:
 benchmarks/results/2026-12-02-h200-decode-gemv-fp8-kv.md), an epilogue touches only the program's own
 BLOCK_N outputs once. Launch shapes come from `gemv_config` (benchmarks/bench_gemv.py measures them).
+
+Weights: bf16/fp16/fp32; fp8 (e4m3, with per-row `weight_scale`); 4-bit (`weight_zero` given: AWQ, GPTQ
+and GGUF Q4 in quant_reference.pack_int4's words, per-group scales and zeros; `_product_int4`), so that
+a 4-bit model's decode layers take the same fused launches.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ import triton.language as tl
 
 from radixlm.kernels.reference import GEMV_MAX_ROWS
 from radixlm.kernels.triton.elementwise import kv_limit, to_kv
+from radixlm.kernels.triton.int4_layout import nibble_float
 
 # (rows rounded up to a power of two, N, K) -> (BLOCK_N, BLOCK_K, num_warps, stages), from bench_gemv's
 # measurements; missing shapes take the guess in `gemv_config`. RADIXLM_GEMV_CONFIGS names a JSON file
@@ -50,12 +55,28 @@ CONFIGS_FP8: dict[tuple[int, int, int], tuple[int, int, int, int]] = {
     (1, 6144, 4096): (8, 1024, 4, 3), (1, 4096, 4096): (8, 1024, 4, 3), (1, 28672, 4096): (8, 1024, 4, 3),
     (1, 4096, 14336): (8, 1024, 4, 3),
 }
+# The same for 4-bit weights (AWQ/GPTQ, GGUF Q4 on CUDA: pack_int4's words with per-group scales and zeros),
+# BLOCK_K in columns (a multiple of 32, the layout's block). Measured shapes by (rows, N, K); others take
+# INT4_DEFAULTS by rows. bench_quant.py --sweep-gemv measures and prints them.
+CONFIGS_INT4: dict[tuple[int, int, int], tuple[int, int, int, int]] = {
+    # One H100, one row, each timed as the fused op it runs in (bench_quant.py --sweep-gemv;
+    # benchmarks/results/2026-12-07-h100-run5.md): the 8B shapes (groups of 128), SmolLM2's (groups of 32).
+    (1, 6144, 4096): (8, 1024, 4, 3), (1, 4096, 4096): (8, 1024, 4, 3), (1, 28672, 4096): (32, 512, 4, 3),
+    (1, 4096, 14336): (8, 1024, 4, 3), (1, 960, 576): (8, 1024, 4, 3), (1, 576, 576): (8, 1024, 4, 3),
+    (1, 3072, 576): (32, 512, 4, 3), (1, 576, 1536): (8, 1024, 4, 3),
+}
+INT4_DEFAULTS: dict[int, tuple[int, int, int, int]] = {
+    # Small programs: the H100 sweep's times follow the warps an SM holds (this kernel is latency-bound,
+    # at ~1/3 of the issue rate), so 8 rows x 1,024 columns (56 registers, 12 KB of shared memory) won
+    # on three of the four 8B shapes; fewer columns a step at more rows (each lane's sums in registers).
+    1: (8, 1024, 4, 3), 2: (8, 1024, 4, 3), 4: (8, 512, 4, 3), 8: (8, 256, 4, 2), 16: (4, 256, 4, 2),
+}
 if os.environ.get("RADIXLM_GEMV_CONFIGS"):
     with open(os.environ["RADIXLM_GEMV_CONFIGS"]) as f:
         CONFIGS.update({tuple(int(v) for v in key.split(",")): tuple(c) for key, c in json.load(f).items()})
 
 
-def gemv_config(m: int, n: int, k: int, weight_bytes: int = 2) -> tuple[int, int, int, int]:
+def gemv_config(m: int, n: int, k: int, weight_bytes: float = 2) -> tuple[int, int, int, int]:
     """The launch shape (BLOCK_N, BLOCK_K, num_warps, stages) for an [m, k] x [n, k].T product:
     RADIXLM_GEMV_CONFIG ("block_n,block_k,warps,stages", for ablations), else CONFIGS, else a guess:
     weight tiles of 16 KB (bf16) a step and 64 fp32 accumulator registers a thread, the loop's loads
@@ -63,12 +84,18 @@ def gemv_config(m: int, n: int, k: int, weight_bytes: int = 2) -> tuple[int, int
     rows a program, 4 where that leaves under two programs per SM (132 on an H200). stages=1 is the
     plain loop (registers only). A weight of `weight_bytes` 1 (fp8) takes CONFIGS_FP8's shape, else the
     bf16 one with BLOCK_K doubled (the same bytes a step), BLOCK_N halved where that keeps 64
-    accumulators a thread."""
+    accumulators a thread. A 4-bit weight (`weight_bytes` 0.5) takes CONFIGS_INT4's shape, else
+    INT4_DEFAULTS' for its rows, its step no longer than K."""
     override = os.environ.get("RADIXLM_GEMV_CONFIG")
     if override:
         block_n, block_k, warps, stages = (int(v) for v in override.split(","))
         return block_n, block_k, warps, stages
     block_m = triton.next_power_of_2(m)
+    if weight_bytes < 1:
+        if (block_m, n, k) in CONFIGS_INT4:
+            return CONFIGS_INT4[(block_m, n, k)]
+        block_n, block_k, warps, stages = INT4_DEFAULTS[block_m]
+        return block_n, max(32, min(block_k, triton.next_power_of_2(k))), warps, stages
     if weight_bytes == 1 and (block_m, n, k) in CONFIGS_FP8:
         return CONFIGS_FP8[(block_m, n, k)]
     if (block_m, n, k) in CONFIGS:
@@ -84,6 +111,19 @@ def gemv_config(m: int, n: int, k: int, weight_bytes: int = 2) -> tuple[int, int
 
 
 @triton.jit
+def _load_x(X, offs, mask, k, SILU: tl.constexpr):
+    """x at X + offs in fp32; with SILU, x holds [gate | up] and this is silu(gate) * up rounded to the
+    activation dtype, as silu_and_mul's output."""
+    if SILU:
+        gate = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(X + offs + k, mask=mask, other=0.0).to(tl.float32)
+        x = (gate * tl.sigmoid(gate) * up).to(X.dtype.element_ty).to(tl.float32)
+    else:
+        x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+    return x
+
+
+@triton.jit
 def _product(X, W, offs_m, offs_n, m_mask, n_mask, k, stride_xm, stride_wn,
              SILU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
              STAGES: tl.constexpr):
@@ -92,19 +132,61 @@ def _product(X, W, offs_m, offs_n, m_mask, n_mask, k, stride_xm, stride_wn,
     for k0 in tl.range(0, k, BLOCK_K, num_stages=STAGES):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_mask = offs_k < k
-        x_mask = m_mask[:, None] & k_mask[None, :]
-        x_ptrs = X + offs_m[:, None] * stride_xm + offs_k[None, :]
-        if SILU:
-            # x holds [gate | up]; silu(gate) * up rounded to the activation dtype, as silu_and_mul's output.
-            gate = tl.load(x_ptrs, mask=x_mask, other=0.0).to(tl.float32)
-            up = tl.load(x_ptrs + k, mask=x_mask, other=0.0).to(tl.float32)
-            x = (gate * tl.sigmoid(gate) * up).to(X.dtype.element_ty).to(tl.float32)
-        else:
-            x = tl.load(x_ptrs, mask=x_mask, other=0.0).to(tl.float32)
+        x = _load_x(X, offs_m[:, None] * stride_xm + offs_k[None, :], m_mask[:, None] & k_mask[None, :], k, SILU)
         w = tl.load(W + offs_n[:, None] * stride_wn + offs_k[None, :],
                     mask=n_mask[:, None] & k_mask[None, :], other=0.0)
         acc += x[:, None, :] * w.to(tl.float32)[None, :, :]
     return tl.sum(acc, axis=2)
+
+
+@triton.jit
+def _product_int4(X, W, Scale, Zero, offs_m, offs_n, m_mask, n_mask, k, group, num_groups, stride_xm, stride_wn,
+                  SILU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                  STAGES: tl.constexpr):
+    """_product for a 4-bit W: pack_int4's words [N, K / 8] with fp32 Scale and Zero [N, K / group], a
+    step of BLOCK_K / 32 blocks. A lane holds one word, whose eight nibbles lie in one group, and sums
+    f_j * x_j over them (f = 1 + q / 16 from the bits: a shift, a mask-and-or and an FMA a weight) before
+    the group enters once a word: sum_j (q_j - zero) * scale * x_j = scale * (16 * sum_j f_j x_j - (16 +
+    zero) * sum_j x_j). Lanes accumulate and are reduced once at the end."""
+    BLOCKS: tl.constexpr = BLOCK_K // 32
+    offs_s = tl.arange(0, 4)  # a block's words
+    num_blocks = k // 32
+    acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCKS, 4), dtype=tl.float32)
+    for b0 in tl.range(0, num_blocks, BLOCKS, num_stages=STAGES):
+        blocks = b0 + tl.arange(0, BLOCKS)
+        b_mask = blocks < num_blocks
+        words = tl.load(W + offs_n[:, None, None] * stride_wn + blocks[None, :, None] * 4 + offs_s[None, None, :],
+                        mask=n_mask[:, None, None] & b_mask[None, :, None], other=0)
+        sz_mask = n_mask[:, None] & b_mask[None, :]
+        sz = offs_n[:, None] * num_groups + (blocks * 32 // group)[None, :]
+        scale = tl.load(Scale + sz, mask=sz_mask, other=0.0)
+        zero = tl.load(Zero + sz, mask=sz_mask, other=0.0)
+        # nibble 0's columns, [BLOCK_M, BLOCKS, 4]; nibble j's lie 4j further
+        x_offs = offs_m[:, None, None] * stride_xm + blocks[None, :, None] * 32 + offs_s[None, None, :]
+        x_mask = m_mask[:, None, None] & b_mask[None, :, None]
+        x = _load_x(X, x_offs, x_mask, k, SILU)
+        fx = x[:, None] * nibble_float(words, 0)[None]
+        x_sum = x
+        for j in tl.static_range(1, 8):
+            x = _load_x(X, x_offs + 4 * j, x_mask, k, SILU)
+            fx += x[:, None] * nibble_float(words, j)[None]
+            x_sum += x
+        acc += fx * (16.0 * scale)[None, :, :, None] - x_sum[:, None] * ((16.0 + zero) * scale)[None, :, :, None]
+    return tl.sum(tl.sum(acc, axis=3), axis=2)
+
+
+@triton.jit
+def _weight_product(X, W, WScale, WZero, offs_m, offs_n, m_mask, n_mask, k, group, num_groups, stride_xm, stride_wn,
+                    SILU: tl.constexpr, INT4: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
+    """The product for the weight's kind: 4-bit (INT4: scales and zeros applied inside), else bf16/fp8."""
+    if INT4:
+        out = _product_int4(X, W, WScale, WZero, offs_m, offs_n, m_mask, n_mask, k, group, num_groups, stride_xm,
+                            stride_wn, SILU, BLOCK_M, BLOCK_N, BLOCK_K, STAGES)
+    else:
+        out = _product(X, W, offs_m, offs_n, m_mask, n_mask, k, stride_xm, stride_wn, SILU, BLOCK_M, BLOCK_N,
+                       BLOCK_K, STAGES)
+    return out
 
 
 @triton.jit
@@ -137,10 +219,11 @@ def _scale_and_bias(out, sums, Bias, WScale, offs_n, n_mask, k, eps, SCALED: tl.
 
 @triton.jit
 def _gemv_kernel(
-    X, Res, NormW, W, Bias, WScale, Out, Summed, Sums,
-    m, n, k, num_sums, stride_xm, stride_rm, stride_wn, stride_om, stride_hm, stride_sm, eps,
+    X, Res, NormW, W, Bias, WScale, WZero, Out, Summed, Sums,
+    m, n, k, group, num_groups, num_sums, stride_xm, stride_rm, stride_wn, stride_om, stride_hm, stride_sm, eps,
     SILU: tl.constexpr, HAS_BIAS: tl.constexpr, SCALED: tl.constexpr, RESIDUAL: tl.constexpr,
-    W_SCALED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr,
+    W_SCALED: tl.constexpr, INT4: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_S: tl.constexpr,
     STAGES: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -154,8 +237,8 @@ def _gemv_kernel(
     if RESIDUAL:
         r = tl.load(Res + offs_m[:, None] * stride_rm + offs_n[None, :], mask=mn_mask, other=0.0)
         norm_w = tl.load(NormW + offs_n, mask=n_mask, other=0.0)
-    out = _product(X, W, offs_m, offs_n, m_mask, n_mask, k, stride_xm, stride_wn,
-                   SILU, BLOCK_M, BLOCK_N, BLOCK_K, STAGES)
+    out = _weight_product(X, W, WScale, WZero, offs_m, offs_n, m_mask, n_mask, k, group, num_groups, stride_xm,
+                          stride_wn, SILU, INT4, BLOCK_M, BLOCK_N, BLOCK_K, STAGES)
     out = _scale_and_bias(out, sums, Bias, WScale, offs_n, n_mask, k, eps, SCALED, HAS_BIAS, W_SCALED)
     if RESIDUAL:
         # h = product + residual is the residual stream (rounded to its dtype, as the reference's sum is);
@@ -170,12 +253,12 @@ def _gemv_kernel(
 
 @triton.jit
 def _rotary_qkv_kernel(
-    X, W, Bias, WScale, Sums, Q, KBuf, VBuf, Positions, CosSin, Loc,
-    m, n, k, num_sums, stride_xm, stride_wn, stride_sm, stride_qm, stride_kbs, stride_kbh, stride_vbs,
-    stride_vbh, stride_cp, eps,
+    X, W, Bias, WScale, WZero, Sums, Q, KBuf, VBuf, Positions, CosSin, Loc,
+    m, n, k, group, num_groups, num_sums, stride_xm, stride_wn, stride_sm, stride_qm, stride_kbs, stride_kbh,
+    stride_vbs, stride_vbh, stride_cp, eps,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HAS_BIAS: tl.constexpr,
-    SCALED: tl.constexpr, W_SCALED: tl.constexpr, BLOCK_M: tl.constexpr, PAIRS: tl.constexpr, BLOCK_K: tl.constexpr,
-    BLOCK_S: tl.constexpr, STAGES: tl.constexpr, SAT: tl.constexpr,
+    SCALED: tl.constexpr, W_SCALED: tl.constexpr, INT4: tl.constexpr, BLOCK_M: tl.constexpr, PAIRS: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr, STAGES: tl.constexpr, SAT: tl.constexpr,
 ):
     """The qkv projection with the rotary and the KV store in its epilogue. A program owns PAIRS pairs of
     rotate-half partners (d, d + HEAD_DIM/2) of one head, interleaved, so that its outputs rotate among
@@ -191,8 +274,8 @@ def _rotary_qkv_kernel(
     n_mask = offs_n < n
     sums = _load_sums(Sums, offs_m, m_mask, num_sums, stride_sm, SCALED, BLOCK_S)
     pos = tl.load(Positions + offs_m, mask=m_mask, other=0).to(tl.int64)
-    out = _product(X, W, offs_m, offs_n, m_mask, n_mask, k, stride_xm, stride_wn,
-                   False, BLOCK_M, 2 * PAIRS, BLOCK_K, STAGES)
+    out = _weight_product(X, W, WScale, WZero, offs_m, offs_n, m_mask, n_mask, k, group, num_groups, stride_xm,
+                          stride_wn, False, INT4, BLOCK_M, 2 * PAIRS, BLOCK_K, STAGES)
     # Rounded where the reference's projection output is, then split into the partners' halves.
     out = _scale_and_bias(out, sums, Bias, WScale, offs_n, n_mask, k, eps, SCALED, HAS_BIAS, W_SCALED)
     out = out.to(X.dtype.element_ty).to(tl.float32)
@@ -219,27 +302,39 @@ def _rotary_qkv_kernel(
         tl.store(kv_dst + HALF, to_kv(x2, kv_dst, SAT), mask=mask)
 
 
-def _check_rows(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None) -> None:
+def _weight_kind(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None,
+                 weight_zero: torch.Tensor | None) -> tuple[int, int, int, int, float]:
+    """(N, K, group, groups, bytes a weight) of a bf16/fp8 weight [N, K] or a 4-bit one (`weight_zero`
+    given: pack_int4's int32 [N, K / 8] with fp32 scales and zeros [N, K / group]), checked."""
     # More rows want a GEMM (and would spill the 3D accumulator).
     assert x.shape[0] <= GEMV_MAX_ROWS, f"the decode GEMV takes at most {GEMV_MAX_ROWS} rows (got {x.shape[0]})"
     assert weight.stride(1) == 1 and x.stride(-1) == 1, "weight and x must be contiguous along K"
-    assert weight_scale is None or (weight_scale.dtype == torch.float32 and weight_scale.shape == weight.shape[:1]), \
-        "weight_scale must be fp32 [N]"
+    n = weight.shape[0]
+    if weight_zero is None:
+        assert weight_scale is None or (weight_scale.dtype == torch.float32 and weight_scale.shape == (n,)), \
+            "weight_scale must be fp32 [N]"
+        return n, weight.shape[1], 1, 1, weight.element_size()
+    k, groups = weight.shape[1] * 8, weight_zero.shape[1]
+    assert (weight.dtype == torch.int32 and weight_scale is not None and weight_scale.dtype == torch.float32
+            and weight_zero.dtype == torch.float32 and weight_scale.shape == weight_zero.shape == (n, groups)
+            and k % groups == 0 and (k // groups) % 32 == 0), \
+        "a 4-bit weight is pack_int4's int32 [N, K / 8], fp32 scales and zeros [N, K / group], group a multiple of 32"
+    return n, k, k // groups, groups, 0.5
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, silu: bool = False,
             residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
-            sums: torch.Tensor | None = None, eps: float = 0.0, weight_scale: torch.Tensor | None = None):
+            sums: torch.Tensor | None = None, eps: float = 0.0, weight_scale: torch.Tensor | None = None,
+            weight_zero: torch.Tensor | None = None):
     """One launch: the product (of silu_and_mul(x) with `silu`; each output feature times its
-    `weight_scale` where the weight is fp8); with `sums`, scaled by the RMSNorm of those sums of squares;
-    with `residual`, the residual epilogue (returns h, h * norm_weight, sums)."""
+    `weight_scale` where the weight is fp8; 4-bit with `weight_zero`); with `sums`, scaled by the RMSNorm
+    of those sums of squares; with `residual`, the residual epilogue (returns h, h * norm_weight, sums)."""
     m = x.shape[0]
-    n, k = weight.shape
-    _check_rows(x, weight, weight_scale)
+    n, k, group, groups, weight_bytes = _weight_kind(x, weight, weight_scale, weight_zero)
     if silu:
         assert x.shape[-1] == 2 * k, "gate_up must hold [gate | up] of the weight's K each"
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    block_n, block_k, warps, stages = gemv_config(m, n, k, weight.element_size())
+    block_n, block_k, warps, stages = gemv_config(m, n, k, weight_bytes)
     programs = triton.cdiv(n, block_n)
     summed = out
     if residual is not None:
@@ -252,11 +347,12 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
         res, held = residual if residual is not None else x, sums if sums is not None else out
         _gemv_kernel[(programs,)](
             x, res, norm_weight if norm_weight is not None else weight, weight,
-            bias if bias is not None else weight, weight_scale if weight_scale is not None else out, out, summed, held,
-            m, n, k, held.shape[1], x.stride(0), res.stride(0), weight.stride(0), out.stride(0), summed.stride(0),
-            held.stride(0), eps,
+            bias if bias is not None else weight, weight_scale if weight_scale is not None else out,
+            weight_zero if weight_zero is not None else out, out, summed, held,
+            m, n, k, group, groups, held.shape[1], x.stride(0), res.stride(0), weight.stride(0), out.stride(0),
+            summed.stride(0), held.stride(0), eps,
             SILU=silu, HAS_BIAS=bias is not None, SCALED=scaled, RESIDUAL=residual is not None,
-            W_SCALED=weight_scale is not None,
+            W_SCALED=weight_scale is not None and weight_zero is None, INT4=weight_zero is not None,
             BLOCK_M=triton.next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k,
             # Only a scaled product reads the partial sums; elsewhere a constant, so that no other launch
             # compiles a variant per N.
@@ -266,43 +362,47 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-         weight_scale: torch.Tensor | None = None) -> torch.Tensor:
+         weight_scale: torch.Tensor | None = None, weight_zero: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(x, weight, bias) for x [M <= GEMV_MAX_ROWS, K]; an fp8 weight streams as it is, each row
-    times its `weight_scale` [N]. Twin: ``reference.gemv``."""
-    return _launch(x, weight, bias, weight_scale=weight_scale)
+    times its `weight_scale` [N]; a 4-bit one (with `weight_zero`: pack_int4's words [N, K / 8], fp32
+    scales and zeros [N, K / group]) as its words. Twin: ``reference.gemv``."""
+    return _launch(x, weight, bias, weight_scale=weight_scale, weight_zero=weight_zero)
 
 
 def residual_gemv(
     x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, silu: bool = False,
-    weight_scale: torch.Tensor | None = None,
+    weight_scale: torch.Tensor | None = None, weight_zero: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A projection that ends a sublayer (o_proj, down_proj) with the residual add and the next RMSNorm's
     first half in its epilogue: h = F.linear(x, weight) + residual (the residual stream), h times
     `norm_weight`, and h's sum of squares as [M, S] partial sums (for ``rms_scaled_gemv``). With
     `silu`, x holds [gate | up] and silu_and_mul goes first. Twin: ``reference.residual_gemv``."""
-    return _launch(x, weight, silu=silu, residual=residual, norm_weight=norm_weight, weight_scale=weight_scale)
+    return _launch(x, weight, silu=silu, residual=residual, norm_weight=norm_weight, weight_scale=weight_scale,
+                   weight_zero=weight_zero)
 
 
 def rms_scaled_gemv(x: torch.Tensor, sums: torch.Tensor, eps: float, weight: torch.Tensor,
-                    bias: torch.Tensor | None = None, weight_scale: torch.Tensor | None = None) -> torch.Tensor:
+                    bias: torch.Tensor | None = None, weight_scale: torch.Tensor | None = None,
+                    weight_zero: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(x * rsqrt(sums.sum(-1) / K + eps), weight, bias): the projection after an RMSNorm whose
     input times weight is x and whose input's sums of squares are `sums` (``residual_gemv``'s outputs),
     so that the norm costs no launch. Twin: ``reference.rms_scaled_gemv``."""
-    return _launch(x, weight, bias, sums=sums, eps=eps, weight_scale=weight_scale)
+    return _launch(x, weight, bias, sums=sums, eps=eps, weight_scale=weight_scale, weight_zero=weight_zero)
 
 
 def rotary_qkv_gemv(
     x: torch.Tensor, sums: torch.Tensor | None, eps: float, weight: torch.Tensor, bias: torch.Tensor | None,
     positions: torch.Tensor, cos_sin_cache: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
     loc: torch.Tensor, num_heads: int, num_kv_heads: int, weight_scale: torch.Tensor | None = None,
+    weight_zero: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The qkv projection (``rms_scaled_gemv``, or ``gemv`` of an already normed x where `sums` is None)
     with ``apply_rotary_store_kv`` in its epilogue: returns the rotated q [M, H, D]; k, rotated, and v go
     into pool slots `loc`. One launch where the two took two. Twin: ``reference.rotary_qkv_gemv``."""
-    m, k = x.shape
-    n = weight.shape[0]
+    m = x.shape[0]
     head_dim = cos_sin_cache.shape[-1]
-    _check_rows(x, weight, weight_scale)
+    n, k, group, groups, weight_bytes = _weight_kind(x, weight, weight_scale, weight_zero)
+    assert x.shape[1] == k, "x must have the weight's K columns"
     assert n == (num_heads + 2 * num_kv_heads) * head_dim and head_dim % 2 == 0, \
         "weight must hold q, k and v heads of the rotary cache's head_dim"
     assert cos_sin_cache.stride(-1) == 1, "cos_sin_cache must be contiguous along its last dim"
@@ -310,18 +410,20 @@ def rotary_qkv_gemv(
     q = torch.empty((m, num_heads, head_dim), dtype=x.dtype, device=x.device)
     if m == 0:
         return q
-    block_n, block_k, warps, stages = gemv_config(m, n, k, weight.element_size())
+    block_n, block_k, warps, stages = gemv_config(m, n, k, weight_bytes)
     half = head_dim // 2
     pairs = max(1, block_n // 2)
     while half % pairs:  # a program's pairs must lie in one head
         pairs //= 2
     held = sums if sums is not None else x
     _rotary_qkv_kernel[(n // 2 // pairs,)](
-        x, weight, bias if bias is not None else weight, weight_scale if weight_scale is not None else q, held, q, k_buffer, v_buffer, positions, cos_sin_cache,
-        loc, m, n, k, held.shape[1], x.stride(0), weight.stride(0), held.stride(0), q.stride(0),
+        x, weight, bias if bias is not None else weight, weight_scale if weight_scale is not None else q,
+        weight_zero if weight_zero is not None else q, held, q, k_buffer, v_buffer, positions, cos_sin_cache,
+        loc, m, n, k, group, groups, held.shape[1], x.stride(0), weight.stride(0), held.stride(0), q.stride(0),
         k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1), cos_sin_cache.stride(0),
         eps, NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, HAS_BIAS=bias is not None,
-        SCALED=sums is not None, W_SCALED=weight_scale is not None, BLOCK_M=triton.next_power_of_2(m), PAIRS=pairs, BLOCK_K=block_k,
+        SCALED=sums is not None, W_SCALED=weight_scale is not None and weight_zero is None,
+        INT4=weight_zero is not None, BLOCK_M=triton.next_power_of_2(m), PAIRS=pairs, BLOCK_K=block_k,
         BLOCK_S=triton.next_power_of_2(held.shape[1]) if sums is not None else 1, STAGES=stages,
         SAT=kv_limit(k_buffer), num_warps=warps,
     )

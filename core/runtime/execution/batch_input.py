@@ -49,3 +49,6 @@ class BatchInput:
     # the token follows the prefix); attention then sees a token's ancestors only (kernels' tree_mask).
     # None: causal. Such steps run eagerly (no CUDA graph).
     tree_parents: list[int] | None = None
+    # Models that read a float input per token beside its id (an EAGLE head: the target's states or its own
+    # outputs), [tokens, width] on the device, in the new tokens' order; None for every other model.
+    features: torch.Tensor | None = None

@@ -21,6 +21,11 @@ of a request sees the request's prefix and its first j new tokens: the extend's 
 rows of one request read the same keys, side by side (adjacent programs of the decode kernel), and the
 decode graphs already give logits at every row; no second set of graphs, buckets or logits buffer.
 
+A runner that exports hidden states (core.runtime.execution.hidden_export: an EAGLE target's, an EAGLE
+head's) has its decode graphs copy them, every row's, into a static buffer (`hidden`) beside the logits;
+a model that reads float inputs per token (an EAGLE head's `features`) gets them from a static buffer
+too. Runners without either capture neither.
+
 Each step's inputs reach the graphs' static buffers in one non-blocking copy from pinned memory.
 """
 
@@ -36,6 +41,7 @@ from typing import Any, Protocol
 import torch
 
 from radixlm.core.runtime.execution.batch_input import BatchInput
+from radixlm.core.runtime.execution.hidden_export import HiddenExport
 from radixlm.core.runtime.layers.attention_backend import AttentionBackend
 from radixlm.core.runtime.layers.forward_batch import ForwardBatch
 from radixlm.core.runtime.memory.memory_pool import KVPool, ReqToTokenPool
@@ -60,8 +66,10 @@ class GraphHost(Protocol):
     above this module)."""
 
     device: torch.device
+    dtype: torch.dtype
     cfg: ModelConfig
     model: Any  # the model: forward(ForwardBatch) -> hidden states; compute_logits(hidden) -> logits
+    export: HiddenExport | None  # the hidden states each step exports (copied into DecodeGraphRunner.hidden)
     kv_pool: KVPool
     req_to_token: ReqToTokenPool
     attn_backend: AttentionBackend
@@ -126,25 +134,44 @@ class DecodeGraphRunner:
         self.inputs = torch.zeros(self.fields * self.max_bs, dtype=torch.int64, device=dev)
         self.ones = torch.ones(self.max_bs, dtype=torch.int64, device=dev)
         self.logits = torch.zeros(self.max_bs, runner.cfg.vocab_size, dtype=torch.float32, device=dev)
+        # The exported hidden states of every row (None: the runner exports none), and the model's float
+        # inputs per row (None: it reads none; an EAGLE head: `feature_width` columns, a chain step's).
+        self.hidden = self.features = None
+        if runner.export is not None:
+            width = runner.export.width(runner.cfg.hidden_size)
+            self.hidden = torch.zeros(self.max_bs, width, dtype=runner.dtype, device=dev)
+        if getattr(runner.model, "feature_width", None):
+            self.features = torch.zeros(self.max_bs, runner.model.feature_width, dtype=runner.dtype, device=dev)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         if capture:
             self._capture_all(pool)
+
+    def takes(self, batch: BatchInput) -> bool:
+        """Whether a decode batch fits the graphs: at most max_bs rows, and features exactly where the model
+        reads them, of the captured width."""
+        if len(batch.rows) > self.max_bs or (batch.features is None) != (self.features is None):
+            return False
+        return batch.features is None or batch.features.shape[1] == self.features.shape[1]
 
     def _views(self, bs: int) -> list[torch.Tensor]:
         return list(self.inputs[: self.fields * bs].view(self.fields, bs).unbind(0))
 
     def _forward(self, bs: int) -> None:
-        """The captured work: record the new slots, run the model, leave fp32 logits in self.logits."""
+        """The captured work: record the new slots, run the model, leave fp32 logits in self.logits (and
+        the exported hidden states in self.hidden)."""
         ids, positions, loc, rows, seq_lens, *rope = self._views(bs)
         r = self.runner
         fb = ForwardBatch(
             is_decode=True, input_ids=ids, positions=positions, out_cache_loc=loc, req_pool_indices=rows,
             seq_lens=seq_lens, extend_lens=self.ones[:bs], req_to_token=r.req_to_token.table,
             kv_pool=r.kv_pool, attn_backend=r.attn_backend, cos_sin_cache=r.cos_sin_cache,
-            rope_positions=rope[0] if rope else None,
+            rope_positions=rope[0] if rope else None, features=None if self.features is None else self.features[:bs],
         )
         r.record_decode_slots(fb)
-        self.logits[:bs].copy_(r.model.compute_logits(r.model(fb)))
+        hidden = r.model(fb)
+        if self.hidden is not None:
+            self.hidden[:bs].copy_(r.export.of(r.model, hidden))
+        self.logits[:bs].copy_(r.model.compute_logits(hidden))
 
     def _fill_padding(self, bs: int) -> None:
         ids, positions, loc, rows, seq_lens, *rope = self._views(bs)
@@ -161,7 +188,8 @@ class DecodeGraphRunner:
                     time.perf_counter() - start)
 
     def run(self, batch: BatchInput) -> torch.Tensor:
-        """Logits [n, vocab] of a decode batch of n <= max_bs rows (a view, valid until the next step)."""
+        """Logits [n, vocab] of a decode batch of n rows that the graphs take (a view, valid until the next
+        step); with an export, the rows' hidden states are self.hidden[:n] until then."""
         n = len(batch.rows)
         bs = self.sizes[bisect.bisect_left(self.sizes, n)]
         pad = bs - n
@@ -177,6 +205,9 @@ class DecodeGraphRunner:
         self.inputs[: self.fields * bs].copy_(host, non_blocking=True)
         if batch.input_future is not None:
             self.inputs[:n].copy_(batch.input_future)  # device to device: no host sync
+        if self.features is not None:  # padding rows read zeros
+            self.features[:n].copy_(batch.features)
+            self.features[n:bs].zero_()
         if self.capture:
             self.graphs[bs].replay()
         else:
@@ -298,7 +329,7 @@ def as_decode_rows(batch: BatchInput) -> BatchInput | None:
     if any(p + 1 != s for p, s in zip(batch.positions, seq_lens)):
         return None
     return BatchInput(True, batch.input_ids, batch.positions, batch.out_cache_loc, rows, seq_lens, [1] * tokens,
-                      batch.logit_rows, input_future=batch.input_future, rope_positions=rope)
+                      batch.logit_rows, input_future=batch.input_future, rope_positions=rope, features=batch.features)
 
 
 def _last_token_index(extend_lens: list[int]) -> list[int]:

@@ -27,6 +27,7 @@ from radixlm.core.runtime.memory.memory_pool import KVPool, ReqToTokenPool, host
 from radixlm.core.runtime.options import EngineOptions
 from radixlm.core.runtime.execution.batch_input import BatchInput, ImageSpan
 from radixlm.core.runtime.execution.cuda_graph_runner import DecodeGraphRunner, ExtendGraphRunner, as_decode_rows
+from radixlm.core.runtime.execution.hidden_export import HiddenExport, target_export
 from radixlm.core.runtime.layers.attention_backend import AttentionBackend
 from radixlm.core.runtime.layers.forward_batch import ForwardBatch, ImageBatch
 from radixlm.core.runtime.layers.mrope import mrope_cos_sin
@@ -34,6 +35,7 @@ from radixlm.core.runtime.models.config import ModelConfig
 from radixlm.core.runtime.models.cpu_linear import prepack_linears
 from radixlm.core.runtime.models.hub import locate_model
 from radixlm.core.runtime.models.loader import load_model
+from radixlm.core.runtime.quantization.int4 import Int4Linear
 
 if TYPE_CHECKING:
     from radixlm.core.runtime.models.parallel import TensorParallel
@@ -51,10 +53,14 @@ _CPU_KV_MIN_BYTES = 256 << 20
 
 class ModelRunner:
     def __init__(self, model_path: str, cfg: ModelConfig, opts: EngineOptions,
-                 tp: "TensorParallel | None" = None, model: torch.nn.Module | None = None) -> None:
+                 tp: "TensorParallel | None" = None, model: torch.nn.Module | None = None,
+                 export: HiddenExport | None = None) -> None:
         """With `tp` (core.runtime.models.parallel), cfg is tp.local_config() and this runner is one rank's.
-        `model`: one already built (an EAGLE head), instead of loading model_path's."""
+        `model`: one already built (an EAGLE head), instead of loading model_path's. `export`: the hidden
+        states each step hands to `hidden_sink` (default: what the options' speculative proposer reads)."""
         self.cfg = cfg
+        # The hidden states each step exports (first: EAGLE-3 refuses a target too shallow before its load).
+        self.export = export if export is not None else target_export(opts, cfg.num_layers)
         self.device = torch.device(opts.device)
         self.dtype = opts.torch_dtype
         self.ops = kernels.get_ops(self.device)
@@ -75,6 +81,8 @@ class ModelRunner:
             fused = self.model.enable_fused_gemv(opts.decode_fused_gemv)
             logger.info("decode_fused_gemv=%d: %s", opts.decode_fused_gemv,
                         "on" if fused else "off (this kernel set or model has no fused GEMVs)")
+        if self.export is not None:
+            self.export.prepare(self.model)
         start = time.perf_counter()
         self.attn_backend = AttentionBackend(self.ops)
         self.cos_sin_cache = cfg.rope_cos_sin_cache(self.device)
@@ -94,7 +102,8 @@ class ModelRunner:
             cfg.context_len,
         )
         self.graph_runner = self.extend_graphs = None
-        # Called with each eager step's input and final hidden states of all its tokens (EAGLE's features).
+        # Called with each step's input and exported hidden states of all its tokens (an EAGLE proposer's
+        # input), valid until the next step; the graphs export them only where `export` was set before capture.
         self.hidden_sink: Callable[[BatchInput, torch.Tensor], None] | None = None
         if self.device.type == "cuda" and not opts.disable_cuda_graph:
             self._capture_graphs(opts)
@@ -103,7 +112,8 @@ class ModelRunner:
         pool = torch.cuda.graph_pool_handle()  # shared: steps never run concurrently
         try:
             self.graph_runner = DecodeGraphRunner(self, opts.cuda_graph_max_bs, pool=pool)
-            if opts.cuda_graph_max_extend_tokens:
+            # Extend graphs give logits only: a runner exporting states (every token's) runs extends eagerly.
+            if opts.cuda_graph_max_extend_tokens and self.export is None:
                 self.extend_graphs = ExtendGraphRunner(self, min(opts.cuda_graph_max_bs, 256),
                                                        opts.cuda_graph_max_extend_tokens, pool=pool)
         except Exception:  # a capture failure costs speed, not service: what failed runs eagerly
@@ -164,8 +174,10 @@ class ModelRunner:
         layers = c.num_layers if algorithm == "draft" else 1
         per_token = KVPool.bytes_per_token(layers, c.num_kv_heads, c.head_dim, self.kv_dtype)
         elt = torch.empty((), dtype=self.dtype).element_size()
-        # the fp32 logits buffers of a draft's decode and extend graphs (an EAGLE head runs eagerly); workspaces
-        graphs = 0 if algorithm != "draft" or opts.disable_cuda_graph else 2 * opts.cuda_graph_max_bs * c.vocab_size * 4
+        # the fp32 logits buffers of a draft's decode and extend graphs (an EAGLE head's: decode only, its
+        # extends run eagerly as it exports its states); workspaces
+        buffers = 0 if opts.disable_cuda_graph else 2 if algorithm == "draft" else 1
+        graphs = buffers * opts.cuda_graph_max_bs * c.vocab_size * 4
         return weights * elt + graphs + _CUDA_SLACK_BYTES, per_token
 
     def _activation_reserve(self, opts: EngineOptions) -> int:
@@ -179,25 +191,24 @@ class ModelRunner:
         chunk = opts.chunked_prefill_size if opts.chunked_prefill_size > 0 else c.context_len
         prefill = chunk * per_token
         sampler = opts.max_running_requests * c.vocab_size * _SAMPLER_BYTES_PER_LOGIT
-        return prefill + sampler + _CUDA_SLACK_BYTES
+        # A 4-bit layer's prefill dequantizes its weight into a transient buffer (kernels' int4_linear).
+        dequant = elt * max((m.out_features * m.in_features for m in self.model.modules()
+                             if isinstance(m, Int4Linear)), default=0)
+        return prefill + sampler + dequant + _CUDA_SLACK_BYTES
 
     @torch.inference_mode()
     def forward(self, batch: BatchInput) -> torch.Tensor:
         """Runs one step; returns fp32 logits [len(batch.logit_rows), vocab], valid until the next step."""
         self.req_to_token.flush()
-        n = len(batch.rows)
-        graphs = self.hidden_sink is None and batch.tree_parents is None  # the graphs: logits only, causal
-        if graphs and batch.is_decode and self.graph_runner is not None and n <= self.graph_runner.max_bs:
-            return self.graph_runner.run(batch)  # M-RoPE decodes too: t = h = w, a 1-D rotary position
-        # Verify steps (logits at every token) replay the decode graphs, a row per token.
-        if graphs and not batch.is_decode and self.graph_runner is not None \
-                and len(batch.input_ids) <= self.graph_runner.max_bs:
-            rows = as_decode_rows(batch)
-            if rows is not None:
-                return self.graph_runner.run(rows)
+        rows = self._decode_rows(batch)
+        if rows is not None:
+            logits = self.graph_runner.run(rows)
+            if self.hidden_sink is not None:  # the rows are the batch's tokens, in order
+                self.hidden_sink(batch, self.graph_runner.hidden[:len(rows.rows)])
+            return logits
         # Extends with M-RoPE positions run eagerly: the extend graphs take 1-D positions.
-        if graphs and not batch.is_decode and self.extend_graphs is not None and not batch.images \
-                and batch.rope_positions is None:
+        if self.hidden_sink is None and not batch.is_decode and self.extend_graphs is not None and not batch.images \
+                and batch.rope_positions is None and batch.tree_parents is None:
             key = self.extend_graphs.bucket_for(batch)
             if key is not None:
                 return self.extend_graphs.run(batch, key)
@@ -206,12 +217,24 @@ class ModelRunner:
             self.record_decode_slots(fb)
         hidden = self.model(fb)
         if self.hidden_sink is not None:
-            self.hidden_sink(batch, hidden)
+            self.hidden_sink(batch, hidden if self.export is None else self.export.of(self.model, hidden))
         if not batch.logit_rows:
             return hidden.new_empty((0, self.cfg.vocab_size), dtype=torch.float32)
         if len(batch.logit_rows) != hidden.shape[0]:
             hidden = hidden[logit_index]
         return self.model.compute_logits(hidden)
+
+    def _decode_rows(self, batch: BatchInput) -> BatchInput | None:
+        """The batch as rows of the decode graphs, or None where they cannot run it: no graphs, a hidden
+        sink that they do not export to, more rows than they hold, inputs they lack (features of another
+        width). Decodes are rows (M-RoPE ones too: t = h = w, a 1-D rotary position); so are verify steps
+        (logits at every token), a row per token (as_decode_rows)."""
+        graphs = self.graph_runner
+        if graphs is None or batch.tree_parents is not None or (self.hidden_sink is not None and graphs.hidden is None):
+            return None  # (the graphs are causal: a tree's rows must not see their siblings)
+        if not batch.is_decode:
+            batch = as_decode_rows(batch) if len(batch.input_ids) <= graphs.max_bs else None
+        return batch if batch is not None and graphs.takes(batch) else None
 
     def record_decode_slots(self, fb: ForwardBatch) -> None:
         """table[row, position] = slot for each decoded token: one scatter on the device."""
@@ -246,6 +269,7 @@ class ModelRunner:
             max_extend_len=max(batch.extend_lens, default=0),
             images=self._image_batch(batch.images) if batch.images else None,
             tree_mask=views[8] if batch.tree_parents is not None else None,
+            features=batch.features,
         )
         if batch.rope_positions is not None:
             fb.cos_sin_cache = mrope_cos_sin(self.cos_sin_cache, torch.tensor(batch.rope_positions, device=self.device),

@@ -63,6 +63,7 @@ class ForwardBatch:
     rope_positions: torch.Tensor | None = None
     # Extends of draft trees: each new token's ancestor bits (kernels.reference.extend_attention's tree_mask).
     tree_mask: torch.Tensor | None = None
+    features: torch.Tensor | None = None  # [T, width]: BatchInput.features (an EAGLE head's input)
 
     @property
     def rotary_positions(self) -> torch.Tensor:

@@ -44,8 +44,9 @@ _IGNORED = ("embed_tokens.weight", "rotary_emb.inv_freq", "t2d")
 
 class EagleHead(nn.Module):
     """The EAGLE-1/2 head over a target model (`target`: its embed_tokens and compute_logits serve the
-    head). Set `features` (the [tokens, width] inputs of the next forward, in the batch's token order)
-    before each forward."""
+    head). Each forward reads the batch's `features` ([tokens, hidden], in the token order): the target's
+    final hidden states or the head's own outputs. `feature_width`: the features of a chain (decode) step,
+    which the decode CUDA graphs hold a static buffer of."""
 
     def __init__(self, cfg: ModelConfig, ops: ModuleType, target: nn.Module, fc_bias: bool) -> None:
         super().__init__()
@@ -54,11 +55,11 @@ class EagleHead(nn.Module):
         self.layers = nn.ModuleList([DecoderLayer(cfg, 0, ops)])
         self.layers[0].input_layernorm = nn.Identity()
         object.__setattr__(self, "target", target)  # not a submodule: its weights are the target's
-        self.features: torch.Tensor | None = None
+        self.feature_width = cfg.hidden_size
 
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
         embeds = self.target.embed_tokens(fb.input_ids)
-        x = self.fc(torch.cat([embeds, self.features.to(embeds.dtype)], dim=-1))
+        x = self.fc(torch.cat([embeds, fb.features.to(embeds.dtype)], dim=-1))
         h, residual = self.layers[0](x, None, fb)
         return h + residual
 
@@ -85,7 +86,8 @@ class Eagle3Layer(nn.Module):
 
 class Eagle3Head(nn.Module):
     """The EAGLE-3 head over a target model (its embed_tokens serve the head); `features` as EagleHead's:
-    the target's states (3 x its hidden size) or the head's own outputs (its hidden size)."""
+    the target's states (3 x its hidden size) or the head's own outputs (its hidden size: a chain step's,
+    `feature_width`)."""
 
     def __init__(self, cfg: ModelConfig, ops: ModuleType, target: nn.Module, draft_vocab: int) -> None:
         super().__init__()
@@ -96,11 +98,11 @@ class Eagle3Head(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, draft_vocab, bias=False)
         self.register_buffer("d2t", torch.zeros(draft_vocab, dtype=torch.int64))
         object.__setattr__(self, "target", target)
-        self.features: torch.Tensor | None = None
+        self.feature_width = cfg.hidden_size
 
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
         embeds = self.target.embed_tokens(fb.input_ids)
-        h = self.features.to(embeds.dtype)
+        h = fb.features.to(embeds.dtype)
         if h.shape[-1] != self.config.hidden_size:
             h = self.fc(h)
         return self.midlayer(embeds, h, fb)

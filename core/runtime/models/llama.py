@@ -18,13 +18,16 @@ from radixlm.kernels.reference import GEMV_MAX_ROWS
 from radixlm.core.runtime.layers.forward_batch import ForwardBatch, ImageBatch
 from radixlm.core.runtime.models.config import ModelConfig
 from radixlm.core.runtime.quantization.fp8 import Fp8Linear
+from radixlm.core.runtime.quantization.int4 import Int4Linear
 
 _FUSED_GEMV_OPS = ("gemv", "residual_gemv", "rms_scaled_gemv")
 
 
-def _weight_scale(projection: nn.Module) -> torch.Tensor | None:
-    """An fp8 projection's per-row scales (the GEMVs stream its e4m3 weight); None for a plain one."""
-    return getattr(projection, "weight_scale", None)
+def _quant(projection: nn.Module) -> dict[str, torch.Tensor | None]:
+    """A projection's quantization fields for the GEMVs, which stream its weight as stored: an fp8 one's
+    per-row scales, a 4-bit one's per-group scales and zeros; none for a plain one."""
+    return {"weight_scale": getattr(projection, "weight_scale", None),
+            "weight_zero": getattr(projection, "weight_zero", None)}
 
 
 class RMSNorm(nn.Module):
@@ -107,23 +110,22 @@ class DecoderLayer(nn.Module):
         norm = self.input_layernorm
         if sums is None:
             normed = norm(h)
-        w, b, ws = attn.qkv_proj.weight, attn.qkv_proj.bias, _weight_scale(attn.qkv_proj)
+        w, b, wq = attn.qkv_proj.weight, attn.qkv_proj.bias, _quant(attn.qkv_proj)
         if fb.attn_backend.fuses_rotary_into_qkv:
             # The rotary and the KV store in the projection's epilogue: attention reads q only.
             q = ops.rotary_qkv_gemv(normed, sums, norm.eps, w, b, fb.rotary_positions, fb.cos_sin_cache,
                                     fb.kv_pool.k_buffers[attn.layer_id], fb.kv_pool.v_buffers[attn.layer_id],
-                                    fb.out_cache_loc, attn.num_heads, attn.num_kv_heads, ws)
+                                    fb.out_cache_loc, attn.num_heads, attn.num_kv_heads, **wq)
             attended = fb.attn_backend.attend(q, attn.layer_id, fb).reshape(-1, attn.q_size)
         else:
-            qkv = ops.gemv(normed, w, b, ws) if sums is None else ops.rms_scaled_gemv(normed, sums, norm.eps, w, b, ws)
+            qkv = (ops.gemv(normed, w, b, **wq) if sums is None
+                   else ops.rms_scaled_gemv(normed, sums, norm.eps, w, b, **wq))
             attended = attn.attend(qkv, fb)
         norm = self.post_attention_layernorm
-        h, normed, sums = ops.residual_gemv(attended, attn.o_proj.weight, h, norm.weight,
-                                            weight_scale=_weight_scale(attn.o_proj))
-        gate_up = ops.rms_scaled_gemv(normed, sums, norm.eps, mlp.gate_up_proj.weight,
-                                      weight_scale=_weight_scale(mlp.gate_up_proj))
+        h, normed, sums = ops.residual_gemv(attended, attn.o_proj.weight, h, norm.weight, **_quant(attn.o_proj))
+        gate_up = ops.rms_scaled_gemv(normed, sums, norm.eps, mlp.gate_up_proj.weight, **_quant(mlp.gate_up_proj))
         return ops.residual_gemv(gate_up, mlp.down_proj.weight, h, next_norm.weight, silu=True,
-                                 weight_scale=_weight_scale(mlp.down_proj))
+                                 **_quant(mlp.down_proj))
 
 
 class LlamaForCausalLM(nn.Module):
@@ -149,14 +151,14 @@ class LlamaForCausalLM(nn.Module):
     def enable_fused_gemv(self, max_rows: int) -> bool:
         """Forwards of at most `max_rows` tokens (decode) run each layer's projections as the kernel set's
         fused GEMVs (0: never). False, changing nothing, where the set lacks them (the CPU set) or a
-        projection is neither a plain nn.Linear nor an fp8 one (tensor-parallel shards, 4-bit layers)."""
+        projection is neither a plain nn.Linear nor an fp8 or 4-bit one (tensor-parallel shards)."""
         if max_rows > GEMV_MAX_ROWS:
             raise ValueError(f"fused GEMV rows must be at most {GEMV_MAX_ROWS} (got {max_rows})")
         ops = self.layers[0].ops
         projections = [self.lm_head] + [p for layer in self.layers for p in (
             layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)]
         if not all(hasattr(ops, name) for name in _FUSED_GEMV_OPS) or any(
-                type(p) not in (nn.Linear, Fp8Linear) or getattr(p, "reduce", None) for p in projections):
+                type(p) not in (nn.Linear, Fp8Linear, Int4Linear) or getattr(p, "reduce", None) for p in projections):
             return False
         if any(layer.self_attn.o_proj.bias is not None or layer.mlp.down_proj.bias is not None
                for layer in self.layers):
@@ -202,6 +204,6 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if hidden.shape[0] <= self.fused_gemv_rows:
-            return self.layers[0].ops.gemv(hidden, self.lm_head.weight).float()
+            return self.layers[0].ops.gemv(hidden, self.lm_head.weight, None, **_quant(self.lm_head)).float()
         return self.lm_head(hidden).float()
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from radixlm.core.errors import UnsupportedModelError
+from radixlm.kernels.quant_reference import INT4_BLOCK
 
 # The `quantization` option's values (vLLM's and SGLang's names).
 METHODS = ("fp8", "gguf", "awq", "gptq")
@@ -83,9 +84,9 @@ def _int4_config(method: str, q: dict[str, Any], path: str) -> QuantConfig:
     """AWQ ("gemm" packing, zero points) and GPTQ (no act-order) checkpoints of 4-bit weights."""
     bits = q.get("bits", q.get("w_bit"))
     group = q.get("group_size", q.get("q_group_size"))
-    if bits != 4 or not isinstance(group, int) or group <= 0:
+    if bits != 4 or not isinstance(group, int) or group <= 0 or group % INT4_BLOCK:
         raise UnsupportedModelError(f"{path}: {method} with bits={bits}, group_size={group}; 4-bit weights in groups "
-                                    "(a positive group size such as 128) are supported")
+                                    f"of a multiple of {INT4_BLOCK} columns (such as 128) are supported")
     if method == "awq":
         version = str(q.get("version", "gemm")).lower()
         if version != "gemm" or not q.get("zero_point", True):

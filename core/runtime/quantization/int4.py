@@ -1,5 +1,6 @@
 """4-bit weight-only linear layers (AWQ and GPTQ checkpoints): the weight is (q - zero) * scale with q in
-0..15 packed two a byte along K ([N, K / 2]) and one fp32 scale and zero per row and group of columns;
+0..15 packed eight an int32 word ([N, K / 8], quant_reference.pack_int4's layout) and one fp32 scale and
+zero per row and group of columns;
 products through the kernel set's `int4_linear` (on CUDA a Triton GEMM that dequantizes in registers; on
 the CPU its pure-torch twin). Checkpoints load through core.runtime.quantization.int4_checkpoint into the
 projections' own weights (the integers, exact in any float dtype) and two side parameters, then
@@ -25,7 +26,7 @@ class Int4Linear(nn.Module):
     def __init__(self, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bias: torch.Tensor | None,
                  ops: ModuleType) -> None:
         super().__init__()
-        self.out_features, self.in_features = packed.shape[0], packed.shape[1] * 2
+        self.out_features, self.in_features = packed.shape[0], packed.shape[1] * 8
         self.weight = nn.Parameter(packed, requires_grad=False)
         self.weight_scale = nn.Parameter(scales, requires_grad=False)
         self.weight_zero = nn.Parameter(zeros, requires_grad=False)

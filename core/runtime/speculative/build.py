@@ -5,12 +5,13 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from radixlm.core.runtime.execution.hidden_export import HiddenExport
 from radixlm.core.runtime.execution.model_runner import ModelRunner
 from radixlm.core.runtime.options import EngineOptions
 from radixlm.core.errors import InvalidRequestError
 from radixlm.core.runtime.models.config import ModelConfig
 from radixlm.core.runtime.models.hub import locate_model
-from radixlm.core.runtime.models.eagle import eagle3_aux_layers, load_eagle_head
+from radixlm.core.runtime.models.eagle import load_eagle_head
 from radixlm.core.runtime.speculative.draft_model import DraftModelProposer
 from radixlm.core.runtime.speculative.eagle import EagleProposer
 from radixlm.core.runtime.speculative.eagle_tree import EagleTreeProposer
@@ -53,22 +54,21 @@ def draft_runner(opts: EngineOptions, target: Any) -> ModelRunner:
 
 def eagle_proposer(opts: EngineOptions, target: Any) -> EagleProposer:
     """The EAGLE head over the target's model, in a runner of its own (one layer of KV, as many tokens as
-    the target's pool, the target's context; eager: the head takes the target's states as input)."""
+    the target's pool, the target's context), exporting its outputs; on CUDA its decode steps replay graphs
+    of their own, as the target's do (whose runner exports the states the head reads: target_export)."""
     path, _ = locate_model(opts.speculative_draft_model_path)
-    eagle3 = opts.speculative_algorithm == "eagle3"
-    head, cfg = load_eagle_head(path, target.model, target.dtype, target.device, target.ops, 3 if eagle3 else 1)
-    if eagle3:
-        target.model.aux_layers = eagle3_aux_layers(target.cfg.num_layers)
-    cfg = dataclasses.replace(cfg, context_len=target.cfg.context_len)
-    head_opts = dataclasses.replace(opts, max_total_tokens=target.num_slots, speculative_algorithm=None,
-                                    disable_cuda_graph=True)
-    head_runner = ModelRunner(path, cfg, head_opts, model=head)
+    version = 3 if opts.speculative_algorithm == "eagle3" else 1
+    head, cfg = load_eagle_head(path, target.model, target.dtype, target.device, target.ops, version)
+    # its logits (its graphs' buffer) are over the target's vocabulary, whatever its config says (EAGLE-3's
+    # lm_head covers a draft vocabulary)
+    cfg = dataclasses.replace(cfg, context_len=target.cfg.context_len, vocab_size=target.cfg.vocab_size)
+    head_opts = dataclasses.replace(opts, max_total_tokens=target.num_slots, speculative_algorithm=None)
+    head_runner = ModelRunner(path, cfg, head_opts, model=head, export=HiddenExport())
     if opts.speculative_eagle_topk > 1:
         steps = opts.speculative_num_steps or opts.speculative_num_draft_tokens
-        proposer = EagleTreeProposer(head_runner, target, target.cfg.vocab_size, eagle3, opts.speculative_eagle_topk,
-                                     steps)
+        proposer = EagleTreeProposer(head_runner, target, target.cfg.vocab_size, opts.speculative_eagle_topk, steps)
     else:
-        proposer = EagleProposer(head_runner, target, target.cfg.vocab_size, eagle3)
+        proposer = EagleProposer(head_runner, target, target.cfg.vocab_size)
     proposer.name = opts.speculative_algorithm
     return proposer
 

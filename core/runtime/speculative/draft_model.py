@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from radixlm.core.runtime.memory.memory_pool import SlotAllocator
 from radixlm.core.runtime.execution.batch_input import BatchInput
 from radixlm.core.runtime.request import Req
@@ -105,7 +107,7 @@ class DraftModelProposer:
             batch.extend_lens.append(len(tokens) - start)
             batch.logit_rows.append(len(batch.input_ids) - 1)
             kv.ids = list(tokens)
-        self._feed(spans)
+        batch.features = self._features(spans)
         return self._greedy(batch)
 
     def _decode(self, reqs: list[Req], inputs: list[int], slots: list[int]) -> list[int]:
@@ -119,7 +121,7 @@ class DraftModelProposer:
             batch.seq_lens.append(len(kv.ids) + 1)
             kv.ids.append(token)
             kv.slots.append(slot)
-        self._feed_chain(reqs)
+        batch.features = self._chain_features(reqs)
         return self._greedy(batch)
 
     def _greedy(self, batch: BatchInput) -> list[int]:
@@ -131,8 +133,10 @@ class DraftModelProposer:
         """The tokens the draft KV follows, one per position: the request's."""
         return req.fill_ids
 
-    def _feed(self, spans: list[tuple[Req, int, int]]) -> None:
+    def _features(self, spans: list[tuple[Req, int, int]]) -> torch.Tensor | None:
         """Inputs beside the tokens for the catch-up of positions [start, end) of each request: none."""
+        return None
 
-    def _feed_chain(self, reqs: list[Req]) -> None:
+    def _chain_features(self, reqs: list[Req]) -> torch.Tensor | None:
         """Inputs beside the tokens for a draft decode step of these requests: none."""
+        return None

@@ -35,8 +35,9 @@ class _Node:
 
 
 class EagleTreeProposer(EagleProposer):
-    def __init__(self, runner: Any, target_runner: Any, vocab_size: int, aux: bool, topk: int, steps: int) -> None:
-        super().__init__(runner, target_runner, vocab_size, aux)
+    trees = True
+    def __init__(self, runner: Any, target_runner: Any, vocab_size: int, topk: int, steps: int) -> None:
+        super().__init__(runner, target_runner, vocab_size)
         self.topk, self.steps = topk, steps
         self.logits: torch.Tensor | None = None  # the head's latest logits, every row
         self.rows_out: torch.Tensor | None = None  # the head's outputs at every logit row of a tree step
@@ -54,12 +55,15 @@ class EagleTreeProposer(EagleProposer):
         return drafts
 
     def kept_rows(self, req: Req, rows: list[int]) -> None:
-        """A verify step of a tree kept these of its rows (0: the request's newest token): the target's
-        hidden states of them, in that order, are the request's next positions'."""
-        chunks = self.states.get(req.row)
-        if chunks:
-            first, hidden = chunks[-1]
-            chunks[-1] = (first, hidden[torch.tensor(rows, device=hidden.device)])
+        """A verify step of a tree kept these of its rows (0: the request's newest token, at position
+        seq_len - 1): the target's hidden states of them, in that order, are the request's next
+        positions'. They end the request's kept states (observe_target), maybe joined to earlier ones."""
+        start = req.seq_len - 1
+        pieces = self.states.get(req.row, [])
+        for i, (s, h) in enumerate(pieces):
+            if s <= start < s + len(h):
+                index = torch.tensor(rows, device=h.device) + (start - s)
+                pieces[i] = (s, torch.cat([h[:start - s], h[index]]))
 
     def _greedy(self, batch: BatchInput) -> list[int]:
         self.logits = self.runner.forward(batch)[:, :self.vocab_size].float()
@@ -122,7 +126,7 @@ class EagleTreeProposer(EagleProposer):
             batch.logit_rows.extend(at + index[f] for f in front)
         if not batch.rows:
             return [{} for _ in reqs]
-        self.runner.model.features = torch.cat(feats)
+        batch.features = torch.cat(feats)
         self.in_step = []
         logits = self.runner.forward(batch)[:, :self.vocab_size].float()
         where = {row: i for i, row in enumerate(batch.logit_rows)}
