@@ -151,19 +151,20 @@ def end_to_end(e: radixlm.Engine, label: str, prompts: list[list[int]], new_toke
     params = {"max_new_tokens": new_tokens, "temperature": 0, "ignore_eos": True}
     for p in prompts:
         e.generate(input_ids=p, sampling_params={**params, "max_new_tokens": 1})
-    tokens, seconds, verify, kept = 0, 0.0, 0, 0
+    tokens, seconds, verify, kept, each = 0, 0.0, 0, 0, []
     for p in prompts:
         start = time.perf_counter()
         meta = e.generate(input_ids=p, sampling_params=params)["meta_info"]
-        seconds += time.perf_counter() - start
+        each.append(time.perf_counter() - start)
+        seconds += each[-1]
         tokens += meta["completion_tokens"]
         verify += meta.get("spec_verify_ct", 0)
         kept += meta.get("spec_accepted_tokens", 0)
-    out = {"tokens_per_s": tokens / seconds, "tokens": tokens, "verify_steps": verify,
+    out = {"tokens_per_s": tokens / seconds, "tokens": tokens, "verify_steps": verify, "seconds_each": each,
            "accept_length": 1 + kept / verify if verify else 0.0, "seconds_per_verify_step":
            seconds / verify if verify else None}
     print(f"end to end, batch 1, {label:34s}: {out['tokens_per_s']:7.1f} tok/s  verify steps {verify:4d}  "
-          f"accept length {out['accept_length']:.2f}", flush=True)
+          f"accept length {out['accept_length']:.2f}  (s each: {', '.join(f'{x:.3f}' for x in each)})", flush=True)
     return out
 
 

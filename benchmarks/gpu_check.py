@@ -36,6 +36,8 @@ on a tiny model (fp32 and bf16), and decode and short extends with CUDA graphs a
    and greedy tokens, the tiny Llama and the Llama-3-8B shape: benchmarks/gpu_check_spec.py.
 10. EAGLE and EAGLE-3 (random heads, tiny Llamas) on CUDA graphs against disable_cuda_graph: greedy tokens
    and the head's every input (`eagle_graphs`, benchmarks/gpu_check_spec.py).
+11. Draft trees (eager verify steps through the extend kernel's tree mask): oracle trees and `eagle` with
+   speculative_eagle_topk 2, greedy tokens against speculation off (`spec_trees`, gpu_check_spec.py).
 """
 
 from __future__ import annotations
@@ -465,7 +467,9 @@ ENGINE_CHECKS = {"hf": ("engine vs HF transformers (tiny Llama)", check_engine_v
                  "spec_graphs": ("verify steps on the decode CUDA graphs (gpu_check_spec.py)", lambda ckpt, report:
                                  spec_check.check_spec_graphs(ckpt, report, DEVICE)),
                  "eagle_graphs": ("EAGLE / EAGLE-3 on CUDA graphs (gpu_check_spec.py)", lambda ckpt, report:
-                                  spec_check.check_eagle_graphs(ckpt, report, DEVICE))}
+                                  spec_check.check_eagle_graphs(ckpt, report, DEVICE)),
+                 "spec_trees": ("draft trees through the tree-masked extend (gpu_check_spec.py)", lambda ckpt, report:
+                                spec_check.check_spec_trees(ckpt, report, DEVICE))}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -22,7 +22,10 @@ weights):
    replay its decode graphs, which export the hidden states the head reads; the head's own decode steps
    replay graphs of their own. Greedy outputs and the head's every input, graphs on against off.
 
-    python3 benchmarks/gpu_check.py --skip-kernels --checks spec_graphs eagle_graphs --out gpu_check.json
+4. Draft trees (check_spec_trees, `--checks spec_trees`): tree verify steps run eagerly, their rows attending
+   through the extend kernel's tree mask; greedy outputs against speculation off.
+
+    python3 benchmarks/gpu_check.py --skip-kernels --checks spec_graphs eagle_graphs spec_trees --out gpu_check.json
     python3 benchmarks/gpu_check.py --cpu-smoke --checks spec_graphs eagle_graphs  # the logic, graphs' eager twin
 """
 
@@ -248,4 +251,46 @@ def check_eagle_graphs(tiny: str, report: dict[str, Any], device: str) -> bool:
                   f"{on['target_verify_replays']} of {on['verify_steps']} verify steps, "
                   f"{on['target_decode_replays']} decode, {on['head_replays']} head)",
                   flush=True)
+    return ok
+
+
+# ---- Draft trees (issue 36): a verify step of a tree runs eagerly, its rows attending through the extend
+# kernel's tree mask (ancestor bits) to the request's prefix and their own ancestors only.
+
+def tree_outputs(ckpt: str, dtype: str, device: str, spec: dict[str, Any], oracle: dict | None) -> tuple[list, int]:
+    """Greedy outputs of PROMPTS (a batch, then PROMPTS[0] alone) with `spec`; with `oracle` (prompt ->
+    plain output) its drafts come from OracleProposer's trees (the truth beside wrong branches that come
+    first among siblings); the engine's verify steps."""
+    with radixlm.Engine(ckpt, dtype=dtype, device=device, log_level="warning", max_total_tokens=16384,
+                        enable_overlap_schedule=False, **spec) as e:
+        if oracle is not None:
+            e.frontend.scheduler.scheduler.speculator.proposer = OracleProposer(oracle, e.vocab_size, tree=True)
+        out = [o["output_ids"] for o in e.generate(input_ids=PROMPTS, sampling_params=GREEDY)]
+        out.append(e.generate(input_ids=PROMPTS[0], sampling_params=GREEDY)["output_ids"])
+        return out, e.get_stats()["spec_verify_steps_total"] if spec else 0
+
+
+def check_spec_trees(tiny: str, report: dict[str, Any], device: str) -> bool:
+    """Greedy outputs with draft trees against speculation off on the tiny Llama, float32 (equal) and
+    bfloat16 (reported): oracle trees through `ngram`'s verify path, and `eagle` with
+    speculative_eagle_topk 2 (a random head: its trees are mostly rejected, the verify path is what is
+    checked)."""
+    head = build_eagle_head(tempfile.mkdtemp(prefix="radixlm-tree-check-") + "/eagle", tiny)
+    runs = {"oracle_tree": ({"speculative_algorithm": "ngram", "speculative_num_draft_tokens": 8,
+                             "speculative_adaptive": False}, True),
+            "eagle_topk2": ({"speculative_algorithm": "eagle", "speculative_draft_model_path": head,
+                             "speculative_eagle_topk": 2, "speculative_num_steps": 3,
+                             "speculative_num_draft_tokens": 6, "speculative_adaptive": False}, False)}
+    ok = True
+    for dtype in ("float32", "bfloat16"):
+        plain, _ = tree_outputs(tiny, dtype, device, {}, None)
+        oracle = {tuple(p): o for p, o in zip(PROMPTS, plain)}
+        for name, (spec, use_oracle) in runs.items():
+            out, steps = tree_outputs(tiny, dtype, device, spec, oracle if use_oracle else None)
+            equal = out == plain
+            good = steps > 0 and (equal or dtype == "bfloat16")
+            report[f"spec_trees_{name}_{dtype}"] = {"ok": good, "outputs_equal_plain": equal, "verify_steps": steps}
+            ok = ok and good
+            print(f"draft trees, {name} {dtype}: {'ok' if good else 'FAIL'} (outputs equal to plain {equal}, "
+                  f"{steps} verify steps)", flush=True)
     return ok

@@ -282,7 +282,9 @@ def test_eagle_on_the_decode_graphs_keeps_outputs_and_the_heads_inputs(llama_ckp
             draft_pool_whole(e)
         runs[graphs] = out, inputs
     assert runs[True][0] == runs[False][0] == base + [base[3]]
-    assert head_inputs_differ(runs[True][1], runs[False][1], 1e-4) == []
+    # gpu_check_spec's HEAD_INPUT_BOUND: summation order alone moves fp32 inputs by up to ~5e-4 here; a wrong
+    # row, position or overwritten state by O(1)
+    assert head_inputs_differ(runs[True][1], runs[False][1], 1e-3) == []
     assert sum(len(set(b.rows)) < len(b.rows) for b in target) > 5  # verify steps: rows sharing a request
     assert any(len(set(b.rows)) == len(b.rows) and b.features is None for b in target)  # decode steps
     assert sum(b.features is not None for b in heads) > 5 and all(b.features is not None for b in heads)

@@ -67,7 +67,7 @@ CONFIGS_INT4: dict[tuple[int, int, int], tuple[int, int, int, int]] = {
 }
 INT4_DEFAULTS: dict[int, tuple[int, int, int, int]] = {
     # Small programs: the H100 sweep's times follow the warps an SM holds (this kernel is latency-bound,
-    # at ~1/3 of the issue rate), so 8 rows x 1,024 columns (56 registers, 12 KB of shared memory) won
+    # at ~1/3 of the issue rate), so 8 rows x 1,024 columns (12 KB of shared memory, few registers) won
     # on three of the four 8B shapes; fewer columns a step at more rows (each lane's sums in registers).
     1: (8, 1024, 4, 3), 2: (8, 1024, 4, 3), 4: (8, 512, 4, 3), 8: (8, 256, 4, 2), 16: (4, 256, 4, 2),
 }
@@ -140,6 +140,16 @@ def _product(X, W, offs_m, offs_n, m_mask, n_mask, k, stride_xm, stride_wn,
 
 
 @triton.jit
+def _x_slices(X, offs, mask, k, SILU: tl.constexpr):
+    """The activations of a step's eight nibble slices: slice j is columns 4j..4j+3 of each block (`offs`
+    are slice 0's)."""
+    return (_load_x(X, offs, mask, k, SILU), _load_x(X, offs + 4, mask, k, SILU),
+            _load_x(X, offs + 8, mask, k, SILU), _load_x(X, offs + 12, mask, k, SILU),
+            _load_x(X, offs + 16, mask, k, SILU), _load_x(X, offs + 20, mask, k, SILU),
+            _load_x(X, offs + 24, mask, k, SILU), _load_x(X, offs + 28, mask, k, SILU))
+
+
+@triton.jit
 def _product_int4(X, W, Scale, Zero, offs_m, offs_n, m_mask, n_mask, k, group, num_groups, stride_xm, stride_wn,
                   SILU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                   STAGES: tl.constexpr):
@@ -147,13 +157,19 @@ def _product_int4(X, W, Scale, Zero, offs_m, offs_n, m_mask, n_mask, k, group, n
     step of BLOCK_K / 32 blocks. A lane holds one word, whose eight nibbles lie in one group, and sums
     f_j * x_j over them (f = 1 + q / 16 from the bits: a shift, a mask-and-or and an FMA a weight) before
     the group enters once a word: sum_j (q_j - zero) * scale * x_j = scale * (16 * sum_j f_j x_j - (16 +
-    zero) * sum_j x_j). Lanes accumulate and are reduced once at the end."""
+    zero) * sum_j x_j). Lanes accumulate and are reduced once at the end. Each step loads the next step's
+    activations before its own products: a slice's are 2-byte loads a lane, too small for the pipeliner's
+    cp.async, and their L2 latency would otherwise stall every step (H100 run 5)."""
     BLOCKS: tl.constexpr = BLOCK_K // 32
     offs_s = tl.arange(0, 4)  # a block's words
+    offs_b = tl.arange(0, BLOCKS)
     num_blocks = k // 32
+    x_offs = offs_m[:, None, None] * stride_xm + offs_b[None, :, None] * 32 + offs_s[None, None, :]
+    x0, x1, x2, x3, x4, x5, x6, x7 = _x_slices(
+        X, x_offs, m_mask[:, None, None] & (offs_b < num_blocks)[None, :, None], k, SILU)
     acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCKS, 4), dtype=tl.float32)
     for b0 in tl.range(0, num_blocks, BLOCKS, num_stages=STAGES):
-        blocks = b0 + tl.arange(0, BLOCKS)
+        blocks = b0 + offs_b
         b_mask = blocks < num_blocks
         words = tl.load(W + offs_n[:, None, None] * stride_wn + blocks[None, :, None] * 4 + offs_s[None, None, :],
                         mask=n_mask[:, None, None] & b_mask[None, :, None], other=0)
@@ -161,17 +177,20 @@ def _product_int4(X, W, Scale, Zero, offs_m, offs_n, m_mask, n_mask, k, group, n
         sz = offs_n[:, None] * num_groups + (blocks * 32 // group)[None, :]
         scale = tl.load(Scale + sz, mask=sz_mask, other=0.0)
         zero = tl.load(Zero + sz, mask=sz_mask, other=0.0)
-        # nibble 0's columns, [BLOCK_M, BLOCKS, 4]; nibble j's lie 4j further
-        x_offs = offs_m[:, None, None] * stride_xm + blocks[None, :, None] * 32 + offs_s[None, None, :]
-        x_mask = m_mask[:, None, None] & b_mask[None, :, None]
-        x = _load_x(X, x_offs, x_mask, k, SILU)
-        fx = x[:, None] * nibble_float(words, 0)[None]
-        x_sum = x
-        for j in tl.static_range(1, 8):
-            x = _load_x(X, x_offs + 4 * j, x_mask, k, SILU)
-            fx += x[:, None] * nibble_float(words, j)[None]
-            x_sum += x
+        n0, n1, n2, n3, n4, n5, n6, n7 = _x_slices(
+            X, x_offs + (b0 + BLOCKS) * 32, m_mask[:, None, None] & (blocks + BLOCKS < num_blocks)[None, :, None],
+            k, SILU)
+        fx = x0[:, None] * nibble_float(words, 0)[None]
+        fx += x1[:, None] * nibble_float(words, 1)[None]
+        fx += x2[:, None] * nibble_float(words, 2)[None]
+        fx += x3[:, None] * nibble_float(words, 3)[None]
+        fx += x4[:, None] * nibble_float(words, 4)[None]
+        fx += x5[:, None] * nibble_float(words, 5)[None]
+        fx += x6[:, None] * nibble_float(words, 6)[None]
+        fx += x7[:, None] * nibble_float(words, 7)[None]
+        x_sum = x0 + x1 + x2 + x3 + x4 + x5 + x6 + x7
         acc += fx * (16.0 * scale)[None, :, :, None] - x_sum[:, None] * ((16.0 + zero) * scale)[None, :, :, None]
+        x0, x1, x2, x3, x4, x5, x6, x7 = n0, n1, n2, n3, n4, n5, n6, n7
     return tl.sum(tl.sum(acc, axis=3), axis=2)
 
 

@@ -45,10 +45,10 @@ class BatchInput:
     # M-RoPE models (Qwen2-VL), steps holding requests with images: the rotary positions (t, h, w rows);
     # None: the rotary positions are `positions`.
     rope_positions: list[list[int]] | None = None
+    # Models that read a float input per token beside its id (an EAGLE head: the target's states or its own
+    # outputs), [tokens, width] on the device, in the new tokens' order; None for every other model.
+    features: torch.Tensor | None = None
     # Verify steps of draft trees: each new token's parent, as an index among its request's new tokens (-1:
     # the token follows the prefix); attention then sees a token's ancestors only (kernels' tree_mask).
     # None: causal. Such steps run eagerly (no CUDA graph).
     tree_parents: list[int] | None = None
-    # Models that read a float input per token beside its id (an EAGLE head: the target's states or its own
-    # outputs), [tokens, width] on the device, in the new tokens' order; None for every other model.
-    features: torch.Tensor | None = None

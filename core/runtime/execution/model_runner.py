@@ -228,10 +228,11 @@ class ModelRunner:
         """The batch as rows of the decode graphs, or None where they cannot run it: no graphs, a hidden
         sink that they do not export to, more rows than they hold, inputs they lack (features of another
         width). Decodes are rows (M-RoPE ones too: t = h = w, a 1-D rotary position); so are verify steps
-        (logits at every token), a row per token (as_decode_rows)."""
+        (logits at every token), a row per token (as_decode_rows), but not those of draft trees (the
+        graphs are causal)."""
         graphs = self.graph_runner
-        if graphs is None or batch.tree_parents is not None or (self.hidden_sink is not None and graphs.hidden is None):
-            return None  # (the graphs are causal: a tree's rows must not see their siblings)
+        if graphs is None or (self.hidden_sink is not None and graphs.hidden is None) or batch.tree_parents is not None:
+            return None
         if not batch.is_decode:
             batch = as_decode_rows(batch) if len(batch.input_ids) <= graphs.max_bs else None
         return batch if batch is not None and graphs.takes(batch) else None
@@ -268,8 +269,8 @@ class ModelRunner:
             extend_start_loc=starts_t,
             max_extend_len=max(batch.extend_lens, default=0),
             images=self._image_batch(batch.images) if batch.images else None,
-            tree_mask=views[8] if batch.tree_parents is not None else None,
             features=batch.features,
+            tree_mask=views[8] if batch.tree_parents is not None else None,
         )
         if batch.rope_positions is not None:
             fb.cos_sin_cache = mrope_cos_sin(self.cos_sin_cache, torch.tensor(batch.rope_positions, device=self.device),

@@ -61,9 +61,9 @@ class ForwardBatch:
     # M-RoPE steps (core.runtime.layers.mrope): the rotary uses these indices into cos_sin_cache (then a table
     # of one row per token) instead of `positions`, which stay the KV table's positions.
     rope_positions: torch.Tensor | None = None
+    features: torch.Tensor | None = None  # [T, width]: BatchInput.features (an EAGLE head's input)
     # Extends of draft trees: each new token's ancestor bits (kernels.reference.extend_attention's tree_mask).
     tree_mask: torch.Tensor | None = None
-    features: torch.Tensor | None = None  # [T, width]: BatchInput.features (an EAGLE head's input)
 
     @property
     def rotary_positions(self) -> torch.Tensor:

@@ -55,8 +55,10 @@ class EagleProposer(DraftModelProposer):
             first = batch.positions[at]
             kept = [(s, h if s + len(h) <= first else h[:first - s])
                     for s, h in self.states.get(row, []) if s < first]
-            kept.append((first, hidden[at:at + n]))
-            self.states[row] = kept if len(kept) <= MAX_STATE_PIECES else _joined(kept)
+            if len(kept) >= MAX_STATE_PIECES:
+                kept = _joined(kept)
+            kept.append((first, hidden[at:at + n]))  # last, whole: a tree's kept_rows reorders it
+            self.states[row] = kept
             at += n
 
     def _observe_head(self, batch: BatchInput, hidden: torch.Tensor) -> None:
@@ -70,7 +72,7 @@ class EagleProposer(DraftModelProposer):
         return drafts
 
     def _forget_drafts(self, reqs: list[Req]) -> None:
-        """Keeps only the head's KV of positions the target computed, and states the head has not read."""
+        """Keeps the head's KV of positions the target computed only, and the states the head has not read."""
         for req in reqs:
             kv, fed = self.held.get(req), len(req.fill_ids) - 1
             if kv is not None:

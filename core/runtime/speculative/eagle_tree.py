@@ -35,7 +35,7 @@ class _Node:
 
 
 class EagleTreeProposer(EagleProposer):
-    trees = True
+    trees = True  # its budget counts nodes (core.runtime.speculative.proposer)
     def __init__(self, runner: Any, target_runner: Any, vocab_size: int, topk: int, steps: int) -> None:
         super().__init__(runner, target_runner, vocab_size)
         self.topk, self.steps = topk, steps
@@ -55,15 +55,13 @@ class EagleTreeProposer(EagleProposer):
         return drafts
 
     def kept_rows(self, req: Req, rows: list[int]) -> None:
-        """A verify step of a tree kept these of its rows (0: the request's newest token, at position
-        seq_len - 1): the target's hidden states of them, in that order, are the request's next
-        positions'. They end the request's kept states (observe_target), maybe joined to earlier ones."""
-        start = req.seq_len - 1
-        pieces = self.states.get(req.row, [])
-        for i, (s, h) in enumerate(pieces):
-            if s <= start < s + len(h):
-                index = torch.tensor(rows, device=h.device) + (start - s)
-                pieces[i] = (s, torch.cat([h[:start - s], h[index]]))
+        """A verify step of a tree kept these of its rows (0: the request's newest token): the target's
+        hidden states of them, in that order, are the request's next positions' (the step's rows are the row's
+        last piece of states: observe_target joins older pieces only)."""
+        chunks = self.states.get(req.row)
+        if chunks:
+            first, hidden = chunks[-1]
+            chunks[-1] = (first, hidden[torch.tensor(rows, device=hidden.device)])
 
     def _greedy(self, batch: BatchInput) -> list[int]:
         self.logits = self.runner.forward(batch)[:, :self.vocab_size].float()
