@@ -35,6 +35,7 @@ class _Node:
 
 
 class EagleTreeProposer(EagleProposer):
+    trees = True  # its budget counts nodes (core.runtime.speculative.proposer)
     def __init__(self, runner: Any, target_runner: Any, vocab_size: int, topk: int, steps: int) -> None:
         super().__init__(runner, target_runner, vocab_size)
         self.topk, self.steps = topk, steps

@@ -68,6 +68,7 @@ class NgramProposer:
         self.min_n, self.max_n = min_n, max_n
         self.radix_cache = radix_cache
         self.breadth = breadth
+        self.trees = breadth > 1
         # A request's index lives as long as the request (retracted ones keep theirs: same tokens).
         self.indexes: "weakref.WeakKeyDictionary[Req, NgramIndex]" = weakref.WeakKeyDictionary()
 

@@ -13,6 +13,8 @@ class Proposer(Protocol):
     # True when drafting costs nothing worth counting (a lookup): it drafts its whole budget and the
     # speculator cuts the drafts; False (a model runs per token): the speculator sizes budgets first.
     free: bool
+    # Optional, False where absent: True when its drafts may be trees (its budget then counts nodes, not depth).
+    trees: bool
 
     def propose(self, reqs: list[Req], budgets: list[int]) -> list[list[int] | DraftTree]:
         """Up to budgets[i] draft tokens to follow reqs[i]'s newest token (fewer, or none, where it has

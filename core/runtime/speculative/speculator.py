@@ -65,10 +65,12 @@ class Speculator:
         """Each request's draft (without the nodes its grammar forbids, cut to the policy's length) and the
         grammar's mask at each of its verify rows."""
         rooms = [self._room(r) for r in reqs]
-        caps = [nodes for nodes, _ in rooms]
+        # A tree proposer's budget is nodes (its deeper ones are cut below); a chain's, both limits.
+        trees = getattr(self.proposer, "trees", False)
+        caps = [nodes if trees else min(nodes, depth) for nodes, depth in rooms]
         states = [self.state(r) for r in reqs]
         if self.policy is not None and not self.proposer.free:  # size the drafts before paying for them
-            caps = self.policy.lengths(states, [s.draft_class for s in states], [min(r) for r in rooms])
+            caps = self.policy.lengths(states, [s.draft_class for s in states], caps)
         proposed = self.proposer.propose(reqs, caps) if any(caps) else [[] for _ in reqs]
         drafts = [d if isinstance(d, DraftTree) else DraftTree.chain(d) for d in proposed]
         masks: list[list[torch.Tensor | None]] = []
