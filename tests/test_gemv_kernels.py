@@ -243,20 +243,27 @@ def run_layers(model: LlamaForCausalLM, dtype: torch.dtype, fused_rows: int) -> 
     return torch.cat([hidden.flatten(), pool.k_buffers[1].flatten(), pool.v_buffers[1].flatten()]).float()
 
 
+def two_layer_model(intermediate: int, qkv_bias: bool) -> LlamaForCausalLM:
+    """Two Llama layers of a tiny model on the Triton set, random weights: norm weights near 1, projections
+    scaled to keep activations O(1)."""
+    cfg = ModelConfig(architecture="LlamaForCausalLM", vocab_size=64, hidden_size=96, intermediate_size=intermediate,
+                      num_layers=2, num_heads=4, num_kv_heads=2, head_dim=24, rms_norm_eps=1e-5,
+                      rope_theta=10000.0, rope_scaling=None, max_position_embeddings=64, tie_word_embeddings=False,
+                      qkv_bias=qkv_bias, context_len=64, bos_token_id=None, eos_token_ids=[0])
+    model = LlamaForCausalLM(cfg, tri).to(DEVICE)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn_like(p) / p.shape[-1] ** 0.5 + (1.0 if p.dim() == 1 and p.shape[0] == 96 else 0))
+    return model
+
+
 @pytest.mark.parametrize("qkv_bias", [False, True], ids=["llama", "qwen2"])
 def test_decoder_layers_fused_equal_unfused(qkv_bias):
     """Two Llama layers of a tiny model on the Triton set, decoding 3 requests: with fused_gemv_rows the
     layers run four GEMV launches in place of seven ops; hidden states and the KV written must match the
     unfused layers: in fp32 within 1e-4, in fp16 as close to the fp32 result as the unfused fp16 run is
     (the two round at different points, so they differ from each other by a few fp16 ulps)."""
-    cfg = ModelConfig(architecture="LlamaForCausalLM", vocab_size=64, hidden_size=96, intermediate_size=136,
-                      num_layers=2, num_heads=4, num_kv_heads=2, head_dim=24, rms_norm_eps=1e-5,
-                      rope_theta=10000.0, rope_scaling=None, max_position_embeddings=64, tie_word_embeddings=False,
-                      qkv_bias=qkv_bias, context_len=64, bos_token_id=None, eos_token_ids=[0])
-    model = LlamaForCausalLM(cfg, tri).to(DEVICE)
-    with torch.no_grad():
-        for p in model.parameters():  # norm weights near 1, projections scaled to keep activations O(1)
-            p.copy_(torch.randn_like(p) / p.shape[-1] ** 0.5 + (1.0 if p.dim() == 1 and p.shape[0] == 96 else 0))
+    model = two_layer_model(136, qkv_bias)
     exact = run_layers(model, torch.float32, 0)
     torch.testing.assert_close(run_layers(model, torch.float32, 8), exact, atol=1e-4, rtol=1e-4)
     plain_err = (run_layers(model, torch.float16, 0) - exact).abs().max()
@@ -269,14 +276,7 @@ def test_decoder_layers_fused_equal_unfused_int4():
     (8 rows) against the unfused layers (the 4-bit GEMV or GEMM per projection), fp32: within 1e-4."""
     from radixlm.core.runtime.quantization.int4 import Int4Linear, quantize_random_int4
 
-    cfg = ModelConfig(architecture="LlamaForCausalLM", vocab_size=64, hidden_size=96, intermediate_size=128,
-                      num_layers=2, num_heads=4, num_kv_heads=2, head_dim=24, rms_norm_eps=1e-5,
-                      rope_theta=10000.0, rope_scaling=None, max_position_embeddings=64, tie_word_embeddings=False,
-                      qkv_bias=True, context_len=64, bos_token_id=None, eos_token_ids=[0])
-    model = LlamaForCausalLM(cfg, tri).to(DEVICE)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn_like(p) / p.shape[-1] ** 0.5 + (1.0 if p.dim() == 1 and p.shape[0] == 96 else 0))
+    model = two_layer_model(128, True)
     assert quantize_random_int4(model, tri, group=32) == 8
     assert isinstance(model.layers[0].mlp.down_proj, Int4Linear)
     torch.testing.assert_close(run_layers(model, torch.float32, 8), run_layers(model, torch.float32, 0),

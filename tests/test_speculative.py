@@ -263,6 +263,23 @@ def chi_square_p_value(observed: dict, expected: dict, n: int) -> float:
                                          torch.tensor(stat / 2, dtype=torch.float64)))
 
 
+def top4(e: radixlm.Engine, ids: list[int]) -> dict[int, float]:
+    """The model's next-token distribution after `ids` restricted to its 4 likeliest tokens (top_k 4)."""
+    out = e.generate(input_ids=ids, sampling_params={"max_new_tokens": 1, "temperature": 0},
+                     return_logprob=True, top_logprobs_num=4)
+    tops = out["meta_info"]["output_top_logprobs"][0]
+    probs = torch.tensor([v for v, _, _ in tops]).softmax(0).tolist()
+    return {t: p for (_, t, _), p in zip(tops, probs)}
+
+
+def top4_joint(e: radixlm.Engine, prompt: list[int], steps: int) -> dict[tuple, float]:
+    """The exact joint distribution of `steps` tokens sampled at temperature 1 with top_k 4."""
+    exact: dict[tuple, float] = {(): 1.0}
+    for _ in range(steps):
+        exact = {seq + (t,): p * q for seq, p in exact.items() for t, q in top4(e, prompt + list(seq)).items()}
+    return exact
+
+
 def test_sampled_outputs_keep_the_target_distribution(llama_ckpt):
     """Temperature 1 over the top 4 tokens, 3 tokens a sample (the prefill samples the first; a verify
     step the second, drafted as the greedy one, and the third where the draft is accepted): the joint
@@ -272,18 +289,8 @@ def test_sampled_outputs_keep_the_target_distribution(llama_ckpt):
     prompt, n = [5, 17, 300, 41], 3000
     with engine(llama_ckpt) as e:
         greedy = e.generate(input_ids=prompt, sampling_params={"max_new_tokens": 3, "temperature": 0})["output_ids"]
-
-        def top4(ids):
-            out = e.generate(input_ids=ids, sampling_params={"max_new_tokens": 1, "temperature": 0},
-                             return_logprob=True, top_logprobs_num=4)
-            tops = out["meta_info"]["output_top_logprobs"][0]
-            probs = torch.tensor([v for v, _, _ in tops]).softmax(0).tolist()
-            return {t: p for (_, t, _), p in zip(tops, probs)}
-
-        exact = {(): 1.0}
-        for _ in range(3):
-            exact = {seq + (t,): p * q for seq, p in exact.items() for t, q in top4(prompt + list(seq)).items()}
-        p_draft = top4(prompt + greedy[:1])[greedy[1]]
+        exact = top4_joint(e, prompt, 3)
+        p_draft = top4(e, prompt + greedy[:1])[greedy[1]]
     with engine(llama_ckpt, speculative_algorithm="ngram", speculative_adaptive=False, max_requests_per_call=n,
                 max_running_requests=256) as e:
         with_oracle(e, {tuple(prompt): greedy}, corrupt=False)
@@ -320,20 +327,10 @@ def test_sampled_outputs_keep_the_target_distribution_with_trees(llama_ckpt):
     prompt, n = [5, 17, 300, 41], 3000
     with engine(llama_ckpt) as e:
         greedy = e.generate(input_ids=prompt, sampling_params={"max_new_tokens": 1, "temperature": 0})["output_ids"]
-
-        def top4(ids):
-            out = e.generate(input_ids=ids, sampling_params={"max_new_tokens": 1, "temperature": 0},
-                             return_logprob=True, top_logprobs_num=4)
-            tops = out["meta_info"]["output_top_logprobs"][0]
-            probs = torch.tensor([v for v, _, _ in tops]).softmax(0).tolist()
-            return {t: p for (_, t, _), p in zip(tops, probs)}
-
-        exact = {(): 1.0}
-        for _ in range(3):
-            exact = {seq + (t,): p * q for seq, p in exact.items() for t, q in top4(prompt + list(seq)).items()}
-        second = top4(prompt + greedy)
+        exact = top4_joint(e, prompt, 3)
+        second = top4(e, prompt + greedy)
         (a, p_a), (b, p_b) = sorted(second.items(), key=lambda kv: -kv[1])[:2]
-        c, d = (max(top4(prompt + greedy + [t]).items(), key=lambda kv: kv[1])[0] for t in (a, b))
+        c, d = (max(top4(e, prompt + greedy + [t]).items(), key=lambda kv: kv[1])[0] for t in (a, b))
     tree = DraftTree([a, b, c, d], [-1, -1, 0, 1])
     with engine(llama_ckpt, speculative_algorithm="ngram", speculative_adaptive=False, max_requests_per_call=n,
                 max_running_requests=256, speculative_num_draft_tokens=4) as e:
