@@ -280,6 +280,18 @@ def top4_joint(e: radixlm.Engine, prompt: list[int], steps: int) -> dict[tuple, 
     return exact
 
 
+def sample_counts(e: radixlm.Engine, prompt: list[int], n: int) -> tuple[dict[tuple, int], dict]:
+    """How often each 3-token output comes in n samples (temperature 1, top_k 4), and the engine's stats;
+    the KV pool whole after them."""
+    outs = e.generate(input_ids=[prompt] * (n // 100), sampling_params={
+        "max_new_tokens": 3, "temperature": 1.0, "top_k": 4, "n": 100, "ignore_eos": True})
+    assert_kv_whole(e)
+    counts: dict[tuple, int] = {}
+    for o in outs:
+        counts[tuple(o["output_ids"])] = counts.get(tuple(o["output_ids"]), 0) + 1
+    return counts, e.get_stats()
+
+
 def test_sampled_outputs_keep_the_target_distribution(llama_ckpt):
     """Temperature 1 over the top 4 tokens, 3 tokens a sample (the prefill samples the first; a verify
     step the second, drafted as the greedy one, and the third where the draft is accepted): the joint
@@ -294,13 +306,7 @@ def test_sampled_outputs_keep_the_target_distribution(llama_ckpt):
     with engine(llama_ckpt, speculative_algorithm="ngram", speculative_adaptive=False, max_requests_per_call=n,
                 max_running_requests=256) as e:
         with_oracle(e, {tuple(prompt): greedy}, corrupt=False)
-        outs = e.generate(input_ids=[prompt] * (n // 100), sampling_params={
-            "max_new_tokens": 3, "temperature": 1.0, "top_k": 4, "n": 100, "ignore_eos": True})
-        stats = e.get_stats()
-        assert_kv_whole(e)
-    counts: dict = {}
-    for o in outs:
-        counts[tuple(o["output_ids"])] = counts.get(tuple(o["output_ids"]), 0) + 1
+        counts, stats = sample_counts(e, prompt, n)
     assert stats["spec_verifies_total"] == n and 0 < stats["spec_accepted_tokens_total"] < n
     assert 0.1 < p_draft < 0.9  # the draft is often accepted and often not: both branches of the rule run
     assert chi_square_p_value(counts, exact, n) > 1e-3
@@ -335,13 +341,7 @@ def test_sampled_outputs_keep_the_target_distribution_with_trees(llama_ckpt):
     with engine(llama_ckpt, speculative_algorithm="ngram", speculative_adaptive=False, max_requests_per_call=n,
                 max_running_requests=256, speculative_num_draft_tokens=4) as e:
         e.frontend.scheduler.scheduler.speculator.proposer = FixedTreeProposer(tree)
-        outs = e.generate(input_ids=[prompt] * (n // 100), sampling_params={
-            "max_new_tokens": 3, "temperature": 1.0, "top_k": 4, "n": 100, "ignore_eos": True})
-        stats = e.get_stats()
-        assert_kv_whole(e)
-    counts: dict = {}
-    for o in outs:
-        counts[tuple(o["output_ids"])] = counts.get(tuple(o["output_ids"]), 0) + 1
+        counts, stats = sample_counts(e, prompt, n)
     on_b = sum(v for seq, v in counts.items() if seq[1] == b)
     assert stats["spec_verifies_total"] == n and 0 < stats["spec_accepted_tokens_total"] < n
     assert p_a + p_b < 0.95 and p_b > 0.05 and on_b > 30  # both children and the miss branch all run
