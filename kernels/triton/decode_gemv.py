@@ -59,11 +59,12 @@ CONFIGS_FP8: dict[tuple[int, int, int], tuple[int, int, int, int]] = {
 # BLOCK_K in columns (a multiple of 32, the layout's block). Measured shapes by (rows, N, K); others take
 # INT4_DEFAULTS by rows. bench_quant.py --sweep-gemv measures and prints them.
 CONFIGS_INT4: dict[tuple[int, int, int], tuple[int, int, int, int]] = {
-    # One H100, one row, each timed as the fused op it runs in (bench_quant.py --sweep-gemv;
-    # benchmarks/results/2026-12-07-h100-run5.md): the 8B shapes (groups of 128), SmolLM2's (groups of 32).
-    (1, 6144, 4096): (8, 1024, 4, 3), (1, 4096, 4096): (8, 1024, 4, 3), (1, 28672, 4096): (32, 512, 4, 3),
-    (1, 4096, 14336): (8, 1024, 4, 3), (1, 960, 576): (8, 1024, 4, 3), (1, 576, 576): (8, 1024, 4, 3),
-    (1, 3072, 576): (32, 512, 4, 3), (1, 576, 1536): (8, 1024, 4, 3),
+    # One H100, one row, each timed as the fused op it runs in, with the activations prefetched a step ahead
+    # (bench_quant.py --sweep-gemv; benchmarks/results/2026-12-07-h100-run5.md, call 5): the 8B shapes
+    # (groups of 128), SmolLM2's (groups of 32).
+    (1, 6144, 4096): (4, 512, 2, 3), (1, 4096, 4096): (4, 512, 2, 3), (1, 28672, 4096): (4, 512, 2, 3),
+    (1, 4096, 14336): (8, 1024, 4, 2), (1, 960, 576): (8, 256, 2, 3), (1, 576, 576): (4, 512, 2, 3),
+    (1, 3072, 576): (8, 256, 2, 3), (1, 576, 1536): (4, 512, 2, 3),
 }
 INT4_DEFAULTS: dict[int, tuple[int, int, int, int]] = {
     # Small programs: the H100 sweep's times follow the warps an SM holds (this kernel is latency-bound,
