@@ -59,18 +59,17 @@ CONFIGS_FP8: dict[tuple[int, int, int], tuple[int, int, int, int]] = {
 # BLOCK_K in columns (a multiple of 32, the layout's block). Measured shapes by (rows, N, K); others take
 # INT4_DEFAULTS by rows. bench_quant.py --sweep-gemv measures and prints them.
 CONFIGS_INT4: dict[tuple[int, int, int], tuple[int, int, int, int]] = {
-    # One H100, one row, each timed as the fused op it runs in, with the activations prefetched a step ahead
-    # (bench_quant.py --sweep-gemv; benchmarks/results/2026-12-07-h100-run5.md, call 5): the 8B shapes
-    # (groups of 128), SmolLM2's (groups of 32).
-    (1, 6144, 4096): (4, 512, 2, 3), (1, 4096, 4096): (4, 512, 2, 3), (1, 28672, 4096): (4, 512, 2, 3),
-    (1, 4096, 14336): (8, 1024, 4, 2), (1, 960, 576): (8, 256, 2, 3), (1, 576, 576): (4, 512, 2, 3),
-    (1, 3072, 576): (8, 256, 2, 3), (1, 576, 1536): (4, 512, 2, 3),
+    # Guesses for the one-row product (a lane holds a block of 16 rows' words x 2; the activation slices,
+    # BLOCK_K / 8 values, fewer than the lanes: see _product_int4), at least two programs an SM; to be
+    # replaced by bench_quant.py --sweep-gemv's winners on the GPU.
+    (1, 6144, 4096): (16, 512, 4, 1), (1, 4096, 4096): (16, 512, 4, 1), (1, 28672, 4096): (32, 512, 4, 1),
+    (1, 4096, 14336): (16, 512, 4, 1),
 }
 INT4_DEFAULTS: dict[int, tuple[int, int, int, int]] = {
-    # Small programs: the H100 sweep's times follow the warps an SM holds (this kernel is latency-bound,
-    # at ~1/3 of the issue rate), so 8 rows x 1,024 columns (12 KB of shared memory, few registers) won
-    # on three of the four 8B shapes; fewer columns a step at more rows (each lane's sums in registers).
-    1: (8, 1024, 4, 3), 2: (8, 1024, 4, 3), 4: (8, 512, 4, 3), 8: (8, 256, 4, 2), 16: (4, 256, 4, 2),
+    # One row: as above. Several rows take the 4D product (its layout goes through shared memory) with run
+    # 5's small programs (H100: latency-bound; fewer columns a step at more rows, each lane's sums in
+    # registers).
+    1: (16, 512, 4, 1), 2: (8, 1024, 4, 3), 4: (8, 512, 4, 3), 8: (8, 256, 4, 2), 16: (4, 256, 4, 2),
 }
 if os.environ.get("RADIXLM_GEMV_CONFIGS"):
     with open(os.environ["RADIXLM_GEMV_CONFIGS"]) as f:
@@ -151,48 +150,81 @@ def _x_slices(X, offs, mask, k, SILU: tl.constexpr):
 
 
 @triton.jit
+def _int4_step(X, W, Scale, Zero, rows, blocks, w_offs, x_offs, m_mask, num_blocks, num_groups, group, k,
+               SILU: tl.constexpr):
+    """One step's loads: the words [BLOCK_N, BLOCKS, 4] (a block's four words, 16 bytes, in one lane), the
+    scales and zeros [BLOCK_N, BLOCKS] and the eight activation slices [BLOCK_M, BLOCKS, 4]. Rows and blocks
+    past the end are clamped to the last (their products are never stored, or meet zero activations), so
+    only the activations are masked."""
+    safe = tl.minimum(blocks, num_blocks - 1)
+    words = tl.load(W + w_offs + safe[None, :, None] * 4)
+    sz = rows[:, None] * num_groups + (safe * 32 // group)[None, :]
+    x = _x_slices(X, x_offs + blocks[None, :, None] * 32, m_mask[:, None, None] & (blocks < num_blocks)[None, :, None],
+                  k, SILU)
+    return words, tl.load(Scale + sz), tl.load(Zero + sz), x
+
+
+@triton.jit
+def _int4_terms(words, xs, scale, zero, ROWS: tl.constexpr):
+    """Each word's share of the product, [BLOCK_N, BLOCKS, 4] (one row of x) or [BLOCK_M, BLOCK_N, BLOCKS, 4]
+    (ROWS: several): sum_j (q_j - zero) * scale * x_j = scale * (16 * sum_j f_j x_j - (16 + zero) * sum_j x_j)
+    over its eight nibbles j, with f = 1 + q / 16 from the bits (a shift, a mask-and-or and an FMA a
+    weight); the group's scale and zero enter once a word."""
+    x0, x1, x2, x3, x4, x5, x6, x7 = xs
+    if ROWS:  # x [BLOCK_M, BLOCKS, 4] against words [BLOCK_N, BLOCKS, 4]
+        words = words[None]
+        x0, x1, x2, x3, x4, x5, x6, x7 = (x0[:, None], x1[:, None], x2[:, None], x3[:, None], x4[:, None],
+                                          x5[:, None], x6[:, None], x7[:, None])
+        a, c = (16.0 * scale)[None, :, :, None], ((16.0 + zero) * scale)[None, :, :, None]
+    else:
+        a, c = (16.0 * scale)[:, :, None], ((16.0 + zero) * scale)[:, :, None]
+    fx = x0 * nibble_float(words, 0)
+    fx += x1 * nibble_float(words, 1)
+    fx += x2 * nibble_float(words, 2)
+    fx += x3 * nibble_float(words, 3)
+    fx += x4 * nibble_float(words, 4)
+    fx += x5 * nibble_float(words, 5)
+    fx += x6 * nibble_float(words, 6)
+    fx += x7 * nibble_float(words, 7)
+    x_sum = x0 + x1 + x2 + x3 + x4 + x5 + x6 + x7
+    return fx * a - x_sum * c
+
+
+@triton.jit
 def _product_int4(X, W, Scale, Zero, offs_m, offs_n, m_mask, n_mask, k, group, num_groups, stride_xm, stride_wn,
                   SILU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                   STAGES: tl.constexpr):
     """_product for a 4-bit W: pack_int4's words [N, K / 8] with fp32 Scale and Zero [N, K / group], a
-    step of BLOCK_K / 32 blocks. A lane holds one word, whose eight nibbles lie in one group, and sums
-    f_j * x_j over them (f = 1 + q / 16 from the bits: a shift, a mask-and-or and an FMA a weight) before
-    the group enters once a word: sum_j (q_j - zero) * scale * x_j = scale * (16 * sum_j f_j x_j - (16 +
-    zero) * sum_j x_j). Lanes accumulate and are reduced once at the end. Each step loads the next step's
-    activations before its own products: a slice's are 2-byte loads a lane, too small for the pipeliner's
-    cp.async, and their L2 latency would otherwise stall every step (H100 run 5)."""
+    step of BLOCK_K / 32 blocks (`_int4_terms`). A lane holds a block's four words (one 16-byte load) of
+    each of its rows. At one row of x (batch-1 decode) the weight tile's layout is the compute layout: the
+    activation slices [1, BLOCKS, 4] (fewer values than lanes, see `gemv_config`) load straight into it,
+    shared by the rows a lane holds, so no tile goes through shared memory; several rows of x take a 4D
+    product (Triton converts the words' layout there). The next step's loads are issued before this
+    step's products (registers, a step ahead)."""
     BLOCKS: tl.constexpr = BLOCK_K // 32
-    offs_s = tl.arange(0, 4)  # a block's words
+    ROWS: tl.constexpr = BLOCK_M > 1
     offs_b = tl.arange(0, BLOCKS)
+    offs_s = tl.arange(0, 4)  # a block's words
     num_blocks = k // 32
-    x_offs = offs_m[:, None, None] * stride_xm + offs_b[None, :, None] * 32 + offs_s[None, None, :]
-    x0, x1, x2, x3, x4, x5, x6, x7 = _x_slices(
-        X, x_offs, m_mask[:, None, None] & (offs_b < num_blocks)[None, :, None], k, SILU)
-    acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCKS, 4), dtype=tl.float32)
+    rows = tl.minimum(offs_n, tl.max(tl.where(n_mask, offs_n, 0)))  # rows past N read the last one
+    w_offs = rows[:, None, None] * stride_wn + offs_s[None, None, :]
+    x_offs = offs_m[:, None, None] * stride_xm + offs_s[None, None, :]
+    words, scale, zero, xs = _int4_step(X, W, Scale, Zero, rows, offs_b, w_offs, x_offs, m_mask, num_blocks,
+                                        num_groups, group, k, SILU)
+    if ROWS:
+        acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCKS, 4), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_N, BLOCKS, 4), dtype=tl.float32)
     for b0 in tl.range(0, num_blocks, BLOCKS, num_stages=STAGES):
-        blocks = b0 + offs_b
-        b_mask = blocks < num_blocks
-        words = tl.load(W + offs_n[:, None, None] * stride_wn + blocks[None, :, None] * 4 + offs_s[None, None, :],
-                        mask=n_mask[:, None, None] & b_mask[None, :, None], other=0)
-        sz_mask = n_mask[:, None] & b_mask[None, :]
-        sz = offs_n[:, None] * num_groups + (blocks * 32 // group)[None, :]
-        scale = tl.load(Scale + sz, mask=sz_mask, other=0.0)
-        zero = tl.load(Zero + sz, mask=sz_mask, other=0.0)
-        n0, n1, n2, n3, n4, n5, n6, n7 = _x_slices(
-            X, x_offs + (b0 + BLOCKS) * 32, m_mask[:, None, None] & (blocks + BLOCKS < num_blocks)[None, :, None],
-            k, SILU)
-        fx = x0[:, None] * nibble_float(words, 0)[None]
-        fx += x1[:, None] * nibble_float(words, 1)[None]
-        fx += x2[:, None] * nibble_float(words, 2)[None]
-        fx += x3[:, None] * nibble_float(words, 3)[None]
-        fx += x4[:, None] * nibble_float(words, 4)[None]
-        fx += x5[:, None] * nibble_float(words, 5)[None]
-        fx += x6[:, None] * nibble_float(words, 6)[None]
-        fx += x7[:, None] * nibble_float(words, 7)[None]
-        x_sum = x0 + x1 + x2 + x3 + x4 + x5 + x6 + x7
-        acc += fx * (16.0 * scale)[None, :, :, None] - x_sum[:, None] * ((16.0 + zero) * scale)[None, :, :, None]
-        x0, x1, x2, x3, x4, x5, x6, x7 = n0, n1, n2, n3, n4, n5, n6, n7
-    return tl.sum(tl.sum(acc, axis=3), axis=2)
+        n_words, n_scale, n_zero, n_xs = _int4_step(X, W, Scale, Zero, rows, b0 + BLOCKS + offs_b, w_offs, x_offs,
+                                                    m_mask, num_blocks, num_groups, group, k, SILU)
+        acc += _int4_terms(words, xs, scale, zero, ROWS)
+        words, scale, zero, xs = n_words, n_scale, n_zero, n_xs
+    if ROWS:
+        out = tl.sum(tl.sum(acc, axis=3), axis=2)
+    else:
+        out = tl.sum(tl.sum(acc, axis=2), axis=1)[None, :]
+    return out
 
 
 @triton.jit
