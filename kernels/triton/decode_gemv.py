@@ -186,8 +186,7 @@ def _int4_terms(words, xs, scale, zero, ROWS: tl.constexpr):
     fx += x5 * nibble_float(words, 5)
     fx += x6 * nibble_float(words, 6)
     fx += x7 * nibble_float(words, 7)
-    x_sum = x0 + x1 + x2 + x3 + x4 + x5 + x6 + x7
-    return fx * a - x_sum * c
+    return fx, x0 + x1 + x2 + x3 + x4 + x5 + x6 + x7, a, c
 
 
 @triton.jit
@@ -215,10 +214,12 @@ def _product_int4(X, W, Scale, Zero, offs_m, offs_n, m_mask, n_mask, k, group, n
         acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCKS, 4), dtype=tl.float32)
     else:
         acc = tl.zeros((BLOCK_N, BLOCKS, 4), dtype=tl.float32)
-    for b0 in tl.range(0, num_blocks, BLOCKS, num_stages=STAGES):
+    for b0 in tl.range(0, num_blocks, BLOCKS, num_stages=STAGES, loop_unroll_factor=2):
         n_words, n_scale, n_zero, n_xs = _int4_step(X, W, Scale, Zero, rows, b0 + BLOCKS + offs_b, w_offs, x_offs,
                                                     m_mask, num_blocks, num_groups, group, k, SILU)
-        acc += _int4_terms(words, xs, scale, zero, ROWS)
+        fx, x_sum, a, c = _int4_terms(words, xs, scale, zero, ROWS)
+        acc += fx * a  # two FMAs a word
+        acc -= x_sum * c
         words, scale, zero, xs = n_words, n_scale, n_zero, n_xs
     if ROWS:
         out = tl.sum(tl.sum(acc, axis=3), axis=2)
