@@ -48,8 +48,8 @@ SMOL_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
 # through cp.async as well. The last is run 5's winner (the kernel before this one) for comparison. Each
 # compiles three variants (scaled, residual, SiLU).
 INT4_CANDIDATES = [(16, 512, 4, 1), (32, 512, 4, 1), (64, 512, 4, 1), (16, 1024, 8, 1), (32, 1024, 8, 1),
-                   (8, 256, 2, 1), (16, 256, 2, 1), (32, 256, 2, 1), (16, 512, 4, 2), (32, 512, 4, 3),
-                   (16, 256, 2, 3), (4, 512, 2, 3)]
+                   (8, 256, 2, 1), (16, 256, 2, 1), (32, 256, 2, 1), (64, 256, 2, 1), (16, 512, 4, 2),
+                   (32, 512, 4, 3), (4, 512, 2, 3)]
 
 
 def _bench_engine():
@@ -127,9 +127,19 @@ def _int4_sweep(x: torch.Tensor, w: torch.Tensor, group: int, op: str, candidate
     best = min(timed, key=timed.get)
     decode_gemv.CONFIGS_INT4[(1, n, k)] = best
     us = timed[best]
+    print(f"  int4 {label} ({op}): " + ", ".join(f"{c} {t:.1f}" for c, t in sorted(timed.items(), key=lambda i: i[1])),
+          flush=True)
+    split = {}
+    if op == "silu":  # the SiLU inside the product against a silu_and_mul launch first, at the winning shape
+        decode_gemv.INT4_FUSED_SILU = False
+        split = _sweep(_int4_op(x, quantize_int4_rows(w, group), op), "RADIXLM_GEMV_CONFIG", [best], f"int4 {label}")
+        decode_gemv.INT4_FUSED_SILU = split.get(best, us) >= us
+        print(f"  int4 {label}: SiLU inside {us:.1f} us, silu_and_mul first {split.get(best, float('nan')):.1f} us",
+              flush=True)
+        us = min(us, split.get(best, us))
     return {"int4_op": op, "int4_us": us, "int4_config": list(best), "int4_GBps": n * k / 2 / us / 1e3,
             "int4_total_GBps": (n * k / 2 + 8 * n * k / group) / us / 1e3,
-            "all_int4_us": {",".join(map(str, c)): t for c, t in timed.items()}}
+            "int4_silu_first_us": split.get(best), "all_int4_us": {",".join(map(str, c)): t for c, t in timed.items()}}
 
 
 def _int4_gemm_times(w: torch.Tensor) -> dict[str, Any]:
@@ -188,6 +198,7 @@ def sweep_gemv(int4_candidates: list[tuple[int, ...]]) -> dict[str, Any]:
               f"{tuple(int4['int4_config'])} ({int4['int4_total_GBps']:.0f} GB/s with scales and zeros)", flush=True)
     print("decode_gemv.CONFIGS_INT4 = {" + ", ".join(f"{key}: {cfg}" for key, cfg in
                                                      decode_gemv.CONFIGS_INT4.items()) + "}", flush=True)
+    print(f"decode_gemv.INT4_FUSED_SILU = {decode_gemv.INT4_FUSED_SILU}", flush=True)
     return results
 
 

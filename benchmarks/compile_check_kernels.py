@@ -31,6 +31,9 @@ FP32_PTRS = {"PartOut", "PartLse", "CosSin", "Sums"}
 FLOAT_ARGS = {"scale_log2", "eps"}
 UNALIGNED_INTS = {"num_splits", "m"}  # sizes of real models (4096, 14336, 128256) are 16-divisible
 SASS_OPS = ("HGMMA", "HMMA", "LDGSTS", "LDG.E.128", "LDL", "STL")
+# Inside the main loop (the first backward branch's body): shared-memory round trips (layout conversions,
+# cp.async reads), barriers, shuffles, and global loads by width.
+LOOP_OPS = ("LDS", "STS", "LDSM", "BAR.SYNC", "SHFL", "LDG.E.128", "LDG.E.64", "LDG.E ", "LDG.E.U16")
 # kv_cache_dtype -> (Triton pointer type, the stores' saturation constexpr SAT)
 KV_TYPES = {"auto": (None, 0.0), "fp8_e4m3": ("fp8e4nv", 448.0), "fp8_e5m2": ("fp8e5", 57344.0)}
 ATTENTION_POOL, STORE_POOL = {"K", "V"}, {"KBuf", "VBuf"}
@@ -78,6 +81,20 @@ def report(label: str, compiled, num_warps: int, num_stages: int) -> None:
     counts = " ".join(f"{op}={len(re.findall(re.escape(op) + r'[ .]', sass))}" for op in SASS_OPS)
     print(f"{label:34s} warps={num_warps} stages={num_stages} smem={compiled.metadata.shared:6d} "
           f"regs={regs.group(1) if regs else '?':>3s} stack={stack.group(1) if stack else '?':>3s}  {counts}")
+    loop = _main_loop(sass)
+    if loop:
+        ops = " ".join(f"{op.strip()}={sum(o == op.strip() or o.startswith(op) for o in loop)}" for op in LOOP_OPS)
+        print(f"{'':34s} main loop: {len(loop)} instructions; {ops}")
+
+
+def _main_loop(sass: str) -> list[str]:
+    """The opcodes (with modifiers) of the first loop's body: from a backward branch's target to it."""
+    code = re.findall(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", sass)
+    for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+@!?U?P\w+\s+BRA\s+(?:`\(\.L_x_\d+\)|0x([0-9a-f]+))", sass):
+        if m.group(2) and int(m.group(2), 16) < int(m.group(1), 16):
+            start, end = int(m.group(2), 16), int(m.group(1), 16)
+            return [op for addr, op in code if start <= int(addr, 16) <= end]
+    return []
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -140,8 +157,10 @@ def main(argv: list[str] | None = None) -> int:
                               BLOCK_K=block_k, BLOCK_S=512 if flags.get("SCALED") else 1, STAGES=stages)))
     # The same three on 4-bit weights (AWQ/GPTQ: pack_int4's int32 words, fp32 scales and zeros) at one row.
     int4_ptrs = {"W": "*i32", "WScale": "*fp32", "WZero": "*fp32"}
-    for name, flags, (n, k) in (("int4 rms_scaled_gemv", dict(SCALED=True), (28672, 4096)),
-                                ("int4 residual_gemv silu", dict(SILU=True, RESIDUAL=True), (4096, 14336))):
+    for name, flags, (n, k) in (("int4 rms_scaled_gemv qkv", dict(SCALED=True), (6144, 4096)),
+                                ("int4 residual_gemv o", dict(RESIDUAL=True), (4096, 4096)),
+                                ("int4 rms_scaled_gemv gate_up", dict(SCALED=True), (28672, 4096)),
+                                ("int4 residual_gemv silu down", dict(SILU=True, RESIDUAL=True), (4096, 14336))):
         block_n, block_k, warps, stages = decode_gemv.gemv_config(1, n, k, 0.5)
         jobs.append((f"{name} M=1 {block_n}x{block_k}", decode_gemv._gemv_kernel, warps, stages,
                      dict(dict(SILU=False, SCALED=False, RESIDUAL=False), **flags, HAS_BIAS=False, W_SCALED=False,

@@ -185,6 +185,31 @@ def test_residual_and_scaled_gemv_int4(dtype, silu):
                  ref.rms_scaled_gemv(h, sums, 1e-6, w2, None, scales2, zeros2))
 
 
+@pytest.mark.parametrize("group", [32, 64, 128])
+def test_one_row_int4_with_a_partial_step(group, monkeypatch):
+    """Batch-1 decode's product (the weight tile's layout, blocks of four words a lane) where K ends
+    inside a step (12 blocks of 32 at 8 a step) and N inside a program, groups of 32, 64 and 128: the
+    plain, SiLU-residual (SiLU inside, and a silu_and_mul launch first) and norm-scaled products against
+    their twins (bf16 activations)."""
+    monkeypatch.setenv("RADIXLM_GEMV_CONFIG", "16,256,4,1")
+    k = 384
+    w, scales, zeros = int4_weight(N, k, group)
+    x, gate_up = randn(1, k, dtype=torch.bfloat16), randn(1, 2 * k, dtype=torch.bfloat16)
+    assert_close(tri.gemv(x, w, None, scales, zeros), ref.gemv(x, w, None, scales, zeros))
+    residual, norm_w = randn(1, N, dtype=torch.bfloat16), (torch.rand(N, device=DEVICE) + 0.5).to(torch.bfloat16)
+    got = tri.residual_gemv(gate_up, w, residual, norm_w, silu=True, weight_scale=scales, weight_zero=zeros)
+    want = ref.residual_gemv(gate_up, w, residual, norm_w, silu=True, weight_scale=scales, weight_zero=zeros)
+    for ours, theirs in zip(got[:2], want[:2]):
+        assert_close(ours, theirs)
+    monkeypatch.setattr(gemv_module, "INT4_FUSED_SILU", not gemv_module.INT4_FUSED_SILU)  # the other SiLU route
+    got = tri.residual_gemv(gate_up, w, residual, norm_w, silu=True, weight_scale=scales, weight_zero=zeros)
+    for ours, theirs in zip(got[:2], want[:2]):
+        assert_close(ours, theirs)
+    sums = torch.rand(1, 3, device=DEVICE) * k
+    assert_close(tri.rms_scaled_gemv(x, sums, 1e-6, w, None, scales, zeros),
+                 ref.rms_scaled_gemv(x, sums, 1e-6, w, None, scales, zeros))
+
+
 def test_rotary_qkv_gemv_int4():
     """The qkv projection with the rotary and KV store in its epilogue, on a 4-bit weight (fp32)."""
     num_heads, num_kv_heads, head_dim = 4, 2, 16

@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 
 from radixlm.kernels.reference import GEMV_MAX_ROWS
-from radixlm.kernels.triton.elementwise import kv_limit, to_kv
+from radixlm.kernels.triton.elementwise import kv_limit, silu_and_mul, to_kv
 from radixlm.kernels.triton.int4_layout import nibble_float
 
 # (rows rounded up to a power of two, N, K) -> (BLOCK_N, BLOCK_K, num_warps, stages), from bench_gemv's
@@ -71,6 +71,12 @@ INT4_DEFAULTS: dict[int, tuple[int, int, int, int]] = {
     # registers).
     1: (16, 512, 4, 1), 2: (8, 1024, 4, 3), 4: (8, 512, 4, 3), 8: (8, 256, 4, 2), 16: (4, 256, 4, 2),
 }
+# Whether a one-row 4-bit product with SiLU-and-mul in front (down_proj) computes it inside (each lane
+# evaluates the SiLU of the activations it holds, once for its rows: BLOCK_K / 8 lanes a value) or takes a
+# silu_and_mul launch first (SiLU-and-mul evaluated once a value, at the cost of a launch; the default:
+# inside, the down projection's loop took 2.4x the instructions of the others, benchmarks/
+# compile_check_kernels.py); bench_quant.py --sweep-gemv times both.
+INT4_FUSED_SILU = False
 if os.environ.get("RADIXLM_GEMV_CONFIGS"):
     with open(os.environ["RADIXLM_GEMV_CONFIGS"]) as f:
         CONFIGS.update({tuple(int(v) for v in key.split(",")): tuple(c) for key, c in json.load(f).items()})
@@ -386,6 +392,8 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
     n, k, group, groups, weight_bytes = _weight_kind(x, weight, weight_scale, weight_zero)
     if silu:
         assert x.shape[-1] == 2 * k, "gate_up must hold [gate | up] of the weight's K each"
+    if silu and weight_zero is not None and m == 1 and not INT4_FUSED_SILU:
+        x, silu = silu_and_mul(x), False
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     block_n, block_k, warps, stages = gemv_config(m, n, k, weight_bytes)
     programs = triton.cdiv(n, block_n)
