@@ -171,11 +171,11 @@ def _int4_step(X, W, Scale, Zero, rows, blocks, w_offs, x_offs, m_mask, num_bloc
 
 
 @triton.jit
-def _int4_terms(words, xs, scale, zero, ROWS: tl.constexpr):
-    """Each word's share of the product, [BLOCK_N, BLOCKS, 4] (one row of x) or [BLOCK_M, BLOCK_N, BLOCKS, 4]
-    (ROWS: several): sum_j (q_j - zero) * scale * x_j = scale * (16 * sum_j f_j x_j - (16 + zero) * sum_j x_j)
-    over its eight nibbles j, with f = 1 + q / 16 from the bits (a shift, a mask-and-or and an FMA a
-    weight); the group's scale and zero enter once a word."""
+def _int4_accumulate(acc, words, xs, scale, zero, ROWS: tl.constexpr):
+    """acc plus each word's share of the product, [BLOCK_N, BLOCKS, 4] (one row of x) or [BLOCK_M, BLOCK_N,
+    BLOCKS, 4] (ROWS: several): sum_j (q_j - zero) * scale * x_j = scale * (16 * sum_j f_j x_j - (16 + zero)
+    * sum_j x_j) over its eight nibbles j, with f = 1 + q / 16 from the bits (a shift, a mask-and-or and an
+    FMA a weight); the group's scale and zero enter once a word (two FMAs)."""
     x0, x1, x2, x3, x4, x5, x6, x7 = xs
     if ROWS:  # x [BLOCK_M, BLOCKS, 4] against words [BLOCK_N, BLOCKS, 4]
         words = words[None]
@@ -192,7 +192,9 @@ def _int4_terms(words, xs, scale, zero, ROWS: tl.constexpr):
     fx += x5 * nibble_float(words, 5)
     fx += x6 * nibble_float(words, 6)
     fx += x7 * nibble_float(words, 7)
-    return fx, x0 + x1 + x2 + x3 + x4 + x5 + x6 + x7, a, c
+    acc += fx * a
+    acc -= (x0 + x1 + x2 + x3 + x4 + x5 + x6 + x7) * c
+    return acc
 
 
 @triton.jit
@@ -203,9 +205,10 @@ def _product_int4(X, W, Scale, Zero, offs_m, offs_n, m_mask, n_mask, k, group, n
     step of BLOCK_K / 32 blocks (`_int4_terms`). A lane holds a block's four words (one 16-byte load) of
     each of its rows. At one row of x (batch-1 decode) the weight tile's layout is the compute layout: the
     activation slices [1, BLOCKS, 4] (fewer values than lanes, see `gemv_config`) load straight into it,
-    shared by the rows a lane holds, so no tile goes through shared memory; several rows of x take a 4D
-    product (Triton converts the words' layout there). The next step's loads are issued before this
-    step's products (registers, a step ahead)."""
+    shared by the rows a lane holds, so no tile goes through shared memory for a layout; several rows of x
+    take a 4D product (Triton converts the words' layout there). STAGES 1: the next step's loads are
+    issued before this step's products (registers, a step ahead); more: Triton's pipeliner stages the
+    loads through shared memory (cp.async), read back in the same layout."""
     BLOCKS: tl.constexpr = BLOCK_K // 32
     ROWS: tl.constexpr = BLOCK_M > 1
     offs_b = tl.arange(0, BLOCKS)
@@ -214,19 +217,23 @@ def _product_int4(X, W, Scale, Zero, offs_m, offs_n, m_mask, n_mask, k, group, n
     rows = tl.minimum(offs_n, tl.max(tl.where(n_mask, offs_n, 0)))  # rows past N read the last one
     w_offs = rows[:, None, None] * stride_wn + offs_s[None, None, :]
     x_offs = offs_m[:, None, None] * stride_xm + offs_s[None, None, :]
-    words, scale, zero, xs = _int4_step(X, W, Scale, Zero, rows, offs_b, w_offs, x_offs, m_mask, num_blocks,
-                                        num_groups, group, k, SILU)
     if ROWS:
         acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCKS, 4), dtype=tl.float32)
     else:
         acc = tl.zeros((BLOCK_N, BLOCKS, 4), dtype=tl.float32)
-    for b0 in tl.range(0, num_blocks, BLOCKS, num_stages=STAGES, loop_unroll_factor=2):
-        n_words, n_scale, n_zero, n_xs = _int4_step(X, W, Scale, Zero, rows, b0 + BLOCKS + offs_b, w_offs, x_offs,
-                                                    m_mask, num_blocks, num_groups, group, k, SILU)
-        fx, x_sum, a, c = _int4_terms(words, xs, scale, zero, ROWS)
-        acc += fx * a  # two FMAs a word
-        acc -= x_sum * c
-        words, scale, zero, xs = n_words, n_scale, n_zero, n_xs
+    if STAGES == 1:
+        words, scale, zero, xs = _int4_step(X, W, Scale, Zero, rows, offs_b, w_offs, x_offs, m_mask, num_blocks,
+                                            num_groups, group, k, SILU)
+        for b0 in tl.range(0, num_blocks, BLOCKS, loop_unroll_factor=2):
+            n_words, n_scale, n_zero, n_xs = _int4_step(X, W, Scale, Zero, rows, b0 + BLOCKS + offs_b, w_offs,
+                                                        x_offs, m_mask, num_blocks, num_groups, group, k, SILU)
+            acc = _int4_accumulate(acc, words, xs, scale, zero, ROWS)
+            words, scale, zero, xs = n_words, n_scale, n_zero, n_xs
+    else:
+        for b0 in tl.range(0, num_blocks, BLOCKS, num_stages=STAGES):
+            words, scale, zero, xs = _int4_step(X, W, Scale, Zero, rows, b0 + offs_b, w_offs, x_offs, m_mask,
+                                                num_blocks, num_groups, group, k, SILU)
+            acc = _int4_accumulate(acc, words, xs, scale, zero, ROWS)
     if ROWS:
         out = tl.sum(tl.sum(acc, axis=3), axis=2)
     else:
