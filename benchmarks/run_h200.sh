@@ -55,6 +55,12 @@
 #                                   # groups of 128 and 32) and the fused 4-bit decode against the unfused in the
 #                                   # engine, then the fp8 and 4-bit GEMV sweeps (8B shapes; SmolLM2's at groups
 #                                   # of 32), then batch-1 decode and 16 x 1024 prefill, bf16 beside AWQ (~9 minutes)
+#   GPU_CHECK_S=150 GPU_CHECK_ARGS="--skip-kernels --checks fp8_weights" RUN_ENGINE_BENCH=0 RUN_CONSTRAINED=0 \
+#     RUN_QUANT=1 QUANT_S=420 QUANT_ARGS="--sweep-gemv --engine --parts latency --variants fp8 awq" \
+#     bash benchmarks/run_h200.sh       # issue 35, the one-row 4-bit GEMV in its weight tile's layout: the 4-bit
+#                                   # kernels against their twin, then the GEMV sweep (every candidate's time
+#                                   # printed; SiLU inside against silu_and_mul first) and batch-1 decode, bf16
+#                                   # beside fp8 and AWQ (~8 minutes)
 #   RUN_GPU_CHECK=0 RUN_ENGINE_BENCH=0 RUN_CONSTRAINED=0 RUN_SPEC=1 bash benchmarks/run_h200.sh
 #                                   # speculative decoding's verify-step cost, batch-1 tokens/s with a draft model, greedy equality (issue 36)
 #   RUN_GPU_CHECK=0 RUN_ENGINE_BENCH=0 RUN_CONSTRAINED=0 RUN_NCU_GEMV=1 RUN_QUANT=1 QUANT_S=330 \
