@@ -155,14 +155,19 @@ def main(argv: list[str] | None = None) -> int:
                          dict(dict(SILU=False, SCALED=False, RESIDUAL=False), **flags, HAS_BIAS=False,
                               W_SCALED=False, INT4=False, BLOCK_M=triton.next_power_of_2(rows), BLOCK_N=block_n,
                               BLOCK_K=block_k, BLOCK_S=512 if flags.get("SCALED") else 1, STAGES=stages)))
-    # The same three on 4-bit weights (AWQ/GPTQ: pack_int4's int32 words, fp32 scales and zeros) at one row.
+    # The four fused products of a layer on 4-bit weights (AWQ/GPTQ: pack_int4's int32 words, fp32 scales and
+    # zeros) at one row, the down projection with the SiLU inside or not as INT4_FUSED_SILU says; the label
+    # gives the weights a lane takes a step (the register-prefetch loop, stages 1, is unrolled twice).
     int4_ptrs = {"W": "*i32", "WScale": "*fp32", "WZero": "*fp32"}
     for name, flags, (n, k) in (("int4 rms_scaled_gemv qkv", dict(SCALED=True), (6144, 4096)),
                                 ("int4 residual_gemv o", dict(RESIDUAL=True), (4096, 4096)),
                                 ("int4 rms_scaled_gemv gate_up", dict(SCALED=True), (28672, 4096)),
-                                ("int4 residual_gemv silu down", dict(SILU=True, RESIDUAL=True), (4096, 14336))):
+                                ("int4 residual_gemv down", dict(SILU=decode_gemv.INT4_FUSED_SILU, RESIDUAL=True),
+                                 (4096, 14336))):
         block_n, block_k, warps, stages = decode_gemv.gemv_config(1, n, k, 0.5)
-        jobs.append((f"{name} M=1 {block_n}x{block_k}", decode_gemv._gemv_kernel, warps, stages,
+        per_lane = block_n * block_k // (32 * warps)
+        jobs.append((f"{name}{' silu' if flags.get('SILU') else ''} M=1 {block_n}x{block_k} ({per_lane} a lane)",
+                     decode_gemv._gemv_kernel, warps, stages,
                      dict(dict(SILU=False, SCALED=False, RESIDUAL=False), **flags, HAS_BIAS=False, W_SCALED=False,
                           INT4=True, BLOCK_M=1, BLOCK_N=block_n, BLOCK_K=block_k,
                           BLOCK_S=512 if flags.get("SCALED") else 1, STAGES=stages), frozenset(), int4_ptrs))
