@@ -172,13 +172,16 @@ def main(argv: list[str] | None = None) -> int:
                           INT4=True, BLOCK_M=1, BLOCK_N=block_n, BLOCK_K=block_k,
                           BLOCK_S=512 if flags.get("SCALED") else 1, STAGES=stages), frozenset(), int4_ptrs))
     # The qkv GEMV with the rotary and the KV store in its epilogue (1 row, scaled; 8 rows, after the
-    # first layer's norm), storing into the pool.
-    for rows, scaled in ((1, True), (8, False)):
-        block_n, block_k, warps, stages = decode_gemv.gemv_config(rows, (args.heads + 2 * args.kv_heads) * d, 4096)
-        jobs.append((f"rotary_qkv_gemv M={rows} {block_n}x{block_k}", decode_gemv._rotary_qkv_kernel, warps, stages,
+    # first layer's norm; 1 row on 4-bit weights), storing into the pool.
+    for rows, scaled, int4 in ((1, True, False), (8, False, False), (1, True, True)):
+        block_n, block_k, warps, stages = decode_gemv.gemv_config(rows, (args.heads + 2 * args.kv_heads) * d, 4096,
+                                                                  0.5 if int4 else 2)
+        jobs.append((f"{'int4 ' if int4 else ''}rotary_qkv_gemv M={rows} {block_n}x{block_k}",
+                     decode_gemv._rotary_qkv_kernel, warps, stages,
                      dict(NUM_HEADS=args.heads, NUM_KV_HEADS=args.kv_heads, HEAD_DIM=d, HAS_BIAS=False, SCALED=scaled,
-                          W_SCALED=False, INT4=False, BLOCK_M=triton.next_power_of_2(rows), PAIRS=block_n // 2, BLOCK_K=block_k,
-                          BLOCK_S=512 if scaled else 1, STAGES=stages, SAT=sat), STORE_POOL))
+                          W_SCALED=False, INT4=int4, BLOCK_M=triton.next_power_of_2(rows), PAIRS=block_n // 2,
+                          BLOCK_K=block_k, BLOCK_S=512 if scaled else 1, STAGES=stages, SAT=sat), STORE_POOL,
+                     int4_ptrs if int4 else None))
     print(f"triton {triton.__version__}, sm_90, {args.dtype}, {args.index} indices, head_dim {d}, GQA {group}, "
           f"KV pool {kv_type or args.dtype}")
     for label, kernel, warps, stages, constexprs, *extra in jobs:
