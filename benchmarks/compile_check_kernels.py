@@ -7,7 +7,9 @@ SASS instructions that tell whether the Hopper habits took: HGMMA (warpgroup mat
 (older mma), LDGSTS (cp.async, software pipelining), LDG.E.128 (16-byte loads), LDL/STL (local memory,
 i.e. spills). Arguments get the specialization the runtime gives them: unit inner strides become
 constants, pointers and other strides are taken as 16-divisible. Needs only the triton package (its
-bundled ptxas and cuobjdump); run it where TRITON_INTERPRET is unset. --kv-dtype gives the KV pool's
+bundled ptxas and cuobjdump); run it where TRITON_INTERPRET is unset. Layouts differ between Triton
+releases: to see what the GPU image's (triton 3.6.0) makes, install that wheel apart and put it first,
+`pip install --no-deps --target DIR triton==3.6.0; PYTHONPATH=DIR:... python benchmarks/compile_check_kernels.py`. --kv-dtype gives the KV pool's
 pointers (the attention kernels' K and V, the stores' KBuf and VBuf) an fp8 type, as kv_cache_dtype does.
 """
 

@@ -21,7 +21,7 @@ benchmarks/results/2026-12-02-h200-decode-gemv-fp8-kv.md), an epilogue touches o
 BLOCK_N outputs once. Launch shapes come from `gemv_config` (benchmarks/bench_gemv.py measures them).
 
 Weights: bf16/fp16/fp32; fp8 (e4m3, with per-row `weight_scale`); 4-bit (`weight_zero` given: AWQ, GPTQ
-and GGUF Q4 in quant_reference.pack_int4's words, per-group scales and zeros; `_product_int4`), so that
+and GGUF Q4 in quant_reference.pack_int4's words, per-group scales and zeros; int4_gemv.py), so that
 a 4-bit model's decode layers take the same fused launches.
 """
 
@@ -35,8 +35,8 @@ import triton
 import triton.language as tl
 
 from radixlm.kernels.reference import GEMV_MAX_ROWS
-from radixlm.kernels.triton.elementwise import kv_limit, silu_and_mul, to_kv
-from radixlm.kernels.triton.int4_layout import nibble_float
+from radixlm.kernels.triton.elementwise import kv_limit, load_x, silu_and_mul, to_kv
+from radixlm.kernels.triton.int4_gemv import product_int4
 
 # (rows rounded up to a power of two, N, K) -> (BLOCK_N, BLOCK_K, num_warps, stages), from bench_gemv's
 # measurements; missing shapes take the guess in `gemv_config`. RADIXLM_GEMV_CONFIGS names a JSON file
@@ -60,7 +60,7 @@ CONFIGS_FP8: dict[tuple[int, int, int], tuple[int, int, int, int]] = {
 # INT4_DEFAULTS by rows. bench_quant.py --sweep-gemv measures and prints them.
 CONFIGS_INT4: dict[tuple[int, int, int], tuple[int, int, int, int]] = {
     # Guesses for the one-row product (a lane holds a block of 16 rows' words x 2; the activation slices,
-    # BLOCK_K / 8 values, fewer than the lanes: see _product_int4), at least two programs an SM; to be
+    # BLOCK_K / 8 values, fewer than the lanes: see int4_gemv.product_int4), at least two programs an SM; to be
     # replaced by bench_quant.py --sweep-gemv's winners on the GPU.
     (1, 6144, 4096): (16, 512, 4, 1), (1, 4096, 4096): (16, 512, 4, 1), (1, 28672, 4096): (32, 512, 4, 1),
     (1, 4096, 14336): (16, 512, 4, 1),
@@ -117,19 +117,6 @@ def gemv_config(m: int, n: int, k: int, weight_bytes: float = 2) -> tuple[int, i
 
 
 @triton.jit
-def _load_x(X, offs, mask, k, SILU: tl.constexpr):
-    """x at X + offs in fp32; with SILU, x holds [gate | up] and this is silu(gate) * up rounded to the
-    activation dtype, as silu_and_mul's output."""
-    if SILU:
-        gate = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
-        up = tl.load(X + offs + k, mask=mask, other=0.0).to(tl.float32)
-        x = (gate * tl.sigmoid(gate) * up).to(X.dtype.element_ty).to(tl.float32)
-    else:
-        x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
-    return x
-
-
-@triton.jit
 def _product(X, W, offs_m, offs_n, m_mask, n_mask, k, stride_xm, stride_wn,
              SILU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
              STAGES: tl.constexpr):
@@ -138,107 +125,11 @@ def _product(X, W, offs_m, offs_n, m_mask, n_mask, k, stride_xm, stride_wn,
     for k0 in tl.range(0, k, BLOCK_K, num_stages=STAGES):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_mask = offs_k < k
-        x = _load_x(X, offs_m[:, None] * stride_xm + offs_k[None, :], m_mask[:, None] & k_mask[None, :], k, SILU)
+        x = load_x(X, offs_m[:, None] * stride_xm + offs_k[None, :], m_mask[:, None] & k_mask[None, :], k, SILU)
         w = tl.load(W + offs_n[:, None] * stride_wn + offs_k[None, :],
                     mask=n_mask[:, None] & k_mask[None, :], other=0.0)
         acc += x[:, None, :] * w.to(tl.float32)[None, :, :]
     return tl.sum(acc, axis=2)
-
-
-@triton.jit
-def _x_slices(X, offs, mask, k, SILU: tl.constexpr):
-    """The activations of a step's eight nibble slices: slice j is columns 4j..4j+3 of each block (`offs`
-    are slice 0's)."""
-    return (_load_x(X, offs, mask, k, SILU), _load_x(X, offs + 4, mask, k, SILU),
-            _load_x(X, offs + 8, mask, k, SILU), _load_x(X, offs + 12, mask, k, SILU),
-            _load_x(X, offs + 16, mask, k, SILU), _load_x(X, offs + 20, mask, k, SILU),
-            _load_x(X, offs + 24, mask, k, SILU), _load_x(X, offs + 28, mask, k, SILU))
-
-
-@triton.jit
-def _int4_step(X, W, Scale, Zero, rows, blocks, w_offs, x_offs, m_mask, num_blocks, num_groups, group, k,
-               SILU: tl.constexpr):
-    """One step's loads: the words [BLOCK_N, BLOCKS, 4] (a block's four words, 16 bytes, in one lane), the
-    scales and zeros [BLOCK_N, BLOCKS] and the eight activation slices [BLOCK_M, BLOCKS, 4]. Rows and blocks
-    past the end are clamped to the last (their products are never stored, or meet zero activations), so
-    only the activations are masked."""
-    safe = tl.minimum(blocks, num_blocks - 1)
-    words = tl.load(W + w_offs + safe[None, :, None] * 4)
-    sz = rows[:, None] * num_groups + (safe * 32 // group)[None, :]
-    x = _x_slices(X, x_offs + blocks[None, :, None] * 32, m_mask[:, None, None] & (blocks < num_blocks)[None, :, None],
-                  k, SILU)
-    return words, tl.load(Scale + sz), tl.load(Zero + sz), x
-
-
-@triton.jit
-def _int4_accumulate(acc, words, xs, scale, zero, ROWS: tl.constexpr):
-    """acc plus each word's share of the product, [BLOCK_N, BLOCKS, 4] (one row of x) or [BLOCK_M, BLOCK_N,
-    BLOCKS, 4] (ROWS: several): sum_j (q_j - zero) * scale * x_j = scale * (16 * sum_j f_j x_j - (16 + zero)
-    * sum_j x_j) over its eight nibbles j, with f = 1 + q / 16 from the bits (a shift, a mask-and-or and an
-    FMA a weight); the group's scale and zero enter once a word (two FMAs)."""
-    x0, x1, x2, x3, x4, x5, x6, x7 = xs
-    if ROWS:  # x [BLOCK_M, BLOCKS, 4] against words [BLOCK_N, BLOCKS, 4]
-        words = words[None]
-        x0, x1, x2, x3, x4, x5, x6, x7 = (x0[:, None], x1[:, None], x2[:, None], x3[:, None], x4[:, None],
-                                          x5[:, None], x6[:, None], x7[:, None])
-        a, c = (16.0 * scale)[None, :, :, None], ((16.0 + zero) * scale)[None, :, :, None]
-    else:
-        a, c = (16.0 * scale)[:, :, None], ((16.0 + zero) * scale)[:, :, None]
-    fx = x0 * nibble_float(words, 0)
-    fx += x1 * nibble_float(words, 1)
-    fx += x2 * nibble_float(words, 2)
-    fx += x3 * nibble_float(words, 3)
-    fx += x4 * nibble_float(words, 4)
-    fx += x5 * nibble_float(words, 5)
-    fx += x6 * nibble_float(words, 6)
-    fx += x7 * nibble_float(words, 7)
-    acc += fx * a
-    acc -= (x0 + x1 + x2 + x3 + x4 + x5 + x6 + x7) * c
-    return acc
-
-
-@triton.jit
-def _product_int4(X, W, Scale, Zero, offs_m, offs_n, m_mask, n_mask, k, group, num_groups, stride_xm, stride_wn,
-                  SILU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                  STAGES: tl.constexpr):
-    """_product for a 4-bit W: pack_int4's words [N, K / 8] with fp32 Scale and Zero [N, K / group], a
-    step of BLOCK_K / 32 blocks (`_int4_terms`). A lane holds a block's four words (one 16-byte load) of
-    each of its rows. At one row of x (batch-1 decode) the weight tile's layout is the compute layout: the
-    activation slices [1, BLOCKS, 4] (fewer values than lanes, see `gemv_config`) load straight into it,
-    shared by the rows a lane holds, so no tile goes through shared memory for a layout; several rows of x
-    take a 4D product (Triton converts the words' layout there). STAGES 1: the next step's loads are
-    issued before this step's products (registers, a step ahead); more: Triton's pipeliner stages the
-    loads through shared memory (cp.async), read back in the same layout."""
-    BLOCKS: tl.constexpr = BLOCK_K // 32
-    ROWS: tl.constexpr = BLOCK_M > 1
-    offs_b = tl.arange(0, BLOCKS)
-    offs_s = tl.arange(0, 4)  # a block's words
-    num_blocks = k // 32
-    rows = tl.minimum(offs_n, tl.max(tl.where(n_mask, offs_n, 0)))  # rows past N read the last one
-    w_offs = rows[:, None, None] * stride_wn + offs_s[None, None, :]
-    x_offs = offs_m[:, None, None] * stride_xm + offs_s[None, None, :]
-    if ROWS:
-        acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCKS, 4), dtype=tl.float32)
-    else:
-        acc = tl.zeros((BLOCK_N, BLOCKS, 4), dtype=tl.float32)
-    if STAGES == 1:
-        words, scale, zero, xs = _int4_step(X, W, Scale, Zero, rows, offs_b, w_offs, x_offs, m_mask, num_blocks,
-                                            num_groups, group, k, SILU)
-        for b0 in tl.range(0, num_blocks, BLOCKS, loop_unroll_factor=2):
-            n_words, n_scale, n_zero, n_xs = _int4_step(X, W, Scale, Zero, rows, b0 + BLOCKS + offs_b, w_offs,
-                                                        x_offs, m_mask, num_blocks, num_groups, group, k, SILU)
-            acc = _int4_accumulate(acc, words, xs, scale, zero, ROWS)
-            words, scale, zero, xs = n_words, n_scale, n_zero, n_xs
-    else:
-        for b0 in tl.range(0, num_blocks, BLOCKS, num_stages=STAGES):
-            words, scale, zero, xs = _int4_step(X, W, Scale, Zero, rows, b0 + offs_b, w_offs, x_offs, m_mask,
-                                                num_blocks, num_groups, group, k, SILU)
-            acc = _int4_accumulate(acc, words, xs, scale, zero, ROWS)
-    if ROWS:
-        out = tl.sum(tl.sum(acc, axis=3), axis=2)
-    else:
-        out = tl.sum(tl.sum(acc, axis=2), axis=1)[None, :]
-    return out
 
 
 @triton.jit
@@ -247,7 +138,7 @@ def _weight_product(X, W, WScale, WZero, offs_m, offs_n, m_mask, n_mask, k, grou
                     BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
     """The product for the weight's kind: 4-bit (INT4: scales and zeros applied inside), else bf16/fp8."""
     if INT4:
-        out = _product_int4(X, W, WScale, WZero, offs_m, offs_n, m_mask, n_mask, k, group, num_groups, stride_xm,
+        out = product_int4(X, W, WScale, WZero, offs_m, offs_n, m_mask, n_mask, k, group, num_groups, stride_xm,
                             stride_wn, SILU, BLOCK_M, BLOCK_N, BLOCK_K, STAGES)
     else:
         out = _product(X, W, offs_m, offs_n, m_mask, n_mask, k, stride_xm, stride_wn, SILU, BLOCK_M, BLOCK_N,

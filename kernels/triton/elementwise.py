@@ -149,6 +149,19 @@ def fused_add_rms_norm(
 
 
 @triton.jit
+def load_x(X, offs, mask, k, SILU: tl.constexpr):
+    """x at X + offs in fp32; with SILU, x holds [gate | up] and this is silu(gate) * up rounded to the
+    activation dtype, as silu_and_mul's output."""
+    if SILU:
+        gate = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(X + offs + k, mask=mask, other=0.0).to(tl.float32)
+        x = (gate * tl.sigmoid(gate) * up).to(X.dtype.element_ty).to(tl.float32)
+    else:
+        x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+    return x
+
+
+@triton.jit
 def _silu_and_mul_kernel(
     GateUp, Out, stride_g, stride_o, n_cols, BLOCK: tl.constexpr,
 ):
