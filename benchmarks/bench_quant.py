@@ -129,17 +129,19 @@ def _int4_sweep(x: torch.Tensor, w: torch.Tensor, group: int, op: str, candidate
     us = timed[best]
     print(f"  int4 {label} ({op}): " + ", ".join(f"{c} {t:.1f}" for c, t in sorted(timed.items(), key=lambda i: i[1])),
           flush=True)
-    split = {}
-    if op == "silu":  # the SiLU inside the product against a silu_and_mul launch first, at the winning shape
-        decode_gemv.INT4_FUSED_SILU = False
-        split = _sweep(_int4_op(x, quantize_int4_rows(w, group), op), "RADIXLM_GEMV_CONFIG", [best], f"int4 {label}")
-        decode_gemv.INT4_FUSED_SILU = split.get(best, us) >= us
-        print(f"  int4 {label}: SiLU inside {us:.1f} us, silu_and_mul first {split.get(best, float('nan')):.1f} us",
-              flush=True)
-        us = min(us, split.get(best, us))
+    other = {}
+    if op == "silu":  # the other SiLU route (inside the product, or silu_and_mul first) at the winning shape
+        fused = decode_gemv.INT4_FUSED_SILU
+        decode_gemv.INT4_FUSED_SILU = not fused
+        other = _sweep(_int4_op(x, quantize_int4_rows(w, group), op), "RADIXLM_GEMV_CONFIG", [best], f"int4 {label}")
+        decode_gemv.INT4_FUSED_SILU = fused
+        inside, first = (us, other.get(best)) if fused else (other.get(best), us)
+        print(f"  int4 {label}: SiLU inside {inside or float('nan'):.1f} us, silu_and_mul first "
+              f"{first or float('nan'):.1f} us", flush=True)
+        other = {"int4_silu_inside_us": inside, "int4_silu_first_us": first}
     return {"int4_op": op, "int4_us": us, "int4_config": list(best), "int4_GBps": n * k / 2 / us / 1e3,
-            "int4_total_GBps": (n * k / 2 + 8 * n * k / group) / us / 1e3,
-            "int4_silu_first_us": split.get(best), "all_int4_us": {",".join(map(str, c)): t for c, t in timed.items()}}
+            "int4_total_GBps": (n * k / 2 + 8 * n * k / group) / us / 1e3, **other,
+            "all_int4_us": {",".join(map(str, c)): t for c, t in timed.items()}}
 
 
 def _int4_gemm_times(w: torch.Tensor) -> dict[str, Any]:
@@ -188,6 +190,9 @@ def sweep_gemv(int4_candidates: list[tuple[int, ...]]) -> dict[str, Any]:
               f"{tuple(int4['int4_config'])} ({int4['int4_GBps']:.0f} GB/s of nibbles, "
               f"{int4['int4_total_GBps']:.0f} with scales and zeros); 4-bit at 16/128/1024 rows: " + ", ".join(
                   f"{g['int4_TFLOPs']:.0f} vs bf16 {g['bf16_TFLOPs']:.0f} TFLOP/s" for g in gemm.values()), flush=True)
+    down = results[f"{SHAPES[-1][0]}x{SHAPES[-1][1]}"]  # the 8B down projection decides the SiLU route
+    if down.get("int4_silu_inside_us") and down.get("int4_silu_first_us"):
+        decode_gemv.INT4_FUSED_SILU = down["int4_silu_inside_us"] <= down["int4_silu_first_us"]
     for (n, k), op in zip(SMOL_SHAPES, OPS):
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
         x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
