@@ -16,7 +16,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-pytest.importorskip("triton")
+triton = pytest.importorskip("triton")
 
 from paged_kv import PagedBatch  # noqa: E402
 from test_kernels import DEVICE, assert_close, randn  # noqa: E402
@@ -30,6 +30,7 @@ from radixlm.kernels import quant_reference as qref  # noqa: E402
 from radixlm.kernels import reference as ref  # noqa: E402
 from radixlm.kernels import triton as tri  # noqa: E402
 from radixlm.kernels.triton import decode_gemv as gemv_module  # noqa: E402
+from radixlm.kernels.triton import int4_gemv  # noqa: E402
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 N, K = 37, 100  # tails against BLOCK_N 8 and BLOCK_K 32 below
@@ -208,6 +209,9 @@ def test_one_row_int4_with_a_partial_step(group, monkeypatch):
     sums = torch.rand(1, 3, device=DEVICE) * k
     assert_close(tri.rms_scaled_gemv(x, sums, 1e-6, w, None, scales, zeros),
                  ref.rms_scaled_gemv(x, sums, 1e-6, w, None, scales, zeros))
+    # The scales' other load orientation (the one older Tritons take, int4_gemv.TIES_FIRST_FASTEST).
+    monkeypatch.setattr(int4_gemv, "TIES_FIRST_FASTEST", triton.language.constexpr(not int4_gemv.TIES_FIRST_FASTEST))
+    assert_close(tri.gemv(x, w, None, scales, zeros), ref.gemv(x, w, None, scales, zeros))
 
 
 def test_rotary_qkv_gemv_int4():
