@@ -83,13 +83,20 @@ def _time_cuda(fn, iters: int = 200, per_graph: int = 20) -> float:
     return start.elapsed_time(end) / (iters // per_graph * per_graph) * 1e3
 
 
-def _sweep(fn, env: str, candidates: list[tuple[int, ...]], label: str) -> dict[tuple[int, ...], float]:
-    """Microseconds of `fn` under each launch shape, set through the kernel's override variable `env`."""
+def _sweep(fn, env: str, candidates: list[tuple[int, ...]], label: str, error=None) -> dict[tuple[int, ...], float]:
+    """Microseconds of `fn` under each launch shape, set through the kernel's override variable `env`; with
+    `error` (fn's output -> its relative error against a twin), shapes whose output is off by more than
+    2e-2 (bf16 outputs round at 4e-3; a wrong kernel is off by O(1)) are reported and left out."""
     timed = {}
     for cfg in candidates:
         os.environ[env] = ",".join(map(str, cfg))
         try:
-            timed[cfg] = _time_cuda(fn)
+            us = _time_cuda(fn)
+            err = error(fn()) if error else 0.0
+            if err > 2e-2:
+                print(f"  {label} {cfg}: WRONG, relative error {err:.3g} against the twin: left out", flush=True)
+            else:
+                timed[cfg] = us
         except Exception as exc:  # a shape the compiler refuses (registers, shared memory)
             print(f"  {label} {cfg}: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
     os.environ.pop(env, None)
@@ -99,31 +106,38 @@ def _sweep(fn, env: str, candidates: list[tuple[int, ...]], label: str) -> dict[
 def _int4_op(x: torch.Tensor, int4: tuple, op: str):
     """The fused decode GEMV a projection takes in the engine at batch 1, on a 4-bit weight: `scaled` (qkv,
     gate_up: rms_scaled_gemv; qkv's rotary epilogue aside), `residual` (o_proj) or `silu` (down_proj:
-    SiLU-and-mul of [gate | up] first, then the residual epilogue)."""
+    SiLU-and-mul of [gate | up] first, then the residual epilogue). Returns it, and its output's relative
+    error against the twin's (kernels/reference.py)."""
+    from radixlm.kernels import reference as ref
     from radixlm.kernels import triton as tri
 
     packed, scales, zeros = int4
     n, k = packed.shape[0], x.shape[1]
     if op == "scaled":
         sums = torch.rand(1, 8, device="cuda") * k
-        return lambda: tri.rms_scaled_gemv(x, sums, 1e-6, packed, None, scales, zeros)
-    residual, norm_w = torch.randn(1, n, device="cuda", dtype=x.dtype), torch.ones(n, device="cuda", dtype=x.dtype)
-    xs = torch.cat([x, x], dim=1) if op == "silu" else x
-    return lambda: tri.residual_gemv(xs, packed, residual, norm_w, silu=op == "silu", weight_scale=scales,
-                                     weight_zero=zeros)
+        args = (x, sums, 1e-6, packed, None, scales, zeros)
+        fn, want = (lambda: tri.rms_scaled_gemv(*args)), ref.rms_scaled_gemv(*args).float()
+    else:
+        residual, norm_w = torch.randn(1, n, device="cuda", dtype=x.dtype), torch.ones(n, device="cuda", dtype=x.dtype)
+        xs = torch.cat([x, x], dim=1) if op == "silu" else x
+        kwargs = dict(silu=op == "silu", weight_scale=scales, weight_zero=zeros)
+        fn = lambda: tri.residual_gemv(xs, packed, residual, norm_w, **kwargs)[0]  # noqa: E731 (the residual stream)
+        want = ref.residual_gemv(xs, packed, residual, norm_w, **kwargs)[0].float()
+    return fn, lambda got: ((got.float() - want).abs().max() / want.abs().max()).item()
 
 
 def _int4_sweep(x: torch.Tensor, w: torch.Tensor, group: int, op: str, candidates: list[tuple[int, ...]],
                 label: str) -> dict[str, Any]:
     """The 4-bit GEMV's launch shapes on one projection, timed as the engine runs it (`_int4_op`): the
     fastest installed in decode_gemv.CONFIGS_INT4, its GB/s of nibbles and of all it reads (nibbles, fp32
-    scales and zeros)."""
+    scales and zeros). Shapes whose output strays from the twin's are left out."""
     from radixlm.kernels.quant_reference import quantize_int4_rows
     from radixlm.kernels.triton import decode_gemv
 
     n, k = w.shape
-    timed = _sweep(_int4_op(x, quantize_int4_rows(w, group), op), "RADIXLM_GEMV_CONFIG", candidates,
-                   f"int4 {label}")
+    int4 = quantize_int4_rows(w, group)
+    fn, error = _int4_op(x, int4, op)
+    timed = _sweep(fn, "RADIXLM_GEMV_CONFIG", candidates, f"int4 {label}", error=error)
     best = min(timed, key=timed.get)
     decode_gemv.CONFIGS_INT4[(1, n, k)] = best
     us = timed[best]
@@ -133,7 +147,8 @@ def _int4_sweep(x: torch.Tensor, w: torch.Tensor, group: int, op: str, candidate
     if op == "silu":  # the other SiLU route (inside the product, or silu_and_mul first) at the winning shape
         fused = decode_gemv.INT4_FUSED_SILU
         decode_gemv.INT4_FUSED_SILU = not fused
-        other = _sweep(_int4_op(x, quantize_int4_rows(w, group), op), "RADIXLM_GEMV_CONFIG", [best], f"int4 {label}")
+        fn, error = _int4_op(x, int4, op)
+        other = _sweep(fn, "RADIXLM_GEMV_CONFIG", [best], f"int4 {label}", error=error)
         decode_gemv.INT4_FUSED_SILU = fused
         inside, first = (us, other.get(best)) if fused else (other.get(best), us)
         print(f"  int4 {label}: SiLU inside {inside or float('nan'):.1f} us, silu_and_mul first "
@@ -220,7 +235,7 @@ def ncu_gemv() -> None:
     x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
     sums = torch.rand(1, 8, device="cuda") * k
     wq, ws = quantize_fp8_rows(w)
-    runs = [_int4_op(x, quantize_int4_rows(w, 128), "scaled"),
+    runs = [_int4_op(x, quantize_int4_rows(w, 128), "scaled")[0],
             lambda: tri.rms_scaled_gemv(x, sums, 1e-6, wq, None, ws)]
     for fn in runs:  # compiled and warm outside the profiled range
         fn()
