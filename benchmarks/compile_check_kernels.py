@@ -156,7 +156,8 @@ def main(argv: list[str] | None = None) -> int:
             jobs.append((f"{name} M={rows} {block_n}x{block_k}", decode_gemv._gemv_kernel, warps, stages,
                          dict(dict(SILU=False, SCALED=False, RESIDUAL=False), **flags, HAS_BIAS=False,
                               W_SCALED=False, INT4=False, BLOCK_M=triton.next_power_of_2(rows), BLOCK_N=block_n,
-                              BLOCK_K=block_k, BLOCK_S=512 if flags.get("SCALED") else 1, STAGES=stages)))
+                              BLOCK_K=block_k, BLOCK_S=512 if flags.get("SCALED") else 1, STAGES=stages,
+                              EVEN_K=False)))
     # The four fused products of a layer on 4-bit weights (AWQ/GPTQ: pack_int4's int32 words, fp32 scales and
     # zeros) at one row, the down projection with the SiLU inside or not as INT4_FUSED_SILU says; the label
     # gives the weights a lane takes a step (the register-prefetch loop, stages 1, is unrolled twice).
@@ -172,7 +173,8 @@ def main(argv: list[str] | None = None) -> int:
                      decode_gemv._gemv_kernel, warps, stages,
                      dict(dict(SILU=False, SCALED=False, RESIDUAL=False), **flags, HAS_BIAS=False, W_SCALED=False,
                           INT4=True, BLOCK_M=1, BLOCK_N=block_n, BLOCK_K=block_k,
-                          BLOCK_S=512 if flags.get("SCALED") else 1, STAGES=stages), frozenset(), int4_ptrs))
+                          BLOCK_S=512 if flags.get("SCALED") else 1, STAGES=stages, EVEN_K=k % block_k == 0),
+                     frozenset(), int4_ptrs))
     # The qkv GEMV with the rotary and the KV store in its epilogue (1 row, scaled; 8 rows, after the
     # first layer's norm; 1 row on 4-bit weights), storing into the pool.
     for rows, scaled, int4 in ((1, True, False), (8, False, False), (1, True, True)):
@@ -182,7 +184,8 @@ def main(argv: list[str] | None = None) -> int:
                      decode_gemv._rotary_qkv_kernel, warps, stages,
                      dict(NUM_HEADS=args.heads, NUM_KV_HEADS=args.kv_heads, HEAD_DIM=d, HAS_BIAS=False, SCALED=scaled,
                           W_SCALED=False, INT4=int4, BLOCK_M=triton.next_power_of_2(rows), PAIRS=block_n // 2,
-                          BLOCK_K=block_k, BLOCK_S=512 if scaled else 1, STAGES=stages, SAT=sat), STORE_POOL,
+                          BLOCK_K=block_k, BLOCK_S=512 if scaled else 1, STAGES=stages, SAT=sat,
+                          EVEN_K=int4 and 4096 % block_k == 0), STORE_POOL,
                      int4_ptrs if int4 else None))
     print(f"triton {triton.__version__}, sm_90, {args.dtype}, {args.index} indices, head_dim {d}, GQA {group}, "
           f"KV pool {kv_type or args.dtype}")

@@ -212,6 +212,9 @@ def test_one_row_int4_with_a_partial_step(group, monkeypatch):
     # The scales' other load orientation (the one older Tritons take, int4_gemv.TIES_FIRST_FASTEST).
     monkeypatch.setattr(int4_gemv, "TIES_FIRST_FASTEST", triton.language.constexpr(not int4_gemv.TIES_FIRST_FASTEST))
     assert_close(tri.gemv(x, w, None, scales, zeros), ref.gemv(x, w, None, scales, zeros))
+    # K a multiple of the step: no activation masks, the last step's prefetch clamped inside K.
+    monkeypatch.setenv("RADIXLM_GEMV_CONFIG", "16,128,4,1")
+    assert_close(tri.gemv(x, w, None, scales, zeros), ref.gemv(x, w, None, scales, zeros))
 
 
 def test_rotary_qkv_gemv_int4():

@@ -135,11 +135,12 @@ def _product(X, W, offs_m, offs_n, m_mask, n_mask, k, stride_xm, stride_wn,
 @triton.jit
 def _weight_product(X, W, WScale, WZero, offs_m, offs_n, m_mask, n_mask, k, group, num_groups, stride_xm, stride_wn,
                     SILU: tl.constexpr, INT4: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
-    """The product for the weight's kind: 4-bit (INT4: scales and zeros applied inside), else bf16/fp8."""
+                    BLOCK_K: tl.constexpr, STAGES: tl.constexpr, EVEN_K: tl.constexpr):
+    """The product for the weight's kind: 4-bit (INT4: scales and zeros applied inside; EVEN_K: K a
+    multiple of BLOCK_K), else bf16/fp8."""
     if INT4:
         out = product_int4(X, W, WScale, WZero, offs_m, offs_n, m_mask, n_mask, k, group, num_groups, stride_xm,
-                            stride_wn, SILU, BLOCK_M, BLOCK_N, BLOCK_K, STAGES)
+                           stride_wn, SILU, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, EVEN_K)
     else:
         out = _product(X, W, offs_m, offs_n, m_mask, n_mask, k, stride_xm, stride_wn, SILU, BLOCK_M, BLOCK_N,
                        BLOCK_K, STAGES)
@@ -181,7 +182,7 @@ def _gemv_kernel(
     SILU: tl.constexpr, HAS_BIAS: tl.constexpr, SCALED: tl.constexpr, RESIDUAL: tl.constexpr,
     W_SCALED: tl.constexpr, INT4: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_S: tl.constexpr,
-    STAGES: tl.constexpr,
+    STAGES: tl.constexpr, EVEN_K: tl.constexpr,
 ):
     pid = tl.program_id(0)
     offs_m = tl.arange(0, BLOCK_M)
@@ -195,7 +196,7 @@ def _gemv_kernel(
         r = tl.load(Res + offs_m[:, None] * stride_rm + offs_n[None, :], mask=mn_mask, other=0.0)
         norm_w = tl.load(NormW + offs_n, mask=n_mask, other=0.0)
     out = _weight_product(X, W, WScale, WZero, offs_m, offs_n, m_mask, n_mask, k, group, num_groups, stride_xm,
-                          stride_wn, SILU, INT4, BLOCK_M, BLOCK_N, BLOCK_K, STAGES)
+                          stride_wn, SILU, INT4, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, EVEN_K)
     out = _scale_and_bias(out, sums, Bias, WScale, offs_n, n_mask, k, eps, SCALED, HAS_BIAS, W_SCALED)
     if RESIDUAL:
         # h = product + residual is the residual stream (rounded to its dtype, as the reference's sum is);
@@ -215,7 +216,7 @@ def _rotary_qkv_kernel(
     stride_vbs, stride_vbh, stride_cp, eps,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HAS_BIAS: tl.constexpr,
     SCALED: tl.constexpr, W_SCALED: tl.constexpr, INT4: tl.constexpr, BLOCK_M: tl.constexpr, PAIRS: tl.constexpr,
-    BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr, STAGES: tl.constexpr, SAT: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr, STAGES: tl.constexpr, SAT: tl.constexpr, EVEN_K: tl.constexpr,
 ):
     """The qkv projection with the rotary and the KV store in its epilogue. A program owns PAIRS pairs of
     rotate-half partners (d, d + HEAD_DIM/2) of one head, interleaved, so that its outputs rotate among
@@ -232,7 +233,7 @@ def _rotary_qkv_kernel(
     sums = _load_sums(Sums, offs_m, m_mask, num_sums, stride_sm, SCALED, BLOCK_S)
     pos = tl.load(Positions + offs_m, mask=m_mask, other=0).to(tl.int64)
     out = _weight_product(X, W, WScale, WZero, offs_m, offs_n, m_mask, n_mask, k, group, num_groups, stride_xm,
-                          stride_wn, False, INT4, BLOCK_M, 2 * PAIRS, BLOCK_K, STAGES)
+                          stride_wn, False, INT4, BLOCK_M, 2 * PAIRS, BLOCK_K, STAGES, EVEN_K)
     # Rounded where the reference's projection output is, then split into the partners' halves.
     out = _scale_and_bias(out, sums, Bias, WScale, offs_n, n_mask, k, eps, SCALED, HAS_BIAS, W_SCALED)
     out = out.to(X.dtype.element_ty).to(tl.float32)
@@ -315,7 +316,8 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
             BLOCK_M=triton.next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k,
             # Only a scaled product reads the partial sums; elsewhere a constant, so that no other launch
             # compiles a variant per N.
-            BLOCK_S=triton.next_power_of_2(held.shape[1]) if scaled else 1, STAGES=stages, num_warps=warps,
+            BLOCK_S=triton.next_power_of_2(held.shape[1]) if scaled else 1, STAGES=stages,
+            EVEN_K=weight_zero is not None and k % block_k == 0, num_warps=warps,
         )
     return (summed, out, sums) if residual is not None else out
 
@@ -384,6 +386,7 @@ def rotary_qkv_gemv(
         SCALED=sums is not None, W_SCALED=weight_scale is not None and weight_zero is None,
         INT4=weight_zero is not None, BLOCK_M=triton.next_power_of_2(m), PAIRS=pairs, BLOCK_K=block_k,
         BLOCK_S=triton.next_power_of_2(held.shape[1]) if sums is not None else 1, STAGES=stages,
+        EVEN_K=weight_zero is not None and k % block_k == 0,
         SAT=kv_limit(k_buffer), num_warps=warps,
     )
     return q

@@ -28,11 +28,11 @@ def _x_slices(X, offs, mask, k, SILU: tl.constexpr):
 
 @triton.jit
 def _int4_step(X, W, Scale, Zero, rows, blocks, w_offs, x_offs, m_mask, num_blocks, num_groups, group, k,
-               SILU: tl.constexpr):
+               SILU: tl.constexpr, EVEN_K: tl.constexpr):
     """One step's loads: the words [BLOCK_N, BLOCKS, 4] (a block's four words, 16 bytes, in one lane), the
     scales and zeros [BLOCK_N, BLOCKS] and the eight activation slices [BLOCK_M, BLOCKS, 4]. Rows and blocks
     past the end are clamped to the last (their products are never stored, or meet zero activations), so
-    only the activations are masked."""
+    only the activations are masked, and only where K ends inside a step (not EVEN_K)."""
     safe = tl.minimum(blocks, num_blocks - 1)
     # Contiguity 2 along the blocks (4 in truth along a block's words, the dim that sets the vector width,
     # 1 along rows and blocks) tells Triton to lay lanes out along the blocks before the rows.
@@ -43,8 +43,11 @@ def _int4_step(X, W, Scale, Zero, rows, blocks, w_offs, x_offs, m_mask, num_bloc
     else:
         sz = rows[:, None] * num_groups + (safe * 32 // group)[None, :]
         scale, zero = tl.load(Scale + sz), tl.load(Zero + sz)
-    x = _x_slices(X, x_offs + blocks[None, :, None] * 32, m_mask[:, None, None] & (blocks < num_blocks)[None, :, None],
-                  k, SILU)
+    if EVEN_K:  # a block past K is only ever a prefetch past the end, whose values go unused
+        x = _x_slices(X, x_offs + safe[None, :, None] * 32, m_mask[:, None, None], k, SILU)
+    else:
+        x = _x_slices(X, x_offs + blocks[None, :, None] * 32,
+                      m_mask[:, None, None] & (blocks < num_blocks)[None, :, None], k, SILU)
     return words, scale, zero, x
 
 
@@ -78,7 +81,7 @@ def _int4_accumulate(acc, words, xs, scale, zero, ROWS: tl.constexpr):
 @triton.jit
 def product_int4(X, W, Scale, Zero, offs_m, offs_n, m_mask, n_mask, k, group, num_groups, stride_xm, stride_wn,
                   SILU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                  STAGES: tl.constexpr):
+                  STAGES: tl.constexpr, EVEN_K: tl.constexpr):
     """_product for a 4-bit W: pack_int4's words [N, K / 8] with fp32 Scale and Zero [N, K / group], a
     step of BLOCK_K / 32 blocks (`_int4_terms`). A lane holds a block's four words (one 16-byte load) of
     each of its rows. At one row of x (batch-1 decode) the weight tile's layout is the compute layout: the
@@ -101,16 +104,16 @@ def product_int4(X, W, Scale, Zero, offs_m, offs_n, m_mask, n_mask, k, group, nu
         acc = tl.zeros((BLOCK_N, BLOCKS, 4), dtype=tl.float32)
     if STAGES == 1:
         words, scale, zero, xs = _int4_step(X, W, Scale, Zero, rows, offs_b, w_offs, x_offs, m_mask, num_blocks,
-                                            num_groups, group, k, SILU)
+                                            num_groups, group, k, SILU, EVEN_K)
         for b0 in tl.range(0, num_blocks, BLOCKS, loop_unroll_factor=2):
             n_words, n_scale, n_zero, n_xs = _int4_step(X, W, Scale, Zero, rows, b0 + BLOCKS + offs_b, w_offs,
-                                                        x_offs, m_mask, num_blocks, num_groups, group, k, SILU)
+                                                        x_offs, m_mask, num_blocks, num_groups, group, k, SILU, EVEN_K)
             acc = _int4_accumulate(acc, words, xs, scale, zero, ROWS)
             words, scale, zero, xs = n_words, n_scale, n_zero, n_xs
     else:
         for b0 in tl.range(0, num_blocks, BLOCKS, num_stages=STAGES):
             words, scale, zero, xs = _int4_step(X, W, Scale, Zero, rows, b0 + offs_b, w_offs, x_offs, m_mask,
-                                                num_blocks, num_groups, group, k, SILU)
+                                                num_blocks, num_groups, group, k, SILU, EVEN_K)
             acc = _int4_accumulate(acc, words, xs, scale, zero, ROWS)
     if ROWS:
         out = tl.sum(tl.sum(acc, axis=3), axis=2)
