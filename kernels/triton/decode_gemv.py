@@ -59,24 +59,24 @@ CONFIGS_FP8: dict[tuple[int, int, int], tuple[int, int, int, int]] = {
 # BLOCK_K in columns (a multiple of 32, the layout's block). Measured shapes by (rows, N, K); others take
 # INT4_DEFAULTS by rows. bench_quant.py --sweep-gemv measures and prints them.
 CONFIGS_INT4: dict[tuple[int, int, int], tuple[int, int, int, int]] = {
-    # Not yet timed on a GPU (bench_quant.py --sweep-gemv replaces them in its run): the one-row product
-    # with Triton's cp.async stages (the loads of 3 steps in flight, 58-78 registers at 4 warps, so several
-    # programs an SM: triton 3.6's sm_90 code, benchmarks/compile_check_kernels.py), 16 or 32 rows x 512
-    # columns (BLOCK_K / 8 activations a slice, fewer than the lanes: int4_gemv.product_int4).
-    (1, 6144, 4096): (16, 512, 4, 3), (1, 4096, 4096): (16, 512, 4, 3), (1, 28672, 4096): (32, 512, 4, 3),
-    (1, 4096, 14336): (16, 512, 4, 3),
+    # One H100 (triton 3.6.0), one row, each timed as the fused op it runs in (bench_quant.py --sweep-gemv;
+    # benchmarks/results/2026-12-07-quantization.md, session 5): the register prefetch (stages 1) won on
+    # every shape, the cp.async stages took 1.5-3x as long. The 8B shapes (groups of 128), SmolLM2's (32).
+    (1, 6144, 4096): (32, 512, 4, 1), (1, 4096, 4096): (32, 1024, 8, 1), (1, 28672, 4096): (32, 512, 4, 1),
+    (1, 4096, 14336): (32, 1024, 8, 1), (1, 960, 576): (8, 256, 2, 1), (1, 576, 576): (16, 1024, 8, 1),
+    (1, 3072, 576): (8, 256, 2, 1), (1, 576, 1536): (16, 512, 4, 1),
 }
 INT4_DEFAULTS: dict[int, tuple[int, int, int, int]] = {
-    # One row: as above. Several rows take the 4D product (its layout goes through shared memory) with run
-    # 5's small programs (H100: latency-bound; fewer columns a step at more rows, each lane's sums in
-    # registers).
-    1: (16, 512, 4, 3), 2: (8, 1024, 4, 3), 4: (8, 512, 4, 3), 8: (8, 256, 4, 2), 16: (4, 256, 4, 2),
+    # One row: the winner of the two largest 8B shapes. Several rows take the 4D product (its layout goes
+    # through shared memory) with run 5's small programs (H100: latency-bound; fewer columns a step at more
+    # rows, each lane's sums in registers).
+    1: (32, 512, 4, 1), 2: (8, 1024, 4, 3), 4: (8, 512, 4, 3), 8: (8, 256, 4, 2), 16: (4, 256, 4, 2),
 }
 # Whether a one-row 4-bit product with SiLU-and-mul in front (down_proj) computes it inside (each lane
 # evaluates the SiLU of the activations it holds, once for its rows: BLOCK_K / 8 lanes a value) or takes a
 # silu_and_mul launch first (SiLU-and-mul evaluated once a value, at the cost of a launch; the default:
-# inside, the down projection's loop took 2.4x the instructions of the others, benchmarks/
-# compile_check_kernels.py); bench_quant.py --sweep-gemv times both.
+# on one H100, 4096 x 14336, 18.8 us against 30.5 inside; SmolLM2's 576 x 1536, 4.5 against 6.4);
+# bench_quant.py --sweep-gemv times both.
 INT4_FUSED_SILU = False
 if os.environ.get("RADIXLM_GEMV_CONFIGS"):
     with open(os.environ["RADIXLM_GEMV_CONFIGS"]) as f:
@@ -92,8 +92,8 @@ def gemv_config(m: int, n: int, k: int, weight_bytes: float = 2) -> tuple[int, i
     plain loop (registers only). A weight of `weight_bytes` 1 (fp8) takes CONFIGS_FP8's shape, else the
     bf16 one with BLOCK_K doubled (the same bytes a step), BLOCK_N halved where that keeps 64
     accumulators a thread. A 4-bit weight (`weight_bytes` 0.5) takes CONFIGS_INT4's shape, else
-    INT4_DEFAULTS' for its rows (fewer rows a program where N leaves under two programs an SM), its step
-    no longer than K."""
+    INT4_DEFAULTS' for its rows (fewer rows a program where N leaves under a program an SM), its step no
+    longer than K."""
     override = os.environ.get("RADIXLM_GEMV_CONFIG")
     if override:
         block_n, block_k, warps, stages = (int(v) for v in override.split(","))
@@ -103,7 +103,7 @@ def gemv_config(m: int, n: int, k: int, weight_bytes: float = 2) -> tuple[int, i
         if (block_m, n, k) in CONFIGS_INT4:
             return CONFIGS_INT4[(block_m, n, k)]
         block_n, block_k, warps, stages = INT4_DEFAULTS[block_m]
-        while block_n > 8 and triton.cdiv(n, block_n) < 264:  # small N (SmolLM2's): two programs an SM
+        while block_n > 8 and triton.cdiv(n, block_n) < 132:  # small N (SmolLM2's): a program an SM
             block_n //= 2
         return block_n, max(32, min(block_k, triton.next_power_of_2(k))), warps, stages
     if weight_bytes == 1 and (block_m, n, k) in CONFIGS_FP8:
