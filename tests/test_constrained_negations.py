@@ -16,6 +16,8 @@ from radixlm.core.runtime.constrained import build_constraint
 from radixlm.testing.constrained import random_walk
 from radixlm.testing.constrained import accepts_text
 
+INT = {"type": "integer"}
+
 # (schema, valid instances the grammar accepts, invalid instances)
 CASES = [
     ({"not": {"enum": [1, "x", None, [1], {"b": 2}]}},
@@ -94,3 +96,52 @@ def test_generated_instances_are_valid(case, tiny_tokenizer):
 def test_enums_without_a_common_value_admit_nothing(tiny_tokenizer):
     with pytest.raises(ValueError, match="admits no value"):
         build_constraint("json_schema", {"allOf": [{"enum": [1, 2]}, {"enum": [3]}]}, tiny_tokenizer)
+
+
+def _objects(keys: list[str], kinds: list) -> list[dict]:
+    """Every object over `keys` (in that order) whose "kind", when present, is one of `kinds`; others 1."""
+    out = []
+    for mask in range(1 << len(keys)):
+        present = [k for i, k in enumerate(keys) if mask >> i & 1]
+        for kind in kinds if "kind" in present else [None]:
+            out.append({k: kind if k == "kind" else 1 for k in present})
+    return out
+
+
+@pytest.mark.parametrize("draft, keyword", [("7", "dependencies"), ("2020-12", "dependentSchemas")])
+def test_dependencies_on_one_propertys_value_equal_jsonschema_on_every_object(draft, keyword, tiny_tokenizer):
+    """Keys each allowed for some values of one property (MaskBench's mongodb-atlas-search-index-definition
+    has 17: 2^17 combinations, once refused) beside a key list and a key whose own value is restricted:
+    every object over the keys, in schema order, accepted exactly when jsonschema accepts it."""
+    schema = {"type": "object", "additionalProperties": False,
+              "properties": {"kind": {"type": "string"}, "x": INT, "y": INT, "z": INT, "w": INT},
+              keyword: {"x": {"properties": {"kind": {"enum": ["a", "b"]}}},
+                        "y": {"properties": {"kind": {"enum": ["b", "c"], "type": "string"}}},
+                        "z": {"properties": {"kind": {"const": "a"}}},
+                        "kind": {"properties": {"kind": {"enum": ["a", "b", "c", "e"]}}}}}
+    if keyword == "dependencies":
+        schema[keyword]["w"] = ["x"]
+    else:
+        schema["dependentRequired"] = {"w": ["x"]}
+    validator = (jsonschema.Draft7Validator if draft == "7" else jsonschema.Draft202012Validator)(schema)
+    constraint = build_constraint("json_schema", schema, tiny_tokenizer)
+    instances = _objects(["kind", "x", "y", "z", "w"], ["a", "b", "c", "d", "e"])
+    assert sum(validator.is_valid(i) for i in instances) > 10
+    for instance in instances:
+        text = json.dumps(instance, separators=(",", ":"))
+        assert accepts_text(constraint, text) == validator.is_valid(instance), text
+    rng = np.random.default_rng(0)
+    for _ in range(30):
+        constraint = build_constraint("json_schema", schema, tiny_tokenizer)
+        text = tiny_tokenizer.decode(random_walk(constraint, rng, max_tokens=40), clean_up_tokenization_spaces=False)
+        assert validator.is_valid(json.loads(text)), text
+
+
+def test_many_keys_depending_on_one_propertys_value_compile(tiny_tokenizer):
+    keys = [f"k{i}" for i in range(20)]
+    schema = {"type": "object", "properties": {"kind": {"enum": ["a", "b", "c"]}, **{k: INT for k in keys}},
+              "dependencies": {k: {"properties": {"kind": {"enum": ["abc"[i % 3]]}}} for i, k in enumerate(keys)}}
+    constraint = build_constraint("json_schema", schema, tiny_tokenizer)
+    assert accepts_text(constraint, '{"kind":"b","k1":1,"k4":2}')
+    assert not accepts_text(constraint, '{"kind":"b","k1":1,"k2":2}')
+    assert accepts_text(constraint, '{"k1":1,"k2":2}')
