@@ -58,6 +58,14 @@ CASES = [
     ({"type": "string", "pattern": "^(?!^lucene\\.|builtin\\.|mongodb\\.).*"},
      ["", "x", "lucene", "lucenex.", "a.lucene.", "mongodb"], ["lucene.", "builtin.x", "mongodb.a", 1]),
     ({"type": "string", "pattern": "^(?!a)(?!b)[a-d]+$"}, ["c", "cd", "da"], ["a", "b", "ab", "", "ce", "cx"]),
+    # oneOf branches told apart by a key one requires and the other's additionalProperties false forbids
+    # (MaskBench Handwritten testwp9 and WashingtonPost wp_105's promo items): no `not` needed, where the
+    # `not` of the closed branch (its format) cannot be said
+    ({"oneOf": [{"type": "object", "required": ["version"], "additionalProperties": {}},
+                {"type": "object", "properties": {"kind": {"const": "x"}, "at": {"type": "string", "format": "email"}},
+                 "required": ["kind"], "additionalProperties": False}]},
+     [{"version": 1}, {"version": 2, "kind": "x"}, {"kind": "x"}, {"kind": "x", "at": "a@example.com"}],
+     [{}, {"at": "a@example.com"}, {"kind": "y"}, {"kind": "x", "b": 1}, 1]),
 ]
 
 

@@ -7,7 +7,7 @@ import fractions
 import json
 import re
 from collections.abc import Iterable, Iterator
-from typing import Any
+from typing import Any, Callable
 
 from radixlm.core.runtime.constrained.automata.grammar import Expr
 from radixlm.core.runtime.constrained.schema.json_common import (CONFLICT, IGNORED_KEYWORDS, NOT_STRINGS, JSON_TYPES,
@@ -331,9 +331,20 @@ class ExclusionRules:
         closed = "additionalProperties" not in schema and bool(props) or schema.get("additionalProperties") is False
         return {"types": types, "consts": consts, "required": set(schema.get("required") or []),
                 "props": set(props) | set(schema.get("required") or []), "closed": closed and not schema.get("patternProperties"),
+                "forbids": _forbidden_keys(schema),
                 "prop_consts": {k: _consts_within(v) for k, v in props.items() if _consts_within(v) is not None},
                 "prop_not_consts": {k: _const_of(v["not"]) for k, v in props.items()
                                     if isinstance(v, dict) and _const_of(v.get("not")) is not None}}
+
+
+def _forbidden_keys(schema: dict) -> Callable[[str], bool]:
+    """Whether a validator rejects an object of `schema` holding a key (additionalProperties false or the
+    key's schema false; not the generation's strictness, which closes objects that list keys)."""
+    props = schema.get("properties") or {}
+    false = {k for k, v in props.items() if v is False or v == {"not": {}}}
+    if schema.get("additionalProperties") is not False or schema.get("patternProperties"):
+        return false.__contains__
+    return lambda key: key in false or key not in props
 
 
 def _pairwise_exclusive(sigs: list[dict]) -> bool:
@@ -376,6 +387,9 @@ def _excludes(a: dict, b: dict) -> bool:
     # a holds constants b's schema for that key does not allow.
     if a.get("closed") and b.get("required", set()) - a.get("props", set()):
         return True
+    forbids = b.get("forbids")
+    if forbids is not None and any(forbids(key) for key in a.get("required", ())):
+        return True  # a writes a key b's validation rejects
     for key, values in a.get("prop_consts", {}).items():
         other = b.get("prop_consts", {}).get(key)
         if key in a.get("required", set()) and other is not None and all(v not in other for v in values):
