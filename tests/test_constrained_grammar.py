@@ -409,6 +409,19 @@ def test_refs_to_registered_documents_resolve(tmp_path, tiny_tokenizer):
         register_documents(tmp_path)
 
 
+@pytest.mark.parametrize("dialect", ["http://json-schema.org/draft-04/schema#", "http://json-schema.org/draft-07/schema#",
+                                     "https://json-schema.org/draft/2020-12/schema"])
+def test_ref_siblings_are_ignored_before_2019_09_and_apply_after(dialect, tiny_tokenizer):
+    schema = {"$schema": dialect, "definitions": {"d": {"properties": {"basic": STR}}}, "type": "object",
+              "properties": {"x": {"$ref": "#/definitions/d", "type": "object", "required": ["basic"]}}}
+    validator = jsonschema.validators.validator_for(schema)(schema)
+    c = build_constraint("json_schema", schema, tiny_tokenizer)
+    docs = [{"x": "s"}, {"x": 1}, {"x": {}}, {"x": {"basic": "a"}}, {"x": {"basic": 1}}]
+    assert sum(map(validator.is_valid, docs)) == (1 if "2020" in dialect else 4)
+    for doc in docs:
+        assert accepts_text(c, json.dumps(doc, separators=(",", ":"))) == validator.is_valid(doc), doc
+
+
 def test_allof_of_three_different_constants_admits_no_value(tiny_tokenizer):
     with pytest.raises(ValueError, match="admits no value"):
         build_constraint("json_schema", {"allOf": [{"const": 1}, {"const": 2}, {"const": 3}]}, tiny_tokenizer)

@@ -18,6 +18,10 @@ from radixlm.testing.constrained import accepts_text
 
 INT = {"type": "integer"}
 
+OPEN_VERSIONED = {"type": "object", "required": ["version"], "additionalProperties": {}}
+CLOSED_KIND = {"type": "object", "properties": {"kind": {"const": "x"}, "at": {"type": "string", "format": "email"}},
+               "required": ["kind"], "additionalProperties": False}
+
 # (schema, valid instances the grammar accepts, invalid instances)
 CASES = [
     ({"not": {"enum": [1, "x", None, [1], {"b": 2}]}},
@@ -61,11 +65,18 @@ CASES = [
     # oneOf branches told apart by a key one requires and the other's additionalProperties false forbids
     # (MaskBench Handwritten testwp9 and WashingtonPost wp_105's promo items): no `not` needed, where the
     # `not` of the closed branch (its format) cannot be said
-    ({"oneOf": [{"type": "object", "required": ["version"], "additionalProperties": {}},
-                {"type": "object", "properties": {"kind": {"const": "x"}, "at": {"type": "string", "format": "email"}},
-                 "required": ["kind"], "additionalProperties": False}]},
+    ({"oneOf": [OPEN_VERSIONED, CLOSED_KIND]},
      [{"version": 1}, {"version": 2, "kind": "x"}, {"kind": "x"}, {"kind": "x", "at": "a@example.com"}],
      [{}, {"at": "a@example.com"}, {"kind": "y"}, {"kind": "x", "b": 1}, 1]),
+    # the same oneOf met twice (a key both listed and matched by a pattern): allOf of the two, each branch
+    # merged with the other oneOf's (its combinations with another branch admit no value)
+    ({"type": "object", "properties": {"b": {"oneOf": [OPEN_VERSIONED, CLOSED_KIND]}},
+      "patternProperties": {"^b": {"oneOf": [OPEN_VERSIONED, CLOSED_KIND]}}},
+     [{"b": {"version": 1}}, {"b": {"kind": "x"}}, {"b": {"version": 1}, "bb": {"kind": "x"}}],
+     [{"b": {}}, {"b": {"kind": "x", "c": 1}}, {"bb": {"kind": "y"}}]),
+    ({"type": "object", "properties": {"b": {"allOf": [{"oneOf": [OPEN_VERSIONED, CLOSED_KIND]},
+                                                       {"oneOf": [OPEN_VERSIONED, CLOSED_KIND, {"const": 1}]}]}}},
+     [{"b": {"version": 1}}, {"b": {"kind": "x"}}], [{"b": {}}, {"b": 1}, {"b": {"kind": "y"}}]),
 ]
 
 

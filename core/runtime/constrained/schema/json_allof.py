@@ -34,7 +34,7 @@ class AllOfRules:
         """allOf merged; a part's additionalProperties also constrains the properties that only other
         parts list (it does not look into them), and its items the other parts' extra prefix items, so
         those carry it along before the merge."""
-        parts = self._flat_parts(schemas, refs)
+        parts = _distinct_choices(self._flat_parts(schemas, refs))
         choosing = [p for p in parts if isinstance(p, dict) and ("anyOf" in p or "oneOf" in p)]
         if len(choosing) > 1 or choosing and "anyOf" in choosing[0] and "oneOf" in choosing[0]:
             combinations = math.prod(len(p[k]) for p in choosing for k in ("anyOf", "oneOf")
@@ -160,6 +160,20 @@ class AllOfRules:
                 part = {k: v for k, v in part.items() if k != "allOf"}
             parts.append(part)
         return parts
+
+
+def _distinct_choices(parts: list[Any]) -> list[Any]:
+    """allOf's parts less a choice that a later part repeats (A and A is A; a property both listed and
+    matched by a pattern meets the same oneOf twice), so that it does not multiply the combinations."""
+    seen, out = set(), []
+    for part in reversed(parts):  # (the last part, the parent, stays last)
+        if isinstance(part, dict) and ("anyOf" in part or "oneOf" in part):
+            text = json.dumps(part, sort_keys=True, default=str)
+            if text in seen:
+                continue
+            seen.add(text)
+        out.append(part)
+    return out[::-1]
 
 
 def _known_keywords(schema: Any) -> Any:

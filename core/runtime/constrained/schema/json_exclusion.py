@@ -304,6 +304,11 @@ class ExclusionRules:
             schema = self._merge(schema["allOf"] + [{k: v for k, v in schema.items() if k != "allOf"}], ())
         if not isinstance(schema, dict):
             return {"types": set(JSON_TYPES) | {"integer"}, "consts": None}
+        if len(schema) == 1 and isinstance(schema.get("anyOf", schema.get("oneOf")), list) and depth < 8:
+            # A choice alone (what a merge of choices gives): what all its branches' outputs share, its
+            # branches that admit no value left out.
+            sigs = [self._signature(b, depth + 1) for b in schema.get("anyOf", schema.get("oneOf"))]
+            return _joined([s for s in sigs if not _excludes(s, s)])
         if schema.get("const") is CONFLICT:
             return {"types": set(), "consts": None}
         consts = None
@@ -328,7 +333,7 @@ class ExclusionRules:
         if schema.get("nullable") is True:
             types.add("null")
         props = schema.get("properties") or {}
-        closed = "additionalProperties" not in schema and bool(props) or schema.get("additionalProperties") is False
+        closed = "additionalProperties" not in schema and bool(props) or _rejects_all(schema.get("additionalProperties"))
         return {"types": types, "consts": consts, "required": set(schema.get("required") or []),
                 "props": set(props) | set(schema.get("required") or []), "closed": closed and not schema.get("patternProperties"),
                 "forbids": _forbidden_keys(schema),
@@ -337,14 +342,39 @@ class ExclusionRules:
                                     if isinstance(v, dict) and _const_of(v.get("not")) is not None}}
 
 
+def _joined(sigs: list[dict]) -> dict:
+    """The signature of outputs of any of `sigs`: what each has (the types and constants of any; the keys
+    all require; constants of a key that each lists)."""
+    if len(sigs) <= 1:
+        return sigs[0] if sigs else {"types": set(), "consts": None}
+    consts = [s["consts"] for s in sigs]
+    forbids = [s.get("forbids") for s in sigs]
+    shared = set.intersection(*(set(s.get("prop_consts", {})) for s in sigs))
+    return {"types": set().union(*(s["types"] for s in sigs)),
+            "consts": None if any(c is None for c in consts) else [c for cs in consts for c in cs],
+            "required": set.intersection(*(s.get("required", set()) for s in sigs)),
+            "props": set().union(*(s.get("props", set()) for s in sigs)),
+            "closed": all(s.get("closed") for s in sigs),
+            "forbids": None if None in forbids else lambda key: all(f(key) for f in forbids),
+            "prop_consts": {k: [v for s in sigs for v in s["prop_consts"][k]] for k in shared},
+            "prop_not_consts": {}}
+
+
 def _forbidden_keys(schema: dict) -> Callable[[str], bool]:
     """Whether a validator rejects an object of `schema` holding a key (additionalProperties false or the
     key's schema false; not the generation's strictness, which closes objects that list keys)."""
     props = schema.get("properties") or {}
-    false = {k for k, v in props.items() if v is False or v == {"not": {}}}
-    if schema.get("additionalProperties") is not False or schema.get("patternProperties"):
+    false = {k for k, v in props.items() if _rejects_all(v)}
+    if not _rejects_all(schema.get("additionalProperties", True)) or schema.get("patternProperties"):
         return false.__contains__
     return lambda key: key in false or key not in props
+
+
+def _rejects_all(schema: Any) -> bool:
+    """Whether no value is valid under `schema` as written: false, `not: {}`, or an allOf (what merges
+    make) with such a part."""
+    return schema is False or isinstance(schema, dict) and (
+        schema.get("not", False) in (True, {}) or any(_rejects_all(p) for p in schema.get("allOf") or ()))
 
 
 def _pairwise_exclusive(sigs: list[dict]) -> bool:
@@ -387,9 +417,9 @@ def _excludes(a: dict, b: dict) -> bool:
     # a holds constants b's schema for that key does not allow.
     if a.get("closed") and b.get("required", set()) - a.get("props", set()):
         return True
-    forbids = b.get("forbids")
-    if forbids is not None and any(forbids(key) for key in a.get("required", ())):
-        return True  # a writes a key b's validation rejects
+    for forbids in (b.get("forbids"), a.get("forbids")):  # a writes a key b rejects (or a itself: no value)
+        if forbids is not None and any(forbids(key) for key in a.get("required", ())):
+            return True
     for key, values in a.get("prop_consts", {}).items():
         other = b.get("prop_consts", {}).get(key)
         if key in a.get("required", set()) and other is not None and all(v not in other for v in values):
