@@ -488,12 +488,15 @@ def test_automaton_products_match_python_re():
     string of up to 5 characters over the alphabet the patterns use."""
     import itertools
 
-    from radixlm.core.runtime.constrained.automata.regex_dfa import dfa_difference, dfa_intersection, regex_to_dfa
+    from radixlm.core.runtime.constrained.automata.regex_dfa import (dfa_difference, dfa_disjoint, dfa_intersection,
+                                                                     regex_to_dfa)
 
-    pairs = [("a[ab]*", "[ab]*b"), ("(ab|ba)+", "a.*"), ("a{2,4}", "a{3}"), ("[abc]{1,3}", "c?"), ("ab", "ba")]
+    pairs = [("a[ab]*", "[ab]*b"), ("(ab|ba)+", "a.*"), ("a{2,4}", "a{3}"), ("[abc]{1,3}", "c?"), ("ab", "ba"),
+             ("ab[abc]{1,3}", "ba[abc]{1,3}"), ("a*b", "a*c")]
     for p, q in pairs:
         a, b = regex_to_dfa(p), regex_to_dfa(q)
         both, only = dfa_intersection(a, b), dfa_difference(a, b)
+        assert dfa_disjoint(a, b) == (both is None), (p, q)
         for n in range(6):
             for chars in itertools.product("abc", repeat=n):
                 text = "".join(chars)
