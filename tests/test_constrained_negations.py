@@ -74,6 +74,11 @@ CASES = [
       "patternProperties": {"^b": {"oneOf": [OPEN_VERSIONED, CLOSED_KIND]}}},
      [{"b": {"version": 1}}, {"b": {"kind": "x"}}, {"b": {"version": 1}, "bb": {"kind": "x"}}],
      [{"b": {}}, {"b": {"kind": "x", "c": 1}}, {"bb": {"kind": "y"}}]),
+    # constants none of which matches the other branch's pattern (renovate's versioning): exclusive as written
+    ({"oneOf": [{"enum": ["npm", "regex", "x-regex:"]}, {"type": "string", "pattern": "^regex:"}]},
+     ["npm", "regex", "x-regex:", "regex:abc", "regex:"], ["xregex:", "pip", 1]),
+    ({"oneOf": [{"enum": ["npm", "regex:x"]}, {"type": "string", "pattern": "^regex:"}]},  # "regex:x" in both
+     ["npm", "regex:abc"], ["regex:x", "pip"]),
     ({"type": "object", "properties": {"b": {"allOf": [{"oneOf": [OPEN_VERSIONED, CLOSED_KIND]},
                                                        {"oneOf": [OPEN_VERSIONED, CLOSED_KIND, {"const": 1}]}]}}},
      [{"b": {"version": 1}}, {"b": {"kind": "x"}}], [{"b": {}}, {"b": 1}, {"b": {"kind": "y"}}]),

@@ -12,7 +12,7 @@ from typing import Any, Callable
 from radixlm.core.runtime.constrained.automata.grammar import Expr
 from radixlm.core.runtime.constrained.schema.json_common import (CONFLICT, IGNORED_KEYWORDS, NOT_STRINGS, JSON_TYPES,
                                                                  NOT_MULTIPLE_OF, NOTHING, SchemaError, json_type,
-                                                                 same_json, with_parts)
+                                                                 pattern_matches, same_json, with_parts)
 from radixlm.core.runtime.constrained.schema.json_numbers import MAX_MODULUS
 from radixlm.core.runtime.constrained.schema.json_strings import ecma_string_pattern
 
@@ -333,10 +333,11 @@ class ExclusionRules:
         if schema.get("nullable") is True:
             types.add("null")
         props = schema.get("properties") or {}
-        closed = "additionalProperties" not in schema and bool(props) or _rejects_all(schema.get("additionalProperties"))
+        extra = schema.get("additionalProperties")
+        closed = "additionalProperties" not in schema and bool(props) or _rejects_all(extra)
         return {"types": types, "consts": consts, "required": set(schema.get("required") or []),
                 "props": set(props) | set(schema.get("required") or []), "closed": closed and not schema.get("patternProperties"),
-                "forbids": _forbidden_keys(schema),
+                "forbids": _forbidden_keys(schema), "pattern": schema.get("pattern"),
                 "prop_consts": {k: _consts_within(v) for k, v in props.items() if _consts_within(v) is not None},
                 "prop_not_consts": {k: _const_of(v["not"]) for k, v in props.items()
                                     if isinstance(v, dict) and _const_of(v.get("not")) is not None}}
@@ -377,6 +378,19 @@ def _rejects_all(schema: Any) -> bool:
         schema.get("not", False) in (True, {}) or any(_rejects_all(p) for p in schema.get("allOf") or ()))
 
 
+def _fails(value: Any, sig: dict) -> bool:
+    """Whether a constant fails the branch of `sig` by its type, or (a string) by the branch's pattern."""
+    if json_type(value) not in sig["types"]:
+        return True
+    pattern = sig.get("pattern")
+    if not isinstance(value, str) or not isinstance(pattern, str):
+        return False
+    try:
+        return not pattern_matches(pattern, value)
+    except SchemaError:  # (the pattern's converter reports it)
+        return False
+
+
 def _pairwise_exclusive(sigs: list[dict]) -> bool:
     return all(_excludes(a, b) and _excludes(b, a) for i, a in enumerate(sigs) for b in sigs[i + 1:])
 
@@ -408,7 +422,9 @@ def _excludes(a: dict, b: dict) -> bool:
         others = b["consts"]
         if others is not None:
             return all(c not in others for c in a["consts"])
-        return all(json_type(c) not in b["types"] for c in a["consts"])
+        return all(_fails(c, b) for c in a["consts"])
+    if b["consts"] is not None and all(_fails(c, a) for c in b["consts"]):
+        return True  # none of b's constants is an output of a
     if not (a["types"] & b["types"]):
         return True
     if a["types"] & b["types"] - {"object"}:
