@@ -79,6 +79,13 @@ CASES = [
      ["npm", "regex", "x-regex:", "regex:abc", "regex:"], ["xregex:", "pip", 1]),
     ({"oneOf": [{"enum": ["npm", "regex:x"]}, {"type": "string", "pattern": "^regex:"}]},  # "regex:x" in both
      ["npm", "regex:abc"], ["regex:x", "pip"]),
+    # overlapping oneOf branches excluding each other by `not` under `type: object` (GitHub workflows' steps):
+    # each `not`'s "another type" branch dropped before the combinations are made
+    ({"type": "object", "properties": {"uses": {}, "run": {}, "wait": {}, "name": {}}, "additionalProperties": False,
+      "oneOf": [{"properties": {"uses": True}, "required": ["uses"]}, {"properties": {"run": True}, "required": ["run"]},
+                {"properties": {"wait": True}, "required": ["wait"]}]},
+     [{"uses": 1}, {"run": 1, "name": 2}, {"wait": [], "name": None}],
+     [{}, {"name": 1}, {"uses": 1, "run": 2}, {"run": 1, "wait": 2}, {"uses": 1, "x": 2}, 1]),
     ({"type": "object", "properties": {"b": {"allOf": [{"oneOf": [OPEN_VERSIONED, CLOSED_KIND]},
                                                        {"oneOf": [OPEN_VERSIONED, CLOSED_KIND, {"const": 1}]}]}}},
      [{"b": {"version": 1}}, {"b": {"kind": "x"}}], [{"b": {}}, {"b": 1}, {"b": {"kind": "y"}}]),
