@@ -22,6 +22,7 @@ left for the converter to refuse with their pointer.
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,7 @@ from referencing.exceptions import Unresolvable
 from radixlm.core.runtime.constrained.schema.json_common import IGNORED_BESIDE_REF
 
 
+@functools.lru_cache(maxsize=4096)  # (a large document repeats the same refs thousands of times)
 def _join(base: str, ref: str) -> str:
     # urljoin drops the base of non-hierarchical URIs (urn:...) for a fragment-only reference.
     return urldefrag(base)[0] + ref if ref.startswith("#") else urljoin(base, ref)
