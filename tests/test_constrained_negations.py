@@ -79,6 +79,13 @@ CASES = [
      ["npm", "regex", "x-regex:", "regex:abc", "regex:"], ["xregex:", "pip", 1]),
     ({"oneOf": [{"enum": ["npm", "regex:x"]}, {"type": "string", "pattern": "^regex:"}]},  # "regex:x" in both
      ["npm", "regex:abc"], ["regex:x", "pip"]),
+    # a key one branch requires, with constants the other's optional key never takes (MaskBench o84330's meters:
+    # `protocol`), tells them apart; where neither requires it, the objects without it match both
+    ({"oneOf": [{"type": "object", "properties": {"p": {"enum": ["a"]}, "x": INT}},
+                {"type": "object", "properties": {"p": {"enum": ["b"]}, "y": INT}, "required": ["p"]}]},
+     [{}, {"x": 1}, {"p": "a"}, {"p": "b"}, {"p": "b", "y": 1}], [{"p": "c"}, {"p": "b", "y": "s"}, 1]),
+    ({"type": "object", "oneOf": [{"properties": {"p": {"enum": ["a"]}}}, {"properties": {"p": {"enum": ["b"]}}}]},
+     [{"p": "a"}, {"p": "b"}], [{}, 1, {"p": "c"}]),
     # overlapping oneOf branches excluding each other by `not` under `type: object` (GitHub workflows' steps):
     # each `not`'s "another type" branch dropped before the combinations are made
     ({"type": "object", "properties": {"uses": {}, "run": {}, "wait": {}, "name": {}}, "additionalProperties": False,

@@ -103,8 +103,9 @@ def excludes(a: dict, b: dict) -> bool:
             return True
     for key, values in a.get("prop_consts", {}).items():
         other = b.get("prop_consts", {}).get(key)
-        if key in a.get("required", set()) and other is not None and all(v not in other for v in values):
-            return True
+        if other is not None and all(v not in other for v in values) and (
+                key in a.get("required", set()) or key in b.get("required", set())):
+            return True  # (where only b requires it, a's outputs without the key fail b too)
         if key in a.get("required", set()) and all(v in b.get("prop_not_consts", {}).get(key, ()) for v in values):
             return True  # b's schema for the key is `not` of a list holding all of a's values
     for key, excluded in a.get("prop_not_consts", {}).items():
