@@ -1,6 +1,6 @@
 """The corpus walk's mask tail: bench_grammar.py's radixlm run with each computed mask's thread CPU time kept.
 
-    python benchmarks/mask_tail.py --suite /tmp/js/jsonschema-*/json/tests/draft2020-12 [--limit N]
+    python benchmarks/mask_tail.py --suite /tmp/js/jsonschema-*/json/tests/draft2020-12 [--maskbench DIR] [--limit N]
 
 Prints the run's mask summary, the computed masks' 30th/45th/59th/80th/120th largest times, how many
 exceed 100 µs, 300 µs and 1 ms (and their sum over 100 µs), and the garbage collections that ran inside
@@ -30,6 +30,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--suite", required=True)
     parser.add_argument("--limit", type=int, default=None)
+    parser.add_argument("--maskbench", metavar="DIR", help="as bench_grammar.py's: MaskBench's schemas too")
     parser.add_argument("--no-freeze", action="store_true", help="as bench_grammar.py's: the heap left unfrozen")
     args = parser.parse_args()
     bench_grammar.MASK_CLOCK = time.thread_time
@@ -56,7 +57,7 @@ def main() -> None:
 
     pda.GrammarIndex._allowed_bits = timed
     gc.callbacks.append(on_gc)
-    result = bench_grammar.run("radixlm", args.suite, args.limit, False, "qwen2", 0, not args.no_freeze)
+    result = bench_grammar.run("radixlm", args.suite, args.limit, False, "qwen2", 0, not args.no_freeze, args.maskbench)
     gc.callbacks.remove(on_gc)
     masks = {k: round(v, 1) for k, v in result["mask_us"].items()}
     print("compiled", result["compiled"], "valid", result["valid"], "invalid accepted", result["invalid_accepted"])

@@ -6,6 +6,8 @@ string classes, state rows and future names against the direct ways."""
 
 from __future__ import annotations
 
+import gc
+
 import numpy as np
 import pytest
 
@@ -226,9 +228,27 @@ def test_counted_string_classes_cached_equal_fresh(qwen):
     assert sum(dfa.written(state) is not None for dfa, state in states) > 15
 
 
+@pytest.mark.parametrize("count", [0, 7, 1024, 1025, 6000])
+def test_bits_set_and_cleared_equal_an_unpacked_mask(count):
+    """set_bits / clear_bits (ufunc.at for a few ids, a bool array packed past SCATTER_IDS) against setting
+    and clearing the ids in the unpacked mask; ids repeated, masks wider than the ids need."""
+    from radixlm.core.runtime.constrained.tokens.vocab import clear_bits, set_bits
+
+    rng = np.random.default_rng(count)
+    base = rng.integers(0, 256, 18_960).astype(np.uint8)
+    ids = rng.integers(0, 151_646, count).astype(np.int64)
+    for change, value in ((set_bits, True), (clear_bits, False)):
+        packed = base.copy()
+        change(packed, ids)
+        expected = np.unpackbits(base, bitorder="little").astype(bool)
+        expected[ids] = value
+        assert (packed == np.packbits(expected, bitorder="little")).all(), (change.__name__, count)
+
+
 def test_state_rows_cut_on_demand_equal_the_dfa(qwen):
     """A small DFA's rows, read at once and cut per state when asked, and a large one's, read per state,
-    are each state's accepting flag, live bytes and targets."""
+    are each state's accepting flag, live bytes and targets; the numbers are held where the cyclic collector
+    does not visit each (an array, not a list: the caches hold ~2M of them)."""
     grammar = build_constraint("json_schema", SCHEMAS[0], qwen).index.grammar
     checked = 0
     for name, dfa in zip(grammar.terminal_names, grammar.terminals):
@@ -241,7 +261,9 @@ def test_state_rows_cut_on_demand_equal_the_dfa(qwen):
                     head, targets = narrow_walk.state_row(name, dfa, q)
                     live = np.flatnonzero(dfa.transitions[q] >= 0)
                     assert head == bytes([int(dfa.accepting[q]), len(live) & 255, *live.tolist()]), (name, q)
-                    assert targets == dfa.transitions[q, live].tolist(), (name, q)
+                    assert targets.tolist() == dfa.transitions[q, live].tolist(), (name, q)
+                    held = [targets, *narrow_walk._dfa_rows.get(name, ())[::2]]  # targets, cuts and the DFA's
+                    assert all(len(gc.get_referents(x)) <= 1 for x in held), (name, q)  # a list: one per number
                     checked += 1
             finally:
                 narrow_walk.ROWS_AT_ONCE = 1024
