@@ -228,23 +228,6 @@ def test_counted_string_classes_cached_equal_fresh(qwen):
     assert sum(dfa.written(state) is not None for dfa, state in states) > 15
 
 
-@pytest.mark.parametrize("count", [0, 7, 1024, 1025, 6000])
-def test_bits_set_and_cleared_equal_an_unpacked_mask(count):
-    """set_bits / clear_bits (ufunc.at for a few ids, a bool array packed past SCATTER_IDS) against setting
-    and clearing the ids in the unpacked mask; ids repeated, masks wider than the ids need."""
-    from radixlm.core.runtime.constrained.tokens.vocab import clear_bits, set_bits
-
-    rng = np.random.default_rng(count)
-    base = rng.integers(0, 256, 18_960).astype(np.uint8)
-    ids = rng.integers(0, 151_646, count).astype(np.int64)
-    for change, value in ((set_bits, True), (clear_bits, False)):
-        packed = base.copy()
-        change(packed, ids)
-        expected = np.unpackbits(base, bitorder="little").astype(bool)
-        expected[ids] = value
-        assert (packed == np.packbits(expected, bitorder="little")).all(), (change.__name__, count)
-
-
 def test_state_rows_cut_on_demand_equal_the_dfa(qwen):
     """A small DFA's rows, read at once and cut per state when asked, and a large one's, read per state,
     are each state's accepting flag, live bytes and targets; the numbers are held where the cyclic collector
