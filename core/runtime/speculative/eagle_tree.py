@@ -22,7 +22,7 @@ import torch
 from radixlm.core.runtime.execution.batch_input import BatchInput
 from radixlm.core.runtime.request import Req
 from radixlm.core.runtime.speculative.eagle import EagleProposer
-from radixlm.core.runtime.speculative.tree import DraftTree
+from radixlm.core.runtime.speculative.tree import DraftTree, ancestry
 
 
 @dataclass
@@ -100,7 +100,8 @@ class EagleTreeProposer(EagleProposer):
         batch = BatchInput(False, [], [], [], [], [], [], [], tree_parents=[])
         feats, placed = [], []
         for req, req_nodes, front in zip(reqs, nodes, frontier):
-            keep = sorted({a for f in front for a in _ancestry(req_nodes, f)})
+            parents = [n.parent for n in req_nodes]
+            keep = sorted({a for f in front for a in ancestry(parents, f)})
             index = {node: r for r, node in enumerate(keep)}
             kv = self.held[req]
             slots = self.allocator.alloc(len(keep))
@@ -139,18 +140,9 @@ class EagleTreeProposer(EagleProposer):
         return out
 
 
-def _ancestry(nodes: list[_Node], node: int) -> list[int]:
-    out = []
-    while node >= 0:
-        out.append(node)
-        node = nodes[node].parent
-    return out
-
 
 def _best_tree(nodes: list[_Node], k: int) -> DraftTree:
     """The k best-scored nodes as a tree (parents first: a child scores no higher than its parent, and
     ties go to the shallower node)."""
     keep = sorted(range(len(nodes)), key=lambda i: (-nodes[i].score, nodes[i].depth, i))[:k]
-    index = {old: new for new, old in enumerate(keep)}
-    return DraftTree([nodes[i].token for i in keep],
-                     [index[nodes[i].parent] if nodes[i].parent >= 0 else -1 for i in keep])
+    return DraftTree([n.token for n in nodes], [n.parent for n in nodes]).subtree(keep)

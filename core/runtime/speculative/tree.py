@@ -40,18 +40,17 @@ class DraftTree:
     def within_depth(self, depth: int) -> "DraftTree":
         """Without its nodes deeper than `depth` (the root's children are at depth 1)."""
         keep = [i for i in range(len(self)) if self.depth(i) <= depth]
-        if len(keep) == len(self):
-            return self
+        return self if len(keep) == len(self) else self.subtree(keep)
+
+    def subtree(self, keep: list[int]) -> "DraftTree":
+        """The nodes `keep`, in that order, as a tree: each one's parent is among them and listed first."""
         index = {old: new for new, old in enumerate(keep)}
-        return DraftTree([self.tokens[i] for i in keep], [index.get(self.parents[i], -1) for i in keep])
+        return DraftTree([self.tokens[i] for i in keep], [index[self.parents[i]] if self.parents[i] >= 0 else -1
+                                                         for i in keep])
 
     def path(self, node: int) -> list[int]:
         """The nodes from the root's first child down to `node` (none for the root, -1)."""
-        out = []
-        while node >= 0:
-            out.append(node)
-            node = self.parents[node]
-        return out[::-1]
+        return ancestry(self.parents, node)[::-1]
 
     def path_tokens(self, node: int) -> list[int]:
         return [self.tokens[i] for i in self.path(node)]
@@ -66,6 +65,16 @@ class DraftTree:
 
     def has_children(self, node: int) -> bool:
         return node in self.parents
+
+
+def ancestry(parents: list[int], node: int) -> list[int]:
+    """`node` and its ancestors, deepest first, in a node list whose node i follows parents[i] (-1: the
+    root; none for the root itself)."""
+    out = []
+    while node >= 0:
+        out.append(node)
+        node = parents[node]
+    return out
 
 
 def accepted_path(tree: DraftTree, sampled: list[int]) -> list[int]:
@@ -114,6 +123,5 @@ def merge_continuations(continuations: list[list[int]], k: int, rate: float = 1.
         score.append(rate * (weights[i] / total if p < 0 else score[p] * weights[i] / weights[p]))
         depth.append(1 if p < 0 else depth[p] + 1)
     # In that order parents come before their children, and a cut to fewer nodes keeps the best ones.
-    keep = sorted(range(len(tokens)), key=lambda i: (-score[i], depth[i], first[i], i))[:k]
-    index = {old: new for new, old in enumerate(keep)}
-    return DraftTree([tokens[i] for i in keep], [index[parents[i]] if parents[i] >= 0 else -1 for i in keep])
+    best = sorted(range(len(tokens)), key=lambda i: (-score[i], depth[i], first[i], i))[:k]
+    return DraftTree(tokens, parents).subtree(best)
