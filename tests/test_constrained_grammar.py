@@ -409,6 +409,19 @@ def test_refs_to_registered_documents_resolve(tmp_path, tiny_tokenizer):
         register_documents(tmp_path)
 
 
+@pytest.mark.parametrize("dialect", ["http://json-schema.org/draft-04/schema#", "http://json-schema.org/draft-07/schema#",
+                                     "https://json-schema.org/draft/2020-12/schema"])
+def test_ref_siblings_are_ignored_before_2019_09_and_apply_after(dialect, tiny_tokenizer):
+    schema = {"$schema": dialect, "definitions": {"d": {"properties": {"basic": STR}}}, "type": "object",
+              "properties": {"x": {"$ref": "#/definitions/d", "type": "object", "required": ["basic"]}}}
+    validator = jsonschema.validators.validator_for(schema)(schema)
+    c = build_constraint("json_schema", schema, tiny_tokenizer)
+    docs = [{"x": "s"}, {"x": 1}, {"x": {}}, {"x": {"basic": "a"}}, {"x": {"basic": 1}}]
+    assert sum(map(validator.is_valid, docs)) == (1 if "2020" in dialect else 4)
+    for doc in docs:
+        assert accepts_text(c, json.dumps(doc, separators=(",", ":"))) == validator.is_valid(doc), doc
+
+
 def test_allof_of_three_different_constants_admits_no_value(tiny_tokenizer):
     with pytest.raises(ValueError, match="admits no value"):
         build_constraint("json_schema", {"allOf": [{"const": 1}, {"const": 2}, {"const": 3}]}, tiny_tokenizer)
@@ -475,12 +488,15 @@ def test_automaton_products_match_python_re():
     string of up to 5 characters over the alphabet the patterns use."""
     import itertools
 
-    from radixlm.core.runtime.constrained.automata.regex_dfa import dfa_difference, dfa_intersection, regex_to_dfa
+    from radixlm.core.runtime.constrained.automata.regex_dfa import (dfa_difference, dfa_disjoint, dfa_intersection,
+                                                                     regex_to_dfa)
 
-    pairs = [("a[ab]*", "[ab]*b"), ("(ab|ba)+", "a.*"), ("a{2,4}", "a{3}"), ("[abc]{1,3}", "c?"), ("ab", "ba")]
+    pairs = [("a[ab]*", "[ab]*b"), ("(ab|ba)+", "a.*"), ("a{2,4}", "a{3}"), ("[abc]{1,3}", "c?"), ("ab", "ba"),
+             ("ab[abc]{1,3}", "ba[abc]{1,3}"), ("a*b", "a*c")]
     for p, q in pairs:
         a, b = regex_to_dfa(p), regex_to_dfa(q)
         both, only = dfa_intersection(a, b), dfa_difference(a, b)
+        assert dfa_disjoint(a, b) == (both is None), (p, q)
         for n in range(6):
             for chars in itertools.product("abc", repeat=n):
                 text = "".join(chars)

@@ -16,6 +16,12 @@ from radixlm.core.runtime.constrained import build_constraint
 from radixlm.testing.constrained import random_walk
 from radixlm.testing.constrained import accepts_text
 
+INT = {"type": "integer"}
+
+OPEN_VERSIONED = {"type": "object", "required": ["version"], "additionalProperties": {}}
+CLOSED_KIND = {"type": "object", "properties": {"kind": {"const": "x"}, "at": {"type": "string", "format": "email"}},
+               "required": ["kind"], "additionalProperties": False}
+
 # (schema, valid instances the grammar accepts, invalid instances)
 CASES = [
     ({"not": {"enum": [1, "x", None, [1], {"b": 2}]}},
@@ -56,6 +62,40 @@ CASES = [
     ({"type": "string", "pattern": "^(?!^lucene\\.|builtin\\.|mongodb\\.).*"},
      ["", "x", "lucene", "lucenex.", "a.lucene.", "mongodb"], ["lucene.", "builtin.x", "mongodb.a", 1]),
     ({"type": "string", "pattern": "^(?!a)(?!b)[a-d]+$"}, ["c", "cd", "da"], ["a", "b", "ab", "", "ce", "cx"]),
+    # oneOf branches told apart by a key one requires and the other's additionalProperties false forbids
+    # (MaskBench Handwritten testwp9 and WashingtonPost wp_105's promo items): no `not` needed, where the
+    # `not` of the closed branch (its format) cannot be said
+    ({"oneOf": [OPEN_VERSIONED, CLOSED_KIND]},
+     [{"version": 1}, {"version": 2, "kind": "x"}, {"kind": "x"}, {"kind": "x", "at": "a@example.com"}],
+     [{}, {"at": "a@example.com"}, {"kind": "y"}, {"kind": "x", "b": 1}, 1]),
+    # the same oneOf met twice (a key both listed and matched by a pattern): allOf of the two, each branch
+    # merged with the other oneOf's (its combinations with another branch admit no value)
+    ({"type": "object", "properties": {"b": {"oneOf": [OPEN_VERSIONED, CLOSED_KIND]}},
+      "patternProperties": {"^b": {"oneOf": [OPEN_VERSIONED, CLOSED_KIND]}}},
+     [{"b": {"version": 1}}, {"b": {"kind": "x"}}, {"b": {"version": 1}, "bb": {"kind": "x"}}],
+     [{"b": {}}, {"b": {"kind": "x", "c": 1}}, {"bb": {"kind": "y"}}]),
+    # constants none of which matches the other branch's pattern (renovate's versioning): exclusive as written
+    ({"oneOf": [{"enum": ["npm", "regex", "x-regex:"]}, {"type": "string", "pattern": "^regex:"}]},
+     ["npm", "regex", "x-regex:", "regex:abc", "regex:"], ["xregex:", "pip", 1]),
+    ({"oneOf": [{"enum": ["npm", "regex:x"]}, {"type": "string", "pattern": "^regex:"}]},  # "regex:x" in both
+     ["npm", "regex:abc"], ["regex:x", "pip"]),
+    # a key one branch requires, with constants the other's optional key never takes (MaskBench o84330's meters:
+    # `protocol`), tells them apart; where neither requires it, the objects without it match both
+    ({"oneOf": [{"type": "object", "properties": {"p": {"enum": ["a"]}, "x": INT}},
+                {"type": "object", "properties": {"p": {"enum": ["b"]}, "y": INT}, "required": ["p"]}]},
+     [{}, {"x": 1}, {"p": "a"}, {"p": "b"}, {"p": "b", "y": 1}], [{"p": "c"}, {"p": "b", "y": "s"}, 1]),
+    ({"type": "object", "oneOf": [{"properties": {"p": {"enum": ["a"]}}}, {"properties": {"p": {"enum": ["b"]}}}]},
+     [{"p": "a"}, {"p": "b"}], [{}, 1, {"p": "c"}]),
+    # overlapping oneOf branches excluding each other by `not` under `type: object` (GitHub workflows' steps):
+    # each `not`'s "another type" branch dropped before the combinations are made
+    ({"type": "object", "properties": {"uses": {}, "run": {}, "wait": {}, "name": {}}, "additionalProperties": False,
+      "oneOf": [{"properties": {"uses": True}, "required": ["uses"]}, {"properties": {"run": True}, "required": ["run"]},
+                {"properties": {"wait": True}, "required": ["wait"]}]},
+     [{"uses": 1}, {"run": 1, "name": 2}, {"wait": [], "name": None}],
+     [{}, {"name": 1}, {"uses": 1, "run": 2}, {"run": 1, "wait": 2}, {"uses": 1, "x": 2}, 1]),
+    ({"type": "object", "properties": {"b": {"allOf": [{"oneOf": [OPEN_VERSIONED, CLOSED_KIND]},
+                                                       {"oneOf": [OPEN_VERSIONED, CLOSED_KIND, {"const": 1}]}]}}},
+     [{"b": {"version": 1}}, {"b": {"kind": "x"}}], [{"b": {}}, {"b": 1}, {"b": {"kind": "y"}}]),
 ]
 
 
@@ -94,3 +134,52 @@ def test_generated_instances_are_valid(case, tiny_tokenizer):
 def test_enums_without_a_common_value_admit_nothing(tiny_tokenizer):
     with pytest.raises(ValueError, match="admits no value"):
         build_constraint("json_schema", {"allOf": [{"enum": [1, 2]}, {"enum": [3]}]}, tiny_tokenizer)
+
+
+def _objects(keys: list[str], kinds: list) -> list[dict]:
+    """Every object over `keys` (in that order) whose "kind", when present, is one of `kinds`; others 1."""
+    out = []
+    for mask in range(1 << len(keys)):
+        present = [k for i, k in enumerate(keys) if mask >> i & 1]
+        for kind in kinds if "kind" in present else [None]:
+            out.append({k: kind if k == "kind" else 1 for k in present})
+    return out
+
+
+@pytest.mark.parametrize("draft, keyword", [("7", "dependencies"), ("2020-12", "dependentSchemas")])
+def test_dependencies_on_one_propertys_value_equal_jsonschema_on_every_object(draft, keyword, tiny_tokenizer):
+    """Keys each allowed for some values of one property (MaskBench's mongodb-atlas-search-index-definition
+    has 17: 2^17 combinations, once refused) beside a key list and a key whose own value is restricted:
+    every object over the keys, in schema order, accepted exactly when jsonschema accepts it."""
+    schema = {"type": "object", "additionalProperties": False,
+              "properties": {"kind": {"type": "string"}, "x": INT, "y": INT, "z": INT, "w": INT},
+              keyword: {"x": {"properties": {"kind": {"enum": ["a", "b"]}}},
+                        "y": {"properties": {"kind": {"enum": ["b", "c"], "type": "string"}}},
+                        "z": {"properties": {"kind": {"const": "a"}}},
+                        "kind": {"properties": {"kind": {"enum": ["a", "b", "c", "e"]}}}}}
+    if keyword == "dependencies":
+        schema[keyword]["w"] = ["x"]
+    else:
+        schema["dependentRequired"] = {"w": ["x"]}
+    validator = (jsonschema.Draft7Validator if draft == "7" else jsonschema.Draft202012Validator)(schema)
+    constraint = build_constraint("json_schema", schema, tiny_tokenizer)
+    instances = _objects(["kind", "x", "y", "z", "w"], ["a", "b", "c", "d", "e"])
+    assert sum(validator.is_valid(i) for i in instances) > 10
+    for instance in instances:
+        text = json.dumps(instance, separators=(",", ":"))
+        assert accepts_text(constraint, text) == validator.is_valid(instance), text
+    rng = np.random.default_rng(0)
+    for _ in range(30):
+        constraint = build_constraint("json_schema", schema, tiny_tokenizer)
+        text = tiny_tokenizer.decode(random_walk(constraint, rng, max_tokens=40), clean_up_tokenization_spaces=False)
+        assert validator.is_valid(json.loads(text)), text
+
+
+def test_many_keys_depending_on_one_propertys_value_compile(tiny_tokenizer):
+    keys = [f"k{i}" for i in range(20)]
+    schema = {"type": "object", "properties": {"kind": {"enum": ["a", "b", "c"]}, **{k: INT for k in keys}},
+              "dependencies": {k: {"properties": {"kind": {"enum": ["abc"[i % 3]]}}} for i, k in enumerate(keys)}}
+    constraint = build_constraint("json_schema", schema, tiny_tokenizer)
+    assert accepts_text(constraint, '{"kind":"b","k1":1,"k4":2}')
+    assert not accepts_text(constraint, '{"kind":"b","k1":1,"k2":2}')
+    assert accepts_text(constraint, '{"k1":1,"k2":2}')

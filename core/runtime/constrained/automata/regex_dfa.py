@@ -379,6 +379,30 @@ def dfa_intersection(a: ByteDFA, b: ByteDFA, max_states: int = MAX_DFA_STATES,
     return _product(a, b, True, max_states, check)
 
 
+def dfa_disjoint(a: ByteDFA, b: ByteDFA, max_pairs: int = 4096) -> bool:
+    """Whether no string is in both L(a) and L(b), shown by walking the pairs of states a string takes
+    them to (breadth first) without meeting one both accept; False too once over `max_pairs` pairs (not
+    shown). Patterns with different literal starts (`^title_...`, `^name_...`) part after a few pairs,
+    where a difference would build and minimize their whole product."""
+    seen = {(0, 0)}
+    frontier = [(0, 0)]
+    while frontier:
+        nxt = []
+        for x, y in frontier:
+            if a.accepting[x] and b.accepting[y]:
+                return False
+            ra, rb = a.transitions[x], b.transitions[y]
+            both = np.flatnonzero((ra >= 0) & (rb >= 0))
+            for pair in set(zip(ra[both].tolist(), rb[both].tolist())):
+                if pair not in seen:
+                    seen.add(pair)
+                    nxt.append(pair)
+        if len(seen) > max_pairs:
+            return False
+        frontier = nxt
+    return True
+
+
 def _column_classes(table: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Bytes whose columns of `table` [n, 256] are equal, as classes numbered in byte order (as
     regex_to_dfa's, so minimal DFAs come out numbered alike): (first byte of each class, class of each

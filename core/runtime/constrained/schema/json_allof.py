@@ -6,10 +6,10 @@ import json
 import math
 from typing import Any
 
-from radixlm.core.runtime.constrained.schema.json_common import (CONFLICT, LOWER_BOUNDS, NEGATED, NOT_STRINGS,
-                                                                 SCHEMA_VALUED, UPPER_BOUNDS, NOT_MULTIPLE_OF,
-                                                                 mark_negated,
-                                                                 pattern_matches, same_json, with_parts)
+from radixlm.core.runtime.constrained.schema.json_common import (CONFLICT, JSON_TYPES, LOWER_BOUNDS, NEGATED,
+                                                                 NOT_STRINGS, SCHEMA_VALUED, UPPER_BOUNDS,
+                                                                 NOT_MULTIPLE_OF, mark_negated, pattern_matches,
+                                                                 same_json, with_parts)
 from radixlm.core.runtime.constrained.schema.json_conditional import discriminated, through_if_branch
 
 
@@ -34,7 +34,9 @@ class AllOfRules:
         """allOf merged; a part's additionalProperties also constrains the properties that only other
         parts list (it does not look into them), and its items the other parts' extra prefix items, so
         those carry it along before the merge."""
-        parts = self._flat_parts(schemas, refs)
+        parts = _typed_choices(_distinct_choices(self._flat_parts(schemas, refs)))
+        if parts is False:
+            return False
         choosing = [p for p in parts if isinstance(p, dict) and ("anyOf" in p or "oneOf" in p)]
         if len(choosing) > 1 or choosing and "anyOf" in choosing[0] and "oneOf" in choosing[0]:
             combinations = math.prod(len(p[k]) for p in choosing for k in ("anyOf", "oneOf")
@@ -160,6 +162,56 @@ class AllOfRules:
                 part = {k: v for k, v in part.items() if k != "allOf"}
             parts.append(part)
         return parts
+
+
+def _distinct_choices(parts: list[Any]) -> list[Any]:
+    """allOf's parts less a choice that a later part repeats (A and A is A; a property both listed and
+    matched by a pattern meets the same oneOf twice), so that it does not multiply the combinations."""
+    seen, out = set(), []
+    for part in reversed(parts):  # (the last part, the parent, stays last)
+        if isinstance(part, dict) and ("anyOf" in part or "oneOf" in part):
+            text = json.dumps(part, sort_keys=True, default=str)
+            if text in seen:
+                continue
+            seen.add(text)
+        out.append(part)
+    return out[::-1]
+
+
+def _typed_choices(parts: list[Any]) -> list[Any] | bool:
+    """allOf's parts with the anyOf/oneOf branches whose `type` no other part's allows left out (a `not`
+    of an object schema is "another type, or ..."; beside `type: object`, its first branch only
+    multiplies the combinations); a choice left with one branch becomes that branch. False: no value."""
+    allowed = None
+    for part in parts:
+        if isinstance(part, dict) and "type" in part:
+            allowed = _types(part["type"]) if allowed is None else allowed & _types(part["type"])
+    if allowed is None:
+        return parts
+    out = []
+    for part in parts:
+        key = next((k for k in ("anyOf", "oneOf") if isinstance(part, dict) and isinstance(part.get(k), list)), None)
+        if key is None or "anyOf" in part and "oneOf" in part:
+            out.append(part)
+            continue
+        kept = [b for b in part[key] if not (isinstance(b, dict) and "type" in b and not _types(b["type"]) & allowed)]
+        if not kept:
+            return False
+        if len(kept) > 1 or len(part[key]) == 1 or isinstance(kept[0], dict) and (
+                {"unevaluatedProperties", "unevaluatedItems"} & set(kept[0])):  # (as a part it could be the parent)
+            out.append(part if len(kept) == len(part[key]) else {**part, key: kept})
+            continue
+        rest = {k: v for k, v in part.items() if k != key}
+        out.append(mark_negated(kept[0]) if part.get(NEGATED) else kept[0])
+        if set(rest) - {NEGATED}:  # (after the branch: a parent, the last part, stays last)
+            out.append(rest)
+    return out
+
+
+def _types(value: Any) -> set:
+    """A `type` keyword's types, integers among numbers."""
+    types = {value} if isinstance(value, str) else set(value) if isinstance(value, list) else set(JSON_TYPES)
+    return types | {"integer"} if "number" in types else types
 
 
 def _known_keywords(schema: Any) -> Any:

@@ -21,11 +21,14 @@ NULL = lit("null")
 BOOLEAN = Terminal(regex="true|false")
 NOTHING = Alt(())  # no output at all
 
+# internal: the keywords beside a $ref in drafts 3-7, which those drafts ignore (schema_refs.py); a JSON
+# pointer into them no longer resolves
+IGNORED_BESIDE_REF = "x-radixlm-ignored-beside-ref"
 JSON_TYPES = ("null", "boolean", "object", "array", "string", "number")
 IGNORED_KEYWORDS = {
     "title", "description", "default", "examples", "$schema", "$id", "$anchor", "$comment", "$defs", "definitions",
     "readOnly", "writeOnly", "deprecated", "contentMediaType", "contentEncoding", "contentSchema", "discriminator",
-    "format", "$vocabulary", "$dynamicAnchor", "x-", "externalDocs", "xml", "example",
+    "format", "$vocabulary", "$dynamicAnchor", "x-", "externalDocs", "xml", "example", IGNORED_BESIDE_REF,
 }
 REFUSED_KEYWORDS = {"$dynamicRef": "a $dynamicRef that does not resolve, or whose target depends on the path taken "
                            "(the dynamic scope),",

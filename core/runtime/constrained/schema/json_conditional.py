@@ -6,8 +6,8 @@ import json
 from typing import Any
 
 from radixlm.core.runtime.constrained.automata.grammar import Expr, alt
-from radixlm.core.runtime.constrained.schema.json_common import (DEPENDENT_KEYWORDS, SchemaError, escape_pointer,
-                                                                 open_part, with_parts)
+from radixlm.core.runtime.constrained.schema.json_common import (DEPENDENT_KEYWORDS, IGNORED_KEYWORDS, SchemaError,
+                                                                 escape_pointer, json_type, open_part, with_parts)
 
 
 class ConditionalRules:
@@ -16,10 +16,14 @@ class ConditionalRules:
     @staticmethod
     def _dependents(schema: dict, ptr: str) -> dict:
         """dependentRequired / dependentSchemas (and draft 7's dependencies) as an allOf of choices, one per
-        key: the key absent, or present with what depends on it."""
+        key: the key absent, or present with what depends on it. Keys whose dependent schemas each allow
+        a set of constants for one common property (MongoDB's `"analyzer": {"properties": {"type": {"enum":
+        [...]}}}`) make one choice instead, on that property's value (value_dependencies): n such keys
+        would be 2^n combinations of branches."""
         rest = {k: v for k, v in schema.items() if k not in DEPENDENT_KEYWORDS}
         opened = open_part(schema)
         parts = []
+        by_property: dict[str, list[tuple[str, list]]] = {}
         for keyword in DEPENDENT_KEYWORDS:
             table = schema.get(keyword, {})
             if not isinstance(table, dict):
@@ -29,10 +33,18 @@ class ConditionalRules:
                     then = {"required": then}
                 elif keyword == "dependentRequired":
                     raise SchemaError(f"{ptr}/{keyword}/{escape_pointer(key)}: must be a list of property names")
-                present = {"allOf": [{"required": [key], **opened}, then]}
-                parts.append({"anyOf": [{"properties": {key: False}, **opened}, present]})
+                on_value = _value_dependency(then)
+                if on_value is not None:
+                    by_property.setdefault(on_value[0], []).append((key, on_value[1]))
+                    continue
+                parts.append(_dependent_choice(key, then, opened))
+        for prop, keys in by_property.items():
+            if len(keys) == 1:
+                (key, values), = keys
+                parts.append(_dependent_choice(key, {"properties": {prop: {"enum": values}}}, opened))
+            else:
+                parts.append(value_dependencies(prop, keys, opened))
         return with_parts(rest, *parts)
-
 
     def _conditional(self, schema: dict, ptr: str) -> Expr:
         """if/then/else: values of `if` and `then`, or of `not: if` and `else` where `not` can say it
@@ -43,6 +55,63 @@ class ConditionalRules:
         rest = {k: v for k, v in schema.items() if k not in ("if", "then", "else")}
         other = self._attempt(with_parts(rest, {"not": schema["if"]}, schema.get("else", True)), f"{ptr}/else")
         return through_if if isinstance(other, SchemaError) else alt(through_if, other)
+
+
+def _dependent_choice(key: str, then: Any, opened: dict) -> dict:
+    """The key absent, or present with `then`."""
+    present = {"allOf": [{"required": [key], **opened}, then]}
+    return {"anyOf": [{"properties": {key: False}, **opened}, present]}
+
+
+def _value_dependency(then: Any) -> tuple[str, list] | None:
+    """(property, the constants it may take) for a dependent schema `{"properties": {property: {"enum":
+    [...]}}}` (or const, or a type beside them; `"type": "object"` beside properties), else None."""
+    if not isinstance(then, dict) or set(then) - IGNORED_KEYWORDS - {"properties", "type"} or \
+            then.get("type", "object") != "object" or not isinstance(then.get("properties"), dict) or \
+            len(then["properties"]) != 1:
+        return None
+    (prop, sub), = then["properties"].items()
+    if not isinstance(sub, dict) or set(sub) - IGNORED_KEYWORDS - {"enum", "const", "type"} or \
+            ("enum" in sub) == ("const" in sub) or "enum" in sub and not isinstance(sub["enum"], list):
+        return None
+    values = sub["enum"] if "enum" in sub else [sub["const"]]
+    if "type" in sub:
+        types = {sub["type"]} if isinstance(sub["type"], str) else set(sub["type"])
+        values = [v for v in values if json_type(v) in types or json_type(v) == "integer" and "number" in types]
+    return prop, values
+
+
+def value_dependencies(prop: str, keys: list[tuple[str, list]], opened: dict) -> dict:
+    """Keys each allowed only when `prop` holds one of its constants (key -> constants), as one choice
+    on `prop`: absent (every key free: `properties` holds of an object without prop), or holding a
+    value, with the keys that do not allow that value absent. Values are grouped by the keys they
+    allow; the values no key lists allow none of them (a branch that takes any value: it overlaps
+    the others only where they agree)."""
+    groups: dict[frozenset, list] = {}
+    seen: dict[str, Any] = {}
+    for key, values in keys:
+        for v in values:
+            seen.setdefault(_canonical_key(v), v)
+    for name, v in seen.items():
+        allowing = frozenset(key for key, values in keys if any(_canonical_key(w) == name for w in values))
+        groups.setdefault(allowing, []).append(v)
+    groups.setdefault(frozenset(), [])
+    names = [key for key, _ in keys]
+    branches = [{"properties": {prop: False}, **opened}]
+    for allowing, values in groups.items():
+        if prop in names and prop not in allowing:
+            continue  # prop's own dependency excludes these values
+        value = {"enum": values} if allowing else True  # with every key absent, any value
+        closed = {key: False for key in names if key not in allowing}
+        branches.append({"required": [prop], "properties": {**closed, prop: value}, **opened})
+    return {"anyOf": branches}
+
+
+def _canonical_key(value: Any) -> str:
+    """Constants as JSON Schema compares them (1 and 1.0 the same)."""
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    return json.dumps(value, sort_keys=True)
 
 
 def discriminated(parts: list[tuple[Any, tuple]]) -> list[tuple[Any, tuple]]:

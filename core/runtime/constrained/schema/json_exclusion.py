@@ -12,7 +12,10 @@ from typing import Any
 from radixlm.core.runtime.constrained.automata.grammar import Expr
 from radixlm.core.runtime.constrained.schema.json_common import (CONFLICT, IGNORED_KEYWORDS, NOT_STRINGS, JSON_TYPES,
                                                                  NOT_MULTIPLE_OF, NOTHING, SchemaError, json_type,
-                                                                 same_json, with_parts)
+                                                                 with_parts)
+from radixlm.core.runtime.constrained.schema.branch_signatures import (const_of, consts_within, excludes,
+                                                                       forbidden_keys, joined, pairwise_exclusive,
+                                                                       rejects_all)
 from radixlm.core.runtime.constrained.schema.json_numbers import MAX_MODULUS
 from radixlm.core.runtime.constrained.schema.json_strings import ecma_string_pattern
 
@@ -170,7 +173,7 @@ class ExclusionRules:
             if failing is False:
                 return []
             if isinstance(failing, dict) and failing and set(failing) <= {"enum", "const"}:
-                return [("object", {"required": [name], **opened}) for name in _const_of(failing) or ()
+                return [("object", {"required": [name], **opened}) for name in const_of(failing) or ()
                         if isinstance(name, str)]
             names = failing if failing is True or isinstance(failing, dict) and set(failing) <= NAME_KEYWORDS \
                 else {"not": value}  # as json_objects reads propertyNames
@@ -221,7 +224,7 @@ class ExclusionRules:
         number type is dropped if another branch allows integers); a branch left with none is dropped.
         Failing that, each branch excludes the others with `not` (_excluding)."""
         sigs = [self._signature(b) for b in branches]
-        if _pairwise_exclusive(sigs):
+        if pairwise_exclusive(sigs):
             return self._convertible(branches, ptr)
         kept, kept_sigs = [], []
         for i, (branch, sig) in enumerate(zip(branches, sigs)):
@@ -230,7 +233,7 @@ class ExclusionRules:
             if types:
                 kept.append(with_parts(branch, {"type": sorted(types - {"integer"} if "number" in types else types)}))
                 kept_sigs.append(dict(sig, types=types | ({"integer"} if "number" in types else set())))
-        if kept and _pairwise_exclusive(kept_sigs):
+        if kept and pairwise_exclusive(kept_sigs):
             lost = len(kept) < len(branches) or any(k["types"] != s["types"] for k, s in zip(kept_sigs, sigs))
             if lost and len(json.dumps(branches, default=str)) <= MAX_EXACT_ONEOF and '"$ref"' not in \
                     json.dumps(branches, default=str):
@@ -254,7 +257,7 @@ class ExclusionRules:
         kept, first_error = [], None
         for i, branch in enumerate(branches):
             overlapping = [b for j, b in enumerate(own)
-                           if j != i and not (_excludes(sigs[i], sigs[j]) and _excludes(sigs[j], sigs[i]))]
+                           if j != i and not (excludes(sigs[i], sigs[j]) and excludes(sigs[j], sigs[i]))]
             candidate = with_parts(branch, *({"not": b} for b in overlapping))
             expr = self._attempt(candidate, f"{ptr}/{i}")
             if isinstance(expr, SchemaError):
@@ -304,6 +307,11 @@ class ExclusionRules:
             schema = self._merge(schema["allOf"] + [{k: v for k, v in schema.items() if k != "allOf"}], ())
         if not isinstance(schema, dict):
             return {"types": set(JSON_TYPES) | {"integer"}, "consts": None}
+        if len(schema) == 1 and isinstance(schema.get("anyOf", schema.get("oneOf")), list) and depth < 8:
+            # A choice alone (what a merge of choices gives): what all its branches' outputs share, its
+            # branches that admit no value left out.
+            sigs = [self._signature(b, depth + 1) for b in schema.get("anyOf", schema.get("oneOf"))]
+            return joined([s for s in sigs if not excludes(s, s)])
         if schema.get("const") is CONFLICT:
             return {"types": set(), "consts": None}
         consts = None
@@ -328,65 +336,14 @@ class ExclusionRules:
         if schema.get("nullable") is True:
             types.add("null")
         props = schema.get("properties") or {}
-        closed = "additionalProperties" not in schema and bool(props) or schema.get("additionalProperties") is False
+        extra = schema.get("additionalProperties")
+        closed = "additionalProperties" not in schema and bool(props) or rejects_all(extra)
         return {"types": types, "consts": consts, "required": set(schema.get("required") or []),
                 "props": set(props) | set(schema.get("required") or []), "closed": closed and not schema.get("patternProperties"),
-                "prop_consts": {k: _consts_within(v) for k, v in props.items() if _consts_within(v) is not None},
-                "prop_not_consts": {k: _const_of(v["not"]) for k, v in props.items()
-                                    if isinstance(v, dict) and _const_of(v.get("not")) is not None}}
-
-
-def _pairwise_exclusive(sigs: list[dict]) -> bool:
-    return all(_excludes(a, b) and _excludes(b, a) for i, a in enumerate(sigs) for b in sigs[i + 1:])
-
-
-def _consts_within(schema: Any) -> list | None:
-    """Constants a value of `schema` is among (None: not known to be), through allOf too: the values every
-    part that lists constants lists (an allOf merge leaves a branch's {"const": ...} beside the parent's
-    enum). A superset of the values allowed, so only for what a branch may write, never for a `not`."""
-    consts = _const_of(schema)
-    for part in schema.get("allOf", ()) if isinstance(schema, dict) and isinstance(schema.get("allOf"), list) else ():
-        more = _consts_within(part)
-        if more is not None:
-            consts = more if consts is None else [c for c in consts if any(same_json(c, m) for m in more)]
-    return consts
-
-
-def _const_of(schema: Any) -> list | None:
-    if isinstance(schema, dict):
-        if "const" in schema:
-            return [schema["const"]]
-        if isinstance(schema.get("enum"), list):
-            return schema["enum"]
-    return None
-
-
-def _excludes(a: dict, b: dict) -> bool:
-    """Whether every output generated for branch a fails branch b."""
-    if a["consts"] is not None:
-        others = b["consts"]
-        if others is not None:
-            return all(c not in others for c in a["consts"])
-        return all(json_type(c) not in b["types"] for c in a["consts"])
-    if not (a["types"] & b["types"]):
-        return True
-    if a["types"] & b["types"] - {"object"}:
-        return False
-    # Both may be objects: a's objects fail b when b requires a key a never writes, or a required key of
-    # a holds constants b's schema for that key does not allow.
-    if a.get("closed") and b.get("required", set()) - a.get("props", set()):
-        return True
-    for key, values in a.get("prop_consts", {}).items():
-        other = b.get("prop_consts", {}).get(key)
-        if key in a.get("required", set()) and other is not None and all(v not in other for v in values):
-            return True
-        if key in a.get("required", set()) and all(v in b.get("prop_not_consts", {}).get(key, ()) for v in values):
-            return True  # b's schema for the key is `not` of a list holding all of a's values
-    for key, excluded in a.get("prop_not_consts", {}).items():
-        other = b.get("prop_consts", {}).get(key)
-        if key in a.get("required", set()) and other is not None and all(v in excluded for v in other):
-            return True
-    return False
+                "forbids": forbidden_keys(schema), "pattern": schema.get("pattern"),
+                "prop_consts": {k: consts_within(v) for k, v in props.items() if consts_within(v) is not None},
+                "prop_not_consts": {k: const_of(v["not"]) for k, v in props.items()
+                                    if isinstance(v, dict) and const_of(v.get("not")) is not None}}
 
 
 def _other_than(values: list) -> list:

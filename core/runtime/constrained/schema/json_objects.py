@@ -14,7 +14,8 @@ from radixlm.core.runtime.constrained.automata.grammar_compiler import derived_d
 from radixlm.core.runtime.constrained.schema.json_common import (NOTHING, IGNORED_KEYWORDS, SchemaError, count_bounds,
                                                                  escape_pointer, pattern_matches)
 from radixlm.core.runtime.constrained.schema.json_strings import MAX_PRODUCT_LENGTH, ecma_string_pattern
-from radixlm.core.runtime.constrained.automata.regex_dfa import ByteDFA, dfa_difference, dfa_intersection, literals_dfa
+from radixlm.core.runtime.constrained.automata.regex_dfa import (ByteDFA, dfa_difference, dfa_disjoint,
+                                                                 dfa_intersection, literals_dfa)
 
 
 MAX_PATTERN_OVERLAP = 3  # patternProperties: up to this many, a key may match several (2**n - 1 key kinds)
@@ -244,7 +245,8 @@ class ObjectRules:
             for pattern in patterns:
                 if dfa is not None:
                     other = terminal_dfa(pattern, budget)
-                    dfa = dfa_difference(dfa, other, budget, self.deadline.check) if other is not None else dfa
+                    if other is not None and not dfa_disjoint(dfa, other):
+                        dfa = dfa_difference(dfa, other, budget, self.deadline.check)
             return dfa
 
         excluded = names + patterns

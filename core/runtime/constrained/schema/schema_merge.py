@@ -5,10 +5,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from radixlm.core.runtime.constrained.schema.json_common import IGNORED_BESIDE_REF
+
 # Keywords that only annotate, or hold definitions: left out of a merge.
 _ANNOTATIONS = {
     "title", "description", "default", "examples", "$schema", "$id", "$comment", "$defs", "definitions",
     "readOnly", "writeOnly", "deprecated", "contentMediaType", "contentEncoding", "discriminator", "format",
+    IGNORED_BESIDE_REF,
 }
 # A $ref expanded inside a merge: at most this many times along one chain of refs (then: no value).
 MAX_REF_EXPANSIONS = 3

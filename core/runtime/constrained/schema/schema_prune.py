@@ -36,15 +36,21 @@ def prune_definitions(schema: Any) -> Any:
         return schema
     kept: dict[str, set[str]] = {k: set() for k in tables}
     pending = [{k: v for k, v in schema.items() if k not in tables and k not in ("$id", "id")}]  # the root's base
+    seen: set[str] = set()
     try:
         while pending:
             for ref in _refs(pending.pop()):
+                if ref in seen:  # (a large document names each definition many times)
+                    continue
+                seen.add(ref)
                 table, name = _definition_of(ref)
                 if table in tables and name not in kept[table] and name in tables[table]:
                     kept[table].add(name)
                     pending.append(tables[table][name])
     except _Unprunable:
         return schema
+    if all(len(kept[k]) == len(tables[k]) for k in tables):
+        return schema  # every definition is reached
     return dict(schema, **{k: {n: v for n, v in tables[k].items() if n in kept[k]} for k in tables})
 
 

@@ -22,6 +22,7 @@ left for the converter to refuse with their pointer.
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 from typing import Any
@@ -31,7 +32,10 @@ import referencing.jsonschema as rj
 from referencing import Registry
 from referencing.exceptions import Unresolvable
 
+from radixlm.core.runtime.constrained.schema.json_common import IGNORED_BESIDE_REF
 
+
+@functools.lru_cache(maxsize=4096)  # (a large document repeats the same refs thousands of times)
 def _join(base: str, ref: str) -> str:
     # urljoin drops the base of non-hierarchical URIs (urn:...) for a fragment-only reference.
     return urldefrag(base)[0] + ref if ref.startswith("#") else urljoin(base, ref)
@@ -75,6 +79,16 @@ def _absolutize(node: Any, spec: rj.Specification, base: str, dynamic: list, anc
         anchors.add((urldefrag(base)[0], node["$dynamicAnchor"]))
     for sub in spec.subresources_of(node):
         _absolutize(sub, spec, base, dynamic, anchors)
+    if "$ref" in node and spec in _REF_ALONE:  # its siblings moved where no keyword reads them
+        ignored = {k: node.pop(k) for k in list(node) if k not in _KEPT_BESIDE_REF}
+        if ignored:
+            node[IGNORED_BESIDE_REF] = ignored
+
+
+# Drafts 3-7: "All other properties in a "$ref" object MUST be ignored" (as jsonschema's validators for
+# them do); from 2019-09 on, a $ref's siblings apply beside it.
+_REF_ALONE = (rj.DRAFT3, rj.DRAFT4, rj.DRAFT6, rj.DRAFT7)
+_KEPT_BESIDE_REF = {"$ref", "definitions", "$defs", "$schema", "$comment", "$id", "id"}
 
 
 # Documents any schema's refs may name (register_documents), with their refs made absolute, crawled once.

@@ -188,10 +188,10 @@ def _future(key: str, dfa: ByteDFA, state: int, most: int = MAX_FUTURE_STATES) -
     return found
 
 
-_row_shapes: dict[tuple[str, int], tuple[bytes, list[int]]] = {}
+_row_shapes: dict[tuple[str, int], tuple[bytes, tuple[int, ...]]] = {}
 
 
-def _row_shape(key: str, dfa: ByteDFA, state: int) -> tuple[bytes, list[int]]:
+def _row_shape(key: str, dfa: ByteDFA, state: int) -> tuple[bytes, tuple[int, ...]]:
     """(the state's row as bytes: number of live bytes, accepting, the live bytes, and per live byte the
     rank of its target among the distinct targets; the distinct targets in order of first use). A string
     body's ~200 moves go to a handful of states: a search numbers those, not every move."""
@@ -202,7 +202,7 @@ def _row_shape(key: str, dfa: ByteDFA, state: int) -> tuple[bytes, list[int]]:
         shape = bytes(rank.setdefault(t, len(rank)) for t in targets)
         if len(_row_shapes) > 1 << 16:  # ~0.5 KB each at most (a string body state)
             _row_shapes.clear()
-        found = _row_shapes[key, state] = (len(targets).to_bytes(2, "little") + head + shape, list(rank))
+        found = _row_shapes[key, state] = (len(targets).to_bytes(2, "little") + head + shape, tuple(rank))
     return found
 
 

@@ -25,7 +25,7 @@ class SuffixTree:
 
     def __init__(self, suffixes: list[bytes]) -> None:
         self.suffixes = suffixes
-        self._classes: dict[tuple[int, str, int], tuple[list[int], list[dict]]] = {}
+        self._classes: dict[tuple[int, str, int], tuple[tuple[int, ...], list[dict]]] = {}
 
     @functools.cached_property
     def root(self) -> dict[int, tuple[dict, list[int]]]:
@@ -37,7 +37,7 @@ class SuffixTree:
             node.setdefault(data[-1], ({}, []))[1].append(n)
         return root
 
-    def classes(self, node: dict, key: str, dfa: ByteDFA, state: int) -> tuple[list[int], list[dict]]:
+    def classes(self, node: dict, key: str, dfa: ByteDFA, state: int) -> tuple[tuple[int, ...], list[dict]]:
         """The suffixes below `node` (the root or a node's children) read from `state` of terminal `dfa`
         (named `key`), as the vocabulary is in state_tokens: (ids of those alive in the terminal through
         their last byte, the nodes (their children) after which the terminal may end and the rest go on
@@ -66,7 +66,8 @@ class SuffixTree:
                         stack.append((nxt, sub))
             if len(self._classes) >= CLASSES_PER_TREE:
                 self._classes.clear()
-            found = self._classes[id(node), key, state] = (inside, ends_at)
+            # A tuple of numbers leaves the collector's tracking (narrow_walk's rows say why it matters).
+            found = self._classes[id(node), key, state] = (tuple(inside), ends_at)
         return found
 
 
