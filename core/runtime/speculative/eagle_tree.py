@@ -140,7 +140,6 @@ class EagleTreeProposer(EagleProposer):
         return out
 
 
-
 def _best_tree(nodes: list[_Node], k: int) -> DraftTree:
     """The k best-scored nodes as a tree (parents first: a child scores no higher than its parent, and
     ties go to the shallower node)."""

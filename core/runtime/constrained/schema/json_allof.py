@@ -6,10 +6,10 @@ import json
 import math
 from typing import Any
 
-from radixlm.core.runtime.constrained.schema.json_common import (CONFLICT, JSON_TYPES, LOWER_BOUNDS, NEGATED,
+from radixlm.core.runtime.constrained.schema.json_common import (CONFLICT, LOWER_BOUNDS, NEGATED,
                                                                  NOT_STRINGS, SCHEMA_VALUED, UPPER_BOUNDS,
                                                                  NOT_MULTIPLE_OF, mark_negated, pattern_matches,
-                                                                 same_json, with_parts)
+                                                                 same_json, type_set, with_parts)
 from radixlm.core.runtime.constrained.schema.json_conditional import discriminated, through_if_branch
 
 
@@ -185,7 +185,7 @@ def _typed_choices(parts: list[Any]) -> list[Any] | bool:
     allowed = None
     for part in parts:
         if isinstance(part, dict) and "type" in part:
-            allowed = _types(part["type"]) if allowed is None else allowed & _types(part["type"])
+            allowed = type_set(part["type"]) if allowed is None else allowed & type_set(part["type"])
     if allowed is None:
         return parts
     out = []
@@ -194,7 +194,7 @@ def _typed_choices(parts: list[Any]) -> list[Any] | bool:
         if key is None or "anyOf" in part and "oneOf" in part:
             out.append(part)
             continue
-        kept = [b for b in part[key] if not (isinstance(b, dict) and "type" in b and not _types(b["type"]) & allowed)]
+        kept = [b for b in part[key] if not (isinstance(b, dict) and "type" in b and not type_set(b["type"]) & allowed)]
         if not kept:
             return False
         if len(kept) > 1 or len(part[key]) == 1 or isinstance(kept[0], dict) and (
@@ -206,12 +206,6 @@ def _typed_choices(parts: list[Any]) -> list[Any] | bool:
         if set(rest) - {NEGATED}:  # (after the branch: a parent, the last part, stays last)
             out.append(rest)
     return out
-
-
-def _types(value: Any) -> set:
-    """A `type` keyword's types, integers among numbers."""
-    types = {value} if isinstance(value, str) else set(value) if isinstance(value, list) else set(JSON_TYPES)
-    return types | {"integer"} if "number" in types else types
 
 
 def _known_keywords(schema: Any) -> Any:

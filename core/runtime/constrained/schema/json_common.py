@@ -106,10 +106,22 @@ def open_part(schema: dict) -> dict:
     return {} if any(k in schema for k in listed) else {"additionalProperties": True}
 
 
+def json_key(value: Any) -> str:
+    """A value's text as JSON Schema compares values (1 and 1.0 the same; true is not 1): a hashable key."""
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    return json.dumps(value, sort_keys=True)
+
+
 def same_json(a: Any, b: Any) -> bool:
     """Equal as JSON Schema compares values (1 == 1.0; true is not 1)."""
-    return json_type(a) in ("integer", "number") and json_type(b) in ("integer", "number") and a == b or \
-        json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)
+    return json_key(a) == json_key(b)
+
+
+def type_set(keyword: Any) -> set[str]:
+    """The types a `type` keyword names (every type where it names none), integers among numbers."""
+    types = {keyword} if isinstance(keyword, str) else set(keyword) if isinstance(keyword, list) else set(JSON_TYPES)
+    return types | {"integer"} if "number" in types else types
 
 
 def json_type(value: Any) -> str:

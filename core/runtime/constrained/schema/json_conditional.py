@@ -7,7 +7,8 @@ from typing import Any
 
 from radixlm.core.runtime.constrained.automata.grammar import Expr, alt
 from radixlm.core.runtime.constrained.schema.json_common import (DEPENDENT_KEYWORDS, IGNORED_KEYWORDS, SchemaError,
-                                                                 escape_pointer, json_type, open_part, with_parts)
+                                                                 escape_pointer, json_key, json_type, open_part,
+                                                                 type_set, with_parts)
 
 
 class ConditionalRules:
@@ -76,8 +77,7 @@ def _value_dependency(then: Any) -> tuple[str, list] | None:
         return None
     values = sub["enum"] if "enum" in sub else [sub["const"]]
     if "type" in sub:
-        types = {sub["type"]} if isinstance(sub["type"], str) else set(sub["type"])
-        values = [v for v in values if json_type(v) in types or json_type(v) == "integer" and "number" in types]
+        values = [v for v in values if json_type(v) in type_set(sub["type"])]
     return prop, values
 
 
@@ -91,9 +91,9 @@ def value_dependencies(prop: str, keys: list[tuple[str, list]], opened: dict) ->
     seen: dict[str, Any] = {}
     for key, values in keys:
         for v in values:
-            seen.setdefault(_canonical_key(v), v)
+            seen.setdefault(json_key(v), v)
     for name, v in seen.items():
-        allowing = frozenset(key for key, values in keys if any(_canonical_key(w) == name for w in values))
+        allowing = frozenset(key for key, values in keys if any(json_key(w) == name for w in values))
         groups.setdefault(allowing, []).append(v)
     groups.setdefault(frozenset(), [])
     names = [key for key, _ in keys]
@@ -105,13 +105,6 @@ def value_dependencies(prop: str, keys: list[tuple[str, list]], opened: dict) ->
         closed = {key: False for key in names if key not in allowing}
         branches.append({"required": [prop], "properties": {**closed, prop: value}, **opened})
     return {"anyOf": branches}
-
-
-def _canonical_key(value: Any) -> str:
-    """Constants as JSON Schema compares them (1 and 1.0 the same)."""
-    if isinstance(value, float) and value.is_integer():
-        value = int(value)
-    return json.dumps(value, sort_keys=True)
 
 
 def discriminated(parts: list[tuple[Any, tuple]]) -> list[tuple[Any, tuple]]:

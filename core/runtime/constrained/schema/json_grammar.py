@@ -33,7 +33,7 @@ from radixlm.core.runtime.constrained.schema.json_arrays import ArrayRules
 from radixlm.core.runtime.constrained.schema.json_common import (CONFLICT, DEPENDENT_KEYWORDS, IGNORED_KEYWORDS,
                                                                  NOT_STRINGS, REFUSED_KEYWORDS, JSON_TYPES, BOOLEAN,
                                                                  NOT_MULTIPLE_OF, NOTHING, NULL, NUMBER, SchemaError, json_type,
-                                                                 mark_negated, open_part, same_json, with_parts,
+                                                                 mark_negated, open_part, same_json, type_set, with_parts,
                                                                  string_terminal)
 from radixlm.core.runtime.constrained.schema.json_conditional import ConditionalRules
 from radixlm.core.runtime.constrained.schema.json_exclusion import MAX_NEGATION_DEPTH, ExclusionRules, types_only
@@ -75,9 +75,7 @@ def _of_types(value: Any, negated: Any) -> bool:
     """Whether `value` is of a type that `negated` (true, {} or a schema of `type` alone) allows."""
     if not isinstance(negated, dict) or "type" not in negated:
         return negated is True or negated == {}
-    types = {negated["type"]} if isinstance(negated["type"], str) else set(negated["type"])
-    kind = json_type(value)
-    return kind in types or kind == "integer" and "number" in types
+    return json_type(value) in type_set(negated["type"])
 
 
 def _scalar_keywords_admit(value: Any, schema: dict) -> bool:
