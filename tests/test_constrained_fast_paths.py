@@ -6,6 +6,8 @@ string classes, state rows and future names against the direct ways."""
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 
@@ -99,11 +101,16 @@ def test_narrow_walk_equals_the_level_wise_walk(qwen):
     assert answered > 50 and refused > 5
 
 
+@functools.lru_cache(maxsize=1)
+def _vocab_matrix(vocab) -> tuple[np.ndarray, np.ndarray]:
+    return byte_matrix(vocab.token_bytes)
+
+
 def _read_each_token(dfa, q: int, vocab) -> tuple[np.ndarray, np.ndarray]:
     """The oracle of trie_walk.walk_trie, token by token (no trie): every token of the vocabulary read
     from state q, one numpy step per byte position over all tokens at once: (bool [vocab]: alive through
     its last byte, sorted ids of the others that pass an accepting state after 1 <= j < len bytes)."""
-    mat, lens = byte_matrix(vocab.token_bytes)
+    mat, lens = _vocab_matrix(vocab)
     cur = np.full(vocab.size, q, dtype=np.int64)
     exits = np.zeros(vocab.size, dtype=bool)
     for j in range(mat.shape[1]):
@@ -116,11 +123,13 @@ def _read_each_token(dfa, q: int, vocab) -> tuple[np.ndarray, np.ndarray]:
 
 
 @pytest.mark.parametrize("pattern", [r'"(?:[^"\\\x00-\x1f]|\\["\\/bfnrt])*"', r'"[A-Za-z][A-Za-z0-9+.-]*://[a-z]*"',
-                                     r'"[a-z](?:[0-9a-z_]|-)*"', r'a.*b?', r'(?:[a-z ]+x)*', r'-+[0-9]*'])
+                                     r'"[a-z](?:[0-9a-z_]|-)*"', r'a.*b?', r'(?:[a-z ]+x)*', r'-+[0-9]*',
+                                     r'"[^"\\é]*"'])
 def test_trie_walk_equals_reading_each_token(pattern, qwen):
     """The level-wise walk, with the subtrees it takes whole (the state loops on every byte below) and
     its node-by-node tail, against reading every token's bytes: string bodies, patterns with loops,
-    accepting loops (every token below an exit), long runs of one byte (`-----`)."""
+    accepting loops (every token below an exit), long runs of one byte (`-----`); states every whole UTF-8
+    character returns to (taken whole over non-ASCII bytes) and a body that excludes one character (not)."""
     vocab = prepare_vocab(qwen)
     dfa = regex_to_dfa(pattern)
     first = vocab.trie.byte[1].astype(np.int64)

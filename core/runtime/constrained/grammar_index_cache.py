@@ -72,8 +72,8 @@ def prepare_vocab(tokenizer: Any, eos_token_ids: list[int] | None = None,
     with _prepare_lock:
         vocab = vocab_of(tokenizer, eos_token_ids)
         if vocab not in _prepared:
-            # the trie with its subtrees' byte sets and ranges (trie_walk.py), each token's first trie node
-            parts = (lambda: vocab.trie.subtrees, lambda: first_node(vocab), lambda: vocab.sorted_tokens,
+            # the trie with its subtrees' byte sets, ranges and UTF-8 (trie_walk.py), each token's first trie node
+            parts = (lambda: vocab.trie.subtrees, lambda: vocab.trie.whole_utf8, lambda: first_node(vocab), lambda: vocab.sorted_tokens,
                      lambda: vocab.tokens_by_byte, lambda: spellable_bytes(vocab), lambda: string_tokens(vocab),
                      lambda: string_tokens(vocab, opening=True),
                      lambda: prepare_common_terminals(vocab, stop))  # compiles COMMON_SCHEMA: not a second time

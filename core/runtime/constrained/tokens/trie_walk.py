@@ -5,7 +5,10 @@ through its parent's state; a sparse one through the live nodes' children. Subtr
 the state are not walked: a node whose DFA state loops on every byte read below it (a string body's
 letters, a pattern's `[A-Za-z0-9]*`) has every token below it alive through its last byte, so they are
 taken as one range of the sorted vocabulary (TokenTrie.subtrees) at once. That cut most of a wide
-state's walk: the trie's 333k nodes (Qwen2) are mostly under such nodes a few levels down.
+state's walk: the trie's 333k nodes (Qwen2) are mostly under such nodes a few levels down. Multi-byte
+characters leave a string body's state and come back: from a state every whole character returns to, a
+node that ends a character and has only valid UTF-8 below it is taken whole when its ASCII bytes loop
+(utf8.py), which halves a string body's or a pattern key's first walk (Qwen2: ~18 -> ~7 ms).
 """
 
 from __future__ import annotations
@@ -16,7 +19,8 @@ import numpy as np
 
 from radixlm.core.runtime.constrained.automata.regex_dfa import ByteDFA
 from radixlm.core.runtime.constrained.tokens.narrow_walk import NARROW_NODES, walk_on
-from radixlm.core.runtime.constrained.tokens.vocab import TokenVocab, expand_ranges
+from radixlm.core.runtime.constrained.tokens.utf8 import transparent_states
+from radixlm.core.runtime.constrained.tokens.vocab import TokenTrie, TokenVocab, expand_ranges
 
 NARROW_FROM = 4  # the first level walked node by node when few nodes are left (the wide ones come before)
 DENSE_RATIO = 8  # a trie level is walked densely when over 1/8 of the previous level's nodes are alive
@@ -25,9 +29,10 @@ LOOP_BITS = 256  # DFAs whose loop bits are kept (32 bytes a state)
 LOOP_STATES = 4096  # larger DFAs are walked without taking subtrees whole
 
 
-def other_bytes(dfa: ByteDFA) -> list[np.ndarray] | None:
-    """Per state, the 256-bit set of bytes that do not lead back to it, as 4 uint64 [states] words (cached);
-    None for a DFA of over LOOP_STATES states or whose table is built as it is read (a counted string's)."""
+def other_bytes(dfa: ByteDFA) -> tuple[list[np.ndarray], np.ndarray] | None:
+    """Per state, the 256-bit set of bytes that do not lead back to it, as 4 uint64 [states] words, and
+    whether every whole UTF-8 character leads back to it (utf8.transparent_states), cached; None for a DFA
+    of over LOOP_STATES states or whose table is built as it is read (a counted string's)."""
     if not isinstance(dfa.transitions, np.ndarray) or len(dfa.transitions) > LOOP_STATES:
         return None
     key = id(dfa.transitions)
@@ -36,11 +41,11 @@ def other_bytes(dfa: ByteDFA) -> list[np.ndarray] | None:
         trans = dfa.transitions
         loops = trans == np.arange(len(trans))[:, None]
         bits = np.packbits(~loops, axis=1, bitorder="little").view(np.uint64)
-        found = (trans, [np.ascontiguousarray(bits[:, w]) for w in range(4)])
+        found = (trans, [np.ascontiguousarray(bits[:, w]) for w in range(4)], transparent_states(trans))
         _loop_bits[key] = found
         if len(_loop_bits) > LOOP_BITS:
             _loop_bits.popitem(last=False)
-    return found[1]
+    return found[1], found[2]
 
 
 def walk_trie(key: str, dfa: ByteDFA, nodes: np.ndarray, states: np.ndarray,
@@ -51,7 +56,7 @@ def walk_trie(key: str, dfa: ByteDFA, nodes: np.ndarray, states: np.ndarray,
     once few nodes are left, node by node (narrow_walk.walk_on: numpy's calls per level cost more there,
     and runs of a looping byte, `-----`, reach level ~100)."""
     trie = vocab.trie
-    below_bytes, first, count, sorted_ids = trie.subtrees
+    _, first, count, sorted_ids = trie.subtrees
     trans, accepting, leaving = dfa.transitions, dfa.accepting, other_bytes(dfa)
     inside = np.zeros(vocab.size, dtype=bool)
     uncertain: list[np.ndarray] = []
@@ -74,7 +79,7 @@ def walk_trie(key: str, dfa: ByteDFA, nodes: np.ndarray, states: np.ndarray,
             uncertain.append(trie.end_tokens[d][idx])
         # Every token below a node whose state loops on all the bytes under it is alive through its end:
         # inside, so none of them is an exit either (uncertain tokens inside are dropped below).
-        loop = None if leaving is None else _looping(below_bytes[d], leaving, nodes, cur)
+        loop = None if leaving is None else _looping(d, trie, leaving, nodes, cur)
         if loop is not None and loop.any():
             done = nodes[loop]
             looped.append((first[d][done], count[d][done]))
@@ -95,8 +100,11 @@ def walk_trie(key: str, dfa: ByteDFA, nodes: np.ndarray, states: np.ndarray,
     return inside, ids[~inside[ids]]
 
 
-def _looping(below: list[np.ndarray], leaving: list[np.ndarray], nodes: np.ndarray, cur: np.ndarray) -> np.ndarray:
-    """bool per node of `nodes` (in DFA states `cur`): no byte read below it leaves its state."""
-    other = (below[0][nodes] & leaving[0][cur]) | (below[1][nodes] & leaving[1][cur])
-    other |= (below[2][nodes] & leaving[2][cur]) | (below[3][nodes] & leaving[3][cur])
-    return other == 0
+def _looping(d: int, trie: TokenTrie, leaving: tuple[list[np.ndarray], np.ndarray], nodes: np.ndarray,
+             cur: np.ndarray) -> np.ndarray:
+    """bool per level-d node of `nodes` (in DFA states `cur`): no byte read below it leaves its state, but
+    for non-ASCII bytes where the state is transparent and only whole characters lie below (utf8.py)."""
+    below, (other, transparent) = trie.subtrees[0][d], leaving
+    ascii_out = (below[0][nodes] & other[0][cur]) | (below[1][nodes] & other[1][cur])
+    high_out = (below[2][nodes] & other[2][cur]) | (below[3][nodes] & other[3][cur])
+    return (ascii_out == 0) & ((high_out == 0) | transparent[cur] & trie.whole_utf8[d][nodes])

@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from radixlm.core.runtime.constrained.tokens.utf8 import whole_below
+
 _BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
@@ -223,6 +225,12 @@ class TokenTrie:
                 first.append(first[d][parents] + ends[parents] + before - sibling_start[parents])
         words = [[np.ascontiguousarray(x[:, w]) for w in range(4)] for x in below]  # gathered one word at a time
         return words, first, count, order
+
+    @functools.cached_property
+    def whole_utf8(self) -> list[np.ndarray]:
+        """Per level d: bool [nodes], the node ends a character and every path below it is valid UTF-8
+        (utf8.whole_below; a walk takes such a subtree whole from a transparent state, trie_walk.py)."""
+        return whole_below(self.byte, self.level_arrays()[0])
 
     @functools.cached_property
     def views(self) -> tuple[list[memoryview], list[memoryview], list[memoryview]]:
