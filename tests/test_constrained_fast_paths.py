@@ -7,6 +7,7 @@ string classes, state rows and future names against the direct ways."""
 from __future__ import annotations
 
 import functools
+import gc
 
 import numpy as np
 import pytest
@@ -55,7 +56,7 @@ def test_exit_suffixes_taken_equal_stepping_every_suffix(schema, qwen):
     """At every configuration of random walks, each item's exit tokens taken from where its continuation
     resumes equal those whose suffix leads somewhere there, byte by byte through whole rows."""
     rng = np.random.default_rng(0)
-    checked = 0
+    checked, trees = 0, []
     for _ in range(6):
         c = build_constraint("json_schema", schema, qwen)
         index = c.index
@@ -74,8 +75,13 @@ def test_exit_suffixes_taken_equal_stepping_every_suffix(schema, qwen):
                     alive = np.array([_spells(index, after, s) for s in suffixes], dtype=bool)
                     want = exits.pair_token[alive[exits.pair_suffix]]
                     assert sorted(index._exits_taken(exits, k).tolist()) == sorted(want.tolist())
+                    trees.append(exits.tree)
                     checked += 1
     assert checked > 20
+    # The trees' nodes are numbers in dicts and tuples, which a collection leaves untracked: a full
+    # collection walks two lists a tree, not objects per node.
+    gc.collect()
+    assert not any(gc.is_tracked(x) for tree in trees for part in tree.nodes for x in part)
 
 
 def test_narrow_walk_equals_the_level_wise_walk(qwen):

@@ -108,7 +108,7 @@ def prepare_common_terminals(vocab: TokenVocab, stop: threading.Event | None = N
                 return
             exits = state_tokens(name, dfa, state, vocab).exits
             if exits is not None:
-                exits.tree.root  # walked by pda.py's _exits_taken
+                exits.tree.nodes  # walked by pda.py's _exits_taken
 
 
 def prepare_in_background(tokenizer: Any, eos_token_ids: list[int] | None,

@@ -449,14 +449,14 @@ class GrammarIndex:
         found = self._exits.get(key)
         if found is None:
             tree = exits.tree
-            suffixes = self._suffixes_taken(tree, tree.root, self._follow(k))
+            suffixes = self._suffixes_taken(tree, 0, self._follow(k))
             found = exits.tokens_of(suffixes) if suffixes else _NO_TOKENS  # a third take none
             if len(self._exits) >= EXITS_CACHE_SIZE:
                 self._exits.clear()
             self._exits[key] = found
         return found
 
-    def _suffixes_taken(self, tree: SuffixTree, node: dict, items: frozenset) -> list[int]:
+    def _suffixes_taken(self, tree: SuffixTree, node: int, items: frozenset) -> list[int]:
         """Ids of the suffixes below `node` of `tree` whose bytes all lead somewhere from the configuration
         of `items` (as _follow gives them, not interned: a walk needs only the items). It takes a suffix
         iff one of its items does: by staying inside the item's terminal, or by ending it part way and

@@ -18,56 +18,66 @@ TAKEN_SETS = 256  # sets of suffixes taken kept per Exits, cleared when full
 
 
 class SuffixTree:
-    """Distinct exit suffixes (sorted) as nested dicts, {byte: (children, ids of the suffixes ending at that
-    byte)}, and their classes per terminal state. One per distinct list of suffixes (suffix_tree), shared by
-    the Exits that have it: states with different subtrees often leave with the same suffixes (a string's
-    closing quote and what follows it)."""
+    """Distinct exit suffixes (sorted) as a trie of numbered nodes (0: the root), and their classes per
+    terminal state. One per distinct list of suffixes (suffix_tree), shared by the Exits that have it:
+    states with different subtrees often leave with the same suffixes (a string's closing quote and what
+    follows it)."""
 
     def __init__(self, suffixes: list[bytes]) -> None:
         self.suffixes = suffixes
-        self._classes: dict[tuple[int, str, int], tuple[tuple[int, ...], list[dict]]] = {}
+        self._classes: dict[tuple[int, str, int], tuple[tuple[int, ...], tuple[int, ...]]] = {}
 
     @functools.cached_property
-    def root(self) -> dict[int, tuple[dict, list[int]]]:
-        root: dict[int, tuple[dict, list[int]]] = {}
+    def nodes(self) -> tuple[list[dict[int, int]], list[tuple[int, ...]]]:
+        """Per node, its children as {byte: node} and the ids of the suffixes ending at it. Dicts and
+        tuples of numbers only: Python's collector does not track them (a dict of numbers never, a tuple
+        after its first collection), so a full collection walks two lists a tree, not three objects a node
+        (narrow_walk's rows say why that matters)."""
+        children: list[dict[int, int]] = [{}]
+        ends: list[tuple[int, ...]] = [()]
         for n, data in enumerate(self.suffixes):
-            node = root
-            for b in data[:-1]:
-                node = node.setdefault(b, ({}, []))[0]
-            node.setdefault(data[-1], ({}, []))[1].append(n)
-        return root
+            node = 0
+            for b in data:
+                child = children[node].get(b)
+                if child is None:
+                    child = children[node][b] = len(children)
+                    children.append({})
+                    ends.append(())
+                node = child
+            ends[node] += (n,)
+        return children, ends
 
-    def classes(self, node: dict, key: str, dfa: ByteDFA, state: int) -> tuple[tuple[int, ...], list[dict]]:
-        """The suffixes below `node` (the root or a node's children) read from `state` of terminal `dfa`
-        (named `key`), as the vocabulary is in state_tokens: (ids of those alive in the terminal through
-        their last byte, the nodes (their children) after which the terminal may end and the rest go on
-        from whatever follows it). Context-independent, so cached per (node, terminal, state): pda.py's
-        exit walks need nothing else inside a terminal."""
-        found = self._classes.get((id(node), key, state))  # nodes live as long as the tree: ids stay theirs
+    def classes(self, node: int, key: str, dfa: ByteDFA, state: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """The suffixes below `node` (the root, 0, or a node after which a terminal may end) read from
+        `state` of terminal `dfa` (named `key`), as the vocabulary is in state_tokens: (ids of those alive
+        in the terminal through their last byte, the nodes after which the terminal may end and the rest
+        go on from whatever follows it). Context-independent, so cached per (node, terminal, state):
+        pda.py's exit walks need nothing else inside a terminal."""
+        found = self._classes.get((node, key, state))
         if found is None:
+            children, ends = self.nodes
             inside: list[int] = []
-            ends_at: list[dict] = []
+            ends_at: list[int] = []
             accepting = dfa.accepting
             stack = [(state, node)]
             while stack:
-                q, children = stack.pop()
-                moves = moves_of(key, dfa, q)
+                q, at = stack.pop()
+                moves, below = moves_of(key, dfa, q), children[at]
                 # The fewer of the two: a literal's one move among a root's ~50 first bytes, or a
                 # string body's ~200 moves against a node's few children.
-                if len(moves) < len(children):
-                    pairs = [(t, children[b]) for b, t in moves.items() if b in children]
+                if len(moves) < len(below):
+                    pairs = [(t, below[b]) for b, t in moves.items() if b in below]
                 else:
-                    pairs = [(moves[b], child) for b, child in children.items() if b in moves]
-                for nxt, (sub, ends) in pairs:
-                    inside += ends
-                    if sub:
+                    pairs = [(moves[b], child) for b, child in below.items() if b in moves]
+                for nxt, child in pairs:
+                    inside += ends[child]
+                    if children[child]:
                         if accepting[nxt]:
-                            ends_at.append(sub)
-                        stack.append((nxt, sub))
+                            ends_at.append(child)
+                        stack.append((nxt, child))
             if len(self._classes) >= CLASSES_PER_TREE:
                 self._classes.clear()
-            # A tuple of numbers leaves the collector's tracking (narrow_walk's rows say why it matters).
-            found = self._classes[id(node), key, state] = (tuple(inside), ends_at)
+            found = self._classes[node, key, state] = (tuple(inside), tuple(ends_at))
         return found
 
 
