@@ -17,6 +17,7 @@ from radixlm.core.runtime.constrained.tokens import narrow_walk, terminal_tokens
 from radixlm.core.runtime.constrained.automata.grammar_compiler import GrammarBudget, compile_grammar
 from radixlm.core.runtime.constrained.grammar_index_cache import prepare_vocab
 from radixlm.core.runtime.constrained.tokens.literal_tokens import literal_rest
+from radixlm.core.runtime.constrained.tokens import vocab as vocab_mod
 from radixlm.core.runtime.constrained.tokens.vocab import byte_matrix
 from radixlm.core.runtime.constrained.automata.regex_dfa import regex_to_dfa
 from radixlm.core.runtime.constrained.pda import GrammarIndex
@@ -512,3 +513,15 @@ def test_warm_seconds_option_is_checked():
     assert EngineOptions.from_kwargs({"grammar_warm_seconds": 0}).grammar_warm_seconds == 0.0
     with pytest.raises(InvalidRequestError, match="grammar_warm_seconds"):
         EngineOptions.from_kwargs({"grammar_warm_seconds": -0.001})
+
+
+def test_set_bits_equals_packing_ids():
+    """A few ids (set one by one) and many (one numpy call), repeats and neighbours in one byte included."""
+    rng = np.random.default_rng(3)
+    for n in (0, 1, 5, vocab_mod.FEW_IDS, vocab_mod.FEW_IDS + 1, 500):
+        ids = np.concatenate([rng.integers(0, 1000, n), rng.integers(0, 1000, n // 3), [7, 6][: min(n, 2)]]).astype(np.int64)
+        packed = np.zeros(125, dtype=np.uint8)
+        vocab_mod.set_bits(packed, ids)
+        want = np.zeros(1000, dtype=bool)
+        want[ids] = True
+        assert np.array_equal(packed, np.packbits(want, bitorder="little")), n
