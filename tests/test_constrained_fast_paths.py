@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from radixlm.core.runtime.constrained import build_constraint, grammar_index_cache
-from radixlm.core.runtime.constrained.tokens import narrow_walk, terminal_tokens, trie_walk
+from radixlm.core.runtime.constrained.tokens import narrow_walk, terminal_tokens, token_walk, trie_walk
 from radixlm.core.runtime.constrained.automata.grammar_compiler import GrammarBudget, compile_grammar
 from radixlm.core.runtime.constrained.grammar_index_cache import prepare_vocab
 from radixlm.core.runtime.constrained.tokens.literal_tokens import literal_rest
@@ -136,10 +136,12 @@ def test_trie_walk_equals_reading_each_token(pattern, qwen):
     """The level-wise walk, with the subtrees it takes whole (the state loops on every byte below) and
     its node-by-node tail, against reading every token's bytes: string bodies, patterns with loops,
     accepting loops (every token below an exit), long runs of one byte (`-----`); states every whole UTF-8
-    character returns to (taken whole over non-ASCII bytes) and a body that excludes one character (not)."""
+    character returns to (taken whole over non-ASCII bytes) and a body that excludes one character (not).
+    The walk a token at a time (token_walk.py) against both."""
     vocab = prepare_vocab(qwen)
     dfa = regex_to_dfa(pattern)
     first = vocab.trie.byte[1].astype(np.int64)
+    tokens_read = 0
     for q in range(min(dfa.num_states, 6)):
         nxt = dfa.transitions[q, first]
         live = np.flatnonzero(nxt >= 0)
@@ -147,6 +149,16 @@ def test_trie_walk_equals_reading_each_token(pattern, qwen):
         want_inside, want_uncertain = _read_each_token(dfa, q, vocab)
         assert np.array_equal(inside, want_inside), (pattern, q)
         assert np.array_equal(np.sort(uncertain), want_uncertain), (pattern, q)
+        # A token at a time (where it answers), over every first byte and over every third one.
+        for nodes in (live, live[::3]):
+            walked = token_walk.walk_tokens(dfa, q, nodes, *trie_walk.other_bytes(dfa), vocab)
+            if walked is not None:
+                tokens_read += 1
+                want = (want_inside, want_uncertain) if len(nodes) == len(live) else \
+                    trie_walk.walk_trie(pattern, dfa, nodes, nxt[nodes], vocab)
+                assert np.array_equal(walked[0], want[0]), (pattern, q, len(nodes))
+                assert np.array_equal(np.sort(walked[1]), np.sort(want[1])), (pattern, q, len(nodes))
+    assert tokens_read or pattern == r'(?:[a-z ]+x)*'  # its states loop on few bytes: the trie walk answers
 
 
 def test_single_byte_steps_agree_with_rows(qwen):

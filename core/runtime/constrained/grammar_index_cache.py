@@ -22,6 +22,7 @@ from radixlm.core.runtime.constrained.schema.schema_input import load_schema
 from radixlm.core.runtime.constrained.schema.schema_prune import prune_definitions
 from radixlm.core.runtime.constrained.pda import GrammarIndex
 from radixlm.core.runtime.constrained.tokens.terminal_tokens import first_node, state_tokens
+from radixlm.core.runtime.constrained.tokens.token_walk import token_bytes
 from radixlm.core.runtime.constrained.tokens.vocab import TokenVocab, spellable_bytes, vocab_of
 
 CACHE_SIZE = 64
@@ -73,7 +74,8 @@ def prepare_vocab(tokenizer: Any, eos_token_ids: list[int] | None = None,
         vocab = vocab_of(tokenizer, eos_token_ids)
         if vocab not in _prepared:
             # the trie with its subtrees' byte sets, ranges and UTF-8 (trie_walk.py), each token's first trie node
-            parts = (lambda: vocab.trie.subtrees, lambda: vocab.trie.whole_utf8, lambda: first_node(vocab), lambda: vocab.sorted_tokens,
+            parts = (lambda: vocab.trie.subtrees, lambda: vocab.trie.whole_utf8, lambda: token_bytes(vocab),
+                     lambda: first_node(vocab), lambda: vocab.sorted_tokens,
                      lambda: vocab.tokens_by_byte, lambda: spellable_bytes(vocab), lambda: string_tokens(vocab),
                      lambda: string_tokens(vocab, opening=True),
                      lambda: prepare_common_terminals(vocab, stop))  # compiles COMMON_SCHEMA: not a second time

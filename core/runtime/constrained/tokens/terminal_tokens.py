@@ -35,7 +35,8 @@ from radixlm.core.runtime.constrained.tokens.literal_tokens import literal_class
 from radixlm.core.runtime.constrained.tokens.narrow_walk import NARROW_NODES, narrow_walk, state_row
 from radixlm.core.runtime.constrained.automata.regex_dfa import ByteDFA
 from radixlm.core.runtime.constrained.tokens.token_classes import Exits, StateTokens, exits_replacing
-from radixlm.core.runtime.constrained.tokens.trie_walk import walk_trie
+from radixlm.core.runtime.constrained.tokens.token_walk import walk_tokens
+from radixlm.core.runtime.constrained.tokens.trie_walk import other_bytes, walk_trie
 from radixlm.core.runtime.constrained.tokens.vocab import TokenVocab, byte_matrix, clear_bits, set_bits
 
 CACHE_SIZE = 8192  # (terminal, state) entries per process; a 151k vocabulary's bits are 19 KB each
@@ -257,7 +258,7 @@ def _classify(key: str, dfa: ByteDFA, state: int, vocab: TokenVocab) -> StateTok
     shared = (_future(key, dfa, state) or (key, state), vocab.fingerprint)
     found = _cached(shared)
     if found is None:
-        have, keys = _wide(key, dfa, nxt, live, vocab)
+        have, keys = _wide(key, dfa, state, nxt, live, vocab)
         nodes = sorted(have)
         exits_key = tuple(keys[n] for n in nodes if len(have[n][1]))
         tokens, starts = (np.concatenate([have[n][i] for n in nodes] or [np.zeros(0, np.int32)]) for i in (1, 2))
@@ -371,9 +372,9 @@ def _inside_bits(have: dict[int, tuple], keys: dict[int, tuple], vocab: TokenVoc
     return packed
 
 
-def _wide(key: str, dfa: ByteDFA, nxt: np.ndarray, live: np.ndarray,
+def _wide(key: str, dfa: ByteDFA, state: int, nxt: np.ndarray, live: np.ndarray,
           vocab: TokenVocab) -> tuple[dict[int, tuple], dict[int, tuple]]:
-    """From a state (nxt: the state after each level-1 trie node's byte, live: the nodes where it is
+    """From `state` (nxt: the state after each level-1 trie node's byte, live: the nodes where it is
     alive), per level-1 node: (ids of the tokens below it alive in the DFA through their last byte; the
     exits of the other tokens that pass an accepting state after their first byte and before their last,
     as token ids and the positions where they may leave), and the subtree's name. Most of a state's first
@@ -393,7 +394,9 @@ def _wide(key: str, dfa: ByteDFA, nxt: np.ndarray, live: np.ndarray,
     if len(missing):
         walked = narrow_walk(key, dfa, missing, nxt[missing], vocab)
         if walked is None:
-            inside, uncertain = walk_trie(key, dfa, missing, nxt[missing], vocab)
+            leaving = other_bytes(dfa)  # a token at a time where the state's loops decide most, else down the trie
+            walked = None if leaving is None else walk_tokens(dfa, state, missing, *leaving, vocab)
+            inside, uncertain = walked or walk_trie(key, dfa, missing, nxt[missing], vocab)
             walked = np.flatnonzero(inside), uncertain
         inside, uncertain = walked
         tokens, starts = _exit_pairs(dfa, uncertain, _after_first(nxt, missing, vocab, uncertain), vocab)

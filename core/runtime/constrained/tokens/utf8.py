@@ -16,19 +16,19 @@ import numpy as np
 # UTF-8's validator (RFC 3629, no overlongs or surrogates): 0 at a character boundary, 1-7 inside a
 # character (how many bytes are left and which ranges the next may take), 8 invalid.
 BOUNDARY, INVALID = 0, 8
-_VALIDATOR = np.full((9, 256), INVALID, dtype=np.int8)
-_VALIDATOR[0, :0x80] = 0
-_VALIDATOR[0, 0xC2:0xE0] = 1
-_VALIDATOR[0, 0xE0] = 3
-_VALIDATOR[0, 0xE1:0xED] = 2
-_VALIDATOR[0, 0xED] = 4
-_VALIDATOR[0, 0xEE:0xF0] = 2
-_VALIDATOR[0, 0xF0] = 6
-_VALIDATOR[0, 0xF1:0xF4] = 5
-_VALIDATOR[0, 0xF4] = 7
+VALIDATOR = np.full((9, 256), INVALID, dtype=np.int8)
+VALIDATOR[0, :0x80] = 0
+VALIDATOR[0, 0xC2:0xE0] = 1
+VALIDATOR[0, 0xE0] = 3
+VALIDATOR[0, 0xE1:0xED] = 2
+VALIDATOR[0, 0xED] = 4
+VALIDATOR[0, 0xEE:0xF0] = 2
+VALIDATOR[0, 0xF0] = 6
+VALIDATOR[0, 0xF1:0xF4] = 5
+VALIDATOR[0, 0xF4] = 7
 for _state, (_lo, _hi), _to in ((1, (0x80, 0xC0), 0), (2, (0x80, 0xC0), 1), (3, (0xA0, 0xC0), 1), (4, (0x80, 0xA0), 1),
                                 (5, (0x80, 0xC0), 2), (6, (0x90, 0xC0), 2), (7, (0x80, 0x90), 2)):
-    _VALIDATOR[_state, _lo:_hi] = _to
+    VALIDATOR[_state, _lo:_hi] = _to
 
 
 def whole_below(byte: list[np.ndarray], parents: list[np.ndarray]) -> list[np.ndarray]:
@@ -36,9 +36,9 @@ def whole_below(byte: list[np.ndarray], parents: list[np.ndarray]) -> list[np.nd
     node's bytes from the root are whole characters and every path below it is valid UTF-8 (a valid
     character sequence, the last one possibly cut short)."""
     depth = len(byte) - 1
-    state = [np.zeros(0, np.int8), _VALIDATOR[BOUNDARY, byte[1]]] if depth else [np.zeros(0, np.int8)]
+    state = [np.zeros(0, np.int8), VALIDATOR[BOUNDARY, byte[1]]] if depth else [np.zeros(0, np.int8)]
     for d in range(2, depth + 1):
-        state.append(_VALIDATOR[state[d - 1][parents[d]], byte[d]])
+        state.append(VALIDATOR[state[d - 1][parents[d]], byte[d]])
     bad = [s == INVALID for s in state]  # becomes: invalid at or below the node
     for d in range(depth, 1, -1):  # children before parents
         bad[d - 1] = bad[d - 1] | (np.bincount(parents[d], weights=bad[d], minlength=len(bad[d - 1])) > 0)

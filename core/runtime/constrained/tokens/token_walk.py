@@ -1,0 +1,119 @@
+"""A wide terminal state's tokens read one token at a time rather than down the trie: most are decided by
+one vectorized test on the set of bytes each token holds, and only the rest are read byte by byte.
+
+From a state whose loops cover most bytes (a string body, a pattern key before its match), a token whose
+bytes all loop on the state (its non-ASCII bytes too, or, where every whole UTF-8 character returns to the
+state, utf8.py, whole characters) is alive through its last byte, whatever its order: a subset test of
+the token's 256-bit byte set against the state's loops, over the whole vocabulary at once (~1 ms for
+Qwen2). The others (holding `"`, `\\`, a pattern's letters: a few thousand) are stepped through the DFA
+one byte position at a time. The trie walk (trie_walk.py) must step every level above the subtrees it
+can take whole, and UTF-8 and `"` below most nodes keep it from taking them early.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+
+from radixlm.core.runtime.constrained.automata.regex_dfa import ByteDFA
+from radixlm.core.runtime.constrained.tokens.utf8 import INVALID, VALIDATOR
+from radixlm.core.runtime.constrained.tokens.vocab import TokenVocab, byte_matrix, expand_ranges
+
+
+@dataclass(frozen=True)
+class TokenBytes:
+    """The vocabulary's tokens in the trie's sorted order (TokenTrie.subtrees' `order`): each one's set of
+    bytes (4 uint64 words), whether it is a valid UTF-8 prefix (whole characters, the last possibly cut),
+    its bytes (zero-padded) and length."""
+
+    words: tuple[np.ndarray, ...]
+    utf8: np.ndarray
+    matrix: np.ndarray
+    lens: np.ndarray
+
+
+_prepared: dict[str, TokenBytes] = {}
+_lock = threading.Lock()
+
+
+def token_bytes(vocab: TokenVocab) -> TokenBytes:
+    """The vocabulary's TokenBytes (~0.2 s for Qwen2; prepare_vocab builds them), cached."""
+    with _lock:
+        found = _prepared.get(vocab.fingerprint)
+        if found is None:
+            order = vocab.trie.subtrees[3]
+            matrix, lens = byte_matrix([vocab.token_bytes[i] for i in order.tolist()])
+            flat = matrix[np.arange(matrix.shape[1]) < lens[:, None]].astype(np.int64)
+            rows = np.repeat(np.arange(len(lens)), lens)
+            bits = np.zeros((len(lens), 4), dtype=np.uint64)
+            np.bitwise_or.at(bits, (rows, flat >> 6), np.left_shift(np.uint64(1), (flat & 63).astype(np.uint64)))
+            state, reading = np.zeros(len(lens), dtype=np.int64), np.arange(len(lens))
+            for j in range(matrix.shape[1]):
+                reading = reading[lens[reading] > j]
+                state[reading] = VALIDATOR[state[reading], matrix[reading, j]]
+            found = _prepared[vocab.fingerprint] = TokenBytes(
+                tuple(np.ascontiguousarray(bits[:, w]) for w in range(4)), state != INVALID, matrix, lens)
+        return found
+
+
+REST_MOST = 16384  # tokens left to read byte by byte past which the trie walk is the cheaper one
+
+
+def walk_tokens(dfa: ByteDFA, state: int, nodes: np.ndarray, other: list[np.ndarray], transparent: np.ndarray,
+                vocab: TokenVocab) -> tuple[np.ndarray, np.ndarray] | None:
+    """trie_walk.walk_trie's result for the tokens starting at level-1 trie `nodes` read from `state` (the
+    state before their first byte; other, transparent: trie_walk.other_bytes of the DFA): (bool [vocab]:
+    alive through their last byte, ids of the others that pass an accepting state after their first byte
+    and before their last); None if over REST_MOST tokens do not loop on the state (a state that reads
+    few bytes, `[a-z ]+`)."""
+    tb = token_bytes(vocab)
+    _, first, count, order = vocab.trie.subtrees
+    _, at = expand_ranges(first[1][nodes], count[1][nodes])  # the tokens below `nodes`, sorted positions
+    words = [w[at] for w in tb.words] if len(at) < len(order) // 2 else list(tb.words)
+    at = at if len(at) < len(order) // 2 else None  # most of the vocabulary: tested whole, then selected
+    o = [np.uint64(x[state]) for x in other]
+    looping = ((words[0] & o[0]) | (words[1] & o[1])) == 0
+    if o[2] or o[3]:
+        high = ((words[2] & o[2]) | (words[3] & o[3])) == 0
+        looping &= high | (tb.utf8 if at is None else tb.utf8[at]) if transparent[state] else high
+    if at is None:
+        keep = np.zeros(len(order), dtype=bool)
+        keep[expand_ranges(first[1][nodes], count[1][nodes])[1]] = True
+        fast, rest = np.flatnonzero(keep & looping), np.flatnonzero(keep & ~looping)
+    else:
+        fast, rest = at[looping], at[~looping]
+    if len(rest) > REST_MOST:
+        return None
+    inside = np.zeros(vocab.size, dtype=bool)
+    inside[order[fast]] = True
+    alive, exits = _read(dfa, state, tb.matrix, tb.lens, rest)
+    inside[order[rest[alive]]] = True
+    return inside, order[rest[exits & ~alive]]
+
+
+def _read(dfa: ByteDFA, state: int, matrix: np.ndarray, lens: np.ndarray,
+          rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Rows `rows` of `matrix` read from `state`, one numpy step per byte position: (bool per row: alive
+    through its last byte, bool per row: passed an accepting state after its first byte, before its last)."""
+    trans, accepting = dfa.transitions, dfa.accepting
+    length = lens[rows]
+    alive = np.zeros(len(rows), dtype=bool)
+    exits = np.zeros(len(rows), dtype=bool)
+    idx = np.arange(len(rows))  # rows alive and still reading
+    cur = np.full(len(rows), state, dtype=np.int64)
+    for j in range(matrix.shape[1]):
+        done = length[idx] == j
+        if done.any():
+            alive[idx[done]] = True
+            idx, cur = idx[~done], cur[~done]
+        if not len(idx):
+            break
+        if j:
+            exits[idx[accepting[cur]]] = True
+        cur = trans[cur, matrix[rows[idx], j]].astype(np.int64)
+        live = cur >= 0
+        idx, cur = idx[live], cur[live]
+    alive[idx] = True  # the longest rows, read to the matrix's last column
+    return alive, exits
