@@ -70,18 +70,18 @@ def walk_tokens(dfa: ByteDFA, state: int, nodes: np.ndarray, other: list[np.ndar
     few bytes, `[a-z ]+`)."""
     tb = token_bytes(vocab)
     _, first, count, order = vocab.trie.subtrees
-    _, at = expand_ranges(first[1][nodes], count[1][nodes])  # the tokens below `nodes`, sorted positions
-    words = [w[at] for w in tb.words] if len(at) < len(order) // 2 else list(tb.words)
-    at = at if len(at) < len(order) // 2 else None  # most of the vocabulary: tested whole, then selected
+    _, at = expand_ranges(first[1][nodes], count[1][nodes])  # the tokens below `nodes`: sorted positions
+    whole = len(at) > len(order) // 2  # most of the vocabulary: tested whole, then selected (no gathers)
+    words, utf8 = (tb.words, tb.utf8) if whole else ([w[at] for w in tb.words], tb.utf8[at])
     o = [np.uint64(x[state]) for x in other]
     looping = ((words[0] & o[0]) | (words[1] & o[1])) == 0
     if o[2] or o[3]:
         high = ((words[2] & o[2]) | (words[3] & o[3])) == 0
-        looping &= high | (tb.utf8 if at is None else tb.utf8[at]) if transparent[state] else high
-    if at is None:
-        keep = np.zeros(len(order), dtype=bool)
-        keep[expand_ranges(first[1][nodes], count[1][nodes])[1]] = True
-        fast, rest = np.flatnonzero(keep & looping), np.flatnonzero(keep & ~looping)
+        looping &= (high | utf8) if transparent[state] else high
+    if whole:
+        below = np.zeros(len(order), dtype=bool)
+        below[at] = True
+        fast, rest = np.flatnonzero(below & looping), np.flatnonzero(below & ~looping)
     else:
         fast, rest = at[looping], at[~looping]
     if len(rest) > REST_MOST:
@@ -90,7 +90,7 @@ def walk_tokens(dfa: ByteDFA, state: int, nodes: np.ndarray, other: list[np.ndar
     inside[order[fast]] = True
     alive, exits = _read(dfa, state, tb.matrix, tb.lens, rest)
     inside[order[rest[alive]]] = True
-    return inside, order[rest[exits & ~alive]]
+    return inside, np.sort(order[rest[exits & ~alive]])  # by id, as the trie walk gives them
 
 
 def _read(dfa: ByteDFA, state: int, matrix: np.ndarray, lens: np.ndarray,
