@@ -1,6 +1,7 @@
 """The corpus walk's mask tail: bench_grammar.py's radixlm run with each computed mask's thread CPU time kept.
 
     python benchmarks/mask_tail.py --suite /tmp/js/jsonschema-*/json/tests/draft2020-12 [--maskbench DIR] [--limit N] [--parts]
+        [--wide-at-compile]
 
 Prints the run's mask summary, the computed masks' 30th/45th/59th/80th/120th largest times, how many
 exceed 100 µs, 300 µs and 1 ms (and their sum over 100 µs), and the garbage collections that ran inside
@@ -9,12 +10,15 @@ masks. Only GrammarIndex._allowed_bits is wrapped: a timer around a step called 
 faster when it is not (benchmarks/results/2026-12-02-grammar-masks.md). `--parts` also times, per computed
 mask, its token classes (first visits to terminal states: trie walks), exit walks (per continuation) and
 bits set from ids, a few calls a mask (their timers add a few µs to each), and prints them per band of mask
-time; and, at each full collection, the tracked objects it walks.
+time; and, at each full collection, the tracked objects it walks, and after the run the tracked objects left
+by type. `--wide-at-compile` builds every wide terminal state's token classes with each compile and prints
+what that adds to the compile.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import gc
 import sys
 import time
@@ -24,7 +28,12 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 import bench_grammar  # noqa: E402
 
+import numpy as np  # noqa: E402
+
 from radixlm.core.runtime.constrained import pda  # noqa: E402
+from radixlm.core.runtime.constrained.tokens.counted_string import CountedStringDFA  # noqa: E402
+from radixlm.core.runtime.constrained.tokens.narrow_walk import NARROW_NODES, state_row  # noqa: E402
+from radixlm.core.runtime.constrained.tokens.terminal_tokens import state_tokens  # noqa: E402
 
 RANKS = (30, 45, 59, 80, 120)
 
@@ -36,6 +45,8 @@ def main() -> None:
     parser.add_argument("--maskbench", metavar="DIR", help="as bench_grammar.py's: MaskBench's schemas too")
     parser.add_argument("--no-freeze", action="store_true", help="as bench_grammar.py's: the heap left unfrozen")
     parser.add_argument("--parts", action="store_true", help="time each computed mask's parts (see above)")
+    parser.add_argument("--wide-at-compile", action="store_true",
+                        help="build every wide terminal state's token classes with each compile (timed in it)")
     args = parser.parse_args()
     bench_grammar.MASK_CLOCK = time.thread_time
     computed: list[float] = []
@@ -67,6 +78,7 @@ def main() -> None:
     pda.GrammarIndex._allowed_bits = timed
     if args.parts:
         _time_parts(parts, inside)
+    added = _wide_at_compile() if args.wide_at_compile else None
     gc.callbacks.append(on_gc)
     result = bench_grammar.run("radixlm", args.suite, args.limit, False, "qwen2", 0, not args.no_freeze, args.maskbench)
     gc.callbacks.remove(on_gc)
@@ -83,6 +95,32 @@ def main() -> None:
               f" largest {max(times):.0f} µs")
     if args.parts:
         _print_parts(computed, parts, full_objects)
+    if added is not None:
+        print("compile ms", {k: round(v, 2) for k, v in result["compile_ms"].items()}, "of which wide states p50 / p90 / "
+              "p99 / max", " / ".join(f"{x:.2f}" for x in np.percentile(added, [50, 90, 99, 100])))
+
+
+def _wide_at_compile() -> list[float]:
+    """Wraps the benchmark's compile so that it also builds the token classes of every state of every
+    terminal (not counted, its table built) that reads over NARROW_NODES bytes, as a compile-time alternative to first
+    visits (xgrammar's); returns the list the ms each compile added go to."""
+    added: list[float] = []
+    compile_ = bench_grammar.Engine.compile
+
+    def compile_all(self, schema):
+        constraint = compile_(self, schema)
+        start = time.perf_counter()
+        index = constraint.index
+        for name, dfa in zip(index.grammar.terminal_names, index.grammar.terminals):
+            if isinstance(dfa, CountedStringDFA) or not isinstance(dfa.transitions, np.ndarray):
+                continue  # counted, or a table built as it is read
+            for q in range(len(dfa.transitions)):
+                if len(state_row(name, dfa, q)[1]) > NARROW_NODES:
+                    state_tokens(name, dfa, q, index.vocab)
+        added.append((time.perf_counter() - start) * 1e3)
+        return constraint
+    bench_grammar.Engine.compile = compile_all
+    return added
 
 
 PARTS = {"classes": (pda.GrammarIndex, "_classes"), "exit walks": (pda.GrammarIndex, "_exits_taken"),
@@ -112,6 +150,9 @@ def _print_parts(computed: list[float], parts: list[dict[str, float]], full_obje
         print(f"computed masks {lo}-{hi} µs: {len(band)}, {total:.0f} ms;",
               ", ".join(f"{name} {ms:.0f} ms" for name, ms in sums.items()), f"the rest {total - sum(sums.values()):.0f} ms")
     print("tracked objects at each full collection:", full_objects)
+    gc.collect()
+    left = collections.Counter(type(o).__qualname__ for o in gc.get_objects())
+    print("tracked objects left (not frozen):", sum(left.values()), dict(left.most_common(8)))
 
 
 if __name__ == "__main__":
