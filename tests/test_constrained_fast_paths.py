@@ -18,7 +18,7 @@ from radixlm.core.runtime.constrained.automata.grammar_compiler import GrammarBu
 from radixlm.core.runtime.constrained.grammar_index_cache import prepare_vocab
 from radixlm.core.runtime.constrained.tokens.literal_tokens import literal_rest
 from radixlm.core.runtime.constrained.tokens import vocab as vocab_mod
-from radixlm.core.runtime.constrained.tokens.vocab import byte_matrix
+from radixlm.core.runtime.constrained.tokens.vocab import TokenVocab, byte_matrix
 from radixlm.core.runtime.constrained.automata.regex_dfa import regex_to_dfa
 from radixlm.core.runtime.constrained.pda import GrammarIndex
 from radixlm.testing.constrained import qwen2_tokenizer, random_walk
@@ -537,3 +537,18 @@ def test_set_bits_equals_packing_ids():
         want = np.zeros(1000, dtype=bool)
         want[ids] = True
         assert np.array_equal(packed, np.packbits(want, bitorder="little")), n
+
+
+def test_token_walk_left_to_the_trie_past_its_matrix_budget(monkeypatch):
+    """A vocabulary whose padded token bytes would pass MATRIX_BYTES has no TokenBytes: the walk a token at a
+    time answers None (the trie walk runs), and within the budget it answers."""
+    dfa = regex_to_dfa(r'"[^"]*"')
+    for budget, answered in ((1, False), (1 << 20, True)):
+        monkeypatch.setattr(token_walk, "MATRIX_BYTES", budget)
+        vocab = TokenVocab([b"a", b'b"', b"\xc3\xa9c"], frozenset(), (), f"tiny-{budget}")
+        first = vocab.trie.byte[1].astype(np.int64)
+        nxt = dfa.transitions[1, first]
+        walked = token_walk.walk_tokens(dfa, 1, np.flatnonzero(nxt >= 0), *trie_walk.other_bytes(dfa), vocab)
+        assert (walked is not None) == answered
+        if answered:
+            assert walked[0].tolist() == [True, True, True] and walked[1].tolist() == []

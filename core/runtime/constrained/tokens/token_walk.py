@@ -34,16 +34,20 @@ class TokenBytes:
     lens: np.ndarray
 
 
-_prepared: dict[str, TokenBytes] = {}
+_prepared: dict[str, TokenBytes | None] = {}
 _lock = threading.Lock()
+MATRIX_BYTES = 1 << 26  # the tokens' padded bytes at most (Qwen2: 151k tokens of up to 128 bytes, 19 MB)
 
 
-def token_bytes(vocab: TokenVocab) -> TokenBytes:
-    """The vocabulary's TokenBytes (~0.2 s for Qwen2; prepare_vocab builds them), cached."""
+def token_bytes(vocab: TokenVocab) -> TokenBytes | None:
+    """The vocabulary's TokenBytes (~0.2 s for Qwen2; prepare_vocab builds them), cached; None where the
+    padded bytes would pass MATRIX_BYTES (a vocabulary with very long tokens: its walks go down the trie)."""
     with _lock:
-        found = _prepared.get(vocab.fingerprint)
-        if found is None:
-            order = vocab.trie.subtrees[3]
+        if vocab.fingerprint in _prepared:
+            return _prepared[vocab.fingerprint]
+        order = vocab.trie.subtrees[3]
+        found = None
+        if len(order) * max(map(len, vocab.token_bytes), default=1) <= MATRIX_BYTES:
             matrix, lens = byte_matrix([vocab.token_bytes[i] for i in order.tolist()])
             flat = matrix[np.arange(matrix.shape[1]) < lens[:, None]].astype(np.int64)
             rows = np.repeat(np.arange(len(lens)), lens)
@@ -53,8 +57,8 @@ def token_bytes(vocab: TokenVocab) -> TokenBytes:
             for j in range(matrix.shape[1]):
                 reading = reading[lens[reading] > j]
                 state[reading] = VALIDATOR[state[reading], matrix[reading, j]]
-            found = _prepared[vocab.fingerprint] = TokenBytes(
-                tuple(np.ascontiguousarray(bits[:, w]) for w in range(4)), state != INVALID, matrix, lens)
+            found = TokenBytes(tuple(np.ascontiguousarray(bits[:, w]) for w in range(4)), state != INVALID, matrix, lens)
+        _prepared[vocab.fingerprint] = found
         return found
 
 
@@ -67,8 +71,10 @@ def walk_tokens(dfa: ByteDFA, state: int, nodes: np.ndarray, other: list[np.ndar
     state before their first byte; other, transparent: trie_walk.other_bytes of the DFA): (bool [vocab]:
     alive through their last byte, ids of the others that pass an accepting state after their first byte
     and before their last); None if over REST_MOST tokens do not loop on the state (a state that reads
-    few bytes, `[a-z ]+`)."""
+    few bytes, `[a-z ]+`) or the vocabulary has no TokenBytes."""
     tb = token_bytes(vocab)
+    if tb is None:
+        return None
     _, first, count, order = vocab.trie.subtrees
     _, at = expand_ranges(first[1][nodes], count[1][nodes])  # the tokens below `nodes`: sorted positions
     whole = len(at) > len(order) // 2  # most of the vocabulary: tested whole, then selected (no gathers)
