@@ -179,17 +179,17 @@ class _Builder:
 
     def _shape(self, expr: Expr, rule_ids: dict[str, int], symbols: list[int], index: dict[int, int]) -> tuple | int:
         """`expr`'s shape (above); appends its distinct symbols to `symbols` (`index`: symbol -> place)."""
-        if isinstance(expr, Terminal):
+        kind = type(expr)  # (the expression classes have no subclasses; a type test is the hot path's cheapest)
+        if kind is Terminal:
             symbol = 2 * self._terminal(expr)
-        elif isinstance(expr, Ref):
-            if expr.rule not in rule_ids:
+        elif kind is Ref:
+            found = rule_ids.get(expr.rule)
+            if found is None:
                 raise ValueError(f"undefined grammar rule {expr.rule!r}")
-            symbol = 2 * rule_ids[expr.rule] + 1
-        elif isinstance(expr, Seq):
-            return ("s", *(self._shape(item, rule_ids, symbols, index) for item in expr.items))
-        elif isinstance(expr, Alt):
-            return ("a", *(self._shape(item, rule_ids, symbols, index) for item in expr.items))
-        elif isinstance(expr, Repeat):
+            symbol = 2 * found + 1
+        elif kind is Seq or kind is Alt:
+            return ("s" if kind is Seq else "a", *[self._shape(item, rule_ids, symbols, index) for item in expr.items])
+        elif kind is Repeat:
             return ("r", expr.lo, expr.hi, self._shape(expr.item, rule_ids, symbols, index))
         else:
             raise ValueError(f"not a grammar expression: {expr!r}")
