@@ -66,7 +66,7 @@ class Grammar:
             raise ValueError(f"the start rule {self.start!r} is not defined")
 
 
-@functools.lru_cache(maxsize=8192)
+@functools.lru_cache(maxsize=4096)  # (as many as literal_dfa keeps: the two hold mostly the same DFAs)
 def lit(text: str) -> Terminal:
     """A terminal matching exactly `text` (its DFA built directly: keys and punctuation are many; cached,
     as a schema writes its punctuation and keys thousands of times)."""
