@@ -17,13 +17,16 @@ def live_states(trans: np.ndarray, accepting: np.ndarray) -> np.ndarray:
     ptr = np.searchsorted(dst, np.arange(trans.shape[0] + 1))
     live = accepting.copy()
     frontier = np.flatnonzero(live)
+    met = np.zeros_like(live)  # (a mask, not np.unique: a level's predecessors deduplicated in one pass)
     while frontier.size:
         counts = ptr[frontier + 1] - ptr[frontier]
         starts = np.repeat(ptr[frontier], counts)
         offsets = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
-        preds = np.unique(src[starts + offsets])
-        frontier = preds[~live[preds]]
-        live[frontier] = True
+        met[src[starts + offsets]] = True
+        met &= ~live
+        frontier = np.flatnonzero(met)
+        live |= met
+        met[frontier] = False
     return live
 
 
@@ -67,13 +70,14 @@ def refine(trans: np.ndarray, accepting: np.ndarray, exact: bool,
             num_blocks = new_num
     target = np.where(trans >= 0, trans, n)  # a missing move: to an extra state with a label of its own
     label = np.append(accepting.astype(np.uint64), np.uint64(2))
-    num_blocks = len(np.unique(label[:n]))
+    num_blocks = len(np.unique(accepting))
     with np.errstate(over="ignore"):
         while True:
             if check is not None:
                 check()
             label[:n] = _mixed(label[target] @ weights[1:] + label[:n] * weights[0])
-            new_num = len(np.unique(label[:n]))
+            ordered = np.sort(label[:n])
+            new_num = int(np.count_nonzero(ordered[1:] != ordered[:-1])) + 1 if n else 0
             if new_num == num_blocks:
                 return np.unique(label[:n], return_inverse=True)[1].reshape(-1)
             num_blocks = new_num
