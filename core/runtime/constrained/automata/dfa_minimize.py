@@ -112,10 +112,10 @@ def minimize(trans: np.ndarray, accepting: np.ndarray, classes: np.ndarray, patt
     small_accepting = accepting[rep]
 
     # Renumber in breadth-first order from the start so state ids are deterministic and start is 0.
+    rows = small.tolist()  # (Python ints: a loop over numpy scalars costs several times more)
     order, seen = [int(block[0])], {int(block[0])}
     for b in order:
-        for t in small[b]:
-            t = int(t)
+        for t in rows[b]:
             if t >= 0 and t not in seen:
                 seen.add(t)
                 order.append(t)
