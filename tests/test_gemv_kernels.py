@@ -220,15 +220,16 @@ def test_one_row_int4_with_a_partial_step(group, monkeypatch):
 @pytest.mark.parametrize("group, config", [(32, "16,256,4,1,2"), (64, "16,128,4,1,3"), (128, "8,128,4,2,4")])
 def test_int4_split_k(group, config, monkeypatch):
     """K split over programs (split_k.py: each slice's partial stored, the last program of a block sums
-    them and runs the epilogue) on 4-bit weights: the plain, SiLU-residual and norm-scaled products at 1-3
+    them and runs the epilogue) on 4-bit weights: the plain, SiLU-residual and norm-scaled products at 1-4
     rows against their twins; 384 columns in slices of two steps of 256 (the last ends inside its step),
     three of one step, and 4 asked of 3 steps (3 taken). A bf16 weight takes the same split. Every block's
     counter is back at zero afterwards, as a CUDA graph's next replay needs."""
     monkeypatch.setenv("RADIXLM_GEMV_CONFIG", config)
     k = 384
     w, scales, zeros = int4_weight(N, k, group)
-    x = randn(1, k, dtype=torch.bfloat16)
-    assert_close(tri.gemv(x, w, None, scales, zeros), ref.gemv(x, w, None, scales, zeros))
+    x = randn(3, k, dtype=torch.bfloat16)
+    for rows in (1, 3):
+        assert_close(tri.gemv(x[:rows], w, None, scales, zeros), ref.gemv(x[:rows], w, None, scales, zeros))
     gate_up, residual = randn(2, 2 * k, dtype=torch.bfloat16), randn(2, N, dtype=torch.bfloat16)
     norm_w = (torch.rand(N, device=DEVICE) + 0.5).to(torch.bfloat16)
     for rows in (1, 2):
@@ -237,13 +238,12 @@ def test_int4_split_k(group, config, monkeypatch):
         want = ref.residual_gemv(*args, silu=True, weight_scale=scales, weight_zero=zeros)
         for ours, theirs in zip(got[:2], want[:2]):
             assert_close(ours, theirs)
-    sums = torch.rand(3, 3, device=DEVICE) * k
-    h = randn(3, k, dtype=torch.bfloat16)
+    sums = torch.rand(4, 3, device=DEVICE) * k
+    h = randn(4, k, dtype=torch.bfloat16)
     assert_close(tri.rms_scaled_gemv(h, sums, 1e-6, w, None, scales, zeros),
                  ref.rms_scaled_gemv(h, sums, 1e-6, w, None, scales, zeros))
-    if group == 128:
-        dense = (torch.randn(N, k, device=DEVICE) / k**0.5).to(torch.bfloat16)
-        assert_close(tri.gemv(x, dense), ref.gemv(x, dense))
+    dense = (torch.randn(N, k, device=DEVICE) / k**0.5).to(torch.bfloat16)
+    assert_close(tri.gemv(x[:1], dense), ref.gemv(x[:1], dense))
     assert all(not counters.any() for counters in split_k._COUNTERS.values())
 
 
