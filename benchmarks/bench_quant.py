@@ -42,17 +42,13 @@ OPS = ["scaled", "residual", "scaled", "silu"]  # the fused GEMV each of qkv, o,
 CANDIDATES = [(4, 1024, 4, 3), (8, 1024, 4, 3), (4, 2048, 4, 3), (8, 2048, 8, 3), (4, 4096, 8, 3), (16, 1024, 8, 3)]
 # SmolLM2-135M's projections (qkv, o, gate_up, down), whose GGUF Q4_0/Q4_1 run in groups of 32 on CUDA.
 SMOL_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
-# The 4-bit GEMV's (BLOCK_N, BLOCK_K columns, a multiple of 32, warps, stages, split of K). The one-row
-# product keeps its weight tile's layout only where the activation slices (BLOCK_K / 8 values) are fewer
-# than the lanes (32 x warps): BLOCK_K < 256 x warps. Stages 1: its register prefetch, a step ahead (every
-# shape's winner on one H100, session 5, where Triton's cp.async stages took 1.5-3x as long). Split > 1
-# (split_k.py): more programs, so more bytes in flight, on the 4,096- and 6,144-row shapes (128-192
-# programs of 32 rows unsplit) and the long K of the down projection. Each compiles the variant of the
-# fused op its shape runs in.
-INT4_CANDIDATES = [(16, 512, 4, 1, 1), (32, 512, 4, 1, 1), (16, 1024, 8, 1, 1), (32, 1024, 8, 1, 1),
-                   (8, 256, 2, 1, 1), (16, 256, 2, 1, 1), (32, 512, 4, 1, 2), (32, 512, 4, 1, 4),
-                   (16, 512, 4, 1, 2), (16, 512, 4, 1, 4), (32, 1024, 8, 1, 2), (32, 1024, 8, 1, 4),
-                   (16, 256, 2, 1, 4), (32, 512, 4, 1, 8)]
+# The 4-bit GEMV's (BLOCK_N, BLOCK_K columns, a multiple of 32, warps, stages). The one-row product keeps
+# its weight tile's layout only where the activation slices (BLOCK_K / 8 values) are fewer than the lanes
+# (32 x warps): BLOCK_K < 256 x warps. Stages 1: its register prefetch, a step ahead (every shape's winner
+# on one H100, session 5); more: Triton's cp.async pipeline (1.5-3x slower there; two kept to watch).
+# Each compiles three variants (scaled, residual, SiLU).
+INT4_CANDIDATES = [(16, 512, 4, 1), (32, 512, 4, 1), (16, 1024, 8, 1), (32, 1024, 8, 1), (8, 256, 2, 1),
+                   (16, 256, 2, 1), (32, 256, 2, 1), (64, 512, 4, 1), (16, 512, 4, 3), (16, 256, 2, 4)]
 
 
 def _bench_engine():
@@ -66,12 +62,6 @@ def _time_cuda(fn, iters: int = 200, per_graph: int = 20) -> float:
     """Microseconds per call of `fn`, replayed from a CUDA graph of `per_graph` calls: a decode GEMV takes
     10-60 us on the GPU, about what a Triton launch costs the host, so launches timed one by one would
     measure the host (as the engine's decode steps, which replay graphs, do not)."""
-    return _graph_timed(fn, iters, per_graph)[0]
-
-
-def _graph_timed(fn, iters: int = 200, per_graph: int = 20) -> tuple[float, Any]:
-    """_time_cuda's time, and the graph's last output as its last replay left it (zeroed after the capture,
-    so that what it holds is the replays' own: a split launch whose counters a replay left wrong shows)."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):  # compiles and warms outside the capture
@@ -81,9 +71,7 @@ def _graph_timed(fn, iters: int = 200, per_graph: int = 20) -> tuple[float, Any]
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for _ in range(per_graph):
-            last = fn()
-    if isinstance(last, torch.Tensor):
-        last.zero_()
+            fn()
     graph.replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
@@ -91,20 +79,19 @@ def _graph_timed(fn, iters: int = 200, per_graph: int = 20) -> tuple[float, Any]
         graph.replay()
     end.record()
     torch.cuda.synchronize()
-    return start.elapsed_time(end) / (iters // per_graph * per_graph) * 1e3, last
+    return start.elapsed_time(end) / (iters // per_graph * per_graph) * 1e3
 
 
 def _sweep(fn, env: str, candidates: list[tuple[int, ...]], label: str, error=None) -> dict[tuple[int, ...], float]:
     """Microseconds of `fn` under each launch shape, set through the kernel's override variable `env`; with
     `error` (fn's output -> its relative error against a twin), shapes whose output is off by more than
-    2e-2 (bf16 outputs round at 4e-3; a wrong kernel is off by O(1)) in an eager call or after the timed
-    graph's replays are reported and left out."""
+    2e-2 (bf16 outputs round at 4e-3; a wrong kernel is off by O(1)) are reported and left out."""
     timed = {}
     for cfg in candidates:
         os.environ[env] = ",".join(map(str, cfg))
         try:
-            us, replayed = _graph_timed(fn)
-            err = max(error(fn()), error(replayed)) if error else 0.0
+            us = _time_cuda(fn)
+            err = error(fn()) if error else 0.0
             if err > 2e-2:
                 print(f"  {label} {cfg}: WRONG, relative error {err:.3g} against the twin: left out", flush=True)
             else:
@@ -353,7 +340,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--engine", action="store_true", help="engine benchmarks, bf16 then each variant")
     p.add_argument("--sweep-gemv", action="store_true", help="time fp8 and 4-bit GEMV launch shapes first (CUDA)")
-    p.add_argument("--int4-configs", nargs="+", metavar="BN,BK,WARPS,STAGES[,SPLIT]",
+    p.add_argument("--int4-configs", nargs="+", metavar="BN,BK,WARPS,STAGES",
                    help="--sweep-gemv: the 4-bit GEMV's candidates, BLOCK_K in columns (default: INT4_CANDIDATES)")
     p.add_argument("--accuracy", action="store_true", help="the quantized model against the unquantized on text")
     p.add_argument("--ncu-gemv", action="store_true", help="one 4-bit and one fp8 GEMV launch for Nsight Compute")

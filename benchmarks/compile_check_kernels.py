@@ -29,7 +29,7 @@ from triton.compiler import ASTSource
 from radixlm.kernels.triton import attention, decode_gemv, elementwise, sampling
 
 INDEX_PTRS = {"ReqToToken", "ReqPoolIndices", "SeqLens", "ExtendLens", "ExtendStartLoc", "Loc", "Positions"}
-FP32_PTRS = {"PartOut", "PartLse", "CosSin", "Sums", "Partials"}
+FP32_PTRS = {"PartOut", "PartLse", "CosSin", "Sums"}
 FLOAT_ARGS = {"scale_log2", "eps"}
 UNALIGNED_INTS = {"num_splits", "m"}  # sizes of real models (4096, 14336, 128256) are 16-divisible
 SASS_OPS = ("HGMMA", "HMMA", "LDGSTS", "LDG.E.128", "LDL", "STL")
@@ -51,7 +51,7 @@ def compile_for_hopper(kernel, constexprs: dict, dtype: str, index: str, num_war
         elif name[0].isupper():  # pointer arguments are capitalized in these kernels
             if pointers and name in pointers:
                 signature[name] = pointers[name]
-            elif name in ("Bitmask", "Counters"):
+            elif name == "Bitmask":
                 signature[name] = "*i32"
             elif name == "TreeMask":  # a draft tree's ancestor bits, 64 a row
                 signature[name] = "*i64"
@@ -152,12 +152,12 @@ def main(argv: list[str] | None = None) -> int:
     for rows in (1, 8):
         for name, flags, (n, k) in (("gemv", {}, (128256, 4096)), ("rms_scaled_gemv", dict(SCALED=True), (28672, 4096)),
                                     ("residual_gemv silu", dict(SILU=True, RESIDUAL=True), (4096, 14336))):
-            block_n, block_k, warps, stages, split = decode_gemv.gemv_config(rows, n, k)
+            block_n, block_k, warps, stages = decode_gemv.gemv_config(rows, n, k)
             jobs.append((f"{name} M={rows} {block_n}x{block_k}", decode_gemv._gemv_kernel, warps, stages,
                          dict(dict(SILU=False, SCALED=False, RESIDUAL=False), **flags, HAS_BIAS=False,
                               W_SCALED=False, INT4=False, BLOCK_M=triton.next_power_of_2(rows), BLOCK_N=block_n,
                               BLOCK_K=block_k, BLOCK_S=512 if flags.get("SCALED") else 1, STAGES=stages,
-                              EVEN_K=False, SPLIT=split)))
+                              EVEN_K=False)))
     # The four fused products of a layer on 4-bit weights (AWQ/GPTQ: pack_int4's int32 words, fp32 scales and
     # zeros) at one row, the down projection with the SiLU inside or not as INT4_FUSED_SILU says; the label
     # gives the weights a lane takes a step (the register-prefetch loop, stages 1, is unrolled twice).
@@ -167,27 +167,25 @@ def main(argv: list[str] | None = None) -> int:
                                 ("int4 rms_scaled_gemv gate_up", dict(SCALED=True), (28672, 4096)),
                                 ("int4 residual_gemv down", dict(SILU=decode_gemv.INT4_FUSED_SILU, RESIDUAL=True),
                                  (4096, 14336))):
-        block_n, block_k, warps, stages, split = decode_gemv.gemv_config(1, n, k, 0.5)
+        block_n, block_k, warps, stages = decode_gemv.gemv_config(1, n, k, 0.5)
         per_lane = block_n * block_k // (32 * warps)
-        jobs.append((f"{name}{' silu' if flags.get('SILU') else ''} M=1 {block_n}x{block_k} split {split} "
-                     f"({per_lane} a lane)",
+        jobs.append((f"{name}{' silu' if flags.get('SILU') else ''} M=1 {block_n}x{block_k} ({per_lane} a lane)",
                      decode_gemv._gemv_kernel, warps, stages,
                      dict(dict(SILU=False, SCALED=False, RESIDUAL=False), **flags, HAS_BIAS=False, W_SCALED=False,
                           INT4=True, BLOCK_M=1, BLOCK_N=block_n, BLOCK_K=block_k,
-                          BLOCK_S=512 if flags.get("SCALED") else 1, STAGES=stages, EVEN_K=k % block_k == 0,
-                          SPLIT=split),
+                          BLOCK_S=512 if flags.get("SCALED") else 1, STAGES=stages, EVEN_K=k % block_k == 0),
                      frozenset(), int4_ptrs))
     # The qkv GEMV with the rotary and the KV store in its epilogue (1 row, scaled; 8 rows, after the
     # first layer's norm; 1 row on 4-bit weights), storing into the pool.
     for rows, scaled, int4 in ((1, True, False), (8, False, False), (1, True, True)):
-        qkv = (args.heads + 2 * args.kv_heads) * d
-        block_n, block_k, warps, stages, split = decode_gemv.gemv_config(rows, qkv, 4096, 0.5 if int4 else 2)
+        block_n, block_k, warps, stages = decode_gemv.gemv_config(rows, (args.heads + 2 * args.kv_heads) * d, 4096,
+                                                                  0.5 if int4 else 2)
         jobs.append((f"{'int4 ' if int4 else ''}rotary_qkv_gemv M={rows} {block_n}x{block_k}",
                      decode_gemv._rotary_qkv_kernel, warps, stages,
                      dict(NUM_HEADS=args.heads, NUM_KV_HEADS=args.kv_heads, HEAD_DIM=d, HAS_BIAS=False, SCALED=scaled,
                           W_SCALED=False, INT4=int4, BLOCK_M=triton.next_power_of_2(rows), PAIRS=block_n // 2,
                           BLOCK_K=block_k, BLOCK_S=512 if scaled else 1, STAGES=stages, SAT=sat,
-                          EVEN_K=int4 and 4096 % block_k == 0, SPLIT=split), STORE_POOL,
+                          EVEN_K=int4 and 4096 % block_k == 0), STORE_POOL,
                      int4_ptrs if int4 else None))
     print(f"triton {triton.__version__}, sm_90, {args.dtype}, {args.index} indices, head_dim {d}, GQA {group}, "
           f"KV pool {kv_type or args.dtype}")

@@ -30,7 +30,7 @@ from radixlm.kernels import quant_reference as qref  # noqa: E402
 from radixlm.kernels import reference as ref  # noqa: E402
 from radixlm.kernels import triton as tri  # noqa: E402
 from radixlm.kernels.triton import decode_gemv as gemv_module  # noqa: E402
-from radixlm.kernels.triton import int4_gemv, split_k  # noqa: E402
+from radixlm.kernels.triton import int4_gemv  # noqa: E402
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 N, K = 37, 100  # tails against BLOCK_N 8 and BLOCK_K 32 below
@@ -217,41 +217,8 @@ def test_one_row_int4_with_a_partial_step(group, monkeypatch):
     assert_close(tri.gemv(x, w, None, scales, zeros), ref.gemv(x, w, None, scales, zeros))
 
 
-@pytest.mark.parametrize("group, config", [(32, "16,256,4,1,2"), (64, "16,128,4,1,3"), (128, "8,128,4,2,4")])
-def test_int4_split_k(group, config, monkeypatch):
-    """K split over programs (split_k.py: each slice's partial stored, the last program of a block sums
-    them and runs the epilogue) on 4-bit weights: the plain, SiLU-residual and norm-scaled products at 1-4
-    rows against their twins; 384 columns in slices of two steps of 256 (the last ends inside its step),
-    three of one step, and 4 asked of 3 steps (3 taken). A bf16 weight takes the same split. Every block's
-    counter is back at zero afterwards, as a CUDA graph's next replay needs."""
-    monkeypatch.setenv("RADIXLM_GEMV_CONFIG", config)
-    k = 384
-    w, scales, zeros = int4_weight(N, k, group)
-    x = randn(3, k, dtype=torch.bfloat16)
-    for rows in (1, 3):
-        assert_close(tri.gemv(x[:rows], w, None, scales, zeros), ref.gemv(x[:rows], w, None, scales, zeros))
-    gate_up, residual = randn(2, 2 * k, dtype=torch.bfloat16), randn(2, N, dtype=torch.bfloat16)
-    norm_w = (torch.rand(N, device=DEVICE) + 0.5).to(torch.bfloat16)
-    for rows in (1, 2):
-        args = (gate_up[:rows], w, residual[:rows], norm_w)
-        got = tri.residual_gemv(*args, silu=True, weight_scale=scales, weight_zero=zeros)
-        want = ref.residual_gemv(*args, silu=True, weight_scale=scales, weight_zero=zeros)
-        for ours, theirs in zip(got[:2], want[:2]):
-            assert_close(ours, theirs)
-    sums = torch.rand(4, 3, device=DEVICE) * k
-    h = randn(4, k, dtype=torch.bfloat16)
-    assert_close(tri.rms_scaled_gemv(h, sums, 1e-6, w, None, scales, zeros),
-                 ref.rms_scaled_gemv(h, sums, 1e-6, w, None, scales, zeros))
-    dense = (torch.randn(N, k, device=DEVICE) / k**0.5).to(torch.bfloat16)
-    assert_close(tri.gemv(x[:1], dense), ref.gemv(x[:1], dense))
-    assert all(not counters.any() for counters in split_k._COUNTERS.values())
-
-
-@pytest.mark.parametrize("split", [1, 2])
-def test_rotary_qkv_gemv_int4(split, monkeypatch):
-    """The qkv projection with the rotary and KV store in its epilogue, on a 4-bit weight (fp32), K whole
-    and split in two slices."""
-    monkeypatch.setenv("RADIXLM_GEMV_CONFIG", f"8,32,4,2,{split}")
+def test_rotary_qkv_gemv_int4():
+    """The qkv projection with the rotary and KV store in its epilogue, on a 4-bit weight (fp32)."""
     num_heads, num_kv_heads, head_dim = 4, 2, 16
     n, k = (num_heads + 2 * num_kv_heads) * head_dim, 64
     w, scales, zeros = int4_weight(n, k)
@@ -272,9 +239,9 @@ def test_default_configs_cover_the_8b_shapes(monkeypatch):
     monkeypatch.delenv("RADIXLM_GEMV_CONFIG")
     for n, k in [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096)]:
         for m in (1, 4, 8):
-            block_n, block_k, _, _, _ = gemv_module.gemv_config(m, n, k)
+            block_n, block_k, _, _ = gemv_module.gemv_config(m, n, k)
             assert -(-n // block_n) >= 128 and k % block_k == 0, (m, n, k)
-            block_n, block_k, _, _, _ = gemv_module.gemv_config(m, n, k, 0.5)  # 4-bit: steps of whole blocks of 32
+            block_n, block_k, _, _ = gemv_module.gemv_config(m, n, k, 0.5)  # 4-bit: steps of whole blocks of 32
             assert -(-n // block_n) >= 128 and k % block_k == 0 and block_k % 32 == 0, (m, n, k)
     w = torch.zeros(4, 8, device=DEVICE)
     with pytest.raises(AssertionError, match="at most"):

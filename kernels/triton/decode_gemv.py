@@ -37,7 +37,6 @@ import triton.language as tl
 from radixlm.kernels.reference import GEMV_MAX_ROWS
 from radixlm.kernels.triton.elementwise import kv_limit, load_x, silu_and_mul, to_kv
 from radixlm.kernels.triton.int4_gemv import product_int4
-from radixlm.kernels.triton.split_k import slice_len, split_buffers, split_sum
 
 # (rows rounded up to a power of two, N, K) -> (BLOCK_N, BLOCK_K, num_warps, stages), from bench_gemv's
 # measurements; missing shapes take the guess in `gemv_config`. RADIXLM_GEMV_CONFIGS names a JSON file
@@ -57,22 +56,21 @@ CONFIGS_FP8: dict[tuple[int, int, int], tuple[int, int, int, int]] = {
     (1, 4096, 14336): (8, 1024, 4, 3),
 }
 # The same for 4-bit weights (AWQ/GPTQ, GGUF Q4 on CUDA: pack_int4's words with per-group scales and zeros),
-# BLOCK_K in columns (a multiple of 32, the layout's block), and a fifth field: the slices of K (split_k.py;
-# 1: unsplit). Measured shapes by (rows, N, K); others take INT4_DEFAULTS by rows. bench_quant.py
-# --sweep-gemv measures and prints them.
-CONFIGS_INT4: dict[tuple[int, int, int], tuple[int, int, int, int, int]] = {
+# BLOCK_K in columns (a multiple of 32, the layout's block). Measured shapes by (rows, N, K); others take
+# INT4_DEFAULTS by rows. bench_quant.py --sweep-gemv measures and prints them.
+CONFIGS_INT4: dict[tuple[int, int, int], tuple[int, int, int, int]] = {
     # One H100 (triton 3.6.0), one row, each timed as the fused op it runs in (bench_quant.py --sweep-gemv;
     # benchmarks/results/2026-12-07-quantization.md, session 5): the register prefetch (stages 1) won on
     # every shape, the cp.async stages took 1.5-3x as long. The 8B shapes (groups of 128), SmolLM2's (32).
-    (1, 6144, 4096): (32, 512, 4, 1, 1), (1, 4096, 4096): (32, 1024, 8, 1, 1), (1, 28672, 4096): (32, 512, 4, 1, 1),
-    (1, 4096, 14336): (32, 1024, 8, 1, 1), (1, 960, 576): (8, 256, 2, 1, 1), (1, 576, 576): (16, 1024, 8, 1, 1),
-    (1, 3072, 576): (8, 256, 2, 1, 1), (1, 576, 1536): (16, 512, 4, 1, 1),
+    (1, 6144, 4096): (32, 512, 4, 1), (1, 4096, 4096): (32, 1024, 8, 1), (1, 28672, 4096): (32, 512, 4, 1),
+    (1, 4096, 14336): (32, 1024, 8, 1), (1, 960, 576): (8, 256, 2, 1), (1, 576, 576): (16, 1024, 8, 1),
+    (1, 3072, 576): (8, 256, 2, 1), (1, 576, 1536): (16, 512, 4, 1),
 }
-INT4_DEFAULTS: dict[int, tuple[int, int, int, int, int]] = {
+INT4_DEFAULTS: dict[int, tuple[int, int, int, int]] = {
     # One row: the winner of the two largest 8B shapes. Several rows take the 4D product (its layout goes
     # through shared memory) with run 5's small programs (H100: latency-bound; fewer columns a step at more
     # rows, each lane's sums in registers).
-    1: (32, 512, 4, 1, 1), 2: (8, 1024, 4, 3, 1), 4: (8, 512, 4, 3, 1), 8: (8, 256, 4, 2, 1), 16: (4, 256, 4, 2, 1),
+    1: (32, 512, 4, 1), 2: (8, 1024, 4, 3), 4: (8, 512, 4, 3), 8: (8, 256, 4, 2), 16: (4, 256, 4, 2),
 }
 # Whether a one-row 4-bit product with SiLU-and-mul in front (down_proj) computes it inside (each lane
 # evaluates the SiLU of the activations it holds, once for its rows: BLOCK_K / 8 lanes a value) or takes a
@@ -85,10 +83,9 @@ if os.environ.get("RADIXLM_GEMV_CONFIGS"):
         CONFIGS.update({tuple(int(v) for v in key.split(",")): tuple(c) for key, c in json.load(f).items()})
 
 
-def gemv_config(m: int, n: int, k: int, weight_bytes: float = 2) -> tuple[int, int, int, int, int]:
-    """The launch shape (BLOCK_N, BLOCK_K, num_warps, stages, split) for an [m, k] x [n, k].T product, split
-    the number of slices of K (split_k.py; 1: none): RADIXLM_GEMV_CONFIG ("block_n,block_k,warps,stages[,split]",
-    for ablations), else CONFIGS, else a guess:
+def gemv_config(m: int, n: int, k: int, weight_bytes: float = 2) -> tuple[int, int, int, int]:
+    """The launch shape (BLOCK_N, BLOCK_K, num_warps, stages) for an [m, k] x [n, k].T product:
+    RADIXLM_GEMV_CONFIG ("block_n,block_k,warps,stages", for ablations), else CONFIGS, else a guess:
     weight tiles of 16 KB (bf16) a step and 64 fp32 accumulator registers a thread, the loop's loads
     pipelined 3 deep through shared memory (cp.async), so that each SM has ~100 KB in flight; 8 output
     rows a program, 4 where that leaves under two programs per SM (132 on an H200). stages=1 is the
@@ -99,18 +96,18 @@ def gemv_config(m: int, n: int, k: int, weight_bytes: float = 2) -> tuple[int, i
     longer than K."""
     override = os.environ.get("RADIXLM_GEMV_CONFIG")
     if override:
-        block_n, block_k, warps, stages, split = (*(int(v) for v in override.split(",")), 1)[:5]
-        return block_n, block_k, warps, stages, split
+        block_n, block_k, warps, stages = (int(v) for v in override.split(","))
+        return block_n, block_k, warps, stages
     block_m = triton.next_power_of_2(m)
     if weight_bytes < 1:
         if (block_m, n, k) in CONFIGS_INT4:
             return CONFIGS_INT4[(block_m, n, k)]
-        block_n, block_k, warps, stages, split = INT4_DEFAULTS[block_m]
+        block_n, block_k, warps, stages = INT4_DEFAULTS[block_m]
         while block_n > 8 and triton.cdiv(n, block_n) < 132:  # small N (SmolLM2's): a program an SM
             block_n //= 2
-        return block_n, max(32, min(block_k, triton.next_power_of_2(k))), warps, stages, split
+        return block_n, max(32, min(block_k, triton.next_power_of_2(k))), warps, stages
     if weight_bytes == 1 and (block_m, n, k) in CONFIGS_FP8:
-        return (*CONFIGS_FP8[(block_m, n, k)], 1)
+        return CONFIGS_FP8[(block_m, n, k)]
     if (block_m, n, k) in CONFIGS:
         block_n, block_k, warps, stages = CONFIGS[(block_m, n, k)]
     else:
@@ -120,17 +117,16 @@ def gemv_config(m: int, n: int, k: int, weight_bytes: float = 2) -> tuple[int, i
         block_k *= 2
         if block_m * block_n * block_k > 64 * 32 * warps and block_n > 1:
             block_n //= 2
-    return block_n, block_k, warps, stages, 1
+    return block_n, block_k, warps, stages
 
 
 @triton.jit
-def _product(X, W, offs_m, offs_n, m_mask, n_mask, k, k_start, k_end, stride_xm, stride_wn,
+def _product(X, W, offs_m, offs_n, m_mask, n_mask, k, stride_xm, stride_wn,
              SILU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
              STAGES: tl.constexpr):
-    """x[offs_m] @ W[offs_n].T in fp32 [BLOCK_M, BLOCK_N] (of silu_and_mul(x) with SILU) over columns
-    k_start..k_end."""
+    """x[offs_m] @ W[offs_n].T in fp32 [BLOCK_M, BLOCK_N] (of silu_and_mul(x) with SILU)."""
     acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k0 in tl.range(k_start, k_end, BLOCK_K, num_stages=STAGES):
+    for k0 in tl.range(0, k, BLOCK_K, num_stages=STAGES):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_mask = offs_k < k
         x = load_x(X, offs_m[:, None] * stride_xm + offs_k[None, :], m_mask[:, None] & k_mask[None, :], k, SILU)
@@ -141,20 +137,17 @@ def _product(X, W, offs_m, offs_n, m_mask, n_mask, k, k_start, k_end, stride_xm,
 
 
 @triton.jit
-def _weight_product(X, W, WScale, WZero, offs_m, offs_n, m_mask, n_mask, k, k_slice, group, num_groups, stride_xm,
-                    stride_wn, SILU: tl.constexpr, INT4: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+def _weight_product(X, W, WScale, WZero, offs_m, offs_n, m_mask, n_mask, k, group, num_groups, stride_xm, stride_wn,
+                    SILU: tl.constexpr, INT4: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_K: tl.constexpr, STAGES: tl.constexpr, EVEN_K: tl.constexpr):
-    """The product for the weight's kind over this program's slice of K (k_slice columns, the
-    tl.program_id(1)-th; all of K unsplit): 4-bit (INT4: scales and zeros applied inside; EVEN_K: K a
+    """The product for the weight's kind: 4-bit (INT4: scales and zeros applied inside; EVEN_K: K a
     multiple of BLOCK_K), else bf16/fp8."""
-    k_start = tl.program_id(1) * k_slice
-    k_end = tl.minimum(k_start + k_slice, k)
     if INT4:
-        out = product_int4(X, W, WScale, WZero, offs_m, offs_n, m_mask, n_mask, k, k_start, k_end, group,
-                           num_groups, stride_xm, stride_wn, SILU, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, EVEN_K)
+        out = product_int4(X, W, WScale, WZero, offs_m, offs_n, m_mask, n_mask, k, group, num_groups, stride_xm,
+                           stride_wn, SILU, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, EVEN_K)
     else:
-        out = _product(X, W, offs_m, offs_n, m_mask, n_mask, k, k_start, k_end, stride_xm, stride_wn, SILU, BLOCK_M,
-                       BLOCK_N, BLOCK_K, STAGES)
+        out = _product(X, W, offs_m, offs_n, m_mask, n_mask, k, stride_xm, stride_wn, SILU, BLOCK_M, BLOCK_N,
+                       BLOCK_K, STAGES)
     return out
 
 
@@ -187,78 +180,68 @@ def _scale_and_bias(out, sums, Bias, WScale, offs_n, n_mask, k, eps, SCALED: tl.
 
 
 @triton.jit
-def _load_residual(Res, NormW, offs_m, offs_n, m_mask, n_mask, stride_rm, RESIDUAL: tl.constexpr):
-    """The residual epilogue's inputs in fp32 (before the product's loop, so that their latency hides under
-    it); zeros, never read, where there is none."""
-    r = tl.zeros((offs_m.shape[0], offs_n.shape[0]), dtype=tl.float32)
-    norm_w = tl.zeros((offs_n.shape[0],), dtype=tl.float32)
-    if RESIDUAL:
-        r = tl.load(Res + offs_m[:, None] * stride_rm + offs_n[None, :], mask=m_mask[:, None] & n_mask[None, :],
-                    other=0.0).to(tl.float32)
-        norm_w = tl.load(NormW + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-    return r, norm_w
-
-
-@triton.jit
-def _finish(out, sums, r, norm_w, Bias, WScale, Out, Summed, Sums, offs_m, offs_n, m_mask, n_mask, block, k, eps,
-            stride_om, stride_hm, stride_sm, SCALED: tl.constexpr, HAS_BIAS: tl.constexpr, W_SCALED: tl.constexpr,
-            RESIDUAL: tl.constexpr):
-    """A block's epilogue on its whole product `out` (see _scale_and_bias), and its stores."""
-    mn_mask = m_mask[:, None] & n_mask[None, :]
-    out = _scale_and_bias(out, sums, Bias, WScale, offs_n, n_mask, k, eps, SCALED, HAS_BIAS, W_SCALED)
-    if RESIDUAL:
-        # h = product + residual is the residual stream (rounded to its dtype, as the reference's sum is);
-        # Out gets h times the next RMSNorm's weight, Sums this block's part of h's sum of squares.
-        h = (out + r).to(Summed.dtype.element_ty)
-        tl.store(Summed + offs_m[:, None] * stride_hm + offs_n[None, :], h, mask=mn_mask)
-        h = tl.where(mn_mask, h.to(tl.float32), 0.0)
-        tl.store(Sums + offs_m * stride_sm + block, tl.sum(h * h, axis=1), mask=m_mask)
-        out = h * norm_w[None, :]
-    tl.store(Out + offs_m[:, None] * stride_om + offs_n[None, :], out.to(Out.dtype.element_ty), mask=mn_mask)
-
-
-@triton.jit
 def _gemv_kernel(
-    X, Res, NormW, W, Bias, WScale, WZero, Out, Summed, Sums, Partials, Counters,
-    m, n, k, k_slice, group, num_groups, num_sums, stride_xm, stride_rm, stride_wn, stride_om, stride_hm, stride_sm,
-    eps, SILU: tl.constexpr, HAS_BIAS: tl.constexpr, SCALED: tl.constexpr, RESIDUAL: tl.constexpr,
+    X, Res, NormW, W, Bias, WScale, WZero, Out, Summed, Sums,
+    m, n, k, group, num_groups, num_sums, stride_xm, stride_rm, stride_wn, stride_om, stride_hm, stride_sm, eps,
+    SILU: tl.constexpr, HAS_BIAS: tl.constexpr, SCALED: tl.constexpr, RESIDUAL: tl.constexpr,
     W_SCALED: tl.constexpr, INT4: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    BLOCK_S: tl.constexpr, STAGES: tl.constexpr, EVEN_K: tl.constexpr, SPLIT: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    STAGES: tl.constexpr, EVEN_K: tl.constexpr,
 ):
-    """Grid (blocks of BLOCK_N output features, SPLIT slices of K: split_k.py)."""
     pid = tl.program_id(0)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     m_mask = offs_m < m
     n_mask = offs_n < n
+    mn_mask = m_mask[:, None] & n_mask[None, :]
+    # The epilogues' inputs are loaded before the loop, so that their latency hides under it.
     sums = _load_sums(Sums, offs_m, m_mask, num_sums, stride_sm, SCALED, BLOCK_S)
-    r, norm_w = _load_residual(Res, NormW, offs_m, offs_n, m_mask, n_mask, stride_rm, RESIDUAL)
-    out = _weight_product(X, W, WScale, WZero, offs_m, offs_n, m_mask, n_mask, k, k_slice, group, num_groups,
-                          stride_xm, stride_wn, SILU, INT4, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, EVEN_K)
-    if SPLIT > 1:
-        out, last = split_sum(out, Partials, Counters, pid, offs_m, offs_n, m_mask[:, None] & n_mask[None, :], m, n,
-                              SPLIT)
-        if last:
-            _finish(out, sums, r, norm_w, Bias, WScale, Out, Summed, Sums, offs_m, offs_n, m_mask, n_mask, pid, k,
-                    eps, stride_om, stride_hm, stride_sm, SCALED, HAS_BIAS, W_SCALED, RESIDUAL)
-    else:
-        _finish(out, sums, r, norm_w, Bias, WScale, Out, Summed, Sums, offs_m, offs_n, m_mask, n_mask, pid, k, eps,
-                stride_om, stride_hm, stride_sm, SCALED, HAS_BIAS, W_SCALED, RESIDUAL)
+    if RESIDUAL:
+        r = tl.load(Res + offs_m[:, None] * stride_rm + offs_n[None, :], mask=mn_mask, other=0.0)
+        norm_w = tl.load(NormW + offs_n, mask=n_mask, other=0.0)
+    out = _weight_product(X, W, WScale, WZero, offs_m, offs_n, m_mask, n_mask, k, group, num_groups, stride_xm,
+                          stride_wn, SILU, INT4, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, EVEN_K)
+    out = _scale_and_bias(out, sums, Bias, WScale, offs_n, n_mask, k, eps, SCALED, HAS_BIAS, W_SCALED)
+    if RESIDUAL:
+        # h = product + residual is the residual stream (rounded to its dtype, as the reference's sum is);
+        # Out gets h times the next RMSNorm's weight, Sums this program's part of h's sum of squares.
+        h = (out + r.to(tl.float32)).to(Summed.dtype.element_ty)
+        tl.store(Summed + offs_m[:, None] * stride_hm + offs_n[None, :], h, mask=mn_mask)
+        h = tl.where(mn_mask, h.to(tl.float32), 0.0)
+        tl.store(Sums + offs_m * stride_sm + pid, tl.sum(h * h, axis=1), mask=m_mask)
+        out = h * norm_w.to(tl.float32)[None, :]
+    tl.store(Out + offs_m[:, None] * stride_om + offs_n[None, :], out.to(Out.dtype.element_ty), mask=mn_mask)
 
 
 @triton.jit
-def _rotary_finish(out, sums, pos, X, Bias, WScale, Q, KBuf, VBuf, CosSin, Loc, head, offs_d, offs_m, offs_n, m_mask,
-                   n_mask, k, eps, stride_qm, stride_kbs, stride_kbh, stride_vbs, stride_vbh, stride_cp,
-                   NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                   HAS_BIAS: tl.constexpr, SCALED: tl.constexpr, W_SCALED: tl.constexpr, PAIRS: tl.constexpr,
-                   SAT: tl.constexpr):
-    """The rotary qkv's epilogue on a block's whole product: q heads into Q, k (rotated) and v heads
-    into their pool slots."""
+def _rotary_qkv_kernel(
+    X, W, Bias, WScale, WZero, Sums, Q, KBuf, VBuf, Positions, CosSin, Loc,
+    m, n, k, group, num_groups, num_sums, stride_xm, stride_wn, stride_sm, stride_qm, stride_kbs, stride_kbh,
+    stride_vbs, stride_vbh, stride_cp, eps,
+    NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HAS_BIAS: tl.constexpr,
+    SCALED: tl.constexpr, W_SCALED: tl.constexpr, INT4: tl.constexpr, BLOCK_M: tl.constexpr, PAIRS: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr, STAGES: tl.constexpr, SAT: tl.constexpr, EVEN_K: tl.constexpr,
+):
+    """The qkv projection with the rotary and the KV store in its epilogue. A program owns PAIRS pairs of
+    rotate-half partners (d, d + HEAD_DIM/2) of one head, interleaved, so that its outputs rotate among
+    themselves; q heads land in Q, k (rotated) and v heads in their pool slots."""
     HALF: tl.constexpr = HEAD_DIM // 2
+    pid = tl.program_id(0)
+    head = pid * PAIRS // HALF  # HALF % PAIRS == 0: a program's pairs lie in one head
+    offs_d = pid * PAIRS % HALF + tl.arange(0, PAIRS)
+    offs_j = tl.arange(0, 2 * PAIRS)
+    offs_n = head * HEAD_DIM + pid * PAIRS % HALF + offs_j // 2 + (offs_j % 2) * HALF
+    offs_m = tl.arange(0, BLOCK_M)
+    m_mask = offs_m < m
+    n_mask = offs_n < n
+    sums = _load_sums(Sums, offs_m, m_mask, num_sums, stride_sm, SCALED, BLOCK_S)
+    pos = tl.load(Positions + offs_m, mask=m_mask, other=0).to(tl.int64)
+    out = _weight_product(X, W, WScale, WZero, offs_m, offs_n, m_mask, n_mask, k, group, num_groups, stride_xm,
+                          stride_wn, False, INT4, BLOCK_M, 2 * PAIRS, BLOCK_K, STAGES, EVEN_K)
     # Rounded where the reference's projection output is, then split into the partners' halves.
     out = _scale_and_bias(out, sums, Bias, WScale, offs_n, n_mask, k, eps, SCALED, HAS_BIAS, W_SCALED)
     out = out.to(X.dtype.element_ty).to(tl.float32)
-    x1, x2 = tl.split(tl.reshape(out, (offs_m.shape[0], PAIRS, 2)))
+    x1, x2 = tl.split(tl.reshape(out, (BLOCK_M, PAIRS, 2)))
     mask = m_mask[:, None] & (offs_d < HALF)[None, :]
     if head < NUM_HEADS + NUM_KV_HEADS:
         cos_sin = CosSin + pos[:, None] * stride_cp + offs_d[None, :]
@@ -279,45 +262,6 @@ def _rotary_finish(out, sums, pos, X, Bias, WScale, Q, KBuf, VBuf, CosSin, Loc, 
             kv_dst = VBuf + slot[:, None] * stride_vbs + (head - NUM_HEADS - NUM_KV_HEADS) * stride_vbh + offs_d[None, :]
         tl.store(kv_dst, to_kv(x1, kv_dst, SAT), mask=mask)
         tl.store(kv_dst + HALF, to_kv(x2, kv_dst, SAT), mask=mask)
-
-
-@triton.jit
-def _rotary_qkv_kernel(
-    X, W, Bias, WScale, WZero, Sums, Q, KBuf, VBuf, Positions, CosSin, Loc, Partials, Counters,
-    m, n, k, k_slice, group, num_groups, num_sums, stride_xm, stride_wn, stride_sm, stride_qm, stride_kbs, stride_kbh,
-    stride_vbs, stride_vbh, stride_cp, eps,
-    NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HAS_BIAS: tl.constexpr,
-    SCALED: tl.constexpr, W_SCALED: tl.constexpr, INT4: tl.constexpr, BLOCK_M: tl.constexpr, PAIRS: tl.constexpr,
-    BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr, STAGES: tl.constexpr, SAT: tl.constexpr, EVEN_K: tl.constexpr,
-    SPLIT: tl.constexpr,
-):
-    """The qkv projection with the rotary and the KV store in its epilogue. A program owns PAIRS pairs of
-    rotate-half partners (d, d + HEAD_DIM/2) of one head, interleaved, so that its outputs rotate among
-    themselves (grid: those blocks, SPLIT slices of K)."""
-    HALF: tl.constexpr = HEAD_DIM // 2
-    pid = tl.program_id(0)
-    head = pid * PAIRS // HALF  # HALF % PAIRS == 0: a program's pairs lie in one head
-    offs_d = pid * PAIRS % HALF + tl.arange(0, PAIRS)
-    offs_j = tl.arange(0, 2 * PAIRS)
-    offs_n = head * HEAD_DIM + pid * PAIRS % HALF + offs_j // 2 + (offs_j % 2) * HALF
-    offs_m = tl.arange(0, BLOCK_M)
-    m_mask = offs_m < m
-    n_mask = offs_n < n
-    sums = _load_sums(Sums, offs_m, m_mask, num_sums, stride_sm, SCALED, BLOCK_S)
-    pos = tl.load(Positions + offs_m, mask=m_mask, other=0).to(tl.int64)
-    out = _weight_product(X, W, WScale, WZero, offs_m, offs_n, m_mask, n_mask, k, k_slice, group, num_groups,
-                          stride_xm, stride_wn, False, INT4, BLOCK_M, 2 * PAIRS, BLOCK_K, STAGES, EVEN_K)
-    if SPLIT > 1:
-        out, last = split_sum(out, Partials, Counters, pid, offs_m, offs_n, m_mask[:, None] & n_mask[None, :], m, n,
-                              SPLIT)
-        if last:
-            _rotary_finish(out, sums, pos, X, Bias, WScale, Q, KBuf, VBuf, CosSin, Loc, head, offs_d, offs_m, offs_n,
-                           m_mask, n_mask, k, eps, stride_qm, stride_kbs, stride_kbh, stride_vbs, stride_vbh,
-                           stride_cp, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, HAS_BIAS, SCALED, W_SCALED, PAIRS, SAT)
-    else:
-        _rotary_finish(out, sums, pos, X, Bias, WScale, Q, KBuf, VBuf, CosSin, Loc, head, offs_d, offs_m, offs_n,
-                       m_mask, n_mask, k, eps, stride_qm, stride_kbs, stride_kbh, stride_vbs, stride_vbh, stride_cp,
-                       NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, HAS_BIAS, SCALED, W_SCALED, PAIRS, SAT)
 
 
 def _weight_kind(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None,
@@ -354,10 +298,8 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
     if silu and weight_zero is not None and m == 1 and not INT4_FUSED_SILU:
         x, silu = silu_and_mul(x), False
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    block_n, block_k, warps, stages, split = gemv_config(m, n, k, weight_bytes)
+    block_n, block_k, warps, stages = gemv_config(m, n, k, weight_bytes)
     programs = triton.cdiv(n, block_n)
-    split = max(1, min(split, triton.cdiv(k, block_k)))  # no empty slices
-    partials, counters = split_buffers(m, n, split, x.device) if split > 1 and m else (out, out)
     summed = out
     if residual is not None:
         assert residual.dtype == x.dtype and residual.shape == (m, n) and residual.stride(-1) == 1, \
@@ -367,19 +309,19 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
     if m:
         scaled = residual is None and sums is not None
         res, held = residual if residual is not None else x, sums if sums is not None else out
-        _gemv_kernel[(programs, split)](
+        _gemv_kernel[(programs,)](
             x, res, norm_weight if norm_weight is not None else weight, weight,
             bias if bias is not None else weight, weight_scale if weight_scale is not None else out,
-            weight_zero if weight_zero is not None else out, out, summed, held, partials, counters,
-            m, n, k, slice_len(k, block_k, split), group, groups, held.shape[1], x.stride(0), res.stride(0),
-            weight.stride(0), out.stride(0), summed.stride(0), held.stride(0), eps,
+            weight_zero if weight_zero is not None else out, out, summed, held,
+            m, n, k, group, groups, held.shape[1], x.stride(0), res.stride(0), weight.stride(0), out.stride(0),
+            summed.stride(0), held.stride(0), eps,
             SILU=silu, HAS_BIAS=bias is not None, SCALED=scaled, RESIDUAL=residual is not None,
             W_SCALED=weight_scale is not None and weight_zero is None, INT4=weight_zero is not None,
             BLOCK_M=triton.next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k,
             # Only a scaled product reads the partial sums; elsewhere a constant, so that no other launch
             # compiles a variant per N.
             BLOCK_S=triton.next_power_of_2(held.shape[1]) if scaled else 1, STAGES=stages,
-            EVEN_K=weight_zero is not None and k % block_k == 0, SPLIT=split, num_warps=warps,
+            EVEN_K=weight_zero is not None and k % block_k == 0, num_warps=warps,
         )
     return (summed, out, sums) if residual is not None else out
 
@@ -433,25 +375,22 @@ def rotary_qkv_gemv(
     q = torch.empty((m, num_heads, head_dim), dtype=x.dtype, device=x.device)
     if m == 0:
         return q
-    block_n, block_k, warps, stages, split = gemv_config(m, n, k, weight_bytes)
+    block_n, block_k, warps, stages = gemv_config(m, n, k, weight_bytes)
     half = head_dim // 2
     pairs = max(1, block_n // 2)
     while half % pairs:  # a program's pairs must lie in one head
         pairs //= 2
-    split = max(1, min(split, triton.cdiv(k, block_k)))
-    partials, counters = split_buffers(m, n, split, x.device) if split > 1 else (q, q)
     held = sums if sums is not None else x
-    _rotary_qkv_kernel[(n // 2 // pairs, split)](
+    _rotary_qkv_kernel[(n // 2 // pairs,)](
         x, weight, bias if bias is not None else weight, weight_scale if weight_scale is not None else q,
         weight_zero if weight_zero is not None else q, held, q, k_buffer, v_buffer, positions, cos_sin_cache,
-        loc, partials, counters, m, n, k, slice_len(k, block_k, split), group, groups, held.shape[1], x.stride(0),
-        weight.stride(0), held.stride(0), q.stride(0),
+        loc, m, n, k, group, groups, held.shape[1], x.stride(0), weight.stride(0), held.stride(0), q.stride(0),
         k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1), cos_sin_cache.stride(0),
         eps, NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, HAS_BIAS=bias is not None,
         SCALED=sums is not None, W_SCALED=weight_scale is not None and weight_zero is None,
         INT4=weight_zero is not None, BLOCK_M=triton.next_power_of_2(m), PAIRS=pairs, BLOCK_K=block_k,
         BLOCK_S=triton.next_power_of_2(held.shape[1]) if sums is not None else 1, STAGES=stages,
         EVEN_K=weight_zero is not None and k % block_k == 0,
-        SAT=kv_limit(k_buffer), SPLIT=split, num_warps=warps,
+        SAT=kv_limit(k_buffer), num_warps=warps,
     )
     return q

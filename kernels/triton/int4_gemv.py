@@ -32,8 +32,7 @@ def _int4_step(X, W, Scale, Zero, rows, blocks, w_offs, x_offs, m_mask, num_bloc
     """One step's loads: the words [BLOCK_N, BLOCKS, 4] (a block's four words, 16 bytes, in one lane), the
     scales and zeros [BLOCK_N, BLOCKS] and the eight activation slices [BLOCK_M, BLOCKS, 4]. Rows and blocks
     past the end are clamped to the last (their products are never stored, or meet zero activations), so
-    only the activations are masked, and only where K ends inside a step (not EVEN_K). A prefetch past a
-    split's slice loads the next slice's blocks, unused."""
+    only the activations are masked, and only where K ends inside a step (not EVEN_K)."""
     safe = tl.minimum(blocks, num_blocks - 1)
     # Contiguity 2 along the blocks (4 in truth along a block's words, the dim that sets the vector width,
     # 1 along rows and blocks) tells Triton to lay lanes out along the blocks before the rows.
@@ -80,12 +79,11 @@ def _int4_accumulate(acc, words, xs, scale, zero, ROWS: tl.constexpr):
 
 
 @triton.jit
-def product_int4(X, W, Scale, Zero, offs_m, offs_n, m_mask, n_mask, k, k_start, k_end, group, num_groups,
-                 stride_xm, stride_wn, SILU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, STAGES: tl.constexpr, EVEN_K: tl.constexpr):
-    """_product for a 4-bit W: pack_int4's words [N, K / 8] with fp32 Scale and Zero [N, K / group], over
-    columns k_start..k_end (a multiple of BLOCK_K apart but at K's end: split_k.slice_len), a step of
-    BLOCK_K / 32 blocks (`_int4_step`). A lane holds a block's four words (one 16-byte load) of
+def product_int4(X, W, Scale, Zero, offs_m, offs_n, m_mask, n_mask, k, group, num_groups, stride_xm, stride_wn,
+                  SILU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                  STAGES: tl.constexpr, EVEN_K: tl.constexpr):
+    """_product for a 4-bit W: pack_int4's words [N, K / 8] with fp32 Scale and Zero [N, K / group], a
+    step of BLOCK_K / 32 blocks (`_int4_terms`). A lane holds a block's four words (one 16-byte load) of
     each of its rows. At one row of x (batch-1 decode) the weight tile's layout is the compute layout: the
     activation slices [1, BLOCKS, 4] (fewer values than lanes, see `gemv_config`) load straight into it,
     shared by the rows a lane holds, so no tile goes through shared memory for a layout; several rows of x
@@ -104,17 +102,16 @@ def product_int4(X, W, Scale, Zero, offs_m, offs_n, m_mask, n_mask, k, k_start, 
         acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCKS, 4), dtype=tl.float32)
     else:
         acc = tl.zeros((BLOCK_N, BLOCKS, 4), dtype=tl.float32)
-    b_start, b_end = k_start // 32, k_end // 32
     if STAGES == 1:
-        words, scale, zero, xs = _int4_step(X, W, Scale, Zero, rows, b_start + offs_b, w_offs, x_offs, m_mask,
-                                            num_blocks, num_groups, group, k, SILU, EVEN_K)
-        for b0 in tl.range(b_start, b_end, BLOCKS, loop_unroll_factor=2):
+        words, scale, zero, xs = _int4_step(X, W, Scale, Zero, rows, offs_b, w_offs, x_offs, m_mask, num_blocks,
+                                            num_groups, group, k, SILU, EVEN_K)
+        for b0 in tl.range(0, num_blocks, BLOCKS, loop_unroll_factor=2):
             n_words, n_scale, n_zero, n_xs = _int4_step(X, W, Scale, Zero, rows, b0 + BLOCKS + offs_b, w_offs,
                                                         x_offs, m_mask, num_blocks, num_groups, group, k, SILU, EVEN_K)
             acc = _int4_accumulate(acc, words, xs, scale, zero, ROWS)
             words, scale, zero, xs = n_words, n_scale, n_zero, n_xs
     else:
-        for b0 in tl.range(b_start, b_end, BLOCKS, num_stages=STAGES):
+        for b0 in tl.range(0, num_blocks, BLOCKS, num_stages=STAGES):
             words, scale, zero, xs = _int4_step(X, W, Scale, Zero, rows, b0 + offs_b, w_offs, x_offs, m_mask,
                                                 num_blocks, num_groups, group, k, SILU, EVEN_K)
             acc = _int4_accumulate(acc, words, xs, scale, zero, ROWS)
