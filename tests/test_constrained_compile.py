@@ -260,6 +260,50 @@ def test_rules_sharing_a_shape_keep_their_own_languages(vocab):
 
 
 
+def test_pruning_keeps_exactly_the_edges_that_can_finish():
+    """compile_grammar drops edges on empty terminals and on rules that cannot finish, and the states that
+    then cannot finish; rules it need not touch stay whole. Checked against a plain fixpoint over the
+    unpruned automata (every state and rule recomputed until nothing changes), on grammars with rules that
+    recurse without an exit, an empty terminal, and rules that reach those only on some branches."""
+    from radixlm.core.runtime.constrained.automata import grammar_compiler as gc_mod
+    from radixlm.core.runtime.constrained.automata.grammar import Grammar, Ref, Terminal, alt, lit, opt, seq
+
+    empty = Terminal(regex="[^\\s\\S]")  # no string
+    rules = {"start": alt(seq(lit("["), Ref("loop"), lit("]")), seq(lit("{"), opt(Ref("ok")), lit("}")),
+                          seq(Ref("mixed"), lit("."))),
+             "loop": seq(lit("a"), Ref("loop")),  # never finishes
+             "deep": alt(Ref("loop"), seq(empty, lit("x"))),  # only through things that never finish
+             "mixed": alt(seq(lit("m"), Ref("deep")), seq(lit("n"), empty), seq(lit("o"), opt(Ref("ok")))),
+             "ok": alt(lit("k"), seq(lit("k"), Ref("ok")))}
+    builder = gc_mod._Builder(Grammar(rules, "start"), gc_mod.DEFAULT_BUDGET, gc_mod.Deadline(gc_mod.DEFAULT_BUDGET))
+    ids = {name: i for i, name in enumerate(rules)}
+    built = [builder.rule(name, expr, ids) for name, expr in rules.items()]
+    before = [([list(row) for row in r.edges], list(r.accepting)) for r in built]
+    terminals = builder.terminal_dfas
+    assert any(t is None for t in terminals)
+
+    live = [[False] * len(r.edges) for r in built]  # the plain fixpoint
+    changed = True
+    while changed:
+        changed = False
+        for r, rule in enumerate(built):
+            for s, row in enumerate(rule.edges):
+                usable = [t for sym, t in row if (live[sym >> 1][0] if sym % 2 else terminals[sym >> 1] is not None)]
+                now = rule.accepting[s] or any(live[r][t] for t in usable)
+                if now and not live[r][s]:
+                    live[r][s] = changed = True
+    gc_mod._prune(built, terminals, builder.finishing)
+    for r, (rule, (edges, accepting)) in enumerate(zip(built, before)):
+        def ok(sym: int, t: int) -> bool:
+            return live[r][t] and (live[sym >> 1][0] if sym % 2 else terminals[sym >> 1] is not None)
+        assert rule.edges == [[(sym, t) for sym, t in row if ok(sym, t)] if live[r][s] else []
+                              for s, row in enumerate(edges)], rule.name
+        assert rule.accepting == [a and live[r][s] for s, a in enumerate(accepting)], rule.name
+    assert built[ids["ok"]].edges == before[ids["ok"]][0]  # nothing of it to drop
+    assert not built[ids["loop"]].edges[0] and not built[ids["deep"]].edges[0]
+    assert built[ids["start"]].edges != before[ids["start"]][0]  # the "[" branch went
+
+
 def test_the_start_configurations_classes_are_built_with_the_compile(monkeypatch):
     """The start configuration's token classes and exit walks are built when the index is (with the compile),
     so a request's first mask classifies no terminal state and walks no exits (the tokens `{"zqxwv_...` cross

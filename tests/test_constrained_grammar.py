@@ -236,6 +236,16 @@ CASES = [
                 {"if": {"properties": {"kind": {"const": "b"}}}, "then": {"required": ["y"]}}]},
      [{"kind": "a", "x": 1}, {"kind": "b", "y": "s"}, {"kind": "a", "x": 1, "y": "s"}],
      [{"kind": "a"}, {"kind": "b", "x": 1, "y": "s"}, {"kind": "b"}]),
+    # Constants JSON Schema calls equal (1 and 1.0) are not a discriminator: both parts apply to kind 1.
+    ({"type": "object", "properties": {"kind": {"enum": [1, 2]}, "x": INT, "y": STR}, "required": ["kind"],
+      "allOf": [{"if": {"properties": {"kind": {"const": 1}}}, "then": {"required": ["x"]}, "else": {"required": ["y"]}},
+                {"if": {"properties": {"kind": {"const": 1.0}}}, "then": {"required": ["y"]},
+                 "else": {"required": ["x"]}}]},
+     [{"kind": 1, "x": 1, "y": "s"}], [{"kind": 1, "x": 1}, {"kind": 1, "y": "s"}]),
+    ({"type": "object", "properties": {"x": INT, "y": STR}, "required": ["kind"],
+      "allOf": [{"if": {"properties": {"kind": {"const": [1]}}}, "then": {"required": ["x"]}},
+                {"if": {"properties": {"kind": {"const": [1.0]}}}, "then": {"required": ["y"]}}]},
+     [{"x": 1, "y": "s", "kind": [1]}], [{"x": 1, "kind": [1]}, {"y": "s", "kind": [1]}]),
     # const and enum from two allOf parts: the constant only where the enum has it (github-actions'
     # top-level if on runs.using against its oneOf of runs kinds).
     ({"allOf": [{"enum": ["node", "docker"]}, {"anyOf": [{"const": "docker"}, {"const": "composite"}]}]},

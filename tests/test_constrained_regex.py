@@ -90,6 +90,21 @@ REGEXES = [
 QWEN_REGEXES = [REGEXES[i] for i in (0, 3, 5, 8, 17, 27, 33, 35, 36, 43, 46, 57)]
 
 
+@pytest.mark.parametrize("pattern", ["[ab]*a", "(ab|cd)*e?[0-9]{2,4}"])
+def test_minimize_refines_the_rows_themselves_when_hashes_collide(pattern, monkeypatch):
+    """Moore's rounds label blocks by hashes; should they collide (forced here: every hash 0, one block),
+    minimize sees a partition that does not respect acceptance ("[ab]*a": every state's moves agree) or
+    transitions, and refines on the rows themselves: the same minimal DFA, which agrees with re."""
+    from radixlm.core.runtime.constrained.automata import dfa_minimize
+
+    want = regex_to_dfa(pattern)
+    monkeypatch.setattr(dfa_minimize, "_mixed", lambda h: h * 0)
+    got = regex_to_dfa(pattern)
+    assert np.array_equal(got.transitions, want.transitions) and np.array_equal(got.accepting, want.accepting)
+    for text in ["a", "ba", "ab", "abab", "cd12", "ab1", "e123", "abcde9999", "b"]:
+        assert got.fullmatch(text) == (re.fullmatch(pattern, text) is not None), text
+
+
 @pytest.fixture(scope="module")
 def tiny_tokenizer(tokenizer_path):
     """The test checkpoints' byte-level BPE tokenizer (1000 tokens)."""

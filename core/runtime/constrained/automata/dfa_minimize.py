@@ -17,14 +17,31 @@ def live_states(trans: np.ndarray, accepting: np.ndarray) -> np.ndarray:
     ptr = np.searchsorted(dst, np.arange(trans.shape[0] + 1))
     live = accepting.copy()
     frontier = np.flatnonzero(live)
+    met = np.zeros_like(live)  # (a mask, not np.unique: a level's predecessors deduplicated in one pass)
     while frontier.size:
         counts = ptr[frontier + 1] - ptr[frontier]
         starts = np.repeat(ptr[frontier], counts)
         offsets = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
-        preds = np.unique(src[starts + offsets])
-        frontier = preds[~live[preds]]
-        live[frontier] = True
+        met[src[starts + offsets]] = True
+        met &= ~live
+        frontier = np.flatnonzero(met)
+        live |= met
+        met[frontier] = False
     return live
+
+
+# splitmix64's finalizer: mixes a round's signature hashes so that the next round's (linear) hash of them
+# does not compose into one linear function of the first labels (which merges states it should not).
+_MIX1, _MIX2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
+
+
+def _mixed(h: np.ndarray) -> np.ndarray:
+    h ^= h >> np.uint64(30)
+    h *= _MIX1
+    h ^= h >> np.uint64(27)
+    h *= _MIX2
+    h ^= h >> np.uint64(31)
+    return h
 
 
 def refine(trans: np.ndarray, accepting: np.ndarray, exact: bool,
@@ -32,29 +49,38 @@ def refine(trans: np.ndarray, accepting: np.ndarray, exact: bool,
     """Moore partition refinement: block id per state of the coarsest partition respecting transitions
     (`check`, if given, is called every round: a deadline that may raise).
 
-    The per-round signature (own block, successor blocks) is hashed to one uint64 so a round is a 1-D
-    unique; `exact` uses the rows themselves (the fallback should a hash collision ever show up)."""
+    A round's signature (own block, successor blocks) is hashed to one uint64, which labels the state's
+    block in the next round as it is (no renumbering: one gather and one product a round); blocks are
+    numbered once at the end. `exact` compares the rows themselves (the fallback should a hash collision
+    ever show up: minimize checks the result)."""
     n, k = trans.shape
     rng = np.random.default_rng(0x5EED)
     weights = rng.integers(1, 2**63, size=k + 1, dtype=np.uint64) | np.uint64(1)
-    block = accepting.astype(np.int64)
-    num_blocks = len(np.unique(block))
-    while True:
-        if check is not None:
-            check()
-        succ = np.where(trans >= 0, block[np.maximum(trans, 0)], -1) + 1
-        sig = np.concatenate([block[:, None], succ], axis=1)
-        if exact:
-            _, new_block = np.unique(sig, axis=0, return_inverse=True)
-        else:
-            hashed = (sig.astype(np.uint64) * weights).sum(axis=1, dtype=np.uint64)
-            _, new_block = np.unique(hashed, return_inverse=True)
-        new_block = new_block.reshape(-1)
-        new_num = int(new_block.max()) + 1 if n else 0
-        block = new_block
-        if new_num == num_blocks:
-            return block
-        num_blocks = new_num
+    if exact:
+        block = accepting.astype(np.int64)
+        num_blocks = len(np.unique(block))
+        while True:
+            if check is not None:
+                check()
+            sig = np.concatenate([block[:, None], np.where(trans >= 0, block[np.maximum(trans, 0)], -1) + 1], axis=1)
+            block = np.unique(sig, axis=0, return_inverse=True)[1].reshape(-1)
+            new_num = int(block.max()) + 1 if n else 0
+            if new_num == num_blocks:
+                return block
+            num_blocks = new_num
+    target = np.where(trans >= 0, trans, n)  # a missing move: to an extra state with a label of its own
+    label = np.append(accepting.astype(np.uint64), np.uint64(2))
+    num_blocks = len(np.unique(accepting))
+    with np.errstate(over="ignore"):
+        while True:
+            if check is not None:
+                check()
+            label[:n] = _mixed(label[target] @ weights[1:] + label[:n] * weights[0])
+            ordered = np.sort(label[:n])
+            new_num = int(np.count_nonzero(ordered[1:] != ordered[:-1])) + 1 if n else 0
+            if new_num == num_blocks:
+                return np.unique(label[:n], return_inverse=True)[1].reshape(-1)
+            num_blocks = new_num
 
 
 def minimize(trans: np.ndarray, accepting: np.ndarray, classes: np.ndarray, pattern: str,
@@ -75,7 +101,9 @@ def minimize(trans: np.ndarray, accepting: np.ndarray, classes: np.ndarray, patt
     rep = np.zeros(int(block.max()) + 1, dtype=np.int64)
     rep[block[::-1]] = np.arange(len(block))[::-1]  # first state of each block
     succ_block = np.where(trans >= 0, block[np.maximum(trans, 0)], -1)
-    if not np.array_equal(succ_block, succ_block[rep[block]]):  # a hash collision merged two states
+    if not (np.array_equal(succ_block, succ_block[rep[block]]) and np.array_equal(accepting, accepting[rep[block]])):
+        # A hash collision merged two states (a partition that passes both is the coarsest one: it
+        # respects transitions and acceptance, and no round split less than Moore's would).
         block = refine(trans, accepting, exact=True, check=check)
         rep = np.zeros(int(block.max()) + 1, dtype=np.int64)
         rep[block[::-1]] = np.arange(len(block))[::-1]
@@ -84,10 +112,10 @@ def minimize(trans: np.ndarray, accepting: np.ndarray, classes: np.ndarray, patt
     small_accepting = accepting[rep]
 
     # Renumber in breadth-first order from the start so state ids are deterministic and start is 0.
+    rows = small.tolist()  # (Python ints: a loop over numpy scalars costs several times more)
     order, seen = [int(block[0])], {int(block[0])}
     for b in order:
-        for t in small[b]:
-            t = int(t)
+        for t in rows[b]:
             if t >= 0 and t not in seen:
                 seen.add(t)
                 order.append(t)

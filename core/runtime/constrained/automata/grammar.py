@@ -8,6 +8,7 @@ compiles one, pda.py runs it. Left recursion is not supported (the compiler refu
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass, field
 from typing import Union
@@ -65,8 +66,10 @@ class Grammar:
             raise ValueError(f"the start rule {self.start!r} is not defined")
 
 
+@functools.lru_cache(maxsize=4096)  # (as many as literal_dfa keeps: the two hold mostly the same DFAs)
 def lit(text: str) -> Terminal:
-    """A terminal matching exactly `text` (its DFA built directly: keys and punctuation are many)."""
+    """A terminal matching exactly `text` (its DFA built directly: keys and punctuation are many; cached,
+    as a schema writes its punctuation and keys thousands of times)."""
     return Terminal(regex=re.escape(text), dfa=literal_dfa(text.encode()))
 
 

@@ -113,7 +113,7 @@ def compile_grammar(grammar: Grammar, budget: GrammarBudget = DEFAULT_BUDGET,
         rules.append(builder.rule(name, expr, rule_ids))
         deadline.check()
     terminals = builder.terminal_dfas
-    _prune(rules, terminals)
+    _prune(rules, terminals, builder.finishing)
     start = rule_ids[grammar.start]
     if not rules[start].accepting or not _reaches_accept(rules[start]):
         raise ValueError("the grammar admits no value (contradictory constraints, or recursion without a way to stop)")
@@ -126,7 +126,8 @@ SHAPE_CACHE_SIZE = 8192  # rule automata kept per process, by shape (most are a 
 # ...); Seq, Alt and Repeat as ("s", ...), ("a", ...), ("r", lo, hi, item). Rules of one shape have one
 # automaton up to renaming its symbols, and an object schema's rules come in few shapes ("," key value
 # rest | rest), so the automaton is built once per shape for every grammar of the process.
-_shapes: OrderedDict[tuple | int, tuple[list[list[tuple[int, int]]], list[bool]]] = OrderedDict()
+# Each with whether every state of the automaton can finish (when every symbol can be read).
+_shapes: OrderedDict[tuple | int, tuple[list[list[tuple[int, int]]], list[bool], bool]] = OrderedDict()
 
 
 class _Builder:
@@ -140,6 +141,7 @@ class _Builder:
         self.terminal_dfas: list[ByteDFA | None] = []
         self.terminal_names: list[str] = []
         self.total_states = 0
+        self.finishing: list[bool] = []  # per rule: whether its automaton's every state can finish
 
     def _terminal(self, t: Terminal) -> int:
         ident = t.ident
@@ -163,11 +165,12 @@ class _Builder:
         template = _shapes.get(shape)
         if template is None:
             limit = 2 * self.budget.max_rule_states - self.total_states
-            template = _ShapeAutomaton(limit, self.deadline).build(shape)
-            _shapes[shape] = template
+            edges, accepting = _ShapeAutomaton(limit, self.deadline).build(shape)
+            template = _shapes[shape] = edges, accepting, _every_state_finishes(edges, accepting)
             if len(_shapes) > SHAPE_CACHE_SIZE:
                 _shapes.popitem(last=False)
-        edges, accepting = template
+        edges, accepting, finishes = template
+        self.finishing.append(finishes)
         self.total_states += len(edges)
         if self.total_states > self.budget.max_rule_states:
             raise GrammarBudgetError(f"the grammar's rules exceed {self.budget.max_rule_states} states "
@@ -176,17 +179,17 @@ class _Builder:
 
     def _shape(self, expr: Expr, rule_ids: dict[str, int], symbols: list[int], index: dict[int, int]) -> tuple | int:
         """`expr`'s shape (above); appends its distinct symbols to `symbols` (`index`: symbol -> place)."""
-        if isinstance(expr, Terminal):
+        kind = type(expr)  # (the expression classes have no subclasses; a type test is the hot path's cheapest)
+        if kind is Terminal:
             symbol = 2 * self._terminal(expr)
-        elif isinstance(expr, Ref):
-            if expr.rule not in rule_ids:
+        elif kind is Ref:
+            found = rule_ids.get(expr.rule)
+            if found is None:
                 raise ValueError(f"undefined grammar rule {expr.rule!r}")
-            symbol = 2 * rule_ids[expr.rule] + 1
-        elif isinstance(expr, Seq):
-            return ("s", *(self._shape(item, rule_ids, symbols, index) for item in expr.items))
-        elif isinstance(expr, Alt):
-            return ("a", *(self._shape(item, rule_ids, symbols, index) for item in expr.items))
-        elif isinstance(expr, Repeat):
+            symbol = 2 * found + 1
+        elif kind is Seq or kind is Alt:
+            return ("s" if kind is Seq else "a", *[self._shape(item, rule_ids, symbols, index) for item in expr.items])
+        elif kind is Repeat:
             return ("r", expr.lo, expr.hi, self._shape(expr.item, rule_ids, symbols, index))
         else:
             raise ValueError(f"not a grammar expression: {expr!r}")
@@ -303,57 +306,78 @@ def _reaches_accept(rule: RuleAutomaton) -> bool:
     return False
 
 
-def _prune(rules: list[RuleAutomaton], terminals: list[ByteDFA | None]) -> None:
-    """Drops edges on symbols that can never be completed (empty terminals, rules that cannot finish)
-    and the states that can then no longer finish.
+def _every_state_finishes(edges: list[list[tuple[int, int]]], accepting: list[bool]) -> bool:
+    """Whether every state of an automaton reaches an accepting one (every symbol read)."""
+    preds: list[list[int]] = [[] for _ in edges]
+    for s, row in enumerate(edges):
+        for _, t in row:
+            preds[t].append(s)
+    seen = {s for s, a in enumerate(accepting) if a}
+    stack = list(seen)
+    while stack:
+        for p in preds[stack.pop()]:
+            if p not in seen:
+                seen.add(p)
+                stack.append(p)
+    return len(seen) == len(edges)
 
-    One backward search over all rules' states at once: a state is live when an edge on a usable symbol
-    leads to a live state; a rule is usable (productive) once its start state is live, which revives the
-    edges on it that waited for that."""
-    offsets, total = [], 0
-    for rule in rules:
-        offsets.append(total)
-        total += len(rule.edges)
-    preds: list[list[tuple[int, int]]] = [[] for _ in range(total)]  # node -> [(predecessor node, symbol)]
-    for base, rule in zip(offsets, rules):
+
+def _productive(rules: list[RuleAutomaton], usable_terminals: list[bool]) -> list[bool]:
+    """Which rules can finish: a search from each rule's start over usable terminals and rules known to
+    finish; a rule whose search met others not known yet is searched again once one of them is."""
+    productive = [False] * len(rules)
+    blocked: dict[int, list[int]] = {}  # rule -> the rules whose search it stopped
+    queue = list(range(len(rules)))
+    while queue:
+        r = queue.pop()
+        if productive[r]:
+            continue
+        edges, accepting = rules[r].edges, rules[r].accepting
+        seen, stack, waits = {0}, [0], set()
+        while stack and not accepting[stack[-1]]:
+            for sym, t in edges[stack.pop()]:
+                if not (productive[sym >> 1] if sym % 2 else usable_terminals[sym >> 1]):
+                    if sym % 2:
+                        waits.add(sym >> 1)
+                elif t not in seen:
+                    seen.add(t)
+                    stack.append(t)
+        if stack:  # an accepting state was reached
+            productive[r] = True
+            queue.extend(blocked.pop(r, ()))
+        else:
+            for w in waits:
+                blocked.setdefault(w, []).append(r)
+    return productive
+
+
+def _prune(rules: list[RuleAutomaton], terminals: list[ByteDFA | None], finishing: list[bool]) -> None:
+    """Drops edges on symbols that can never be completed (empty terminals, rules that cannot finish)
+    and the states that can then no longer finish. `finishing[r]`: whether every state of rule r's
+    automaton can finish when every symbol is usable; such a rule with every symbol usable stays as it is."""
+    usable_terminals = [t is not None for t in terminals]
+    productive = _productive(rules, usable_terminals)
+    usable = [False] * (2 * max(len(terminals), len(rules)))  # by symbol: 2 * terminal, 2 * rule + 1
+    usable[0:2 * len(terminals):2] = usable_terminals
+    usable[1:2 * len(rules):2] = productive
+    for rule, whole in zip(rules, finishing):
+        if whole and all(usable[sym] for row in rule.edges for sym, _ in row):
+            continue
+        preds: list[list[int]] = [[] for _ in rule.edges]
         for s, row in enumerate(rule.edges):
             for sym, t in row:
-                preds[base + t].append((base + s, sym))
-    starts = {base: r for r, base in enumerate(offsets)}
-    productive = [False] * len(rules)
-    waiting: list[list[int]] = [[] for _ in rules]  # rule -> nodes with an edge on it into a live state
-    live = [False] * total
-    stack = []
-    for base, rule in zip(offsets, rules):
-        for s, accepting in enumerate(rule.accepting):
-            if accepting:
-                live[base + s] = True
-                stack.append(base + s)
-    while stack:
-        node = stack.pop()
-        r = starts.get(node)
-        if r is not None:  # the rule can finish: the edges on it into live states count now
-            productive[r] = True
-            for p in waiting[r]:
+                if usable[sym]:
+                    preds[t].append(s)
+        live = list(rule.accepting)
+        stack = [s for s, a in enumerate(live) if a]
+        while stack:
+            for p in preds[stack.pop()]:
                 if not live[p]:
                     live[p] = True
                     stack.append(p)
-        for p, sym in preds[node]:
-            if live[p]:
-                continue
-            if sym % 2 and not productive[sym >> 1]:
-                waiting[sym >> 1].append(p)
-            elif sym % 2 or terminals[sym >> 1] is not None:
-                live[p] = True
-                stack.append(p)
-    for base, rule in zip(offsets, rules):
-        rule.edges = [[(sym, t) for sym, t in row if live[base + t] and _usable(sym, terminals, productive)]
-                      if live[base + s] else [] for s, row in enumerate(rule.edges)]
-        rule.accepting = [a and live[base + s] for s, a in enumerate(rule.accepting)]
-
-
-def _usable(symbol: int, terminals: list[ByteDFA | None], productive: list[bool]) -> bool:
-    return terminals[symbol >> 1] is not None if symbol % 2 == 0 else productive[symbol >> 1]
+        rule.edges = [[(sym, t) for sym, t in row if live[t] and usable[sym]] if live[s] else []
+                      for s, row in enumerate(rule.edges)]
+        rule.accepting = [a and live[s] for s, a in enumerate(rule.accepting)]
 
 
 def _check_left_recursion(rules: list[RuleAutomaton], terminals: list[ByteDFA | None]) -> None:

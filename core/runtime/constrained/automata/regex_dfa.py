@@ -309,9 +309,9 @@ class _NFA:
 
 def _determinize(nfa: _NFA, start: int, accept: int, max_states: int) -> tuple[np.ndarray, np.ndarray]:
     """Subset construction over byte classes. Returns transitions [n, K] (-1 = none) and accepting [n]."""
-    classes = nfa.byte_classes()
-    num_classes = int(classes[-1]) + 1
-    cedges = [[(int(classes[lo]), int(classes[hi]), t) for lo, hi, t in edges] for edges in nfa.edges]
+    classes = nfa.byte_classes().tolist()  # (Python ints: read once per NFA edge)
+    num_classes = classes[-1] + 1
+    cedges = [[(classes[lo], classes[hi], t) for lo, hi, t in edges] for edges in nfa.edges]
     eps, closures, own = nfa.eps, {}, {}
 
     def closure(targets: frozenset[int]) -> frozenset[int]:

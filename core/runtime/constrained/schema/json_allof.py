@@ -167,9 +167,12 @@ class AllOfRules:
 def _distinct_choices(parts: list[Any]) -> list[Any]:
     """allOf's parts less a choice that a later part repeats (A and A is A; a property both listed and
     matched by a pattern meets the same oneOf twice), so that it does not multiply the combinations."""
+    choices = [isinstance(part, dict) and ("anyOf" in part or "oneOf" in part) for part in parts]
+    if sum(choices) < 2:
+        return parts  # (most merges: a large choice's text is not worth writing out to compare it with nothing)
     seen, out = set(), []
-    for part in reversed(parts):  # (the last part, the parent, stays last)
-        if isinstance(part, dict) and ("anyOf" in part or "oneOf" in part):
+    for part, choice in zip(reversed(parts), reversed(choices)):  # (the last part, the parent, stays last)
+        if choice:
             text = json.dumps(part, sort_keys=True, default=str)
             if text in seen:
                 continue

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from radixlm.core.runtime.constrained.automata.grammar import Expr, alt
@@ -119,7 +118,7 @@ def discriminated(parts: list[tuple[Any, tuple]]) -> list[tuple[Any, tuple]]:
             if isinstance(props, dict) and len(props) == 1:
                 (key, sub), = props.items()
                 if isinstance(sub, dict) and set(sub) == {"const"} and set(cond.get("required", [key])) == {key}:
-                    return key, json.dumps(sub["const"], sort_keys=True)
+                    return key, json_key(sub["const"])
         return None
     found = [(i, key_const(p)) for i, (p, _) in enumerate(parts)]
     found = [(i, kc) for i, kc in found if kc is not None]

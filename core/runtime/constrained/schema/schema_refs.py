@@ -135,6 +135,7 @@ class SchemaRefs:
         resource = spec.create_resource(self.root)
         self._resolver = _registered.with_resource(resource.id() or "", resource).crawl().resolver()
         root = self._root = urldefrag(resource.id() or "")[0]
+        self._resolved: dict[str, Any] = {}  # (a large schema's merges and rules look each ref up many times)
         for node in dynamic:
             self._static_dynamic_ref(node, root, anchors)
 
@@ -159,10 +160,14 @@ class SchemaRefs:
 
     def resolve(self, ref: str) -> Any:
         """The schema an absolute `$ref` (as in self.root) points to; ValueError if nothing does."""
-        if ref.startswith("#"):  # under a key no keyword names (so not made absolute): the root's base
-            ref = self._root + ref
+        found = self._resolved.get(ref, self._resolved)
+        if found is not self._resolved:
+            return found
+        # A ref under a key no keyword names (so not made absolute) starts with "#": the root's base.
+        uri = self._root + ref if ref.startswith("#") else ref
         try:
-            return self._resolver.lookup(ref).contents
+            found = self._resolved[ref] = self._resolver.lookup(uri).contents
+            return found
         except Unresolvable:
             raise ValueError(f"$ref {ref!r} does not resolve (refs are resolved within the document and the "
                              f"registered documents: bundle other schemas into it under an $id, or register "
