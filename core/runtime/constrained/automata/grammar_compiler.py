@@ -126,8 +126,10 @@ SHAPE_CACHE_SIZE = 8192  # rule automata kept per process, by shape (most are a 
 # ...); Seq, Alt and Repeat as ("s", ...), ("a", ...), ("r", lo, hi, item). Rules of one shape have one
 # automaton up to renaming its symbols, and an object schema's rules come in few shapes ("," key value
 # rest | rest), so the automaton is built once per shape for every grammar of the process.
-# Each with whether every state of the automaton can finish (when every symbol can be read).
-_shapes: OrderedDict[tuple | int, tuple[list[list[tuple[int, int]]], list[bool], bool]] = OrderedDict()
+# Each with whether every state of the automaton can finish (when every symbol can be read). Held as tuples of
+# numbers, which Python's collector stops tracking (thousands of lists otherwise: narrow_walk's rows say why).
+_Edges = tuple[tuple[tuple[int, int], ...], ...]  # per state, its (symbol place, next state) moves
+_shapes: OrderedDict[tuple | int, tuple[_Edges, tuple[bool, ...], bool]] = OrderedDict()
 
 
 class _Builder:
@@ -166,7 +168,8 @@ class _Builder:
         if template is None:
             limit = 2 * self.budget.max_rule_states - self.total_states
             edges, accepting = _ShapeAutomaton(limit, self.deadline).build(shape)
-            template = _shapes[shape] = edges, accepting, _every_state_finishes(edges, accepting)
+            finishes = _every_state_finishes(edges, accepting)
+            template = _shapes[shape] = tuple(map(tuple, edges)), tuple(accepting), finishes
             if len(_shapes) > SHAPE_CACHE_SIZE:
                 _shapes.popitem(last=False)
         edges, accepting, finishes = template
