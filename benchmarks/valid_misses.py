@@ -18,6 +18,8 @@ from __future__ import annotations
 import json
 from typing import Any, Callable
 
+from radixlm.core.runtime.constrained.schema.json_common import whole_numbers
+
 # cause -> why it is documented (docs/constrained.md, "Strictness and approximations")
 DOCUMENTED = {
     "integer written 1.0": "integers are generated canonically (json.loads reads 1.0 as a float)",
@@ -37,7 +39,7 @@ _NAMED = ("properties", "patternProperties", "$defs", "definitions", "dependentS
 def cause(accepts: Callable[[Any, Any], bool], schema: Any, instance: Any) -> str:
     """The cause of the miss (a key of DOCUMENTED, another keyword, or "unexplained"); `accepts(schema,
     instance)` walks an instance through the grammar of a schema (False when it does not compile)."""
-    canonical = _canonical(instance)
+    canonical = whole_numbers(instance)
     if canonical != instance or json.dumps(canonical) != json.dumps(instance):
         if accepts(schema, canonical):
             return "integer written 1.0"
@@ -75,16 +77,6 @@ def _values(node: Any, keyword: str) -> list:
     if not isinstance(node, dict):
         return []
     return ([node[keyword]] if keyword in node else []) + [v for n in node.values() for v in _values(n, keyword)]
-
-
-def _canonical(value: Any) -> Any:
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
-    if isinstance(value, list):
-        return [_canonical(v) for v in value]
-    if isinstance(value, dict):
-        return {k: _canonical(v) for k, v in value.items()}
-    return value
 
 
 def _keywords(node: Any) -> set[str]:

@@ -79,10 +79,11 @@ def literal_dfa(data: bytes) -> ByteDFA:
     return ByteDFA(transitions=trans, accepting=accepting)
 
 
-def literals_dfa(words: list[bytes]) -> ByteDFA:
-    """A DFA (the trie; not minimal) of exactly the strings `words`, without going through a regex."""
+def byte_trie(words: list[bytes]) -> tuple[list[dict[int, int]], list[int]]:
+    """The trie of `words` as numbered nodes (0: the root): per node its children {byte: node}, and per word
+    the node it ends at. Dicts of numbers, which Python's collector does not track."""
     children: list[dict[int, int]] = [{}]
-    ends = [False]
+    word_ends = []
     for word in words:
         node = 0
         for b in word:
@@ -90,8 +91,16 @@ def literals_dfa(words: list[bytes]) -> ByteDFA:
             if nxt is None:
                 nxt = children[node][b] = len(children)
                 children.append({})
-                ends.append(False)
             node = nxt
+        word_ends.append(node)
+    return children, word_ends
+
+
+def literals_dfa(words: list[bytes]) -> ByteDFA:
+    """A DFA (the trie; not minimal) of exactly the strings `words`, without going through a regex."""
+    children, word_ends = byte_trie(words)
+    ends = [False] * len(children)
+    for node in word_ends:
         ends[node] = True
     trans = np.full((len(children), 256), -1, dtype=np.int32)
     for node, row in enumerate(children):

@@ -109,17 +109,17 @@ def open_part(schema: dict) -> dict:
 def json_key(value: Any) -> str:
     """A value's text as JSON Schema compares values (1 and 1.0 the same, inside arrays and objects too; true
     is not 1): a hashable key."""
-    return json.dumps(_integral(value), sort_keys=True)
+    return json.dumps(whole_numbers(value), sort_keys=True)
 
 
-def _integral(value: Any) -> Any:
-    """`value` with every float that is an integer written as one."""
+def whole_numbers(value: Any) -> Any:
+    """`value` with every float that is a whole number as an int, inside arrays and objects too."""
     if isinstance(value, float) and value.is_integer():
         return int(value)
     if isinstance(value, list):
-        return [_integral(v) for v in value]
+        return [whole_numbers(v) for v in value]
     if isinstance(value, dict):
-        return {k: _integral(v) for k, v in value.items()}
+        return {k: whole_numbers(v) for k, v in value.items()}
     return value
 
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from radixlm.core.runtime.constrained.tokens.narrow_walk import moves_of
-from radixlm.core.runtime.constrained.automata.regex_dfa import ByteDFA
+from radixlm.core.runtime.constrained.automata.regex_dfa import ByteDFA, byte_trie
 from radixlm.core.runtime.constrained.tokens.vocab import TokenVocab
 
 CLASSES_PER_TREE = 4096  # (node, terminal, state) entries per SuffixTree, cleared when full
@@ -33,17 +33,9 @@ class SuffixTree:
         tuples of numbers only: Python's collector does not track them (a dict of numbers never, a tuple
         after its first collection), so a full collection walks two lists a tree, not three objects a node
         (narrow_walk's rows say why that matters)."""
-        children: list[dict[int, int]] = [{}]
-        ends: list[tuple[int, ...]] = [()]
-        for n, data in enumerate(self.suffixes):
-            node = 0
-            for b in data:
-                child = children[node].get(b)
-                if child is None:
-                    child = children[node][b] = len(children)
-                    children.append({})
-                    ends.append(())
-                node = child
+        children, suffix_ends = byte_trie(self.suffixes)
+        ends: list[tuple[int, ...]] = [()] * len(children)
+        for n, node in enumerate(suffix_ends):
             ends[node] += (n,)
         return children, ends
 
