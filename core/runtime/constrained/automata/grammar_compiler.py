@@ -168,7 +168,7 @@ class _Builder:
         if template is None:
             limit = 2 * self.budget.max_rule_states - self.total_states
             edges, accepting = _ShapeAutomaton(limit, self.deadline).build(shape)
-            finishes = _every_state_finishes(edges, accepting)
+            finishes = all(_finishing_states(edges, accepting))
             template = _shapes[shape] = tuple(map(tuple, edges)), tuple(accepting), finishes
             if len(_shapes) > SHAPE_CACHE_SIZE:
                 _shapes.popitem(last=False)
@@ -309,20 +309,23 @@ def _reaches_accept(rule: RuleAutomaton) -> bool:
     return False
 
 
-def _every_state_finishes(edges: list[list[tuple[int, int]]], accepting: list[bool]) -> bool:
-    """Whether every state of an automaton reaches an accepting one (every symbol read)."""
+def _finishing_states(edges: list[list[tuple[int, int]]], accepting: list[bool],
+                      usable: list[bool] | None = None) -> list[bool]:
+    """Per state of an automaton: whether it reaches an accepting state over edges on usable symbols
+    (`usable[symbol]`; every symbol where None)."""
     preds: list[list[int]] = [[] for _ in edges]
     for s, row in enumerate(edges):
-        for _, t in row:
-            preds[t].append(s)
-    seen = {s for s, a in enumerate(accepting) if a}
-    stack = list(seen)
+        for sym, t in row:
+            if usable is None or usable[sym]:
+                preds[t].append(s)
+    live = list(accepting)
+    stack = [s for s, a in enumerate(live) if a]
     while stack:
         for p in preds[stack.pop()]:
-            if p not in seen:
-                seen.add(p)
+            if not live[p]:
+                live[p] = True
                 stack.append(p)
-    return len(seen) == len(edges)
+    return live
 
 
 def _productive(rules: list[RuleAutomaton], usable_terminals: list[bool]) -> list[bool]:
@@ -366,18 +369,7 @@ def _prune(rules: list[RuleAutomaton], terminals: list[ByteDFA | None], finishin
     for rule, whole in zip(rules, finishing):
         if whole and all(usable[sym] for row in rule.edges for sym, _ in row):
             continue
-        preds: list[list[int]] = [[] for _ in rule.edges]
-        for s, row in enumerate(rule.edges):
-            for sym, t in row:
-                if usable[sym]:
-                    preds[t].append(s)
-        live = list(rule.accepting)
-        stack = [s for s, a in enumerate(live) if a]
-        while stack:
-            for p in preds[stack.pop()]:
-                if not live[p]:
-                    live[p] = True
-                    stack.append(p)
+        live = _finishing_states(rule.edges, rule.accepting, usable)
         rule.edges = [[(sym, t) for sym, t in row if live[t] and usable[sym]] if live[s] else []
                       for s, row in enumerate(rule.edges)]
         rule.accepting = [a and live[s] for s, a in enumerate(rule.accepting)]
