@@ -9,8 +9,11 @@ per variant (bf16, then each of --variants: fp8, ...), in this process one after
 options (overlap scheduling on, admissions of 64): batch-1 decode ms/token, 16 x 1024 prefill TFLOP/s,
 the 1,000-request offline set, the weights' GiB and the KV tokens that fit.
 --sweep-gemv: first times the fp8 and the 4-bit decode GEMVs' launch shapes on the 8B projections at one
-row (4-bit: groups of 128, and groups of 32 on SmolLM2's projections) and keeps the fastest for the engine
-runs (decode_gemv.CONFIGS_FP8, decode_gemv.CONFIGS_INT4), beside the bf16 GEMV on the same shape.
+row (4-bit: groups of 128, and groups of 32 on SmolLM2's projections; the fp32 path at its installed shape
+and the packed path, decode_gemv.INT4_PACKED, at each candidate, every output checked against the twin)
+and keeps the fastest for the engine runs (decode_gemv.CONFIGS_FP8, decode_gemv.CONFIGS_INT4, the packed
+path where it takes less time over the four 8B projections), beside the bf16 GEMV on the same shape.
+--int4-paths (with --engine): each 4-bit variant runs twice, on the fp32 and on the packed path.
 --accuracy: the quantized model against the unquantized one on real text (this repository's README,
 the first --steps tokens, teacher-forced): mean |delta logprob| of each next token and top-1 agreement;
 then greedy continuations of the quick start's six questions and of the text's first 32 tokens
@@ -42,13 +45,17 @@ OPS = ["scaled", "residual", "scaled", "silu"]  # the fused GEMV each of qkv, o,
 CANDIDATES = [(4, 1024, 4, 3), (8, 1024, 4, 3), (4, 2048, 4, 3), (8, 2048, 8, 3), (4, 4096, 8, 3), (16, 1024, 8, 3)]
 # SmolLM2-135M's projections (qkv, o, gate_up, down), whose GGUF Q4_0/Q4_1 run in groups of 32 on CUDA.
 SMOL_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
-# The 4-bit GEMV's (BLOCK_N, BLOCK_K columns, a multiple of 32, warps, stages). The one-row product keeps
+# The packed 4-bit GEMV's (BLOCK_N, BLOCK_K columns, a multiple of 32, warps, stages). The one-row product keeps
 # its weight tile's layout only where the activation slices (BLOCK_K / 8 values) are fewer than the lanes
-# (32 x warps): BLOCK_K < 256 x warps. Stages 1: its register prefetch, a step ahead (every shape's winner
-# on one H100, session 5); more: Triton's cp.async pipeline (1.5-3x slower there; two kept to watch).
+# (32 x warps): BLOCK_K < 256 x warps. Stages 1: its register prefetch, a step ahead (every shape's winner on
+# the fp32 path on one H100, session 5). x's preparation (scale, fp16 pairs, their sums) is shared by the
+# rows a lane holds: 64-row shapes hold 8 (sm_90 loop 3.0 instructions a weight), 32-row ones 4 (3.65).
 # Each compiles three variants (scaled, residual, SiLU).
-INT4_CANDIDATES = [(16, 512, 4, 1), (32, 512, 4, 1), (16, 1024, 8, 1), (32, 1024, 8, 1), (8, 256, 2, 1),
-                   (16, 256, 2, 1), (32, 256, 2, 1), (64, 512, 4, 1), (16, 512, 4, 3), (16, 256, 2, 4)]
+INT4_PACKED_CANDIDATES = [(32, 512, 4, 1), (32, 1024, 8, 1), (64, 512, 4, 1), (64, 1024, 8, 1), (64, 256, 2, 1),
+                          (16, 512, 4, 1), (32, 256, 2, 1), (16, 256, 2, 1), (8, 256, 2, 1)]
+# Each path's fastest launch shape by (rows, N, K), filled by the sweep (_int4_sweep): False the fp32 path, True
+# the packed one.
+INT4_WINNERS: dict[bool, dict[tuple[int, int, int], tuple[int, ...]]] = {False: {}, True: {}}
 
 
 def _bench_engine():
@@ -127,35 +134,53 @@ def _int4_op(x: torch.Tensor, int4: tuple, op: str):
 
 def _int4_sweep(x: torch.Tensor, w: torch.Tensor, group: int, op: str, candidates: list[tuple[int, ...]],
                 label: str) -> dict[str, Any]:
-    """The 4-bit GEMV's launch shapes on one projection, timed as the engine runs it (`_int4_op`): the
-    fastest installed in decode_gemv.CONFIGS_INT4, its GB/s of nibbles and of all it reads (nibbles, fp32
-    scales and zeros). Shapes whose output strays from the twin's are left out."""
+    """The 4-bit GEMV on one projection, timed as the engine runs it (`_int4_op`): the fp32 path at its
+    installed launch shape (the baseline), then the packed path (decode_gemv.INT4_PACKED) at each
+    candidate; each path's fastest goes into INT4_WINNERS, with its GB/s of nibbles and of all it reads
+    (nibbles, fp32 scales and zeros). Shapes whose output strays from the twin's are left out."""
     from radixlm.kernels.quant_reference import quantize_int4_rows
     from radixlm.kernels.triton import decode_gemv
 
     n, k = w.shape
     int4 = quantize_int4_rows(w, group)
-    fn, error = _int4_op(x, int4, op)
-    timed = _sweep(fn, "RADIXLM_GEMV_CONFIG", candidates, f"int4 {label}", error=error)
-    best = min(timed, key=timed.get)
-    decode_gemv.CONFIGS_INT4[(1, n, k)] = best
-    us = timed[best]
-    print(f"  int4 {label} ({op}): " + ", ".join(f"{c} {t:.1f}" for c, t in sorted(timed.items(), key=lambda i: i[1])),
-          flush=True)
-    other = {}
-    if op == "silu":  # the other SiLU route (inside the product, or silu_and_mul first) at the winning shape
+    out: dict[str, Any] = {"int4_op": op}
+    for packed, shapes in ((False, [decode_gemv.gemv_config(1, n, k, 0.5)]), (True, candidates)):
+        decode_gemv.INT4_PACKED = packed
+        path = "packed" if packed else "fp32"
+        fn, error = _int4_op(x, int4, op)
+        timed = _sweep(fn, "RADIXLM_GEMV_CONFIG", shapes, f"int4 {label} {path}", error=error)
+        if not timed:
+            continue
+        best = min(timed, key=timed.get)
+        INT4_WINNERS[packed][(1, n, k)] = best
+        us = timed[best]
+        print(f"  int4 {label} ({op}, {path}): " + ", ".join(f"{c} {t:.1f}" for c, t in
+                                                            sorted(timed.items(), key=lambda i: i[1])), flush=True)
+        out[path] = {"us": us, "config": list(best), "GBps": n * k / 2 / us / 1e3,
+                     "total_GBps": (n * k / 2 + 8 * n * k / group) / us / 1e3,
+                     "all_us": {",".join(map(str, c)): t for c, t in timed.items()}}
+    if op == "silu" and "packed" in out:  # the other SiLU route (inside the product, or silu_and_mul first)
+        best = tuple(out["packed"]["config"])
         fused = decode_gemv.INT4_FUSED_SILU
         decode_gemv.INT4_FUSED_SILU = not fused
         fn, error = _int4_op(x, int4, op)
         other = _sweep(fn, "RADIXLM_GEMV_CONFIG", [best], f"int4 {label}", error=error)
         decode_gemv.INT4_FUSED_SILU = fused
+        us = out["packed"]["us"]
         inside, first = (us, other.get(best)) if fused else (other.get(best), us)
-        print(f"  int4 {label}: SiLU inside {inside or float('nan'):.1f} us, silu_and_mul first "
+        print(f"  int4 {label} (packed): SiLU inside {inside or float('nan'):.1f} us, silu_and_mul first "
               f"{first or float('nan'):.1f} us", flush=True)
-        other = {"int4_silu_inside_us": inside, "int4_silu_first_us": first}
-    return {"int4_op": op, "int4_us": us, "int4_config": list(best), "int4_GBps": n * k / 2 / us / 1e3,
-            "int4_total_GBps": (n * k / 2 + 8 * n * k / group) / us / 1e3, **other,
-            "all_int4_us": {",".join(map(str, c)): t for c, t in timed.items()}}
+        out.update({"int4_silu_inside_us": inside, "int4_silu_first_us": first})
+    decode_gemv.INT4_PACKED = False
+    return out
+
+
+def _install_int4_path(packed: bool) -> None:
+    """decode_gemv's 4-bit state for one path: INT4_PACKED and that path's sweep winners in CONFIGS_INT4."""
+    from radixlm.kernels.triton import decode_gemv
+
+    decode_gemv.INT4_PACKED = packed
+    decode_gemv.CONFIGS_INT4.update(INT4_WINNERS[packed])
 
 
 def _int4_gemm_times(w: torch.Tensor) -> dict[str, Any]:
@@ -200,12 +225,17 @@ def sweep_gemv(int4_candidates: list[tuple[int, ...]]) -> dict[str, Any]:
                                "fp8_config": list(best), "fp8_GBps": n * k / timed[best] / 1e3, **int4,
                                "int4_gemm": gemm, "all_fp8_us": {",".join(map(str, c)): t for c, t in timed.items()}}
         print(f"gemv {n}x{k}: bf16 {bf16_us:.1f} us ({2 * n * k / bf16_us / 1e3:.0f} GB/s), fp8 {timed[best]:.1f} us "
-              f"with {best} ({n * k / timed[best] / 1e3:.0f} GB/s), int4 g128 ({op}) {int4['int4_us']:.1f} us with "
-              f"{tuple(int4['int4_config'])} ({int4['int4_GBps']:.0f} GB/s of nibbles, "
-              f"{int4['int4_total_GBps']:.0f} with scales and zeros); 4-bit at 16/128/1024 rows: " + ", ".join(
-                  f"{g['int4_TFLOPs']:.0f} vs bf16 {g['bf16_TFLOPs']:.0f} TFLOP/s" for g in gemm.values()), flush=True)
-    down = results[f"{SHAPES[-1][0]}x{SHAPES[-1][1]}"]  # the 8B down projection decides the SiLU route
-    if down.get("int4_silu_inside_us") and down.get("int4_silu_first_us"):
+              f"with {best} ({n * k / timed[best] / 1e3:.0f} GB/s), int4 g128 ({op}) " + ", ".join(
+                  f"{path} {r['us']:.1f} us with {tuple(r['config'])} ({r['GBps']:.0f} GB/s of nibbles)"
+                  for path, r in int4.items() if path in ("fp32", "packed")) + "; 4-bit at 16/128/1024 rows: " +
+              ", ".join(f"{g['int4_TFLOPs']:.0f} vs bf16 {g['bf16_TFLOPs']:.0f} TFLOP/s" for g in gemm.values()),
+              flush=True)
+    # The packed path where it takes less time over the four projections, with its SiLU route.
+    eight_b = [results[f"{n}x{k}"] for n, k in SHAPES]
+    packed = all("packed" in r and "fp32" in r for r in eight_b) and (
+        sum(r["packed"]["us"] for r in eight_b) < sum(r["fp32"]["us"] for r in eight_b))
+    down = eight_b[-1]  # the 8B down projection decides the SiLU route
+    if packed and down.get("int4_silu_inside_us") and down.get("int4_silu_first_us"):
         decode_gemv.INT4_FUSED_SILU = down["int4_silu_inside_us"] <= down["int4_silu_first_us"]
     for (n, k), op in zip(SMOL_SHAPES, OPS):
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
@@ -213,11 +243,15 @@ def sweep_gemv(int4_candidates: list[tuple[int, ...]]) -> dict[str, Any]:
         bf16_us = _time_cuda(lambda: tri.gemv(x, w))
         int4 = _int4_sweep(x, w, 32, op, int4_candidates, f"g32 {n}x{k}")
         results[f"g32_{n}x{k}"] = {"bf16_us": bf16_us, **int4}
-        print(f"gemv {n}x{k} (SmolLM2): bf16 {bf16_us:.1f} us, int4 g32 ({op}) {int4['int4_us']:.1f} us with "
-              f"{tuple(int4['int4_config'])} ({int4['int4_total_GBps']:.0f} GB/s with scales and zeros)", flush=True)
+        print(f"gemv {n}x{k} (SmolLM2): bf16 {bf16_us:.1f} us, int4 g32 ({op}) " + ", ".join(
+            f"{path} {r['us']:.1f} us with {tuple(r['config'])}" for path, r in int4.items()
+            if path in ("fp32", "packed")), flush=True)
+    _install_int4_path(packed)
+    results["int4_packed"] = packed
     print("decode_gemv.CONFIGS_INT4 = {" + ", ".join(f"{key}: {cfg}" for key, cfg in
                                                      decode_gemv.CONFIGS_INT4.items()) + "}", flush=True)
     print(f"decode_gemv.INT4_FUSED_SILU = {decode_gemv.INT4_FUSED_SILU}", flush=True)
+    print(f"decode_gemv.INT4_PACKED = {decode_gemv.INT4_PACKED}", flush=True)
     return results
 
 
@@ -261,11 +295,17 @@ def run_engines(args: argparse.Namespace) -> dict[str, Any]:
             argv += ["--requests", str(args.requests)]
         if args.profile_prefill:
             argv += ["--profile-prefill", str(args.profile_prefill)]
-        print(f"== {variant}: bench_engine {' '.join(argv)}", flush=True)
-        bench.main(argv)
-        with open(path) as f:
-            out[variant] = json.load(f)
-        torch.cuda.empty_cache() if torch.cuda.is_available() else None
+        # A 4-bit variant with --int4-paths runs once on each path of the one-row product (fp32, packed).
+        paths = (False, True) if args.int4_paths and variant in ("awq", "gptq") else (None,)
+        for packed in paths:
+            name = variant if packed is None else f"{variant} ({'packed' if packed else 'fp32'} GEMV)"
+            if packed is not None:
+                _install_int4_path(packed)
+            print(f"== {name}: bench_engine {' '.join(argv)}", flush=True)
+            bench.main(argv)
+            with open(path) as f:
+                out[name] = json.load(f)
+            torch.cuda.empty_cache() if torch.cuda.is_available() else None
     return out
 
 
@@ -341,13 +381,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--engine", action="store_true", help="engine benchmarks, bf16 then each variant")
     p.add_argument("--sweep-gemv", action="store_true", help="time fp8 and 4-bit GEMV launch shapes first (CUDA)")
     p.add_argument("--int4-configs", nargs="+", metavar="BN,BK,WARPS,STAGES",
-                   help="--sweep-gemv: the 4-bit GEMV's candidates, BLOCK_K in columns (default: INT4_CANDIDATES)")
+                   help="--sweep-gemv: the packed 4-bit GEMV's candidates, BLOCK_K in columns (default: "
+                   "INT4_PACKED_CANDIDATES; the fp32 path is timed at its installed shape)")
     p.add_argument("--accuracy", action="store_true", help="the quantized model against the unquantized on text")
     p.add_argument("--ncu-gemv", action="store_true", help="one 4-bit and one fp8 GEMV launch for Nsight Compute")
     p.add_argument("--model", default="llama3-8b-shape", help="bench_engine's model (--engine)")
     p.add_argument("--variants", nargs="+", default=["fp8"],
                    help="quantization values to run beside bf16, each optionally NAME:PART,PART (its parts)")
     p.add_argument("--parts", nargs="+", default=["latency", "prefill", "throughput"])
+    p.add_argument("--int4-paths", action="store_true",
+                   help="--engine: run each 4-bit variant on the fp32 and on the packed one-row product")
     p.add_argument("--requests", type=int, help="offline requests (default: bench_engine's 1,000)")
     p.add_argument("--profile-prefill", type=int, default=0, metavar="N",
                    help="also print each variant's N longest kernels of a prefill forward (CUDA)")
@@ -365,7 +408,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.ncu_gemv:
         ncu_gemv()
     if args.sweep_gemv:
-        int4 = [tuple(int(v) for v in c.split(",")) for c in args.int4_configs or []] or INT4_CANDIDATES
+        int4 = [tuple(int(v) for v in c.split(",")) for c in args.int4_configs or []] or INT4_PACKED_CANDIDATES
         report["gemv"] = sweep_gemv(int4)
     if args.engine:
         report["engine"] = run_engines(args)

@@ -16,6 +16,7 @@ pointers (the attention kernels' K and V, the stores' KBuf and VBuf) an fp8 type
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import re
 import subprocess
@@ -90,13 +91,15 @@ def report(label: str, compiled, num_warps: int, num_stages: int) -> None:
 
 
 def _main_loop(sass: str) -> list[str]:
-    """The opcodes (with modifiers) of the first loop's body: from a backward branch's target to it."""
+    """The opcodes (with modifiers) of the longest loop's body: from a backward branch's target to it (a
+    kernel may run a short loop first, as the packed 4-bit GEMV's pass over x)."""
     code = re.findall(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", sass)
+    loops = [[]]
     for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+@!?U?P\w+\s+BRA\s+(?:`\(\.L_x_\d+\)|0x([0-9a-f]+))", sass):
         if m.group(2) and int(m.group(2), 16) < int(m.group(1), 16):
             start, end = int(m.group(2), 16), int(m.group(1), 16)
-            return [op for addr, op in code if start <= int(addr, 16) <= end]
-    return []
+            loops.append([op for addr, op in code if start <= int(addr, 16) <= end])
+    return max(loops, key=len)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -157,35 +160,39 @@ def main(argv: list[str] | None = None) -> int:
                          dict(dict(SILU=False, SCALED=False, RESIDUAL=False), **flags, HAS_BIAS=False,
                               W_SCALED=False, INT4=False, BLOCK_M=triton.next_power_of_2(rows), BLOCK_N=block_n,
                               BLOCK_K=block_k, BLOCK_S=512 if flags.get("SCALED") else 1, STAGES=stages,
-                              EVEN_K=False)))
+                              EVEN_K=False, PACKED=False)))
     # The four fused products of a layer on 4-bit weights (AWQ/GPTQ: pack_int4's int32 words, fp32 scales and
-    # zeros) at one row, the down projection with the SiLU inside or not as INT4_FUSED_SILU says; the label
-    # gives the weights a lane takes a step (the register-prefetch loop, stages 1, is unrolled twice).
+    # zeros) at one row, the down projection with the SiLU inside or not as INT4_FUSED_SILU says, each on the
+    # fp32 path and the packed one (fp16x2); the label gives the weights a lane takes a step (the
+    # register-prefetch loop, stages 1, is unrolled twice).
     int4_ptrs = {"W": "*i32", "WScale": "*fp32", "WZero": "*fp32"}
-    for name, flags, (n, k) in (("int4 rms_scaled_gemv qkv", dict(SCALED=True), (6144, 4096)),
+    for (name, flags, (n, k)), packed in itertools.product((("int4 rms_scaled_gemv qkv", dict(SCALED=True), (6144, 4096)),
                                 ("int4 residual_gemv o", dict(RESIDUAL=True), (4096, 4096)),
                                 ("int4 rms_scaled_gemv gate_up", dict(SCALED=True), (28672, 4096)),
                                 ("int4 residual_gemv down", dict(SILU=decode_gemv.INT4_FUSED_SILU, RESIDUAL=True),
-                                 (4096, 14336))):
+                                 (4096, 14336))), (False, True)):
         block_n, block_k, warps, stages = decode_gemv.gemv_config(1, n, k, 0.5)
         per_lane = block_n * block_k // (32 * warps)
-        jobs.append((f"{name}{' silu' if flags.get('SILU') else ''} M=1 {block_n}x{block_k} ({per_lane} a lane)",
+        jobs.append((f"{name}{' silu' if flags.get('SILU') else ''}{' packed' if packed else ''} M=1 "
+                     f"{block_n}x{block_k} ({per_lane} a lane)",
                      decode_gemv._gemv_kernel, warps, stages,
                      dict(dict(SILU=False, SCALED=False, RESIDUAL=False), **flags, HAS_BIAS=False, W_SCALED=False,
                           INT4=True, BLOCK_M=1, BLOCK_N=block_n, BLOCK_K=block_k,
-                          BLOCK_S=512 if flags.get("SCALED") else 1, STAGES=stages, EVEN_K=k % block_k == 0),
-                     frozenset(), int4_ptrs))
+                          BLOCK_S=512 if flags.get("SCALED") else 1, STAGES=stages, EVEN_K=k % block_k == 0,
+                          PACKED=packed), frozenset(), int4_ptrs))
     # The qkv GEMV with the rotary and the KV store in its epilogue (1 row, scaled; 8 rows, after the
     # first layer's norm; 1 row on 4-bit weights), storing into the pool.
-    for rows, scaled, int4 in ((1, True, False), (8, False, False), (1, True, True)):
+    for rows, scaled, int4, packed in ((1, True, False, False), (8, False, False, False), (1, True, True, False),
+                                       (1, True, True, True)):
         block_n, block_k, warps, stages = decode_gemv.gemv_config(rows, (args.heads + 2 * args.kv_heads) * d, 4096,
                                                                   0.5 if int4 else 2)
-        jobs.append((f"{'int4 ' if int4 else ''}rotary_qkv_gemv M={rows} {block_n}x{block_k}",
+        jobs.append((f"{'int4 ' if int4 else ''}rotary_qkv_gemv{' packed' if packed else ''} M={rows} "
+                     f"{block_n}x{block_k}",
                      decode_gemv._rotary_qkv_kernel, warps, stages,
                      dict(NUM_HEADS=args.heads, NUM_KV_HEADS=args.kv_heads, HEAD_DIM=d, HAS_BIAS=False, SCALED=scaled,
                           W_SCALED=False, INT4=int4, BLOCK_M=triton.next_power_of_2(rows), PAIRS=block_n // 2,
                           BLOCK_K=block_k, BLOCK_S=512 if scaled else 1, STAGES=stages, SAT=sat,
-                          EVEN_K=int4 and 4096 % block_k == 0), STORE_POOL,
+                          EVEN_K=int4 and 4096 % block_k == 0, PACKED=packed), STORE_POOL,
                      int4_ptrs if int4 else None))
     print(f"triton {triton.__version__}, sm_90, {args.dtype}, {args.index} indices, head_dim {d}, GQA {group}, "
           f"KV pool {kv_type or args.dtype}")

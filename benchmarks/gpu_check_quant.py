@@ -10,7 +10,13 @@
    against the same oracle in bf16, under twice that oracle's own error against the fp32 one + 0.01. Greedy tokens equal with CUDA graphs on and off, overlap on and off (fp32);
    with an fp8 KV cache as well it runs and its logprob error is reported.
 3. What fp8 costs: mean |delta logprob| and greedy agreement against the unquantized bf16 engine.
-4. 4-bit layers on the fused decode GEMVs in the engine against the unfused 4-bit path (check_int4_decode).
+4. 4-bit layers on the fused decode GEMVs in the engine against the unfused 4-bit path (check_int4_decode),
+   with the one-row product on its fp32 path and on its packed (fp16x2) path.
+5. The packed one-row 4-bit GEMV (decode_gemv.INT4_PACKED) against the twin on the 8B shapes (groups of
+   128 and 64) and SmolLM2's (32), at 1 and 3 rows (3 takes the fp32 path), rows of ordinary values, of
+   Llama-like large activations (every 97th value times 3,000, one at 1e5: past fp16's range), of small
+   ones (1e-3), with integer zeros and fractional ones (GGUF's Q4_1/Q4_K): within 1 % of the output's
+   largest magnitude (check_int4_packed).
 """
 
 from __future__ import annotations
@@ -148,6 +154,66 @@ def check_int4_decode(prompts: list[list[int]]) -> dict[str, Any]:
             "ok": equal["float32"] == len(prompts) and err <= 1e-3}
 
 
+def _activation_rows(m: int, k: int, kind: str, g: torch.Generator) -> torch.Tensor:
+    """m rows of bf16 activations: `normal`, `large` (every 97th value times 3,000 and one at 1e5, as
+    Llama's massive activations in the residual stream and down_proj's inputs) or `small` (times 1e-3)."""
+    x = torch.randn(m, k, device="cuda", generator=g)
+    if kind == "large":
+        x[:, ::97] *= 3000.0
+        x[:, 5] = 1e5
+    elif kind == "small":
+        x *= 1e-3
+    return x.bfloat16()
+
+
+def _rotary_qkv_packed(g: torch.Generator) -> dict[str, float]:
+    """The 8B qkv projection with the rotary and KV store in its epilogue (rotary_qkv_gemv) on a 4-bit
+    weight, one row, against its twin: q and the stored k and v."""
+    from radixlm.kernels import triton as tri
+
+    heads, kv_heads, d, k = 32, 8, 128, 4096
+    n = (heads + 2 * kv_heads) * d
+    packed, scales, zeros = qref.quantize_int4_rows(torch.randn(n, k, device="cuda", generator=g) / k**0.5, 128)
+    cache = torch.randn(64, d, device="cuda", generator=g).bfloat16()
+    positions, loc = torch.tensor([7], device="cuda"), torch.tensor([3], device="cuda", dtype=torch.int32)
+    out = {}
+    for kind in ("normal", "large"):
+        x, sums = _activation_rows(1, k, kind, g), torch.rand(1, 8, device="cuda", generator=g) * k
+        pools = [[torch.zeros(8, kv_heads, d, device="cuda", dtype=torch.bfloat16) for _ in range(2)] for _ in range(2)]
+        got, want = (ops.rotary_qkv_gemv(x, sums, 1e-6, packed, None, positions, cache, *pool, loc, heads, kv_heads,
+                                         scales, zeros) for ops, pool in ((tri, pools[0]), (ref, pools[1])))
+        out[f"rotary_qkv_{kind}"] = max(_rel_err(got, want), *(_rel_err(a[3], b[3]) for a, b in zip(*pools)))
+    return out
+
+
+def check_int4_packed() -> dict[str, Any]:
+    """The one-row 4-bit GEMV on its packed path (and 3 rows, on the fp32 path, with the flag on) against
+    the fp32 product of the same nibbles, scales and zeros (quant_reference.int4_linear)."""
+    from radixlm.kernels import triton as tri
+    from radixlm.kernels.triton import decode_gemv
+
+    out: dict[str, Any] = {}
+    g = torch.Generator(device="cuda").manual_seed(1)
+    packed_before, decode_gemv.INT4_PACKED = decode_gemv.INT4_PACKED, True
+    try:
+        for (n, k), group in [*((s, 128) for s in SHAPES), ((4096, 4096), 64), *((s, 32) for s in GGUF_SHAPES)]:
+            w = torch.randn(n, k, device="cuda", generator=g) / k**0.5
+            packed, scales, zeros = qref.quantize_int4_rows(w, group)
+            fractional = zeros + torch.rand(zeros.shape, device="cuda", generator=g) - 0.5
+            for zero_kind, z in (("int", zeros), ("frac", fractional)):
+                for m in (1, 3):
+                    for kind in ("normal", "large", "small"):
+                        x = _activation_rows(m, k, kind, g)
+                        out[f"{m}x{n}x{k}_g{group}_{zero_kind}_{kind}"] = _rel_err(
+                            tri.gemv(x, packed, None, scales, z), qref.int4_linear(x.float(), packed, scales, z))
+        out.update(_rotary_qkv_packed(g))
+    finally:
+        decode_gemv.INT4_PACKED = packed_before
+    out["max"] = max(out.values())
+    out["ok"] = out["max"] < 1e-2
+    return out
+
+
 def check_fp8_weights(ckpt: str, report: dict[str, Any], device: str, prompts: list[list[int]]) -> bool:
     entry: dict[str, Any] = {}
     ok = True
@@ -155,9 +221,19 @@ def check_fp8_weights(ckpt: str, report: dict[str, Any], device: str, prompts: l
         entry["kernels"] = check_kernels()
         ok = entry["kernels"]["ok"]
         print(f"fp8 kernels: {'ok' if ok else 'FAIL'} {entry['kernels']}", flush=True)
-        entry["int4_decode"] = check_int4_decode(prompts)
-        ok = ok and entry["int4_decode"]["ok"]
-        print(f"4-bit fused decode: {'ok' if entry['int4_decode']['ok'] else 'FAIL'} {entry['int4_decode']}", flush=True)
+        entry["int4_packed"] = check_int4_packed()
+        ok = ok and entry["int4_packed"]["ok"]
+        print(f"4-bit packed GEMV: {'ok' if entry['int4_packed']['ok'] else 'FAIL'} {entry['int4_packed']}", flush=True)
+        from radixlm.kernels.triton import decode_gemv
+        packed_before = decode_gemv.INT4_PACKED
+        for packed in (False, True):
+            decode_gemv.INT4_PACKED = packed
+            key = "int4_decode_packed" if packed else "int4_decode"
+            entry[key] = check_int4_decode(prompts)
+            ok = ok and entry[key]["ok"]
+            print(f"4-bit fused decode ({'packed' if packed else 'fp32'} one-row product): "
+                  f"{'ok' if entry[key]['ok'] else 'FAIL'} {entry[key]}", flush=True)
+        decode_gemv.INT4_PACKED = packed_before
     oracle = _hf_logprobs(w8a8_oracle(ckpt, device), prompts, device)
     oracle_bf16 = _hf_logprobs(w8a8_oracle(ckpt, device, torch.bfloat16), prompts, device)
     hf_bf16_err = _mean_err(oracle_bf16, oracle)

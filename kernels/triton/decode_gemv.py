@@ -78,9 +78,18 @@ INT4_DEFAULTS: dict[int, tuple[int, int, int, int]] = {
 # on one H100, 4096 x 14336, 18.8 us against 30.5 inside; SmolLM2's 576 x 1536, 4.5 against 6.4);
 # bench_quant.py --sweep-gemv times both.
 INT4_FUSED_SILU = False
+# Whether a one-row 4-bit product runs its nibble math in fp16x2 (int4_gemv.py's packed path: inline PTX,
+# so never under TRITON_INTERPRET) or in fp32. bench_quant.py --sweep-gemv times both.
+INT4_PACKED = False
 if os.environ.get("RADIXLM_GEMV_CONFIGS"):
     with open(os.environ["RADIXLM_GEMV_CONFIGS"]) as f:
         CONFIGS.update({tuple(int(v) for v in key.split(",")): tuple(c) for key, c in json.load(f).items()})
+
+
+def int4_packed(dtype: torch.dtype) -> bool:
+    """The PACKED constexpr of a launch on activations of `dtype`: INT4_PACKED where the kernels compile for
+    CUDA and x is bf16 or fp16 (exact in fp16 after its power-of-two scale; fp32 x keeps the fp32 path)."""
+    return INT4_PACKED and dtype in (torch.bfloat16, torch.float16) and os.environ.get("TRITON_INTERPRET") != "1"
 
 
 def gemv_config(m: int, n: int, k: int, weight_bytes: float = 2) -> tuple[int, int, int, int]:
@@ -139,12 +148,12 @@ def _product(X, W, offs_m, offs_n, m_mask, n_mask, k, stride_xm, stride_wn,
 @triton.jit
 def _weight_product(X, W, WScale, WZero, offs_m, offs_n, m_mask, n_mask, k, group, num_groups, stride_xm, stride_wn,
                     SILU: tl.constexpr, INT4: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr, STAGES: tl.constexpr, EVEN_K: tl.constexpr):
+                    BLOCK_K: tl.constexpr, STAGES: tl.constexpr, EVEN_K: tl.constexpr, PACKED: tl.constexpr):
     """The product for the weight's kind: 4-bit (INT4: scales and zeros applied inside; EVEN_K: K a
-    multiple of BLOCK_K), else bf16/fp8."""
+    multiple of BLOCK_K; PACKED: one row's product in fp16x2, see int4_gemv.py), else bf16/fp8."""
     if INT4:
         out = product_int4(X, W, WScale, WZero, offs_m, offs_n, m_mask, n_mask, k, group, num_groups, stride_xm,
-                           stride_wn, SILU, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, EVEN_K)
+                           stride_wn, SILU, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, EVEN_K, PACKED)
     else:
         out = _product(X, W, offs_m, offs_n, m_mask, n_mask, k, stride_xm, stride_wn, SILU, BLOCK_M, BLOCK_N,
                        BLOCK_K, STAGES)
@@ -186,7 +195,7 @@ def _gemv_kernel(
     SILU: tl.constexpr, HAS_BIAS: tl.constexpr, SCALED: tl.constexpr, RESIDUAL: tl.constexpr,
     W_SCALED: tl.constexpr, INT4: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_S: tl.constexpr,
-    STAGES: tl.constexpr, EVEN_K: tl.constexpr,
+    STAGES: tl.constexpr, EVEN_K: tl.constexpr, PACKED: tl.constexpr,
 ):
     pid = tl.program_id(0)
     offs_m = tl.arange(0, BLOCK_M)
@@ -200,7 +209,7 @@ def _gemv_kernel(
         r = tl.load(Res + offs_m[:, None] * stride_rm + offs_n[None, :], mask=mn_mask, other=0.0)
         norm_w = tl.load(NormW + offs_n, mask=n_mask, other=0.0)
     out = _weight_product(X, W, WScale, WZero, offs_m, offs_n, m_mask, n_mask, k, group, num_groups, stride_xm,
-                          stride_wn, SILU, INT4, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, EVEN_K)
+                          stride_wn, SILU, INT4, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, EVEN_K, PACKED)
     out = _scale_and_bias(out, sums, Bias, WScale, offs_n, n_mask, k, eps, SCALED, HAS_BIAS, W_SCALED)
     if RESIDUAL:
         # h = product + residual is the residual stream (rounded to its dtype, as the reference's sum is);
@@ -221,6 +230,7 @@ def _rotary_qkv_kernel(
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HAS_BIAS: tl.constexpr,
     SCALED: tl.constexpr, W_SCALED: tl.constexpr, INT4: tl.constexpr, BLOCK_M: tl.constexpr, PAIRS: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr, STAGES: tl.constexpr, SAT: tl.constexpr, EVEN_K: tl.constexpr,
+    PACKED: tl.constexpr,
 ):
     """The qkv projection with the rotary and the KV store in its epilogue. A program owns PAIRS pairs of
     rotate-half partners (d, d + HEAD_DIM/2) of one head, interleaved, so that its outputs rotate among
@@ -237,7 +247,7 @@ def _rotary_qkv_kernel(
     sums = _load_sums(Sums, offs_m, m_mask, num_sums, stride_sm, SCALED, BLOCK_S)
     pos = tl.load(Positions + offs_m, mask=m_mask, other=0).to(tl.int64)
     out = _weight_product(X, W, WScale, WZero, offs_m, offs_n, m_mask, n_mask, k, group, num_groups, stride_xm,
-                          stride_wn, False, INT4, BLOCK_M, 2 * PAIRS, BLOCK_K, STAGES, EVEN_K)
+                          stride_wn, False, INT4, BLOCK_M, 2 * PAIRS, BLOCK_K, STAGES, EVEN_K, PACKED)
     # Rounded where the reference's projection output is, then split into the partners' halves.
     out = _scale_and_bias(out, sums, Bias, WScale, offs_n, n_mask, k, eps, SCALED, HAS_BIAS, W_SCALED)
     out = out.to(X.dtype.element_ty).to(tl.float32)
@@ -321,7 +331,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
             # Only a scaled product reads the partial sums; elsewhere a constant, so that no other launch
             # compiles a variant per N.
             BLOCK_S=triton.next_power_of_2(held.shape[1]) if scaled else 1, STAGES=stages,
-            EVEN_K=weight_zero is not None and k % block_k == 0, num_warps=warps,
+            EVEN_K=weight_zero is not None and k % block_k == 0, PACKED=int4_packed(x.dtype), num_warps=warps,
         )
     return (summed, out, sums) if residual is not None else out
 
@@ -391,6 +401,6 @@ def rotary_qkv_gemv(
         INT4=weight_zero is not None, BLOCK_M=triton.next_power_of_2(m), PAIRS=pairs, BLOCK_K=block_k,
         BLOCK_S=triton.next_power_of_2(held.shape[1]) if sums is not None else 1, STAGES=stages,
         EVEN_K=weight_zero is not None and k % block_k == 0,
-        SAT=kv_limit(k_buffer), num_warps=warps,
+        SAT=kv_limit(k_buffer), PACKED=int4_packed(x.dtype), num_warps=warps,
     )
     return q
