@@ -61,6 +61,12 @@
 #                                   # kernels against their twin, then the GEMV sweep (every candidate's time
 #                                   # printed; SiLU inside against silu_and_mul first) and batch-1 decode, bf16
 #                                   # beside fp8 and AWQ (~8 minutes)
+#   GPU_CHECK_S=150 GPU_CHECK_ARGS="--skip-kernels --checks fp8_weights" RUN_ENGINE_BENCH=0 RUN_CONSTRAINED=0 \
+#     RUN_QUANT=1 QUANT_S=330 QUANT_ARGS="--sweep-gemv --engine --int4-paths --parts latency --variants awq" \
+#     bash benchmarks/run_h200.sh       # issue 35, the packed (fp16x2) one-row 4-bit GEMV: it and the 4-bit
+#                                   # kernels against their twin (large and small activation rows), the fused
+#                                   # decode on each path; the sweep (fp32 path at its shape, packed at each
+#                                   # candidate), then batch-1 decode, bf16 beside AWQ on each path (~8 minutes)
 #   RUN_GPU_CHECK=0 RUN_ENGINE_BENCH=0 RUN_CONSTRAINED=0 RUN_SPEC=1 bash benchmarks/run_h200.sh
 #                                   # speculative decoding's verify-step cost, batch-1 tokens/s with a draft model, greedy equality (issue 36)
 #   RUN_GPU_CHECK=0 RUN_ENGINE_BENCH=0 RUN_CONSTRAINED=0 RUN_NCU_GEMV=1 RUN_QUANT=1 QUANT_S=330 \
