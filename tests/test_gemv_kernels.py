@@ -217,6 +217,18 @@ def test_one_row_int4_with_a_partial_step(group, monkeypatch):
     assert_close(tri.gemv(x, w, None, scales, zeros), ref.gemv(x, w, None, scales, zeros))
 
 
+def test_packed_int4_switch(monkeypatch):
+    """The packed path (inline PTX) is taken only where the kernels compile for CUDA and x is bf16/fp16:
+    with INT4_PACKED on, the interpreter and fp32 activations keep the fp32 path (and its result)."""
+    monkeypatch.setattr(gemv_module, "INT4_PACKED", True)
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    assert gemv_module.int4_packed(torch.bfloat16) is (not interpreted)
+    assert not gemv_module.int4_packed(torch.float32)
+    w, scales, zeros = int4_weight(N, 64)
+    x = randn(1, 64, dtype=torch.float32)
+    assert_close(tri.gemv(x, w, None, scales, zeros), ref.gemv(x, w, None, scales, zeros))
+
+
 def test_rotary_qkv_gemv_int4():
     """The qkv projection with the rotary and KV store in its epilogue, on a 4-bit weight (fp32)."""
     num_heads, num_kv_heads, head_dim = 4, 2, 16
