@@ -56,6 +56,9 @@ INT4_PACKED_CANDIDATES = [(32, 512, 4, 1), (32, 1024, 8, 1), (64, 512, 4, 1), (6
 # Each path's fastest launch shape by (rows, N, K), filled by the sweep (_int4_sweep): False the fp32 path, True
 # the packed one.
 INT4_WINNERS: dict[bool, dict[tuple[int, int, int], tuple[int, ...]]] = {False: {}, True: {}}
+# Each path's SiLU route for the down projection (decode_gemv.INT4_FUSED_SILU): the packed one's measured by
+# the sweep, the fp32 one's as installed.
+INT4_SILU_INSIDE: dict[bool, bool] = {}
 
 
 def _bench_engine():
@@ -179,8 +182,10 @@ def _install_int4_path(packed: bool) -> None:
     """decode_gemv's 4-bit state for one path: INT4_PACKED and that path's sweep winners in CONFIGS_INT4."""
     from radixlm.kernels.triton import decode_gemv
 
+    INT4_SILU_INSIDE.setdefault(False, decode_gemv.INT4_FUSED_SILU)
     decode_gemv.INT4_PACKED = packed
     decode_gemv.CONFIGS_INT4.update(INT4_WINNERS[packed])
+    decode_gemv.INT4_FUSED_SILU = INT4_SILU_INSIDE.get(packed, INT4_SILU_INSIDE[False])
 
 
 def _int4_gemm_times(w: torch.Tensor) -> dict[str, Any]:
@@ -234,9 +239,10 @@ def sweep_gemv(int4_candidates: list[tuple[int, ...]]) -> dict[str, Any]:
     eight_b = [results[f"{n}x{k}"] for n, k in SHAPES]
     packed = all("packed" in r and "fp32" in r for r in eight_b) and (
         sum(r["packed"]["us"] for r in eight_b) < sum(r["fp32"]["us"] for r in eight_b))
-    down = eight_b[-1]  # the 8B down projection decides the SiLU route
-    if packed and down.get("int4_silu_inside_us") and down.get("int4_silu_first_us"):
-        decode_gemv.INT4_FUSED_SILU = down["int4_silu_inside_us"] <= down["int4_silu_first_us"]
+    down = eight_b[-1]  # the 8B down projection decides the packed path's SiLU route
+    INT4_SILU_INSIDE.setdefault(False, decode_gemv.INT4_FUSED_SILU)
+    if down.get("int4_silu_inside_us") and down.get("int4_silu_first_us"):
+        INT4_SILU_INSIDE[True] = down["int4_silu_inside_us"] <= down["int4_silu_first_us"]
     for (n, k), op in zip(SMOL_SHAPES, OPS):
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
         x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
