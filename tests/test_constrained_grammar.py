@@ -480,7 +480,8 @@ def test_automaton_products_check_the_compile_deadline():
     """Intersecting and subtracting automata (length bounds with a pattern, propertyNames) can take long:
     the compile deadline is checked inside them, not only between them."""
     from radixlm.core.runtime.constrained.tokens.counted_string import counted_string_dfa
-    from radixlm.core.runtime.constrained.automata.regex_dfa import dfa_intersection, regex_to_dfa
+    from radixlm.core.runtime.constrained.automata.dfa_product import dfa_intersection
+    from radixlm.core.runtime.constrained.automata.regex_dfa import regex_to_dfa
 
     calls = []
 
@@ -498,8 +499,8 @@ def test_automaton_products_match_python_re():
     string of up to 5 characters over the alphabet the patterns use."""
     import itertools
 
-    from radixlm.core.runtime.constrained.automata.regex_dfa import (dfa_difference, dfa_disjoint, dfa_intersection,
-                                                                     regex_to_dfa)
+    from radixlm.core.runtime.constrained.automata.dfa_product import dfa_difference, dfa_disjoint, dfa_intersection
+    from radixlm.core.runtime.constrained.automata.regex_dfa import regex_to_dfa
 
     pairs = [("a[ab]*", "[ab]*b"), ("(ab|ba)+", "a.*"), ("a{2,4}", "a{3}"), ("[abc]{1,3}", "c?"), ("ab", "ba"),
              ("ab[abc]{1,3}", "ba[abc]{1,3}"), ("a*b", "a*c")]
