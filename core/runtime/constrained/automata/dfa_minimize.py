@@ -8,9 +8,19 @@ from collections.abc import Callable
 
 import numpy as np
 
+# A trimmed DFA with at most this many moves (states x classes) is first tried as an acyclic one (a finite
+# language: a length-bounded product or counted pattern), minimized in one pass in Python; Moore's rounds
+# cost as many numpy passes as the longest string (65-130 for a length-bounded product).
+MAX_ACYCLIC_MOVES = 65_536
+# Live states of a table with at most this many moves are found in Python (numpy's search costs a round a level).
+MAX_PYTHON_LIVE_MOVES = 16_384
+
 
 def live_states(trans: np.ndarray, accepting: np.ndarray) -> np.ndarray:
-    """bool [n]: states from which an accepting state is reachable (reverse BFS on the edge list)."""
+    """bool [n]: states from which an accepting state is reachable (reverse BFS on the edge list; one numpy
+    round a level, or in Python for a small table)."""
+    if trans.size <= MAX_PYTHON_LIVE_MOVES:
+        return _live_in_python(trans, accepting)
     src, cls = np.nonzero(trans >= 0)
     dst = trans[src, cls]
     order = np.argsort(dst, kind="stable")
@@ -29,6 +39,22 @@ def live_states(trans: np.ndarray, accepting: np.ndarray) -> np.ndarray:
         live |= met
         met[frontier] = False
     return live
+
+
+def _live_in_python(trans: np.ndarray, accepting: np.ndarray) -> np.ndarray:
+    preds: list[list[int]] = [[] for _ in range(trans.shape[0])]
+    for s, row in enumerate(trans.tolist()):
+        for t in row:
+            if t >= 0:
+                preds[t].append(s)
+    live = accepting.tolist()
+    stack = [s for s, a in enumerate(live) if a]
+    while stack:
+        for p in preds[stack.pop()]:
+            if not live[p]:
+                live[p] = True
+                stack.append(p)
+    return np.array(live, dtype=bool).reshape(-1)
 
 
 # splitmix64's finalizer: mixes a round's signature hashes so that the next round's (linear) hash of them
@@ -82,12 +108,6 @@ def refine(trans: np.ndarray, accepting: np.ndarray, exact: bool,
             if new_num == num_blocks:
                 return np.unique(label[:n], return_inverse=True)[1].reshape(-1)
             num_blocks = new_num
-
-
-# A trimmed DFA with at most this many moves (states x classes) is first tried as an acyclic one (a finite
-# language: a length-bounded product or counted pattern), minimized in one pass in Python; Moore's rounds
-# cost as many numpy passes as the longest string (65-130 for a length-bounded product).
-MAX_ACYCLIC_MOVES = 65_536
 
 
 def _acyclic_blocks(trans: np.ndarray, accepting: np.ndarray) -> np.ndarray | None:
