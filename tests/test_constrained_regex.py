@@ -107,15 +107,15 @@ def test_minimize_refines_the_rows_themselves_when_hashes_collide(pattern, monke
 
 def test_one_pass_minimization_of_finite_languages_matches_moore(monkeypatch):
     """A DFA without cycles (a finite language) is minimized in one pass, successors first; Moore's rounds
-    (forced here by turning the one pass off) give the same DFAs, byte for byte: every regex above (about
-    half are finite) and length-bounded products and differences with a counted string. A cyclic DFA is
-    left to Moore's rounds."""
+    (forced here by turning the one pass off) give the same DFAs, byte for byte: every third regex above
+    (finite ones and others) and length-bounded products and differences with a counted string. A cyclic
+    DFA is left to Moore's rounds."""
     from radixlm.core.runtime.constrained.automata import dfa_minimize
     from radixlm.core.runtime.constrained.automata.dfa_product import dfa_difference, dfa_intersection
     from radixlm.core.runtime.constrained.tokens.counted_string import counted_string_dfa
 
     def built():
-        dfas = [regex_to_dfa(p) for p in REGEXES]
+        dfas = [regex_to_dfa(p) for p in REGEXES[::3]]
         counted = counted_string_dfa(2, 40)
         dfas.append(dfa_intersection(regex_to_dfa('"[a-z0-9_]+"'), counted))
         dfas.append(dfa_intersection(regex_to_dfa('"(ab|c)*d?"'), counted))
@@ -124,7 +124,7 @@ def test_one_pass_minimization_of_finite_languages_matches_moore(monkeypatch):
 
     one_pass = built()
     finite = sum(dfa_minimize._acyclic_blocks(d.transitions, d.accepting) is not None for d in one_pass)
-    assert 20 < finite < len(one_pass)  # both ways are exercised
+    assert 8 < finite < len(one_pass) - 4  # both ways are exercised
     monkeypatch.setattr(dfa_minimize, "MAX_ACYCLIC_MOVES", 0)
     for got, want in zip(one_pass, built()):
         assert np.array_equal(got.transitions, want.transitions) and np.array_equal(got.accepting, want.accepting)
