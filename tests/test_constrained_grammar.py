@@ -195,6 +195,14 @@ CASES = [
                       "$defs": {"n": {"type": "integer", "maximum": 3}}},
                 "k": {"$anchor": "k", "type": "string", "maxLength": 2}}},
      [{"a": [1, 3], "b": "xy"}], [{"a": [4], "b": "x"}, {"a": [], "b": "xyz"}]),
+    # Draft 7's location-independent `$id: "#name"` (an anchor: SchemaRefs crawls the document for it), and a
+    # root `$id` that names only the document (not crawled: pointers resolve in the root as it is).
+    ({"$schema": "http://json-schema.org/draft-07/schema#", "$id": "http://example.com/d7.json",
+      "properties": {"a": {"$ref": "#num"}, "b": {"$ref": "#/definitions/s"}}, "required": ["a"],
+      "definitions": {"n": {"$id": "#num", "type": "integer"}, "s": {"type": "string", "maxLength": 1}}},
+     [{"a": 1}, {"a": 2, "b": "x"}], [{"a": "x"}, {"a": 1, "b": "xy"}]),
+    ({"$id": "http://example.com/p.json", "properties": {"b": {"$ref": "#/$defs/s"}}, "required": ["b"],
+      "$defs": {"s": {"type": "string", "maxLength": 1}}}, [{"b": "x"}], [{"b": "xy"}, {"b": 1}]),
     ({"$id": "urn:uuid:deadbeef-1234-ffff-ffff-4321feebdaed", "properties": {"f": {"$ref": "#/$defs/b"}},
       "required": ["f"], "$defs": {"b": {"type": "boolean"}}}, [{"f": True}], [{"f": 1}]),
     ({"properties": {"$ref": {"enum": [{"$ref": "#/$defs/x"}]}}, "required": ["$ref"],
