@@ -122,10 +122,11 @@ def _expand_in_python(batch: list[int], base: int, ta: np.ndarray, tb: np.ndarra
             if u < 0 or v < 0:
                 row.append(-1)
                 continue
-            j = ids.get(u * base + v)
+            pair = u * base + v
+            j = ids.get(pair)
             if j is None:
-                j = ids[u * base + v] = len(codes)
-                codes.append(u * base + v)
+                j = ids[pair] = len(codes)
+                codes.append(pair)
             row.append(j)
         out.append(row)
     return np.array(out, dtype=np.int32).reshape(len(batch), ta.shape[1])
