@@ -34,7 +34,8 @@ from radixlm.core.runtime.constrained.tokens.counted_tokens import counted_state
 from radixlm.core.runtime.constrained.tokens.literal_tokens import literal_classes, literal_rest
 from radixlm.core.runtime.constrained.tokens.narrow_walk import NARROW_NODES, narrow_walk, state_row
 from radixlm.core.runtime.constrained.automata.regex_dfa import ByteDFA
-from radixlm.core.runtime.constrained.tokens.token_classes import Exits, StateTokens, exits_replacing
+from radixlm.core.runtime.constrained.tokens.token_classes import (CLOSING, EXITS, INSIDE, Exits, StateTokens,
+                                                                   exits_replacing, state_classes)
 from radixlm.core.runtime.constrained.tokens.token_walk import walk_tokens
 from radixlm.core.runtime.constrained.tokens.trie_walk import other_bytes, walk_trie
 from radixlm.core.runtime.constrained.tokens.vocab import TokenVocab, byte_matrix, clear_bits, set_bits
@@ -80,7 +81,7 @@ def _literal(rest: bytes, vocab: TokenVocab) -> StateTokens:
     found = _cached(shared)
     if found is None:
         inside, tokens, starts = literal_classes(rest, vocab)
-        found = StateTokens(None, _exits(shared, tokens, starts, vocab), inside_ids=inside)
+        found = state_classes(None, _exits(shared, tokens, starts, vocab), inside_ids=inside)
         _keep(shared, found)
     return found
 
@@ -241,7 +242,7 @@ def _classify(key: str, dfa: ByteDFA, state: int, vocab: TokenVocab) -> StateTok
         inside, uncertain = walked
         tokens, starts = _exit_pairs(dfa, uncertain, _after_first(nxt, live, vocab, uncertain), vocab)
         exits_key = (_future(key, dfa, state, SMALL_FUTURE) or (key, state), vocab.fingerprint)
-        return StateTokens(_packed(inside, vocab.size), _exits(exits_key, tokens, starts, vocab))
+        return state_classes(_packed(inside, vocab.size), _exits(exits_key, tokens, starts, vocab))
     found = _patched(key, dfa, state, vocab)
     if found is not None:
         return found
@@ -262,7 +263,7 @@ def _classify(key: str, dfa: ByteDFA, state: int, vocab: TokenVocab) -> StateTok
         nodes = sorted(have)
         exits_key = tuple(keys[n] for n in nodes if len(have[n][1]))
         tokens, starts = (np.concatenate([have[n][i] for n in nodes] or [np.zeros(0, np.int32)]) for i in (1, 2))
-        found = StateTokens(_inside_bits(have, keys, vocab), _exits(exits_key, tokens, starts, vocab))
+        found = state_classes(_inside_bits(have, keys, vocab), _exits(exits_key, tokens, starts, vocab))
     _keep(shared, found)
     return found
 
@@ -281,7 +282,7 @@ def _patched(key: str, dfa: ByteDFA, state: int, vocab: TokenVocab) -> StateToke
     if dying is None:
         return None
     base = state_tokens(key, dfa, body, vocab)
-    if base.inside is None or base.closing is not None:
+    if base[INSIDE] is None or base[CLOSING] is not None:
         return None
     if not dying:
         return base
@@ -291,13 +292,13 @@ def _patched(key: str, dfa: ByteDFA, state: int, vocab: TokenVocab) -> StateToke
     if found is not None and found[0] is base:  # an id is the base's while the entry holds it
         return found[1]
     apart = tokens_starting(vocab, dying)
-    inside, exits = base.inside.copy(), base.exits
+    inside, exits = base[INSIDE].copy(), base[EXITS]
     clear_bits(inside, apart)
     if exits is not None:
         keep = ~np.isin(exits.pair_token, apart, kind="table")  # ids < vocabulary: ~10x the default sort
         if not keep.all():
             exits = Exits(exits.tree, exits.pair_suffix[keep], exits.pair_token[keep]) if keep.any() else None
-    found = StateTokens(inside, exits)
+    found = state_classes(inside, exits)
     with _lock:
         _apart[shared] = (base, found)
         if len(_apart) > APART:
@@ -314,14 +315,14 @@ def _reread(key: str, dfa: ByteDFA, state: int, vocab: TokenVocab) -> StateToken
         bad = bytes_apart(dfa, state, other)
         again = None if bad is None else tokens_with(vocab, bad)
         base = None if again is None else _known(key, dfa, other, vocab)
-        if base is None or base.inside is None or base.closing is not None:
+        if base is None or base[INSIDE] is None or base[CLOSING] is not None:
             continue
         ids = again[0]
         inside, tokens, starts = read_from(dfa, state, again)
-        bits = base.inside.copy()
+        bits = base[INSIDE].copy()
         clear_bits(bits, ids)
         set_bits(bits, inside)
-        return StateTokens(bits, exits_replacing(base.exits, ids, tokens, starts, vocab))
+        return state_classes(bits, exits_replacing(base[EXITS], ids, tokens, starts, vocab))
     return None
 
 
