@@ -158,9 +158,11 @@ def _exit_pairs(dfa: ByteDFA, ids: np.ndarray, states: np.ndarray, vocab: TokenV
 
 
 _futures: dict[tuple[str, int], bytes | int] = {}  # a name, or the number of states it is known to exceed
-MAX_FUTURE_STATES = 512  # larger futures are named by (terminal, state) instead
+# Larger futures are named by (terminal, state) instead: naming one is a search of its states (~2 µs each),
+# and a wide state's first visit names every state its first bytes lead to (in a pattern key's DFA of
+# hundreds of states, ~5-10 ms of searches); equal large futures of different terminals are rare.
+MAX_FUTURE_STATES = 24
 SMALL_FUTURE = 4  # futures named before a state is known to be wide
-SHARED_FUTURE = 24  # a wide state's future named before it is read off another state's classes
 
 
 def _future(key: str, dfa: ByteDFA, state: int, most: int = MAX_FUTURE_STATES) -> bytes | None:
@@ -246,9 +248,9 @@ def _classify(key: str, dfa: ByteDFA, state: int, vocab: TokenVocab) -> StateTok
     found = _patched(key, dfa, state, vocab)
     if found is not None:
         return found
-    # A future of a few states (a string body's) is named first: it is often known. A pattern key's state
-    # before its match reaches every state of its terminal, ~1 ms to name: it is read again first.
-    future = _future(key, dfa, state, SHARED_FUTURE)
+    # A future of a few states (a string body's) is often known. A pattern key's state before its match
+    # reaches every state of its terminal (no name): it is read again first.
+    future = _future(key, dfa, state)
     found = _cached((future, vocab.fingerprint)) if future is not None else None
     if found is None:
         found = _reread(key, dfa, state, vocab)
@@ -256,7 +258,7 @@ def _classify(key: str, dfa: ByteDFA, state: int, vocab: TokenVocab) -> StateTok
         if future is not None:
             _keep((future, vocab.fingerprint), found)
         return found
-    shared = (_future(key, dfa, state) or (key, state), vocab.fingerprint)
+    shared = (future or (key, state), vocab.fingerprint)
     found = _cached(shared)
     if found is None:
         have, keys = _wide(key, dfa, state, nxt, live, vocab)
