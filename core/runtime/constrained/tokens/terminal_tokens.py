@@ -399,8 +399,7 @@ def _wide(key: str, dfa: ByteDFA, state: int, nxt: np.ndarray, live: np.ndarray,
         if walked is None:
             leaving = other_bytes(dfa)  # a token at a time where the state's loops decide most, else down the trie
             walked = None if leaving is None else walk_tokens(dfa, state, missing, *leaving, vocab)
-            inside, uncertain = walked or walk_trie(key, dfa, missing, nxt[missing], vocab)
-            walked = np.flatnonzero(inside), uncertain
+            walked = walked or walk_trie(key, dfa, missing, nxt[missing], vocab)
         inside, uncertain = walked
         tokens, starts = _exit_pairs(dfa, uncertain, _after_first(nxt, missing, vocab, uncertain), vocab)
         have.update(_store({int(n): keys[int(n)] for n in missing}, inside, tokens, starts, vocab))
@@ -419,14 +418,17 @@ def _after_first(nxt: np.ndarray, nodes: np.ndarray, vocab: TokenVocab, ids: np.
 
 def _store(keys: dict[int, tuple], inside: np.ndarray, tokens: np.ndarray, starts: np.ndarray,
            vocab: TokenVocab) -> dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]]:
-    """A walk's result (ids of the inside tokens, exit pairs) split by level-1 node (the tokens' first
-    byte), kept in _subtrees and returned."""
+    """A walk's result (the inside tokens: their ids, or a bool [vocab] mask of them; exit pairs) split by
+    level-1 node (the tokens' first byte), kept in _subtrees and returned."""
     global _subtree_ids
     nodes = np.fromiter(keys, np.int64, count=len(keys))
+    if inside.dtype == bool:  # a wide walk's ~150k: grouped through the ids kept in node order, not sorted
+        ins = _masked_by_node(inside, nodes, vocab)
     if len(nodes) == 1:  # one first byte (a literal, a narrow walk's usual case): nothing to split
-        ins, exit_tokens, exit_starts = [inside.astype(np.int32)], [tokens], [starts]
+        ins = ins if inside.dtype == bool else [inside.astype(np.int32)]
+        exit_tokens, exit_starts = [tokens], [starts]
     else:
-        ins = _split(inside, nodes, vocab)[0]
+        ins = ins if inside.dtype == bool else _split(inside, nodes, vocab)[0]
         exit_tokens, exit_starts = _split(tokens, nodes, vocab, starts)
     out = {n: (a, b, c) for n, a, b, c in zip(keys, ins, exit_tokens, exit_starts)}
     with _lock:
@@ -452,15 +454,32 @@ def _split(ids: np.ndarray, nodes: np.ndarray, vocab: TokenVocab,
     return [[x[a:b] for a, b in bounds] for x in (ids[order].astype(np.int32), *(x[order] for x in also))]
 
 
-_first_nodes: dict[str, np.ndarray] = {}
+def _masked_by_node(mask: np.ndarray, nodes: np.ndarray, vocab: TokenVocab) -> list[np.ndarray]:
+    """The ids set in bool `mask` [vocab] grouped by the level-1 node they start at (sorted by id within
+    it), one group per node of `nodes`: _split's groups, read off the ids kept in node order."""
+    _, by_node, bounds = _first_nodes[vocab.fingerprint] if vocab.fingerprint in _first_nodes else _nodes_of(vocab)
+    picked = mask[by_node]
+    chosen, cut = by_node[picked], np.concatenate(([0], np.cumsum(picked)))[bounds].tolist()
+    return [chosen[cut[n]:cut[n + 1]] for n in nodes.tolist()]
+
+
+_first_nodes: dict[str, tuple[np.ndarray, np.ndarray, list[int]]] = {}
 
 
 def first_node(vocab: TokenVocab) -> np.ndarray:
     """int64 [vocab]: the level-1 trie node each token starts at (-1 for empty tokens)."""
     found = _first_nodes.get(vocab.fingerprint)
-    if found is None:
-        index = np.full(256, -1, dtype=np.int64)
-        index[vocab.trie.byte[1]] = np.arange(len(vocab.trie.byte[1]))
-        first = np.fromiter((b[0] if b else 0 for b in vocab.token_bytes), np.int64, count=vocab.size)
-        found = _first_nodes[vocab.fingerprint] = np.where(_nonempty(vocab), index[first], -1)
+    return (found or _nodes_of(vocab))[0]
+
+
+def _nodes_of(vocab: TokenVocab) -> tuple[np.ndarray, np.ndarray, list[int]]:
+    """(first_node's array; the ids in order of their first node, then id (int32), and where each node's
+    ids start, a last bound after them), cached."""
+    index = np.full(256, -1, dtype=np.int64)
+    index[vocab.trie.byte[1]] = np.arange(len(vocab.trie.byte[1]))
+    first = np.fromiter((b[0] if b else 0 for b in vocab.token_bytes), np.int64, count=vocab.size)
+    owner = np.where(_nonempty(vocab), index[first], -1)
+    by_node = np.argsort(owner.astype(np.int16), kind="stable")  # empty tokens (-1) first, never picked
+    bounds = np.searchsorted(owner[by_node], np.arange(len(vocab.trie.byte[1]) + 1)).tolist()
+    found = _first_nodes[vocab.fingerprint] = (owner, by_node.astype(np.int32), bounds)
     return found
