@@ -15,6 +15,7 @@ import pytest
 from radixlm.core.runtime.constrained import GrammarBudget, build_constraint, compile_grammar, json_schema_to_grammar
 from radixlm.core.runtime.constrained.automata.grammar import Grammar, Ref, Repeat, alt, lit, opt, seq
 from radixlm.testing.constrained import random_walk
+from radixlm.core.runtime.constrained.tokens.token_classes import EXITS, INSIDE
 from radixlm.core.errors import GrammarBudgetError
 from radixlm.testing.constrained import accepts_text
 
@@ -656,11 +657,11 @@ def test_token_classes_assembled_per_first_byte_equal_a_whole_walk(tiny_tokenize
         for name, dfa in zip(grammar.terminal_names, grammar.terminals):
             for q in range(dfa.num_states):
                 classes = terminal_tokens._classify(name, dfa, q, vocab)
-                inside = np.flatnonzero(np.unpackbits(classes.inside, count=vocab.size, bitorder="little"))
+                inside = np.flatnonzero(np.unpackbits(classes[INSIDE], count=vocab.size, bitorder="little"))
                 tokens, starts = [], []
-                if classes.exits is not None:
-                    tokens = classes.exits.pair_token.tolist()
-                    suffixes = [classes.exits.tree.suffixes[k] for k in classes.exits.pair_suffix.tolist()]
+                if classes[EXITS] is not None:
+                    tokens = classes[EXITS].pair_token.tolist()
+                    suffixes = [classes[EXITS].tree.suffixes[k] for k in classes[EXITS].pair_suffix.tolist()]
                     starts = [len(vocab.token_bytes[i]) - len(x) for i, x in zip(tokens, suffixes)]
                 uncertain = np.unique(np.asarray(tokens, dtype=np.int64))
                 for i, j in zip(tokens, starts):  # where they leave: an accepting state
