@@ -47,14 +47,19 @@ def _live_in_python(trans: np.ndarray, accepting: np.ndarray) -> np.ndarray:
         for t in row:
             if t >= 0:
                 preds[t].append(s)
-    live = accepting.tolist()
+    return np.array(reaching(preds, accepting.tolist()), dtype=bool).reshape(-1)
+
+
+def reaching(preds: list[list[int]], targets: list[bool]) -> list[bool]:
+    """Per state: whether it is a target or reaches one, given each state's predecessors."""
+    live = list(targets)
     stack = [s for s, a in enumerate(live) if a]
     while stack:
         for p in preds[stack.pop()]:
             if not live[p]:
                 live[p] = True
                 stack.append(p)
-    return np.array(live, dtype=bool).reshape(-1)
+    return live
 
 
 # splitmix64's finalizer: mixes a round's signature hashes so that the next round's (linear) hash of them

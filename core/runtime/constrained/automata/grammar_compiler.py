@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from radixlm.core.runtime.constrained.automata.dfa_minimize import reaching
 from radixlm.core.runtime.constrained.automata.grammar import Alt, Expr, Grammar, Ref, Repeat, Seq, Terminal
 from radixlm.core.runtime.constrained.automata.regex_dfa import ByteDFA, epsilon_reachable, regex_to_dfa
 from radixlm.core.errors import GrammarBudgetError
@@ -320,14 +321,7 @@ def _finishing_states(edges: list[list[tuple[int, int]]], accepting: list[bool],
         for sym, t in row:
             if usable is None or usable[sym]:
                 preds[t].append(s)
-    live = list(accepting)
-    stack = [s for s, a in enumerate(live) if a]
-    while stack:
-        for p in preds[stack.pop()]:
-            if not live[p]:
-                live[p] = True
-                stack.append(p)
-    return live
+    return reaching(preds, accepting)
 
 
 def _productive(rules: list[RuleAutomaton], usable_terminals: list[bool]) -> list[bool]:
