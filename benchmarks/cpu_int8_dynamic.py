@@ -3,6 +3,7 @@ products, measured with the project's own accuracy and speed scripts (results: b
 2026-12-07-quantization.md, "fbgemm's dynamic int8 linear for gguf, in the engine").
 
     python benchmarks/cpu_int8_dynamic.py --mode one --kinds all products
+    python benchmarks/cpu_int8_dynamic.py --mode one --kinds all errors
     python benchmarks/cpu_int8_dynamic.py --mode one --kinds all quant --accuracy --cpu --quant-option quantization=gguf --steps 64
     python benchmarks/cpu_int8_dynamic.py --mode one --kinds all cpu --threads 1 --batch 1 --dtypes float32 \
         --systems radixlm --gguf-quantized --startup-runs 0
@@ -18,7 +19,7 @@ same values requantized to int8 with one scale per row (|error| <= max|w_row| / 
 - weights: fp32 F.linear on the requantized weight (the weights' share of the error alone).
 - int8pack: not fbgemm: torch's `_weight_int8pack_mm` on the requantized weight in one call, activations
   in bf16 (gguf's Q8_0 layer calls it once per block of 32 columns, each with the file's own scales).
-Then: `products` (CPU ms a token of each kind's layers, all 30 layers' distinct weights so that none is
+Then: `errors` (each kind's error on the inputs a prefill of README text gives it), `products` (CPU ms a token of each kind's layers, all 30 layers' distinct weights so that none is
 warm in cache, as in a step; the LM head too), `quant ARGS` (bench_quant.py ARGS) or `cpu ARGS`
 (bench_cpu.py ARGS) with the patched layers.
 """
@@ -56,7 +57,7 @@ class Int8Dynamic(nn.Module):
         super().__init__()
         self.out_features, self.in_features = w.shape
         q, scale = requantize_rows(w)
-        self.mode, self.bias = mode, bias
+        self.mode, self.bias, self.file_weight = mode, bias, w  # the file's values, for `errors`
         self.plain = q.float() * scale[:, None] if mode == "weights" else None
         self.q, self.scale = q, scale.to(torch.bfloat16)  # mode int8pack: torch's int8 product, bf16 activations
         weight = torch._make_per_channel_quantized_tensor(q, scale.double(), torch.zeros(len(scale), dtype=torch.long), 0)
@@ -126,6 +127,33 @@ def products(rounds: int = 20) -> None:
           f"| all {sum(spent.values()) / rounds * 1e3:.2f} CPU ms a token", flush=True)
 
 
+def errors(mode_rows: int = 64) -> None:
+    """Each kind's relative error ||out - x W.T|| / ||x W.T|| against the file's fp32 values, on the inputs
+    it gets from the first 64 tokens of README.md (a prefill) in layers 0, 15 and 29 and the LM head, one row
+    a call: x in bf16 (as gguf's own layers take it), the weight requantized alone, one pass, two passes."""
+    with radixlm.Engine(quantization="gguf", log_level="warning") as engine:
+        model, seen = engine._runner.model, {}
+        hooks = [m.register_forward_hook(lambda m, inp, out, name=name: seen.setdefault(name, (m, inp[0].clone())) and None)
+                 for name, m in model.named_modules() if isinstance(m, Int8Dynamic)
+                 and (name == "lm_head" or name.split(".")[1] in ("0", "15", "29"))]
+        ids = engine.tokenizer((_HERE.parent / "README.md").read_text())["input_ids"][:mode_rows]
+        engine.generate(input_ids=ids, sampling_params={"max_new_tokens": 1, "temperature": 0})
+        for hook in hooks:
+            hook.remove()
+    with torch.inference_mode():
+        for name, (m, x) in seen.items():
+            x = x.reshape(-1, m.in_features).float()
+            want = x @ m.file_weight.t()
+            bf16 = x.to(torch.bfloat16).float() @ m.file_weight.t()  # gguf's own layers round x to bf16
+            row = [f"bf16 x {float((bf16 - want).norm() / want.norm()):.4f}"]
+            for mode in ("weights", "one", "twopass"):
+                layer = Int8Dynamic(m.file_weight, None, mode)
+                got = torch.cat([layer(x[i:i + 1]) for i in range(len(x))])
+                row.append(f"{mode} {float((got - want).norm() / want.norm()):.4f}")
+            amax = x.abs().amax(1) / x.abs().median(1).values
+            print(f"{name}: {len(x)} rows, max|x| / median|x| {float(amax.median()):.0f}; " + ", ".join(row), flush=True)
+
+
 def _script(name: str):
     spec = importlib.util.spec_from_file_location(name, _HERE / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
@@ -138,15 +166,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mode", choices=["one", "twopass", "weights", "int8pack", "off"], default="one")
     p.add_argument("--kinds", default="all", help="comma list of qkv,o,gate_up,down,lm_head, or all")
     p.add_argument("--torch-threads", type=int, default=1)
-    p.add_argument("what", choices=["products", "quant", "cpu"])
+    p.add_argument("what", choices=["products", "errors", "quant", "cpu"])
     args, rest = p.parse_known_args(argv)
     kinds = set(KINDS.values()) if args.kinds == "all" else set(args.kinds.split(","))
     if args.mode != "off":
         patch(args.mode, kinds)
     torch.set_num_threads(args.torch_threads)
     print(f"fbgemm {args.mode} for {sorted(kinds) if args.mode != 'off' else 'none'}", flush=True)
-    if args.what == "products":
-        products()
+    if args.what in ("products", "errors"):
+        products() if args.what == "products" else errors()
         return 0
     sys.argv = [f"bench_{args.what}.py", *rest]  # bench_cpu.main reads sys.argv
     return _script(f"bench_{args.what}").main() or 0
