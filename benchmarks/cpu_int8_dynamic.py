@@ -19,6 +19,8 @@ same values requantized to int8 with one scale per row (|error| <= max|w_row| / 
 - weights: fp32 F.linear on the requantized weight (the weights' share of the error alone).
 - int8pack: not fbgemm: torch's `_weight_int8pack_mm` on the requantized weight in one call, activations
   in bf16 (gguf's Q8_0 layer calls it once per block of 32 columns, each with the file's own scales).
+- ggml: not fbgemm: llama.cpp's own product on the file's blocks (ggml_linear.py: llama-cpp-cffi's library
+  through ctypes; LLAMA_CPP_CFFI=DIR, default /tmp/llamacffi).
 Then: `errors` (each kind's error on the inputs a prefill of README text gives it), `products` (CPU ms a token of each kind's layers, all 30 layers' distinct weights so that none is
 warm in cache, as in a step; the LM head too), `quant ARGS` (bench_quant.py ARGS) or `cpu ARGS`
 (bench_cpu.py ARGS) with the patched layers.
@@ -35,7 +37,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
+import ggml_linear
 import radixlm
+from ggml_linear import GgmlLinear
 from radixlm.core.runtime.quantization import gguf_kept
 
 _HERE = Path(__file__).resolve().parent
@@ -93,6 +97,8 @@ def patch(mode: str, kinds: set[str]) -> None:
         if KINDS.get(tuple(q.shape)) not in kinds:
             return int4(q, scale, zero, bias)
         n, k = q.shape
+        if mode == "ggml":  # the file's blocks again: m = zero - 8d (Q4_1), no m where zero is 0 (Q4_0)
+            return GgmlLinear(*ggml_linear.blocks(q, scale, None if not zero.any() else zero - 8 * scale), k, bias)
         w = (q.float().view(n, -1, 32) - 8) * scale.float()[..., None] + zero.float()[..., None]
         return Int8Dynamic(w.view(n, k), bias, mode)
 
@@ -100,6 +106,8 @@ def patch(mode: str, kinds: set[str]) -> None:
         if KINDS.get(tuple(q.shape)) not in kinds:
             return int8(q, d, bias)
         n, k = q.shape
+        if mode == "ggml":
+            return GgmlLinear(*ggml_linear.blocks(q, d, None), k, bias)
         return Int8Dynamic((q.float().view(n, -1, 32) * d.float()[..., None]).view(n, k), bias, mode)
 
     gguf_kept.Int4GroupLinear, gguf_kept.Int8GroupLinear = four, eight
@@ -163,7 +171,7 @@ def _script(name: str):
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--mode", choices=["one", "twopass", "weights", "int8pack", "off"], default="one")
+    p.add_argument("--mode", choices=["one", "twopass", "weights", "int8pack", "ggml", "off"], default="one")
     p.add_argument("--kinds", default="all", help="comma list of qkv,o,gate_up,down,lm_head, or all")
     p.add_argument("--torch-threads", type=int, default=1)
     p.add_argument("what", choices=["products", "errors", "quant", "cpu"])

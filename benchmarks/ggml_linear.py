@@ -1,0 +1,97 @@
+"""Study (not a runtime path): llama.cpp's own quantized products (ggml's `ggml_mul_mat` on Q4_0 / Q4_1 /
+Q8_0 blocks: activations quantized to 8 bits a block of 32, integer dot products) called through ctypes on
+llama-cpp-cffi's prebuilt CPU library (the one bench_cpu.py --llama-cpp-cffi runs), one prebuilt ggml
+graph a layer, as an nn.Module. Used by cpu_int8_dynamic.py --mode ggml."""
+
+from __future__ import annotations
+
+import ctypes
+import glob
+import os
+
+import numpy as np
+import torch
+from torch import nn
+
+import llama_cpp_api
+
+P = ctypes.c_void_p
+GGML_F32, GGML_Q4_0, GGML_Q4_1, GGML_Q8_0 = 0, 2, 3, 8
+_LIB = None
+
+
+class _Params(ctypes.Structure):
+    _fields_ = [("mem_size", ctypes.c_size_t), ("mem_buffer", ctypes.c_void_p), ("no_alloc", ctypes.c_bool)]
+
+
+def ggml(folder: str | None = None) -> ctypes.CDLL:
+    """The library (its C++ runtime stand-in compiled where Debian's libstdc++ lacks a symbol)."""
+    global _LIB
+    if _LIB is None:
+        so = glob.glob(os.path.join(folder or os.environ.get("LLAMA_CPP_CFFI", "/tmp/llamacffi"), "llama",
+                                    "_llama_cpp_cpu.*.so"))[0]
+        try:
+            lib = ctypes.CDLL(so, mode=ctypes.RTLD_GLOBAL)
+        except OSError:
+            ctypes.CDLL(llama_cpp_api._terminate_shim(), mode=ctypes.RTLD_GLOBAL)
+            lib = ctypes.CDLL(so, mode=ctypes.RTLD_GLOBAL)
+        for name, res, args in [("ggml_init", P, [_Params]), ("ggml_new_tensor_2d", P, [P, ctypes.c_int, ctypes.c_int64,
+                                ctypes.c_int64]), ("ggml_mul_mat", P, [P, P, P]), ("ggml_new_graph", P, [P]),
+                                ("ggml_build_forward_expand", None, [P, P]), ("ggml_get_data", P, [P]),
+                                ("ggml_graph_compute_with_ctx", ctypes.c_int, [P, P, ctypes.c_int]), ("ggml_free", None, [P])]:
+            getattr(lib, name).restype, getattr(lib, name).argtypes = res, args
+        lib.ggml_cpu_init()
+        _LIB = lib
+    return _LIB
+
+
+def blocks(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None) -> tuple[int, np.ndarray]:
+    """(ggml type, raw blocks [rows, bytes]) of integer fields as gguf_dequant.integer_blocks gives them:
+    Q8_0 (q int8), Q4_0 (m None) or Q4_1 (nibbles 0..15): d (fp16) [m (fp16)] then the 32 values, two a byte
+    (value j low, j + 16 high)."""
+    rows, cols = q.shape
+    nb = cols // 32
+    half = lambda t: t.to(torch.float16).view(torch.uint8).reshape(rows, nb, 2)  # noqa: E731
+    if q.dtype == torch.int8:
+        body, kind = q.view(torch.uint8).reshape(rows, nb, 32), GGML_Q8_0
+        head = half(d)
+    else:
+        v = q.to(torch.uint8).reshape(rows, nb, 32)
+        body = v[..., :16] | (v[..., 16:] << 4)
+        head, kind = (half(d), GGML_Q4_0) if m is None else (torch.cat([half(d), half(m)], -1), GGML_Q4_1)
+    return kind, torch.cat([head, body], -1).reshape(rows, -1).contiguous().numpy()
+
+
+class GgmlLinear(nn.Module):
+    """x @ W.T (+ bias) by ggml_mul_mat on the blocks; a graph for one row kept, others built per call."""
+
+    def __init__(self, kind: int, raw: np.ndarray, cols: int, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.lib, self.kind, self.bias = ggml(), kind, bias
+        self.out_features, self.in_features = raw.shape[0], cols
+        self.ctx = self.lib.ggml_init(_Params(raw.nbytes + (1 << 16), None, False))
+        self.w = self.lib.ggml_new_tensor_2d(self.ctx, kind, cols, raw.shape[0])
+        ctypes.memmove(self.lib.ggml_get_data(self.w), raw.ctypes.data, raw.nbytes)
+        self.one = self._graph(1)
+
+    def _graph(self, rows: int) -> tuple:
+        lib, k, n = self.lib, self.in_features, self.out_features
+        ctx = lib.ggml_init(_Params(rows * (k + n) * 8 + (4 << 20), None, False))
+        x = lib.ggml_new_tensor_2d(ctx, GGML_F32, k, rows)
+        out = lib.ggml_mul_mat(ctx, self.w, x)
+        graph = lib.ggml_new_graph(ctx)
+        lib.ggml_build_forward_expand(graph, out)
+        xin = torch.frombuffer((ctypes.c_float * (rows * k)).from_address(lib.ggml_get_data(x)), dtype=torch.float32)
+        res = torch.frombuffer((ctypes.c_float * (rows * n)).from_address(lib.ggml_get_data(out)), dtype=torch.float32)
+        return ctx, graph, xin.view(rows, k), res.view(rows, n)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features)
+        ctx, graph, xin, res = self.one if flat.shape[0] == 1 else self._graph(flat.shape[0])
+        xin.copy_(flat)
+        self.lib.ggml_graph_compute_with_ctx(ctx, graph, torch.get_num_threads())
+        out = res.clone()
+        if flat.shape[0] != 1:
+            self.lib.ggml_free(ctx)
+        out = out if self.bias is None else out + self.bias
+        return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
