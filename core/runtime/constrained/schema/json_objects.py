@@ -14,8 +14,8 @@ from radixlm.core.runtime.constrained.automata.grammar_compiler import derived_d
 from radixlm.core.runtime.constrained.schema.json_common import (NOTHING, IGNORED_KEYWORDS, SchemaError, count_bounds,
                                                                  escape_pointer, pattern_matches)
 from radixlm.core.runtime.constrained.schema.json_strings import MAX_PRODUCT_LENGTH, ecma_string_pattern
-from radixlm.core.runtime.constrained.automata.regex_dfa import (ByteDFA, dfa_difference, dfa_disjoint,
-                                                                 dfa_intersection, literals_dfa)
+from radixlm.core.runtime.constrained.automata.dfa_product import dfa_difference, dfa_disjoint, dfa_intersection
+from radixlm.core.runtime.constrained.automata.regex_dfa import ByteDFA, literals_dfa
 
 
 MAX_PATTERN_OVERLAP = 3  # patternProperties: up to this many, a key may match several (2**n - 1 key kinds)

@@ -124,17 +124,24 @@ class Exits:
         return found
 
 
-@dataclass
-class StateTokens:
-    inside: np.ndarray | None  # uint8 packed bits (little bit order) of the context-independent tokens
-    exits: Exits | None = None
-    # A literal's few inside tokens as ids instead (inside is then None): a mask sets them with its exits'
-    # in one pass, rather than packing and OR-ing 19 KB of bits per fresh state.
-    inside_ids: np.ndarray | None = None
-    # Counted string boundaries: packed bits of the tokens that close the string and go on after the
-    # quote, and their bytes after the quote as exits (exits is then None).
-    closing: np.ndarray | None = None
-    after_quote: Exits | None = None
+# A terminal state's token classes: a plain tuple (inside, exits, inside_ids, closing, after_quote), read
+# with the indices below. CPython's collector stops tracking a tuple whose items it does not track (arrays,
+# None): a corpus run keeps ~3.5k of them, most without exits, which as class instances every full
+# collection walked (~15k tracked objects were left after a run, and a collection inside a mask costs
+# ~1 µs an object).
+StateTokens = tuple
+INSIDE, EXITS, INSIDE_IDS, CLOSING, AFTER_QUOTE = range(5)
+
+
+def state_classes(inside: np.ndarray | None, exits: Exits | None = None, *, inside_ids: np.ndarray | None = None,
+                  closing: np.ndarray | None = None, after_quote: Exits | None = None) -> StateTokens:
+    """inside: uint8 packed bits (little bit order) of the context-independent tokens, or None where a
+    literal's few inside tokens are given as `inside_ids` instead (a mask sets them with its exits' in one
+    pass, rather than packing and OR-ing 19 KB of bits per fresh state); exits: the tokens that may leave
+    the terminal mid-token. Counted string boundaries: `closing`, packed bits of the tokens that close the
+    string and go on after the quote, and their bytes after the quote as `after_quote` (exits is then
+    None)."""
+    return inside, exits, inside_ids, closing, after_quote
 
 
 def exits_replacing(base: Exits | None, ids: np.ndarray, tokens: np.ndarray, starts: np.ndarray,
