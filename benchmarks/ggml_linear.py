@@ -18,10 +18,22 @@ import llama_cpp_api
 P = ctypes.c_void_p
 GGML_F32, GGML_Q4_0, GGML_Q4_1, GGML_Q8_0 = 0, 2, 3, 8
 _LIB = None
+_POOLS: dict[int, int] = {}
 
 
 class _Params(ctypes.Structure):
     _fields_ = [("mem_size", ctypes.c_size_t), ("mem_buffer", ctypes.c_void_p), ("no_alloc", ctypes.c_bool)]
+
+
+class _Plan(ctypes.Structure):  # ggml_cplan: the work buffer and threads of one graph's computation
+    _fields_ = [("work_size", ctypes.c_size_t), ("work_data", ctypes.c_void_p), ("n_threads", ctypes.c_int),
+                ("threadpool", ctypes.c_void_p), ("abort_callback", ctypes.c_void_p),
+                ("abort_callback_data", ctypes.c_void_p)]
+
+
+class _PoolParams(ctypes.Structure):  # ggml_threadpool_params (GGML_MAX_N_THREADS 512)
+    _fields_ = [("cpumask", ctypes.c_bool * 512), ("n_threads", ctypes.c_int), ("prio", ctypes.c_int),
+                ("poll", ctypes.c_uint32), ("strict_cpu", ctypes.c_bool), ("paused", ctypes.c_bool)]
 
 
 def ggml(folder: str | None = None) -> ctypes.CDLL:
@@ -38,7 +50,10 @@ def ggml(folder: str | None = None) -> ctypes.CDLL:
         for name, res, args in [("ggml_init", P, [_Params]), ("ggml_new_tensor_2d", P, [P, ctypes.c_int, ctypes.c_int64,
                                 ctypes.c_int64]), ("ggml_mul_mat", P, [P, P, P]), ("ggml_new_graph", P, [P]),
                                 ("ggml_build_forward_expand", None, [P, P]), ("ggml_get_data", P, [P]),
-                                ("ggml_graph_compute_with_ctx", ctypes.c_int, [P, P, ctypes.c_int]), ("ggml_free", None, [P])]:
+                                ("ggml_graph_plan", _Plan, [P, ctypes.c_int, P]),
+                                ("ggml_graph_compute", ctypes.c_int, [P, ctypes.POINTER(_Plan)]),
+                                ("ggml_threadpool_params_default", _PoolParams, [ctypes.c_int]),
+                                ("ggml_threadpool_new", P, [ctypes.POINTER(_PoolParams)]), ("ggml_free", None, [P])]:
             getattr(lib, name).restype, getattr(lib, name).argtypes = res, args
         lib.ggml_cpu_init()
         _LIB = lib
@@ -62,8 +77,56 @@ def blocks(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None) -> tuple[in
     return kind, torch.cat([head, body], -1).reshape(rows, -1).contiguous().numpy()
 
 
+def pool(threads: int) -> int | None:
+    """A threadpool kept for `threads` (GGML_POOL=persistent, the default; its workers sleep between
+    graphs: poll 0), or None (GGML_POOL=per-call: ggml_graph_compute starts and joins its threads each call)."""
+    if os.environ.get("GGML_POOL", "persistent") == "per-call":
+        return None
+    if threads not in _POOLS:
+        params = ggml().ggml_threadpool_params_default(threads)
+        assert params.n_threads == threads, "ggml_threadpool_params does not match this library's layout"
+        params.poll = 0
+        _POOLS[threads] = ggml().ggml_threadpool_new(ctypes.byref(params))
+    return _POOLS[threads]
+
+
+class _Graph:
+    """x [rows, k] -> x @ W.T [rows, n] as one ggml graph, with its plan and work buffer made once (where
+    ggml_graph_compute_with_ctx takes a new work buffer from the context at every call)."""
+
+    def __init__(self, w: int, k: int, n: int, rows: int) -> None:
+        lib = self.lib = ggml()
+        self.ctx = lib.ggml_init(_Params(rows * (k + n) * 4 + (1 << 20), None, False))
+        x = lib.ggml_new_tensor_2d(self.ctx, GGML_F32, k, rows)
+        out = lib.ggml_mul_mat(self.ctx, w, x)
+        self.graph = lib.ggml_new_graph(self.ctx)
+        lib.ggml_build_forward_expand(self.graph, out)
+        self.x = torch.frombuffer((ctypes.c_float * (rows * k)).from_address(lib.ggml_get_data(x)),
+                                  dtype=torch.float32).view(rows, k)
+        self.out = torch.frombuffer((ctypes.c_float * (rows * n)).from_address(lib.ggml_get_data(out)),
+                                    dtype=torch.float32).view(rows, n)
+        self.plans: dict[int, tuple[_Plan, np.ndarray]] = {}
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        threads = torch.get_num_threads()
+        if threads not in self.plans:
+            plan = self.lib.ggml_graph_plan(self.graph, threads, pool(threads))
+            work = np.empty(max(plan.work_size, 1), np.uint8)
+            plan.work_data = work.ctypes.data
+            self.plans[threads] = (plan, work)
+        self.x.copy_(x)
+        self.lib.ggml_graph_compute(self.graph, ctypes.byref(self.plans[threads][0]))
+        return self.out.clone()
+
+    def free(self) -> None:
+        self.lib.ggml_free(self.ctx)
+
+
 class GgmlLinear(nn.Module):
-    """x @ W.T (+ bias) by ggml_mul_mat on the blocks; a graph for one row kept, others built per call."""
+    """x @ W.T (+ bias) by ggml_mul_mat on the blocks; graphs of up to KEPT_ROWS rows (decode batches)
+    kept, larger ones (prefills) built per call."""
+
+    KEPT_ROWS = 64
 
     def __init__(self, kind: int, raw: np.ndarray, cols: int, bias: torch.Tensor | None) -> None:
         super().__init__()
@@ -72,26 +135,16 @@ class GgmlLinear(nn.Module):
         self.ctx = self.lib.ggml_init(_Params(raw.nbytes + (1 << 16), None, False))
         self.w = self.lib.ggml_new_tensor_2d(self.ctx, kind, cols, raw.shape[0])
         ctypes.memmove(self.lib.ggml_get_data(self.w), raw.ctypes.data, raw.nbytes)
-        self.one = self._graph(1)
-
-    def _graph(self, rows: int) -> tuple:
-        lib, k, n = self.lib, self.in_features, self.out_features
-        ctx = lib.ggml_init(_Params(rows * (k + n) * 8 + (4 << 20), None, False))
-        x = lib.ggml_new_tensor_2d(ctx, GGML_F32, k, rows)
-        out = lib.ggml_mul_mat(ctx, self.w, x)
-        graph = lib.ggml_new_graph(ctx)
-        lib.ggml_build_forward_expand(graph, out)
-        xin = torch.frombuffer((ctypes.c_float * (rows * k)).from_address(lib.ggml_get_data(x)), dtype=torch.float32)
-        res = torch.frombuffer((ctypes.c_float * (rows * n)).from_address(lib.ggml_get_data(out)), dtype=torch.float32)
-        return ctx, graph, xin.view(rows, k), res.view(rows, n)
+        self.graphs: dict[int, _Graph] = {}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
-        ctx, graph, xin, res = self.one if flat.shape[0] == 1 else self._graph(flat.shape[0])
-        xin.copy_(flat)
-        self.lib.ggml_graph_compute_with_ctx(ctx, graph, torch.get_num_threads())
-        out = res.clone()
-        if flat.shape[0] != 1:
-            self.lib.ggml_free(ctx)
+        rows = flat.shape[0]
+        graph = self.graphs.get(rows) or _Graph(self.w, self.in_features, self.out_features, rows)
+        out = graph(flat)
+        if rows <= self.KEPT_ROWS:
+            self.graphs[rows] = graph
+        else:
+            graph.free()
         out = out if self.bias is None else out + self.bias
         return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
