@@ -8,12 +8,11 @@ from __future__ import annotations
 import ctypes
 import glob
 import os
+from types import SimpleNamespace
 
 import numpy as np
 import torch
 from torch import nn
-
-import llama_cpp_api
 
 P = ctypes.c_void_p
 GGML_F32, GGML_Q4_0, GGML_Q4_1, GGML_Q8_0 = 0, 2, 3, 8
@@ -28,7 +27,7 @@ class _Params(ctypes.Structure):
 class _Plan(ctypes.Structure):  # ggml_cplan: the work buffer and threads of one graph's computation
     _fields_ = [("work_size", ctypes.c_size_t), ("work_data", ctypes.c_void_p), ("n_threads", ctypes.c_int),
                 ("threadpool", ctypes.c_void_p), ("abort_callback", ctypes.c_void_p),
-                ("abort_callback_data", ctypes.c_void_p)]
+                ("abort_callback_data", ctypes.c_void_p), ("use_ref", ctypes.c_bool)]  # use_ref: newer ggml only
 
 
 class _PoolParams(ctypes.Structure):  # ggml_threadpool_params (GGML_MAX_N_THREADS 512)
@@ -36,25 +35,31 @@ class _PoolParams(ctypes.Structure):  # ggml_threadpool_params (GGML_MAX_N_THREA
                 ("poll", ctypes.c_uint32), ("strict_cpu", ctypes.c_bool), ("paused", ctypes.c_bool)]
 
 
-def ggml(folder: str | None = None) -> ctypes.CDLL:
-    """The library (its C++ runtime stand-in compiled where Debian's libstdc++ lacks a symbol)."""
+def ggml() -> SimpleNamespace:
+    """The ggml functions, from GGML_LIB=DIR (libggml-python's wheel: DIR/libggml-base.so and
+    DIR/libggml-cpu.so) or else llama-cpp-cffi's one library under LLAMA_CPP_CFFI (default /tmp/llamacffi).
+    Loaded lazily (RTLD_LAZY): llama-cpp-cffi's names a GCC 14 runtime function (__cxa_call_terminate,
+    called only where an exception leaves a noexcept function) that older libstdc++ lacks."""
     global _LIB
     if _LIB is None:
-        so = glob.glob(os.path.join(folder or os.environ.get("LLAMA_CPP_CFFI", "/tmp/llamacffi"), "llama",
-                                    "_llama_cpp_cpu.*.so"))[0]
-        try:
-            lib = ctypes.CDLL(so, mode=ctypes.RTLD_GLOBAL)
-        except OSError:
-            ctypes.CDLL(llama_cpp_api._terminate_shim(), mode=ctypes.RTLD_GLOBAL)
-            lib = ctypes.CDLL(so, mode=ctypes.RTLD_GLOBAL)
+        if os.environ.get("GGML_LIB"):
+            paths = [os.path.join(os.environ["GGML_LIB"], f"libggml-{part}.so") for part in ("base", "cpu")]
+        else:
+            paths = glob.glob(os.path.join(os.environ.get("LLAMA_CPP_CFFI", "/tmp/llamacffi"), "llama",
+                                           "_llama_cpp_cpu.*.so"))[:1]
+        libs = [ctypes.CDLL(path, mode=os.RTLD_LAZY | os.RTLD_GLOBAL) for path in paths]
+        lib = SimpleNamespace()
         for name, res, args in [("ggml_init", P, [_Params]), ("ggml_new_tensor_2d", P, [P, ctypes.c_int, ctypes.c_int64,
                                 ctypes.c_int64]), ("ggml_mul_mat", P, [P, P, P]), ("ggml_new_graph", P, [P]),
                                 ("ggml_build_forward_expand", None, [P, P]), ("ggml_get_data", P, [P]),
                                 ("ggml_graph_plan", _Plan, [P, ctypes.c_int, P]),
                                 ("ggml_graph_compute", ctypes.c_int, [P, ctypes.POINTER(_Plan)]),
                                 ("ggml_threadpool_params_default", _PoolParams, [ctypes.c_int]),
-                                ("ggml_threadpool_new", P, [ctypes.POINTER(_PoolParams)]), ("ggml_free", None, [P])]:
-            getattr(lib, name).restype, getattr(lib, name).argtypes = res, args
+                                ("ggml_threadpool_new", P, [ctypes.POINTER(_PoolParams)]), ("ggml_free", None, [P]),
+                                ("ggml_cpu_init", None, [])]:
+            function = next(getattr(one, name) for one in libs if hasattr(one, name))
+            function.restype, function.argtypes = res, args
+            setattr(lib, name, function)
         lib.ggml_cpu_init()
         _LIB = lib
     return _LIB
@@ -111,6 +116,7 @@ class _Graph:
         threads = torch.get_num_threads()
         if threads not in self.plans:
             plan = self.lib.ggml_graph_plan(self.graph, threads, pool(threads))
+            plan.use_ref = False  # a field older libraries neither have nor set
             work = np.empty(max(plan.work_size, 1), np.uint8)
             plan.work_data = work.ctypes.data
             self.plans[threads] = (plan, work)
