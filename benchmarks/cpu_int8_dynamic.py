@@ -19,8 +19,9 @@ same values requantized to int8 with one scale per row (|error| <= max|w_row| / 
 - weights: fp32 F.linear on the requantized weight (the weights' share of the error alone).
 - int8pack: not fbgemm: torch's `_weight_int8pack_mm` on the requantized weight in one call, activations
   in bf16 (gguf's Q8_0 layer calls it once per block of 32 columns, each with the file's own scales).
-- ggml: not fbgemm: llama.cpp's own product on the file's blocks (ggml_linear.py: llama-cpp-cffi's library
-  through ctypes; LLAMA_CPP_CFFI=DIR, default /tmp/llamacffi).
+- ggml: not fbgemm: ggml's own product (llama.cpp's) on the file's blocks, re-encoded from the fields
+  gguf_kept gets: the runtime's ggml_product.GgmlLinear (libggml-python), which gguf_lm_head_kernel="ggml"
+  uses for the LM head alone.
 Then: `errors` (each kind's error on the inputs a prefill of README text gives it), `products` (CPU ms a token of each kind's layers, all 30 layers' distinct weights so that none is
 warm in cache, as in a step; the LM head too), `quant ARGS` (bench_quant.py ARGS) or `cpu ARGS`
 (bench_cpu.py ARGS) with the patched layers.
@@ -37,10 +38,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-import ggml_linear
 import radixlm
-from ggml_linear import GgmlLinear
 from radixlm.core.runtime.quantization import gguf_kept
+from radixlm.core.runtime.quantization.ggml_product import GgmlLinear
 
 _HERE = Path(__file__).resolve().parent
 KINDS = {(960, 576): "qkv", (576, 576): "o", (3072, 576): "gate_up", (576, 1536): "down", (49152, 576): "lm_head"}
@@ -89,6 +89,20 @@ class Int8Dynamic(nn.Module):
         return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
 
+def ggml_blocks(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None) -> tuple[str, torch.Tensor]:
+    """(GGUF type, the blocks' bytes as a file stores them) from integer fields as gguf_dequant.integer_blocks
+    gives them: Q8_0 (q int8), Q4_0 (m None) or Q4_1 (nibbles 0..15): d (fp16) [m (fp16)] then the 32
+    values, two a byte (value j low, j + 16 high)."""
+    rows, cols = q.shape
+    half = lambda t: t.to(torch.float16).view(torch.uint8).reshape(rows, cols // 32, 2)  # noqa: E731
+    if q.dtype == torch.int8:
+        return "Q8_0", torch.cat([half(d), q.view(torch.uint8).reshape(rows, cols // 32, 32)], -1).reshape(-1)
+    v = q.to(torch.uint8).reshape(rows, cols // 32, 32)
+    body = v[..., :16] | (v[..., 16:] << 4)
+    head, qtype = (half(d), "Q4_0") if m is None else (torch.cat([half(d), half(m)], -1), "Q4_1")
+    return qtype, torch.cat([head, body], -1).reshape(-1)
+
+
 def patch(mode: str, kinds: set[str]) -> None:
     """gguf_kept builds Int8Dynamic for the layers of `kinds` (its own layers for the rest)."""
     int4, int8 = gguf_kept.Int4GroupLinear, gguf_kept.Int8GroupLinear
@@ -98,7 +112,7 @@ def patch(mode: str, kinds: set[str]) -> None:
             return int4(q, scale, zero, bias)
         n, k = q.shape
         if mode == "ggml":  # the file's blocks again: m = zero - 8d (Q4_1), no m where zero is 0 (Q4_0)
-            return GgmlLinear(*ggml_linear.blocks(q, scale, None if not zero.any() else zero - 8 * scale), k, bias)
+            return GgmlLinear(*ggml_blocks(q, scale, None if not zero.any() else zero - 8 * scale), (n, k), bias)
         w = (q.float().view(n, -1, 32) - 8) * scale.float()[..., None] + zero.float()[..., None]
         return Int8Dynamic(w.view(n, k), bias, mode)
 
@@ -107,7 +121,7 @@ def patch(mode: str, kinds: set[str]) -> None:
             return int8(q, d, bias)
         n, k = q.shape
         if mode == "ggml":
-            return GgmlLinear(*ggml_linear.blocks(q, d, None), k, bias)
+            return GgmlLinear(*ggml_blocks(q, d, None), (n, k), bias)
         return Int8Dynamic((q.float().view(n, -1, 32) * d.float()[..., None]).view(n, k), bias, mode)
 
     gguf_kept.Int4GroupLinear, gguf_kept.Int8GroupLinear = four, eight
@@ -180,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.mode != "off":
         patch(args.mode, kinds)
     torch.set_num_threads(args.torch_threads)
-    print(f"fbgemm {args.mode} for {sorted(kinds) if args.mode != 'off' else 'none'}", flush=True)
+    print(f"mode {args.mode} for {sorted(kinds) if args.mode != 'off' else 'none'}", flush=True)
     if args.what in ("products", "errors"):
         products() if args.what == "products" else errors()
         return 0
