@@ -72,7 +72,7 @@ class ModelRunner:
         with _one_thread_on_cpu(self.device) as threads:
             self.model = model if model is not None else load_model(
                 model_path, cfg, self.dtype, self.device, self.ops, opts.load_format, tp=tp,
-                quantization=opts.quantization)
+                quantization=opts.quantization, gguf_lm_head_kernel=opts.gguf_lm_head_kernel)
             self.load_seconds["weights"] = time.perf_counter() - start
             if self.device.type == "cpu" and not opts.disable_cpu_prepack:
                 prepack_linears(self.model, plain_max_rows=opts.cpu_plain_linear_max_rows, workers=threads)
