@@ -73,9 +73,8 @@ class ByteDFA:
         return end >= 0 and bool(self.accepting[end])
 
 
-@functools.lru_cache(maxsize=4096)
 def literal_dfa(data: bytes) -> ByteDFA:
-    """The minimal DFA of exactly `data` (a chain), without going through a regex (cached)."""
+    """The minimal DFA of exactly `data` (a chain), without going through a regex (grammar.lit caches it)."""
     n = len(data)
     trans = np.full((n + 1, 256), -1, dtype=np.int32)
     trans[np.arange(n), np.frombuffer(data, dtype=np.uint8)] = np.arange(1, n + 1, dtype=np.int32)
