@@ -17,7 +17,7 @@ import bisect
 import numpy as np
 
 from radixlm.core.runtime.constrained.tokens.narrow_walk import dfa_rows
-from radixlm.core.runtime.constrained.automata.regex_dfa import ByteDFA
+from radixlm.core.runtime.constrained.automata.regex_dfa import ByteDFA, LiteralDFA
 from radixlm.core.runtime.constrained.tokens.vocab import TokenVocab
 
 MAX_REST = 256  # chain states followed at most; a longer literal takes the general walk
@@ -31,6 +31,8 @@ def literal_rest(key: str, dfa: ByteDFA, state: int) -> bytes | None:
     """The bytes left to read from `state` if the DFA (named `key`) is a chain from there (one live byte
     per state, no accepting state before an end that reads nothing), else None. Cached per (terminal,
     state), with the rests of the chain's later states (met next: a key's classes byte by byte)."""
+    if isinstance(dfa, LiteralDFA):
+        return dfa.data[state:] or None  # (the end state reads nothing: no chain left)
     rests = _rests.get(key)
     found = rests.get(state, False) if rests is not None else False
     if found is not False:
