@@ -297,6 +297,29 @@ def test_futures_name_equal_automata_alike_and_differ_otherwise():
     assert name("t:body", body, 0, 1) == name("t:body", body, 0)  # a known name is returned whatever `most`
 
 
+def test_literal_states_read_as_chains_equal_their_tables(monkeypatch):
+    """A literal's states: the rest literal_rest gives from its LiteralDFA's text equals the one read off the
+    same table as a plain ByteDFA, and a suffix tree's classes from each state read along that rest equal
+    the general walk of the tree against the table's moves."""
+    from radixlm.core.runtime.constrained.automata.regex_dfa import ByteDFA, literal_dfa
+    from radixlm.core.runtime.constrained.tokens import token_classes
+    from radixlm.core.runtime.constrained.tokens.literal_tokens import literal_rest
+
+    tree = token_classes.SuffixTree(sorted({b'"', b'":', b'":"x', b'a', b'ab', b'abc"', b'b', "é\"".encode(), b'x"}'}))
+    nodes = range(len(tree.nodes[0]))
+    for text in ['"ab"', 'abc"', "é\"", "", ":", '"x"}']:
+        chain = literal_dfa(text.encode())
+        table = ByteDFA(transitions=chain.transitions, accepting=chain.accepting)
+        states = range(chain.num_states)
+        assert [literal_rest(f"lit:{text}", chain, q) for q in states] == \
+            [literal_rest(f"table:{text}", table, q) for q in states]
+        fast = [tree.classes(n, f"lit:{text}", chain, q) for n in nodes for q in states]
+        with monkeypatch.context() as m:
+            m.setattr(token_classes, "literal_rest", lambda *args: None)  # the general walk
+            walked = [tree.classes(n, f"walk:{text}", table, q) for n in nodes for q in states]
+        assert [(sorted(a), sorted(b)) for a, b in fast] == [(sorted(a), sorted(b)) for a, b in walked], text
+
+
 def test_wide_states_bits_patched_from_recent_ones_equal_a_whole_walk(qwen, monkeypatch):
     """A wide state's inside bits, taken from a recent wide state's with the differing first-byte subtrees
     cleared and set, equal a walk of the whole vocabulary from the state (key terminals that exclude listed

@@ -74,7 +74,7 @@ class GrammarIndex:
         self._config_ids: dict[frozenset, int] = {}
         self._items: list[tuple] = []  # per configuration: its items with a terminal (END aside)
         self._can_end: list[bool] = []
-        self._rows: list[list[int] | None] = []  # per configuration: successor per byte (-1 = none)
+        self._rows: list[tuple[int, ...] | None] = []  # per configuration: successor per byte (-1 = none)
         self._steps: list[dict[int, int]] = []  # per configuration without a row: successors of single bytes
         self._single: list[int] = []  # per configuration with a row: the one byte leaving it, else -1
         self._edges: dict[int, tuple[bytes, int]] = {}
@@ -201,7 +201,7 @@ class GrammarIndex:
         self._single.append(-1)
         return c
 
-    def _row(self, c: int) -> list[int]:
+    def _row(self, c: int) -> tuple[int, ...]:
         """Configuration c's successor per byte, built on first use."""
         row = self._rows[c]
         if row is not None:
@@ -218,7 +218,7 @@ class GrammarIndex:
                            for column in columns]
                 out[live] = np.asarray(targets, dtype=np.int32)[inverse]
             self._single[c] = int(live[0]) if len(live) == 1 and not self._can_end[c] else -1
-            row = self._rows[c] = out.tolist()
+            row = self._rows[c] = tuple(out.tolist())  # a tuple of ints: the collector stops walking it
             self._steps[c] = {}
             return row
 
@@ -342,7 +342,7 @@ class GrammarIndex:
     def forced_text(self, state: int) -> str | None:
         return whole_characters(self.edge(state)[0])
 
-    def byte_successors(self, state: int) -> list[int]:
+    def byte_successors(self, state: int) -> tuple[int, ...]:
         """The configuration after each byte from `state` (-1: the byte is not allowed)."""
         return self._row(state)
 

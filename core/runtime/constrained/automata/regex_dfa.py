@@ -73,15 +73,22 @@ class ByteDFA:
         return end >= 0 and bool(self.accepting[end])
 
 
-@functools.lru_cache(maxsize=4096)
-def literal_dfa(data: bytes) -> ByteDFA:
-    """The minimal DFA of exactly `data` (a chain), without going through a regex (cached)."""
+@dataclass(frozen=True)
+class LiteralDFA(ByteDFA):
+    """The chain of exactly `data`: state i has data[i:] left to read (what literal_tokens asks of a literal
+    state, here without reading the table: an enum's hundreds of literals are met in one configuration)."""
+
+    data: bytes
+
+
+def literal_dfa(data: bytes) -> LiteralDFA:
+    """The minimal DFA of exactly `data` (a chain), without going through a regex (grammar.lit caches it)."""
     n = len(data)
     trans = np.full((n + 1, 256), -1, dtype=np.int32)
     trans[np.arange(n), np.frombuffer(data, dtype=np.uint8)] = np.arange(1, n + 1, dtype=np.int32)
     accepting = np.zeros(n + 1, dtype=bool)
     accepting[n] = True
-    return ByteDFA(transitions=trans, accepting=accepting)
+    return LiteralDFA(transitions=trans, accepting=accepting, data=data)
 
 
 def byte_trie(words: list[bytes]) -> tuple[list[dict[int, int]], list[int]]:

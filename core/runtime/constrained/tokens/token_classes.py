@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from radixlm.core.runtime.constrained.tokens.literal_tokens import literal_rest
 from radixlm.core.runtime.constrained.tokens.narrow_walk import moves_of
 from radixlm.core.runtime.constrained.automata.regex_dfa import ByteDFA, byte_trie
 from radixlm.core.runtime.constrained.tokens.vocab import TokenVocab
@@ -46,7 +47,12 @@ class SuffixTree:
         go on from whatever follows it). Context-independent, so cached per (node, terminal, state):
         pda.py's exit walks need nothing else inside a terminal."""
         found = self._classes.get((node, key, state))
-        if found is None:
+        if found is not None:
+            return found
+        rest = literal_rest(key, dfa, state)
+        if rest is not None:
+            found = self._literal_classes(node, rest)
+        else:
             children, ends = self.nodes
             inside: list[int] = []
             ends_at: list[int] = []
@@ -67,10 +73,23 @@ class SuffixTree:
                         if accepting[nxt]:
                             ends_at.append(child)
                         stack.append((nxt, child))
-            if len(self._classes) >= CLASSES_PER_TREE:
-                self._classes.clear()
-            found = self._classes[node, key, state] = (tuple(inside), tuple(ends_at))
+            found = (tuple(inside), tuple(ends_at))
+        if len(self._classes) >= CLASSES_PER_TREE:
+            self._classes.clear()
+        self._classes[node, key, state] = found
         return found
+
+    def _literal_classes(self, node: int, rest: bytes) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """classes() from a literal's state with `rest` left: one path down the tree, the terminal ending
+        only after rest's last byte."""
+        children, ends = self.nodes
+        inside: list[int] = []
+        for b in rest:
+            node = children[node].get(b, -1)
+            if node < 0:
+                return tuple(inside), ()
+            inside += ends[node]
+        return tuple(inside), (node,) if children[node] else ()
 
 
 _trees: dict[tuple[bytes, ...], SuffixTree] = {}
