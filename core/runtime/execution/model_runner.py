@@ -311,11 +311,12 @@ class ModelRunner:
 
 @contextmanager
 def _one_thread_on_cpu(device: torch.device) -> Iterator[int]:
-    """Runs the block's CPU ops on this thread alone. Used for small steps (above) and for the load: the
-    engine loads the tokenizer on another thread meanwhile, and the load is hundreds of ops (dequantize, copy, prepack) each of which, run on torch's threads,
-    opens a parallel region that on a loaded machine waits for the other core (2 to 8x the load's wall
-    time on the 2-core development VM). Threads already running keep their own count (OpenMP's is per
-    thread); the count is restored after, for this thread and those started later. Yields the count."""
+    """Runs the block's CPU ops on this thread alone: small steps (above), and the load, while the engine
+    loads the tokenizer on another thread; the load is hundreds of ops (dequantize, copy, prepack) each of
+    which, run on torch's threads, opens a parallel region that on a loaded machine waits for the other
+    core (2 to 8x the load's wall time on the 2-core development VM). Threads already running keep their
+    own count (OpenMP's is per thread); the count is restored after, for this thread and those started
+    later. Yields the count."""
     threads = torch.get_num_threads()
     if device.type != "cpu":
         yield threads
