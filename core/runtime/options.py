@@ -172,6 +172,10 @@ class EngineOptions:
                                             "run on the plain weights (MKL), faster there than the prepacked "
                                             "ones; the plain weights stay in RAM beside the packed ones for it "
                                             "(0: dropped, saving that RAM)")
+    cpu_one_thread_max_rows: int = option(
+        1, "CPU only: forwards of at most this many tokens (batch-1 decode) run on one intra-op thread, larger "
+        "ones on torch's thread count: at one row each op's parallel region cost more than it saved (measured "
+        "on 2 shared cores: docs/quantization.md); 0: every forward on torch's count")
     decode_fused_gemv: int = option(
         1, "CUDA only: forwards of at most this many tokens (at most 16) run each layer's projections and the "
         "LM head as Triton GEMVs, SiLU-and-mul fused into the down projection's (docs/engine.md); default 1: "
@@ -320,6 +324,8 @@ class EngineOptions:
             raise InvalidRequestError("decode_fused_gemv must be between 0 (off) and 16 rows", "decode_fused_gemv")
         if self.cpu_plain_linear_max_rows < 0:
             raise InvalidRequestError("cpu_plain_linear_max_rows must be >= 0", "cpu_plain_linear_max_rows")
+        if self.cpu_one_thread_max_rows < 0:
+            raise InvalidRequestError("cpu_one_thread_max_rows must be >= 0", "cpu_one_thread_max_rows")
         if self.context_length is not None and self.context_length < 2:
             raise InvalidRequestError("context_length must be >= 2", "context_length")
         if self.max_total_tokens is not None and self.max_total_tokens < 16:
