@@ -22,16 +22,20 @@ waiting.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import contextlib
+import hashlib
+import itertools
 import json
 import os
 import random
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from types import SimpleNamespace
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -150,6 +154,56 @@ def sim_engine(path: str, cost: DeviceCost, time_scale: float, **options: Any) -
         engine.shutdown()
 
 
+class QueuedTogether:
+    """Engine-shaped, for one batch: its first `requests` generate calls that decode (a batch's prefix
+    precache, max_new_tokens 0, passes through) wait for one another, then enter the scheduler's inbox
+    one at a time in a fixed order (their prompts' hashes: a shuffle that is the same every run) while
+    its loop is held. The first step then sees them all, in the same order every run, whichever order
+    the submitting threads got the CPU in (the order-sensitive comparisons flaked on that)."""
+
+    def __init__(self, engine: Any, backend: Any, requests: int) -> None:
+        self._backend = backend
+        self._scheduler = engine.frontend.scheduler.scheduler
+        self._requests = requests
+        self._gated = itertools.count()
+        self._keys: list[tuple[bytes, int]] = [(b"", 0)] * requests
+        self._hold = self._scheduler.paused()
+        self._queued_before = 0
+        self._held = threading.Event()
+        self._barrier = threading.Barrier(requests, action=self._hold_loop, timeout=60)
+
+    def _hold_loop(self) -> None:  # the last caller to arrive runs it, before any is let through
+        self._hold.__enter__()
+        self._queued_before = self._scheduler.inbox.qsize()
+        self._held.set()
+
+    def _wait_queued(self, count: int) -> None:
+        while self._scheduler.inbox.qsize() < self._queued_before + count:
+            time.sleep(0.0005)
+
+    def generate(self, prompt: Any = None, sampling_params: Any = None, **kwargs: Any) -> Any:
+        slot = next(self._gated) if (sampling_params or {}).get("max_new_tokens") != 0 else self._requests
+        if slot < self._requests:
+            self._keys[slot] = (hashlib.sha256(repr((prompt, kwargs.get("input_ids"))).encode()).digest(), slot)
+            self._barrier.wait()
+            self._wait_queued(sorted(self._keys).index(self._keys[slot]))  # the ones before it are in
+        return self._backend.generate(prompt=prompt, sampling_params=sampling_params, **kwargs)
+
+    def run(self, run_batch: Callable[[Any], Any]) -> Any:
+        """`run_batch(self)`, the loop let go once the batch's first requests are all in its inbox."""
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            result = pool.submit(run_batch, self)
+            while not self._held.wait(0.01):
+                if result.done():
+                    return result.result()
+            self._wait_queued(self._requests)
+            self._hold.__exit__(None, None, None)
+            return result.result()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._backend, name)
+
+
 def simulate(path: str, name: str, policy: str, instances: int, cost: DeviceCost, time_scale: float,
              seed: int = 0, size: str = "gpu", **options: Any) -> dict[str, Any]:
     workload = WORKLOADS[name]
@@ -164,7 +218,7 @@ def simulate(path: str, name: str, policy: str, instances: int, cost: DeviceCost
         runner.steps.clear()
         before = engine.get_stats()
         start = time.perf_counter()
-        workload.run_batch(backend, batch)
+        QueuedTogether(engine, backend, len(batch)).run(lambda gated: workload.run_batch(gated, batch))
         wall = time.perf_counter() - start
         after = engine.get_stats()
         requests = backend.take_requests()

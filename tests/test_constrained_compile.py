@@ -292,7 +292,7 @@ def test_pruning_keeps_exactly_the_edges_that_can_finish():
                 now = rule.accepting[s] or any(live[r][t] for t in usable)
                 if now and not live[r][s]:
                     live[r][s] = changed = True
-    gc_mod._prune(built, terminals, builder.finishing)
+    gc_mod._prune(built, terminals, builder.finishing, builder.symbols)
     for r, (rule, (edges, accepting)) in enumerate(zip(built, before)):
         def ok(sym: int, t: int) -> bool:
             return live[r][t] and (live[sym >> 1][0] if sym % 2 else terminals[sym >> 1] is not None)

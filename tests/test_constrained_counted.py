@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from radixlm.core.runtime.constrained import build_constraint
-from radixlm.core.runtime.constrained.tokens.counted_string import counted_string_dfa
+from radixlm.core.runtime.constrained.tokens.counted_string import CountedStringDFA, counted_string_dfa
 from radixlm.testing.constrained import qwen2_tokenizer, random_walk
 
 TEXTS = ["", "a", "ab", "abc", "abcd", "é€😀", 'q"uote', "back\\slash", "tab\tnew\nline", "\u0001", "x" * 9,
@@ -75,3 +75,33 @@ def test_random_walks_over_the_real_vocabulary_validate(qwen2):
         c = build_constraint("json_schema", SCHEMA, qwen2)
         text = qwen2.decode(random_walk(c, rng, max_tokens=80, stop_prob=0.5), clean_up_tokenization_spaces=False)
         jsonschema.validate(json.loads(text), SCHEMA)
+
+
+KEYS_SCHEMA = {"type": "object", "propertyNames": {"maxLength": 3}, "additionalProperties": {"type": "integer"}}
+
+
+def test_a_length_only_property_names_key_is_counted(qwen2):
+    """propertyNames with lengths only, over additionalProperties: the key terminal is the counted string
+    (its language that of jsonschema's propertyNames), and its masks at every key position equal each
+    token read byte by byte."""
+    c = build_constraint("json_schema", KEYS_SCHEMA, qwen2)
+    grammar = c.index.grammar
+    keys = [dfa for dfa in grammar.terminals if isinstance(dfa, CountedStringDFA) and dfa.hi == 3]
+    assert len(keys) == 1
+    for text in TEXTS:
+        for ascii_only in (False, True) if max(map(ord, text), default=0) < 0x10000 else (False,):
+            valid = jsonschema.Draft202012Validator(KEYS_SCHEMA).is_valid({text: 1})
+            assert keys[0].fullmatch(json.dumps(text, ensure_ascii=ascii_only)) == valid, text
+    vocab = len(qwen2)
+    doc = {"é€😀": 1, "": 2, "ab": 3, 'q"': 4, "\\n": 5}
+    jsonschema.validate(doc, KEYS_SCHEMA)
+    for t in qwen2.encode(json.dumps(doc, separators=(",", ":"), ensure_ascii=False)):
+        mask = c.allowed_token_mask(vocab).numpy()
+        assert np.array_equal(mask, _byte_level_mask(c, vocab)), qwen2.decode([t])
+        assert mask[t]
+        c.advance(t)
+    assert c.allowed_token_mask(vocab).numpy()[qwen2.eos_token_id]
+    rng = np.random.default_rng(1)
+    for _ in range(20):
+        walk = random_walk(build_constraint("json_schema", KEYS_SCHEMA, qwen2), rng, max_tokens=40, stop_prob=0.3)
+        jsonschema.validate(json.loads(qwen2.decode(walk, clean_up_tokenization_spaces=False)), KEYS_SCHEMA)

@@ -17,6 +17,7 @@ from radixlm.core.runtime.constrained.tokens import narrow_walk, terminal_tokens
 from radixlm.core.runtime.constrained.automata.grammar_compiler import GrammarBudget, compile_grammar
 from radixlm.core.runtime.constrained.grammar_index_cache import prepare_vocab
 from radixlm.core.runtime.constrained.tokens.literal_tokens import literal_rest
+from radixlm.core.runtime.constrained.tokens.token_classes import AFTER_QUOTE, CLOSING, EXITS, INSIDE, INSIDE_IDS
 from radixlm.core.runtime.constrained.tokens import vocab as vocab_mod
 from radixlm.core.runtime.constrained.tokens.vocab import TokenVocab, byte_matrix
 from radixlm.core.runtime.constrained.automata.regex_dfa import regex_to_dfa
@@ -68,7 +69,7 @@ def test_exit_suffixes_taken_equal_stepping_every_suffix(schema, qwen):
             names, terminals = index.grammar.terminal_names, index.grammar.terminals
             for t, q, k in index._items[state]:
                 classes = terminal_tokens.state_tokens(names[t], terminals[t], q, index.vocab)
-                for exits in (classes.exits, classes.after_quote):
+                for exits in (classes[EXITS], classes[AFTER_QUOTE]):
                     if exits is None:
                         continue
                     after = index._intern(index._follow(k))
@@ -132,12 +133,14 @@ def _read_each_token(dfa, q: int, vocab) -> tuple[np.ndarray, np.ndarray]:
 @pytest.mark.parametrize("pattern", [r'"(?:[^"\\\x00-\x1f]|\\["\\/bfnrt])*"', r'"[A-Za-z][A-Za-z0-9+.-]*://[a-z]*"',
                                      r'"[a-z](?:[0-9a-z_]|-)*"', r'a.*b?', r'(?:[a-z ]+x)*', r'-+[0-9]*',
                                      r'"[^"\\é]*"'])
-def test_trie_walk_equals_reading_each_token(pattern, qwen):
+def test_trie_walk_equals_reading_each_token(pattern, qwen, monkeypatch):
     """The level-wise walk, with the subtrees it takes whole (the state loops on every byte below) and
     its node-by-node tail, against reading every token's bytes: string bodies, patterns with loops,
     accepting loops (every token below an exit), long runs of one byte (`-----`); states every whole UTF-8
     character returns to (taken whole over non-ASCII bytes) and a body that excludes one character (not).
-    The walk a token at a time (token_walk.py) against both."""
+    The walk a token at a time (token_walk.py) against both, made
+    to answer whatever it leaves to read byte by byte."""
+    monkeypatch.setattr(token_walk, "REST_MOST", 1 << 30)
     vocab = prepare_vocab(qwen)
     dfa = regex_to_dfa(pattern)
     first = vocab.trie.byte[1].astype(np.int64)
@@ -158,7 +161,7 @@ def test_trie_walk_equals_reading_each_token(pattern, qwen):
                     trie_walk.walk_trie(pattern, dfa, nodes, nxt[nodes], vocab)
                 assert np.array_equal(walked[0], want[0]), (pattern, q, len(nodes))
                 assert np.array_equal(np.sort(walked[1]), np.sort(want[1])), (pattern, q, len(nodes))
-    assert tokens_read or pattern == r'(?:[a-z ]+x)*'  # its states loop on few bytes: the trie walk answers
+    assert tokens_read
 
 
 def test_single_byte_steps_agree_with_rows(qwen):
@@ -246,11 +249,11 @@ def test_counted_string_classes_cached_equal_fresh(qwen):
         with counted_tokens._lock:
             counted_tokens._cache.clear()
         want = terminal_tokens.state_tokens("counted", dfa, state, vocab)
-        assert (found.closing == want.closing).all(), (dfa.lo, dfa.hi, state)
-        if found.inside is None:
-            assert np.array_equal(found.inside_ids, want.inside_ids), (dfa.lo, dfa.hi, state)
+        assert (found[CLOSING] == want[CLOSING]).all(), (dfa.lo, dfa.hi, state)
+        if found[INSIDE] is None:
+            assert np.array_equal(found[INSIDE_IDS], want[INSIDE_IDS]), (dfa.lo, dfa.hi, state)
         else:
-            assert (found.inside == want.inside).all(), (dfa.lo, dfa.hi, state)
+            assert (found[INSIDE] == want[INSIDE]).all(), (dfa.lo, dfa.hi, state)
     assert sum(dfa.written(state) is not None for dfa, state in states) > 15
 
 
@@ -294,6 +297,29 @@ def test_futures_name_equal_automata_alike_and_differ_otherwise():
     assert name("t:body", body, 0, 1) == name("t:body", body, 0)  # a known name is returned whatever `most`
 
 
+def test_literal_states_read_as_chains_equal_their_tables(monkeypatch):
+    """A literal's states: the rest literal_rest gives from its LiteralDFA's text equals the one read off the
+    same table as a plain ByteDFA, and a suffix tree's classes from each state read along that rest equal
+    the general walk of the tree against the table's moves."""
+    from radixlm.core.runtime.constrained.automata.regex_dfa import ByteDFA, literal_dfa
+    from radixlm.core.runtime.constrained.tokens import token_classes
+    from radixlm.core.runtime.constrained.tokens.literal_tokens import literal_rest
+
+    tree = token_classes.SuffixTree(sorted({b'"', b'":', b'":"x', b'a', b'ab', b'abc"', b'b', "é\"".encode(), b'x"}'}))
+    nodes = range(len(tree.nodes[0]))
+    for text in ['"ab"', 'abc"', "é\"", "", ":", '"x"}']:
+        chain = literal_dfa(text.encode())
+        table = ByteDFA(transitions=chain.transitions, accepting=chain.accepting)
+        states = range(chain.num_states)
+        assert [literal_rest(f"lit:{text}", chain, q) for q in states] == \
+            [literal_rest(f"table:{text}", table, q) for q in states]
+        fast = [tree.classes(n, f"lit:{text}", chain, q) for n in nodes for q in states]
+        with monkeypatch.context() as m:
+            m.setattr(token_classes, "literal_rest", lambda *args: None)  # the general walk
+            walked = [tree.classes(n, f"walk:{text}", table, q) for n in nodes for q in states]
+        assert [(sorted(a), sorted(b)) for a, b in fast] == [(sorted(a), sorted(b)) for a, b in walked], text
+
+
 def test_wide_states_bits_patched_from_recent_ones_equal_a_whole_walk(qwen, monkeypatch):
     """A wide state's inside bits, taken from a recent wide state's with the differing first-byte subtrees
     cleared and set, equal a walk of the whole vocabulary from the state (key terminals that exclude listed
@@ -321,7 +347,7 @@ def test_wide_states_bits_patched_from_recent_ones_equal_a_whole_walk(qwen, monk
             live = np.flatnonzero(nxt >= 0)
             if len(live) <= narrow_walk.NARROW_NODES:
                 continue
-            got = np.unpackbits(terminal_tokens._classify(name, dfa, q, vocab).inside, count=vocab.size,
+            got = np.unpackbits(terminal_tokens._classify(name, dfa, q, vocab)[INSIDE], count=vocab.size,
                                 bitorder="little")
             whole, _ = trie_walk.walk_trie(name, dfa, live, nxt[live], vocab)
             assert (got.astype(bool) == whole).all(), (name, q)
@@ -335,10 +361,10 @@ def _assert_reads_as_a_whole_walk(found, name: str, dfa, q: int, vocab, first: n
     inside, uncertain = trie_walk.walk_trie(name, dfa, live, nxt[live], vocab)
     tokens, starts = terminal_tokens._exit_pairs(dfa, uncertain, terminal_tokens._after_first(
         nxt, live, vocab, uncertain), vocab)
-    got = np.unpackbits(found.inside, count=vocab.size, bitorder="little").astype(bool)
+    got = np.unpackbits(found[INSIDE], count=vocab.size, bitorder="little").astype(bool)
     assert (got == inside).all(), (name, q)
     pairs = {(t, vocab.token_bytes[t][j:]) for t, j in zip(tokens.tolist(), starts.tolist())}
-    assert _exit_pairs_of(found.exits) == pairs, (name, q)
+    assert _exit_pairs_of(found[EXITS]) == pairs, (name, q)
 
 
 def _exit_pairs_of(exits) -> set[tuple[int, bytes]]:
@@ -367,8 +393,8 @@ def test_literal_classes_equal_the_general_walk(qwen):
                 continue
             fast = terminal_tokens._literal(rest, vocab)
             slow = terminal_tokens._classify(key, dfa, q, vocab)
-            assert np.array_equal(terminal_tokens._packed(fast.inside_ids, vocab.size), slow.inside), (regex, q)
-            assert _exit_pairs_of(fast.exits) == _exit_pairs_of(slow.exits), (regex, q)
+            assert np.array_equal(terminal_tokens._packed(fast[INSIDE_IDS], vocab.size), slow[INSIDE]), (regex, q)
+            assert _exit_pairs_of(fast[EXITS]) == _exit_pairs_of(slow[EXITS]), (regex, q)
             checked += 1
     assert checked > 20
     for schema in [{"type": "string"}, {"type": "number"}]:
@@ -478,7 +504,7 @@ def _exit_walks_ready(index, state: int) -> bool:
     names, terminals = index.grammar.terminal_names, index.grammar.terminals
     for t, q, k in index._items[state]:
         classes = terminal_tokens.state_tokens(names[t], terminals[t], q, index.vocab)
-        if any(e is not None and (e, k) not in index._exits for e in (classes.exits, classes.after_quote)):
+        if any(e is not None and (e, k) not in index._exits for e in (classes[EXITS], classes[AFTER_QUOTE])):
             return False
     return True
 

@@ -15,6 +15,7 @@ import pytest
 from radixlm.core.runtime.constrained import GrammarBudget, build_constraint, compile_grammar, json_schema_to_grammar
 from radixlm.core.runtime.constrained.automata.grammar import Grammar, Ref, Repeat, alt, lit, opt, seq
 from radixlm.testing.constrained import random_walk
+from radixlm.core.runtime.constrained.tokens.token_classes import EXITS, INSIDE
 from radixlm.core.errors import GrammarBudgetError
 from radixlm.testing.constrained import accepts_text
 
@@ -195,6 +196,14 @@ CASES = [
                       "$defs": {"n": {"type": "integer", "maximum": 3}}},
                 "k": {"$anchor": "k", "type": "string", "maxLength": 2}}},
      [{"a": [1, 3], "b": "xy"}], [{"a": [4], "b": "x"}, {"a": [], "b": "xyz"}]),
+    # Draft 7's location-independent `$id: "#name"` (an anchor: SchemaRefs crawls the document for it), and a
+    # root `$id` that names only the document (not crawled: pointers resolve in the root as it is).
+    ({"$schema": "http://json-schema.org/draft-07/schema#", "$id": "http://example.com/d7.json",
+      "properties": {"a": {"$ref": "#num"}, "b": {"$ref": "#/definitions/s"}}, "required": ["a"],
+      "definitions": {"n": {"$id": "#num", "type": "integer"}, "s": {"type": "string", "maxLength": 1}}},
+     [{"a": 1}, {"a": 2, "b": "x"}], [{"a": "x"}, {"a": 1, "b": "xy"}]),
+    ({"$id": "http://example.com/p.json", "properties": {"b": {"$ref": "#/$defs/s"}}, "required": ["b"],
+      "$defs": {"s": {"type": "string", "maxLength": 1}}}, [{"b": "x"}], [{"b": "xy"}, {"b": 1}]),
     ({"$id": "urn:uuid:deadbeef-1234-ffff-ffff-4321feebdaed", "properties": {"f": {"$ref": "#/$defs/b"}},
       "required": ["f"], "$defs": {"b": {"type": "boolean"}}}, [{"f": True}], [{"f": 1}]),
     ({"properties": {"$ref": {"enum": [{"$ref": "#/$defs/x"}]}}, "required": ["$ref"],
@@ -480,7 +489,8 @@ def test_automaton_products_check_the_compile_deadline():
     """Intersecting and subtracting automata (length bounds with a pattern, propertyNames) can take long:
     the compile deadline is checked inside them, not only between them."""
     from radixlm.core.runtime.constrained.tokens.counted_string import counted_string_dfa
-    from radixlm.core.runtime.constrained.automata.regex_dfa import dfa_intersection, regex_to_dfa
+    from radixlm.core.runtime.constrained.automata.dfa_product import dfa_intersection
+    from radixlm.core.runtime.constrained.automata.regex_dfa import regex_to_dfa
 
     calls = []
 
@@ -498,8 +508,8 @@ def test_automaton_products_match_python_re():
     string of up to 5 characters over the alphabet the patterns use."""
     import itertools
 
-    from radixlm.core.runtime.constrained.automata.regex_dfa import (dfa_difference, dfa_disjoint, dfa_intersection,
-                                                                     regex_to_dfa)
+    from radixlm.core.runtime.constrained.automata.dfa_product import dfa_difference, dfa_disjoint, dfa_intersection
+    from radixlm.core.runtime.constrained.automata.regex_dfa import regex_to_dfa
 
     pairs = [("a[ab]*", "[ab]*b"), ("(ab|ba)+", "a.*"), ("a{2,4}", "a{3}"), ("[abc]{1,3}", "c?"), ("ab", "ba"),
              ("ab[abc]{1,3}", "ba[abc]{1,3}"), ("a*b", "a*c")]
@@ -647,11 +657,11 @@ def test_token_classes_assembled_per_first_byte_equal_a_whole_walk(tiny_tokenize
         for name, dfa in zip(grammar.terminal_names, grammar.terminals):
             for q in range(dfa.num_states):
                 classes = terminal_tokens._classify(name, dfa, q, vocab)
-                inside = np.flatnonzero(np.unpackbits(classes.inside, count=vocab.size, bitorder="little"))
+                inside = np.flatnonzero(np.unpackbits(classes[INSIDE], count=vocab.size, bitorder="little"))
                 tokens, starts = [], []
-                if classes.exits is not None:
-                    tokens = classes.exits.pair_token.tolist()
-                    suffixes = [classes.exits.tree.suffixes[k] for k in classes.exits.pair_suffix.tolist()]
+                if classes[EXITS] is not None:
+                    tokens = classes[EXITS].pair_token.tolist()
+                    suffixes = [classes[EXITS].tree.suffixes[k] for k in classes[EXITS].pair_suffix.tolist()]
                     starts = [len(vocab.token_bytes[i]) - len(x) for i, x in zip(tokens, suffixes)]
                 uncertain = np.unique(np.asarray(tokens, dtype=np.int64))
                 for i, j in zip(tokens, starts):  # where they leave: an accepting state

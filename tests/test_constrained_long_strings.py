@@ -15,6 +15,7 @@ import radixlm.core.runtime.constrained.tokens.counted_string as counted_string
 from radixlm.core.runtime.constrained import build_constraint
 from radixlm.core.runtime.constrained.tokens import terminal_tokens, trie_walk
 from radixlm.core.runtime.constrained.tokens.counted_table import CountedTable
+from radixlm.core.runtime.constrained.tokens.token_classes import AFTER_QUOTE, CLOSING, INSIDE, INSIDE_IDS
 from radixlm.core.runtime.constrained.grammar_index_cache import prepare_vocab
 from radixlm.testing.constrained import qwen2_tokenizer
 
@@ -79,14 +80,14 @@ def _walked(dfa, state, vocab):
 
 def _counted(dfa, state, vocab):
     classes = terminal_tokens.state_tokens(f"counted:{dfa.lo}:{dfa.hi}", dfa, state, vocab)
-    inside = classes.inside_ids.tolist() if classes.inside is None else \
-        np.flatnonzero(np.unpackbits(classes.inside, count=vocab.size, bitorder="little")).tolist()
-    closing = np.unpackbits(classes.closing, count=vocab.size, bitorder="little")
+    inside = classes[INSIDE_IDS].tolist() if classes[INSIDE] is None else \
+        np.flatnonzero(np.unpackbits(classes[INSIDE], count=vocab.size, bitorder="little")).tolist()
+    closing = np.unpackbits(classes[CLOSING], count=vocab.size, bitorder="little")
     exits = set()
-    if classes.after_quote is not None:
-        suffixes = classes.after_quote.tree.suffixes
-        exits = {(t, suffixes[s]) for s, t in zip(classes.after_quote.pair_suffix.tolist(),
-                                                   classes.after_quote.pair_token.tolist()) if closing[t]}
+    if classes[AFTER_QUOTE] is not None:
+        suffixes = classes[AFTER_QUOTE].tree.suffixes
+        exits = {(t, suffixes[s]) for s, t in zip(classes[AFTER_QUOTE].pair_suffix.tolist(),
+                                                   classes[AFTER_QUOTE].pair_token.tolist()) if closing[t]}
     return set(inside), exits
 
 

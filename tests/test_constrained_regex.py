@@ -105,6 +105,31 @@ def test_minimize_refines_the_rows_themselves_when_hashes_collide(pattern, monke
         assert got.fullmatch(text) == (re.fullmatch(pattern, text) is not None), text
 
 
+def test_one_pass_minimization_of_finite_languages_matches_moore(monkeypatch):
+    """A DFA without cycles (a finite language) is minimized in one pass, successors first; Moore's rounds
+    (forced here by turning the one pass off) give the same DFAs, byte for byte: every third regex above
+    (finite ones and others) and length-bounded products and differences with a counted string. A cyclic
+    DFA is left to Moore's rounds."""
+    from radixlm.core.runtime.constrained.automata import dfa_minimize
+    from radixlm.core.runtime.constrained.automata.dfa_product import dfa_difference, dfa_intersection
+    from radixlm.core.runtime.constrained.tokens.counted_string import counted_string_dfa
+
+    def built():
+        dfas = [regex_to_dfa(p) for p in REGEXES[::3]]
+        counted = counted_string_dfa(2, 40)
+        dfas.append(dfa_intersection(regex_to_dfa('"[a-z0-9_]+"'), counted))
+        dfas.append(dfa_intersection(regex_to_dfa('"(ab|c)*d?"'), counted))
+        dfas.append(dfa_difference(counted, regex_to_dfa('"x[a-z]*"')))
+        return dfas
+
+    one_pass = built()
+    finite = sum(dfa_minimize._acyclic_blocks(d.transitions, d.accepting) is not None for d in one_pass)
+    assert 8 < finite < len(one_pass) - 4  # both ways are exercised
+    monkeypatch.setattr(dfa_minimize, "MAX_ACYCLIC_MOVES", 0)
+    for got, want in zip(one_pass, built()):
+        assert np.array_equal(got.transitions, want.transitions) and np.array_equal(got.accepting, want.accepting)
+
+
 @pytest.fixture(scope="module")
 def tiny_tokenizer(tokenizer_path):
     """The test checkpoints' byte-level BPE tokenizer (1000 tokens)."""

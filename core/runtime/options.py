@@ -172,6 +172,10 @@ class EngineOptions:
                                             "run on the plain weights (MKL), faster there than the prepacked "
                                             "ones; the plain weights stay in RAM beside the packed ones for it "
                                             "(0: dropped, saving that RAM)")
+    cpu_one_thread_max_rows: int = option(
+        1, "CPU only: forwards of at most this many tokens (batch-1 decode) run on one intra-op thread, larger "
+        "ones on torch's thread count: at one row each op's parallel region cost more than it saved (measured "
+        "on 2 shared cores: docs/quantization.md); 0: every forward on torch's count")
     decode_fused_gemv: int = option(
         1, "CUDA only: forwards of at most this many tokens (at most 16) run each layer's projections and the "
         "LM head as Triton GEMVs, SiLU-and-mul fused into the down projection's (docs/engine.md); default 1: "
@@ -189,6 +193,11 @@ class EngineOptions:
         "Q4_0/Q4_1/Q8_0 weights stay quantized; awq, gptq: 4-bit checkpoints (read from their config without "
         "it) (docs/quantization.md)",
         choices=("fp8", "gguf", "awq", "gptq"))
+    gguf_lm_head_kernel: str = option(
+        "torch", "with quantization gguf on the CPU, the product of a Q8_0/Q4_0/Q4_1 LM head: torch (its int8 "
+        "and int4 kernels, as the projections) or ggml (llama.cpp's product on the file's blocks, ~2x faster "
+        "on the default model's head; needs the optional libggml-python: pip install 'radixlm[ggml]') "
+        "(docs/quantization.md)", choices=("torch", "ggml"))
     load_format: str = option("auto", "auto: weights from the model path; dummy: random weights (benchmarks)",
                               choices=("auto", "dummy"))
     tp_size: int = option(1, "tensor-parallel ranks, one process each (docs/scale_out.md)",
@@ -287,6 +296,9 @@ class EngineOptions:
             self.enable_overlap_schedule = (self.device.startswith("cuda") and self.tp_size == self.dp_size == 1
                                             and self.speculative_algorithm is None)
         self._check_speculative()
+        if self.gguf_lm_head_kernel == "ggml" and (self.quantization != "gguf" or not self.device.startswith("cpu")):
+            raise InvalidRequestError("gguf_lm_head_kernel='ggml' applies to quantization='gguf' on the CPU",
+                                      "gguf_lm_head_kernel")
         if self.max_running_requests is None:
             self.max_running_requests = 512 if self.device.startswith("cuda") else 64
         for name in ("max_running_requests", "schedule_fairness_bound", "tp_size", "dp_size", "nnodes",
@@ -312,6 +324,8 @@ class EngineOptions:
             raise InvalidRequestError("decode_fused_gemv must be between 0 (off) and 16 rows", "decode_fused_gemv")
         if self.cpu_plain_linear_max_rows < 0:
             raise InvalidRequestError("cpu_plain_linear_max_rows must be >= 0", "cpu_plain_linear_max_rows")
+        if self.cpu_one_thread_max_rows < 0:
+            raise InvalidRequestError("cpu_one_thread_max_rows must be >= 0", "cpu_one_thread_max_rows")
         if self.context_length is not None and self.context_length < 2:
             raise InvalidRequestError("context_length must be >= 2", "context_length")
         if self.max_total_tokens is not None and self.max_total_tokens < 16:

@@ -22,6 +22,7 @@ from radixlm.core.runtime.constrained.schema.schema_input import load_schema
 from radixlm.core.runtime.constrained.schema.schema_prune import prune_definitions
 from radixlm.core.runtime.constrained.pda import GrammarIndex
 from radixlm.core.runtime.constrained.tokens.terminal_tokens import first_node, state_tokens
+from radixlm.core.runtime.constrained.tokens.token_classes import EXITS
 from radixlm.core.runtime.constrained.tokens.token_walk import token_bytes
 from radixlm.core.runtime.constrained.tokens.vocab import TokenVocab, spellable_bytes, vocab_of
 
@@ -108,7 +109,7 @@ def prepare_common_terminals(vocab: TokenVocab, stop: threading.Event | None = N
         for state in range(min(len(dfa.transitions), MAX_PREPARED_STATES)):
             if stop is not None and stop.is_set():
                 return
-            exits = state_tokens(name, dfa, state, vocab).exits
+            exits = state_tokens(name, dfa, state, vocab)[EXITS]
             if exits is not None:
                 exits.tree.nodes  # walked by pda.py's _exits_taken
 

@@ -41,7 +41,7 @@ from radixlm.core.runtime.constrained.automata.grammar_compiler import CompiledG
 from radixlm.core.runtime.constrained.tokens.literal_tokens import literal_rest
 from radixlm.core.runtime.constrained.tokens.masks import MaskCache
 from radixlm.core.runtime.constrained.tokens.terminal_tokens import state_tokens
-from radixlm.core.runtime.constrained.tokens.token_classes import Exits, StateTokens, SuffixTree
+from radixlm.core.runtime.constrained.tokens.token_classes import AFTER_QUOTE, EXITS, Exits, StateTokens, SuffixTree
 from radixlm.core.runtime.constrained.tokens.vocab import TokenVocab, set_bits, spellable_bytes, whole_characters
 
 END = (-1, 0, -1)  # the item "the output may end here"
@@ -74,7 +74,7 @@ class GrammarIndex:
         self._config_ids: dict[frozenset, int] = {}
         self._items: list[tuple] = []  # per configuration: its items with a terminal (END aside)
         self._can_end: list[bool] = []
-        self._rows: list[list[int] | None] = []  # per configuration: successor per byte (-1 = none)
+        self._rows: list[tuple[int, ...] | None] = []  # per configuration: successor per byte (-1 = none)
         self._steps: list[dict[int, int]] = []  # per configuration without a row: successors of single bytes
         self._single: list[int] = []  # per configuration with a row: the one byte leaving it, else -1
         self._edges: dict[int, tuple[bytes, int]] = {}
@@ -201,7 +201,7 @@ class GrammarIndex:
         self._single.append(-1)
         return c
 
-    def _row(self, c: int) -> list[int]:
+    def _row(self, c: int) -> tuple[int, ...]:
         """Configuration c's successor per byte, built on first use."""
         row = self._rows[c]
         if row is not None:
@@ -218,7 +218,7 @@ class GrammarIndex:
                            for column in columns]
                 out[live] = np.asarray(targets, dtype=np.int32)[inverse]
             self._single[c] = int(live[0]) if len(live) == 1 and not self._can_end[c] else -1
-            row = self._rows[c] = out.tolist()
+            row = self._rows[c] = tuple(out.tolist())  # a tuple of ints: the collector stops walking it
             self._steps[c] = {}
             return row
 
@@ -342,7 +342,7 @@ class GrammarIndex:
     def forced_text(self, state: int) -> str | None:
         return whole_characters(self.edge(state)[0])
 
-    def byte_successors(self, state: int) -> list[int]:
+    def byte_successors(self, state: int) -> tuple[int, ...]:
         """The configuration after each byte from `state` (-1: the byte is not allowed)."""
         return self._row(state)
 
@@ -366,8 +366,8 @@ class GrammarIndex:
             return self._computed_bits(state, vocab_size, None)
         with self._lock:
             classes = self._classes(items)
-        signature = (tuple((id(c), k if c.exits is not None or c.after_quote is not None else -2)
-                           for c, (_, _, k) in zip(classes, items)), self._can_end[state], vocab_size, state == self.start)
+        signature = (tuple((id(c), k if c[EXITS] is not None or c[AFTER_QUOTE] is not None else -2) for c, (_, _, k)
+                           in zip(classes, items)), self._can_end[state], vocab_size, state == self.start)
         with self._lock:
             found = self._same_pieces.get(signature)
             if found is not None:
@@ -423,23 +423,23 @@ class GrammarIndex:
         that stay inside its terminal (shared per terminal state, terminal_tokens.py), and those leaving it
         mid-token whose suffix the item's continuation takes."""
         items = list(items)
-        insides: list[np.ndarray] = []
-        ids: list[np.ndarray] = []
-        seen: set[int] = set()
+        insides, ids = [], []  # packed bits, arrays of ids
+        seen: set[int] = set()  # classes by identity: items of one terminal state share its inside tokens
         for c, (_, _, k) in zip(classes or self._classes(items), items):
-            if id(c) not in seen:  # items of one terminal state share its inside tokens
+            inside, exits, inside_ids, closing, after_quote = c
+            if id(c) not in seen:
                 seen.add(id(c))
-                if c.inside is None:
-                    ids.append(c.inside_ids)
+                if inside is None:
+                    ids.append(inside_ids)
                 else:
-                    insides.append(c.inside)
-            if c.exits is not None:
-                ids.append(self._exits_taken(c.exits, k))
-            if c.closing is not None and c.after_quote is not None:
+                    insides.append(inside)
+            if exits is not None:
+                ids.append(self._exits_taken(exits, k))
+            if closing is not None and after_quote is not None:
                 # The tokens that close a counted string and whose bytes after the quote lead somewhere
                 # from where k resumes: those taken by k (a few hundred ids) that close within its bounds.
-                taken = self._exits_taken(c.after_quote, k)
-                ids.append(taken[((c.closing[taken >> 3] >> (taken & 7)) & 1).astype(bool)])
+                taken = self._exits_taken(after_quote, k)
+                ids.append(taken[((closing[taken >> 3] >> (taken & 7)) & 1).astype(bool)])
         return insides, ids
 
     def _exits_taken(self, exits: Exits, k: int) -> np.ndarray:

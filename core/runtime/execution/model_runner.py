@@ -61,6 +61,7 @@ class ModelRunner:
         self.cfg = cfg
         # The hidden states each step exports (first: EAGLE-3 refuses a target too shallow before its load).
         self.export = export if export is not None else target_export(opts, cfg.num_layers)
+        self.one_thread_max_rows = opts.cpu_one_thread_max_rows
         self.device = torch.device(opts.device)
         self.dtype = opts.torch_dtype
         self.ops = kernels.get_ops(self.device)
@@ -72,7 +73,7 @@ class ModelRunner:
         with _one_thread_on_cpu(self.device) as threads:
             self.model = model if model is not None else load_model(
                 model_path, cfg, self.dtype, self.device, self.ops, opts.load_format, tp=tp,
-                quantization=opts.quantization)
+                quantization=opts.quantization, gguf_lm_head_kernel=opts.gguf_lm_head_kernel)
             self.load_seconds["weights"] = time.perf_counter() - start
             if self.device.type == "cpu" and not opts.disable_cpu_prepack:
                 prepack_linears(self.model, plain_max_rows=opts.cpu_plain_linear_max_rows, workers=threads)
@@ -198,7 +199,15 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, batch: BatchInput) -> torch.Tensor:
-        """Runs one step; returns fp32 logits [len(batch.logit_rows), vocab], valid until the next step."""
+        """Runs one step; returns fp32 logits [len(batch.logit_rows), vocab], valid until the next step.
+        On the CPU a step of at most `cpu_one_thread_max_rows` tokens runs on one intra-op thread: at one
+        row each op's parallel region cost more than it saved (docs/quantization.md)."""
+        if len(batch.input_ids) <= self.one_thread_max_rows:
+            with _one_thread_on_cpu(self.device):
+                return self._forward(batch)
+        return self._forward(batch)
+
+    def _forward(self, batch: BatchInput) -> torch.Tensor:
         self.req_to_token.flush()
         rows = self._decode_rows(batch)
         if rows is not None:
@@ -302,11 +311,12 @@ class ModelRunner:
 
 @contextmanager
 def _one_thread_on_cpu(device: torch.device) -> Iterator[int]:
-    """Loads CPU weights on this thread alone: the engine loads the tokenizer on another thread meanwhile,
-    and the load is hundreds of ops (dequantize, copy, prepack) each of which, run on torch's threads,
-    opens a parallel region that on a loaded machine waits for the other core (2 to 8x the load's wall
-    time on the 2-core development VM). Threads already running keep their own count (OpenMP's is per
-    thread); the count is restored after, for this thread and those started later. Yields the count."""
+    """Runs the block's CPU ops on this thread alone: small steps (above), and the load, while the engine
+    loads the tokenizer on another thread; the load is hundreds of ops (dequantize, copy, prepack) each of
+    which, run on torch's threads, opens a parallel region that on a loaded machine waits for the other
+    core (2 to 8x the load's wall time on the 2-core development VM). Threads already running keep their
+    own count (OpenMP's is per thread); the count is restored after, for this thread and those started
+    later. Yields the count."""
     threads = torch.get_num_threads()
     if device.type != "cpu":
         yield threads

@@ -176,14 +176,18 @@ class GGUFCheckpoint:
         """(HF name, integers, scales, mins) of a Q8_0/Q4_0/Q4_1 tensor as stored (gguf_dequant.
         integer_blocks), rows in HF order as `weights` gives them; ValueError for any other type."""
         info = self.tensors[name]
-        raw = torch.from_numpy(np.frombuffer(self._buf, np.uint8, count=info.nbytes, offset=info.offset))
-        fields = gguf_dequant.integer_blocks(raw, info.qtype, info.shape)
+        fields = gguf_dequant.integer_blocks(self.blocks(name), info.qtype, info.shape)
         hf_name = hf_tensor_name(name)
         if self.arch == "llama" and (".q_proj." in hf_name or ".k_proj." in hf_name):
             heads = self._key("attention.head_count")
             heads = heads if ".q_proj." in hf_name else self._key("attention.head_count_kv", heads)
             fields = tuple(None if f is None else _unpermute_rows(f, heads) for f in fields)
         return (hf_name, *fields)
+
+    def blocks(self, name: str) -> torch.Tensor:
+        """A tensor's bytes as the file stores them (uint8, a view of the mapped file; rows in GGUF order)."""
+        info = self.tensors[name]
+        return torch.from_numpy(np.frombuffer(self._buf, np.uint8, count=info.nbytes, offset=info.offset))
 
     def _dequantize(self, info: TensorInfo) -> torch.Tensor:
         return self._dequantize_run([info])[0]

@@ -10,6 +10,7 @@ Both kernels are fast only on bf16 activations (their fp32 and fp16 paths are 10
 scales and zeros go to bf16 for the product (2^-9 relative rounding, against Q4's own ~2^-4), the output
 back to the model dtype. Tensors of other types (Q4_K, Q6_K, F16, ...) stay dequantized, as before.
 On CUDA, Q4_0 / Q4_1 run as AWQ layers (int4_layer: the 4-bit Triton GEMM and GEMV); Q8_0 stays dequantized.
+gguf_lm_head_kernel="ggml" (CPU, opt-in): the LM head runs ggml's own product instead (ggml_product.py).
 """
 
 from __future__ import annotations
@@ -90,11 +91,13 @@ def int4_layer(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, bias: t
     return Int4Linear(pack_int4(q), scale, zero, bias, ops)
 
 
-def keep_gguf_quantized(model: nn.Module, gguf_path: str, spec: ModelSpec, tied: bool, ops: ModuleType) -> int:
+def keep_gguf_quantized(model: nn.Module, gguf_path: str, spec: ModelSpec, tied: bool, ops: ModuleType,
+                        lm_head_kernel: str = "torch") -> int:
     """Swaps every projection (and the LM head) whose GGUF tensors are all of one kept type for its
     quantized layer, built from the file's blocks; returns how many. The model holds the dequantized
     weights (loaded as usual): those of the swapped layers are dropped. On CUDA only Q4_0 / Q4_1 are
-    kept (through the 4-bit kernels of AWQ/GPTQ); Q8_0 layers there stay dequantized."""
+    kept (through the 4-bit kernels of AWQ/GPTQ); Q8_0 layers there stay dequantized. lm_head_kernel
+    "ggml" (CPU): the LM head runs ggml's product on the file's blocks (ggml_product.py)."""
     cuda = next(model.parameters()).is_cuda
     ckpt = GGUFCheckpoint(gguf_path)
     parts: dict[str, dict[int, str]] = {}  # our module -> {block: GGUF tensor}
@@ -123,20 +126,29 @@ def keep_gguf_quantized(model: nn.Module, gguf_path: str, spec: ModelSpec, tied:
         if cuda and ckpt.tensors[names[0]].qtype.name == "Q8_0":
             logger.info("%s stays dequantized (Q8_0 is kept quantized on the CPU only)", module)
             continue
-        fields = [ckpt.integer_weight(n)[1:] for n in names]
-        q, d = torch.cat([f[0] for f in fields]), torch.cat([f[1] for f in fields])
         bias = getattr(dense, "bias", None)
-        m = None if fields[0][2] is None else torch.cat([f[2] for f in fields])  # Q4_1's mins
-        if cuda:
-            layer: nn.Module = int4_layer(q, d, m, bias, ops)
-        elif fields[0][0].dtype == torch.int8:
-            layer = Int8GroupLinear(q, d, bias)
+        if module == "lm_head" and lm_head_kernel == "ggml":
+            from radixlm.core.runtime.quantization.ggml_product import GgmlLinear  # the optional libggml
+
+            info = ckpt.tensors[names[0]]
+            layer = GgmlLinear(info.qtype.name, ckpt.blocks(names[0]), tuple(info.shape), bias)
         else:
-            layer = Int4GroupLinear(q, d, torch.zeros_like(d) if m is None else m + 8 * d, bias)
+            layer = _torch_layer([ckpt.integer_weight(n)[1:] for n in names], bias, cuda, ops)
         owner, _, attr = module.rpartition(".")
         setattr(model.get_submodule(owner) if owner else model, attr, layer)
         swapped += 1
     return swapped
+
+
+def _torch_layer(fields: list[tuple], bias: torch.Tensor | None, cuda: bool, ops: ModuleType) -> nn.Module:
+    """The layer of one module's (fused) GGUF tensors from their integer fields (integer_weight)."""
+    q, d = torch.cat([f[0] for f in fields]), torch.cat([f[1] for f in fields])
+    m = None if fields[0][2] is None else torch.cat([f[2] for f in fields])  # Q4_1's mins
+    if cuda:
+        return int4_layer(q, d, m, bias, ops)
+    if q.dtype == torch.int8:
+        return Int8GroupLinear(q, d, bias)
+    return Int4GroupLinear(q, d, torch.zeros_like(d) if m is None else m + 8 * d, bias)
 
 
 def check_gguf_device(device: torch.device, gguf_path: str | None, tensor_parallel: bool) -> None:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from radixlm.core.runtime.constrained.automata.dfa_minimize import reaching
 from radixlm.core.runtime.constrained.automata.grammar import Alt, Expr, Grammar, Ref, Repeat, Seq, Terminal
 from radixlm.core.runtime.constrained.automata.regex_dfa import ByteDFA, epsilon_reachable, regex_to_dfa
 from radixlm.core.errors import GrammarBudgetError
@@ -113,7 +114,7 @@ def compile_grammar(grammar: Grammar, budget: GrammarBudget = DEFAULT_BUDGET,
         rules.append(builder.rule(name, expr, rule_ids))
         deadline.check()
     terminals = builder.terminal_dfas
-    _prune(rules, terminals, builder.finishing)
+    _prune(rules, terminals, builder.finishing, builder.symbols)
     start = rule_ids[grammar.start]
     if not rules[start].accepting or not _reaches_accept(rules[start]):
         raise ValueError("the grammar admits no value (contradictory constraints, or recursion without a way to stop)")
@@ -144,6 +145,7 @@ class _Builder:
         self.terminal_names: list[str] = []
         self.total_states = 0
         self.finishing: list[bool] = []  # per rule: whether its automaton's every state can finish
+        self.symbols: list[list[int]] = []  # per rule: the distinct symbols it reads
 
     def _terminal(self, t: Terminal) -> int:
         ident = t.ident
@@ -174,6 +176,7 @@ class _Builder:
                 _shapes.popitem(last=False)
         edges, accepting, finishes = template
         self.finishing.append(finishes)
+        self.symbols.append(symbols)
         self.total_states += len(edges)
         if self.total_states > self.budget.max_rule_states:
             raise GrammarBudgetError(f"the grammar's rules exceed {self.budget.max_rule_states} states "
@@ -318,14 +321,7 @@ def _finishing_states(edges: list[list[tuple[int, int]]], accepting: list[bool],
         for sym, t in row:
             if usable is None or usable[sym]:
                 preds[t].append(s)
-    live = list(accepting)
-    stack = [s for s, a in enumerate(live) if a]
-    while stack:
-        for p in preds[stack.pop()]:
-            if not live[p]:
-                live[p] = True
-                stack.append(p)
-    return live
+    return reaching(preds, accepting)
 
 
 def _productive(rules: list[RuleAutomaton], usable_terminals: list[bool]) -> list[bool]:
@@ -357,7 +353,8 @@ def _productive(rules: list[RuleAutomaton], usable_terminals: list[bool]) -> lis
     return productive
 
 
-def _prune(rules: list[RuleAutomaton], terminals: list[ByteDFA | None], finishing: list[bool]) -> None:
+def _prune(rules: list[RuleAutomaton], terminals: list[ByteDFA | None], finishing: list[bool],
+           symbols: list[list[int]]) -> None:
     """Drops edges on symbols that can never be completed (empty terminals, rules that cannot finish)
     and the states that can then no longer finish. `finishing[r]`: whether every state of rule r's
     automaton can finish when every symbol is usable; such a rule with every symbol usable stays as it is."""
@@ -366,8 +363,8 @@ def _prune(rules: list[RuleAutomaton], terminals: list[ByteDFA | None], finishin
     usable = [False] * (2 * max(len(terminals), len(rules)))  # by symbol: 2 * terminal, 2 * rule + 1
     usable[0:2 * len(terminals):2] = usable_terminals
     usable[1:2 * len(rules):2] = productive
-    for rule, whole in zip(rules, finishing):
-        if whole and all(usable[sym] for row in rule.edges for sym, _ in row):
+    for rule, whole, read in zip(rules, finishing, symbols):
+        if whole and all(usable[sym] for sym in read):
             continue
         live = _finishing_states(rule.edges, rule.accepting, usable)
         rule.edges = [[(sym, t) for sym, t in row if live[t] and usable[sym]] if live[s] else []
@@ -383,6 +380,7 @@ def _check_left_recursion(rules: list[RuleAutomaton], terminals: list[ByteDFA | 
     nullable = [False] * len(rules)
     reached = [{0} for _ in rules]
     waiting: list[list[tuple[int, int]]] = [[] for _ in rules]
+    calls: list[list[int]] = [[] for _ in rules]  # per rule: the rules it calls from those states
     stack = [(r, 0) for r in range(len(rules))]
     while stack:
         r, s = stack.pop()
@@ -391,15 +389,18 @@ def _check_left_recursion(rules: list[RuleAutomaton], terminals: list[ByteDFA | 
             nullable[r] = True
             follow, waiting[r] = waiting[r], []
         for sym, t in rules[r].edges[s]:
-            if empty[sym >> 1] if sym % 2 == 0 else nullable[sym >> 1]:
+            if sym & 1:
+                calls[r].append(sym >> 1)
+                if nullable[sym >> 1]:
+                    follow.append((r, t))
+                else:
+                    waiting[sym >> 1].append((r, t))
+            elif empty[sym >> 1]:
                 follow.append((r, t))
-            elif sym % 2:
-                waiting[sym >> 1].append((r, t))
         for q, t in follow:
             if t not in reached[q]:
                 reached[q].add(t)
                 stack.append((q, t))
-    calls = [{sym >> 1 for s in reached[r] for sym, _ in rule.edges[s] if sym % 2} for r, rule in enumerate(rules)]
     state = [0] * len(rules)  # 0 unvisited, 1 on the path, 2 done
 
     def visit(r: int) -> None:

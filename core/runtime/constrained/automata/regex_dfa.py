@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from radixlm.core.runtime.constrained.automata import charsets
-from radixlm.core.runtime.constrained.automata.dfa_minimize import live_states, minimize
+from radixlm.core.runtime.constrained.automata.dfa_minimize import column_classes, live_states, minimize
 from radixlm.core.errors import GrammarBudgetError
 
 try:  # Python >= 3.11
@@ -54,6 +54,11 @@ class ByteDFA:
     def num_states(self) -> int:
         return int(self.accepting.shape[0])
 
+    @functools.cached_property
+    def byte_classes(self) -> np.ndarray:
+        """int [256]: the class of each byte, bytes no state tells apart sharing one (numbered in byte order)."""
+        return column_classes(self.transitions)
+
     def walk(self, data: bytes, state: int = 0) -> int:
         """The state after `data` from `state`, or -1 if `data` leaves the language."""
         trans = self.transitions
@@ -68,15 +73,22 @@ class ByteDFA:
         return end >= 0 and bool(self.accepting[end])
 
 
-@functools.lru_cache(maxsize=4096)
-def literal_dfa(data: bytes) -> ByteDFA:
-    """The minimal DFA of exactly `data` (a chain), without going through a regex (cached)."""
+@dataclass(frozen=True)
+class LiteralDFA(ByteDFA):
+    """The chain of exactly `data`: state i has data[i:] left to read (what literal_tokens asks of a literal
+    state, here without reading the table: an enum's hundreds of literals are met in one configuration)."""
+
+    data: bytes
+
+
+def literal_dfa(data: bytes) -> LiteralDFA:
+    """The minimal DFA of exactly `data` (a chain), without going through a regex (grammar.lit caches it)."""
     n = len(data)
     trans = np.full((n + 1, 256), -1, dtype=np.int32)
     trans[np.arange(n), np.frombuffer(data, dtype=np.uint8)] = np.arange(1, n + 1, dtype=np.int32)
     accepting = np.zeros(n + 1, dtype=bool)
     accepting[n] = True
-    return ByteDFA(transitions=trans, accepting=accepting)
+    return LiteralDFA(transitions=trans, accepting=accepting, data=data)
 
 
 def byte_trie(words: list[bytes]) -> tuple[list[dict[int, int]], list[int]]:
@@ -373,97 +385,3 @@ def _determinize(nfa: _NFA, start: int, accept: int, max_states: int) -> tuple[n
     trans = np.array(rows, dtype=np.int32).reshape(len(rows), num_classes)
     accepting = np.array([accept in s for s in sets], dtype=bool)
     return trans, accepting
-
-
-def dfa_difference(a: ByteDFA, b: ByteDFA, max_states: int = MAX_DFA_STATES,
-                   check: Callable[[], None] | None = None) -> ByteDFA | None:
-    """The minimal DFA of L(a) minus L(b) (product construction), or None if that language is empty;
-    `check` (a deadline that may raise) is called as the construction goes."""
-    return _product(a, b, False, max_states, check)
-
-
-def dfa_intersection(a: ByteDFA, b: ByteDFA, max_states: int = MAX_DFA_STATES,
-                     check: Callable[[], None] | None = None) -> ByteDFA | None:
-    """The minimal DFA of L(a) and L(b) both, or None if that language is empty (one product)."""
-    return _product(a, b, True, max_states, check)
-
-
-def dfa_disjoint(a: ByteDFA, b: ByteDFA, max_pairs: int = 4096) -> bool:
-    """Whether no string is in both L(a) and L(b), shown by walking the pairs of states a string takes
-    them to (breadth first) without meeting one both accept; False too once over `max_pairs` pairs (not
-    shown). Patterns with different literal starts (`^title_...`, `^name_...`) part after a few pairs,
-    where a difference would build and minimize their whole product."""
-    seen = {(0, 0)}
-    frontier = [(0, 0)]
-    while frontier:
-        nxt = []
-        for x, y in frontier:
-            if a.accepting[x] and b.accepting[y]:
-                return False
-            ra, rb = a.transitions[x], b.transitions[y]
-            both = np.flatnonzero((ra >= 0) & (rb >= 0))
-            for pair in set(zip(ra[both].tolist(), rb[both].tolist())):
-                if pair not in seen:
-                    seen.add(pair)
-                    nxt.append(pair)
-        if len(seen) > max_pairs:
-            return False
-        frontier = nxt
-    return True
-
-
-def _column_classes(table: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Bytes whose columns of `table` [n, 256] are equal, as classes numbered in byte order (as
-    regex_to_dfa's, so minimal DFAs come out numbered alike): (first byte of each class, class of each
-    byte). Columns are told apart by a random-weighted hash, checked exactly (np.unique over whole
-    columns, ~10x slower on wide tables, should two ever collide)."""
-    cols = table.T.astype(np.int64) + 1
-    weights = np.random.default_rng(0x5EED).integers(1, 2**63, size=cols.shape[1], dtype=np.uint64) | np.uint64(1)
-    hashed = (cols.astype(np.uint64) * weights).sum(axis=1, dtype=np.uint64)
-    _, first, classes = np.unique(hashed, return_index=True, return_inverse=True)
-    if not np.array_equal(cols, cols[first[classes.reshape(-1)]]):
-        _, first, classes = np.unique(cols, axis=0, return_index=True, return_inverse=True)
-    order = np.argsort(first)
-    return first[order], np.argsort(order)[classes.reshape(-1)]
-
-
-def _product(a: ByteDFA, b: ByteDFA, both: bool, max_states: int,
-             check: Callable[[], None] | None) -> ByteDFA | None:
-    """The product of a and b, minimized: strings both accept (`both`), else those a accepts and b does not.
-
-    Built over byte classes (bytes that no state of a or b tells apart), one breadth-first level at a
-    time: a level's successor pairs are numpy rows, and only their distinct pairs are looked up."""
-    sink = b.num_states  # for a difference, b's missing transitions go to an extra rejecting sink
-    tb = np.vstack([b.transitions if both else np.where(b.transitions >= 0, b.transitions, sink),
-                    np.full((1, 256), -1 if both else sink)])
-    acc_b = np.append(b.accepting, False)
-    first, classes = _column_classes(np.concatenate([a.transitions, tb]))
-    ta, tb = a.transitions[:, first].astype(np.int64), tb[:, first]
-    base = sink + 1  # a pair (x, y) as the code x * base + y
-    ids: dict[int, int] = {0: 0}
-    frontier, codes, rows = np.zeros(1, dtype=np.int64), [np.zeros(1, dtype=np.int64)], []
-    while frontier.size:
-        xa, xb = np.divmod(frontier, base)
-        na, nb = ta[xa], tb[xb]
-        succ = np.where((na >= 0) & (nb >= 0), na * base + nb, -1)
-        targets, inverse = np.unique(succ, return_inverse=True)
-        mapped, new = [], []
-        for code in targets.tolist():
-            j = ids.get(code, -1) if code >= 0 else -1
-            if j < 0 <= code:
-                if len(ids) >= max_states:
-                    raise GrammarBudgetError(f"automaton too large: over {max_states} states")
-                j = ids[code] = len(ids)
-                new.append(code)
-            mapped.append(j)
-        rows.append(np.asarray(mapped, dtype=np.int32)[inverse.reshape(succ.shape)])
-        frontier = np.asarray(new, dtype=np.int64)
-        codes.append(frontier)
-        if check is not None:
-            check()
-    xa, xb = np.divmod(np.concatenate(codes), base)
-    accepting = a.accepting[xa] & (acc_b[xb] == both)
-    trans = np.concatenate(rows)
-    if not live_states(trans, accepting)[0]:
-        return None  # the language is empty
-    return ByteDFA(*minimize(trans, accepting, classes, "product", check))

@@ -12,7 +12,8 @@ from radixlm.core.runtime.constrained.schema import number_ranges
 from radixlm.core.runtime.constrained.automata.grammar import Expr, Terminal, lit
 from radixlm.core.runtime.constrained.automata.grammar_compiler import terminal_dfa
 from radixlm.core.runtime.constrained.schema.json_common import INTEGER, NOT_MULTIPLE_OF, NOTHING, NUMBER, SchemaError
-from radixlm.core.runtime.constrained.automata.regex_dfa import ByteDFA, dfa_intersection
+from radixlm.core.runtime.constrained.automata.dfa_product import dfa_intersection
+from radixlm.core.runtime.constrained.automata.regex_dfa import ByteDFA
 
 
 MAX_MODULUS = 10_000  # multipleOf's DFA has a state per remainder

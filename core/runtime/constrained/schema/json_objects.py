@@ -8,14 +8,14 @@ import json
 from typing import Any
 
 from radixlm.core.runtime.constrained.automata import json_lexical
-from radixlm.core.runtime.constrained.tokens.counted_string import counted_string_dfa
+from radixlm.core.runtime.constrained.tokens.counted_string import CountedStringDFA, counted_string_dfa
 from radixlm.core.runtime.constrained.automata.grammar import EMPTY, Expr, Ref, Terminal, alt, lit, seq
 from radixlm.core.runtime.constrained.automata.grammar_compiler import derived_dfa, terminal_dfa
 from radixlm.core.runtime.constrained.schema.json_common import (NOTHING, IGNORED_KEYWORDS, SchemaError, count_bounds,
-                                                                 escape_pointer, pattern_matches)
+                                                                 escape_pointer, pattern_matches, string_terminal)
 from radixlm.core.runtime.constrained.schema.json_strings import MAX_PRODUCT_LENGTH, ecma_string_pattern
-from radixlm.core.runtime.constrained.automata.regex_dfa import (ByteDFA, dfa_difference, dfa_disjoint,
-                                                                 dfa_intersection, literals_dfa)
+from radixlm.core.runtime.constrained.automata.dfa_product import dfa_difference, dfa_disjoint, dfa_intersection
+from radixlm.core.runtime.constrained.automata.regex_dfa import ByteDFA, literals_dfa
 
 
 MAX_PATTERN_OVERLAP = 3  # patternProperties: up to this many, a key may match several (2**n - 1 key kinds)
@@ -232,13 +232,17 @@ class ObjectRules:
         first = terminal_dfa(regexes[0], budget)
         names = [n for n in names if first is not None and first.fullmatch(n)]
 
+        # A length-only propertyNames is a counted string, all of whose strings are JSON strings: its product
+        # with the key regex of additionalProperties is itself, kept counted (masks counted, not walked).
+        counted = allowed is not None and isinstance(allowed[0], CountedStringDFA) and regexes == [json_lexical.STRING]
+
         def build() -> ByteDFA | None:
-            dfa = terminal_dfa(regexes[0], budget)
+            dfa = allowed[0] if counted else terminal_dfa(regexes[0], budget)
             for other in regexes[1:]:
                 if dfa is not None:
                     both = terminal_dfa(other, budget)
                     dfa = dfa_intersection(dfa, both, budget, self.deadline.check) if both is not None else None
-            if dfa is not None and allowed is not None:
+            if dfa is not None and allowed is not None and not counted:
                 dfa = dfa_intersection(dfa, allowed[0], budget, self.deadline.check)
             if dfa is not None and names:
                 dfa = dfa_difference(dfa, literals_dfa([n.encode() for n in names]), budget, self.deadline.check)
@@ -254,6 +258,8 @@ class ObjectRules:
             excluded.append(f"propertyNames:{allowed[1]}")
         key = "key:" + "\0and:".join(regexes) + "\0" + "\0".join(excluded)
         dfa = derived_dfa(key, budget, build)
+        if isinstance(dfa, CountedStringDFA):  # nothing excluded: the counted string itself
+            return string_terminal(dfa.lo, dfa.hi)
         plain = regexes[0] if len(regexes) == 1 and not excluded else None  # the same language, as a regex
         return None if dfa is None else Terminal(regex=plain, key=key, dfa=dfa)
 

@@ -12,7 +12,8 @@ from radixlm.core.runtime.constrained.automata.grammar import Expr, Terminal
 from radixlm.core.runtime.constrained.automata.grammar_compiler import derived_dfa, terminal_dfa
 from radixlm.core.runtime.constrained.schema.json_common import (NOTHING, NOT_STRINGS, SchemaError, count_bounds,
                                                                  string_terminal)
-from radixlm.core.runtime.constrained.automata.regex_dfa import ByteDFA, dfa_difference, dfa_intersection, sre_c, sre_p
+from radixlm.core.runtime.constrained.automata.dfa_product import dfa_difference, dfa_intersection
+from radixlm.core.runtime.constrained.automata.regex_dfa import ByteDFA, sre_c, sre_p
 
 
 _IPV4_PART = r"(?:25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])"

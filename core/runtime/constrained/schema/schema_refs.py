@@ -61,11 +61,14 @@ def _specification(schema: Any, default: rj.Specification) -> rj.Specification:
         return default
 
 
-def _absolutize(node: Any, spec: rj.Specification, base: str, dynamic: list, anchors: set) -> None:
+def _absolutize(node: Any, spec: rj.Specification, base: str, dynamic: list, anchors: set, scopes: list) -> None:
     """Rewrites, in place, every `$ref` and `$dynamicRef` under `node` (a schema) as an absolute URI
-    reference; collects the nodes with a `$dynamicRef` and the (resource, name) of `$dynamicAnchor`s."""
+    reference; collects the nodes with a `$dynamicRef`, the (resource, name) of `$dynamicAnchor`s and the
+    nodes that name a base URI or an anchor (`scopes`)."""
     if not isinstance(node, dict):
         return
+    if _names_anchor(node) or isinstance(node.get("$id", node.get("id")), str):
+        scopes.append(node)
     spec = _specification(node, spec)
     found = spec.id_of(node)
     if isinstance(found, str):
@@ -78,13 +81,21 @@ def _absolutize(node: Any, spec: rj.Specification, base: str, dynamic: list, anc
     if isinstance(node.get("$dynamicAnchor"), str):
         anchors.add((urldefrag(base)[0], node["$dynamicAnchor"]))
     for sub in spec.subresources_of(node):
-        _absolutize(sub, spec, base, dynamic, anchors)
+        _absolutize(sub, spec, base, dynamic, anchors, scopes)
     if "$ref" in node and spec in _REF_ALONE:  # its siblings moved where no keyword reads them
         ignored = {k: node.pop(k) for k in list(node) if k not in _KEPT_BESIDE_REF}
         if ignored:
             node[IGNORED_BESIDE_REF] = ignored
 
 
+def _names_anchor(node: dict) -> bool:
+    """Whether a schema names an anchor (`$anchor`, `$dynamicAnchor`, `$recursiveAnchor`, or drafts 6-7's
+    `$id: "#name"`, draft 4's `id: "#name"`)."""
+    ident = node.get("$id", node.get("id"))
+    return any(k in node for k in _ANCHOR_KEYS) or isinstance(ident, str) and ident.startswith("#")
+
+
+_ANCHOR_KEYS = ("$anchor", "$dynamicAnchor", "$recursiveAnchor")
 # Drafts 3-7: "All other properties in a "$ref" object MUST be ignored" (as jsonschema's validators for
 # them do); from 2019-09 on, a $ref's siblings apply beside it.
 _REF_ALONE = (rj.DRAFT3, rj.DRAFT4, rj.DRAFT6, rj.DRAFT7)
@@ -116,7 +127,7 @@ def register_documents(directory: str | Path, base_uri: str | None = None) -> in
                             base_uri and urljoin(base_uri, path.relative_to(root).as_posix())) if u]
         for uri in uris:
             doc_copy = _copy(doc)
-            _absolutize(doc_copy, spec, uri, [], set())
+            _absolutize(doc_copy, spec, uri, [], set(), [])
             found[urldefrag(uri)[0]] = spec.create_resource(doc_copy)
     _registered = _registered.with_resources(found.items()).crawl()
     return len(found)
@@ -131,9 +142,16 @@ class SchemaRefs:
         spec = _specification(self.root, rj.DRAFT202012)
         dynamic: list[dict] = []
         anchors: set[tuple[str, str]] = set()
-        _absolutize(self.root, spec, "", dynamic, anchors)
+        scopes: list[dict] = []
+        _absolutize(self.root, spec, "", dynamic, anchors, scopes)
         resource = spec.create_resource(self.root)
-        self._resolver = _registered.with_resource(resource.id() or "", resource).crawl().resolver()
+        registry = _registered.with_resource(resource.id() or "", resource)
+        # A crawl registers the document's embedded resources and anchors. With none (the root's own base
+        # URI aside) lookups find the root as it is (a lookup of anything else crawls then): a large
+        # document's crawl walked it all again, 2-5 ms.
+        if any(node is not self.root or _names_anchor(node) for node in scopes):
+            registry = registry.crawl()
+        self._resolver = registry.resolver()
         root = self._root = urldefrag(resource.id() or "")[0]
         self._resolved: dict[str, Any] = {}  # (a large schema's merges and rules look each ref up many times)
         for node in dynamic:

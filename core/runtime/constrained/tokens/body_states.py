@@ -122,7 +122,10 @@ def loops(key: str, dfa: ByteDFA, state: int) -> list[int]:
     found = _loops.get(key)
     if found is None:
         found = []
-        for q in range(dfa.num_states):
+        trans = dfa.transitions  # only states with a byte back to themselves can be one (most of a large DFA's)
+        candidates = np.flatnonzero((trans == np.arange(len(trans))[:, None]).any(axis=1)).tolist() \
+            if isinstance(trans, np.ndarray) else range(dfa.num_states)
+        for q in candidates:
             if _most_common(state_row(key, dfa, q)[1]) == q:
                 found.append(q)
                 if len(found) > LOOPS:

@@ -17,7 +17,7 @@ from collections import OrderedDict
 import numpy as np
 
 from radixlm.core.runtime.constrained.tokens.counted_string import CountedStringDFA, inner_tokens, string_tokens
-from radixlm.core.runtime.constrained.tokens.token_classes import Exits, StateTokens
+from radixlm.core.runtime.constrained.tokens.token_classes import Exits, StateTokens, state_classes
 from radixlm.core.runtime.constrained.tokens.vocab import TokenVocab, set_bits
 
 CACHE_SIZE = 1024  # (vocabulary, place, bounds) entries; a boundary's are 19 KB of bits each (Qwen2)
@@ -55,7 +55,7 @@ def _boundary(vocab: TokenVocab, opening: bool, need: int, room: int | None) -> 
     strings = string_tokens(vocab, opening)
     closing = strings.closing_between(need, room)
     inside = strings.allowed_inside(room) | (closing & strings.ends_at_quote)
-    return StateTokens(inside, closing=closing & ~strings.ends_at_quote, after_quote=quote_exits(vocab, opening))
+    return state_classes(inside, closing=closing & ~strings.ends_at_quote, after_quote=quote_exits(vocab, opening))
 
 
 def _inner(vocab: TokenVocab, slot: int, need: int, room: int | None) -> StateTokens:
@@ -63,7 +63,7 @@ def _inner(vocab: TokenVocab, slot: int, need: int, room: int | None) -> StateTo
     reads = inner_tokens(vocab, slot)
     closing = np.zeros(-(-vocab.size // 8), dtype=np.uint8)
     set_bits(closing, reads.closing(need, room))
-    return StateTokens(None, inside_ids=reads.inside(need, room), closing=closing,
+    return state_classes(None, inside_ids=reads.inside(need, room), closing=closing,
                        after_quote=_inner_exits(vocab, slot))
 
 

@@ -17,19 +17,24 @@ import bisect
 import numpy as np
 
 from radixlm.core.runtime.constrained.tokens.narrow_walk import dfa_rows
-from radixlm.core.runtime.constrained.automata.regex_dfa import ByteDFA
+from radixlm.core.runtime.constrained.automata.regex_dfa import ByteDFA, LiteralDFA
 from radixlm.core.runtime.constrained.tokens.vocab import TokenVocab
 
 MAX_REST = 256  # chain states followed at most; a longer literal takes the general walk
-_rests: dict[tuple[str, int], bytes | None] = {}
-RESTS = 1 << 16
+# Per terminal, per state (nested, not keyed by (terminal, state): a dict keyed by fresh tuples stays tracked,
+# and every full collection walked its ~26k entries in a corpus run; an inner dict of ints and bytes is not).
+_rests: dict[str, dict[int, bytes | None]] = {}
+RESTS = 1 << 12  # terminals
 
 
 def literal_rest(key: str, dfa: ByteDFA, state: int) -> bytes | None:
     """The bytes left to read from `state` if the DFA (named `key`) is a chain from there (one live byte
     per state, no accepting state before an end that reads nothing), else None. Cached per (terminal,
     state), with the rests of the chain's later states (met next: a key's classes byte by byte)."""
-    found = _rests.get((key, state), False)
+    if isinstance(dfa, LiteralDFA):
+        return dfa.data[state:] or None  # (the end state reads nothing: no chain left)
+    rests = _rests.get(key)
+    found = rests.get(state, False) if rests is not None else False
     if found is not False:
         return found
     rows = dfa_rows(key, dfa)
@@ -42,11 +47,13 @@ def literal_rest(key: str, dfa: ByteDFA, state: int) -> bytes | None:
         state = targets[cut[state]]
     ends = bool(chain) and accepting[state] and cut[state + 1] == cut[state]
     rest = bytes(live_bytes[cut[q]] for q in chain)
-    if len(_rests) >= RESTS:
-        _rests.clear()
+    if rests is None:
+        if len(_rests) >= RESTS:
+            _rests.clear()
+        rests = _rests[key] = {}
     for n, q in enumerate(chain):
-        _rests[key, q] = rest[n:] if ends else None
-    return _rests.setdefault((key, start), None)
+        rests[q] = rest[n:] if ends else None
+    return rests.setdefault(start, None)
 
 
 def literal_classes(rest: bytes, vocab: TokenVocab) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

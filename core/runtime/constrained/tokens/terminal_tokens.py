@@ -34,7 +34,8 @@ from radixlm.core.runtime.constrained.tokens.counted_tokens import counted_state
 from radixlm.core.runtime.constrained.tokens.literal_tokens import literal_classes, literal_rest
 from radixlm.core.runtime.constrained.tokens.narrow_walk import NARROW_NODES, narrow_walk, state_row
 from radixlm.core.runtime.constrained.automata.regex_dfa import ByteDFA
-from radixlm.core.runtime.constrained.tokens.token_classes import Exits, StateTokens, exits_replacing
+from radixlm.core.runtime.constrained.tokens.token_classes import (CLOSING, EXITS, INSIDE, Exits, StateTokens,
+                                                                   exits_replacing, state_classes)
 from radixlm.core.runtime.constrained.tokens.token_walk import walk_tokens
 from radixlm.core.runtime.constrained.tokens.trie_walk import other_bytes, walk_trie
 from radixlm.core.runtime.constrained.tokens.vocab import TokenVocab, byte_matrix, clear_bits, set_bits
@@ -80,7 +81,7 @@ def _literal(rest: bytes, vocab: TokenVocab) -> StateTokens:
     found = _cached(shared)
     if found is None:
         inside, tokens, starts = literal_classes(rest, vocab)
-        found = StateTokens(None, _exits(shared, tokens, starts, vocab), inside_ids=inside)
+        found = state_classes(None, _exits(shared, tokens, starts, vocab), inside_ids=inside)
         _keep(shared, found)
     return found
 
@@ -157,9 +158,11 @@ def _exit_pairs(dfa: ByteDFA, ids: np.ndarray, states: np.ndarray, vocab: TokenV
 
 
 _futures: dict[tuple[str, int], bytes | int] = {}  # a name, or the number of states it is known to exceed
-MAX_FUTURE_STATES = 512  # larger futures are named by (terminal, state) instead
+# Larger futures are named by (terminal, state) instead: naming one is a search of its states (~2 µs each),
+# and a wide state's first visit names every state its first bytes lead to (in a pattern key's DFA of
+# hundreds of states, ~5-10 ms of searches); equal large futures of different terminals are rare.
+MAX_FUTURE_STATES = 24
 SMALL_FUTURE = 4  # futures named before a state is known to be wide
-SHARED_FUTURE = 24  # a wide state's future named before it is read off another state's classes
 
 
 def _future(key: str, dfa: ByteDFA, state: int, most: int = MAX_FUTURE_STATES) -> bytes | None:
@@ -241,13 +244,13 @@ def _classify(key: str, dfa: ByteDFA, state: int, vocab: TokenVocab) -> StateTok
         inside, uncertain = walked
         tokens, starts = _exit_pairs(dfa, uncertain, _after_first(nxt, live, vocab, uncertain), vocab)
         exits_key = (_future(key, dfa, state, SMALL_FUTURE) or (key, state), vocab.fingerprint)
-        return StateTokens(_packed(inside, vocab.size), _exits(exits_key, tokens, starts, vocab))
+        return state_classes(_packed(inside, vocab.size), _exits(exits_key, tokens, starts, vocab))
     found = _patched(key, dfa, state, vocab)
     if found is not None:
         return found
-    # A future of a few states (a string body's) is named first: it is often known. A pattern key's state
-    # before its match reaches every state of its terminal, ~1 ms to name: it is read again first.
-    future = _future(key, dfa, state, SHARED_FUTURE)
+    # A future of a few states (a string body's) is often known. A pattern key's state before its match
+    # reaches every state of its terminal (no name): it is read again first.
+    future = _future(key, dfa, state)
     found = _cached((future, vocab.fingerprint)) if future is not None else None
     if found is None:
         found = _reread(key, dfa, state, vocab)
@@ -255,14 +258,14 @@ def _classify(key: str, dfa: ByteDFA, state: int, vocab: TokenVocab) -> StateTok
         if future is not None:
             _keep((future, vocab.fingerprint), found)
         return found
-    shared = (_future(key, dfa, state) or (key, state), vocab.fingerprint)
+    shared = (future or (key, state), vocab.fingerprint)
     found = _cached(shared)
     if found is None:
         have, keys = _wide(key, dfa, state, nxt, live, vocab)
         nodes = sorted(have)
         exits_key = tuple(keys[n] for n in nodes if len(have[n][1]))
         tokens, starts = (np.concatenate([have[n][i] for n in nodes] or [np.zeros(0, np.int32)]) for i in (1, 2))
-        found = StateTokens(_inside_bits(have, keys, vocab), _exits(exits_key, tokens, starts, vocab))
+        found = state_classes(_inside_bits(have, keys, vocab), _exits(exits_key, tokens, starts, vocab))
     _keep(shared, found)
     return found
 
@@ -281,7 +284,7 @@ def _patched(key: str, dfa: ByteDFA, state: int, vocab: TokenVocab) -> StateToke
     if dying is None:
         return None
     base = state_tokens(key, dfa, body, vocab)
-    if base.inside is None or base.closing is not None:
+    if base[INSIDE] is None or base[CLOSING] is not None:
         return None
     if not dying:
         return base
@@ -291,13 +294,13 @@ def _patched(key: str, dfa: ByteDFA, state: int, vocab: TokenVocab) -> StateToke
     if found is not None and found[0] is base:  # an id is the base's while the entry holds it
         return found[1]
     apart = tokens_starting(vocab, dying)
-    inside, exits = base.inside.copy(), base.exits
+    inside, exits = base[INSIDE].copy(), base[EXITS]
     clear_bits(inside, apart)
     if exits is not None:
         keep = ~np.isin(exits.pair_token, apart, kind="table")  # ids < vocabulary: ~10x the default sort
         if not keep.all():
             exits = Exits(exits.tree, exits.pair_suffix[keep], exits.pair_token[keep]) if keep.any() else None
-    found = StateTokens(inside, exits)
+    found = state_classes(inside, exits)
     with _lock:
         _apart[shared] = (base, found)
         if len(_apart) > APART:
@@ -314,14 +317,14 @@ def _reread(key: str, dfa: ByteDFA, state: int, vocab: TokenVocab) -> StateToken
         bad = bytes_apart(dfa, state, other)
         again = None if bad is None else tokens_with(vocab, bad)
         base = None if again is None else _known(key, dfa, other, vocab)
-        if base is None or base.inside is None or base.closing is not None:
+        if base is None or base[INSIDE] is None or base[CLOSING] is not None:
             continue
         ids = again[0]
         inside, tokens, starts = read_from(dfa, state, again)
-        bits = base.inside.copy()
+        bits = base[INSIDE].copy()
         clear_bits(bits, ids)
         set_bits(bits, inside)
-        return StateTokens(bits, exits_replacing(base.exits, ids, tokens, starts, vocab))
+        return state_classes(bits, exits_replacing(base[EXITS], ids, tokens, starts, vocab))
     return None
 
 
@@ -396,8 +399,7 @@ def _wide(key: str, dfa: ByteDFA, state: int, nxt: np.ndarray, live: np.ndarray,
         if walked is None:
             leaving = other_bytes(dfa)  # a token at a time where the state's loops decide most, else down the trie
             walked = None if leaving is None else walk_tokens(dfa, state, missing, *leaving, vocab)
-            inside, uncertain = walked or walk_trie(key, dfa, missing, nxt[missing], vocab)
-            walked = np.flatnonzero(inside), uncertain
+            walked = walked or walk_trie(key, dfa, missing, nxt[missing], vocab)
         inside, uncertain = walked
         tokens, starts = _exit_pairs(dfa, uncertain, _after_first(nxt, missing, vocab, uncertain), vocab)
         have.update(_store({int(n): keys[int(n)] for n in missing}, inside, tokens, starts, vocab))
@@ -416,14 +418,17 @@ def _after_first(nxt: np.ndarray, nodes: np.ndarray, vocab: TokenVocab, ids: np.
 
 def _store(keys: dict[int, tuple], inside: np.ndarray, tokens: np.ndarray, starts: np.ndarray,
            vocab: TokenVocab) -> dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]]:
-    """A walk's result (ids of the inside tokens, exit pairs) split by level-1 node (the tokens' first
-    byte), kept in _subtrees and returned."""
+    """A walk's result (the inside tokens: their ids, or a bool [vocab] mask of them; exit pairs) split by
+    level-1 node (the tokens' first byte), kept in _subtrees and returned."""
     global _subtree_ids
     nodes = np.fromiter(keys, np.int64, count=len(keys))
+    if inside.dtype == bool:  # a wide walk's ~150k: grouped through the ids kept in node order, not sorted
+        ins = _masked_by_node(inside, nodes, vocab)
     if len(nodes) == 1:  # one first byte (a literal, a narrow walk's usual case): nothing to split
-        ins, exit_tokens, exit_starts = [inside.astype(np.int32)], [tokens], [starts]
+        ins = ins if inside.dtype == bool else [inside.astype(np.int32)]
+        exit_tokens, exit_starts = [tokens], [starts]
     else:
-        ins = _split(inside, nodes, vocab)[0]
+        ins = ins if inside.dtype == bool else _split(inside, nodes, vocab)[0]
         exit_tokens, exit_starts = _split(tokens, nodes, vocab, starts)
     out = {n: (a, b, c) for n, a, b, c in zip(keys, ins, exit_tokens, exit_starts)}
     with _lock:
@@ -449,15 +454,32 @@ def _split(ids: np.ndarray, nodes: np.ndarray, vocab: TokenVocab,
     return [[x[a:b] for a, b in bounds] for x in (ids[order].astype(np.int32), *(x[order] for x in also))]
 
 
-_first_nodes: dict[str, np.ndarray] = {}
+def _masked_by_node(mask: np.ndarray, nodes: np.ndarray, vocab: TokenVocab) -> list[np.ndarray]:
+    """The ids set in bool `mask` [vocab] grouped by the level-1 node they start at (sorted by id within
+    it), one group per node of `nodes`: _split's groups, read off the ids kept in node order."""
+    _, by_node, bounds = _first_nodes[vocab.fingerprint] if vocab.fingerprint in _first_nodes else _nodes_of(vocab)
+    picked = mask[by_node]
+    chosen, cut = by_node[picked], np.concatenate(([0], np.cumsum(picked)))[bounds].tolist()
+    return [chosen[cut[n]:cut[n + 1]] for n in nodes.tolist()]
+
+
+_first_nodes: dict[str, tuple[np.ndarray, np.ndarray, list[int]]] = {}
 
 
 def first_node(vocab: TokenVocab) -> np.ndarray:
     """int64 [vocab]: the level-1 trie node each token starts at (-1 for empty tokens)."""
     found = _first_nodes.get(vocab.fingerprint)
-    if found is None:
-        index = np.full(256, -1, dtype=np.int64)
-        index[vocab.trie.byte[1]] = np.arange(len(vocab.trie.byte[1]))
-        first = np.fromiter((b[0] if b else 0 for b in vocab.token_bytes), np.int64, count=vocab.size)
-        found = _first_nodes[vocab.fingerprint] = np.where(_nonempty(vocab), index[first], -1)
+    return (found or _nodes_of(vocab))[0]
+
+
+def _nodes_of(vocab: TokenVocab) -> tuple[np.ndarray, np.ndarray, list[int]]:
+    """(first_node's array; the ids in order of their first node, then id (int32), and where each node's
+    ids start, a last bound after them), cached."""
+    index = np.full(256, -1, dtype=np.int64)
+    index[vocab.trie.byte[1]] = np.arange(len(vocab.trie.byte[1]))
+    first = np.fromiter((b[0] if b else 0 for b in vocab.token_bytes), np.int64, count=vocab.size)
+    owner = np.where(_nonempty(vocab), index[first], -1)
+    by_node = np.argsort(owner.astype(np.int16), kind="stable")  # empty tokens (-1) first, never picked
+    bounds = np.searchsorted(owner[by_node], np.arange(len(vocab.trie.byte[1]) + 1)).tolist()
+    found = _first_nodes[vocab.fingerprint] = (owner, by_node.astype(np.int32), bounds)
     return found

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from radixlm.core.runtime.constrained.tokens.literal_tokens import literal_rest
 from radixlm.core.runtime.constrained.tokens.narrow_walk import moves_of
 from radixlm.core.runtime.constrained.automata.regex_dfa import ByteDFA, byte_trie
 from radixlm.core.runtime.constrained.tokens.vocab import TokenVocab
@@ -46,7 +47,12 @@ class SuffixTree:
         go on from whatever follows it). Context-independent, so cached per (node, terminal, state):
         pda.py's exit walks need nothing else inside a terminal."""
         found = self._classes.get((node, key, state))
-        if found is None:
+        if found is not None:
+            return found
+        rest = literal_rest(key, dfa, state)
+        if rest is not None:
+            found = self._literal_classes(node, rest)
+        else:
             children, ends = self.nodes
             inside: list[int] = []
             ends_at: list[int] = []
@@ -67,10 +73,23 @@ class SuffixTree:
                         if accepting[nxt]:
                             ends_at.append(child)
                         stack.append((nxt, child))
-            if len(self._classes) >= CLASSES_PER_TREE:
-                self._classes.clear()
-            found = self._classes[node, key, state] = (tuple(inside), tuple(ends_at))
+            found = (tuple(inside), tuple(ends_at))
+        if len(self._classes) >= CLASSES_PER_TREE:
+            self._classes.clear()
+        self._classes[node, key, state] = found
         return found
+
+    def _literal_classes(self, node: int, rest: bytes) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """classes() from a literal's state with `rest` left: one path down the tree, the terminal ending
+        only after rest's last byte."""
+        children, ends = self.nodes
+        inside: list[int] = []
+        for b in rest:
+            node = children[node].get(b, -1)
+            if node < 0:
+                return tuple(inside), ()
+            inside += ends[node]
+        return tuple(inside), (node,) if children[node] else ()
 
 
 _trees: dict[tuple[bytes, ...], SuffixTree] = {}
@@ -124,17 +143,24 @@ class Exits:
         return found
 
 
-@dataclass
-class StateTokens:
-    inside: np.ndarray | None  # uint8 packed bits (little bit order) of the context-independent tokens
-    exits: Exits | None = None
-    # A literal's few inside tokens as ids instead (inside is then None): a mask sets them with its exits'
-    # in one pass, rather than packing and OR-ing 19 KB of bits per fresh state.
-    inside_ids: np.ndarray | None = None
-    # Counted string boundaries: packed bits of the tokens that close the string and go on after the
-    # quote, and their bytes after the quote as exits (exits is then None).
-    closing: np.ndarray | None = None
-    after_quote: Exits | None = None
+# A terminal state's token classes: a plain tuple (inside, exits, inside_ids, closing, after_quote), read
+# with the indices below. CPython's collector stops tracking a tuple whose items it does not track (arrays,
+# None): a corpus run keeps ~3.5k of them, most without exits, which as class instances every full
+# collection walked (~15k tracked objects were left after a run, and a collection inside a mask costs
+# ~1 µs an object).
+StateTokens = tuple
+INSIDE, EXITS, INSIDE_IDS, CLOSING, AFTER_QUOTE = range(5)
+
+
+def state_classes(inside: np.ndarray | None, exits: Exits | None = None, *, inside_ids: np.ndarray | None = None,
+                  closing: np.ndarray | None = None, after_quote: Exits | None = None) -> StateTokens:
+    """inside: uint8 packed bits (little bit order) of the context-independent tokens, or None where a
+    literal's few inside tokens are given as `inside_ids` instead (a mask sets them with its exits' in one
+    pass, rather than packing and OR-ing 19 KB of bits per fresh state); exits: the tokens that may leave
+    the terminal mid-token. Counted string boundaries: `closing`, packed bits of the tokens that close the
+    string and go on after the quote, and their bytes after the quote as `after_quote` (exits is then
+    None)."""
+    return inside, exits, inside_ids, closing, after_quote
 
 
 def exits_replacing(base: Exits | None, ids: np.ndarray, tokens: np.ndarray, starts: np.ndarray,

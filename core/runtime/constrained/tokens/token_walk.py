@@ -26,11 +26,11 @@ from radixlm.core.runtime.constrained.tokens.vocab import TokenVocab, byte_matri
 class TokenBytes:
     """The vocabulary's tokens in the trie's sorted order (TokenTrie.subtrees' `order`): each one's set of
     bytes (4 uint64 words), whether it is a valid UTF-8 prefix (whole characters, the last possibly cut),
-    its bytes (zero-padded) and length."""
+    its bytes (zero-padded, column-major: position j of every token is one contiguous row) and length."""
 
     words: tuple[np.ndarray, ...]
     utf8: np.ndarray
-    matrix: np.ndarray
+    columns: np.ndarray
     lens: np.ndarray
 
 
@@ -57,12 +57,13 @@ def token_bytes(vocab: TokenVocab) -> TokenBytes | None:
             for j in range(matrix.shape[1]):
                 reading = reading[lens[reading] > j]
                 state[reading] = VALIDATOR[state[reading], matrix[reading, j]]
-            found = TokenBytes(tuple(np.ascontiguousarray(bits[:, w]) for w in range(4)), state != INVALID, matrix, lens)
+            found = TokenBytes(tuple(np.ascontiguousarray(bits[:, w]) for w in range(4)), state != INVALID,
+                               np.ascontiguousarray(matrix.T), lens)
         _prepared[vocab.fingerprint] = found
         return found
 
 
-REST_MOST = 16384  # tokens left to read byte by byte past which the trie walk is the cheaper one
+REST_MOST = 65536  # tokens left to read byte by byte past which the trie walk is the cheaper one
 
 
 def walk_tokens(dfa: ByteDFA, state: int, nodes: np.ndarray, other: list[np.ndarray], transparent: np.ndarray,
@@ -94,32 +95,41 @@ def walk_tokens(dfa: ByteDFA, state: int, nodes: np.ndarray, other: list[np.ndar
         return None
     inside = np.zeros(vocab.size, dtype=bool)
     inside[order[fast]] = True
-    alive, exits = _read(dfa, state, tb.matrix, tb.lens, rest)
+    alive, exits = _read(dfa, state, tb.columns, tb.lens, rest)
     inside[order[rest[alive]]] = True
     return inside, np.sort(order[rest[exits & ~alive]])  # by id, as the trie walk gives them
 
 
-def _read(dfa: ByteDFA, state: int, matrix: np.ndarray, lens: np.ndarray,
+def _read(dfa: ByteDFA, state: int, columns: np.ndarray, lens: np.ndarray,
           rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Rows `rows` of `matrix` read from `state`, one numpy step per byte position: (bool per row: alive
-    through its last byte, bool per row: passed an accepting state after its first byte, before its last)."""
+    """Tokens `rows` (positions into `columns`, the bytes column-major) read from `state`, one numpy step per
+    byte position: (bool per row: alive through its last byte, bool per row: passed an accepting state
+    after its first byte, before its last). Rows are ordered longest first, so the rows still reading at
+    position j are a prefix; a dead row moves to an extra state every byte leads back to, and dead rows
+    are dropped once they are most of the prefix (a narrow state's tokens mostly die on their first byte)."""
     trans, accepting = dfa.transitions, dfa.accepting
-    length = lens[rows]
-    alive = np.zeros(len(rows), dtype=bool)
+    dead = len(trans)
+    table = np.concatenate([np.where(trans < 0, dead, trans).ravel(), np.full(256, dead)]).astype(np.int32)
+    ends = np.append(accepting, False)
+    by_length = np.argsort(-lens[rows].astype(np.int16), kind="stable")  # a radix sort on int16
+    at, pos = by_length, rows[by_length]
+    neg = -lens[pos]  # ascending: the rows past byte j are those with neg < -j, a prefix
+    cur = np.full(len(rows), state, dtype=np.int32)
+    passed = np.zeros(len(rows), dtype=bool)
     exits = np.zeros(len(rows), dtype=bool)
-    idx = np.arange(len(rows))  # rows alive and still reading
-    cur = np.full(len(rows), state, dtype=np.int64)
-    for j in range(matrix.shape[1]):
-        done = length[idx] == j
-        if done.any():
-            alive[idx[done]] = True
-            idx, cur = idx[~done], cur[~done]
-        if not len(idx):
+    for j in range(int(-neg[0]) if len(neg) else 0):
+        n = int(np.searchsorted(neg, -j))
+        if not n:  # the rows left are read (or dead and dropped)
             break
         if j:
-            exits[idx[accepting[cur]]] = True
-        cur = trans[cur, matrix[rows[idx], j]].astype(np.int64)
-        live = cur >= 0
-        idx, cur = idx[live], cur[live]
-    alive[idx] = True  # the longest rows, read to the matrix's last column
+            passed[:n] |= ends[cur[:n]]
+        cur[:n] = table.take((cur[:n] << 8) + columns[j].take(pos[:n]))
+        if j & 3 == 3:  # every 4 bytes: drop the dead rows if they are half the prefix
+            live = cur != dead
+            if np.count_nonzero(live[:n]) * 2 < n:
+                exits[at[passed & ~live]] = True
+                at, pos, neg, cur, passed = at[live], pos[live], neg[live], cur[live], passed[live]
+    alive = np.zeros(len(rows), dtype=bool)
+    alive[at] = cur != dead
+    exits[at[passed]] = True
     return alive, exits

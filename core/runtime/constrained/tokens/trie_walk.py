@@ -58,6 +58,10 @@ def walk_trie(key: str, dfa: ByteDFA, nodes: np.ndarray, states: np.ndarray,
     trie = vocab.trie
     _, first, count, sorted_ids = trie.subtrees
     trans, accepting, leaving = dfa.transitions, dfa.accepting, other_bytes(dfa)
+    # Per state, whether a byte leads back to it: below nodes in states that have none, no subtree is
+    # taken whole, and a level with no such node is not tested (a counted string's states never loop).
+    other = None if leaving is None else leaving[0]
+    loops = None if other is None else (other[0] & other[1] & other[2] & other[3]) != ~np.uint64(0)
     inside = np.zeros(vocab.size, dtype=bool)
     uncertain: list[np.ndarray] = []
     looped: list[tuple[np.ndarray, np.ndarray]] = []  # sorted-vocabulary ranges (start, length) alive throughout
@@ -79,7 +83,7 @@ def walk_trie(key: str, dfa: ByteDFA, nodes: np.ndarray, states: np.ndarray,
             uncertain.append(trie.end_tokens[d][idx])
         # Every token below a node whose state loops on all the bytes under it is alive through its end:
         # inside, so none of them is an exit either (uncertain tokens inside are dropped below).
-        loop = None if leaving is None else _looping(d, trie, leaving, nodes, cur)
+        loop = None if loops is None or not loops[cur].any() else _looping(d, trie, leaving, nodes, cur)
         if loop is not None and loop.any():
             done = nodes[loop]
             looped.append((first[d][done], count[d][done]))

@@ -1,0 +1,107 @@
+"""gguf_lm_head_kernel="ggml" (core.runtime.quantization.ggml_product): ggml's product on a GGUF weight's
+blocks against x @ W.T with W from gguf's own numpy dequantizer, within the error of the activations'
+8-bit blocks; the default model (SmolLM2-135M-Instruct, tied Q8_0 head) with its head on ggml against
+the dequantized fp32 model: prompt logprobs and the quick start's answers; the errors that name the
+fix when libggml-python is missing or of another version."""
+
+from __future__ import annotations
+
+from importlib import metadata
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+
+import radixlm
+from radixlm.core.errors import InvalidRequestError, UnsupportedModelError
+from radixlm.core.runtime.quantization import ggml_product
+from radixlm.core.runtime.quantization.ggml_product import KEPT_ROWS, GgmlLinear
+
+# The README's quick start (benchmarks/bench_quant.py's questions and system prompt).
+SYSTEM = ("You are a concise assistant for a geography and general-knowledge quiz. Answer each question "
+          "in one short sentence.")
+QUESTIONS = ["What is the capital of France?", "What is the capital of Japan?", "How many legs does a spider have?",
+             "What is 12 plus 7?", "What is the largest ocean on Earth?", "Which planet is known as the Red Planet?"]
+TEXT = ("radixlm serves language models with a radix-tree prefix cache: requests that share a prompt prefix "
+        "reuse its attention keys and values instead of computing them again, and a scheduler orders the "
+        "waiting requests so that those sharing the longest cached prefix run first.")
+
+
+@pytest.mark.parametrize("rows", [1, 5, KEPT_ROWS + 6])
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_1], ids=lambda q: q.name)
+def test_product_against_the_dequantized_weight(qtype, rows):
+    """ggml quantizes each block of 32 activations to int8 with d = max|x| / 127 (stored in fp16):
+    |x - x'| <= max|x_block| / 254 + 2^-11 |x'|. So each output is within sum over blocks of
+    max|x_block| / 254 * sum |W| over the block, plus 2^-9 of sum |x||W| (the fp16 scales, Q4_1's
+    fp16 block sums, fp32 sums). Graphs of up to KEPT_ROWS rows are kept: each row count twice."""
+    rng = np.random.default_rng(0)
+    n, k = 40, 128
+    raw = gguf.quants.quantize(rng.normal(0, 0.2, (n, k)).astype(np.float32), qtype)
+    w = torch.from_numpy(gguf.quants.dequantize(raw, qtype)).reshape(n, k)
+    bias = torch.randn(n)
+    layer = GgmlLinear(qtype.name, torch.from_numpy(raw.reshape(-1)), (n, k), bias)
+    for _ in range(2):
+        x = torch.randn(rows, k) * torch.rand(rows, k) * 4  # blocks of unlike ranges
+        want = x @ w.t() + bias
+        block_max = x.abs().view(rows, k // 32, 32).amax(-1)  # [rows, blocks]
+        w_sums = w.abs().view(n, k // 32, 32).sum(-1)  # [n, blocks]
+        bound = block_max @ w_sums.t() / 254 + 2 ** -9 * (x.abs() @ w.abs().t()) + 1e-5
+        got = layer(x)
+        assert got.shape == want.shape and got.dtype == torch.float32
+        assert bool(((got - want).abs() <= bound).all()), float(((got - want).abs() / bound).max())
+    assert (rows in layer.graphs) == (rows <= KEPT_ROWS)
+    assert layer(x.to(torch.bfloat16)).dtype == torch.bfloat16  # the output in the model's dtype
+
+
+@pytest.fixture(scope="module")
+def engines():
+    with radixlm.Engine(log_level="warning") as plain, \
+            radixlm.Engine(quantization="gguf", gguf_lm_head_kernel="ggml", log_level="warning") as ggml:
+        yield plain, ggml
+
+
+def _answers(engine) -> list[str]:
+    """The quick start's six answers, greedy, batched (as bench_quant.py --accuracy asks them)."""
+    prompts = [engine.tokenizer.apply_chat_template([{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}],
+                                                    tokenize=False, add_generation_prompt=True) for q in QUESTIONS]
+    return [out["text"] for out in engine.generate(prompts, {"max_new_tokens": 32, "temperature": 0})]
+
+
+def test_default_model_head_on_ggml_keeps_logprobs_and_answers(engines):
+    """The head is ggml's; each of TEXT's next-token logprobs (teacher-forced) within 0.5 of the
+    dequantized fp32 model's, 0.1 on average (measured: 0.057 mean, 0.27 max; with torch's head 0.041
+    and 0.14: the Q4_1 projections, and the head's 8-bit activations); the quick start's six answers
+    the same."""
+    plain, ggml = engines
+    assert type(ggml._runner.model.lm_head).__name__ == "GgmlLinear"
+    assert type(ggml._runner.model.layers[0].mlp.gate_up_proj).__name__ == "Int4GroupLinear"
+    logprobs = []
+    for engine in engines:
+        out = engine.generate(TEXT, {"max_new_tokens": 1, "temperature": 0}, return_logprob=True, logprob_start_len=0)
+        logprobs.append(torch.tensor([lp for lp, _, _ in out["meta_info"]["input_token_logprobs"][1:]]))
+    delta = (logprobs[0] - logprobs[1]).abs()
+    assert len(delta) > 30 and float(delta.mean()) <= 0.1 and float(delta.max()) <= 0.5, delta
+    want = _answers(plain)
+    assert "Paris" in want[0] and "Tokyo" in want[1]  # the oracle itself answers
+    assert _answers(ggml) == want
+
+
+def test_missing_or_other_libggml_named(monkeypatch):
+    monkeypatch.setattr(ggml_product, "_LIB", None)
+
+    def missing(name):
+        raise metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(ggml_product.metadata, "version", missing)
+    with pytest.raises(UnsupportedModelError, match=r"pip install 'radixlm\[ggml\]'"):
+        ggml_product.library()
+    monkeypatch.setattr(ggml_product.metadata, "version", lambda name: "0.9.0")
+    with pytest.raises(UnsupportedModelError, match=r"libggml-python==0\.20\.2\.post1 \(installed: 0\.9\.0\)"):
+        ggml_product.library()
+
+
+def test_ggml_head_only_with_gguf_on_the_cpu():
+    with pytest.raises(InvalidRequestError, match="quantization='gguf' on the CPU"):
+        radixlm.Engine(gguf_lm_head_kernel="ggml", log_level="warning")
