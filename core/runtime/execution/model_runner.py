@@ -61,8 +61,9 @@ class ModelRunner:
         self.cfg = cfg
         # The hidden states each step exports (first: EAGLE-3 refuses a target too shallow before its load).
         self.export = export if export is not None else target_export(opts, cfg.num_layers)
-        self.one_thread_max_rows = opts.cpu_one_thread_max_rows
         self.device = torch.device(opts.device)
+        # (0 elsewhere: a CUDA step need not enter _one_thread_on_cpu at all)
+        self.one_thread_max_rows = opts.cpu_one_thread_max_rows if self.device.type == "cpu" else 0
         self.dtype = opts.torch_dtype
         self.ops = kernels.get_ops(self.device)
         self.kv_dtype = opts.torch_kv_dtype
