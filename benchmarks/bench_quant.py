@@ -290,13 +290,16 @@ def run_engines(args: argparse.Namespace) -> dict[str, Any]:
     bench = _bench_engine()
     out: dict[str, Any] = {}
     for spec in ["bf16", *args.variants]:
-        variant, _, parts = spec.partition(":")
-        path = os.path.join(args.out_dir, f"bench_quant_{variant}.json")
+        label, _, parts = spec.partition(":")
+        variant = label.removesuffix("-kv8")  # "-kv8": the same weights over an fp8 (e4m3) KV cache
+        path = os.path.join(args.out_dir, f"bench_quant_{label}.json")
         argv = ["--model", args.model, "--no-hf", "--overlap", "--parts", *(parts.split(",") if parts else args.parts),
                 "--out", path,
                 "--engine-option", "schedule_admission_batch=64", *(["--cpu"] if args.cpu else [])]
         if variant != "bf16":
             argv += ["--engine-option", f"quantization={variant}"]
+        if label != variant:
+            argv += ["--engine-option", "kv_cache_dtype=fp8_e4m3"]
         if args.requests:
             argv += ["--requests", str(args.requests)]
         if args.profile_prefill:
@@ -304,7 +307,7 @@ def run_engines(args: argparse.Namespace) -> dict[str, Any]:
         # A 4-bit variant with --int4-paths runs once on each path of the one-row product (fp32, packed).
         paths = (False, True) if args.int4_paths and variant in ("awq", "gptq") else (None,)
         for packed in paths:
-            name = variant if packed is None else f"{variant} ({'packed' if packed else 'fp32'} GEMV)"
+            name = label if packed is None else f"{label} ({'packed' if packed else 'fp32'} GEMV)"
             if packed is not None:
                 _install_int4_path(packed)
             print(f"== {name}: bench_engine {' '.join(argv)}", flush=True)
@@ -393,7 +396,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ncu-gemv", action="store_true", help="one 4-bit and one fp8 GEMV launch for Nsight Compute")
     p.add_argument("--model", default="llama3-8b-shape", help="bench_engine's model (--engine)")
     p.add_argument("--variants", nargs="+", default=["fp8"],
-                   help="quantization values to run beside bf16, each optionally NAME:PART,PART (its parts)")
+                   help="quantization values to run beside bf16, each optionally NAME:PART,PART (its parts); "
+                        "NAME-kv8 runs NAME over an fp8 (e4m3) KV cache (bf16-kv8: unquantized weights)")
     p.add_argument("--parts", nargs="+", default=["latency", "prefill", "throughput"])
     p.add_argument("--int4-paths", action="store_true",
                    help="--engine: run each 4-bit variant on the fp32 and on the packed one-row product")
