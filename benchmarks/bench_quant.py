@@ -9,8 +9,8 @@ per variant (bf16, then each of --variants: fp8, ...), in this process one after
 options (overlap scheduling on, admissions of 64): batch-1 decode ms/token, 16 x 1024 prefill TFLOP/s,
 the 1,000-request offline set, the weights' GiB and the KV tokens that fit.
 --sweep-gemv: first times the fp8 and the 4-bit decode GEMVs' launch shapes on the 8B projections at one
-row (4-bit: groups of 128, and groups of 32 on SmolLM2's projections; the fp32 path at its installed shape
-and the packed path, decode_gemv.INT4_PACKED, at each candidate, every output checked against the twin)
+row (4-bit: groups of 128, and groups of 32 on SmolLM2's projections; the fp32 path and the packed
+path, decode_gemv.INT4_PACKED, each at every candidate, every output checked against the twin)
 and keeps the fastest for the engine runs (decode_gemv.CONFIGS_FP8, decode_gemv.CONFIGS_INT4, the packed
 path where it takes less time over the four 8B projections), beside the bf16 GEMV on the same shape.
 --int4-paths (with --engine): each 4-bit variant runs twice, on the fp32 and on the packed path.
@@ -45,13 +45,13 @@ OPS = ["scaled", "residual", "scaled", "silu"]  # the fused GEMV each of qkv, o,
 CANDIDATES = [(4, 1024, 4, 3), (8, 1024, 4, 3), (4, 2048, 4, 3), (8, 2048, 8, 3), (4, 4096, 8, 3), (16, 1024, 8, 3)]
 # SmolLM2-135M's projections (qkv, o, gate_up, down), whose GGUF Q4_0/Q4_1 run in groups of 32 on CUDA.
 SMOL_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
-# The packed 4-bit GEMV's (BLOCK_N, BLOCK_K columns, a multiple of 32, warps, stages). The one-row product keeps
+# The 4-bit GEMV's (BLOCK_N, BLOCK_K columns, a multiple of 32, warps, stages). The one-row product keeps
 # its weight tile's layout only where the activation slices (BLOCK_K / 8 values) are fewer than the lanes
 # (32 x warps): BLOCK_K < 256 x warps. Stages 1: its register prefetch, a step ahead (every shape's winner on
 # the fp32 path on one H100, session 5). x's preparation (scale, fp16 pairs, their sums) is shared by the
 # rows a lane holds: 64-row shapes hold 8 (sm_90 loop 3.0 instructions a weight), 32-row ones 4 (3.65).
 # Each compiles three variants (scaled, residual, SiLU).
-INT4_PACKED_CANDIDATES = [(32, 512, 4, 1), (32, 1024, 8, 1), (64, 512, 4, 1), (64, 1024, 8, 1), (64, 256, 2, 1),
+INT4_CANDIDATES = [(32, 512, 4, 1), (32, 1024, 8, 1), (64, 512, 4, 1), (64, 1024, 8, 1), (64, 256, 2, 1),
                           (16, 512, 4, 1), (32, 256, 2, 1), (16, 256, 2, 1), (8, 256, 2, 1)]
 # Each path's fastest launch shape by (rows, N, K), filled by the sweep (_int4_sweep): False the fp32 path, True
 # the packed one.
@@ -138,8 +138,7 @@ def _int4_op(x: torch.Tensor, int4: tuple, op: str):
 def _int4_sweep(x: torch.Tensor, w: torch.Tensor, group: int, op: str, candidates: list[tuple[int, ...]],
                 label: str) -> dict[str, Any]:
     """The 4-bit GEMV on one projection, timed as the engine runs it (`_int4_op`): the fp32 path at its
-    installed launch shape (the baseline), then the packed path (decode_gemv.INT4_PACKED) at each
-    candidate; each path's fastest goes into INT4_WINNERS, with its GB/s of nibbles and of all it reads
+    candidates, then the packed path (decode_gemv.INT4_PACKED) at each; each path's fastest goes into INT4_WINNERS, with its GB/s of nibbles and of all it reads
     (nibbles, fp32 scales and zeros). Shapes whose output strays from the twin's are left out."""
     from radixlm.kernels.quant_reference import quantize_int4_rows
     from radixlm.kernels.triton import decode_gemv
@@ -147,11 +146,12 @@ def _int4_sweep(x: torch.Tensor, w: torch.Tensor, group: int, op: str, candidate
     n, k = w.shape
     int4 = quantize_int4_rows(w, group)
     out: dict[str, Any] = {"int4_op": op}
-    for packed, shapes in ((False, [decode_gemv.gemv_config(1, n, k, 0.5)]), (True, candidates)):
+    packed_before = decode_gemv.INT4_PACKED
+    for packed in (False, True):
         decode_gemv.INT4_PACKED = packed
         path = "packed" if packed else "fp32"
         fn, error = _int4_op(x, int4, op)
-        timed = _sweep(fn, "RADIXLM_GEMV_CONFIG", shapes, f"int4 {label} {path}", error=error)
+        timed = _sweep(fn, "RADIXLM_GEMV_CONFIG", candidates, f"int4 {label} {path}", error=error)
         if not timed:
             continue
         best = min(timed, key=timed.get)
@@ -174,7 +174,7 @@ def _int4_sweep(x: torch.Tensor, w: torch.Tensor, group: int, op: str, candidate
         print(f"  int4 {label} (packed): SiLU inside {inside or float('nan'):.1f} us, silu_and_mul first "
               f"{first or float('nan'):.1f} us", flush=True)
         out.update({"int4_silu_inside_us": inside, "int4_silu_first_us": first})
-    decode_gemv.INT4_PACKED = False
+    decode_gemv.INT4_PACKED = packed_before
     return out
 
 
@@ -390,8 +390,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--engine", action="store_true", help="engine benchmarks, bf16 then each variant")
     p.add_argument("--sweep-gemv", action="store_true", help="time fp8 and 4-bit GEMV launch shapes first (CUDA)")
     p.add_argument("--int4-configs", nargs="+", metavar="BN,BK,WARPS,STAGES",
-                   help="--sweep-gemv: the packed 4-bit GEMV's candidates, BLOCK_K in columns (default: "
-                   "INT4_PACKED_CANDIDATES; the fp32 path is timed at its installed shape)")
+                   help="--sweep-gemv: the 4-bit GEMV's candidates for both paths, BLOCK_K in columns "
+                   "(default: INT4_CANDIDATES)")
     p.add_argument("--accuracy", action="store_true", help="the quantized model against the unquantized on text")
     p.add_argument("--ncu-gemv", action="store_true", help="one 4-bit and one fp8 GEMV launch for Nsight Compute")
     p.add_argument("--model", default="llama3-8b-shape", help="bench_engine's model (--engine)")
@@ -418,7 +418,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.ncu_gemv:
         ncu_gemv()
     if args.sweep_gemv:
-        int4 = [tuple(int(v) for v in c.split(",")) for c in args.int4_configs or []] or INT4_PACKED_CANDIDATES
+        int4 = [tuple(int(v) for v in c.split(",")) for c in args.int4_configs or []] or INT4_CANDIDATES
         report["gemv"] = sweep_gemv(int4)
     if args.engine:
         report["engine"] = run_engines(args)

@@ -59,11 +59,12 @@ CONFIGS_FP8: dict[tuple[int, int, int], tuple[int, int, int, int]] = {
 # BLOCK_K in columns (a multiple of 32, the layout's block). Measured shapes by (rows, N, K); others take
 # INT4_DEFAULTS by rows. bench_quant.py --sweep-gemv measures and prints them.
 CONFIGS_INT4: dict[tuple[int, int, int], tuple[int, int, int, int]] = {
-    # One H100 (triton 3.6.0), one row, each timed as the fused op it runs in (bench_quant.py --sweep-gemv;
-    # benchmarks/results/2026-12-07-quantization.md, session 5): the register prefetch (stages 1) won on
-    # every shape, the cp.async stages took 1.5-3x as long. The 8B shapes (groups of 128), SmolLM2's (32).
-    (1, 6144, 4096): (32, 512, 4, 1), (1, 4096, 4096): (32, 1024, 8, 1), (1, 28672, 4096): (32, 512, 4, 1),
-    (1, 4096, 14336): (32, 1024, 8, 1), (1, 960, 576): (8, 256, 2, 1), (1, 576, 576): (16, 1024, 8, 1),
+    # One H100 (triton 3.6.0), one row on the packed path, each timed as the fused op it runs in
+    # (bench_quant.py --sweep-gemv; benchmarks/results/2026-12-07-quantization.md, session 9): the register
+    # prefetch (stages 1) wins on every shape. The 8B shapes (groups of 128), SmolLM2's (32). 6144 x 4096 keeps
+    # 192 programs (9.1 us) over the winner's 96 (64, 1024, 8, 1: 8.7 us), so that every shape fills the GPU.
+    (1, 6144, 4096): (32, 512, 4, 1), (1, 4096, 4096): (32, 1024, 8, 1), (1, 28672, 4096): (32, 256, 2, 1),
+    (1, 4096, 14336): (32, 1024, 8, 1), (1, 960, 576): (16, 512, 4, 1), (1, 576, 576): (16, 512, 4, 1),
     (1, 3072, 576): (8, 256, 2, 1), (1, 576, 1536): (16, 512, 4, 1),
 }
 INT4_DEFAULTS: dict[int, tuple[int, int, int, int]] = {
@@ -79,8 +80,10 @@ INT4_DEFAULTS: dict[int, tuple[int, int, int, int]] = {
 # bench_quant.py --sweep-gemv times both.
 INT4_FUSED_SILU = False
 # Whether a one-row 4-bit product runs its nibble math in fp16x2 (int4_gemv.py's packed path: inline PTX,
-# so never under TRITON_INTERPRET) or in fp32. bench_quant.py --sweep-gemv times both.
-INT4_PACKED = False
+# so never under TRITON_INTERPRET) or in fp32. On one H100 the packed path took 8.7 / 6.3 / 27.8 / 16.4 us
+# against 10.0 / 6.8 / 34.6 / 18.8 on the four 8B projections, and the 8B shape's batch-1 decode 2.83 against
+# 3.01 ms/token (session 9); bench_quant.py --sweep-gemv times both.
+INT4_PACKED = True
 if os.environ.get("RADIXLM_GEMV_CONFIGS"):
     with open(os.environ["RADIXLM_GEMV_CONFIGS"]) as f:
         CONFIGS.update({tuple(int(v) for v in key.split(",")): tuple(c) for key, c in json.load(f).items()})
