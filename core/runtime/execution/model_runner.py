@@ -215,7 +215,10 @@ class ModelRunner:
         if len(batch.input_ids) <= self.one_thread_max_rows:
             with _one_thread_on_cpu(self.device):
                 return self._forward(batch)
-        return self._forward(batch)
+        try:
+            return self._forward(batch)
+        finally:
+            self.idle()  # ggml's polling workers would take cores from torch's threads in the next such step
 
     def _forward(self, batch: BatchInput) -> torch.Tensor:
         self.req_to_token.flush()

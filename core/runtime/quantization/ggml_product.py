@@ -162,13 +162,15 @@ def _floats(address: int, rows: int, cols: int) -> torch.Tensor:
 class GgmlLinear(nn.Module):
     """x @ W.T (+ bias) for a weight of GGUF blocks (`qtype` Q8_0, Q4_0 or Q4_1; `blocks` the tensor's
     bytes as the file stores them, ggml's own layout, rows in the model's order), by ggml_mul_mat on
-    `threads`; fp32 products, output in x's dtype."""
+    `threads`; fp32 products, output in x's dtype. `many_rows`: a layer of the same weight that takes
+    inputs of more rows (gguf_kept: torch's int4 kernel, 2x ggml's from 4 rows on an AVX-512 CPU)."""
 
     def __init__(self, qtype: str, blocks: torch.Tensor, shape: tuple[int, int], bias: torch.Tensor | None,
-                 threads: GgmlThreads) -> None:
+                 threads: GgmlThreads, many_rows: nn.Module | None = None) -> None:
         super().__init__()
         self.lib = library()
         self.threads = threads
+        self.many_rows = many_rows  # the same product for inputs of more than one row, where given
         self.out_features, self.in_features = shape
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
         self.ctx = self.lib.ggml_init(_InitParams(blocks.numel() + (1 << 16), None, False))
@@ -179,6 +181,8 @@ class GgmlLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
         rows = flat.shape[0]
+        if rows > 1 and self.many_rows is not None:
+            return self.many_rows(x)
         graph = self.graphs.get(rows)
         if graph is None:
             graph = _Graph(self.lib, self.weight, self.in_features, self.out_features, rows, self.threads)
