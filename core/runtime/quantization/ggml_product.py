@@ -1,9 +1,11 @@
 """gguf_kernel="ggml": a GGUF model's kept products (every Q8_0, Q4_0 or Q4_1 projection and LM head)
 multiplied on the CPU by ggml's own product, the one llama.cpp runs: the activations quantized to 8 bits a
 block of 32, integer dot products with the file's blocks as stored, on a threadpool of ggml's kept for the
-model. Against torch's int4 / int8 kernels (gguf_kept.py) it is faster a call (the default model's 49152 x
-576 Q8_0 head ~2.5 against ~5.5 CPU ms a token) and it gains from a second core at batch 1, where torch's
-per-op parallel regions do not (benchmarks/results/2026-12-07-quantization.md).
+model. Against torch's int8 kernel (gguf_kept.py) it is faster at 1 and 16 rows (the default model's
+49152 x 576 Q8_0 head ~2.5 against ~5.5 CPU ms a token); against torch's int4 kernel as fast at one row
+and 2x slower from 4 (this AVX2 build), so gguf_kept gives 4-bit layers torch's for more rows
+(`many_rows`). At batch 1 it gains from a second core, where torch's per-op parallel regions do not
+(benchmarks/results/2026-12-07-quantization.md).
 
 ggml comes from the optional package libggml-python (`pip install "radixlm[ggml]"`: prebuilt CPU
 libraries, no dependencies), pinned exactly: its C structs, read here through ctypes, change between
@@ -12,7 +14,8 @@ ggml releases (ggml_cplan has gained fields), so any other version is refused at
 Graphs: one per row count up to KEPT_ROWS (decode batches) kept with its plan and work buffer; larger
 ones (prefills) are built per call. All of a model's products share one GgmlThreads: ggml's threadpool,
 kept between graphs with its workers polling for the next one (a batch-1 step is ~120 small graphs: a
-pool made per graph, or workers woken from sleep, would cost more than the second core saves).
+pool made per graph costs more than the second core saves, workers woken from sleep each graph ~14%
+more a step than polling ones).
 """
 
 from __future__ import annotations
