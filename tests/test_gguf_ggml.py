@@ -82,7 +82,7 @@ def test_default_model_on_ggml_keeps_logprobs_and_answers(engines):
     head), the head at any row count, the projections on torch's int4 kernel above one row. Against the
     dequantized fp32 model: TEXT's next-token logprobs (a prefill, teacher-forced) and those of 40
     greedy tokens after it (batch-1 decode, before the first token that differs) each within 0.5, 0.15
-    on average (measured: prefill 0.057 mean / 0.27 max, decode 0.027 / 0.13 over its first 24; torch's
+    on average (measured: prefill 0.057 mean / 0.27 max, decode 0.027 / 0.13 over the 23 tokens before; torch's
     kernels 0.041 / 0.14 in the prefill: the Q4_1 weights, and ggml's 8-bit activations, llama.cpp's
     own); the quick start's six answers the same, batched and one at a time."""
     plain, ggml = engines
