@@ -90,7 +90,8 @@ def test_default_model_on_ggml_keeps_logprobs_and_answers(engines):
     layers = (model.lm_head, model.layers[0].self_attn.qkv_proj, model.layers[0].self_attn.o_proj,
               model.layers[-1].mlp.gate_up_proj, model.layers[-1].mlp.down_proj)
     assert all(type(m).__name__ == "GgmlLinear" for m in layers)
-    assert model.lm_head.many_rows is None and type(model.layers[0].mlp.down_proj.many_rows).__name__ == "Int4GroupLinear"
+    assert model.lm_head.many_rows is None  # Q8_0: ggml at every row count
+    assert type(model.layers[0].mlp.down_proj.many_rows).__name__ == "Int4GroupLinear"
     assert ggml._runner.ggml_threads.threads == torch.get_num_threads()
     prefill, decode, tokens = [], [], []
     for engine in engines:
