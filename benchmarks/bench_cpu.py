@@ -20,8 +20,8 @@ package for a .gguf model) and a llama.cpp binding; a missing one is skipped wit
 The greedy tokens of each radixlm variant (and of HF bf16) are compared with HF fp32's on every request,
 up to radixlm's first end-of-sequence token: a speed-up that changed the answers would show there.
 --gguf-quantized adds radixlm fp32 with the GGUF's Q4_0/Q4_1/Q8_0 weights kept quantized
-(quantization="gguf", docs/quantization.md); --gguf-ggml-head, that again with its LM head on ggml
-(gguf_lm_head_kernel="ggml", libggml-python); --gguf-all-threads, the gguf form with every forward on
+(quantization="gguf", docs/quantization.md); --gguf-ggml, that again with every kept product on ggml
+(gguf_kernel="ggml", libggml-python); --gguf-all-threads, the gguf form with every forward on
 torch's thread count (cpu_one_thread_max_rows=0, the behaviour before that option). --plain-linear DTYPE adds radixlm on F.linear over the plain weights (disable_cpu_prepack): before and
 after of the prepacked linear layers in one run.
 """
@@ -265,8 +265,8 @@ def main() -> None:
                         help="dtypes to also run radixlm in with F.linear on the plain weights (disable_cpu_prepack)")
     parser.add_argument("--gguf-quantized", action="store_true",
                         help="add radixlm fp32 with the GGUF's weights kept quantized (quantization=gguf)")
-    parser.add_argument("--gguf-ggml-head", action="store_true",
-                        help="with --gguf-quantized, also with the LM head on ggml (gguf_lm_head_kernel=ggml)")
+    parser.add_argument("--gguf-ggml", action="store_true",
+                        help="with --gguf-quantized, also with every kept product on ggml (gguf_kernel=ggml)")
     parser.add_argument("--gguf-all-threads", action="store_true",
                         help="with --gguf-quantized, also with batch-1 decode on torch's threads "
                              "(cpu_one_thread_max_rows=0)")
@@ -324,9 +324,9 @@ def main() -> None:
                 runners["radixlm float32 gguf-quantized"], quantized = radixlm_runner(
                     args.model, dtype, args.new_tokens, quantization="gguf")
                 keep.append(quantized)
-                if args.gguf_ggml_head:
-                    runners["radixlm float32 gguf-quantized ggml head"], quantized = radixlm_runner(
-                        args.model, dtype, args.new_tokens, quantization="gguf", gguf_lm_head_kernel="ggml")
+                if args.gguf_ggml:
+                    runners["radixlm float32 gguf-quantized ggml"], quantized = radixlm_runner(
+                        args.model, dtype, args.new_tokens, quantization="gguf", gguf_kernel="ggml")
                     keep.append(quantized)
                 if args.gguf_all_threads:
                     runners["radixlm float32 gguf-quantized all threads"], quantized = radixlm_runner(

@@ -68,6 +68,9 @@ class NullRunner:
         self._last = now
         return torch.zeros(len(batch.logit_rows), VOCAB)
 
+    def idle(self) -> None:  # the loop is about to wait for a request
+        pass
+
 
 def run_once(batch: int, prompt_len: int, new_tokens: int, seed: int, max_running: int | None = None,
              policy: str = "lpm", shared_prefixes: int = 0,

@@ -20,8 +20,8 @@ same values requantized to int8 with one scale per row (|error| <= max|w_row| / 
 - int8pack: not fbgemm: torch's `_weight_int8pack_mm` on the requantized weight in one call, activations
   in bf16 (gguf's Q8_0 layer calls it once per block of 32 columns, each with the file's own scales).
 - ggml: not fbgemm: ggml's own product (llama.cpp's) on the file's blocks, re-encoded from the fields
-  gguf_kept gets: the runtime's ggml_product.GgmlLinear (libggml-python), which gguf_lm_head_kernel="ggml"
-  uses for the LM head alone.
+  gguf_kept gets: the runtime's ggml_product.GgmlLinear (libggml-python), which gguf_kernel="ggml" uses,
+  here on every row count (one threadpool of torch's thread count).
 Then: `errors` (each kind's error on the inputs a prefill of README text gives it), `products` (CPU ms a token of each kind's layers, all 30 layers' distinct weights so that none is
 warm in cache, as in a step; the LM head too), `quant ARGS` (bench_quant.py ARGS) or `cpu ARGS`
 (bench_cpu.py ARGS) with the patched layers.
@@ -40,7 +40,7 @@ from torch import nn
 
 import radixlm
 from radixlm.core.runtime.quantization import gguf_kept
-from radixlm.core.runtime.quantization.ggml_product import GgmlLinear
+from radixlm.core.runtime.quantization.ggml_product import GgmlLinear, GgmlThreads
 
 _HERE = Path(__file__).resolve().parent
 KINDS = {(960, 576): "qkv", (576, 576): "o", (3072, 576): "gate_up", (576, 1536): "down", (49152, 576): "lm_head"}
@@ -106,13 +106,15 @@ def ggml_blocks(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None) -> tup
 def patch(mode: str, kinds: set[str]) -> None:
     """gguf_kept builds Int8Dynamic for the layers of `kinds` (its own layers for the rest)."""
     int4, int8 = gguf_kept.Int4GroupLinear, gguf_kept.Int8GroupLinear
+    threads = GgmlThreads(torch.get_num_threads()) if mode == "ggml" else None
 
     def four(q, scale, zero, bias):  # W = (q - 8) * scale + zero, groups of 32
         if KINDS.get(tuple(q.shape)) not in kinds:
             return int4(q, scale, zero, bias)
         n, k = q.shape
         if mode == "ggml":  # the file's blocks again: m = zero - 8d (Q4_1), no m where zero is 0 (Q4_0)
-            return GgmlLinear(*ggml_blocks(q, scale, None if not zero.any() else zero - 8 * scale), (n, k), bias)
+            return GgmlLinear(*ggml_blocks(q, scale, None if not zero.any() else zero - 8 * scale), (n, k), bias,
+                              threads)
         w = (q.float().view(n, -1, 32) - 8) * scale.float()[..., None] + zero.float()[..., None]
         return Int8Dynamic(w.view(n, k), bias, mode)
 
@@ -121,7 +123,7 @@ def patch(mode: str, kinds: set[str]) -> None:
             return int8(q, d, bias)
         n, k = q.shape
         if mode == "ggml":
-            return GgmlLinear(*ggml_blocks(q, d, None), (n, k), bias)
+            return GgmlLinear(*ggml_blocks(q, d, None), (n, k), bias, threads)
         return Int8Dynamic((q.float().view(n, -1, 32) * d.float()[..., None]).view(n, k), bias, mode)
 
     gguf_kept.Int4GroupLinear, gguf_kept.Int8GroupLinear = four, eight

@@ -118,6 +118,9 @@ class SimRunner:
         self._forward_s += time.perf_counter() - start
         return logits
 
+    def idle(self) -> None:  # the loop is about to wait for a request
+        pass
+
     def release(self) -> None:
         pass
 

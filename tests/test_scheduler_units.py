@@ -93,6 +93,9 @@ class FakeRunner:
             logits[j, next_token(self.kv[slots].tolist())] = 10.0
         return logits
 
+    def idle(self) -> None:  # the loop is about to wait for a request
+        pass
+
 
 def make_req(prompt: list[int], arrival: int = 0, rid: str | None = None, **params) -> Req:
     sp = SamplingParams.from_dict({"temperature": 0, "max_new_tokens": 8, **params})

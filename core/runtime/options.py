@@ -193,11 +193,11 @@ class EngineOptions:
         "Q4_0/Q4_1/Q8_0 weights stay quantized; awq, gptq: 4-bit checkpoints (read from their config without "
         "it) (docs/quantization.md)",
         choices=("fp8", "gguf", "awq", "gptq"))
-    gguf_lm_head_kernel: str = option(
-        "torch", "with quantization gguf on the CPU, the product of a Q8_0/Q4_0/Q4_1 LM head: torch (its int8 "
-        "and int4 kernels, as the projections) or ggml (llama.cpp's product on the file's blocks, ~2x faster "
-        "on the default model's head; needs the optional libggml-python: pip install 'radixlm[ggml]') "
-        "(docs/quantization.md)", choices=("torch", "ggml"))
+    gguf_kernel: str = option(
+        "torch", "with quantization gguf on the CPU, the product of the kept Q8_0/Q4_0/Q4_1 projections and LM "
+        "head: torch (its int8 and int4 kernels) or ggml (llama.cpp's product on the file's blocks, on a kept "
+        "threadpool of torch's thread count: faster at batch 1, and it gains from more threads there; needs the "
+        "optional libggml-python: pip install 'radixlm[ggml]') (docs/quantization.md)", choices=("torch", "ggml"))
     load_format: str = option("auto", "auto: weights from the model path; dummy: random weights (benchmarks)",
                               choices=("auto", "dummy"))
     tp_size: int = option(1, "tensor-parallel ranks, one process each (docs/scale_out.md)",
@@ -296,9 +296,8 @@ class EngineOptions:
             self.enable_overlap_schedule = (self.device.startswith("cuda") and self.tp_size == self.dp_size == 1
                                             and self.speculative_algorithm is None)
         self._check_speculative()
-        if self.gguf_lm_head_kernel == "ggml" and (self.quantization != "gguf" or not self.device.startswith("cpu")):
-            raise InvalidRequestError("gguf_lm_head_kernel='ggml' applies to quantization='gguf' on the CPU",
-                                      "gguf_lm_head_kernel")
+        if self.gguf_kernel == "ggml" and (self.quantization != "gguf" or not self.device.startswith("cpu")):
+            raise InvalidRequestError("gguf_kernel='ggml' applies to quantization='gguf' on the CPU", "gguf_kernel")
         if self.max_running_requests is None:
             self.max_running_requests = 512 if self.device.startswith("cuda") else 64
         for name in ("max_running_requests", "schedule_fairness_bound", "tp_size", "dp_size", "nnodes",

@@ -35,6 +35,7 @@ from radixlm.core.runtime.models.config import ModelConfig
 from radixlm.core.runtime.models.cpu_linear import prepack_linears
 from radixlm.core.runtime.models.hub import locate_model
 from radixlm.core.runtime.models.loader import load_model
+from radixlm.core.runtime.quantization.ggml_product import GgmlLinear
 from radixlm.core.runtime.quantization.int4 import Int4Linear
 
 if TYPE_CHECKING:
@@ -74,11 +75,13 @@ class ModelRunner:
         with _one_thread_on_cpu(self.device) as threads:
             self.model = model if model is not None else load_model(
                 model_path, cfg, self.dtype, self.device, self.ops, opts.load_format, tp=tp,
-                quantization=opts.quantization, gguf_lm_head_kernel=opts.gguf_lm_head_kernel)
+                quantization=opts.quantization, gguf_kernel=opts.gguf_kernel, gguf_threads=threads)
             self.load_seconds["weights"] = time.perf_counter() - start
             if self.device.type == "cpu" and not opts.disable_cpu_prepack:
                 prepack_linears(self.model, plain_max_rows=opts.cpu_plain_linear_max_rows, workers=threads)
                 self.load_seconds["prepack"] = time.perf_counter() - start - self.load_seconds["weights"]
+        # gguf_kernel="ggml": the threadpool its products share, paused while the engine is idle (idle()).
+        self.ggml_threads = next((m.threads for m in self.model.modules() if isinstance(m, GgmlLinear)), None)
         if opts.decode_fused_gemv and tp is None and hasattr(self.model, "enable_fused_gemv"):
             fused = self.model.enable_fused_gemv(opts.decode_fused_gemv)
             logger.info("decode_fused_gemv=%d: %s", opts.decode_fused_gemv,
@@ -123,10 +126,16 @@ class ModelRunner:
                              "extends" if self.graph_runner else "every step")
             torch.cuda.synchronize(self.device)
 
+    def idle(self) -> None:
+        """Nothing to run until a request comes: ggml's polling workers (gguf_kernel="ggml") go to sleep
+        now rather than spin out their poll time; the next step wakes them."""
+        if self.ggml_threads is not None:
+            self.ggml_threads.pause()
+
     def release(self) -> None:
         """Drops the weights, the KV pool and the CUDA graphs once the engine has shut down, so that
         their device memory returns to the process (a later engine sizes its KV pool from what is free)."""
-        self.graph_runner = self.extend_graphs = None
+        self.graph_runner = self.extend_graphs = self.ggml_threads = None
         self.model = self.kv_pool = None
         _return_unused_memory(self.device)
 
@@ -206,7 +215,10 @@ class ModelRunner:
         if len(batch.input_ids) <= self.one_thread_max_rows:
             with _one_thread_on_cpu(self.device):
                 return self._forward(batch)
-        return self._forward(batch)
+        try:
+            return self._forward(batch)
+        finally:
+            self.idle()  # ggml's polling workers would take cores from torch's threads in the next such step
 
     def _forward(self, batch: BatchInput) -> torch.Tensor:
         self.req_to_token.flush()

@@ -159,17 +159,14 @@ class GGUFCheckpoint:
         infos = [info for name, info in self.tensors.items() if name != _ROPE_FREQS]
         for qtype in {info.qtype for info in infos}:
             _check_dequantizable(qtype, self.path)
-        heads = self._key("attention.head_count")
-        kv_heads = self._key("attention.head_count_kv", heads)
         buffer = torch.empty(_RUN_VALUES)
         with tqdm(total=len(infos), desc="Loading GGUF weights", unit="tensor") as bar:
             for run in _runs(infos):
                 fits = sum(prod(info.shape) for info in run) <= _RUN_VALUES
                 for info, w in zip(run, self._dequantize_run(run, buffer if fits else None)):
                     name = hf_tensor_name(info.name)
-                    if self.arch == "llama" and (".q_proj." in name or ".k_proj." in name):
-                        w = _unpermute_rows(w, heads if ".q_proj." in name else kv_heads)
-                    yield name, w
+                    heads = self._permuted_heads(name)
+                    yield name, w if heads is None else _unpermute_rows(w, heads)
                     bar.update(1)
 
     def integer_weight(self, name: str) -> tuple[str, torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -178,11 +175,25 @@ class GGUFCheckpoint:
         info = self.tensors[name]
         fields = gguf_dequant.integer_blocks(self.blocks(name), info.qtype, info.shape)
         hf_name = hf_tensor_name(name)
-        if self.arch == "llama" and (".q_proj." in hf_name or ".k_proj." in hf_name):
-            heads = self._key("attention.head_count")
-            heads = heads if ".q_proj." in hf_name else self._key("attention.head_count_kv", heads)
+        heads = self._permuted_heads(hf_name)
+        if heads is not None:
             fields = tuple(None if f is None else _unpermute_rows(f, heads) for f in fields)
         return (hf_name, *fields)
+
+    def row_blocks(self, name: str) -> torch.Tensor:
+        """A 2-D tensor's bytes as stored, one row of blocks a weight row ([rows, bytes a row]), rows in HF
+        order as `weights` gives them (the blocks of a row are the row's alone, so rows move whole)."""
+        rows = self.tensors[name].shape[0]
+        raw = self.blocks(name).view(rows, -1)
+        heads = self._permuted_heads(hf_tensor_name(name))
+        return raw if heads is None else _unpermute_rows(raw, heads)
+
+    def _permuted_heads(self, hf_name: str) -> int | None:
+        """The head count of a Llama Q or K projection, whose rows llama.cpp's converter reorders; else None."""
+        if self.arch != "llama" or not (".q_proj." in hf_name or ".k_proj." in hf_name):
+            return None
+        heads = self._key("attention.head_count")
+        return heads if ".q_proj." in hf_name else self._key("attention.head_count_kv", heads)
 
     def blocks(self, name: str) -> torch.Tensor:
         """A tensor's bytes as the file stores them (uint8, a view of the mapped file; rows in GGUF order)."""

@@ -82,15 +82,15 @@ def _quantized_weights(files: list[str], qc: QuantConfig, path: str) -> Iterator
 def load_model(
     path: str, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, ops: ModuleType,
     load_format: str = "auto", tp: "TensorParallel | None" = None, quantization: str | None = None,
-    gguf_lm_head_kernel: str = "torch",
+    gguf_kernel: str = "torch", gguf_threads: int = 1,
 ) -> nn.Module:
     """Builds the model of cfg's architecture (core.runtime.models.registry) on the meta device, then fills each
     parameter straight from the checkpoint's weights, converted to `dtype` as they are copied
     (load_format "auto"), or with random values made on the device ("dummy": no files read).
     With `tp` (cfg is then tp.local_config()), the model holds this rank's share of every layer.
     A quantized checkpoint, or `quantization` ("fp8"), makes the projections quantized layers
-    (core.runtime.quantization) once the weights are in; gguf_lm_head_kernel: quantization "gguf"'s
-    LM head kernel (gguf_kept.keep_gguf_quantized)."""
+    (core.runtime.quantization) once the weights are in; gguf_kernel, gguf_threads: quantization "gguf"'s
+    product kernel and, for "ggml", its thread count (gguf_kept.keep_gguf_quantized)."""
     spec = model_spec(cfg.architecture)
     qc = quant_config(quantization, path, dummy=load_format == "dummy")
     if qc is not None and qc.method == "fp8":
@@ -116,7 +116,7 @@ def load_model(
         _set_parameter(model, name, model.get_parameter(source))
     if load_format == "dummy":
         _init_dummy(model)
-        return _quantized(model, qc, ops, from_checkpoint, path, gguf_lm_head_kernel).eval()
+        return _quantized(model, qc, ops, from_checkpoint, path, gguf_kernel, gguf_threads).eval()
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded: set[str] = set()
     for hf_name, w in checkpoint_weights(path, qc):
@@ -142,11 +142,11 @@ def load_model(
     missing = sorted(expected - loaded)
     if missing:
         raise UnsupportedModelError(f"checkpoint {path} lacks weights: {missing[:5]}{'...' if len(missing) > 5 else ''}")
-    return _quantized(model, qc, ops, from_checkpoint, path, gguf_lm_head_kernel).eval()
+    return _quantized(model, qc, ops, from_checkpoint, path, gguf_kernel, gguf_threads).eval()
 
 
 def _quantized(model: nn.Module, qc: QuantConfig | None, ops: ModuleType, from_checkpoint: bool,
-               path: str, gguf_lm_head_kernel: str = "torch") -> nn.Module:
+               path: str, gguf_kernel: str = "torch", gguf_threads: int = 1) -> nn.Module:
     """The model with its projections quantized as qc says (unchanged without qc); the memory of the
     weights they replace goes back to the device."""
     if qc is None:
@@ -155,7 +155,7 @@ def _quantized(model: nn.Module, qc: QuantConfig | None, ops: ModuleType, from_c
         from radixlm.core.runtime.quantization.gguf_kept import keep_gguf_quantized  # `gguf` only for GGUF files
         cfg = model.config
         keep_gguf_quantized(model, find_gguf(path), model_spec(cfg.architecture), cfg.tie_word_embeddings, ops,
-                            gguf_lm_head_kernel)
+                            gguf_kernel, gguf_threads)
         return model
     if qc.method in ("awq", "gptq"):
         quantize_int4_linears(model, ops) if from_checkpoint else quantize_random_int4(model, ops)

@@ -1,18 +1,21 @@
-"""gguf_lm_head_kernel="ggml": a GGUF model's kept LM head (Q8_0, Q4_0 or Q4_1) multiplied on the CPU by
-ggml's own product, the one llama.cpp runs: the activations quantized to 8 bits a block of 32, integer
-dot products with the file's blocks as stored. Torch's int8 product (gguf_kept.Int8GroupLinear) takes
-bf16 activations and one call per block of columns: on the default model's 49152 x 576 Q8_0 head, ~2.5
-against ~5.5 CPU ms a token (benchmarks/results/2026-12-07-quantization.md). The projections stay
-torch's: ggml's 4-bit product is no faster there and its 8-bit activations move the logits more.
+"""gguf_kernel="ggml": a GGUF model's kept products (every Q8_0, Q4_0 or Q4_1 projection and LM head)
+multiplied on the CPU by ggml's own product, the one llama.cpp runs: the activations quantized to 8 bits a
+block of 32, integer dot products with the file's blocks as stored, on a threadpool of ggml's kept for the
+model. Against torch's int8 kernel (gguf_kept.py) it is faster at 1 and 16 rows (the default model's
+49152 x 576 Q8_0 head ~2.5 against ~5.5 CPU ms a token); against torch's int4 kernel as fast at one row
+and 2x slower from 4 (this AVX2 build), so gguf_kept gives 4-bit layers torch's for more rows
+(`many_rows`). At batch 1 it gains from a second core, where torch's per-op parallel regions do not
+(benchmarks/results/2026-12-07-quantization.md).
 
 ggml comes from the optional package libggml-python (`pip install "radixlm[ggml]"`: prebuilt CPU
 libraries, no dependencies), pinned exactly: its C structs, read here through ctypes, change between
 ggml releases (ggml_cplan has gained fields), so any other version is refused at load.
 
 Graphs: one per row count up to KEPT_ROWS (decode batches) kept with its plan and work buffer; larger
-ones (prefills) are built per call. ggml computes on as many threads as torch has, with a threadpool
-made per call (the head is one call a step, so kept workers would save little and would need one pool
-per calling thread).
+ones (prefills) are built per call. All of a model's products share one GgmlThreads: ggml's threadpool,
+kept between graphs with its workers polling for the next one (a batch-1 step is ~120 small graphs: a
+pool made per graph costs more than the second core saves, workers woken from sleep each graph ~14%
+more a step than polling ones).
 """
 
 from __future__ import annotations
@@ -41,6 +44,11 @@ class _InitParams(ctypes.Structure):  # ggml_init_params
     _fields_ = [("mem_size", ctypes.c_size_t), ("mem_buffer", _P), ("no_alloc", ctypes.c_bool)]
 
 
+class _PoolParams(ctypes.Structure):  # ggml_threadpool_params
+    _fields_ = [("cpumask", ctypes.c_bool * 512), ("n_threads", ctypes.c_int), ("prio", ctypes.c_int),
+                ("poll", ctypes.c_uint32), ("strict_cpu", ctypes.c_bool), ("paused", ctypes.c_bool)]
+
+
 class _Plan(ctypes.Structure):  # ggml_cplan: a graph's work buffer and threads
     _fields_ = [("work_size", ctypes.c_size_t), ("work_data", _P), ("n_threads", ctypes.c_int),
                 ("threadpool", _P), ("abort_callback", _P), ("abort_callback_data", _P), ("use_ref", ctypes.c_bool)]
@@ -51,7 +59,10 @@ _FUNCTIONS = [("ggml_init", _P, [_InitParams]), ("ggml_free", None, [_P]),
               ("ggml_get_data", _P, [_P]), ("ggml_mul_mat", _P, [_P, _P, _P]), ("ggml_new_graph", _P, [_P]),
               ("ggml_build_forward_expand", None, [_P, _P]), ("ggml_cpu_init", None, []),
               ("ggml_graph_plan", _Plan, [_P, ctypes.c_int, _P]),
-              ("ggml_graph_compute", ctypes.c_int, [_P, ctypes.POINTER(_Plan)])]
+              ("ggml_graph_compute", ctypes.c_int, [_P, ctypes.POINTER(_Plan)]),
+              ("ggml_threadpool_params_default", _PoolParams, [ctypes.c_int]),
+              ("ggml_threadpool_new", _P, [ctypes.POINTER(_PoolParams)]), ("ggml_threadpool_free", None, [_P]),
+              ("ggml_threadpool_pause", None, [_P])]
 
 
 def library() -> SimpleNamespace:
@@ -63,10 +74,10 @@ def library() -> SimpleNamespace:
     try:
         version = metadata.version(PACKAGE)
     except metadata.PackageNotFoundError:
-        raise UnsupportedModelError(f"gguf_lm_head_kernel='ggml' needs the {PACKAGE} package: pip install "
+        raise UnsupportedModelError(f"gguf_kernel='ggml' needs the {PACKAGE} package: pip install "
                                     f"'radixlm[ggml]' (or '{PACKAGE}=={VERSION}')") from None
     if version != VERSION:
-        raise UnsupportedModelError(f"gguf_lm_head_kernel='ggml' needs {PACKAGE}=={VERSION} (installed: {version}): "
+        raise UnsupportedModelError(f"gguf_kernel='ggml' needs {PACKAGE}=={VERSION} (installed: {version}): "
                                     f"radixlm reads ggml's C structs, which change between releases; pip install "
                                     f"'{PACKAGE}=={VERSION}'")
     import libggml
@@ -88,12 +99,41 @@ def library() -> SimpleNamespace:
     return lib
 
 
+class GgmlThreads:
+    """The threadpool a model's ggml products run on: `threads` threads (the calling one and workers),
+    made at the first product, so on the thread that runs the forwards. Between graphs the workers poll
+    for the next one (ggml's poll level 50: ~0.17 s of spinning after the last graph, then they sleep);
+    pause() puts them to sleep at once (the engine calls it when it goes idle), and the next graph wakes
+    them."""
+
+    def __init__(self, threads: int) -> None:
+        self.lib = library()
+        self.threads = threads
+        self.pool: int | None = None
+
+    def handle(self) -> int:
+        if self.pool is None:
+            params = self.lib.ggml_threadpool_params_default(self.threads)
+            self.pool = self.lib.ggml_threadpool_new(ctypes.byref(params))
+            if not self.pool:
+                raise RuntimeError(f"ggml_threadpool_new failed ({self.threads} threads)")
+        return self.pool
+
+    def pause(self) -> None:
+        if self.pool is not None:
+            self.lib.ggml_threadpool_pause(self.pool)
+
+    def __del__(self) -> None:  # its graphs' plans point at the pool: the layers hold this object
+        if getattr(self, "pool", None) is not None:
+            self.lib.ggml_threadpool_free(self.pool)
+
+
 class _Graph:
     """x [rows, k] -> x @ W.T [rows, n] as one ggml graph in a context of its own (input and output
-    tensors), with a plan and work buffer per thread count, made once (ggml_graph_compute_with_ctx would
-    take a new work buffer from the context at every call)."""
+    tensors), with its plan and work buffer made once (ggml_graph_compute_with_ctx would take a new
+    work buffer from the context at every call)."""
 
-    def __init__(self, lib: SimpleNamespace, weight: int, k: int, n: int, rows: int) -> None:
+    def __init__(self, lib: SimpleNamespace, weight: int, k: int, n: int, rows: int, threads: GgmlThreads) -> None:
         self.lib = lib
         self.ctx = lib.ggml_init(_InitParams(rows * (k + n) * 4 + (1 << 20), None, False))
         x = lib.ggml_new_tensor_2d(self.ctx, _F32, k, rows)
@@ -102,18 +142,15 @@ class _Graph:
         lib.ggml_build_forward_expand(self.graph, out)
         self.x = _floats(lib.ggml_get_data(x), rows, k)
         self.out = _floats(lib.ggml_get_data(out), rows, n)
-        self.plans: dict[int, tuple[_Plan, np.ndarray]] = {}
+        self.plan = lib.ggml_graph_plan(self.graph, threads.threads, threads.handle())
+        self.plan.use_ref = False
+        self.work = np.empty(max(self.plan.work_size, 1), np.uint8)  # kept alive beside the plan that points at it
+        self.plan.work_data = self.work.ctypes.data
+        self.plan_ref = ctypes.byref(self.plan)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        threads = torch.get_num_threads()
-        if threads not in self.plans:
-            plan = self.lib.ggml_graph_plan(self.graph, threads, None)
-            plan.use_ref = False
-            work = np.empty(max(plan.work_size, 1), np.uint8)  # kept alive beside the plan that points at it
-            plan.work_data = work.ctypes.data
-            self.plans[threads] = (plan, work)
         self.x.copy_(x)
-        if self.lib.ggml_graph_compute(self.graph, ctypes.byref(self.plans[threads][0])) != 0:
+        if self.lib.ggml_graph_compute(self.graph, self.plan_ref) != 0:
             raise RuntimeError("ggml_graph_compute failed")
         return self.out.clone()
 
@@ -127,11 +164,16 @@ def _floats(address: int, rows: int, cols: int) -> torch.Tensor:
 
 class GgmlLinear(nn.Module):
     """x @ W.T (+ bias) for a weight of GGUF blocks (`qtype` Q8_0, Q4_0 or Q4_1; `blocks` the tensor's
-    bytes as the file stores them, ggml's own layout), by ggml_mul_mat; fp32 products, output in x's dtype."""
+    bytes as the file stores them, ggml's own layout, rows in the model's order), by ggml_mul_mat on
+    `threads`; fp32 products, output in x's dtype. `many_rows`: a layer of the same weight that takes
+    inputs of more rows (gguf_kept: torch's int4 kernel, 2x ggml's from 4 rows on an AVX-512 CPU)."""
 
-    def __init__(self, qtype: str, blocks: torch.Tensor, shape: tuple[int, int], bias: torch.Tensor | None) -> None:
+    def __init__(self, qtype: str, blocks: torch.Tensor, shape: tuple[int, int], bias: torch.Tensor | None,
+                 threads: GgmlThreads, many_rows: nn.Module | None = None) -> None:
         super().__init__()
         self.lib = library()
+        self.threads = threads
+        self.many_rows = many_rows  # the same product for inputs of more than one row, where given
         self.out_features, self.in_features = shape
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
         self.ctx = self.lib.ggml_init(_InitParams(blocks.numel() + (1 << 16), None, False))
@@ -142,16 +184,20 @@ class GgmlLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
         rows = flat.shape[0]
-        graph = self.graphs.get(rows) or _Graph(self.lib, self.weight, self.in_features, self.out_features, rows)
+        if rows > 1 and self.many_rows is not None:
+            return self.many_rows(x)
+        graph = self.graphs.get(rows)
+        if graph is None:
+            graph = _Graph(self.lib, self.weight, self.in_features, self.out_features, rows, self.threads)
+            if rows <= KEPT_ROWS:
+                self.graphs[rows] = graph
         out = graph(flat)
-        if rows <= KEPT_ROWS:
-            self.graphs[rows] = graph
-        else:
+        if rows > KEPT_ROWS:
             graph.free()
         out = out if self.bias is None else out + self.bias
         return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
-    def __del__(self) -> None:  # ggml's memory is outside torch's: the head's blocks and the kept graphs
+    def __del__(self) -> None:  # ggml's memory is outside torch's: the weight's blocks and the kept graphs
         if not hasattr(self, "graphs"):  # __init__ did not finish
             return
         for graph in self.graphs.values():

@@ -10,7 +10,8 @@ Both kernels are fast only on bf16 activations (their fp32 and fp16 paths are 10
 scales and zeros go to bf16 for the product (2^-9 relative rounding, against Q4's own ~2^-4), the output
 back to the model dtype. Tensors of other types (Q4_K, Q6_K, F16, ...) stay dequantized, as before.
 On CUDA, Q4_0 / Q4_1 run as AWQ layers (int4_layer: the 4-bit Triton GEMM and GEMV); Q8_0 stays dequantized.
-gguf_lm_head_kernel="ggml" (CPU, opt-in): the LM head runs ggml's own product instead (ggml_product.py).
+gguf_kernel="ggml" (CPU, opt-in): every kept product runs ggml's own product instead, on the file's blocks
+(ggml_product.py).
 """
 
 from __future__ import annotations
@@ -92,13 +93,19 @@ def int4_layer(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, bias: t
 
 
 def keep_gguf_quantized(model: nn.Module, gguf_path: str, spec: ModelSpec, tied: bool, ops: ModuleType,
-                        lm_head_kernel: str = "torch") -> int:
+                        kernel: str = "torch", threads: int = 1) -> int:
     """Swaps every projection (and the LM head) whose GGUF tensors are all of one kept type for its
     quantized layer, built from the file's blocks; returns how many. The model holds the dequantized
     weights (loaded as usual): those of the swapped layers are dropped. On CUDA only Q4_0 / Q4_1 are
-    kept (through the 4-bit kernels of AWQ/GPTQ); Q8_0 layers there stay dequantized. lm_head_kernel
-    "ggml" (CPU): the LM head runs ggml's product on the file's blocks (ggml_product.py)."""
+    kept (through the 4-bit kernels of AWQ/GPTQ); Q8_0 layers there stay dequantized. kernel "ggml"
+    (CPU): every swapped layer runs ggml's product on the file's blocks, all on one ggml threadpool of
+    `threads` threads (ggml_product.py)."""
     cuda = next(model.parameters()).is_cuda
+    pool = None
+    if kernel == "ggml":
+        from radixlm.core.runtime.quantization.ggml_product import GgmlLinear, GgmlThreads  # the optional libggml
+
+        pool = GgmlThreads(threads)
     ckpt = GGUFCheckpoint(gguf_path)
     parts: dict[str, dict[int, str]] = {}  # our module -> {block: GGUF tensor}
     for name, info in ckpt.tensors.items():
@@ -127,11 +134,14 @@ def keep_gguf_quantized(model: nn.Module, gguf_path: str, spec: ModelSpec, tied:
             logger.info("%s stays dequantized (Q8_0 is kept quantized on the CPU only)", module)
             continue
         bias = getattr(dense, "bias", None)
-        if module == "lm_head" and lm_head_kernel == "ggml":
-            from radixlm.core.runtime.quantization.ggml_product import GgmlLinear  # the optional libggml
-
-            info = ckpt.tensors[names[0]]
-            layer = GgmlLinear(info.qtype.name, ckpt.blocks(names[0]), tuple(info.shape), bias)
+        qtype = ckpt.tensors[names[0]].qtype.name
+        if pool is not None:
+            rows = torch.cat([ckpt.row_blocks(n) for n in names])  # a fused module's blocks, one after another
+            # ggml's 4-bit product (the wheel's AVX2 build) is 2x slower than torch's from 4 rows: one row
+            # only, torch's kernel above. Its 8-bit one beats torch's per-group loop at any row count.
+            many_rows = None if qtype == "Q8_0" else _torch_layer(
+                [ckpt.integer_weight(n)[1:] for n in names], bias, cuda, ops)
+            layer = GgmlLinear(qtype, rows, (rows.shape[0], ckpt.tensors[names[0]].shape[1]), bias, pool, many_rows)
         else:
             layer = _torch_layer([ckpt.integer_weight(n)[1:] for n in names], bias, cuda, ops)
         owner, _, attr = module.rpartition(".")

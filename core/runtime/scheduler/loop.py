@@ -143,7 +143,10 @@ class Scheduler:
                 self._paused.set()
                 self._resume.wait()
                 self._resume.clear()
-            self._drain_inbox(block=not self.queues.busy())
+            busy = self.queues.busy()
+            if not busy:  # the loop is about to wait for a request
+                self.runner.idle()
+            self._drain_inbox(block=not busy)
             if self._stop.is_set():
                 break
             self._end_overdue()

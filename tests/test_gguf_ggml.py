@@ -1,0 +1,140 @@
+"""gguf_kernel="ggml" (core.runtime.quantization.ggml_product): ggml's product on a GGUF weight's
+blocks against x @ W.T with W from gguf's own numpy dequantizer, within the error of the activations'
+8-bit blocks, on one and two threads; the default model (SmolLM2-135M-Instruct: Q4_1 projections, tied
+Q8_0 head) with every product on ggml against the dequantized fp32 model: prompt logprobs and the quick
+start's answers; its threadpool asleep while the engine is idle; the errors that name the fix when
+libggml-python is missing or of another version."""
+
+from __future__ import annotations
+
+import time
+from importlib import metadata
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+
+import radixlm
+from radixlm.core.errors import InvalidRequestError, UnsupportedModelError
+from radixlm.core.runtime.quantization import ggml_product
+from radixlm.core.runtime.quantization.ggml_product import KEPT_ROWS, GgmlLinear, GgmlThreads
+
+# The README's quick start (benchmarks/bench_quant.py's questions and system prompt).
+SYSTEM = ("You are a concise assistant for a geography and general-knowledge quiz. Answer each question "
+          "in one short sentence.")
+QUESTIONS = ["What is the capital of France?", "What is the capital of Japan?", "How many legs does a spider have?",
+             "What is 12 plus 7?", "What is the largest ocean on Earth?", "Which planet is known as the Red Planet?"]
+TEXT = ("radixlm serves language models with a radix-tree prefix cache: requests that share a prompt prefix "
+        "reuse its attention keys and values instead of computing them again, and a scheduler orders the "
+        "waiting requests so that those sharing the longest cached prefix run first.")
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("rows", [1, 5, KEPT_ROWS + 6])
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_1], ids=lambda q: q.name)
+def test_product_against_the_dequantized_weight(qtype, rows, threads):
+    """ggml quantizes each block of 32 activations to int8 with d = max|x| / 127 (stored in fp16):
+    |x - x'| <= max|x_block| / 254 + 2^-11 |x'|. So each output is within sum over blocks of
+    max|x_block| / 254 * sum |W| over the block, plus 2^-9 of sum |x||W| (the fp16 scales, Q4_1's
+    fp16 block sums, fp32 sums). Graphs of up to KEPT_ROWS rows are kept: each row count twice. On two
+threads ggml splits the product between them."""
+    rng = np.random.default_rng(0)
+    n, k = 40, 128
+    raw = gguf.quants.quantize(rng.normal(0, 0.2, (n, k)).astype(np.float32), qtype)
+    w = torch.from_numpy(gguf.quants.dequantize(raw, qtype)).reshape(n, k)
+    bias = torch.randn(n)
+    layer = GgmlLinear(qtype.name, torch.from_numpy(raw.reshape(-1)), (n, k), bias, GgmlThreads(threads))
+    for _ in range(2):
+        x = torch.randn(rows, k) * torch.rand(rows, k) * 4  # blocks of unlike ranges
+        want = x @ w.t() + bias
+        block_max = x.abs().view(rows, k // 32, 32).amax(-1)  # [rows, blocks]
+        w_sums = w.abs().view(n, k // 32, 32).sum(-1)  # [n, blocks]
+        bound = block_max @ w_sums.t() / 254 + 2 ** -9 * (x.abs() @ w.abs().t()) + 1e-5
+        got = layer(x)
+        assert got.shape == want.shape and got.dtype == torch.float32
+        assert bool(((got - want).abs() <= bound).all()), float(((got - want).abs() / bound).max())
+    assert (rows in layer.graphs) == (rows <= KEPT_ROWS)
+    assert layer(x.to(torch.bfloat16)).dtype == torch.bfloat16  # the output in the model's dtype
+
+
+@pytest.fixture(scope="module")
+def engines():
+    with radixlm.Engine(log_level="warning") as plain, \
+            radixlm.Engine(quantization="gguf", gguf_kernel="ggml", log_level="warning") as ggml:
+        yield plain, ggml
+
+
+def _answers(engine, batched: bool) -> list[str]:
+    """The quick start's six answers, greedy: batched (as bench_quant.py --accuracy asks them) or one
+    request at a time (batch-1 decode steps)."""
+    prompts = [engine.tokenizer.apply_chat_template([{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}],
+                                                    tokenize=False, add_generation_prompt=True) for q in QUESTIONS]
+    params = {"max_new_tokens": 32, "temperature": 0}
+    if batched:
+        return [out["text"] for out in engine.generate(prompts, params)]
+    return [engine.generate(prompt, params)["text"] for prompt in prompts]
+
+
+def test_default_model_on_ggml_keeps_logprobs_and_answers(engines):
+    """Every kept product is ggml's at one row (a batch-1 decode step: the Q4_1 projections and the Q8_0
+    head), the head at any row count, the projections on torch's int4 kernel above one row. Against the
+    dequantized fp32 model: TEXT's next-token logprobs (a prefill, teacher-forced) and those of 40
+    greedy tokens after it (batch-1 decode, before the first token that differs) each within 0.5, 0.15
+    on average (measured: prefill 0.057 mean / 0.27 max, decode 0.027 / 0.13 over the 23 tokens before; torch's
+    kernels 0.041 / 0.14 in the prefill: the Q4_1 weights, and ggml's 8-bit activations, llama.cpp's
+    own); the quick start's six answers the same, batched and one at a time."""
+    plain, ggml = engines
+    model = ggml._runner.model
+    layers = (model.lm_head, model.layers[0].self_attn.qkv_proj, model.layers[0].self_attn.o_proj,
+              model.layers[-1].mlp.gate_up_proj, model.layers[-1].mlp.down_proj)
+    assert all(type(m).__name__ == "GgmlLinear" for m in layers)
+    assert model.lm_head.many_rows is None  # Q8_0: ggml at every row count
+    assert type(model.layers[0].mlp.down_proj.many_rows).__name__ == "Int4GroupLinear"
+    assert ggml._runner.ggml_threads.threads == torch.get_num_threads()
+    prefill, decode, tokens = [], [], []
+    for engine in engines:
+        out = engine.generate(TEXT, {"max_new_tokens": 40, "temperature": 0, "ignore_eos": True}, return_logprob=True,
+                              logprob_start_len=0)
+        prefill.append(torch.tensor([lp for lp, _, _ in out["meta_info"]["input_token_logprobs"][1:]]))
+        decode.append(torch.tensor([lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]]))
+        tokens.append([t for _, t, _ in out["meta_info"]["output_token_logprobs"]])
+    same = next((i for i, (a, b) in enumerate(zip(*tokens)) if a != b), len(tokens[0]))
+    assert same >= 10  # measured: 23
+    for delta in ((prefill[0] - prefill[1]).abs(), (decode[0][:same] - decode[1][:same]).abs()):
+        assert float(delta.mean()) <= 0.15 and float(delta.max()) <= 0.5, delta
+    for batched in (True, False):
+        want = _answers(plain, batched)
+        assert "Paris" in want[0] and "Tokyo" in want[1]  # the oracle itself answers
+        assert _answers(ggml, batched) == want
+
+
+def test_ggml_threads_sleep_while_idle(engines):
+    """Once a request is done the loop pauses ggml's workers: no core spins while nothing runs (without
+    the pause they would poll for ~0.17 s after the last graph)."""
+    _, ggml = engines
+    ggml.generate(TEXT, {"max_new_tokens": 8, "temperature": 0})
+    time.sleep(0.05)  # the loop's turn after the last step
+    start = time.process_time()
+    time.sleep(0.5)
+    assert time.process_time() - start < 0.03
+
+
+def test_missing_or_other_libggml_named(monkeypatch):
+    monkeypatch.setattr(ggml_product, "_LIB", None)
+
+    def missing(name):
+        raise metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(ggml_product.metadata, "version", missing)
+    with pytest.raises(UnsupportedModelError, match=r"pip install 'radixlm\[ggml\]'"):
+        ggml_product.library()
+    monkeypatch.setattr(ggml_product.metadata, "version", lambda name: "0.9.0")
+    with pytest.raises(UnsupportedModelError, match=r"libggml-python==0\.20\.2\.post1 \(installed: 0\.9\.0\)"):
+        ggml_product.library()
+
+
+def test_ggml_only_with_gguf_on_the_cpu():
+    with pytest.raises(InvalidRequestError, match="quantization='gguf' on the CPU"):
+        radixlm.Engine(gguf_kernel="ggml", log_level="warning")
