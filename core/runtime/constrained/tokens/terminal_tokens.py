@@ -319,8 +319,6 @@ def _reread(key: str, dfa: ByteDFA, state: int, vocab: TokenVocab) -> StateToken
     for other_key, other_dfa, other in [(key, dfa, q) for q in loops(key, dfa, state)] + [string_body()]:
         if other_dfa is dfa and other == state:
             continue
-        if other_dfa is not dfa and ((other_dfa.transitions[other] >= 0) & (dfa.transitions[state] < 0)).sum() > 2:
-            continue  # dies where a string body reads on (a pattern's few characters): read alike by few tokens
         base = _known(other_key, other_dfa, other, vocab)
         if base is None or base[INSIDE] is None or base[CLOSING] is not None:
             continue
