@@ -15,11 +15,9 @@ of the sorted vocabulary (literal_tokens.py), so no trie is walked.
 Bytes apart. A pattern key before its pattern has matched (`f.*o`: after `"x`, or `"f`) never meets its
 string body again, yet reads like it: alive on the same bytes, accepting after the same ones, except on
 `"`, which closes the key only once the pattern has matched. Run together from the two states, the pairs
-of states they reach are few, and the bytes on which some pair stops agreeing are few (or the bytes leading
-into that pair): a token without any of them reads alike from both, so only the tokens containing one are
-read again from this state (terminal_tokens._reread), a few thousand at most, in one numpy pass per byte
-position. The other state may be another terminal's: a plain JSON string's body (string_body), for a
-pattern key whose own string body excludes the other patterns' keys and is met only once it has matched.
+of states they reach are few, and the bytes on which some pair stops agreeing are few: a token without
+any of them reads alike from both, so only the tokens containing one are read again from this state
+(terminal_tokens._reread), a few thousand at most, in one numpy pass per byte position.
 """
 
 from __future__ import annotations
