@@ -111,6 +111,7 @@ def _differing(key: str, dfa: ByteDFA, a: int, b: int) -> list[tuple[int, int, i
 
 
 MAX_PAIRS = 64  # pairs of states followed by bytes_apart, at most
+MAX_ROUNDS = 8  # bytes_apart's rounds (each adds bytes apart), at most
 MAX_REREAD = 4096  # tokens read again from the state, at most
 LOOPS = 4  # other states tried as the one to read like, at most
 
@@ -154,67 +155,66 @@ def bytes_apart(dfa: ByteDFA, state: int, other: int, other_dfa: ByteDFA | None 
     (default: the same DFA): run together, both alive through the same bytes and accepting after the same
     ones, so it has the same classes (inside, or exits with the same suffixes). A token starting with one
     of `dead` (and containing none of `anywhere`) has no class from `state`: it dies on its first byte.
-    None past MAX_PAIRS pairs of states. `cost`: tokens per byte (tokens_with reads again every token
-    containing one of `anywhere`), fewest taken where there is a choice, and None past MAX_REREAD of them.
+    None past MAX_PAIRS pairs of states or MAX_ROUNDS rounds. `cost`: tokens per byte (tokens_with reads
+    again every token containing one of `anywhere`), fewest taken where there is a choice.
 
-    Run together from (state, other), the pairs of states reached are few. Where a pair disagrees on a byte
-    (one alive and not the other, or both alive and one accepting), a token read alike must not take that
-    byte there. From the first pair, the tokens starting with it are read again (or dropped, where `state`
-    dies on it); elsewhere (or where the first pair is met again), either the byte is apart anywhere or the
-    bytes leading into the pair are, as every token reaching the pair takes one of them last. Either way the
-    pairs still reached are fewer, so no new disagreement appears. A pattern key before its match reads like
-    the string body but for `"` (it may not close yet) and the pattern's first bytes (after which `"` may
-    close it); one that excludes `X_` keys, after an `X`: tokens starting with `_` dropped, those with an
-    `X` read again (it leads back there)."""
+    Run together from (state, other) on the bytes not apart yet, the pairs of states reached are few. Where
+    a pair disagrees on a byte (one alive and not the other, or both alive and one accepting), a token read
+    alike must not take that byte there. From the first pair, the tokens starting with it are read again
+    (or dropped, where `state` dies on it); elsewhere (or where the first pair is met again), either the byte is apart anywhere or the bytes leading
+    into the pair are, as every token reaching the pair takes one of them last. Again until no pair reached
+    disagrees. A pattern key before its match reads like the string body but for `"` (it may not close
+    yet) and the pattern's first bytes (after which `"` may close it); `X_` matched but for tokens starting
+    with `_` after `X`, or containing an `X` (which leads back there)."""
     other_dfa = dfa if other_dfa is None else other_dfa
     trans_a, acc_a, trans_b, acc_b = dfa.transitions, dfa.accepting, other_dfa.transitions, other_dfa.accepting
     width = len(trans_b) + 1  # a pair as one int: a * width + b
-    index = {(state, other): 0}
-    entries = [np.zeros(256, dtype=bool)]  # per pair reached: the bytes leading into it from pairs reached
-    disagreeing: list[tuple[int, np.ndarray]] = []  # (pair, the bytes it disagrees on)
-    level = [(state, other)]
-    while level:  # breadth first, a level of pairs at once
-        rows_a, rows_b = trans_a[[a for a, _ in level]], trans_b[[b for _, b in level]]
-        alive_a, alive_b = rows_a >= 0, rows_b >= 0
-        both = alive_a & alive_b
-        apart = (alive_a != alive_b) | both & (acc_a[rows_a] != acc_b[rows_b])
-        found = [(index[pair], row) for pair, row in zip(level, apart) if row.any()]
-        if cost is not None and any(n and min(_cost(row, cost), _cost(entries[n], cost)) > MAX_REREAD
-                                    for n, row in found):  # (a pair's entries only grow)
-            return None
-        disagreeing += found
-        on = both & ~apart
-        if other_dfa is dfa:
-            on &= rows_a != rows_b  # the same state from both: every token below reads alike
-        at, byte = np.nonzero(on)
-        keys, inverse = np.unique(rows_a[at, byte].astype(np.int64) * width + rows_b[at, byte], return_inverse=True)
-        into = np.zeros((len(keys), 256), dtype=bool)
-        into[inverse.reshape(-1), byte] = True
-        level = []
-        for key, row in zip(keys.tolist(), into):
-            pair = divmod(key, width)
-            n = index.get(pair)
-            if n is None:
-                n = index[pair] = len(entries)
-                entries.append(row)
-                level.append(pair)
-            else:
-                entries[n] |= row
-        if len(index) > MAX_PAIRS:
-            return None
     anywhere, first, dead = np.zeros(256, dtype=bool), np.zeros(256, dtype=bool), np.zeros(256, dtype=bool)
-    for n, row in disagreeing:
-        entry = entries[n]
-        if n == 0:
-            dies = row & (trans_a[state] < 0)
-            dead |= dies
-            first |= row & ~dies
-            if not entry.any():  # never met again: only the tokens starting with those bytes
-                continue
-        anywhere |= row if _cost(row, cost) <= _cost(entry, cost) else entry
-        if cost is not None and _cost(anywhere, cost) > MAX_REREAD:  # tokens_with would refuse them
-            return None
-    return anywhere, first, dead
+    for _ in range(MAX_ROUNDS):
+        index = {(state, other): 0}
+        entries = [np.zeros(256, dtype=bool)]  # per pair reached: the bytes leading into it from pairs reached
+        disagreeing: list[tuple[int, np.ndarray]] = []  # (pair, the bytes it disagrees on)
+        level = [(state, other)]
+        while level:  # breadth first, a level of pairs at once
+            rows_a, rows_b = trans_a[[a for a, _ in level]], trans_b[[b for _, b in level]]
+            alive_a, alive_b = rows_a >= 0, rows_b >= 0
+            both = alive_a & alive_b
+            open_ = np.broadcast_to(~anywhere, both.shape).copy()
+            if level[0] == (state, other):
+                open_[0] &= ~(first | dead)  # tokens starting with those are read again, or dropped
+            apart = ((alive_a != alive_b) | both & (acc_a[rows_a] != acc_b[rows_b])) & open_
+            disagreeing += [(index[pair], row) for pair, row in zip(level, apart) if row.any()]
+            on = both & ~apart & open_
+            if other_dfa is dfa:
+                on &= rows_a != rows_b  # the same state from both: every token below reads alike
+            at, byte = np.nonzero(on)
+            keys, inverse = np.unique(rows_a[at, byte].astype(np.int64) * width + rows_b[at, byte], return_inverse=True)
+            into = np.zeros((len(keys), 256), dtype=bool)
+            into[inverse.reshape(-1), byte] = True
+            level = []
+            for key, row in zip(keys.tolist(), into):
+                pair = divmod(key, width)
+                n = index.get(pair)
+                if n is None:
+                    n = index[pair] = len(entries)
+                    entries.append(row)
+                    level.append(pair)
+                else:
+                    entries[n] |= row
+            if len(index) > MAX_PAIRS:
+                return None
+        if not disagreeing:
+            return anywhere, first, dead
+        for n, row in disagreeing:
+            entry = entries[n] & ~anywhere
+            if n == 0:
+                dies = row & (trans_a[state] < 0)
+                dead |= dies
+                first |= row & ~dies
+                if not entry.any():  # never met again: only the tokens starting with those bytes
+                    continue
+            anywhere |= row if _cost(row, cost) <= _cost(entry, cost) else entry
+    return None
 
 
 def _cost(found: np.ndarray, cost: np.ndarray | None) -> int:
