@@ -21,7 +21,6 @@ from radixlm.core.runtime.constrained.schema.json_grammar import json_schema_to_
 from radixlm.core.runtime.constrained.schema.schema_input import load_schema
 from radixlm.core.runtime.constrained.schema.schema_prune import prune_definitions
 from radixlm.core.runtime.constrained.pda import GrammarIndex
-from radixlm.core.runtime.constrained.tokens.body_states import string_body
 from radixlm.core.runtime.constrained.tokens.terminal_tokens import first_node, state_tokens
 from radixlm.core.runtime.constrained.tokens.token_classes import EXITS
 from radixlm.core.runtime.constrained.tokens.token_walk import token_bytes
@@ -106,7 +105,6 @@ def prepare_common_terminals(vocab: TokenVocab, stop: threading.Event | None = N
     first schema's masks do not pay 2-100 ms per state met for the first time (~0.4 s of CPU for Qwen2);
     `stop`, once set, ends it after the state in hand."""
     grammar = compile_grammar(grammar_of("json_schema", COMMON_SCHEMA), DEFAULT_BUDGET)
-    state_tokens(*string_body(), vocab)  # what wide key and pattern states are read off (terminal_tokens._reread)
     for name, dfa in zip(grammar.terminal_names, grammar.terminals):
         for state in range(min(len(dfa.transitions), MAX_PREPARED_STATES)):
             if stop is not None and stop.is_set():

@@ -22,15 +22,12 @@ any of them reads alike from both, so only the tokens containing one are read ag
 
 from __future__ import annotations
 
-import functools
 from collections import Counter
 
 import numpy as np
 
 from radixlm.core.runtime.constrained.tokens.literal_tokens import starting_with
 from radixlm.core.runtime.constrained.tokens.narrow_walk import state_row
-from radixlm.core.runtime.constrained.automata.grammar_compiler import DEFAULT_BUDGET, terminal_dfa
-from radixlm.core.runtime.constrained.automata.json_lexical import STRING
 from radixlm.core.runtime.constrained.automata.regex_dfa import ByteDFA
 from radixlm.core.runtime.constrained.tokens.vocab import TokenVocab, byte_matrix
 
@@ -111,7 +108,6 @@ def _differing(key: str, dfa: ByteDFA, a: int, b: int) -> list[tuple[int, int, i
 
 
 MAX_PAIRS = 64  # pairs of states followed by bytes_apart, at most
-MAX_ROUNDS = 8  # bytes_apart's rounds (each adds bytes apart), at most
 MAX_REREAD = 4096  # tokens read again from the state, at most
 LOOPS = 4  # other states tried as the one to read like, at most
 
@@ -140,104 +136,45 @@ def loops(key: str, dfa: ByteDFA, state: int) -> list[int]:
     return [q for q in found if q != state][:LOOPS]
 
 
-@functools.lru_cache(maxsize=1)
-def string_body() -> tuple[str, ByteDFA, int]:
-    """(name, DFA, state) of a plain JSON string's body, past its opening quote: the state most wide states
-    read like (keys, strings with a pattern), its classes built with the vocabulary's (prepare_vocab)."""
-    dfa = terminal_dfa(STRING, DEFAULT_BUDGET.max_terminal_states)
-    return f"re:{STRING}", dfa, int(dfa.transitions[0, ord('"')])
-
-
-def bytes_apart(dfa: ByteDFA, state: int, other: int, other_dfa: ByteDFA | None = None,
-                cost: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
-    """(anywhere, first, dead), bool [256] each: a token that contains no byte of `anywhere` and does not
-    start with one of `first` or `dead` is read alike from `state` and from state `other` of `other_dfa`
-    (default: the same DFA): run together, both alive through the same bytes and accepting after the same
-    ones, so it has the same classes (inside, or exits with the same suffixes). A token starting with one
-    of `dead` (and containing none of `anywhere`) has no class from `state`: it dies on its first byte.
-    None past MAX_PAIRS pairs of states or MAX_ROUNDS rounds. `cost`: tokens per byte (tokens_with reads
-    again every token containing one of `anywhere`), fewest taken where there is a choice.
-
-    Run together from (state, other) on the bytes not apart yet, the pairs of states reached are few. Where
-    a pair disagrees on a byte (one alive and not the other, or both alive and one accepting), a token read
-    alike must not take that byte there. From the first pair, the tokens starting with it are read again
-    (or dropped, where `state` dies on it); elsewhere (or where the first pair is met again), either the byte is apart anywhere or the bytes leading
-    into the pair are, as every token reaching the pair takes one of them last. Again until no pair reached
-    disagrees. A pattern key before its match reads like the string body but for `"` (it may not close
-    yet) and the pattern's first bytes (after which `"` may close it); `X_` matched but for tokens starting
-    with `_` after `X`, or containing an `X` (which leads back there)."""
-    other_dfa = dfa if other_dfa is None else other_dfa
-    trans_a, acc_a, trans_b, acc_b = dfa.transitions, dfa.accepting, other_dfa.transitions, other_dfa.accepting
-    width = len(trans_b) + 1  # a pair as one int: a * width + b
-    anywhere, first, dead = np.zeros(256, dtype=bool), np.zeros(256, dtype=bool), np.zeros(256, dtype=bool)
-    for _ in range(MAX_ROUNDS):
-        index = {(state, other): 0}
-        entries = [np.zeros(256, dtype=bool)]  # per pair reached: the bytes leading into it from pairs reached
-        disagreeing: list[tuple[int, np.ndarray]] = []  # (pair, the bytes it disagrees on)
-        level = [(state, other)]
-        while level:  # breadth first, a level of pairs at once
-            rows_a, rows_b = trans_a[[a for a, _ in level]], trans_b[[b for _, b in level]]
-            alive_a, alive_b = rows_a >= 0, rows_b >= 0
-            both = alive_a & alive_b
-            open_ = np.broadcast_to(~anywhere, both.shape).copy()
-            if level[0] == (state, other):
-                open_[0] &= ~(first | dead)  # tokens starting with those are read again, or dropped
-            apart = ((alive_a != alive_b) | both & (acc_a[rows_a] != acc_b[rows_b])) & open_
-            disagreeing += [(index[pair], row) for pair, row in zip(level, apart) if row.any()]
-            on = both & ~apart & open_
-            if other_dfa is dfa:
-                on &= rows_a != rows_b  # the same state from both: every token below reads alike
-            at, byte = np.nonzero(on)
-            keys, inverse = np.unique(rows_a[at, byte].astype(np.int64) * width + rows_b[at, byte], return_inverse=True)
-            into = np.zeros((len(keys), 256), dtype=bool)
-            into[inverse.reshape(-1), byte] = True
-            level = []
-            for key, row in zip(keys.tolist(), into):
-                pair = divmod(key, width)
-                n = index.get(pair)
-                if n is None:
-                    n = index[pair] = len(entries)
-                    entries.append(row)
-                    level.append(pair)
-                else:
-                    entries[n] |= row
-            if len(index) > MAX_PAIRS:
-                return None
-        if not disagreeing:
-            return anywhere, first, dead
-        for n, row in disagreeing:
-            entry = entries[n] & ~anywhere
-            if n == 0:
-                dies = row & (trans_a[state] < 0)
-                dead |= dies
-                first |= row & ~dies
-                if not entry.any():  # never met again: only the tokens starting with those bytes
-                    continue
-            anywhere |= row if _cost(row, cost) <= _cost(entry, cost) else entry
-    return None
-
-
-def _cost(found: np.ndarray, cost: np.ndarray | None) -> int:
-    return int(found.sum() if cost is None else cost[found].sum())
+def bytes_apart(dfa: ByteDFA, state: int, other: int) -> np.ndarray | None:
+    """bool [256]: the bytes on which the automaton run from `state` and from `other` together may stop
+    agreeing (one alive and not the other, or both alive and one accepting); None past MAX_PAIRS pairs of
+    states. A token none of whose bytes is one of these is read alike from both: alive through the same
+    bytes, accepting after the same ones, so it has the same classes (inside, or exits with the same
+    suffixes). Before a pattern key's pattern matches, its state reads like the string body's except on
+    `"`, which the body may close on and it may not."""
+    trans, accepting = dfa.transitions, dfa.accepting
+    bad = np.zeros(256, dtype=bool)
+    seen = {(state, other)}
+    pairs = [(state, other)]
+    while pairs:  # breadth first, a level of pairs at once
+        rows_a, rows_b = trans[[a for a, _ in pairs]], trans[[b for _, b in pairs]]
+        alive_a, alive_b = rows_a >= 0, rows_b >= 0
+        both = alive_a & alive_b
+        bad |= ((alive_a != alive_b) | both & (accepting[rows_a] != accepting[rows_b])).any(axis=0)
+        # Where they go on agreeing, to states of their own. Bytes already apart are not followed: every
+        # token containing one is read again anyway.
+        on = both & ~bad & (rows_a != rows_b)
+        pairs = list(set(zip(rows_a[on].tolist(), rows_b[on].tolist())) - seen)
+        seen.update(pairs)
+        if len(seen) > MAX_PAIRS:
+            return None
+    return bad
 
 
 _with: dict[tuple[str, bytes], tuple[np.ndarray, np.ndarray, np.ndarray] | None] = {}
 WITH_KEPT = 256
 
 
-def tokens_with(vocab: TokenVocab, found: np.ndarray, first: np.ndarray | None = None
-                ) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
-    """The tokens containing one of the bytes `found` (bool [256]) or starting with one of `first`: their
-    ids (int64, sorted), and their bytes as one matrix with their lengths (vocab.byte_matrix); None past
-    MAX_REREAD. Cached per sets of bytes: most states read again have the same (`"`)."""
-    first = np.zeros(256, dtype=bool) if first is None else first & ~found  # those containing found are in
-    key = (vocab.fingerprint, np.packbits(found).tobytes(), np.packbits(first).tobytes())
+def tokens_with(vocab: TokenVocab, found: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """The tokens containing one of the bytes `found` (bool [256]): their ids (int64, sorted), and their
+    bytes as one matrix with their lengths (vocab.byte_matrix); None past MAX_REREAD. Cached per set of
+    bytes: most states read again have the same (`"`)."""
+    key = (vocab.fingerprint, np.packbits(found).tobytes())
     if key in _with:
         return _with[key]
     ids, ptr = vocab.tokens_by_byte
     groups = [ids[ptr[b]:ptr[b + 1]] for b in np.flatnonzero(found).tolist()]
-    if first.any():
-        groups.append(tokens_starting(vocab, tuple(bytes((b,)) for b in np.flatnonzero(first).tolist())))
     if sum(map(len, groups)) > MAX_REREAD:
         tokens = None
     else:

@@ -27,8 +27,8 @@ from collections import OrderedDict
 
 import numpy as np
 
-from radixlm.core.runtime.constrained.tokens.body_states import (body_of, bytes_apart, loops, paths_apart, read_from,
-                                                                 string_body, tokens_starting, tokens_with)
+from radixlm.core.runtime.constrained.tokens.body_states import (body_of, bytes_apart, loops, paths_apart, read_from, tokens_starting,
+                                                  tokens_with)
 from radixlm.core.runtime.constrained.tokens.counted_string import CountedStringDFA
 from radixlm.core.runtime.constrained.tokens.counted_tokens import counted_state_tokens
 from radixlm.core.runtime.constrained.tokens.literal_tokens import literal_classes, literal_rest
@@ -309,25 +309,17 @@ def _patched(key: str, dfa: ByteDFA, state: int, vocab: TokenVocab) -> StateToke
 
 
 def _reread(key: str, dfa: ByteDFA, state: int, vocab: TokenVocab) -> StateTokens | None:
-    """A wide state that reads like another state except on a few bytes (a pattern key before its pattern
-    has matched, like its state after: a string body, except on `"`): that state's classes, when known,
-    with the tokens containing those bytes read again from this one (body_states.py); None if no such state
-    is found. The other state is one of its terminal's loops, else a plain JSON string's body (prepared
-    with the vocabulary): a pattern key's loops exclude the other patterns' keys, and are met only once
-    its pattern has matched. A walk of the whole vocabulary is ~5-10 ms."""
-    cost = np.diff(vocab.tokens_by_byte[1])  # tokens per byte
-    for other_key, other_dfa, other in [(key, dfa, q) for q in loops(key, dfa, state)] + [string_body()]:
-        if other_dfa is dfa and other == state:
-            continue
-        base = _known(other_key, other_dfa, other, vocab)
+    """A wide state that reads like another state of its terminal except on a few bytes (a pattern key
+    before its pattern has matched, like its state after: a string body, except on `"`): that state's
+    classes, when known, with the tokens containing those bytes read again from this one (body_states.py);
+    None if no such state is found. A walk of the whole vocabulary is ~10 ms."""
+    for other in loops(key, dfa, state):
+        bad = bytes_apart(dfa, state, other)
+        again = None if bad is None else tokens_with(vocab, bad)
+        base = None if again is None else _known(key, dfa, other, vocab)
         if base is None or base[INSIDE] is None or base[CLOSING] is not None:
             continue
-        apart = bytes_apart(dfa, state, other, other_dfa, cost)
-        again = None if apart is None else tokens_with(vocab, apart[0], apart[1])
-        if again is None:
-            continue
-        dead = np.flatnonzero(apart[2]).tolist()  # the tokens starting with these die here: dropped, not read
-        ids = np.concatenate([again[0], tokens_starting(vocab, tuple(bytes((b,)) for b in dead))]) if dead else again[0]
+        ids = again[0]
         inside, tokens, starts = read_from(dfa, state, again)
         bits = base[INSIDE].copy()
         clear_bits(bits, ids)
