@@ -66,8 +66,8 @@ class GrammarIndex:
         self._eos_set = frozenset(vocab.eos_ids)
         self._trans, self._acc = terminal_tables(grammar)
         self._closed_items: dict[tuple[int, int, int], frozenset] = {}  # see _closed
-        self._rule_edges = [r.edges for r in grammar.rules]
-        self._rule_acc = [r.accepting for r in grammar.rules]
+        self._rule_edges = tuple(r.edges for r in grammar.rules)  # tuples: see terminal_tables
+        self._rule_acc = tuple(r.accepting for r in grammar.rules)
         self._conts: dict[tuple[int, int, int], int] = {}
         self._cont_list: list[tuple[int, int, int]] = []
         self._follows: dict[int, frozenset] = {}
@@ -78,7 +78,7 @@ class GrammarIndex:
         self._steps: list[dict[int, int]] = []  # per configuration without a row: successors of single bytes
         self._single: list[int] = []  # per configuration with a row: the one byte leaving it, else -1
         self._edges: dict[int, tuple[bytes, int]] = {}
-        self._moves: dict[tuple, tuple[np.ndarray, list[list[int]], np.ndarray]] = {}  # see _moves_of
+        self._moves: dict[tuple, tuple[np.ndarray, tuple[tuple[int, ...], ...], np.ndarray]] = {}  # see _moves_of
         self._masks = MaskCache(MASK_CACHE_SIZE)
         self._same_pieces: OrderedDict[tuple, tuple[np.ndarray, list[StateTokens]]] = OrderedDict()
         self._counted = {t for t, dfa in enumerate(grammar.terminals) if isinstance(dfa, CountedStringDFA)}
@@ -239,7 +239,7 @@ class GrammarIndex:
                 found = steps[b] = self._intern(self._close(moved)) if moved and self._spellable[b] else -1
         return found
 
-    def _moves_of(self, items: tuple) -> tuple[np.ndarray, list[list[int]], np.ndarray]:
+    def _moves_of(self, items: tuple) -> tuple[np.ndarray, tuple[tuple[int, ...], ...], np.ndarray]:
         """(the bytes some item can read, the distinct columns of item moves on them, each byte's column).
         Depends only on the items' terminal states, not on their continuations, so configurations that
         differ only in their stacks (a string value under different keys) share it."""
@@ -259,7 +259,9 @@ class GrammarIndex:
                 live = np.flatnonzero((nxt >= 0).any(axis=0) & self._spellable).astype(np.uint8)
                 # Bytes with equal item moves (most of them, inside a string) share the target.
                 moves, inverse = _unique_columns(nxt[:, live], self._radix(items))
-                found = (live, moves.T.tolist(), inverse.astype(np.int16))
+                # Columns as tuples of ints: the collector stops tracking them (these tables stay for the
+                # process, up to SHARED_MOVES of them; lists would be walked by every full collection).
+                found = (live, tuple(map(tuple, moves.T.tolist())), inverse.astype(np.int16))
                 with _shared_lock:
                     _shared_moves[shared] = found
                     if len(_shared_moves) > SHARED_MOVES:
@@ -483,7 +485,7 @@ _NO_TOKENS = np.zeros(0, dtype=np.int64)
 _NO_TOKENS.flags.writeable = False
 
 # Item move tables by (terminal names and states, vocabulary), shared by every index of the process.
-_shared_moves: OrderedDict[tuple, tuple[np.ndarray, list[list[int]], np.ndarray]] = OrderedDict()
+_shared_moves: OrderedDict[tuple, tuple[np.ndarray, tuple[tuple[int, ...], ...], np.ndarray]] = OrderedDict()
 _shared_lock = threading.Lock()
 SHARED_MOVES = 20_000  # entries (~1 KB each)
 

@@ -44,11 +44,13 @@ DEFAULT_BUDGET = GrammarBudget()
 
 @dataclass
 class RuleAutomaton:
-    """States 0.. (0 = start); edges[s] = [(symbol, target)], symbol = 2 * terminal or 2 * rule + 1."""
+    """States 0.. (0 = start); edges[s] = ((symbol, target), ...), symbol = 2 * terminal or 2 * rule + 1.
+    Tuples of numbers, which the cyclic collector stops tracking: a large grammar's rules have thousands of
+    states, lists of which every full collection would walk while its index lives (inside a mask)."""
 
     name: str
-    edges: list[list[tuple[int, int]]]
-    accepting: list[bool]
+    edges: tuple[tuple[tuple[int, int], ...], ...]
+    accepting: tuple[bool, ...]
 
 
 @dataclass
@@ -181,7 +183,7 @@ class _Builder:
         if self.total_states > self.budget.max_rule_states:
             raise GrammarBudgetError(f"the grammar's rules exceed {self.budget.max_rule_states} states "
                                      "(GrammarBudget.max_rule_states)")
-        return RuleAutomaton(name, [[(symbols[p], t) for p, t in row] for row in edges], list(accepting))
+        return RuleAutomaton(name, tuple(tuple((symbols[p], t) for p, t in row) for row in edges), accepting)
 
     def _shape(self, expr: Expr, rule_ids: dict[str, int], symbols: list[int], index: dict[int, int]) -> tuple | int:
         """`expr`'s shape (above); appends its distinct symbols to `symbols` (`index`: symbol -> place)."""
@@ -367,9 +369,9 @@ def _prune(rules: list[RuleAutomaton], terminals: list[ByteDFA | None], finishin
         if whole and all(usable[sym] for sym in read):
             continue
         live = _finishing_states(rule.edges, rule.accepting, usable)
-        rule.edges = [[(sym, t) for sym, t in row if live[t] and usable[sym]] if live[s] else []
-                      for s, row in enumerate(rule.edges)]
-        rule.accepting = [a and live[s] for s, a in enumerate(rule.accepting)]
+        rule.edges = tuple(tuple((sym, t) for sym, t in row if live[t] and usable[sym]) if live[s] else ()
+                           for s, row in enumerate(rule.edges))
+        rule.accepting = tuple(a and live[s] for s, a in enumerate(rule.accepting))
 
 
 def _check_left_recursion(rules: list[RuleAutomaton], terminals: list[ByteDFA | None]) -> None:
@@ -423,10 +425,12 @@ def _check_left_recursion(rules: list[RuleAutomaton], terminals: list[ByteDFA | 
 LIST_FLAGS = 1 << 14
 
 
-def terminal_tables(grammar: CompiledGrammar) -> tuple[list[np.ndarray], list[list[bool]]]:
-    """Per terminal: its transition table [n, 256] (-1 = none) and accepting flags (empty for None)."""
-    trans = [t.transitions if t is not None else np.zeros((0, 256), np.int32) for t in grammar.terminals]
-    # A long counted string's ~460k flags stay an array (a list of them would cost ms per index).
-    acc = [[] if t is None else t.accepting if len(t.accepting) > LIST_FLAGS else t.accepting.tolist()
-           for t in grammar.terminals]
+def terminal_tables(grammar: CompiledGrammar) -> tuple[tuple[np.ndarray, ...], tuple[tuple[bool, ...], ...]]:
+    """Per terminal: its transition table [n, 256] (-1 = none) and accepting flags (empty for None). Tuples,
+    not lists: the cyclic collector stops tracking a tuple of bools (or of such tuples), so a live index's
+    flags (thousands for a large terminal) are not walked by every full collection."""
+    trans = tuple(t.transitions if t is not None else np.zeros((0, 256), np.int32) for t in grammar.terminals)
+    # A long counted string's ~460k flags stay an array (a tuple of them would cost ms per index).
+    acc = tuple(() if t is None else t.accepting if len(t.accepting) > LIST_FLAGS else tuple(t.accepting.tolist())
+                for t in grammar.terminals)
     return trans, acc

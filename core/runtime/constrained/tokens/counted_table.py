@@ -28,7 +28,10 @@ class CountedTable:
         self.lo, self.hi, self.num_states = lo, hi, num_states
         self.cap = lo if hi is None else hi  # positions told apart; unbounded strings loop at lo
         self.final = num_states - 1
-        self._slot_rows, self._ends_rows = self.slot.tolist(), self.ends.tolist()  # the scalar path's
+        # The scalar path's rows, as tuples: the cyclic collector stops tracking tuples of ints, where it would
+        # walk lists of them (256 referents per row) at every full collection, inside whichever mask it lands.
+        self._slot_rows = tuple(map(tuple, self.slot.tolist()))
+        self._ends_rows = tuple(map(tuple, self.ends.tolist()))
 
     def __len__(self) -> int:
         return self.num_states
