@@ -165,8 +165,10 @@ class LlamaForCausalLM(nn.Module):
         if max_rows and all(type(p) is GgmlLinear for p in projections[1:]):
             self.ggml_layers = [GgmlDecoderLayer(
                 layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj,
-                (layer.input_layernorm.weight, layer.post_attention_layernorm.weight), layer.input_layernorm.eps)
-                for layer in self.layers]
+                (layer.input_layernorm.weight, layer.post_attention_layernorm.weight), layer.input_layernorm.eps,
+                first=i == 0, next_layer=None if after is None else (after.self_attn.qkv_proj,
+                                                                     after.input_layernorm.weight))
+                for i, (layer, after) in enumerate(zip(self.layers, [*self.layers[1:], None]))]
             return True
         if not all(hasattr(ops, name) for name in _FUSED_GEMV_OPS) or any(
                 type(p) not in (nn.Linear, Fp8Linear, Int4Linear) or getattr(p, "reduce", None) for p in projections):
@@ -191,10 +193,11 @@ class LlamaForCausalLM(nn.Module):
             self.aux_hidden = torch.cat(aux, dim=-1) if aux else None
             return self.norm(x)
         if x.shape[0] == 1 and self.ggml_layers:
+            qkv = None  # each layer's graph makes the next one's
             for i, (layer, graphs) in enumerate(zip(self.layers, self.ggml_layers)):
                 if i in self.aux_layers:
                     aux.append(x)  # the residual stream itself on this path
-                x = graphs(x, lambda qkv, attn=layer.self_attn: attn.attend(qkv, fb))
+                x, qkv = graphs(x, qkv, lambda q, attn=layer.self_attn: attn.attend(q, fb))
             self.aux_hidden = torch.cat(aux, dim=-1) if aux else None
             return self.norm(x)
         residual = None

@@ -215,21 +215,24 @@ class GgmlLinear(nn.Module):
 
 
 class GgmlDecoderLayer:
-    """A Llama decoder layer at one row (batch-1 decode) as two ggml graphs on its projections' threads,
-    so that its norms, adds and SwiGLU run inside ggml's graphs instead of as torch ops between ~4 small
-    graphs (a 2-thread batch-1 step spent ~6.6 ms outside the products, on one core). Graph one: the
-    input RMSNorm and the qkv projection; torch's attention (rotary, KV store) between; graph two: o_proj,
-    the residual add, the post-attention RMSNorm, gate_up, SwiGLU, down and the second residual add.
-    The projections are the layer's GgmlLinears (their biases added inside the graphs); `norms` the two
-    RMSNorm weights. Called with the residual stream [1, hidden] and attend(qkv) -> [1, q_size]; returns
-    the next layer's residual stream."""
+    """A Llama decoder layer at one row (batch-1 decode) as ggml graphs on its projections' threads, so
+    that its norms, adds and SwiGLU run inside ggml's graphs instead of as torch ops between ~4 small
+    graphs (a 2-thread batch-1 step spent ~6.6 ms outside the products, on one core). Torch's attention
+    (rotary, KV store) runs between two graphs: before it the input RMSNorm and the qkv projection; after
+    it o_proj, the residual add, the post-attention RMSNorm, gate_up, SwiGLU, down, the second residual
+    add and, given `next_layer` (the next layer's qkv projection and input norm weight), that layer's
+    RMSNorm and qkv projection too: one graph per layer boundary, the first only in the first layer
+    (`first`). The projections are the layer's GgmlLinears (their biases added inside the graphs);
+    `norms` the two RMSNorm weights."""
 
     def __init__(self, qkv: GgmlLinear, o: GgmlLinear, gate_up: GgmlLinear, down: GgmlLinear,
-                 norms: tuple[torch.Tensor, torch.Tensor], eps: float) -> None:
+                 norms: tuple[torch.Tensor, torch.Tensor], eps: float, first: bool,
+                 next_layer: tuple[GgmlLinear, torch.Tensor] | None) -> None:
         lib = self.lib = library()
-        self.projections = (qkv, o, gate_up, down)  # their weights are the graphs' sources
+        self.projections = (qkv, o, gate_up, down) + (next_layer[:1] if next_layer else ())  # the graphs' weights
         hidden, threads = qkv.in_features, qkv.threads
-        vectors = [*norms] + [p.bias for p in self.projections if p.bias is not None]
+        vectors = [*norms, *next_layer[1:]] if next_layer else [*norms]
+        vectors += [p.bias for p in self.projections if p.bias is not None]
         self.ctx = lib.ggml_init(_InitParams(sum(4 * v.numel() + 512 for v in vectors) + (1 << 16), None, False))
         stored = {}  # id(torch vector) -> its f32 copy in ggml
 
@@ -247,20 +250,28 @@ class GgmlDecoderLayer:
         def norm(ctx: int, x: int, weight: torch.Tensor) -> int:
             return lib.ggml_mul(ctx, lib.ggml_rms_norm(ctx, x, eps), vector(weight))
 
+        def qkv_of(ctx: int, x: int, projection: GgmlLinear, weight: torch.Tensor) -> tuple[int, int, int]:
+            return product(ctx, projection, norm(ctx, x, weight)), 1, projection.out_features
+
         def second(ctx: int, attended: int, h: int) -> list:
             h = lib.ggml_add(ctx, product(ctx, o, attended), h)
             gate_up_out = product(ctx, gate_up, norm(ctx, h, norms[1]))
-            return [(lib.ggml_add(ctx, product(ctx, down, lib.ggml_swiglu(ctx, gate_up_out)), h), 1, hidden)]
+            h = lib.ggml_add(ctx, product(ctx, down, lib.ggml_swiglu(ctx, gate_up_out)), h)
+            return [(h, 1, hidden)] + ([qkv_of(ctx, h, *next_layer)] if next_layer else [])
 
-        floats = 4 * (3 * hidden + 2 * qkv.out_features)  # each intermediate's bytes, with room for the bias adds
-        self.first = _Graph(lib, threads, floats, [(1, hidden)],
-                            lambda ctx, x: [(product(ctx, qkv, norm(ctx, x, norms[0])), 1, qkv.out_features)])
-        floats = 4 * (o.in_features + 10 * hidden + 4 * gate_up.out_features)
+        self.first = _Graph(lib, threads, 4 * (3 * hidden + 2 * qkv.out_features), [(1, hidden)],
+                            lambda ctx, x: [qkv_of(ctx, x, qkv, norms[0])]) if first else None
+        floats = 4 * (o.in_features + 12 * hidden + 4 * gate_up.out_features + 2 * qkv.out_features)
         self.second = _Graph(lib, threads, floats, [(1, o.in_features), (1, hidden)], second)
 
-    def __call__(self, h: torch.Tensor, attend) -> torch.Tensor:
-        qkv = self.first(h)[0].to(h.dtype)
-        return self.second(attend(qkv), h)[0].to(h.dtype, copy=True)
+    def __call__(self, h: torch.Tensor, qkv: torch.Tensor | None, attend) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The residual stream [1, hidden] and this layer's qkv (None: the first layer's graph makes it),
+        attend(qkv) -> [1, q_size]: the next layer's residual stream and qkv (None after the last layer;
+        a view of the graph's output, valid until this layer runs again)."""
+        if qkv is None:
+            qkv = self.first(h)[0]
+        out = self.second(attend(qkv.to(h.dtype)), h)
+        return out[0].to(h.dtype, copy=True), out[1] if len(out) > 1 else None
 
     def __del__(self) -> None:
         for graph in (getattr(self, "first", None), getattr(self, "second", None)):
