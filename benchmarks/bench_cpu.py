@@ -22,8 +22,8 @@ up to radixlm's first end-of-sequence token: a speed-up that changed the answers
 --gguf-quantized adds radixlm fp32 with the GGUF's Q4_0/Q4_1/Q8_0 weights kept quantized
 (quantization="gguf", docs/quantization.md); --gguf-ggml, that again with every kept product on ggml
 (gguf_kernel="ggml", libggml-python), and with --gguf-ggml-unfused again with its batch-1 layers unfused
-(decode_fused_gemv=0: torch's norms and adds between ggml's products); --gguf-all-threads, the gguf form with every forward on
-torch's thread count (cpu_one_thread_max_rows=0, the behaviour before that option). --plain-linear DTYPE adds radixlm on F.linear over the plain weights (disable_cpu_prepack): before and
+(decode_fused_gemv=0: torch's norms and adds between ggml's products); --gguf-all-threads, the gguf
+form with every forward on torch's thread count (cpu_one_thread_max_rows=0, the behaviour before that option). --plain-linear DTYPE adds radixlm on F.linear over the plain weights (disable_cpu_prepack): before and
 after of the prepacked linear layers in one run.
 """
 
