@@ -108,7 +108,7 @@ def engines():
 @pytest.fixture(scope="module")
 def unfused():
     """gguf_kernel="ggml" with each batch-1 layer's norms, adds and SwiGLU on torch between its four
-    products (decode_fused_gemv=0), where the default runs each layer as two ggml graphs."""
+    products (decode_fused_gemv=0), where the default runs the layers as ggml graphs, one per layer boundary."""
     with radixlm.Engine(quantization="gguf", gguf_kernel="ggml", decode_fused_gemv=0, log_level="warning") as engine:
         yield engine
 
