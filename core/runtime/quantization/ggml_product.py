@@ -13,9 +13,10 @@ ggml releases (ggml_cplan has gained fields), so any other version is refused at
 
 Graphs: one per row count up to KEPT_ROWS (decode batches) kept with its plan and work buffer; larger
 ones (prefills) are built per call. All of a model's products share one GgmlThreads: ggml's threadpool,
-kept between graphs with its workers polling for the next one (a batch-1 step is ~120 small graphs: a
+kept between graphs with its workers polling for the next one (a batch-1 step was ~120 small graphs: a
 pool made per graph costs more than the second core saves, workers woken from sleep each graph ~14%
-more a step than polling ones).
+more a step than polling ones). At one row a Llama layer's norms, adds and SwiGLU join its products in
+GgmlDecoderLayer's graphs, one per layer boundary (31 graphs and the head a step for the default model).
 """
 
 from __future__ import annotations
