@@ -21,8 +21,9 @@ The greedy tokens of each radixlm variant (and of HF bf16) are compared with HF 
 up to radixlm's first end-of-sequence token: a speed-up that changed the answers would show there.
 --gguf-quantized adds radixlm fp32 with the GGUF's Q4_0/Q4_1/Q8_0 weights kept quantized
 (quantization="gguf", docs/quantization.md); --gguf-ggml, that again with every kept product on ggml
-(gguf_kernel="ggml", libggml-python); --gguf-all-threads, the gguf form with every forward on
-torch's thread count (cpu_one_thread_max_rows=0, the behaviour before that option). --plain-linear DTYPE adds radixlm on F.linear over the plain weights (disable_cpu_prepack): before and
+(gguf_kernel="ggml", libggml-python), and with --gguf-ggml-unfused again with its batch-1 layers unfused
+(decode_fused_gemv=0: torch's norms and adds between ggml's products); --gguf-all-threads, the gguf
+form with every forward on torch's thread count (cpu_one_thread_max_rows=0, the behaviour before that option). --plain-linear DTYPE adds radixlm on F.linear over the plain weights (disable_cpu_prepack): before and
 after of the prepacked linear layers in one run.
 """
 
@@ -267,6 +268,9 @@ def main() -> None:
                         help="add radixlm fp32 with the GGUF's weights kept quantized (quantization=gguf)")
     parser.add_argument("--gguf-ggml", action="store_true",
                         help="with --gguf-quantized, also with every kept product on ggml (gguf_kernel=ggml)")
+    parser.add_argument("--gguf-ggml-unfused", action="store_true",
+                        help="with --gguf-ggml, also with its batch-1 layers unfused: torch's norms, adds and "
+                             "SwiGLU between ggml's products (decode_fused_gemv=0)")
     parser.add_argument("--gguf-all-threads", action="store_true",
                         help="with --gguf-quantized, also with batch-1 decode on torch's threads "
                              "(cpu_one_thread_max_rows=0)")
@@ -327,6 +331,11 @@ def main() -> None:
                 if args.gguf_ggml:
                     runners["radixlm float32 gguf-quantized ggml"], quantized = radixlm_runner(
                         args.model, dtype, args.new_tokens, quantization="gguf", gguf_kernel="ggml")
+                    keep.append(quantized)
+                if args.gguf_ggml and args.gguf_ggml_unfused:
+                    runners["radixlm float32 gguf-quantized ggml unfused"], quantized = radixlm_runner(
+                        args.model, dtype, args.new_tokens, quantization="gguf", gguf_kernel="ggml",
+                        decode_fused_gemv=0)
                     keep.append(quantized)
                 if args.gguf_all_threads:
                     runners["radixlm float32 gguf-quantized all threads"], quantized = radixlm_runner(

@@ -177,9 +177,10 @@ class EngineOptions:
         "ones on torch's thread count: at one row each op's parallel region cost more than it saved (measured "
         "on 2 shared cores: docs/quantization.md); 0: every forward on torch's count")
     decode_fused_gemv: int = option(
-        1, "CUDA only: forwards of at most this many tokens (at most 16) run each layer's projections and the "
+        1, "CUDA: forwards of at most this many tokens (at most 16) run each layer's projections and the "
         "LM head as Triton GEMVs, SiLU-and-mul fused into the down projection's (docs/engine.md); default 1: "
-        "batch-1 decode, where they beat cuBLAS (at 4 and 8 rows cuBLAS is faster); 0: off")
+        "batch-1 decode, where they beat cuBLAS (at 4 and 8 rows cuBLAS is faster); 0: off. CPU with "
+        "gguf_kernel='ggml': any value but 0 runs a one-token forward's layers as ggml graphs, one per layer boundary")
     cuda_graph_max_bs: int | None = option(None, "largest decode batch captured in a CUDA graph; default "
                                            "min(max_running_requests, 512)")
     # Extends of at most this many tokens (and min(cuda_graph_max_bs, 256) requests) replay captured

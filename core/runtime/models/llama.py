@@ -18,6 +18,7 @@ from radixlm.kernels.reference import GEMV_MAX_ROWS
 from radixlm.core.runtime.layers.forward_batch import ForwardBatch, ImageBatch
 from radixlm.core.runtime.models.config import ModelConfig
 from radixlm.core.runtime.quantization.fp8 import Fp8Linear
+from radixlm.core.runtime.quantization.ggml_product import GgmlDecoderLayer, GgmlLinear
 from radixlm.core.runtime.quantization.int4 import Int4Linear
 
 _FUSED_GEMV_OPS = ("gemv", "residual_gemv", "rms_scaled_gemv")
@@ -143,6 +144,8 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         # Forwards of at most this many tokens take the fused GEMV path (enable_fused_gemv).
         self.fused_gemv_rows = 0
+        # gguf_kernel="ggml" (enable_fused_gemv): each layer at one row as ggml graphs; empty: off.
+        self.ggml_layers: list[GgmlDecoderLayer] = []
         # EAGLE-3 (core.runtime.models.eagle): each forward leaves the residual stream entering these layers
         # in aux_hidden, concatenated in this order, [tokens, len(aux_layers) * hidden].
         self.aux_layers: tuple[int, ...] = ()
@@ -150,13 +153,23 @@ class LlamaForCausalLM(nn.Module):
 
     def enable_fused_gemv(self, max_rows: int) -> bool:
         """Forwards of at most `max_rows` tokens (decode) run each layer's projections as the kernel set's
-        fused GEMVs (0: never). False, changing nothing, where the set lacks them (the CPU set) or a
-        projection is neither a plain nn.Linear nor an fp8 or 4-bit one (tensor-parallel shards)."""
+        fused GEMVs (0: never). On the CPU with every projection on ggml (gguf_kernel="ggml"), forwards of
+        one token instead run each layer as ggml graphs (GgmlDecoderLayer). False, changing nothing, where
+        the set lacks GEMVs (the CPU set otherwise) or a projection is neither a plain nn.Linear nor an fp8
+        or 4-bit one (tensor-parallel shards)."""
         if max_rows > GEMV_MAX_ROWS:
             raise ValueError(f"fused GEMV rows must be at most {GEMV_MAX_ROWS} (got {max_rows})")
         ops = self.layers[0].ops
         projections = [self.lm_head] + [p for layer in self.layers for p in (
             layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+        if max_rows and all(type(p) is GgmlLinear for p in projections[1:]):
+            self.ggml_layers = [GgmlDecoderLayer(
+                layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj,
+                (layer.input_layernorm.weight, layer.post_attention_layernorm.weight), layer.input_layernorm.eps,
+                first=i == 0, next_layer=None if after is None else (after.self_attn.qkv_proj,
+                                                                     after.input_layernorm.weight))
+                for i, (layer, after) in enumerate(zip(self.layers, [*self.layers[1:], None]))]
+            return True
         if not all(hasattr(ops, name) for name in _FUSED_GEMV_OPS) or any(
                 type(p) not in (nn.Linear, Fp8Linear, Int4Linear) or getattr(p, "reduce", None) for p in projections):
             return False
@@ -177,6 +190,14 @@ class LlamaForCausalLM(nn.Module):
                     aux.append(x)  # the residual stream itself on this path
                 x, normed, sums = layer.forward_gemv(x, normed, sums, fb,
                                                      self.norm if after is None else after.input_layernorm)
+            self.aux_hidden = torch.cat(aux, dim=-1) if aux else None
+            return self.norm(x)
+        if x.shape[0] == 1 and self.ggml_layers:
+            qkv = None  # each layer's graph makes the next one's
+            for i, (layer, graphs) in enumerate(zip(self.layers, self.ggml_layers)):
+                if i in self.aux_layers:
+                    aux.append(x)  # the residual stream itself on this path
+                x, qkv = graphs(x, qkv, lambda q, attn=layer.self_attn: attn.attend(q, fb))
             self.aux_hidden = torch.cat(aux, dim=-1) if aux else None
             return self.norm(x)
         residual = None

@@ -13,9 +13,10 @@ ggml releases (ggml_cplan has gained fields), so any other version is refused at
 
 Graphs: one per row count up to KEPT_ROWS (decode batches) kept with its plan and work buffer; larger
 ones (prefills) are built per call. All of a model's products share one GgmlThreads: ggml's threadpool,
-kept between graphs with its workers polling for the next one (a batch-1 step is ~120 small graphs: a
+kept between graphs with its workers polling for the next one (a batch-1 step was ~120 small graphs: a
 pool made per graph costs more than the second core saves, workers woken from sleep each graph ~14%
-more a step than polling ones).
+more a step than polling ones). At one row a Llama layer's norms, adds and SwiGLU join its products in
+GgmlDecoderLayer's graphs, one per layer boundary (31 graphs and the head a step for the default model).
 """
 
 from __future__ import annotations
@@ -62,7 +63,10 @@ _FUNCTIONS = [("ggml_init", _P, [_InitParams]), ("ggml_free", None, [_P]),
               ("ggml_graph_compute", ctypes.c_int, [_P, ctypes.POINTER(_Plan)]),
               ("ggml_threadpool_params_default", _PoolParams, [ctypes.c_int]),
               ("ggml_threadpool_new", _P, [ctypes.POINTER(_PoolParams)]), ("ggml_threadpool_free", None, [_P]),
-              ("ggml_threadpool_pause", None, [_P])]
+              ("ggml_threadpool_pause", None, [_P]),
+              ("ggml_new_tensor_1d", _P, [_P, ctypes.c_int, ctypes.c_int64]),
+              ("ggml_rms_norm", _P, [_P, _P, ctypes.c_float]), ("ggml_mul", _P, [_P, _P, _P]),
+              ("ggml_add", _P, [_P, _P, _P]), ("ggml_swiglu", _P, [_P, _P])]
 
 
 def library() -> SimpleNamespace:
@@ -129,30 +133,34 @@ class GgmlThreads:
 
 
 class _Graph:
-    """x [rows, k] -> x @ W.T [rows, n] as one ggml graph in a context of its own (input and output
-    tensors), with its plan and work buffer made once (ggml_graph_compute_with_ctx would take a new
-    work buffer from the context at every call)."""
+    """A kept ggml graph in a context of its own (its inputs, intermediates and outputs), with its plan
+    and work buffer made once (ggml_graph_compute_with_ctx would take a new work buffer from the context
+    at every call). `inputs`: the f32 inputs' (rows, cols); build(ctx, *inputs) returns the outputs as
+    (tensor, rows, cols); calling it with the inputs returns views of the outputs, valid until the next call."""
 
-    def __init__(self, lib: SimpleNamespace, weight: int, k: int, n: int, rows: int, threads: GgmlThreads) -> None:
+    def __init__(self, lib: SimpleNamespace, threads: GgmlThreads, mem_size: int, inputs: list[tuple[int, int]],
+                 build) -> None:
         self.lib = lib
-        self.ctx = lib.ggml_init(_InitParams(rows * (k + n) * 4 + (1 << 20), None, False))
-        x = lib.ggml_new_tensor_2d(self.ctx, _F32, k, rows)
-        out = lib.ggml_mul_mat(self.ctx, weight, x)
+        self.ctx = lib.ggml_init(_InitParams(mem_size + (1 << 20), None, False))
+        tensors = [lib.ggml_new_tensor_2d(self.ctx, _F32, cols, rows) for rows, cols in inputs]
+        outputs = build(self.ctx, *tensors)
         self.graph = lib.ggml_new_graph(self.ctx)
-        lib.ggml_build_forward_expand(self.graph, out)
-        self.x = _floats(lib.ggml_get_data(x), rows, k)
-        self.out = _floats(lib.ggml_get_data(out), rows, n)
+        for out, _, _ in outputs:
+            lib.ggml_build_forward_expand(self.graph, out)
+        self.inputs = [_floats(lib.ggml_get_data(t), rows, cols) for t, (rows, cols) in zip(tensors, inputs)]
+        self.outputs = [_floats(lib.ggml_get_data(out), rows, cols) for out, rows, cols in outputs]
         self.plan = lib.ggml_graph_plan(self.graph, threads.threads, threads.handle())
         self.plan.use_ref = False
         self.work = np.empty(max(self.plan.work_size, 1), np.uint8)  # kept alive beside the plan that points at it
         self.plan.work_data = self.work.ctypes.data
         self.plan_ref = ctypes.byref(self.plan)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        self.x.copy_(x)
+    def __call__(self, *xs: torch.Tensor) -> list[torch.Tensor]:
+        for view, x in zip(self.inputs, xs):
+            view.copy_(x.view(view.shape))
         if self.lib.ggml_graph_compute(self.graph, self.plan_ref) != 0:
             raise RuntimeError("ggml_graph_compute failed")
-        return self.out.clone()
+        return self.outputs
 
     def free(self) -> None:
         self.lib.ggml_free(self.ctx)
@@ -188,10 +196,12 @@ class GgmlLinear(nn.Module):
             return self.many_rows(x)
         graph = self.graphs.get(rows)
         if graph is None:
-            graph = _Graph(self.lib, self.weight, self.in_features, self.out_features, rows, self.threads)
+            graph = _Graph(self.lib, self.threads, rows * (self.in_features + self.out_features) * 4,
+                           [(rows, self.in_features)], lambda ctx, x: [(self.lib.ggml_mul_mat(ctx, self.weight, x),
+                                                                       rows, self.out_features)])
             if rows <= KEPT_ROWS:
                 self.graphs[rows] = graph
-        out = graph(flat)
+        out = graph(flat)[0].clone()
         if rows > KEPT_ROWS:
             graph.free()
         out = out if self.bias is None else out + self.bias
@@ -203,3 +213,70 @@ class GgmlLinear(nn.Module):
         for graph in self.graphs.values():
             graph.free()
         self.lib.ggml_free(self.ctx)
+
+
+class GgmlDecoderLayer:
+    """A Llama decoder layer at one row (batch-1 decode) as ggml graphs on its projections' threads, so
+    that its norms, adds and SwiGLU run inside ggml's graphs instead of as torch ops between ~4 small
+    graphs (a 2-thread batch-1 step spent ~6.6 ms outside the products, on one core). Torch's attention
+    (rotary, KV store) runs between two graphs: before it the input RMSNorm and the qkv projection; after
+    it o_proj, the residual add, the post-attention RMSNorm, gate_up, SwiGLU, down, the second residual
+    add and, given `next_layer` (the next layer's qkv projection and input norm weight), that layer's
+    RMSNorm and qkv projection too: one graph per layer boundary, the first only in the first layer
+    (`first`). The projections are the layer's GgmlLinears (their biases added inside the graphs);
+    `norms` the two RMSNorm weights."""
+
+    def __init__(self, qkv: GgmlLinear, o: GgmlLinear, gate_up: GgmlLinear, down: GgmlLinear,
+                 norms: tuple[torch.Tensor, torch.Tensor], eps: float, first: bool,
+                 next_layer: tuple[GgmlLinear, torch.Tensor] | None) -> None:
+        lib = self.lib = library()
+        self.projections = (qkv, o, gate_up, down) + (next_layer[:1] if next_layer else ())  # the graphs' weights
+        hidden, threads = qkv.in_features, qkv.threads
+        vectors = [*norms, *next_layer[1:]] if next_layer else [*norms]
+        vectors += [p.bias for p in self.projections if p.bias is not None]
+        self.ctx = lib.ggml_init(_InitParams(sum(4 * v.numel() + 512 for v in vectors) + (1 << 16), None, False))
+        stored = {}  # id(torch vector) -> its f32 copy in ggml
+
+        def vector(v: torch.Tensor) -> int:
+            if id(v) not in stored:
+                t = lib.ggml_new_tensor_1d(self.ctx, _F32, v.numel())
+                _floats(lib.ggml_get_data(t), 1, v.numel()).copy_(v.detach().float().view(1, -1))
+                stored[id(v)] = t
+            return stored[id(v)]
+
+        def product(ctx: int, linear: GgmlLinear, x: int) -> int:
+            out = lib.ggml_mul_mat(ctx, linear.weight, x)
+            return out if linear.bias is None else lib.ggml_add(ctx, out, vector(linear.bias))
+
+        def norm(ctx: int, x: int, weight: torch.Tensor) -> int:
+            return lib.ggml_mul(ctx, lib.ggml_rms_norm(ctx, x, eps), vector(weight))
+
+        def qkv_of(ctx: int, x: int, projection: GgmlLinear, weight: torch.Tensor) -> tuple[int, int, int]:
+            return product(ctx, projection, norm(ctx, x, weight)), 1, projection.out_features
+
+        def second(ctx: int, attended: int, h: int) -> list:
+            h = lib.ggml_add(ctx, product(ctx, o, attended), h)
+            gate_up_out = product(ctx, gate_up, norm(ctx, h, norms[1]))
+            h = lib.ggml_add(ctx, product(ctx, down, lib.ggml_swiglu(ctx, gate_up_out)), h)
+            return [(h, 1, hidden)] + ([qkv_of(ctx, h, *next_layer)] if next_layer else [])
+
+        self.first = _Graph(lib, threads, 4 * (3 * hidden + 2 * qkv.out_features), [(1, hidden)],
+                            lambda ctx, x: [qkv_of(ctx, x, qkv, norms[0])]) if first else None
+        floats = 4 * (o.in_features + 12 * hidden + 4 * gate_up.out_features + 2 * qkv.out_features)
+        self.second = _Graph(lib, threads, floats, [(1, o.in_features), (1, hidden)], second)
+
+    def __call__(self, h: torch.Tensor, qkv: torch.Tensor | None, attend) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The residual stream [1, hidden] and this layer's qkv (None: the first layer's graph makes it),
+        attend(qkv) -> [1, q_size]: the next layer's residual stream and qkv (None after the last layer;
+        a view of the graph's output, valid until this layer runs again)."""
+        if qkv is None:
+            qkv = self.first(h)[0]
+        out = self.second(attend(qkv.to(h.dtype)), h)
+        return out[0].to(h.dtype, copy=True), out[1] if len(out) > 1 else None
+
+    def __del__(self) -> None:
+        for graph in (getattr(self, "first", None), getattr(self, "second", None)):
+            if graph is not None:
+                graph.free()
+        if hasattr(self, "ctx"):
+            self.lib.ggml_free(self.ctx)
