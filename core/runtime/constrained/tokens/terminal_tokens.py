@@ -57,7 +57,7 @@ def state_tokens(key: str, dfa: ByteDFA, state: int, vocab: TokenVocab) -> State
         return found
     rest = literal_rest(key, dfa, state)
     if rest is not None:
-        found = _literal(rest, vocab)
+        found = _literals([rest], vocab)[0]
     else:
         # A small future is named and shared by that name (states of different terminals end alike); a
         # larger one only if the state is wide (_classify): a bounded number's ~50 states hashed for each
@@ -75,14 +75,43 @@ def state_tokens(key: str, dfa: ByteDFA, state: int, vocab: TokenVocab) -> State
     return found
 
 
-def _literal(rest: bytes, vocab: TokenVocab) -> StateTokens:
-    """The classes of a literal's state with `rest` left to read (literal_tokens.py), shared by that rest."""
-    shared = ("literal", rest, vocab.fingerprint)
-    found = _cached(shared)
-    if found is None:
-        inside, tokens, starts = literal_classes(rest, vocab)
-        found = state_classes(None, _exits(shared, tokens, starts, vocab), inside_ids=inside)
-        _keep(shared, found)
+def states_tokens(states: list[tuple[str, ByteDFA, int]], vocab: TokenVocab) -> list[StateTokens]:
+    """state_tokens of each (key, dfa, state), the literal states among them classified together: a
+    configuration of an enum's hundreds of strings pays one batch, not a cached call chain per string
+    (~12 µs each, ~6 ms in a first mask)."""
+    found: list[StateTokens | None] = []
+    at_rest: dict[bytes, list[int]] = {}  # the positions of each literal rest (equal rests, equal classes)
+    for key, dfa, state in states:
+        rest = None if isinstance(dfa, CountedStringDFA) else literal_rest(key, dfa, state)
+        if rest is None:
+            found.append(state_tokens(key, dfa, state, vocab))
+        else:
+            at_rest.setdefault(rest, []).append(len(found))
+            found.append(None)
+    for classes, at in zip(_literals(list(at_rest), vocab), at_rest.values()):
+        for n in at:
+            found[n] = classes
+    return found
+
+
+def _literals(rests: list[bytes], vocab: TokenVocab) -> list[StateTokens]:
+    """The classes of literals' states with `rests` left to read (literal_tokens.py), shared per rest."""
+    names = [("literal", rest, vocab.fingerprint) for rest in rests]
+    with _lock:
+        found = [_cache.get(name) for name in names]
+        for name, classes in zip(names, found):
+            if classes is not None:
+                _cache.move_to_end(name)
+    missing = [n for n, classes in enumerate(found) if classes is None]
+    if not missing:
+        return found
+    for n, (inside, tokens, starts) in zip(missing, literal_classes([rests[n] for n in missing], vocab)):
+        found[n] = state_classes(None, _exits(names[n], tokens, starts, vocab), inside_ids=inside)
+    with _lock:
+        for n in missing:
+            _cache[names[n]] = found[n]
+        while len(_cache) > CACHE_SIZE:
+            _cache.popitem(last=False)
     return found
 
 
