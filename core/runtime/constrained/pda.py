@@ -416,9 +416,7 @@ class GrammarIndex:
     def _classes(self, items: Iterable[tuple[int, int, int]]) -> list[StateTokens]:
         """The token classes of each item's terminal state (terminal_tokens.py's shared cache)."""
         names, terminals = self.grammar.terminal_names, self.grammar.terminals
-        states = list(dict.fromkeys((t, q) for t, q, _ in items))  # items of one terminal state share it
-        of = dict(zip(states, states_tokens([(names[t], terminals[t], q) for t, q in states], self.vocab)))
-        return [of[t, q] for t, q, _ in items]
+        return states_tokens([(names[t], terminals[t], q) for t, q, _ in items], self.vocab)
 
     def _pieces(self, items: Iterable[tuple[int, int, int]], classes: list[StateTokens] | None = None,
                 ) -> tuple[list[np.ndarray], list[np.ndarray]]:

@@ -76,21 +76,35 @@ def state_tokens(key: str, dfa: ByteDFA, state: int, vocab: TokenVocab) -> State
 
 
 def states_tokens(states: list[tuple[str, ByteDFA, int]], vocab: TokenVocab) -> list[StateTokens]:
-    """state_tokens of each (key, dfa, state), the literal states among them classified together: a
-    configuration of an enum's hundreds of strings pays one batch, not a cached call chain per string
-    (~12 µs each, ~6 ms in a first mask)."""
-    found: list[StateTokens | None] = []
+    """state_tokens of each (key, dfa, state), the literal states not yet met classified together: a
+    configuration of an enum's hundreds of strings pays one batch, not a call chain per string (~12 µs
+    each, ~6 ms in a first mask). States met before are read off the cache under one lock."""
+    names = [(key, state, vocab.fingerprint) for key, _, state in states]
+    with _lock:
+        found = [_cache.get(name) for name in names]
+        for name, classes in zip(names, found):
+            if classes is not None:
+                _cache.move_to_end(name)
     at_rest: dict[bytes, list[int]] = {}  # the positions of each literal rest (equal rests, equal classes)
-    for key, dfa, state in states:
-        rest = None if isinstance(dfa, CountedStringDFA) else literal_rest(key, dfa, state)
-        if rest is None:
-            found.append(state_tokens(key, dfa, state, vocab))
-        else:
-            at_rest.setdefault(rest, []).append(len(found))
-            found.append(None)
-    for classes, at in zip(_literals(list(at_rest), vocab), at_rest.values()):
-        for n in at:
-            found[n] = classes
+    for n, (key, dfa, state) in enumerate(states):
+        if isinstance(dfa, CountedStringDFA):  # counted states are cached by counted_tokens.py
+            found[n] = state_tokens(key, dfa, state, vocab)
+        elif found[n] is None:
+            rest = literal_rest(key, dfa, state)
+            if rest is None:
+                found[n] = state_tokens(key, dfa, state, vocab)
+            else:
+                at_rest.setdefault(rest, []).append(n)
+    if at_rest:
+        for classes, at in zip(_literals(list(at_rest), vocab), at_rest.values()):
+            for n in at:
+                found[n] = classes
+        with _lock:
+            for at in at_rest.values():
+                for n in at:
+                    _cache[names[n]] = found[n]
+            while len(_cache) > CACHE_SIZE:
+                _cache.popitem(last=False)
     return found
 
 
