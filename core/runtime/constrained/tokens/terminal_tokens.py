@@ -80,16 +80,21 @@ def states_tokens(states: list[tuple[str, ByteDFA, int]], vocab: TokenVocab) -> 
     configuration of an enum's hundreds of strings pays one batch, not a call chain per string (~12 µs
     each, ~6 ms in a first mask). States met before are read off the cache under one lock."""
     names = [(key, state, vocab.fingerprint) for key, _, state in states]
+    found: list[StateTokens | None] = []
     with _lock:
-        found = [_cache.get(name) for name in names]
-        for name, classes in zip(names, found):
+        for name in names:
+            classes = _cache.get(name)
             if classes is not None:
                 _cache.move_to_end(name)
+            found.append(classes)
+    if None not in found:
+        return found
     at_rest: dict[bytes, list[int]] = {}  # the positions of each literal rest (equal rests, equal classes)
-    for n, (key, dfa, state) in enumerate(states):
-        if isinstance(dfa, CountedStringDFA):  # counted states are cached by counted_tokens.py
+    for n in [n for n, classes in enumerate(found) if classes is None]:
+        key, dfa, state = states[n]
+        if isinstance(dfa, CountedStringDFA):  # counted positions: counted_tokens.py's own cache
             found[n] = state_tokens(key, dfa, state, vocab)
-        elif found[n] is None:
+        else:
             rest = literal_rest(key, dfa, state)
             if rest is None:
                 found[n] = state_tokens(key, dfa, state, vocab)
