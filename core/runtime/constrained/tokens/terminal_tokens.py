@@ -79,22 +79,21 @@ def states_tokens(states: list[tuple[str, ByteDFA, int]], vocab: TokenVocab) -> 
     """state_tokens of each (key, dfa, state), the literal states not yet met classified together: a
     configuration of an enum's hundreds of strings pays one batch, not a call chain per string (~12 µs
     each, ~6 ms in a first mask). States met before are read off the cache under one lock."""
-    names = [(key, state, vocab.fingerprint) for key, _, state in states]
-    found: list[StateTokens | None] = []
-    with _lock:
-        for name in names:
-            classes = _cache.get(name)
-            if classes is not None:
-                _cache.move_to_end(name)
-            found.append(classes)
-    if None not in found:
+    found = [counted_state_tokens(dfa, state, vocab) if isinstance(dfa, CountedStringDFA) else None
+             for _, dfa, state in states]  # a counted string's positions first, as state_tokens reads them
+    missing = [n for n, classes in enumerate(found) if classes is None]
+    if not missing:
         return found
+    names = {n: (states[n][0], states[n][2], vocab.fingerprint) for n in missing}
+    with _lock:
+        for n, name in names.items():
+            found[n] = _cache.get(name)
+            if found[n] is not None:
+                _cache.move_to_end(name)
     at_rest: dict[bytes, list[int]] = {}  # the positions of each literal rest (equal rests, equal classes)
-    for n in [n for n, classes in enumerate(found) if classes is None]:
-        key, dfa, state = states[n]
-        if isinstance(dfa, CountedStringDFA):  # counted positions: counted_tokens.py's own cache
-            found[n] = state_tokens(key, dfa, state, vocab)
-        else:
+    for n in missing:
+        if found[n] is None:
+            key, dfa, state = states[n]
             rest = literal_rest(key, dfa, state)
             if rest is None:
                 found[n] = state_tokens(key, dfa, state, vocab)
