@@ -391,7 +391,7 @@ def test_literal_classes_equal_the_general_walk(qwen):
             if dfa.accepting[q] or rest is None:  # ends, or `ab(cd)?` before its accepting `ab`
                 assert dfa.accepting[q] or regex == "ab(cd)?", (regex, q)
                 continue
-            fast = terminal_tokens._literal(rest, vocab)
+            fast = terminal_tokens._literals([rest], vocab)[0]
             slow = terminal_tokens._classify(key, dfa, q, vocab)
             assert np.array_equal(terminal_tokens._packed(fast[INSIDE_IDS], vocab.size), slow[INSIDE]), (regex, q)
             assert _exit_pairs_of(fast[EXITS]) == _exit_pairs_of(slow[EXITS]), (regex, q)
@@ -405,6 +405,32 @@ def test_literal_classes_equal_the_general_walk(qwen):
     ab = terminal_dfa("ab(cd)?", 1000)
     assert literal_rest("test:ab(cd)?", ab, 0) is None  # `ab` accepts before the chain's end
     assert literal_rest("test:ab(cd)?", ab, int(ab.transitions[int(ab.transitions[0, ord("a")]), ord("b")])) is None
+
+
+def test_an_enum_of_hundreds_of_strings_masks_like_reading_each_token(qwen, monkeypatch):
+    """A configuration of hundreds of literal items sharing prefixes (one a prefix of another, escaped, not
+    ASCII), classified in one batch (literal_tokens.literal_classes): its mask, at the enum's start and part
+    way into its strings, equals reading every token of the vocabulary byte by byte from the configuration."""
+    from radixlm.core.runtime.constrained.tokens import literal_tokens
+
+    names = ["GPL", "LGPL", "AGPL", "Apache", "BSD", "MIT", "CC-BY", "CC-BY-SA", "MPL", "EPL", "é-lib", 'q"x']
+    versions = ["", "-1.0", "-2.0", "-2.0-only", "-2.0-or-later", "-3.0", "-3.0-only", "-3.0-or-later", "-2.1",
+                "-1.1", "-4.0", "-4.0-international", "+", "-1.0+", "-clause", "-2-Clause", "-3-Clause", "-x"]
+    enum = [n + v for n in names for v in versions] + ["a", "ab", "abc", "abcd", "The", "Then", "Th"]
+    batches: list[int] = []
+    classes = literal_tokens.literal_classes
+    monkeypatch.setattr(terminal_tokens, "literal_classes",
+                        lambda rests, vocab: batches.append(len(rests)) or classes(rests, vocab))
+    index = build_constraint("json_schema", {"type": "array", "items": {"enum": enum}}, qwen).index
+    token_bytes = prepare_vocab(qwen).token_bytes
+    state, checked = index.start, 0
+    for data in [b"", b"[", b'"', b"GPL-", b"2.0-", b"o"]:
+        for b in data:
+            state = index.byte_successors(state)[b]
+        allowed = {t for t, x in enumerate(token_bytes) if x and _spells(index, state, x)}
+        assert set(index.allowed_tokens(state).tolist()) == allowed, data
+        checked += len(allowed)
+    assert max(batches) >= len(enum) and checked > 50
 
 
 def test_states_apart_from_the_body_equal_a_whole_walk(qwen):

@@ -40,7 +40,7 @@ from radixlm.core.runtime.constrained.tokens.counted_string import CountedString
 from radixlm.core.runtime.constrained.automata.grammar_compiler import CompiledGrammar, terminal_tables
 from radixlm.core.runtime.constrained.tokens.literal_tokens import literal_rest
 from radixlm.core.runtime.constrained.tokens.masks import MaskCache
-from radixlm.core.runtime.constrained.tokens.terminal_tokens import state_tokens
+from radixlm.core.runtime.constrained.tokens.terminal_tokens import states_tokens
 from radixlm.core.runtime.constrained.tokens.token_classes import AFTER_QUOTE, EXITS, Exits, StateTokens, SuffixTree
 from radixlm.core.runtime.constrained.tokens.vocab import TokenVocab, set_bits, spellable_bytes, whole_characters
 
@@ -415,9 +415,8 @@ class GrammarIndex:
 
     def _classes(self, items: Iterable[tuple[int, int, int]]) -> list[StateTokens]:
         """The token classes of each item's terminal state (terminal_tokens.py's shared cache)."""
-        names, terminals, of = self.grammar.terminal_names, self.grammar.terminals, {}
-        return [of.get((t, q)) or of.setdefault((t, q), state_tokens(names[t], terminals[t], q, self.vocab))
-                for t, q, _ in items]
+        names, terminals = self.grammar.terminal_names, self.grammar.terminals
+        return states_tokens([(names[t], terminals[t], q) for t, q, _ in items], self.vocab)
 
     def _pieces(self, items: Iterable[tuple[int, int, int]], classes: list[StateTokens] | None = None,
                 ) -> tuple[list[np.ndarray], list[np.ndarray]]:

@@ -56,27 +56,64 @@ def literal_rest(key: str, dfa: ByteDFA, state: int) -> bytes | None:
     return rests.setdefault(start, None)
 
 
-def literal_classes(rest: bytes, vocab: TokenVocab) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(ids of the tokens inside a literal with `rest` left to read; ids of the tokens that start with
-    `rest` and go on, and where their suffix starts), as terminal_tokens' walk and exit pairs give."""
-    data, ids, first = vocab.sorted_tokens
-    inside: list[int] = []
-    for n in range(1, len(rest) + 1):
-        i = first.get(rest[:n])  # tokens with equal bytes (byte-fallback spellings) sit next to each other
-        while i is not None and i < len(data) and data[i] == rest[:n]:
-            inside.append(int(ids[i]))
-            i += 1
-    lo, hi = starting_with(data, rest)
-    while lo < hi and data[lo] == rest:  # rest itself is inside (counted above), not an exit
-        lo += 1
-    exits = ids[lo:hi]
-    return np.asarray(inside, dtype=np.int32), exits, np.full(len(exits), len(rest), dtype=np.int32)
+def literal_classes(rests: list[bytes], vocab: TokenVocab) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """Per literal with rest R left to read: (ids of the tokens inside it, the prefixes of R; ids of the
+    tokens that start with R and go on, and where their suffix starts), as terminal_tokens' walk and exit
+    pairs give. One call for a configuration's literals (an enum's hundreds of strings): each narrows the
+    sorted vocabulary's range of tokens starting with its first n bytes, n = 1, 2, ..., the levels its
+    prefix shares with other rests done once, and reads the tokens of a range left small one by one."""
+    data, ids, _ = vocab.sorted_tokens
+    levels: dict[bytes, tuple[int, int, list[int]]] = {b"": (0, len(data), [])}  # prefix: range past it, inside
+    positions: list[int] = []  # every rest's inside then exit tokens, read off `ids` at once
+    cuts: list[tuple[int, int, int]] = []  # per rest: where its inside, exits and the next rest start
+    for rest in rests:
+        lo, hi, inside = levels[b""]
+        n = 0
+        while n < len(rest) and hi - lo > SCAN:
+            n += 1
+            found = levels.get(rest[:n])
+            if found is None:
+                found = levels[rest[:n]] = _narrowed(data, rest[:n], lo, hi, inside)
+            lo, hi, inside = found
+        start = len(positions)
+        positions += inside
+        exits = []  # the range's tokens start with rest[:n] and are longer
+        for i in range(lo, hi):
+            if rest.startswith(data[i]):
+                positions.append(i)
+            elif data[i].startswith(rest):
+                exits.append(i)
+        cuts.append((start, len(positions), len(positions) + len(exits)))
+        positions += exits
+    tokens = ids[positions]
+    return [(tokens[a:b], tokens[b:c], np.full(c - b, len(rest), dtype=np.int32) if c > b else _NONE)
+            for rest, (a, b, c) in zip(rests, cuts)]
 
 
-def starting_with(data: list[bytes], prefix: bytes) -> tuple[int, int]:
-    """The range [lo, hi) of the sorted byte strings `data` that start with `prefix`."""
-    lo = bisect.bisect_left(data, prefix)
-    return lo, bisect.bisect_left(data, _after_prefix(prefix), lo) if prefix.rstrip(b"\xff") else len(data)
+SCAN = 16  # tokens read one by one rather than narrowed further
+
+
+def _narrowed(data: list[bytes], prefix: bytes, lo: int, hi: int, inside: list[int],
+              ) -> tuple[int, int, list[int]]:
+    """Within [lo, hi) (the tokens longer than prefix[:-1] that start with it), the range of those longer than
+    `prefix` that start with it, and the positions inside so far with the tokens equal to `prefix` added
+    (byte-fallback spellings make equal tokens: they sit first in the range)."""
+    lo, hi = starting_with(data, prefix, lo, hi)
+    equal = lo
+    while equal < hi and data[equal] == prefix:
+        equal += 1
+    return equal, hi, inside + list(range(lo, equal)) if equal > lo else inside
+
+
+_NONE = np.zeros(0, dtype=np.int32)
+_NONE.flags.writeable = False
+
+
+def starting_with(data: list[bytes], prefix: bytes, lo: int = 0, hi: int | None = None) -> tuple[int, int]:
+    """The range [lo, hi) of the sorted byte strings `data` (within [lo, hi) if given) that start with `prefix`."""
+    hi = len(data) if hi is None else hi
+    lo = bisect.bisect_left(data, prefix, lo, hi)
+    return lo, bisect.bisect_left(data, _after_prefix(prefix), lo, hi) if prefix.rstrip(b"\xff") else hi
 
 
 def _after_prefix(prefix: bytes) -> bytes:
