@@ -24,6 +24,7 @@ import hashlib
 import threading
 from array import array
 from collections import OrderedDict
+from collections.abc import Iterable
 
 import numpy as np
 
@@ -85,11 +86,8 @@ def states_tokens(states: list[tuple[str, ByteDFA, int]], vocab: TokenVocab) -> 
     if not missing:
         return found
     names = {n: (states[n][0], states[n][2], vocab.fingerprint) for n in missing}
-    with _lock:
-        for n, name in names.items():
-            found[n] = _cache.get(name)
-            if found[n] is not None:
-                _cache.move_to_end(name)
+    for n, classes in zip(names, _cached_all(list(names.values()))):
+        found[n] = classes
     at_rest: dict[bytes, list[int]] = {}  # the positions of each literal rest (equal rests, equal classes)
     for n in missing:
         if found[n] is None:
@@ -103,48 +101,46 @@ def states_tokens(states: list[tuple[str, ByteDFA, int]], vocab: TokenVocab) -> 
         for classes, at in zip(_literals(list(at_rest), vocab), at_rest.values()):
             for n in at:
                 found[n] = classes
-        with _lock:
-            for at in at_rest.values():
-                for n in at:
-                    _cache[names[n]] = found[n]
-            while len(_cache) > CACHE_SIZE:
-                _cache.popitem(last=False)
+        _keep_all((names[n], found[n]) for at in at_rest.values() for n in at)
     return found
 
 
 def _literals(rests: list[bytes], vocab: TokenVocab) -> list[StateTokens]:
     """The classes of literals' states with `rests` left to read (literal_tokens.py), shared per rest."""
     names = [("literal", rest, vocab.fingerprint) for rest in rests]
-    with _lock:
-        found = [_cache.get(name) for name in names]
-        for name, classes in zip(names, found):
-            if classes is not None:
-                _cache.move_to_end(name)
+    found = _cached_all(names)
     missing = [n for n, classes in enumerate(found) if classes is None]
     if not missing:
         return found
     for n, (inside, tokens, starts) in zip(missing, literal_classes([rests[n] for n in missing], vocab)):
         found[n] = state_classes(None, _exits(names[n], tokens, starts, vocab), inside_ids=inside)
-    with _lock:
-        for n in missing:
-            _cache[names[n]] = found[n]
-        while len(_cache) > CACHE_SIZE:
-            _cache.popitem(last=False)
+    _keep_all((names[n], found[n]) for n in missing)
     return found
 
 
 def _cached(cache_key: tuple) -> StateTokens | None:
+    return _cached_all([cache_key])[0]
+
+
+def _cached_all(cache_keys: list[tuple]) -> list[StateTokens | None]:
+    """Each key's entry (None where absent), read under one lock."""
     with _lock:
-        found = _cache.get(cache_key)
-        if found is not None:
-            _cache.move_to_end(cache_key)
+        found = [_cache.get(cache_key) for cache_key in cache_keys]
+        for cache_key, classes in zip(cache_keys, found):
+            if classes is not None:
+                _cache.move_to_end(cache_key)
         return found
 
 
 def _keep(cache_key: tuple, found: StateTokens) -> None:
+    _keep_all([(cache_key, found)])
+
+
+def _keep_all(entries: Iterable[tuple[tuple, StateTokens]]) -> None:
     with _lock:
-        _cache[cache_key] = found
-        if len(_cache) > CACHE_SIZE:
+        for cache_key, found in entries:
+            _cache[cache_key] = found
+        while len(_cache) > CACHE_SIZE:
             _cache.popitem(last=False)
 
 
