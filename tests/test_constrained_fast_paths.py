@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from radixlm.core.runtime.constrained import build_constraint, grammar_index_cache
-from radixlm.core.runtime.constrained.tokens import narrow_walk, terminal_tokens, token_walk, trie_walk
+from radixlm.core.runtime.constrained.tokens import first_nodes, narrow_walk, terminal_tokens, token_walk, trie_walk
 from radixlm.core.runtime.constrained.automata.grammar_compiler import GrammarBudget, compile_grammar
 from radixlm.core.runtime.constrained.grammar_index_cache import prepare_vocab
 from radixlm.core.runtime.constrained.tokens.literal_tokens import literal_rest
@@ -201,7 +201,7 @@ def test_exit_pairs_equal_stepping_each_token(qwen):
     for terminals whose tokens pass accepting states at several positions (numbers, a string of a's)."""
     vocab = prepare_vocab(qwen)
     rng = np.random.default_rng(2)
-    first_node = terminal_tokens.first_node(vocab)
+    first_node = first_nodes.first_node(vocab)
     checked = 0
     for schema in [{"type": "number"}, {"type": "string", "pattern": "^a*$"}, SCHEMAS[2]]:
         grammar = build_constraint("json_schema", schema, qwen).index.grammar

@@ -21,7 +21,8 @@ from radixlm.core.runtime.constrained.schema.json_grammar import json_schema_to_
 from radixlm.core.runtime.constrained.schema.schema_input import load_schema
 from radixlm.core.runtime.constrained.schema.schema_prune import prune_definitions
 from radixlm.core.runtime.constrained.pda import GrammarIndex
-from radixlm.core.runtime.constrained.tokens.terminal_tokens import first_node, state_tokens
+from radixlm.core.runtime.constrained.tokens.first_nodes import first_node
+from radixlm.core.runtime.constrained.tokens.terminal_tokens import state_tokens
 from radixlm.core.runtime.constrained.tokens.token_classes import EXITS
 from radixlm.core.runtime.constrained.tokens.token_walk import token_bytes
 from radixlm.core.runtime.constrained.tokens.vocab import TokenVocab, spellable_bytes, vocab_of

@@ -259,8 +259,7 @@ class GrammarIndex:
                 live = np.flatnonzero((nxt >= 0).any(axis=0) & self._spellable).astype(np.uint8)
                 # Bytes with equal item moves (most of them, inside a string) share the target.
                 moves, inverse = _unique_columns(nxt[:, live], self._radix(items))
-                # Columns as tuples of ints: the collector stops tracking them (these tables stay for the
-                # process, up to SHARED_MOVES of them; lists would be walked by every full collection).
+                # Columns as tuples of ints, which the cyclic collector stops tracking (kept for the process).
                 found = (live, tuple(map(tuple, moves.T.tolist())), inverse.astype(np.int16))
                 with _shared_lock:
                     _shared_moves[shared] = found
