@@ -130,20 +130,18 @@ def keep_gguf_quantized(model: nn.Module, gguf_path: str, spec: ModelSpec, tied:
         if len(names) != expected or len({ckpt.tensors[n].qtype for n in names}) != 1:
             logger.info("%s stays dequantized (its GGUF tensors are of mixed types)", module)
             continue
-        if cuda and ckpt.tensors[names[0]].qtype.name == "Q8_0":
+        qtype = ckpt.tensors[names[0]].qtype.name
+        if cuda and qtype == "Q8_0":
             logger.info("%s stays dequantized (Q8_0 is kept quantized on the CPU only)", module)
             continue
         bias = getattr(dense, "bias", None)
-        qtype = ckpt.tensors[names[0]].qtype.name
+        # ggml's 4-bit product (the wheel's AVX2 build) is 2x slower than torch's from 4 rows: there a ggml
+        # layer hands inputs of more rows to torch's. Its 8-bit one beats torch's per-group loop at any count.
+        layer = None if pool is not None and qtype == "Q8_0" else _torch_layer(
+            [ckpt.integer_weight(n)[1:] for n in names], bias, cuda, ops)
         if pool is not None:
             rows = torch.cat([ckpt.row_blocks(n) for n in names])  # a fused module's blocks, one after another
-            # ggml's 4-bit product (the wheel's AVX2 build) is 2x slower than torch's from 4 rows: one row
-            # only, torch's kernel above. Its 8-bit one beats torch's per-group loop at any row count.
-            many_rows = None if qtype == "Q8_0" else _torch_layer(
-                [ckpt.integer_weight(n)[1:] for n in names], bias, cuda, ops)
-            layer = GgmlLinear(qtype, rows, (rows.shape[0], ckpt.tensors[names[0]].shape[1]), bias, pool, many_rows)
-        else:
-            layer = _torch_layer([ckpt.integer_weight(n)[1:] for n in names], bias, cuda, ops)
+            layer = GgmlLinear(qtype, rows, (rows.shape[0], ckpt.tensors[names[0]].shape[1]), bias, pool, layer)
         owner, _, attr = module.rpartition(".")
         setattr(model.get_submodule(owner) if owner else model, attr, layer)
         swapped += 1
